@@ -1,0 +1,121 @@
+"""Checkpoints in the public layout: `config.json` + `model.safetensors`.
+
+Weights are copied name by name with shape checks. Optimizer and scheduler
+state, when saved, go beside the weights as tensors and plain data, loaded
+with `weights_only=True`: never pickled code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .model import TRMoEModel
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TRAINER_STATE_FILE = "trainer_state.pt"
+# Buffers published checkpoints may carry that this loader derives itself.
+DERIVED_BUFFERS = re.compile(r"layers\.\d+\.(self_attn\.rotary_emb\.inv_freq|mlp\.engine\.fused_route_codes"
+                             r"|mlp\.engine\.fused_expert_pairs)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the public layout; the message names the tensor."""
+
+
+def _atomic_directory(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+
+
+def _publish(staging: Path, path: Path) -> None:
+    """Swap a finished staging directory into place; the old one goes only after."""
+    retired = None
+    if path.exists():
+        retired = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, retired)
+    os.replace(staging, path)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None) -> Path:
+    """Write weights (and optionally optimizer/scheduler state) atomically."""
+    path = Path(path)
+    staging = _atomic_directory(path)
+    try:
+        (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        if trainer_state is not None:
+            torch.save(trainer_state, staging / TRAINER_STATE_FILE)
+        _publish(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return path
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_json_file(Path(path) / CONFIG_FILE)
+
+
+def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy tensors by name, checking every name and shape against the model."""
+    expected = model.state_dict()
+    unknown = sorted(name for name in tensors if name not in expected and not DERIVED_BUFFERS.fullmatch(name))
+    if unknown:
+        raise CheckpointError(f"{source}: unexpected tensor {unknown[0]!r}"
+                              + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    missing = sorted(name for name in expected if name not in tensors)
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    with torch.no_grad():
+        for name, target in expected.items():
+            tensor = tensors[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"{source}: tensor {name!r} has shape {list(tensor.shape)}, "
+                                      f"the config needs {list(target.shape)}")
+            if name.endswith("route_table"):
+                if tensor.dtype.is_floating_point:
+                    raise CheckpointError(f"{source}: tensor {name!r} must be integer, got {tensor.dtype}")
+                num_experts = model.config.num_experts
+                if tensor.numel() and (tensor.min() < 0 or tensor.max() >= num_experts):
+                    raise CheckpointError(f"{source}: tensor {name!r} routes to experts outside "
+                                          f"[0, {num_experts})")
+            target.copy_(tensor.to(target.dtype))
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32) -> TRMoEModel:
+    """Build the model from config.json and load its weights; the loaded route tables are kept."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    config = load_config(path)
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing")
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    model = TRMoEModel(config)
+    load_state_into(model, tensors, str(weights))
+    return model.to(device=device, dtype=dtype)
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """Optimizer/scheduler state saved beside a checkpoint (tensors and plain data only)."""
+    return torch.load(Path(path) / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)

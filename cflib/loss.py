@@ -1,0 +1,75 @@
+"""SFT loss from hidden states and the tied head, never materialising full logits.
+
+The head GEMM and cross-entropy run over chunks of `loss_chunk_tokens`
+supervised tokens; the gradients of each chunk are computed in the forward
+pass, so at most one chunk of logits is alive at any time (autograd would
+otherwise keep every chunk's logits until backward).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                chunk_tokens: int, fp32_loss: bool) -> torch.Tensor:
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h = hidden[start:start + chunk_tokens]
+            t = targets[start:start + chunk_tokens]
+            logits = h @ weight.t()
+            if fp32_loss:
+                logits = logits.float()
+            loss_sum += F.cross_entropy(logits, t, reduction="sum").float()
+            if needs_grad:
+                # d(sum CE)/d logits = softmax - onehot
+                grad_logits = torch.softmax(logits.float(), dim=-1)
+                grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                grad_logits = grad_logits.to(h.dtype)
+                grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
+                grad_weight += (grad_logits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output, None, None, None
+
+
+def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                              loss_chunk_tokens: int = 1024, fp32_loss: bool = True) -> tuple[torch.Tensor, int]:
+    """Sum of token cross-entropies over supervised positions, and their count.
+
+    hidden: [..., D] final hidden states; labels: [...] causally aligned
+    targets with -100 where unsupervised. Callers divide by the count of the
+    whole (accumulated) batch, so accumulation gives the exact token mean.
+    """
+    if loss_chunk_tokens <= 0:
+        raise ValueError(f"loss_chunk_tokens must be positive, got {loss_chunk_tokens}")
+    labels = labels.reshape(-1)
+    supervised = labels != IGNORE_INDEX
+    # Only supervised rows reach the head: prompt tokens cost no head FLOPs.
+    hidden = hidden.reshape(-1, hidden.shape[-1])[supervised]
+    targets = labels[supervised]
+    count = int(targets.numel())
+    if count == 0:
+        return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0
+    if head_weight.dtype != hidden.dtype:  # autocast leaves the head weight fp32, hidden bf16
+        head_weight = head_weight.to(hidden.dtype)
+    loss = _ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, loss_chunk_tokens, fp32_loss)
+    return loss, count
+
+
+def cross_entropy_mean(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                       loss_chunk_tokens: int = 1024, fp32_loss: bool = True) -> torch.Tensor:
+    """Mean cross-entropy over the supervised tokens of one batch."""
+    loss_sum, count = chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss)
+    return loss_sum / max(count, 1)

@@ -1,0 +1,198 @@
+"""Training parameters: the notebook's parameters cell, papermill `-p`/`-f`, params/*.yaml.
+
+Every value is checked here, before anything is built or written: unknown
+names, wrong types, impossible ranges and impossible batch arithmetic.
+Papermill delivers `-p` values as strings ("true", "None", "1e-3") and YAML
+as typed values; both are accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ParamError(ValueError):
+    """A parameter set that cannot run; the message names the parameter."""
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    """The controls of one SFT run. Defaults: a CPU smoke run of a few seconds."""
+
+    model: str = "smoke"  # a preset of cflib.config.PRESETS; ignored when init_checkpoint is set
+    init_checkpoint: str | None = None  # checkpoint dir; its config.json gives the architecture
+    data: str = "embedded"  # "embedded" or a shard root with train/ and eval/
+    out_dir: str | None = None  # None: a new outputs/runs/<time>-<model> folder
+    overwrite: bool = False  # allow replacing a finished run in out_dir
+    seed: int = 0
+    seq_len: int = 64
+    micro_batch_per_rank: int = 16
+    global_batch: int = 32
+    epochs: int = 1
+    max_steps: int | None = 30  # None: whole epochs; 0: evaluation only
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_ratio: float = 0.03
+    max_grad_norm: float | None = 1.0
+    bf16: bool = False
+    loss_chunk_tokens: int = 1024
+    fp32_loss: bool = True
+    full_parameter: bool = True
+    grad_ckpt: bool = False
+    eval_at_start: bool = True
+    eval_every_steps: int | None = None
+    eval_micro_batch: int | None = None  # None: micro_batch_per_rank
+    exact_match_limit: int | None = None  # None: every eval prompt; 0: skip exact match
+    save_checkpoints: bool = True
+    save_optimizer_state: bool = False
+    device: str = "auto"
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [field.name for field in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TrainParams":
+        known = cls.names()
+        for name in raw:
+            if name not in known:
+                # A known name that extends the unknown one ("micro_batch") beats spelling distance.
+                close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ParamError(f"{source}: unknown parameter {name!r}{hint}; known: {', '.join(known)}")
+        hints = typing.get_type_hints(cls)
+        values = {name: _coerce(name, value, hints[name]) for name, value in raw.items()}
+        params = cls(**values)
+        params.validate()
+        return params
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "TrainParams":
+        """The parameters a notebook defined (its parameters and injected-parameters cells)."""
+        return cls.from_dict({name: value for name, value in namespace.items() if _is_user_variable(name, value)},
+                             source="notebook parameters")
+
+    def validate(self) -> None:
+        positive = ("seq_len", "micro_batch_per_rank", "global_batch", "epochs", "loss_chunk_tokens")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_steps", "exact_match_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ParamError(f"{name} must be None or >= 0, got {getattr(self, name)}")
+        for name in ("eval_every_steps", "eval_micro_batch"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ParamError(f"lr must be positive, got {self.lr}")
+        if not self.weight_decay >= 0:  # written so that NaN fails too
+            raise ParamError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ParamError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ParamError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
+        if self.device not in DEVICES:
+            raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not self.full_parameter:
+            raise ParamError("full_parameter: false asks for parameter-efficient fine-tuning, which cflib does "
+                             "not offer yet; the released recipe is full-parameter SFT (full_parameter: true)")
+        gradient_accumulation(self.global_batch, self.micro_batch_per_rank, world_size=1)
+
+
+def gradient_accumulation(global_batch: int, micro_batch_per_rank: int, world_size: int) -> int:
+    """global_batch = micro_batch_per_rank x world_size x grad_accum, or a clear error with options."""
+    per_step = micro_batch_per_rank * world_size
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+    batch_options = " or ".join(str(b) for b in (lower, upper) if b > 0)
+    micro_options = [m for m in range(1, global_batch + 1) if global_batch % (m * world_size) == 0]
+    near = sorted(micro_options, key=lambda m: abs(m - micro_batch_per_rank))[:3]
+    raise ParamError(
+        f"global_batch {global_batch} is not a multiple of micro_batch_per_rank {micro_batch_per_rank} x "
+        f"world_size {world_size} = {per_step}; nearest valid: global_batch {batch_options}, "
+        f"or micro_batch_per_rank in {sorted(near)}")
+
+
+def load_params_file(path: str | Path) -> dict[str, Any]:
+    """A params/*.yaml file as a dict (validated when handed to TrainParams.from_dict)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ParamError(f"{path}: no such parameter file") from None
+    except yaml.YAMLError as err:
+        raise ParamError(f"{path}: not valid YAML ({err})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ParamError(f"{path}: a parameter file holds a mapping of name: value")
+    return raw
+
+
+_NOTEBOOK_BUILTINS = {"In", "Out", "exit", "quit", "get_ipython", "open"}
+
+
+def _is_user_variable(name: str, value: Any) -> bool:
+    if name.startswith("_") or name in _NOTEBOOK_BUILTINS:
+        return False
+    return not isinstance(value, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type))
+
+
+_TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~", ""}
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Bring a value (possibly a papermill string) to the declared type, or fail naming it."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    nullable = type(None) in options
+    target = next(option for option in options if option is not type(None))
+    if value is None or (nullable and isinstance(value, str) and value.strip().lower() in _NONE):
+        if nullable:
+            return None
+        raise ParamError(f"{name} cannot be None")
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ParamError(f"{name} must be true or false, got {value!r}")
+    if target is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ParamError(f"{name} must be an integer{' or None' if nullable else ''}, got {value!r}")
+    if target is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ParamError(f"{name} must be a number, got {value!r}")
+    if target is str:
+        if isinstance(value, (str, Path)):
+            return str(value)
+        raise ParamError(f"{name} must be a string, got {value!r}")
+    raise TypeError(f"unsupported parameter type {hint} for {name}")

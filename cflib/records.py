@@ -1,0 +1,91 @@
+"""Run records and metrics: what ran, on what, with which kernels, and what came out."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .paths import project_root
+
+
+def write_json_atomic(path: str | Path, document: Any) -> Path:
+    """Readers see the old file or the new one, never half of either."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(document, out, indent=2, sort_keys=False, default=str)
+            out.write("\n")
+        os.replace(staging, path)
+    except BaseException:
+        Path(staging).unlink(missing_ok=True)
+        raise
+    return path
+
+
+class MetricsLog:
+    """Append-only JSON lines; each line is flushed so a crash loses at most one."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.rows: list[dict] = []
+
+    def write(self, **row: Any) -> dict:
+        self.rows.append(row)
+        with open(self.path, "a") as out:
+            out.write(json.dumps(row, default=str) + "\n")
+        return row
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        result = subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def framework_versions() -> dict[str, Any]:
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "cflib_commit": _git("rev-parse", "HEAD"),
+        "cflib_dirty": bool(status) if status is not None else None,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "cuda_runtime": torch.version.cuda,
+        "triton": _package_version("triton"),
+        "liger_kernel": _package_version("liger-kernel"),
+        "safetensors": _package_version("safetensors"),
+        "platform": platform.platform(),
+    }
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    if device.type == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": 1,
+                "capability": list(torch.cuda.get_device_capability(device)),
+                "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2)}
+    return {"type": device.type, "name": platform.processor() or platform.machine(), "count": 1,
+            "threads": torch.get_num_threads()}

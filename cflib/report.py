@@ -1,0 +1,58 @@
+"""What a notebook shows of a run: loss curves, the exact-match table, a summary."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from .records import read_metrics
+
+
+def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None) -> plt.Figure:
+    """Training loss per optimizer step and held-out loss at each evaluation."""
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r["event"] == "train"]
+    evals = [r for r in rows if r["event"] == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8, label="train (per step)")
+    ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out eval")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("SFT loss (nats / supervised token)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
+
+
+def exact_match_table(record: dict) -> str:
+    """Markdown: exact match per task at the start and at the end of the run."""
+    start = record["eval"].get("at_start", {}).get("exact_match", {})
+    final = record["eval"]["final"].get("exact_match")
+    if not final:
+        return "_exact match was not computed (exact_match_limit: 0)_"
+    lines = ["| task | at start | final |", "| --- | ---: | ---: |"]
+    for task, rate in final.items():
+        before = f"{start[task]:.3f}" if task in start else "-"
+        lines.append(f"| {task} | {before} | {rate:.3f} |")
+    return "\n".join(lines)
+
+
+def summary(record: dict) -> str:
+    final, start = record["eval"]["final"], record["eval"].get("at_start")
+    throughput = record["throughput"]["steady_state_tokens_per_s"]
+    lines = [
+        f"out_dir            {record['out_dir']}",
+        f"parameters         {record['params_total']:,} total, {record['params_trainable']:,} trainable",
+        f"steps              {record['schedule']['steps_done']} of {record['schedule']['total_steps']}",
+        f"eval loss          {start['loss']:.4f} -> {final['loss']:.4f}" if start
+        else f"eval loss          {final['loss']:.4f}",
+    ]
+    if "exact_match" in final:
+        lines.append(f"exact match        {final['exact_match']['overall']:.3f} overall")
+    if throughput:
+        lines.append(f"steady tokens/s    {throughput:,.0f} on {record['device']['name']} ({record['precision']})")
+    lines.append(f"kernel path        {record['kernel_path']}")
+    return "\n".join(lines)

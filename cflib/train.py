@@ -1,0 +1,388 @@
+"""The SFT training loop: prepare (every check, nothing written), then train.
+
+`prepare` resolves the device, the model, the data and the batch arithmetic
+and fails with a clear message before `out_dir` is touched. `train` runs
+full-parameter AdamW with warm-up + cosine, gradient accumulation to the
+global batch, optional BF16 autocast and activation checkpointing, evaluates
+and checkpoints on schedule, and writes `metrics.jsonl` and `record.json`.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import __version__
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import ModelConfig, preset
+from .data import ShardPartition, collate, open_shard
+from .evaluate import autocast, eval_loss, exact_match
+from .loss import chunked_cross_entropy_sum
+from .model import TRMoEModel
+from .params import ParamError, TrainParams, gradient_accumulation
+from .paths import resolve_path
+from .records import MetricsLog, device_info, framework_versions, write_json_atomic
+from .tasks import ensure_embedded_shard
+
+RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints")
+WORLD_SIZE = 1  # one process; data-parallel launch builds on this loop
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ParamError("device: 'cuda' requested but torch sees no CUDA device "
+                         f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    return torch.device(requested)
+
+
+@dataclass
+class Run:
+    """Everything a run needs, checked; nothing on disk has changed yet."""
+
+    params: TrainParams
+    device: torch.device
+    model: TRMoEModel
+    model_source: str
+    data_root: Path
+    train_data: ShardPartition
+    eval_data: ShardPartition
+    out_dir: Path
+    grad_accum: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+    def describe(self) -> str:
+        p = self.params
+        tokens = int(self.train_data.lengths.sum())
+        return "\n".join([
+            f"model        {self.model_source}: {count_parameters(self.model)['params_total']:,} parameters",
+            f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
+            f"examples, {tokens:,} train tokens",
+            f"batch        global {p.global_batch} = micro {p.micro_batch_per_rank} x world {WORLD_SIZE} "
+            f"x accumulation {self.grad_accum}",
+            f"schedule     {self.steps_per_epoch} steps/epoch, {self.total_steps} optimizer steps, "
+            f"{self.warmup_steps} warm-up, lr {p.lr:g} cosine",
+            f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'})",
+            f"out_dir      {self.out_dir}",
+        ])
+
+
+def count_parameters(model: torch.nn.Module) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params_total": total, "params_trainable": trainable}
+
+
+def _out_dir(params: TrainParams, model_name: str) -> Path:
+    if params.out_dir is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        return resolve_path(f"outputs/runs/{stamp}-{model_name}")
+    out_dir = resolve_path(params.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
+    previous = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if previous and not params.overwrite:
+        raise ParamError(f"out_dir {out_dir} already holds a run ({', '.join(previous)}); choose another "
+                         "out_dir, or set overwrite: true to replace it")
+    return out_dir
+
+
+def prepare(params: TrainParams) -> Run:
+    """Resolve and check everything a run needs without writing to out_dir."""
+    device = resolve_device(params.device)
+    if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
+    torch.manual_seed(params.seed)
+    if params.init_checkpoint is not None:
+        checkpoint_dir = resolve_path(params.init_checkpoint)
+        model = load_checkpoint(checkpoint_dir)
+        model_source, model_name = f"checkpoint {checkpoint_dir}", checkpoint_dir.name
+    else:
+        model = TRMoEModel(_preset(params.model))
+        model_source, model_name = f"preset {params.model}", params.model
+    config: ModelConfig = model.config
+    if params.seq_len > config.max_position_embeddings:
+        raise ParamError(f"seq_len {params.seq_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    if params.data == "embedded":
+        data_root = ensure_embedded_shard(resolve_path("outputs/data"))
+    else:
+        data_root = resolve_path(params.data)
+    train_data = open_shard(data_root, "train", vocab_size=config.vocab_size, seq_len=params.seq_len)
+    eval_data = open_shard(data_root, "eval", vocab_size=config.vocab_size, seq_len=params.seq_len)
+    grad_accum = gradient_accumulation(params.global_batch, params.micro_batch_per_rank, WORLD_SIZE)
+    steps_per_epoch = math.ceil(len(train_data) / params.global_batch)
+    total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
+    warmup_steps = math.ceil(params.warmup_ratio * total_steps)
+    out_dir = _out_dir(params, model_name)
+    model.grad_ckpt = params.grad_ckpt
+    return Run(params, device, model.to(device), model_source, data_root, train_data, eval_data, out_dir,
+               grad_accum, steps_per_epoch, total_steps, warmup_steps)
+
+
+def _preset(name: str) -> ModelConfig:
+    try:
+        return preset(name)
+    except ValueError as err:
+        raise ParamError(f"model: {err}") from None
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to the peak, then one cosine to zero at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(total_steps - warmup_steps, 1)
+    return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup_steps, decay_steps) / decay_steps))
+
+
+def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device) -> torch.optim.AdamW:
+    # Norm gains are scale parameters; decaying them toward 0 fights the normalisation.
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2),
+                             fused=device.type == "cuda")
+
+
+def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+    """One shuffled stream per epoch, reproducible from (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Trainer:
+    def __init__(self, run: Run, progress: bool = True) -> None:
+        self.run, self.params, self.device, self.model = run, run.params, run.device, run.model
+        self.progress = progress
+        self.optimizer = make_optimizer(self.model, self.params, self.device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
+        self.step = 0
+        self.evals: list[dict] = []
+        self.checkpoints: dict[str, str] = {}
+        self.best_loss = math.inf
+        self.timing = {"train_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
+        self.steady = {"tokens": 0, "supervised_tokens": 0, "seconds": 0.0, "steps": 0}
+        # The first steps pay for allocator growth and kernel selection: not steady state.
+        self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
+
+    # --- evaluation and checkpoints -------------------------------------------------
+    def evaluate(self, tag: str, epoch: int, with_exact_match: bool) -> dict:
+        p = self.params
+        _sync(self.device)
+        start = time.perf_counter()
+        result = {"tag": tag, "step": self.step, "epoch": epoch}
+        result.update(eval_loss(self.model, self.run.eval_data, p.eval_micro_batch or p.micro_batch_per_rank,
+                                self.device, p.bf16, p.loss_chunk_tokens, p.fp32_loss))
+        if with_exact_match and p.exact_match_limit != 0:
+            matched = exact_match(self.model, self.run.eval_data, self.device, p.bf16, p.exact_match_limit)
+            result.update(exact_match=matched["exact_match"], exact_match_by_group=matched["exact_match_by_group"],
+                          exact_match_samples=matched["samples"])
+        _sync(self.device)
+        result["seconds"] = time.perf_counter() - start
+        self.timing["eval_s"] += result["seconds"]
+        self.evals.append(result)
+        self.metrics.write(event="eval", **{k: v for k, v in result.items() if k != "exact_match_samples"})
+        summary = f"eval {tag} step {self.step}: loss {result['loss']:.4f}"
+        if "exact_match" in result:
+            summary += f", exact match {result['exact_match']['overall']:.3f}"
+        tqdm.write(summary)
+        return result
+
+    def save(self, name: str, epoch: int) -> None:
+        if not self.params.save_checkpoints:
+            return
+        start = time.perf_counter()
+        state = None
+        if self.params.save_optimizer_state:
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "step": self.step, "epoch": epoch}
+        path = save_checkpoint(self.model, self.run.out_dir / "checkpoints" / name, state)
+        self.checkpoints[name] = str(path)
+        self.timing["checkpoint_s"] += time.perf_counter() - start
+
+    def after_eval(self, result: dict, epoch: int) -> None:
+        if result["loss"] < self.best_loss and self.step > 0:
+            self.best_loss = result["loss"]
+            self.save("best", epoch)
+            self.checkpoints["best_step"] = str(self.step)
+
+    # --- training -------------------------------------------------------------------
+    def train_step(self, batch_indices: np.ndarray) -> dict:
+        p, data = self.params, self.run.train_data
+        step_supervised = data.supervised_tokens(batch_indices)
+        loss_total = 0.0
+        tokens = 0
+        _sync(self.device)
+        start = time.perf_counter()
+        for micro_start in range(0, len(batch_indices), p.micro_batch_per_rank):
+            micro = batch_indices[micro_start:micro_start + p.micro_batch_per_rank]
+            input_ids, labels = collate([data[int(i)] for i in micro], data.eos_token_id)
+            input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+            with autocast(self.device, p.bf16):
+                hidden = self.model(input_ids)
+                loss_sum, _ = chunked_cross_entropy_sum(hidden, self.model.head_weight, labels,
+                                                        p.loss_chunk_tokens, p.fp32_loss)
+            # Divide by the whole step's supervised count: accumulation gives the exact token mean.
+            (loss_sum / step_supervised).backward()
+            loss_total += loss_sum.detach()
+            tokens += int((labels != -100).numel())
+        grad_norm = None
+        if p.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = float(loss_total) / step_supervised
+        _sync(self.device)
+        seconds = time.perf_counter() - start
+        self.step += 1
+        self.timing["train_s"] += seconds
+        if self.step > self.warmup_exclude:
+            self.steady["tokens"] += tokens
+            self.steady["supervised_tokens"] += step_supervised
+            self.steady["seconds"] += seconds
+            self.steady["steps"] += 1
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"training loss became {loss} at step {self.step}; stopping before "
+                                     "the non-finite weights reach a checkpoint")
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                "supervised_tokens": step_supervised, "seconds": seconds}
+
+    def fit(self) -> dict:
+        run, p = self.run, self.params
+        started = time.perf_counter()
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        if p.overwrite:  # validated in prepare; the old run goes only now that training starts
+            for name in RUN_FILES:
+                target = run.out_dir / name
+                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        write_json_atomic(run.out_dir / "params.json", asdict(p))
+        self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")
+        self.model.train()
+        last_eval_step = -1
+        if p.eval_at_start or run.total_steps == 0:
+            self.evaluate("start", 0, with_exact_match=True)
+            last_eval_step = 0
+        epoch = 0
+        log_every = max(1, run.total_steps // 10)
+        bar = tqdm(total=run.total_steps, desc="train", unit="step", disable=not self.progress)
+        while self.step < run.total_steps:
+            epoch += 1
+            order = epoch_order(len(run.train_data), p.seed, epoch)
+            for batch_start in range(0, len(order), p.global_batch):
+                row = self.train_step(order[batch_start:batch_start + p.global_batch])
+                self.metrics.write(event="train", epoch=epoch, **row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+                if self.step % log_every == 0:  # a text trace too: papermill keeps no live widget state
+                    tqdm.write(f"step {self.step}/{run.total_steps} epoch {epoch} loss {row['loss']:.4f} "
+                               f"lr {row['lr']:.2e} {row['tokens'] / row['seconds']:,.0f} tokens/s")
+                if batch_start + p.global_batch >= len(order):  # the epoch ran to its end
+                    self.after_eval(self.evaluate(f"epoch-{epoch}", epoch, with_exact_match=True), epoch)
+                    last_eval_step = self.step
+                    self.save(f"epoch-{epoch}", epoch)
+                elif p.eval_every_steps and self.step % p.eval_every_steps == 0 and self.step < run.total_steps:
+                    self.after_eval(self.evaluate("periodic", epoch, with_exact_match=False), epoch)
+                    last_eval_step = self.step
+                if self.step >= run.total_steps:
+                    break
+        bar.close()
+        if last_eval_step != self.step:
+            self.after_eval(self.evaluate("end", epoch, with_exact_match=True), epoch)
+            if self.step > 0:
+                self.save("last", epoch)
+        final = dict(self.evals[-1])
+        record = self.record(final, epoch, time.perf_counter() - started)
+        write_json_atomic(run.out_dir / "record.json", record)
+        return record
+
+    # --- the record -----------------------------------------------------------------
+    def record(self, final: dict, epochs_done: int, wall_s: float) -> dict:
+        run, p, model = self.run, self.params, self.model
+        config = model.config
+        steady_s = self.steady["seconds"]
+        tokens_per_s = self.steady["tokens"] / steady_s if steady_s else None
+        flops_per_token = 6 * config.active_parameters() + 6 * config.num_hidden_layers * config.hidden_size * p.seq_len
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        eval_block: dict[str, Any] = {"final": final, "history": self.evals}
+        at_start = next((e for e in self.evals if e["tag"] == "start"), None)
+        if at_start is not None:
+            eval_block["at_start"] = at_start
+        eval_block["epochs"] = [e for e in self.evals if e["tag"].startswith("epoch-")]
+        return {
+            "job": "train_sft",
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "out_dir": str(run.out_dir),
+            # measurement protocol (DESIGN.md)
+            "framework": {"cflib": __version__, **framework_versions()},
+            "device": device_info(self.device),
+            "world_size": WORLD_SIZE,
+            "kernel_path": {**model.kernel_path(), "loss": "torch_chunked_linear_ce"},
+            **count_parameters(model),
+            "params_active": config.active_parameters(),
+            "vocab_size": config.vocab_size,
+            "seq_len": p.seq_len,
+            "micro_batch_per_rank": p.micro_batch_per_rank,
+            "global_batch": p.global_batch,
+            "grad_accum": run.grad_accum,
+            "precision": "bf16-autocast" if p.bf16 else "fp32",
+            "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
+            "grad_ckpt": p.grad_ckpt,
+            "loss_chunk_tokens": p.loss_chunk_tokens,
+            "telemetry": "tqdm progress + metrics.jsonl per step (host sync once per step)",
+            "compiled": False,
+            "timing_protocol": {
+                "warmup_steps_excluded": self.warmup_exclude,
+                "sync_boundaries": "torch.cuda.synchronize before and after each timed optimizer step"
+                if self.device.type == "cuda" else "host timers around each optimizer step (CPU: synchronous)",
+                "includes_eval": False,
+                "includes_checkpoint_io": False,
+                "tokens_counted": "padded tokens fed to the model",
+            },
+            "throughput": {
+                "steady_state_tokens_per_s": tokens_per_s,
+                "steady_state_supervised_tokens_per_s": self.steady["supervised_tokens"] / steady_s if steady_s else None,
+                "timed_steps": self.steady["steps"],
+                "model_flops_per_token": flops_per_token,
+                "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12 if tokens_per_s else None,
+                "peak_memory_gib": peak,
+            },
+            "timing": {**self.timing, "wall_s": wall_s},
+            # the run
+            "model_source": run.model_source,
+            "model_config": config.to_dict(),
+            "data": {"root": str(run.data_root), "train_examples": len(run.train_data),
+                     "eval_examples": len(run.eval_data), "vocab_size": run.train_data.vocab_size,
+                     "eos_token_id": run.train_data.eos_token_id, "max_seq_len": run.train_data.max_seq_len},
+            "schedule": {"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
+                         "warmup_steps": run.warmup_steps, "steps_done": self.step, "epochs_started": epochs_done},
+            "params": asdict(p),
+            "eval": eval_block,
+            "checkpoints": self.checkpoints,
+        }
+
+
+def train(params: TrainParams | dict, progress: bool = True) -> dict:
+    """Check everything, then train; returns the record also written to out_dir/record.json."""
+    if isinstance(params, dict):
+        params = TrainParams.from_dict(params)
+    run = prepare(params)
+    print(run.describe())
+    return Trainer(run, progress=progress).fit()

@@ -1,0 +1,38 @@
+"""Tiny TR-MoE configurations and inputs shared by the cflib unit tests.
+
+A plain helper module (not a conftest): the test files import it directly.
+"""
+from __future__ import annotations
+
+import torch
+
+from cflib.config import ModelConfig
+from cflib.model import TRMoEModel
+
+TINY_FIELDS: dict[str, object] = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=50, max_position_embeddings=64, shared_intermediate_size=48,
+    num_experts=4, intermediate_size=32,
+)
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    """A valid config small enough for CPU tests (head_dim 8, 4 experts of width 8)."""
+    return ModelConfig(**{**TINY_FIELDS, **overrides})
+
+
+def tiny_model(seed: int = 0, **overrides: object) -> TRMoEModel:
+    """A freshly initialised fp32 tiny model in eval mode, reproducible from `seed`."""
+    torch.manual_seed(seed)
+    return TRMoEModel(tiny_config(**overrides)).eval()
+
+
+def random_ids(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch.Tensor:
+    """[batch, seq] int64 token ids from a private generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq), generator=gen)
+
+
+def logits(model: TRMoEModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full logits through the tied head (tests only: fine at tiny sizes)."""
+    return model(input_ids) @ model.head_weight.t()
