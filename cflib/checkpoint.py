@@ -44,7 +44,12 @@ def _publish(staging: Path, path: Path) -> None:
     if path.exists():
         retired = path.with_name(f".{path.name}.old-{os.getpid()}")
         os.replace(path, retired)
-    os.replace(staging, path)
+    try:
+        os.replace(staging, path)
+    except BaseException:
+        if retired is not None:
+            os.replace(retired, path)
+        raise
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
 

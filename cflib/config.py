@@ -71,6 +71,13 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("norm_eps", "rope_theta", "top_k_primary_weight", "shared_output_scale", "routed_output_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        for name in ("use_qk_norm", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
                               f"num_attention_heads {self.num_attention_heads}")
@@ -102,6 +109,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: a config is a JSON object of keys, got {type(raw).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known - IGNORED_CONFIG_KEYS)
         if unknown:
@@ -120,7 +129,7 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"{path}: no config.json there") from None
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ConfigError(f"{path}: not valid JSON ({err})") from None
         return cls.from_dict(raw, source=str(path))
 

@@ -185,11 +185,13 @@ def fail_in_torch_save(monkeypatch: pytest.MonkeyPatch, path: Path) -> dict[str,
 
 
 def fail_in_publish(monkeypatch: pytest.MonkeyPatch, path: Path) -> dict[str, object] | None:
-    """The last move of the finished staging directory onto the checkpoint path fails."""
+    """The move of the finished staging directory onto the checkpoint path fails (once)."""
     real_replace = os.replace
+    failed: list[bool] = []
 
     def replace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
-        if Path(dst) == path:
+        if Path(dst) == path and not failed:
+            failed.append(True)
             raise OSError("rename failed (injected)")
         real_replace(src, dst)
     monkeypatch.setattr(os, "replace", replace)
