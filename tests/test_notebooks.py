@@ -1,0 +1,72 @@
+"""The notebooks as papermill and JupyterLab see them: parameters, stripped outputs, real runs."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+
+from cflib.params import TrainParams, load_params_file
+from cflib.train import prepare
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_SFT = ROOT / "notebooks" / "train_sft.ipynb"
+
+
+def parameters_cell(path: Path) -> dict[str, object]:
+    notebook = nbformat.read(path, as_version=4)
+    cells = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, "exactly one cell tagged 'parameters'"
+    tree = ast.parse(cells[0].source)
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)}
+
+
+def test_parameters_cell_mirrors_train_params():
+    assert parameters_cell(TRAIN_SFT) == {name: getattr(TrainParams(), name) for name in TrainParams.names()}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_committed_notebooks_carry_only_nbval_reference_outputs(path):
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type == "code" and "NBVAL_CHECK_OUTPUT" not in cell.source:
+            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "params").glob("*.yaml")), ids=lambda p: p.name)
+def test_params_files_validate(path):
+    TrainParams.from_dict(load_params_file(path), source=str(path))
+
+
+def test_release_profile_without_its_inputs_names_the_missing_checkpoint():
+    params = TrainParams.from_dict({**load_params_file(ROOT / "params" / "sft_200m_release.yaml"), "device": "cpu"})
+    with pytest.raises(ValueError, match="tr-hash-200m-refinement"):
+        prepare(params)
+
+
+def test_papermill_runs_the_smoke_profile(tmp_path):
+    out_dir = tmp_path / "run"
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "max_steps": 6},
+        cwd=str(ROOT / "notebooks"), progress_bar=False)
+    notebook = nbformat.read(executed, as_version=4)
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "step 6/6" in text  # the text trace papermill keeps
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["grad_accum"] == 2 and record["schedule"]["steps_done"] == 6
+    assert (out_dir / "loss_curves.png").is_file()
+
+
+def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path):
+    out_dir = tmp_path / "run"
+    with pytest.raises(papermill.PapermillExecutionError, match="unknown parameter 'lrr'"):
+        papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "executed.ipynb"),
+                                   parameters={"lrr": 0.1, "out_dir": str(out_dir)},
+                                   cwd=str(ROOT / "notebooks"), progress_bar=False)
+    assert not out_dir.exists()
