@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 train: $(STAMP)
 	$(VENV)/bin/papermill notebooks/train_sft.ipynb outputs/train_sft.$(notdir $(basename $(PARAMS))).ipynb \
-		-f $(PARAMS) --cwd notebooks
+		-f $(PARAMS) --cwd notebooks --log-output
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env tests notebooks

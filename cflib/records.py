@@ -69,7 +69,8 @@ def _git(*args: str) -> str | None:
 def framework_versions() -> dict[str, Any]:
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "cflib_commit": _git("rev-parse", "HEAD"),
+        # Copies without .git (a GPU box's working tree) can name their commit in CFLIB_COMMIT.
+        "cflib_commit": _git("rev-parse", "HEAD") or os.environ.get("CFLIB_COMMIT"),
         "cflib_dirty": bool(status) if status is not None else None,
         "python": sys.version.split()[0],
         "torch": torch.__version__,

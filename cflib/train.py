@@ -169,9 +169,12 @@ class Trainer:
     def __init__(self, run: Run, progress: bool = True) -> None:
         self.run, self.params, self.device, self.model = run, run.params, run.device, run.model
         self.progress = progress
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the record's peak is this run's alone
         self.optimizer = make_optimizer(self.model, self.params, self.device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
+        self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
         self.evals: list[dict] = []
         self.checkpoints: dict[str, str] = {}
@@ -241,7 +244,7 @@ class Trainer:
             # Divide by the whole step's supervised count: accumulation gives the exact token mean.
             (loss_sum / step_supervised).backward()
             loss_total += loss_sum.detach()
-            tokens += int((labels != -100).numel())
+            tokens += labels.numel()
         grad_norm = None
         if p.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm))
@@ -274,7 +277,6 @@ class Trainer:
                 target = run.out_dir / name
                 shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
         write_json_atomic(run.out_dir / "params.json", asdict(p))
-        self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")
         self.model.train()
         last_eval_step = -1
         if p.eval_at_start or run.total_steps == 0:

@@ -62,13 +62,14 @@ def test_generate_is_deterministic(generated):
 
 def test_generate_sizes_tasks_and_groups(generated):
     train, held_out = generated
-    expected_groups = {"addition": {"carry", "no-carry"}, "reverse": {"long", "short"}}
+    expected_groups = {"addition": {"carry", "no-carry"}, "uppercase": {"repeats", "distinct"}}
     assert set(tasks.TASKS) == set(expected_groups)
-    for split, per_task in ((train, tasks.TRAIN_PER_TASK), (held_out, tasks.EVAL_PER_TASK)):
-        for task, groups in expected_groups.items():
+    for task, groups in expected_groups.items():
+        for split, count in ((train, tasks.TASKS[task][1]), (held_out, tasks.EVAL_PER_TASK)):
             rows = [e.meta for e in split if e.meta["task"] == task]
-            assert len(rows) == per_task
+            assert len(rows) == count
             assert {row["group"] for row in rows} == groups
+    for split in (train, held_out):
         assert len({e.meta["example_id"] for e in split}) == len(split)
 
 
@@ -90,15 +91,15 @@ def test_answers_groups_and_tokens_are_right(generated):
         meta = example.meta
         prompt, answer = meta["prompt"], meta["answer"]
         if meta["task"] == "addition":
-            a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", prompt).groups())
-            assert answer == str(a + b)
+            a, b = map(int, re.fullmatch(r"(\d{3})\+(\d{3})=", prompt).groups())
+            assert answer == f"{a + b:04d}"  # zero-padded to four digits
             # Each carry loses 9 from the digit sum: a carry happened iff the sums differ.
             carried = _digit_sum(a) + _digit_sum(b) != _digit_sum(a + b)
             assert meta["group"] == ("carry" if carried else "no-carry")
         else:
-            word = re.fullmatch(r"reverse ([a-z]+)", prompt).group(1)
-            assert answer == word[::-1]
-            assert meta["group"] == ("long" if len(word) > 5 else "short")
+            word = re.fullmatch(r"upper ([a-z]{6})", prompt).group(1)
+            assert answer == word.upper()
+            assert meta["group"] == ("repeats" if len(set(word)) < len(word) else "distinct")
         # The tokens say what the metadata says.
         assert (list(example.input_ids), list(example.labels)) == TOK.encode_chat(prompt, answer)
 
@@ -118,7 +119,8 @@ def test_ensure_embedded_shard_writes_once_and_repairs(tmp_path):
     assert root == tmp_path / tasks.EMBEDDED_VERSION
     train = open_shard(root, "train", vocab_size=TOK.vocab_size, seq_len=tasks.MAX_SEQ_LEN, verify_hashes=True)
     held_out = open_shard(root, "eval", vocab_size=TOK.vocab_size, seq_len=tasks.MAX_SEQ_LEN, verify_hashes=True)
-    assert len(train) == 2 * tasks.TRAIN_PER_TASK and len(held_out) == 2 * tasks.EVAL_PER_TASK
+    assert len(train) == sum(count for _, count in tasks.TASKS.values())
+    assert len(held_out) == len(tasks.TASKS) * tasks.EVAL_PER_TASK
     assert train.max_seq_len == tasks.MAX_SEQ_LEN and train.eos_token_id == TOK.eos_token_id
     first_eval = tasks.generate()[1][0]
     assert held_out[0][0].tolist() == list(first_eval.input_ids)

@@ -55,7 +55,7 @@ def test_record_holds_protocol_fields_and_results(tmp_path, small_shard):
     assert record["kernel_path"]["moe"] == "torch_dense"
     assert record["framework"]["torch"] == torch.__version__
     assert record["timing_protocol"]["includes_eval"] is False
-    assert set(record["eval"]["final"]["exact_match"]) == {"addition", "reverse", "overall"}
+    assert set(record["eval"]["final"]["exact_match"]) == {"addition", "uppercase", "overall"}
     assert record["eval"]["at_start"]["step"] == 0 and record["eval"]["final"]["step"] == 4
     assert record["eval"]["final"]["loss"] < record["eval"]["at_start"]["loss"]
     rows = read_metrics(out / "metrics.jsonl")
