@@ -7,10 +7,7 @@ with `weights_only=True`: never pickled code.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .atomic import atomic_directory
 from .config import ModelConfig
 from .model import TRMoEModel
 
@@ -33,42 +31,15 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the public layout; the message names the tensor."""
 
 
-def _atomic_directory(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-
-
-def _publish(staging: Path, path: Path) -> None:
-    """Swap a finished staging directory into place; the old one goes only after."""
-    retired = None
-    if path.exists():
-        retired = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.replace(path, retired)
-    try:
-        os.replace(staging, path)
-    except BaseException:
-        if retired is not None:
-            os.replace(retired, path)
-        raise
-    if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
-
-
 def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None) -> Path:
     """Write weights (and optionally optimizer/scheduler state) atomically."""
-    path = Path(path)
-    staging = _atomic_directory(path)
-    try:
+    with atomic_directory(path) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
         tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         if trainer_state is not None:
             torch.save(trainer_state, staging / TRAINER_STATE_FILE)
-        _publish(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return path
+    return Path(path)
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
+
+from .atomic import atomic_directory
 
 SHARD_FORMAT = "complexity-sft-token-shard-v2"
 IGNORE_INDEX = -100
@@ -50,9 +49,7 @@ def write_partition(directory: str | Path, examples: Iterable[Example], *, vocab
                     eos_token_id: int, max_seq_len: int) -> Path:
     """Write one partition atomically: a finished directory appears, or nothing does."""
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    with atomic_directory(directory) as staging:
         offset = 0
         rows = []
         with open(staging / "input_ids.bin", "wb") as ids_out, open(staging / "labels.bin", "wb") as labels_out:
@@ -77,12 +74,6 @@ def write_partition(directory: str | Path, examples: Iterable[Example], *, vocab
             "sha256": {name: sha256_file(staging / name) for name in ("input_ids.bin", "labels.bin", "examples.jsonl")},
         }
         (staging / "sft.idx.json").write_text(json.dumps(index_doc, indent=2) + "\n")
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return directory
 
 
@@ -186,15 +177,21 @@ class ShardPartition(torch.utils.data.Dataset):
         flat = _ranges(starts, lengths)
         example_ids = ids[flat]
         example_labels = labels[flat]
+
+        def locate(token: int) -> tuple[int, int]:
+            """(row, position within the example) of a token of the flat arrays."""
+            row = int(row_of_token[token])
+            return row, int(flat[token] - starts[row])
+
         bad = np.flatnonzero(example_ids >= vocab_size)
         if bad.size:
-            row, pos = int(row_of_token[bad[0]]), int(flat[bad[0]] - starts[row_of_token[bad[0]]])
+            row, pos = locate(bad[0])
             self._fail("input_ids.bin", row, f"token id {example_ids[bad[0]]} at position {pos} "
                        f"is out of the vocabulary (vocab_size {vocab_size})")
         supervised = example_labels != IGNORE_INDEX
         bad = np.flatnonzero(supervised & ((example_labels < 0) | (example_labels >= vocab_size)))
         if bad.size:
-            row, pos = int(row_of_token[bad[0]]), int(flat[bad[0]] - starts[row_of_token[bad[0]]])
+            row, pos = locate(bad[0])
             self._fail("labels.bin", row, f"label {example_labels[bad[0]]} at position {pos} is neither -100 "
                        f"nor a token id below vocab_size {vocab_size}")
         counts = np.bincount(row_of_token, weights=supervised, minlength=len(starts)).astype(np.int64)
@@ -213,7 +210,7 @@ class ShardPartition(torch.utils.data.Dataset):
         misaligned = supervised & ~is_last & (example_labels.astype(np.int64) != next_ids.astype(np.int64))
         if misaligned.any():
             first = int(np.flatnonzero(misaligned)[0])
-            row, pos = int(row_of_token[first]), int(flat[first] - starts[row_of_token[first]])
+            row, pos = locate(first)
             self._fail("labels.bin", row, f"label {example_labels[first]} at position {pos} is not the next "
                        f"input token {next_ids[first]}: labels are not causally aligned (already shifted)")
         return counts

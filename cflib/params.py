@@ -148,9 +148,11 @@ _NOTEBOOK_BUILTINS = {"In", "Out", "exit", "quit", "get_ipython", "open"}
 
 
 def _is_user_variable(name: str, value: Any) -> bool:
+    # Parameters are scalars; the objects later cells make (params, run, record, imports)
+    # are not, so re-running the notebook top to bottom in JupyterLab stays valid.
     if name.startswith("_") or name in _NOTEBOOK_BUILTINS:
         return False
-    return not isinstance(value, (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type))
+    return value is None or isinstance(value, (bool, int, float, str, Path))
 
 
 _TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~", ""}

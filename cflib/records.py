@@ -6,7 +6,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -14,22 +13,6 @@ from typing import Any
 import torch
 
 from .paths import project_root
-
-
-def write_json_atomic(path: str | Path, document: Any) -> Path:
-    """Readers see the old file or the new one, never half of either."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(document, out, indent=2, sort_keys=False, default=str)
-            out.write("\n")
-        os.replace(staging, path)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
-    return path
 
 
 class MetricsLog:

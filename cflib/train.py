@@ -29,7 +29,8 @@ from .loss import chunked_cross_entropy_sum
 from .model import TRMoEModel
 from .params import ParamError, TrainParams, gradient_accumulation
 from .paths import resolve_path
-from .records import MetricsLog, device_info, framework_versions, write_json_atomic
+from .atomic import write_json_atomic
+from .records import MetricsLog, device_info, framework_versions
 from .tasks import ensure_embedded_shard
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints")

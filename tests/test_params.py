@@ -133,6 +133,12 @@ def test_from_namespace_ignores_notebook_machinery():
     assert "'batch'" in message
 
 
+def test_from_namespace_survives_a_rerun_after_the_whole_notebook():
+    # JupyterLab keeps what later cells made: the params object, the run, the record.
+    namespace = {"lr": 0.01, "params": TrainParams(), "record": {"eval": {}}, "run": object()}
+    assert TrainParams.from_namespace(namespace).lr == 0.01
+
+
 def test_repository_parameter_files_validate():
     for path in sorted(PARAMS_DIR.glob("*.yaml")) + sorted(PARAMS_DIR.glob("*.yml")):
         TrainParams.from_dict(load_params_file(path), source=str(path))  # raises, naming the file
