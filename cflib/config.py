@@ -2,20 +2,23 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROUTING_STRATEGIES = ("token_id_multi_hash", "modulo_cyclic")
 
 # Keys that published config.json files carry for other loaders (HF adapters);
 # they say nothing about the architecture, so they are accepted and dropped.
 IGNORED_CONFIG_KEYS = frozenset({
     "architectures", "model_type", "torch_dtype", "transformers_version", "auto_map",
     "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
-    "attention_dropout", "attention_bias", "hidden_act", "head_dim",
+    "attention_dropout", "head_dim",
 })
+# Keys this model can honour only at one value: anything else would change the maths.
+FIXED_CONFIG_KEYS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
 
 
 class ConfigError(ValueError):
@@ -97,8 +100,8 @@ class ModelConfig:
         if self.num_experts_per_tok == 1 and self.top_k_primary_weight != 1.0:
             raise ConfigError("top_k_primary_weight must be 1.0 when num_experts_per_tok is 1 "
                               f"(got {self.top_k_primary_weight})")
-        if self.routing_strategy not in ROUTING_STRATEGIES:
-            raise ConfigError(f"routing_strategy {self.routing_strategy!r} is not one of {ROUTING_STRATEGIES}")
+        if not isinstance(self.routing_strategy, str):
+            raise ConfigError(f"routing_strategy must be a string, got {self.routing_strategy!r}")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ConfigError("norm_eps and rope_theta must be positive")
         if not self.tie_word_embeddings:
@@ -112,9 +115,19 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: a config is a JSON object of keys, got {type(raw).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known - IGNORED_CONFIG_KEYS)
+        for key, required in FIXED_CONFIG_KEYS.items():
+            if key in raw and raw[key] != required:
+                raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported by the TR-MoE model "
+                                  f"(only {required!r})")
+        unknown = sorted(set(raw) - known - IGNORED_CONFIG_KEYS - set(FIXED_CONFIG_KEYS))
+        # A near miss of a field name is a typo that would silently fall back to a default.
+        typos = {key: difflib.get_close_matches(key, known, n=1, cutoff=0.85) for key in unknown}
+        typos = {key: match[0] for key, match in typos.items() if match}
+        if typos:
+            hints = ", ".join(f"{key!r} (did you mean {match!r}?)" for key, match in typos.items())
+            raise ConfigError(f"{source}: unknown config keys {sorted(typos)}: {hints}")
         if unknown:
-            raise ConfigError(f"{source}: unknown config keys {unknown}")
+            warnings.warn(f"{source}: ignoring config keys this model does not use: {unknown}", stacklevel=2)
         if "head_dim" in raw and raw["head_dim"] != raw.get("hidden_size", 0) // max(raw.get("num_attention_heads", 1), 1):
             raise ConfigError(f"{source}: head_dim {raw['head_dim']} != hidden_size / num_attention_heads")
         try:

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 # Odd multipliers from the golden ratio family: coprime with any vocabulary
 # size once adjusted below, so each multiplicative hash is a bijection.
@@ -57,9 +57,15 @@ def token_id_multi_hash(vocab_size: int, num_experts: int, top_k: int, hash_coun
     return torch.stack(chosen)
 
 
+ROUTING_STRATEGIES = ("token_id_multi_hash", "modulo_cyclic")
+
+
 def build_route_table(config: ModelConfig) -> torch.Tensor:
     """The int64 [top_k, vocab_size] table of a new model (each layer stores its own copy)."""
     if config.routing_strategy == "modulo_cyclic":
         return modulo_cyclic(config.vocab_size, config.num_experts, config.num_experts_per_tok)
-    return token_id_multi_hash(config.vocab_size, config.num_experts, config.num_experts_per_tok,
-                               config.route_hash_count)
+    if config.routing_strategy == "token_id_multi_hash":
+        return token_id_multi_hash(config.vocab_size, config.num_experts, config.num_experts_per_tok,
+                                   config.route_hash_count)
+    raise ConfigError(f"routing_strategy {config.routing_strategy!r} is not one of {ROUTING_STRATEGIES}: cflib "
+                      "cannot build a new route table for it (a checkpoint's own tables load regardless)")

@@ -293,3 +293,17 @@ def test_int32_route_table_is_accepted_as_int64(saved: tuple[TRMoEModel, Path]) 
     rewrite_weights(path, to_int32)
     for got, want in zip(route_tables(load_checkpoint(path)), route_tables(model)):
         assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_a_checkpoint_of_another_routing_strategy_loads_its_own_tables(tmp_path: Path) -> None:
+    model = tiny_model()
+    with torch.no_grad():
+        for layer in model.layers:
+            table = layer.mlp["engine"].route_table
+            table.copy_(torch.flip(table, dims=[0]))  # not what any builder makes
+    path = save_checkpoint(model, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "routing_strategy": "published_hash_v7"}))
+    loaded = load_checkpoint(path)
+    for mine, theirs in zip(model.layers, loaded.layers):
+        assert torch.equal(mine.mlp["engine"].route_table, theirs.mlp["engine"].route_table)

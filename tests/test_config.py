@@ -119,7 +119,6 @@ def test_route_weights(top_k: int, primary: float, expected: list[float]) -> Non
     (dict(top_k_primary_weight=0.0), "top_k_primary_weight must be in (0, 1], got 0.0"),
     (dict(top_k_primary_weight=1.5), "top_k_primary_weight must be in (0, 1], got 1.5"),
     (dict(num_experts_per_tok=1), "top_k_primary_weight must be 1.0 when num_experts_per_tok is 1"),
-    (dict(routing_strategy="learned"), "routing_strategy 'learned' is not one of"),
     (dict(tie_word_embeddings=False), "tie_word_embeddings must be true"),
     (dict(norm_eps=0.0), "norm_eps and rope_theta must be positive"),
 ])
@@ -163,6 +162,19 @@ def test_from_dict_names_an_unknown_key() -> None:
     raw = {**tiny_config().to_dict(), "num_expert": 4}
     with pytest.raises(ConfigError, match=r"somewhere/config\.json: unknown config keys \['num_expert'\]"):
         ModelConfig.from_dict(raw, source="somewhere/config.json")
+
+
+def test_from_dict_warns_about_and_ignores_other_unknown_keys() -> None:
+    raw = {**tiny_config().to_dict(), "rope_type": "default", "router_aux_loss_coef": 0.0}
+    with pytest.warns(UserWarning, match=r"ignoring config keys .*\['rope_type', 'router_aux_loss_coef'\]"):
+        assert ModelConfig.from_dict(raw) == tiny_config()
+
+
+@pytest.mark.parametrize("key, value", [("hidden_act", "gelu"), ("attention_bias", True), ("mlp_bias", True),
+                                        ("rope_scaling", {"type": "linear", "factor": 2.0})])
+def test_from_dict_refuses_keys_that_change_the_maths(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"{key}="):
+        ModelConfig.from_dict({**tiny_config().to_dict(), key: value})
 
 
 def test_from_dict_refuses_an_inconsistent_head_dim() -> None:
@@ -211,9 +223,14 @@ def test_from_json_file_unreadable_content_names_the_path(tmp_path: Path, conten
 
 def test_from_json_file_unknown_key_names_path_and_key(tmp_path: Path) -> None:
     path = write_config(tmp_path / "config.json", json.dumps({**TINY_FIELDS, "moe_capacity": 1.25}))
+    with pytest.warns(UserWarning) as caught:
+        ModelConfig.from_json_file(path)
+    message = str(caught[0].message)
+    assert str(path) in message and "moe_capacity" in message
+    path = write_config(tmp_path / "config.json", json.dumps({**TINY_FIELDS, "num_hiden_layers": 3}))
     with pytest.raises(ConfigError) as err:
         ModelConfig.from_json_file(path)
-    assert str(path) in str(err.value) and "moe_capacity" in str(err.value)
+    assert str(path) in str(err.value) and "did you mean 'num_hidden_layers'" in str(err.value)
 
 
 def test_from_json_file_invalid_value_names_the_path(tmp_path: Path) -> None:

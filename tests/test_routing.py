@@ -89,3 +89,10 @@ def test_build_route_table_follows_the_config(strategy: str) -> None:
     expected = (modulo_cyclic(50, 4, 3) if strategy == "modulo_cyclic"
                 else token_id_multi_hash(50, 4, 3, 3))
     assert torch.equal(build_route_table(config), expected)
+
+
+def test_a_new_model_needs_a_strategy_cflib_can_build() -> None:
+    from cflib.config import ConfigError
+    from cflib.model import TRMoEModel
+    with pytest.raises(ConfigError, match="routing_strategy 'learned' is not one of"):
+        TRMoEModel(tiny_config(routing_strategy="learned"))
