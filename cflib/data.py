@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -198,10 +199,13 @@ class ShardPartition(torch.utils.data.Dataset):
         if (counts == 0).any():
             self._fail("labels.bin", int(np.flatnonzero(counts == 0)[0]),
                        "no supervised token (every label is -100); it would train nothing")
+        # Writers may count metadata differently; the loss trusts labels.bin, and says so once.
         for row, (meta, count) in enumerate(zip(self.rows, counts)):
             if "supervised_tokens" in meta and meta["supervised_tokens"] != count:
-                self._fail("examples.jsonl", row, f"supervised_tokens {meta['supervised_tokens']} but "
-                           f"labels.bin supervises {count} tokens")
+                warnings.warn(f"{self.directory / 'examples.jsonl'}: row {row} says supervised_tokens "
+                              f"{meta['supervised_tokens']}, labels.bin supervises {count}; using labels.bin",
+                              stacklevel=3)
+                break
         # Causal alignment: a supervised label at j must equal the input token at j + 1.
         is_last = np.zeros(len(flat), dtype=bool)
         is_last[np.cumsum(lengths) - 1] = True
