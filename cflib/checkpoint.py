@@ -31,11 +31,17 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the public layout; the message names the tensor."""
 
 
-def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None) -> Path:
-    """Write weights (and optionally optimizer/scheduler state) atomically."""
+def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None,
+                    weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write weights (and optionally optimizer/scheduler state) atomically.
+
+    `weights` replaces `model.state_dict()` where the model is sharded and its
+    full weights were gathered beforehand.
+    """
+    weights = model.state_dict() if weights is None else weights
     with atomic_directory(path) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in model.state_dict().items()}
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         if trainer_state is not None:
             torch.save(trainer_state, staging / TRAINER_STATE_FILE)

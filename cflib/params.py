@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("auto", "ddp", "fsdp")
 
 
 class ParamError(ValueError):
@@ -57,6 +58,17 @@ class TrainParams:
     save_checkpoints: bool = True
     save_optimizer_state: bool = False
     device: str = "auto"
+    # Data parallelism: more than one process starts torchrun from the notebook.
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # host:port of the rendezvous, needed when nnodes > 1
+    strategy: str = "auto"  # auto | ddp | fsdp: DDP when model + optimizer state fit one device
+    collective_timeout_s: int = 600  # a dead or stuck rank ends the job after this, never a hang
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
 
     @classmethod
     def names(cls) -> list[str]:
@@ -84,7 +96,8 @@ class TrainParams:
                              source="notebook parameters")
 
     def validate(self) -> None:
-        positive = ("seq_len", "micro_batch_per_rank", "global_batch", "epochs", "loss_chunk_tokens")
+        positive = ("seq_len", "micro_batch_per_rank", "global_batch", "epochs", "loss_chunk_tokens",
+                    "nproc_per_node", "nnodes", "collective_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
@@ -110,7 +123,13 @@ class TrainParams:
         if not self.full_parameter:
             raise ParamError("full_parameter: false asks for parameter-efficient fine-tuning, which cflib does "
                              "not offer yet; the released recipe is full-parameter SFT (full_parameter: true)")
-        gradient_accumulation(self.global_batch, self.micro_batch_per_rank, world_size=1)
+        if self.strategy not in STRATEGIES:
+            raise ParamError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ParamError(f"node_rank {self.node_rank} is not in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ParamError(f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the rendezvous on node 0)")
+        gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
 
 
 def gradient_accumulation(global_batch: int, micro_batch_per_rank: int, world_size: int) -> int:

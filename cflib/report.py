@@ -5,6 +5,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from .plan import format_arithmetic, run_arithmetic
 from .records import read_metrics
 
 
@@ -56,3 +57,16 @@ def summary(record: dict) -> str:
         lines.append(f"steady tokens/s    {throughput:,.0f} on {record['device']['name']} ({record['precision']})")
     lines.append(f"kernel path        {record['kernel_path']}")
     return "\n".join(lines)
+
+
+def plan_like_this_run(record: dict, gpus: int = 8, epochs: int = 3) -> str:
+    """The planner's arithmetic for `epochs` passes over this run's data on `gpus` data-parallel
+    ranks, at this run's measured steady throughput per rank."""
+    measured = record["throughput"]["steady_state_tokens_per_s"]
+    if not measured:
+        return "_no steady-state throughput was measured (no optimizer step ran)_"
+    train_tokens = record["data"]["train_examples"] * record["seq_len"]
+    report = run_arithmetic(target_tokens=train_tokens * epochs, gpus=gpus,
+                            micro_batch_per_rank=record["micro_batch_per_rank"], seq_len=record["seq_len"],
+                            tokens_per_s_per_gpu=measured / record["world_size"], checkpoints=epochs)
+    return format_arithmetic(report)

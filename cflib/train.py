@@ -8,6 +8,7 @@ and checkpoints on schedule, and writes `metrics.jsonl` and `record.json`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import time
@@ -18,12 +19,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm.auto import tqdm
 
 from . import __version__
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ModelConfig, preset
 from .data import ShardPartition, collate, open_shard
+from .distributed import (DistContext, choose_strategy, device_memory_bytes, epoch_stream, memory_estimate,
+                          rank_share, wrap_model)
 from .evaluate import autocast, eval_loss, exact_match
 from .loss import chunked_cross_entropy_sum
 from .model import TRMoEModel
@@ -34,16 +38,15 @@ from .records import MetricsLog, device_info, framework_versions
 from .tasks import ensure_embedded_shard
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints")
-WORLD_SIZE = 1  # one process; data-parallel launch builds on this loop
 
 
-def resolve_device(requested: str) -> torch.device:
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         raise ParamError("device: 'cuda' requested but torch sees no CUDA device "
                          f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
-    return torch.device(requested)
+    return torch.device("cuda", local_rank) if requested == "cuda" else torch.device(requested)
 
 
 @dataclass
@@ -62,6 +65,14 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
+    dist: DistContext
+    strategy: str
+    memory_estimate: dict
+
+    @property
+    def launches_workers(self) -> bool:
+        """True in the process that starts torchrun: it checks, the workers train."""
+        return self.params.world_size > 1 and not self.dist.active
 
     def describe(self) -> str:
         p = self.params
@@ -70,11 +81,14 @@ class Run:
             f"model        {self.model_source}: {count_parameters(self.model)['params_total']:,} parameters",
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
             f"examples, {tokens:,} train tokens",
-            f"batch        global {p.global_batch} = micro {p.micro_batch_per_rank} x world {WORLD_SIZE} "
+            f"batch        global {p.global_batch} = micro {p.micro_batch_per_rank} x world {p.world_size} "
             f"x accumulation {self.grad_accum}",
             f"schedule     {self.steps_per_epoch} steps/epoch, {self.total_steps} optimizer steps, "
             f"{self.warmup_steps} warm-up, lr {p.lr:g} cosine",
-            f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'})",
+            f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'}), "
+            f"{p.nnodes} node(s) x {p.nproc_per_node} process(es), strategy {self.strategy} "
+            f"(estimated {self.memory_estimate['total_bytes'] / 2**30:.1f} GiB of "
+            f"{self.memory_estimate['device_bytes'] / 2**30:.0f} per device)",
             f"out_dir      {self.out_dir}",
         ])
 
@@ -99,9 +113,20 @@ def _out_dir(params: TrainParams, model_name: str) -> Path:
     return out_dir
 
 
-def prepare(params: TrainParams) -> Run:
-    """Resolve and check everything a run needs without writing to out_dir."""
-    device = resolve_device(params.device)
+def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
+    """Resolve and check everything a run needs without writing to out_dir.
+
+    `dist` is given inside torchrun workers; without it a multi-process
+    parameter set is checked here for the launcher, and the model stays on the CPU.
+    """
+    dist = dist or DistContext()
+    device = resolve_device(params.device, dist.local_rank)
+    if dist.active and dist.world_size != params.world_size:
+        raise ParamError(f"torchrun started {dist.world_size} processes but nproc_per_node x nnodes = "
+                         f"{params.world_size}")
+    if device.type == "cuda" and params.nproc_per_node > torch.cuda.device_count():
+        raise ParamError(f"nproc_per_node {params.nproc_per_node} exceeds the {torch.cuda.device_count()} "
+                         "visible CUDA devices")
     if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
     torch.manual_seed(params.seed)
@@ -122,14 +147,25 @@ def prepare(params: TrainParams) -> Run:
         data_root = resolve_path(params.data)
     train_data = open_shard(data_root, "train", vocab_size=config.vocab_size, seq_len=params.seq_len)
     eval_data = open_shard(data_root, "eval", vocab_size=config.vocab_size, seq_len=params.seq_len)
-    grad_accum = gradient_accumulation(params.global_batch, params.micro_batch_per_rank, WORLD_SIZE)
+    grad_accum = gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size)
+    # Fill-ins pad the last global batch of an epoch, so it is always whole.
     steps_per_epoch = math.ceil(len(train_data) / params.global_batch)
     total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
     warmup_steps = math.ceil(params.warmup_ratio * total_steps)
-    out_dir = _out_dir(params, model_name)
+    estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
+                               device_memory_bytes(device))
+    strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
+    if strategy == "fsdp" and params.save_optimizer_state:
+        raise ParamError("save_optimizer_state: true is not supported with strategy fsdp yet")
+    # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
+    judges = dist.is_main and params.node_rank == 0
+    out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     model.grad_ckpt = params.grad_ckpt
-    return Run(params, device, model.to(device), model_source, data_root, train_data, eval_data, out_dir,
-               grad_accum, steps_per_epoch, total_steps, warmup_steps)
+    run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
+              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate)
+    if not run.launches_workers:
+        model.to(device)
+    return run
 
 
 def _preset(name: str) -> ModelConfig:
@@ -147,18 +183,14 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup_steps, decay_steps) / decay_steps))
 
 
-def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
+                   fused: bool = True) -> torch.optim.AdamW:
     # Norm gains are scale parameters; decaying them toward 0 fights the normalisation.
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2),
-                             fused=device.type == "cuda")
-
-
-def epoch_order(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-    """One shuffled stream per epoch, reproducible from (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+                             fused=fused and device.type == "cuda")
 
 
 def _sync(device: torch.device) -> None:
@@ -168,11 +200,17 @@ def _sync(device: torch.device) -> None:
 
 class Trainer:
     def __init__(self, run: Run, progress: bool = True) -> None:
+        if run.launches_workers:
+            raise ParamError("this parameter set runs on several processes: use cflib.launch.fit(run), "
+                             "which starts torchrun")
         self.run, self.params, self.device, self.model = run, run.params, run.device, run.model
-        self.progress = progress
+        self.dist = run.dist
+        self.progress = progress and self.dist.is_main
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the record's peak is this run's alone
-        self.optimizer = make_optimizer(self.model, self.params, self.device)
+        # FSDP shards the model in place, so the optimizer is built after wrapping.
+        self.train_model = wrap_model(self.model, run.strategy, self.dist, self.device)
+        self.optimizer = make_optimizer(self.model, self.params, self.device, fused=run.strategy != "fsdp")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
@@ -182,10 +220,16 @@ class Trainer:
         self.best_loss = math.inf
         self.timing = {"train_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
         self.steady = {"tokens": 0, "supervised_tokens": 0, "seconds": 0.0, "steps": 0}
+        self.fill_ins: list[int] = []
         # The first steps pay for allocator growth and kernel selection: not steady state.
         self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
 
     # --- evaluation and checkpoints -------------------------------------------------
+    @property
+    def evaluates(self) -> bool:
+        """Rank 0 evaluates alone, except under FSDP, where every rank holds a shard of each forward."""
+        return self.dist.is_main or self.run.strategy == "fsdp"
+
     def evaluate(self, tag: str, epoch: int, with_exact_match: bool) -> dict:
         p = self.params
         _sync(self.device)
@@ -201,51 +245,78 @@ class Trainer:
         result["seconds"] = time.perf_counter() - start
         self.timing["eval_s"] += result["seconds"]
         self.evals.append(result)
-        self.metrics.write(event="eval", **{k: v for k, v in result.items() if k != "exact_match_samples"})
-        summary = f"eval {tag} step {self.step}: loss {result['loss']:.4f}"
-        if "exact_match" in result:
-            summary += f", exact match {result['exact_match']['overall']:.3f}"
-        tqdm.write(summary)
+        if self.dist.is_main:
+            self.metrics.write(event="eval", **{k: v for k, v in result.items() if k != "exact_match_samples"})
+            summary = f"eval {tag} step {self.step}: loss {result['loss']:.4f}"
+            if "exact_match" in result:
+                summary += f", exact match {result['exact_match']['overall']:.3f}"
+            tqdm.write(summary)
         return result
 
     def save(self, name: str, epoch: int) -> None:
+        """Rank 0 writes; under FSDP every rank first joins in gathering the full weights."""
         if not self.params.save_checkpoints:
             return
         start = time.perf_counter()
-        state = None
-        if self.params.save_optimizer_state:
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                     "step": self.step, "epoch": epoch}
-        path = save_checkpoint(self.model, self.run.out_dir / "checkpoints" / name, state)
-        self.checkpoints[name] = str(path)
+        weights = None
+        if self.run.strategy == "fsdp":
+            weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
+        if self.dist.is_main:
+            state = None
+            if self.params.save_optimizer_state:
+                state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                         "step": self.step, "epoch": epoch}
+            path = save_checkpoint(self.model, self.run.out_dir / "checkpoints" / name, state, weights)
+            self.checkpoints[name] = str(path)
         self.timing["checkpoint_s"] += time.perf_counter() - start
 
-    def after_eval(self, result: dict, epoch: int) -> None:
-        if result["loss"] < self.best_loss and self.step > 0:
-            self.best_loss = result["loss"]
-            self.save("best", epoch)
-            self.checkpoints["best_step"] = str(self.step)
+    def evaluation_point(self, tag: str, epoch: int, with_exact_match: bool, checkpoint: str | None = None) -> None:
+        """Evaluate, keep the best weights, write the scheduled checkpoint; then every rank goes on together."""
+        if self.evaluates:
+            result = self.evaluate(tag, epoch, with_exact_match)
+            # Under FSDP every rank saw the same result, so every rank takes the same branch.
+            if result["loss"] < self.best_loss and self.step > 0:
+                self.best_loss = result["loss"]
+                self.save("best", epoch)
+                self.checkpoints["best_step"] = str(self.step)
+        if checkpoint is not None:
+            self.save(checkpoint, epoch)
+        self.dist.barrier()
 
     # --- training -------------------------------------------------------------------
-    def train_step(self, batch_indices: np.ndarray) -> dict:
+    def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Only the last microbatch of a step all-reduces gradients."""
+        if self.run.strategy == "ddp":
+            return contextlib.nullcontext() if enabled else self.train_model.no_sync()
+        if self.run.strategy == "fsdp":
+            self.train_model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    def train_step(self, step_examples: np.ndarray) -> dict:
         p, data = self.params, self.run.train_data
-        step_supervised = data.supervised_tokens(batch_indices)
-        loss_total = 0.0
-        tokens = 0
+        # Every rank knows the whole step's examples, so every rank divides by the same count.
+        step_supervised = data.supervised_tokens(step_examples)
+        mine = rank_share(step_examples, self.dist)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
         _sync(self.device)
         start = time.perf_counter()
-        for micro_start in range(0, len(batch_indices), p.micro_batch_per_rank):
-            micro = batch_indices[micro_start:micro_start + p.micro_batch_per_rank]
+        micro_starts = range(0, len(mine), p.micro_batch_per_rank)
+        for micro_start in micro_starts:
+            micro = mine[micro_start:micro_start + p.micro_batch_per_rank]
             input_ids, labels = collate([data[int(i)] for i in micro], data.eos_token_id)
             input_ids, labels = input_ids.to(self.device), labels.to(self.device)
-            with autocast(self.device, p.bf16):
-                hidden = self.model(input_ids)
-                loss_sum, _ = chunked_cross_entropy_sum(hidden, self.model.head_weight, labels,
-                                                        p.loss_chunk_tokens, p.fp32_loss)
-            # Divide by the whole step's supervised count: accumulation gives the exact token mean.
-            (loss_sum / step_supervised).backward()
-            loss_total += loss_sum.detach()
-            tokens += labels.numel()
+            with self._gradient_sync(micro_start == micro_starts[-1]):
+                with autocast(self.device, p.bf16):
+                    hidden = self.train_model(input_ids)
+                    loss_sum, _ = chunked_cross_entropy_sum(hidden, self.model.head_weight, labels,
+                                                            p.loss_chunk_tokens, p.fp32_loss)
+                # The step's token mean, times world size: data parallelism averages gradients over ranks.
+                (loss_sum * (self.dist.world_size / step_supervised)).backward()
+            totals[0] += loss_sum.detach().double()
+            totals[1] += labels.numel()
+        loss_total, tokens = self.dist.sum(totals).tolist()  # every rank sees the global loss and agrees
+        tokens = int(tokens)
         grad_norm = None
         if p.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm))
@@ -253,7 +324,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = float(loss_total) / step_supervised
+        loss = loss_total / step_supervised
         _sync(self.device)
         seconds = time.perf_counter() - start
         self.step += 1
@@ -272,47 +343,49 @@ class Trainer:
     def fit(self) -> dict:
         run, p = self.run, self.params
         started = time.perf_counter()
-        run.out_dir.mkdir(parents=True, exist_ok=True)
-        if p.overwrite:  # validated in prepare; the old run goes only now that training starts
-            for name in RUN_FILES:
-                target = run.out_dir / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-        write_json_atomic(run.out_dir / "params.json", asdict(p))
+        if self.dist.is_main:
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            if p.overwrite:  # validated in prepare; the old run goes only now that training starts
+                for name in RUN_FILES:
+                    target = run.out_dir / name
+                    shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+            write_json_atomic(run.out_dir / "params.json", {**asdict(p), "out_dir": str(run.out_dir)})
         self.model.train()
         last_eval_step = -1
         if p.eval_at_start or run.total_steps == 0:
-            self.evaluate("start", 0, with_exact_match=True)
+            self.evaluation_point("start", 0, with_exact_match=True)
             last_eval_step = 0
         epoch = 0
         log_every = max(1, run.total_steps // 10)
         bar = tqdm(total=run.total_steps, desc="train", unit="step", disable=not self.progress)
         while self.step < run.total_steps:
             epoch += 1
-            order = epoch_order(len(run.train_data), p.seed, epoch)
+            order, fill_ins = epoch_stream(len(run.train_data), p.seed, epoch, p.global_batch)
+            self.fill_ins.append(fill_ins)
             for batch_start in range(0, len(order), p.global_batch):
                 row = self.train_step(order[batch_start:batch_start + p.global_batch])
-                self.metrics.write(event="train", epoch=epoch, **row)
+                if self.dist.is_main:
+                    self.metrics.write(event="train", epoch=epoch, **row)
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
                 if self.step % log_every == 0:  # a text trace too: papermill keeps no live widget state
-                    tqdm.write(f"step {self.step}/{run.total_steps} epoch {epoch} loss {row['loss']:.4f} "
+                    rank = f"[rank {self.dist.rank}] " if self.dist.active else ""
+                    tqdm.write(f"{rank}step {self.step}/{run.total_steps} epoch {epoch} loss {row['loss']:.4f} "
                                f"lr {row['lr']:.2e} {row['tokens'] / row['seconds']:,.0f} tokens/s")
                 if batch_start + p.global_batch >= len(order):  # the epoch ran to its end
-                    self.after_eval(self.evaluate(f"epoch-{epoch}", epoch, with_exact_match=True), epoch)
+                    self.evaluation_point(f"epoch-{epoch}", epoch, with_exact_match=True, checkpoint=f"epoch-{epoch}")
                     last_eval_step = self.step
-                    self.save(f"epoch-{epoch}", epoch)
                 elif p.eval_every_steps and self.step % p.eval_every_steps == 0 and self.step < run.total_steps:
-                    self.after_eval(self.evaluate("periodic", epoch, with_exact_match=False), epoch)
+                    self.evaluation_point("periodic", epoch, with_exact_match=False)
                     last_eval_step = self.step
                 if self.step >= run.total_steps:
                     break
         bar.close()
         if last_eval_step != self.step:
-            self.after_eval(self.evaluate("end", epoch, with_exact_match=True), epoch)
-            if self.step > 0:
-                self.save("last", epoch)
-        final = dict(self.evals[-1])
-        record = self.record(final, epoch, time.perf_counter() - started)
+            self.evaluation_point("end", epoch, with_exact_match=True, checkpoint="last" if self.step > 0 else None)
+        if not self.dist.is_main:
+            return {}
+        record = self.record(dict(self.evals[-1]), epoch, time.perf_counter() - started)
         write_json_atomic(run.out_dir / "record.json", record)
         return record
 
@@ -336,7 +409,9 @@ class Trainer:
             # measurement protocol (DESIGN.md)
             "framework": {"cflib": __version__, **framework_versions()},
             "device": device_info(self.device),
-            "world_size": WORLD_SIZE,
+            "world_size": self.dist.world_size,
+            "strategy": run.strategy,
+            "memory_estimate": run.memory_estimate,
             "kernel_path": {**model.kernel_path(), "loss": "torch_chunked_linear_ce"},
             **count_parameters(model),
             "params_active": config.active_parameters(),
@@ -375,7 +450,8 @@ class Trainer:
                      "eval_examples": len(run.eval_data), "vocab_size": run.train_data.vocab_size,
                      "eos_token_id": run.train_data.eos_token_id, "max_seq_len": run.train_data.max_seq_len},
             "schedule": {"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
-                         "warmup_steps": run.warmup_steps, "steps_done": self.step, "epochs_started": epochs_done},
+                         "warmup_steps": run.warmup_steps, "steps_done": self.step, "epochs_started": epochs_done,
+                         "fill_ins_per_epoch": self.fill_ins},
             "params": asdict(p),
             "eval": eval_block,
             "checkpoints": self.checkpoints,
@@ -383,9 +459,11 @@ class Trainer:
 
 
 def train(params: TrainParams | dict, progress: bool = True) -> dict:
-    """Check everything, then train; returns the record also written to out_dir/record.json."""
+    """Check everything, then train (here or through torchrun); returns the record of out_dir/record.json."""
+    from .launch import fit  # launch builds on this module
+
     if isinstance(params, dict):
         params = TrainParams.from_dict(params)
     run = prepare(params)
     print(run.describe())
-    return Trainer(run, progress=progress).fit()
+    return fit(run, progress=progress)

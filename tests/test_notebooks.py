@@ -70,3 +70,16 @@ def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path):
                                    parameters={"lrr": 0.1, "out_dir": str(out_dir)},
                                    cwd=str(ROOT / "notebooks"), progress_bar=False)
     assert not out_dir.exists()
+
+
+def test_papermill_launches_torchrun_from_the_notebook(tmp_path):
+    out_dir = tmp_path / "run"
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "max_steps": 4,
+        "nproc_per_node": 2, "micro_batch_per_rank": 8}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    text = "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells
+                   if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
+    assert "[rank 0] step 4/4" in text and "[rank 1] step 4/4" in text  # every rank, streamed live
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["world_size"] == 2 and record["strategy"] == "ddp" and record["grad_accum"] == 2
