@@ -20,9 +20,11 @@ from .config import ModelConfig
 
 # fp32 weights + fp32 gradients + AdamW's two fp32 moments.
 TRAINING_BYTES_PER_PARAM = 16
-# Activation bytes per token per layer per hidden unit, held for backward
-# (Korthikanti et al. 2022 count 34 in 16-bit without recomputation; fp32 doubles it).
-ACTIVATION_BYTES = {"bf16": 34, "fp32": 68, "grad_ckpt": 4}
+# Activation bytes per token per layer per hidden unit held for backward by this
+# reference path: 36.0 GiB peak for the 200M preset at 16 x 2,048 in BF16 on an
+# H200 (outputs/records/train_sft_200m_reference_h200.json) less 3.0 GiB of state
+# gives ~70; fp32 doubles it; checkpointing keeps each layer's input and one layer.
+ACTIVATION_BYTES = {"bf16": 72, "fp32": 144, "grad_ckpt": 8}
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ def init_from_torchrun(device_type: str, timeout_s: int) -> DistContext:
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     # A timeout on every collective: a dead or stuck peer ends the job instead of hanging it.
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    device_id = torch.device("cuda", local_rank) if device_type == "cuda" else None
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank)
 
 
@@ -88,8 +91,8 @@ def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int
     return {"model_and_optimizer_bytes": state, "activation_bytes": activations, "total_bytes": need,
             "device_bytes": device_memory_bytes, "fits_one_device": need <= 0.9 * device_memory_bytes,
             "rule": "16 B/param (fp32 weights, grads, AdamW moments) + activations "
-                    "(34 B per token x layer x hidden in 16-bit, 68 in fp32, 4 with checkpointing); "
-                    "DDP when it fits 90% of one device"}
+                    "(72 B per token x layer x hidden in BF16, 144 in fp32, 8 with checkpointing, "
+                    "measured on the reference path); DDP when it fits 90% of one device"}
 
 
 def device_memory_bytes(device: torch.device) -> int:

@@ -66,10 +66,11 @@ def framework_versions() -> dict[str, Any]:
     }
 
 
-def device_info(device: torch.device) -> dict[str, Any]:
+def device_info(device: torch.device, count: int = 1) -> dict[str, Any]:
+    """The device model, and how many of them the run used (one per rank)."""
     if device.type == "cuda":
-        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": 1,
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": count,
                 "capability": list(torch.cuda.get_device_capability(device)),
                 "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2)}
-    return {"type": device.type, "name": platform.processor() or platform.machine(), "count": 1,
+    return {"type": device.type, "name": platform.processor() or platform.machine(), "count": count,
             "threads": torch.get_num_threads()}

@@ -408,7 +408,7 @@ class Trainer:
             "out_dir": str(run.out_dir),
             # measurement protocol (DESIGN.md)
             "framework": {"cflib": __version__, **framework_versions()},
-            "device": device_info(self.device),
+            "device": device_info(self.device, count=self.dist.world_size),
             "world_size": self.dist.world_size,
             "strategy": run.strategy,
             "memory_estimate": run.memory_estimate,

@@ -56,6 +56,7 @@ def test_two_processes_give_the_losses_of_one(tmp_path, strategy):
     double = train({**BASE, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": strategy},
                    progress=False)
     assert single["world_size"] == 1 and double["world_size"] == 2 and double["strategy"] == strategy
+    assert double["device"]["count"] == 2
     assert double["grad_accum"] == 2 and single["grad_accum"] == 4
     np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=1e-5)
     a = load_checkpoint(tmp_path / "one" / "checkpoints" / "last").state_dict()
@@ -152,10 +153,11 @@ def test_launch_parameters_are_checked_before_anything_starts(tmp_path):
 def test_strategy_auto_chooses_ddp_when_model_and_optimizer_fit(tmp_path):
     run = prepare(TrainParams.from_dict({**BASE, "out_dir": str(tmp_path / "r"), "nproc_per_node": 2}))
     assert run.strategy == "ddp" and run.memory_estimate["fits_one_device"]
-    big = memory_estimate(preset("tr_hash_200m"), 16, 2048, bf16=True, grad_ckpt=False,
-                          device_memory_bytes=32 * 2**30)
-    # 201M x 16 B = 3.0 GiB of state + 34 x 16 x 2048 x 16 x 896 B = 15.3 GiB of activations: fits 32 GiB
-    assert big["model_and_optimizer_bytes"] == 16 * 201_194_368 and big["fits_one_device"]
-    small_card = memory_estimate(preset("tr_hash_200m"), 16, 2048, bf16=True, grad_ckpt=False,
-                                 device_memory_bytes=16 * 2**30)
-    assert not small_card["fits_one_device"]
+    h200 = memory_estimate(preset("tr_hash_200m"), 16, 2048, bf16=True, grad_ckpt=False,
+                           device_memory_bytes=140 * 2**30)
+    # 201M x 16 B = 3.0 GiB of state + 72 x 16 x 2048 x 16 x 896 B = 31.5 GiB of activations
+    assert h200["model_and_optimizer_bytes"] == 16 * 201_194_368 and h200["fits_one_device"]
+    assert h200["activation_bytes"] == 72 * 16 * 2048 * 16 * 896
+    card_32 = dict(device_memory_bytes=32 * 2**30, micro_batch_per_rank=16, seq_len=2048, bf16=True)
+    assert not memory_estimate(preset("tr_hash_200m"), grad_ckpt=False, **card_32)["fits_one_device"]
+    assert memory_estimate(preset("tr_hash_200m"), grad_ckpt=True, **card_32)["fits_one_device"]
