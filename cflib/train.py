@@ -279,7 +279,8 @@ class Trainer:
             if result["loss"] < self.best_loss and self.step > 0:
                 self.best_loss = result["loss"]
                 self.save("best", epoch)
-                self.checkpoints["best_step"] = str(self.step)
+                if "best" in self.checkpoints:
+                    self.checkpoints["best_step"] = str(self.step)
         if checkpoint is not None:
             self.save(checkpoint, epoch)
         self.dist.barrier()
