@@ -22,6 +22,8 @@ from .model import TRMoEModel
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.pt"
+# Where a run stood (step, epoch, ...): small, so finding the newest checkpoint reads no tensors.
+PROGRESS_FILE = "trainer_progress.json"
 # Buffers published checkpoints may carry that this loader derives itself.
 DERIVED_BUFFERS = re.compile(r"layers\.\d+\.(self_attn\.rotary_emb\.inv_freq|mlp\.engine\.fused_route_codes"
                              r"|mlp\.engine\.fused_expert_pairs)")
@@ -32,8 +34,8 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None,
-                    weights: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write weights (and optionally optimizer/scheduler state) atomically.
+                    weights: dict[str, torch.Tensor] | None = None, progress: dict[str, Any] | None = None) -> Path:
+    """Write weights (and optionally optimizer/scheduler state and progress) atomically.
 
     `weights` replaces `model.state_dict()` where the model is sharded and its
     full weights were gathered beforehand.
@@ -45,6 +47,8 @@ def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         if trainer_state is not None:
             torch.save(trainer_state, staging / TRAINER_STATE_FILE)
+        if progress is not None:
+            (staging / PROGRESS_FILE).write_text(json.dumps(progress, indent=2) + "\n")
     return Path(path)
 
 
@@ -100,4 +104,22 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:
     """Optimizer/scheduler state saved beside a checkpoint (tensors and plain data only)."""
-    return torch.load(Path(path) / TRAINER_STATE_FILE, map_location="cpu", weights_only=True)
+    state_file = Path(path) / TRAINER_STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(f"{state_file}: missing; only checkpoints saved with optimizer state "
+                              "(save_every_steps, or save_optimizer_state: true) can be resumed")
+    return torch.load(state_file, map_location="cpu", weights_only=True)
+
+
+def latest_resumable(checkpoints_dir: str | Path) -> Path:
+    """The checkpoint of the furthest step that carries optimizer state."""
+    checkpoints_dir = Path(checkpoints_dir)
+    candidates = []
+    for folder in checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else ():
+        progress = folder / PROGRESS_FILE
+        if progress.is_file() and (folder / TRAINER_STATE_FILE).is_file():
+            candidates.append((json.loads(progress.read_text())["step"], folder.name, folder))
+    if not candidates:
+        raise CheckpointError(f"{checkpoints_dir}: no checkpoint with optimizer state to resume from "
+                              "(save_every_steps, or save_optimizer_state: true, makes them)")
+    return max(candidates)[2]

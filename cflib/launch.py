@@ -9,6 +9,7 @@ stops the whole job when any rank fails, and returns rank 0's record.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -67,7 +68,8 @@ def torchrun(run: Run, progress: bool = True) -> dict:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // run.params.nproc_per_node)))
     # Its own session: on any exit path the whole process group can be ended, no orphans.
     process = subprocess.Popen(torchrun_command(run.params, params_file), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+                               stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+                               preexec_fn=_terminate_with_parent)
     try:
         for line in process.stdout:
             tail.append(line)
@@ -87,6 +89,16 @@ def torchrun(run: Run, progress: bool = True) -> dict:
     if run.params.node_rank != 0:  # rank 0 lives on node 0, and so does the record
         return {"node_rank": run.params.node_rank, "world_size": run.params.world_size}
     return json.loads((run.out_dir / "record.json").read_text())
+
+
+def _terminate_with_parent() -> None:
+    """In the torchrun child: SIGTERM when the launching process dies (a killed kernel, say),
+    which torchrun answers by stopping its workers. Linux only; elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _stop(process: subprocess.Popen) -> None:

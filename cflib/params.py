@@ -56,7 +56,10 @@ class TrainParams:
     eval_micro_batch: int | None = None  # None: micro_batch_per_rank
     exact_match_limit: int | None = None  # None: every eval prompt; 0: skip exact match
     save_checkpoints: bool = True
-    save_optimizer_state: bool = False
+    save_optimizer_state: bool = False  # beside epoch checkpoints, so a run can resume from them
+    save_every_steps: int | None = None  # resumable step-N checkpoints in between
+    resume: str | None = None  # None; "latest" (or true): out_dir's newest resumable checkpoint; or its path
+    allow_world_size_change: bool = False  # resume on another number of processes
     device: str = "auto"
     # Data parallelism: more than one process starts torchrun from the notebook.
     nproc_per_node: int = 1
@@ -84,6 +87,8 @@ class TrainParams:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ParamError(f"{source}: unknown parameter {name!r}{hint}; known: {', '.join(known)}")
         hints = typing.get_type_hints(cls)
+        if isinstance(raw.get("resume"), bool) or str(raw.get("resume")).lower() in ("true", "false"):
+            raw = {**raw, "resume": "latest" if str(raw["resume"]).lower() == "true" else None}
         values = {name: _coerce(name, value, hints[name]) for name, value in raw.items()}
         params = cls(**values)
         params.validate()
@@ -104,7 +109,7 @@ class TrainParams:
         for name in ("max_steps", "exact_match_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ParamError(f"{name} must be None or >= 0, got {getattr(self, name)}")
-        for name in ("eval_every_steps", "eval_micro_batch"):
+        for name in ("eval_every_steps", "eval_micro_batch", "save_every_steps"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -129,6 +134,10 @@ class TrainParams:
             raise ParamError(f"node_rank {self.node_rank} is not in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ParamError(f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the rendezvous on node 0)")
+        if self.resume is not None and self.overwrite:
+            raise ParamError("resume and overwrite contradict each other: a resumed run continues its out_dir")
+        if self.resume == "latest" and self.out_dir is None:
+            raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
 
 

@@ -22,6 +22,13 @@ class MetricsLog:
         self.path = Path(path)
         self.rows: list[dict] = []
 
+    def truncate_after(self, step: int) -> None:
+        """Drop rows past `step`: a resumed run logs those steps again."""
+        if self.path.is_file():
+            kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
+            with open(self.path, "w") as out:
+                out.writelines(json.dumps(row, default=str) + "\n" for row in kept)
+
     def write(self, **row: Any) -> dict:
         self.rows.append(row)
         with open(self.path, "a") as out:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm.auto import tqdm
 
 from . import __version__
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import latest_resumable, load_checkpoint, load_trainer_state, save_checkpoint
 from .config import ModelConfig, preset
 from .data import ShardPartition, collate, open_shard
 from .distributed import (DistContext, choose_strategy, device_memory_bytes, epoch_stream, memory_estimate,
@@ -68,6 +68,7 @@ class Run:
     dist: DistContext
     strategy: str
     memory_estimate: dict
+    resume_state: dict | None = None  # trainer state of the checkpoint this run continues
 
     @property
     def launches_workers(self) -> bool:
@@ -107,7 +108,7 @@ def _out_dir(params: TrainParams, model_name: str) -> Path:
     if out_dir.exists() and not out_dir.is_dir():
         raise ParamError(f"out_dir {out_dir} exists and is not a directory")
     previous = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if previous and not params.overwrite:
+    if previous and not params.overwrite and params.resume is None:
         raise ParamError(f"out_dir {out_dir} already holds a run ({', '.join(previous)}); choose another "
                          "out_dir, or set overwrite: true to replace it")
     return out_dir
@@ -130,7 +131,15 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
     torch.manual_seed(params.seed)
-    if params.init_checkpoint is not None:
+    resume_state = None
+    if params.resume is not None:
+        checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
+                          else resolve_path(params.resume))
+        model = load_checkpoint(checkpoint_dir)
+        resume_state = load_trainer_state(checkpoint_dir)
+        _check_resumable(resume_state, params, checkpoint_dir)
+        model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
+    elif params.init_checkpoint is not None:
         checkpoint_dir = resolve_path(params.init_checkpoint)
         model = load_checkpoint(checkpoint_dir)
         model_source, model_name = f"checkpoint {checkpoint_dir}", checkpoint_dir.name
@@ -155,17 +164,30 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
                                device_memory_bytes(device))
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
-    if strategy == "fsdp" and params.save_optimizer_state:
-        raise ParamError("save_optimizer_state: true is not supported with strategy fsdp yet")
+    if strategy == "fsdp" and (params.save_optimizer_state or params.save_every_steps or params.resume):
+        raise ParamError("optimizer state (save_optimizer_state, save_every_steps, resume) is not supported "
+                         "with strategy fsdp yet")
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     model.grad_ckpt = params.grad_ckpt
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
-              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate)
+              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, resume_state)
     if not run.launches_workers:
         model.to(device)
     return run
+
+
+def _check_resumable(state: dict, params: TrainParams, checkpoint_dir: Path) -> None:
+    """A resumed run must cut the same stream into the same global batches."""
+    for name in ("seed", "global_batch"):
+        if state[name] != getattr(params, name):
+            raise ParamError(f"{checkpoint_dir} was written with {name} {state[name]}, this run has "
+                             f"{getattr(params, name)}: the epoch stream would not continue where it stopped")
+    if state["world_size"] != params.world_size and not params.allow_world_size_change:
+        raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
+                         f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "
+                         "batch stays the same, the per-rank split and accumulation change)")
 
 
 def _preset(name: str) -> ModelConfig:
@@ -221,8 +243,26 @@ class Trainer:
         self.timing = {"train_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
         self.steady = {"tokens": 0, "supervised_tokens": 0, "seconds": 0.0, "steps": 0}
         self.fill_ins: list[int] = []
+        self.position = (0, 0)  # (epoch, global batches done in it)
+        if run.resume_state is not None:
+            self._restore(run.resume_state)
         # The first steps pay for allocator growth and kernel selection: not steady state.
         self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
+
+    def _restore(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
+        self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
+        torch.set_rng_state(state["torch_rng"])
+
+    def _trainer_state(self) -> dict:
+        epoch, batch_in_epoch = self.position
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                "world_size": self.dist.world_size, "global_batch": self.params.global_batch,
+                "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
+                "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state()}
 
     # --- evaluation and checkpoints -------------------------------------------------
     @property
@@ -253,21 +293,21 @@ class Trainer:
             tqdm.write(summary)
         return result
 
-    def save(self, name: str, epoch: int) -> None:
+    def save(self, name: str, epoch: int, resumable: bool | None = None) -> None:
         """Rank 0 writes; under FSDP every rank first joins in gathering the full weights."""
         if not self.params.save_checkpoints:
             return
+        resumable = self.params.save_optimizer_state if resumable is None else resumable
         start = time.perf_counter()
         weights = None
         if self.run.strategy == "fsdp":
             weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                                  cpu_offload=True))
         if self.dist.is_main:
-            state = None
-            if self.params.save_optimizer_state:
-                state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                         "step": self.step, "epoch": epoch}
-            path = save_checkpoint(self.model, self.run.out_dir / "checkpoints" / name, state, weights)
+            state = self._trainer_state() if resumable else None
+            progress = {"step": self.step, "epoch": self.position[0], "batch_in_epoch": self.position[1]}
+            path = save_checkpoint(self.model, self.run.out_dir / "checkpoints" / name, state, weights,
+                                   progress if resumable else None)
             self.checkpoints[name] = str(path)
         self.timing["checkpoint_s"] += time.perf_counter() - start
 
@@ -350,21 +390,29 @@ class Trainer:
                 for name in RUN_FILES:
                     target = run.out_dir / name
                     shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+            if run.resume_state is not None:
+                self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
             write_json_atomic(run.out_dir / "params.json", {**asdict(p), "out_dir": str(run.out_dir)})
         self.model.train()
-        last_eval_step = -1
-        if p.eval_at_start or run.total_steps == 0:
+        last_eval_step = self.evals[-1]["step"] if self.evals else -1
+        if run.resume_state is None and (p.eval_at_start or run.total_steps == 0):
             self.evaluation_point("start", 0, with_exact_match=True)
             last_eval_step = 0
-        epoch = 0
+        epoch, batches_done = self.position  # the epoch in progress (0 before the first), its batches done
+        if 0 < batches_done < run.steps_per_epoch:
+            epoch -= 1  # resumed mid-epoch: the loop below re-enters that epoch where it stopped
+        else:
+            batches_done = 0
         log_every = max(1, run.total_steps // 10)
-        bar = tqdm(total=run.total_steps, desc="train", unit="step", disable=not self.progress)
+        bar = tqdm(total=run.total_steps, initial=self.step, desc="train", unit="step", disable=not self.progress)
         while self.step < run.total_steps:
             epoch += 1
             order, fill_ins = epoch_stream(len(run.train_data), p.seed, epoch, p.global_batch)
-            self.fill_ins.append(fill_ins)
-            for batch_start in range(0, len(order), p.global_batch):
+            if batches_done == 0:
+                self.fill_ins.append(fill_ins)
+            for batch_start in range(batches_done * p.global_batch, len(order), p.global_batch):
                 row = self.train_step(order[batch_start:batch_start + p.global_batch])
+                self.position = (epoch, batch_start // p.global_batch + 1)
                 if self.dist.is_main:
                     self.metrics.write(event="train", epoch=epoch, **row)
                 bar.update(1)
@@ -379,8 +427,12 @@ class Trainer:
                 elif p.eval_every_steps and self.step % p.eval_every_steps == 0 and self.step < run.total_steps:
                     self.evaluation_point("periodic", epoch, with_exact_match=False)
                     last_eval_step = self.step
+                if p.save_every_steps and self.step % p.save_every_steps == 0 and self.step < run.total_steps:
+                    self.save(f"step-{self.step}", epoch, resumable=True)
+                    self.dist.barrier()
                 if self.step >= run.total_steps:
                     break
+            batches_done = 0
         bar.close()
         if last_eval_step != self.step:
             self.evaluation_point("end", epoch, with_exact_match=True, checkpoint="last" if self.step > 0 else None)

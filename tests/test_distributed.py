@@ -1,7 +1,6 @@
 """Data parallelism on CPU with real torchrun processes (gloo): equivalence, sharding, nodes, failures."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -20,6 +19,11 @@ from cflib.launch import LaunchError, fit
 from cflib.params import ParamError, TrainParams
 from cflib.records import read_metrics
 from cflib.train import prepare, train
+
+try:
+    from processes import wait_until_gone, worker_pids
+except ImportError:  # run from the repository root as a package
+    from tests.processes import wait_until_gone, worker_pids
 
 BASE = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 16, "lr": 3e-3,
         "exact_match_limit": 0, "device": "cpu", "max_steps": 3, "eval_at_start": False}
@@ -92,24 +96,6 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path):
     assert len(train_losses(tmp_path / "run")) == 3
 
 
-def worker_pids(out_dir: Path) -> dict[int, int]:
-    """rank -> pid of the live torchrun workers of the run writing to out_dir."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode().split("\0")
-            if "cflib.launch" not in cmdline or not cmdline[-2].endswith(".json"):
-                continue
-            if json.loads(Path(cmdline[-2]).read_text())["out_dir"] != str(out_dir):
-                continue
-            environ = dict(item.split("=", 1) for item in (proc / "environ").read_bytes().decode().split("\0")
-                           if "=" in item)
-            found[int(environ["RANK"])] = int(proc.name)
-        except (OSError, ValueError, KeyError):
-            continue  # not a process of ours, or one that just ended
-    return found
-
-
 def test_killing_a_rank_ends_the_job_promptly_with_its_error(tmp_path):
     out_dir = tmp_path / "run"
     run = prepare(TrainParams.from_dict({**BASE, "out_dir": str(out_dir), "nproc_per_node": 2,
@@ -136,7 +122,7 @@ def test_killing_a_rank_ends_the_job_promptly_with_its_error(tmp_path):
     assert time.monotonic() - killed < 30
     message = str(outcome["error"])
     assert "torchrun exited" in message and "Signal 9" in message
-    assert not worker_pids(out_dir), "orphan workers left behind"
+    assert wait_until_gone(out_dir), "orphan workers left behind"
 
 
 def test_launch_parameters_are_checked_before_anything_starts(tmp_path):
