@@ -117,8 +117,13 @@ def latest_resumable(checkpoints_dir: str | Path) -> Path:
     candidates = []
     for folder in checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else ():
         progress = folder / PROGRESS_FILE
-        if progress.is_file() and (folder / TRAINER_STATE_FILE).is_file():
-            candidates.append((json.loads(progress.read_text())["step"], folder.name, folder))
+        # Dot-folders are unfinished or retired saves (cflib.atomic): never a resume point.
+        if folder.name.startswith(".") or not (progress.is_file() and (folder / TRAINER_STATE_FILE).is_file()):
+            continue
+        try:
+            candidates.append((int(json.loads(progress.read_text())["step"]), folder.name, folder))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{progress}: unreadable progress file ({err})") from None
     if not candidates:
         raise CheckpointError(f"{checkpoints_dir}: no checkpoint with optimizer state to resume from "
                               "(save_every_steps, or save_optimizer_state: true, makes them)")

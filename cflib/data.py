@@ -100,6 +100,9 @@ class ShardPartition(torch.utils.data.Dataset):
         self.vocab_size = int(self.index["vocab_size"])
         self.eos_token_id = int(self.index["eos_token_id"])
         self.max_seq_len = next((int(self.index[k]) for k in _CAP_KEYS if k in self.index), None)
+        if not 0 <= self.eos_token_id < self.vocab_size:
+            raise ShardError(f"{index_path}: eos_token_id {self.eos_token_id} is not a token id below "
+                             f"vocab_size {self.vocab_size}")
         if vocab_size is not None and self.vocab_size > vocab_size:
             raise ShardError(f"{index_path}: shard vocab_size {self.vocab_size} exceeds the model's {vocab_size}")
         self.rows = self._read_rows()

@@ -47,6 +47,14 @@ class DistContext:
         if self.active:
             dist.barrier()
 
+    def agree(self, decision: bool) -> bool:
+        """Rank 0's decision, on every rank: branches around collectives must not diverge."""
+        if not self.active:
+            return decision
+        flag = [decision]
+        dist.broadcast_object_list(flag, src=0)
+        return bool(flag[0])
+
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         if self.active:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)

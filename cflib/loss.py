@@ -7,33 +7,52 @@ otherwise keep every chunk's logits until backward).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
 
+def _precision(device: torch.device, fp32_loss: bool) -> contextlib.AbstractContextManager:
+    """fp32_loss: the head GEMMs in fp32 even under BF16 autocast, which would otherwise run them in BF16."""
+    return torch.autocast(device.type, enabled=False) if fp32_loss else contextlib.nullcontext()
+
+
+def _operands(h: torch.Tensor, weight: torch.Tensor, fp32_loss: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (h.float(), weight.float()) if fp32_loss else (h, weight)
+
+
+def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+               fp32_loss: bool) -> torch.Tensor:
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with _precision(hidden.device, fp32_loss):
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h, w = _operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
+            loss_sum += F.cross_entropy((h @ w.t()).float(), targets[start:start + chunk_tokens], reduction="sum")
+    return loss_sum
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 chunk_tokens: int, fp32_loss: bool) -> torch.Tensor:
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_grad else None
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            h = hidden[start:start + chunk_tokens]
-            t = targets[start:start + chunk_tokens]
-            logits = h @ weight.t()
-            if fp32_loss:
-                logits = logits.float()
-            loss_sum += F.cross_entropy(logits, t, reduction="sum").float()
-            if needs_grad:
-                # d(sum CE)/d logits = softmax - onehot
-                grad_logits = torch.softmax(logits.float(), dim=-1)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with _precision(hidden.device, fp32_loss):
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                h, w = _operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
+                t = targets[start:start + chunk_tokens]
+                logits = (h @ w.t()).float()
+                log_z = torch.logsumexp(logits, dim=-1)
+                loss_sum += (log_z - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                # d(sum CE)/d logits = softmax - onehot, from the log-partition just computed
+                grad_logits = torch.exp(logits - log_z[:, None])
                 grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
                 grad_logits = grad_logits.to(h.dtype)
-                grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
+                grad_hidden[start:start + chunk_tokens] = grad_logits @ w
                 grad_weight += (grad_logits.t() @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss_sum
@@ -64,6 +83,8 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, l
         return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0
     if head_weight.dtype != hidden.dtype:  # autocast leaves the head weight fp32, hidden bf16
         head_weight = head_weight.to(hidden.dtype)
+    if not torch.is_grad_enabled():  # evaluation: no head gradients to compute or hold
+        return _loss_only(hidden, head_weight, targets, loss_chunk_tokens, fp32_loss), count
     loss = _ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, loss_chunk_tokens, fp32_loss)
     return loss, count
 

@@ -67,7 +67,7 @@ class TrainParams:
     node_rank: int = 0
     rdzv_endpoint: str | None = None  # host:port of the rendezvous, needed when nnodes > 1
     strategy: str = "auto"  # auto | ddp | fsdp: DDP when model + optimizer state fit one device
-    collective_timeout_s: int = 600  # a dead or stuck rank ends the job after this, never a hang
+    collective_timeout_s: int = 1800  # bounds every collective, rank 0's evaluation and saves included
 
     @property
     def world_size(self) -> int:

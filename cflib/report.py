@@ -9,8 +9,19 @@ from .plan import format_arithmetic, run_arithmetic
 from .records import read_metrics
 
 
-def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None) -> plt.Figure:
+def _elsewhere(record: dict) -> str | None:
+    """Nodes other than node 0 hold no record: say so instead of failing."""
+    if "eval" in record:
+        return None
+    return (f"node {record.get('node_rank')}: its ranks trained; rank 0 writes the record, metrics and "
+            "checkpoints on node 0")
+
+
+def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None) -> plt.Figure | None:
     """Training loss per optimizer step and held-out loss at each evaluation."""
+    if not Path(metrics_path).is_file():
+        print(f"no metrics at {metrics_path} (rank 0 writes them, on node 0)")
+        return None
     rows = read_metrics(metrics_path)
     train = [r for r in rows if r["event"] == "train"]
     evals = [r for r in rows if r["event"] == "eval"]
@@ -30,6 +41,8 @@ def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None
 
 def exact_match_table(record: dict) -> str:
     """Markdown: exact match per task at the start and at the end of the run."""
+    if _elsewhere(record):
+        return _elsewhere(record)
     start = record["eval"].get("at_start", {}).get("exact_match", {})
     final = record["eval"]["final"].get("exact_match")
     if not final:
@@ -41,7 +54,24 @@ def exact_match_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def show_exact_match(record: dict) -> None:
+    """The exact-match table, as markdown in JupyterLab and as text under papermill."""
+    from IPython.display import display
+
+    table = exact_match_table(record)
+    display({"text/markdown": table, "text/plain": table}, raw=True)
+
+
+def headline(record: dict) -> str:
+    """One deterministic line for a run (what nbval compares for the default parameters)."""
+    return _elsewhere(record) or (
+        f"{record['params_trainable']:,} trainable parameters, {record['schedule']['steps_done']} steps, "
+        f"grad_accum {record['grad_accum']}, kernel path {record['kernel_path']}")
+
+
 def summary(record: dict) -> str:
+    if _elsewhere(record):
+        return _elsewhere(record)
     final, start = record["eval"]["final"], record["eval"].get("at_start")
     throughput = record["throughput"]["steady_state_tokens_per_s"]
     lines = [
@@ -62,7 +92,7 @@ def summary(record: dict) -> str:
 def plan_like_this_run(record: dict, gpus: int = 8, epochs: int = 3) -> str:
     """The planner's arithmetic for `epochs` passes over this run's data on `gpus` data-parallel
     ranks, at this run's measured steady throughput per rank."""
-    measured = record["throughput"]["steady_state_tokens_per_s"]
+    measured = record.get("throughput", {}).get("steady_state_tokens_per_s")
     if not measured:
         return "_no steady-state throughput was measured (no optimizer step ran)_"
     train_tokens = record["data"]["train_examples"] * record["seq_len"]

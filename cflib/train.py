@@ -137,7 +137,6 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
                           else resolve_path(params.resume))
         model = load_checkpoint(checkpoint_dir)
         resume_state = load_trainer_state(checkpoint_dir)
-        _check_resumable(resume_state, params, checkpoint_dir)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
     elif params.init_checkpoint is not None:
         checkpoint_dir = resolve_path(params.init_checkpoint)
@@ -173,17 +172,29 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     model.grad_ckpt = params.grad_ckpt
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, resume_state)
+    if resume_state is not None:
+        _check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
         model.to(device)
     return run
 
 
-def _check_resumable(state: dict, params: TrainParams, checkpoint_dir: Path) -> None:
-    """A resumed run must cut the same stream into the same global batches."""
-    for name in ("seed", "global_batch"):
-        if state[name] != getattr(params, name):
-            raise ParamError(f"{checkpoint_dir} was written with {name} {state[name]}, this run has "
-                             f"{getattr(params, name)}: the epoch stream would not continue where it stopped")
+def schedule_signature(run: Run) -> dict:
+    """What a resumed run must share with the one it continues: the stream and the schedule."""
+    p = run.params
+    return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
+            "lr": p.lr, "weight_decay": p.weight_decay, "beta1": p.beta1, "beta2": p.beta2}
+
+
+def _check_resumable(state: dict, run: Run, checkpoint_dir: Path) -> None:
+    """A resumed run must cut the same stream into the same global batches, on the same schedule."""
+    params = run.params
+    now = {"seed": params.seed, "global_batch": params.global_batch, **schedule_signature(run)}
+    for name, value in now.items():
+        if state[name] != value:
+            raise ParamError(f"{checkpoint_dir} was written with {name} {state[name]}, this run has {value}: "
+                             "a resumed run continues the same stream and schedule; start a new run "
+                             "(init_checkpoint) to change them")
     if state["world_size"] != params.world_size and not params.allow_world_size_change:
         raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
                          f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "
@@ -254,6 +265,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
         self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
+        self.checkpoints, self.timing = state["checkpoints"], state["timing"]
         torch.set_rng_state(state["torch_rng"])
 
     def _trainer_state(self) -> dict:
@@ -262,7 +274,8 @@ class Trainer:
                 "step": self.step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                 "world_size": self.dist.world_size, "global_batch": self.params.global_batch,
                 "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
-                "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state()}
+                "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state(), "checkpoints": self.checkpoints,
+                "timing": self.timing, **schedule_signature(self.run)}
 
     # --- evaluation and checkpoints -------------------------------------------------
     @property
@@ -315,8 +328,10 @@ class Trainer:
         """Evaluate, keep the best weights, write the scheduled checkpoint; then every rank goes on together."""
         if self.evaluates:
             result = self.evaluate(tag, epoch, with_exact_match)
-            # Under FSDP every rank saw the same result, so every rank takes the same branch.
-            if result["loss"] < self.best_loss and self.step > 0:
+            improved = result["loss"] < self.best_loss and self.step > 0
+            if self.run.strategy == "fsdp":  # every rank evaluated, and the save gathers: rank 0 decides
+                improved = self.dist.agree(improved)
+            if improved:
                 self.best_loss = result["loss"]
                 self.save("best", epoch)
                 if "best" in self.checkpoints:
@@ -358,14 +373,16 @@ class Trainer:
             totals[1] += labels.numel()
         loss_total, tokens = self.dist.sum(totals).tolist()  # every rank sees the global loss and agrees
         tokens = int(tokens)
-        grad_norm = None
-        if p.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm))
+        # The norm is measured even unclipped (max_norm inf), so a non-finite gradient is caught here.
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf))
+        loss = loss_total / step_supervised
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise FloatingPointError(f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before "
+                                     "the optimizer step, so no non-finite weight was written")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_total / step_supervised
         _sync(self.device)
         seconds = time.perf_counter() - start
         self.step += 1
@@ -375,9 +392,6 @@ class Trainer:
             self.steady["supervised_tokens"] += step_supervised
             self.steady["seconds"] += seconds
             self.steady["steps"] += 1
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"training loss became {loss} at step {self.step}; stopping before "
-                                     "the non-finite weights reach a checkpoint")
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "supervised_tokens": step_supervised, "seconds": seconds}
 

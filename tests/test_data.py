@@ -340,3 +340,12 @@ def test_supervised_tokens_metadata_that_disagrees_with_labels(tmp_path):
     with pytest.warns(UserWarning, match="row 0 says supervised_tokens"):
         shard = open_shard(tmp_path, "train")
     assert shard.supervised_tokens() == sum(h.supervised_count(e) for e in h.chat_examples())
+
+
+def test_eos_outside_the_vocabulary(tmp_path):
+    h.write_shard(tmp_path, h.chat_examples())
+    index_path = tmp_path / "train" / "sft.idx.json"
+    index = json.loads(index_path.read_text())
+    index_path.write_text(json.dumps({**index, "eos_token_id": index["vocab_size"]}))
+    with pytest.raises(ShardError, match="eos_token_id 260 is not a token id below vocab_size 260"):
+        open_shard(tmp_path, "train")

@@ -18,6 +18,7 @@ from cflib.config import preset
 from cflib.launch import LaunchError, fit
 from cflib.params import ParamError, TrainParams
 from cflib.records import read_metrics
+from cflib.report import summary
 from cflib.train import prepare, train
 
 try:
@@ -93,6 +94,7 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path):
         thread.join(timeout=120)
     assert results[0]["world_size"] == 2, results
     assert results[1] == {"node_rank": 1, "world_size": 2}, results
+    assert "rank 0 writes the record" in summary(results[1])  # the notebook's later cells on node 1
     assert len(train_losses(tmp_path / "run")) == 3
 
 

@@ -172,3 +172,29 @@ def test_sums_accumulate_to_the_token_mean_of_the_whole_batch() -> None:
     torch.testing.assert_close(sum(s.detach() for s, _ in sums) / total, ref_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hidden.grad, ref_dh, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(weight.grad, ref_dw, rtol=1e-5, atol=1e-6)
+
+
+def test_fp32_loss_means_fp32_head_maths_under_bf16_autocast() -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(24, 32, requires_grad=True)
+    weight = torch.randn(50, 32, requires_grad=True)
+    labels = torch.randint(0, 50, (24,))
+    reference = F.cross_entropy(hidden @ weight.t(), labels, reduction="sum")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        exact, _ = chunked_cross_entropy_sum(hidden, weight, labels, 7, fp32_loss=True)
+        rounded, _ = chunked_cross_entropy_sum(hidden, weight, labels, 7, fp32_loss=False)
+    assert abs(exact.item() - reference.item()) < 1e-3
+    assert abs(rounded.item() - reference.item()) > abs(exact.item() - reference.item())
+    exact.backward()
+    torch.testing.assert_close(hidden.grad, torch.autograd.grad(reference, hidden)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_evaluation_under_no_grad_matches_the_training_path() -> None:
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(30, 16), torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 40, (30,))
+    with torch.no_grad():
+        evaluated, _ = chunked_cross_entropy_sum(hidden, weight, labels, 4)
+    trained, _ = chunked_cross_entropy_sum(hidden, weight, labels, 4)
+    assert evaluated.grad_fn is None and trained.grad_fn is not None
+    assert evaluated.item() == pytest.approx(trained.item(), rel=1e-6)

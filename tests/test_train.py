@@ -169,3 +169,17 @@ def test_prepare_writes_nothing(tmp_path, small_shard):
     prepared = prepare(params)
     assert prepared.grad_accum == 2 and prepared.total_steps == 30
     assert not (tmp_path / "fresh").exists()
+
+
+def test_a_non_finite_step_stops_before_the_optimizer_and_writes_no_checkpoint(tmp_path, small_shard):
+    from cflib.checkpoint import save_checkpoint
+    from cflib.config import preset
+    from cflib.model import TRMoEModel
+
+    model = TRMoEModel(preset("smoke"))
+    with torch.no_grad():
+        model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
+    save_checkpoint(model, tmp_path / "broken")
+    with pytest.raises(FloatingPointError, match="step 1: loss nan"):
+        run(tmp_path, small_shard, init_checkpoint=str(tmp_path / "broken"), max_steps=2, eval_at_start=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
