@@ -156,15 +156,20 @@ def gradient_accumulation(global_batch: int, micro_batch_per_rank: int, world_si
         f"or micro_batch_per_rank in {sorted(near)}")
 
 
-def load_params_file(path: str | Path) -> dict[str, Any]:
-    """A params/*.yaml file as a dict (validated when handed to TrainParams.from_dict)."""
+def read_yaml(path: str | Path, error: type[ValueError], what: str) -> Any:
+    """A YAML document (safe loader), or `error` naming the file."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise ParamError(f"{path}: no such parameter file") from None
-    except yaml.YAMLError as err:
-        raise ParamError(f"{path}: not valid YAML ({err})") from None
+        raise error(f"{path}: no such {what}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise error(f"{path}: not valid YAML ({err})") from None
+
+
+def load_params_file(path: str | Path) -> dict[str, Any]:
+    """A params/*.yaml file as a dict (validated when handed to TrainParams.from_dict)."""
+    raw = read_yaml(path, ParamError, "parameter file")
     if raw is None:
         return {}
     if not isinstance(raw, dict):

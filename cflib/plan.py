@@ -35,9 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .config import PRESETS, ModelConfig
+from .params import read_yaml
 
 SECTIONS = ("model", "parallel", "run")
 REQUIRED_KEYS = {
@@ -247,14 +246,7 @@ def _validate(plan: dict[str, Any], source: str) -> dict[str, Any]:
 
 def load_cluster_plan(path: str | Path) -> dict[str, Any]:
     """Read a cluster-plan YAML file and validate it (validate_cluster_plan's report)."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise PlanError(f"{path}: no such plan file") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise PlanError(f"{path}: not valid YAML ({err})") from None
-    return validate_cluster_plan(raw, source=str(path))
+    return validate_cluster_plan(read_yaml(path, PlanError, "plan file"), source=str(path))
 
 
 def _duration(seconds: float) -> str:

@@ -19,9 +19,9 @@ from cflib.config import ModelConfig
 from cflib.model import TRMoEModel
 
 try:
-    from tiny_models import logits, random_ids, tiny_config, tiny_model
+    from tiny_models import logits, random_ids, tiny_model
 except ImportError:  # pragma: no cover - tests/ imported as a package
-    from tests.tiny_models import logits, random_ids, tiny_config, tiny_model
+    from tests.tiny_models import logits, random_ids, tiny_model
 
 WEIGHTS = "model.safetensors"
 

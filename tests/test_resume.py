@@ -48,7 +48,7 @@ def params(shard: Path, out_dir: Path, **overrides) -> dict:
 
 def start_and_kill(run_params: dict, out_dir: Path, after_checkpoint: str) -> None:
     """Run training in a child process and SIGKILL its whole process group once a checkpoint exists."""
-    code = f"import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
+    code = "import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
     child = subprocess.Popen([sys.executable, "-c", code, json.dumps(run_params)], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
