@@ -17,6 +17,18 @@ def _default_mode(is_dir: bool) -> int:
     return (0o777 if is_dir else 0o666) & ~umask
 
 
+def _fsync_tree(folder: Path) -> None:
+    for item in folder.iterdir():
+        if item.is_file():
+            with open(item, "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a staging folder beside `path`; when the block succeeds it replaces `path`.
@@ -30,6 +42,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     try:
         os.chmod(staging, _default_mode(is_dir=True))
         yield staging
+        _fsync_tree(staging)  # on disk before the rename makes it visible: a crash leaves old or new
         retired = None
         if path.exists():
             retired = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -55,6 +68,8 @@ def write_json_atomic(path: str | Path, document: Any) -> Path:
         with os.fdopen(handle, "w") as out:
             json.dump(document, out, indent=2, default=str)
             out.write("\n")
+            out.flush()
+            os.fsync(out.fileno())
         os.chmod(staging, _default_mode(is_dir=False))
         os.replace(staging, path)
     except BaseException:

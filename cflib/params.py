@@ -46,6 +46,7 @@ class TrainParams:
     beta2: float = 0.95
     warmup_ratio: float = 0.03
     max_grad_norm: float | None = 1.0
+    nan_patience: int = 0  # non-finite steps skipped in a row before the run stops
     bf16: bool = False
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
@@ -106,7 +107,7 @@ class TrainParams:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_steps", "exact_match_limit"):
+        for name in ("max_steps", "exact_match_limit", "nan_patience"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ParamError(f"{name} must be None or >= 0, got {getattr(self, name)}")
         for name in ("eval_every_steps", "eval_micro_batch", "save_every_steps"):

@@ -9,9 +9,11 @@ and checkpoints on schedule, and writes `metrics.jsonl` and `record.json`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm.auto import tqdm
 
 from . import __version__
-from .checkpoint import latest_resumable, load_checkpoint, load_trainer_state, save_checkpoint
+from .checkpoint import CheckpointError, latest_resumable, load_checkpoint, load_trainer_state, save_checkpoint
 from .config import ModelConfig, preset
 from .data import ShardPartition, collate, open_shard
 from .distributed import (DistContext, choose_strategy, device_memory_bytes, epoch_stream, memory_estimate,
@@ -37,7 +39,7 @@ from .atomic import write_json_atomic
 from .records import MetricsLog, device_info, framework_versions
 from .tasks import ensure_embedded_shard
 
-RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints")
+RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 
 
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -132,6 +134,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
     torch.manual_seed(params.seed)
     resume_state = None
+    if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
+        raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
     if params.resume is not None:
         checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
                           else resolve_path(params.resume))
@@ -254,6 +258,7 @@ class Trainer:
         self.timing = {"train_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
         self.steady = {"tokens": 0, "supervised_tokens": 0, "seconds": 0.0, "steps": 0}
         self.fill_ins: list[int] = []
+        self.bad_steps = 0  # consecutive non-finite steps
         self.position = (0, 0)  # (epoch, global batches done in it)
         if run.resume_state is not None:
             self._restore(run.resume_state)
@@ -319,8 +324,15 @@ class Trainer:
         if self.dist.is_main:
             state = self._trainer_state() if resumable else None
             progress = {"step": self.step, "epoch": self.position[0], "batch_in_epoch": self.position[1]}
-            path = save_checkpoint(self.model, self.run.out_dir / "checkpoints" / name, state, weights,
-                                   progress if resumable else None)
+            target = self.run.out_dir / "checkpoints" / name
+            try:
+                path = save_checkpoint(self.model, target, state, weights, progress if resumable else None)
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+                kept = [p for n, p in self.checkpoints.items() if n != "best_step"]
+                raise CheckpointError(f"out of disk space writing checkpoint {target}; it was not written and "
+                                      f"the earlier checkpoints are intact: {kept or 'none yet'}") from err
             self.checkpoints[name] = str(path)
         self.timing["checkpoint_s"] += time.perf_counter() - start
 
@@ -376,12 +388,16 @@ class Trainer:
         # The norm is measured even unclipped (max_norm inf), so a non-finite gradient is caught here.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf))
         loss = loss_total / step_supervised
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise FloatingPointError(f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}; stopped before "
-                                     "the optimizer step, so no non-finite weight was written")
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)  # global values: every rank agrees
+        self.bad_steps = 0 if finite else self.bad_steps + 1
+        if self.bad_steps > p.nan_patience:
+            self._stop_non_finite(loss, grad_norm, step_examples)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
+        if finite:
+            self.optimizer.step()
+        with warnings.catch_warnings():  # torch warns when the schedule moves without an optimizer step
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()  # a skipped step still consumes its data and its place in the schedule
         self.optimizer.zero_grad(set_to_none=True)
         _sync(self.device)
         seconds = time.perf_counter() - start
@@ -393,7 +409,17 @@ class Trainer:
             self.steady["seconds"] += seconds
             self.steady["steps"] += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "supervised_tokens": step_supervised, "seconds": seconds}
+                "supervised_tokens": step_supervised, "seconds": seconds, "skipped": not finite}
+
+    def _stop_non_finite(self, loss: float, grad_norm: float, step_examples: np.ndarray) -> None:
+        rows = self.run.train_data.rows
+        ids = [rows[int(i)].get("example_id", int(i)) for i in step_examples[:8]]
+        saved = [path for name, path in self.checkpoints.items() if name != "best_step"]
+        last_good = saved[-1] if saved else "none yet"
+        raise FloatingPointError(
+            f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}, after {self.bad_steps} non-finite "
+            f"step(s) in a row (nan_patience {self.params.nan_patience}); stopped before the optimizer step, so "
+            f"no non-finite weight was written. Batch examples (first 8): {ids}. Last checkpoint: {last_good}")
 
     def fit(self) -> dict:
         run, p = self.run, self.params
@@ -454,6 +480,9 @@ class Trainer:
             return {}
         record = self.record(dict(self.evals[-1]), epoch, time.perf_counter() - started)
         write_json_atomic(run.out_dir / "record.json", record)
+        # Written last: its presence says the record and every checkpoint are final.
+        write_json_atomic(run.out_dir / "COMPLETE", {"completed_utc": record["created_utc"],
+                                                     "steps": self.step})
         return record
 
     # --- the record -----------------------------------------------------------------

@@ -98,10 +98,16 @@ def test_killed_two_process_run_resumes_and_refuses_another_world_size(tmp_path,
 
 def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
     train(params(shard, tmp_path / "run", max_steps=2, save_every_steps=None), progress=False)
+    with pytest.raises(ParamError, match="holds a completed run"):
+        train(params(shard, tmp_path / "run", resume="latest"), progress=False)
+    (tmp_path / "run" / "COMPLETE").unlink()  # as if it had been killed before its end
     with pytest.raises(CheckpointError, match="no checkpoint with optimizer state"):
         train(params(shard, tmp_path / "run", resume="latest"), progress=False)
     with pytest.raises(ParamError, match="resume and overwrite contradict"):
         train(params(shard, tmp_path / "run", resume="latest", overwrite=True), progress=False)
-    with pytest.raises(ParamError, match="global_batch"):
-        train(params(shard, tmp_path / "again", max_steps=5), progress=False)
+    train(params(shard, tmp_path / "again", max_steps=5), progress=False)
+    (tmp_path / "again" / "COMPLETE").unlink()  # killed before its end, with step-4 saved
+    with pytest.raises(ParamError, match="written with global_batch 16, this run has 32"):
         train(params(shard, tmp_path / "again", resume="latest", global_batch=32), progress=False)
+    with pytest.raises(ParamError, match="written with total_steps 5, this run has 6"):
+        train(params(shard, tmp_path / "again", resume="latest", max_steps=6), progress=False)

@@ -180,6 +180,43 @@ def test_a_non_finite_step_stops_before_the_optimizer_and_writes_no_checkpoint(t
     with torch.no_grad():
         model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
     save_checkpoint(model, tmp_path / "broken")
-    with pytest.raises(FloatingPointError, match="step 1: loss nan"):
+    with pytest.raises(FloatingPointError, match=r"step 1: loss nan.*Batch examples \(first 8\): \['(addition|uppercase)-"):
         run(tmp_path, small_shard, init_checkpoint=str(tmp_path / "broken"), max_steps=2, eval_at_start=False)
     assert not (tmp_path / "run" / "checkpoints").exists()
+    # With patience the bad steps are skipped (no update) until the patience runs out.
+    with pytest.raises(FloatingPointError, match="step 3: .* after 3 non-finite step"):
+        run(tmp_path, small_shard, "patient", init_checkpoint=str(tmp_path / "broken"), max_steps=5,
+            eval_at_start=False, nan_patience=2)
+    rows = [r for r in read_metrics(tmp_path / "patient" / "metrics.jsonl") if r["event"] == "train"]
+    assert [r["skipped"] for r in rows] == [True, True]
+
+
+def test_a_finished_run_is_marked_complete_last(tmp_path, small_shard):
+    run(tmp_path, small_shard, max_steps=1)
+    marker = json.loads((tmp_path / "run" / "COMPLETE").read_text())
+    assert marker["steps"] == 1
+    assert (tmp_path / "run" / "COMPLETE").stat().st_mtime_ns >= (tmp_path / "run" / "record.json").stat().st_mtime_ns
+    with pytest.raises(ParamError, match="completed run: nothing to resume"):
+        run(tmp_path, small_shard, max_steps=1, resume="latest")
+
+
+def test_out_of_disk_while_saving_stops_clearly_and_keeps_earlier_checkpoints(tmp_path, small_shard, monkeypatch):
+    import errno
+    import cflib.checkpoint
+    from cflib.checkpoint import CheckpointError
+
+    real_save_file = cflib.checkpoint.save_file
+    calls = []
+
+    def save_file(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) > 1:  # the first checkpoint fits, the second finds the disk full
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(cflib.checkpoint, "save_file", save_file)
+    with pytest.raises(CheckpointError, match="out of disk space writing checkpoint .*earlier checkpoints are intact"):
+        run(tmp_path, small_shard, max_steps=None, epochs=2, eval_at_start=False)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best"]  # epoch-1's save failed, nothing half-written
+    load_checkpoint(checkpoints / "best")
