@@ -59,6 +59,7 @@ class TrainParams:
     save_checkpoints: bool = True
     save_optimizer_state: bool = False  # beside epoch checkpoints, so a run can resume from them
     save_every_steps: int | None = None  # resumable step-N checkpoints in between
+    save_total_limit: int | None = None  # keep the newest N epoch/step checkpoints, plus the best
     resume: str | None = None  # None; "latest" (or true): out_dir's newest resumable checkpoint; or its path
     allow_world_size_change: bool = False  # resume on another number of processes
     device: str = "auto"
@@ -110,7 +111,7 @@ class TrainParams:
         for name in ("max_steps", "exact_match_limit", "nan_patience"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ParamError(f"{name} must be None or >= 0, got {getattr(self, name)}")
-        for name in ("eval_every_steps", "eval_micro_batch", "save_every_steps"):
+        for name in ("eval_every_steps", "eval_micro_batch", "save_every_steps", "save_total_limit"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
         if not self.lr > 0:

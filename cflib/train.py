@@ -333,8 +333,17 @@ class Trainer:
                 kept = [p for n, p in self.checkpoints.items() if n != "best_step"]
                 raise CheckpointError(f"out of disk space writing checkpoint {target}; it was not written and "
                                       f"the earlier checkpoints are intact: {kept or 'none yet'}") from err
+            self.checkpoints.pop(name, None)  # re-inserted last: the dict's order is the saving order
             self.checkpoints[name] = str(path)
+            self._prune_checkpoints()
         self.timing["checkpoint_s"] += time.perf_counter() - start
+
+    def _prune_checkpoints(self) -> None:
+        """Keep the newest save_total_limit checkpoints; "best" is never pruned."""
+        limit = self.params.save_total_limit
+        rolling = [name for name in self.checkpoints if name not in ("best", "best_step")]
+        for name in rolling[:-limit] if limit else ():
+            shutil.rmtree(self.checkpoints.pop(name), ignore_errors=True)
 
     def evaluation_point(self, tag: str, epoch: int, with_exact_match: bool, checkpoint: str | None = None) -> None:
         """Evaluate, keep the best weights, write the scheduled checkpoint; then every rank goes on together."""

@@ -220,3 +220,10 @@ def test_out_of_disk_while_saving_stops_clearly_and_keeps_earlier_checkpoints(tm
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["best"]  # epoch-1's save failed, nothing half-written
     load_checkpoint(checkpoints / "best")
+
+
+def test_save_total_limit_keeps_the_newest_and_the_best(tmp_path, small_shard):
+    record = run(tmp_path, small_shard, max_steps=None, epochs=3, save_every_steps=1, save_total_limit=2)
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["best", "epoch-3", "step-8"]  # step 9 ends epoch 3, whose own checkpoint it is
+    assert set(record["checkpoints"]) == {"best", "best_step", "epoch-3", "step-8"}
