@@ -111,3 +111,16 @@ def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
         train(params(shard, tmp_path / "again", resume="latest", global_batch=32), progress=False)
     with pytest.raises(ParamError, match="written with total_steps 5, this run has 6"):
         train(params(shard, tmp_path / "again", resume="latest", max_steps=6), progress=False)
+
+
+def test_resume_ignores_a_save_that_a_kill_left_half_done(tmp_path, shard):
+    out_dir = tmp_path / "run"
+    train(params(shard, out_dir, max_steps=9), progress=False)
+    (out_dir / "COMPLETE").unlink()  # as if killed while writing the step-8 checkpoint...
+    stale = out_dir / "checkpoints" / ".step-8.k1ll3d"  # ...whose staging folder was left behind
+    stale.mkdir()
+    (stale / "trainer_progress.json").write_text('{"step": 8, "epoch"')  # cut off mid-write
+    (stale / "trainer_state.pt").write_bytes(b"partial")
+    record = train(params(shard, out_dir, max_steps=9, resume="latest"), progress=False)
+    assert "checkpoints/step-8 at step 8" in record["model_source"]
+    assert record["schedule"]["steps_done"] == 9
