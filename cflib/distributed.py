@@ -22,7 +22,7 @@ from .config import ModelConfig
 TRAINING_BYTES_PER_PARAM = 16
 # Activation bytes per token per layer per hidden unit held for backward by this
 # reference path: 36.0 GiB peak for the 200M preset at 16 x 2,048 in BF16 on an
-# H200 (outputs/records/train_sft_200m_reference_h200.json) less 3.0 GiB of state
+# H200 (outputs/records/train_sft_200m_1gpu_h200.json) less 3.0 GiB of state
 # gives ~70; fp32 doubles it; checkpointing keeps each layer's input and one layer.
 ACTIVATION_BYTES = {"bf16": 72, "fp32": 144, "grad_ckpt": 8}
 
