@@ -33,7 +33,6 @@ class TrainParams:
     init_checkpoint: str | None = None  # checkpoint dir; its config.json gives the architecture
     data: str = "embedded"  # "embedded" or a shard root with train/ and eval/
     out_dir: str | None = None  # None: a new outputs/runs/<time>-<model> folder
-    overwrite: bool = False  # allow replacing a finished run in out_dir
     seed: int = 0
     seq_len: int = 64
     micro_batch_per_rank: int = 16
@@ -136,8 +135,6 @@ class TrainParams:
             raise ParamError(f"node_rank {self.node_rank} is not in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ParamError(f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the rendezvous on node 0)")
-        if self.resume is not None and self.overwrite:
-            raise ParamError("resume and overwrite contradict each other: a resumed run continues its out_dir")
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)

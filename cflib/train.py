@@ -110,9 +110,10 @@ def _out_dir(params: TrainParams, model_name: str) -> Path:
     if out_dir.exists() and not out_dir.is_dir():
         raise ParamError(f"out_dir {out_dir} exists and is not a directory")
     previous = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if previous and not params.overwrite and params.resume is None:
+    # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
+    if previous and params.resume is None:
         raise ParamError(f"out_dir {out_dir} already holds a run ({', '.join(previous)}); choose another "
-                         "out_dir, or set overwrite: true to replace it")
+                         "out_dir, or continue that run with resume: latest")
     return out_dir
 
 
@@ -435,10 +436,6 @@ class Trainer:
         started = time.perf_counter()
         if self.dist.is_main:
             run.out_dir.mkdir(parents=True, exist_ok=True)
-            if p.overwrite:  # validated in prepare; the old run goes only now that training starts
-                for name in RUN_FILES:
-                    target = run.out_dir / name
-                    shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
             if run.resume_state is not None:
                 self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
             write_json_atomic(run.out_dir / "params.json", {**asdict(p), "out_dir": str(run.out_dir)})

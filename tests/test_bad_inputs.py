@@ -26,7 +26,7 @@ from cflib.train import train
 
 TOKENIZER = ByteTokenizer()
 GOOD = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 8, "max_steps": 2,
-        "exact_match_limit": 0, "device": "cpu", "overwrite": True}
+        "exact_match_limit": 0, "device": "cpu"}
 
 
 def shard(root: Path, edit: Callable[[Path], None] | None = None, examples: list[Example] | None = None,

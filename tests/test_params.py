@@ -39,10 +39,10 @@ def test_unknown_parameter_suggests_the_close_match():
 
 def test_papermill_strings_are_coerced():
     params = TrainParams.from_dict({
-        "overwrite": "true", "fp32_loss": "False", "max_steps": "None", "lr": "1e-3", "seq_len": "12",
+        "grad_ckpt": "true", "fp32_loss": "False", "max_steps": "None", "lr": "1e-3", "seq_len": "12",
         "max_grad_norm": "null", "out_dir": "None", "seed": " 7 ", "weight_decay": "0",
     })
-    assert params.overwrite is True
+    assert params.grad_ckpt is True
     assert params.fp32_loss is False
     assert params.max_steps is None and params.max_grad_norm is None and params.out_dir is None
     assert params.lr == 1e-3 and isinstance(params.lr, float)
@@ -60,7 +60,7 @@ def test_yaml_typed_values_are_accepted():
 
 @pytest.mark.parametrize("name, value", [
     ("seq_len", "twelve"), ("seq_len", 1.5), ("seq_len", True), ("lr", "fast"), ("lr", False),
-    ("overwrite", "maybe"), ("overwrite", 2), ("data", 3), ("model", None), ("epochs", "None"),
+    ("grad_ckpt", "maybe"), ("grad_ckpt", 2), ("data", 3), ("model", None), ("epochs", "None"),
 ])
 def test_wrong_types_name_the_parameter(name, value):
     message = param_error({name: value})

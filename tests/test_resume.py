@@ -103,8 +103,8 @@ def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
     (tmp_path / "run" / "COMPLETE").unlink()  # as if it had been killed before its end
     with pytest.raises(CheckpointError, match="no checkpoint with optimizer state"):
         train(params(shard, tmp_path / "run", resume="latest"), progress=False)
-    with pytest.raises(ParamError, match="resume and overwrite contradict"):
-        train(params(shard, tmp_path / "run", resume="latest", overwrite=True), progress=False)
+    with pytest.raises(ParamError, match="already holds a run .* resume: latest"):
+        train(params(shard, tmp_path / "run"), progress=False)
     train(params(shard, tmp_path / "again", max_steps=5), progress=False)
     (tmp_path / "again" / "COMPLETE").unlink()  # killed before its end, with step-4 saved
     with pytest.raises(ParamError, match="written with global_batch 16, this run has 32"):

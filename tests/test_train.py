@@ -148,7 +148,7 @@ def test_bad_input_stops_before_training_and_keeps_out_dir(tmp_path, small_shard
     before = tree_digest(out)
     if bad.get("data") == "MISALIGNED":
         bad = {**bad, "data": str(misaligned_shard(tmp_path / "bad"))}
-    params = {**FAST, "data": str(small_shard), "out_dir": str(out), "overwrite": True, **bad}
+    params = {**FAST, "data": str(small_shard), "out_dir": str(out), "resume": None, **bad}
     with pytest.raises(error) as caught:
         train(params, progress=False)
     for word in words:
@@ -156,7 +156,7 @@ def test_bad_input_stops_before_training_and_keeps_out_dir(tmp_path, small_shard
     assert tree_digest(out) == before
 
 
-def test_an_existing_run_is_never_replaced_without_overwrite(tmp_path, small_shard):
+def test_an_existing_run_is_never_replaced(tmp_path, small_shard):
     run(tmp_path, small_shard, max_steps=1)
     before = tree_digest(tmp_path / "run")
     with pytest.raises(ParamError, match="already holds a run"):
