@@ -97,7 +97,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
-    model = TRMoEModel(config, build_route_tables=False)
+    model = TRMoEModel(config, build_routes=False)
     load_state_into(model, tensors, str(weights))
     return model.to(device=device, dtype=dtype)
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
-from .routing import build_route_table as new_route_table
+from .routing import build_route_table
 
 INIT_STD = 0.02
 
@@ -67,7 +67,7 @@ class Attention(nn.Module):
 class TRMoEEngine(nn.Module):
     """Shared SwiGLU plus routed SwiGLU experts chosen by a fixed token-id table."""
 
-    def __init__(self, config: ModelConfig, build_route_table: bool = True) -> None:
+    def __init__(self, config: ModelConfig, build_routes: bool = True) -> None:
         super().__init__()
         d, s, e, w = config.hidden_size, config.shared_intermediate_size, config.num_experts, config.expert_width
         self.shared_gate = nn.Linear(d, s, bias=False)
@@ -77,7 +77,7 @@ class TRMoEEngine(nn.Module):
         self.expert_up = nn.Parameter(torch.empty(e, d, w))
         self.expert_down = nn.Parameter(torch.empty(e, w, d))
         # A checkpoint's table is authoritative: when one will be loaded, nothing is built.
-        table = new_route_table(config) if build_route_table else torch.zeros(
+        table = build_route_table(config) if build_routes else torch.zeros(
             config.num_experts_per_tok, config.vocab_size, dtype=torch.int64)
         self.register_buffer("route_table", table)
         self.route_weights = config.route_weights()
@@ -110,13 +110,13 @@ class TRMoEEngine(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, build_route_table: bool = True) -> None:
+    def __init__(self, config: ModelConfig, build_routes: bool = True) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         # A dict, not a wrapper class, so the tensor names read `mlp.engine.*` as published.
-        self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_route_table)})
+        self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_routes)})
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -126,11 +126,11 @@ class DecoderLayer(nn.Module):
 class TRMoEModel(nn.Module):
     """Decoder returning final (normed) hidden states; the loss owns the tied head."""
 
-    def __init__(self, config: ModelConfig, build_route_tables: bool = True) -> None:
+    def __init__(self, config: ModelConfig, build_routes: bool = True) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, build_route_tables) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, build_routes) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         hd = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))

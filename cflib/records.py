@@ -20,7 +20,6 @@ class MetricsLog:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.rows: list[dict] = []
 
     def truncate_after(self, step: int) -> None:
         """Drop rows past `step`: a resumed run logs those steps again."""
@@ -30,7 +29,6 @@ class MetricsLog:
                 out.writelines(json.dumps(row, default=str) + "\n" for row in kept)
 
     def write(self, **row: Any) -> dict:
-        self.rows.append(row)
         with open(self.path, "a") as out:
             out.write(json.dumps(row, default=str) + "\n")
         return row
