@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 DEVICES = ("auto", "cpu", "cuda")
+KERNEL_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "ddp", "fsdp")
 
 
@@ -51,6 +52,8 @@ class TrainParams:
     fp32_loss: bool = True
     full_parameter: bool = True
     grad_ckpt: bool = False
+    use_custom_kernels: str = "auto"  # auto: fast paths where every check passes; true: require them; false: PyTorch
+    require_liger: bool = False  # fail before training unless Liger's kernels run
     eval_at_start: bool = True
     eval_every_steps: int | None = None
     eval_micro_batch: int | None = None  # None: micro_batch_per_rank
@@ -90,7 +93,11 @@ class TrainParams:
         hints = typing.get_type_hints(cls)
         if isinstance(raw.get("resume"), bool) or str(raw.get("resume")).lower() in ("true", "false"):
             raw = {**raw, "resume": "latest" if str(raw["resume"]).lower() == "true" else None}
+        if isinstance(raw.get("use_custom_kernels"), bool):  # YAML's true/false
+            raw = {**raw, "use_custom_kernels": str(raw["use_custom_kernels"]).lower()}
         values = {name: _coerce(name, value, hints[name]) for name, value in raw.items()}
+        if "use_custom_kernels" in values:
+            values["use_custom_kernels"] = values["use_custom_kernels"].strip().lower()
         params = cls(**values)
         params.validate()
         return params
@@ -129,6 +136,9 @@ class TrainParams:
         if not self.full_parameter:
             raise ParamError("full_parameter: false asks for parameter-efficient fine-tuning, which cflib does "
                              "not offer yet; the released recipe is full-parameter SFT (full_parameter: true)")
+        if self.use_custom_kernels not in KERNEL_CHOICES:
+            raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), "
+                             f"got {self.use_custom_kernels!r}")
         if self.strategy not in STRATEGIES:
             raise ParamError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not 0 <= self.node_rank < self.nnodes:

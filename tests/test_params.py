@@ -163,3 +163,13 @@ def test_load_params_file_errors(tmp_path, content):
     with pytest.raises(ParamError) as excinfo:
         load_params_file(path)
     assert str(path) in str(excinfo.value)
+
+
+@pytest.mark.parametrize("raw, expected", [(True, "true"), (False, "false"), ("AUTO", "auto"), (" true ", "true")])
+def test_use_custom_kernels_accepts_booleans_and_strings(raw, expected):
+    assert TrainParams.from_dict({"use_custom_kernels": raw}).use_custom_kernels == expected
+
+
+def test_use_custom_kernels_rejects_other_words():
+    with pytest.raises(ParamError, match="use_custom_kernels must be one of"):
+        TrainParams.from_dict({"use_custom_kernels": "fast"})
