@@ -21,12 +21,30 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.backend = "torch"  # or "liger" (TRMoEModel.use_kernels)
+        self.last_backend = "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last_backend = self.backend
+        if self.backend == "liger":
+            from .ops.liger import LigerRMSNormFunction
+            # "gemma" casting: normalise and scale in fp32, cast once at the end, as below.
+            return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "gemma", False)
         # Normalise in fp32 whatever the activation dtype: bf16 sums of squares drift.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return (1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))).float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, hd] fp32 tables, rotate-half layout (frequencies repeated)."""
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq.to(device))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,15 +69,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
+        self.rope_backend = "torch"  # or "liger"
+        self.fused_qkv = False  # one GEMM for q, k, v: the input is cast and read once
+        self.last_rope_backend = self.last_qkv = "none"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.fused_qkv:
+            weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            q, k, v = F.linear(x, weight).split([self.q_proj.out_features, self.k_proj.out_features,
+                                                 self.v_proj.out_features], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
+        q = self.q_norm(q.reshape(batch, seq, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
+        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        self.last_rope_backend = self.rope_backend
+        if self.rope_backend == "liger":
+            from .ops.liger import LigerRopeFunction
+            q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
+        else:
+            q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         # Right padding needs no mask: under the causal mask no real token sees a later pad.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2),
                                              is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
@@ -83,7 +116,10 @@ class TRMoEEngine(nn.Module):
         self.route_weights = config.route_weights()
         self.shared_output_scale = config.shared_output_scale
         self.routed_output_scale = config.routed_output_scale
+        self.backend = "torch_dense"  # or "triton_fused" (cflib.ops.trmoe)
+        self.swiglu_backend = "torch"  # or "liger", for the shared branch of torch_dense
         self.last_backend = "none"  # set by each forward: what actually ran
+        self.last_swiglu_backend = "none"
 
     def expert_coefficients(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N, E]: each token's route weight on its experts, zero elsewhere."""
@@ -97,7 +133,16 @@ class TRMoEEngine(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
+        if self.backend == "triton_fused":
+            from .ops.trmoe import trmoe_forward
+            self.last_backend = self.last_swiglu_backend = "triton_fused"
+            return trmoe_forward(self, x, token_ids.reshape(-1)).reshape(shape)
+        self.last_swiglu_backend = self.swiglu_backend
+        if self.swiglu_backend == "liger":
+            from .ops.liger import LigerSiLUMulFunction
+            shared = self.shared_down(LigerSiLUMulFunction.apply(self.shared_gate(x), self.shared_up(x)))
+        else:
+            shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
         # Dense over experts: with few narrow experts every expert on every token
         # is cheap, exact (unrouted experts get coefficient 0) and gather-free.
         gate = torch.einsum("nd,edw->new", x, self.expert_gate)
@@ -132,9 +177,7 @@ class TRMoEModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, build_routes) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        hd = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
         self.grad_ckpt = False
         self.reset_parameters()
 
@@ -153,14 +196,8 @@ class TRMoEModel(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight
 
-    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq.to(device))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rope(input_ids.shape[1], input_ids.device)
+        cos, sin = rope_cos_sin(self.inv_freq, input_ids.shape[1], input_ids.device)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.grad_ckpt and self.training:
@@ -169,11 +206,23 @@ class TRMoEModel(nn.Module):
                 h = layer(h, input_ids, cos, sin)
         return self.norm(h)
 
+    def use_kernels(self, plan) -> None:
+        """Point every module at the backends of a cflib.kernels.KernelPlan."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.backend = "liger" if plan.liger else "torch"
+            elif isinstance(module, Attention):
+                module.rope_backend = "liger" if plan.liger else "torch"
+                module.fused_qkv = plan.custom
+            elif isinstance(module, TRMoEEngine):
+                module.backend = "triton_fused" if plan.custom else "torch_dense"
+                module.swiglu_backend = "liger" if plan.liger else "torch"
+
     def kernel_path(self) -> dict[str, str]:
         """The backends the last forward actually used, read back from the modules."""
-        return {
-            "attention": "torch_sdpa",
-            "rmsnorm": "torch",
-            "rope": "torch",
-            "moe": self.layers[0].mlp["engine"].last_backend,
-        }
+        attention, engine = self.layers[0].self_attn, self.layers[0].mlp["engine"]
+        path = {"attention": "torch_sdpa", "qkv": attention.last_qkv, "rmsnorm": self.norm.last_backend,
+                "rope": attention.last_rope_backend, "swiglu": engine.last_swiglu_backend, "moe": engine.last_backend}
+        if isinstance(attention.q_norm, RMSNorm):
+            path["qk_norm"] = attention.q_norm.last_backend
+        return path

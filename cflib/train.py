@@ -31,7 +31,7 @@ from .data import ShardPartition, collate, open_shard
 from .distributed import (DistContext, choose_strategy, device_memory_bytes, epoch_stream, memory_estimate,
                           rank_share, wrap_model)
 from .evaluate import autocast, eval_loss, exact_match
-from .loss import chunked_cross_entropy_sum
+from .kernels import KernelPlan, SFTLoss, plan_kernels
 from .model import TRMoEModel
 from .params import ParamError, TrainParams, gradient_accumulation
 from .paths import resolve_path
@@ -70,6 +70,7 @@ class Run:
     dist: DistContext
     strategy: str
     memory_estimate: dict
+    kernels: KernelPlan
     resume_state: dict | None = None  # trainer state of the checkpoint this run continues
 
     @property
@@ -92,6 +93,7 @@ class Run:
             f"{p.nnodes} node(s) x {p.nproc_per_node} process(es), strategy {self.strategy} "
             f"(estimated {self.memory_estimate['total_bytes'] / 2**30:.1f} GiB of "
             f"{self.memory_estimate['device_bytes'] / 2**30:.0f} per device)",
+            f"kernels      {self.kernels.describe()}",
             f"out_dir      {self.out_dir}",
         ])
 
@@ -175,8 +177,10 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     model.grad_ckpt = params.grad_ckpt
+    kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device)
+    model.use_kernels(kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
-              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, resume_state)
+              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state)
     if resume_state is not None:
         _check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
@@ -251,6 +255,7 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, self.params, self.device, fused=run.strategy != "fsdp")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
+        self.loss = SFTLoss(run.kernels)
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
         self.evals: list[dict] = []
@@ -387,8 +392,7 @@ class Trainer:
             with self._gradient_sync(micro_start == micro_starts[-1]):
                 with autocast(self.device, p.bf16):
                     hidden = self.train_model(input_ids)
-                    loss_sum, _ = chunked_cross_entropy_sum(hidden, self.model.head_weight, labels,
-                                                            p.loss_chunk_tokens, p.fp32_loss)
+                    loss_sum, _ = self.loss(hidden, self.model.head_weight, labels, p.loss_chunk_tokens, p.fp32_loss)
                 # The step's token mean, times world size: data parallelism averages gradients over ranks.
                 (loss_sum * (self.dist.world_size / step_supervised)).backward()
             totals[0] += loss_sum.detach().double()
@@ -514,7 +518,9 @@ class Trainer:
             "world_size": self.dist.world_size,
             "strategy": run.strategy,
             "memory_estimate": run.memory_estimate,
-            "kernel_path": {**model.kernel_path(), "loss": "torch_chunked_linear_ce"},
+            "kernel_path": {**model.kernel_path(), "loss": self.loss.last_backend},
+            "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
+                                  "notes": list(run.kernels.notes)},
             **count_parameters(model),
             "params_active": config.active_parameters(),
             "vocab_size": config.vocab_size,

@@ -1,0 +1,82 @@
+"""Fused linear cross-entropy with per-token weights, for the tied head.
+
+Liger's fused linear CE takes class weights, not token weights (its
+reduction="none" path recomputes the whole head in backward). The weighted SFT
+loss needs sum_i w_i * CE_i at the speed of the unweighted one, so this op
+follows the same plan as cflib.loss's reference: head GEMMs over chunks of
+tokens (cuBLAS), and per chunk one Triton kernel that turns the logits, in
+place, into w_i * (softmax - onehot) while writing w_i * CE_i. No fp32 copy of
+a chunk's logits is ever made, and the gradients are done when forward ends.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreter  # noqa: F401
+
+BLOCK_VOCAB = 4096
+
+
+@triton.jit
+def _weighted_cross_entropy(logits_ptr, row_stride, targets_ptr, weights_ptr, loss_ptr, vocab_size,
+                            HAS_WEIGHTS: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    target = tl.load(targets_ptr + row)
+    weight = tl.load(weights_ptr + row).to(tl.float32) if HAS_WEIGHTS else 1.0
+    running_max = tl.zeros([], dtype=tl.float32) - float("inf")
+    running_sum = tl.zeros([], dtype=tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):  # online log-sum-exp: one read of the row
+        cols = start + tl.arange(0, BLOCK_V)
+        logits = tl.load(row_ptr + cols, mask=cols < vocab_size, other=-float("inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(logits, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max), axis=0)
+        running_max = new_max
+    log_z = running_max + tl.log(running_sum)
+    target_logit = tl.load(row_ptr + target).to(tl.float32)
+    tl.store(loss_ptr + row, weight * (log_z - target_logit))
+    for start in range(0, vocab_size, BLOCK_V):  # second read: the gradient, written over the logits
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < vocab_size
+        logits = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.exp(logits - log_z) - tl.where(cols == target, 1.0, 0.0)
+        tl.store(row_ptr + cols, (weight * grad).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def weighted_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor,
+                            weights: torch.Tensor | None) -> torch.Tensor:
+    """Per-row w_i * CE_i (fp32); overwrites `logits` [n, V] with d(sum)/d(logits)."""
+    assert logits.stride(1) == 1, "logits rows must be contiguous"
+    losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if logits.shape[0] == 0:
+        return losses
+    _weighted_cross_entropy[(logits.shape[0],)](
+        logits, logits.stride(0), targets.contiguous(), weights.contiguous() if weights is not None else losses,
+        losses, logits.shape[1], HAS_WEIGHTS=weights is not None,
+        BLOCK_V=min(BLOCK_VOCAB, triton.next_power_of_2(logits.shape[1])))
+    return losses
+
+
+class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                token_weights: torch.Tensor | None, chunk_tokens: int) -> torch.Tensor:
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h = hidden[start:start + chunk_tokens]
+            logits = h @ weight.t()
+            chunk_weights = token_weights[start:start + chunk_tokens] if token_weights is not None else None
+            loss_sum += weighted_cross_entropy_(logits, targets[start:start + chunk_tokens], chunk_weights).sum()
+            torch.mm(logits, weight, out=grad_hidden[start:start + chunk_tokens])
+            grad_weight += (logits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output, None, None, None

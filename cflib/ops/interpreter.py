@@ -1,0 +1,68 @@
+"""Two gaps of Triton's CPU interpreter that stop Liger's kernels, closed for TRITON_INTERPRET=1 only.
+
+CI has no GPU, so every Triton kernel (Liger's and ours) is checked under the
+interpreter. Two of its gaps break Liger's RMSNorm and SwiGLU there, though the
+compiled kernels are fine (triton 3.6 and 3.9, liger-kernel 0.8.5):
+
+1. Python float arguments reach the kernel as Python floats, where compiled
+   Triton gives fp32 scalars; Liger calls `eps.to(tl.float32)` on them.
+2. `libdevice.rsqrt`, imported by name into Liger's modules, has no interpreter
+   implementation (it returns None); `tl.rsqrt` is the same function.
+
+Nothing changes when the interpreter is off: compiled kernels never see this.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+if INTERPRETING and importlib.util.find_spec("triton") is not None:
+    import numpy as np
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    _implicit_cvt = interpreter._implicit_cvt
+
+    def _implicit_cvt_with_floats(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return _implicit_cvt(arg)
+
+    @triton.jit
+    def _rsqrt(x):
+        return tl.rsqrt(x)
+
+    interpreter._implicit_cvt = _implicit_cvt_with_floats
+    if importlib.util.find_spec("liger_kernel") is not None:
+        import liger_kernel.ops.fused_add_rms_norm
+        import liger_kernel.ops.rms_norm
+
+        liger_kernel.ops.rms_norm.rsqrt = _rsqrt
+        liger_kernel.ops.fused_add_rms_norm.rsqrt = _rsqrt
+
+
+def bf16_arithmetic_broken() -> bool:
+    """True when the interpreter multiplies bf16 values wrongly (it does in triton 3.9: raw bits).
+
+    Kernels that compute in fp32 and only store bf16 are unaffected; one that
+    multiplies bf16 values (Liger's SwiGLU forward) cannot be checked there.
+    """
+    if not INTERPRETING or importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+    probe = _bf16_probe()
+    a = torch.linspace(-3, 3, 16).bfloat16()
+    out = torch.empty_like(a)
+    probe[(1,)](a, a, out, BLOCK=16)
+    return not torch.allclose(out.float(), (a.float() * a.float()).bfloat16().float(), rtol=1e-2)
+
+
+def _bf16_probe():
+    @triton.jit
+    def multiply(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        tl.store(out_ptr + offsets, tl.load(a_ptr + offsets) * tl.load(b_ptr + offsets))
+    return multiply
