@@ -332,3 +332,86 @@ def error_grid(rows: list[dict]) -> tuple[list[str], list[str], list[list[float]
             math.log10(ratio) if math.isfinite(ratio) else math.inf
     return row_keys, col_keys, cells
 
+
+
+def run_job(out_dir: str | None = None, dtypes: str = "float32,bfloat16", shapes: str = "auto",
+            time_layers: bool = True, progress: bool = True) -> dict:
+    """The validate_kernels notebook's job: every comparison, the TR-MoE layer timing on a GPU, one record.
+
+    Writes out_dir/record.json (and never over another run's record) before any tolerance is judged,
+    so a failing run still leaves its evidence.
+    """
+    from datetime import datetime
+
+    from tqdm.auto import tqdm
+
+    from .atomic import write_json_atomic
+    from .paths import resolve_path
+    from .records import device_info, framework_versions
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    wanted = [d.strip() for d in dtypes.split(",") if d.strip()]
+    for name in wanted:
+        if name not in DTYPES:
+            raise ValueError(f"dtypes: unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+    available = {s.name: s for s in shapes_for(device)}
+    if shapes == "auto":
+        chosen = list(available.values())
+    else:
+        chosen = []
+        for name in (s.strip() for s in shapes.split(",")):
+            if name not in available:
+                raise ValueError(f"shapes: {name!r} is not available on {device.type} (available: "
+                                 f"{', '.join(available)}; the 200m shapes need a GPU)")
+            chosen.append(available[name])
+    target = resolve_path(out_dir or f"outputs/runs/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}-validate_kernels")
+    if (target / "record.json").exists():
+        raise ValueError(f"out_dir {target} already holds a record; choose another out_dir")
+    rows, skipped = validate(device, tuple(wanted), chosen,
+                             progress=(lambda grid: tqdm(grid, desc="comparisons")) if progress else None)
+    record = {
+        "job": "validate_kernels", "created_utc": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "framework": framework_versions(), "device": device_info(device),
+        "triton_interpreter": device.type == "cpu",
+        "truth": "PyTorch reference in float64 from the same inputs",
+        "error_measure": "normwise relative error ||fast - truth|| / ||truth||; max_abs; max_rel = max|diff| / max|truth|",
+        "tolerances": TOLERANCES, "shapes": {s.name: {"batch": s.batch, "seq_len": s.seq_len,
+                                                      **s.config.to_dict()} for s in chosen},
+        "summary": summarize(rows), "skipped": skipped, "rows": rows,
+    }
+    if device.type == "cuda" and time_layers:
+        config = next((s.config for s in chosen if s.name == "200m"), chosen[-1].config)
+        ms = time_trmoe(config, 16 * 2048, device)
+        record["trmoe_layer_ms"] = {"tokens": 16 * 2048, "precision": "bf16-autocast",
+                                    "timing": "triton.testing.do_bench median, forward+backward of one layer",
+                                    **ms, "speedup": ms["torch_dense"] / ms["triton_fused"]}
+    write_json_atomic(target / "record.json", record)
+    record["out_dir"] = str(target)
+    return record
+
+
+def error_table(rows: list[dict]) -> str:
+    header = f"{'component':14s} {'tensor':22s} {'shape':5s} {'dtype':9s} {'backend':38s} " \
+             f"{'norm_rel':>9s} {'ref':>9s} {'max_abs':>9s} {'max_rel':>9s} {'tol':>7s}  ok"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r['component']:14s} {r['tensor']:22s} {r['shape']:5s} {r['dtype']:9s} {str(r['backend']):38s} "
+                     f"{r['norm_rel']:9.2e} {r['reference_norm_rel']:9.2e} {r['max_abs']:9.2e} {r['max_rel']:9.2e} "
+                     f"{r['tolerance']:7.0e}  {'yes' if r['passed'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def plot_error_heatmap(rows: list[dict], save_to=None):
+    """log10(error / tolerance) per tensor and shape/dtype: below 0 passes."""
+    import matplotlib.pyplot as plt
+    row_keys, col_keys, cells = error_grid(rows)
+    fig, ax = plt.subplots(figsize=(2.2 + 1.3 * len(col_keys), 0.8 + 0.28 * len(row_keys)))
+    image = ax.imshow(cells, cmap="RdYlGn_r", vmin=-4, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(col_keys)), col_keys, rotation=30, ha="right")
+    ax.set_yticks(range(len(row_keys)), row_keys, fontsize=8)
+    fig.colorbar(image, ax=ax, label="log10(error / tolerance)")
+    ax.set_title("fast paths vs float64 truth (> 0 fails)")
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=110)
+    return fig
