@@ -77,6 +77,9 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
         return False
 
     common = triton_problem(device, rocm_opt_in=use_custom_kernels == "true")
+    if common is None and device.type == "cpu" and not require_liger and use_custom_kernels != "true":
+        # The interpreter proves kernels correct at a snail's pace: only an explicit request runs it.
+        common = "no GPU: Triton's interpreter runs only when a fast path is required (true)"
     custom = decide("use_custom_kernels", use_custom_kernels, common)
     # use_custom_kernels: true requires cflib's kernels; Liger is required only by require_liger.
     # The reference path (use_custom_kernels: false) is plain PyTorch unless Liger is required.

@@ -83,3 +83,13 @@ def test_papermill_launches_torchrun_from_the_notebook(tmp_path):
     assert "[rank 0] step 4/4" in text and "[rank 1] step 4/4" in text  # every rank, streamed live
     record = json.loads((out_dir / "record.json").read_text())
     assert record["world_size"] == 2 and record["strategy"] == "ddp" and record["grad_accum"] == 2
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_nbval_sees_every_check_output_marker(path):
+    """nbval honours a marker only alone on its comment line; a cell it ignores would check nothing."""
+    from nbval.plugin import find_comment_markers
+    for cell in nbformat.read(path, as_version=4).cells:
+        if "NBVAL_CHECK_OUTPUT" in cell.source:
+            assert ("check", True) in list(find_comment_markers(cell.source)), cell.source[:60]
+            assert cell.outputs, "a checked cell needs its expected output committed"
