@@ -21,8 +21,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.backend = "torch"  # or "liger" (TRMoEModel.use_kernels)
+        self.backend = "torch"  # or "liger", or "cflib_add_rmsnorm" on the residual stream (TRMoEModel.use_kernels)
         self.last_backend = "none"
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, its norm) in one kernel: the residual stream stays fp32, the norm comes out for the GEMM."""
+        from .ops.add_rms_norm import add_rms_norm
+        self.last_backend = "cflib_add_rmsnorm"
+        return add_rms_norm(h, delta, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.last_backend = self.backend
@@ -163,9 +169,15 @@ class DecoderLayer(nn.Module):
         # A dict, not a wrapper class, so the tensor names read `mlp.engine.*` as published.
         self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_routes)})
 
-    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(h, pending): with fused add+norm, the MLP output is added by the next norm, so it is returned apart."""
+        if self.input_layernorm.backend == "cflib_add_rmsnorm":
+            h, x = self.input_layernorm.add_norm(h, pending)
+            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin))
+            return h, self.mlp["engine"](x, token_ids)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids)
+        return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids), None
 
 
 class TRMoEModel(nn.Module):
@@ -198,12 +210,14 @@ class TRMoEModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         cos, sin = rope_cos_sin(self.inv_freq, input_ids.shape[1], input_ids.device)
-        h = self.embed_tokens(input_ids)
+        h, pending = self.embed_tokens(input_ids), None
         for layer in self.layers:
             if self.grad_ckpt and self.training:
-                h = checkpoint(layer, h, input_ids, cos, sin, use_reentrant=False)
+                h, pending = checkpoint(layer, h, input_ids, cos, sin, pending, use_reentrant=False)
             else:
-                h = layer(h, input_ids, cos, sin)
+                h, pending = layer(h, input_ids, cos, sin, pending)
+        if self.norm.backend == "cflib_add_rmsnorm":
+            return self.norm.add_norm(h, pending)[1]
         return self.norm(h)
 
     def use_kernels(self, plan) -> None:
@@ -217,6 +231,10 @@ class TRMoEModel(nn.Module):
             elif isinstance(module, TRMoEEngine):
                 module.backend = "triton_fused" if plan.custom else "torch_dense"
                 module.swiglu_backend = "liger" if plan.liger else "torch"
+        if plan.custom:  # the norms on the residual stream also take its add (cflib.ops.add_rms_norm)
+            for layer in self.layers:
+                layer.input_layernorm.backend = layer.post_attention_layernorm.backend = "cflib_add_rmsnorm"
+            self.norm.backend = "cflib_add_rmsnorm"
 
     def kernel_path(self) -> dict[str, str]:
         """The backends the last forward actually used, read back from the modules."""

@@ -79,6 +79,23 @@ def _rms_fast(inputs):
     return norm(inputs["x"]), norm.last_backend
 
 
+def _add_norm_inputs(shape, gen, device):
+    return {"h": _randn((shape.batch * shape.seq_len, shape.config.hidden_size), gen, device),
+            "delta": _randn((shape.batch * shape.seq_len, shape.config.hidden_size), gen, device),
+            "weight": _randn((shape.config.hidden_size,), gen, device, 0.1, 1.0)}
+
+
+def _add_norm_reference(inputs):
+    total = inputs["h"] + inputs["delta"]
+    return torch.cat([total.flatten(), _rms_module(inputs, "torch")(total).flatten().to(total.dtype)])
+
+
+def _add_norm_fast(inputs):
+    norm = _rms_module(inputs, "cflib_add_rmsnorm")
+    total, normed = norm.add_norm(inputs["h"], inputs["delta"])
+    return torch.cat([total.flatten(), normed.flatten().to(total.dtype)]), norm.last_backend
+
+
 def _rope_inputs(shape, gen, device):
     c = shape.config
     return {"q": _randn((shape.batch, shape.seq_len, c.num_attention_heads, c.head_dim), gen, device),
@@ -185,6 +202,9 @@ def _loss_fast(plan: KernelPlan):
 
 COMPONENTS = [
     Component("rmsnorm", "liger", _rms_inputs, ("weight",), lambda i: _rms_module(i, "torch")(i["x"]), _rms_fast),
+    # h is the fp32 residual stream in every run, like a weight: listed with them.
+    Component("add_rmsnorm", "cflib_add_rmsnorm", _add_norm_inputs, ("h", "weight"), _add_norm_reference,
+              _add_norm_fast),
     Component("rope", "liger", _rope_inputs, (), _rope_reference, _rope_fast),
     Component("swiglu", "liger", _swiglu_inputs, (), lambda i: F.silu(i["gate"]) * i["up"], _swiglu_fast,
               bf16_arithmetic=True),

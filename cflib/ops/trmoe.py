@@ -18,9 +18,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import interpreter  # noqa: F401
+from .interpreter import INTERPRETING
 
-BLOCK_ROWS, BLOCK_COLS = 32, 128
+# Tried on the device at first use per width (do_bench inside triton.autotune); one config in the interpreter.
+_CONFIGS = [triton.Config({"BLOCK_R": 32, "BLOCK_C": 128}, num_warps=4)] if INTERPRETING else [
+    triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
+    for r, c, w in ((32, 128, 4), (16, 256, 4), (32, 256, 8), (64, 128, 8), (8, 512, 4), (64, 256, 8))]
 
 
 @triton.jit
@@ -31,6 +34,7 @@ def _column_scale(coeff_ptr, rows, cols, mask, shared_columns, expert_width, num
     return tl.where(routed[None, :], coeff, shared_scale)
 
 
+@triton.autotune(_CONFIGS, key=["columns"])
 @triton.jit
 def _scaled_swiglu_forward(gate_up_ptr, coeff_ptr, out_ptr, num_rows, columns, shared_columns, expert_width,
                            num_experts, shared_scale, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -46,6 +50,7 @@ def _scaled_swiglu_forward(gate_up_ptr, coeff_ptr, out_ptr, num_rows, columns, s
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.autotune(_CONFIGS, key=["columns"], restore_value=["gate_up_ptr"])
 @triton.jit
 def _scaled_swiglu_backward(grad_out_ptr, gate_up_ptr, coeff_ptr, num_rows, columns, shared_columns, expert_width,
                             num_experts, shared_scale, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -67,8 +72,8 @@ def _scaled_swiglu_backward(grad_out_ptr, gate_up_ptr, coeff_ptr, num_rows, colu
     tl.store(gate_up_ptr + gate_offsets + columns, grad_up.to(gate_up_ptr.dtype.element_ty), mask=mask)
 
 
-def _grid(num_rows: int, columns: int) -> tuple[int, int]:
-    return triton.cdiv(num_rows, BLOCK_ROWS), triton.cdiv(columns, BLOCK_COLS)
+def _grid(num_rows: int, columns: int):
+    return lambda meta: (triton.cdiv(num_rows, meta["BLOCK_R"]), triton.cdiv(columns, meta["BLOCK_C"]))
 
 
 def _scaled_swiglu(gate_up: torch.Tensor, coeff: torch.Tensor, shared_columns: int, expert_width: int,
@@ -76,8 +81,7 @@ def _scaled_swiglu(gate_up: torch.Tensor, coeff: torch.Tensor, shared_columns: i
     num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(num_rows, columns, dtype=gate_up.dtype, device=gate_up.device)
     _scaled_swiglu_forward[_grid(num_rows, columns)](
-        gate_up, coeff, out, num_rows, columns, shared_columns, expert_width, coeff.shape[1], shared_scale,
-        BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+        gate_up, coeff, out, num_rows, columns, shared_columns, expert_width, coeff.shape[1], shared_scale)
     return out
 
 
@@ -110,7 +114,7 @@ class ScaledSwiGLUDown(torch.autograd.Function):
         num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
         _scaled_swiglu_backward[_grid(num_rows, columns)](
             grad_hidden, gate_up, coeff, num_rows, columns, shared_columns, expert_width, coeff.shape[1],
-            shared_scale, BLOCK_R=BLOCK_ROWS, BLOCK_C=BLOCK_COLS)
+            shared_scale)
         return gate_up, None, grad_down, None, None, None
 
 

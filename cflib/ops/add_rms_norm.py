@@ -1,0 +1,123 @@
+"""Residual add + RMSNorm in one pass: s = h + delta (fp32), y = rmsnorm(s) * w in the compute dtype.
+
+Pre-norm blocks add each sub-layer's output into an fp32 residual stream and
+normalise it again right away. Done apart, that is an add kernel (read h and
+delta, write s), a norm (read s, write an fp32 y) and autocast's cast of y to
+BF16 for the next GEMM (read, write); its backward is as long again. One kernel
+reads h and delta once and writes s and the BF16 y; one backward kernel
+folds the residual's incoming gradient in. Liger's fused add+RMSNorm needs both
+inputs in one dtype and writes y in it, which is what this avoids.
+
+Backward keeps s in the compute dtype (BF16 under autocast), as every GEMM
+here keeps its BF16 input: the forward is exact in fp32; only the norm's
+gradient sees the rounded s.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreter  # noqa: F401
+
+
+@triton.jit
+def _add_rms_norm_forward(h_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, saved_ptr, rstd_ptr, num_rows, dim, eps,
+                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * dim + cols[None, :]
+    s = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s += tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(sum_ptr + offsets, s, mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
+    weight = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    y = s * rstd[:, None] * weight[None, :]
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(saved_ptr + offsets, s.to(saved_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < num_rows)
+
+
+@triton.jit
+def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weight_ptr, grad_s_ptr, grad_delta_ptr,
+                           grad_weight_ptr, num_rows, dim, rows_per_program,
+                           HAS_GRAD_SUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Each program walks rows_per_program rows, accumulating its share of d(weight) in registers."""
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    grad_weight = tl.zeros([BLOCK_D], dtype=tl.float32)
+    first = tl.program_id(0) * rows_per_program
+    for start in range(first, first + rows_per_program, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        row_mask = (rows < num_rows) & (rows < first + rows_per_program)
+        mask = row_mask[:, None] & col_mask[None, :]
+        offsets = rows.to(tl.int64)[:, None] * dim + cols[None, :]
+        grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        normed = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        grad_weight += tl.sum(grad_out * normed, axis=0)
+        scaled = grad_out * weight[None, :]
+        grad_s = rstd[:, None] * (scaled - normed * (tl.sum(scaled * normed, axis=1) / dim)[:, None])
+        if HAS_GRAD_SUM:
+            grad_s += tl.load(grad_sum_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_s_ptr + offsets, grad_s, mask=mask)
+        tl.store(grad_delta_ptr + offsets, grad_s.to(grad_delta_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_weight_ptr + tl.program_id(0) * dim + cols, grad_weight, mask=col_mask)
+
+
+def _block_rows(dim: int) -> tuple[int, int]:
+    block_d = triton.next_power_of_2(dim)
+    return max(1, 2048 // block_d), block_d
+
+
+class AddRMSNorm(torch.autograd.Function):
+    """(h fp32, delta, weight) -> (s = h + delta in fp32, rmsnorm(s) * weight in out_dtype)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dim = h.shape, h.shape[-1]
+        h, delta = h.reshape(-1, dim).contiguous(), delta.reshape(-1, dim).contiguous()
+        num_rows = h.shape[0]
+        total = torch.empty(num_rows, dim, dtype=torch.float32, device=h.device)
+        out = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
+        saved = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
+        rstd = torch.empty(num_rows, dtype=torch.float32, device=h.device)
+        block_r, block_d = _block_rows(dim)
+        _add_rms_norm_forward[(triton.cdiv(num_rows, block_r),)](
+            h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps), BLOCK_R=block_r, BLOCK_D=block_d)
+        ctx.save_for_backward(saved, rstd, weight)
+        ctx.dtypes = (h.dtype, delta.dtype)
+        return total.view(shape), out.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_sum: torch.Tensor | None, grad_out: torch.Tensor):
+        saved, rstd, weight = ctx.saved_tensors
+        shape, dim = grad_out.shape, grad_out.shape[-1]
+        grad_out = grad_out.reshape(-1, dim).contiguous()
+        num_rows = grad_out.shape[0]
+        grad_sum = grad_sum.reshape(-1, dim).contiguous() if grad_sum is not None else None  # None: s unused
+        grad_s = torch.empty(num_rows, dim, dtype=torch.float32, device=grad_out.device)
+        grad_delta = torch.empty(num_rows, dim, dtype=ctx.dtypes[1], device=grad_out.device)
+        programs = (2 * torch.cuda.get_device_properties(grad_out.device).multi_processor_count
+                    if grad_out.is_cuda else 4)
+        rows_per_program = triton.cdiv(num_rows, programs)
+        partial = torch.empty(programs, dim, dtype=torch.float32, device=grad_out.device)
+        block_r, block_d = _block_rows(dim)
+        _add_rms_norm_backward[(programs,)](
+            grad_out, grad_sum if grad_sum is not None else grad_out, saved, rstd, weight, grad_s, grad_delta, partial,
+            num_rows, dim, rows_per_program, HAS_GRAD_SUM=grad_sum is not None, BLOCK_R=block_r, BLOCK_D=block_d)
+        return (grad_s.view(shape).to(ctx.dtypes[0]), grad_delta.view(shape), partial.sum(0).to(weight.dtype),
+                None, None)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new fp32 residual, normed input of the next GEMM in the autocast dtype)."""
+    device_type = h.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
+    if delta is None:  # the first layer: nothing to add yet (one cheap zero tensor keeps a single kernel)
+        delta = torch.zeros_like(h, dtype=out_dtype)
+    return AddRMSNorm.apply(h, delta, weight, eps, out_dtype)
