@@ -81,22 +81,30 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
+        q_width, k_width = self.q_proj.out_features, self.k_proj.out_features
         if self.fused_qkv:
-            weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-            q, k, v = F.linear(x, weight).split([self.q_proj.out_features, self.k_proj.out_features,
-                                                 self.v_proj.out_features], dim=-1)
+            qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+            qkv = qkv.view(batch * seq, -1)
+            q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + k_width], qkv[:, q_width + k_width:]
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
-        q = self.q_norm(q.reshape(batch, seq, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
         v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
         self.last_rope_backend = self.rope_backend
-        if self.rope_backend == "liger":
-            from .ops.liger import LigerRopeFunction
-            q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
+        if self.rope_backend == "cflib_qk_norm_rope":  # set only with fused_qkv and QK-norm
+            from .ops.qk_norm_rope import qk_norm_rope
+            self.q_norm.last_backend = self.k_norm.last_backend = "cflib_qk_norm_rope"
+            q, k = qk_norm_rope(qkv[:, :q_width + k_width], self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                batch, seq, self.num_heads, self.num_kv_heads, self.q_norm.eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
         else:
-            q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+            q = self.q_norm(q.reshape(batch, seq, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
+            if self.rope_backend == "liger":
+                from .ops.liger import LigerRopeFunction
+                q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
+            else:
+                q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         # Right padding needs no mask: under the causal mask no real token sees a later pad.
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2),
                                              is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
@@ -228,6 +236,8 @@ class TRMoEModel(nn.Module):
             elif isinstance(module, Attention):
                 module.rope_backend = "liger" if plan.liger else "torch"
                 module.fused_qkv = plan.custom
+                if plan.custom and isinstance(module.q_norm, RMSNorm):
+                    module.rope_backend = "cflib_qk_norm_rope"
             elif isinstance(module, TRMoEEngine):
                 module.backend = "triton_fused" if plan.custom else "torch_dense"
                 module.swiglu_backend = "liger" if plan.liger else "torch"

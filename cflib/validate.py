@@ -68,7 +68,7 @@ def _rms_inputs(shape, gen, device):
 
 
 def _rms_module(inputs: dict, backend: str) -> RMSNorm:
-    norm = RMSNorm(inputs["weight"].shape[0], 1e-6).to(inputs["weight"].device)
+    norm = RMSNorm(inputs["weight"].shape[0], 1e-6).to(inputs["weight"].device)  # the preset's norm_eps
     norm.weight = inputs["weight"]
     norm.backend = backend
     return norm
@@ -119,6 +119,36 @@ def _rope_fast(inputs):
     cos, sin = _cos_sin(inputs)
     q, k = LigerRopeFunction.apply(inputs["q"].transpose(1, 2), inputs["k"].transpose(1, 2), cos, sin)
     return torch.cat([q.transpose(1, 2).flatten(), k.transpose(1, 2).flatten()]), "liger"
+
+
+def _qk_inputs(shape, gen, device):
+    c = shape.config
+    return {"qk": _randn((shape.batch * shape.seq_len, (c.num_attention_heads + c.num_key_value_heads) * c.head_dim),
+                         gen, device),
+            "q_weight": _randn((c.head_dim,), gen, device, 0.1, 1.0),
+            "k_weight": _randn((c.head_dim,), gen, device, 0.1, 1.0), "shape": shape}
+
+
+def _qk_reference(inputs):
+    shape, qk = inputs["shape"], inputs["qk"]
+    c = shape.config
+    q, k = qk.view(shape.batch, shape.seq_len, -1, c.head_dim).split([c.num_attention_heads, c.num_key_value_heads],
+                                                                       dim=2)
+    cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, qk.device)
+    if qk.dtype == torch.float64:
+        cos, sin = cos.double(), sin.double()
+    q = apply_rope(_rms_module({"weight": inputs["q_weight"]}, "torch")(q), cos, sin)
+    k = apply_rope(_rms_module({"weight": inputs["k_weight"]}, "torch")(k), cos, sin)
+    return torch.cat([q.flatten(), k.flatten()])
+
+
+def _qk_fast(inputs):
+    from .ops.qk_norm_rope import qk_norm_rope
+    shape, c = inputs["shape"], inputs["shape"].config
+    cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, inputs["qk"].device)
+    q, k = qk_norm_rope(inputs["qk"], inputs["q_weight"], inputs["k_weight"], cos, sin, shape.batch, shape.seq_len,
+                        c.num_attention_heads, c.num_key_value_heads, 1e-6)
+    return torch.cat([q.flatten(), k.flatten()]), "cflib_qk_norm_rope"
 
 
 def _swiglu_inputs(shape, gen, device):
@@ -205,6 +235,7 @@ COMPONENTS = [
     # h is the fp32 residual stream in every run, like a weight: listed with them.
     Component("add_rmsnorm", "cflib_add_rmsnorm", _add_norm_inputs, ("h", "weight"), _add_norm_reference,
               _add_norm_fast),
+    Component("qk_norm_rope", "cflib_qk_norm_rope", _qk_inputs, ("q_weight", "k_weight"), _qk_reference, _qk_fast),
     Component("rope", "liger", _rope_inputs, (), _rope_reference, _rope_fast),
     Component("swiglu", "liger", _swiglu_inputs, (), lambda i: F.silu(i["gate"]) * i["up"], _swiglu_fast,
               bf16_arithmetic=True),

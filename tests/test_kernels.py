@@ -62,8 +62,8 @@ def test_whole_model_production_path_matches_reference():
     ref_loss, ref_grads, ref_backend = _loss_and_grads(model, KernelPlan(liger=False, custom=False), ids, labels)
     fast_loss, fast_grads, fast_backend = _loss_and_grads(model, KernelPlan(liger=True, custom=True), ids, labels)
     path = model.kernel_path()
-    assert path["moe"] == "triton_fused" and path["rmsnorm"] == "cflib_add_rmsnorm" and path["rope"] == "liger"
-    assert path["qk_norm"] == "liger"
+    assert path["moe"] == "triton_fused" and path["rmsnorm"] == "cflib_add_rmsnorm"
+    assert path["rope"] == path["qk_norm"] == "cflib_qk_norm_rope"
     assert path["qkv"] == "fused_gemm" and (ref_backend, fast_backend) == ("torch_chunked_linear_ce",
                                                                            "liger_fused_linear_ce")
     assert fast_loss == pytest.approx(ref_loss, rel=1e-5)
@@ -109,7 +109,7 @@ def test_training_records_the_kernels_that_ran(tmp_path):
                     "device": DEVICE.type, "out_dir": str(tmp_path / "run"),
                     "use_custom_kernels": "true", "require_liger": True}, progress=False)
     assert record["kernel_path"]["moe"] == "triton_fused"
-    assert record["kernel_path"]["rmsnorm"] == "cflib_add_rmsnorm" and record["kernel_path"]["qk_norm"] == "liger"
+    assert record["kernel_path"]["rmsnorm"] == "cflib_add_rmsnorm" and record["kernel_path"]["qk_norm"] == "cflib_qk_norm_rope"
     assert record["kernel_path"]["loss"] == "liger_fused_linear_ce"
     assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True, "notes": []}
 

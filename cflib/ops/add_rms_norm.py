@@ -14,6 +14,8 @@ gradient sees the rounded s.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -67,6 +69,11 @@ def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weig
     tl.store(grad_weight_ptr + tl.program_id(0) * dim + cols, grad_weight, mask=col_mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _block_rows(dim: int) -> tuple[int, int]:
     block_d = triton.next_power_of_2(dim)
     return max(1, 2048 // block_d), block_d
@@ -101,8 +108,7 @@ class AddRMSNorm(torch.autograd.Function):
         grad_sum = grad_sum.reshape(-1, dim).contiguous() if grad_sum is not None else None  # None: s unused
         grad_s = torch.empty(num_rows, dim, dtype=torch.float32, device=grad_out.device)
         grad_delta = torch.empty(num_rows, dim, dtype=ctx.dtypes[1], device=grad_out.device)
-        programs = (2 * torch.cuda.get_device_properties(grad_out.device).multi_processor_count
-                    if grad_out.is_cuda else 4)
+        programs = 2 * _multiprocessors(grad_out.device) if grad_out.is_cuda else 4
         rows_per_program = triton.cdiv(num_rows, programs)
         partial = torch.empty(programs, dim, dtype=torch.float32, device=grad_out.device)
         block_r, block_d = _block_rows(dim)

@@ -1,0 +1,150 @@
+"""QK-norm and RoPE on the fused QKV projection's output, in one kernel each way.
+
+After the QKV GEMM every query and key head is RMS-normalised with its own
+weight (QK-norm) and rotated (RoPE, rotate-half). Done apart that is four
+launches forward (two norms, RoPE, plus the copies that make q and k
+contiguous) and as many backward, each re-reading the heads, and on the
+host the launch overhead of each: at 200M shapes the forward pass was bound by
+the host. One program here takes a block of (token, head) rows straight from
+the QKV output, normalises and rotates them in fp32 and writes q and k in the
+layout SDPA reads.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreter  # noqa: F401
+
+BLOCK_ROWS = 64
+
+
+@triton.jit
+def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
+                          q_ptr, k_ptr, rstd_ptr, num_rows, q_heads, kv_heads, eps,
+                          HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    half: tl.constexpr = HEAD_DIM // 2
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) pairs, heads q then k
+    row_mask = rows < num_rows
+    heads = q_heads + kv_heads
+    token, head = rows // heads, rows % heads
+    is_q = head < q_heads
+    cols = tl.arange(0, half)
+    src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+    mask = row_mask[:, None]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + cols)[None, :])
+    w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half + cols)[None, :],
+                  tl.load(k_weight_ptr + half + cols)[None, :])
+    n1, n2 = x1 * rstd[:, None] * w1, x2 * rstd[:, None] * w2
+    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    y1, y2 = n1 * cos - n2 * sin, n2 * cos + n1 * sin  # rotate-half: cos and sin repeat across the halves
+    q_dst = q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
+    k_dst = k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
+    q_mask, k_mask = mask & is_q[:, None], mask & (~is_q)[:, None]
+    tl.store(q_dst, y1.to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_dst + half, y2.to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(k_dst, y1.to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_dst + half, y2.to(k_ptr.dtype.element_ty), mask=k_mask)
+
+
+@triton.jit
+def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, cos_ptr,
+                           sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_w_ptr, num_rows, q_heads, kv_heads,
+                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    half: tl.constexpr = HEAD_DIM // 2
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < num_rows
+    heads = q_heads + kv_heads
+    token, head = rows // heads, rows % heads
+    is_q = head < q_heads
+    cols = tl.arange(0, half)
+    mask = row_mask[:, None]
+    q_src = grad_q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
+    k_src = grad_k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
+    q_mask, k_mask = mask & is_q[:, None], mask & (~is_q)[:, None]
+    g1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32) + tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32)
+    g2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32) + \
+        tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32)
+    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
+    src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    xhat1 = tl.load(src, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    xhat2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + cols)[None, :])
+    w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half + cols)[None, :],
+                  tl.load(k_weight_ptr + half + cols)[None, :])
+    s1, s2 = d1 * w1, d2 * w2
+    mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
+    dst = grad_x_ptr + token.to(tl.int64)[:, None] * (heads * HEAD_DIM) + head[:, None] * HEAD_DIM + cols[None, :]
+    tl.store(dst, (rstd[:, None] * (s1 - xhat1 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, (rstd[:, None] * (s2 - xhat2 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
+    # This block's d(weight), per half, q rows and k rows apart: [program, {q, k}, HEAD_DIM].
+    partial = grad_w_ptr + tl.program_id(0) * 2 * HEAD_DIM
+    qf, kf = tl.where(is_q & row_mask, 1.0, 0.0)[:, None], tl.where(~is_q & row_mask, 1.0, 0.0)[:, None]
+    tl.store(partial + cols, tl.sum(d1 * xhat1 * qf, axis=0))
+    tl.store(partial + half + cols, tl.sum(d2 * xhat2 * qf, axis=0))
+    tl.store(partial + HEAD_DIM + cols, tl.sum(d1 * xhat1 * kf, axis=0))
+    tl.store(partial + HEAD_DIM + half + cols, tl.sum(d2 * xhat2 * kf, axis=0))
+
+
+class QKNormRope(torch.autograd.Function):
+    """qk [N, (Hq + Hkv) * hd] (a view of the QKV output) -> q [N, Hq, hd], k [N, Hkv, hd], normed and rotated."""
+
+    @staticmethod
+    def forward(ctx, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        head_dim = q_weight.shape[0]
+        tokens = qk.shape[0]
+        assert qk.stride(1) == 1, "qk rows must be contiguous"
+        q = torch.empty(tokens, q_heads, head_dim, dtype=qk.dtype, device=qk.device)
+        k = torch.empty(tokens, kv_heads, head_dim, dtype=qk.dtype, device=qk.device)
+        rows = tokens * (q_heads + kv_heads)
+        rstd = torch.empty(rows, dtype=torch.float32, device=qk.device)
+        _qk_norm_rope_forward[(triton.cdiv(rows, BLOCK_ROWS),)](
+            qk, qk.stride(0), q_weight, k_weight, cos, sin, positions, q, k, rstd, rows, q_heads, kv_heads,
+            float(eps), HEAD_DIM=head_dim, BLOCK_R=BLOCK_ROWS)
+        ctx.save_for_backward(qk, q_weight, k_weight, cos, sin, positions, rstd)
+        ctx.heads = (q_heads, kv_heads)
+        return q, k
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
+        qk, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
+        q_heads, kv_heads = ctx.heads
+        head_dim, tokens = q_weight.shape[0], qk.shape[0]
+        rows = tokens * (q_heads + kv_heads)
+        programs = triton.cdiv(rows, BLOCK_ROWS)
+        grad_x = torch.empty(tokens, (q_heads + kv_heads) * head_dim, dtype=qk.dtype, device=qk.device)
+        partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qk.device)
+        _qk_norm_rope_backward[(programs,)](
+            grad_q.contiguous(), grad_k.contiguous(), qk, qk.stride(0), q_weight, k_weight, cos, sin, positions, rstd,
+            grad_x, partial, rows, q_heads, kv_heads, HEAD_DIM=head_dim, BLOCK_R=BLOCK_ROWS)
+        grad_w = partial.sum(0)
+        return grad_x, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype), None, None, None, None, None, None
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(seq, device=device, dtype=torch.int32).repeat(batch)
+
+
+def qk_norm_rope(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, batch: int, seq: int, q_heads: int, kv_heads: int,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, hd], k [B, T, Hkv, hd] from qk [B*T, (Hq + Hkv) * hd]; positions 0..T-1 in every row."""
+    q, k = QKNormRope.apply(qk, q_weight, k_weight, cos.contiguous(), sin.contiguous(),
+                            _positions(batch, seq, qk.device), q_heads, kv_heads, eps)
+    return q.view(batch, seq, q_heads, -1), k.view(batch, seq, kv_heads, -1)
