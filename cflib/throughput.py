@@ -31,7 +31,7 @@ from . import __version__
 from .atomic import write_json_atomic
 from .config import PRESETS, ModelConfig
 from .data import IGNORE_INDEX, Example, ShardPartition, open_shard, write_partition
-from .params import DEVICES, ParamError, TrainParams, _coerce
+from .params import DEVICES, ParamError, TrainParams, _coerce, _is_user_variable
 from .paths import resolve_path
 from .peer import PathUnavailable, PeerTrainer, build_llama, liger_applied, peer_kernel_path
 from .records import device_info, framework_versions
@@ -106,6 +106,13 @@ class ThroughputParams:
         params = cls(**values)
         params.validate()
         return params
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "ThroughputParams":
+        """The parameters a notebook defined (its parameters and injected-parameters cells)."""
+        return cls.from_dict({name: value for name, value in namespace.items()
+                              if _is_user_variable(name, value if not isinstance(value, (list, tuple)) else None)},
+                             source="notebook parameters")
 
     def validate(self) -> None:
         if self.model not in PRESETS:
