@@ -107,11 +107,13 @@ class PeerTrainer:
         input_ids, labels = collate([self.data[int(i)] for i in step_examples], self.data.eos_token_id)
         supervised = int((labels != IGNORE_INDEX).sum())
         input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+        # A tensor, not an int: torch.compile would specialise (and recompile) on each new count.
+        count = torch.tensor(supervised, device=self.device)
         with autocast(self.device, self.params.bf16):
             # Our labels are already causally aligned: shift_labels stops transformers shifting them again.
             # num_items_in_batch makes the loss a sum over supervised tokens divided by their count.
             loss = self.train_model(input_ids=input_ids, labels=labels, shift_labels=labels,
-                                    num_items_in_batch=supervised).loss
+                                    num_items_in_batch=count).loss
         loss.backward()
         max_norm = self.params.max_grad_norm or math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))

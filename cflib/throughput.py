@@ -34,7 +34,7 @@ from .data import IGNORE_INDEX, Example, ShardPartition, open_shard, write_parti
 from .params import DEVICES, ParamError, TrainParams, _coerce, _is_user_variable
 from .paths import resolve_path
 from .peer import PathUnavailable, PeerTrainer, build_llama, liger_applied, peer_kernel_path
-from .records import device_info, framework_versions
+from .records import _package_version, device_info, framework_versions
 from .train import Trainer, count_parameters, prepare, resolve_device
 
 # The project's own paths: the TrainParams that select them. What ran is read back from the model.
@@ -470,7 +470,7 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "out_dir": str(out_dir),
         # measurement protocol (DESIGN.md)
-        "framework": {"cflib": __version__, **framework_versions()},
+        "framework": {"cflib": __version__, **framework_versions(), "transformers": _package_version("transformers")},
         "device": device_info(device, count=1),
         "model": params.model,
         "model_config": config.to_dict(),

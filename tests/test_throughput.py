@@ -150,6 +150,7 @@ def test_record_carries_the_measurement_protocol(smoke_record):
                   "loss_chunk_tokens", "telemetry", "compilation", "timing_protocol", "matmul_ceiling"):
         assert field in record, field
     assert record["framework"]["torch"] == torch.__version__ and "cflib_commit" in record["framework"]
+    assert record["framework"]["transformers"] and "liger_kernel" in record["framework"]
     assert record["device"]["type"] == "cpu" and record["device"]["count"] == 1
     protocol = record["timing_protocol"]
     assert protocol["warmup_steps_excluded"] == 1 and protocol["timed_steps"] == 2
