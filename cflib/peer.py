@@ -10,6 +10,7 @@ cross-entropy). `transformers` and `liger-kernel` are optional (`pip install
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from typing import Any, Iterator
 
@@ -46,6 +47,17 @@ def llama_config(config: ModelConfig) -> Any:
         attn_implementation="sdpa", use_cache=False)
 
 
+def check_liger(device: torch.device) -> None:
+    """Liger's kernels run here, or PathUnavailable says why (before any model is built)."""
+    if device.type != "cuda":
+        raise PathUnavailable(f"Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear CE) need a CUDA "
+                              f"device; this run is on {device.type}")
+    try:
+        importlib.import_module("liger_kernel.transformers")
+    except ImportError as err:
+        raise PathUnavailable(f"liger-kernel is not installed ({err}); pip install -e '.[bench]'") from None
+
+
 @contextlib.contextmanager
 def liger_applied(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
     """Liger's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy on `model`, for the block's duration.
@@ -53,13 +65,8 @@ def liger_applied(model: torch.nn.Module, device: torch.device) -> Iterator[None
     Liger also patches transformers' Llama module globals (RoPE, the norm and MLP
     classes); they are put back afterwards so later peers in the same process stay plain.
     """
-    if device.type != "cuda":
-        raise PathUnavailable(f"Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear CE) need a CUDA "
-                              f"device; this run is on {device.type}")
-    try:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-    except ImportError as err:
-        raise PathUnavailable(f"liger-kernel is not installed ({err}); pip install -e '.[bench]'") from None
+    check_liger(device)
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
     from transformers.models.llama import modeling_llama
 
     names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
@@ -89,6 +96,13 @@ def peer_kernel_path(model: torch.nn.Module) -> dict[str, str]:
         "swiglu": layer.mlp._get_name(),
         "loss": "liger_fused_linear_cross_entropy" if liger_loss else "transformers ForCausalLMLoss (full fp32 logits)",
     }
+
+
+def gradient_checkpointing(model: torch.nn.Module) -> bool:
+    """Read back from the model; transformers 5 renamed the property (4.x has only the old name)."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(model.is_gradient_checkpointing)
 
 
 class PeerTrainer:

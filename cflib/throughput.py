@@ -33,7 +33,7 @@ from .config import PRESETS, ModelConfig
 from .data import IGNORE_INDEX, Example, ShardPartition, open_shard, write_partition
 from .params import DEVICES, ParamError, TrainParams, _coerce, _is_user_variable
 from .paths import resolve_path
-from .peer import PathUnavailable, PeerTrainer, build_llama, liger_applied, peer_kernel_path
+from .peer import PeerTrainer, build_llama, check_liger, gradient_checkpointing, liger_applied, peer_kernel_path
 from .records import _package_version, device_info, framework_versions
 from .train import Trainer, count_parameters, prepare, resolve_device
 
@@ -288,9 +288,8 @@ def _project_session(name: str, tparams: TrainParams) -> Session:
 def _peer_session(name: str, tparams: TrainParams, config: ModelConfig, device: torch.device, data: ShardPartition,
                   steps: int, compile_backend: str, stack: contextlib.ExitStack) -> Session:
     variant = PEER_PATHS[name]
-    if variant["liger"] and device.type != "cuda":  # before a model is built: say why, cheaply
-        raise PathUnavailable(f"Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear CE) need a CUDA "
-                              f"device; this run is on {device.type}")
+    if variant["liger"]:
+        check_liger(device)
     model = build_llama(config, device, tparams.seed)
     if variant["liger"]:
         stack.enter_context(liger_applied(model, device))
@@ -307,9 +306,7 @@ def _peer_session(name: str, tparams: TrainParams, config: ModelConfig, device: 
         "precision": "bf16-autocast" if tparams.bf16 else "fp32",
         "loss_precision": "fp32 inside Liger's fused kernel" if variant["liger"] else "fp32 (logits upcast)",
         "loss_chunk_tokens": None,
-        # transformers 5 renamed the property; 4.x has only the old name
-        "grad_ckpt": bool(getattr(model, "is_activation_checkpointing", None)
-                          if hasattr(type(model), "is_activation_checkpointing") else model.is_gradient_checkpointing),
+        "grad_ckpt": gradient_checkpointing(model),
         "compiled": compile_backend if _compiled(trainer.train_model) else False,
         "optimizer": f"AdamW fused={trainer.optimizer.defaults.get('fused')}",
         "peer_config": {key: getattr(llama, key) for key in (
