@@ -214,6 +214,28 @@ def test_peers_train_and_liger_is_skipped_on_cpu_with_its_reason(smoke_record):
         assert entry["status"] == "skipped" and "CUDA" in entry["reason"]
 
 
+def test_liger_patches_are_read_back_and_undone_for_the_next_peer(monkeypatch):
+    """Patching needs no GPU (running the kernels does): check the read-back and the restored globals."""
+    pytest.importorskip("liger_kernel")
+    from transformers.models.llama import modeling_llama
+
+    from cflib import peer
+
+    plain = (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP,
+             modeling_llama.LlamaForCausalLM.forward)
+    monkeypatch.setattr(peer, "check_liger", lambda device: None)
+    model = peer.build_llama(preset("smoke"), torch.device("cpu"), seed=0)
+    with peer.liger_applied(model, torch.device("cpu")):
+        path = peer.peer_kernel_path(model)
+    assert (path["rmsnorm"], path["swiglu"], path["loss"]) == (
+        "LigerRMSNorm", "LigerSwiGLUMLP", "liger_fused_linear_cross_entropy")
+    assert path["rope"].startswith("liger_kernel.")
+    assert plain == (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP,
+                     modeling_llama.LlamaForCausalLM.forward)
+    after = peer.peer_kernel_path(peer.build_llama(preset("smoke"), torch.device("cpu"), seed=0))
+    assert after["rmsnorm"] == "LlamaRMSNorm" and "ForCausalLMLoss" in after["loss"]
+
+
 def test_peer_loss_matches_the_projects_token_mean(tmp_path):
     """The peer's loss is a sum over supervised tokens over their count, on causally aligned labels."""
     root = write_random_token_shard(tmp_path / "shard", vocab_size=260, seq_len=24, train_rows=2, eval_rows=1, seed=3)
