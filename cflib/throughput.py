@@ -79,6 +79,7 @@ class ThroughputParams:
     ceiling_size: int = 128  # the matmul ceiling multiplies two square matrices of this size (bf16 when bf16)
     ceiling_repeats: int = 5
     eval_examples: int = 8  # rows of the held-out partition the timed evaluation reads
+    profile_steps: int = 0  # > 0: that many more steps of each path under torch.profiler, after the timed ones
     save_optimizer_state: bool = False  # in the timed checkpoint save
     seed: int = 0
     device: str = "auto"
@@ -121,8 +122,9 @@ class ThroughputParams:
                      "eval_examples"):
             if getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise ParamError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("warmup_steps", "profile_steps"):
+            if getattr(self, name) < 0:
+                raise ParamError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.seq_len > PRESETS[self.model].max_position_embeddings:
             raise ParamError(f"seq_len {self.seq_len} exceeds model {self.model}'s max_position_embeddings "
                              f"{PRESETS[self.model].max_position_embeddings}")
@@ -332,6 +334,25 @@ def time_evaluation_and_checkpoint(trainer: Trainer, device: torch.device) -> di
             "checkpoint_with_optimizer_state": trainer.params.save_optimizer_state}
 
 
+def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], device: torch.device,
+                  table_path: Path) -> dict:
+    """Where a path's step time goes: torch.profiler over a few more steps, the table written beside the record."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for batch in batches:
+            step(batch)
+        sync(device)
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = profiler.key_averages()
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(events.table(sort_by=sort_by, row_limit=40) + "\n")
+    top = sorted(events, key=lambda e: getattr(e, sort_by), reverse=True)[:10]
+    return {"steps": len(batches), "table": str(table_path), "sorted_by": sort_by,
+            "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
+
+
 def _error_line(err: BaseException) -> str:
     first = str(err).strip().splitlines()
     return f"{type(err).__name__}: {first[0] if first else ''}"[:500]
@@ -368,13 +389,16 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
                     "traceback_tail": traceback.format_exc(limit=-3)[-2000:]}
         entry.update(status="ok", **timing)
         entry["model_tflops_per_s"] = timing["tokens_per_s"] * entry["model_flops_per_token"] / 1e12
+        if params.profile_steps and micro == params.compare_micro_batch:
+            entry["profile"] = _guarded(profile_steps, session.step, batches[:params.profile_steps], device,
+                                        out_dir / "profiles" / f"{name}-mb{micro}.txt")
         if session.trainer is not None and micro == params.compare_micro_batch:
             entry["evaluation_and_checkpoint"] = _guarded(time_evaluation_and_checkpoint, session.trainer, device)
     return entry
 
 
 def _guarded(timing: Callable[..., dict], *args: Any) -> dict:
-    """The evaluation and checkpoint timings are apart from the steady state: their failure is theirs alone."""
+    """Profiles and the evaluation and checkpoint timings are apart from the steady state: their failure is theirs."""
     try:
         return {"status": "ok", **timing(*args)}
     except (torch.cuda.OutOfMemoryError, OSError, RuntimeError) as err:

@@ -200,6 +200,16 @@ def test_evaluation_and_checkpoint_are_timed_apart_and_the_checkpoint_removed(sm
     assert not list(Path(smoke_record["out_dir"]).rglob("model.safetensors"))
 
 
+def test_profiles_are_taken_after_the_timed_steps_at_the_compared_micro_batch(smoke_record):
+    profiled = [e for e in smoke_record["paths"] if "profile" in e]
+    assert {(e["path"], e["micro_batch"]) for e in profiled} == {
+        (e["path"], 2) for e in smoke_record["paths"] if e["status"] == "ok"}
+    profile = profiled[0]["profile"]
+    assert profile["status"] == "ok" and profile["steps"] == 1 and profile["top_ms"]
+    assert "Self CPU" in Path(profile["table"]).read_text()
+    assert len(profiled[0]["step_seconds"]) == 2  # the profiled step is not among the timed ones
+
+
 def test_peers_train_and_liger_is_skipped_on_cpu_with_its_reason(smoke_record):
     by_path = {}
     for entry in smoke_record["paths"]:
