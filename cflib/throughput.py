@@ -476,7 +476,9 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
     entries = []
     for name in params.paths:
         for micro in params.micro_batches:
+            path_started = time.perf_counter()
             entry = measure_path(name, micro, params, device, config, data_root, data, out_dir)
+            entry["wall_s"] = time.perf_counter() - path_started  # build, compile, every step, any extra timing
             if entry["status"] == "ok":
                 entry["mfu"] = entry["model_tflops_per_s"] / ceiling["tflops_per_s"]
                 memory = f"{entry['peak_memory_gib']:.1f} GiB" if entry["peak_memory_gib"] is not None else "-"
