@@ -182,8 +182,8 @@ def plot_throughput(record: dict, save_to: str | Path | None = None) -> plt.Figu
     micros = list(dict.fromkeys(e["micro_batch"] for e in record["paths"]))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / len(micros)
-    for ax, field, label in ((axes[0], "tokens_per_s", "steady-state tokens/s"),
-                             (axes[1], "peak_memory_gib", "peak memory (GiB)")):
+    for ax, field, label, fmt in ((axes[0], "tokens_per_s", "steady-state tokens/s", "{:,.0f}"),
+                                  (axes[1], "peak_memory_gib", "peak memory (GiB)", "{:.1f}")):
         for k, micro in enumerate(micros):
             for i, name in enumerate(paths):
                 entry = next((e for e in record["paths"] if e["path"] == name and e["micro_batch"] == micro), None)
@@ -193,8 +193,10 @@ def plot_throughput(record: dict, save_to: str | Path | None = None) -> plt.Figu
                     why = entry["status"] if entry and entry["status"] != "ok" else "not measured"
                     ax.text(x, 0, why, rotation=90, ha="center", va="bottom", fontsize=7, color="grey")
                 else:
-                    ax.bar(x, value, width, color=f"C{k}", label=f"micro-batch {micro}" if i == 0 else None)
+                    bars = ax.bar(x, value, width, color=f"C{k}", label=f"micro-batch {micro}" if i == 0 else None)
+                    ax.bar_label(bars, labels=[fmt.format(value)], fontsize=6, rotation=90, padding=2)
         ax.set_xlim(-0.6, len(paths) - 0.4)
+        ax.margins(y=0.15)  # room for the value labels above the tallest bar
         ax.set_xticks(range(len(paths)), paths, rotation=25, ha="right")
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
