@@ -100,3 +100,136 @@ def plan_like_this_run(record: dict, gpus: int = 8, epochs: int = 3) -> str:
                             micro_batch_per_rank=record["micro_batch_per_rank"], seq_len=record["seq_len"],
                             tokens_per_s_per_gpu=measured / record["world_size"], checkpoints=epochs)
     return format_arithmetic(report)
+
+
+# --- throughput: the side-by-side record of cflib.throughput -----------------------------
+
+PERF_TABLE_BEGIN = "<!-- perf-table {} -->"
+PERF_TABLE_END = "<!-- /perf-table -->"
+
+
+def _number(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def perf_table(record: dict) -> str:
+    """Markdown: every path's steady-state figures, the ratios against issue 4's targets, the kernels read back."""
+    device, framework = record["device"], record["framework"]
+    ceiling = record["matmul_ceiling"]
+    lines = [
+        f"{device['name']} x {device['count']}, torch {framework['torch']}, {record['precision']}, "
+        f"seq {record['seq_len']:,}, {record['timing_protocol']['timed_steps']} timed steps after "
+        f"{record['timing_protocol']['warmup_steps_excluded']} warm-up; {ceiling['dtype']} matmul "
+        f"{ceiling['size']}^3 ceiling {ceiling['tflops_per_s']:,.1f} TFLOP/s in the same run; "
+        f"cflib {(framework.get('cflib_commit') or 'unknown')[:7]}",
+        "",
+        "| path | micro-batch | tokens/s | model TFLOP/s | MFU | peak GiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for entry in record["paths"]:
+        if entry["status"] == "ok":
+            lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['tokens_per_s'])} | "
+                         f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
+                         f"{_number(entry['peak_memory_gib'], 1)} |")
+        else:
+            lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | "
+                         f"{_number(entry.get('peak_memory_gib'), 1)} |")
+    lines += ["", "| ratio | micro-batch | measured | target | met |", "| --- | ---: | ---: | ---: | :---: |"]
+    for row in record["comparison"]:
+        quantity = {"tokens_per_s": "tokens/s", "peak_memory_gib": "peak memory"}[row["quantity"]]
+        label = f"{quantity}: {row['numerator']} / {row['denominator']}"
+        if row["value"] is None:
+            lines.append(f"| {label} | {row['micro_batch']} | - | {row['target']} | not measured |")
+        else:
+            label += f" ({row['denominator_entry']})" if row["denominator"] == "best_peer" else ""
+            lines.append(f"| {label} | {row['micro_batch']} | {row['value']:.2f} | {row['target']} | "
+                         f"{'yes' if row['met'] else 'no'} |")
+    lines += ["", "| path | kernels read back | compiled |", "| --- | --- | --- |"]
+    seen = set()
+    for entry in record["paths"]:
+        if entry["status"] == "ok" and entry["path"] not in seen:
+            seen.add(entry["path"])
+            kernels = ", ".join(f"{name} {value}" for name, value in entry["kernel_path"].items())
+            lines.append(f"| {entry['path']} | {kernels} | {entry['compiled'] or 'no'} |")
+    skipped = {e["path"]: e for e in record["paths"] if e["status"] != "ok" and e["path"] not in seen}
+    for name, entry in skipped.items():
+        lines.append(f"| {name} | {entry['status']}: {entry['reason'].replace('|', '/')} | - |")
+    timed = [e for e in record["paths"] if e.get("evaluation_and_checkpoint", {}).get("status") == "ok"]
+    for entry in timed:
+        io = entry["evaluation_and_checkpoint"]
+        lines.append("")
+        lines.append(f"{entry['path']}, outside the figures above: one full evaluation ({io['eval_examples']} "
+                     f"examples) {io['eval_s']:.2f} s; one checkpoint save ({io['checkpoint_bytes'] / 2**20:,.0f} "
+                     f"MiB) {io['checkpoint_save_s']:.2f} s.")
+    return "\n".join(lines)
+
+
+def update_readme_perf_table(readme: str, record_name: str, table: str) -> str:
+    """README text with the block between the record's perf-table markers replaced by `table`."""
+    begin = PERF_TABLE_BEGIN.format(record_name)
+    if begin not in readme:
+        raise ValueError(f"README has no line {begin!r} (followed later by {PERF_TABLE_END!r}) to fill")
+    head, rest = readme.split(begin, 1)
+    if PERF_TABLE_END not in rest:
+        raise ValueError(f"README's {begin!r} block has no closing {PERF_TABLE_END!r}")
+    tail = rest.split(PERF_TABLE_END, 1)[1]
+    return f"{head}{begin}\n{table}\n{PERF_TABLE_END}{tail}"
+
+
+def plot_throughput(record: dict, save_to: str | Path | None = None) -> plt.Figure:
+    """Bars of steady-state tokens/s and peak memory for every path, one bar per micro-batch."""
+    paths = list(dict.fromkeys(e["path"] for e in record["paths"]))
+    micros = list(dict.fromkeys(e["micro_batch"] for e in record["paths"]))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / len(micros)
+    for ax, field, label, fmt in ((axes[0], "tokens_per_s", "steady-state tokens/s", "{:,.0f}"),
+                                  (axes[1], "peak_memory_gib", "peak memory (GiB)", "{:.1f}")):
+        for k, micro in enumerate(micros):
+            for i, name in enumerate(paths):
+                entry = next((e for e in record["paths"] if e["path"] == name and e["micro_batch"] == micro), None)
+                x = i + (k - (len(micros) - 1) / 2) * width
+                value = entry.get(field) if entry and entry["status"] == "ok" else None
+                if value is None:
+                    why = entry["status"] if entry and entry["status"] != "ok" else "not measured"
+                    ax.text(x, 0, why, rotation=90, ha="center", va="bottom", fontsize=7, color="grey")
+                else:
+                    bars = ax.bar(x, value, width, color=f"C{k}", label=f"micro-batch {micro}" if i == 0 else None)
+                    ax.bar_label(bars, labels=[fmt.format(value)], fontsize=6, rotation=90, padding=2)
+        ax.set_xlim(-0.6, len(paths) - 0.4)
+        ax.margins(y=0.15)  # room for the value labels above the tallest bar
+        ax.set_xticks(range(len(paths)), paths, rotation=25, ha="right")
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend()
+    fig.suptitle(f"{record['model']}, seq {record['seq_len']}, {record['precision']}, {record['device']['name']}")
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m cflib.report", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    table = commands.add_parser("perf-table", help="markdown table of a measure_throughput record")
+    table.add_argument("record", help="a record.json written by cflib.throughput (e.g. outputs/records/...json)")
+    table.add_argument("--readme", help="replace that file's perf-table block for this record instead of printing")
+    args = parser.parse_args(argv)
+    try:
+        record = json.loads(Path(args.record).read_text())
+        markdown = perf_table(record)
+        if args.readme:
+            readme = Path(args.readme)
+            readme.write_text(update_readme_perf_table(readme.read_text(), args.record, markdown))
+        else:
+            print(markdown)
+    except (OSError, ValueError, KeyError) as err:
+        parser.error(f"{args.record}: {type(err).__name__}: {err}")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cflib.params import ParamError, TrainParams, gradient_accumulation, load_params_file
+from cflib.throughput import ThroughputParams
 
 PARAMS_DIR = Path(__file__).resolve().parent.parent / "params"
 
@@ -141,7 +142,10 @@ def test_from_namespace_survives_a_rerun_after_the_whole_notebook():
 
 def test_repository_parameter_files_validate():
     for path in sorted(PARAMS_DIR.glob("*.yaml")) + sorted(PARAMS_DIR.glob("*.yml")):
-        TrainParams.from_dict(load_params_file(path), source=str(path))  # raises, naming the file
+        if path.name.startswith("throughput_"):
+            ThroughputParams.from_dict(load_params_file(path), source=str(path))
+        else:
+            TrainParams.from_dict(load_params_file(path), source=str(path))  # raises, naming the file
 
 
 def test_load_params_file(tmp_path):
