@@ -210,6 +210,7 @@ def release_memory(device: torch.device) -> None:
     """A clean device for the next path: nothing cached, peak statistics from zero."""
     gc.collect()
     if device.type == "cuda":
+        torch.cuda.synchronize(device)  # also creates the context: the statistics calls below fail without one
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
