@@ -102,8 +102,9 @@ class ParameterForm(widgets.VBox):
         self.namespace, self.check, self.derived = namespace, check, derived
         self.started_with = {name: namespace[name] for name in names}
         self.file_values: dict[str, Any] = {}
-        files = [(_shown_path(path), path) for path in sorted(resolve_path(params_dir).glob("*.yaml"))]
-        self.picker = widgets.Dropdown(options=[(NOTEBOOK_VALUES, None), *files], value=None,
+        files = [(_shown_path(path), str(path)) for path in sorted(resolve_path(params_dir).glob("*.yaml"))]
+        # "" stands for no file: a Dropdown's None means nothing selected, and shows a blank box.
+        self.picker = widgets.Dropdown(options=[(NOTEBOOK_VALUES, ""), *files], value="",
                                        description="params file", style={"description_width": "150px"})
         self.fields = {name: self._field(name, self.started_with[name]) for name in (main or names)}
         self.arithmetic = widgets.HTML()
@@ -138,7 +139,7 @@ class ParameterForm(widgets.VBox):
 
     def _pick_file(self, change: dict | None = None) -> None:
         self.file_values = {}
-        if self.picker.value is not None:
+        if self.picker.value:
             try:
                 self.file_values = load_params_file(self.picker.value)
                 unknown = sorted(set(self.file_values) - set(self.started_with))
@@ -183,7 +184,7 @@ class ParameterForm(widgets.VBox):
         values = self.values()
         changed = [name for name, value in values.items() if self.namespace.get(name) != value]
         self.namespace.update(values)
-        source = f"from {self.picker.label}, " if self.picker.value is not None else ""
+        source = f"from {self.picker.label}, " if self.picker.value else ""
         summary = ", ".join(f"{name}={show_value(values[name])}" for name in changed) or "no change"
         self.status.value = (f"<span class='cflib-form-applied'>Applied {source}{html.escape(summary)}. "
                              "Now run the cells below (Run &#9656; Run Selected Cell and All Below).</span>")

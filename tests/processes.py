@@ -37,6 +37,8 @@ def children_of() -> dict[int, list[int]]:
     """ppid -> pids of the machine's live processes (zombies excluded: they run nothing)."""
     children: dict[int, list[int]] = {}
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
             # Fields after the command name, which may hold spaces and parentheses: state, ppid, ...
             state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
