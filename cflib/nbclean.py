@@ -26,6 +26,10 @@ def problems(notebook: nbformat.NotebookNode) -> list[str]:
     kernel = notebook.metadata.get("kernelspec", {}).get("name")
     if kernel != PORTABLE_KERNELSPEC["name"]:
         found.append(f"kernelspec {kernel!r}: the committed notebook names {PORTABLE_KERNELSPEC['name']!r}")
+    language = notebook.metadata.get("language_info", {}).get("name")
+    if language != "python":
+        # JupyterLab starts the one kernel of this language when the notebook's kernel name is not offered.
+        found.append(f"language_info name {language!r}: the committed notebook names 'python'")
     if "widgets" in notebook.metadata:
         found.append("saved widget state in the notebook metadata")
     for index, cell in enumerate(notebook.cells):
