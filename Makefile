@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.\n' 
 KERNEL := $(VENV)/share/jupyter/kernels/cflib/kernel.json
 PARAMS ?= params/quickstart.yaml
 
-.PHONY: setup train test lab strip clean
+.PHONY: setup train test lab strip screenshots clean
 
 setup: $(STAMP) $(KERNEL)
 
@@ -38,5 +38,11 @@ lab: setup
 strip: setup
 	$(PY) -m cflib.nbclean notebooks/*.ipynb
 
+# The README's screenshots: the browser test's full-length shot of each notebook after its smoke run.
+screenshots: setup
+	rm -rf outputs/lab
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_lab_browser.py
+	mkdir -p outputs/screenshots && cp outputs/lab/*.png outputs/screenshots/
+
 clean:
-	rm -rf outputs/runs outputs/data outputs/*.ipynb
+	rm -rf outputs/runs outputs/data outputs/lab outputs/*.ipynb

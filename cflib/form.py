@@ -104,8 +104,8 @@ class ParameterForm(widgets.VBox):
         self.file_values: dict[str, Any] = {}
         files = [(_shown_path(path), str(path)) for path in sorted(resolve_path(params_dir).glob("*.yaml"))]
         # "" stands for no file: a Dropdown's None means nothing selected, and shows a blank box.
-        self.picker = widgets.Dropdown(options=[(NOTEBOOK_VALUES, ""), *files], value="",
-                                       description="params file", style={"description_width": "150px"})
+        self.picker = widgets.Dropdown(options=[(NOTEBOOK_VALUES, ""), *files], value="", description="params file",
+                                       style={"description_width": "150px"}, layout=widgets.Layout(width="50%"))
         self.fields = {name: self._field(name, self.started_with[name]) for name in (main or names)}
         self.arithmetic = widgets.HTML()
         self.status = widgets.HTML()
@@ -125,10 +125,11 @@ class ParameterForm(widgets.VBox):
 
     @staticmethod
     def _field(name: str, value: Any) -> widgets.ValueWidget:
-        style = {"description_width": "150px"}
+        style, layout = {"description_width": "150px"}, widgets.Layout(width="95%")
         if isinstance(value, bool):
-            return widgets.Checkbox(value=value, description=name, indent=True, style=style)
-        return widgets.Text(value=show_value(value), description=name, continuous_update=True, style=style)
+            return widgets.Checkbox(value=value, description=name, indent=True, style=style, layout=layout)
+        return widgets.Text(value=show_value(value), description=name, continuous_update=True, style=style,
+                            layout=layout)
 
     def values(self) -> dict[str, Any]:
         """Every parameter: the fields, over the chosen file, over the values the notebook had."""
