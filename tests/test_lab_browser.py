@@ -55,6 +55,8 @@ SMOKE_RUNS = {
 SERVER_START_S = 120
 KERNEL_READY_S = 120
 RUN_ALL_S = 480
+# What the page shows after a click or a keystroke comes from the kernel: allow a loaded machine time.
+expect.set_options(timeout=30_000)
 # Chromium as the machine allows it: no sandbox as root, no GPU, no calls home on a closed network.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
