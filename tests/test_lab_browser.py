@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = ROOT / "outputs" / "lab"
 
-# Adding a notebook is one line: its smoke parameters (a params file, then values over it;
-# "{tmp}" is this test's own folder, so runs write nothing into outputs/).
+# Adding a notebook is one line: its smoke parameters (a params file or None for the notebook's
+# defaults, then values over it; "{tmp}" is this test's own folder, so runs write nothing into outputs/).
 SMOKE_RUNS = {
     "train_sft.ipynb": ("params/smoke.yaml", {"out_dir": "{tmp}/train_sft-run"}),
 }
@@ -182,7 +182,7 @@ def lab(tmp_path_factory) -> Lab:
 def _smoke_notebook(lab: Lab, name: str) -> Path:
     """The notebook with its smoke parameters injected as papermill injects them, in JupyterLab's root."""
     params_file, overrides = SMOKE_RUNS[name]
-    parameters = {**load_params_file(ROOT / params_file),
+    parameters = {**(load_params_file(ROOT / params_file) if params_file else {}),
                   **{key: value.format(tmp=lab.tmp) if isinstance(value, str) else value
                      for key, value in overrides.items()}}
     notebook = parameterize_notebook(load_notebook_node(str(ROOT / "notebooks" / name)), parameters)
