@@ -102,6 +102,7 @@ class ParameterForm(widgets.VBox):
         self.namespace, self.check, self.derived = namespace, check, derived
         self.started_with = {name: namespace[name] for name in names}
         self.file_values: dict[str, Any] = {}
+        self.file_error: str | None = None  # a picked file that cannot be used: nothing applies until another is
         files = [(_shown_path(path), str(path)) for path in sorted(resolve_path(params_dir).glob("*.yaml"))]
         # "" stands for no file: a Dropdown's None means nothing selected, and shows a blank box.
         self.picker = widgets.Dropdown(options=[(NOTEBOOK_VALUES, ""), *files], value="", description="params file",
@@ -139,16 +140,18 @@ class ParameterForm(widgets.VBox):
         return values
 
     def _pick_file(self, change: dict | None = None) -> None:
-        self.file_values = {}
+        self.file_values, self.file_error = {}, None
         if self.picker.value:
             try:
-                self.file_values = load_params_file(self.picker.value)
-                unknown = sorted(set(self.file_values) - set(self.started_with))
+                values = load_params_file(self.picker.value)
+                unknown = sorted(set(values) - set(self.started_with))
                 if unknown:
                     raise ParamError(f"{self.picker.label}: {', '.join(unknown)} not parameters of this notebook")
             except ValueError as err:
-                self._show_error(err)
+                self.file_error = str(err)
+                self._show_error(self.file_error)
                 return
+            self.file_values = values
         self._loading = True  # one recomputation for the whole file, not one per field
         try:
             for name, field in self.fields.items():
@@ -162,20 +165,23 @@ class ParameterForm(widgets.VBox):
         """Check the values and redraw the arithmetic; the checked parameters, or None when they fail."""
         if self._loading:
             return None
+        if self.file_error:
+            self._show_error(self.file_error)
+            return None
         try:
             checked = self.check(self.values())
             text = self.derived(checked) if self.derived else ""
         except (ValueError, OSError) as err:
-            self._show_error(err)
+            self._show_error(str(err))
             return None
         self.arithmetic.value = f"<pre class='cflib-arithmetic'>{html.escape(text)}</pre>"
         self.status.value = ""
         self.apply_button.disabled = False
         return checked
 
-    def _show_error(self, err: Exception) -> None:
+    def _show_error(self, message: str) -> None:
         self.arithmetic.value = (f"<pre class='cflib-form-error' style='color: var(--jp-error-color1, #d32f2f)'>"
-                                 f"{html.escape(str(err))}</pre>")
+                                 f"{html.escape(message)}</pre>")
         self.apply_button.disabled = True
 
     def apply(self, button: widgets.Button | None = None) -> None:

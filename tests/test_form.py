@@ -127,6 +127,9 @@ def test_any_notebook_parameters(attached, tmp_path):
     assert namespace == {"budget_gib": 40, "headroom": 0.1, "model": "smoke"}
     form.picker.value = str(tmp_path / "foreign.yaml")
     assert "foreign.yaml: lr not parameters of this notebook" in form.arithmetic.value
+    form.fields["headroom"].value = "0.5"  # typing does not make a foreign file usable
+    form.apply()
+    assert form.apply_button.disabled and namespace["budget_gib"] == 40 and "lr" not in namespace
 
 
 def test_a_form_before_the_parameters_cell_names_what_is_missing():
