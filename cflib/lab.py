@@ -28,8 +28,8 @@ class LabError(RuntimeError):
     """JupyterLab cannot start as the project wants it; the message says what to do."""
 
 
-def check_kernel() -> Path:
-    """The project kernel's folder, or a LabError saying how to register it."""
+def check_kernel() -> None:
+    """A LabError saying how to register the project kernel, unless it is registered and runnable."""
     try:
         spec = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
     except NoSuchKernel:
@@ -40,7 +40,6 @@ def check_kernel() -> Path:
     if not python.exists():
         raise LabError(f"kernel {KERNEL_NAME!r} ({spec.resource_dir}) runs {python}, which is gone: "
                        "run `make setup` again")
-    return Path(spec.resource_dir)
 
 
 def lab_command(root_dir: str | Path | None = None, open_path: str = "notebooks", *options: str) -> list[str]:
