@@ -1,15 +1,17 @@
-# Two commands on a fresh machine: `make train` and `make test`.
+# Two commands on a fresh machine: `make train` and `make test`; `make lab` to explore.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 # The stamp names the torch spec, so `make train TORCH_SPEC=...` reinstalls.
 STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.\n' '_')
+# The project's Jupyter kernel, inside .venv (cflib.lab says how it coexists with `python3`).
+KERNEL := $(VENV)/share/jupyter/kernels/cflib/kernel.json
 PARAMS ?= params/quickstart.yaml
 
-.PHONY: setup train test clean
+.PHONY: setup train test lab strip screenshots clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNEL)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,12 +20,29 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-train: $(STAMP)
+$(KERNEL): $(STAMP)
+	$(PY) -m ipykernel install --sys-prefix --name cflib --display-name cflib
+
+train: setup
 	$(VENV)/bin/papermill notebooks/train_sft.ipynb outputs/train_sft.$(notdir $(basename $(PARAMS))).ipynb \
 		-f $(PARAMS) --cwd notebooks --log-output
 
-test: $(STAMP)
+test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env tests notebooks
 
+# JupyterLab on this machine (http://localhost:8888, token in the log); LAB_ARGS="--port 9999 ..." passes options on.
+lab: setup
+	$(PY) -m cflib.lab $(LAB_ARGS)
+
+# Before committing a notebook saved in JupyterLab: outputs out (nbval's references stay), kernel name back to python3.
+strip: setup
+	$(PY) -m cflib.nbclean notebooks/*.ipynb
+
+# The README's screenshots: the browser test's full-length shot of each notebook after its smoke run.
+screenshots: setup
+	rm -rf outputs/lab
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_lab_browser.py
+	mkdir -p outputs/screenshots && cp outputs/lab/*.png outputs/screenshots/
+
 clean:
-	rm -rf outputs/runs outputs/data outputs/*.ipynb
+	rm -rf outputs/runs outputs/data outputs/lab outputs/*.ipynb

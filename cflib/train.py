@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import math
 import shutil
 import time
@@ -25,9 +26,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm.auto import tqdm
 
 from . import __version__
-from .checkpoint import CheckpointError, latest_resumable, load_checkpoint, load_trainer_state, save_checkpoint
+from .checkpoint import (CheckpointError, latest_resumable, load_checkpoint, load_config, load_trainer_state,
+                         save_checkpoint)
 from .config import ModelConfig, preset
-from .data import ShardPartition, collate, open_shard
+from .data import ShardError, ShardPartition, collate, open_shard
 from .distributed import (DistContext, choose_strategy, device_memory_bytes, epoch_stream, memory_estimate,
                           rank_share, wrap_model)
 from .evaluate import autocast, eval_loss, exact_match
@@ -37,7 +39,7 @@ from .params import ParamError, TrainParams, gradient_accumulation
 from .paths import resolve_path
 from .atomic import write_json_atomic
 from .records import MetricsLog, device_info, framework_versions
-from .tasks import ensure_embedded_shard
+from .tasks import TASKS, ensure_embedded_shard
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 
@@ -163,10 +165,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     train_data = open_shard(data_root, "train", vocab_size=config.vocab_size, seq_len=params.seq_len)
     eval_data = open_shard(data_root, "eval", vocab_size=config.vocab_size, seq_len=params.seq_len)
     grad_accum = gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size)
-    # Fill-ins pad the last global batch of an epoch, so it is always whole.
-    steps_per_epoch = math.ceil(len(train_data) / params.global_batch)
-    total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
-    warmup_steps = math.ceil(params.warmup_ratio * total_steps)
+    steps_per_epoch, total_steps, warmup_steps = schedule_steps(len(train_data), params)
     estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
                                device_memory_bytes(device))
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
@@ -186,6 +185,81 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if not run.launches_workers:
         model.to(device)
     return run
+
+
+def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, int]:
+    """Optimizer steps per epoch, in all, and of warm-up."""
+    # Fill-ins pad the last global batch of an epoch, so it is always whole.
+    steps_per_epoch = math.ceil(train_examples / params.global_batch)
+    total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
+    return steps_per_epoch, total_steps, math.ceil(params.warmup_ratio * total_steps)
+
+
+def count_train_examples(data: str) -> int:
+    """Train examples of `data` from its index alone (the embedded set's count is known before it is written)."""
+    if data == "embedded":
+        return sum(count for _, count in TASKS.values())
+    index = resolve_path(data) / "train" / "sft.idx.json"
+    if not index.is_file():
+        raise ShardError(f"{index}: missing (is {index.parent.parent} a shard root with train/ and eval/?)")
+    try:
+        return int(json.loads(index.read_text())["examples"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ShardError(f"{index}: no example count ({type(err).__name__}: {err})") from None
+
+
+def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
+    """The architecture a run would train, and where it comes from, read without building the model."""
+    if params.resume is not None:
+        checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
+                          else resolve_path(params.resume))
+        return load_config(checkpoint_dir), f"resumed from {checkpoint_dir}"
+    if params.init_checkpoint is not None:
+        return load_config(resolve_path(params.init_checkpoint)), f"checkpoint {params.init_checkpoint}"
+    return _preset(params.model), f"preset {params.model}"
+
+
+def batch_arithmetic(params: TrainParams) -> dict:
+    """A run's batch, schedule and memory figures from its parameters, the model's config and the data's
+    index alone: nothing is built or loaded (prepare() then checks everything for real)."""
+    config, source = model_config(params)
+    train_examples = count_train_examples(params.data)
+    steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params)
+    device = resolve_device(params.device)
+    estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
+                               device_memory_bytes(device))
+    return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,
+            "grad_accum": gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size),
+            "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
+            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
+            "device": str(device), "memory_estimate": estimate,
+            "strategy": choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"}
+
+
+def describe_arithmetic(figures: dict, params: TrainParams) -> str:
+    """batch_arithmetic's figures as the lines a person checks before a run."""
+    memory = figures["memory_estimate"]
+    return "\n".join([
+        f"model            {figures['model']}: {figures['params_total']:,} parameters",
+        f"accumulation     {figures['grad_accum']} = global {params.global_batch} / (micro "
+        f"{params.micro_batch_per_rank} x world {figures['world_size']})",
+        f"tokens per step  up to {figures['tokens_per_step']:,} (global {params.global_batch} x seq_len "
+        f"{params.seq_len}; each microbatch is padded to its longest example)",
+        f"steps per epoch  {figures['steps_per_epoch']:,} ({figures['train_examples']:,} train examples / global "
+        f"{params.global_batch})",
+        f"optimizer steps  {figures['total_steps']:,}" + (" (max_steps)" if params.max_steps is not None else
+                                                          f" ({params.epochs} epochs)")
+        + f", {figures['warmup_steps']:,} of warm-up",
+        f"memory estimate  {_size(memory['total_bytes'])} per rank of {_size(memory['device_bytes'])} on "
+        f"{figures['device']} (model + AdamW {_size(memory['model_and_optimizer_bytes'])}, activations "
+        f"{_size(memory['activation_bytes'])}); "
+        + ("fits one device" if memory["fits_one_device"] else "does not fit one device")
+        + (f", strategy {figures['strategy']}" if figures["world_size"] > 1 else ""),
+    ])
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def schedule_signature(run: Run) -> dict:

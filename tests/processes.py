@@ -1,4 +1,4 @@
-"""Finding a run's torchrun workers among the machine's processes (for kill tests)."""
+"""Finding processes: a run's torchrun workers (kill tests), a test's descendants (nothing left behind)."""
 from __future__ import annotations
 
 import json
@@ -31,3 +31,40 @@ def wait_until_gone(out_dir: Path, timeout_s: float = 30.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def children_of() -> dict[int, list[int]]:
+    """ppid -> pids of the machine's live processes (zombies excluded: they run nothing)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # Fields after the command name, which may hold spaces and parentheses: state, ppid, ...
+            state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue  # not a process, or one that just ended
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(proc.name))
+    return children
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below pid."""
+    children, found, todo = children_of(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def still_running(pids: set[int], timeout_s: float = 30.0) -> set[int]:
+    """The pids among `pids` still running (not zombies) after waiting up to timeout_s for them to end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = {pid for pids_of in children_of().values() for pid in pids_of} & pids
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)

@@ -9,6 +9,8 @@ import nbformat
 import papermill
 import pytest
 
+from cflib import nbclean
+from cflib.lab import KERNEL_NAME, LabError, lab_command
 from cflib.params import TrainParams, load_params_file
 from cflib.train import prepare
 
@@ -30,9 +32,43 @@ def test_parameters_cell_mirrors_train_params():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
 def test_committed_notebooks_carry_only_nbval_reference_outputs(path):
-    for cell in nbformat.read(path, as_version=4).cells:
-        if cell.cell_type == "code" and "NBVAL_CHECK_OUTPUT" not in cell.source:
-            assert cell.outputs == [] and cell.execution_count is None, cell.source[:60]
+    """No outputs but nbval's references, kernel python3: `make strip` fixes a notebook saved in JupyterLab."""
+    assert nbclean.problems(nbformat.read(path, as_version=4)) == []
+
+
+def test_strip_undoes_what_a_jupyterlab_save_adds(tmp_path):
+    notebook = nbformat.read(TRAIN_SFT, as_version=4)
+    notebook.metadata.kernelspec = {"name": "cflib", "display_name": "cflib", "language": "python"}
+    notebook.metadata.language_info = {"name": "python", "version": "3.11.7", "mimetype": "text/x-python"}
+    notebook.metadata.widgets = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            cell.execution_count = 3
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="trained\n")]
+    saved = tmp_path / "train_sft.ipynb"
+    nbformat.write(notebook, saved)
+    assert nbclean.main(["--check", str(saved)]) == 1
+    found = nbclean.problems(nbformat.read(saved, as_version=4))
+    assert found[:2] == ["kernelspec 'cflib': the committed notebook names 'python3'",
+                         "saved widget state in the notebook metadata"]
+    assert any("train_form" in line for line in found)  # each dirty cell named
+    assert nbclean.main([str(saved)]) == 0 and nbclean.main(["--check", str(saved)]) == 0
+    cleaned = nbformat.read(saved, as_version=4)
+    kept = [cell.outputs for cell in cleaned.cells if nbclean.NBVAL_MARK in cell.source]
+    assert kept == [[nbformat.v4.new_output("stream", name="stdout", text="trained\n")]]  # nbval judges it
+    assert cleaned.metadata.kernelspec.name == "python3" and "widgets" not in cleaned.metadata
+
+
+def test_lab_offers_only_the_project_kernel():
+    command = lab_command(ROOT, "notebooks", "--port=9999")
+    assert f"--KernelSpecManager.allowed_kernelspecs={KERNEL_NAME}" in command
+    assert "--LabApp.default_url=/lab/tree/notebooks" in command and command[-1] == "--port=9999"
+
+
+def test_lab_without_the_registered_kernel_says_how_to_register_it(monkeypatch):
+    monkeypatch.setattr("cflib.lab.KERNEL_NAME", "cflib-never-registered")
+    with pytest.raises(LabError, match="run `make setup`"):
+        lab_command()
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "params").glob("*.yaml")
@@ -59,6 +95,8 @@ def test_papermill_runs_the_smoke_profile(tmp_path):
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "step 6/6" in text  # the text trace papermill keeps
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot
+    form_cell = next(c for c in notebook.cells if "train_form(globals())" in c.source)
+    assert form_cell.outputs == []  # no form under papermill
     record = json.loads((out_dir / "record.json").read_text())
     assert record["grad_accum"] == 2 and record["schedule"]["steps_done"] == 6
     assert (out_dir / "loss_curves.png").is_file()
