@@ -76,7 +76,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _block_rows(dim: int) -> tuple[int, int]:
     block_d = triton.next_power_of_2(dim)
-    return max(1, 2048 // block_d), block_d
+    return max(1, 4096 // block_d), block_d
 
 
 class AddRMSNorm(torch.autograd.Function):
@@ -94,7 +94,8 @@ class AddRMSNorm(torch.autograd.Function):
         rstd = torch.empty(num_rows, dtype=torch.float32, device=h.device)
         block_r, block_d = _block_rows(dim)
         _add_rms_norm_forward[(triton.cdiv(num_rows, block_r),)](
-            h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps), BLOCK_R=block_r, BLOCK_D=block_d)
+            h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps), BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=8)
         ctx.save_for_backward(saved, rstd, weight)
         ctx.dtypes = (h.dtype, delta.dtype)
         return total.view(shape), out.view(shape)
@@ -108,13 +109,15 @@ class AddRMSNorm(torch.autograd.Function):
         grad_sum = grad_sum.reshape(-1, dim).contiguous() if grad_sum is not None else None  # None: s unused
         grad_s = torch.empty(num_rows, dim, dtype=torch.float32, device=grad_out.device)
         grad_delta = torch.empty(num_rows, dim, dtype=ctx.dtypes[1], device=grad_out.device)
-        programs = 2 * _multiprocessors(grad_out.device) if grad_out.is_cuda else 4
+        # Enough programs to keep loads in flight on every SM; each sums its rows' d(weight) in registers.
+        programs = 8 * _multiprocessors(grad_out.device) if grad_out.is_cuda else 4
         rows_per_program = triton.cdiv(num_rows, programs)
         partial = torch.empty(programs, dim, dtype=torch.float32, device=grad_out.device)
         block_r, block_d = _block_rows(dim)
         _add_rms_norm_backward[(programs,)](
             grad_out, grad_sum if grad_sum is not None else grad_out, saved, rstd, weight, grad_s, grad_delta, partial,
-            num_rows, dim, rows_per_program, HAS_GRAD_SUM=grad_sum is not None, BLOCK_R=block_r, BLOCK_D=block_d)
+            num_rows, dim, rows_per_program, HAS_GRAD_SUM=grad_sum is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+            num_warps=8)
         return (grad_s.view(shape).to(ctx.dtypes[0]), grad_delta.view(shape), partial.sum(0).to(weight.dtype),
                 None, None)
 
