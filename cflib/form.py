@@ -73,6 +73,22 @@ def train_form(namespace: dict[str, Any]) -> "ParameterForm | None":
                           derived=lambda params: describe_arithmetic(batch_arithmetic(params), params))
 
 
+def validate_form(namespace: dict[str, Any]) -> "ParameterForm | None":
+    """validate_kernels.ipynb's form: the comparisons the chosen dtypes and shapes make on this machine."""
+    import torch
+
+    from .validate import COMPONENTS, resolve_grid
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def derived(grid: tuple) -> str:
+        dtypes, shapes = grid
+        return (f"{len(COMPONENTS) * len(dtypes) * len(shapes)} comparisons on {device.type}: "
+                f"{len(COMPONENTS)} components x {', '.join(dtypes)} x {', '.join(s.name for s in shapes)}")
+    return parameter_form(namespace, ["out_dir", "dtypes", "shapes", "time_layers"],
+                          check=lambda values: resolve_grid(values["dtypes"], values["shapes"], device),
+                          derived=derived, params_dir="params")
+
+
 def show_value(value: Any) -> str:
     """A parameter value as typed into the form: strings bare, everything else as Python writes it."""
     return value if isinstance(value, str) else repr(value)

@@ -385,6 +385,26 @@ def error_grid(rows: list[dict]) -> tuple[list[str], list[str], list[list[float]
 
 
 
+def resolve_grid(dtypes: str, shapes: str, device: torch.device) -> tuple[list[str], list[Shape]]:
+    """The notebook's comma lists as dtype names and shapes, or ValueError naming the parameter."""
+    wanted = [d.strip() for d in str(dtypes).split(",") if d.strip()]
+    if not wanted:
+        raise ValueError("dtypes: name at least one of " + ", ".join(DTYPES))
+    for name in wanted:
+        if name not in DTYPES:
+            raise ValueError(f"dtypes: unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
+    available = {s.name: s for s in shapes_for(device)}
+    if shapes == "auto":
+        return wanted, list(available.values())
+    chosen = []
+    for name in (s.strip() for s in str(shapes).split(",")):
+        if name not in available:
+            raise ValueError(f"shapes: {name!r} is not available on {device.type} (available: "
+                             f"{', '.join(available)}; the 200m shapes need a GPU)")
+        chosen.append(available[name])
+    return wanted, chosen
+
+
 def run_job(out_dir: str | None = None, dtypes: str = "float32,bfloat16", shapes: str = "auto",
             time_layers: bool = True, progress: bool = True) -> dict:
     """The validate_kernels notebook's job: every comparison, the TR-MoE layer timing on a GPU, one record.
@@ -401,20 +421,7 @@ def run_job(out_dir: str | None = None, dtypes: str = "float32,bfloat16", shapes
     from .records import device_info, framework_versions
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    wanted = [d.strip() for d in dtypes.split(",") if d.strip()]
-    for name in wanted:
-        if name not in DTYPES:
-            raise ValueError(f"dtypes: unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
-    available = {s.name: s for s in shapes_for(device)}
-    if shapes == "auto":
-        chosen = list(available.values())
-    else:
-        chosen = []
-        for name in (s.strip() for s in shapes.split(",")):
-            if name not in available:
-                raise ValueError(f"shapes: {name!r} is not available on {device.type} (available: "
-                                 f"{', '.join(available)}; the 200m shapes need a GPU)")
-            chosen.append(available[name])
+    wanted, chosen = resolve_grid(dtypes, shapes, device)
     target = resolve_path(out_dir or f"outputs/runs/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}-validate_kernels")
     if (target / "record.json").exists():
         raise ValueError(f"out_dir {target} already holds a record; choose another out_dir")

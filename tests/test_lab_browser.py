@@ -49,6 +49,7 @@ SCREENSHOTS = ROOT / "outputs" / "lab"
 # defaults, then values over it; "{tmp}" is this test's own folder, so runs write nothing into outputs/).
 SMOKE_RUNS = {
     "train_sft.ipynb": ("params/smoke.yaml", {"out_dir": "{tmp}/train_sft-run"}),
+    "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run"}),
 }
 
 # Bounds for a loaded 2-core CI machine; each names what it waited for when it runs out.
