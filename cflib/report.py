@@ -161,7 +161,8 @@ def tuning_summary(record: dict) -> str:
         lines.append(f"note               {batch['note']}")
     if "sweep" in record:
         sweep = record["sweep"]
-        lines.append(f"exhaustive sweep   largest that fits: {sweep['largest_fitting']}; tuned within one: "
+        lines.append(f"exhaustive sweep   largest under the usable budget {sweep['largest_fitting']}, under the "
+                     f"budget itself {sweep['largest_under_budget']}; tuned within one of the first: "
                      f"{sweep['tuned_within_one']}")
     lines.append(f"params file        {Path(record['out_dir']) / record['outputs']['params_file']}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import tempfile
 import time
 import typing
@@ -215,14 +216,14 @@ def search(measure: Callable[[int], Probe], usable_bytes: int, persistent_bytes:
         raise ParamError(
             f"microbatch 1 does not fit: {_describe(first)} against {usable_bytes / GIB:.4g} GiB usable "
             "(budget_gib less headroom); raise budget_gib, or lower seq_len, or set grad_ckpt: true or bf16: true")
-    lo, hi = 1, max_micro + 1  # lo fits (verified); hi is the smallest known not to fit
+    lo, hi = 1, None  # lo fits (verified); hi is the smallest probed microbatch that does not
     # Everything measured at 1 above the weights and moments counts as per-example here: that over-states
     # the slope, so this first guess errs small, and leaves a long baseline for the line that follows.
     guess = (usable_bytes - persistent_bytes) // max(first.peak_bytes - persistent_bytes, 1)
     predictions.append({"after_probe": 1, "predicted": int(guess), "by": "persistent-state floor"})
     candidate, why = guess, "first guess from microbatch 1"
     while (stopped := _stop_reason(lo, hi, candidate, max_micro)) is None and len(probes) < max_probes:
-        micro = min(candidate, hi - 1)
+        micro = min(candidate, max_micro)
         probe = run(micro, why)
         if probe.fits:
             lo = micro
@@ -231,30 +232,36 @@ def search(measure: Callable[[int], Probe], usable_bytes: int, persistent_bytes:
         line = local_line(probes)
         if line is None or line.slope <= 0:
             # Nothing to fit yet (only out-of-memory probes above) or a flat pair: halve the gap instead.
-            candidate, why = (lo + hi) // 2, "bisection (no usable line)"
+            candidate, why = (lo + (hi or 2 * lo)) // 2, "bisection (no usable line)"
         else:
             candidate, why = line.largest_under(usable_bytes), f"line through {line.through}"
+            if hi is not None and candidate >= hi:  # a probe at or below the prediction failed: the line is wrong there
+                candidate, why = (lo + hi) // 2, f"bisection (the line through {line.through} says {hi} fits)"
         predictions.append({"after_probe": len(probes), "predicted": int(candidate), "by": why})
     return Search(probes, lo, local_line(probes), stopped or f"max_probes {max_probes} used", predictions)
 
 
-def _stop_reason(lo: int, hi: int, candidate: int, max_micro: int) -> str | None:
-    if hi == lo + 1:
-        return f"bracketed: {lo} fits, {hi} does not"
+def _stop_reason(lo: int, hi: int | None, candidate: int, max_micro: int) -> str | None:
     if lo >= max_micro:
         return f"max_micro_batch {max_micro} fits"
+    if hi == lo + 1:
+        return f"bracketed: {lo} fits, {hi} does not"
     if candidate <= lo:
         return f"the line predicts {lo + 1} exceeds the usable budget"
     return None
 
 
-def sweep(measure: Callable[[int], Probe], max_micro: int, progress: Callable[[str], None] = print) -> list[Probe]:
-    """Every microbatch from 1 up to the first that does not fit (memory only grows with it)."""
+def sweep(measure: Callable[[int], Probe], max_micro: int, budget_bytes: int,
+          progress: Callable[[str], None] = print) -> list[Probe]:
+    """Every microbatch from 1 up to the first that exceeds the budget itself (memory only grows with it).
+
+    It goes on past the usable budget, so the record shows the largest under the budget and under the headroom.
+    """
     probes = []
     for micro in range(1, max_micro + 1):
         probes.append(measure(micro))
         progress(f"sweep: micro {micro} -> {probes[-1].outcome}, {_describe(probes[-1])}")
-        if not probes[-1].fits:
+        if probes[-1].peak_bytes is None or probes[-1].peak_bytes > budget_bytes:
             break
     return probes
 
@@ -431,7 +438,7 @@ def tune(tuning: Tuning, progress: Callable[[str], None] = print) -> dict:
 
         found = search(measure, tuning.usable_bytes, persistent, p.max_micro_batch, p.max_probes, progress)
         search_s = time.perf_counter() - started
-        swept = sweep(measure, p.max_micro_batch, progress) if p.exhaustive_sweep else None
+        swept = sweep(measure, p.max_micro_batch, tuning.budget_bytes, progress) if p.exhaustive_sweep else None
     batch = batch_plan(p.global_batch, found.micro, p.world_size)
     if batch["note"]:
         progress(batch["note"])
@@ -472,6 +479,7 @@ def _record(tuning: Tuning, found: Search, swept: list[Probe] | None, batch: dic
                    "usable_gib": tuning.usable_bytes / GIB, "cap_bytes": tuning.budget_bytes,
                    "ddp_bucket_bytes": tuning.ddp_bucket_bytes,
                    "fixed_floor_bytes": FIXED_BYTES_PER_PARAM * tuning.trainable_parameters},
+        "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "loss_chunk_saturation_micro": loss_chunk_saturation(p.loss_chunk_tokens, p.seq_len),
         "kernel_path": verified.detail.get("kernel_path"),
         "search": {"probes": [_probe_row(pr) for pr in found.probes], "probes_used": len(found.probes),
@@ -489,9 +497,13 @@ def _record(tuning: Tuning, found: Search, swept: list[Probe] | None, batch: dic
     }
     if swept is not None:
         largest = max((pr.micro for pr in swept if pr.fits), default=0)
+        under_budget = max((pr.micro for pr in swept if pr.peak_bytes is not None
+                            and pr.peak_bytes <= tuning.budget_bytes), default=0)
         record["sweep"] = {"probes": [_probe_row(pr) for pr in swept], "largest_fitting": largest,
-                           "tuned": found.micro, "tuned_within_one": largest - 1 <= found.micro <= largest,
-                           "search_matches_sweep_peaks": _agreement(found.probes, swept)}
+                           "largest_under_budget": under_budget, "tuned": found.micro,
+                           "tuned_within_one": largest - 1 <= found.micro <= largest,
+                           "tuned_within_one_of_budget": under_budget - 1 <= found.micro <= under_budget,
+                           "search_vs_sweep_peak": _agreement(found.probes, swept)}
     return record
 
 
