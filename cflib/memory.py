@@ -24,7 +24,6 @@ from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
 class TensorMemory(TorchDispatchMode):
@@ -69,8 +68,20 @@ class TensorMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # Inputs too: tensors made before the mode (parameters, the batch) count from their first use.
-        self.track(tree_flatten((args, kwargs, out))[0])
+        self.track(_tensors_in((args, kwargs, out)))
         return out
+
+
+def _tensors_in(value) -> Iterator[torch.Tensor]:
+    """The tensors of an op's arguments and results (lists, tuples and dicts of them), without pytree's cost."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
 
 
 class PeakMemory:

@@ -112,6 +112,9 @@ def plot_microbatch_memory(record: dict, save_to: str | Path | None = None) -> p
         measured = [p for p in sweep["probes"] if p["peak_bytes"] is not None]
         ax.plot([p["micro"] for p in measured], [p["peak_bytes"] / scale for p in measured], ".", color="0.6",
                 label="exhaustive sweep (measured)")
+        for probe in (p for p in sweep["probes"] if p["outcome"] == "out_of_memory"):
+            ax.plot(probe["micro"], budget["budget_bytes"] / scale, "v", color="tab:red",
+                    label=f"sweep: out of memory at {probe['micro']}")
     for outcome, style, label in (("fits", "o", "search probe: fits"), ("over_budget", "x", "search probe: over")):
         probes = [p for p in search["probes"] if p["outcome"] == outcome]
         if probes:
