@@ -8,16 +8,20 @@ allocator growth, kernel selection), then the peak of `probe_steps` measured
 steps (`cflib.memory`), all under the budget enforced as a hard cap.
 
 Peak memory is affine in the microbatch: weights, gradients and AdamW state
-are fixed, activations grow per example. Two exceptions bend it at small
-sizes: the loss works on chunks of `loss_chunk_tokens` supervised tokens, so
-its buffers grow until one microbatch fills a chunk and are constant after
+are fixed, activations grow per example. Two things bend it: the loss works
+on chunks of `loss_chunk_tokens` supervised tokens, so its buffers grow until
+one microbatch fills a chunk and then repeat with each partial chunk
 (`loss_chunk_saturation`), and allocator rounding adds small steps. So the
-search never fits a line to everything: it takes the line through the two
-measured probes nearest the budget (interpolating when one fits and one does
-not, else extrapolating from the two largest that fit), predicts the
-largest microbatch under the usable budget, verifies it with real steps, and
-steps down or up along the new line. A probe that runs out of memory is
-freed completely and becomes an upper bound.
+search never fits one line to everything. After microbatch 1 and a first
+guess that errs small, it predicts from the line through the two measured
+probes nearest the budget (interpolating between the largest that fits and
+the smallest that does not, else extrapolating from the two largest that
+fit), verifies the prediction with real steps and moves along the refitted
+line. A probe that runs out of memory is freed completely and becomes an
+upper bound whose peak was at least the cap (regula falsi toward it; after
+two failures in a row, with probes to spare, bisection). The last probe aims
+one below the prediction, since a failure there would leave the answer far
+below. The answer is always a microbatch that a probe verified.
 """
 from __future__ import annotations
 
@@ -178,6 +182,7 @@ def local_line(probes: list[Probe]) -> Line | None:
     """
     fitting = sorted(p for p in ((p.micro, p.peak_bytes) for p in probes if p.fits))
     over = sorted((p.micro, p.peak_bytes) for p in probes if p.outcome == "over_budget")
+    over = [point for point in over if not fitting or point[0] > fitting[-1][0]]  # noise must not cross the pair
     if fitting and over:
         pair = [fitting[-1], over[0]]
     elif len(fitting) >= 2:
@@ -198,9 +203,12 @@ class Search:
     predictions: list[dict]
 
 
-def search(measure: Callable[[int], Probe], usable_bytes: int, persistent_bytes: int, max_micro: int,
-           max_probes: int, progress: Callable[[str], None] = print) -> Search:
-    """Largest microbatch whose measured peak fits `usable_bytes`, with at most `max_probes` calls to `measure`."""
+def search(measure: Callable[[int], Probe], usable_bytes: int, cap_bytes: int, persistent_bytes: int,
+           max_micro: int, max_probes: int, progress: Callable[[str], None] = print) -> Search:
+    """Largest microbatch whose measured peak fits `usable_bytes`, with at most `max_probes` calls to `measure`.
+
+    `cap_bytes` is the enforced budget: a probe that runs out of memory peaked at least there.
+    """
     probes: list[Probe] = []
     predictions: list[dict] = []
 
@@ -222,24 +230,41 @@ def search(measure: Callable[[int], Probe], usable_bytes: int, persistent_bytes:
     # the slope, so this first guess errs small, and leaves a long baseline for the line that follows.
     guess = (usable_bytes - persistent_bytes) // max(first.peak_bytes - persistent_bytes, 1)
     predictions.append({"after_probe": 1, "predicted": int(guess), "by": "persistent-state floor"})
-    candidate, why = guess, "first guess from microbatch 1"
+    candidate, why = max(guess, 2), "first guess from microbatch 1"  # a floor, not a prediction: probe 2 at least
     while (stopped := _stop_reason(lo, hi, candidate, max_micro)) is None and len(probes) < max_probes:
         micro = min(candidate, max_micro)
+        if len(probes) == max_probes - 1 and micro - 1 > lo:
+            # The last probe: if it fails the answer falls back to lo, so aim one below the prediction,
+            # which still lands within one of the largest that fits.
+            micro, why = micro - 1, f"{why}, less one: the last probe"
         probe = run(micro, why)
         if probe.fits:
             lo = micro
         else:
             hi = micro
-        line = local_line(probes)
-        if line is None or line.slope <= 0:
-            # Nothing to fit yet (only out-of-memory probes above) or a flat pair: halve the gap instead.
-            candidate, why = (lo + (hi or 2 * lo)) // 2, "bisection (no usable line)"
-        else:
-            candidate, why = line.largest_under(usable_bytes), f"line through {line.through}"
-            if hi is not None and candidate >= hi:  # a probe at or below the prediction failed: the line is wrong there
-                candidate, why = (lo + hi) // 2, f"bisection (the line through {line.through} says {hi} fits)"
+        candidate, why = _next_candidate(probes, lo, hi, usable_bytes, cap_bytes, max_probes - len(probes))
         predictions.append({"after_probe": len(probes), "predicted": int(candidate), "by": why})
     return Search(probes, lo, local_line(probes), stopped or f"max_probes {max_probes} used", predictions)
+
+
+def _next_candidate(probes: list[Probe], lo: int, hi: int | None, usable_bytes: int, cap_bytes: int,
+                    probes_left: int) -> tuple[int, str]:
+    """The next microbatch to probe, and why."""
+    line = local_line(probes)
+    if line is not None and line.slope > 0:
+        candidate = line.largest_under(usable_bytes)
+        if hi is None or candidate < hi:
+            return candidate, f"line through {line.through}"
+    creeping = probes_left >= 2 and len(probes) >= 3 and not probes[-1].fits and not probes[-2].fits
+    if hi is not None and next(p for p in probes if p.micro == hi).outcome == "out_of_memory" and not creeping:
+        # hi ran out of memory, so its peak was at least the cap: interpolate to that bound (regula falsi).
+        # A near miss of the line lands just below hi. After two failures in a row, with probes to spare,
+        # bisection takes over: a jump in memory would otherwise be crept down on one microbatch at a time.
+        lo_peak = next(p.peak_bytes for p in probes if p.micro == lo and p.fits)
+        slope = (cap_bytes - lo_peak) / (hi - lo)
+        return lo + math.floor((usable_bytes - lo_peak) / slope), f"line from {lo} to the cap at {hi}"
+    # Two failures in a row, or a flat line (allocator noise) and nothing above: halve the gap, or double.
+    return (lo + (hi or 2 * lo)) // 2, "bisection"
 
 
 def _stop_reason(lo: int, hi: int | None, candidate: int, max_micro: int) -> str | None:
@@ -441,7 +466,7 @@ def tune(tuning: Tuning, progress: Callable[[str], None] = print) -> dict:
         def measure(micro: int) -> Probe:
             return measure_probe(tuning, shard, micro)
 
-        found = search(measure, tuning.usable_bytes, persistent, p.max_micro_batch, p.max_probes, progress)
+        found = search(measure, tuning.usable_bytes, tuning.budget_bytes, persistent, p.max_micro_batch, p.max_probes, progress)
         search_s = time.perf_counter() - started
         swept = sweep(measure, p.max_micro_batch, tuning.budget_bytes, progress) if p.exhaustive_sweep else None
     batch = batch_plan(p.global_batch, found.micro, p.world_size)

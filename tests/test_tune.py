@@ -77,7 +77,7 @@ def test_search_finds_the_largest_fitting_microbatch_of_a_40_gib_budget_in_four_
                                                                                           wobble_gib):
     cap = 40 * GIB
     measure = curve(intercept_gib * GIB, slope_gib * GIB, cap, wobble_gib * GIB, kink_until=2)
-    found = search(measure, int(usable_of(cap)), int(2.25 * GIB), 512, 4, progress=lambda _: None)
+    found = search(measure, int(usable_of(cap)), int(cap), int(2.25 * GIB), 512, 4, progress=lambda _: None)
     best = true_largest(measure)
     assert len(found.probes) <= 4
     assert measure(found.micro).fits  # verified by a real probe, never only predicted
@@ -85,15 +85,16 @@ def test_search_finds_the_largest_fitting_microbatch_of_a_40_gib_budget_in_four_
 
 
 def test_search_recovers_from_out_of_memory_where_memory_jumps_above_the_line():
-    measure = curve(3 * GIB, 1 * GIB, 40 * GIB, jump=8 * GIB, jump_from=25)
-    found = search(measure, int(usable_of(40 * GIB)), 0, 512, 6, progress=lambda _: None)
-    assert "out_of_memory" in [p.outcome for p in found.probes]
-    assert found.micro == true_largest(measure) == 28
+    # From 30 on a kernel needs 2 GiB more: the line through 1 and 9 sends probe 3 into the cap.
+    measure = curve(3 * GIB, 1 * GIB, 40 * GIB, jump=2 * GIB, jump_from=30)
+    found = search(measure, int(usable_of(40 * GIB)), 40 * GIB, 0, 512, 4, progress=lambda _: None)
+    assert [p.outcome for p in found.probes][2] == "out_of_memory"
+    assert found.micro == true_largest(measure) == 34
 
 
 def test_search_stops_at_max_micro_batch():
     measure = curve(1 * GIB, 0.01 * GIB, 40 * GIB)
-    found = search(measure, int(usable_of(40 * GIB)), 0, 16, 4, progress=lambda _: None)
+    found = search(measure, int(usable_of(40 * GIB)), 40 * GIB, 0, 16, 4, progress=lambda _: None)
     assert found.micro == 16 and "max_micro_batch" in found.stopped_because
 
 
@@ -101,7 +102,7 @@ def test_search_stops_at_max_micro_batch():
 def test_microbatch_one_that_does_not_fit_names_the_budget(intercept_gib):
     measure = curve(intercept_gib * GIB, 1 * GIB, 40 * GIB)
     with pytest.raises(ParamError, match="microbatch 1 does not fit.*budget_gib"):
-        search(measure, int(usable_of(40 * GIB)), 0, 512, 4, progress=lambda _: None)
+        search(measure, int(usable_of(40 * GIB)), 40 * GIB, 0, 512, 4, progress=lambda _: None)
 
 
 def test_line_interpolates_across_the_budget_and_ignores_out_of_memory_probes():
