@@ -51,7 +51,7 @@ from .atomic import atomic_directory
 from .config import ConfigError, ModelConfig, preset
 from .data import Example, write_partition
 from .memory import PeakMemory, free_device_memory, measure_name
-from .params import DEVICES, ParamError, TrainParams, _coerce, gradient_accumulation
+from .params import DEVICES, ParamError, TrainParams, _coerce, _is_user_variable, gradient_accumulation
 from .paths import resolve_path
 from .records import device_info, framework_versions
 from .report import plot_microbatch_memory
@@ -113,7 +113,9 @@ class TuneParams:
 
     @classmethod
     def from_namespace(cls, namespace: dict[str, Any]) -> "TuneParams":
-        return cls.from_dict({k: v for k, v in namespace.items() if k in cls.names()}, source="notebook parameters")
+        """The parameters a notebook defined: its scalars, so a misspelt papermill -p name is caught."""
+        return cls.from_dict({k: v for k, v in namespace.items() if _is_user_variable(k, v)},
+                             source="notebook parameters")
 
     def validate(self) -> None:
         if not 0.0 <= self.headroom < 1.0:  # written so that NaN fails too
