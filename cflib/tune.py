@@ -64,7 +64,6 @@ FIXED_BYTES_PER_PARAM = 16
 PERSISTENT_BYTES_PER_PARAM = 12
 # DDP keeps a flat copy of the fp32 gradients in its all-reduce buckets on every rank.
 DDP_BUCKET_BYTES_PER_PARAM = 4
-RECORD_FILES = ("record.json", "train_sft_params.yaml", "memory_vs_microbatch.png")
 
 
 @dataclass(frozen=True)
