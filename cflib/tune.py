@@ -217,8 +217,9 @@ def search(measure: Callable[[int], Probe], usable_bytes: int, cap_bytes: int, p
         probe = measure(micro)
         probes.append(probe)
         peak = f"{probe.peak_bytes / GIB:.4g} GiB" if probe.peak_bytes is not None else "n/a"
+        seconds = probe.detail.get("probe_seconds")
         progress(f"probe {len(probes)}/{max_probes}: micro {micro} ({why}) -> {probe.outcome}, peak {peak} "
-                 f"(usable {usable_bytes / GIB:.4g} GiB)")
+                 f"(usable {usable_bytes / GIB:.4g} GiB){f', {seconds:.1f} s' if seconds is not None else ''}")
         return probe
 
     first = run(1, "does one example fit?")
@@ -287,7 +288,8 @@ def sweep(measure: Callable[[int], Probe], max_micro: int, budget_bytes: int,
     probes = []
     for micro in range(1, max_micro + 1):
         probes.append(measure(micro))
-        progress(f"sweep: micro {micro} -> {probes[-1].outcome}, {_describe(probes[-1])}")
+        progress(f"sweep: micro {micro} -> {probes[-1].outcome}, {_describe(probes[-1])}, "
+                 f"{probes[-1].detail.get('probe_seconds', 0):.1f} s")
         if probes[-1].peak_bytes is None or probes[-1].peak_bytes > budget_bytes:
             break
     return probes
