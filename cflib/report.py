@@ -203,6 +203,43 @@ def plot_throughput(record: dict, save_to: str | Path | None = None) -> plt.Figu
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend()
     fig.suptitle(f"{record['model']}, seq {record['seq_len']}, {record['precision']}, {record['device']['name']}")
+
+
+def plot_microbatch_memory(record: dict, save_to: str | Path | None = None) -> plt.Figure:
+    """A tuning record: measured peaks against microbatch, the fitted line, the budget and the choice."""
+    budget, search = record["budget"], record["search"]
+    unit, scale = ("GiB", 2**30) if budget["budget_gib"] >= 1 else ("MiB", 2**20)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sweep = record.get("sweep")
+    if sweep:
+        measured = [p for p in sweep["probes"] if p["peak_bytes"] is not None]
+        ax.plot([p["micro"] for p in measured], [p["peak_bytes"] / scale for p in measured], ".", color="0.6",
+                label="exhaustive sweep (measured)")
+        for probe in (p for p in sweep["probes"] if p["outcome"] == "out_of_memory"):
+            ax.plot(probe["micro"], budget["budget_bytes"] / scale, "v", color="tab:red",
+                    label=f"sweep: out of memory at {probe['micro']}")
+    for outcome, style, label in (("fits", "o", "search probe: fits"), ("over_budget", "x", "search probe: over")):
+        probes = [p for p in search["probes"] if p["outcome"] == outcome]
+        if probes:
+            ax.plot([p["micro"] for p in probes], [p["peak_bytes"] / scale for p in probes], style, ms=8, label=label)
+    for probe in (p for p in search["probes"] if p["outcome"] == "out_of_memory"):
+        ax.axvline(probe["micro"], color="tab:red", ls=":", label=f"out of memory at {probe['micro']}")
+    top = max([p["micro"] for p in search["probes"]] + ([p["micro"] for p in sweep["probes"]] if sweep else []))
+    fit = record["fit"]
+    if fit is not None:
+        xs = [1, top + 1]
+        ax.plot(xs, [(fit["intercept_bytes"] + fit["slope_bytes_per_example"] * x) / scale for x in xs], "-",
+                lw=1, color="tab:blue", label=f"predicted (line through {tuple(fit['through_micro'])})")
+    usable, cap = budget["usable_bytes"] / scale, budget["budget_bytes"] / scale
+    ax.axhline(usable, color="tab:orange", ls="--", label=f"usable {usable:.4g} {unit} (headroom {budget['headroom']:.0%})")
+    ax.axhline(cap, color="tab:red", ls="--", label=f"budget {cap:.4g} {unit} (the cap)")
+    ax.axvline(record["tuned_micro_batch_per_rank"], color="tab:green", lw=1,
+               label=f"tuned: {record['tuned_micro_batch_per_rank']}")
+    ax.set_xlabel("microbatch per rank (examples)")
+    ax.set_ylabel(f"peak memory ({unit})")
+    ax.set_title(f"{record['memory_measure'].split(' (')[0]}, seq_len {record['params']['seq_len']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     if save_to is not None:
         fig.savefig(save_to, dpi=120)
@@ -233,3 +270,31 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def tuning_summary(record: dict) -> str:
+    """The outcome of a tuning run, in a few lines."""
+    batch, search = record["batch"], record["search"]
+    lines = [
+        f"tuned microbatch   {record['tuned_micro_batch_per_rank']} per rank, verified peak "
+        f"{record['verification']['peak_gib']:.4g} GiB of {record['budget']['usable_gib']:.4g} usable "
+        f"({record['memory_measure'].split(' (')[0]})",
+        f"search             {search['probes_used']} of {search['max_probes']} probes "
+        f"({', '.join(str(p['micro']) for p in search['probes'])}); stopped: {search['stopped_because']}",
+    ]
+    if record["fit"] is not None:
+        fit = record["fit"]
+        lines.append(f"memory line        {fit['intercept_bytes'] / 2**30:.4g} GiB + "
+                     f"{fit['slope_bytes_per_example'] / 2**20:.4g} MiB per example (through micro "
+                     f"{tuple(fit['through_micro'])})")
+    lines.append(f"batch              global {batch['global_batch']} = micro {batch['micro_batch_per_rank']} x world "
+                 f"{batch['world_size']} x accumulation {batch['grad_accum']}")
+    if batch["note"]:
+        lines.append(f"note               {batch['note']}")
+    if "sweep" in record:
+        sweep = record["sweep"]
+        lines.append(f"exhaustive sweep   largest under the usable budget {sweep['largest_fitting']}, under the "
+                     f"budget itself {sweep['largest_under_budget']}; tuned within one of the first: "
+                     f"{sweep['tuned_within_one']}")
+    lines.append(f"params file        {Path(record['out_dir']) / record['outputs']['params_file']}")
+    return "\n".join(lines)

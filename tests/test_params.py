@@ -141,11 +141,14 @@ def test_from_namespace_survives_a_rerun_after_the_whole_notebook():
 
 
 def test_repository_parameter_files_validate():
+    from cflib.tune import TuneParams
+
     for path in sorted(PARAMS_DIR.glob("*.yaml")) + sorted(PARAMS_DIR.glob("*.yml")):
         if path.name.startswith("throughput_"):
-            ThroughputParams.from_dict(load_params_file(path), source=str(path))
-        else:
-            TrainParams.from_dict(load_params_file(path), source=str(path))  # raises, naming the file
+            kind = ThroughputParams
+        else:  # tune_*: the microbatch tuner's
+            kind = TuneParams if path.name.startswith("tune_") else TrainParams
+        kind.from_dict(load_params_file(path), source=str(path))  # raises, naming the file
 
 
 def test_load_params_file(tmp_path):
