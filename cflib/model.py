@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .attention import DocumentMask, build_document_mask, document_attention, document_positions
 from .config import ModelConfig
 from .routing import build_route_table
 
@@ -35,9 +36,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, hd]; cos/sin: [T, hd] in fp32."""
+    """x: [B, T, H, hd]; cos/sin: [T, hd], or [B, T, hd] for per-row positions, in fp32."""
     x32 = x.float()
-    return (x32 * cos[:, None, :] + rotate_half(x32) * sin[:, None, :]).to(x.dtype)
+    return (x32 * cos[..., None, :] + rotate_half(x32) * sin[..., None, :]).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -52,15 +53,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_mask: DocumentMask | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Right padding needs no mask: under the causal mask no real token sees a later pad.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
+        if document_mask is not None:  # packed window: each example attends only to itself
+            out = document_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), document_mask)
+        else:  # Right padding needs no mask: under the causal mask no real token sees a later pad.
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -118,8 +122,9 @@ class DecoderLayer(nn.Module):
         # A dict, not a wrapper class, so the tensor names read `mlp.engine.*` as published.
         self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_routes)})
 
-    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_mask: DocumentMask | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_mask)
         return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids)
 
 
@@ -136,6 +141,7 @@ class TRMoEModel(nn.Module):
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.grad_ckpt = False
+        self.last_attention = "torch_sdpa"  # set by each forward: what actually ran
         self.reset_parameters()
 
     @torch.no_grad()
@@ -153,26 +159,36 @@ class TRMoEModel(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight
 
-    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq.to(device))
+    def rope(self, seq_len: int, device: torch.device,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, hd] for positions 0..T-1, or [B, T, hd] for given [B, T] positions."""
+        if positions is None:
+            positions = torch.arange(seq_len, device=device)
+        freqs = positions.float()[..., None] * self.inv_freq.to(device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rope(input_ids.shape[1], input_ids.device)
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states. document_ids [B, T]: packed examples, each attending only to itself
+        with positions restarting at 0; None: one sequence per row, as if unpacked."""
+        document_mask, positions = None, None
+        if document_ids is not None:
+            document_mask = build_document_mask(document_ids)
+            positions = document_positions(document_ids)
+        self.last_attention = document_mask.backend if document_mask is not None else "torch_sdpa"
+        cos, sin = self.rope(input_ids.shape[1], input_ids.device, positions)
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             if self.grad_ckpt and self.training:
-                h = checkpoint(layer, h, input_ids, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, input_ids, cos, sin, document_mask, use_reentrant=False)
             else:
-                h = layer(h, input_ids, cos, sin)
+                h = layer(h, input_ids, cos, sin, document_mask)
         return self.norm(h)
 
     def kernel_path(self) -> dict[str, str]:
         """The backends the last forward actually used, read back from the modules."""
         return {
-            "attention": "torch_sdpa",
+            "attention": self.last_attention,
             "rmsnorm": "torch",
             "rope": "torch",
             "moe": self.layers[0].mlp["engine"].last_backend,
