@@ -116,7 +116,7 @@ class ShardPartition(torch.utils.data.Dataset):
         self.input_ids = self._map("input_ids.bin", "<u4")
         self.labels = self._map("labels.bin", "<i4")
         if verify_hashes:
-            self._verify_hashes()
+            self.check_hashes()
         self.offsets = np.array([row["offset"] for row in self.rows], dtype=np.int64)
         self.lengths = np.array([row["num_tokens"] for row in self.rows], dtype=np.int64)
         self._validate_rows(seq_len)
@@ -169,12 +169,15 @@ class ShardPartition(torch.utils.data.Dataset):
                              f"in sft.idx.json needs {expected} (truncated or corrupt)")
         return np.memmap(path, dtype=dtype, mode="r")
 
-    def _verify_hashes(self) -> None:
-        for name, expected in (self.index.get("sha256") or {}).items():
+    def check_hashes(self) -> list[str]:
+        """Every file whose SHA-256 sft.idx.json records must match it; returns the names checked."""
+        recorded = self.index.get("sha256") or {}
+        for name, expected in recorded.items():
             actual = sha256_file(self.directory / name)
             if actual != expected:
                 raise ShardError(f"{self.directory / name}: sha256 {actual[:12]}... does not match "
                                  f"sft.idx.json ({expected[:12]}...): the file changed after it was written")
+        return sorted(recorded)
 
     def _fail(self, file: str, row: int, what: str) -> None:
         example_id = self.rows[row].get("example_id", "?")
