@@ -311,6 +311,7 @@ class Trainer:
         weights = run.loss_weights
         self.example_weights = torch.from_numpy(weights.example_weights()).float() if weights else None
         self.trained_mass = np.zeros(len(weights.cells)) if weights else None  # weighted tokens per cell, consumed
+        self.train_kernel_path: dict | None = None  # read back after a training step: evaluation runs unpacked
         if run.resume_state is not None:
             self._restore(run.resume_state)
         # The first steps pay for allocator growth and kernel selection: not steady state.
@@ -484,6 +485,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         _sync(self.device)
         seconds = time.perf_counter() - start
+        self.train_kernel_path = self.model.kernel_path()
         self.step += 1
         self.timing["train_s"] += seconds
         if self.step > self.warmup_exclude:
@@ -598,7 +600,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "strategy": run.strategy,
             "memory_estimate": run.memory_estimate,
-            "kernel_path": {**model.kernel_path(),
+            "kernel_path": {**(self.train_kernel_path or model.kernel_path()),
                             "loss": "torch_chunked_linear_ce" + ("_weighted" if run.loss_weights else "")},
             **count_parameters(model),
             "params_active": config.active_parameters(),
