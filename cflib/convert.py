@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .atomic import atomic_directory
-from .data import IGNORE_INDEX, Example, sha256_file, write_partition
+from .data import IGNORE_INDEX, Example, ShardPartition, sha256_file, write_partition
 from .params import read_yaml
 from .tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 
@@ -308,6 +308,22 @@ def summary(indexes: dict[str, dict]) -> str:
     lines.append(f"vocab_size {any_index['vocab_size']}, eos_token_id {any_index['eos_token_id']}, "
                  f"max_seq_len {any_index['max_seq_len']}, tokenizer {any_index['conversion']['tokenizer']['kind']}")
     return "\n".join(lines)
+
+
+def show_example(shard: ShardPartition, index: int, tokenizer: ByteTokenizer | JsonTokenizer) -> str:
+    """One example as text, its supervised tokens (what the loss teaches) between [[ and ]]."""
+    ids, labels = shard[index]
+    # labels[j] supervises token j + 1, so token t is supervised when labels[t - 1] is not -100.
+    supervised = [False] + [int(label) != IGNORE_INDEX for label in labels[:-1]]
+    pieces, run, state = [], [], False
+    for token, taught in zip(ids.tolist(), supervised):
+        if taught != state and run:
+            pieces.append(f"[[{tokenizer.decode_template(run)}]]" if state else tokenizer.decode_template(run))
+            run = []
+        run.append(token)
+        state = taught
+    pieces.append(f"[[{tokenizer.decode_template(run)}]]" if state else tokenizer.decode_template(run))
+    return "".join(pieces)
 
 
 def main(argv: Sequence[str]) -> None:

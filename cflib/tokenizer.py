@@ -4,10 +4,11 @@ Real data brings its own `tokenizer.json` (the `tokenizers` library reads it;
 nothing is downloaded); the byte tokenizer exists so the default job needs no
 file at all: every UTF-8 string encodes, ids are stable.
 
-Both offer the same three encodings: `encode` for message content, where text
-that looks like a special token stays plain text (a user cannot forge a turn
+Both offer the same encodings: `encode` for message content, where text that
+looks like a special token stays plain text (a user cannot forge a turn
 marker); `encode_template` for chat-template text, where special tokens are
-recognised; and `token_id` for one special token.
+recognised, and its inverse `decode_template`; and `token_id` for one special
+token.
 """
 from __future__ import annotations
 
@@ -43,6 +44,18 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - self.num_special for i in ids if self.num_special <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
+
+    def decode_template(self, ids: list[int]) -> str:
+        """Text with special tokens written out, the inverse of encode_template."""
+        names = {i: token for token, i in self.special_tokens.items()}
+        pieces, run = [], []
+        for i in ids:
+            if i in names:
+                pieces += [self.decode(run), names[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(pieces) + self.decode(run)
 
     def encode_prompt(self, prompt: str) -> list[int]:
         """The tokens a model sees before it answers: user turn, then the assistant marker."""
@@ -87,6 +100,8 @@ class JsonTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._template.decode(ids, skip_special_tokens=False)
+
+    decode_template = decode  # special tokens are always written out
 
 
 def load_tokenizer(spec: str | Path) -> ByteTokenizer | JsonTokenizer:

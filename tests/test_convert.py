@@ -10,7 +10,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cflib.convert import ChatTemplate, ConvertError, ConvertSpec, DigestSet, convert
+from cflib.convert import ChatTemplate, ConvertError, ConvertSpec, DigestSet, convert, show_example
 from cflib.data import IGNORE_INDEX, ShardError, collate, open_shard, sha256_file
 from cflib.packing import collate_packed, plan_packs
 from cflib.tokenizer import ByteTokenizer, JsonTokenizer
@@ -105,16 +105,17 @@ def test_round_trip_jsonl_to_shard_to_batches_to_text(tmp_path):
     shard = open_shard(tmp_path / "shard", "train")
     rendered = ["<|user|>12+34=<|assistant|>46<|eos|>", "<|user|>reverse abc<|assistant|>cba<|eos|>",
                 "<|system|>be brief<|user|>hi<|assistant|>hello<|eos|><|user|>reverse dog<|assistant|>god<|eos|>"]
-    names = {v: k for k, v in BYTES.special_tokens.items()}
 
-    def text(ids) -> str:
-        return "".join(names.get(int(t)) or BYTES.decode([int(t)]) for t in ids)
+    def text(ids: torch.Tensor) -> str:
+        return BYTES.decode_template(ids.tolist())
 
     input_ids, labels = collate([shard[i] for i in range(len(shard))], shard.eos_token_id)
     for row, want in enumerate(rendered):
         assert text(input_ids[row, :shard.lengths[row]]) == want
     assert [text(labels[labels != IGNORE_INDEX]) for _, labels in (shard[i] for i in range(3))] == [
         "46<|eos|>", "cba<|eos|>", "hello<|eos|>god<|eos|>"]
+    assert show_example(shard, 2, BYTES) == ("<|system|>be brief<|user|>hi<|assistant|>[[hello<|eos|>]]"
+                                             "<|user|>reverse dog<|assistant|>[[god<|eos|>]]")
     plan = plan_packs(shard.lengths, 64)
     packed_ids, packed_labels, document_ids, example_index = collate_packed(shard, plan, range(len(plan)))
     for example, want in enumerate(rendered):
