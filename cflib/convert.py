@@ -27,15 +27,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sqlite3
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
-
 from .atomic import atomic_directory
-from .data import IGNORE_INDEX, Example, ShardPartition, sha256_file, write_partition
+from .data import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, sha256_file, write_partition
 from .params import read_yaml
 from .tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 
@@ -99,34 +99,38 @@ class ConvertSpec:
                 raise ConvertError(f"{name}: {getattr(self, name)} is not a file")
 
 
-class DigestSet:
-    """Membership of 8-byte conversation digests: a sorted numpy array plus a small pending set.
+class SeenConversations:
+    """Digests of the conversations accepted so far, per partition, in a temporary SQLite file.
 
-    8 bytes per distinct conversation, no Python object per row, so a million
-    rows cost 8 MB; what a row holds is never kept.
+    Exact duplicates can only be found by remembering every conversation; on
+    disk (SQLite's B-tree, with its bounded page cache) that memory stays flat
+    however many rows go by. The file goes when the conversion ends.
     """
 
-    def __init__(self, pending_limit: int = 1 << 16) -> None:
-        self.sorted = np.empty(0, dtype=np.uint64)
-        self.pending: set[int] = set()
-        self.pending_limit = pending_limit
+    def __init__(self) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="cflib-convert-")
+        self._db = sqlite3.connect(Path(self._folder.name) / "seen.sqlite")
+        self._db.execute("PRAGMA journal_mode = OFF")  # a scratch file: nothing to recover
+        self._db.execute("PRAGMA synchronous = OFF")
+        for partition in PARTITIONS:
+            self._db.execute(f"CREATE TABLE {partition} (digest INTEGER PRIMARY KEY)")
 
-    def __contains__(self, digest: int) -> bool:
-        if digest in self.pending:
-            return True
-        at = int(np.searchsorted(self.sorted, np.uint64(digest)))
-        return at < self.sorted.size and int(self.sorted[at]) == digest
+    def add(self, partition: str, digest: int) -> bool:
+        """Remember a digest; False when the partition already had it."""
+        return self._db.execute(f"INSERT OR IGNORE INTO {partition} VALUES (?)", (digest,)).rowcount == 1
 
-    def add(self, digest: int) -> None:
-        self.pending.add(digest)
-        if len(self.pending) >= self.pending_limit:
-            self.sorted = np.union1d(self.sorted, np.fromiter(self.pending, dtype=np.uint64))
-            self.pending.clear()
+    def has(self, partition: str, digest: int) -> bool:
+        return self._db.execute(f"SELECT 1 FROM {partition} WHERE digest = ?", (digest,)).fetchone() is not None
+
+    def close(self) -> None:
+        self._db.close()
+        self._folder.cleanup()
 
 
 def conversation_digest(messages: list[dict]) -> int:
+    """64 bits of BLAKE2b over roles and contents: a signed SQLite integer."""
     canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
-    return int.from_bytes(hashlib.blake2b(canonical.encode("utf-8"), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(canonical.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 
 def _check_row(row: object, where: str) -> list[dict]:
@@ -196,8 +200,8 @@ def _read_jsonl(path: Path, digest: "hashlib._Hash") -> Iterator[tuple[int, obje
                 raise ConvertError(f"{path}:{number}: not valid JSON ({err})") from None
 
 
-def _examples(path: Path, partition: str, renderer: ChatRenderer, max_seq_len: int, seen: DigestSet,
-              train_seen: DigestSet | None, stats: dict) -> Iterator[Example]:
+def _examples(path: Path, partition: str, renderer: ChatRenderer, max_seq_len: int, seen: SeenConversations,
+              stats: dict) -> Iterator[Example]:
     """The accepted examples of one JSONL file; `stats` is filled as rows are read."""
     source_digest = hashlib.sha256()
     rejected: Counter = Counter()
@@ -207,11 +211,10 @@ def _examples(path: Path, partition: str, renderer: ChatRenderer, max_seq_len: i
         read += 1
         messages = _check_row(row, f"{path}:{number}")
         digest = conversation_digest(messages)
-        if digest in seen:
+        if not seen.add(partition, digest):
             rejected["duplicate"] += 1
             continue
-        seen.add(digest)
-        if train_seen is not None and digest in train_seen:
+        if partition == "eval" and seen.has("train", digest):
             rejected["duplicate_of_train"] += 1
             continue
         rendered = renderer.render(messages)
@@ -249,16 +252,19 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                         "path": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
                         "sha256": None if isinstance(tokenizer, ByteTokenizer) else sha256_file(tokenizer.path)}
     conversion = {"tokenizer": tokenizer_record, "template": asdict(spec.template), "supervise": spec.supervise}
-    train_seen = DigestSet()
-    with atomic_directory(out) as staging:
-        for partition, path, seen, against in (("train", spec.train, train_seen, None),
-                                               ("eval", spec.eval, DigestSet(), train_seen)):
-            stats: dict = {}
-            examples = _examples(Path(path), partition, renderer, spec.max_seq_len, seen, against, stats)
-            # The generator fills `stats` as it ends, before write_partition reads index_extra.
-            write_partition(staging / partition, examples, vocab_size=tokenizer.vocab_size,
-                            eos_token_id=renderer.eos_token_id, max_seq_len=spec.max_seq_len,
-                            index_extra={"conversion": {**conversion, "stats": stats}})
+    seen = SeenConversations()
+    try:
+        with atomic_directory(out) as staging:
+            for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
+                stats: dict = {}
+                examples = _examples(Path(getattr(spec, partition)), partition, renderer, spec.max_seq_len, seen,
+                                     stats)
+                # The generator fills `stats` as it ends, before write_partition reads index_extra.
+                write_partition(staging / partition, examples, vocab_size=tokenizer.vocab_size,
+                                eos_token_id=renderer.eos_token_id, max_seq_len=spec.max_seq_len,
+                                index_extra={"conversion": {**conversion, "stats": stats}})
+    finally:
+        seen.close()
     return {p: json.loads((out / p / "sft.idx.json").read_text()) for p in ("train", "eval")}
 
 

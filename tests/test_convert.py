@@ -10,7 +10,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cflib.convert import ChatTemplate, ConvertError, ConvertSpec, DigestSet, convert, show_example
+from cflib.convert import (ChatTemplate, ConvertError, ConvertSpec, SeenConversations, conversation_digest, convert,
+                           show_example)
 from cflib.data import IGNORE_INDEX, ShardError, collate, open_shard, sha256_file
 from cflib.packing import collate_packed, plan_packs
 from cflib.tokenizer import ByteTokenizer, JsonTokenizer
@@ -202,14 +203,15 @@ def test_bad_settings_are_refused(tmp_path):
     assert sha256_file(tmp_path / "shard" / "train" / "input_ids.bin") == before
 
 
-def test_digest_set_remembers_across_its_merges():
-    seen = DigestSet(pending_limit=4)
-    values = [(i * 0x9E3779B97F4A7C15) % 2**64 for i in range(1, 50)]
-    for value in values:
-        assert value not in seen
-        seen.add(value)
-    assert all(value in seen for value in values) and seen.sorted.size >= 48
-    assert 12345 not in seen
+def test_seen_conversations_are_remembered_per_partition_and_their_file_removed():
+    seen = SeenConversations()
+    folder = Path(seen._folder.name)
+    digests = [conversation_digest([{"role": "user", "content": str(i)}]) for i in range(200)]
+    assert all(seen.add("train", d) for d in digests) and not any(seen.add("train", d) for d in digests)
+    assert seen.has("train", digests[7]) and not seen.has("eval", digests[7]) and seen.add("eval", digests[7])
+    assert len(set(digests)) == 200 and all(-2**63 <= d < 2**63 for d in digests)
+    seen.close()
+    assert not folder.exists()
 
 
 def test_command_line_with_a_spec_file(tmp_path):
