@@ -43,11 +43,12 @@ TRAIN = [chat("12+34=", "46", task="addition", group="no-carry", source="unit"),
 EVAL = [chat("58+67=", "125", task="addition", group="carry")]
 
 
-def run_convert(tmp_path: Path, train: list, eval_: list | None = None, name: str = "shard", **spec) -> dict:
+def run_convert(tmp_path: Path, train: list, eval_: list | None = None, name: str = "shard", overwrite: bool = False,
+                **spec) -> dict:
     files = {"train": write_jsonl(tmp_path / f"{name}-train.jsonl", train),
              "eval": write_jsonl(tmp_path / f"{name}-eval.jsonl", EVAL if eval_ is None else eval_)}
     return convert(ConvertSpec(train=str(files["train"]), eval=str(files["eval"]), out=str(tmp_path / name),
-                               **{"max_seq_len": 64, **spec}))
+                               **{"max_seq_len": 64, **spec}), overwrite=overwrite)
 
 
 def test_default_template_with_bytes_is_the_embedded_encoding(tmp_path):
@@ -200,7 +201,11 @@ def test_bad_settings_are_refused(tmp_path):
     before = sha256_file(tmp_path / "shard" / "train" / "input_ids.bin")
     with pytest.raises(ConvertError, match="already exists"):
         run_convert(tmp_path, TRAIN[:1])
-    assert sha256_file(tmp_path / "shard" / "train" / "input_ids.bin") == before
+    with pytest.raises(ConvertError, match="not valid JSON"):  # overwrite allowed, but the input fails
+        run_convert(tmp_path, TRAIN[:1] + ["{broken"], overwrite=True)
+    assert sha256_file(tmp_path / "shard" / "train" / "input_ids.bin") == before  # the earlier shard is whole
+    run_convert(tmp_path, TRAIN[:1], overwrite=True)
+    assert open_shard(tmp_path / "shard", "train").index["examples"] == 1
 
 
 def test_seen_conversations_are_remembered_per_partition_and_their_file_removed():
