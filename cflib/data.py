@@ -4,7 +4,10 @@ A shard root holds `train/` and `eval/`; each partition has `input_ids.bin`
 (uint32 LE), `labels.bin` (int32 LE, causally aligned: labels[j] is the target
 of position j, -100 where unsupervised), `examples.jsonl` and `sft.idx.json`.
 Files are memory-mapped; every check runs when a partition is opened, so a bad
-shard fails before any training step, naming the file and the row.
+shard fails before any training step, naming the file and the row. Token
+checks run over chunks of rows, so their memory does not grow with the shard;
+a process that another has already checked for (a torchrun worker) opens with
+`check_tokens=False` and only counts the supervised labels.
 """
 from __future__ import annotations
 

@@ -461,8 +461,8 @@ class Trainer:
             with self._gradient_sync(micro_start == micro_starts[-1]):
                 with autocast(self.device, p.bf16):
                     hidden = self.train_model(input_ids, document_ids)
-                    loss_sum, _ = chunked_cross_entropy_sum(hidden, self.model.head_weight, labels,
-                                                            p.loss_chunk_tokens, p.fp32_loss, token_weights=token_weights)
+                    loss_sum, _ = chunked_cross_entropy_sum(hidden, self.model.head_weight, labels, p.loss_chunk_tokens,
+                                                            p.fp32_loss, token_weights=token_weights)
                 # The step's (weighted) token mean, times world size: data parallelism averages gradients.
                 (loss_sum * (self.dist.world_size / step_mass)).backward()
             totals[0] += loss_sum.detach().double()

@@ -186,5 +186,7 @@ def audit_table(rows: list[dict]) -> str:
         line = (f"| {row['group']} | {row['cell']} | {row['examples']:,} | {row['raw_share']:.4f} | "
                 f"{row['group_target']:.3f} | {row['cell_target']:.3f} | {row['target_share']:.4f} | "
                 f"{row['coefficient']:.3f} | {row['achieved_share']:.4f} |")
-        lines.append(line + (f" {row['trained_share']:.4f} |" if "trained_share" in row else (" - |" if trained else "")))
+        if trained:
+            line += f" {row['trained_share']:.4f} |" if "trained_share" in row else " - |"
+        lines.append(line)
     return "\n".join(lines)

@@ -151,7 +151,8 @@ CASES = [
     ("loss-cell-shares-not-one", lambda t: {"loss_groups": loss_groups(
         cells={"addition x carry": 0.7, "addition x no-carry": 0.4})}, ValueError, ["'arithmetic'", "sum to 1.1"]),
     ("loss-cell-without-share", lambda t: {"loss_groups": {**loss_groups(), "text": {
-        "target_share": 0.5, "tasks": ["uppercase"], "task_target_shares": {}}}}, ValueError, ["missing ['uppercase']"]),
+        "target_share": 0.5, "tasks": ["uppercase"], "task_target_shares": {}}}},
+     ValueError, ["missing ['uppercase']"]),
     ("loss-cell-repeated", lambda t: {"loss_groups": {**loss_groups(), "text": {
         "target_share": 0.5, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}}}}, ValueError,
      ["'addition'", "exactly once"]),
@@ -159,7 +160,8 @@ CASES = [
         "target_share": 1.0, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}}}}, ValueError,
      ["fall in no cell", "'uppercase'"]),
     ("loss-cell-absent-from-data", lambda t: {"loss_groups": {**loss_groups(), "text": {
-        "target_share": 0.5, "tasks": ["uppercase", "poetry"], "task_target_shares": {"uppercase": 0.5, "poetry": 0.5}}}},
+        "target_share": 0.5, "tasks": ["uppercase", "poetry"],
+        "task_target_shares": {"uppercase": 0.5, "poetry": 0.5}}}},
      ValueError, ["'poetry'", "no visible supervised token"]),
     ("loss-weight-over-cap", lambda t: {"loss_groups": loss_groups(0.05, 0.95), "max_task_loss_weight": 1.5},
      ValueError, ["'uppercase'", "max_task_loss_weight 1.5"]),

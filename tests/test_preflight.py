@@ -12,7 +12,7 @@ import pytest
 import cflib.data
 from cflib.data import Example, ShardError, open_shard
 from cflib.preflight import preflight
-from sft_shard_helpers import CHATS, EOS, VOCAB, chat_example, chat_examples, write_shard
+from sft_shard_helpers import CHATS, VOCAB, chat_example, chat_examples, write_shard
 
 
 def edit_index(partition: Path, change) -> None:

@@ -22,7 +22,7 @@ ISSUE_EXAMPLE = {
     "instruction": {"target_share": 0.80, "tasks": ["grounded_qa"], "task_target_shares": {"grounded_qa": 1.0}},
 }
 ROWS = [{"task": "casual_social"}] * 6 + [{"task": "conversation_empathy"}] * 2 + [{"task": "grounded_qa"}] * 2
-VISIBLE = np.array([10] * 6 + [10] * 2 + [20] * 2)  # raw shares 0.6, 0.2, 0.4 of 120 tokens... see below
+VISIBLE = np.array([10] * 6 + [10] * 2 + [20] * 2)  # 60, 20 and 40 of 120 visible supervised tokens
 
 
 def test_coefficients_are_group_target_times_cell_target_over_raw_share():
@@ -36,13 +36,15 @@ def test_coefficients_are_group_target_times_cell_target_over_raw_share():
     np.testing.assert_allclose([row["raw_share"] for row in audit], raw)
     np.testing.assert_allclose([row["achieved_share"] for row in audit], targets)
     assert [row["examples"] for row in audit] == [6, 2, 2]
-    assert "| natural_conversation | casual_social | 6 | 0.5000 | 0.200 | 0.700 | 0.1400 | 0.280 |" in audit_table(audit)
+    row = "| natural_conversation | casual_social | 6 | 0.5000 | 0.200 | 0.700 | 0.1400 | 0.280 | 0.1400 |"
+    assert row in audit_table(audit)
 
 
 def test_a_cell_may_be_task_by_domain_and_domain_falls_back_to_group():
     groups = {"g": {"target_share": 1.0, "tasks": ["qa x science", "qa x history"],
                     "task_target_shares": {"qa x science": 0.5, "qa x history": 0.5}}}
-    rows = [{"task": "qa", "domain": "science"}, {"task": "qa", "group": "history"}, {"task": "qa", "domain": "history"}]
+    rows = [{"task": "qa", "domain": "science"}, {"task": "qa", "group": "history"},
+            {"task": "qa", "domain": "history"}]
     weights = derive_loss_weights(groups, rows, np.array([10, 5, 5]), 30.0)
     assert weights.example_cell.tolist() == [0, 1, 1]
     np.testing.assert_allclose(weights.coefficients, [1.0, 1.0])
