@@ -243,8 +243,9 @@ def _check_resumable(state: dict, run: Run, checkpoint_dir: Path) -> None:
     params = run.params
     now = {"seed": params.seed, "global_batch": params.global_batch, **schedule_signature(run)}
     for name, value in now.items():
-        if state.get(name, _SIGNATURE_DEFAULTS.get(name)) != value:
-            raise ParamError(f"{checkpoint_dir} was written with {name} {state[name]}, this run has {value}: "
+        then = state.get(name, _SIGNATURE_DEFAULTS.get(name))
+        if then != value:
+            raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}: "
                              "a resumed run continues the same stream and schedule; start a new run "
                              "(init_checkpoint) to change them")
     if state["world_size"] != params.world_size and not params.allow_world_size_change:
