@@ -148,3 +148,17 @@ def test_packed_gradients_equal_the_sum_of_unpacked_gradients(shard):
         chunked_cross_entropy_sum(model(ids[None]), model.head_weight, labs[None], 7)[0].backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_activation_checkpointing_keeps_packed_gradients():
+    ids = random_ids(VOCAB, 1, 32, seed=4)
+    document_ids = torch.tensor([[0] * 6 + [1] * 8 + [2] * 4 + [3] * 10 + [4] * 4])
+    labels = torch.roll(ids, -1)
+    grads = []
+    for grad_ckpt in (False, True):
+        model = tiny_model(seed=6).train()
+        model.grad_ckpt = grad_ckpt
+        chunked_cross_entropy_sum(model(ids, document_ids), model.head_weight, labels, 16)[0].backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
