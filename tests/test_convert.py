@@ -193,6 +193,9 @@ def test_bad_settings_are_refused(tmp_path):
         run_convert(tmp_path, TRAIN, template=ChatTemplate(eos="<|end|>"))
     with pytest.raises(ConvertError, match="no such tokenizer.json"):
         run_convert(tmp_path, TRAIN, tokenizer=str(tmp_path / "missing.json"))
+    (tmp_path / "garbage.json").write_text('{"model": "none"}')
+    with pytest.raises(ConvertError, match="garbage.json: not a readable tokenizer.json"):
+        run_convert(tmp_path, TRAIN, tokenizer=str(tmp_path / "garbage.json"))
     with pytest.raises(ConvertError, match="no conversation was accepted"):
         run_convert(tmp_path, [chat("x" * 80, "y")])
     with pytest.raises(ConvertError, match="unknown template key"):
@@ -232,3 +235,6 @@ def test_command_line_with_a_spec_file(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--spec", str(spec)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and "already exists" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--train", "a.jsonl"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "missing eval, out" in done.stderr
