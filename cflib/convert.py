@@ -100,7 +100,7 @@ class ConvertSpec:
 
 
 class SeenConversations:
-    """Digests of the conversations accepted so far, per partition, in a temporary SQLite file.
+    """Digests of the conversations read so far, per partition, in a temporary SQLite file.
 
     Exact duplicates can only be found by remembering every conversation; on
     disk (SQLite's B-tree, with its bounded page cache) that memory stays flat
@@ -242,7 +242,8 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
     spec.validate()
     out = Path(spec.out)
     if out.exists() and not overwrite:
-        raise ConvertError(f"out: {out} already exists; choose another folder or pass overwrite")
+        raise ConvertError(f"out: {out} already exists; choose another folder or overwrite it "
+                           "(--overwrite, overwrite=True)")
     try:
         tokenizer = load_tokenizer(spec.tokenizer)
     except (FileNotFoundError, ValueError) as err:
