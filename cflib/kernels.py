@@ -106,9 +106,7 @@ class SFTLoss:
                  token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         fused = torch.is_grad_enabled() and (self.plan.custom or (self.plan.liger and token_weights is None))
         if not fused:
-            self.last_backend = "torch_chunked_linear_ce"
-            if token_weights is None:
-                return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss)
+            self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
             return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
                                              token_weights=token_weights)
         labels = labels.reshape(-1)

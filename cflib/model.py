@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .attention import DocumentMask, build_document_mask, document_attention, document_positions
 from .config import ModelConfig
 from .routing import build_route_table
 
@@ -59,9 +60,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, hd]; cos/sin: [T, hd] in fp32."""
+    """x: [B, T, H, hd]; cos/sin: [T, hd], or [B, T, hd] for per-row positions, in fp32."""
     x32 = x.float()
-    return (x32 * cos[:, None, :] + rotate_half(x32) * sin[:, None, :]).to(x.dtype)
+    return (x32 * cos[..., None, :] + rotate_half(x32) * sin[..., None, :]).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -79,7 +80,8 @@ class Attention(nn.Module):
         self.fused_qkv = False  # one GEMM for q, k, v: the input is cast and read once
         self.last_rope_backend = self.last_qkv = "none"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_mask: DocumentMask | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         q_width, k_width = self.q_proj.out_features, self.k_proj.out_features
         if self.fused_qkv:
@@ -89,7 +91,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
-        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         self.last_rope_backend = self.rope_backend
         if self.rope_backend == "cflib_qk_norm_rope":  # set only with fused_qkv and QK-norm
             from .ops.qk_norm_rope import qk_norm_rope
@@ -105,9 +107,11 @@ class Attention(nn.Module):
                 q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
             else:
                 q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
-        # Right padding needs no mask: under the causal mask no real token sees a later pad.
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
+        if document_mask is not None:  # packed window: each example attends only to itself
+            out = document_attention(q, k, v, document_mask)
+        else:  # Right padding needs no mask: under the causal mask no real token sees a later pad.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -178,13 +182,14 @@ class DecoderLayer(nn.Module):
         self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_routes)})
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                document_mask: DocumentMask | None = None,
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(h, pending): with fused add+norm, the MLP output is added by the next norm, so it is returned apart."""
         if self.input_layernorm.backend == "cflib_add_rmsnorm":
             h, x = self.input_layernorm.add_norm(h, pending)
-            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin))
+            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, document_mask))
             return h, self.mlp["engine"](x, token_ids)
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_mask)
         return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids), None
 
 
@@ -199,6 +204,7 @@ class TRMoEModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
         self.grad_ckpt = False
+        self.last_attention = "torch_sdpa"  # set by each forward: what actually ran
         self.reset_parameters()
 
     @torch.no_grad()
@@ -216,14 +222,30 @@ class TRMoEModel(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_cos_sin(self.inv_freq, input_ids.shape[1], input_ids.device)
+    def rope(self, seq_len: int, device: torch.device,
+             positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, hd] for positions 0..T-1, or [B, T, hd] for given [B, T] positions."""
+        if positions is None:
+            return rope_cos_sin(self.inv_freq, seq_len, device)
+        freqs = positions.float()[..., None] * self.inv_freq.to(device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states. document_ids [B, T]: packed examples, each attending only to itself
+        with positions restarting at 0; None: one sequence per row, as if unpacked."""
+        document_mask, positions = None, None
+        if document_ids is not None:
+            document_mask = build_document_mask(document_ids)
+            positions = document_positions(document_ids)
+        self.last_attention = document_mask.backend if document_mask is not None else "torch_sdpa"
+        cos, sin = self.rope(input_ids.shape[1], input_ids.device, positions)
         h, pending = self.embed_tokens(input_ids), None
         for layer in self.layers:
             if self.grad_ckpt and self.training:
-                h, pending = checkpoint(layer, h, input_ids, cos, sin, pending, use_reentrant=False)
+                h, pending = checkpoint(layer, h, input_ids, cos, sin, document_mask, pending, use_reentrant=False)
             else:
-                h, pending = layer(h, input_ids, cos, sin, pending)
+                h, pending = layer(h, input_ids, cos, sin, document_mask, pending)
         if self.norm.backend == "cflib_add_rmsnorm":
             return self.norm.add_norm(h, pending)[1]
         return self.norm(h)
@@ -249,7 +271,7 @@ class TRMoEModel(nn.Module):
     def kernel_path(self) -> dict[str, str]:
         """The backends the last forward actually used, read back from the modules."""
         attention, engine = self.layers[0].self_attn, self.layers[0].mlp["engine"]
-        path = {"attention": "torch_sdpa", "qkv": attention.last_qkv, "rmsnorm": self.norm.last_backend,
+        path = {"attention": self.last_attention, "qkv": attention.last_qkv, "rmsnorm": self.norm.last_backend,
                 "rope": attention.last_rope_backend, "swiglu": engine.last_swiglu_backend, "moe": engine.last_backend}
         if isinstance(attention.q_norm, RMSNorm):
             path["qk_norm"] = attention.q_norm.last_backend

@@ -72,6 +72,11 @@ class TrainParams:
     rdzv_endpoint: str | None = None  # host:port of the rendezvous, needed when nnodes > 1
     strategy: str = "auto"  # auto | ddp | fsdp: DDP when model + optimizer state fit one device
     collective_timeout_s: int = 1800  # bounds every collective, rank 0's evaluation and saves included
+    # The data path: packing, 2-D loss weighting (cflib.weighting), shard preflight (cflib.preflight).
+    pack_sequences: bool = False  # whole examples in seq_len windows, each attending only to itself
+    loss_groups: dict | None = None  # group -> {target_share, tasks, task_target_shares}; None: unweighted
+    max_task_loss_weight: float = 30.0  # a larger loss coefficient stops the run before training
+    require_release_ready: bool = False  # any shard/manifest mismatch is fatal, not a warning
 
     @property
     def world_size(self) -> int:
@@ -105,7 +110,11 @@ class TrainParams:
     @classmethod
     def from_namespace(cls, namespace: dict[str, Any]) -> "TrainParams":
         """The parameters a notebook defined (its parameters and injected-parameters cells)."""
-        return cls.from_dict({name: value for name, value in namespace.items() if _is_user_variable(name, value)},
+        hints = typing.get_type_hints(cls)
+        # Mappings are parameters only under a mapping-typed name: a later cell's `record` dict is not one.
+        mappings = {name for name in cls.names() if _target_type(hints[name]) is dict}
+        return cls.from_dict({name: value for name, value in namespace.items()
+                              if _is_user_variable(name, value) or (name in mappings and isinstance(value, dict))},
                              source="notebook parameters")
 
     def validate(self) -> None:
@@ -145,6 +154,12 @@ class TrainParams:
             raise ParamError(f"node_rank {self.node_rank} is not in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ParamError(f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the rendezvous on node 0)")
+        if not self.max_task_loss_weight > 0:
+            raise ParamError(f"max_task_loss_weight must be positive, got {self.max_task_loss_weight}")
+        if self.loss_groups is not None:
+            from .weighting import parse_loss_groups  # weighting builds on this module
+
+            parse_loss_groups(self.loss_groups)
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
@@ -200,11 +215,16 @@ def _is_user_variable(name: str, value: Any) -> bool:
 _TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~", ""}
 
 
+def _target_type(hint: Any) -> Any:
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return next(option for option in options if option is not type(None))
+
+
 def _coerce(name: str, value: Any, hint: Any) -> Any:
     """Bring a value (possibly a papermill string) to the declared type, or fail naming it."""
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     nullable = type(None) in options
-    target = next(option for option in options if option is not type(None))
+    target = _target_type(hint)
     if value is None or (nullable and isinstance(value, str) and value.strip().lower() in _NONE):
         if nullable:
             return None
@@ -239,4 +259,13 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if isinstance(value, (str, Path)):
             return str(value)
         raise ParamError(f"{name} must be a string, got {value!r}")
+    if target is dict:  # a nested mapping: from YAML (-f) or a notebook dict, or -p as a YAML/JSON string
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as err:
+                raise ParamError(f"{name}: not a YAML/JSON mapping ({err})") from None
+        if isinstance(value, dict):
+            return value
+        raise ParamError(f"{name} must be a mapping{' or None' if nullable else ''}, got {value!r}")
     raise TypeError(f"unsupported parameter type {hint} for {name}")

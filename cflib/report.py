@@ -240,6 +240,25 @@ def plot_microbatch_memory(record: dict, save_to: str | Path | None = None) -> p
     ax.set_title(f"{record['memory_measure'].split(' (')[0]}, seq_len {record['params']['seq_len']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) -> plt.Figure:
+    """Per cell: raw token share, target share, and the share actually trained when known."""
+    names = [cell["cell"] for cell in cells]
+    series = [("raw share", "raw_share"), ("target share", "target_share")]
+    if all("trained_share" in cell for cell in cells):
+        series.append(("trained share", "trained_share"))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(series)
+    for offset, (label, key) in enumerate(series):
+        ax.bar([i + offset * width for i in range(len(cells))], [cell[key] for cell in cells], width, label=label)
+    for i, cell in enumerate(cells):
+        ax.annotate(f"x{cell['coefficient']:.2f}", (i + width * (len(series) - 1) / 2, max(
+            cell["raw_share"], cell["target_share"])), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(cells))], names, rotation=15, fontsize=8)
+    ax.set_ylabel("share of the supervised-token loss")
+    ax.set_title("loss weighting: coefficient = target / raw share")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     if save_to is not None:
         fig.savefig(save_to, dpi=120)
@@ -298,3 +317,23 @@ def tuning_summary(record: dict) -> str:
                      f"{sweep['tuned_within_one']}")
     lines.append(f"params file        {Path(record['out_dir']) / record['outputs']['params_file']}")
     return "\n".join(lines)
+
+
+def show_data_plan(run) -> None:
+    """Before training: the shard preflight, the packing plan and the loss-weighting plot
+    (its table is part of run.describe())."""
+    for partition, report in (run.preflight or {}).items():
+        state = "release-ready" if report["release_ready"] else f"{len(report['findings'])} finding(s)"
+        print(f"preflight {partition}: {report['examples']:,} examples, {report['supervised_tokens']:,} supervised "
+              f"tokens, sha256 verified for {len(report['sha256_verified'])} files, {state}")
+        for finding in report["findings"]:
+            print(f"  - {finding}")
+    packing = run.packing_efficiency()
+    print(f"packing: {packing['windows']:,} windows, {packing['real_tokens_per_window']:.1f} real and "
+          f"{packing['supervised_tokens_per_window']:.1f} supervised tokens per {packing['seq_len']}-token window"
+          if packing else "packing: off (one example per row, right-padded)")
+    if run.loss_weights is None:
+        print("loss weighting: off (loss_groups: None), every supervised token weighs 1")
+        return
+    plot_loss_weighting(run.loss_weights.audit())
+    plt.show()

@@ -35,8 +35,11 @@ from .distributed import (DistContext, choose_strategy, device_memory_bytes, epo
 from .evaluate import autocast, eval_loss, exact_match
 from .kernels import KernelPlan, SFTLoss, plan_kernels
 from .model import TRMoEModel
+from .packing import PackPlan, collate_packed, plan_packs
 from .params import ParamError, TrainParams, gradient_accumulation
 from .paths import resolve_path
+from .preflight import preflight
+from .weighting import LossWeights, audit_table, derive_loss_weights
 from .atomic import write_json_atomic
 from .records import MetricsLog, device_info, framework_versions
 from .tasks import TASKS, ensure_embedded_shard
@@ -74,6 +77,17 @@ class Run:
     memory_estimate: dict
     kernels: KernelPlan
     resume_state: dict | None = None  # trainer state of the checkpoint this run continues
+    pack_plan: PackPlan | None = None  # pack_sequences: the windows, planned once
+    loss_weights: LossWeights | None = None  # loss_groups: every cell's coefficient
+    preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
+
+    @property
+    def train_units(self) -> int:
+        """What an epoch shuffles and a global batch counts: packed windows, or examples."""
+        return len(self.pack_plan) if self.pack_plan is not None else len(self.train_data)
+
+    def examples_of(self, units: np.ndarray) -> np.ndarray:
+        return self.pack_plan.examples_of(units) if self.pack_plan is not None else units
 
     @property
     def launches_workers(self) -> bool:
@@ -87,8 +101,9 @@ class Run:
             f"model        {self.model_source}: {count_parameters(self.model)['params_total']:,} parameters",
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
             f"examples, {tokens:,} train tokens",
-            f"batch        global {p.global_batch} = micro {p.micro_batch_per_rank} x world {p.world_size} "
-            f"x accumulation {self.grad_accum}",
+            *([self._packing_line()] if self.pack_plan is not None else []),
+            f"batch        global {p.global_batch} {'windows' if self.pack_plan else 'examples'} = micro "
+            f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {self.grad_accum}",
             f"schedule     {self.steps_per_epoch} steps/epoch, {self.total_steps} optimizer steps, "
             f"{self.warmup_steps} warm-up, lr {p.lr:g} cosine",
             f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'}), "
@@ -97,7 +112,20 @@ class Run:
             f"{self.memory_estimate['device_bytes'] / 2**30:.0f} per device)",
             f"kernels      {self.kernels.describe()}",
             f"out_dir      {self.out_dir}",
+            *([f"loss weights (max_task_loss_weight {p.max_task_loss_weight:g})\n"
+               + audit_table(self.loss_weights.audit())] if self.loss_weights else []),
         ])
+
+    def _packing_line(self) -> str:
+        packing = self.packing_efficiency()
+        return (f"packing      {packing['windows']:,} windows of {packing['seq_len']} tokens, "
+                f"{packing['examples_per_window']:.2f} examples, {packing['real_fraction']:.1%} real and "
+                f"{packing['supervised_fraction']:.1%} supervised tokens per window")
+
+    def packing_efficiency(self) -> dict | None:
+        if self.pack_plan is None:
+            return None
+        return self.pack_plan.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
 
 
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:
@@ -162,10 +190,24 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         data_root = ensure_embedded_shard(resolve_path("outputs/data"))
     else:
         data_root = resolve_path(params.data)
-    train_data = open_shard(data_root, "train", vocab_size=config.vocab_size, seq_len=params.seq_len)
-    eval_data = open_shard(data_root, "eval", vocab_size=config.vocab_size, seq_len=params.seq_len)
+    if dist.active:  # a torchrun worker: its launcher ran the preflight, token checks and hashes included
+        train_data, eval_data = (open_shard(data_root, partition, vocab_size=config.vocab_size,
+                                            seq_len=params.seq_len, check_tokens=False)
+                                 for partition in ("train", "eval"))
+        reports = None
+    else:
+        (train_data, train_report), (eval_data, eval_report) = (
+            preflight(data_root, partition, vocab_size=config.vocab_size, seq_len=params.seq_len,
+                      require_release_ready=params.require_release_ready) for partition in ("train", "eval"))
+        reports = {"train": train_report, "eval": eval_report}
+    pack_plan = plan_packs(train_data.lengths, params.seq_len) if params.pack_sequences else None
+    # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
+    loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, train_data.supervised_counts,
+                                        params.max_task_loss_weight) if params.loss_groups is not None else None)
     grad_accum = gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size)
-    steps_per_epoch, total_steps, warmup_steps = schedule_steps(len(train_data), params)
+    # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
+    units = len(pack_plan) if pack_plan is not None else len(train_data)
+    steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
     estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
                                device_memory_bytes(device))
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
@@ -179,7 +221,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device)
     model.use_kernels(kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
-              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state)
+              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
+              pack_plan, loss_weights, reports)
     if resume_state is not None:
         _check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
@@ -266,7 +309,12 @@ def schedule_signature(run: Run) -> dict:
     """What a resumed run must share with the one it continues: the stream and the schedule."""
     p = run.params
     return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
-            "lr": p.lr, "weight_decay": p.weight_decay, "beta1": p.beta1, "beta2": p.beta2}
+            "lr": p.lr, "weight_decay": p.weight_decay, "beta1": p.beta1, "beta2": p.beta2,
+            "pack_sequences": p.pack_sequences, "loss_groups": p.loss_groups}
+
+
+# What checkpoints written before a signature key existed were trained with.
+_SIGNATURE_DEFAULTS = {"pack_sequences": False, "loss_groups": None}
 
 
 def _check_resumable(state: dict, run: Run, checkpoint_dir: Path) -> None:
@@ -274,8 +322,9 @@ def _check_resumable(state: dict, run: Run, checkpoint_dir: Path) -> None:
     params = run.params
     now = {"seed": params.seed, "global_batch": params.global_batch, **schedule_signature(run)}
     for name, value in now.items():
-        if state[name] != value:
-            raise ParamError(f"{checkpoint_dir} was written with {name} {state[name]}, this run has {value}: "
+        then = state.get(name, _SIGNATURE_DEFAULTS.get(name))
+        if then != value:
+            raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}: "
                              "a resumed run continues the same stream and schedule; start a new run "
                              "(init_checkpoint) to change them")
     if state["world_size"] != params.world_size and not params.allow_world_size_change:
@@ -340,6 +389,10 @@ class Trainer:
         self.fill_ins: list[int] = []
         self.bad_steps = 0  # consecutive non-finite steps
         self.position = (0, 0)  # (epoch, global batches done in it)
+        weights = run.loss_weights
+        self.example_weights = torch.from_numpy(weights.example_weights()).float() if weights else None
+        self.trained_mass = np.zeros(len(weights.cells)) if weights else None  # weighted tokens per cell, consumed
+        self.train_kernel_path: dict | None = None  # read back after a training step: evaluation runs unpacked
         if run.resume_state is not None:
             self._restore(run.resume_state)
         # The first steps pay for allocator growth and kernel selection: not steady state.
@@ -351,6 +404,8 @@ class Trainer:
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
         self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
         self.checkpoints, self.timing = state["checkpoints"], state["timing"]
+        if self.trained_mass is not None and state.get("trained_mass") is not None:
+            self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
         torch.set_rng_state(state["torch_rng"])
 
     def _trainer_state(self) -> dict:
@@ -360,6 +415,7 @@ class Trainer:
                 "world_size": self.dist.world_size, "global_batch": self.params.global_batch,
                 "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
                 "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state(), "checkpoints": self.checkpoints,
+                "trained_mass": None if self.trained_mass is None else self.trained_mass.tolist(),
                 "timing": self.timing, **schedule_signature(self.run)}
 
     # --- evaluation and checkpoints -------------------------------------------------
@@ -450,32 +506,53 @@ class Trainer:
             self.train_model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
-    def train_step(self, step_examples: np.ndarray) -> dict:
+    def batch(self, units: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """input_ids, labels, document_ids (packed) and token_weights (weighted) of some units, on the device."""
+        data, plan = self.run.train_data, self.run.pack_plan
+        document_ids = None
+        if plan is None:
+            input_ids, labels = collate([data[int(i)] for i in units], data.eos_token_id)
+            example_index = torch.as_tensor(np.asarray(units, dtype=np.int64))[:, None].expand_as(labels)
+        else:
+            input_ids, labels, document_ids, example_index = collate_packed(data, plan, units)
+            document_ids = document_ids.to(self.device)
+        token_weights = None
+        if self.example_weights is not None:  # padding (-1) takes any weight: its label is -100
+            token_weights = self.example_weights[example_index.clamp(min=0)].to(self.device)
+        return input_ids.to(self.device), labels.to(self.device), document_ids, token_weights
+
+    def train_step(self, step_units: np.ndarray) -> dict:
         p, data = self.params, self.run.train_data
-        # Every rank knows the whole step's examples, so every rank divides by the same count.
+        step_examples = self.run.examples_of(step_units)
+        # Every rank knows the whole step's examples, so every rank divides by the same count (or mass).
         step_supervised = data.supervised_tokens(step_examples)
-        mine = rank_share(step_examples, self.dist)
+        step_mass = step_supervised
+        if self.example_weights is not None:
+            cell_mass = self.run.loss_weights.cell_mass(step_examples, data.supervised_counts)
+            self.trained_mass += cell_mass
+            step_mass = float(cell_mass.sum())
+        mine = rank_share(step_units, self.dist)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
         _sync(self.device)
         start = time.perf_counter()
         micro_starts = range(0, len(mine), p.micro_batch_per_rank)
         for micro_start in micro_starts:
-            micro = mine[micro_start:micro_start + p.micro_batch_per_rank]
-            input_ids, labels = collate([data[int(i)] for i in micro], data.eos_token_id)
-            input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+            input_ids, labels, document_ids, token_weights = self.batch(
+                mine[micro_start:micro_start + p.micro_batch_per_rank])
             with self._gradient_sync(micro_start == micro_starts[-1]):
                 with autocast(self.device, p.bf16):
-                    hidden = self.train_model(input_ids)
-                    loss_sum, _ = self.loss(hidden, self.model.head_weight, labels, p.loss_chunk_tokens, p.fp32_loss)
-                # The step's token mean, times world size: data parallelism averages gradients over ranks.
-                (loss_sum * (self.dist.world_size / step_supervised)).backward()
+                    hidden = self.train_model(input_ids, document_ids)
+                    loss_sum, _ = self.loss(hidden, self.model.head_weight, labels, p.loss_chunk_tokens, p.fp32_loss,
+                                            token_weights=token_weights)
+                # The step's (weighted) token mean, times world size: data parallelism averages gradients.
+                (loss_sum * (self.dist.world_size / step_mass)).backward()
             totals[0] += loss_sum.detach().double()
             totals[1] += labels.numel()
         loss_total, tokens = self.dist.sum(totals).tolist()  # every rank sees the global loss and agrees
         tokens = int(tokens)
         # The norm is measured even unclipped (max_norm inf), so a non-finite gradient is caught here.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf))
-        loss = loss_total / step_supervised
+        loss = loss_total / step_mass
         finite = math.isfinite(loss) and math.isfinite(grad_norm)  # global values: every rank agrees
         self.bad_steps = 0 if finite else self.bad_steps + 1
         if self.bad_steps > p.nan_patience:
@@ -489,6 +566,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         _sync(self.device)
         seconds = time.perf_counter() - start
+        self.train_kernel_path = self.model.kernel_path()
         self.step += 1
         self.timing["train_s"] += seconds
         if self.step > self.warmup_exclude:
@@ -517,6 +595,8 @@ class Trainer:
             if run.resume_state is not None:
                 self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
             write_json_atomic(run.out_dir / "params.json", {**asdict(p), "out_dir": str(run.out_dir)})
+            if run.loss_weights is not None:  # the audit is on disk before the first step
+                write_json_atomic(run.out_dir / "loss_weighting.json", self.loss_weighting())
         self.model.train()
         last_eval_step = self.evals[-1]["step"] if self.evals else -1
         if run.resume_state is None and (p.eval_at_start or run.total_steps == 0):
@@ -531,7 +611,7 @@ class Trainer:
         bar = tqdm(total=run.total_steps, initial=self.step, desc="train", unit="step", disable=not self.progress)
         while self.step < run.total_steps:
             epoch += 1
-            order, fill_ins = epoch_stream(len(run.train_data), p.seed, epoch, p.global_batch)
+            order, fill_ins = epoch_stream(run.train_units, p.seed, epoch, p.global_batch)
             if batches_done == 0:
                 self.fill_ins.append(fill_ins)
             for batch_start in range(batches_done * p.global_batch, len(order), p.global_batch):
@@ -570,6 +650,15 @@ class Trainer:
         return record
 
     # --- the record -----------------------------------------------------------------
+    def loss_weighting(self) -> dict | None:
+        """The audit: raw shares, targets, coefficients, the achieved shares, and those trained so far."""
+        weights = self.run.loss_weights
+        if weights is None:
+            return None
+        return {"max_task_loss_weight": weights.max_task_loss_weight,
+                "normalisation": "sum of weighted token losses / weighted supervised tokens of the step",
+                "cells": weights.audit(self.trained_mass)}
+
     def record(self, final: dict, epochs_done: int, wall_s: float) -> dict:
         run, p, model = self.run, self.params, self.model
         config = model.config
@@ -592,7 +681,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "strategy": run.strategy,
             "memory_estimate": run.memory_estimate,
-            "kernel_path": {**model.kernel_path(), "loss": self.loss.last_backend},
+            "kernel_path": {**(self.train_kernel_path or model.kernel_path()), "loss": self.loss.last_backend},
             "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
                                   "notes": list(run.kernels.notes)},
             **count_parameters(model),
@@ -630,7 +719,10 @@ class Trainer:
             "model_config": config.to_dict(),
             "data": {"root": str(run.data_root), "train_examples": len(run.train_data),
                      "eval_examples": len(run.eval_data), "vocab_size": run.train_data.vocab_size,
-                     "eos_token_id": run.train_data.eos_token_id, "max_seq_len": run.train_data.max_seq_len},
+                     "eos_token_id": run.train_data.eos_token_id, "max_seq_len": run.train_data.max_seq_len,
+                     "preflight": run.preflight},
+            "packing": run.packing_efficiency(),
+            "loss_weighting": self.loss_weighting(),
             "schedule": {"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                          "warmup_steps": run.warmup_steps, "steps_done": self.step, "epochs_started": epochs_done,
                          "fill_ins_per_epoch": self.fill_ins},

@@ -74,6 +74,22 @@ def unshifted(partition: Path) -> None:
     rewrite(partition / "labels.bin", "<i4", lambda a: np.where(a != -100, ids, a))
 
 
+def unended(partition: Path) -> None:
+    """Rewrite the partition with each example's final EOS cut off: it looks truncated."""
+    examples = []
+    for example in generate(seed=3)[0][:16]:
+        labels = list(example.labels[:-1])
+        labels[-1] = -100
+        examples.append(Example(example.input_ids[:-1], labels, example.meta))
+    write_partition(partition, examples, vocab_size=TOKENIZER.vocab_size, eos_token_id=0, max_seq_len=64)
+
+
+def loss_groups(addition: float = 0.5, uppercase: float = 0.5, cells: dict | None = None) -> dict:
+    return {"arithmetic": {"target_share": addition, "tasks": list(cells or {"addition": 1.0}),
+                           "task_target_shares": cells or {"addition": 1.0}},
+            "text": {"target_share": uppercase, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
+
+
 # (id, build(tmp) -> parameter overrides, expected error type, words the message must contain)
 CASES = [
     # --- notebook parameters -----------------------------------------------------------------------------
@@ -125,6 +141,30 @@ CASES = [
         p / "sft.idx.json", lambda d: {**d, "format": "some-other-v1"})))}, ValueError, ["format", "some-other-v1"]),
     ("shard-vocabulary-too-large", lambda t: {"data": str(shard(t / "s", vocab_size=50_000))},
      ValueError, ["vocab_size 50000"]),
+    ("shard-file-changed", lambda t: {"data": str(shard(t / "s", lambda p: edit_rows(
+        p, lambda rows: [{**rows[0], "task": "renamed"}] + rows[1:])))}, ValueError, ["examples.jsonl", "sha256"]),
+    ("shard-not-release-ready", lambda t: {"data": str(shard(t / "s", unended)), "require_release_ready": True},
+     ValueError, ["not release-ready", "do not end with EOS"]),
+    # --- 2-D loss weighting --------------------------------------------------------------------------------
+    ("loss-group-shares-not-one", lambda t: {"loss_groups": loss_groups(0.5, 0.6)}, ValueError,
+     ["loss_groups", "sum to 1.1"]),
+    ("loss-cell-shares-not-one", lambda t: {"loss_groups": loss_groups(
+        cells={"addition x carry": 0.7, "addition x no-carry": 0.4})}, ValueError, ["'arithmetic'", "sum to 1.1"]),
+    ("loss-cell-without-share", lambda t: {"loss_groups": {**loss_groups(), "text": {
+        "target_share": 0.5, "tasks": ["uppercase"], "task_target_shares": {}}}},
+     ValueError, ["missing ['uppercase']"]),
+    ("loss-cell-repeated", lambda t: {"loss_groups": {**loss_groups(), "text": {
+        "target_share": 0.5, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}}}}, ValueError,
+     ["'addition'", "exactly once"]),
+    ("loss-cell-missing-from-groups", lambda t: {"loss_groups": {"all": {
+        "target_share": 1.0, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}}}}, ValueError,
+     ["fall in no cell", "'uppercase'"]),
+    ("loss-cell-absent-from-data", lambda t: {"loss_groups": {**loss_groups(), "text": {
+        "target_share": 0.5, "tasks": ["uppercase", "poetry"],
+        "task_target_shares": {"uppercase": 0.5, "poetry": 0.5}}}},
+     ValueError, ["'poetry'", "no visible supervised token"]),
+    ("loss-weight-over-cap", lambda t: {"loss_groups": loss_groups(0.05, 0.95), "max_task_loss_weight": 1.5},
+     ValueError, ["'uppercase'", "max_task_loss_weight 1.5"]),
     # --- the checkpoint loader ---------------------------------------------------------------------------
     ("checkpoint-missing", lambda t: {"init_checkpoint": str(t / "nockpt")}, ValueError, ["nockpt"]),
     ("config-missing", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: (p / "config.json").unlink()))},

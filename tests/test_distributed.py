@@ -70,6 +70,18 @@ def test_two_processes_give_the_losses_of_one(tmp_path, strategy):
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_two_processes_pack_and_weight_like_one(tmp_path):
+    """Workers skip the preflight their launcher ran, plan the same windows and weigh the same tokens."""
+    groups = {"arithmetic": {"target_share": 0.4, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},
+              "text": {"target_share": 0.6, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
+    packed = {**BASE, "pack_sequences": True, "loss_groups": groups}
+    single = train({**packed, "out_dir": str(tmp_path / "one")}, progress=False)
+    double = train({**packed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2}, progress=False)
+    assert double["world_size"] == 2 and double["kernel_path"]["attention"] == "sdpa_mask"
+    assert double["packing"] == single["packing"] and double["loss_weighting"] == single["loss_weighting"]
+    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=1e-5)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

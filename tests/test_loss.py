@@ -198,3 +198,45 @@ def test_evaluation_under_no_grad_matches_the_training_path() -> None:
     trained, _ = chunked_cross_entropy_sum(hidden, weight, labels, 4)
     assert evaluated.grad_fn is None and trained.grad_fn is not None
     assert evaluated.item() == pytest.approx(trained.item(), rel=1e-6)
+
+
+def weighted_reference(problem: Problem, token_weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """sum_i w_i CE_i over supervised positions, from full fp32 logits, and its grads."""
+    h = problem.hidden.clone().requires_grad_()
+    w = problem.weight.clone().requires_grad_()
+    per_token = F.cross_entropy((h @ w.t()).flatten(0, 1), problem.labels.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="none")
+    loss = (per_token * token_weights.flatten()).sum()
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_token_weights_scale_each_token_loss_and_its_gradients(chunk: int) -> None:
+    problem = make_problem(seed=3)
+    token_weights = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(4)) * 5
+    want, want_h, want_w = weighted_reference(problem, token_weights)
+    hidden, weight = leaves(problem)
+    loss, count = chunked_cross_entropy_sum(hidden, weight, problem.labels, chunk, token_weights=token_weights)
+    loss.backward()
+    assert count == int((problem.labels != IGNORE_INDEX).sum())
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    assert relative_error(hidden.grad, want_h) < 1e-5 and relative_error(weight.grad, want_w) < 1e-5
+    with torch.no_grad():  # the evaluation path, no head gradients
+        loss_eval, _ = chunked_cross_entropy_sum(problem.hidden, problem.weight, problem.labels, chunk,
+                                                 token_weights=token_weights)
+    torch.testing.assert_close(loss_eval, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unit_token_weights_are_the_unweighted_loss() -> None:
+    problem = make_problem(seed=5)
+    plain, _ = chunked_cross_entropy_sum(problem.hidden, problem.weight, problem.labels, 4)
+    ones, _ = chunked_cross_entropy_sum(problem.hidden, problem.weight, problem.labels, 4,
+                                        token_weights=torch.ones(BATCH, SEQ))
+    torch.testing.assert_close(plain, ones)
+
+
+def test_token_weights_of_another_shape_are_refused() -> None:
+    problem = make_problem()
+    with pytest.raises(ValueError, match="token_weights has shape"):
+        chunked_cross_entropy_sum(problem.hidden, problem.weight, problem.labels, token_weights=torch.ones(SEQ))

@@ -102,6 +102,28 @@ def test_papermill_runs_the_smoke_profile(tmp_path):
     assert (out_dir / "loss_curves.png").is_file()
 
 
+def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(tmp_path):
+    """loss_groups, a nested mapping, reaches the notebook from the params YAML (-f)."""
+    out_dir = tmp_path / "run"
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        **load_params_file(ROOT / "params" / "smoke_weighted.yaml"), "out_dir": str(out_dir),
+        "exact_match_limit": 8}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    text = "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells
+                   if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
+    assert "| arithmetic | addition x no-carry |" in text and "preflight train: 22,000 examples" in text
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["kernel_path"]["attention"] == "sdpa_mask"  # packed windows, each example attending to itself
+    assert record["packing"]["examples"] == 22_000 and record["packing"]["examples_per_window"] > 3
+    cells = record["loss_weighting"]["cells"]
+    assert [c["cell"] for c in cells] == ["addition x carry", "addition x no-carry", "uppercase"]
+    for cell in cells:
+        assert cell["achieved_share"] == pytest.approx(cell["target_share"], abs=1e-12)
+        # 30 steps of shuffled windows (a few percent of an epoch): close to the targets, not exact
+        assert cell["trained_share"] == pytest.approx(cell["target_share"], abs=0.03), cell
+    assert (out_dir / "loss_weighting.json").is_file() and (out_dir / "loss_weighting.png").is_file()
+
+
 def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path):
     out_dir = tmp_path / "run"
     with pytest.raises(papermill.PapermillExecutionError, match="unknown parameter 'lrr'"):

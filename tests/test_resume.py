@@ -111,6 +111,12 @@ def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
         train(params(shard, tmp_path / "again", resume="latest", global_batch=32), progress=False)
     with pytest.raises(ParamError, match="written with total_steps 5, this run has 6"):
         train(params(shard, tmp_path / "again", resume="latest", max_steps=6), progress=False)
+    with pytest.raises(ParamError, match="written with pack_sequences False, this run has True"):
+        train(params(shard, tmp_path / "again", resume="latest", max_steps=5, pack_sequences=True), progress=False)
+    groups = {"all": {"target_share": 1.0, "tasks": ["addition", "uppercase"],
+                      "task_target_shares": {"addition": 0.5, "uppercase": 0.5}}}
+    with pytest.raises(ParamError, match="written with loss_groups None, this run has"):
+        train(params(shard, tmp_path / "again", resume="latest", max_steps=5, loss_groups=groups), progress=False)
 
 
 def test_resume_ignores_a_save_that_a_kill_left_half_done(tmp_path, shard):

@@ -144,7 +144,16 @@ def _positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
 def qk_norm_rope(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, batch: int, seq: int, q_heads: int, kv_heads: int,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, T, Hq, hd], k [B, T, Hkv, hd] from qk [B*T, (Hq + Hkv) * hd]; positions 0..T-1 in every row."""
-    q, k = QKNormRope.apply(qk, q_weight, k_weight, cos.contiguous(), sin.contiguous(),
-                            _positions(batch, seq, qk.device), q_heads, kv_heads, eps)
+    """q [B, T, Hq, hd], k [B, T, Hkv, hd] from qk [B*T, (Hq + Hkv) * hd].
+
+    cos/sin [T, hd]: positions 0..T-1 in every row; [B, T, hd] (packed windows, positions restarting
+    per example): each token reads its own row of the flattened tables.
+    """
+    if cos.dim() == 3:
+        cos, sin, positions = cos.reshape(batch * seq, -1), sin.reshape(batch * seq, -1), _positions(1, batch * seq,
+                                                                                                       qk.device)
+    else:
+        positions = _positions(batch, seq, qk.device)
+    q, k = QKNormRope.apply(qk, q_weight, k_weight, cos.contiguous(), sin.contiguous(), positions, q_heads, kv_heads,
+                            eps)
     return q.view(batch, seq, q_heads, -1), k.view(batch, seq, kv_heads, -1)
