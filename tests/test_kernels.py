@@ -44,10 +44,10 @@ def test_a_broken_kernel_is_caught(monkeypatch):
         check(rows)
 
 
-def _loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids, labels):
+def _loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids, labels, document_ids=None, token_weights=None):
     loss_fn = SFTLoss(plan)
     model.use_kernels(plan)
-    loss, count = loss_fn(model(ids), model.head_weight, labels, 8, True)
+    loss, count = loss_fn(model(ids, document_ids), model.head_weight, labels, 8, True, token_weights=token_weights)
     model.zero_grad()
     (loss / count).backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, loss_fn.last_backend
@@ -69,6 +69,23 @@ def test_whole_model_production_path_matches_reference():
     assert fast_loss == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_and_weighted_production_path_matches_reference():
+    """Packed windows (positions restart per document) and per-token weights through every fast path."""
+    torch.manual_seed(0)
+    model = TRMoEModel(tiny_config()).to(DEVICE)
+    ids = random_ids(model.config.vocab_size, 2, 12).to(DEVICE)
+    labels = random_ids(model.config.vocab_size, 2, 12, seed=1).to(DEVICE)
+    document_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 5], device=DEVICE)
+    weights = torch.rand(2, 12, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 3
+    ref = _loss_and_grads(model, KernelPlan(liger=False, custom=False), ids, labels, document_ids, weights)
+    fast = _loss_and_grads(model, KernelPlan(liger=True, custom=True), ids, labels, document_ids, weights)
+    assert (ref[2], fast[2]) == ("torch_chunked_linear_ce_weighted", "cflib_triton_fused_linear_ce_weighted")
+    assert model.kernel_path()["rope"] == "cflib_qk_norm_rope"
+    assert fast[0] == pytest.approx(ref[0], rel=1e-5)
+    for name, grad in ref[1].items():
+        torch.testing.assert_close(fast[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"])
