@@ -39,13 +39,19 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     return steps - torch.where(starts, steps, 0).cummax(dim=1).values
 
 
-def default_backend(device: torch.device) -> str:
-    return "flex_attention" if device.type == "cuda" and flex_attention is not None else "sdpa_mask"
+# Inductor's FlexAttention kernels refuse heads narrower than this (torch 2.11: "NYI").
+FLEX_MIN_HEAD_DIM = 16
 
 
-def build_document_mask(document_ids: torch.Tensor, backend: str | None = None) -> DocumentMask:
-    """The causal same-document mask of [B, T] document ids, for `document_attention`."""
-    backend = backend or default_backend(document_ids.device)
+def default_backend(device: torch.device, head_dim: int) -> str:
+    flex = device.type == "cuda" and flex_attention is not None and head_dim >= FLEX_MIN_HEAD_DIM
+    return "flex_attention" if flex else "sdpa_mask"
+
+
+def build_document_mask(document_ids: torch.Tensor, head_dim: int,
+                        backend: str | None = None) -> DocumentMask:
+    """The causal same-document mask of [B, T] document ids, for `document_attention` on heads of head_dim."""
+    backend = backend or default_backend(document_ids.device, head_dim)
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {BACKENDS}")
     if backend == "flex_attention":

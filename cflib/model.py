@@ -236,7 +236,7 @@ class TRMoEModel(nn.Module):
         with positions restarting at 0; None: one sequence per row, as if unpacked."""
         document_mask, positions = None, None
         if document_ids is not None:
-            document_mask = build_document_mask(document_ids)
+            document_mask = build_document_mask(document_ids, self.config.head_dim)
             positions = document_positions(document_ids)
         self.last_attention = document_mask.backend if document_mask is not None else "torch_sdpa"
         cos, sin = self.rope(input_ids.shape[1], input_ids.device, positions)

@@ -55,10 +55,11 @@ def _git(*args: str) -> str | None:
 
 
 def framework_versions() -> dict[str, Any]:
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # A copied working tree (a GPU box's) names its commit in CFLIB_COMMIT: its .git, if any, may be stale.
+    named = os.environ.get("CFLIB_COMMIT")
+    status = None if named else _git("status", "--porcelain", "--untracked-files=no")
     return {
-        # Copies without .git (a GPU box's working tree) can name their commit in CFLIB_COMMIT.
-        "cflib_commit": _git("rev-parse", "HEAD") or os.environ.get("CFLIB_COMMIT"),
+        "cflib_commit": named or _git("rev-parse", "HEAD"),
         "cflib_dirty": bool(status) if status is not None else None,
         "python": sys.version.split()[0],
         "torch": torch.__version__,

@@ -89,7 +89,7 @@ def test_document_attention_is_attention_of_each_document_alone(backend):
     document_ids = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3])
     with warnings.catch_warnings():  # FlexAttention on CPU warns that it runs uncompiled
         warnings.simplefilter("ignore")
-        out = document_attention(q, k, v, build_document_mask(document_ids, backend))
+        out = document_attention(q, k, v, build_document_mask(document_ids, q.shape[-1], backend))
     for start, stop in ((0, 5), (5, 9), (9, 12)):
         alone = torch.nn.functional.scaled_dot_product_attention(
             q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], is_causal=True, enable_gqa=True)
