@@ -89,6 +89,37 @@ def validate_form(namespace: dict[str, Any]) -> "ParameterForm | None":
                           derived=derived, params_dir="params")
 
 
+def tune_form(namespace: dict[str, Any]) -> "ParameterForm | None":
+    """tune_microbatch.ipynb's form: TuneParams checks the values; the usable budget below."""
+    from .tune import TuneParams
+
+    def derived(params: "TuneParams") -> str:
+        budget = (f"usable {params.budget_gib * (1 - params.headroom):.2f} GiB of a {params.budget_gib:g} GiB budget"
+                  if params.budget_gib is not None else "budget: the CUDA device's memory")
+        return (f"{budget}; at most {params.max_probes} probes of {params.probe_steps} measured steps, microbatch "
+                f"1..{params.max_micro_batch}; global batch {params.global_batch} over {params.world_size} rank(s)")
+    return parameter_form(namespace, TuneParams.names(), check=lambda values: TuneParams.from_dict(values, "form"),
+                          derived=derived, main=["model", "seq_len", "budget_gib", "headroom", "global_batch",
+                                                 "world_size", "bf16", "use_custom_kernels", "grad_ckpt",
+                                                 "exhaustive_sweep"])
+
+
+def throughput_form(namespace: dict[str, Any]) -> "ParameterForm | None":
+    """measure_throughput.ipynb's form: ThroughputParams checks the values; the runs it will time below."""
+    from .throughput import ThroughputParams
+
+    def derived(params: "ThroughputParams") -> str:
+        runs = len(params.paths) * len(params.micro_batches)
+        return (f"{runs} measurements ({len(params.paths)} paths x micro-batches "
+                f"{', '.join(map(str, params.micro_batches))}), each {params.warmup_steps} warm-up + "
+                f"{params.timed_steps} timed steps of {params.seq_len}-token rows; ratios at micro-batch "
+                f"{params.compare_micro_batch}")
+    return parameter_form(namespace, ThroughputParams.names(),
+                          check=lambda values: ThroughputParams.from_dict(values, "form"), derived=derived,
+                          main=["model", "seq_len", "micro_batches", "compare_micro_batch", "paths", "timed_steps",
+                                "bf16", "compile_backend", "device"])
+
+
 def show_value(value: Any) -> str:
     """A parameter value as typed into the form: strings bare, everything else as Python writes it."""
     return value if isinstance(value, str) else repr(value)

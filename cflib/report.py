@@ -203,6 +203,10 @@ def plot_throughput(record: dict, save_to: str | Path | None = None) -> plt.Figu
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend()
     fig.suptitle(f"{record['model']}, seq {record['seq_len']}, {record['precision']}, {record['device']['name']}")
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
 
 
 def plot_microbatch_memory(record: dict, save_to: str | Path | None = None) -> plt.Figure:
@@ -240,6 +244,10 @@ def plot_microbatch_memory(record: dict, save_to: str | Path | None = None) -> p
     ax.set_title(f"{record['memory_measure'].split(' (')[0]}, seq_len {record['params']['seq_len']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
 
 
 def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) -> plt.Figure:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from . import __version__
 from .atomic import write_json_atomic
@@ -475,19 +476,21 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
     ceiling = matmul_ceiling(device, params.ceiling_size, params.ceiling_repeats, dtype)
     log(f"{ceiling['dtype']} matmul {params.ceiling_size}^3: {ceiling['tflops_per_s']:.3g} TFLOP/s (the ceiling)")
     entries = []
-    for name in params.paths:
-        for micro in params.micro_batches:
-            path_started = time.perf_counter()
-            entry = measure_path(name, micro, params, device, config, data_root, data, out_dir)
-            entry["wall_s"] = time.perf_counter() - path_started  # build, compile, every step, any extra timing
-            if entry["status"] == "ok":
-                entry["mfu"] = entry["model_tflops_per_s"] / ceiling["tflops_per_s"]
-                memory = f"{entry['peak_memory_gib']:.1f} GiB" if entry["peak_memory_gib"] is not None else "-"
-                log(f"{name:>18} mb{micro:<3} {entry['tokens_per_s']:>12,.0f} tokens/s  "
-                    f"{entry['model_tflops_per_s']:7.3g} TFLOP/s  MFU {entry['mfu']:.1%}  peak {memory}")
-            else:
-                log(f"{name:>18} mb{micro:<3} {entry['status']}: {entry['reason']}")
-            entries.append(entry)
+    # A widget in JupyterLab, a text bar under papermill; the lines above it say what each run measured.
+    runs = tqdm([(name, micro) for name in params.paths for micro in params.micro_batches], desc="paths")
+    for name, micro in runs:
+        runs.set_postfix_str(f"{name} mb{micro}")
+        path_started = time.perf_counter()
+        entry = measure_path(name, micro, params, device, config, data_root, data, out_dir)
+        entry["wall_s"] = time.perf_counter() - path_started  # build, compile, every step, any extra timing
+        if entry["status"] == "ok":
+            entry["mfu"] = entry["model_tflops_per_s"] / ceiling["tflops_per_s"]
+            memory = f"{entry['peak_memory_gib']:.1f} GiB" if entry["peak_memory_gib"] is not None else "-"
+            log(f"{name:>18} mb{micro:<3} {entry['tokens_per_s']:>12,.0f} tokens/s  "
+                f"{entry['model_tflops_per_s']:7.3g} TFLOP/s  MFU {entry['mfu']:.1%}  peak {memory}")
+        else:
+            log(f"{name:>18} mb{micro:<3} {entry['status']}: {entry['reason']}")
+        entries.append(entry)
     release_memory(device)
     record = {
         "job": "measure_throughput",

@@ -45,6 +45,7 @@ import numpy as np
 import matplotlib.pyplot as plt
 import torch
 import yaml
+from tqdm.auto import tqdm
 
 from . import __version__
 from .atomic import atomic_directory
@@ -466,12 +467,24 @@ def tune(tuning: Tuning, progress: Callable[[str], None] = print) -> dict:
     persistent = PERSISTENT_BYTES_PER_PARAM * tuning.trainable_parameters
     started = time.perf_counter()
     with probe_shard(tuning.config, p.seq_len, p.max_micro_batch, p.seed) as shard:
-        def measure(micro: int) -> Probe:
-            return measure_probe(tuning, shard, micro)
+        bar = tqdm(total=p.max_probes, desc="search", unit="probe")  # a widget in JupyterLab
 
-        found = search(measure, tuning.usable_bytes, tuning.budget_bytes, persistent, p.max_micro_batch, p.max_probes, progress)
+        def measure(micro: int) -> Probe:
+            probe = measure_probe(tuning, shard, micro)
+            bar.update()
+            bar.set_postfix_str(f"micro {micro}: {probe.outcome}")
+            return probe
+
+        found = search(measure, tuning.usable_bytes, tuning.budget_bytes, persistent, p.max_micro_batch,
+                       p.max_probes, progress)
+        bar.close()
         search_s = time.perf_counter() - started
-        swept = sweep(measure, p.max_micro_batch, tuning.budget_bytes, progress) if p.exhaustive_sweep else None
+        if p.exhaustive_sweep:
+            bar = tqdm(desc="sweep", unit="probe")
+            swept = sweep(measure, p.max_micro_batch, tuning.budget_bytes, progress)
+            bar.close()
+        else:
+            swept = None
     batch = batch_plan(p.global_batch, found.micro, p.world_size)
     if batch["note"]:
         progress(batch["note"])

@@ -50,6 +50,8 @@ SCREENSHOTS = ROOT / "outputs" / "lab"
 SMOKE_RUNS = {
     "train_sft.ipynb": ("params/smoke.yaml", {"out_dir": "{tmp}/train_sft-run"}),
     "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run"}),
+    "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run"}),
+    "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run"}),
 }
 
 # Bounds for a loaded 2-core CI machine; each names what it waited for when it runs out.
