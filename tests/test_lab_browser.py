@@ -248,7 +248,9 @@ def run_notebook(lab: Lab, name: str) -> Page:
     _smoke_notebook(lab, name)
     page = lab.browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
-    page.goto(f"{lab.url}/lab/tree/{name}?token={lab.token}")
+    # A workspace of its own, reset: JupyterLab would otherwise restore the notebooks other pages opened.
+    workspace = Path(name).stem.replace("_", "-")
+    page.goto(f"{lab.url}/lab/workspaces/{workspace}/tree/{name}?reset&token={lab.token}")
     _wait_kernel_idle(page, lab, name)
     _menu(page, "Run", "Run All Cells")
     _run_until_idle(page, lab, name)
