@@ -1,5 +1,7 @@
 """The TR-MoE decoder in plain PyTorch: the numerical reference for every fast path.
 
+`TRMoEModel.use_kernels` points modules at the Triton/Liger fast paths of
+cflib.ops instead; each module records the backend its last forward ran.
 Module and parameter names mirror the public checkpoint layout (DESIGN.md), so a
 state dict maps one to one onto `model.safetensors`.
 """
@@ -76,7 +78,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
-        self.rope_backend = "torch"  # or "liger"
+        self.rope_backend = "torch"  # or "liger", or "cflib_qk_norm_rope" (QK-norm and RoPE fused)
         self.fused_qkv = False  # one GEMM for q, k, v: the input is cast and read once
         self.last_rope_backend = self.last_qkv = "none"
 
