@@ -289,7 +289,8 @@ def describe_arithmetic(figures: dict, params: TrainParams) -> str:
         f"tokens per step  up to {figures['tokens_per_step']:,} (global {params.global_batch} x seq_len "
         f"{params.seq_len}; each microbatch is padded to its longest example)",
         f"steps per epoch  {figures['steps_per_epoch']:,} ({figures['train_examples']:,} train examples / global "
-        f"{params.global_batch})",
+        f"{params.global_batch})" + ("; packed, a step takes windows of several examples, so fewer: prepare() "
+                                     "plans the windows and prints the real count" if params.pack_sequences else ""),
         f"optimizer steps  {figures['total_steps']:,}" + (" (max_steps)" if params.max_steps is not None else
                                                           f" ({params.epochs} epochs)")
         + f", {figures['warmup_steps']:,} of warm-up",

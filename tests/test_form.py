@@ -11,7 +11,7 @@ import cflib.form as form_module
 from cflib.data import ShardError, write_partition
 from cflib.form import ParameterForm, frontend_attached, parameter_form, read_value, show_value, train_form
 from cflib.params import TrainParams, load_params_file
-from cflib.train import batch_arithmetic, count_parameters, prepare
+from cflib.train import batch_arithmetic, count_parameters, describe_arithmetic, prepare
 from cflib.tasks import generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +93,13 @@ def test_arithmetic_agrees_with_prepare():
     assert figures["memory_estimate"] == run.memory_estimate
     assert figures["params_total"] == count_parameters(run.model)["params_total"]
     assert figures["train_examples"] == len(run.train_data)
+
+
+def test_packed_arithmetic_says_prepare_counts_the_windows():
+    params = TrainParams(micro_batch_per_rank=8, max_steps=None, pack_sequences=True, device="cpu")
+    figures, run = batch_arithmetic(params), prepare(params)
+    assert run.steps_per_epoch < figures["steps_per_epoch"]  # windows hold several examples
+    assert "prepare() plans the windows" in describe_arithmetic(figures, params)
 
 
 def test_a_shard_counts_from_its_index_and_a_missing_one_is_named(tmp_path):
