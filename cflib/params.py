@@ -88,21 +88,11 @@ class TrainParams:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TrainParams":
-        known = cls.names()
-        for name in raw:
-            if name not in known:
-                # A known name that extends the unknown one ("micro_batch") beats spelling distance.
-                close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ParamError(f"{source}: unknown parameter {name!r}{hint}; known: {', '.join(known)}")
+        reject_unknown(raw, cls.names(), source)
         hints = typing.get_type_hints(cls)
         if isinstance(raw.get("resume"), bool) or str(raw.get("resume")).lower() in ("true", "false"):
             raw = {**raw, "resume": "latest" if str(raw["resume"]).lower() == "true" else None}
-        if isinstance(raw.get("use_custom_kernels"), bool):  # YAML's true/false
-            raw = {**raw, "use_custom_kernels": str(raw["use_custom_kernels"]).lower()}
-        values = {name: _coerce(name, value, hints[name]) for name, value in raw.items()}
-        if "use_custom_kernels" in values:
-            values["use_custom_kernels"] = values["use_custom_kernels"].strip().lower()
+        values = {name: _coerce(name, value, hints[name]) for name, value in with_kernel_choice(raw).items()}
         params = cls(**values)
         params.validate()
         return params
@@ -163,6 +153,24 @@ class TrainParams:
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
+
+
+def reject_unknown(raw: dict[str, Any], known: list[str], source: str) -> None:
+    """ParamError naming the first name of `raw` that is not in `known`, with the likeliest meant."""
+    for name in raw:
+        if name not in known:
+            # A known name that extends the unknown one ("micro_batch") beats spelling distance.
+            close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ParamError(f"{source}: unknown parameter {name!r}{hint}; known: {', '.join(known)}")
+
+
+def with_kernel_choice(raw: dict[str, Any]) -> dict[str, Any]:
+    """use_custom_kernels as "auto"/"true"/"false": YAML gives booleans, papermill strings in any case."""
+    value = raw.get("use_custom_kernels")
+    if isinstance(value, (bool, str)):
+        return {**raw, "use_custom_kernels": str(value).strip().lower()}
+    return raw
 
 
 def gradient_accumulation(global_batch: int, micro_batch_per_rank: int, world_size: int) -> int:

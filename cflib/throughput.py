@@ -32,7 +32,7 @@ from . import __version__
 from .atomic import write_json_atomic
 from .config import PRESETS, ModelConfig
 from .data import IGNORE_INDEX, Example, ShardPartition, open_shard, write_partition
-from .params import DEVICES, ParamError, TrainParams, _coerce, _is_user_variable
+from .params import DEVICES, ParamError, TrainParams, _coerce, _is_user_variable, reject_unknown
 from .paths import resolve_path
 from .peer import PeerTrainer, build_llama, check_liger, gradient_checkpointing, liger_applied, peer_kernel_path
 from .records import _package_version, device_info, framework_versions
@@ -92,10 +92,7 @@ class ThroughputParams:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "ThroughputParams":
-        known = cls.names()
-        unknown = [name for name in raw if name not in known]
-        if unknown:
-            raise ParamError(f"{source}: unknown parameter {unknown[0]!r}; known: {', '.join(known)}")
+        reject_unknown(raw, cls.names(), source)
         hints = typing.get_type_hints(cls)
         values = {}
         for name, value in raw.items():

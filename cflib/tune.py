@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -52,7 +51,8 @@ from .atomic import atomic_directory
 from .config import ConfigError, ModelConfig, preset
 from .data import Example, write_partition
 from .memory import PeakMemory, free_device_memory, measure_name
-from .params import DEVICES, ParamError, TrainParams, _coerce, _is_user_variable, gradient_accumulation
+from .params import (DEVICES, ParamError, TrainParams, _coerce, _is_user_variable, gradient_accumulation,
+                     reject_unknown, with_kernel_choice)
 from .paths import resolve_path
 from .records import device_info, framework_versions
 from .report import plot_microbatch_memory
@@ -98,16 +98,9 @@ class TuneParams:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TuneParams":
-        known = cls.names()
-        for name in raw:
-            if name not in known:
-                close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ParamError(f"{source}: unknown parameter {name!r}{hint}; known: {', '.join(known)}")
-        if isinstance(raw.get("use_custom_kernels"), bool):  # YAML's true/false
-            raw = {**raw, "use_custom_kernels": str(raw["use_custom_kernels"]).lower()}
+        reject_unknown(raw, cls.names(), source)
         hints = typing.get_type_hints(cls)
-        params = cls(**{name: _coerce(name, value, hints[name]) for name, value in raw.items()})
+        params = cls(**{name: _coerce(name, value, hints[name]) for name, value in with_kernel_choice(raw).items()})
         params.validate()
         return params
 
