@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
+from .loss import IGNORE_INDEX, chunked_cross_entropy_sum, supervised_rows
 from .params import ParamError
 
 
@@ -109,11 +109,7 @@ class SFTLoss:
             self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
             return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
                                              token_weights=token_weights)
-        labels = labels.reshape(-1)
-        supervised = labels != IGNORE_INDEX
-        hidden = hidden.reshape(-1, hidden.shape[-1])[supervised]
-        targets = labels[supervised]
-        weights = token_weights.reshape(-1)[supervised].float() if token_weights is not None else None
+        hidden, targets, weights = supervised_rows(hidden, labels, token_weights)
         count = int(targets.numel())
         if count == 0:
             return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0

@@ -67,8 +67,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output, None, None, None, None
+        return *saved_gradients(ctx, grad_output), None, None, None, None
+
+
+def saved_gradients(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (hidden, head weight) gradients a fused loss computed in forward, scaled by the incoming gradient."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output
+
+
+def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Hidden states, targets and fp32 weights of the supervised positions only: prompt tokens cost no head FLOPs."""
+    if token_weights is not None and token_weights.shape != labels.shape:
+        raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, labels {tuple(labels.shape)}")
+    labels = labels.reshape(-1)
+    supervised = labels != IGNORE_INDEX
+    weights = token_weights.reshape(-1)[supervised].float() if token_weights is not None else None
+    return hidden.reshape(-1, hidden.shape[-1])[supervised], labels[supervised], weights
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
@@ -84,15 +100,7 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, l
     """
     if loss_chunk_tokens <= 0:
         raise ValueError(f"loss_chunk_tokens must be positive, got {loss_chunk_tokens}")
-    if token_weights is not None and token_weights.shape != labels.shape:
-        raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, labels {tuple(labels.shape)}")
-    labels = labels.reshape(-1)
-    supervised = labels != IGNORE_INDEX
-    # Only supervised rows reach the head: prompt tokens cost no head FLOPs.
-    hidden = hidden.reshape(-1, hidden.shape[-1])[supervised]
-    targets = labels[supervised]
-    if token_weights is not None:
-        token_weights = token_weights.reshape(-1)[supervised].float()
+    hidden, targets, token_weights = supervised_rows(hidden, labels, token_weights)
     count = int(targets.numel())
     if count == 0:
         return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0

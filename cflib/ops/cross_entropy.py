@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..loss import saved_gradients
 from . import interpreter  # noqa: F401
 
 BLOCK_VOCAB = 4096
@@ -78,5 +79,4 @@ class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output, None, None, None
+        return *saved_gradients(ctx, grad_output), None, None, None
