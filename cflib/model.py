@@ -85,25 +85,25 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 document_mask: DocumentMask | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q_width, k_width = self.q_proj.out_features, self.k_proj.out_features
+        shape = (batch, seq, -1, self.head_dim)
+        self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
+        self.last_rope_backend = self.rope_backend
         if self.fused_qkv:
             qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
             qkv = qkv.view(batch * seq, -1)
-            q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + k_width], qkv[:, q_width + k_width:]
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
-        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        self.last_rope_backend = self.rope_backend
         if self.rope_backend == "cflib_qk_norm_rope":  # set only with fused_qkv and QK-norm
-            from .ops.qk_norm_rope import qk_norm_rope
+            from .ops.qk_norm_rope import qkv_norm_rope
             self.q_norm.last_backend = self.k_norm.last_backend = "cflib_qk_norm_rope"
-            q, k = qk_norm_rope(qkv[:, :q_width + k_width], self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                batch, seq, self.num_heads, self.num_kv_heads, self.q_norm.eps)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q, k, v = qkv_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, batch, seq,
+                                    self.num_heads, self.num_kv_heads, self.q_norm.eps)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:
-            q = self.q_norm(q.reshape(batch, seq, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
+            if self.fused_qkv:
+                q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], 1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            v = v.reshape(shape).transpose(1, 2)
+            q, k = self.q_norm(q.reshape(shape)), self.k_norm(k.reshape(shape))
             if self.rope_backend == "liger":
                 from .ops.liger import LigerRopeFunction
                 q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]

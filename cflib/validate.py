@@ -123,32 +123,32 @@ def _rope_fast(inputs):
 
 def _qk_inputs(shape, gen, device):
     c = shape.config
-    return {"qk": _randn((shape.batch * shape.seq_len, (c.num_attention_heads + c.num_key_value_heads) * c.head_dim),
-                         gen, device),
+    width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    return {"qkv": _randn((shape.batch * shape.seq_len, width), gen, device),
             "q_weight": _randn((c.head_dim,), gen, device, 0.1, 1.0),
             "k_weight": _randn((c.head_dim,), gen, device, 0.1, 1.0), "shape": shape}
 
 
 def _qk_reference(inputs):
-    shape, qk = inputs["shape"], inputs["qk"]
+    shape, qkv = inputs["shape"], inputs["qkv"]
     c = shape.config
-    q, k = qk.view(shape.batch, shape.seq_len, -1, c.head_dim).split([c.num_attention_heads, c.num_key_value_heads],
-                                                                       dim=2)
-    cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, qk.device)
-    if qk.dtype == torch.float64:
+    q, k, v = qkv.view(shape.batch, shape.seq_len, -1, c.head_dim).split(
+        [c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads], dim=2)
+    cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, qkv.device)
+    if qkv.dtype == torch.float64:
         cos, sin = cos.double(), sin.double()
     q = apply_rope(_rms_module({"weight": inputs["q_weight"]}, "torch")(q), cos, sin)
     k = apply_rope(_rms_module({"weight": inputs["k_weight"]}, "torch")(k), cos, sin)
-    return torch.cat([q.flatten(), k.flatten()])
+    return torch.cat([q.flatten(), k.flatten(), v.flatten()])
 
 
 def _qk_fast(inputs):
-    from .ops.qk_norm_rope import qk_norm_rope
+    from .ops.qk_norm_rope import qkv_norm_rope
     shape, c = inputs["shape"], inputs["shape"].config
-    cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, inputs["qk"].device)
-    q, k = qk_norm_rope(inputs["qk"], inputs["q_weight"], inputs["k_weight"], cos, sin, shape.batch, shape.seq_len,
-                        c.num_attention_heads, c.num_key_value_heads, 1e-6)
-    return torch.cat([q.flatten(), k.flatten()]), "cflib_qk_norm_rope"
+    cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, inputs["qkv"].device)
+    q, k, v = qkv_norm_rope(inputs["qkv"], inputs["q_weight"], inputs["k_weight"], cos, sin, shape.batch,
+                            shape.seq_len, c.num_attention_heads, c.num_key_value_heads, 1e-6)
+    return torch.cat([q.flatten(), k.flatten(), v.flatten()]), "cflib_qk_norm_rope"
 
 
 def _swiglu_inputs(shape, gen, device):

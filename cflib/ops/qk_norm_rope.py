@@ -8,6 +8,11 @@ host the launch overhead of each: at 200M shapes the forward pass was bound by
 the host. One program here takes a block of (token, head) rows straight from
 the QKV output, normalises and rotates them in fp32 and writes q and k in the
 layout SDPA reads.
+
+The function takes the whole QKV output and hands back v too, so backward
+writes one gradient for it: q, k and v taken as three slices of it would each
+send back a zero-filled QKV-sized gradient to be summed (at 200M that was
+3 ms of every 107 ms step on the H200).
 """
 from __future__ import annotations
 
@@ -58,8 +63,8 @@ def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, c
 
 @triton.jit
 def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, cos_ptr,
-                           sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_w_ptr, num_rows, q_heads, kv_heads,
-                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+                           sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, grad_w_ptr, num_rows,
+                           q_heads, kv_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
     half: tl.constexpr = HEAD_DIM // 2
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < num_rows
@@ -87,7 +92,7 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, qkv_ptr, qkv_row_stride, q_we
                   tl.load(k_weight_ptr + half + cols)[None, :])
     s1, s2 = d1 * w1, d2 * w2
     mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
-    dst = grad_x_ptr + token.to(tl.int64)[:, None] * (heads * HEAD_DIM) + head[:, None] * HEAD_DIM + cols[None, :]
+    dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
     tl.store(dst, (rstd[:, None] * (s1 - xhat1 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half, (rstd[:, None] * (s2 - xhat2 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
     # This block's d(weight), per half, q rows and k rows apart: [program, {q, k}, HEAD_DIM].
@@ -99,41 +104,44 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, qkv_ptr, qkv_row_stride, q_we
     tl.store(partial + HEAD_DIM + half + cols, tl.sum(d2 * xhat2 * kf, axis=0))
 
 
-class QKNormRope(torch.autograd.Function):
-    """qk [N, (Hq + Hkv) * hd] (a view of the QKV output) -> q [N, Hq, hd], k [N, Hkv, hd], normed and rotated."""
+class QKVNormRope(torch.autograd.Function):
+    """qkv [N, (Hq + 2 Hkv) * hd] -> q [N, Hq, hd], k [N, Hkv, hd] normed and rotated, v [N, Hkv, hd] as it is."""
 
     @staticmethod
-    def forward(ctx, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+    def forward(ctx, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         head_dim = q_weight.shape[0]
-        tokens = qk.shape[0]
-        assert qk.stride(1) == 1, "qk rows must be contiguous"
-        q = torch.empty(tokens, q_heads, head_dim, dtype=qk.dtype, device=qk.device)
-        k = torch.empty(tokens, kv_heads, head_dim, dtype=qk.dtype, device=qk.device)
+        tokens = qkv.shape[0]
+        qkv = qkv.contiguous()
+        q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        k = torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        v = qkv[:, (q_heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim).clone()
         rows = tokens * (q_heads + kv_heads)
-        rstd = torch.empty(rows, dtype=torch.float32, device=qk.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=qkv.device)
         _qk_norm_rope_forward[(triton.cdiv(rows, BLOCK_ROWS),)](
-            qk, qk.stride(0), q_weight, k_weight, cos, sin, positions, q, k, rstd, rows, q_heads, kv_heads,
+            qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, rstd, rows, q_heads, kv_heads,
             float(eps), HEAD_DIM=head_dim, BLOCK_R=BLOCK_ROWS)
-        ctx.save_for_backward(qk, q_weight, k_weight, cos, sin, positions, rstd)
+        ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin, positions, rstd)
         ctx.heads = (q_heads, kv_heads)
-        return q, k
+        return q, k, v
 
     @staticmethod
-    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
-        qk, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        qkv, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
         q_heads, kv_heads = ctx.heads
-        head_dim, tokens = q_weight.shape[0], qk.shape[0]
+        head_dim, tokens = q_weight.shape[0], qkv.shape[0]
         rows = tokens * (q_heads + kv_heads)
         programs = triton.cdiv(rows, BLOCK_ROWS)
-        grad_x = torch.empty(tokens, (q_heads + kv_heads) * head_dim, dtype=qk.dtype, device=qk.device)
-        partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qk.device)
+        grad_qkv = torch.empty_like(qkv)
+        partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qkv.device)
         _qk_norm_rope_backward[(programs,)](
-            grad_q.contiguous(), grad_k.contiguous(), qk, qk.stride(0), q_weight, k_weight, cos, sin, positions, rstd,
-            grad_x, partial, rows, q_heads, kv_heads, HEAD_DIM=head_dim, BLOCK_R=BLOCK_ROWS)
+            grad_q.contiguous(), grad_k.contiguous(), qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions,
+            rstd, grad_qkv, grad_qkv.stride(0), partial, rows, q_heads, kv_heads, HEAD_DIM=head_dim,
+            BLOCK_R=BLOCK_ROWS)
+        grad_qkv[:, (q_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim).copy_(grad_v)
         grad_w = partial.sum(0)
-        return grad_x, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype), None, None, None, None, None, None
+        return grad_qkv, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype), None, None, None, None, None, None
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,19 +149,19 @@ def _positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     return torch.arange(seq, device=device, dtype=torch.int32).repeat(batch)
 
 
-def qk_norm_rope(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, batch: int, seq: int, q_heads: int, kv_heads: int,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, T, Hq, hd], k [B, T, Hkv, hd] from qk [B*T, (Hq + Hkv) * hd].
+def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, batch: int, seq: int, q_heads: int, kv_heads: int,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, hd], k and v [B, T, Hkv, hd] from qkv [B*T, (Hq + 2 Hkv) * hd].
 
     cos/sin [T, hd]: positions 0..T-1 in every row; [B, T, hd] (packed windows, positions restarting
     per example): each token reads its own row of the flattened tables.
     """
     if cos.dim() == 3:
         cos, sin, positions = cos.reshape(batch * seq, -1), sin.reshape(batch * seq, -1), _positions(1, batch * seq,
-                                                                                                       qk.device)
+                                                                                                       qkv.device)
     else:
-        positions = _positions(batch, seq, qk.device)
-    q, k = QKNormRope.apply(qk, q_weight, k_weight, cos.contiguous(), sin.contiguous(), positions, q_heads, kv_heads,
-                            eps)
-    return q.view(batch, seq, q_heads, -1), k.view(batch, seq, kv_heads, -1)
+        positions = _positions(batch, seq, qkv.device)
+    q, k, v = QKVNormRope.apply(qkv, q_weight, k_weight, cos.contiguous(), sin.contiguous(), positions, q_heads,
+                                kv_heads, eps)
+    return q.view(batch, seq, q_heads, -1), k.view(batch, seq, kv_heads, -1), v.view(batch, seq, kv_heads, -1)
