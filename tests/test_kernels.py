@@ -4,6 +4,7 @@ Without a GPU the Triton kernels run in Triton's interpreter (tests/conftest.py)
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -13,7 +14,8 @@ from cflib.kernels import KernelPlan, KernelUnavailable, SFTLoss, plan_kernels
 from cflib.model import TRMoEModel
 from cflib.params import TrainParams
 from cflib.train import prepare, train
-from cflib.validate import COMPONENTS, TOLERANCES, check, compare, shapes_for, validate
+from cflib.config import ModelConfig
+from cflib.validate import COMPONENTS, TOLERANCES, Shape, check, compare, shapes_for, validate
 from tiny_models import random_ids, tiny_config
 
 CPU = torch.device("cpu")
@@ -42,6 +44,21 @@ def test_a_broken_kernel_is_caught(monkeypatch):
     assert not any(r["passed"] for r in rows if r["tensor"] == "out")
     with pytest.raises(AssertionError, match="trmoe out"):
         check(rows)
+
+
+def test_trmoe_kernel_takes_unequal_route_weights_and_repeated_routes():
+    """Primary and other route weights differ, and a token routed twice to one expert gets both weights."""
+    config = ModelConfig(**{**TINY.config.to_dict(), "num_experts_per_tok": 3, "top_k_primary_weight": 0.6})
+    trmoe = next(c for c in COMPONENTS if c.name == "trmoe")
+
+    def inputs(shape, gen, device):
+        found = trmoe.inputs(shape, gen, device)
+        found["route_table"] = found["route_table"].clone()
+        found["route_table"][2, ::2] = found["route_table"][0, ::2]  # every other token: its primary expert twice
+        return found
+
+    rows = compare(dataclasses.replace(trmoe, inputs=inputs), Shape("routes", config, 2, 12), "float32", DEVICE)
+    check(rows)
 
 
 def _loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids, labels, document_ids=None, token_weights=None):

@@ -6,9 +6,9 @@ FLOPs than running only the routed ones, and removes every gather, scatter and
 per-expert launch: the block becomes two dense GEMMs (cuBLAS) around one
 Triton kernel, `silu(gate) * up * scale`, whose per-token column scale is the
 shared output scale on shared columns and routed_output_scale x route weight
-on each expert's columns (zero on experts the token is not routed to). The
-output scales fold into that kernel exactly, by linearity of the down
-projection. The gather/grouped-GEMM/scatter design lost to this one on the
+on each expert's columns (zero on experts the token is not routed to), read
+by the kernel from the token ids and the route table. The output scales fold
+into that kernel exactly, by linearity of the down projection. The gather/grouped-GEMM/scatter design lost to this one on the
 H200 at the 200M shapes (benchmarks/trmoe_designs.py, README).
 """
 from __future__ import annotations
@@ -27,95 +27,106 @@ _CONFIGS = [triton.Config({"BLOCK_R": 32, "BLOCK_C": 128}, num_warps=4)] if INTE
 
 
 @triton.jit
-def _column_scale(coeff_ptr, rows, cols, mask, shared_columns, expert_width, num_experts, shared_scale):
+def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
+          shared_scale, routed_scale, primary_weight, other_weight, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
+          BLOCK_C: tl.constexpr):
+    """This program's tile: offsets, mask, gate and up in fp32, and each element's column scale.
+
+    The scale is the shared output scale on shared columns; on expert e's columns it is routed_scale
+    x the sum of the route weights of the token's routes to e (zero when none), read from the token id
+    and the route table, as TRMoEEngine.expert_coefficients builds them."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < num_rows
+    mask = row_mask[:, None] & (cols < columns)[None, :]
+    gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
+    gate = tl.load(gate_up_ptr + gate_offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + gate_offsets + columns, mask=mask, other=0.0).to(tl.float32)
     routed = cols >= shared_columns
-    expert = tl.where(routed, (cols - shared_columns) // expert_width, 0)
-    coeff = tl.load(coeff_ptr + rows[:, None] * num_experts + expert[None, :], mask=mask & routed[None, :], other=0.0)
-    return tl.where(routed[None, :], coeff, shared_scale)
+    expert = tl.where(routed, (cols - shared_columns) // expert_width, -1)
+    token = tl.load(token_ptr + rows, mask=row_mask, other=0)
+    route_weight = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        destination = tl.load(route_ptr + k * vocab_size + token, mask=row_mask, other=-2)
+        if k == 0:
+            weight = primary_weight
+        else:
+            weight = other_weight
+        route_weight += tl.where(destination[:, None] == expert[None, :], weight, 0.0)
+    scale = tl.where(routed[None, :], route_weight * routed_scale, shared_scale)
+    return rows, cols, mask, gate_offsets, gate, up, scale
 
 
 @triton.autotune(_CONFIGS, key=["columns"])
 @triton.jit
-def _scaled_swiglu_forward(gate_up_ptr, coeff_ptr, out_ptr, num_rows, columns, shared_columns, expert_width,
-                           num_experts, shared_scale, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < num_rows)[:, None] & (cols < columns)[None, :]
-    gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
-    gate = tl.load(gate_up_ptr + gate_offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + gate_offsets + columns, mask=mask, other=0.0).to(tl.float32)
-    scale = _column_scale(coeff_ptr, rows, cols, mask, shared_columns, expert_width, num_experts, shared_scale)
+def _scaled_swiglu_forward(gate_up_ptr, token_ptr, route_ptr, out_ptr, num_rows, columns, shared_columns,
+                           expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
+                           TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows, cols, mask, _, gate, up, scale = _tile(
+        gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
+        shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
     out = gate * tl.sigmoid(gate) * up * scale
-    out_offsets = rows.to(tl.int64)[:, None] * columns + cols[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * columns + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
-@triton.autotune(_CONFIGS, key=["columns"], restore_value=["gate_up_ptr"])
+@triton.autotune(_CONFIGS, key=["columns"], restore_value=["gate_up_ptr", "grad_hidden_ptr"])
 @triton.jit
-def _scaled_swiglu_backward(grad_out_ptr, gate_up_ptr, coeff_ptr, num_rows, columns, shared_columns, expert_width,
-                            num_experts, shared_scale, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Writes d(gate) and d(up) over gate_up in place: it is not needed after this."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows < num_rows)[:, None] & (cols < columns)[None, :]
-    gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
-    gate = tl.load(gate_up_ptr + gate_offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + gate_offsets + columns, mask=mask, other=0.0).to(tl.float32)
-    grad_out = tl.load(grad_out_ptr + rows.to(tl.int64)[:, None] * columns + cols[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
-    grad = grad_out * _column_scale(coeff_ptr, rows, cols, mask, shared_columns, expert_width, num_experts,
-                                    shared_scale)
+def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns,
+                            expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
+                            TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Writes d(gate) and d(up) over gate_up, and the recomputed activation over grad_hidden, in place:
+    each element is read before it is overwritten, and neither input is needed afterwards."""
+    rows, cols, mask, gate_offsets, gate, up, scale = _tile(
+        gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
+        shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
+    hidden_offsets = rows.to(tl.int64)[:, None] * columns + cols[None, :]
+    grad = tl.load(grad_hidden_ptr + hidden_offsets, mask=mask, other=0.0).to(tl.float32) * scale
     sig = tl.sigmoid(gate)
-    grad_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
-    grad_up = grad * gate * sig
-    tl.store(gate_up_ptr + gate_offsets, grad_gate.to(gate_up_ptr.dtype.element_ty), mask=mask)
-    tl.store(gate_up_ptr + gate_offsets + columns, grad_up.to(gate_up_ptr.dtype.element_ty), mask=mask)
+    silu = gate * sig
+    tl.store(grad_hidden_ptr + hidden_offsets, (silu * up * scale).to(grad_hidden_ptr.dtype.element_ty), mask=mask)
+    tl.store(gate_up_ptr + gate_offsets, (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(
+        gate_up_ptr.dtype.element_ty), mask=mask)
+    tl.store(gate_up_ptr + gate_offsets + columns, (grad * silu).to(gate_up_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(num_rows: int, columns: int):
     return lambda meta: (triton.cdiv(num_rows, meta["BLOCK_R"]), triton.cdiv(columns, meta["BLOCK_C"]))
 
 
-def _scaled_swiglu(gate_up: torch.Tensor, coeff: torch.Tensor, shared_columns: int, expert_width: int,
-                   shared_scale: float) -> torch.Tensor:
-    num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(num_rows, columns, dtype=gate_up.dtype, device=gate_up.device)
-    _scaled_swiglu_forward[_grid(num_rows, columns)](
-        gate_up, coeff, out, num_rows, columns, shared_columns, expert_width, coeff.shape[1], shared_scale)
-    return out
-
-
 class ScaledSwiGLUDown(torch.autograd.Function):
     """[N, 2C] gate|up -> (silu(gate) * up * column scale) @ down.T, keeping only gate|up for backward.
 
     The [N, C] activation between the kernel and the down GEMM is recomputed in
-    backward (one elementwise pass) instead of being held from forward to
-    backward in every layer: at 16 x 2,048 tokens that is 3.5 GB for the 200M model.
+    backward instead of being held from forward to backward in every layer (at
+    16 x 2,048 tokens that is 3.5 GB for the 200M model). The recomputation
+    rides in the backward kernel, which reads gate|up anyway: backward computes
+    the activation's gradient first (grad_out @ down) and the kernel turns that
+    buffer into the activation as it consumes it, for the down weight's gradient.
     """
 
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, coeff: torch.Tensor, down: torch.Tensor, shared_columns: int,
-                expert_width: int, shared_scale: float) -> torch.Tensor:
-        gate_up, coeff = gate_up.contiguous(), coeff.contiguous().float()
-        hidden = _scaled_swiglu(gate_up, coeff, shared_columns, expert_width, float(shared_scale))
-        ctx.save_for_backward(gate_up, coeff, down)
-        ctx.layout = (shared_columns, expert_width, float(shared_scale))
+    def forward(ctx, gate_up: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, down: torch.Tensor,
+                layout: tuple) -> torch.Tensor:
+        gate_up, token_ids, route_table = gate_up.contiguous(), token_ids.contiguous(), route_table.contiguous()
+        num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
+        hidden = torch.empty(num_rows, columns, dtype=gate_up.dtype, device=gate_up.device)
+        _scaled_swiglu_forward[_grid(num_rows, columns)](gate_up, token_ids, route_table, hidden, num_rows, columns,
+                                                         *layout, TOP_K=route_table.shape[0])
+        ctx.save_for_backward(gate_up, token_ids, route_table, down)
+        ctx.layout = layout
         return hidden @ down.t()
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        gate_up, coeff, down = ctx.saved_tensors
-        shared_columns, expert_width, shared_scale = ctx.layout
+        gate_up, token_ids, route_table, down = ctx.saved_tensors
         grad_out = grad_out.contiguous().to(gate_up.dtype)
-        hidden = _scaled_swiglu(gate_up, coeff, shared_columns, expert_width, shared_scale)
-        grad_down = grad_out.t() @ hidden
-        del hidden
         grad_hidden = grad_out @ down
         num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
-        _scaled_swiglu_backward[_grid(num_rows, columns)](
-            grad_hidden, gate_up, coeff, num_rows, columns, shared_columns, expert_width, coeff.shape[1],
-            shared_scale)
-        return gate_up, None, grad_down, None, None, None
+        _scaled_swiglu_backward[_grid(num_rows, columns)](grad_hidden, gate_up, token_ids, route_table, num_rows,
+                                                          columns, *ctx.layout, TOP_K=route_table.shape[0])
+        grad_down = grad_out.t() @ grad_hidden  # grad_hidden now holds the activation
+        return gate_up, None, None, grad_down, None
 
 
 def fused_weights(engine) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +142,13 @@ def fused_weights(engine) -> tuple[torch.Tensor, torch.Tensor]:
 def trmoe_forward(engine, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """The TR-MoE block of `engine` (a cflib.model.TRMoEEngine) on x [N, D] and token ids [N]."""
     gate_up_weight, down_weight = fused_weights(engine)
-    coeff = engine.expert_coefficients(token_ids, torch.float32) * engine.routed_output_scale
+    weights = engine.route_weights
+    if any(w != weights[-1] for w in weights[1:]):
+        raise ValueError(f"route weights {weights}: the kernel takes a primary weight and equal others")
+    vocab_size = engine.route_table.shape[1]
+    # shared_columns, expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight
+    layout = (engine.shared_gate.weight.shape[0], engine.expert_gate.shape[2], vocab_size,
+              float(engine.shared_output_scale), float(engine.routed_output_scale), float(weights[0]),
+              float(weights[-1]) if len(weights) > 1 else 0.0)
     gate_up = F.linear(x, gate_up_weight)
-    return ScaledSwiGLUDown.apply(gate_up, coeff, down_weight.to(gate_up.dtype), engine.shared_gate.weight.shape[0],
-                                  engine.expert_gate.shape[2], engine.shared_output_scale)
+    return ScaledSwiGLUDown.apply(gate_up, token_ids, engine.route_table, down_weight.to(gate_up.dtype), layout)
