@@ -516,11 +516,18 @@ class Trainer:
             example_index = torch.as_tensor(np.asarray(units, dtype=np.int64))[:, None].expand_as(labels)
         else:
             input_ids, labels, document_ids, example_index = collate_packed(data, plan, units)
-            document_ids = document_ids.to(self.device)
         token_weights = None
         if self.example_weights is not None:  # padding (-1) takes any weight: its label is -100
-            token_weights = self.example_weights[example_index.clamp(min=0)].to(self.device)
-        return input_ids.to(self.device), labels.to(self.device), document_ids, token_weights
+            token_weights = self._to_device(self.example_weights[example_index.clamp(min=0)])
+        if document_ids is not None:
+            document_ids = self._to_device(document_ids)
+        return self._to_device(input_ids), self._to_device(labels), document_ids, token_weights
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """From pinned memory without waiting: the host goes on launching while the copy runs."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def train_step(self, step_units: np.ndarray) -> dict:
         p, data = self.params, self.run.train_data
@@ -549,17 +556,24 @@ class Trainer:
                 (loss_sum * (self.dist.world_size / step_mass)).backward()
             totals[0] += loss_sum.detach().double()
             totals[1] += labels.numel()
-        loss_total, tokens = self.dist.sum(totals).tolist()  # every rank sees the global loss and agrees
-        tokens = int(tokens)
+        totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
         # The norm is measured even unclipped (max_norm inf), so a non-finite gradient is caught here.
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
+        lr = self.scheduler.get_last_lr()[0]
+        if self.optimizer.defaults.get("fused"):
+            # The fused AdamW skips a non-finite step on the device (found_inf, as under GradScaler), so the
+            # host launches the update while the backward still runs instead of waiting to read the norm.
+            self.optimizer.found_inf = (~torch.isfinite(totals[0] + norm.double())).float()
+            self.optimizer.step()
+        loss_total, tokens, grad_norm = torch.stack([totals[0], totals[1], norm.double()]).tolist()
+        tokens = int(tokens)
         loss = loss_total / step_mass
         finite = math.isfinite(loss) and math.isfinite(grad_norm)  # global values: every rank agrees
         self.bad_steps = 0 if finite else self.bad_steps + 1
         if self.bad_steps > p.nan_patience:
             self._stop_non_finite(loss, grad_norm, step_examples)
-        lr = self.scheduler.get_last_lr()[0]
-        if finite:
+        if finite and not self.optimizer.defaults.get("fused"):
             self.optimizer.step()
         with warnings.catch_warnings():  # torch warns when the schedule moves without an optimizer step
             warnings.simplefilter("ignore", UserWarning)
@@ -585,7 +599,7 @@ class Trainer:
         last_good = saved[-1] if saved else "none yet"
         raise FloatingPointError(
             f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}, after {self.bad_steps} non-finite "
-            f"step(s) in a row (nan_patience {self.params.nan_patience}); stopped before the optimizer step, so "
+            f"step(s) in a row (nan_patience {self.params.nan_patience}); the optimizer skipped the step, so "
             f"no non-finite weight was written. Batch examples (first 8): {ids}. Last checkpoint: {last_good}")
 
     def fit(self) -> dict:
