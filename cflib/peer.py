@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .data import IGNORE_INDEX, ShardPartition, collate
 from .evaluate import autocast
 from .params import TrainParams
-from .train import lr_factor, make_optimizer
+from .train import lr_factor, make_optimizer, to_device
 
 
 class PathUnavailable(RuntimeError):
@@ -120,7 +120,7 @@ class PeerTrainer:
     def train_step(self, step_examples: np.ndarray) -> dict:
         input_ids, labels = collate([self.data[int(i)] for i in step_examples], self.data.eos_token_id)
         supervised = int((labels != IGNORE_INDEX).sum())
-        input_ids, labels = input_ids.to(self.device), labels.to(self.device)
+        input_ids, labels = to_device(input_ids, self.device), to_device(labels, self.device)
         # A tensor, not an int: torch.compile would specialise (and recompile) on each new count.
         count = torch.tensor(supervised, device=self.device)
         with autocast(self.device, self.params.bf16):
@@ -129,13 +129,13 @@ class PeerTrainer:
             loss = self.train_model(input_ids=input_ids, labels=labels, shift_labels=labels,
                                     num_items_in_batch=count).loss
         loss.backward()
-        max_norm = self.params.max_grad_norm or math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm or math.inf)
+        # As the project's step on a GPU: the update is queued without a host read; one read at the end.
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": float(loss.detach()), "grad_norm": grad_norm, "tokens": labels.numel(), "supervised_tokens": supervised}
-
+        loss_value, grad_norm = torch.stack([loss.detach().float(), norm.float()]).tolist()
+        return {"loss": loss_value, "grad_norm": grad_norm, "tokens": labels.numel(), "supervised_tokens": supervised}
 
 def build_llama(config: ModelConfig, device: torch.device, seed: int) -> torch.nn.Module:
     """The peer model in fp32 (autocast runs it in BF16, as the project's), built on the device."""

@@ -512,7 +512,8 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
         "timing_protocol": {
             "data": "uniform random token ids (never EOS), rows of seq_len, first third of each row unsupervised; "
                     "a fresh set of rows every step, the same rows for every path",
-            "step": "forward, backward, gradient clipping (norm read on the host), fused AdamW, scheduler",
+            "step": "forward, backward, gradient clipping, fused AdamW, scheduler, then one host read of the loss and "
+                    "gradient norm; batches copied from pinned memory (every path alike)",
             "warmup_steps_excluded": params.warmup_steps,
             "timed_steps": params.timed_steps,
             "sync_boundaries": "torch.cuda.synchronize before and after each optimizer step, host perf_counter"

@@ -359,6 +359,13 @@ def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.de
                              fused=fused and device.type == "cuda")
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor to the GPU from pinned memory without waiting: the host goes on launching meanwhile."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -518,16 +525,10 @@ class Trainer:
             input_ids, labels, document_ids, example_index = collate_packed(data, plan, units)
         token_weights = None
         if self.example_weights is not None:  # padding (-1) takes any weight: its label is -100
-            token_weights = self._to_device(self.example_weights[example_index.clamp(min=0)])
+            token_weights = to_device(self.example_weights[example_index.clamp(min=0)], self.device)
         if document_ids is not None:
-            document_ids = self._to_device(document_ids)
-        return self._to_device(input_ids), self._to_device(labels), document_ids, token_weights
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """From pinned memory without waiting: the host goes on launching while the copy runs."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+            document_ids = to_device(document_ids, self.device)
+        return to_device(input_ids, self.device), to_device(labels, self.device), document_ids, token_weights
 
     def train_step(self, step_units: np.ndarray) -> dict:
         p, data = self.params, self.run.train_data
@@ -561,11 +562,13 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
         lr = self.scheduler.get_last_lr()[0]
-        if self.optimizer.defaults.get("fused"):
+        on_device = bool(self.optimizer.defaults.get("fused"))
+        if on_device:
             # The fused AdamW skips a non-finite step on the device (found_inf, as under GradScaler), so the
-            # host launches the update while the backward still runs instead of waiting to read the norm.
+            # host queues the update while the backward still runs instead of waiting to read the norm.
             self.optimizer.found_inf = (~torch.isfinite(totals[0] + norm.double())).float()
             self.optimizer.step()
+            self._end_step()
         loss_total, tokens, grad_norm = torch.stack([totals[0], totals[1], norm.double()]).tolist()
         tokens = int(tokens)
         loss = loss_total / step_mass
@@ -573,12 +576,10 @@ class Trainer:
         self.bad_steps = 0 if finite else self.bad_steps + 1
         if self.bad_steps > p.nan_patience:
             self._stop_non_finite(loss, grad_norm, step_examples)
-        if finite and not self.optimizer.defaults.get("fused"):
-            self.optimizer.step()
-        with warnings.catch_warnings():  # torch warns when the schedule moves without an optimizer step
-            warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.step()  # a skipped step still consumes its data and its place in the schedule
-        self.optimizer.zero_grad(set_to_none=True)
+        if not on_device:
+            if finite:
+                self.optimizer.step()
+            self._end_step()
         _sync(self.device)
         seconds = time.perf_counter() - start
         self.train_kernel_path = self.model.kernel_path()
@@ -591,6 +592,12 @@ class Trainer:
             self.steady["steps"] += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "supervised_tokens": step_supervised, "seconds": seconds, "skipped": not finite}
+
+    def _end_step(self) -> None:
+        with warnings.catch_warnings():  # torch warns when the schedule moves without an optimizer step
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()  # a skipped step still consumes its data and its place in the schedule
+        self.optimizer.zero_grad(set_to_none=True)  # stream-ordered: the update queued before still reads them
 
     def _stop_non_finite(self, loss: float, grad_norm: float, step_examples: np.ndarray) -> None:
         rows = self.run.train_data.rows
