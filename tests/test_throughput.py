@@ -54,7 +54,7 @@ def test_throughput_params_files_validate(path):
 def test_h200_params_measure_the_issue_targets_settings():
     params = ThroughputParams.from_dict(load_params_file(ROOT / "params" / "throughput_200m_h200.yaml"))
     assert (params.model, params.seq_len, params.bf16, params.device) == ("tr_hash_200m", 2048, True, "cuda")
-    assert params.micro_batches == (16, 32) and params.compare_micro_batch == 16
+    assert {16, 32} <= set(params.micro_batches) and params.compare_micro_batch == 16  # the issue's sizes
     assert set(params.paths) == set(PATHS) and params.ceiling_size == 8192
     assert params.warmup_steps >= 3 and params.timed_steps >= 8
 
