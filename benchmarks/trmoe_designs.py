@@ -17,12 +17,11 @@ import json
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
-
 from cflib.config import preset
 from cflib.model import TRMoEEngine
 from cflib.ops.liger import LigerSiLUMulFunction
 from cflib.records import device_info, framework_versions
+from cflib.validate import time_forward_backward, trmoe_bench_inputs
 
 
 def _grouped(a: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -57,21 +56,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     config = preset("tr_hash_200m")
-    engine = TRMoEEngine(config).to(device)
-    with torch.no_grad():  # TRMoEEngine leaves its weights uninitialised; time on real values
-        for param in engine.parameters():
-            param.normal_(0.0, 0.02)
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(args.tokens, config.hidden_size, generator=gen, device=device, requires_grad=True)
-    ids = torch.randint(0, config.vocab_size, (args.tokens,), generator=gen, device=device)
-    grad = torch.randn(args.tokens, config.hidden_size, generator=gen, device=device, dtype=torch.bfloat16)
+    engine, x, ids, grad = trmoe_bench_inputs(config, args.tokens, device)
 
     def timed(forward):
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = forward()
-            out.backward(grad)
-        return do_bench(step, warmup=50, rep=400, return_mode="median")
+        return time_forward_backward(forward, grad, rep_ms=400)
 
     def run_engine(backend):
         engine.backend = backend

@@ -328,9 +328,9 @@ def validate(device: torch.device, dtypes: tuple[str, ...] = ("float32", "bfloat
     return rows, skipped
 
 
-def time_trmoe(config: ModelConfig, tokens: int, device: torch.device) -> dict[str, float]:
-    """Forward+backward ms of one TR-MoE layer (BF16 autocast), reference vs the fused Triton block."""
-    from triton.testing import do_bench
+def trmoe_bench_inputs(config: ModelConfig, tokens: int, device: torch.device
+                       ) -> tuple[TRMoEEngine, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What TR-MoE layer timings run on: an engine with real weights, its input, token ids, an output gradient."""
     gen = torch.Generator(device=device).manual_seed(0)
     engine = TRMoEEngine(config).to(device)
     with torch.no_grad():  # TRMoEEngine leaves its weights uninitialised; time on real values
@@ -339,15 +339,27 @@ def time_trmoe(config: ModelConfig, tokens: int, device: torch.device) -> dict[s
     x = torch.randn(tokens, config.hidden_size, generator=gen, device=device, requires_grad=True)
     ids = torch.randint(0, config.vocab_size, (tokens,), generator=gen, device=device)
     grad = torch.randn(tokens, config.hidden_size, generator=gen, device=device, dtype=torch.bfloat16)
+    return engine, x, ids, grad
+
+
+def time_forward_backward(forward: Callable[[], torch.Tensor], grad: torch.Tensor, rep_ms: int = 300) -> float:
+    """Median ms of forward (under BF16 autocast) plus backward from `grad` (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = forward()
+        out.backward(grad)
+    return do_bench(step, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def time_trmoe(config: ModelConfig, tokens: int, device: torch.device) -> dict[str, float]:
+    """Forward+backward ms of one TR-MoE layer (BF16 autocast), reference vs the fused Triton block."""
+    engine, x, ids, grad = trmoe_bench_inputs(config, tokens, device)
     found = {}
     for backend in ("torch_dense", "triton_fused"):
         engine.backend = backend
-
-        def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = engine(x, ids)
-            out.backward(grad)
-        found[backend] = do_bench(step, warmup=50, rep=300, return_mode="median")
+        found[backend] = time_forward_backward(lambda: engine(x, ids), grad)
     return found
 
 
