@@ -562,7 +562,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
         lr = self.scheduler.get_last_lr()[0]
-        on_device = bool(self.optimizer.defaults.get("fused"))
+        on_device = all(group.get("fused") for group in self.optimizer.param_groups)
         if on_device:
             # The fused AdamW skips a non-finite step on the device (found_inf, as under GradScaler), so the
             # host queues the update while the backward still runs instead of waiting to read the norm.

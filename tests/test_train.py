@@ -191,6 +191,42 @@ def test_a_non_finite_step_stops_before_the_optimizer_and_writes_no_checkpoint(t
     assert [r["skipped"] for r in rows] == [True, True]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["host_skip", "device_skip"])
+def test_a_non_finite_step_moves_no_weight_and_no_optimizer_state(tmp_path, small_shard, monkeypatch, fused):
+    """The foreach AdamW is skipped on the host; the fused one (CUDA's) skips on the device through found_inf.
+
+    CPU AdamW has a fused kernel too, so the device-side skip runs here."""
+    import cflib.train
+    from cflib.checkpoint import save_checkpoint
+    from cflib.config import preset
+    from cflib.model import TRMoEModel
+    from cflib.train import Trainer
+
+    real_make_optimizer = cflib.train.make_optimizer
+    def make_optimizer(model, params, device, **_):
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
+                  for g in real_make_optimizer(model, params, device).param_groups]
+        return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2), fused=fused)
+
+    monkeypatch.setattr(cflib.train, "make_optimizer", make_optimizer)
+    model = TRMoEModel(preset("smoke"))
+    with torch.no_grad():
+        model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
+    save_checkpoint(model, tmp_path / "broken")
+    run_ = prepare(TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "run"),
+                                          "init_checkpoint": str(tmp_path / "broken"), "nan_patience": 5}))
+    trainer = Trainer(run_, progress=False)
+    assert all(bool(group["fused"]) == fused for group in trainer.optimizer.param_groups)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    rows = [trainer.train_step(np.arange(i * 16, (i + 1) * 16) % 40) for i in range(2)]
+    assert [r["skipped"] for r in rows] == [True, True]
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, before[name]), name  # the broken weights' inf compare equal; a NaN would not
+    steps = [state["step"] for state in trainer.optimizer.state.values()]
+    assert all(float(step) == 0 for step in steps)  # a skipped step does not count in Adam's bias correction
+    assert trainer.scheduler.last_epoch == 2  # but it consumes its place in the schedule
+
+
 def test_a_finished_run_is_marked_complete_last(tmp_path, small_shard):
     run(tmp_path, small_shard, max_steps=1)
     marker = json.loads((tmp_path / "run" / "COMPLETE").read_text())
