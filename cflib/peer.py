@@ -137,6 +137,7 @@ class PeerTrainer:
         loss_value, grad_norm = torch.stack([loss.detach().float(), norm.float()]).tolist()
         return {"loss": loss_value, "grad_norm": grad_norm, "tokens": labels.numel(), "supervised_tokens": supervised}
 
+
 def build_llama(config: ModelConfig, device: torch.device, seed: int) -> torch.nn.Module:
     """The peer model in fp32 (autocast runs it in BF16, as the project's), built on the device."""
     llama = llama_config(config)
