@@ -84,22 +84,30 @@ def pack_window(data: ShardPartition, members: np.ndarray, seq_len: int) -> tupl
 
     document_ids count the window's examples from 0 (a separator belongs to the
     example before it, the padding is one more document); example_index is the
-    shard row of each position, -1 on padding.
+    shard row of each position, -1 on padding. Built with array indexing, not a
+    loop over examples: a window of short examples holds a hundred of them, and
+    the batch is assembled while the GPU waits.
     """
-    input_ids = torch.full((seq_len,), data.eos_token_id, dtype=torch.long)
-    labels = torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long)
-    document_ids = torch.full((seq_len,), len(members), dtype=torch.long)
-    example_index = torch.full((seq_len,), -1, dtype=torch.long)
-    cursor = 0
-    for document, example in enumerate(members):
-        ids, labs = data[int(example)]
-        end = cursor + ids.numel()
-        input_ids[cursor:end], labels[cursor:end] = ids, labs
-        # The separator (EOS, label -100) keeps its slot in this document; causally it is seen by no one.
-        stop = min(end + 1, seq_len) if document < len(members) - 1 else end
-        document_ids[cursor:stop], example_index[cursor:stop] = document, int(example)
-        cursor = end + 1
-    return input_ids, labels, document_ids, example_index
+    members = np.asarray(members, dtype=np.int64)
+    lengths = data.lengths[members]
+    # Each example is followed by one separator slot (EOS, label -100).
+    starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]])
+    document_of_token = np.repeat(np.arange(len(members)), lengths)
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    window_positions = starts[document_of_token] + within
+    shard_positions = data.offsets[members][document_of_token] + within
+    input_ids = np.full(seq_len, data.eos_token_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    input_ids[window_positions] = data.input_ids[shard_positions]
+    labels[window_positions] = data.labels[shard_positions]
+    document_ids = np.full(seq_len, len(members), dtype=np.int64)
+    document_ids[window_positions] = document_of_token
+    # The separator keeps its slot in the example before it; causally it is seen by no one.
+    separators = (starts + lengths)[:-1]
+    inside = separators < seq_len
+    document_ids[separators[inside]] = np.arange(len(members) - 1)[inside]
+    example_index = np.where(document_ids < len(members), members[np.minimum(document_ids, len(members) - 1)], -1)
+    return tuple(torch.from_numpy(column) for column in (input_ids, labels, document_ids, example_index))
 
 
 def collate_packed(data: ShardPartition, plan: PackPlan, windows: Sequence[int]) -> tuple[torch.Tensor, ...]:
