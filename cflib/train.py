@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from tqdm.auto import tqdm
 
 from . import __version__
@@ -211,9 +212,6 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
                                device_memory_bytes(device))
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
-    if strategy == "fsdp" and (params.save_optimizer_state or params.save_every_steps or params.resume):
-        raise ParamError("optimizer state (save_optimizer_state, save_every_steps, resume) is not supported "
-                         "with strategy fsdp yet")
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
@@ -407,7 +405,12 @@ class Trainer:
         self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
 
     def _restore(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved = state["optimizer"]
+        if saved["param_groups"] and saved["param_groups"][0]["params"] and isinstance(
+                saved["param_groups"][0]["params"][0], int):
+            self.optimizer.load_state_dict(saved)  # written before optimizer state was keyed by parameter name
+        else:  # keyed by parameter name, whole: any strategy (single, DDP, FSDP shards) takes its part
+            set_optimizer_state_dict(self.model, self.optimizer, saved, options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
         self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
@@ -416,9 +419,9 @@ class Trainer:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
         torch.set_rng_state(state["torch_rng"])
 
-    def _trainer_state(self) -> dict:
+    def _trainer_state(self, optimizer_state: dict) -> dict:
         epoch, batch_in_epoch = self.position
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        return {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                 "world_size": self.dist.world_size, "global_batch": self.params.global_batch,
                 "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
@@ -461,12 +464,17 @@ class Trainer:
             return
         resumable = self.params.save_optimizer_state if resumable is None else resumable
         start = time.perf_counter()
-        weights = None
-        if self.run.strategy == "fsdp":
+        weights = optimizer_state = None
+        fsdp = self.run.strategy == "fsdp"
+        if fsdp:  # every rank joins the gathers; rank 0 receives the whole
             weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
                                                                                  cpu_offload=True))
+        if resumable and (fsdp or self.dist.is_main):
+            # Keyed by parameter name and whole, so a run on another strategy or world size can resume it.
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=fsdp))
         if self.dist.is_main:
-            state = self._trainer_state() if resumable else None
+            state = self._trainer_state(optimizer_state) if resumable else None
             progress = {"step": self.step, "epoch": self.position[0], "batch_in_epoch": self.position[1]}
             target = self.run.out_dir / "checkpoints" / name
             try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,42 @@ def test_killed_two_process_run_resumes_and_refuses_another_world_size(tmp_path,
     assert single["schedule"]["steps_done"] == 12
     weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
     assert_same_weights(weights(tmp_path / "single"), weights(out_dir), atol=1e-5)
+
+
+def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path, shard):
+    """FSDP gathers the whole optimizer state, keyed by parameter name: FSDP resumes it, and so would DDP."""
+    out_dir = tmp_path / "killed"
+    fsdp = params(shard, out_dir, nproc_per_node=2, epochs=4, strategy="fsdp")
+    start_and_kill(fsdp, out_dir, after_checkpoint="step-8")
+    state = torch.load(out_dir / "checkpoints" / "step-8" / "trainer_state.pt", weights_only=True)
+    assert "layers.0.mlp.engine.expert_up" in state["optimizer"]["state"]
+    kept = shutil.copytree(out_dir / "checkpoints" / "step-8", tmp_path / "step-8")
+    resumed = train({**fsdp, "resume": "latest"}, progress=False)
+    assert resumed["strategy"] == "fsdp" and resumed["schedule"]["steps_done"] == 12
+    ddp = train(params(shard, tmp_path / "ddp", nproc_per_node=2, epochs=4, strategy="ddp", resume=str(kept)),
+                progress=False)
+    assert ddp["strategy"] == "ddp" and ddp["model_source"].startswith("resumed from")
+    single = train(params(shard, tmp_path / "single", epochs=4), progress=False)
+    weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
+    assert_same_weights(weights(tmp_path / "single"), weights(out_dir), atol=1e-5)
+    assert_same_weights(weights(tmp_path / "single"), weights(tmp_path / "ddp"), atol=1e-5)
+
+
+def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_path, shard):
+    """Checkpoints written before optimizer state was keyed by parameter name hold torch's positional form."""
+    whole = params(shard, tmp_path / "whole", epochs=4, save_total_limit=None)
+    train(whole, progress=False)
+    old = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-8", tmp_path / "step-8")
+    state = torch.load(old / "trainer_state.pt", weights_only=True)
+    named = state["optimizer"]
+    position = {name: i for i, name in enumerate(n for group in named["param_groups"] for n in group["params"])}
+    state["optimizer"] = {"state": {position[name]: value for name, value in named["state"].items()},
+                          "param_groups": [{**group, "params": [position[n] for n in group["params"]]}
+                                           for group in named["param_groups"]]}
+    torch.save(state, old / "trainer_state.pt")
+    train(params(shard, tmp_path / "resumed", epochs=4, resume=str(old)), progress=False)
+    weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
+    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "resumed"), atol=1e-6)
 
 
 def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
