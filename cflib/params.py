@@ -26,8 +26,16 @@ class ParamError(ValueError):
     """A parameter set that cannot run; the message names the parameter."""
 
 
+class ParamSet:
+    """What every parameter set (TrainParams, TuneParams, ThroughputParams) shares: its names, to refuse others."""
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [field.name for field in dataclasses.fields(cls)]
+
+
 @dataclass(frozen=True)
-class TrainParams:
+class TrainParams(ParamSet):
     """The controls of one SFT run. Defaults: a CPU smoke run of a few seconds."""
 
     model: str = "smoke"  # a preset of cflib.config.PRESETS; ignored when init_checkpoint is set
@@ -81,10 +89,6 @@ class TrainParams:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return [field.name for field in dataclasses.fields(cls)]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TrainParams":

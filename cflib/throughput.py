@@ -32,7 +32,7 @@ from . import __version__
 from .atomic import write_json_atomic
 from .config import PRESETS, ModelConfig
 from .data import IGNORE_INDEX, Example, ShardPartition, open_shard, write_partition
-from .params import DEVICES, ParamError, TrainParams, _coerce, _is_user_variable, reject_unknown
+from .params import DEVICES, ParamError, ParamSet, TrainParams, _coerce, _is_user_variable, reject_unknown
 from .paths import resolve_path
 from .peer import PeerTrainer, build_llama, check_liger, gradient_checkpointing, liger_applied, peer_kernel_path
 from .records import _package_version, device_info, framework_versions
@@ -62,7 +62,7 @@ TARGETS = (
 
 
 @dataclass(frozen=True)
-class ThroughputParams:
+class ThroughputParams(ParamSet):
     """The controls of one measurement. Defaults: a CPU smoke run of a few seconds."""
 
     model: str = "smoke"  # a preset of cflib.config.PRESETS
@@ -85,10 +85,6 @@ class ThroughputParams:
     seed: int = 0
     device: str = "auto"
     out_dir: str | None = None  # None: a new outputs/runs/<time>-throughput folder
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return [field.name for field in dataclasses.fields(cls)]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "ThroughputParams":

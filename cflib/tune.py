@@ -26,7 +26,6 @@ below. The answer is always a microbatch that a probe verified.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -51,7 +50,7 @@ from .atomic import atomic_directory
 from .config import ConfigError, ModelConfig, preset
 from .data import Example, write_partition
 from .memory import PeakMemory, free_device_memory, measure_name
-from .params import (DEVICES, ParamError, TrainParams, _coerce, _is_user_variable, gradient_accumulation,
+from .params import (DEVICES, ParamError, ParamSet, TrainParams, _coerce, _is_user_variable, gradient_accumulation,
                      reject_unknown, with_kernel_choice)
 from .paths import resolve_path
 from .records import device_info, framework_versions
@@ -68,7 +67,7 @@ DDP_BUCKET_BYTES_PER_PARAM = 4
 
 
 @dataclass(frozen=True)
-class TuneParams:
+class TuneParams(ParamSet):
     """The controls of one tuning run; the notebook's parameters cell."""
 
     model: str = "smoke"  # a preset of cflib.config.PRESETS; ignored when init_checkpoint is set
@@ -91,10 +90,6 @@ class TuneParams:
     max_micro_batch: int = 256  # the search never probes beyond this
     probe_steps: int = 2  # measured steps per probe, after one warm-up step
     exhaustive_sweep: bool = False  # also probe 1, 2, 3, ... up to the first that does not fit
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TuneParams":
