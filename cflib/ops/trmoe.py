@@ -8,8 +8,9 @@ Triton kernel, `silu(gate) * up * scale`, whose per-token column scale is the
 shared output scale on shared columns and routed_output_scale x route weight
 on each expert's columns (zero on experts the token is not routed to), read
 by the kernel from the token ids and the route table. The output scales fold
-into that kernel exactly, by linearity of the down projection. The gather/grouped-GEMM/scatter design lost to this one on the
-H200 at the 200M shapes (benchmarks/trmoe_designs.py, README).
+into that kernel exactly, by linearity of the down projection. The
+gather/grouped-GEMM/scatter design lost to this one on the H200 at the 200M
+shapes (benchmarks/trmoe_designs.py, README).
 """
 from __future__ import annotations
 
