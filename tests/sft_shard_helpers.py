@@ -1,4 +1,4 @@
-"""Small shared helpers for test_data.py and test_evaluate.py (not a conftest)."""
+"""Small shared helpers for the tests that write shards (not a conftest)."""
 from __future__ import annotations
 
 import json

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from cflib.checkpoint import CheckpointError, load_checkpoint
-from cflib.data import write_partition
 from cflib.params import ParamError
 from cflib.records import read_metrics
 from cflib.tasks import generate
-from cflib.tokenizer import ByteTokenizer
+from sft_shard_helpers import write_shard
 from cflib.train import train
 
 try:
@@ -31,13 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shard")
     train_examples, eval_examples = generate(seed=2)
-    tokenizer = ByteTokenizer()
-    for name, examples in (("train", train_examples[:40]), ("eval", eval_examples[:8])):
-        write_partition(root / name, examples, vocab_size=tokenizer.vocab_size,
-                        eos_token_id=tokenizer.eos_token_id, max_seq_len=64)
-    return root
+    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:40], eval_examples[:8], max_seq_len=64)
 
 
 def params(shard: Path, out_dir: Path, **overrides) -> dict:
@@ -110,7 +104,7 @@ def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path
     ddp = train(params(shard, tmp_path / "ddp", nproc_per_node=2, epochs=4, strategy="ddp", resume=str(kept)),
                 progress=False)
     assert ddp["strategy"] == "ddp" and ddp["model_source"].startswith("resumed from")
-    single = train(params(shard, tmp_path / "single", epochs=4), progress=False)
+    train(params(shard, tmp_path / "single", epochs=4), progress=False)
     weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
     assert_same_weights(weights(tmp_path / "single"), weights(out_dir), atol=1e-5)
     assert_same_weights(weights(tmp_path / "single"), weights(tmp_path / "ddp"), atol=1e-5)

@@ -15,6 +15,7 @@ from cflib.params import ParamError, TrainParams
 from cflib.records import read_metrics
 from cflib.tasks import generate
 from cflib.tokenizer import ByteTokenizer
+from sft_shard_helpers import write_shard
 from cflib.train import lr_factor, prepare, train
 
 FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 3e-3,
@@ -24,13 +25,9 @@ FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batc
 @pytest.fixture(scope="module")
 def small_shard(tmp_path_factory) -> Path:
     """40 train / 24 eval embedded-style examples: epochs end within a few steps."""
-    root = tmp_path_factory.mktemp("shard")
     train_examples, eval_examples = generate(seed=1)
-    tokenizer = ByteTokenizer()
-    for name, examples in (("train", train_examples[:40]), ("eval", eval_examples[:12] + eval_examples[-12:])):
-        write_partition(root / name, examples, vocab_size=tokenizer.vocab_size,
-                        eos_token_id=tokenizer.eos_token_id, max_seq_len=64)
-    return root
+    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:40], eval_examples[:12] + eval_examples[-12:],
+                       max_seq_len=64)
 
 
 def run(tmp_path: Path, shard: Path, name: str = "run", **overrides) -> dict:

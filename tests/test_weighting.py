@@ -7,11 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cflib.data import write_partition
 from cflib.params import ParamError, TrainParams, load_params_file
 from cflib.records import read_metrics
 from cflib.tasks import generate
-from cflib.tokenizer import ByteTokenizer
+from sft_shard_helpers import write_shard
 from cflib.train import train
 from cflib.weighting import audit_table, derive_loss_weights, parse_loss_groups
 
@@ -107,13 +106,8 @@ FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batc
 @pytest.fixture(scope="module")
 def shard48(tmp_path_factory) -> Path:
     """48 train examples: three whole global batches of 16, so an epoch has no fill-in."""
-    root = tmp_path_factory.mktemp("weighted")
     train_examples, eval_examples = generate(seed=2)
-    tokenizer = ByteTokenizer()
-    for name, examples in (("train", train_examples[:48]), ("eval", eval_examples[:8])):
-        write_partition(root / name, examples, vocab_size=tokenizer.vocab_size,
-                        eos_token_id=tokenizer.eos_token_id, max_seq_len=64)
-    return root
+    return write_shard(tmp_path_factory.mktemp("weighted"), train_examples[:48], eval_examples[:8], max_seq_len=64)
 
 
 GROUPS = {"arithmetic": {"target_share": 0.3, "tasks": ["addition x carry", "addition x no-carry"],
