@@ -124,11 +124,13 @@ def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(t
     assert (out_dir / "loss_weighting.json").is_file() and (out_dir / "loss_weighting.png").is_file()
 
 
-def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path):
+@pytest.mark.parametrize("notebook, misspelt", [("train_sft.ipynb", {"lrr": 0.1}),
+                                                ("tune_microbatch.ipynb", {"budget": 40})])
+def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, notebook, misspelt):
     out_dir = tmp_path / "run"
-    with pytest.raises(papermill.PapermillExecutionError, match="unknown parameter 'lrr'"):
-        papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "executed.ipynb"),
-                                   parameters={"lrr": 0.1, "out_dir": str(out_dir)},
+    with pytest.raises(papermill.PapermillExecutionError, match=f"unknown parameter '{next(iter(misspelt))}'"):
+        papermill.execute_notebook(str(ROOT / "notebooks" / notebook), str(tmp_path / "executed.ipynb"),
+                                   parameters={**misspelt, "out_dir": str(out_dir)},
                                    cwd=str(ROOT / "notebooks"), progress_bar=False)
     assert not out_dir.exists()
 
