@@ -36,7 +36,7 @@ lab: setup
 
 # Before committing a notebook saved in JupyterLab: outputs out (nbval's references stay), kernel name back to python3.
 strip: setup
-	$(PY) -m cflib.nbclean notebooks/*.ipynb
+	$(PY) -m cflib.lab.nbclean notebooks/*.ipynb
 
 # The README's screenshots: the browser test's full-length shot of each notebook after its smoke run.
 screenshots: setup

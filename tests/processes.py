@@ -12,7 +12,7 @@ def worker_pids(out_dir: Path) -> dict[int, int]:
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes().decode().split("\0")
-            if "cflib.launch" not in cmdline or not cmdline[-2].endswith(".json"):
+            if "cflib.train" not in cmdline or not cmdline[-2].endswith(".json"):
                 continue
             if json.loads(Path(cmdline[-2]).read_text())["out_dir"] != str(out_dir):
                 continue

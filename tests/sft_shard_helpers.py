@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cflib.data import IGNORE_INDEX, Example, write_partition
-from cflib.tokenizer import ByteTokenizer
+from cflib.data.shards import IGNORE_INDEX, Example, write_partition
+from cflib.data.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 VOCAB = TOKENIZER.vocab_size  # 260

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from cflib.config import ModelConfig
-from cflib.model import TRMoEModel
+from cflib.model.config import ModelConfig
+from cflib.model.decoder import TRMoEModel
 
 TINY_FIELDS: dict[str, object] = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

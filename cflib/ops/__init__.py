@@ -1,7 +1,10 @@
-"""Triton kernels, apart from the modules that use them (cflib.kernels dispatches).
+"""ops: the kernels and what chooses them.
 
-Each op has a PyTorch reference in cflib.model / cflib.loss and a test comparing
-forward and backward against it (tests/test_ops.py). Importing this package
-under TRITON_INTERPRET=1 makes Liger's kernels runnable by Triton's interpreter.
+Owns the Triton kernels (cflib's own and Liger's through `liger`), the PyTorch
+reference each one is tested against (`loss` for the chunked cross-entropy;
+the model's modules for the rest), the attention backends, and `dispatch`,
+which decides what may run on this machine. Imports nothing else of cflib but
+`cflib.errors`. Importing it under TRITON_INTERPRET=1 makes Liger's kernels
+runnable by Triton's interpreter.
 """
-from . import interpreter  # noqa: F401  (side effect only under TRITON_INTERPRET=1)
+from cflib.ops import interpreter  # noqa: F401  (side effect only under TRITON_INTERPRET=1)

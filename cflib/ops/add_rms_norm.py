@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .interpreter import INTERPRETING
+from cflib.ops.interpreter import INTERPRETING
 
 
 @triton.jit

@@ -1,10 +1,11 @@
 """Liger-Kernel's functional ops, as cflib uses them (through their autograd functions, no patching of models)."""
 from __future__ import annotations
 
-from . import interpreter  # noqa: F401  (before Liger's kernels first run under TRITON_INTERPRET=1)
 from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction  # noqa: E402
 from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # noqa: E402
 from liger_kernel.ops.rope import LigerRopeFunction  # noqa: E402
 from liger_kernel.ops.swiglu import LigerSiLUMulFunction  # noqa: E402
+
+from cflib.ops import interpreter  # noqa: F401  (before Liger's kernels first run under TRITON_INTERPRET=1)
 
 __all__ = ["LigerFusedLinearCrossEntropyFunction", "LigerRMSNormFunction", "LigerRopeFunction", "LigerSiLUMulFunction"]

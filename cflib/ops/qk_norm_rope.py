@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreter  # noqa: F401
+from cflib.ops import interpreter  # noqa: F401
 
 BLOCK_ROWS = 64
 

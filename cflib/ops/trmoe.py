@@ -10,7 +10,7 @@ on each expert's columns (zero on experts the token is not routed to), read
 by the kernel from the token ids and the route table. The output scales fold
 into that kernel exactly, by linearity of the down projection. The
 gather/grouped-GEMM/scatter design lost to this one on the H200 at the 200M
-shapes (benchmarks/trmoe_designs.py, README).
+shapes (cflib/bench/trmoe_designs.py, README).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .interpreter import INTERPRETING
+from cflib.ops.interpreter import INTERPRETING
 
 # Tried on the device at first use per width (do_bench inside triton.autotune); one config in the interpreter.
 _CONFIGS = [triton.Config({"BLOCK_R": 32, "BLOCK_C": 128}, num_warps=4)] if INTERPRETING else [

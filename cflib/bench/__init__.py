@@ -1,0 +1,17 @@
+"""bench: measuring the project against itself, its peers and the device.
+
+Owns steady-state throughput side by side with the peer stack (`throughput`,
+`peer`, `timing`, `synthetic`, `comparison`), the micro-batch tuner (`tune`,
+`search`, `memory`), kernel validation against float64 truth (`validate`,
+`components`), the TR-MoE design benchmark, and the tables and plots of their
+records (`python -m cflib.bench perf-table RECORD`). Imports train, model,
+data, ops and the foundation modules; never lab.
+"""
+from cflib.bench.plots import plot_error_heatmap, plot_microbatch_memory, plot_throughput
+from cflib.bench.tables import perf_table, tuning_summary
+from cflib.bench.throughput import ThroughputParams, measure
+from cflib.bench.tune import TuneParams, prepare_tuning, tune
+from cflib.bench.validate import check, error_table, run_job
+
+__all__ = ["ThroughputParams", "TuneParams", "check", "error_table", "measure", "perf_table", "plot_error_heatmap",
+           "plot_microbatch_memory", "plot_throughput", "prepare_tuning", "run_job", "tune", "tuning_summary"]

@@ -1,0 +1,237 @@
+"""The kernel components validate_kernels checks: for each, random inputs at a shape, the float64 truth and the fast path."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cflib.data.shards import IGNORE_INDEX
+from cflib.model.config import ModelConfig, preset
+from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
+from cflib.ops.dispatch import KernelPlan, SFTLoss
+
+# bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3 (METHOD.md).
+TOLERANCES = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    config: ModelConfig
+    batch: int
+    seq_len: int
+
+
+def shapes_for(device: torch.device) -> list[Shape]:
+    """Tiny shapes everywhere (the interpreter on CPU is slow); the 200M shapes on a GPU."""
+    tiny = ModelConfig(**{**preset("smoke").to_dict(), "vocab_size": 300, "hidden_size": 64,
+                          "shared_intermediate_size": 96, "intermediate_size": 32})
+    found = [Shape("tiny", tiny, batch=2, seq_len=12)]
+    if device.type == "cuda":
+        found.append(Shape("200m", preset("tr_hash_200m"), batch=2, seq_len=2048))
+    return found
+
+
+@dataclass
+class Component:
+    name: str
+    backend: str  # what the fast path is; checked against what the modules report
+    inputs: Callable[[Shape, torch.Generator, torch.device], dict[str, torch.Tensor]]
+    params: tuple[str, ...]  # inputs that are weights: fp32 masters under autocast
+    reference: Callable[[dict], torch.Tensor]
+    fast: Callable[[dict], tuple[torch.Tensor, str]]  # output, backend read back
+    bf16_arithmetic: bool = False  # the kernel multiplies bf16 values (not fp32 then a bf16 store)
+
+
+def _randn(shape, generator, device, scale=1.0, shift=0.0):
+    return torch.randn(shape, generator=generator, device=device) * scale + shift
+
+
+def _rms_inputs(shape, gen, device):
+    return {"x": _randn((shape.batch * shape.seq_len, shape.config.hidden_size), gen, device),
+            "weight": _randn((shape.config.hidden_size,), gen, device, 0.1, 1.0)}
+
+
+def _rms_module(inputs: dict, backend: str) -> RMSNorm:
+    norm = RMSNorm(inputs["weight"].shape[0], 1e-6).to(inputs["weight"].device)  # the preset's norm_eps
+    norm.weight = inputs["weight"]
+    norm.backend = backend
+    return norm
+
+
+def _rms_fast(inputs):
+    norm = _rms_module(inputs, "liger")
+    return norm(inputs["x"]), norm.last_backend
+
+
+def _add_norm_inputs(shape, gen, device):
+    return {"h": _randn((shape.batch * shape.seq_len, shape.config.hidden_size), gen, device),
+            "delta": _randn((shape.batch * shape.seq_len, shape.config.hidden_size), gen, device),
+            "weight": _randn((shape.config.hidden_size,), gen, device, 0.1, 1.0)}
+
+
+def _add_norm_reference(inputs):
+    total = inputs["h"] + inputs["delta"]
+    return torch.cat([total.flatten(), _rms_module(inputs, "torch")(total).flatten().to(total.dtype)])
+
+
+def _add_norm_fast(inputs):
+    norm = _rms_module(inputs, "cflib_add_rmsnorm")
+    total, normed = norm.add_norm(inputs["h"], inputs["delta"])
+    return torch.cat([total.flatten(), normed.flatten().to(total.dtype)]), norm.last_backend
+
+
+def _rope_inputs(shape, gen, device):
+    c = shape.config
+    return {"q": _randn((shape.batch, shape.seq_len, c.num_attention_heads, c.head_dim), gen, device),
+            "k": _randn((shape.batch, shape.seq_len, c.num_key_value_heads, c.head_dim), gen, device)}
+
+
+def _cos_sin(inputs):
+    q = inputs["q"]
+    return rope_cos_sin(rope_inv_freq(q.shape[-1], 10000.0), q.shape[1], q.device)
+
+
+def _rope_reference(inputs):
+    cos, sin = _cos_sin(inputs)
+    if inputs["q"].dtype == torch.float64:
+        cos, sin = cos.double(), sin.double()
+    return torch.cat([apply_rope(inputs["q"], cos, sin).flatten(), apply_rope(inputs["k"], cos, sin).flatten()])
+
+
+def _rope_fast(inputs):
+    from cflib.ops.liger import LigerRopeFunction
+    cos, sin = _cos_sin(inputs)
+    q, k = LigerRopeFunction.apply(inputs["q"].transpose(1, 2), inputs["k"].transpose(1, 2), cos, sin)
+    return torch.cat([q.transpose(1, 2).flatten(), k.transpose(1, 2).flatten()]), "liger"
+
+
+def _qk_inputs(shape, gen, device):
+    c = shape.config
+    width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    return {"qkv": _randn((shape.batch * shape.seq_len, width), gen, device),
+            "q_weight": _randn((c.head_dim,), gen, device, 0.1, 1.0),
+            "k_weight": _randn((c.head_dim,), gen, device, 0.1, 1.0), "shape": shape}
+
+
+def _qk_reference(inputs):
+    shape, qkv = inputs["shape"], inputs["qkv"]
+    c = shape.config
+    q, k, v = qkv.view(shape.batch, shape.seq_len, -1, c.head_dim).split(
+        [c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads], dim=2)
+    cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, qkv.device)
+    if qkv.dtype == torch.float64:
+        cos, sin = cos.double(), sin.double()
+    q = apply_rope(_rms_module({"weight": inputs["q_weight"]}, "torch")(q), cos, sin)
+    k = apply_rope(_rms_module({"weight": inputs["k_weight"]}, "torch")(k), cos, sin)
+    return torch.cat([q.flatten(), k.flatten(), v.flatten()])
+
+
+def _qk_fast(inputs):
+    from cflib.ops.qk_norm_rope import qkv_norm_rope
+    shape, c = inputs["shape"], inputs["shape"].config
+    cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, inputs["qkv"].device)
+    q, k, v = qkv_norm_rope(inputs["qkv"], inputs["q_weight"], inputs["k_weight"], cos, sin, shape.batch,
+                            shape.seq_len, c.num_attention_heads, c.num_key_value_heads, 1e-6)
+    return torch.cat([q.flatten(), k.flatten(), v.flatten()]), "cflib_qk_norm_rope"
+
+
+def _swiglu_inputs(shape, gen, device):
+    width = shape.config.shared_intermediate_size
+    return {"gate": _randn((shape.batch * shape.seq_len, width), gen, device),
+            "up": _randn((shape.batch * shape.seq_len, width), gen, device)}
+
+
+def _swiglu_fast(inputs):
+    from cflib.ops.liger import LigerSiLUMulFunction
+    return LigerSiLUMulFunction.apply(inputs["gate"], inputs["up"]), "liger"
+
+
+ENGINE_WEIGHTS = ("shared_gate.weight", "shared_up.weight", "shared_down.weight",
+                  "expert_gate", "expert_up", "expert_down")
+
+
+def _moe_inputs(shape, gen, device):
+    c = shape.config
+    engine = TRMoEEngine(c).to(device)
+    tokens = shape.batch * shape.seq_len
+    found = {"x": _randn((tokens, c.hidden_size), gen, device)}
+    for name, param in engine.named_parameters():
+        found[name] = _randn(param.shape, gen, device, 0.02 * 2)
+    found["token_ids"] = torch.randint(0, c.vocab_size, (tokens,), generator=gen, device=device)
+    found["route_table"] = engine.route_table
+    found["config"] = c
+    return found
+
+
+def _engine(inputs: dict, backend: str) -> TRMoEEngine:
+    engine = TRMoEEngine(inputs["config"], build_routes=False).to(inputs["x"].device)
+    for name in ENGINE_WEIGHTS:
+        module_name, _, attr = name.rpartition(".")
+        owner = engine.get_submodule(module_name) if module_name else engine
+        setattr(owner, attr, inputs[name])
+    engine.route_table.copy_(inputs["route_table"])
+    engine.backend = backend
+    return engine
+
+
+def _moe_reference(inputs):
+    return _engine(inputs, "torch_dense")(inputs["x"], inputs["token_ids"])
+
+
+def _moe_fast(inputs):
+    engine = _engine(inputs, "triton_fused")
+    return engine(inputs["x"], inputs["token_ids"]), engine.last_backend
+
+
+def _loss_inputs(shape, gen, device, weighted: bool):
+    c = shape.config
+    tokens = shape.batch * shape.seq_len
+    labels = torch.randint(0, c.vocab_size, (tokens,), generator=gen, device=device)
+    labels[torch.rand(tokens, generator=gen, device=device) < 1 / 3] = IGNORE_INDEX
+    found = {"hidden": _randn((tokens, c.hidden_size), gen, device),
+             "head_weight": _randn((c.vocab_size, c.hidden_size), gen, device, 0.02 * 2),
+             "labels": labels}
+    if weighted:
+        found["token_weights"] = torch.rand(tokens, generator=gen, device=device) * 3
+    return found
+
+
+def _loss_reference(inputs):
+    # Full logits, no chunking: independent of every chunked path.
+    logits = inputs["hidden"] @ inputs["head_weight"].t()
+    losses = F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, inputs["labels"],
+                             ignore_index=IGNORE_INDEX, reduction="none")
+    weights = inputs.get("token_weights")
+    return (losses * weights if weights is not None else losses).sum()
+
+
+def _loss_fast(plan: KernelPlan):
+    def run(inputs):
+        loss = SFTLoss(plan)
+        out, _ = loss(inputs["hidden"], inputs["head_weight"], inputs["labels"], 1024, False,
+                      token_weights=inputs.get("token_weights"))
+        return out, loss.last_backend
+    return run
+
+
+COMPONENTS = [
+    Component("rmsnorm", "liger", _rms_inputs, ("weight",), lambda i: _rms_module(i, "torch")(i["x"]), _rms_fast),
+    # h is the fp32 residual stream in every run, like a weight: listed with them.
+    Component("add_rmsnorm", "cflib_add_rmsnorm", _add_norm_inputs, ("h", "weight"), _add_norm_reference,
+              _add_norm_fast),
+    Component("qk_norm_rope", "cflib_qk_norm_rope", _qk_inputs, ("q_weight", "k_weight"), _qk_reference, _qk_fast),
+    Component("rope", "liger", _rope_inputs, (), _rope_reference, _rope_fast),
+    Component("swiglu", "liger", _swiglu_inputs, (), lambda i: F.silu(i["gate"]) * i["up"], _swiglu_fast,
+              bf16_arithmetic=True),
+    Component("trmoe", "triton_fused", _moe_inputs, ENGINE_WEIGHTS, _moe_reference, _moe_fast),
+    Component("loss", "liger_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False), ("head_weight",),
+              _loss_reference, _loss_fast(KernelPlan(liger=True, custom=False))),
+    Component("weighted_loss", "cflib_triton_fused_linear_ce_weighted", lambda s, g, d: _loss_inputs(s, g, d, True),
+              ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=False, custom=True))),
+]

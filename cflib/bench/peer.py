@@ -1,0 +1,150 @@
+"""The peer stack a user would otherwise pick: a Hugging Face transformers Llama of equal active width.
+
+The peer is trained exactly as `cflib.train.Trainer` trains the project's model:
+the same shard rows collated the same way, BF16 autocast, the loss summed over
+supervised tokens and divided by their count, gradient clipping, the same fused
+AdamW and schedule. Its loss is its own (full logits, or Liger's fused linear
+cross-entropy). `transformers` and `liger-kernel` are optional (`pip install
+-e ".[bench]"`); a peer that cannot run here raises `PathUnavailable`.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from cflib.data.shards import IGNORE_INDEX, ShardPartition, collate
+from cflib.model.config import ModelConfig
+from cflib.train.evaluate import autocast
+from cflib.train.optim import lr_factor, make_optimizer
+from cflib.train.params import TrainParams
+from cflib.train.trainer import to_device
+
+
+class PathUnavailable(RuntimeError):
+    """A measured path whose requirements this machine does not meet; the message says which."""
+
+
+def active_ffn_width(config: ModelConfig) -> int:
+    """The SwiGLU width a token passes through: the shared expert plus its top-k routed experts."""
+    return config.shared_intermediate_size + config.num_experts_per_tok * config.expert_width
+
+
+def llama_config(config: ModelConfig) -> Any:
+    """A LlamaConfig of the same depth, width, heads, vocabulary and active FFN width; tied, SDPA."""
+    try:
+        from transformers import LlamaConfig
+    except ImportError as err:
+        raise PathUnavailable(f"transformers is not installed ({err}); pip install -e '.[bench]'") from None
+    return LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=active_ffn_width(config),
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, tie_word_embeddings=True,
+        attn_implementation="sdpa", use_cache=False)
+
+
+def check_liger(device: torch.device) -> None:
+    """Liger's kernels run here, or PathUnavailable says why (before any model is built)."""
+    if device.type != "cuda":
+        raise PathUnavailable(f"Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear CE) need a CUDA "
+                              f"device; this run is on {device.type}")
+    try:
+        importlib.import_module("liger_kernel.transformers")
+    except ImportError as err:
+        raise PathUnavailable(f"liger-kernel is not installed ({err}); pip install -e '.[bench]'") from None
+
+
+@contextlib.contextmanager
+def liger_applied(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Liger's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy on `model`, for the block's duration.
+
+    Liger also patches transformers' Llama module globals (RoPE, the norm and MLP
+    classes); they are put back afterwards so later peers in the same process stay plain.
+    """
+    check_liger(device)
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+
+    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    saved = {name: getattr(modeling_llama, name) for name in names}
+    saved_forward = modeling_llama.LlamaForCausalLM.forward
+    try:
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True, model=model)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(modeling_llama, name, value)
+        modeling_llama.LlamaForCausalLM.forward = saved_forward
+
+
+def peer_kernel_path(model: torch.nn.Module) -> dict[str, str]:
+    """What the peer's modules and functions are now, read back (call it while Liger's patches are in place)."""
+    from transformers.models.llama import modeling_llama
+
+    layer = model.model.layers[0]
+    rope = modeling_llama.apply_rotary_pos_emb
+    liger_loss = "liger" in getattr(model.forward, "__func__", model.forward).__module__
+    return {
+        "attention": str(model.config._attn_implementation),
+        "rmsnorm": layer.input_layernorm._get_name(),
+        "rope": f"{rope.__module__}.{rope.__name__}",
+        "swiglu": layer.mlp._get_name(),
+        "loss": "liger_fused_linear_cross_entropy" if liger_loss else "transformers ForCausalLMLoss (full fp32 logits)",
+    }
+
+
+def gradient_checkpointing(model: torch.nn.Module) -> bool:
+    """Read back from the model; transformers 5 renamed the property (4.x has only the old name)."""
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return bool(model.is_activation_checkpointing)
+    return bool(model.is_gradient_checkpointing)
+
+
+class PeerTrainer:
+    """One optimizer step of the peer, as `Trainer.train_step` does it for the project's model."""
+
+    def __init__(self, model: torch.nn.Module, params: TrainParams, device: torch.device, data: ShardPartition,
+                 total_steps: int, compile_backend: str | None = None) -> None:
+        self.model, self.params, self.device, self.data = model, params, device, data
+        self.train_model = torch.compile(model, backend=compile_backend) if compile_backend else model
+        self.optimizer = make_optimizer(model, params, device)
+        warmup = math.ceil(params.warmup_ratio * total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, warmup, total_steps))
+
+    def train_step(self, step_examples: np.ndarray) -> dict:
+        input_ids, labels = collate([self.data[int(i)] for i in step_examples], self.data.eos_token_id)
+        supervised = int((labels != IGNORE_INDEX).sum())
+        input_ids, labels = to_device(input_ids, self.device), to_device(labels, self.device)
+        # A tensor, not an int: torch.compile would specialise (and recompile) on each new count.
+        count = torch.tensor(supervised, device=self.device)
+        with autocast(self.device, self.params.bf16):
+            # Our labels are already causally aligned: shift_labels stops transformers shifting them again.
+            # num_items_in_batch makes the loss a sum over supervised tokens divided by their count.
+            loss = self.train_model(input_ids=input_ids, labels=labels, shift_labels=labels,
+                                    num_items_in_batch=count).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm or math.inf)
+        # As the project's step on a GPU: the update is queued without a host read; one read at the end.
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_value, grad_norm = torch.stack([loss.detach().float(), norm.float()]).tolist()
+        return {"loss": loss_value, "grad_norm": grad_norm, "tokens": labels.numel(), "supervised_tokens": supervised}
+
+
+def build_llama(config: ModelConfig, device: torch.device, seed: int) -> torch.nn.Module:
+    """The peer model in fp32 (autocast runs it in BF16, as the project's), built on the device."""
+    llama = llama_config(config)
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(llama)
+    return model.train()

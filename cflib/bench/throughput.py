@@ -1,0 +1,411 @@
+"""Steady-state training throughput of the project's paths and the peer stack, side by side in one run.
+
+Every path takes real optimizer steps (forward, backward, clipping, fused AdamW)
+on the same fresh random-token batches (DESIGN.md: the first third of each row
+unsupervised), one model at a time, each from a clean device. Warm-up steps
+are excluded; each timed step is bounded by device synchronisation. The bf16
+matmul ceiling is measured in the same run, FLOPs are counted as in DESIGN.md,
+and one full evaluation and one checkpoint save of each project path are timed
+on their own, never inside the steady-state figure. A path whose requirements
+are not met is recorded as skipped with the reason; an out-of-memory or a
+failing step is recorded, and the run goes on.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import time
+import traceback
+import typing
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from cflib import __version__
+from cflib.atomic import write_json_atomic
+from cflib.bench.comparison import _ok, compare
+from cflib.bench.peer import (
+    PeerTrainer,
+    build_llama,
+    check_liger,
+    gradient_checkpointing,
+    liger_applied,
+    peer_kernel_path,
+)
+from cflib.bench.synthetic import write_random_token_shard
+from cflib.bench.timing import (
+    error_line,
+    flops_per_token,
+    matmul_ceiling,
+    peak_memory_gib,
+    profile_steps,
+    release_memory,
+    sync,
+    time_steps,
+)
+from cflib.data.shards import ShardPartition, open_shard
+from cflib.model.config import PRESETS, ModelConfig
+from cflib.paths import resolve_path
+from cflib.train.params import DEVICES, ParamError, ParamSet, TrainParams, _coerce, _is_user_variable, reject_unknown
+from cflib.train.records import _package_version, count_parameters, device_info, framework_versions
+from cflib.train.run import prepare, resolve_device
+from cflib.train.trainer import Trainer
+
+# The project's own paths: the TrainParams that select them. What ran is read back from the model.
+PROJECT_PATHS: dict[str, dict[str, Any]] = {
+    "reference": {"use_custom_kernels": "false", "require_liger": False},
+    "production": {"use_custom_kernels": "true", "require_liger": True},
+}
+# The peers: Liger applied or not, torch.compile or not.
+PEER_PATHS: dict[str, dict[str, bool]] = {
+    "peer_eager": {"liger": False, "compiled": False},
+    "peer_liger": {"liger": True, "compiled": False},
+    "peer_compile": {"liger": False, "compiled": True},
+    "peer_liger_compile": {"liger": True, "compiled": True},
+}
+PATHS = (*PROJECT_PATHS, *PEER_PATHS)
+
+
+@dataclass(frozen=True)
+class ThroughputParams(ParamSet):
+    """The controls of one measurement. Defaults: a CPU smoke run of a few seconds."""
+
+    model: str = "smoke"  # a preset of cflib.model.config.PRESETS
+    seq_len: int = 64
+    micro_batches: tuple[int, ...] = (2, 4)  # every path is measured at each
+    compare_micro_batch: int = 2  # where the ratios are taken; one of micro_batches
+    paths: tuple[str, ...] = PATHS
+    warmup_steps: int = 1  # taken, not timed
+    timed_steps: int = 2
+    bf16: bool = False
+    loss_chunk_tokens: int = 1024
+    fp32_loss: bool = True
+    grad_ckpt: bool = False
+    compile_backend: str = "eager"  # torch.compile backend of the compiled peers; inductor on a GPU
+    ceiling_size: int = 128  # the matmul ceiling multiplies two square matrices of this size (bf16 when bf16)
+    ceiling_repeats: int = 5
+    eval_examples: int = 8  # rows of the held-out partition the timed evaluation reads
+    profile_steps: int = 0  # > 0: that many more steps of each path under torch.profiler, after the timed ones
+    save_optimizer_state: bool = False  # in the timed checkpoint save
+    seed: int = 0
+    device: str = "auto"
+    out_dir: str | None = None  # None: a new outputs/runs/<time>-throughput folder
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "ThroughputParams":
+        reject_unknown(raw, cls.names(), source)
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for name, value in raw.items():
+            if name == "micro_batches":
+                values[name] = tuple(_coerce(name, item, int) for item in _as_list(name, value))
+            elif name == "paths":
+                values[name] = tuple(str(item).strip() for item in _as_list(name, value))
+            else:
+                values[name] = _coerce(name, value, hints[name])
+        params = cls(**values)
+        params.validate()
+        return params
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "ThroughputParams":
+        """The parameters a notebook defined (its parameters and injected-parameters cells)."""
+        return cls.from_dict({name: value for name, value in namespace.items()
+                              if _is_user_variable(name, value if not isinstance(value, (list, tuple)) else None)},
+                             source="notebook parameters")
+
+    def validate(self) -> None:
+        if self.model not in PRESETS:
+            raise ParamError(f"model: unknown preset {self.model!r}; presets: {sorted(PRESETS)}")
+        for name in ("seq_len", "timed_steps", "loss_chunk_tokens", "ceiling_size", "ceiling_repeats",
+                     "eval_examples"):
+            if getattr(self, name) <= 0:
+                raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup_steps", "profile_steps"):
+            if getattr(self, name) < 0:
+                raise ParamError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.seq_len > PRESETS[self.model].max_position_embeddings:
+            raise ParamError(f"seq_len {self.seq_len} exceeds model {self.model}'s max_position_embeddings "
+                             f"{PRESETS[self.model].max_position_embeddings}")
+        if not self.micro_batches or any(m <= 0 for m in self.micro_batches):
+            raise ParamError(f"micro_batches must be one or more positive integers, got {list(self.micro_batches)}")
+        if len(set(self.micro_batches)) != len(self.micro_batches):
+            raise ParamError(f"micro_batches repeats a size: {list(self.micro_batches)}")
+        if self.compare_micro_batch not in self.micro_batches:
+            raise ParamError(f"compare_micro_batch {self.compare_micro_batch} is not one of micro_batches "
+                             f"{list(self.micro_batches)}")
+        bad = [name for name in self.paths if name not in PATHS]
+        if bad or not self.paths:
+            raise ParamError(f"paths: {bad[0]!r} is not a path; choose from {list(PATHS)}" if bad
+                             else f"paths: name at least one of {list(PATHS)}")
+        if len(set(self.paths)) != len(self.paths):
+            raise ParamError(f"paths repeats a name: {list(self.paths)}")
+        if self.device not in DEVICES:
+            raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not self.compile_backend.strip():
+            raise ParamError("compile_backend must name a torch.compile backend, e.g. inductor")
+
+
+def _as_list(name: str, value: Any) -> list:
+    """A YAML list, or papermill's string form of one ("16,32" or "[16, 32]")."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, str):
+        return [item for item in value.strip().strip("[]()").replace(" ", "").split(",") if item]
+    raise ParamError(f"{name} must be a list, got {value!r}")
+
+
+# --- the measured quantities ----------------------------------------------------------
+
+
+# --- the paths ------------------------------------------------------------------------
+
+@dataclass
+class Session:
+    """A path ready to step: its step function, how to read its kernels back, and what the record says of it."""
+
+    step: Callable[[np.ndarray], dict]
+    kernel_path: Callable[[], dict]
+    facts: dict
+    trainer: Trainer | None = None
+
+
+def train_params(params: ThroughputParams, micro: int, steps: int, data_root: Path, out_dir: Path,
+                 kernels: dict[str, Any]) -> TrainParams:
+    """The TrainParams of one measured project run; the peers train with the same optimizer settings."""
+    return TrainParams.from_dict({
+        "model": params.model, "data": str(data_root), "out_dir": str(out_dir), "seed": params.seed,
+        "seq_len": params.seq_len, "micro_batch_per_rank": micro, "global_batch": micro, "max_steps": steps,
+        "lr": 2e-5, "bf16": params.bf16, "loss_chunk_tokens": params.loss_chunk_tokens,
+        "fp32_loss": params.fp32_loss, "grad_ckpt": params.grad_ckpt, "eval_at_start": False,
+        "eval_micro_batch": micro, "exact_match_limit": 0, "save_optimizer_state": params.save_optimizer_state,
+        "device": params.device, **kernels})
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in [module, *module.modules()])
+
+
+def _project_session(name: str, tparams: TrainParams) -> Session:
+    run = prepare(tparams)
+    trainer = Trainer(run, progress=False)
+    model, p = run.model, run.params
+    counts = count_parameters(model)
+    active = model.config.active_parameters()
+    return Session(trainer.train_step, model.kernel_path, trainer=trainer, facts={
+        **counts, "params_active": active,
+        "model_flops_per_token": flops_per_token(active, model.config.num_hidden_layers, model.config.hidden_size,
+                                                 p.seq_len),
+        "requested": PROJECT_PATHS[name],
+        "precision": "bf16-autocast" if p.bf16 else "fp32",
+        "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
+        "loss_chunk_tokens": p.loss_chunk_tokens,
+        "grad_ckpt": bool(model.grad_ckpt),
+        "compiled": _compiled(trainer.train_model),
+        "optimizer": f"AdamW fused={trainer.optimizer.defaults.get('fused')}",
+    })
+
+
+def _peer_session(name: str, tparams: TrainParams, config: ModelConfig, device: torch.device, data: ShardPartition,
+                  steps: int, compile_backend: str, stack: contextlib.ExitStack) -> Session:
+    variant = PEER_PATHS[name]
+    if variant["liger"]:
+        check_liger(device)
+    model = build_llama(config, device, tparams.seed)
+    if variant["liger"]:
+        stack.enter_context(liger_applied(model, device))
+    if variant["compiled"]:
+        stack.callback(torch._dynamo.reset)  # the next path starts without this one's compiled graphs
+    trainer = PeerTrainer(model, tparams, device, data, steps, compile_backend if variant["compiled"] else None)
+    counts = count_parameters(model)
+    llama = model.config
+    return Session(trainer.train_step, lambda: peer_kernel_path(model), facts={
+        **counts, "params_active": counts["params_trainable"],
+        "model_flops_per_token": flops_per_token(counts["params_trainable"], llama.num_hidden_layers,
+                                                 llama.hidden_size, tparams.seq_len),
+        "requested": variant,
+        "precision": "bf16-autocast" if tparams.bf16 else "fp32",
+        "loss_precision": "fp32 inside Liger's fused kernel" if variant["liger"] else "fp32 (logits upcast)",
+        "loss_chunk_tokens": None,
+        "grad_ckpt": gradient_checkpointing(model),
+        "compiled": compile_backend if _compiled(trainer.train_model) else False,
+        "optimizer": f"AdamW fused={trainer.optimizer.defaults.get('fused')}",
+        "peer_config": {key: getattr(llama, key) for key in (
+            "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "tie_word_embeddings")},
+    })
+
+
+def time_evaluation_and_checkpoint(trainer: Trainer, device: torch.device) -> dict:
+    """One full held-out evaluation and one checkpoint save, each timed alone, after the steady-state steps."""
+    trainer.run.out_dir.mkdir(parents=True, exist_ok=True)  # the evaluation appends its line to metrics.jsonl
+    result = trainer.evaluate("timing", epoch=0, with_exact_match=False)
+    sync(device)
+    start = time.perf_counter()
+    trainer.save("timed-save", epoch=0)
+    seconds = time.perf_counter() - start
+    path = Path(trainer.checkpoints["timed-save"])
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    shutil.rmtree(path)  # hundreds of MB at full size; its size and time are what the record keeps
+    return {"eval_s": result["seconds"], "eval_examples": result["examples"],
+            "eval_supervised_tokens": result["supervised_tokens"], "eval_loss": result["loss"],
+            "checkpoint_save_s": seconds, "checkpoint_bytes": size,
+            "checkpoint_with_optimizer_state": trainer.params.save_optimizer_state}
+
+
+def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.device, config: ModelConfig,
+                 data_root: Path, data: ShardPartition, out_dir: Path) -> dict:
+    """One path at one micro-batch, from a clean device; never raises for the path's own failures."""
+    steps = params.warmup_steps + params.timed_steps
+    entry: dict[str, Any] = {"path": name, "micro_batch": micro}
+    release_memory(device)
+    with contextlib.ExitStack() as stack:
+        kernels = PROJECT_PATHS.get(name, PROJECT_PATHS["reference"])
+        tparams = train_params(params, micro, steps, data_root, out_dir / "runs" / f"{name}-mb{micro}", kernels)
+        try:
+            if name in PROJECT_PATHS:
+                session = _project_session(name, tparams)
+            else:
+                session = _peer_session(name, tparams, config, device, data, steps, params.compile_backend, stack)
+        except torch.cuda.OutOfMemoryError as err:
+            return {**entry, "status": "oom", "reason": error_line(err), "peak_memory_gib": peak_memory_gib(device)}
+        except Exception as err:  # the path's requirements: its message is the reason it was skipped
+            return {**entry, "status": "skipped", "reason": error_line(err)}
+        entry.update(session.facts)
+        batches = [np.arange(i * micro, (i + 1) * micro) for i in range(steps)]  # fresh rows every step
+        try:
+            timing = time_steps(session.step, batches, params.warmup_steps, device)
+            entry["peak_memory_gib"] = peak_memory_gib(device)
+            entry["kernel_path"] = session.kernel_path()  # what the forward passes used, read back
+        except torch.cuda.OutOfMemoryError as err:
+            return {**entry, "status": "oom", "reason": error_line(err), "peak_memory_gib": peak_memory_gib(device)}
+        except Exception as err:
+            return {**entry, "status": "failed", "reason": error_line(err),
+                    "traceback_tail": traceback.format_exc(limit=-3)[-2000:]}
+        entry.update(status="ok", **timing)
+        entry["model_tflops_per_s"] = timing["tokens_per_s"] * entry["model_flops_per_token"] / 1e12
+        if params.profile_steps and micro == params.compare_micro_batch:
+            entry["profile"] = _guarded(profile_steps, session.step, batches[:params.profile_steps], device,
+                                        out_dir / "profiles" / f"{name}-mb{micro}.txt")
+        if session.trainer is not None and micro == params.compare_micro_batch:
+            entry["evaluation_and_checkpoint"] = _guarded(time_evaluation_and_checkpoint, session.trainer, device)
+    return entry
+
+
+def _guarded(timing: Callable[..., dict], *args: Any) -> dict:
+    """Profiles and the evaluation and checkpoint timings are apart from the steady state: their failure is theirs."""
+    try:
+        return {"status": "ok", **timing(*args)}
+    except (torch.cuda.OutOfMemoryError, OSError, RuntimeError) as err:
+        return {"status": "failed", "reason": error_line(err)}
+
+
+# --- the comparison -------------------------------------------------------------------
+
+
+# --- the run ----------------------------------------------------------------------------
+
+def _out_dir(params: ThroughputParams) -> Path:
+    if params.out_dir is None:
+        return resolve_path(f"outputs/runs/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}-throughput")
+    out_dir = resolve_path(params.out_dir)
+    if (out_dir / "record.json").exists():
+        raise ParamError(f"out_dir {out_dir} already holds a throughput record; choose another out_dir")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
+    return out_dir
+
+
+def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dict:
+    """Measure every path at every micro-batch; write and return out_dir/record.json."""
+    device = resolve_device(params.device)
+    out_dir = _out_dir(params)
+    config = PRESETS[params.model]
+    steps = params.warmup_steps + params.timed_steps
+    data_root = write_random_token_shard(out_dir / "random_tokens", config.vocab_size, params.seq_len,
+                                         max(params.micro_batches) * steps, params.eval_examples, params.seed)
+    data = open_shard(data_root, "train", vocab_size=config.vocab_size, seq_len=params.seq_len)
+    started = time.perf_counter()
+    release_memory(device)
+    # The ceiling in the precision the paths compute in: bf16 for the real measurement.
+    dtype = torch.bfloat16 if params.bf16 else torch.float32
+    ceiling = matmul_ceiling(device, params.ceiling_size, params.ceiling_repeats, dtype)
+    log(f"{ceiling['dtype']} matmul {params.ceiling_size}^3: {ceiling['tflops_per_s']:.3g} TFLOP/s (the ceiling)")
+    entries = []
+    # A widget in JupyterLab, a text bar under papermill; the lines above it say what each run measured.
+    runs = tqdm([(name, micro) for name in params.paths for micro in params.micro_batches], desc="paths")
+    for name, micro in runs:
+        runs.set_postfix_str(f"{name} mb{micro}")
+        path_started = time.perf_counter()
+        entry = measure_path(name, micro, params, device, config, data_root, data, out_dir)
+        entry["wall_s"] = time.perf_counter() - path_started  # build, compile, every step, any extra timing
+        if entry["status"] == "ok":
+            entry["mfu"] = entry["model_tflops_per_s"] / ceiling["tflops_per_s"]
+            memory = f"{entry['peak_memory_gib']:.1f} GiB" if entry["peak_memory_gib"] is not None else "-"
+            log(f"{name:>18} mb{micro:<3} {entry['tokens_per_s']:>12,.0f} tokens/s  "
+                f"{entry['model_tflops_per_s']:7.3g} TFLOP/s  MFU {entry['mfu']:.1%}  peak {memory}")
+        else:
+            log(f"{name:>18} mb{micro:<3} {entry['status']}: {entry['reason']}")
+        entries.append(entry)
+    release_memory(device)
+    record = {
+        "job": "measure_throughput",
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "out_dir": str(out_dir),
+        # measurement protocol (DESIGN.md)
+        "framework": {"cflib": __version__, **framework_versions(), "transformers": _package_version("transformers")},
+        "device": device_info(device, count=1),
+        "model": params.model,
+        "model_config": config.to_dict(),
+        "vocab_size": config.vocab_size,
+        "seq_len": params.seq_len,
+        "batch_per_rank": list(params.micro_batches),
+        "world_size": 1,
+        "precision": "bf16-autocast" if params.bf16 else "fp32",
+        "grad_ckpt": params.grad_ckpt,
+        "loss_chunk_tokens": params.loss_chunk_tokens,
+        "telemetry": "none inside timed steps: no progress bar, no metrics file; each step ends with host reads "
+                     "of its loss and gradient norm, as a training step does",
+        "compilation": {"project": "read back per path (entry 'compiled')",
+                        "compiled_peers_backend": params.compile_backend},
+        "timing_protocol": {
+            "data": "uniform random token ids (never EOS), rows of seq_len, first third of each row unsupervised; "
+                    "a fresh set of rows every step, the same rows for every path",
+            "step": "forward, backward, gradient clipping, fused AdamW, scheduler, then one host read of the loss and "
+                    "gradient norm; batches copied from pinned memory (every path alike)",
+            "warmup_steps_excluded": params.warmup_steps,
+            "timed_steps": params.timed_steps,
+            "sync_boundaries": "torch.cuda.synchronize before and after each optimizer step, host perf_counter"
+            if device.type == "cuda" else "host perf_counter around each optimizer step (CPU: synchronous)",
+            "includes_eval": False,
+            "includes_checkpoint_io": False,
+            "tokens_counted": "every token fed (micro-batch x seq_len per step)",
+            "clean_state": "one model at a time: the previous path's model and optimizer freed, cache emptied, "
+                           "peak-memory statistics reset, compiled graphs reset",
+            "peak_memory": "torch.cuda.max_memory_allocated over the path's build and steps"
+            if device.type == "cuda" else "not measured on CPU (null)",
+            "flops_per_token": "6 x active parameters (tied head once) + 6 x layers x hidden x seq_len",
+            "mfu": "model TFLOP/s / the bf16 matmul ceiling measured in this run",
+        },
+        "matmul_ceiling": ceiling,
+        "paths": entries,
+        "comparison": compare(entries, params.compare_micro_batch),
+        "wall_s": time.perf_counter() - started,
+        "params": {**dataclasses.asdict(params), "micro_batches": list(params.micro_batches),
+                   "paths": list(params.paths)},
+    }
+    references = {e["micro_batch"]: e.get("kernel_path") for e in _ok(entries, "reference")}
+    same = [e["micro_batch"] for e in _ok(entries, "production") if e.get("kernel_path") == references.get(e["micro_batch"])]
+    if same:
+        record["notes"] = [f"production read back the same kernel path as reference at micro-batch(es) {same}: "
+                           "its ratios compare two runs of the same kernels"]
+    write_json_atomic(out_dir / "record.json", record)
+    return record

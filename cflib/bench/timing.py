@@ -1,0 +1,133 @@
+"""How the benchmarks time and count: device syncs, steady-state steps, the matmul ceiling, FLOPs, profiles."""
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cflib.model.config import ModelConfig
+from cflib.model.decoder import TRMoEEngine
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def flops_per_token(active_params: int, layers: int, hidden: int, seq_len: int) -> int:
+    """DESIGN.md: 6 x active parameters (the tied head once) + 6 x layers x hidden x seq for causal attention."""
+    return 6 * active_params + 6 * layers * hidden * seq_len
+
+
+def matmul_ceiling(device: torch.device, size: int, repeats: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Achievable matmul TFLOP/s on this device, now: the figure model FLOP utilisation is taken against."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    for _ in range(3):  # kernel selection and clocks settle first
+        torch.matmul(a, b, out=out)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.matmul(a, b, out=out)
+    sync(device)
+    seconds = time.perf_counter() - start
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "seconds": seconds,
+            "tflops_per_s": 2 * size**3 * repeats / seconds / 1e12}
+
+
+def release_memory(device: torch.device) -> None:
+    """A clean device for the next path: nothing cached, peak statistics from zero."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # also creates the context: the statistics calls below fail without one
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], warmup_steps: int,
+               device: torch.device) -> dict:
+    """Run every batch through `step`; steady state is the steps after the warm-up ones."""
+    seconds, rows = [], []
+    for batch in batches:
+        sync(device)
+        start = time.perf_counter()
+        rows.append(step(batch))
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+    timed, timed_rows = seconds[warmup_steps:], rows[warmup_steps:]
+    total = sum(timed)
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in timed_rows) / total,
+        "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in timed_rows) / total,
+        "warmup_s": sum(seconds[:warmup_steps]),
+        "step_seconds": timed,
+        "losses": [r["loss"] for r in rows],
+    }
+
+
+def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], device: torch.device,
+                  table_path: Path) -> dict:
+    """Where a path's step time goes: torch.profiler over a few more steps, the table written beside the record."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for batch in batches:
+            step(batch)
+        sync(device)
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = profiler.key_averages()
+    table_path.parent.mkdir(parents=True, exist_ok=True)
+    table_path.write_text(events.table(sort_by=sort_by, row_limit=40) + "\n")
+    top = sorted(events, key=lambda e: getattr(e, sort_by), reverse=True)[:10]
+    return {"steps": len(batches), "table": str(table_path), "sorted_by": sort_by,
+            "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
+
+
+def error_line(err: BaseException) -> str:
+    first = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {first[0] if first else ''}"[:500]
+
+
+def trmoe_bench_inputs(config: ModelConfig, tokens: int, device: torch.device
+                       ) -> tuple[TRMoEEngine, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What TR-MoE layer timings run on: an engine with real weights, its input, token ids, an output gradient."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    engine = TRMoEEngine(config).to(device)
+    with torch.no_grad():  # TRMoEEngine leaves its weights uninitialised; time on real values
+        for param in engine.parameters():
+            param.normal_(0.0, 0.02)
+    x = torch.randn(tokens, config.hidden_size, generator=gen, device=device, requires_grad=True)
+    ids = torch.randint(0, config.vocab_size, (tokens,), generator=gen, device=device)
+    grad = torch.randn(tokens, config.hidden_size, generator=gen, device=device, dtype=torch.bfloat16)
+    return engine, x, ids, grad
+
+
+def time_forward_backward(forward: Callable[[], torch.Tensor], grad: torch.Tensor, rep_ms: int = 300) -> float:
+    """Median ms of forward (under BF16 autocast) plus backward from `grad` (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = forward()
+        out.backward(grad)
+    return do_bench(step, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def time_trmoe(config: ModelConfig, tokens: int, device: torch.device) -> dict[str, float]:
+    """Forward+backward ms of one TR-MoE layer (BF16 autocast), reference vs the fused Triton block."""
+    engine, x, ids, grad = trmoe_bench_inputs(config, tokens, device)
+    found = {}
+    for backend in ("torch_dense", "triton_fused"):
+        engine.backend = backend
+        found[backend] = time_forward_backward(lambda: engine(x, ids), grad)
+    return found

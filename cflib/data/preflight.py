@@ -1,0 +1,71 @@
+"""Preflight: a shard checked against its manifest and the model, once, before any training step.
+
+Always fatal: anything the format forbids (cflib.data: offsets, token ids and
+labels outside the vocabulary, misaligned labels, an example over the cap or
+seq_len, a vocabulary larger than the model's, an EOS outside it) and a file
+whose SHA-256 differs from the one sft.idx.json recorded. Findings that a
+foreign writer may leave (no hashes or cap recorded, a smaller vocabulary
+than the model's, supervised-token counts that disagree with labels.bin,
+examples that do not end with EOS, declared truncations) are warnings, and
+fatal with `require_release_ready`.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from cflib.data.shards import ShardError, ShardPartition, open_shard
+
+HASHED_FILES = ("input_ids.bin", "labels.bin", "examples.jsonl")
+
+
+def manifest_findings(shard: ShardPartition, model_vocab_size: int) -> list[str]:
+    """What in the shard falls short of its manifest or of a release-ready shard."""
+    index, findings = shard.index, []
+    unhashed = [name for name in HASHED_FILES if name not in (index.get("sha256") or {})]
+    if unhashed:
+        findings.append(f"sft.idx.json records no sha256 for {unhashed}: they cannot be verified")
+    if shard.max_seq_len is None:
+        findings.append("sft.idx.json records no sequence cap")
+    if shard.vocab_size != model_vocab_size:
+        findings.append(f"shard vocab_size {shard.vocab_size} differs from the model's {model_vocab_size}")
+    if "supervised_tokens" in index and index["supervised_tokens"] != shard.supervised_tokens():
+        findings.append(f"sft.idx.json says supervised_tokens {index['supervised_tokens']}, labels.bin "
+                        f"supervises {shard.supervised_tokens()}")
+    declared = np.array([row.get("supervised_tokens", -1) for row in shard.rows])
+    disagree = np.flatnonzero((declared >= 0) & (declared != shard.supervised_counts))
+    if disagree.size:
+        findings.append(f"{disagree.size} rows of examples.jsonl miscount supervised_tokens (first: row "
+                        f"{disagree[0]})")
+    last_tokens = shard.input_ids[shard.offsets + shard.lengths - 1]
+    unended = np.flatnonzero(last_tokens != shard.eos_token_id)
+    if unended.size:
+        first = int(unended[0])
+        findings.append(f"{unended.size} examples do not end with EOS {shard.eos_token_id} (first: row {first}, "
+                        f"example_id {shard.rows[first].get('example_id', '?')!r}): truncated or sliced?")
+    truncated = index.get("truncated_examples", (index.get("conversion") or {}).get("stats", {}).get(
+        "truncated_examples", 0))
+    if truncated:
+        findings.append(f"sft.idx.json declares {truncated} truncated examples")
+    return findings
+
+
+def preflight(root: str | Path, partition: str, *, vocab_size: int, seq_len: int,
+              require_release_ready: bool = False) -> tuple[ShardPartition, dict]:
+    """Open and check one partition; returns it and a report for the run record."""
+    shard = open_shard(root, partition, vocab_size=vocab_size, seq_len=seq_len)
+    # After the token checks, so a damaged file is named by what is wrong in it rather than by its hash.
+    verified = shard.check_hashes()
+    findings = manifest_findings(shard, vocab_size)
+    where = shard.directory / "sft.idx.json"
+    if findings and require_release_ready:
+        raise ShardError(f"{where}: not release-ready (require_release_ready: true): " + "; ".join(findings))
+    for finding in findings:
+        warnings.warn(f"{where}: {finding}", stacklevel=2)
+    report = {"partition": partition, "examples": len(shard), "tokens": int(shard.lengths.sum()),
+              "supervised_tokens": shard.supervised_tokens(), "vocab_size": shard.vocab_size,
+              "eos_token_id": shard.eos_token_id, "max_seq_len": shard.max_seq_len, "sha256_verified": verified,
+              "findings": findings, "release_ready": not findings}
+    return shard, report

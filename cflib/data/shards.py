@@ -1,0 +1,306 @@
+"""SFT token shards in the public format (DESIGN.md): write, open, validate, batch.
+
+A shard root holds `train/` and `eval/`; each partition has `input_ids.bin`
+(uint32 LE), `labels.bin` (int32 LE, causally aligned: labels[j] is the target
+of position j, -100 where unsupervised), `examples.jsonl` and `sft.idx.json`.
+Files are memory-mapped; every check runs when a partition is opened, so a bad
+shard fails before any training step, naming the file and the row. Token
+checks run over chunks of rows, so their memory does not grow with the shard;
+a process that another has already checked for (a torchrun worker) opens with
+`check_tokens=False` and only counts the supervised labels.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from cflib.atomic import atomic_directory
+
+SHARD_FORMAT = "complexity-sft-token-shard-v2"
+IGNORE_INDEX = -100
+PARTITIONS = ("train", "eval")
+# Token checks hold ~40 bytes per token of one chunk at a time: ~40 MiB, whatever the shard's size.
+VALIDATION_CHUNK_TOKENS = 1 << 20
+# Writers differ on the name of the sequence cap; the first is what we write.
+_CAP_KEYS = ("max_seq_len", "max_sequence_length", "sequence_length_cap", "seq_len_cap", "max_seq_length")
+
+
+class ShardError(ValueError):
+    """A shard that does not honour the format; the message names file and row."""
+
+
+@dataclass
+class Example:
+    input_ids: Sequence[int]
+    labels: Sequence[int]
+    meta: dict
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_partition(directory: str | Path, examples: Iterable[Example], *, vocab_size: int,
+                    eos_token_id: int, max_seq_len: int, index_extra: dict | None = None) -> Path:
+    """Write one partition atomically: a finished directory appears, or nothing does.
+
+    Streams: `examples` may be a generator of any length; memory does not grow
+    with it. `index_extra` joins sft.idx.json and is read only once the
+    examples are exhausted, so a generator may fill it with what it counted.
+    """
+    directory = Path(directory)
+    with atomic_directory(directory) as staging:
+        offset = count = supervised_total = 0
+        with open(staging / "input_ids.bin", "wb") as ids_out, open(staging / "labels.bin", "wb") as labels_out, \
+                open(staging / "examples.jsonl", "w") as rows_out:
+            for count, example in enumerate(examples, start=1):
+                ids = np.asarray(example.input_ids, dtype="<u4")
+                labels = np.asarray(example.labels, dtype="<i4")
+                if ids.shape != labels.shape:
+                    raise ShardError(f"example {count - 1}: {ids.size} input ids but {labels.size} labels")
+                ids_out.write(ids.tobytes())
+                labels_out.write(labels.tobytes())
+                supervised = int((labels != IGNORE_INDEX).sum())
+                row = {"example_id": example.meta.get("example_id", f"ex-{count - 1:08d}"), "offset": offset,
+                       "num_tokens": int(ids.size), "supervised_tokens": supervised}
+                row.update({k: v for k, v in example.meta.items() if k not in row})
+                rows_out.write(json.dumps(row, sort_keys=True) + "\n")
+                offset += int(ids.size)
+                supervised_total += supervised
+        index_doc = {
+            "format": SHARD_FORMAT, "num_tokens": offset, "examples": count, "supervised_tokens": supervised_total,
+            "eos_token_id": eos_token_id, "vocab_size": vocab_size, "max_seq_len": max_seq_len,
+            **(index_extra or {}),
+            "sha256": {name: sha256_file(staging / name) for name in ("input_ids.bin", "labels.bin", "examples.jsonl")},
+        }
+        (staging / "sft.idx.json").write_text(json.dumps(index_doc, indent=2) + "\n")
+    return directory
+
+
+class ShardPartition(torch.utils.data.Dataset):
+    """One validated, memory-mapped partition; item i is (input_ids, labels) of example i."""
+
+    def __init__(self, directory: str | Path, *, vocab_size: int | None = None, seq_len: int | None = None,
+                 verify_hashes: bool = False, check_tokens: bool = True) -> None:
+        self.directory = Path(directory)
+        index_path = self.directory / "sft.idx.json"
+        if not index_path.is_file():
+            raise ShardError(f"{index_path}: missing (is {self.directory.parent} a shard root with "
+                             f"train/ and eval/ partitions?)")
+        try:
+            self.index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as err:
+            raise ShardError(f"{index_path}: not valid JSON ({err})") from None
+        for key in ("format", "num_tokens", "examples", "eos_token_id", "vocab_size"):
+            if key not in self.index:
+                raise ShardError(f"{index_path}: missing key {key!r}")
+        if self.index["format"] != SHARD_FORMAT:
+            raise ShardError(f"{index_path}: format {self.index['format']!r}, expected {SHARD_FORMAT!r}")
+        self.vocab_size = int(self.index["vocab_size"])
+        self.eos_token_id = int(self.index["eos_token_id"])
+        self.max_seq_len = next((int(self.index[k]) for k in _CAP_KEYS if k in self.index), None)
+        if not 0 <= self.eos_token_id < self.vocab_size:
+            raise ShardError(f"{index_path}: eos_token_id {self.eos_token_id} is not a token id below "
+                             f"vocab_size {self.vocab_size}")
+        if vocab_size is not None and self.vocab_size > vocab_size:
+            raise ShardError(f"{index_path}: shard vocab_size {self.vocab_size} exceeds the model's {vocab_size}")
+        self.rows = self._read_rows()
+        self.input_ids = self._map("input_ids.bin", "<u4")
+        self.labels = self._map("labels.bin", "<i4")
+        if verify_hashes:
+            self.check_hashes()
+        self.offsets = np.array([row["offset"] for row in self.rows], dtype=np.int64)
+        self.lengths = np.array([row["num_tokens"] for row in self.rows], dtype=np.int64)
+        self._validate_rows(seq_len)
+        # The model's vocabulary is at least the shard's (checked above): ids obey the shard's own.
+        # Token checks run once, where the run is prepared; other processes only count labels.
+        self.supervised_counts = np.concatenate([
+            self._validate_tokens(start, stop) if check_tokens else self._count_supervised(start, stop)
+            for start, stop in _row_chunks(self.lengths, VALIDATION_CHUNK_TOKENS)])
+        if (self.supervised_counts == 0).any():
+            self._fail("labels.bin", int(np.flatnonzero(self.supervised_counts == 0)[0]),
+                       "no supervised token (every label is -100); it would train nothing")
+        # Writers may count metadata differently; the loss trusts labels.bin, and says so once.
+        for row, (meta, count) in enumerate(zip(self.rows, self.supervised_counts)):
+            if "supervised_tokens" in meta and meta["supervised_tokens"] != count:
+                warnings.warn(f"{self.directory / 'examples.jsonl'}: row {row} says supervised_tokens "
+                              f"{meta['supervised_tokens']}, labels.bin supervises {count}; using labels.bin",
+                              stacklevel=2)
+                break
+
+    def _read_rows(self) -> list[dict]:
+        path = self.directory / "examples.jsonl"
+        if not path.is_file():
+            raise ShardError(f"{path}: missing")
+        rows = []
+        with open(path) as handle:
+            for line_number, line in enumerate(handle, start=1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ShardError(f"{path}: row {line_number - 1} (line {line_number}) is not JSON ({err})") from None
+                if not isinstance(row, dict):
+                    raise ShardError(f"{path}: row {line_number - 1} (line {line_number}) is not a JSON object")
+                for key in ("offset", "num_tokens"):
+                    if not isinstance(row.get(key), int):
+                        raise ShardError(f"{path}: row {line_number - 1} lacks an integer {key!r}")
+                rows.append(row)
+        if len(rows) != self.index["examples"]:
+            raise ShardError(f"{path}: {len(rows)} rows but sft.idx.json says examples={self.index['examples']}")
+        if not rows:
+            raise ShardError(f"{path}: the partition has no examples")
+        return rows
+
+    def _map(self, name: str, dtype: str) -> np.ndarray:
+        path = self.directory / name
+        if not path.is_file():
+            raise ShardError(f"{path}: missing")
+        expected = int(self.index["num_tokens"]) * 4
+        if path.stat().st_size != expected:
+            raise ShardError(f"{path}: {path.stat().st_size} bytes, but num_tokens={self.index['num_tokens']} "
+                             f"in sft.idx.json needs {expected} (truncated or corrupt)")
+        return np.memmap(path, dtype=dtype, mode="r")
+
+    def check_hashes(self) -> list[str]:
+        """Every file whose SHA-256 sft.idx.json records must match it; returns the names checked."""
+        recorded = self.index.get("sha256") or {}
+        for name, expected in recorded.items():
+            actual = sha256_file(self.directory / name)
+            if actual != expected:
+                raise ShardError(f"{self.directory / name}: sha256 {actual[:12]}... does not match "
+                                 f"sft.idx.json ({expected[:12]}...): the file changed after it was written")
+        return sorted(recorded)
+
+    def _fail(self, file: str, row: int, what: str) -> None:
+        example_id = self.rows[row].get("example_id", "?")
+        raise ShardError(f"{self.directory / file}: row {row} (example_id {example_id!r}): {what}")
+
+    def _validate_rows(self, seq_len: int | None) -> None:
+        """Offsets, lengths and caps of every row, from examples.jsonl alone."""
+        starts, lengths, total = self.offsets, self.lengths, int(self.index["num_tokens"])
+        ends = starts + lengths
+        bad = np.flatnonzero((lengths <= 0) | (starts < 0) | (ends > total))
+        if bad.size:
+            self._fail("examples.jsonl", int(bad[0]), f"offset {starts[bad[0]]} + num_tokens {lengths[bad[0]]} "
+                       f"falls outside the {total} tokens of input_ids.bin")
+        overlap = np.flatnonzero(starts[1:] < ends[:-1])
+        if overlap.size:
+            self._fail("examples.jsonl", int(overlap[0]) + 1, "overlaps the previous example")
+        for cap, source in ((self.max_seq_len, "the shard's sequence cap"), (seq_len, "seq_len")):
+            if cap is not None and (lengths > cap).any():
+                row = int(np.flatnonzero(lengths > cap)[0])
+                self._fail("examples.jsonl", row, f"{lengths[row]} tokens exceed {source} {cap}; "
+                           "examples are never truncated, raise the cap or drop the example")
+
+    def _count_supervised(self, start: int, stop: int) -> np.ndarray:
+        flat = _ranges(self.offsets[start:stop], self.lengths[start:stop])
+        row_of_token = np.repeat(np.arange(stop - start), self.lengths[start:stop])
+        supervised = self.labels[flat] != IGNORE_INDEX
+        return np.bincount(row_of_token, weights=supervised, minlength=stop - start).astype(np.int64)
+
+    def _validate_tokens(self, start: int, stop: int) -> np.ndarray:
+        """Check every token of rows [start, stop); returns the supervised-token count of each row."""
+        starts, lengths = self.offsets[start:stop], self.lengths[start:stop]
+        vocab_size = self.vocab_size
+        # Vectorised over one chunk of rows: memory is bounded by the chunk, not the shard.
+        row_of_token = np.repeat(np.arange(len(starts), dtype=np.int32), lengths)
+        flat = _ranges(starts, lengths)
+        example_ids = self.input_ids[flat]
+        example_labels = self.labels[flat]
+
+        def locate(token: int) -> tuple[int, int]:
+            """(shard row, position within the example) of a token of the chunk's flat arrays."""
+            row = int(row_of_token[token])
+            return start + row, int(flat[token] - starts[row])
+
+        bad = np.flatnonzero(example_ids >= vocab_size)
+        if bad.size:
+            row, pos = locate(bad[0])
+            self._fail("input_ids.bin", row, f"token id {example_ids[bad[0]]} at position {pos} "
+                       f"is out of the vocabulary (vocab_size {vocab_size})")
+        supervised = example_labels != IGNORE_INDEX
+        bad = np.flatnonzero(supervised & ((example_labels < 0) | (example_labels >= vocab_size)))
+        if bad.size:
+            row, pos = locate(bad[0])
+            self._fail("labels.bin", row, f"label {example_labels[bad[0]]} at position {pos} is neither -100 "
+                       f"nor a token id below vocab_size {vocab_size}")
+        # Causal alignment: a supervised label at j must equal the input token at j + 1.
+        is_last = np.zeros(len(flat), dtype=bool)
+        is_last[np.cumsum(lengths) - 1] = True
+        next_ids = np.empty_like(example_ids)
+        next_ids[:-1] = example_ids[1:]
+        misaligned = supervised & ~is_last & (example_labels.astype(np.int64) != next_ids.astype(np.int64))
+        if misaligned.any():
+            first = int(np.flatnonzero(misaligned)[0])
+            row, pos = locate(first)
+            self._fail("labels.bin", row, f"label {example_labels[first]} at position {pos} is not the next "
+                       f"input token {next_ids[first]}: labels are not causally aligned (already shifted)")
+        return np.bincount(row_of_token, weights=supervised, minlength=len(starts)).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, length = int(self.offsets[index]), int(self.lengths[index])
+        ids = torch.from_numpy(self.input_ids[start:start + length].astype(np.int64))
+        labels = torch.from_numpy(self.labels[start:start + length].astype(np.int64))
+        return ids, labels
+
+    def supervised_tokens(self, indices: Sequence[int] | None = None) -> int:
+        counts = self.supervised_counts if indices is None else self.supervised_counts[np.asarray(indices)]
+        return int(counts.sum())
+
+
+def _row_chunks(lengths: np.ndarray, budget: int) -> Iterator[tuple[int, int]]:
+    """Consecutive row ranges of about `budget` tokens each (at least one row)."""
+    ends = np.cumsum(lengths)
+    start = 0
+    while start < len(lengths):
+        base = int(ends[start - 1]) if start else 0
+        stop = max(start + 1, int(np.searchsorted(ends, base + budget, side="right")))
+        yield start, stop
+        start = stop
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated aranges [s, s + n) without a Python loop."""
+    total = int(lengths.sum())
+    step = np.ones(total, dtype=np.int64)
+    boundaries = np.cumsum(lengths)[:-1]
+    step[0] = starts[0]
+    step[boundaries] = starts[1:] - (starts[:-1] + lengths[:-1]) + 1
+    return np.cumsum(step)
+
+
+def open_shard(root: str | Path, partition: str, *, vocab_size: int | None = None, seq_len: int | None = None,
+               verify_hashes: bool = False, check_tokens: bool = True) -> ShardPartition:
+    if partition not in PARTITIONS:
+        raise ShardError(f"unknown partition {partition!r}; a shard root holds {PARTITIONS}")
+    root = Path(root)
+    if not root.is_dir():
+        raise ShardError(f"{root}: no such shard root")
+    return ShardPartition(root / partition, vocab_size=vocab_size, seq_len=seq_len, verify_hashes=verify_hashes,
+                          check_tokens=check_tokens)
+
+
+def collate(batch: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad a list of examples to the longest; pads carry label -100."""
+    longest = max(ids.numel() for ids, _ in batch)
+    input_ids = torch.full((len(batch), longest), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
+    for row, (ids, lab) in enumerate(batch):
+        input_ids[row, :ids.numel()] = ids
+        labels[row, :lab.numel()] = lab
+    return input_ids, labels
+

@@ -1,0 +1,109 @@
+"""Tokenizers: a built-in byte-level one with chat specials, and local Hugging Face `tokenizer.json` files.
+
+Real data brings its own `tokenizer.json` (the `tokenizers` library reads it;
+nothing is downloaded); the byte tokenizer exists so the default job needs no
+file at all: every UTF-8 string encodes, ids are stable.
+
+Both offer the same encodings: `encode` for message content, where text that
+looks like a special token stays plain text (a user cannot forge a turn
+marker); `encode_template` for chat-template text, where special tokens are
+recognised, and its inverse `decode_template`; and `token_id` for one special
+token.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cflib.data.shards import IGNORE_INDEX
+
+
+class ByteTokenizer:
+    eos_token_id = 0  # EOS is id 0, as in the released shard
+    user_token_id = 1
+    assistant_token_id = 2
+    system_token_id = 3
+    num_special = 4
+    vocab_size = num_special + 256
+    special_tokens = {"<|eos|>": 0, "<|user|>": 1, "<|assistant|>": 2, "<|system|>": 3}
+    _special_pattern = re.compile("(" + "|".join(re.escape(token) for token in special_tokens) + ")")
+    description = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return [self.num_special + byte for byte in text.encode("utf-8")]
+
+    def encode_template(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self._special_pattern.split(text):
+            ids.extend([self.special_tokens[piece]] if piece in self.special_tokens else self.encode(piece))
+        return ids
+
+    def token_id(self, token: str) -> int | None:
+        return self.special_tokens.get(token)
+
+    def decode(self, ids: list[int]) -> str:
+        data = bytes(i - self.num_special for i in ids if self.num_special <= i < self.vocab_size)
+        return data.decode("utf-8", errors="replace")
+
+    def decode_template(self, ids: list[int]) -> str:
+        """Text with special tokens written out, the inverse of encode_template."""
+        names = {i: token for token, i in self.special_tokens.items()}
+        pieces, run = [], []
+        for i in ids:
+            if i in names:
+                pieces += [self.decode(run), names[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(pieces) + self.decode(run)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """The tokens a model sees before it answers: user turn, then the assistant marker."""
+        return [self.user_token_id] + self.encode(prompt) + [self.assistant_token_id]
+
+    def encode_chat(self, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+        """One single-turn example with causally aligned labels: answer and EOS supervised."""
+        prompt_ids = self.encode_prompt(prompt)
+        answer_ids = self.encode(answer) + [self.eos_token_id]
+        input_ids = prompt_ids + answer_ids
+        # labels[j] is the target of position j: the next token when it is answer or EOS.
+        labels = [IGNORE_INDEX] * (len(prompt_ids) - 1) + answer_ids + [IGNORE_INDEX]
+        return input_ids, labels
+
+
+class JsonTokenizer:
+    """A local Hugging Face `tokenizer.json`, through the `tokenizers` library."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such tokenizer.json")
+        try:
+            self._template = Tokenizer.from_file(str(self.path))
+            self._content = Tokenizer.from_file(str(self.path))
+        except Exception as err:  # the Rust library raises its own exception type
+            raise ValueError(f"{self.path}: not a readable tokenizer.json ({err})") from None
+        self._content.encode_special_tokens = True
+        self.vocab_size = self._template.get_vocab_size(with_added_tokens=True)
+        self.description = str(self.path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._content.encode(text, add_special_tokens=False).ids
+
+    def encode_template(self, text: str) -> list[int]:
+        return self._template.encode(text, add_special_tokens=False).ids
+
+    def token_id(self, token: str) -> int | None:
+        return self._template.token_to_id(token)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._template.decode(ids, skip_special_tokens=False)
+
+    decode_template = decode  # special tokens are always written out
+
+
+def load_tokenizer(spec: str | Path) -> ByteTokenizer | JsonTokenizer:
+    """"byte" for the built-in tokenizer, or the path of a tokenizer.json."""
+    return ByteTokenizer() if str(spec) == "byte" else JsonTokenizer(spec)

@@ -1,0 +1,145 @@
+"""What a notebook shows of a run: loss curves, the exact-match table, a summary."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from cflib.train.plan import format_arithmetic, run_arithmetic
+from cflib.train.records import read_metrics
+
+
+def _elsewhere(record: dict) -> str | None:
+    """Nodes other than node 0 hold no record: say so instead of failing."""
+    if "eval" in record:
+        return None
+    return (f"node {record.get('node_rank')}: its ranks trained; rank 0 writes the record, metrics and "
+            "checkpoints on node 0")
+
+
+def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None) -> plt.Figure | None:
+    """Training loss per optimizer step and held-out loss at each evaluation."""
+    if not Path(metrics_path).is_file():
+        print(f"no metrics at {metrics_path} (rank 0 writes them, on node 0)")
+        return None
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r["event"] == "train"]
+    evals = [r for r in rows if r["event"] == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8, label="train (per step)")
+    ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out eval")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("SFT loss (nats / supervised token)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
+
+
+def exact_match_table(record: dict) -> str:
+    """Markdown: exact match per task at the start and at the end of the run."""
+    if _elsewhere(record):
+        return _elsewhere(record)
+    start = record["eval"].get("at_start", {}).get("exact_match", {})
+    final = record["eval"]["final"].get("exact_match")
+    if not final:
+        return "_exact match was not computed (exact_match_limit: 0)_"
+    lines = ["| task | at start | final |", "| --- | ---: | ---: |"]
+    for task, rate in final.items():
+        before = f"{start[task]:.3f}" if task in start else "-"
+        lines.append(f"| {task} | {before} | {rate:.3f} |")
+    return "\n".join(lines)
+
+
+def show_exact_match(record: dict) -> None:
+    """The exact-match table, as markdown in JupyterLab and as text under papermill."""
+    from IPython.display import display
+
+    table = exact_match_table(record)
+    display({"text/markdown": table, "text/plain": table}, raw=True)
+
+
+def headline(record: dict) -> str:
+    """One deterministic line for a run (what nbval compares for the default parameters)."""
+    return _elsewhere(record) or (
+        f"{record['params_trainable']:,} trainable parameters, {record['schedule']['steps_done']} steps, "
+        f"grad_accum {record['grad_accum']}, kernel path {record['kernel_path']}")
+
+
+def summary(record: dict) -> str:
+    if _elsewhere(record):
+        return _elsewhere(record)
+    final, start = record["eval"]["final"], record["eval"].get("at_start")
+    throughput = record["throughput"]["steady_state_tokens_per_s"]
+    lines = [
+        f"out_dir            {record['out_dir']}",
+        f"parameters         {record['params_total']:,} total, {record['params_trainable']:,} trainable",
+        f"steps              {record['schedule']['steps_done']} of {record['schedule']['total_steps']}",
+        f"eval loss          {start['loss']:.4f} -> {final['loss']:.4f}" if start
+        else f"eval loss          {final['loss']:.4f}",
+    ]
+    if "exact_match" in final:
+        lines.append(f"exact match        {final['exact_match']['overall']:.3f} overall")
+    if throughput:
+        lines.append(f"steady tokens/s    {throughput:,.0f} on {record['device']['name']} ({record['precision']})")
+    lines.append(f"kernel path        {record['kernel_path']}")
+    return "\n".join(lines)
+
+
+def plan_like_this_run(record: dict, gpus: int = 8, epochs: int = 3) -> str:
+    """The planner's arithmetic for `epochs` passes over this run's data on `gpus` data-parallel
+    ranks, at this run's measured steady throughput per rank."""
+    measured = record.get("throughput", {}).get("steady_state_tokens_per_s")
+    if not measured:
+        return "_no steady-state throughput was measured (no optimizer step ran)_"
+    train_tokens = record["data"]["train_examples"] * record["seq_len"]
+    report = run_arithmetic(target_tokens=train_tokens * epochs, gpus=gpus,
+                            micro_batch_per_rank=record["micro_batch_per_rank"], seq_len=record["seq_len"],
+                            tokens_per_s_per_gpu=measured / record["world_size"], checkpoints=epochs)
+    return format_arithmetic(report)
+
+
+def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) -> plt.Figure:
+    """Per cell: raw token share, target share, and the share actually trained when known."""
+    names = [cell["cell"] for cell in cells]
+    series = [("raw share", "raw_share"), ("target share", "target_share")]
+    if all("trained_share" in cell for cell in cells):
+        series.append(("trained share", "trained_share"))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(series)
+    for offset, (label, key) in enumerate(series):
+        ax.bar([i + offset * width for i in range(len(cells))], [cell[key] for cell in cells], width, label=label)
+    for i, cell in enumerate(cells):
+        ax.annotate(f"x{cell['coefficient']:.2f}", (i + width * (len(series) - 1) / 2, max(
+            cell["raw_share"], cell["target_share"])), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(cells))], names, rotation=15, fontsize=8)
+    ax.set_ylabel("share of the supervised-token loss")
+    ax.set_title("loss weighting: coefficient = target / raw share")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
+
+
+def show_data_plan(run) -> None:
+    """Before training: the shard preflight, the packing plan and the loss-weighting plot
+    (its table is part of run.describe())."""
+    for partition, report in (run.preflight or {}).items():
+        state = "release-ready" if report["release_ready"] else f"{len(report['findings'])} finding(s)"
+        print(f"preflight {partition}: {report['examples']:,} examples, {report['supervised_tokens']:,} supervised "
+              f"tokens, sha256 verified for {len(report['sha256_verified'])} files, {state}")
+        for finding in report["findings"]:
+            print(f"  - {finding}")
+    packing = run.packing_efficiency()
+    print(f"packing: {packing['windows']:,} windows, {packing['real_tokens_per_window']:.1f} real and "
+          f"{packing['supervised_tokens_per_window']:.1f} supervised tokens per {packing['seq_len']}-token window"
+          if packing else "packing: off (one example per row, right-padded)")
+    if run.loss_weights is None:
+        print("loss weighting: off (loss_groups: None), every supervised token weighs 1")
+        return
+    plot_loss_weighting(run.loss_weights.audit())
+    plt.show()

@@ -1,0 +1,13 @@
+"""model: the TR-MoE decoder and its public checkpoint layout.
+
+Owns the configuration (`config`), the deterministic route tables
+(`routing`), the reference decoder with its fast-path switches (`decoder`),
+and reading and writing checkpoints (`checkpoint`). Imports `cflib.ops` and
+the foundation modules only; never data, training or measuring code.
+"""
+from cflib.model.checkpoint import CheckpointError, load_checkpoint, load_config, save_checkpoint
+from cflib.model.config import PRESETS, ConfigError, ModelConfig, preset
+from cflib.model.decoder import TRMoEModel
+
+__all__ = ["PRESETS", "CheckpointError", "ConfigError", "ModelConfig", "TRMoEModel", "load_checkpoint", "load_config",
+           "preset", "save_checkpoint"]

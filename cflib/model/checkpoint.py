@@ -1,0 +1,130 @@
+"""Checkpoints in the public layout: `config.json` + `model.safetensors`.
+
+Weights are copied name by name with shape checks. Optimizer and scheduler
+state, when saved, go beside the weights as tensors and plain data, loaded
+with `weights_only=True`: never pickled code.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from cflib.atomic import atomic_directory
+from cflib.model.config import ModelConfig
+from cflib.model.decoder import TRMoEModel
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TRAINER_STATE_FILE = "trainer_state.pt"
+# Where a run stood (step, epoch, ...): small, so finding the newest checkpoint reads no tensors.
+PROGRESS_FILE = "trainer_progress.json"
+# Buffers published checkpoints may carry that this loader derives itself.
+DERIVED_BUFFERS = re.compile(r"layers\.\d+\.(self_attn\.rotary_emb\.inv_freq|mlp\.engine\.fused_route_codes"
+                             r"|mlp\.engine\.fused_expert_pairs)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the public layout; the message names the tensor."""
+
+
+def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None,
+                    weights: dict[str, torch.Tensor] | None = None, progress: dict[str, Any] | None = None) -> Path:
+    """Write weights (and optionally optimizer/scheduler state and progress) atomically.
+
+    `weights` replaces `model.state_dict()` where the model is sharded and its
+    full weights were gathered beforehand.
+    """
+    weights = model.state_dict() if weights is None else weights
+    with atomic_directory(path) as staging:
+        (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        if trainer_state is not None:
+            torch.save(trainer_state, staging / TRAINER_STATE_FILE)
+        if progress is not None:
+            (staging / PROGRESS_FILE).write_text(json.dumps(progress, indent=2) + "\n")
+    return Path(path)
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_json_file(Path(path) / CONFIG_FILE)
+
+
+def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy tensors by name, checking every name and shape against the model."""
+    expected = model.state_dict()
+    unknown = sorted(name for name in tensors if name not in expected and not DERIVED_BUFFERS.fullmatch(name))
+    if unknown:
+        raise CheckpointError(f"{source}: unexpected tensor {unknown[0]!r}"
+                              + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    missing = sorted(name for name in expected if name not in tensors)
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    with torch.no_grad():
+        for name, target in expected.items():
+            tensor = tensors[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"{source}: tensor {name!r} has shape {list(tensor.shape)}, "
+                                      f"the config needs {list(target.shape)}")
+            if name.endswith("route_table"):
+                if tensor.dtype.is_floating_point:
+                    raise CheckpointError(f"{source}: tensor {name!r} must be integer, got {tensor.dtype}")
+                num_experts = model.config.num_experts
+                if tensor.numel() and (tensor.min() < 0 or tensor.max() >= num_experts):
+                    raise CheckpointError(f"{source}: tensor {name!r} routes to experts outside "
+                                          f"[0, {num_experts})")
+            target.copy_(tensor.to(target.dtype))
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32) -> TRMoEModel:
+    """Build the model from config.json and load its weights; the loaded route tables are kept."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    config = load_config(path)
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing")
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    model = TRMoEModel(config, build_routes=False)
+    load_state_into(model, tensors, str(weights))
+    return model.to(device=device, dtype=dtype)
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """Optimizer/scheduler state saved beside a checkpoint (tensors and plain data only)."""
+    state_file = Path(path) / TRAINER_STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(f"{state_file}: missing; only checkpoints saved with optimizer state "
+                              "(save_every_steps, or save_optimizer_state: true) can be resumed")
+    return torch.load(state_file, map_location="cpu", weights_only=True)
+
+
+def latest_resumable(checkpoints_dir: str | Path) -> Path:
+    """The checkpoint of the furthest step that carries optimizer state."""
+    checkpoints_dir = Path(checkpoints_dir)
+    candidates = []
+    for folder in checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else ():
+        progress = folder / PROGRESS_FILE
+        # Dot-folders are unfinished or retired saves (cflib.atomic): never a resume point.
+        if folder.name.startswith(".") or not (progress.is_file() and (folder / TRAINER_STATE_FILE).is_file()):
+            continue
+        try:
+            candidates.append((int(json.loads(progress.read_text())["step"]), folder.name, folder))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{progress}: unreadable progress file ({err})") from None
+    if not candidates:
+        raise CheckpointError(f"{checkpoints_dir}: no checkpoint with optimizer state to resume from "
+                              "(save_every_steps, or save_optimizer_state: true, makes them)")
+    return max(candidates)[2]

@@ -1,0 +1,185 @@
+"""Model configuration: the config.json contract of a TR-MoE checkpoint, validated."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Keys that published config.json files carry for other loaders (HF adapters);
+# they say nothing about the architecture, so they are accepted and dropped.
+IGNORED_CONFIG_KEYS = frozenset({
+    "architectures", "model_type", "torch_dtype", "transformers_version", "auto_map",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "attention_dropout", "head_dim",
+})
+# Keys this model can honour only at one value: anything else would change the maths.
+FIXED_CONFIG_KEYS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a working TR-MoE model."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int = 896
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    use_qk_norm: bool = True
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    vocab_size: int = 32000
+    max_position_embeddings: int = 2048
+    shared_intermediate_size: int = 3072
+    num_experts: int = 4
+    intermediate_size: int = 256  # total routed width over all experts
+    num_experts_per_tok: int = 2
+    top_k_primary_weight: float = 0.5
+    routing_strategy: str = "token_id_multi_hash"
+    route_hash_count: int = 2
+    shared_output_scale: float = 1.0
+    routed_output_scale: float = 2.0
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def expert_width(self) -> int:
+        return self.intermediate_size // self.num_experts
+
+    def route_weights(self) -> list[float]:
+        """Weight of each route: the primary one, then the rest shared equally."""
+        k = self.num_experts_per_tok
+        if k == 1:
+            return [self.top_k_primary_weight]
+        rest = (1.0 - self.top_k_primary_weight) / (k - 1)
+        return [self.top_k_primary_weight] + [rest] * (k - 1)
+
+    def validate(self) -> None:
+        positive = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "vocab_size", "max_position_embeddings", "shared_intermediate_size",
+                    "num_experts", "intermediate_size", "num_experts_per_tok", "route_hash_count")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("norm_eps", "rope_theta", "top_k_primary_weight", "shared_output_scale", "routed_output_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        for name in ("use_qk_norm", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not divisible by "
+                              f"num_attention_heads {self.num_attention_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim {self.head_dim} (hidden_size / num_attention_heads) must be even for RoPE")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                              f"num_key_value_heads {self.num_key_value_heads} (GQA groups)")
+        if self.intermediate_size % self.num_experts:
+            raise ConfigError(f"intermediate_size {self.intermediate_size} (total routed width) is not "
+                              f"divisible by num_experts {self.num_experts}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                              f"got {self.num_experts_per_tok}")
+        if not 0.0 < self.top_k_primary_weight <= 1.0:
+            raise ConfigError(f"top_k_primary_weight must be in (0, 1], got {self.top_k_primary_weight}")
+        if self.num_experts_per_tok == 1 and self.top_k_primary_weight != 1.0:
+            raise ConfigError("top_k_primary_weight must be 1.0 when num_experts_per_tok is 1 "
+                              f"(got {self.top_k_primary_weight})")
+        if not isinstance(self.routing_strategy, str):
+            raise ConfigError(f"routing_strategy must be a string, got {self.routing_strategy!r}")
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ConfigError("norm_eps and rope_theta must be positive")
+        if not self.tie_word_embeddings:
+            raise ConfigError("tie_word_embeddings must be true: TR-MoE checkpoints have no separate lm_head")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: a config is a JSON object of keys, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key, required in FIXED_CONFIG_KEYS.items():
+            if key in raw and raw[key] != required:
+                raise ConfigError(f"{source}: {key}={raw[key]!r} is not supported by the TR-MoE model "
+                                  f"(only {required!r})")
+        unknown = sorted(set(raw) - known - IGNORED_CONFIG_KEYS - set(FIXED_CONFIG_KEYS))
+        # A near miss of a field name is a typo that would silently fall back to a default.
+        typos = {key: difflib.get_close_matches(key, known, n=1, cutoff=0.85) for key in unknown}
+        typos = {key: match[0] for key, match in typos.items() if match}
+        if typos:
+            hints = ", ".join(f"{key!r} (did you mean {match!r}?)" for key, match in typos.items())
+            raise ConfigError(f"{source}: unknown config keys {sorted(typos)}: {hints}")
+        if unknown:
+            warnings.warn(f"{source}: ignoring config keys this model does not use: {unknown}", stacklevel=2)
+        if "head_dim" in raw and raw["head_dim"] != raw.get("hidden_size", 0) // max(raw.get("num_attention_heads", 1), 1):
+            raise ConfigError(f"{source}: head_dim {raw['head_dim']} != hidden_size / num_attention_heads")
+        try:
+            return cls(**{k: v for k, v in raw.items() if k in known})
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no config.json there") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def num_parameters(self) -> int:
+        """Trainable parameters (route tables are buffers, the head is tied)."""
+        d, hd = self.hidden_size, self.head_dim
+        attn = d * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        qk_norm = 2 * hd if self.use_qk_norm else 0
+        mlp = 3 * d * self.shared_intermediate_size + 3 * d * self.intermediate_size
+        per_layer = attn + qk_norm + mlp + 2 * d
+        return self.vocab_size * d + self.num_hidden_layers * per_layer + d
+
+    def active_parameters(self) -> int:
+        """Parameters each token touches: only top_k of the experts count."""
+        d = self.hidden_size
+        idle = (self.num_experts - self.num_experts_per_tok) * 3 * d * self.expert_width
+        return self.num_parameters() - self.num_hidden_layers * idle
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The released TR-HASH MoE 200M architecture (DESIGN.md).
+    "tr_hash_200m": ModelConfig(),
+    # Small enough to learn the embedded tasks on two CPU cores in minutes.
+    "quickstart": ModelConfig(
+        hidden_size=192, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
+        vocab_size=260, max_position_embeddings=256, shared_intermediate_size=512,
+        num_experts=4, intermediate_size=128,
+    ),
+    # The smallest sensible model, for tests and notebook smoke runs.
+    "smoke": ModelConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=260, max_position_embeddings=256, shared_intermediate_size=128,
+        num_experts=4, intermediate_size=64,
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; presets: {sorted(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,119 @@
+"""SFT loss from hidden states and the tied head, never materialising full logits.
+
+The head GEMM and cross-entropy run over chunks of `loss_chunk_tokens`
+supervised tokens; the gradients of each chunk are computed in the forward
+pass, so at most one chunk of logits is alive at any time (autograd would
+otherwise keep every chunk's logits until backward).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # the shard format's unsupervised label (cflib.data.shards); ops import no data code
+
+
+def _precision(device: torch.device, fp32_loss: bool) -> contextlib.AbstractContextManager:
+    """fp32_loss: the head GEMMs in fp32 even under BF16 autocast, which would otherwise run them in BF16."""
+    return torch.autocast(device.type, enabled=False) if fp32_loss else contextlib.nullcontext()
+
+
+def _operands(h: torch.Tensor, weight: torch.Tensor, fp32_loss: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (h.float(), weight.float()) if fp32_loss else (h, weight)
+
+
+def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor | None,
+               chunk_tokens: int, fp32_loss: bool) -> torch.Tensor:
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with _precision(hidden.device, fp32_loss):
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h, w = _operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
+            losses = F.cross_entropy((h @ w.t()).float(), targets[start:start + chunk_tokens], reduction="none")
+            if token_weights is not None:
+                losses = losses * token_weights[start:start + chunk_tokens]
+            loss_sum += losses.sum()
+    return loss_sum
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                token_weights: torch.Tensor | None, chunk_tokens: int, fp32_loss: bool) -> torch.Tensor:
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with _precision(hidden.device, fp32_loss):
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                h, w = _operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
+                t = targets[start:start + chunk_tokens]
+                logits = (h @ w.t()).float()
+                log_z = torch.logsumexp(logits, dim=-1)
+                losses = log_z - logits.gather(1, t[:, None]).squeeze(1)
+                # d(sum CE)/d logits = softmax - onehot, from the log-partition just computed
+                grad_logits = torch.exp(logits - log_z[:, None])
+                grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                if token_weights is not None:  # d(sum w CE)/d logits = w (softmax - onehot)
+                    w_chunk = token_weights[start:start + chunk_tokens]
+                    losses = losses * w_chunk
+                    grad_logits *= w_chunk[:, None]
+                loss_sum += losses.sum()
+                grad_logits = grad_logits.to(h.dtype)
+                grad_hidden[start:start + chunk_tokens] = grad_logits @ w
+                grad_weight += (grad_logits.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return *saved_gradients(ctx, grad_output), None, None, None, None
+
+
+def saved_gradients(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (hidden, head weight) gradients a fused loss computed in forward, scaled by the incoming gradient."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output
+
+
+def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Hidden states, targets and fp32 weights of the supervised positions only: prompt tokens cost no head FLOPs."""
+    if token_weights is not None and token_weights.shape != labels.shape:
+        raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, labels {tuple(labels.shape)}")
+    labels = labels.reshape(-1)
+    supervised = labels != IGNORE_INDEX
+    weights = token_weights.reshape(-1)[supervised].float() if token_weights is not None else None
+    return hidden.reshape(-1, hidden.shape[-1])[supervised], labels[supervised], weights
+
+
+def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                              loss_chunk_tokens: int = 1024, fp32_loss: bool = True,
+                              token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Sum of (weighted) token cross-entropies over supervised positions, and their count.
+
+    hidden: [..., D] final hidden states; labels: [...] causally aligned
+    targets with -100 where unsupervised; token_weights: None, or float
+    weights of labels' shape (only supervised positions are read), giving
+    sum_i w_i * CE_i. Callers divide by the count, or the weighted mass, of the
+    whole (accumulated) batch, so accumulation gives the exact (weighted) mean.
+    """
+    if loss_chunk_tokens <= 0:
+        raise ValueError(f"loss_chunk_tokens must be positive, got {loss_chunk_tokens}")
+    hidden, targets, token_weights = supervised_rows(hidden, labels, token_weights)
+    count = int(targets.numel())
+    if count == 0:
+        return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0
+    if head_weight.dtype != hidden.dtype:  # autocast leaves the head weight fp32, hidden bf16
+        head_weight = head_weight.to(hidden.dtype)
+    if not torch.is_grad_enabled():  # evaluation: no head gradients to compute or hold
+        return _loss_only(hidden, head_weight, targets, token_weights, loss_chunk_tokens, fp32_loss), count
+    loss = _ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, token_weights, loss_chunk_tokens, fp32_loss)
+    return loss, count
+
+
+def cross_entropy_mean(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                       loss_chunk_tokens: int = 1024, fp32_loss: bool = True) -> torch.Tensor:
+    """Mean cross-entropy over the supervised tokens of one batch."""
+    loss_sum, count = chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss)
+    return loss_sum / max(count, 1)

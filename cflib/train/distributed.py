@@ -1,0 +1,131 @@
+"""Data parallelism: the process group, the wrapping strategy, and each rank's share of a step.
+
+One shuffled stream per epoch (seeded by seed and epoch) is cut into global
+batches; rank r takes the r-th contiguous slice of every global batch and
+splits it into its microbatches. The stream is padded to a whole number of
+global batches with examples from its own start (fill-ins), so every example
+is seen every epoch and every rank runs the same number of steps.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cflib.model.config import ModelConfig
+
+# fp32 weights + fp32 gradients + AdamW's two fp32 moments.
+TRAINING_BYTES_PER_PARAM = 16
+# Activation bytes per token per layer per hidden unit held for backward by this
+# reference path: 36.0 GiB peak for the 200M preset at 16 x 2,048 in BF16 on an
+# H200 (outputs/records/train_sft_200m_1gpu_h200.json) less 3.0 GiB of state
+# gives ~70; fp32 doubles it; checkpointing keeps each layer's input and one layer.
+ACTIVATION_BYTES = {"bf16": 72, "fp32": 144, "grad_ckpt": 8}
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands; the single-process default needs no process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def agree(self, decision: bool) -> bool:
+        """Rank 0's decision, on every rank: branches around collectives must not diverge."""
+        if not self.active:
+            return decision
+        flag = [decision]
+        dist.broadcast_object_list(flag, src=0)
+        return bool(flag[0])
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+
+def init_from_torchrun(device_type: str, timeout_s: int) -> DistContext:
+    """Join the process group torchrun describes in the environment (NCCL on GPUs, gloo on CPU)."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    # A timeout on every collective: a dead or stuck peer ends the job instead of hanging it.
+    device_id = torch.device("cuda", local_rank) if device_type == "cuda" else None
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def epoch_stream(num_examples: int, seed: int, epoch: int, global_batch: int) -> tuple[np.ndarray, int]:
+    """The epoch's shuffled example order padded to whole global batches, and the fill-in count."""
+    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    fill_ins = -num_examples % global_batch
+    if fill_ins:
+        order = np.concatenate([order, np.resize(order, fill_ins)])
+    return order, fill_ins
+
+
+def rank_share(step_examples: np.ndarray, ctx: DistContext) -> np.ndarray:
+    """This rank's contiguous slice of one global batch."""
+    per_rank = len(step_examples) // ctx.world_size
+    return step_examples[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+
+
+def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int, bf16: bool, grad_ckpt: bool,
+                    device_memory_bytes: int) -> dict:
+    """Bytes one rank needs to hold a whole model and its optimizer state (the DDP condition)."""
+    params = config.num_parameters()
+    state = TRAINING_BYTES_PER_PARAM * params
+    per_unit = ACTIVATION_BYTES["grad_ckpt" if grad_ckpt else ("bf16" if bf16 else "fp32")]
+    activations = per_unit * micro_batch_per_rank * seq_len * config.num_hidden_layers * config.hidden_size
+    need = state + activations
+    return {"model_and_optimizer_bytes": state, "activation_bytes": activations, "total_bytes": need,
+            "device_bytes": device_memory_bytes, "fits_one_device": need <= 0.9 * device_memory_bytes,
+            "rule": "16 B/param (fp32 weights, grads, AdamW moments) + activations "
+                    "(72 B per token x layer x hidden in BF16, 144 in fp32, 8 with checkpointing, "
+                    "measured on the reference path); DDP when it fits 90% of one device"}
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_strategy(requested: str, estimate: dict) -> str:
+    if requested != "auto":
+        return requested
+    return "ddp" if estimate["fits_one_device"] else "fsdp"
+
+
+def wrap_model(model: torch.nn.Module, strategy: str, ctx: DistContext, device: torch.device) -> torch.nn.Module:
+    """The module the training step calls: DDP around the model, or the model sharded in place."""
+    if not ctx.active:
+        return model
+    if strategy == "ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        # Buffers (route tables, RoPE frequencies) are identical by construction: no per-step broadcast.
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:  # one all-gather per layer keeps the peak at one layer's weights
+        fully_shard(layer)
+    fully_shard(model)
+    return model

@@ -1,0 +1,111 @@
+"""Held-out evaluation: token-mean SFT loss and greedy exact match.
+
+Each example is evaluated on its own: examples are right-padded into batches,
+and under the causal mask no real token attends to a pad, so batching changes
+nothing but speed.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from cflib.data.shards import IGNORE_INDEX, ShardPartition, collate
+from cflib.model.decoder import TRMoEModel
+from cflib.ops.loss import chunked_cross_entropy_sum
+
+
+def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def eval_loss(model: TRMoEModel, shard: ShardPartition, micro_batch: int, device: str | torch.device,
+              bf16: bool = False, loss_chunk_tokens: int = 1024, fp32_loss: bool = True) -> dict:
+    """Mean cross-entropy over every supervised token of the partition."""
+    device = torch.device(device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    supervised = 0
+    order = np.argsort(shard.lengths, kind="stable")  # similar lengths together: less padding
+    with _eval_mode(model):
+        for start in range(0, len(order), micro_batch):
+            input_ids, labels = collate([shard[int(i)] for i in order[start:start + micro_batch]],
+                                        shard.eos_token_id)
+            with autocast(device, bf16):
+                hidden = model(input_ids.to(device))
+                batch_sum, count = chunked_cross_entropy_sum(hidden, model.head_weight, labels.to(device),
+                                                             loss_chunk_tokens, fp32_loss)
+            loss_sum += batch_sum.double()
+            supervised += count
+    return {"loss": float(loss_sum) / supervised, "supervised_tokens": supervised, "examples": len(order)}
+
+
+def final_turn(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split an example into the prompt before its last supervised span and that span."""
+    supervised = (labels != IGNORE_INDEX).nonzero().flatten()
+    end = int(supervised[-1]) + 1
+    start = end - 1
+    while start > 0 and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    # labels[start] is the target of position start, so the prompt runs through start.
+    return input_ids[:start + 1], labels[start:end]
+
+
+@torch.no_grad()
+def exact_match(model: TRMoEModel, shard: ShardPartition, device: str | torch.device, bf16: bool = False,
+                limit: int | None = None, batch_size: int = 64) -> dict:
+    """Greedy-decode each held-out prompt; a hit reproduces the answer and its EOS exactly.
+
+    Returns the rate per `task` (from examples.jsonl) and `overall`, the rate
+    per `group`, and the first few decoded samples.
+    """
+    device = torch.device(device)
+    count = len(shard) if limit is None else min(limit, len(shard))
+    by_prompt_length: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    for index in range(count):
+        prompt, target = final_turn(*shard[index])
+        by_prompt_length[prompt.numel()].append((index, prompt, target))
+    hits: dict[int, bool] = {}
+    generated: dict[int, list[int]] = {}
+    with _eval_mode(model):
+        for items in by_prompt_length.values():  # equal prompt lengths batch without padding
+            for start in range(0, len(items), batch_size):
+                chunk = items[start:start + batch_size]
+                tokens = torch.stack([prompt for _, prompt, _ in chunk]).to(device)
+                steps = max(target.numel() for _, _, target in chunk)
+                for _ in range(steps):
+                    with autocast(device, bf16):
+                        last = model(tokens)[:, -1]
+                        next_token = (last @ model.head_weight.t().to(last.dtype)).argmax(-1)
+                    tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+                for row, (index, prompt, target) in enumerate(chunk):
+                    answer = tokens[row, prompt.numel():prompt.numel() + target.numel()].cpu()
+                    hits[index] = bool(torch.equal(answer, target))
+                    generated[index] = answer.tolist()
+    per_task: dict[str, list[bool]] = defaultdict(list)
+    per_group: dict[str, list[bool]] = defaultdict(list)
+    for index, hit in hits.items():
+        row = shard.rows[index]
+        per_task[str(row.get("task", "all"))].append(hit)
+        per_group[f"{row.get('task', 'all')}/{row.get('group', 'all')}"].append(hit)
+    rates = {task: float(np.mean(values)) for task, values in sorted(per_task.items())}
+    rates["overall"] = float(np.mean(list(hits.values()))) if hits else 0.0
+    samples = [{"example_id": shard.rows[i].get("example_id"), "task": shard.rows[i].get("task"),
+                "hit": hits[i], "generated_ids": generated[i]} for i in sorted(hits)[:8]]
+    return {"exact_match": rates,
+            "exact_match_by_group": {g: float(np.mean(v)) for g, v in sorted(per_group.items())},
+            "examples": len(hits), "samples": samples}

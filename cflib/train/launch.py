@@ -1,0 +1,141 @@
+"""Run a prepared job: in this process, or on several through torchrun.
+
+The notebook calls `fit(run)`. With one process it trains in place; with
+more it starts `python -m torch.distributed.run ... -m cflib.train PARAMS`,
+streams every rank's output back live (rank 0's progress drives the bar),
+stops the whole job when any rank fails, and returns rank 0's record.
+
+`python -m cflib.train PARAMS.json` (cflib/train/__main__.py) is the worker entry point torchrun runs.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record as record_errors
+from tqdm.auto import tqdm
+
+from cflib.train.distributed import init_from_torchrun
+from cflib.train.params import ParamError, TrainParams
+from cflib.train.run import Run, prepare
+from cflib.train.trainer import Trainer
+
+PROGRESS = re.compile(r"^\[rank 0\] step (\d+)/(\d+) ")
+
+
+class LaunchError(RuntimeError):
+    """A multi-process job that did not finish; the message carries the failing rank's error."""
+
+
+def fit(run: Run, progress: bool = True) -> dict:
+    """Train a prepared run and return its record."""
+    if not run.launches_workers:
+        return Trainer(run, progress=progress).fit()
+    return torchrun(run, progress=progress)
+
+
+def torchrun_command(params: TrainParams, params_file: Path) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={params.nproc_per_node}",
+               "--max-restarts=0", "--monitor-interval=0.5"]
+    if params.nnodes == 1 and not params.rdzv_endpoint:
+        command.append("--standalone")
+    else:
+        command += [f"--nnodes={params.nnodes}", f"--node-rank={params.node_rank}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={params.rdzv_endpoint}"]
+    return command + ["-m", "cflib.train", str(params_file)]
+
+
+def torchrun(run: Run, progress: bool = True) -> dict:
+    """Start torchrun, relay its output line by line, and collect the record rank 0 wrote."""
+    worker_params = replace(run.params, out_dir=str(run.out_dir))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="cflib-params-", delete=False) as handle:
+        json.dump(asdict(worker_params), handle)
+    params_file = Path(handle.name)
+    bar = tqdm(total=run.total_steps, desc=f"train x{run.params.world_size}", unit="step", disable=not progress)
+    tail: deque[str] = deque(maxlen=60)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // run.params.nproc_per_node)))
+    # Its own session: on any exit path the whole process group can be ended, no orphans.
+    process = subprocess.Popen(torchrun_command(run.params, params_file), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+                               preexec_fn=_terminate_with_parent)
+    try:
+        for line in process.stdout:
+            tail.append(line)
+            found = PROGRESS.match(line)
+            if found:
+                bar.n = int(found.group(1))
+                bar.refresh()
+            tqdm.write(line.rstrip("\n"))
+        returncode = process.wait()
+    finally:
+        if process.poll() is None:
+            _stop(process)
+        bar.close()
+        params_file.unlink(missing_ok=True)
+    if returncode != 0:
+        raise LaunchError(f"torchrun exited with code {returncode}; its last lines:\n" + "".join(tail))
+    if run.params.node_rank != 0:  # rank 0 lives on node 0, and so does the record
+        return {"node_rank": run.params.node_rank, "world_size": run.params.world_size}
+    return json.loads((run.out_dir / "record.json").read_text())
+
+
+def _terminate_with_parent() -> None:
+    """In the torchrun child: SIGTERM when the launching process dies (a killed kernel, say),
+    which torchrun answers by stopping its workers. Linux only; elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+@record_errors  # a failing rank's traceback reaches torchrun's summary
+def worker(params_file: str) -> None:
+    params = TrainParams.from_dict(json.loads(Path(params_file).read_text()), source=params_file)
+    if params.out_dir is None:
+        raise ParamError("out_dir must be set when torchrun starts the workers directly")
+    device_type = "cuda" if params.device == "cuda" or (params.device == "auto" and torch.cuda.is_available()) else "cpu"
+    ctx = init_from_torchrun(device_type, params.collective_timeout_s)
+    print(f"[rank {ctx.rank}] pid {os.getpid()} on {socket.gethostname()}, {device_type}", flush=True)
+    try:
+        # Rank 0 prepares first: it may write the embedded data set the others then read.
+        if not ctx.is_main:
+            ctx.barrier()
+        run = prepare(params, ctx)
+        if ctx.is_main:
+            ctx.barrier()
+        Trainer(run, progress=False).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+
+def train(params: TrainParams | dict, progress: bool = True) -> dict:
+    """Check everything, then train (here or through torchrun); returns the record of out_dir/record.json."""
+    if isinstance(params, dict):
+        params = TrainParams.from_dict(params)
+    run = prepare(params)
+    print(run.describe())
+    return fit(run, progress=progress)

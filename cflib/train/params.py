@@ -1,0 +1,270 @@
+"""Training parameters: the notebook's parameters cell, papermill `-p`/`-f`, params/*.yaml.
+
+Every value is checked here, before anything is built or written: unknown
+names, wrong types, impossible ranges and impossible batch arithmetic.
+Papermill delivers `-p` values as strings ("true", "None", "1e-3") and YAML
+as typed values; both are accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cflib.data.weighting import parse_loss_groups
+from cflib.errors import ParamError
+from cflib.yamlio import read_yaml
+
+DEVICES = ("auto", "cpu", "cuda")
+KERNEL_CHOICES = ("auto", "true", "false")
+STRATEGIES = ("auto", "ddp", "fsdp")
+
+
+class ParamSet:
+    """What every parameter set (TrainParams, TuneParams, ThroughputParams) shares: its names, to refuse others."""
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [field.name for field in dataclasses.fields(cls)]
+
+
+@dataclass(frozen=True)
+class TrainParams(ParamSet):
+    """The controls of one SFT run. Defaults: a CPU smoke run of a few seconds."""
+
+    model: str = "smoke"  # a preset of cflib.model.config.PRESETS; ignored when init_checkpoint is set
+    init_checkpoint: str | None = None  # checkpoint dir; its config.json gives the architecture
+    data: str = "embedded"  # "embedded" or a shard root with train/ and eval/
+    out_dir: str | None = None  # None: a new outputs/runs/<time>-<model> folder
+    seed: int = 0
+    seq_len: int = 64
+    micro_batch_per_rank: int = 16
+    global_batch: int = 32
+    epochs: int = 1
+    max_steps: int | None = 30  # None: whole epochs; 0: evaluation only
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_ratio: float = 0.03
+    max_grad_norm: float | None = 1.0
+    nan_patience: int = 0  # non-finite steps skipped in a row before the run stops
+    bf16: bool = False
+    loss_chunk_tokens: int = 1024
+    fp32_loss: bool = True
+    full_parameter: bool = True
+    grad_ckpt: bool = False
+    use_custom_kernels: str = "auto"  # auto: fast paths where every check passes; true: require them; false: PyTorch
+    require_liger: bool = False  # fail before training unless Liger's kernels run
+    eval_at_start: bool = True
+    eval_every_steps: int | None = None
+    eval_micro_batch: int | None = None  # None: micro_batch_per_rank
+    exact_match_limit: int | None = None  # None: every eval prompt; 0: skip exact match
+    save_checkpoints: bool = True
+    save_optimizer_state: bool = False  # beside epoch checkpoints, so a run can resume from them
+    save_every_steps: int | None = None  # resumable step-N checkpoints in between
+    save_total_limit: int | None = None  # keep the newest N epoch/step checkpoints, plus the best
+    resume: str | None = None  # None; "latest" (or true): out_dir's newest resumable checkpoint; or its path
+    allow_world_size_change: bool = False  # resume on another number of processes
+    device: str = "auto"
+    # Data parallelism: more than one process starts torchrun from the notebook.
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # host:port of the rendezvous, needed when nnodes > 1
+    strategy: str = "auto"  # auto | ddp | fsdp: DDP when model + optimizer state fit one device
+    collective_timeout_s: int = 1800  # bounds every collective, rank 0's evaluation and saves included
+    # The data path: packing, 2-D loss weighting (cflib.data.weighting), shard preflight (cflib.data.preflight).
+    pack_sequences: bool = False  # whole examples in seq_len windows, each attending only to itself
+    loss_groups: dict | None = None  # group -> {target_share, tasks, task_target_shares}; None: unweighted
+    max_task_loss_weight: float = 30.0  # a larger loss coefficient stops the run before training
+    require_release_ready: bool = False  # any shard/manifest mismatch is fatal, not a warning
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TrainParams":
+        reject_unknown(raw, cls.names(), source)
+        hints = typing.get_type_hints(cls)
+        if isinstance(raw.get("resume"), bool) or str(raw.get("resume")).lower() in ("true", "false"):
+            raw = {**raw, "resume": "latest" if str(raw["resume"]).lower() == "true" else None}
+        values = {name: _coerce(name, value, hints[name]) for name, value in with_kernel_choice(raw).items()}
+        params = cls(**values)
+        params.validate()
+        return params
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "TrainParams":
+        """The parameters a notebook defined (its parameters and injected-parameters cells)."""
+        hints = typing.get_type_hints(cls)
+        # Mappings are parameters only under a mapping-typed name: a later cell's `record` dict is not one.
+        mappings = {name for name in cls.names() if _target_type(hints[name]) is dict}
+        return cls.from_dict({name: value for name, value in namespace.items()
+                              if _is_user_variable(name, value) or (name in mappings and isinstance(value, dict))},
+                             source="notebook parameters")
+
+    def validate(self) -> None:
+        positive = ("seq_len", "micro_batch_per_rank", "global_batch", "epochs", "loss_chunk_tokens",
+                    "nproc_per_node", "nnodes", "collective_timeout_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_steps", "exact_match_limit", "nan_patience"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ParamError(f"{name} must be None or >= 0, got {getattr(self, name)}")
+        for name in ("eval_every_steps", "eval_micro_batch", "save_every_steps", "save_total_limit"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ParamError(f"lr must be positive, got {self.lr}")
+        if not self.weight_decay >= 0:  # written so that NaN fails too
+            raise ParamError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ParamError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ParamError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
+        if self.device not in DEVICES:
+            raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if not self.full_parameter:
+            raise ParamError("full_parameter: false asks for parameter-efficient fine-tuning, which cflib does "
+                             "not offer yet; the released recipe is full-parameter SFT (full_parameter: true)")
+        if self.use_custom_kernels not in KERNEL_CHOICES:
+            raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), "
+                             f"got {self.use_custom_kernels!r}")
+        if self.strategy not in STRATEGIES:
+            raise ParamError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ParamError(f"node_rank {self.node_rank} is not in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ParamError(f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the rendezvous on node 0)")
+        if not self.max_task_loss_weight > 0:
+            raise ParamError(f"max_task_loss_weight must be positive, got {self.max_task_loss_weight}")
+        if self.loss_groups is not None:
+            parse_loss_groups(self.loss_groups)
+        if self.resume == "latest" and self.out_dir is None:
+            raise ParamError("resume: latest needs the out_dir of the run to continue")
+        gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
+
+
+def reject_unknown(raw: dict[str, Any], known: list[str], source: str) -> None:
+    """ParamError naming the first name of `raw` that is not in `known`, with the likeliest meant."""
+    for name in raw:
+        if name not in known:
+            # A known name that extends the unknown one ("micro_batch") beats spelling distance.
+            close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ParamError(f"{source}: unknown parameter {name!r}{hint}; known: {', '.join(known)}")
+
+
+def with_kernel_choice(raw: dict[str, Any]) -> dict[str, Any]:
+    """use_custom_kernels as "auto"/"true"/"false": YAML gives booleans, papermill strings in any case."""
+    value = raw.get("use_custom_kernels")
+    if isinstance(value, (bool, str)):
+        return {**raw, "use_custom_kernels": str(value).strip().lower()}
+    return raw
+
+
+def gradient_accumulation(global_batch: int, micro_batch_per_rank: int, world_size: int) -> int:
+    """global_batch = micro_batch_per_rank x world_size x grad_accum, or a clear error with options."""
+    per_step = micro_batch_per_rank * world_size
+    if global_batch % per_step == 0:
+        return global_batch // per_step
+    lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
+    batch_options = " or ".join(str(b) for b in (lower, upper) if b > 0)
+    micro_options = [m for m in range(1, global_batch + 1) if global_batch % (m * world_size) == 0]
+    near = sorted(micro_options, key=lambda m: abs(m - micro_batch_per_rank))[:3]
+    raise ParamError(
+        f"global_batch {global_batch} is not a multiple of micro_batch_per_rank {micro_batch_per_rank} x "
+        f"world_size {world_size} = {per_step}; nearest valid: global_batch {batch_options}, "
+        f"or micro_batch_per_rank in {sorted(near)}")
+
+
+def load_params_file(path: str | Path) -> dict[str, Any]:
+    """A params/*.yaml file as a dict (validated when handed to TrainParams.from_dict)."""
+    raw = read_yaml(path, ParamError, "parameter file")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ParamError(f"{path}: a parameter file holds a mapping of name: value")
+    return raw
+
+
+_NOTEBOOK_BUILTINS = {"In", "Out", "exit", "quit", "get_ipython", "open"}
+
+
+def _is_user_variable(name: str, value: Any) -> bool:
+    # Parameters are scalars; the objects later cells make (params, run, record, imports)
+    # are not, so re-running the notebook top to bottom in JupyterLab stays valid.
+    if name.startswith("_") or name in _NOTEBOOK_BUILTINS:
+        return False
+    return value is None or isinstance(value, (bool, int, float, str, Path))
+
+
+_TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~", ""}
+
+
+def _target_type(hint: Any) -> Any:
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return next(option for option in options if option is not type(None))
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Bring a value (possibly a papermill string) to the declared type, or fail naming it."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    nullable = type(None) in options
+    target = _target_type(hint)
+    if value is None or (nullable and isinstance(value, str) and value.strip().lower() in _NONE):
+        if nullable:
+            return None
+        raise ParamError(f"{name} cannot be None")
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ParamError(f"{name} must be true or false, got {value!r}")
+    if target is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ParamError(f"{name} must be an integer{' or None' if nullable else ''}, got {value!r}")
+    if target is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ParamError(f"{name} must be a number, got {value!r}")
+    if target is str:
+        if isinstance(value, (str, Path)):
+            return str(value)
+        raise ParamError(f"{name} must be a string, got {value!r}")
+    if target is dict:  # a nested mapping: from YAML (-f) or a notebook dict, or -p as a YAML/JSON string
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as err:
+                raise ParamError(f"{name}: not a YAML/JSON mapping ({err})") from None
+        if isinstance(value, dict):
+            return value
+        raise ParamError(f"{name} must be a mapping{' or None' if nullable else ''}, got {value!r}")
+    raise TypeError(f"unsupported parameter type {hint} for {name}")

@@ -1,0 +1,168 @@
+"""Run records and metrics: what ran, on what, with which kernels, and what came out."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import asdict
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cflib import __version__
+from cflib.paths import project_root
+
+if TYPE_CHECKING:  # the trainer builds on this module
+    from cflib.train.trainer import Trainer
+
+
+class MetricsLog:
+    """Append-only JSON lines; each line is flushed so a crash loses at most one."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows past `step`: a resumed run logs those steps again."""
+        if self.path.is_file():
+            kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
+            with open(self.path, "w") as out:
+                out.writelines(json.dumps(row, default=str) + "\n" for row in kept)
+
+    def write(self, **row: Any) -> dict:
+        with open(self.path, "a") as out:
+            out.write(json.dumps(row, default=str) + "\n")
+        return row
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        result = subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def framework_versions() -> dict[str, Any]:
+    # A copied working tree (a GPU box's) names its commit in CFLIB_COMMIT: its .git, if any, may be stale.
+    named = os.environ.get("CFLIB_COMMIT")
+    status = None if named else _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "cflib_commit": named or _git("rev-parse", "HEAD"),
+        "cflib_dirty": bool(status) if status is not None else None,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "cuda_runtime": torch.version.cuda,
+        "triton": _package_version("triton"),
+        "liger_kernel": _package_version("liger-kernel"),
+        "safetensors": _package_version("safetensors"),
+        "platform": platform.platform(),
+    }
+
+
+def device_info(device: torch.device, count: int = 1) -> dict[str, Any]:
+    """The device model, and how many of them the run used (one per rank)."""
+    if device.type == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": count,
+                "capability": list(torch.cuda.get_device_capability(device)),
+                "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2)}
+    return {"type": device.type, "name": platform.processor() or platform.machine(), "count": count,
+            "threads": torch.get_num_threads()}
+
+
+def count_parameters(model: torch.nn.Module) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params_total": total, "params_trainable": trainable}
+
+
+def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: float) -> dict:
+    """record.json of a finished run: the measurement protocol's fields, then what the run did."""
+    run, p, model = trainer.run, trainer.params, trainer.model
+    config = model.config
+    steady_s = trainer.steady["seconds"]
+    tokens_per_s = trainer.steady["tokens"] / steady_s if steady_s else None
+    flops_per_token = 6 * config.active_parameters() + 6 * config.num_hidden_layers * config.hidden_size * p.seq_len
+    peak = torch.cuda.max_memory_allocated(trainer.device) / 2**30 if trainer.device.type == "cuda" else None
+    eval_block: dict[str, Any] = {"final": final, "history": trainer.evals}
+    at_start = next((e for e in trainer.evals if e["tag"] == "start"), None)
+    if at_start is not None:
+        eval_block["at_start"] = at_start
+    eval_block["epochs"] = [e for e in trainer.evals if e["tag"].startswith("epoch-")]
+    return {
+        "job": "train_sft",
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "out_dir": str(run.out_dir),
+        # measurement protocol (DESIGN.md)
+        "framework": {"cflib": __version__, **framework_versions()},
+        "device": device_info(trainer.device, count=trainer.dist.world_size),
+        "world_size": trainer.dist.world_size,
+        "strategy": run.strategy,
+        "memory_estimate": run.memory_estimate,
+        "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend},
+        "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
+                              "notes": list(run.kernels.notes)},
+        **count_parameters(model),
+        "params_active": config.active_parameters(),
+        "vocab_size": config.vocab_size,
+        "seq_len": p.seq_len,
+        "micro_batch_per_rank": p.micro_batch_per_rank,
+        "global_batch": p.global_batch,
+        "grad_accum": run.grad_accum,
+        "precision": "bf16-autocast" if p.bf16 else "fp32",
+        "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
+        "grad_ckpt": p.grad_ckpt,
+        "loss_chunk_tokens": p.loss_chunk_tokens,
+        "telemetry": "tqdm progress + metrics.jsonl per step (host sync once per step)",
+        "compiled": False,
+        "timing_protocol": {
+            "warmup_steps_excluded": trainer.warmup_exclude,
+            "sync_boundaries": "torch.cuda.synchronize before and after each timed optimizer step"
+            if trainer.device.type == "cuda" else "host timers around each optimizer step (CPU: synchronous)",
+            "includes_eval": False,
+            "includes_checkpoint_io": False,
+            "tokens_counted": "padded tokens fed to the model",
+        },
+        "throughput": {
+            "steady_state_tokens_per_s": tokens_per_s,
+            "steady_state_supervised_tokens_per_s": trainer.steady["supervised_tokens"] / steady_s if steady_s else None,
+            "timed_steps": trainer.steady["steps"],
+            "model_flops_per_token": flops_per_token,
+            "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12 if tokens_per_s else None,
+            "peak_memory_gib": peak,
+        },
+        "timing": {**trainer.timing, "wall_s": wall_s},
+        # the run
+        "model_source": run.model_source,
+        "model_config": config.to_dict(),
+        "data": {"root": str(run.data_root), "train_examples": len(run.train_data),
+                 "eval_examples": len(run.eval_data), "vocab_size": run.train_data.vocab_size,
+                 "eos_token_id": run.train_data.eos_token_id, "max_seq_len": run.train_data.max_seq_len,
+                 "preflight": run.preflight},
+        "packing": run.packing_efficiency(),
+        "loss_weighting": trainer.loss_weighting(),
+        "schedule": {"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
+                     "warmup_steps": run.warmup_steps, "steps_done": trainer.step, "epochs_started": epochs_done,
+                     "fill_ins_per_epoch": trainer.fill_ins},
+        "params": asdict(p),
+        "eval": eval_block,
+        "checkpoints": trainer.checkpoints,
+    }

@@ -1,0 +1,319 @@
+"""The SFT training loop: prepare (every check, nothing written), then train.
+
+`prepare` resolves the device, the model, the data and the batch arithmetic
+and fails with a clear message before `out_dir` is touched. `train` runs
+full-parameter AdamW with warm-up + cosine, gradient accumulation to the
+global batch, optional BF16 autocast and activation checkpointing, evaluates
+and checkpoints on schedule, and writes `metrics.jsonl` and `record.json`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cflib.data.packing import PackPlan, plan_packs
+from cflib.data.preflight import preflight
+from cflib.data.shards import ShardError, ShardPartition, open_shard
+from cflib.data.tasks import TASKS, ensure_embedded_shard
+from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
+from cflib.model.checkpoint import latest_resumable, load_checkpoint, load_config, load_trainer_state
+from cflib.model.config import ModelConfig, preset
+from cflib.model.decoder import TRMoEModel
+from cflib.ops.dispatch import KernelPlan, plan_kernels
+from cflib.paths import resolve_path
+from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
+from cflib.train.params import ParamError, TrainParams, gradient_accumulation
+from cflib.train.records import count_parameters
+
+RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ParamError("device: 'cuda' requested but torch sees no CUDA device "
+                         f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    return torch.device("cuda", local_rank) if requested == "cuda" else torch.device(requested)
+
+
+@dataclass
+class Run:
+    """Everything a run needs, checked; nothing on disk has changed yet."""
+
+    params: TrainParams
+    device: torch.device
+    model: TRMoEModel
+    model_source: str
+    data_root: Path
+    train_data: ShardPartition
+    eval_data: ShardPartition
+    out_dir: Path
+    grad_accum: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    dist: DistContext
+    strategy: str
+    memory_estimate: dict
+    kernels: KernelPlan
+    resume_state: dict | None = None  # trainer state of the checkpoint this run continues
+    pack_plan: PackPlan | None = None  # pack_sequences: the windows, planned once
+    loss_weights: LossWeights | None = None  # loss_groups: every cell's coefficient
+    preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
+
+    @property
+    def train_units(self) -> int:
+        """What an epoch shuffles and a global batch counts: packed windows, or examples."""
+        return len(self.pack_plan) if self.pack_plan is not None else len(self.train_data)
+
+    def examples_of(self, units: np.ndarray) -> np.ndarray:
+        return self.pack_plan.examples_of(units) if self.pack_plan is not None else units
+
+    @property
+    def launches_workers(self) -> bool:
+        """True in the process that starts torchrun: it checks, the workers train."""
+        return self.params.world_size > 1 and not self.dist.active
+
+    def describe(self) -> str:
+        p = self.params
+        tokens = int(self.train_data.lengths.sum())
+        return "\n".join([
+            f"model        {self.model_source}: {count_parameters(self.model)['params_total']:,} parameters",
+            f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
+            f"examples, {tokens:,} train tokens",
+            *([self._packing_line()] if self.pack_plan is not None else []),
+            f"batch        global {p.global_batch} {'windows' if self.pack_plan else 'examples'} = micro "
+            f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {self.grad_accum}",
+            f"schedule     {self.steps_per_epoch} steps/epoch, {self.total_steps} optimizer steps, "
+            f"{self.warmup_steps} warm-up, lr {p.lr:g} cosine",
+            f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'}), "
+            f"{p.nnodes} node(s) x {p.nproc_per_node} process(es), strategy {self.strategy} "
+            f"(estimated {self.memory_estimate['total_bytes'] / 2**30:.1f} GiB of "
+            f"{self.memory_estimate['device_bytes'] / 2**30:.0f} per device)",
+            f"kernels      {self.kernels.describe()}",
+            f"out_dir      {self.out_dir}",
+            *([f"loss weights (max_task_loss_weight {p.max_task_loss_weight:g})\n"
+               + audit_table(self.loss_weights.audit())] if self.loss_weights else []),
+        ])
+
+    def _packing_line(self) -> str:
+        packing = self.packing_efficiency()
+        return (f"packing      {packing['windows']:,} windows of {packing['seq_len']} tokens, "
+                f"{packing['examples_per_window']:.2f} examples, {packing['real_fraction']:.1%} real and "
+                f"{packing['supervised_fraction']:.1%} supervised tokens per window")
+
+    def packing_efficiency(self) -> dict | None:
+        if self.pack_plan is None:
+            return None
+        return self.pack_plan.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
+
+
+def _out_dir(params: TrainParams, model_name: str) -> Path:
+    if params.out_dir is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        return resolve_path(f"outputs/runs/{stamp}-{model_name}")
+    out_dir = resolve_path(params.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
+    previous = [name for name in RUN_FILES if (out_dir / name).exists()]
+    # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
+    if previous and params.resume is None:
+        raise ParamError(f"out_dir {out_dir} already holds a run ({', '.join(previous)}); choose another "
+                         "out_dir, or continue that run with resume: latest")
+    return out_dir
+
+
+def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
+    """Resolve and check everything a run needs without writing to out_dir.
+
+    `dist` is given inside torchrun workers; without it a multi-process
+    parameter set is checked here for the launcher, and the model stays on the CPU.
+    """
+    dist = dist or DistContext()
+    device = resolve_device(params.device, dist.local_rank)
+    if dist.active and dist.world_size != params.world_size:
+        raise ParamError(f"torchrun started {dist.world_size} processes but nproc_per_node x nnodes = "
+                         f"{params.world_size}")
+    if device.type == "cuda" and params.nproc_per_node > torch.cuda.device_count():
+        raise ParamError(f"nproc_per_node {params.nproc_per_node} exceeds the {torch.cuda.device_count()} "
+                         "visible CUDA devices")
+    if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
+    torch.manual_seed(params.seed)
+    resume_state = None
+    if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
+        raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
+    if params.resume is not None:
+        checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
+                          else resolve_path(params.resume))
+        model = load_checkpoint(checkpoint_dir)
+        resume_state = load_trainer_state(checkpoint_dir)
+        model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
+    elif params.init_checkpoint is not None:
+        checkpoint_dir = resolve_path(params.init_checkpoint)
+        model = load_checkpoint(checkpoint_dir)
+        model_source, model_name = f"checkpoint {checkpoint_dir}", checkpoint_dir.name
+    else:
+        model = TRMoEModel(_preset(params.model))
+        model_source, model_name = f"preset {params.model}", params.model
+    config: ModelConfig = model.config
+    if params.seq_len > config.max_position_embeddings:
+        raise ParamError(f"seq_len {params.seq_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    if params.data == "embedded":
+        data_root = ensure_embedded_shard(resolve_path("outputs/data"))
+    else:
+        data_root = resolve_path(params.data)
+    if dist.active:  # a torchrun worker: its launcher ran the preflight, token checks and hashes included
+        train_data, eval_data = (open_shard(data_root, partition, vocab_size=config.vocab_size,
+                                            seq_len=params.seq_len, check_tokens=False)
+                                 for partition in ("train", "eval"))
+        reports = None
+    else:
+        (train_data, train_report), (eval_data, eval_report) = (
+            preflight(data_root, partition, vocab_size=config.vocab_size, seq_len=params.seq_len,
+                      require_release_ready=params.require_release_ready) for partition in ("train", "eval"))
+        reports = {"train": train_report, "eval": eval_report}
+    pack_plan = plan_packs(train_data.lengths, params.seq_len) if params.pack_sequences else None
+    # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
+    loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, train_data.supervised_counts,
+                                        params.max_task_loss_weight) if params.loss_groups is not None else None)
+    grad_accum = gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size)
+    # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
+    units = len(pack_plan) if pack_plan is not None else len(train_data)
+    steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
+    estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
+                               device_memory_bytes(device))
+    strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
+    # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
+    judges = dist.is_main and params.node_rank == 0
+    out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
+    model.grad_ckpt = params.grad_ckpt
+    kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device)
+    model.use_kernels(kernels)
+    run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
+              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
+              pack_plan, loss_weights, reports)
+    if resume_state is not None:
+        _check_resumable(resume_state, run, checkpoint_dir)
+    if not run.launches_workers:
+        model.to(device)
+    return run
+
+
+def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, int]:
+    """Optimizer steps per epoch, in all, and of warm-up."""
+    # Fill-ins pad the last global batch of an epoch, so it is always whole.
+    steps_per_epoch = math.ceil(train_examples / params.global_batch)
+    total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
+    return steps_per_epoch, total_steps, math.ceil(params.warmup_ratio * total_steps)
+
+
+def count_train_examples(data: str) -> int:
+    """Train examples of `data` from its index alone (the embedded set's count is known before it is written)."""
+    if data == "embedded":
+        return sum(count for _, count in TASKS.values())
+    index = resolve_path(data) / "train" / "sft.idx.json"
+    if not index.is_file():
+        raise ShardError(f"{index}: missing (is {index.parent.parent} a shard root with train/ and eval/?)")
+    try:
+        return int(json.loads(index.read_text())["examples"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ShardError(f"{index}: no example count ({type(err).__name__}: {err})") from None
+
+
+def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
+    """The architecture a run would train, and where it comes from, read without building the model."""
+    if params.resume is not None:
+        checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
+                          else resolve_path(params.resume))
+        return load_config(checkpoint_dir), f"resumed from {checkpoint_dir}"
+    if params.init_checkpoint is not None:
+        return load_config(resolve_path(params.init_checkpoint)), f"checkpoint {params.init_checkpoint}"
+    return _preset(params.model), f"preset {params.model}"
+
+
+def batch_arithmetic(params: TrainParams) -> dict:
+    """A run's batch, schedule and memory figures from its parameters, the model's config and the data's
+    index alone: nothing is built or loaded (prepare() then checks everything for real)."""
+    config, source = model_config(params)
+    train_examples = count_train_examples(params.data)
+    steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params)
+    device = resolve_device(params.device)
+    estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
+                               device_memory_bytes(device))
+    return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,
+            "grad_accum": gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size),
+            "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
+            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
+            "device": str(device), "memory_estimate": estimate,
+            "strategy": choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"}
+
+
+def describe_arithmetic(figures: dict, params: TrainParams) -> str:
+    """batch_arithmetic's figures as the lines a person checks before a run."""
+    memory = figures["memory_estimate"]
+    return "\n".join([
+        f"model            {figures['model']}: {figures['params_total']:,} parameters",
+        f"accumulation     {figures['grad_accum']} = global {params.global_batch} / (micro "
+        f"{params.micro_batch_per_rank} x world {figures['world_size']})",
+        f"tokens per step  up to {figures['tokens_per_step']:,} (global {params.global_batch} x seq_len "
+        f"{params.seq_len}; each microbatch is padded to its longest example)",
+        f"steps per epoch  {figures['steps_per_epoch']:,} ({figures['train_examples']:,} train examples / global "
+        f"{params.global_batch})" + ("; packed, a step takes windows of several examples, so fewer: prepare() "
+                                     "plans the windows and prints the real count" if params.pack_sequences else ""),
+        f"optimizer steps  {figures['total_steps']:,}" + (" (max_steps)" if params.max_steps is not None else
+                                                          f" ({params.epochs} epochs)")
+        + f", {figures['warmup_steps']:,} of warm-up",
+        f"memory estimate  {_size(memory['total_bytes'])} per rank of {_size(memory['device_bytes'])} on "
+        f"{figures['device']} (model + AdamW {_size(memory['model_and_optimizer_bytes'])}, activations "
+        f"{_size(memory['activation_bytes'])}); "
+        + ("fits one device" if memory["fits_one_device"] else "does not fit one device")
+        + (f", strategy {figures['strategy']}" if figures["world_size"] > 1 else ""),
+    ])
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def schedule_signature(run: Run) -> dict:
+    """What a resumed run must share with the one it continues: the stream and the schedule."""
+    p = run.params
+    return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
+            "lr": p.lr, "weight_decay": p.weight_decay, "beta1": p.beta1, "beta2": p.beta2,
+            "pack_sequences": p.pack_sequences, "loss_groups": p.loss_groups}
+
+
+# What checkpoints written before a signature key existed were trained with.
+_SIGNATURE_DEFAULTS = {"pack_sequences": False, "loss_groups": None}
+
+
+def _check_resumable(state: dict, run: Run, checkpoint_dir: Path) -> None:
+    """A resumed run must cut the same stream into the same global batches, on the same schedule."""
+    params = run.params
+    now = {"seed": params.seed, "global_batch": params.global_batch, **schedule_signature(run)}
+    for name, value in now.items():
+        then = state.get(name, _SIGNATURE_DEFAULTS.get(name))
+        if then != value:
+            raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}: "
+                             "a resumed run continues the same stream and schedule; start a new run "
+                             "(init_checkpoint) to change them")
+    if state["world_size"] != params.world_size and not params.allow_world_size_change:
+        raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
+                         f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "
+                         "batch stays the same, the per-rank split and accumulation change)")
+
+
+def _preset(name: str) -> ModelConfig:
+    try:
+        return preset(name)
+    except ValueError as err:
+        raise ParamError(f"model: {err}") from None

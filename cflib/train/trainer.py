@@ -1,0 +1,369 @@
+"""The training loop: optimizer steps with accumulation, evaluation and checkpoints on schedule, the record.
+
+`Trainer(run).fit()` trains a prepared `Run` (cflib.train.run) in this process;
+under torchrun each worker builds its own. One optimizer step is `train_step`.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import shutil
+import time
+import warnings
+from dataclasses import asdict
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from tqdm.auto import tqdm
+
+from cflib.atomic import write_json_atomic
+from cflib.data.packing import collate_packed
+from cflib.data.shards import collate
+from cflib.errors import ParamError
+from cflib.model.checkpoint import CheckpointError, save_checkpoint
+from cflib.ops.dispatch import SFTLoss
+from cflib.train.distributed import epoch_stream, rank_share, wrap_model
+from cflib.train.evaluate import autocast, eval_loss, exact_match
+from cflib.train.optim import lr_factor, make_optimizer
+from cflib.train.records import MetricsLog, train_record
+from cflib.train.run import Run, schedule_signature
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor to the GPU from pinned memory without waiting: the host goes on launching meanwhile."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Trainer:
+    def __init__(self, run: Run, progress: bool = True) -> None:
+        if run.launches_workers:
+            raise ParamError("this parameter set runs on several processes: use cflib.train.launch.fit(run), "
+                             "which starts torchrun")
+        self.run, self.params, self.device, self.model = run, run.params, run.device, run.model
+        self.dist = run.dist
+        self.progress = progress and self.dist.is_main
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the record's peak is this run's alone
+        # FSDP shards the model in place, so the optimizer is built after wrapping.
+        self.train_model = wrap_model(self.model, run.strategy, self.dist, self.device)
+        self.optimizer = make_optimizer(self.model, self.params, self.device, fused=run.strategy != "fsdp")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
+        self.loss = SFTLoss(run.kernels)
+        self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
+        self.step = 0
+        self.evals: list[dict] = []
+        self.checkpoints: dict[str, str] = {}
+        self.best_loss = math.inf
+        self.timing = {"train_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
+        self.steady = {"tokens": 0, "supervised_tokens": 0, "seconds": 0.0, "steps": 0}
+        self.fill_ins: list[int] = []
+        self.bad_steps = 0  # consecutive non-finite steps
+        self.position = (0, 0)  # (epoch, global batches done in it)
+        weights = run.loss_weights
+        self.example_weights = torch.from_numpy(weights.example_weights()).float() if weights else None
+        self.trained_mass = np.zeros(len(weights.cells)) if weights else None  # weighted tokens per cell, consumed
+        self.train_kernel_path: dict | None = None  # read back after a training step: evaluation runs unpacked
+        if run.resume_state is not None:
+            self._restore(run.resume_state)
+        # The first steps pay for allocator growth and kernel selection: not steady state.
+        self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
+
+    def _restore(self, state: dict) -> None:
+        saved = state["optimizer"]
+        if saved["param_groups"] and saved["param_groups"][0]["params"] and isinstance(
+                saved["param_groups"][0]["params"][0], int):
+            self.optimizer.load_state_dict(saved)  # written before optimizer state was keyed by parameter name
+        else:  # keyed by parameter name, whole: any strategy (single, DDP, FSDP shards) takes its part
+            set_optimizer_state_dict(self.model, self.optimizer, saved, options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
+        self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
+        self.checkpoints, self.timing = state["checkpoints"], state["timing"]
+        if self.trained_mass is not None and state.get("trained_mass") is not None:
+            self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
+        torch.set_rng_state(state["torch_rng"])
+
+    def _trainer_state(self, optimizer_state: dict) -> dict:
+        epoch, batch_in_epoch = self.position
+        return {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
+                "step": self.step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                "world_size": self.dist.world_size, "global_batch": self.params.global_batch,
+                "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
+                "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state(), "checkpoints": self.checkpoints,
+                "trained_mass": None if self.trained_mass is None else self.trained_mass.tolist(),
+                "timing": self.timing, **schedule_signature(self.run)}
+
+    # --- evaluation and checkpoints -------------------------------------------------
+    @property
+    def evaluates(self) -> bool:
+        """Rank 0 evaluates alone, except under FSDP, where every rank holds a shard of each forward."""
+        return self.dist.is_main or self.run.strategy == "fsdp"
+
+    def evaluate(self, tag: str, epoch: int, with_exact_match: bool) -> dict:
+        p = self.params
+        _sync(self.device)
+        start = time.perf_counter()
+        result = {"tag": tag, "step": self.step, "epoch": epoch}
+        result.update(eval_loss(self.model, self.run.eval_data, p.eval_micro_batch or p.micro_batch_per_rank,
+                                self.device, p.bf16, p.loss_chunk_tokens, p.fp32_loss))
+        if with_exact_match and p.exact_match_limit != 0:
+            matched = exact_match(self.model, self.run.eval_data, self.device, p.bf16, p.exact_match_limit)
+            result.update(exact_match=matched["exact_match"], exact_match_by_group=matched["exact_match_by_group"],
+                          exact_match_samples=matched["samples"])
+        _sync(self.device)
+        result["seconds"] = time.perf_counter() - start
+        self.timing["eval_s"] += result["seconds"]
+        self.evals.append(result)
+        if self.dist.is_main:
+            self.metrics.write(event="eval", **{k: v for k, v in result.items() if k != "exact_match_samples"})
+            summary = f"eval {tag} step {self.step}: loss {result['loss']:.4f}"
+            if "exact_match" in result:
+                summary += f", exact match {result['exact_match']['overall']:.3f}"
+            tqdm.write(summary)
+        return result
+
+    def save(self, name: str, epoch: int, resumable: bool | None = None) -> None:
+        """Rank 0 writes; under FSDP every rank first joins in gathering the full weights."""
+        if not self.params.save_checkpoints:
+            return
+        resumable = self.params.save_optimizer_state if resumable is None else resumable
+        start = time.perf_counter()
+        weights = optimizer_state = None
+        fsdp = self.run.strategy == "fsdp"
+        if fsdp:  # every rank joins the gathers; rank 0 receives the whole
+            weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
+                                                                                 cpu_offload=True))
+        if resumable and (fsdp or self.dist.is_main):
+            # Keyed by parameter name and whole, so a run on another strategy or world size can resume it.
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=fsdp))
+        if self.dist.is_main:
+            state = self._trainer_state(optimizer_state) if resumable else None
+            progress = {"step": self.step, "epoch": self.position[0], "batch_in_epoch": self.position[1]}
+            target = self.run.out_dir / "checkpoints" / name
+            try:
+                path = save_checkpoint(self.model, target, state, weights, progress if resumable else None)
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+                kept = [p for n, p in self.checkpoints.items() if n != "best_step"]
+                raise CheckpointError(f"out of disk space writing checkpoint {target}; it was not written and "
+                                      f"the earlier checkpoints are intact: {kept or 'none yet'}") from err
+            self.checkpoints.pop(name, None)  # re-inserted last: the dict's order is the saving order
+            self.checkpoints[name] = str(path)
+            self._prune_checkpoints()
+        self.timing["checkpoint_s"] += time.perf_counter() - start
+
+    def _prune_checkpoints(self) -> None:
+        """Keep the newest save_total_limit checkpoints; "best" is never pruned."""
+        limit = self.params.save_total_limit
+        rolling = [name for name in self.checkpoints if name not in ("best", "best_step")]
+        for name in rolling[:-limit] if limit else ():
+            shutil.rmtree(self.checkpoints.pop(name), ignore_errors=True)
+
+    def evaluation_point(self, tag: str, epoch: int, with_exact_match: bool, checkpoint: str | None = None) -> None:
+        """Evaluate, keep the best weights, write the scheduled checkpoint; then every rank goes on together."""
+        if self.evaluates:
+            result = self.evaluate(tag, epoch, with_exact_match)
+            improved = result["loss"] < self.best_loss and self.step > 0
+            if self.run.strategy == "fsdp":  # every rank evaluated, and the save gathers: rank 0 decides
+                improved = self.dist.agree(improved)
+            if improved:
+                self.best_loss = result["loss"]
+                self.save("best", epoch)
+                if "best" in self.checkpoints:
+                    self.checkpoints["best_step"] = str(self.step)
+        if checkpoint is not None:
+            self.save(checkpoint, epoch)
+        self.dist.barrier()
+
+    # --- training -------------------------------------------------------------------
+    def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Only the last microbatch of a step all-reduces gradients."""
+        if self.run.strategy == "ddp":
+            return contextlib.nullcontext() if enabled else self.train_model.no_sync()
+        if self.run.strategy == "fsdp":
+            self.train_model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    def batch(self, units: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """input_ids, labels, document_ids (packed) and token_weights (weighted) of some units, on the device."""
+        data, plan = self.run.train_data, self.run.pack_plan
+        document_ids = None
+        if plan is None:
+            input_ids, labels = collate([data[int(i)] for i in units], data.eos_token_id)
+            example_index = torch.as_tensor(np.asarray(units, dtype=np.int64))[:, None].expand_as(labels)
+        else:
+            input_ids, labels, document_ids, example_index = collate_packed(data, plan, units)
+        token_weights = None
+        if self.example_weights is not None:  # padding (-1) takes any weight: its label is -100
+            token_weights = to_device(self.example_weights[example_index.clamp(min=0)], self.device)
+        if document_ids is not None:
+            document_ids = to_device(document_ids, self.device)
+        return to_device(input_ids, self.device), to_device(labels, self.device), document_ids, token_weights
+
+    def train_step(self, step_units: np.ndarray) -> dict:
+        p, data = self.params, self.run.train_data
+        step_examples = self.run.examples_of(step_units)
+        # Every rank knows the whole step's examples, so every rank divides by the same count (or mass).
+        step_supervised = data.supervised_tokens(step_examples)
+        step_mass = step_supervised
+        if self.example_weights is not None:
+            cell_mass = self.run.loss_weights.cell_mass(step_examples, data.supervised_counts)
+            self.trained_mass += cell_mass
+            step_mass = float(cell_mass.sum())
+        mine = rank_share(step_units, self.dist)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
+        _sync(self.device)
+        start = time.perf_counter()
+        micro_starts = range(0, len(mine), p.micro_batch_per_rank)
+        for micro_start in micro_starts:
+            input_ids, labels, document_ids, token_weights = self.batch(
+                mine[micro_start:micro_start + p.micro_batch_per_rank])
+            with self._gradient_sync(micro_start == micro_starts[-1]):
+                with autocast(self.device, p.bf16):
+                    hidden = self.train_model(input_ids, document_ids)
+                    loss_sum, _ = self.loss(hidden, self.model.head_weight, labels, p.loss_chunk_tokens, p.fp32_loss,
+                                            token_weights=token_weights)
+                # The step's (weighted) token mean, times world size: data parallelism averages gradients.
+                (loss_sum * (self.dist.world_size / step_mass)).backward()
+            totals[0] += loss_sum.detach().double()
+            totals[1] += labels.numel()
+        totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
+        # The norm is measured even unclipped (max_norm inf), so a non-finite gradient is caught here.
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
+        lr = self.scheduler.get_last_lr()[0]
+        on_device = all(group.get("fused") for group in self.optimizer.param_groups)
+        if on_device:
+            # The fused AdamW skips a non-finite step on the device (found_inf, as under GradScaler), so the
+            # host queues the update while the backward still runs instead of waiting to read the norm.
+            self.optimizer.found_inf = (~torch.isfinite(totals[0] + norm.double())).float()
+            self.optimizer.step()
+            self._end_step()
+        loss_total, tokens, grad_norm = torch.stack([totals[0], totals[1], norm.double()]).tolist()
+        tokens = int(tokens)
+        loss = loss_total / step_mass
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)  # global values: every rank agrees
+        self.bad_steps = 0 if finite else self.bad_steps + 1
+        if self.bad_steps > p.nan_patience:
+            self._stop_non_finite(loss, grad_norm, step_examples)
+        if not on_device:
+            if finite:
+                self.optimizer.step()
+            self._end_step()
+        _sync(self.device)
+        seconds = time.perf_counter() - start
+        self.train_kernel_path = self.model.kernel_path()
+        self.step += 1
+        self.timing["train_s"] += seconds
+        if self.step > self.warmup_exclude:
+            self.steady["tokens"] += tokens
+            self.steady["supervised_tokens"] += step_supervised
+            self.steady["seconds"] += seconds
+            self.steady["steps"] += 1
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                "supervised_tokens": step_supervised, "seconds": seconds, "skipped": not finite}
+
+    def _end_step(self) -> None:
+        with warnings.catch_warnings():  # torch warns when the schedule moves without an optimizer step
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()  # a skipped step still consumes its data and its place in the schedule
+        self.optimizer.zero_grad(set_to_none=True)  # stream-ordered: the update queued before still reads them
+
+    def _stop_non_finite(self, loss: float, grad_norm: float, step_examples: np.ndarray) -> None:
+        rows = self.run.train_data.rows
+        ids = [rows[int(i)].get("example_id", int(i)) for i in step_examples[:8]]
+        saved = [path for name, path in self.checkpoints.items() if name != "best_step"]
+        last_good = saved[-1] if saved else "none yet"
+        raise FloatingPointError(
+            f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}, after {self.bad_steps} non-finite "
+            f"step(s) in a row (nan_patience {self.params.nan_patience}); the optimizer skipped the step, so "
+            f"no non-finite weight was written. Batch examples (first 8): {ids}. Last checkpoint: {last_good}")
+
+    def fit(self) -> dict:
+        run, p = self.run, self.params
+        started = time.perf_counter()
+        if self.dist.is_main:
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            if run.resume_state is not None:
+                self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
+            write_json_atomic(run.out_dir / "params.json", {**asdict(p), "out_dir": str(run.out_dir)})
+            if run.loss_weights is not None:  # the audit is on disk before the first step
+                write_json_atomic(run.out_dir / "loss_weighting.json", self.loss_weighting())
+        self.model.train()
+        last_eval_step = self.evals[-1]["step"] if self.evals else -1
+        if run.resume_state is None and (p.eval_at_start or run.total_steps == 0):
+            self.evaluation_point("start", 0, with_exact_match=True)
+            last_eval_step = 0
+        epoch, batches_done = self.position  # the epoch in progress (0 before the first), its batches done
+        if 0 < batches_done < run.steps_per_epoch:
+            epoch -= 1  # resumed mid-epoch: the loop below re-enters that epoch where it stopped
+        else:
+            batches_done = 0
+        log_every = max(1, run.total_steps // 10)
+        bar = tqdm(total=run.total_steps, initial=self.step, desc="train", unit="step", disable=not self.progress)
+        while self.step < run.total_steps:
+            epoch += 1
+            order, fill_ins = epoch_stream(run.train_units, p.seed, epoch, p.global_batch)
+            if batches_done == 0:
+                self.fill_ins.append(fill_ins)
+            for batch_start in range(batches_done * p.global_batch, len(order), p.global_batch):
+                row = self.train_step(order[batch_start:batch_start + p.global_batch])
+                self.position = (epoch, batch_start // p.global_batch + 1)
+                if self.dist.is_main:
+                    self.metrics.write(event="train", epoch=epoch, **row)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+                if self.step % log_every == 0:  # a text trace too: papermill keeps no live widget state
+                    rank = f"[rank {self.dist.rank}] " if self.dist.active else ""
+                    tqdm.write(f"{rank}step {self.step}/{run.total_steps} epoch {epoch} loss {row['loss']:.4f} "
+                               f"lr {row['lr']:.2e} {row['tokens'] / row['seconds']:,.0f} tokens/s")
+                if batch_start + p.global_batch >= len(order):  # the epoch ran to its end
+                    self.evaluation_point(f"epoch-{epoch}", epoch, with_exact_match=True, checkpoint=f"epoch-{epoch}")
+                    last_eval_step = self.step
+                elif p.eval_every_steps and self.step % p.eval_every_steps == 0 and self.step < run.total_steps:
+                    self.evaluation_point("periodic", epoch, with_exact_match=False)
+                    last_eval_step = self.step
+                if p.save_every_steps and self.step % p.save_every_steps == 0 and self.step < run.total_steps:
+                    self.save(f"step-{self.step}", epoch, resumable=True)
+                    self.dist.barrier()
+                if self.step >= run.total_steps:
+                    break
+            batches_done = 0
+        bar.close()
+        if last_eval_step != self.step:
+            self.evaluation_point("end", epoch, with_exact_match=True, checkpoint="last" if self.step > 0 else None)
+        if not self.dist.is_main:
+            return {}
+        record = train_record(self, dict(self.evals[-1]), epoch, time.perf_counter() - started)
+        write_json_atomic(run.out_dir / "record.json", record)
+        # Written last: its presence says the record and every checkpoint are final.
+        write_json_atomic(run.out_dir / "COMPLETE", {"completed_utc": record["created_utc"],
+                                                     "steps": self.step})
+        return record
+
+    # --- the record -----------------------------------------------------------------
+    def loss_weighting(self) -> dict | None:
+        """The audit: raw shares, targets, coefficients, the achieved shares, and those trained so far."""
+        weights = self.run.loss_weights
+        if weights is None:
+            return None
+        return {"max_task_loss_weight": weights.max_task_loss_weight,
+                "normalisation": "sum of weighted token losses / weighted supervised tokens of the step",
+                "cells": weights.audit(self.trained_mass)}

@@ -1,0 +1,385 @@
+"""The throughput measurement and the peer comparison, on CPU at smoke size (figures prove only the plumbing)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import papermill
+import pytest
+import torch
+
+import cflib.bench.throughput as throughput
+from cflib.bench.peer import PeerTrainer, active_ffn_width, llama_config
+from cflib.bench.tables import perf_table, update_readme_perf_table
+from cflib.bench.throughput import (
+    PATHS,
+    ThroughputParams,
+    compare,
+    flops_per_token,
+    measure,
+    time_steps,
+    write_random_token_shard,
+)
+from cflib.data.shards import IGNORE_INDEX, open_shard
+from cflib.lab.report import main as report_main
+from cflib.model.config import preset
+from cflib.train.params import ParamError, load_params_file
+from cflib.train.records import count_parameters
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "notebooks" / "measure_throughput.ipynb"
+SMOKE = {**load_params_file(ROOT / "params" / "throughput_smoke.yaml")}
+
+
+@pytest.fixture(scope="module")
+def smoke_record(tmp_path_factory) -> dict:
+    """One smoke measurement of every path the CPU can run, and the Liger peer it cannot."""
+    out_dir = tmp_path_factory.mktemp("throughput") / "run"
+    params = ThroughputParams.from_dict({**SMOKE, "out_dir": str(out_dir), "paths": [
+        "reference", "production", "peer_eager", "peer_liger", "peer_compile"]})
+    return measure(params, log=lambda line: None)
+
+
+# --- parameters -------------------------------------------------------------------------
+
+def test_parameters_cell_mirrors_throughput_params():
+    from test_notebooks import parameters_cell
+
+    defaults = {name: getattr(ThroughputParams(), name) for name in ThroughputParams.names()}
+    cell = parameters_cell(NOTEBOOK)
+    assert {name: tuple(v) if isinstance(v, list) else v for name, v in cell.items()} == defaults
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "params").glob("throughput_*.yaml")), ids=lambda p: p.name)
+def test_throughput_params_files_validate(path):
+    ThroughputParams.from_dict(load_params_file(path), source=str(path))
+
+
+def test_h200_params_measure_the_issue_targets_settings():
+    params = ThroughputParams.from_dict(load_params_file(ROOT / "params" / "throughput_200m_h200.yaml"))
+    assert (params.model, params.seq_len, params.bf16, params.device) == ("tr_hash_200m", 2048, True, "cuda")
+    assert {16, 32} <= set(params.micro_batches) and params.compare_micro_batch == 16  # the issue's sizes
+    assert set(params.paths) == set(PATHS) and params.ceiling_size == 8192
+    assert params.warmup_steps >= 3 and params.timed_steps >= 8
+
+
+@pytest.mark.parametrize("raw, expected", [("16,32", (16, 32)), ("[16, 32]", (16, 32)), ([8], (8,)), (4, (4,))])
+def test_micro_batches_accept_yaml_lists_and_papermill_strings(raw, expected):
+    params = ThroughputParams.from_dict({"micro_batches": raw, "compare_micro_batch": expected[0]})
+    assert params.micro_batches == expected
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"micro_batch": [2]}, "unknown parameter 'micro_batch'"),
+    ({"micro_batches": [2, 4], "compare_micro_batch": 16}, "compare_micro_batch 16 is not one of"),
+    ({"micro_batches": [2, 2]}, "micro_batches repeats"),
+    ({"micro_batches": [0], "compare_micro_batch": 0}, "micro_batches must be one or more positive"),
+    ({"micro_batches": "two"}, "micro_batches must be an integer"),
+    ({"paths": "reference,peer_fast"}, "'peer_fast' is not a path"),
+    ({"paths": []}, "name at least one"),
+    ({"model": "tr_hash_2b"}, "unknown preset 'tr_hash_2b'"),
+    ({"seq_len": 4096}, "exceeds model smoke's max_position_embeddings"),
+    ({"timed_steps": 0}, "timed_steps must be positive"),
+    ({"device": "tpu"}, "device must be one of"),
+])
+def test_bad_parameters_name_the_culprit(raw, message):
+    with pytest.raises(ParamError, match=message):
+        ThroughputParams.from_dict(raw)
+
+
+def test_out_dir_holding_a_record_is_refused_before_anything_runs(tmp_path):
+    (tmp_path / "record.json").write_text("{}")
+    with pytest.raises(ParamError, match="already holds a throughput record"):
+        measure(ThroughputParams(out_dir=str(tmp_path)), log=lambda line: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
+
+
+# --- the measured quantities ------------------------------------------------------------
+
+def test_flops_per_token_is_design_md_count_for_both_sides():
+    config = preset("tr_hash_200m")
+    assert flops_per_token(config.active_parameters(), 16, 896, 2048) == 1_350_296_832
+    with torch.device("meta"):
+        from transformers import LlamaForCausalLM
+
+        peer = LlamaForCausalLM(llama_config(config))
+    peer_params = count_parameters(peer)["params_trainable"]  # the tied head counted once
+    assert peer_params == 195_687_296
+    # DESIGN.md's peer row: 172,219 tokens/s at 232.5 model TFLOP/s
+    assert 172_219 * flops_per_token(peer_params, 16, 896, 2048) / 1e12 == pytest.approx(232.5, abs=0.05)
+
+
+def test_peer_has_the_project_models_active_width():
+    config = preset("tr_hash_200m")
+    llama = llama_config(config)
+    assert active_ffn_width(config) == 3200 == llama.intermediate_size
+    assert (llama.num_hidden_layers, llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.vocab_size, llama.tie_word_embeddings) == (16, 896, 14, 2, 32000, True)
+    assert llama._attn_implementation == "sdpa"
+
+
+def test_random_token_shard_follows_the_protocol(tmp_path):
+    root = write_random_token_shard(tmp_path / "shard", vocab_size=260, seq_len=30, train_rows=6, eval_rows=2, seed=0)
+    shard = open_shard(root, "train", vocab_size=260, seq_len=30, verify_hashes=True)
+    assert len(shard) == 6 and len(open_shard(root, "eval")) == 2
+    rows = [shard[i] for i in range(6)]
+    for ids, labels in rows:
+        assert ids.numel() == 30 and int(ids.min()) >= 1  # never the EOS id
+        assert (labels[:10] == IGNORE_INDEX).all()  # the first third is unsupervised
+        assert torch.equal(labels[10:-1], ids[11:])  # causally aligned targets
+    assert not torch.equal(rows[0][0], rows[1][0])  # fresh rows, not one repeated
+
+
+def test_time_steps_excludes_warmup_from_the_steady_state(monkeypatch):
+    clock = iter([0.0, 5.0, 5.0, 6.0, 6.0, 8.0])  # a 5 s warm-up step, then steps of 1 s and 2 s
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
+    result = time_steps(lambda batch: {"tokens": 100, "supervised_tokens": 60, "loss": 1.0},
+                        [np.arange(2)] * 3, warmup_steps=1, device=torch.device("cpu"))
+    assert result["tokens_per_s"] == 200 / 3 and result["supervised_tokens_per_s"] == 120 / 3
+    assert result["warmup_s"] == 5.0 and result["step_seconds"] == [1.0, 2.0]
+
+
+def test_matmul_ceiling_counts_two_n_cubed_flops(monkeypatch):
+    clock = iter([10.0, 12.0])
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
+    result = throughput.matmul_ceiling(torch.device("cpu"), size=64, repeats=4)
+    assert result["tflops_per_s"] == 2 * 64**3 * 4 / 2.0 / 1e12 and result["dtype"] == "bfloat16"
+
+
+# --- one smoke run ----------------------------------------------------------------------
+
+def test_record_carries_the_measurement_protocol(smoke_record):
+    record = smoke_record
+    for field in ("framework", "device", "vocab_size", "seq_len", "batch_per_rank", "precision", "grad_ckpt",
+                  "loss_chunk_tokens", "telemetry", "compilation", "timing_protocol", "matmul_ceiling"):
+        assert field in record, field
+    assert record["framework"]["torch"] == torch.__version__ and "cflib_commit" in record["framework"]
+    assert record["framework"]["transformers"] and "liger_kernel" in record["framework"]
+    assert record["device"]["type"] == "cpu" and record["device"]["count"] == 1
+    protocol = record["timing_protocol"]
+    assert protocol["warmup_steps_excluded"] == 1 and protocol["timed_steps"] == 2
+    assert protocol["includes_eval"] is False and protocol["includes_checkpoint_io"] is False
+    assert record["matmul_ceiling"]["tflops_per_s"] > 0
+    assert json.loads((Path(record["out_dir"]) / "record.json").read_text()) == json.loads(json.dumps(record))
+
+
+def test_every_path_is_measured_at_every_micro_batch(smoke_record):
+    assert [(e["path"], e["micro_batch"]) for e in smoke_record["paths"]] == [
+        (name, micro) for name in ("reference", "production", "peer_eager", "peer_liger", "peer_compile")
+        for micro in (2, 4)]
+    for entry in smoke_record["paths"]:
+        if entry["status"] != "ok":
+            continue
+        assert entry["tokens_per_s"] > 0 and len(entry["step_seconds"]) == 2
+        assert all(math.isfinite(loss) for loss in entry["losses"]) and len(entry["losses"]) == 3
+        assert entry["mfu"] == entry["model_tflops_per_s"] / smoke_record["matmul_ceiling"]["tflops_per_s"]
+        assert entry["peak_memory_gib"] is None  # not measured on CPU
+        for field in ("kernel_path", "params_total", "params_trainable", "model_flops_per_token", "precision",
+                      "loss_precision", "grad_ckpt", "compiled"):
+            assert field in entry, (entry["path"], field)
+
+
+def test_project_paths_train_through_the_trainer_and_read_kernels_back(smoke_record):
+    from cflib.model.decoder import TRMoEModel
+
+    reference = [e for e in smoke_record["paths"] if e["path"] == "reference"]
+    assert [e["status"] for e in reference] == ["ok", "ok"]
+    model = TRMoEModel(preset("smoke"))
+    assert set(reference[0]["kernel_path"]) == set(model.kernel_path())
+    assert reference[0]["kernel_path"]["moe"] != "none"  # set by a forward that ran, not by construction
+    assert reference[0]["requested"] == {"use_custom_kernels": "false", "require_liger": False}
+    assert reference[0]["params_trainable"] == preset("smoke").num_parameters()
+    production = [e for e in smoke_record["paths"] if e["path"] == "production"]
+    # on CPU the release kernels either refuse (skipped, with the reason) or run: never a crash
+    assert all(e["status"] in ("ok", "skipped") for e in production)
+    assert all(e["reason"] for e in production if e["status"] == "skipped")
+
+
+def test_evaluation_and_checkpoint_are_timed_apart_and_the_checkpoint_removed(smoke_record):
+    timed = [e for e in smoke_record["paths"] if "evaluation_and_checkpoint" in e]
+    assert {(e["path"], e["micro_batch"]) for e in timed} <= {("reference", 2), ("production", 2)}
+    io = next(e for e in timed if e["path"] == "reference")["evaluation_and_checkpoint"]
+    assert io["status"] == "ok" and io["eval_examples"] == 8 and io["eval_s"] > 0
+    assert io["checkpoint_bytes"] > preset("smoke").num_parameters() * 4  # fp32 weights at least
+    assert not list(Path(smoke_record["out_dir"]).rglob("model.safetensors"))
+
+
+def test_profiles_are_taken_after_the_timed_steps_at_the_compared_micro_batch(smoke_record):
+    profiled = [e for e in smoke_record["paths"] if "profile" in e]
+    assert {(e["path"], e["micro_batch"]) for e in profiled} == {
+        (e["path"], 2) for e in smoke_record["paths"] if e["status"] == "ok"}
+    profile = profiled[0]["profile"]
+    assert profile["status"] == "ok" and profile["steps"] == 1 and profile["top_ms"]
+    assert "Self CPU" in Path(profile["table"]).read_text()
+    assert len(profiled[0]["step_seconds"]) == 2  # the profiled step is not among the timed ones
+
+
+def test_peers_train_and_liger_is_skipped_on_cpu_with_its_reason(smoke_record):
+    by_path = {}
+    for entry in smoke_record["paths"]:
+        by_path.setdefault(entry["path"], []).append(entry)
+    eager = by_path["peer_eager"][0]
+    assert eager["status"] == "ok" and eager["compiled"] is False
+    assert eager["kernel_path"]["rmsnorm"] == "LlamaRMSNorm" and "ForCausalLMLoss" in eager["kernel_path"]["loss"]
+    assert eager["peer_config"]["intermediate_size"] == active_ffn_width(preset("smoke"))
+    compiled = by_path["peer_compile"]
+    assert [e["status"] for e in compiled] == ["ok", "ok"] and compiled[0]["compiled"] == "eager"
+    for entry in by_path["peer_liger"]:
+        assert entry["status"] == "skipped" and "CUDA" in entry["reason"]
+
+
+def test_liger_patches_are_read_back_and_undone_for_the_next_peer(monkeypatch):
+    """Patching needs no GPU (running the kernels does): check the read-back and the restored globals."""
+    pytest.importorskip("liger_kernel")
+    from transformers.models.llama import modeling_llama
+
+    from cflib import peer
+
+    plain = (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP,
+             modeling_llama.LlamaForCausalLM.forward)
+    monkeypatch.setattr(peer, "check_liger", lambda device: None)
+    model = peer.build_llama(preset("smoke"), torch.device("cpu"), seed=0)
+    with peer.liger_applied(model, torch.device("cpu")):
+        path = peer.peer_kernel_path(model)
+    assert (path["rmsnorm"], path["swiglu"], path["loss"]) == (
+        "LigerRMSNorm", "LigerSwiGLUMLP", "liger_fused_linear_cross_entropy")
+    assert path["rope"].startswith("liger_kernel.")
+    assert plain == (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP,
+                     modeling_llama.LlamaForCausalLM.forward)
+    after = peer.peer_kernel_path(peer.build_llama(preset("smoke"), torch.device("cpu"), seed=0))
+    assert after["rmsnorm"] == "LlamaRMSNorm" and "ForCausalLMLoss" in after["loss"]
+
+
+def test_peer_loss_matches_the_projects_token_mean(tmp_path):
+    """The peer's loss is a sum over supervised tokens over their count, on causally aligned labels."""
+    root = write_random_token_shard(tmp_path / "shard", vocab_size=260, seq_len=24, train_rows=2, eval_rows=1, seed=3)
+    data = open_shard(root, "train")
+    params = throughput.train_params(ThroughputParams(), 2, 1, root, tmp_path / "run", {})
+    from cflib.bench.peer import build_llama
+
+    model = build_llama(preset("smoke"), torch.device("cpu"), seed=0)
+    ids, labels = (torch.stack(t) for t in zip(*(data[i] for i in range(2))))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    row = PeerTrainer(model, params, torch.device("cpu"), data, total_steps=1).train_step(np.arange(2))
+    assert row["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert row["supervised_tokens"] == int((labels != IGNORE_INDEX).sum()) and row["tokens"] == 48
+
+
+def test_a_path_whose_requirements_fail_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    real_prepare = throughput.prepare
+
+    def prepare(params):
+        if params.use_custom_kernels == "true":
+            raise ParamError("use_custom_kernels: true but the TR-MoE Triton kernels need a CUDA device")
+        return real_prepare(params)
+
+    monkeypatch.setattr(throughput, "prepare", prepare)
+    record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
+                                                 "paths": ["reference", "production"]}), log=lambda line: None)
+    reference, production = record["paths"]
+    assert reference["status"] == "ok"
+    assert production["status"] == "skipped" and "need a CUDA device" in production["reason"]
+    row = next(r for r in record["comparison"] if r["denominator"] == "reference")
+    assert row["value"] is None and "need a CUDA device" in row["why_none"]
+
+
+def test_out_of_memory_is_recorded_and_the_next_path_runs(tmp_path, monkeypatch):
+    def out_of_memory(self, step_examples):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(PeerTrainer, "train_step", out_of_memory)
+    record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
+                                                 "paths": ["peer_eager", "reference"]}), log=lambda line: None)
+    peer, reference = record["paths"]
+    assert peer["status"] == "oom" and "Tried to allocate" in peer["reason"]
+    assert reference["status"] == "ok"
+
+
+# --- the comparison ---------------------------------------------------------------------
+
+def _entry(path: str, micro: int, tokens_per_s: float, peak: float | None = 10.0) -> dict:
+    return {"path": path, "micro_batch": micro, "status": "ok", "tokens_per_s": tokens_per_s,
+            "peak_memory_gib": peak}
+
+
+def test_compare_takes_issue_4s_ratios_from_one_run():
+    entries = [_entry("reference", 16, 100.0, 36.0), _entry("production", 16, 400.0, 16.0),
+               _entry("production", 32, 440.0, 30.0), _entry("peer_liger", 16, 250.0, 22.5),
+               _entry("peer_liger", 32, 265.0, 42.0), _entry("peer_compile", 16, 300.0, 27.0),
+               {"path": "peer_compile", "micro_batch": 32, "status": "oom", "reason": "CUDA out of memory"}]
+    rows = {(r["quantity"], r["micro_batch"], r["denominator"]): r for r in compare(entries, 16)}
+    assert rows["tokens_per_s", 16, "peer_liger"]["value"] == 400 / 250
+    assert rows["tokens_per_s", 16, "best_peer"]["value"] == 400 / 300  # compile peers count too
+    assert rows["tokens_per_s", 16, "best_peer"]["denominator_entry"] == "peer_compile mb16"
+    assert rows["tokens_per_s", 16, "reference"]["value"] == 4.0 and rows["tokens_per_s", 16, "reference"]["met"]
+    memory = rows["peak_memory_gib", 16, "peer_liger"]
+    assert memory["value"] == 16.0 / 22.5 and memory["met"] and memory["target"] == "<= 0.8"
+    best = rows["tokens_per_s", "best", "best_peer"]
+    assert best["value"] == 440 / 300 and best["numerator_entry"] == "production mb32" and best["met"]
+
+
+def test_compare_says_why_a_ratio_is_missing():
+    entries = [_entry("production", 16, 400.0),
+               {"path": "peer_liger", "micro_batch": 16, "status": "skipped", "reason": "no CUDA device"}]
+    row = compare(entries, 16)[0]
+    assert row["value"] is None and row["met"] is None and "no CUDA device" in row["why_none"]
+
+
+# --- the report -------------------------------------------------------------------------
+
+def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
+    table = perf_table(smoke_record)
+    for entry in smoke_record["paths"]:
+        assert f"| {entry['path']} | {entry['micro_batch']} |" in table
+    assert table.count("| tokens/s: production /") == 4 and "| peak memory: production / peer_liger |" in table
+    assert "| peer_liger | skipped: PathUnavailable: Liger's Triton kernels" in table
+    assert "attention torch_sdpa" in table and "one checkpoint save" in table
+
+
+def test_readme_block_is_replaced_and_missing_markers_are_named(tmp_path, smoke_record, capsys):
+    record_path = tmp_path / "record.json"
+    record_path.write_text(json.dumps(smoke_record))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n<!-- perf-table {record_path} -->\nold\n<!-- /perf-table -->\noutro\n")
+    report_main(["perf-table", str(record_path), "--readme", str(readme)])
+    assert readme.read_text() == (f"intro\n<!-- perf-table {record_path} -->\n{perf_table(smoke_record)}\n"
+                                  "<!-- /perf-table -->\noutro\n")
+    report_main(["perf-table", str(record_path)])
+    assert capsys.readouterr().out == perf_table(smoke_record) + "\n"
+    with pytest.raises(ValueError, match="README has no line"):
+        update_readme_perf_table("no markers", "outputs/records/x.json", "table")
+
+
+COMMITTED = sorted((ROOT / "outputs" / "records").glob("throughput_*.json"))
+
+
+@pytest.mark.skipif(not COMMITTED, reason="no throughput record committed under outputs/records yet")
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
+def test_readme_perf_table_is_generated_from_the_committed_record(path):
+    name = str(path.relative_to(ROOT))
+    readme = (ROOT / "README.md").read_text()
+    table = perf_table(json.loads(path.read_text()))
+    assert update_readme_perf_table(readme, name, table) == readme, (
+        f"README's table for {name} is stale: python -m cflib.bench perf-table {name} --readme README.md")
+
+
+# --- the notebook -----------------------------------------------------------------------
+
+def test_papermill_runs_the_smoke_profile(tmp_path):
+    out_dir = tmp_path / "run"
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(NOTEBOOK), str(executed), parameters={
+        **SMOKE, "out_dir": str(out_dir), "micro_batches": [2], "paths": ["reference", "peer_eager", "peer_liger"]},
+        cwd=str(ROOT / "notebooks"), progress_bar=False)
+    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the bar chart
+    assert any("| peer_eager | 2 |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
+    record = json.loads((out_dir / "record.json").read_text())
+    assert [e["status"] for e in record["paths"]] == ["ok", "ok", "skipped"]
+    assert (out_dir / "throughput.png").is_file()

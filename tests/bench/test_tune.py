@@ -1,0 +1,233 @@
+"""The microbatch tuner: the memory meter, the search, bad inputs, real CPU probes and the notebook."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+import torch
+
+from cflib.bench.memory import TensorMemory
+from cflib.bench.tune import (
+    GIB,
+    Probe,
+    TuneParams,
+    batch_plan,
+    local_line,
+    measure_probe,
+    prepare_tuning,
+    probe_shard,
+    search,
+)
+from cflib.train.params import ParamError, TrainParams, load_params_file
+
+ROOT = Path(__file__).resolve().parents[2]
+TUNE_NB = ROOT / "notebooks" / "tune_microbatch.ipynb"
+TRAIN_SFT = ROOT / "notebooks" / "train_sft.ipynb"
+SMOKE = load_params_file(ROOT / "params" / "tune_smoke.yaml")
+
+
+# --- the CPU meter --------------------------------------------------------------------------------
+def test_tensor_memory_counts_storages_once_and_frees_them():
+    meter = TensorMemory()
+    with meter:
+        a = torch.zeros(1000)  # 4,000 bytes
+        view = a[10:20].view(2, 5)  # same storage: nothing more
+        a.add_(1.0)  # in place: nothing more
+        b = a * 2  # 4,000 more
+        assert meter.live_bytes == 8000
+        del a, view, b
+    assert meter.live_bytes == 0 and meter.peak_bytes == 8000
+
+
+def test_tensor_memory_cap_raises_out_of_memory_inside_backward():
+    x = torch.randn(128, 128, requires_grad=True)
+    meter = TensorMemory()
+    with meter:
+        loss = (x @ x).relu().sum()
+    meter.limit_bytes = meter.live_bytes + 100  # the forward fits, the backward's gradients do not
+    with pytest.raises(torch.OutOfMemoryError, match="budget cap"):
+        with meter:
+            loss.backward()
+
+
+# --- the search, on memory curves with known answers -----------------------------------------------
+def curve(intercept: float, slope: float, cap: float, wobble: float = 0.0, kink_until: int = 0,
+          jump: float = 0.0, jump_from: int = 0):
+    """A measure(): affine peaks, optional allocator-like wobble, a loss-chunk kink below `kink_until`,
+    a step of `jump` bytes from `jump_from` on (a kernel that needs a larger workspace), out of memory past the cap."""
+    def measure(micro: int) -> Probe:
+        peak = intercept + slope * micro + wobble * math.sin(7.3 * micro)
+        if micro < kink_until:  # loss buffers not yet full: less than the line
+            peak -= 0.3 * slope * (kink_until - micro) / kink_until
+        if jump_from and micro >= jump_from:
+            peak += jump
+        if peak > cap:
+            return Probe(micro, "out_of_memory", None, {"error": "synthetic"})
+        return Probe(micro, "fits" if peak <= usable_of(cap) else "over_budget", int(peak))
+    return measure
+
+
+def usable_of(cap: float) -> float:
+    return cap * 0.98
+
+
+def true_largest(measure, max_micro: int = 512) -> int:
+    return max(m for m in range(1, max_micro + 1) if measure(m).fits)
+
+
+@pytest.mark.parametrize("intercept_gib", [2.5, 3.0, 4.5])
+@pytest.mark.parametrize("slope_gib", [0.4, 1.0, 2.06, 3.1])
+@pytest.mark.parametrize("wobble_gib", [0.0, 0.05])
+def test_search_finds_the_largest_fitting_microbatch_of_a_40_gib_budget_in_four_probes(intercept_gib, slope_gib,
+                                                                                          wobble_gib):
+    cap = 40 * GIB
+    measure = curve(intercept_gib * GIB, slope_gib * GIB, cap, wobble_gib * GIB, kink_until=2)
+    found = search(measure, int(usable_of(cap)), int(cap), int(2.25 * GIB), 512, 4, progress=lambda _: None)
+    best = true_largest(measure)
+    assert len(found.probes) <= 4
+    assert measure(found.micro).fits  # verified by a real probe, never only predicted
+    assert best - 1 <= found.micro <= best
+
+
+def test_search_recovers_from_out_of_memory_where_memory_jumps_above_the_line():
+    # From 30 on a kernel needs 2 GiB more: the line through 1 and 9 sends probe 3 into the cap.
+    measure = curve(3 * GIB, 1 * GIB, 40 * GIB, jump=2 * GIB, jump_from=30)
+    found = search(measure, int(usable_of(40 * GIB)), 40 * GIB, 0, 512, 4, progress=lambda _: None)
+    assert [p.outcome for p in found.probes][2] == "out_of_memory"
+    assert found.micro == true_largest(measure) == 34
+
+
+def test_search_stops_at_max_micro_batch():
+    measure = curve(1 * GIB, 0.01 * GIB, 40 * GIB)
+    found = search(measure, int(usable_of(40 * GIB)), 40 * GIB, 0, 16, 4, progress=lambda _: None)
+    assert found.micro == 16 and "max_micro_batch" in found.stopped_because
+
+
+@pytest.mark.parametrize("intercept_gib", [38.5, 45.0], ids=["over-usable", "out-of-memory"])
+def test_microbatch_one_that_does_not_fit_names_the_budget(intercept_gib):
+    measure = curve(intercept_gib * GIB, 1 * GIB, 40 * GIB)
+    with pytest.raises(ParamError, match="microbatch 1 does not fit.*budget_gib"):
+        search(measure, int(usable_of(40 * GIB)), 40 * GIB, 0, 512, 4, progress=lambda _: None)
+
+
+def test_line_interpolates_across_the_budget_and_ignores_out_of_memory_probes():
+    probes = [Probe(1, "fits", 5), Probe(10, "fits", 50), Probe(12, "over_budget", 60), Probe(20, "out_of_memory", None)]
+    line = local_line(probes)
+    assert line.through == (10, 12) and line.slope == 5 and line.largest_under(57) == 11
+
+
+# --- batch arithmetic ----------------------------------------------------------------------------
+def test_batch_plan_divides_or_says_so_and_proposes_choices():
+    assert batch_plan(64, 16, 1) == {"micro_batch_per_rank": 16, "grad_accum": 4, "global_batch": 64,
+                                     "world_size": 1, "note": None}
+    plan = batch_plan(64, 17, 1)
+    assert plan["micro_batch_per_rank"] == 16 and plan["grad_accum"] == 4
+    assert "not a multiple" in plan["note"] and "global_batch 51 or 68" in plan["note"]
+    plan = batch_plan(96, 13, 4)  # 96 / 4 ranks = 24 per rank: 12 is the largest divisor under 13
+    assert plan["micro_batch_per_rank"] == 12 and plan["grad_accum"] == 2
+
+
+# --- bad inputs: clear errors naming the parameter, before any probe ----------------------------
+@pytest.mark.parametrize("change, culprit", [
+    ({"headroom": 1.0}, "headroom"),
+    ({"headroom": -0.1}, "headroom"),
+    ({"headroom": "nan"}, "headroom"),
+    ({"budget_gib": 0}, "budget_gib"),
+    ({"budget_gib": None}, "budget_gib is required on a CPU"),
+    ({"model": "tr_hash_200m", "seq_len": 2048, "budget_gib": 3.0}, "budget_gib .* below the fixed memory"),
+    ({"seq_len": 4096}, "seq_len"),
+    ({"global_batch": 6, "world_size": 4}, "global_batch 6 is not a multiple of world_size 4"),
+    ({"max_probes": 1}, "max_probes"),
+    ({"loss_chunk_tokens": 0}, "loss_chunk_tokens"),
+    ({"use_custom_kernels": "sometimes"}, "use_custom_kernels"),
+    ({"budget": 1.0}, "unknown parameter 'budget'"),
+])
+def test_bad_tuning_inputs_fail_before_any_probe(change, culprit, tmp_path):
+    with pytest.raises(ParamError, match=culprit):
+        prepare_tuning(TuneParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "out"), **change}))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_dir_holding_files_is_refused(tmp_path):
+    (tmp_path / "record.json").write_text("{}")
+    with pytest.raises(ParamError, match="out_dir"):
+        prepare_tuning(TuneParams.from_dict({**SMOKE, "out_dir": str(tmp_path)}))
+
+
+# --- real probes on the CPU ------------------------------------------------------------------------
+def test_an_out_of_memory_probe_is_freed_completely(tmp_path):
+    tuning = prepare_tuning(TuneParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "out")}))
+    with probe_shard(tuning.config, tuning.params.seq_len, 64, seed=0) as shard:
+        before = measure_probe(tuning, shard, 4)
+        failed = measure_probe(tuning, shard, 64)  # far past the 12 MiB cap
+        after = measure_probe(tuning, shard, 4)
+    assert before.fits and failed.outcome == "out_of_memory" and failed.peak_bytes is None
+    assert "budget cap" in failed.detail["error"] and failed.detail["model_freed"]
+    assert after.peak_bytes == before.peak_bytes  # nothing of the failed probe is left to count
+
+
+def test_peak_memory_is_affine_in_the_microbatch_over_whole_loss_chunks(tmp_path):
+    tuning = prepare_tuning(TuneParams.from_dict({**SMOKE, "budget_gib": 1.0, "out_dir": str(tmp_path / "o")}))
+    with probe_shard(tuning.config, tuning.params.seq_len, 64, seed=0) as shard:
+        peaks = [measure_probe(tuning, shard, m).peak_bytes for m in (8, 12, 16)]
+    # 4 x 64 tokens fill one loss chunk of 256: between whole chunks the growth is the same, byte for byte.
+    assert peaks[2] - peaks[1] == peaks[1] - peaks[0] > 0
+
+
+# --- the notebook ----------------------------------------------------------------------------------
+def parameters_cell(path: Path) -> dict:
+    import ast
+
+    cell = next(c for c in nbformat.read(path, as_version=4).cells if "parameters" in c.metadata.get("tags", []))
+    return {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(cell.source).body if isinstance(n, ast.Assign)}
+
+
+def test_notebook_parameters_are_the_smoke_profile_over_the_defaults():
+    defaults = {name: getattr(TuneParams(), name) for name in TuneParams.names()}
+    assert parameters_cell(TUNE_NB) == {**defaults, **SMOKE}
+
+
+@pytest.mark.parametrize("name", ["tune_smoke.yaml", "tune_200m_h200.yaml"])
+def test_tuning_params_files_validate(name):
+    TuneParams.from_dict(load_params_file(ROOT / "params" / name), source=name)
+
+
+def test_papermill_tunes_on_cpu_and_train_sft_accepts_the_result(tmp_path):
+    out_dir = tmp_path / "tune"
+    executed = tmp_path / "tune.ipynb"
+    papermill.execute_notebook(str(TUNE_NB), str(executed), parameters={**SMOKE, "out_dir": str(out_dir)},
+                               cwd=str(ROOT / "notebooks"), progress_bar=False)
+    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    record = json.loads((out_dir / "record.json").read_text())
+    assert (out_dir / "memory_vs_microbatch.png").stat().st_size > 0
+    search_ = record["search"]
+    assert search_["probes_used"] <= 4
+    sweep = record["sweep"]
+    assert sweep["tuned_within_one"] and sweep["largest_fitting"] >= record["tuned_micro_batch_per_rank"]
+    assert record["verification"]["peak_bytes"] <= record["budget"]["usable_bytes"]
+    # Near the answer the line predicts what the sweep measured within 2%.
+    fit = record["fit"]
+    for probe in sweep["probes"]:
+        if probe["peak_bytes"] is not None and abs(probe["micro"] - record["tuned_micro_batch_per_rank"]) <= 2:
+            predicted = fit["intercept_bytes"] + fit["slope_bytes_per_example"] * probe["micro"]
+            assert abs(probe["peak_bytes"] - predicted) <= 0.02 * predicted
+    assert any(p["outcome"] == "out_of_memory" for p in sweep["probes"])  # the sweep ran into the cap
+    batch = record["batch"]
+    assert batch["micro_batch_per_rank"] * batch["world_size"] * batch["grad_accum"] == batch["global_batch"] == 64
+
+    tuned = load_params_file(out_dir / "train_sft_params.yaml")
+    params = TrainParams.from_dict(tuned)
+    assert params.micro_batch_per_rank == batch["micro_batch_per_rank"] and params.seq_len == SMOKE["seq_len"]
+    run_dir = tmp_path / "run"
+    papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "train.ipynb"),
+                               parameters={**tuned, "out_dir": str(run_dir), "max_steps": 2, "exact_match_limit": 0},
+                               cwd=str(ROOT / "notebooks"), progress_bar=False)
+    trained = json.loads((run_dir / "record.json").read_text())
+    assert trained["micro_batch_per_rank"] == batch["micro_batch_per_rank"]
+    assert trained["grad_accum"] == batch["grad_accum"]

@@ -1,0 +1,247 @@
+"""Chat JSONL -> shard: templates, supervision, rejections, manifest, tokenizers, failures, round trip."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from cflib.data.convert import (
+    ChatTemplate,
+    ConvertError,
+    ConvertSpec,
+    SeenConversations,
+    conversation_digest,
+    convert,
+    show_example,
+)
+from cflib.data.packing import collate_packed, plan_packs
+from cflib.data.shards import IGNORE_INDEX, ShardError, collate, open_shard, sha256_file
+from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+BYTES = ByteTokenizer()
+
+
+def chat(*turns: str, **meta) -> dict:
+    """Alternating user/assistant turns (a leading 'system:' turn is the system prompt)."""
+    messages = []
+    for turn in turns:
+        if turn.startswith("system:"):
+            messages.append({"role": "system", "content": turn[len("system:"):]})
+        else:
+            messages.append({"role": "user" if len([m for m in messages if m["role"] != "system"]) % 2 == 0
+                             else "assistant", "content": turn})
+    return {"messages": messages, **meta}
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+TRAIN = [chat("12+34=", "46", task="addition", group="no-carry", source="unit"),
+         chat("reverse abc", "cba", task="reverse", group="short"),
+         chat("system:be brief", "hi", "hello", "reverse dog", "god", task="dialog")]
+EVAL = [chat("58+67=", "125", task="addition", group="carry")]
+
+
+def run_convert(tmp_path: Path, train: list, eval_: list | None = None, name: str = "shard", overwrite: bool = False,
+                **spec) -> dict:
+    files = {"train": write_jsonl(tmp_path / f"{name}-train.jsonl", train),
+             "eval": write_jsonl(tmp_path / f"{name}-eval.jsonl", EVAL if eval_ is None else eval_)}
+    return convert(ConvertSpec(train=str(files["train"]), eval=str(files["eval"]), out=str(tmp_path / name),
+                               **{"max_seq_len": 64, **spec}), overwrite=overwrite)
+
+
+def test_default_template_with_bytes_is_the_embedded_encoding(tmp_path):
+    run_convert(tmp_path, TRAIN)
+    shard = open_shard(tmp_path / "shard", "train")
+    ids, labels = shard[0]
+    want_ids, want_labels = BYTES.encode_chat("12+34=", "46")
+    assert ids.tolist() == want_ids and labels.tolist() == want_labels
+    assert shard.rows[0]["task"] == "addition" and shard.rows[0]["group"] == "no-carry"
+    assert shard.rows[0]["source"] == "unit" and shard.rows[0]["example_id"] == "train-00000001"
+
+
+def supervised_text(ids: torch.Tensor, labels: torch.Tensor) -> str:
+    """The supervised tokens, as the model must produce them (labels are already shifted)."""
+    return BYTES.decode([int(t) for t in labels if t != IGNORE_INDEX])
+
+
+@pytest.mark.parametrize("supervise, answers", [("final_turn", "god"), ("all_assistant_turns", "hellogod")])
+def test_supervision_covers_the_final_or_every_assistant_turn(tmp_path, supervise, answers):
+    run_convert(tmp_path, TRAIN, supervise=supervise)
+    ids, labels = open_shard(tmp_path / "shard", "train")[2]
+    assert ids.tolist() == ([BYTES.system_token_id] + BYTES.encode("be brief") + [BYTES.user_token_id]
+                            + BYTES.encode("hi") + [BYTES.assistant_token_id] + BYTES.encode("hello") + [0]
+                            + [BYTES.user_token_id] + BYTES.encode("reverse dog") + [BYTES.assistant_token_id]
+                            + BYTES.encode("god") + [0])
+    assert supervised_text(ids, labels) == answers
+    assert int((labels == 0).sum()) == (2 if supervise == "all_assistant_turns" else 1)  # supervised EOS
+
+
+def test_rejections_are_counted_and_the_manifest_records_everything(tmp_path):
+    long_chat = chat("x" * 70, "too long")
+    train = TRAIN + [TRAIN[0], chat("say nothing", "   "), long_chat, chat("hello?", "")]
+    eval_ = EVAL + [TRAIN[1], EVAL[0]]
+    indexes = run_convert(tmp_path, train, eval_)
+    stats = indexes["train"]["conversion"]["stats"]
+    assert stats["rows_read"] == 7 and indexes["train"]["examples"] == 3
+    assert stats["rejected"] == {"too_long": 1, "duplicate": 1, "duplicate_of_train": 0, "empty_answer": 2}
+    assert stats["truncated_examples"] == 0
+    assert stats["examples_per_task"] == {"addition": 1, "dialog": 1, "reverse": 1}
+    assert indexes["eval"]["conversion"]["stats"]["rejected"] == {
+        "too_long": 0, "duplicate": 1, "duplicate_of_train": 1, "empty_answer": 0}
+    for partition, index in indexes.items():
+        folder = tmp_path / "shard" / partition
+        shard = open_shard(tmp_path / "shard", partition, verify_hashes=True)
+        assert index["supervised_tokens"] == shard.supervised_tokens()
+        assert (index["vocab_size"], index["eos_token_id"], index["max_seq_len"]) == (BYTES.vocab_size, 0, 64)
+        assert index["sha256"] == {name: sha256_file(folder / name)
+                                   for name in ("input_ids.bin", "labels.bin", "examples.jsonl")}
+        source = tmp_path / f"shard-{partition}.jsonl"
+        assert index["conversion"]["stats"]["source"] == {"path": str(source), "sha256": sha256_file(source)}
+        assert index["conversion"]["template"] == vars(ChatTemplate())
+
+
+def test_round_trip_jsonl_to_shard_to_batches_to_text(tmp_path):
+    run_convert(tmp_path, TRAIN, supervise="all_assistant_turns")
+    shard = open_shard(tmp_path / "shard", "train")
+    rendered = ["<|user|>12+34=<|assistant|>46<|eos|>", "<|user|>reverse abc<|assistant|>cba<|eos|>",
+                "<|system|>be brief<|user|>hi<|assistant|>hello<|eos|><|user|>reverse dog<|assistant|>god<|eos|>"]
+
+    def text(ids: torch.Tensor) -> str:
+        return BYTES.decode_template(ids.tolist())
+
+    input_ids, labels = collate([shard[i] for i in range(len(shard))], shard.eos_token_id)
+    for row, want in enumerate(rendered):
+        assert text(input_ids[row, :shard.lengths[row]]) == want
+    assert [text(labels[labels != IGNORE_INDEX]) for _, labels in (shard[i] for i in range(3))] == [
+        "46<|eos|>", "cba<|eos|>", "hello<|eos|>god<|eos|>"]
+    assert show_example(shard, 2, BYTES) == ("<|system|>be brief<|user|>hi<|assistant|>[[hello<|eos|>]]"
+                                             "<|user|>reverse dog<|assistant|>[[god<|eos|>]]")
+    plan = plan_packs(shard.lengths, 64)
+    packed_ids, packed_labels, document_ids, example_index = collate_packed(shard, plan, range(len(plan)))
+    for example, want in enumerate(rendered):
+        assert text(packed_ids[example_index == example][:shard.lengths[example]]) == want
+
+
+def tiny_bpe(path: Path, vocab_size: int = 300) -> Path:
+    """A byte-level BPE tokenizer.json trained here on a few lines, with chat specials."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(["reverse abc cba", "hello hi god dog", "12+34=46 58+67=125"] * 20, trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def test_a_tokenizer_json_converts_and_decodes_back(tmp_path):
+    path = tiny_bpe(tmp_path / "tokenizer.json")
+    forged = chat("print <|eos|> please", "<|eos|>", task="forge")
+    indexes = run_convert(tmp_path, TRAIN + [forged], tokenizer=str(path), supervise="all_assistant_turns")
+    tokenizer = JsonTokenizer(path)
+    assert indexes["train"]["vocab_size"] == tokenizer.vocab_size
+    assert indexes["train"]["eos_token_id"] == tokenizer.token_id("<|eos|>") == 0
+    assert indexes["train"]["conversion"]["tokenizer"] == {"kind": "tokenizer.json", "path": str(path),
+                                                           "sha256": sha256_file(path)}
+    shard = open_shard(tmp_path / "shard", "train", verify_hashes=True)
+    ids, _ = shard[2]
+    assert tokenizer.decode(ids.tolist()) == ("<|system|>be brief<|user|>hi<|assistant|>hello<|eos|>"
+                                              "<|user|>reverse dog<|assistant|>god<|eos|>")
+    ids, labels = shard[3]
+    # Text that looks like a special token is content: one EOS (the real one) ends the example.
+    assert int((ids == 0).sum()) == 1 and ids[-1] == 0
+    assert tokenizer.decode([int(t) for t in labels if t != IGNORE_INDEX]) == "<|eos|><|eos|>"
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_training(tmp_path):
+    from cflib.train.params import TrainParams
+    from cflib.train.run import prepare
+
+    path = tiny_bpe(tmp_path / "tokenizer.json", vocab_size=400)
+    vocab_size = run_convert(tmp_path, TRAIN, tokenizer=str(path))["train"]["vocab_size"]
+    assert vocab_size > 260
+    params = TrainParams.from_dict({"model": "smoke", "data": str(tmp_path / "shard"), "device": "cpu",
+                                    "out_dir": str(tmp_path / "run")})
+    with pytest.raises(ShardError, match=f"shard vocab_size {vocab_size} exceeds the model's 260"):
+        prepare(params)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("row, message", [
+    ("{not json", "shard-train.jsonl:4: not valid JSON"),
+    ('["a list"]', "shard-train.jsonl:4: not a JSON object"),
+    ({"messages": []}, "shard-train.jsonl:4: needs a non-empty list 'messages'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "message 0 needs a role in"),
+    ({"messages": [{"role": "user", "content": 3}]}, "message 0 needs a role in"),
+    (chat("hi", "hello", "and?"), "the last message is 'user'"),
+    (chat("hi", "hello", task=7), "'task' must be a string"),
+])
+def test_malformed_rows_stop_the_conversion_naming_the_line_and_write_nothing(tmp_path, row, message):
+    with pytest.raises(ConvertError, match=message):
+        run_convert(tmp_path, TRAIN + [row])
+    assert not (tmp_path / "shard").exists()
+    assert not list(tmp_path.glob(".shard*"))  # no staging folder left behind
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ConvertError, match="supervise must be one of"):
+        run_convert(tmp_path, TRAIN, supervise="everything")
+    with pytest.raises(ConvertError, match="has no token '<\\|end\\|>'"):
+        run_convert(tmp_path, TRAIN, template=ChatTemplate(eos="<|end|>"))
+    with pytest.raises(ConvertError, match="no such tokenizer.json"):
+        run_convert(tmp_path, TRAIN, tokenizer=str(tmp_path / "missing.json"))
+    (tmp_path / "garbage.json").write_text('{"model": "none"}')
+    with pytest.raises(ConvertError, match="garbage.json: not a readable tokenizer.json"):
+        run_convert(tmp_path, TRAIN, tokenizer=str(tmp_path / "garbage.json"))
+    with pytest.raises(ConvertError, match="no conversation was accepted"):
+        run_convert(tmp_path, [chat("x" * 80, "y")])
+    with pytest.raises(ConvertError, match="unknown template key"):
+        ChatTemplate.from_dict({"assistent": "A:"})
+    run_convert(tmp_path, TRAIN)
+    before = sha256_file(tmp_path / "shard" / "train" / "input_ids.bin")
+    with pytest.raises(ConvertError, match="already exists"):
+        run_convert(tmp_path, TRAIN[:1])
+    with pytest.raises(ConvertError, match="not valid JSON"):  # overwrite allowed, but the input fails
+        run_convert(tmp_path, TRAIN[:1] + ["{broken"], overwrite=True)
+    assert sha256_file(tmp_path / "shard" / "train" / "input_ids.bin") == before  # the earlier shard is whole
+    run_convert(tmp_path, TRAIN[:1], overwrite=True)
+    assert open_shard(tmp_path / "shard", "train").index["examples"] == 1
+
+
+def test_seen_conversations_are_remembered_per_partition_and_their_file_removed():
+    seen = SeenConversations()
+    folder = Path(seen._folder.name)
+    digests = [conversation_digest([{"role": "user", "content": str(i)}]) for i in range(200)]
+    assert all(seen.add("train", d) for d in digests) and not any(seen.add("train", d) for d in digests)
+    assert seen.has("train", digests[7]) and not seen.has("eval", digests[7]) and seen.add("eval", digests[7])
+    assert len(set(digests)) == 200 and all(-2**63 <= d < 2**63 for d in digests)
+    seen.close()
+    assert not folder.exists()
+
+
+def test_command_line_with_a_spec_file(tmp_path):
+    spec = tmp_path / "convert.yaml"
+    spec.write_text(f"train: {ROOT / 'examples/chat/train.jsonl'}\neval: {ROOT / 'examples/chat/eval.jsonl'}\n"
+                    f"out: {tmp_path / 'cli'}\nmax_seq_len: 128\nsupervise: final_turn\n")
+    done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--spec", str(spec),
+                           "--max-seq-len", "256"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "train 8 examples of 11 rows" in done.stdout and "too_long 1, duplicate 1" in done.stdout
+    index = json.loads((tmp_path / "cli" / "train" / "sft.idx.json").read_text())
+    assert index["max_seq_len"] == 256 and index["conversion"]["supervise"] == "final_turn"
+    done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--spec", str(spec)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "already exists" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--train", "a.jsonl"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode != 0 and "missing eval, out" in done.stderr

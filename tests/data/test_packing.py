@@ -1,0 +1,164 @@
+"""Packing whole examples into windows, and document masking: packed losses equal unpacked ones."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from sft_shard_helpers import EOS, write_shard
+from tiny_models import random_ids, tiny_model
+
+from cflib.data.packing import collate_packed, plan_packs
+from cflib.data.shards import IGNORE_INDEX, Example, open_shard
+from cflib.ops.attention import build_document_mask, document_attention, document_positions
+from cflib.ops.loss import chunked_cross_entropy_sum
+
+VOCAB = 50
+
+
+def random_examples(count: int, seed: int = 0, longest: int = 20) -> list[Example]:
+    """Causally aligned examples of random lengths, the second half of each supervised."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for index in range(count):
+        length = int(rng.integers(2, longest + 1))
+        ids = rng.integers(1, VOCAB, length).tolist()
+        labels = [IGNORE_INDEX] * length
+        for j in range(length // 2, length - 1):
+            labels[j] = ids[j + 1]
+        labels[length - 2] = ids[length - 1]
+        examples.append(Example(ids, labels, {"example_id": f"ex-{index}"}))
+    return examples
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    root = write_shard(tmp_path_factory.mktemp("packing"), random_examples(23), vocab_size=VOCAB, max_seq_len=20)
+    return open_shard(root, "train")
+
+
+def test_plan_places_every_example_once_whole_and_within_the_window():
+    lengths = np.random.default_rng(1).integers(1, 33, 500)
+    plan = plan_packs(lengths, 32)
+    assert sorted(plan.members.tolist()) == list(range(500))
+    for w in range(len(plan)):
+        members = plan.window(w)
+        assert lengths[members].sum() + len(members) - 1 <= 32  # one separator between neighbours
+    # best fit: far fewer windows than examples, and no two windows that could have been one
+    assert len(plan) < 500 * 0.6
+    np.testing.assert_array_equal(plan_packs(lengths, 32).members, plan.members)  # computed deterministically
+
+
+def test_plan_refuses_an_example_longer_than_the_window():
+    with pytest.raises(ValueError, match="example 2 has 9 tokens, more than seq_len 8"):
+        plan_packs(np.array([3, 4, 9]), 8)
+
+
+def test_windows_hold_whole_examples_with_unsupervised_eos_separators(shard):
+    plan = plan_packs(shard.lengths, 32)
+    input_ids, labels, document_ids, example_index = collate_packed(shard, plan, range(len(plan)))
+    assert input_ids.shape == (len(plan), 32)
+    for w in range(len(plan)):
+        cursor = 0
+        for document, example in enumerate(plan.window(w)):
+            ids, labs = shard[int(example)]
+            end = cursor + ids.numel()
+            assert torch.equal(input_ids[w, cursor:end], ids) and torch.equal(labels[w, cursor:end], labs)
+            assert (document_ids[w, cursor:end] == document).all() and (example_index[w, cursor:end] == example).all()
+            if end < 32:  # separator or padding: EOS, never supervised
+                assert input_ids[w, end] == EOS and labels[w, end] == IGNORE_INDEX
+            cursor = end + 1
+        assert (labels[w, cursor - 1:] == IGNORE_INDEX).all()
+    assert int((labels != IGNORE_INDEX).sum()) == shard.supervised_tokens()
+    efficiency = plan.efficiency(shard.lengths, shard.supervised_counts)
+    assert efficiency["examples"] == len(shard) and 0 < efficiency["real_fraction"] <= 1
+    assert efficiency["supervised_tokens_per_window"] == shard.supervised_tokens() / len(plan)
+
+
+def test_positions_restart_at_zero_in_each_document():
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5, 5]])
+    assert document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3], list(range(9))]
+
+
+@pytest.mark.parametrize("backend", ["sdpa_mask", "flex_attention"])
+def test_document_attention_is_attention_of_each_document_alone(backend):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 12, 8, generator=gen), torch.randn(1, 2, 12, 8, generator=gen), torch.randn(
+        1, 2, 12, 8, generator=gen)
+    document_ids = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3])
+    with warnings.catch_warnings():  # FlexAttention on CPU warns that it runs uncompiled
+        warnings.simplefilter("ignore")
+        out = document_attention(q, k, v, build_document_mask(document_ids, q.shape[-1], backend))
+    for start, stop in ((0, 5), (5, 9), (9, 12)):
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out[:, :, start:stop], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_one_document_per_row_is_the_unpacked_model():
+    model = tiny_model()
+    ids = random_ids(VOCAB, 2, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, torch.zeros_like(ids)), model(ids), rtol=1e-5, atol=1e-5)
+    assert model.kernel_path()["attention"] == "torch_sdpa"
+
+
+def per_example_losses(model, shard, examples) -> dict[int, float]:
+    """Each example run alone: its summed cross-entropy."""
+    losses = {}
+    for example in examples:
+        ids, labels = shard[int(example)]
+        loss, _ = chunked_cross_entropy_sum(model(ids[None]), model.head_weight, labels[None], 7)
+        losses[int(example)] = float(loss)
+    return losses
+
+
+@torch.no_grad()
+def test_packed_batch_gives_each_example_its_unpacked_loss(shard):
+    model = tiny_model(seed=2)
+    plan = plan_packs(shard.lengths, 48)
+    input_ids, labels, document_ids, example_index = collate_packed(shard, plan, range(len(plan)))
+    hidden = model(input_ids, document_ids)
+    assert model.kernel_path()["attention"] == "sdpa_mask"
+    alone = per_example_losses(model, shard, plan.members)
+    for example, want in alone.items():
+        mine = torch.where(example_index == example, labels, IGNORE_INDEX)
+        got, count = chunked_cross_entropy_sum(hidden, model.head_weight, mine, 7)
+        assert count == shard.supervised_counts[example]
+        assert abs(float(got) - want) < 1e-4 * max(1.0, abs(want)), example
+    # Without the document mask the same windows give other losses: the mask is doing the work.
+    leaky = model(input_ids)
+    example = int(plan.window(0)[1])
+    mine = torch.where(example_index == example, labels, IGNORE_INDEX)
+    assert abs(float(chunked_cross_entropy_sum(leaky, model.head_weight, mine, 7)[0]) - alone[example]) > 1e-3
+
+
+def test_packed_gradients_equal_the_sum_of_unpacked_gradients(shard):
+    model = tiny_model(seed=3)
+    plan = plan_packs(shard.lengths, 48)
+    windows = range(min(len(plan), 3))
+    input_ids, labels, document_ids, _ = collate_packed(shard, plan, windows)
+    loss, _ = chunked_cross_entropy_sum(model(input_ids, document_ids), model.head_weight, labels, 7)
+    loss.backward()
+    packed = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    for example in plan.examples_of(windows):
+        ids, labs = shard[int(example)]
+        chunked_cross_entropy_sum(model(ids[None]), model.head_weight, labs[None], 7)[0].backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_activation_checkpointing_keeps_packed_gradients():
+    ids = random_ids(VOCAB, 1, 32, seed=4)
+    document_ids = torch.tensor([[0] * 6 + [1] * 8 + [2] * 4 + [3] * 10 + [4] * 4])
+    labels = torch.roll(ids, -1)
+    grads = []
+    for grad_ckpt in (False, True):
+        model = tiny_model(seed=6).train()
+        model.grad_ckpt = grad_ckpt
+        chunked_cross_entropy_sum(model(ids, document_ids), model.head_weight, labels, 16)[0].backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)

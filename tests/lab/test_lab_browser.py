@@ -1,0 +1,342 @@
+"""The notebooks as a person uses them: JupyterLab in Debian's Chromium, driven by Playwright.
+
+JupyterLab runs headless on localhost (a random free port, a token), started
+the way `make lab` starts it (cflib.lab: the `cflib` kernel only). Each
+notebook of SMOKE_RUNS is copied with its smoke parameters injected as
+papermill would inject them, opened, run with Run > Run All Cells, and checked
+once the kernel is idle: every code cell ran, a progress widget rendered, a plot
+image exists, no cell shows an error (on the page and in the saved notebook).
+A screenshot of the whole notebook lands in outputs/lab/ (`make screenshots`
+copies them to outputs/screenshots/, which the README shows). JupyterLab is
+shut down through its API, and no process it or the browser started may be
+left running.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+import pytest
+from papermill.iorw import load_notebook_node
+from papermill.parameterize import parameterize_notebook
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from cflib.lab.jupyter import lab_command
+from cflib.train.params import load_params_file
+
+try:
+    from processes import descendants, still_running
+except ImportError:
+    from tests.processes import descendants, still_running
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOTS = ROOT / "outputs" / "lab"
+
+# Adding a notebook is one line: its smoke parameters (a params file or None for the notebook's
+# defaults, then values over it; "{tmp}" is this test's own folder, so runs write nothing into outputs/).
+SMOKE_RUNS = {
+    "train_sft.ipynb": ("params/smoke.yaml", {"out_dir": "{tmp}/train_sft-run"}),
+    "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run"}),
+    "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run"}),
+    "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run"}),
+}
+
+# Bounds for a loaded 2-core CI machine; each names what it waited for when it runs out.
+SERVER_START_S = 120
+KERNEL_READY_S = 120
+RUN_ALL_S = 480
+# What the page shows after a click or a keystroke comes from the kernel: allow a loaded machine time.
+expect.set_options(timeout=30_000)
+# Chromium as the machine allows it: no sandbox as root, no GPU, no calls home on a closed network.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# This test's JupyterLab user settings: no news prompt over the page, no autosave racing the
+# test's own save, every cell in the page (not only those in view) and no blank space after the
+# last one, for the full-length screenshot.
+LAB_SETTINGS = {
+    "@jupyterlab/apputils-extension/notification": {"fetchNews": "false"},
+    "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
+    "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none", "scrollPastEnd": False},
+}
+
+
+@dataclass
+class Lab:
+    url: str
+    token: str
+    root: Path  # JupyterLab's root: the test's copies of the notebooks
+    tmp: Path
+    log: Path
+    browser: Browser
+    executed: dict[str, Page] = field(default_factory=dict)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _api(lab_url: str, token: str, path: str, method: str = "GET") -> bytes:
+    request = urllib.request.Request(f"{lab_url}{path}", method=method, headers={"Authorization": f"token {token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.read()
+
+
+def _wait_for_server(process: subprocess.Popen, url: str, token: str, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"JupyterLab exited with code {process.returncode} while starting:\n{log.read_text()[-3000:]}")
+        try:
+            _api(url, token, "/api/status")
+            return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"JupyterLab did not answer on {url} within {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
+
+
+def _shut_down(process: subprocess.Popen, url: str, token: str) -> str | None:
+    """Stop JupyterLab through its API (it stops its kernels first); force it only if that fails."""
+    try:
+        _api(url, token, "/api/shutdown", method="POST")
+        process.wait(timeout=60)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as err:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return f"JupyterLab did not shut down through /api/shutdown ({err}); it was killed"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> Lab:
+    if not CHROMIUM.exists():
+        message = f"{CHROMIUM} is missing: `apt-get install chromium` (.ci/run installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)  # CI must run this test, never skip it
+        pytest.skip(message)
+    tmp = tmp_path_factory.mktemp("lab")
+    root = tmp / "notebooks"
+    root.mkdir()
+    for name, settings in LAB_SETTINGS.items():
+        path = tmp / "settings" / f"{name}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings))
+    port, token = _free_port(), secrets.token_hex(16)
+    url = f"http://127.0.0.1:{port}"
+    command = lab_command(root, "", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+                          "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+                          f"--LabApp.user_settings_dir={tmp / 'settings'}",
+                          f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
+                          "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate")
+    # Nothing from this machine's own Jupyter configuration or runtime folder.
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp / "config"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
+    log = tmp / "lab.log"
+    already_running = descendants(os.getpid())
+    started: set[int] = set()
+    problems: list[str] = []
+    with open(log, "w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    try:
+        _wait_for_server(process, url, token, log)
+        with ExitStack() as stack:
+            playwright = stack.enter_context(sync_playwright())
+            browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
+            stack.callback(browser.close)
+            try:
+                yield Lab(url, token, root, tmp, log, browser)
+            finally:
+                # Everything started for this test: JupyterLab, its kernels and whatever they ran,
+                # Playwright's driver and Chromium's processes.
+                started = descendants(os.getpid()) - already_running
+    finally:
+        started |= descendants(process.pid) | {process.pid}
+        if process.poll() is None:
+            problem = _shut_down(process, url, token)
+            if problem:
+                problems.append(problem)
+        left = still_running(started, timeout_s=30)
+        for pid in left:
+            try:
+                problems.append(f"left running: pid {pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:200]!r}")
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert not problems, "\n".join(problems)
+
+
+def _smoke_notebook(lab: Lab, name: str) -> Path:
+    """The notebook with its smoke parameters injected as papermill injects them, in JupyterLab's root."""
+    params_file, overrides = SMOKE_RUNS[name]
+    parameters = {**(load_params_file(ROOT / params_file) if params_file else {}),
+                  **{key: value.format(tmp=lab.tmp) if isinstance(value, str) else value
+                     for key, value in overrides.items()}}
+    notebook = parameterize_notebook(load_notebook_node(str(ROOT / "notebooks" / name)), parameters)
+    path = lab.root / name
+    nbformat.write(notebook, path)
+    return path
+
+
+PROMPTS_JS = "() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]" \
+             ".map(e => e.textContent.trim())"
+# Run All queues every cell: a cell shows [*] until it has run, [n] once it has, [ ] if never reached.
+FINISHED_JS = """() => {
+  const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]
+    .map(e => e.textContent.trim());
+  const status = document.querySelector('.jp-Notebook-ExecutionIndicator')?.getAttribute('data-status');
+  return prompts.some(p => /^\\[\\d+\\]:$/.test(p)) && !prompts.includes('[*]:') && status === 'idle';
+}"""
+TRACEBACKS_JS = """() => [...document.querySelectorAll('.jp-Notebook .jp-OutputArea-output')]
+  .map(e => e.textContent).filter(t => t.includes('Traceback (most recent call last)'))"""
+# JupyterLab 4 scrolls a notebook inside .jp-WindowedPanel-outer, not the page.
+SCROLL_TO_TOP_JS = """() => {
+  const outer = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
+  outer.scrollTop = 0;
+  return outer.scrollHeight - outer.clientHeight;
+}"""
+IMAGES_JS = """() => [...document.querySelectorAll('.jp-Notebook .jp-RenderedImage img')]
+  .map(img => img.complete ? img.naturalWidth : 0)"""
+
+
+def _menu(page: Page, menu: str, item: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(f"^{menu}$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(f"^{re.escape(item)}$")).click()
+
+
+def _wait_kernel_idle(page: Page, lab: Lab, what: str) -> None:
+    try:
+        expect(page.get_by_text("cflib | Idle")).to_be_visible(timeout=KERNEL_READY_S * 1000)
+    except AssertionError:
+        shot = SCREENSHOTS / "failed-kernel.png"
+        page.screenshot(path=shot)
+        pytest.fail(f"{what}: the cflib kernel was not idle within {KERNEL_READY_S} s (screenshot {shot}); "
+                    f"JupyterLab log:\n{lab.log_tail()}")
+
+
+def _run_until_idle(page: Page, lab: Lab, name: str) -> None:
+    try:
+        page.wait_for_function(FINISHED_JS, timeout=RUN_ALL_S * 1000, polling=500)
+    except Exception as err:  # Playwright's TimeoutError
+        shot = SCREENSHOTS / f"failed-{Path(name).stem}.png"
+        page.screenshot(path=shot, full_page=True)
+        pytest.fail(f"{name}: cells still running after {RUN_ALL_S} s ({err.__class__.__name__}); prompts "
+                    f"{page.evaluate(PROMPTS_JS)}; screenshot {shot}; JupyterLab log:\n{lab.log_tail()}")
+
+
+def run_notebook(lab: Lab, name: str) -> Page:
+    """Open the smoke copy of `name`, Run All Cells, wait for the kernel to go idle (once per notebook)."""
+    if name in lab.executed:
+        return lab.executed[name]
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    _smoke_notebook(lab, name)
+    page = lab.browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    # A workspace of its own, reset: JupyterLab would otherwise restore the notebooks other pages opened.
+    workspace = Path(name).stem.replace("_", "-")
+    page.goto(f"{lab.url}/lab/workspaces/{workspace}/tree/{name}?reset&token={lab.token}")
+    _wait_kernel_idle(page, lab, name)
+    _menu(page, "Run", "Run All Cells")
+    _run_until_idle(page, lab, name)
+    lab.executed[name] = page
+    return page
+
+
+def save_and_read(page: Page, lab: Lab, name: str) -> nbformat.NotebookNode:
+    """Save the notebook from the browser (Ctrl+S) and read what JupyterLab wrote."""
+    page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
+    page.keyboard.press("Escape")
+    page.keyboard.press("Control+s")
+    expect(page.locator(".jp-mod-dirty")).to_have_count(0, timeout=30_000)
+    return nbformat.read(lab.root / name, as_version=4)
+
+
+def screenshot(page: Page, name: str) -> Path:
+    """The whole notebook in one image: the side bar folded, the window made as tall as the notebook."""
+    left_tab = page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current")
+    if left_tab.count():
+        left_tab.click()
+    extra = page.evaluate(SCROLL_TO_TOP_JS)  # the notebook's hidden height
+    page.set_viewport_size({"width": 1400, "height": min(1000 + extra, 16_000)})
+    page.wait_for_timeout(500)  # one layout pass at the new size
+    page.evaluate(SCROLL_TO_TOP_JS)
+    path = SCREENSHOTS / f"{Path(name).stem}.png"
+    page.screenshot(path=path)
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE_RUNS))
+def test_notebook_runs_in_jupyterlab(lab, name):
+    page = run_notebook(lab, name)
+    prompts = page.evaluate(PROMPTS_JS)
+    unrun = [index for index, prompt in enumerate(prompts) if not re.fullmatch(r"\[\d+\]:", prompt)]
+    tracebacks = page.evaluate(TRACEBACKS_JS)
+    assert not tracebacks, f"{name}: a cell shows an error:\n{tracebacks[0][-2000:]}"
+    assert not unrun, f"{name}: code cells {unrun} never ran (prompts {prompts})"
+    assert page.locator(".jp-Notebook .widget-hprogress").count() >= 1, \
+        f"{name}: no progress widget rendered (tqdm.auto needs ipywidgets in the kernel's environment)"
+    widths = page.evaluate(IMAGES_JS)
+    assert widths and all(width > 0 for width in widths), f"{name}: no plot image rendered (widths {widths})"
+    expect(page.locator(".jp-Toolbar-kernelName")).to_have_text("cflib")
+    path = screenshot(page, name)
+    assert path.stat().st_size > 10_000, f"{path}: suspiciously small screenshot"
+
+    saved = save_and_read(page, lab, name)
+    code = [cell for cell in saved.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count for cell in code), f"{name}: the saved notebook has unexecuted cells"
+    errors = [o for cell in code for o in cell.outputs if o.output_type == "error"]
+    assert not errors, f"{name}: saved notebook holds an error: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+
+
+def test_train_form_follows_typing_and_reruns_the_notebook(lab):
+    """Edit the main parameters in the form, see the arithmetic follow, Apply, run the cells below."""
+    name = "train_sft.ipynb"
+    page = run_notebook(lab, name)
+    form = page.locator(".cflib-parameter-form")
+    expect(form).to_be_visible()
+    arithmetic = form.locator(".cflib-arithmetic")
+    expect(arithmetic).to_contain_text("accumulation     2 = global 32 / (micro 16 x world 1)")
+
+    def field(parameter: str):
+        return form.locator(".widget-text", has=page.get_by_text(parameter, exact=True)).locator("input")
+
+    field("micro_batch_per_rank").fill("8")
+    expect(arithmetic).to_contain_text("accumulation     4 = global 32 / (micro 8 x world 1)")
+    field("micro_batch_per_rank").fill("7")
+    expect(form.locator(".cflib-form-error")).to_contain_text("micro_batch_per_rank in [2, 4, 8]")
+    expect(form.get_by_role("button", name="Apply")).to_be_disabled()
+
+    form.locator("select").select_option(label="params/quickstart.yaml")
+    expect(arithmetic).to_contain_text("steps per epoch  344 (22,000 train examples / global 64)")
+    form.locator("select").select_option(label="params/smoke.yaml")
+    expect(arithmetic).to_contain_text("steps per epoch  688")
+    rerun = lab.tmp / "form-run"
+    field("max_steps").fill("2")
+    field("out_dir").fill(str(rerun))
+    form.get_by_role("button", name="Apply").click()
+    expect(form.locator(".cflib-form-applied")).to_contain_text("max_steps=2")
+
+    # The first cell below the form, then Run > Run Selected Cell and All Below.
+    page.locator(".jp-MarkdownCell", has_text="Check everything before training").click()
+    _menu(page, "Run", "Run Selected Cell and All Below")
+    expect(page.locator(".jp-OutputArea-output", has_text=f"out_dir            {rerun}")).to_be_visible(
+        timeout=RUN_ALL_S * 1000)
+    _run_until_idle(page, lab, name)
+    record = json.loads((rerun / "record.json").read_text())
+    assert record["schedule"]["steps_done"] == 2 and record["micro_batch_per_rank"] == 16

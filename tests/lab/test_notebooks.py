@@ -1,0 +1,158 @@
+"""The notebooks as papermill and JupyterLab see them: parameters, stripped outputs, real runs."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import nbformat
+import papermill
+import pytest
+
+from cflib import nbclean
+from cflib.lab.jupyter import KERNEL_NAME, LabError, lab_command
+from cflib.train.params import TrainParams, load_params_file
+from cflib.train.run import prepare
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_SFT = ROOT / "notebooks" / "train_sft.ipynb"
+
+
+def parameters_cell(path: Path) -> dict[str, object]:
+    notebook = nbformat.read(path, as_version=4)
+    cells = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, "exactly one cell tagged 'parameters'"
+    tree = ast.parse(cells[0].source)
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)}
+
+
+def test_parameters_cell_mirrors_train_params():
+    assert parameters_cell(TRAIN_SFT) == {name: getattr(TrainParams(), name) for name in TrainParams.names()}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_committed_notebooks_carry_only_nbval_reference_outputs(path):
+    """No outputs but nbval's references, kernel python3: `make strip` fixes a notebook saved in JupyterLab."""
+    assert nbclean.problems(nbformat.read(path, as_version=4)) == []
+
+
+def test_strip_undoes_what_a_jupyterlab_save_adds(tmp_path):
+    notebook = nbformat.read(TRAIN_SFT, as_version=4)
+    notebook.metadata.kernelspec = {"name": "cflib", "display_name": "cflib", "language": "python"}
+    notebook.metadata.language_info = {"name": "python", "version": "3.11.7", "mimetype": "text/x-python"}
+    notebook.metadata.widgets = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            cell.execution_count = 3
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="trained\n")]
+    saved = tmp_path / "train_sft.ipynb"
+    nbformat.write(notebook, saved)
+    assert nbclean.main(["--check", str(saved)]) == 1
+    found = nbclean.problems(nbformat.read(saved, as_version=4))
+    assert found[:2] == ["kernelspec 'cflib': the committed notebook names 'python3'",
+                         "saved widget state in the notebook metadata"]
+    assert any("train_form" in line for line in found)  # each dirty cell named
+    assert nbclean.main([str(saved)]) == 0 and nbclean.main(["--check", str(saved)]) == 0
+    cleaned = nbformat.read(saved, as_version=4)
+    kept = [cell.outputs for cell in cleaned.cells if nbclean.NBVAL_MARK in cell.source]
+    assert kept == [[nbformat.v4.new_output("stream", name="stdout", text="trained\n")]]  # nbval judges it
+    assert cleaned.metadata.kernelspec.name == "python3" and "widgets" not in cleaned.metadata
+
+
+def test_lab_offers_only_the_project_kernel():
+    command = lab_command(ROOT, "notebooks", "--port=9999")
+    assert f"--KernelSpecManager.allowed_kernelspecs={KERNEL_NAME}" in command
+    assert "--LabApp.default_url=/lab/tree/notebooks" in command and command[-1] == "--port=9999"
+
+
+def test_lab_without_the_registered_kernel_says_how_to_register_it(monkeypatch):
+    monkeypatch.setattr("cflib.lab.jupyter.KERNEL_NAME", "cflib-never-registered")
+    with pytest.raises(LabError, match="run `make setup`"):
+        lab_command()
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "params").glob("*.yaml")
+                                         if not p.name.startswith(("throughput_", "tune_"))), ids=lambda p: p.name)
+def test_params_files_validate(path):  # throughput_*, tune_*: tests/test_throughput.py, tests/test_tune.py
+    TrainParams.from_dict(load_params_file(path), source=str(path))
+
+
+def test_release_profile_without_its_inputs_names_the_missing_checkpoint():
+    params = TrainParams.from_dict({**load_params_file(ROOT / "params" / "sft_200m_release.yaml"), "device": "cpu"})
+    with pytest.raises(ValueError, match="tr-hash-200m-refinement"):
+        prepare(params)
+
+
+def test_papermill_runs_the_smoke_profile(tmp_path):
+    out_dir = tmp_path / "run"
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "max_steps": 6},
+        cwd=str(ROOT / "notebooks"), progress_bar=False)
+    notebook = nbformat.read(executed, as_version=4)
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "step 6/6" in text  # the text trace papermill keeps
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot
+    form_cell = next(c for c in notebook.cells if "train_form(globals())" in c.source)
+    assert form_cell.outputs == []  # no form under papermill
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["grad_accum"] == 2 and record["schedule"]["steps_done"] == 6
+    assert (out_dir / "loss_curves.png").is_file()
+
+
+def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(tmp_path):
+    """loss_groups, a nested mapping, reaches the notebook from the params YAML (-f)."""
+    out_dir = tmp_path / "run"
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        **load_params_file(ROOT / "params" / "smoke_weighted.yaml"), "out_dir": str(out_dir),
+        "exact_match_limit": 8}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    text = "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells
+                   if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
+    assert "| arithmetic | addition x no-carry |" in text and "preflight train: 22,000 examples" in text
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["kernel_path"]["attention"] == "sdpa_mask"  # packed windows, each example attending to itself
+    assert record["packing"]["examples"] == 22_000 and record["packing"]["examples_per_window"] > 3
+    cells = record["loss_weighting"]["cells"]
+    assert [c["cell"] for c in cells] == ["addition x carry", "addition x no-carry", "uppercase"]
+    for cell in cells:
+        assert cell["achieved_share"] == pytest.approx(cell["target_share"], abs=1e-12)
+        # 30 steps of shuffled windows (a few percent of an epoch): close to the targets, not exact
+        assert cell["trained_share"] == pytest.approx(cell["target_share"], abs=0.03), cell
+    assert (out_dir / "loss_weighting.json").is_file() and (out_dir / "loss_weighting.png").is_file()
+
+
+@pytest.mark.parametrize("notebook, misspelt", [("train_sft.ipynb", {"lrr": 0.1}),
+                                                ("tune_microbatch.ipynb", {"budget": 40})])
+def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, notebook, misspelt):
+    out_dir = tmp_path / "run"
+    with pytest.raises(papermill.PapermillExecutionError, match=f"unknown parameter '{next(iter(misspelt))}'"):
+        papermill.execute_notebook(str(ROOT / "notebooks" / notebook), str(tmp_path / "executed.ipynb"),
+                                   parameters={**misspelt, "out_dir": str(out_dir)},
+                                   cwd=str(ROOT / "notebooks"), progress_bar=False)
+    assert not out_dir.exists()
+
+
+def test_papermill_launches_torchrun_from_the_notebook(tmp_path):
+    out_dir = tmp_path / "run"
+    executed = tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "max_steps": 4,
+        "nproc_per_node": 2, "micro_batch_per_rank": 8}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    text = "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells
+                   if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
+    assert "[rank 0] step 4/4" in text and "[rank 1] step 4/4" in text  # every rank, streamed live
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["world_size"] == 2 and record["strategy"] == "ddp" and record["grad_accum"] == 2
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_nbval_sees_every_check_output_marker(path):
+    """nbval honours a marker only alone on its comment line; a cell it ignores would check nothing."""
+    from nbval.plugin import find_comment_markers
+    for cell in nbformat.read(path, as_version=4).cells:
+        if "NBVAL_CHECK_OUTPUT" in cell.source:
+            assert ("check", True) in list(find_comment_markers(cell.source)), cell.source[:60]
+            assert cell.outputs, "a checked cell needs its expected output committed"

@@ -1,0 +1,132 @@
+"""The package's shape: imports point one way between layers, no module imports itself back, modules stay short."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from cflib.paths import project_root
+
+PACKAGE = project_root() / "cflib"
+# Higher may import lower, never the other way; model and data share a rank and import neither each other.
+LAYERS = {"errors": 0, "atomic": 0, "paths": 0, "yamlio": 0, "ops": 1, "model": 2, "data": 2, "export": 3, "train": 4,
+          "bench": 5, "lab": 6}
+MAX_LINES = 450
+# Copied verbatim into exported bundles and run by transformers there: they import no cflib code.
+NOT_CFLIB_CODE = ("export/hub_modules",)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def cflib_sources() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))
+            if not any(part in path.relative_to(PACKAGE).as_posix() for part in NOT_CFLIB_CODE)}
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """Every cflib module `path` imports, at its top or inside a function, resolved to a module (not a name)."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    for block in ast.walk(tree):  # imports for type checkers only never run
+        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING":
+            block.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                       for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            raise AssertionError(f"{path}: relative import; cflib imports by absolute module path")
+        else:
+            continue
+        found.update(target for target in targets if target in modules)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the modules loading it loads. A module in another package also loads that package's face."""
+    sources = cflib_sources()
+    graph = {}
+    for name, path in sources.items():
+        edges = set()
+        for target in imported_modules(path, set(sources)):
+            edges.add(target)
+            package = ".".join(target.split(".")[:2])
+            if package != ".".join(name.split(".")[:2]) and package in sources:
+                edges.add(package)
+        graph[name] = edges - {name}
+    for name in sources:  # a package's face loads its submodules only through its own imports, counted above
+        graph.setdefault(name, set())
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def layer(module: str) -> tuple[str, int]:
+    top = module.split(".")[1] if "." in module else "cflib"
+    return top, LAYERS.get(top, 0)
+
+
+def test_no_import_cycle_inside_cflib():
+    assert find_cycle(import_graph()) is None, f"import cycle: {' -> '.join(find_cycle(import_graph()))}"
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"a2"}, "a2": {"b"}, "b": {"a2"}}) == ["a2", "b", "a2"]
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    for module, targets in import_graph().items():
+        package, rank = layer(module)
+        for target in targets:
+            target_package, target_rank = layer(target)
+            if target_package != package and target_rank >= rank:
+                wrong.append(f"{module} imports {target} ({package} is layer {rank}, {target_package} {target_rank})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_is_placed_in_a_layer():
+    packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    top_modules = {path.stem for path in PACKAGE.glob("*.py") if path.stem != "__init__"}
+    assert packages | top_modules <= set(LAYERS), f"not in LAYERS: {sorted(packages | top_modules - set(LAYERS))}"
+
+
+@pytest.mark.parametrize("name", sorted(cflib_sources()))
+def test_modules_stay_readable(name):
+    lines = cflib_sources()[name].read_text().count("\n")
+    assert lines <= MAX_LINES, f"{name} has {lines} lines (at most {MAX_LINES}): split it by concern"
+
+
+def test_each_package_says_what_it_owns_and_may_import():
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "import" in doc.lower(), f"{init}: the docstring says what the package owns and what it may import"

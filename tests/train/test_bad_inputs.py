@@ -1,0 +1,229 @@
+"""The bad-input battery: every public entry point fed what users get wrong.
+
+Each case must end in a clear error that names the culprit, before any
+optimizer step, and leave every file already in out_dir untouched.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cflib.data.shards import Example, write_partition
+from cflib.data.tasks import generate
+from cflib.data.tokenizer import ByteTokenizer
+from cflib.model.checkpoint import save_checkpoint
+from cflib.model.config import preset
+from cflib.model.decoder import TRMoEModel
+from cflib.train import train
+from cflib.train.plan import PlanError, validate_cluster_plan
+
+TOKENIZER = ByteTokenizer()
+GOOD = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 8, "max_steps": 2,
+        "exact_match_limit": 0, "device": "cpu"}
+
+
+def shard(root: Path, edit: Callable[[Path], None] | None = None, examples: list[Example] | None = None,
+          vocab_size: int = TOKENIZER.vocab_size) -> Path:
+    train_examples, eval_examples = generate(seed=3)
+    for name, chosen in (("train", examples or train_examples[:16]), ("eval", eval_examples[:4])):
+        write_partition(root / name, chosen, vocab_size=vocab_size, eos_token_id=0, max_seq_len=64)
+    if edit is not None:
+        edit(root / "train")
+    return root
+
+
+def rewrite(path: Path, dtype: str, change: Callable[[np.ndarray], np.ndarray]) -> None:
+    change(np.fromfile(path, dtype=dtype)).astype(dtype).tofile(path)
+
+
+def edit_json(path: Path, change: Callable[[dict], dict]) -> None:
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+def edit_rows(partition: Path, change: Callable[[list[dict]], list[dict]]) -> None:
+    rows = [json.loads(line) for line in (partition / "examples.jsonl").read_text().splitlines()]
+    (partition / "examples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in change(rows)))
+
+
+def checkpoint(root: Path, edit: Callable[[Path], None] | None = None) -> Path:
+    path = save_checkpoint(TRMoEModel(preset("smoke")), root)
+    if edit is not None:
+        edit(path)
+    return path
+
+
+def edit_tensors(path: Path, change: Callable[[dict], dict]) -> None:
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file(change(tensors), str(path / "model.safetensors"))
+
+
+def no_supervision(partition: Path) -> None:
+    rewrite(partition / "labels.bin", "<i4", lambda a: np.where(np.arange(a.size) < 20, -100, a))
+    edit_rows(partition, lambda rows: [{k: v for k, v in r.items() if k != "supervised_tokens"} for r in rows])
+
+
+def unshifted(partition: Path) -> None:
+    ids = np.fromfile(partition / "input_ids.bin", dtype="<u4").astype(np.int64)
+    rewrite(partition / "labels.bin", "<i4", lambda a: np.where(a != -100, ids, a))
+
+
+def unended(partition: Path) -> None:
+    """Rewrite the partition with each example's final EOS cut off: it looks truncated."""
+    examples = []
+    for example in generate(seed=3)[0][:16]:
+        labels = list(example.labels[:-1])
+        labels[-1] = -100
+        examples.append(Example(example.input_ids[:-1], labels, example.meta))
+    write_partition(partition, examples, vocab_size=TOKENIZER.vocab_size, eos_token_id=0, max_seq_len=64)
+
+
+def loss_groups(addition: float = 0.5, uppercase: float = 0.5, cells: dict | None = None) -> dict:
+    return {"arithmetic": {"target_share": addition, "tasks": list(cells or {"addition": 1.0}),
+                           "task_target_shares": cells or {"addition": 1.0}},
+            "text": {"target_share": uppercase, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
+
+
+# (id, build(tmp) -> parameter overrides, expected error type, words the message must contain)
+CASES = [
+    # --- notebook parameters -----------------------------------------------------------------------------
+    ("unknown-name", lambda t: {"learning_rate": 1e-3}, ValueError, ["learning_rate"]),
+    ("lr-not-a-number", lambda t: {"lr": "fast"}, ValueError, ["lr", "fast"]),
+    ("lr-nan", lambda t: {"lr": "nan"}, ValueError, ["lr"]),
+    ("lr-negative", lambda t: {"lr": -1e-3}, ValueError, ["lr"]),
+    ("beta1-one", lambda t: {"beta1": 1.0}, ValueError, ["beta1"]),
+    ("warmup-whole-run", lambda t: {"warmup_ratio": 1.0}, ValueError, ["warmup_ratio"]),
+    ("micro-batch-zero", lambda t: {"micro_batch_per_rank": 0}, ValueError, ["micro_batch_per_rank"]),
+    ("global-batch-negative", lambda t: {"global_batch": -8}, ValueError, ["global_batch"]),
+    ("global-batch-unreachable", lambda t: {"global_batch": 10}, ValueError, ["global_batch 10", "nearest valid"]),
+    ("bool-not-bool", lambda t: {"bf16": "maybe"}, ValueError, ["bf16"]),
+    ("device-unknown", lambda t: {"device": "tpu"}, ValueError, ["device", "tpu"]),
+    ("parameter-efficient", lambda t: {"full_parameter": False}, ValueError, ["full_parameter"]),
+    ("strategy-unknown", lambda t: {"strategy": "zero3"}, ValueError, ["strategy"]),
+    ("nodes-without-endpoint", lambda t: {"nnodes": 2}, ValueError, ["rdzv_endpoint"]),
+    ("model-unknown", lambda t: {"model": "gpt-5"}, ValueError, ["gpt-5"]),
+    ("seq-len-past-positions", lambda t: {"seq_len": 100_000}, ValueError, ["seq_len", "max_position_embeddings"]),
+    ("max-steps-negative", lambda t: {"max_steps": -1}, ValueError, ["max_steps"]),
+    ("out-dir-is-a-file", lambda t: {"out_dir": str(t / "afile")}, ValueError, ["afile", "not a directory"]),
+    # --- the shard reader --------------------------------------------------------------------------------
+    ("shard-root-missing", lambda t: {"data": str(t / "nowhere")}, ValueError, ["nowhere"]),
+    ("partition-missing", lambda t: {"data": str(shard(t / "s", lambda p: (p / "sft.idx.json").unlink()))},
+     ValueError, ["sft.idx.json", "missing"]),
+    ("bin-truncated", lambda t: {"data": str(shard(t / "s", lambda p: rewrite(p / "input_ids.bin", "<u4",
+                                                                              lambda a: a[:-1])))},
+     ValueError, ["input_ids.bin", "truncated"]),
+    ("labels-misaligned", lambda t: {"data": str(shard(t / "s", unshifted))},
+     ValueError, ["labels.bin", "row 0", "causally aligned"]),
+    ("id-out-of-vocabulary", lambda t: {"data": str(shard(t / "s", lambda p: rewrite(
+        p / "input_ids.bin", "<u4", lambda a: np.where(np.arange(a.size) == 3, 5000, a))))},
+     ValueError, ["input_ids.bin", "row 0", "5000"]),
+    ("label-out-of-vocabulary", lambda t: {"data": str(shard(t / "s", lambda p: rewrite(
+        p / "labels.bin", "<i4", lambda a: np.where(a != -100, -5, a))))}, ValueError, ["labels.bin", "-5"]),
+    ("no-supervised-token", lambda t: {"data": str(shard(t / "s", no_supervision))},
+     ValueError, ["labels.bin", "row 0", "no supervised token"]),
+    ("example-longer-than-seq-len", lambda t: {"data": str(shard(t / "s")), "seq_len": 12},
+     ValueError, ["examples.jsonl", "seq_len 12"]),
+    ("index-past-the-end", lambda t: {"data": str(shard(t / "s", lambda p: edit_rows(
+        p, lambda rows: rows[:-1] + [{**rows[-1], "num_tokens": rows[-1]["num_tokens"] + 50}])))},
+     ValueError, ["examples.jsonl", "falls outside"]),
+    ("row-count-mismatch", lambda t: {"data": str(shard(t / "s", lambda p: edit_rows(p, lambda rows: rows[:-1])))},
+     ValueError, ["examples.jsonl", "rows"]),
+    ("empty-partition", lambda t: {"data": str(shard(t / "s", lambda p: (
+        (p / "examples.jsonl").write_text(""), edit_json(p / "sft.idx.json", lambda d: {**d, "examples": 0}))))},
+     ValueError, ["no examples"]),
+    ("wrong-format", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "format": "some-other-v1"})))}, ValueError, ["format", "some-other-v1"]),
+    ("shard-vocabulary-too-large", lambda t: {"data": str(shard(t / "s", vocab_size=50_000))},
+     ValueError, ["vocab_size 50000"]),
+    ("shard-file-changed", lambda t: {"data": str(shard(t / "s", lambda p: edit_rows(
+        p, lambda rows: [{**rows[0], "task": "renamed"}] + rows[1:])))}, ValueError, ["examples.jsonl", "sha256"]),
+    ("shard-not-release-ready", lambda t: {"data": str(shard(t / "s", unended)), "require_release_ready": True},
+     ValueError, ["not release-ready", "do not end with EOS"]),
+    # --- 2-D loss weighting --------------------------------------------------------------------------------
+    ("loss-group-shares-not-one", lambda t: {"loss_groups": loss_groups(0.5, 0.6)}, ValueError,
+     ["loss_groups", "sum to 1.1"]),
+    ("loss-cell-shares-not-one", lambda t: {"loss_groups": loss_groups(
+        cells={"addition x carry": 0.7, "addition x no-carry": 0.4})}, ValueError, ["'arithmetic'", "sum to 1.1"]),
+    ("loss-cell-without-share", lambda t: {"loss_groups": {**loss_groups(), "text": {
+        "target_share": 0.5, "tasks": ["uppercase"], "task_target_shares": {}}}},
+     ValueError, ["missing ['uppercase']"]),
+    ("loss-cell-repeated", lambda t: {"loss_groups": {**loss_groups(), "text": {
+        "target_share": 0.5, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}}}}, ValueError,
+     ["'addition'", "exactly once"]),
+    ("loss-cell-missing-from-groups", lambda t: {"loss_groups": {"all": {
+        "target_share": 1.0, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}}}}, ValueError,
+     ["fall in no cell", "'uppercase'"]),
+    ("loss-cell-absent-from-data", lambda t: {"loss_groups": {**loss_groups(), "text": {
+        "target_share": 0.5, "tasks": ["uppercase", "poetry"],
+        "task_target_shares": {"uppercase": 0.5, "poetry": 0.5}}}},
+     ValueError, ["'poetry'", "no visible supervised token"]),
+    ("loss-weight-over-cap", lambda t: {"loss_groups": loss_groups(0.05, 0.95), "max_task_loss_weight": 1.5},
+     ValueError, ["'uppercase'", "max_task_loss_weight 1.5"]),
+    # --- the checkpoint loader ---------------------------------------------------------------------------
+    ("checkpoint-missing", lambda t: {"init_checkpoint": str(t / "nockpt")}, ValueError, ["nockpt"]),
+    ("config-missing", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: (p / "config.json").unlink()))},
+     ValueError, ["config.json"]),
+    ("config-contradictory", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "head_dim": 7})))}, ValueError, ["head_dim"]),
+    ("config-keys-missing-shape", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {k: v for k, v in d.items() if k != "hidden_size"})))},
+     ValueError, ["shape"]),
+    ("checkpoint-of-another-shape", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "num_experts": 2, "intermediate_size": 32})))},
+     ValueError, ["expert_gate", "shape"]),
+    ("tensor-missing", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
+        p, lambda d: {k: v for k, v in d.items() if k != "norm.weight"})))}, ValueError, ["norm.weight"]),
+    ("weights-corrupt", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: (
+        p / "model.safetensors").write_bytes(b"\x00" * 64)))}, ValueError, ["model.safetensors"]),
+    ("route-table-out-of-range", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
+        p, lambda d: {**d, "layers.0.mlp.engine.route_table": torch.full_like(d["layers.0.mlp.engine.route_table"], 9)})))},
+     ValueError, ["layers.0.mlp.engine.route_table"]),
+]
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("build, error, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_fails_clearly_before_training_and_keeps_out_dir(tmp_path, build, error, words):
+    out_dir = tmp_path / "earlier-run"
+    (out_dir / "checkpoints" / "epoch-1").mkdir(parents=True)
+    (out_dir / "checkpoints" / "epoch-1" / "model.safetensors").write_bytes(b"weights worth keeping")
+    (out_dir / "record.json").write_text('{"earlier": true}')
+    (out_dir / "metrics.jsonl").write_text('{"event": "train", "step": 1}\n')
+    (tmp_path / "afile").write_text("a file, not a folder")
+    before = digest(out_dir)
+    overrides = build(tmp_path)
+    params = {**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(out_dir), **overrides}
+    with pytest.raises(error) as caught:
+        train(params, progress=False)
+    for word in words:
+        assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+    assert digest(out_dir) == before  # nothing overwritten, nothing appended, no optimizer step logged
+
+
+def test_the_battery_is_large():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("plan, words", [
+    ({"model": {"preset": "tr_hash_200m"}, "parallel": {"tp": 1, "pp": 1, "dp": 8, "micro_batch_per_rank": 16,
+      "global_batch": 100}, "run": {"seq_len": 2048, "target_tokens": 1e9}}, ["parallel.global_batch"]),
+    ({"model": {"preset": "tr_hash_200m"}, "parallel": {"tp": 4, "pp": 1, "dp": 2, "micro_batch_per_rank": 16,
+      "global_batch": 32}, "run": {"seq_len": 2048, "target_tokens": 1e9}}, ["parallel.tp"]),
+    ({"model": {"preset": "tr_hash_200m"}, "parallel": {"tp": 1, "pp": 1, "dp": 8, "micro_batch_per_rank": 16,
+      "global_batch": 128}, "run": {"seq_len": 2048, "target_tokens": 1e9, "world_size": 16}}, ["world_size"]),
+])
+def test_the_planner_refuses_broken_plans(plan, words):
+    with pytest.raises(PlanError) as caught:
+        validate_cluster_plan(plan)
+    for word in words:
+        assert word in str(caught.value)

@@ -1,0 +1,163 @@
+"""Data parallelism on CPU with real torchrun processes (gloo): equivalence, sharding, nodes, failures."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cflib.lab.report import summary
+from cflib.model.checkpoint import load_checkpoint
+from cflib.model.config import preset
+from cflib.train import prepare, train
+from cflib.train.distributed import DistContext, epoch_stream, memory_estimate, rank_share
+from cflib.train.launch import LaunchError, fit
+from cflib.train.params import ParamError, TrainParams
+from cflib.train.records import read_metrics
+
+try:
+    from processes import wait_until_gone, worker_pids
+except ImportError:  # run from the repository root as a package
+    from tests.processes import wait_until_gone, worker_pids
+
+BASE = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 16, "lr": 3e-3,
+        "exact_match_limit": 0, "device": "cpu", "max_steps": 3, "eval_at_start": False}
+
+
+def train_losses(out_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out_dir / "metrics.jsonl") if r["event"] == "train"]
+
+
+@pytest.mark.parametrize("num_examples, world, micro, accum", [(40, 2, 4, 2), (37, 3, 2, 2), (64, 2, 8, 4)])
+def test_ranks_share_each_epoch_once_plus_counted_fill_ins(num_examples, world, micro, accum):
+    global_batch = micro * world * accum
+    order, fill_ins = epoch_stream(num_examples, seed=5, epoch=2, global_batch=global_batch)
+    assert fill_ins == -num_examples % global_batch and len(order) % global_batch == 0
+    seen = []
+    for start in range(0, len(order), global_batch):
+        shares = [rank_share(order[start:start + global_batch], DistContext(rank, world)) for rank in range(world)]
+        assert all(len(share) == micro * accum for share in shares)
+        seen += [int(i) for share in shares for i in share]
+    counts = np.bincount(seen, minlength=num_examples)
+    assert (counts >= 1).all() and counts.sum() == num_examples + fill_ins  # every example, fill-ins counted
+    assert (counts == 2).sum() == fill_ins
+
+
+def test_epochs_reshuffle_reproducibly():
+    first, _ = epoch_stream(50, seed=1, epoch=1, global_batch=10)
+    assert np.array_equal(first, epoch_stream(50, seed=1, epoch=1, global_batch=10)[0])
+    assert not np.array_equal(first, epoch_stream(50, seed=1, epoch=2, global_batch=10)[0])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_give_the_losses_of_one(tmp_path, strategy):
+    single = train({**BASE, "out_dir": str(tmp_path / "one")}, progress=False)
+    double = train({**BASE, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": strategy},
+                   progress=False)
+    assert single["world_size"] == 1 and double["world_size"] == 2 and double["strategy"] == strategy
+    assert double["device"]["count"] == 2
+    assert double["grad_accum"] == 2 and single["grad_accum"] == 4
+    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=1e-5)
+    a = load_checkpoint(tmp_path / "one" / "checkpoints" / "last").state_dict()
+    b = load_checkpoint(tmp_path / "two" / "checkpoints" / "last").state_dict()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_two_processes_pack_and_weight_like_one(tmp_path):
+    """Workers skip the preflight their launcher ran, plan the same windows and weigh the same tokens."""
+    groups = {"arithmetic": {"target_share": 0.4, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},
+              "text": {"target_share": 0.6, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
+    packed = {**BASE, "pack_sequences": True, "loss_groups": groups}
+    single = train({**packed, "out_dir": str(tmp_path / "one")}, progress=False)
+    double = train({**packed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2}, progress=False)
+    assert double["world_size"] == 2 and double["kernel_path"]["attention"] == "sdpa_mask"
+    assert double["packing"] == single["packing"] and double["loss_weighting"] == single["loss_weighting"]
+    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=1e-5)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_rendezvous_on_localhost(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = {**BASE, "out_dir": str(tmp_path / "run"), "nnodes": 2, "rdzv_endpoint": endpoint}
+    results: dict[int, object] = {}
+
+    def node(rank: int) -> None:
+        try:
+            results[rank] = fit(prepare(TrainParams.from_dict({**common, "node_rank": rank})), progress=False)
+        except Exception as err:  # reported below, from the main thread
+            results[rank] = err
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert results[0]["world_size"] == 2, results
+    assert results[1] == {"node_rank": 1, "world_size": 2}, results
+    assert "rank 0 writes the record" in summary(results[1])  # the notebook's later cells on node 1
+    assert len(train_losses(tmp_path / "run")) == 3
+
+
+def test_killing_a_rank_ends_the_job_promptly_with_its_error(tmp_path):
+    out_dir = tmp_path / "run"
+    run = prepare(TrainParams.from_dict({**BASE, "out_dir": str(out_dir), "nproc_per_node": 2,
+                                         "max_steps": 100_000, "save_checkpoints": False}))
+    outcome: dict[str, object] = {}
+
+    def launch() -> None:
+        try:
+            fit(run, progress=False)
+        except LaunchError as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (out_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # mid-training, not mid-start-up
+    pids = worker_pids(out_dir)
+    assert len(pids) == 2, f"workers not found: {pids}"
+    killed = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the job hung after a rank died"
+    assert time.monotonic() - killed < 30
+    message = str(outcome["error"])
+    assert "torchrun exited" in message and "Signal 9" in message
+    assert wait_until_gone(out_dir), "orphan workers left behind"
+
+
+def test_launch_parameters_are_checked_before_anything_starts(tmp_path):
+    with pytest.raises(ParamError, match="rdzv_endpoint"):
+        TrainParams.from_dict({**BASE, "nnodes": 2})
+    with pytest.raises(ParamError, match="node_rank 2"):
+        TrainParams.from_dict({**BASE, "nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"})
+    with pytest.raises(ParamError, match="global_batch 16 is not a multiple .* world_size 3"):
+        TrainParams.from_dict({**BASE, "nproc_per_node": 3})
+    with pytest.raises(ParamError, match="strategy"):
+        TrainParams.from_dict({**BASE, "strategy": "zero3"})
+
+
+def test_strategy_auto_chooses_ddp_when_model_and_optimizer_fit(tmp_path):
+    run = prepare(TrainParams.from_dict({**BASE, "out_dir": str(tmp_path / "r"), "nproc_per_node": 2}))
+    assert run.strategy == "ddp" and run.memory_estimate["fits_one_device"]
+    h200 = memory_estimate(preset("tr_hash_200m"), 16, 2048, bf16=True, grad_ckpt=False,
+                           device_memory_bytes=140 * 2**30)
+    # 201M x 16 B = 3.0 GiB of state + 72 x 16 x 2048 x 16 x 896 B = 31.5 GiB of activations
+    assert h200["model_and_optimizer_bytes"] == 16 * 201_194_368 and h200["fits_one_device"]
+    assert h200["activation_bytes"] == 72 * 16 * 2048 * 16 * 896
+    card_32 = dict(device_memory_bytes=32 * 2**30, micro_batch_per_rank=16, seq_len=2048, bf16=True)
+    assert not memory_estimate(preset("tr_hash_200m"), grad_ckpt=False, **card_32)["fits_one_device"]
+    assert memory_estimate(preset("tr_hash_200m"), grad_ckpt=True, **card_32)["fits_one_device"]

@@ -1,0 +1,182 @@
+"""cflib.train.params: every parameter is checked before anything runs, and errors name it."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from cflib.bench.throughput import ThroughputParams
+from cflib.train.params import ParamError, TrainParams, gradient_accumulation, load_params_file
+
+PARAMS_DIR = Path(__file__).resolve().parents[2] / "params"
+
+
+def param_error(raw: dict, **kwargs) -> str:
+    with pytest.raises(ParamError) as excinfo:
+        TrainParams.from_dict(raw, **kwargs)
+    return str(excinfo.value)
+
+
+def names(message: str, name: str) -> bool:
+    return re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", message) is not None
+
+
+def test_defaults_validate():
+    params = TrainParams()
+    params.validate()
+    assert TrainParams.from_dict({}) == params
+    assert params.full_parameter is True
+
+
+def test_unknown_parameter_suggests_the_close_match():
+    message = param_error({"lrr": 0.1})
+    assert "'lrr'" in message
+    assert "did you mean 'lr'" in message
+    message = param_error({"global_bach": 8}, source="params/x.yaml")
+    assert "params/x.yaml" in message and "did you mean 'global_batch'" in message
+
+
+def test_papermill_strings_are_coerced():
+    params = TrainParams.from_dict({
+        "grad_ckpt": "true", "fp32_loss": "False", "max_steps": "None", "lr": "1e-3", "seq_len": "12",
+        "max_grad_norm": "null", "out_dir": "None", "seed": " 7 ", "weight_decay": "0",
+    })
+    assert params.grad_ckpt is True
+    assert params.fp32_loss is False
+    assert params.max_steps is None and params.max_grad_norm is None and params.out_dir is None
+    assert params.lr == 1e-3 and isinstance(params.lr, float)
+    assert params.seq_len == 12 and type(params.seq_len) is int
+    assert params.seed == 7
+    assert params.weight_decay == 0.0 and isinstance(params.weight_decay, float)
+
+
+def test_yaml_typed_values_are_accepted():
+    params = TrainParams.from_dict({"lr": 1, "max_steps": 5.0, "bf16": True, "data": Path("some/shard")})
+    assert params.lr == 1.0 and isinstance(params.lr, float)
+    assert params.max_steps == 5 and type(params.max_steps) is int
+    assert params.data == "some/shard"
+
+
+@pytest.mark.parametrize("name, value", [
+    ("seq_len", "twelve"), ("seq_len", 1.5), ("seq_len", True), ("lr", "fast"), ("lr", False),
+    ("grad_ckpt", "maybe"), ("grad_ckpt", 2), ("data", 3), ("model", None), ("epochs", "None"),
+])
+def test_wrong_types_name_the_parameter(name, value):
+    message = param_error({name: value})
+    assert names(message, name), message
+
+
+@pytest.mark.parametrize("name, value", [
+    ("lr", -1e-3), ("lr", 0.0), ("beta1", 1.0), ("beta2", 1.5), ("beta1", -0.1), ("warmup_ratio", 1.0),
+    ("warmup_ratio", -0.5), ("device", "tpu"), ("max_steps", -1), ("seq_len", 0), ("epochs", -2),
+    ("weight_decay", -0.1), ("max_grad_norm", 0.0), ("eval_every_steps", 0), ("exact_match_limit", -3),
+    ("loss_chunk_tokens", 0),
+])
+def test_out_of_range_values_name_the_parameter(name, value):
+    message = param_error({name: value})
+    assert names(message, name), message
+
+
+@pytest.mark.parametrize("name", ["lr", "weight_decay", "beta1", "beta2", "warmup_ratio", "max_grad_norm"])
+def test_nan_is_refused(name):
+    """`-p weight_decay nan` must not reach the optimizer: NaN is in no valid range."""
+    message = param_error({name: "nan"})
+    assert names(message, name), message
+
+
+def test_parameter_efficient_request_is_refused():
+    message = param_error({"full_parameter": "false"})
+    assert "parameter-efficient" in message
+    assert names(message, "full_parameter")
+
+
+def test_impossible_batch_arithmetic_offers_valid_alternatives():
+    message = param_error({"global_batch": 100, "micro_batch_per_rank": 32})
+    assert names(message, "global_batch")
+    assert "96" in message and "128" in message
+    micro = re.search(r"micro_batch_per_rank in \[([\d, ]+)\]", message)
+    assert micro, message
+    options = [int(m) for m in micro.group(1).split(",")]
+    assert options and all(100 % m == 0 for m in options)
+    for m in options:  # each offered alternative really runs
+        TrainParams.from_dict({"global_batch": 100, "micro_batch_per_rank": m})
+
+
+def test_gradient_accumulation():
+    assert gradient_accumulation(64, 8, 2) == 4
+    assert gradient_accumulation(32, 32, 1) == 1
+    assert gradient_accumulation(96, 4, 3) == 8
+    with pytest.raises(ParamError, match="global_batch"):
+        gradient_accumulation(64, 8, 3)
+
+
+def test_from_namespace_ignores_notebook_machinery():
+    import os
+
+    class Shell:
+        def __call__(self):
+            return self
+
+    def helper():
+        return 1
+
+    namespace = {
+        "os": os, "math_mod": math, "helper": helper, "len": len, "TrainParams": TrainParams,
+        "_": "last output", "__name__": "__main__", "_i1": "lr = 1", "In": ["", "lr = 1"], "Out": {1: 2},
+        "get_ipython": Shell(), "exit": Shell(), "lr": "3e-4", "max_steps": 5, "full_parameter": True,
+    }
+    params = TrainParams.from_namespace(namespace)
+    assert params.lr == 3e-4 and params.max_steps == 5
+
+    message = str(pytest.raises(ParamError, TrainParams.from_namespace, {**namespace, "batch": 8}).value)
+    assert "'batch'" in message
+
+
+def test_from_namespace_survives_a_rerun_after_the_whole_notebook():
+    # JupyterLab keeps what later cells made: the params object, the run, the record.
+    namespace = {"lr": 0.01, "params": TrainParams(), "record": {"eval": {}}, "run": object()}
+    assert TrainParams.from_namespace(namespace).lr == 0.01
+
+
+def test_repository_parameter_files_validate():
+    from cflib.bench.tune import TuneParams
+
+    for path in sorted(PARAMS_DIR.glob("*.yaml")) + sorted(PARAMS_DIR.glob("*.yml")):
+        if path.name.startswith("throughput_"):
+            kind = ThroughputParams
+        else:  # tune_*: the microbatch tuner's
+            kind = TuneParams if path.name.startswith("tune_") else TrainParams
+        kind.from_dict(load_params_file(path), source=str(path))  # raises, naming the file
+
+
+def test_load_params_file(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("lr: 3.0e-4\nmax_steps: null\nbf16: false\nmodel: quickstart\n")
+    raw = load_params_file(good)
+    assert raw == {"lr": 3e-4, "max_steps": None, "bf16": False, "model": "quickstart"}
+    assert TrainParams.from_dict(raw).model == "quickstart"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# only a comment\n")
+    assert load_params_file(empty) == {}
+
+
+@pytest.mark.parametrize("content", [None, "lr: [1e-3\n", "- lr\n- 1e-3\n", "just a string\n"])
+def test_load_params_file_errors(tmp_path, content):
+    path = tmp_path / "bad.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ParamError) as excinfo:
+        load_params_file(path)
+    assert str(path) in str(excinfo.value)
+
+
+@pytest.mark.parametrize("raw, expected", [(True, "true"), (False, "false"), ("AUTO", "auto"), (" true ", "true")])
+def test_use_custom_kernels_accepts_booleans_and_strings(raw, expected):
+    assert TrainParams.from_dict({"use_custom_kernels": raw}).use_custom_kernels == expected
+
+
+def test_use_custom_kernels_rejects_other_words():
+    with pytest.raises(ParamError, match="use_custom_kernels must be one of"):
+        TrainParams.from_dict({"use_custom_kernels": "fast"})

@@ -1,0 +1,163 @@
+"""Kill a run with SIGKILL mid-epoch, resume it, and end with the weights of an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from sft_shard_helpers import write_shard
+
+from cflib.data.tasks import generate
+from cflib.model.checkpoint import CheckpointError, load_checkpoint
+from cflib.train import train
+from cflib.train.params import ParamError
+from cflib.train.records import read_metrics
+
+try:
+    from processes import wait_until_gone
+except ImportError:  # run from the repository root as a package
+    from tests.processes import wait_until_gone
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory) -> Path:
+    train_examples, eval_examples = generate(seed=2)
+    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:40], eval_examples[:8], max_seq_len=64)
+
+
+def params(shard: Path, out_dir: Path, **overrides) -> dict:
+    # 40 examples, 16 per step: 3 steps an epoch (8 fill-ins), 12 epochs, a resumable checkpoint every 4 steps.
+    return {"model": "smoke", "data": str(shard), "out_dir": str(out_dir), "seq_len": 64, "micro_batch_per_rank": 4,
+            "global_batch": 16, "epochs": 12, "max_steps": None, "lr": 3e-3, "exact_match_limit": 0,
+            "device": "cpu", "save_every_steps": 4, **overrides}
+
+
+def start_and_kill(run_params: dict, out_dir: Path, after_checkpoint: str) -> None:
+    """Run training in a child process and SIGKILL its whole process group once a checkpoint exists."""
+    code = "import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
+    child = subprocess.Popen([sys.executable, "-c", code, json.dumps(run_params)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out_dir / "checkpoints" / after_checkpoint).is_dir():
+        assert child.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert wait_until_gone(out_dir), "torchrun workers outlived the killed launcher"
+    assert not (out_dir / "record.json").exists(), "killed too late: the run had finished"
+
+
+def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(out_dir / "checkpoints" / "epoch-12").state_dict()
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
+
+
+def test_killed_single_process_run_resumes_to_the_uninterrupted_weights(tmp_path, shard):
+    reference = train(params(shard, tmp_path / "whole"), progress=False)
+    start_and_kill(params(shard, tmp_path / "killed"), tmp_path / "killed", after_checkpoint="step-8")
+    resumed = train(params(shard, tmp_path / "killed", resume="latest"), progress=False)
+    assert resumed["model_source"].startswith("resumed from") and resumed["schedule"]["steps_done"] == 36
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"), atol=1e-6)
+    steps = [r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if r["event"] == "train"]
+    assert steps == list(range(1, 37))  # every step logged once: nothing lost, nothing doubled
+    assert resumed["eval"]["final"]["loss"] == pytest.approx(reference["eval"]["final"]["loss"], abs=1e-6)
+    assert resumed["schedule"]["fill_ins_per_epoch"] == [8] * 12
+
+
+def test_killed_two_process_run_resumes_and_refuses_another_world_size(tmp_path, shard):
+    out_dir = tmp_path / "killed"
+    two = params(shard, out_dir, nproc_per_node=2, epochs=4)
+    start_and_kill(two, out_dir, after_checkpoint="step-8")
+    with pytest.raises(ParamError, match="written by 2 process.*allow_world_size_change"):
+        train(params(shard, out_dir, epochs=4, resume="latest"), progress=False)
+    train({**two, "resume": "latest"}, progress=False)
+    single = train(params(shard, tmp_path / "single", epochs=4), progress=False)
+    assert single["schedule"]["steps_done"] == 12
+    weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
+    assert_same_weights(weights(tmp_path / "single"), weights(out_dir), atol=1e-5)
+
+
+def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path, shard):
+    """FSDP gathers the whole optimizer state, keyed by parameter name: FSDP resumes it, and so would DDP."""
+    out_dir = tmp_path / "killed"
+    fsdp = params(shard, out_dir, nproc_per_node=2, epochs=4, strategy="fsdp")
+    start_and_kill(fsdp, out_dir, after_checkpoint="step-8")
+    state = torch.load(out_dir / "checkpoints" / "step-8" / "trainer_state.pt", weights_only=True)
+    assert "layers.0.mlp.engine.expert_up" in state["optimizer"]["state"]
+    kept = shutil.copytree(out_dir / "checkpoints" / "step-8", tmp_path / "step-8")
+    resumed = train({**fsdp, "resume": "latest"}, progress=False)
+    assert resumed["strategy"] == "fsdp" and resumed["schedule"]["steps_done"] == 12
+    ddp = train(params(shard, tmp_path / "ddp", nproc_per_node=2, epochs=4, strategy="ddp", resume=str(kept)),
+                progress=False)
+    assert ddp["strategy"] == "ddp" and ddp["model_source"].startswith("resumed from")
+    train(params(shard, tmp_path / "single", epochs=4), progress=False)
+    weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
+    assert_same_weights(weights(tmp_path / "single"), weights(out_dir), atol=1e-5)
+    assert_same_weights(weights(tmp_path / "single"), weights(tmp_path / "ddp"), atol=1e-5)
+
+
+def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_path, shard):
+    """Checkpoints written before optimizer state was keyed by parameter name hold torch's positional form."""
+    whole = params(shard, tmp_path / "whole", epochs=4, save_total_limit=None)
+    train(whole, progress=False)
+    old = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-8", tmp_path / "step-8")
+    state = torch.load(old / "trainer_state.pt", weights_only=True)
+    named = state["optimizer"]
+    position = {name: i for i, name in enumerate(n for group in named["param_groups"] for n in group["params"])}
+    state["optimizer"] = {"state": {position[name]: value for name, value in named["state"].items()},
+                          "param_groups": [{**group, "params": [position[n] for n in group["params"]]}
+                                           for group in named["param_groups"]]}
+    torch.save(state, old / "trainer_state.pt")
+    train(params(shard, tmp_path / "resumed", epochs=4, resume=str(old)), progress=False)
+    weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
+    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "resumed"), atol=1e-6)
+
+
+def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
+    train(params(shard, tmp_path / "run", max_steps=2, save_every_steps=None), progress=False)
+    with pytest.raises(ParamError, match="holds a completed run"):
+        train(params(shard, tmp_path / "run", resume="latest"), progress=False)
+    (tmp_path / "run" / "COMPLETE").unlink()  # as if it had been killed before its end
+    with pytest.raises(CheckpointError, match="no checkpoint with optimizer state"):
+        train(params(shard, tmp_path / "run", resume="latest"), progress=False)
+    with pytest.raises(ParamError, match="already holds a run .* resume: latest"):
+        train(params(shard, tmp_path / "run"), progress=False)
+    train(params(shard, tmp_path / "again", max_steps=5), progress=False)
+    (tmp_path / "again" / "COMPLETE").unlink()  # killed before its end, with step-4 saved
+    with pytest.raises(ParamError, match="written with global_batch 16, this run has 32"):
+        train(params(shard, tmp_path / "again", resume="latest", global_batch=32), progress=False)
+    with pytest.raises(ParamError, match="written with total_steps 5, this run has 6"):
+        train(params(shard, tmp_path / "again", resume="latest", max_steps=6), progress=False)
+    with pytest.raises(ParamError, match="written with pack_sequences False, this run has True"):
+        train(params(shard, tmp_path / "again", resume="latest", max_steps=5, pack_sequences=True), progress=False)
+    groups = {"all": {"target_share": 1.0, "tasks": ["addition", "uppercase"],
+                      "task_target_shares": {"addition": 0.5, "uppercase": 0.5}}}
+    with pytest.raises(ParamError, match="written with loss_groups None, this run has"):
+        train(params(shard, tmp_path / "again", resume="latest", max_steps=5, loss_groups=groups), progress=False)
+
+
+def test_resume_ignores_a_save_that_a_kill_left_half_done(tmp_path, shard):
+    out_dir = tmp_path / "run"
+    train(params(shard, out_dir, max_steps=9), progress=False)
+    (out_dir / "COMPLETE").unlink()  # as if killed while writing the step-8 checkpoint...
+    stale = out_dir / "checkpoints" / ".step-8.k1ll3d"  # ...whose staging folder was left behind
+    stale.mkdir()
+    (stale / "trainer_progress.json").write_text('{"step": 8, "epoch"')  # cut off mid-write
+    (stale / "trainer_state.pt").write_bytes(b"partial")
+    record = train(params(shard, out_dir, max_steps=9, resume="latest"), progress=False)
+    assert "checkpoints/step-8 at step 8" in record["model_source"]
+    assert record["schedule"]["steps_done"] == 9

@@ -1,0 +1,264 @@
+"""The training loop end to end on CPU: records, schedule, accumulation, bad input."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sft_shard_helpers import write_shard
+
+from cflib.data.shards import Example, ShardError, write_partition
+from cflib.data.tasks import generate
+from cflib.data.tokenizer import ByteTokenizer
+from cflib.model.checkpoint import load_checkpoint
+from cflib.train import prepare, train
+from cflib.train.optim import lr_factor
+from cflib.train.params import ParamError, TrainParams
+from cflib.train.records import read_metrics
+
+FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 3e-3,
+        "exact_match_limit": 24, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def small_shard(tmp_path_factory) -> Path:
+    """40 train / 24 eval embedded-style examples: epochs end within a few steps."""
+    train_examples, eval_examples = generate(seed=1)
+    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:40], eval_examples[:12] + eval_examples[-12:],
+                       max_seq_len=64)
+
+
+def run(tmp_path: Path, shard: Path, name: str = "run", **overrides) -> dict:
+    params = {**FAST, "data": str(shard), "out_dir": str(tmp_path / name), **overrides}
+    return train(params, progress=False)
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_record_holds_protocol_fields_and_results(tmp_path, small_shard):
+    record = run(tmp_path, small_shard, max_steps=4)
+    out = tmp_path / "run"
+    assert json.loads((out / "record.json").read_text()) == json.loads(json.dumps(record, default=str))
+    for key in ("framework", "device", "kernel_path", "params_total", "params_trainable", "vocab_size", "seq_len",
+                "micro_batch_per_rank", "precision", "loss_precision", "grad_ckpt", "loss_chunk_tokens",
+                "telemetry", "compiled", "timing_protocol", "throughput", "world_size"):
+        assert key in record, key
+    assert record["params_total"] == record["params_trainable"] == 115_328
+    assert record["kernel_path"]["moe"] == "torch_dense"
+    assert record["framework"]["torch"] == torch.__version__
+    assert record["timing_protocol"]["includes_eval"] is False
+    assert set(record["eval"]["final"]["exact_match"]) == {"addition", "uppercase", "overall"}
+    assert record["eval"]["at_start"]["step"] == 0 and record["eval"]["final"]["step"] == 4
+    assert record["eval"]["final"]["loss"] < record["eval"]["at_start"]["loss"]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["event"] == "train"] == [1, 2, 3, 4]
+    # max_steps ended the run mid-epoch 2: its final weights land in "last"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best", "epoch-1", "last"]
+
+
+def test_epochs_evaluate_and_checkpoint_at_each_boundary(tmp_path, small_shard):
+    record = run(tmp_path, small_shard, max_steps=None, epochs=2, eval_every_steps=2)
+    assert record["schedule"]["steps_per_epoch"] == 3  # 40 examples, 16 per step
+    tags = [(e["tag"], e["step"]) for e in record["eval"]["history"]]
+    assert tags == [("start", 0), ("periodic", 2), ("epoch-1", 3), ("periodic", 4), ("epoch-2", 6)]
+    assert record["eval"]["final"]["tag"] == "epoch-2"
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["best", "epoch-1", "epoch-2"]
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["event"] == "train"]
+    # every example is consumed once per epoch: the last step of each epoch is the remainder
+    assert [r["supervised_tokens"] > 0 for r in rows] == [True] * 6
+
+
+def test_gradient_accumulation_matches_one_big_microbatch(tmp_path, small_shard):
+    common = {"max_steps": 2, "eval_at_start": False, "exact_match_limit": 0, "global_batch": 16}
+    whole = run(tmp_path, small_shard, "whole", micro_batch_per_rank=16, **common)
+    split = run(tmp_path, small_shard, "split", micro_batch_per_rank=4, **common)
+    assert split["grad_accum"] == 4 and whole["grad_accum"] == 1
+    losses = [[r["loss"] for r in read_metrics(tmp_path / n / "metrics.jsonl") if r["event"] == "train"]
+              for n in ("whole", "split")]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=0, atol=1e-5)
+    a = load_checkpoint(tmp_path / "whole" / "checkpoints" / "last").state_dict()
+    b = load_checkpoint(tmp_path / "split" / "checkpoints" / "last").state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_max_steps_zero_only_evaluates(tmp_path, small_shard):
+    record = run(tmp_path, small_shard, max_steps=0, eval_at_start=False)
+    assert record["schedule"]["steps_done"] == 0
+    assert record["eval"]["final"] == record["eval"]["at_start"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_init_checkpoint_reproduces_the_trained_model(tmp_path, small_shard):
+    first = run(tmp_path, small_shard, "first", max_steps=2)
+    again = run(tmp_path, small_shard, "again", max_steps=0,
+                init_checkpoint=str(tmp_path / "first" / "checkpoints" / "last"))
+    assert again["eval"]["final"]["loss"] == pytest.approx(first["eval"]["final"]["loss"], abs=1e-6)
+    assert again["model_source"].startswith("checkpoint")
+
+
+def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path, small_shard):
+    record = run(tmp_path, small_shard, max_steps=2, bf16=True, grad_ckpt=True, fp32_loss=False)
+    assert record["precision"] == "bf16-autocast" and record["grad_ckpt"] is True
+    assert np.isfinite(record["eval"]["final"]["loss"])
+
+
+def test_lr_schedule_warms_up_then_follows_one_cosine():
+    factors = [lr_factor(step, warmup_steps=4, total_steps=20) for step in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == 1.0 and all(a >= b for a, b in zip(factors[4:], factors[5:]))
+    assert factors[-1] == pytest.approx(0.5 * (1 + np.cos(np.pi * 15 / 16)))
+
+
+def misaligned_shard(root: Path) -> Path:
+    tokenizer = ByteTokenizer()
+    ids, labels = tokenizer.encode_chat("1+1=", "2")
+    unshifted = [-100] * 6 + ids[6:]  # labels equal to the inputs: not causally aligned
+    for name in ("train", "eval"):
+        write_partition(root / name, [Example(ids, unshifted, {"task": "addition"})],
+                        vocab_size=tokenizer.vocab_size, eos_token_id=0, max_seq_len=64)
+    return root
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    ({"lrr": 0.1}, ParamError, ["lrr", "lr"]),
+    ({"global_batch": 20}, ParamError, ["global_batch", "micro_batch_per_rank"]),
+    ({"full_parameter": False}, ParamError, ["full_parameter"]),
+    ({"model": "gpt5"}, ParamError, ["gpt5"]),
+    ({"seq_len": 4096}, ParamError, ["seq_len", "max_position_embeddings"]),
+    ({"data": "MISALIGNED"}, ShardError, ["labels.bin", "row 0", "causally aligned"]),
+    ({"data": "does/not/exist"}, ShardError, ["does/not/exist"]),
+    ({"init_checkpoint": "no/such/checkpoint"}, ValueError, ["no/such/checkpoint"]),
+    ({"seq_len": 8}, ShardError, ["seq_len 8"]),
+])
+def test_bad_input_stops_before_training_and_keeps_out_dir(tmp_path, small_shard, bad, error, words):
+    out = tmp_path / "previous"
+    (out / "checkpoints" / "epoch-1").mkdir(parents=True)
+    (out / "checkpoints" / "epoch-1" / "model.safetensors").write_bytes(b"weights of an earlier run")
+    (out / "record.json").write_text('{"earlier": true}')
+    before = tree_digest(out)
+    if bad.get("data") == "MISALIGNED":
+        bad = {**bad, "data": str(misaligned_shard(tmp_path / "bad"))}
+    params = {**FAST, "data": str(small_shard), "out_dir": str(out), "resume": None, **bad}
+    with pytest.raises(error) as caught:
+        train(params, progress=False)
+    for word in words:
+        assert word in str(caught.value)
+    assert tree_digest(out) == before
+
+
+def test_an_existing_run_is_never_replaced(tmp_path, small_shard):
+    run(tmp_path, small_shard, max_steps=1)
+    before = tree_digest(tmp_path / "run")
+    with pytest.raises(ParamError, match="already holds a run"):
+        run(tmp_path, small_shard, max_steps=1)
+    assert tree_digest(tmp_path / "run") == before
+
+
+def test_prepare_writes_nothing(tmp_path, small_shard):
+    params = TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "fresh")})
+    prepared = prepare(params)
+    assert prepared.grad_accum == 2 and prepared.total_steps == 30
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_a_non_finite_step_stops_before_the_optimizer_and_writes_no_checkpoint(tmp_path, small_shard):
+    from cflib.model.checkpoint import save_checkpoint
+    from cflib.model.config import preset
+    from cflib.model.decoder import TRMoEModel
+
+    model = TRMoEModel(preset("smoke"))
+    with torch.no_grad():
+        model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
+    save_checkpoint(model, tmp_path / "broken")
+    with pytest.raises(FloatingPointError, match=r"step 1: loss nan.*Batch examples \(first 8\): \['(addition|uppercase)-"):
+        run(tmp_path, small_shard, init_checkpoint=str(tmp_path / "broken"), max_steps=2, eval_at_start=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    # With patience the bad steps are skipped (no update) until the patience runs out.
+    with pytest.raises(FloatingPointError, match="step 3: .* after 3 non-finite step"):
+        run(tmp_path, small_shard, "patient", init_checkpoint=str(tmp_path / "broken"), max_steps=5,
+            eval_at_start=False, nan_patience=2)
+    rows = [r for r in read_metrics(tmp_path / "patient" / "metrics.jsonl") if r["event"] == "train"]
+    assert [r["skipped"] for r in rows] == [True, True]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["host_skip", "device_skip"])
+def test_a_non_finite_step_moves_no_weight_and_no_optimizer_state(tmp_path, small_shard, monkeypatch, fused):
+    """The foreach AdamW is skipped on the host; the fused one (CUDA's) skips on the device through found_inf.
+
+    CPU AdamW has a fused kernel too, so the device-side skip runs here."""
+    import cflib.train.run
+    from cflib.model.checkpoint import save_checkpoint
+    from cflib.model.config import preset
+    from cflib.model.decoder import TRMoEModel
+    from cflib.train import Trainer
+
+    real_make_optimizer = cflib.train.make_optimizer
+    def make_optimizer(model, params, device, **_):
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
+                  for g in real_make_optimizer(model, params, device).param_groups]
+        return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2), fused=fused)
+
+    monkeypatch.setattr(cflib.train, "make_optimizer", make_optimizer)
+    model = TRMoEModel(preset("smoke"))
+    with torch.no_grad():
+        model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
+    save_checkpoint(model, tmp_path / "broken")
+    run_ = prepare(TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "run"),
+                                          "init_checkpoint": str(tmp_path / "broken"), "nan_patience": 5}))
+    trainer = Trainer(run_, progress=False)
+    assert all(bool(group["fused"]) == fused for group in trainer.optimizer.param_groups)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    rows = [trainer.train_step(np.arange(i * 16, (i + 1) * 16) % 40) for i in range(2)]
+    assert [r["skipped"] for r in rows] == [True, True]
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, before[name]), name  # the broken weights' inf compare equal; a NaN would not
+    steps = [state["step"] for state in trainer.optimizer.state.values()]
+    assert all(float(step) == 0 for step in steps)  # a skipped step does not count in Adam's bias correction
+    assert trainer.scheduler.last_epoch == 2  # but it consumes its place in the schedule
+
+
+def test_a_finished_run_is_marked_complete_last(tmp_path, small_shard):
+    run(tmp_path, small_shard, max_steps=1)
+    marker = json.loads((tmp_path / "run" / "COMPLETE").read_text())
+    assert marker["steps"] == 1
+    assert (tmp_path / "run" / "COMPLETE").stat().st_mtime_ns >= (tmp_path / "run" / "record.json").stat().st_mtime_ns
+    with pytest.raises(ParamError, match="completed run: nothing to resume"):
+        run(tmp_path, small_shard, max_steps=1, resume="latest")
+
+
+def test_out_of_disk_while_saving_stops_clearly_and_keeps_earlier_checkpoints(tmp_path, small_shard, monkeypatch):
+    import errno
+
+    import cflib.model.checkpoint
+    from cflib.model.checkpoint import CheckpointError
+
+    real_save_file = cflib.model.checkpoint.save_file
+    calls = []
+
+    def save_file(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) > 1:  # the first checkpoint fits, the second finds the disk full
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(cflib.model.checkpoint, "save_file", save_file)
+    with pytest.raises(CheckpointError, match="out of disk space writing checkpoint .*earlier checkpoints are intact"):
+        run(tmp_path, small_shard, max_steps=None, epochs=2, eval_at_start=False)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["best"]  # epoch-1's save failed, nothing half-written
+    load_checkpoint(checkpoints / "best")
+
+
+def test_save_total_limit_keeps_the_newest_and_the_best(tmp_path, small_shard):
+    record = run(tmp_path, small_shard, max_steps=None, epochs=3, save_every_steps=1, save_total_limit=2)
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["best", "epoch-3", "step-8"]  # step 9 ends epoch 3, whose own checkpoint it is
+    assert set(record["checkpoints"]) == {"best", "best_step", "epoch-3", "step-8"}
