@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import cflib.bench.throughput as throughput
+from cflib.bench.__main__ import main as report_main
 from cflib.bench.peer import PeerTrainer, active_ffn_width, llama_config
 from cflib.bench.tables import perf_table, update_readme_perf_table
 from cflib.bench.throughput import (
@@ -24,7 +25,6 @@ from cflib.bench.throughput import (
     write_random_token_shard,
 )
 from cflib.data.shards import IGNORE_INDEX, open_shard
-from cflib.lab.report import main as report_main
 from cflib.model.config import preset
 from cflib.train.params import ParamError, load_params_file
 from cflib.train.records import count_parameters

@@ -11,17 +11,8 @@ import pytest
 import torch
 
 from cflib.bench.memory import TensorMemory
-from cflib.bench.tune import (
-    GIB,
-    Probe,
-    TuneParams,
-    batch_plan,
-    local_line,
-    measure_probe,
-    prepare_tuning,
-    probe_shard,
-    search,
-)
+from cflib.bench.search import GIB, Probe, local_line, search
+from cflib.bench.tune import TuneParams, batch_plan, measure_probe, prepare_tuning, probe_shard
 from cflib.train.params import ParamError, TrainParams, load_params_file
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from cflib import tasks
+from cflib.data import tasks
 from cflib.data.shards import open_shard
 from cflib.data.tokenizer import IGNORE_INDEX, ByteTokenizer
 

@@ -9,7 +9,7 @@ import nbformat
 import papermill
 import pytest
 
-from cflib import nbclean
+from cflib.lab import nbclean
 from cflib.lab.jupyter import KERNEL_NAME, LabError, lab_command
 from cflib.train.params import TrainParams, load_params_file
 from cflib.train.run import prepare
