@@ -1,4 +1,7 @@
-"""The kernel components validate_kernels checks: for each, random inputs at a shape, the float64 truth and the fast path."""
+"""The kernel components validate_kernels checks.
+
+For each: random inputs at a shape, the float64 truth and the fast path as training runs it.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -1,4 +1,21 @@
-"""The memory search of tune_microbatch: the largest micro-batch under a budget, in few real probes."""
+"""The memory search of tune_microbatch: the largest micro-batch under a budget, in few real probes.
+
+Peak memory is affine in the microbatch: weights, gradients and AdamW state
+are fixed, activations grow per example. Two things bend it: the loss works
+on chunks of `loss_chunk_tokens` supervised tokens, so its buffers grow until
+one microbatch fills a chunk and then repeat with each partial chunk
+(`loss_chunk_saturation`), and allocator rounding adds small steps. So the
+search never fits one line to everything. After microbatch 1 and a first
+guess that errs small, it predicts from the line through the two measured
+probes nearest the budget (interpolating between the largest that fits and
+the smallest that does not, else extrapolating from the two largest that
+fit), verifies the prediction with real steps and moves along the refitted
+line. A probe that runs out of memory is freed completely and becomes an
+upper bound whose peak was at least the cap (regula falsi toward it; after
+two failures in a row, with probes to spare, bisection). The last probe aims
+one below the prediction, since a failure there would leave the answer far
+below. The answer is always a microbatch that a probe verified.
+"""
 from __future__ import annotations
 
 import math

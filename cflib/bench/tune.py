@@ -6,22 +6,7 @@ on full-length rows whose every position is supervised, the worst case a
 microbatch of real data can reach. One warm-up step (optimizer state,
 allocator growth, kernel selection), then the peak of `probe_steps` measured
 steps (`cflib.bench.memory`), all under the budget enforced as a hard cap.
-
-Peak memory is affine in the microbatch: weights, gradients and AdamW state
-are fixed, activations grow per example. Two things bend it: the loss works
-on chunks of `loss_chunk_tokens` supervised tokens, so its buffers grow until
-one microbatch fills a chunk and then repeat with each partial chunk
-(`loss_chunk_saturation`), and allocator rounding adds small steps. So the
-search never fits one line to everything. After microbatch 1 and a first
-guess that errs small, it predicts from the line through the two measured
-probes nearest the budget (interpolating between the largest that fits and
-the smallest that does not, else extrapolating from the two largest that
-fit), verifies the prediction with real steps and moves along the refitted
-line. A probe that runs out of memory is freed completely and becomes an
-upper bound whose peak was at least the cap (regula falsi toward it; after
-two failures in a row, with probes to spare, bisection). The last probe aims
-one below the prediction, since a failure there would leave the answer far
-below. The answer is always a microbatch that a probe verified.
+The search itself is cflib.bench.search.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""The SFT training loop: prepare (every check, nothing written), then train.
+"""A run, checked before anything is written: `prepare(params) -> Run`.
 
-`prepare` resolves the device, the model, the data and the batch arithmetic
-and fails with a clear message before `out_dir` is touched. `train` runs
-full-parameter AdamW with warm-up + cosine, gradient accumulation to the
-global batch, optional BF16 autocast and activation checkpointing, evaluates
-and checkpoints on schedule, and writes `metrics.jsonl` and `record.json`.
+`prepare` resolves the device, the model (preset, init checkpoint or resumed
+checkpoint), the data (preflight, packing plan, loss weights), the batch
+arithmetic and the kernels, and fails with a message naming the culprit
+before `out_dir` is touched. `batch_arithmetic` gives the same figures from
+the parameters alone, for the notebook's form. The loop is cflib.train.trainer.
 """
 from __future__ import annotations
 

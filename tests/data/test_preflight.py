@@ -78,7 +78,7 @@ def test_token_checks_run_in_chunks_and_name_the_row_in_a_later_chunk(tmp_path, 
     bad.labels[-2] = 7  # the EOS target replaced: not the next input token
     root = write_shard(tmp_path / "s", examples + [bad], examples)
     whole = open_shard(root, "eval").supervised_counts
-    monkeypatch.setattr(cflib.data, "VALIDATION_CHUNK_TOKENS", 10)  # each chunk about one example
+    monkeypatch.setattr(cflib.data.shards, "VALIDATION_CHUNK_TOKENS", 10)  # each chunk about one example
     np.testing.assert_array_equal(open_shard(root, "eval").supervised_counts, whole)
     with pytest.raises(ShardError, match="row 15 \\(example_id 'addition-099'\\): label 7 at position"):
         open_shard(root, "train")

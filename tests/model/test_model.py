@@ -101,13 +101,13 @@ def test_grad_checkpointing_matches_plain_backward(monkeypatch: pytest.MonkeyPat
     plain_grads = gradients(model)
 
     calls: list[int] = []
-    real_checkpoint = cflib.model.checkpoint
+    real_checkpoint = cflib.model.decoder.checkpoint
 
     def counting_checkpoint(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         return real_checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(cflib.model, "checkpoint", counting_checkpoint)
+    monkeypatch.setattr(cflib.model.decoder, "checkpoint", counting_checkpoint)
     model.zero_grad(set_to_none=True)
     model.grad_ckpt = True
     ckpt_loss = lm_loss(model, ids)
@@ -120,7 +120,7 @@ def test_grad_checkpointing_matches_plain_backward(monkeypatch: pytest.MonkeyPat
 
 
 def test_grad_checkpointing_is_off_in_eval(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cflib.model, "checkpoint", lambda *a, **k: pytest.fail("checkpoint called in eval"))
+    monkeypatch.setattr(cflib.model.decoder, "checkpoint", lambda *a, **k: pytest.fail("checkpoint called in eval"))
     model = tiny_model()
     model.grad_ckpt = True
     model(random_ids(VOCAB, 1, 4))

@@ -194,19 +194,19 @@ def test_a_non_finite_step_moves_no_weight_and_no_optimizer_state(tmp_path, smal
     """The foreach AdamW is skipped on the host; the fused one (CUDA's) skips on the device through found_inf.
 
     CPU AdamW has a fused kernel too, so the device-side skip runs here."""
-    import cflib.train.run
+    import cflib.train.trainer
     from cflib.model.checkpoint import save_checkpoint
     from cflib.model.config import preset
     from cflib.model.decoder import TRMoEModel
     from cflib.train import Trainer
 
-    real_make_optimizer = cflib.train.make_optimizer
+    real_make_optimizer = cflib.train.trainer.make_optimizer
     def make_optimizer(model, params, device, **_):
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
                   for g in real_make_optimizer(model, params, device).param_groups]
         return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2), fused=fused)
 
-    monkeypatch.setattr(cflib.train, "make_optimizer", make_optimizer)
+    monkeypatch.setattr(cflib.train.trainer, "make_optimizer", make_optimizer)
     model = TRMoEModel(preset("smoke"))
     with torch.no_grad():
         model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
