@@ -41,7 +41,7 @@ strip: setup
 # The README's screenshots: the browser test's full-length shot of each notebook after its smoke run.
 screenshots: setup
 	rm -rf outputs/lab
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_lab_browser.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/lab/test_lab_browser.py
 	mkdir -p outputs/screenshots && cp outputs/lab/*.png outputs/screenshots/
 
 clean:

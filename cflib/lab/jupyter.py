@@ -9,7 +9,7 @@ one kernel only, `cflib` (the project's .venv, registered by `make setup`);
 finding no `python3`, JupyterLab starts the one Python kernel it has for every
 notebook. Saving a notebook in JupyterLab writes `cflib` into its metadata,
 with its outputs: `make strip` (cflib.lab.nbclean) writes both back, and
-tests/test_notebooks.py fails until it has.
+tests/lab/test_notebooks.py fails until it has.
 """
 from __future__ import annotations
 
