@@ -236,7 +236,7 @@ def test_liger_patches_are_read_back_and_undone_for_the_next_peer(monkeypatch):
     pytest.importorskip("liger_kernel")
     from transformers.models.llama import modeling_llama
 
-    from cflib import peer
+    from cflib.bench import peer
 
     plain = (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP,
              modeling_llama.LlamaForCausalLM.forward)
