@@ -1,11 +1,14 @@
 """The peer stack a user would otherwise pick: a Hugging Face transformers Llama of equal active width.
 
 The peer is trained exactly as `cflib.train.Trainer` trains the project's model:
-the same shard rows collated the same way, BF16 autocast, the loss summed over
-supervised tokens and divided by their count, gradient clipping, the same fused
-AdamW and schedule. Its loss is its own (full logits, or Liger's fused linear
-cross-entropy). `transformers` and `liger-kernel` are optional (`pip install
--e ".[bench]"`); a peer that cannot run here raises `PathUnavailable`.
+BF16 autocast, the loss summed over supervised tokens and divided by their
+count, gradient clipping, the same fused AdamW and schedule; on random rows it
+reads the same shard rows collated the same way, on realistic lengths the
+batches users feed it (cflib.bench.feeding). Its loss is its own (full logits,
+or Liger's fused linear cross-entropy). `transformers` and `liger-kernel` are
+optional (`pip install -e ".[bench]"`); padding-free batches also need a varlen
+attention kernel transformers can use (flash-attn-4 on Hopper). A peer that
+cannot run here raises `PathUnavailable`.
 """
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ def active_ffn_width(config: ModelConfig) -> int:
     return config.shared_intermediate_size + config.num_experts_per_tok * config.expert_width
 
 
-def llama_config(config: ModelConfig) -> Any:
-    """A LlamaConfig of the same depth, width, heads, vocabulary and active FFN width; tied, SDPA."""
+def llama_config(config: ModelConfig, attn_implementation: str = "sdpa") -> Any:
+    """A LlamaConfig of the same depth, width, heads, vocabulary and active FFN width; tied, SDPA by default."""
     try:
         from transformers import LlamaConfig
     except ImportError as err:
@@ -45,7 +48,29 @@ def llama_config(config: ModelConfig) -> Any:
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta, tie_word_embeddings=True,
-        attn_implementation="sdpa", use_cache=False)
+        attn_implementation=attn_implementation, use_cache=False)
+
+
+# transformers' attention implementations that run padding-free batches with a varlen kernel, preferred first.
+VARLEN_ATTENTION = ("flash_attention_4", "flash_attention_3", "flash_attention_2")
+
+
+def varlen_attention(device: torch.device) -> str:
+    """The attn_implementation that runs padding-free batches here with a varlen kernel, or PathUnavailable."""
+    if device.type != "cuda":
+        raise PathUnavailable(f"padding-free batches need a varlen attention kernel (FlashAttention 4, 3 or 2), "
+                              f"which needs a CUDA device; this run is on {device.type}")
+    try:
+        import transformers
+        import transformers.utils as available
+    except ImportError as err:
+        raise PathUnavailable(f"transformers is not installed ({err}); pip install -e '.[bench]'") from None
+    for name in VARLEN_ATTENTION:
+        check = getattr(available, f"is_flash_attn_{name[-1]}_available", None)
+        if check is not None and check():
+            return name
+    raise PathUnavailable(f"no varlen attention kernel that transformers {transformers.__version__} can use is "
+                          "installed: neither flash-attn-4 (flash_attn.cute), flash-attn-3 nor flash-attn 2")
 
 
 def check_liger(device: torch.device) -> None:
@@ -90,13 +115,20 @@ def peer_kernel_path(model: torch.nn.Module) -> dict[str, str]:
     layer = model.model.layers[0]
     rope = modeling_llama.apply_rotary_pos_emb
     liger_loss = "liger" in getattr(model.forward, "__func__", model.forward).__module__
-    return {
+    path = {
         "attention": str(model.config._attn_implementation),
         "rmsnorm": layer.input_layernorm._get_name(),
         "rope": f"{rope.__module__}.{rope.__name__}",
         "swiglu": layer.mlp._get_name(),
         "loss": "liger_fused_linear_cross_entropy" if liger_loss else "transformers ForCausalLMLoss (full fp32 logits)",
     }
+    if path["attention"].startswith("flash_attention"):
+        # transformers imports the flash kernels at the first forward: what it loaded is what ran
+        from transformers import modeling_flash_attention_utils as flash
+
+        varlen = getattr(flash, "_flash_varlen_fn", None)
+        path["attention_kernel"] = f"{varlen.__module__}.{varlen.__name__}" if varlen is not None else "not loaded"
+    return path
 
 
 def gradient_checkpointing(model: torch.nn.Module) -> bool:
@@ -119,16 +151,22 @@ class PeerTrainer:
             self.optimizer, lambda step: lr_factor(step, warmup, total_steps))
 
     def train_step(self, step_examples: np.ndarray) -> dict:
+        """One step on shard rows, collated as the project collates them."""
         input_ids, labels = collate([self.data[int(i)] for i in step_examples], self.data.eos_token_id)
+        return self.train_batch({"input_ids": input_ids, "labels": labels})
+
+    def train_batch(self, batch: dict[str, Any]) -> dict:
+        """One step on a batch of model inputs (labels causally aligned); tensors go to the device, ints stay."""
+        labels = batch["labels"]
         supervised = int((labels != IGNORE_INDEX).sum())
-        input_ids, labels = to_device(input_ids, self.device), to_device(labels, self.device)
+        inputs = {name: to_device(value, self.device) if isinstance(value, torch.Tensor) else value
+                  for name, value in batch.items()}
         # A tensor, not an int: torch.compile would specialise (and recompile) on each new count.
         count = torch.tensor(supervised, device=self.device)
         with autocast(self.device, self.params.bf16):
             # Our labels are already causally aligned: shift_labels stops transformers shifting them again.
             # num_items_in_batch makes the loss a sum over supervised tokens divided by their count.
-            loss = self.train_model(input_ids=input_ids, labels=labels, shift_labels=labels,
-                                    num_items_in_batch=count).loss
+            loss = self.train_model(**inputs, shift_labels=inputs["labels"], num_items_in_batch=count).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm or math.inf)
         # As the project's step on a GPU: the update is queued without a host read; one read at the end.
@@ -139,9 +177,10 @@ class PeerTrainer:
         return {"loss": loss_value, "grad_norm": grad_norm, "tokens": labels.numel(), "supervised_tokens": supervised}
 
 
-def build_llama(config: ModelConfig, device: torch.device, seed: int) -> torch.nn.Module:
+def build_llama(config: ModelConfig, device: torch.device, seed: int,
+                attn_implementation: str = "sdpa") -> torch.nn.Module:
     """The peer model in fp32 (autocast runs it in BF16, as the project's), built on the device."""
-    llama = llama_config(config)
+    llama = llama_config(config, attn_implementation)
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)

@@ -1,11 +1,24 @@
-"""Synthetic SFT shards for measuring: random-token rows, the first third of each unsupervised."""
+"""Synthetic SFT shards for measuring: random-token rows, and examples of realistic SFT lengths.
+
+Both kinds supervise all but the first third of each row or example, and are
+deterministic given their seed. Token ids are uniform random and never the
+EOS id 0 except where an example ends: the figures they give are throughput,
+never quality.
+"""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
 from cflib.data.shards import IGNORE_INDEX, Example, write_partition
+
+EOS_TOKEN_ID = 0
+# Realistic lengths (DESIGN.md): log-normal with mean/median = exp(sigma^2 / 2) = 1.35, i.e. a median of
+# 300 tokens gives a mean of 405, before the cap.
+LENGTH_SIGMA = math.sqrt(2 * math.log(1.35))
+SHORTEST_EXAMPLE = 2  # one token to predict from, and the EOS it predicts
 
 
 def write_random_token_shard(root: Path, vocab_size: int, seq_len: int, train_rows: int, eval_rows: int,
@@ -22,6 +35,50 @@ def write_random_token_shard(root: Path, vocab_size: int, seq_len: int, train_ro
             yield Example(ids, labels, {"example_id": f"{prefix}-{index:06d}", "task": "random_tokens"})
 
     for partition, count in (("train", train_rows), ("eval", eval_rows)):
-        write_partition(root / partition, rows(count, partition), vocab_size=vocab_size, eos_token_id=0,
+        write_partition(root / partition, rows(count, partition), vocab_size=vocab_size, eos_token_id=EOS_TOKEN_ID,
                         max_seq_len=seq_len)
+    return root
+
+
+def realistic_lengths(count: int, median: int, cap: int, seed: int) -> np.ndarray:
+    """`count` example lengths: log-normal around `median` (sigma LENGTH_SIGMA), rounded, within [2, cap]."""
+    rng = np.random.default_rng(seed)
+    lengths = np.rint(rng.lognormal(math.log(median), LENGTH_SIGMA, size=count))
+    return np.clip(lengths, SHORTEST_EXAMPLE, cap).astype(np.int64)
+
+
+def realistic_example(rng: np.random.Generator, length: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One example of `length` tokens: random ids ending in EOS; the first third (the prompt) unsupervised.
+
+    Labels are causally aligned: position j predicts token j + 1, the last
+    supervised position predicts the EOS, and the EOS itself predicts nothing,
+    so no position predicts across the boundary to a next example.
+    """
+    ids = np.empty(length, dtype=np.int64)
+    ids[:-1] = rng.integers(1, vocab_size, size=length - 1, dtype=np.int64)
+    ids[-1] = EOS_TOKEN_ID
+    labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    prompt = length // 3
+    labels[prompt:-1] = ids[prompt + 1:]
+    return ids, labels
+
+
+def write_realistic_shard(root: Path, vocab_size: int, seq_len: int, median: int, train_examples: int,
+                          eval_examples: int, seed: int) -> Path:
+    """A shard of examples of realistic SFT lengths (capped at seq_len), train and eval partitions."""
+    for partition, count, part_seed in (("train", train_examples, seed), ("eval", eval_examples, seed + 1)):
+        lengths = realistic_lengths(count, median, seq_len, part_seed)
+        rng = np.random.default_rng([part_seed, 1])  # the tokens' stream, apart from the lengths'
+
+        def examples(lengths=lengths, rng=rng, partition=partition):
+            for index, length in enumerate(lengths):
+                ids, labels = realistic_example(rng, int(length), vocab_size)
+                yield Example(ids, labels, {"example_id": f"{partition}-{index:06d}", "task": "realistic_lengths"})
+
+        write_partition(root / partition, examples(), vocab_size=vocab_size, eos_token_id=EOS_TOKEN_ID,
+                        max_seq_len=seq_len, index_extra={"generator": {
+                            "lengths": "log-normal, rounded, clipped to [2, max_seq_len]", "median": median,
+                            "sigma": LENGTH_SIGMA, "seed": part_seed,
+                            "tokens": "uniform random ids 1..vocab-1, then EOS (0)",
+                            "supervised": "all but the first third of each example; the EOS predicts nothing"}})
     return root
