@@ -1,7 +1,9 @@
 """bench: measuring the project against itself, its peers and the device.
 
 Owns steady-state throughput side by side with the peer stack (`throughput`,
-`peer`, `timing`, `synthetic`, `comparison`), the micro-batch tuner (`tune`,
+`batches`, `peer`, `sessions`, `feeding`, `timing`, `synthetic`, `comparison`:
+random rows and realistic SFT lengths, the peer fed as users feed it, the
+product's targets), the micro-batch tuner (`tune`,
 `search`, `memory`), kernel validation against float64 truth (`validate`,
 `components`), the TR-MoE design benchmark, and the tables and plots of their
 records (`python -m cflib.bench perf-table RECORD`). Imports train, model,

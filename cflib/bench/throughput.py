@@ -1,9 +1,18 @@
 """Steady-state training throughput of the project's paths and the peer stack, side by side in one run.
 
-Every path takes real optimizer steps (forward, backward, clipping, fused AdamW)
-on the same fresh random-token batches (DESIGN.md: the first third of each row
-unsupervised), one model at a time, each from a clean device. Warm-up steps
-are excluded; each timed step is bounded by device synchronisation. The bf16
+Two kinds of batches, each measured in the same run (`batches`):
+
+- `random_rows`: every path on the same fresh random-token rows of seq_len
+  (DESIGN.md: the first third of each row unsupervised), at every micro-batch;
+- `realistic`: examples of realistic SFT lengths (cflib.bench.synthetic, or a
+  shard the user names), the project in its release layout (packed windows,
+  each example attending only to itself) and the peer fed the ways users feed
+  it (cflib.bench.feeding), all on the same examples in the same order, at
+  the compared micro-batch.
+
+Every path takes real optimizer steps (forward, backward, clipping, fused
+AdamW), one model at a time, each from a clean device. Warm-up steps are
+excluded; each timed step is bounded by device synchronisation. The bf16
 matmul ceiling is measured in the same run, FLOPs are counted as in DESIGN.md,
 and one full evaluation and one checkpoint save of each project path are timed
 on their own, never inside the steady-state figure. A path whose requirements
@@ -29,16 +38,10 @@ from tqdm.auto import tqdm
 
 from cflib import __version__
 from cflib.atomic import write_json_atomic
-from cflib.bench.comparison import _ok, compare
-from cflib.bench.peer import (
-    PeerTrainer,
-    build_llama,
-    check_liger,
-    gradient_checkpointing,
-    liger_applied,
-    peer_kernel_path,
-)
-from cflib.bench.synthetic import write_random_token_shard
+from cflib.bench.batches import Batches, random_rows, realistic, timing_protocol
+from cflib.bench.comparison import RANDOM_ROWS, REALISTIC, _ok, compare
+from cflib.bench.feeding import FEEDS, RealisticStream
+from cflib.bench.sessions import Session, compiled, fed_peer_session, peer_session
 from cflib.bench.timing import (
     error_line,
     flops_per_token,
@@ -49,7 +52,6 @@ from cflib.bench.timing import (
     sync,
     time_steps,
 )
-from cflib.data.shards import ShardPartition, open_shard
 from cflib.model.config import PRESETS, ModelConfig
 from cflib.paths import resolve_path
 from cflib.train.params import DEVICES, ParamError, ParamSet, TrainParams, _coerce, _is_user_variable, reject_unknown
@@ -69,7 +71,9 @@ PEER_PATHS: dict[str, dict[str, bool]] = {
     "peer_compile": {"liger": False, "compiled": True},
     "peer_liger_compile": {"liger": True, "compiled": True},
 }
-PATHS = (*PROJECT_PATHS, *PEER_PATHS)
+# The kinds of batches, and the paths each runs: the project's on both, the peer's as each kind feeds it.
+BATCHES: dict[str, tuple[str, ...]] = {RANDOM_ROWS: (*PROJECT_PATHS, *PEER_PATHS), REALISTIC: (*PROJECT_PATHS, *FEEDS)}
+PATHS = (*PROJECT_PATHS, *PEER_PATHS, *FEEDS)
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,13 @@ class ThroughputParams(ParamSet):
 
     model: str = "smoke"  # a preset of cflib.model.config.PRESETS
     seq_len: int = 64
-    micro_batches: tuple[int, ...] = (2, 4)  # every path is measured at each
-    compare_micro_batch: int = 2  # where the ratios are taken; one of micro_batches
+    micro_batches: tuple[int, ...] = (2, 4)  # every path on random rows is measured at each
+    compare_micro_batch: int = 2  # where the ratios are taken, and realistic lengths measured; one of micro_batches
     paths: tuple[str, ...] = PATHS
+    batches: tuple[str, ...] = tuple(BATCHES)  # random_rows and/or realistic
+    shard: str | None = None  # realistic lengths from this shard root (its train partition); None: generated
+    realistic_median_length: int = 10  # generated lengths: log-normal median, capped at seq_len (300 on a GPU run)
+    fed_peers_liger: bool = True  # peer_padded, peer_packed, peer_padding_free with Liger's kernels (CUDA)
     warmup_steps: int = 1  # taken, not timed
     timed_steps: int = 2
     bf16: bool = False
@@ -105,7 +113,7 @@ class ThroughputParams(ParamSet):
         for name, value in raw.items():
             if name == "micro_batches":
                 values[name] = tuple(_coerce(name, item, int) for item in _as_list(name, value))
-            elif name == "paths":
+            elif name in ("paths", "batches"):
                 values[name] = tuple(str(item).strip() for item in _as_list(name, value))
             else:
                 values[name] = _coerce(name, value, hints[name])
@@ -124,7 +132,7 @@ class ThroughputParams(ParamSet):
         if self.model not in PRESETS:
             raise ParamError(f"model: unknown preset {self.model!r}; presets: {sorted(PRESETS)}")
         for name in ("seq_len", "timed_steps", "loss_chunk_tokens", "ceiling_size", "ceiling_repeats",
-                     "eval_examples"):
+                     "eval_examples", "realistic_median_length"):
             if getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "profile_steps"):
@@ -146,10 +154,29 @@ class ThroughputParams(ParamSet):
                              else f"paths: name at least one of {list(PATHS)}")
         if len(set(self.paths)) != len(self.paths):
             raise ParamError(f"paths repeats a name: {list(self.paths)}")
+        self._validate_batches()
         if self.device not in DEVICES:
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
         if not self.compile_backend.strip():
             raise ParamError("compile_backend must name a torch.compile backend, e.g. inductor")
+
+    def _validate_batches(self) -> None:
+        bad = [kind for kind in self.batches if kind not in BATCHES]
+        if bad or not self.batches or len(set(self.batches)) != len(self.batches):
+            raise ParamError(f"batches: name one or more of {list(BATCHES)} once each, got {list(self.batches)}")
+        for kind in self.batches:
+            if not set(self.paths) & set(BATCHES[kind]):
+                raise ParamError(f"batches: {kind} runs {list(BATCHES[kind])}, and paths names none of them")
+        if REALISTIC in self.batches and self.shard is None and self.realistic_median_length >= self.seq_len:
+            raise ParamError(f"realistic_median_length {self.realistic_median_length} must be below seq_len "
+                             f"{self.seq_len}: generated examples are capped at seq_len")
+        if self.shard is not None:
+            if REALISTIC not in self.batches:
+                raise ParamError(f"shard {self.shard!r} is read by the realistic batches only; batches is "
+                                 f"{list(self.batches)}")
+            if not (resolve_path(self.shard) / "train").is_dir():
+                raise ParamError(f"shard: {resolve_path(self.shard)} holds no train/ partition (a shard root written "
+                                 "by `python -m cflib.data convert` holds train/ and eval/)")
 
 
 def _as_list(name: str, value: Any) -> list:
@@ -163,23 +190,10 @@ def _as_list(name: str, value: Any) -> list:
     raise ParamError(f"{name} must be a list, got {value!r}")
 
 
-# --- the measured quantities ----------------------------------------------------------
-
-
 # --- the paths ------------------------------------------------------------------------
 
-@dataclass
-class Session:
-    """A path ready to step: its step function, how to read its kernels back, and what the record says of it."""
-
-    step: Callable[[np.ndarray], dict]
-    kernel_path: Callable[[], dict]
-    facts: dict
-    trainer: Trainer | None = None
-
-
 def train_params(params: ThroughputParams, micro: int, steps: int, data_root: Path, out_dir: Path,
-                 kernels: dict[str, Any]) -> TrainParams:
+                 kernels: dict[str, Any], packed: bool = False) -> TrainParams:
     """The TrainParams of one measured project run; the peers train with the same optimizer settings."""
     return TrainParams.from_dict({
         "model": params.model, "data": str(data_root), "out_dir": str(out_dir), "seed": params.seed,
@@ -187,60 +201,35 @@ def train_params(params: ThroughputParams, micro: int, steps: int, data_root: Pa
         "lr": 2e-5, "bf16": params.bf16, "loss_chunk_tokens": params.loss_chunk_tokens,
         "fp32_loss": params.fp32_loss, "grad_ckpt": params.grad_ckpt, "eval_at_start": False,
         "eval_micro_batch": micro, "exact_match_limit": 0, "save_optimizer_state": params.save_optimizer_state,
-        "device": params.device, **kernels})
+        "device": params.device, "pack_sequences": packed, **kernels})
 
 
-def _compiled(module: torch.nn.Module) -> bool:
-    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in [module, *module.modules()])
-
-
-def _project_session(name: str, tparams: TrainParams) -> Session:
+def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | None = None) -> Session:
     run = prepare(tparams)
     trainer = Trainer(run, progress=False)
     model, p = run.model, run.params
     counts = count_parameters(model)
     active = model.config.active_parameters()
-    return Session(trainer.train_step, model.kernel_path, trainer=trainer, facts={
+    step = trainer.train_step
+    if stream is not None:  # the release layout: the stream's windows, which are the windows prepare() planned
+        if not np.array_equal(run.pack_plan.members, stream.plan.members):
+            raise RuntimeError("the run's pack plan differs from the measured stream's: the paths would not train "
+                               "the same examples")
+
+        def step(windows: np.ndarray) -> dict:
+            return {**trainer.train_step(windows),
+                    "real_tokens": int(stream.data.lengths[stream.plan.examples_of(windows)].sum())}
+    return Session(step, model.kernel_path, trainer=trainer, facts={
         **counts, "params_active": active,
         "model_flops_per_token": flops_per_token(active, model.config.num_hidden_layers, model.config.hidden_size,
                                                  p.seq_len),
-        "requested": PROJECT_PATHS[name],
+        "requested": {**PROJECT_PATHS[name], "pack_sequences": p.pack_sequences},
         "precision": "bf16-autocast" if p.bf16 else "fp32",
         "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
         "loss_chunk_tokens": p.loss_chunk_tokens,
         "grad_ckpt": bool(model.grad_ckpt),
-        "compiled": _compiled(trainer.train_model),
+        "compiled": compiled(trainer.train_model),
         "optimizer": f"AdamW fused={trainer.optimizer.defaults.get('fused')}",
-    })
-
-
-def _peer_session(name: str, tparams: TrainParams, config: ModelConfig, device: torch.device, data: ShardPartition,
-                  steps: int, compile_backend: str, stack: contextlib.ExitStack) -> Session:
-    variant = PEER_PATHS[name]
-    if variant["liger"]:
-        check_liger(device)
-    model = build_llama(config, device, tparams.seed)
-    if variant["liger"]:
-        stack.enter_context(liger_applied(model, device))
-    if variant["compiled"]:
-        stack.callback(torch._dynamo.reset)  # the next path starts without this one's compiled graphs
-    trainer = PeerTrainer(model, tparams, device, data, steps, compile_backend if variant["compiled"] else None)
-    counts = count_parameters(model)
-    llama = model.config
-    return Session(trainer.train_step, lambda: peer_kernel_path(model), facts={
-        **counts, "params_active": counts["params_trainable"],
-        "model_flops_per_token": flops_per_token(counts["params_trainable"], llama.num_hidden_layers,
-                                                 llama.hidden_size, tparams.seq_len),
-        "requested": variant,
-        "precision": "bf16-autocast" if tparams.bf16 else "fp32",
-        "loss_precision": "fp32 inside Liger's fused kernel" if variant["liger"] else "fp32 (logits upcast)",
-        "loss_chunk_tokens": None,
-        "grad_ckpt": gradient_checkpointing(model),
-        "compiled": compile_backend if _compiled(trainer.train_model) else False,
-        "optimizer": f"AdamW fused={trainer.optimizer.defaults.get('fused')}",
-        "peer_config": {key: getattr(llama, key) for key in (
-            "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "vocab_size", "tie_word_embeddings")},
     })
 
 
@@ -261,28 +250,36 @@ def time_evaluation_and_checkpoint(trainer: Trainer, device: torch.device) -> di
             "checkpoint_with_optimizer_state": trainer.params.save_optimizer_state}
 
 
+def _session(name: str, tparams: TrainParams, batches: Batches, steps: int, params: ThroughputParams,
+             config: ModelConfig, device: torch.device, stack: contextlib.ExitStack) -> Session:
+    if name in PROJECT_PATHS:
+        return _project_session(name, tparams, batches.stream)
+    if name in PEER_PATHS:
+        return peer_session(PEER_PATHS[name], tparams, config, device, batches.data, steps, params.compile_backend,
+                            stack)
+    return fed_peer_session(name, params.fed_peers_liger, tparams, config, device, batches.stream, steps, stack)
+
+
 def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.device, config: ModelConfig,
-                 data_root: Path, data: ShardPartition, out_dir: Path) -> dict:
+                 batches: Batches, out_dir: Path) -> dict:
     """One path at one micro-batch, from a clean device; never raises for the path's own failures."""
-    steps = params.warmup_steps + params.timed_steps
-    entry: dict[str, Any] = {"path": name, "micro_batch": micro}
+    steps_batches, warmup = batches.steps_of(name, micro, params.warmup_steps, params.timed_steps)
+    entry: dict[str, Any] = {"path": name, "batches": batches.kind, "micro_batch": micro}
     release_memory(device)
     with contextlib.ExitStack() as stack:
         kernels = PROJECT_PATHS.get(name, PROJECT_PATHS["reference"])
-        tparams = train_params(params, micro, steps, data_root, out_dir / "runs" / f"{name}-mb{micro}", kernels)
+        run_dir = out_dir / "runs" / f"{batches.kind}-{name}-mb{micro}"
+        tparams = train_params(params, micro, len(steps_batches), batches.root, run_dir, kernels,
+                               packed=batches.stream is not None)
         try:
-            if name in PROJECT_PATHS:
-                session = _project_session(name, tparams)
-            else:
-                session = _peer_session(name, tparams, config, device, data, steps, params.compile_backend, stack)
+            session = _session(name, tparams, batches, len(steps_batches), params, config, device, stack)
         except torch.cuda.OutOfMemoryError as err:
             return {**entry, "status": "oom", "reason": error_line(err), "peak_memory_gib": peak_memory_gib(device)}
         except Exception as err:  # the path's requirements: its message is the reason it was skipped
             return {**entry, "status": "skipped", "reason": error_line(err)}
         entry.update(session.facts)
-        batches = [np.arange(i * micro, (i + 1) * micro) for i in range(steps)]  # fresh rows every step
         try:
-            timing = time_steps(session.step, batches, params.warmup_steps, device)
+            timing = time_steps(session.step, steps_batches, warmup, device)
             entry["peak_memory_gib"] = peak_memory_gib(device)
             entry["kernel_path"] = session.kernel_path()  # what the forward passes used, read back
         except torch.cuda.OutOfMemoryError as err:
@@ -290,12 +287,17 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
         except Exception as err:
             return {**entry, "status": "failed", "reason": error_line(err),
                     "traceback_tail": traceback.format_exc(limit=-3)[-2000:]}
-        entry.update(status="ok", **timing)
-        entry["model_tflops_per_s"] = timing["tokens_per_s"] * entry["model_flops_per_token"] / 1e12
+        entry.update(status="ok", steps=len(steps_batches), **timing)
+        if batches.stream is None:
+            entry["model_tflops_per_s"] = timing["tokens_per_s"] * entry["model_flops_per_token"] / 1e12
+        else:  # the work the timed examples need, each alone; the same for every path
+            useful = batches.stream.useful_flops(entry["params_active"], config.num_hidden_layers, config.hidden_size)
+            entry["model_flops_per_token"] = useful / batches.source["timed_example_tokens"]
+            entry["model_tflops_per_s"] = useful / sum(timing["step_seconds"]) / 1e12
         if params.profile_steps and micro == params.compare_micro_batch:
-            entry["profile"] = _guarded(profile_steps, session.step, batches[:params.profile_steps], device,
-                                        out_dir / "profiles" / f"{name}-mb{micro}.txt")
-        if session.trainer is not None and micro == params.compare_micro_batch:
+            entry["profile"] = _guarded(profile_steps, session.step, steps_batches[:params.profile_steps], device,
+                                        out_dir / "profiles" / f"{batches.kind}-{name}-mb{micro}.txt")
+        if session.trainer is not None and batches.stream is None and micro == params.compare_micro_batch:
             entry["evaluation_and_checkpoint"] = _guarded(time_evaluation_and_checkpoint, session.trainer, device)
     return entry
 
@@ -306,9 +308,6 @@ def _guarded(timing: Callable[..., dict], *args: Any) -> dict:
         return {"status": "ok", **timing(*args)}
     except (torch.cuda.OutOfMemoryError, OSError, RuntimeError) as err:
         return {"status": "failed", "reason": error_line(err)}
-
-
-# --- the comparison -------------------------------------------------------------------
 
 
 # --- the run ----------------------------------------------------------------------------
@@ -324,15 +323,22 @@ def _out_dir(params: ThroughputParams) -> Path:
     return out_dir
 
 
+def _batches(kind: str, params: ThroughputParams, config: ModelConfig, out_dir: Path) -> Batches:
+    if kind == RANDOM_ROWS:
+        return random_rows(out_dir / "random_tokens", config.vocab_size, params.seq_len,
+                           max(params.micro_batches) * (params.warmup_steps + params.timed_steps),
+                           params.eval_examples, params.seed)
+    return realistic(params.shard, out_dir / "realistic_lengths", config.vocab_size, params.seq_len,
+                     params.realistic_median_length, params.compare_micro_batch, params.warmup_steps,
+                     params.timed_steps, params.eval_examples, params.seed)
+
+
 def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dict:
-    """Measure every path at every micro-batch; write and return out_dir/record.json."""
+    """Measure every path on each kind of batches; write and return out_dir/record.json."""
     device = resolve_device(params.device)
     out_dir = _out_dir(params)
     config = PRESETS[params.model]
-    steps = params.warmup_steps + params.timed_steps
-    data_root = write_random_token_shard(out_dir / "random_tokens", config.vocab_size, params.seq_len,
-                                         max(params.micro_batches) * steps, params.eval_examples, params.seed)
-    data = open_shard(data_root, "train", vocab_size=config.vocab_size, seq_len=params.seq_len)
+    kinds = [_batches(kind, params, config, out_dir) for kind in params.batches]  # a bad shard fails here
     started = time.perf_counter()
     release_memory(device)
     # The ceiling in the precision the paths compute in: bf16 for the real measurement.
@@ -341,19 +347,22 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
     log(f"{ceiling['dtype']} matmul {params.ceiling_size}^3: {ceiling['tflops_per_s']:.3g} TFLOP/s (the ceiling)")
     entries = []
     # A widget in JupyterLab, a text bar under papermill; the lines above it say what each run measured.
-    runs = tqdm([(name, micro) for name in params.paths for micro in params.micro_batches], desc="paths")
-    for name, micro in runs:
-        runs.set_postfix_str(f"{name} mb{micro}")
+    runs = tqdm([(batches, name, micro) for batches in kinds for name in params.paths if name in BATCHES[batches.kind]
+                 for micro in batches.micro_batches(params.micro_batches, params.compare_micro_batch)], desc="paths")
+    for batches, name, micro in runs:
+        label = f"{name}{' realistic' if batches.stream is not None else ''}"
+        runs.set_postfix_str(f"{label} mb{micro}")
         path_started = time.perf_counter()
-        entry = measure_path(name, micro, params, device, config, data_root, data, out_dir)
+        entry = measure_path(name, micro, params, device, config, batches, out_dir)
         entry["wall_s"] = time.perf_counter() - path_started  # build, compile, every step, any extra timing
         if entry["status"] == "ok":
             entry["mfu"] = entry["model_tflops_per_s"] / ceiling["tflops_per_s"]
             memory = f"{entry['peak_memory_gib']:.1f} GiB" if entry["peak_memory_gib"] is not None else "-"
-            log(f"{name:>18} mb{micro:<3} {entry['tokens_per_s']:>12,.0f} tokens/s  "
-                f"{entry['model_tflops_per_s']:7.3g} TFLOP/s  MFU {entry['mfu']:.1%}  peak {memory}")
+            log(f"{label:>28} mb{micro:<3} {entry['tokens_per_s']:>12,.0f} tokens/s "
+                f"{entry['supervised_tokens_per_s']:>12,.0f} supervised/s  {entry['model_tflops_per_s']:7.3g} "
+                f"TFLOP/s  MFU {entry['mfu']:.1%}  peak {memory}")
         else:
-            log(f"{name:>18} mb{micro:<3} {entry['status']}: {entry['reason']}")
+            log(f"{label:>28} mb{micro:<3} {entry['status']}: {entry['reason']}")
         entries.append(entry)
     release_memory(device)
     record = {
@@ -361,7 +370,8 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "out_dir": str(out_dir),
         # measurement protocol (DESIGN.md)
-        "framework": {"cflib": __version__, **framework_versions(), "transformers": _package_version("transformers")},
+        "framework": {"cflib": __version__, **framework_versions(), "transformers": _package_version("transformers"),
+                      "flash_attn_4": _package_version("flash-attn-4")},
         "device": device_info(device, count=1),
         "model": params.model,
         "model_config": config.to_dict(),
@@ -376,36 +386,25 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
                      "of its loss and gradient norm, as a training step does",
         "compilation": {"project": "read back per path (entry 'compiled')",
                         "compiled_peers_backend": params.compile_backend},
-        "timing_protocol": {
-            "data": "uniform random token ids (never EOS), rows of seq_len, first third of each row unsupervised; "
-                    "a fresh set of rows every step, the same rows for every path",
-            "step": "forward, backward, gradient clipping, fused AdamW, scheduler, then one host read of the loss and "
-                    "gradient norm; batches copied from pinned memory (every path alike)",
-            "warmup_steps_excluded": params.warmup_steps,
-            "timed_steps": params.timed_steps,
-            "sync_boundaries": "torch.cuda.synchronize before and after each optimizer step, host perf_counter"
-            if device.type == "cuda" else "host perf_counter around each optimizer step (CPU: synchronous)",
-            "includes_eval": False,
-            "includes_checkpoint_io": False,
-            "tokens_counted": "every token fed (micro-batch x seq_len per step)",
-            "clean_state": "one model at a time: the previous path's model and optimizer freed, cache emptied, "
-                           "peak-memory statistics reset, compiled graphs reset",
-            "peak_memory": "torch.cuda.max_memory_allocated over the path's build and steps"
-            if device.type == "cuda" else "not measured on CPU (null)",
-            "flops_per_token": "6 x active parameters (tied head once) + 6 x layers x hidden x seq_len",
-            "mfu": "model TFLOP/s / the bf16 matmul ceiling measured in this run",
-        },
+        "timing_protocol": timing_protocol(params.warmup_steps, params.timed_steps, device),
+        "batches": list(params.batches),
+        **({"realistic": kinds[-1].source} if kinds[-1].kind == REALISTIC else {}),
         "matmul_ceiling": ceiling,
         "paths": entries,
-        "comparison": compare(entries, params.compare_micro_batch),
+        "comparison": compare(entries, params.compare_micro_batch, ceiling),
         "wall_s": time.perf_counter() - started,
         "params": {**dataclasses.asdict(params), "micro_batches": list(params.micro_batches),
-                   "paths": list(params.paths)},
+                   "paths": list(params.paths), "batches": list(params.batches)},
     }
-    references = {e["micro_batch"]: e.get("kernel_path") for e in _ok(entries, "reference")}
-    same = [e["micro_batch"] for e in _ok(entries, "production") if e.get("kernel_path") == references.get(e["micro_batch"])]
-    if same:
-        record["notes"] = [f"production read back the same kernel path as reference at micro-batch(es) {same}: "
-                           "its ratios compare two runs of the same kernels"]
+    notes = []
+    for kind in params.batches:
+        references = {e["micro_batch"]: e.get("kernel_path") for e in _ok(entries, "reference", batches=kind)}
+        same = [e["micro_batch"] for e in _ok(entries, "production", batches=kind)
+                if e.get("kernel_path") == references.get(e["micro_batch"])]
+        if same:
+            notes.append(f"{kind}: production read back the same kernel path as reference at micro-batch(es) "
+                         f"{same}: its ratios compare two runs of the same kernels")
+    if notes:
+        record["notes"] = notes
     write_json_atomic(out_dir / "record.json", record)
     return record

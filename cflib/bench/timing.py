@@ -55,7 +55,9 @@ def peak_memory_gib(device: torch.device) -> float | None:
 
 def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], warmup_steps: int,
                device: torch.device) -> dict:
-    """Run every batch through `step`; steady state is the steps after the warm-up ones."""
+    """Run every batch through `step`; steady state is the steps after the warm-up ones (at least one)."""
+    if len(batches) <= warmup_steps:
+        raise ValueError(f"{len(batches)} batches leave no step to time after {warmup_steps} warm-up steps")
     seconds, rows = [], []
     for batch in batches:
         sync(device)
@@ -65,13 +67,16 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
         seconds.append(time.perf_counter() - start)
     timed, timed_rows = seconds[warmup_steps:], rows[warmup_steps:]
     total = sum(timed)
-    return {
+    result = {
         "tokens_per_s": sum(r["tokens"] for r in timed_rows) / total,
         "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in timed_rows) / total,
         "warmup_s": sum(seconds[:warmup_steps]),
         "step_seconds": timed,
         "losses": [r["loss"] for r in rows],
     }
+    if all("real_tokens" in r for r in timed_rows):  # batches with padding or separators: the examples' own tokens
+        result["real_tokens_per_s"] = sum(r["real_tokens"] for r in timed_rows) / total
+    return result
 
 
 def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], device: torch.device,

@@ -1,0 +1,99 @@
+"""The peer's paths ready to step: on the project's random rows, and fed realistic lengths as users feed it."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from cflib.bench.feeding import FEEDS, RealisticStream
+from cflib.bench.peer import (
+    PeerTrainer,
+    build_llama,
+    check_liger,
+    gradient_checkpointing,
+    liger_applied,
+    peer_kernel_path,
+    varlen_attention,
+)
+from cflib.bench.timing import flops_per_token
+from cflib.data.shards import ShardPartition
+from cflib.model.config import ModelConfig
+from cflib.train.params import TrainParams
+from cflib.train.records import count_parameters
+from cflib.train.trainer import Trainer
+
+
+@dataclass
+class Session:
+    """A path ready to step: its step function, how to read its kernels back, and what the record says of it."""
+
+    step: Callable[[np.ndarray], dict]
+    kernel_path: Callable[[], dict]
+    facts: dict
+    trainer: Trainer | None = None
+
+
+def compiled(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in [module, *module.modules()])
+
+
+def _peer_facts(model: torch.nn.Module, trainer: PeerTrainer, tparams: TrainParams, requested: dict,
+                liger: bool, compile_backend: str | None) -> dict:
+    counts = count_parameters(model)
+    llama = model.config
+    return {
+        **counts, "params_active": counts["params_trainable"],
+        "model_flops_per_token": flops_per_token(counts["params_trainable"], llama.num_hidden_layers,
+                                                 llama.hidden_size, tparams.seq_len),
+        "requested": requested,
+        "precision": "bf16-autocast" if tparams.bf16 else "fp32",
+        "loss_precision": "fp32 inside Liger's fused kernel" if liger else "fp32 (logits upcast)",
+        "loss_chunk_tokens": None,
+        "grad_ckpt": gradient_checkpointing(model),
+        "compiled": compile_backend if compiled(trainer.train_model) else False,
+        "optimizer": f"AdamW fused={trainer.optimizer.defaults.get('fused')}",
+        "peer_config": {key: getattr(llama, key) for key in (
+            "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "tie_word_embeddings")},
+    }
+
+
+def peer_session(variant: dict[str, bool], tparams: TrainParams, config: ModelConfig, device: torch.device,
+                 data: ShardPartition, steps: int, compile_backend: str, stack: contextlib.ExitStack) -> Session:
+    """A peer on the project's rows, collated as the project collates them; Liger and torch.compile as asked."""
+    if variant["liger"]:
+        check_liger(device)
+    model = build_llama(config, device, tparams.seed)
+    if variant["liger"]:
+        stack.enter_context(liger_applied(model, device))
+    if variant["compiled"]:
+        stack.callback(torch._dynamo.reset)  # the next path starts without this one's compiled graphs
+    backend = compile_backend if variant["compiled"] else None
+    trainer = PeerTrainer(model, tparams, device, data, steps, backend)
+    return Session(trainer.train_step, lambda: peer_kernel_path(model),
+                   facts=_peer_facts(model, trainer, tparams, variant, variant["liger"], backend))
+
+
+def fed_peer_session(name: str, liger: bool, tparams: TrainParams, config: ModelConfig, device: torch.device,
+                     stream: RealisticStream, steps: int, stack: contextlib.ExitStack) -> Session:
+    """A peer fed realistic lengths one of the ways users feed it (cflib.bench.feeding.FEEDS)."""
+    feed = FEEDS[name]
+    attention = varlen_attention(device) if feed.varlen else "sdpa"
+    if liger:
+        check_liger(device)
+    model = build_llama(config, device, tparams.seed, attention)
+    if liger:
+        stack.enter_context(liger_applied(model, device))
+    trainer = PeerTrainer(model, tparams, device, stream.data, steps)
+
+    def step(units: np.ndarray) -> dict[str, Any]:
+        row = trainer.train_batch(feed.collate(stream.data, stream.plan, units))
+        row["real_tokens"] = int(stream.data.lengths[stream.examples(units, feed.unit)].sum())
+        return row
+
+    requested = {"liger": liger, "attn_implementation": attention, "micro_batch_counts": feed.unit}
+    return Session(step, lambda: peer_kernel_path(model),
+                   facts={**_peer_facts(model, trainer, tparams, requested, liger, None), "feed": feed.description})
