@@ -1,49 +1,95 @@
-"""The ratios a throughput record is judged by, from the entries of one run."""
+"""The product's throughput targets, and the ratios a record is judged by, taken from the entries of one run."""
 from __future__ import annotations
 
-# Issue 4's targets for the production profile (ratios measured in one run).
+from dataclasses import dataclass
+
+RANDOM_ROWS, REALISTIC = "random_rows", "realistic"
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a ratio: a path (or "best_peer": the fastest peer on random rows; "ceiling": the bf16 matmul
+    ceiling), on one kind of batches, at the compared micro-batch or at the side's fastest ("best")."""
+
+    path: str
+    batches: str = RANDOM_ROWS
+    micro: str = "compare"
+
+
+@dataclass(frozen=True)
+class Target:
+    quantity: str  # the entry field compared
+    numerator: Side
+    denominator: Side
+    sense: str  # ">=" or "<="
+    value: float
+
+
 TARGETS = (
-    ("tokens_per_s", "production", "peer_liger", ">=", 1.25),
-    ("tokens_per_s", "production", "best_peer", ">=", 1.25),
-    ("tokens_per_s", "production", "reference", ">=", 2.5),
-    ("peak_memory_gib", "production", "peer_liger", "<=", 0.8),
-    ("best_tokens_per_s", "production", "best_peer", ">=", 1.25),
+    Target("tokens_per_s", Side("production"), Side("peer_liger"), ">=", 1.35),
+    Target("peak_memory_gib", Side("production"), Side("peer_liger"), "<=", 0.75),
+    Target("tokens_per_s", Side("production", micro="best"), Side("best_peer", micro="best"), ">=", 1.30),
+    # Packed with document masking, a window does less attention than a dense row of the same length.
+    Target("tokens_per_s", Side("production", REALISTIC), Side("production"), ">=", 1.0),
+    Target("supervised_tokens_per_s", Side("production", REALISTIC), Side("peer_packed", REALISTIC), ">=", 1.35),
+    Target("supervised_tokens_per_s", Side("production", REALISTIC), Side("peer_padded", REALISTIC), ">=", 8.0),
+    Target("model_tflops_per_s", Side("production", micro="best"), Side("ceiling"), ">=", 0.60),
 )
 
 
-def _ok(entries: list[dict], path: str | None = None, micro: int | None = None) -> list[dict]:
+def batches_of(entry: dict) -> str:
+    return entry.get("batches", RANDOM_ROWS)  # records from before realistic lengths hold random rows only
+
+
+def _ok(entries: list[dict], path: str | None = None, micro: int | None = None,
+        batches: str | None = None) -> list[dict]:
     return [e for e in entries if e["status"] == "ok" and path in (None, e["path"])
-            and micro in (None, e["micro_batch"])]
+            and micro in (None, e["micro_batch"]) and batches in (None, batches_of(e))]
 
 
-def _side(entries: list[dict], side: str, micro: int | None) -> tuple[dict | None, str]:
-    """The entry standing for one side of a ratio: a named path, or the fastest peer; at `micro` or its best."""
-    pool = [e for e in _ok(entries, micro=micro)
-            if (e["path"].startswith("peer_") if side == "best_peer" else e["path"] == side)]
-    if not pool:
-        why = [f"{e['path']} mb{e['micro_batch']}: {e['status']} ({e.get('reason', '')})" for e in entries
-               if (e["path"].startswith("peer_") if side == "best_peer" else e["path"] == side)
-               and micro in (None, e["micro_batch"])]
-        return None, f"{side} has no measurement" + (f": {'; '.join(why)}" if why else " (not in paths)")
-    return max(pool, key=lambda e: e["tokens_per_s"]), ""
+def _is(entry: dict, side: Side) -> bool:
+    if batches_of(entry) != side.batches:
+        return False
+    return entry["path"].startswith("peer_") if side.path == "best_peer" else entry["path"] == side.path
 
 
-def compare(entries: list[dict], compare_micro: int) -> list[dict]:
-    """Issue 4's ratios, from this run's entries; a side that did not run leaves its ratio None, saying why."""
+def _side(entries: list[dict], side: Side, compare_micro: int, quantity: str,
+          ceiling: dict | None) -> tuple[dict | None, str]:
+    """The entry standing for one side (the fastest of its pool), or None and why."""
+    if side.path == "ceiling":
+        if ceiling is None:
+            return None, "no matmul ceiling in this record"
+        return {"path": "ceiling", "micro_batch": "-", quantity: ceiling["tflops_per_s"]}, ""
+    micro = compare_micro if side.micro == "compare" else None
+    pool = [e for e in entries if _is(e, side) and micro in (None, e["micro_batch"])]
+    ok = [e for e in pool if e["status"] == "ok"]
+    if not ok:
+        why = [f"{e['path']} mb{e['micro_batch']}: {e['status']} ({e.get('reason', '')})" for e in pool]
+        return None, (f"{side.path} on {side.batches} has no measurement"
+                      + (f": {'; '.join(why)}" if why else " (not in paths or batches)"))
+    return max(ok, key=lambda e: e["tokens_per_s"]), ""
+
+
+def compare(entries: list[dict], compare_micro: int, ceiling: dict | None = None) -> list[dict]:
+    """Every target's ratio from this run's entries; a side that did not run leaves its ratio None, saying why."""
     rows = []
-    for quantity, top, bottom, sense, target in TARGETS:
-        best = quantity == "best_tokens_per_s"
-        micro = None if best else compare_micro
-        field = "tokens_per_s" if best else quantity
-        (num, why_num), (den, why_den) = _side(entries, top, micro), _side(entries, bottom, micro)
-        row = {"quantity": field, "micro_batch": "best" if best else compare_micro, "numerator": top,
-               "denominator": bottom, "target": f"{sense} {target}", "value": None, "met": None}
-        if num is None or den is None or num.get(field) is None or den.get(field) is None:
-            row["why_none"] = why_num or why_den or f"{field} not measured on this device"
+    for target in TARGETS:
+        top, bottom = target.numerator, target.denominator
+        best = "best" in (top.micro, bottom.micro)
+        row = {"quantity": target.quantity, "micro_batch": "best" if best else compare_micro,
+               "numerator": top.path, "numerator_batches": top.batches,
+               "denominator": bottom.path, "denominator_batches": bottom.batches,
+               "target": f"{target.sense} {target.value:.2f}", "value": None, "met": None}
+        denominator_field = "tflops_per_s" if bottom.path == "ceiling" else target.quantity
+        (num, why_num) = _side(entries, top, compare_micro, target.quantity, ceiling)
+        (den, why_den) = _side(entries, bottom, compare_micro, denominator_field, ceiling)
+        if num is None or den is None or num.get(target.quantity) is None or den.get(denominator_field) is None:
+            row["why_none"] = why_num or why_den or f"{target.quantity} not measured on this device"
         else:
-            row["value"] = num[field] / den[field]
-            row["met"] = row["value"] >= target if sense == ">=" else row["value"] <= target
+            row["value"] = num[target.quantity] / den[denominator_field]
+            row["met"] = row["value"] >= target.value if target.sense == ">=" else row["value"] <= target.value
             row["numerator_entry"] = f"{num['path']} mb{num['micro_batch']}"
-            row["denominator_entry"] = f"{den['path']} mb{den['micro_batch']}"
+            row["denominator_entry"] = ("bf16 matmul ceiling" if bottom.path == "ceiling"
+                                        else f"{den['path']} mb{den['micro_batch']}")
         rows.append(row)
     return rows

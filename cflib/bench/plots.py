@@ -8,32 +8,43 @@ import matplotlib.pyplot as plt
 from cflib.bench.validate import error_grid
 
 
-def plot_throughput(record: dict, save_to: str | Path | None = None) -> plt.Figure:
-    """Bars of steady-state tokens/s and peak memory for every path, one bar per micro-batch."""
-    paths = list(dict.fromkeys(e["path"] for e in record["paths"]))
-    micros = list(dict.fromkeys(e["micro_batch"] for e in record["paths"]))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+def _bars(ax: plt.Axes, entries: list[dict], field: str, label: str, fmt: str) -> None:
+    """One group of bars per path, one bar per micro-batch; a path that did not run says why."""
+    paths = list(dict.fromkeys(e["label"] for e in entries))
+    micros = list(dict.fromkeys(e["micro_batch"] for e in entries))
     width = 0.8 / len(micros)
-    for ax, field, label, fmt in ((axes[0], "tokens_per_s", "steady-state tokens/s", "{:,.0f}"),
-                                  (axes[1], "peak_memory_gib", "peak memory (GiB)", "{:.1f}")):
-        for k, micro in enumerate(micros):
-            for i, name in enumerate(paths):
-                entry = next((e for e in record["paths"] if e["path"] == name and e["micro_batch"] == micro), None)
-                x = i + (k - (len(micros) - 1) / 2) * width
-                value = entry.get(field) if entry and entry["status"] == "ok" else None
-                if value is None:
-                    why = entry["status"] if entry and entry["status"] != "ok" else "not measured"
-                    ax.text(x, 0, why, rotation=90, ha="center", va="bottom", fontsize=7, color="grey")
-                else:
-                    bars = ax.bar(x, value, width, color=f"C{k}", label=f"micro-batch {micro}" if i == 0 else None)
-                    ax.bar_label(bars, labels=[fmt.format(value)], fontsize=6, rotation=90, padding=2)
-        ax.set_xlim(-0.6, len(paths) - 0.4)
-        ax.margins(y=0.15)  # room for the value labels above the tallest bar
-        ax.set_xticks(range(len(paths)), paths, rotation=25, ha="right")
-        ax.set_ylabel(label)
-        ax.grid(axis="y", alpha=0.3)
-    if axes[0].get_legend_handles_labels()[0]:
-        axes[0].legend()
+    for k, micro in enumerate(micros):
+        for i, name in enumerate(paths):
+            entry = next((e for e in entries if e["label"] == name and e["micro_batch"] == micro), None)
+            x = i + (k - (len(micros) - 1) / 2) * width
+            value = entry.get(field) if entry and entry["status"] == "ok" else None
+            if value is None:
+                why = entry["status"] if entry and entry["status"] != "ok" else "not measured"
+                ax.text(x, 0, why, rotation=90, ha="center", va="bottom", fontsize=7, color="grey")
+            else:
+                bars = ax.bar(x, value, width, color=f"C{k}", label=f"micro-batch {micro}" if i == 0 else None)
+                ax.bar_label(bars, labels=[fmt.format(value)], fontsize=6, rotation=90, padding=2)
+    ax.set_xlim(-0.6, len(paths) - 0.4)
+    ax.margins(y=0.15)  # room for the value labels above the tallest bar
+    ax.set_xticks(range(len(paths)), paths, rotation=25, ha="right")
+    ax.set_ylabel(label)
+    ax.grid(axis="y", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+def plot_throughput(record: dict, save_to: str | Path | None = None) -> plt.Figure:
+    """Bars of steady-state throughput on each kind of batches, and of peak memory, for every path."""
+    entries = [{**e, "label": e["path"] if e.get("batches", "random_rows") == "random_rows"
+                else f"{e['path']} (realistic)"} for e in record["paths"]]
+    dense = [e for e in entries if e.get("batches", "random_rows") == "random_rows"]
+    realistic = [e for e in entries if e.get("batches") == "realistic"]
+    panels = ([(dense, "tokens_per_s", "random rows: tokens/s", "{:,.0f}")] if dense else []) + (
+        [(realistic, "supervised_tokens_per_s", "realistic lengths: supervised tokens/s", "{:,.0f}")]
+        if realistic else []) + [(entries, "peak_memory_gib", "peak memory (GiB)", "{:.1f}")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        _bars(ax, *panel)
     fig.suptitle(f"{record['model']}, seq {record['seq_len']}, {record['precision']}, {record['device']['name']}")
     fig.tight_layout()
     if save_to is not None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 PERF_TABLE_BEGIN = "<!-- perf-table {} -->"
-
-
 PERF_TABLE_END = "<!-- /perf-table -->"
 
 
@@ -13,8 +11,97 @@ def _number(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+QUANTITIES = {"tokens_per_s": "tokens/s", "supervised_tokens_per_s": "supervised tokens/s",
+              "peak_memory_gib": "peak memory", "model_tflops_per_s": "model TFLOP/s"}
+
+
+def _kind(entry: dict) -> str:
+    return entry.get("batches", "random_rows")  # records from before realistic lengths hold random rows only
+
+
+def _label(path: str, batches: str) -> str:
+    return f"{path} (realistic)" if batches == "realistic" else path
+
+
+def _random_rows_table(entries: list[dict]) -> list[str]:
+    lines = ["| path | micro-batch | tokens/s | model TFLOP/s | MFU | peak GiB |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for entry in entries:
+        if entry["status"] == "ok":
+            lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['tokens_per_s'])} | "
+                         f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
+                         f"{_number(entry['peak_memory_gib'], 1)} |")
+        else:
+            lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | "
+                         f"{_number(entry.get('peak_memory_gib'), 1)} |")
+    return lines
+
+
+def _realistic_table(record: dict, entries: list[dict]) -> list[str]:
+    source = record["realistic"]
+    origin = (f"shard {source['shard']}" if "shard" in source else
+              f"generated: log-normal lengths, median {source['median']:,}, capped at {record['seq_len']:,}, the "
+              f"first third of each example unsupervised")
+    lines = [f"Realistic lengths ({origin}); {source['timed_examples']:,} timed examples, length median "
+             f"{source['timed_length_median']:,.0f}, mean {source['timed_length_mean']:,.0f}, max "
+             f"{source['timed_length_max']:,}; the project trains packed {record['seq_len']:,}-token windows, each "
+             "example attending only to itself; model TFLOP/s counts each example's own work alone:", "",
+             "| path | micro-batch | supervised tokens/s | example tokens/s | tokens fed/s | model TFLOP/s | MFU | "
+             "peak GiB |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for entry in entries:
+        if entry["status"] == "ok":
+            lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['supervised_tokens_per_s'])} | "
+                         f"{_number(entry.get('real_tokens_per_s'))} | {_number(entry['tokens_per_s'])} | "
+                         f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
+                         f"{_number(entry['peak_memory_gib'], 1)} |")
+        else:
+            lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | - | - | "
+                         f"{_number(entry.get('peak_memory_gib'), 1)} |")
+    fed = {e["path"]: e["feed"] for e in entries if e.get("feed")}
+    if fed:
+        lines += ["", "How the peer was fed (the same examples in the same order; a micro-batch counts windows, "
+                  "peer_padded's counts examples):", ""]
+        lines += [f"- {path}: {feed}" for path, feed in fed.items()]
+    return lines
+
+
+def _ratio_rows(record: dict) -> list[str]:
+    lines = ["The product's targets, each a ratio taken in this run:", "",
+             "| ratio | micro-batch | measured | target | met |", "| --- | ---: | ---: | ---: | :---: |"]
+    for row in record["comparison"]:
+        top = _label(row["numerator"], row.get("numerator_batches", "random_rows"))
+        bottom = ("bf16 matmul ceiling" if row["denominator"] == "ceiling"
+                  else _label(row["denominator"], row.get("denominator_batches", "random_rows")))
+        label = f"{QUANTITIES[row['quantity']]}: {top} / {bottom}"
+        if row["value"] is None:
+            lines.append(f"| {label} | {row['micro_batch']} | - | {row['target']} | not measured |")
+            continue
+        if row["micro_batch"] == "best" or row["denominator"] == "best_peer":
+            sides = [row["numerator_entry"]] + ([] if row["denominator"] == "ceiling" else [row["denominator_entry"]])
+            label += f" ({' / '.join(sides)})"
+        lines.append(f"| {label} | {row['micro_batch']} | {row['value']:.2f} | {row['target']} | "
+                     f"{'yes' if row['met'] else 'no'} |")
+    return lines
+
+
+def _kernel_rows(record: dict) -> list[str]:
+    lines = ["| path | kernels read back | compiled |", "| --- | --- | --- |"]
+    seen = set()
+    for entry in record["paths"]:
+        key = (_kind(entry), entry["path"])
+        if entry["status"] == "ok" and key not in seen:
+            seen.add(key)
+            kernels = ", ".join(f"{name} {value}" for name, value in entry["kernel_path"].items())
+            lines.append(f"| {_label(entry['path'], key[0])} | {kernels} | {entry['compiled'] or 'no'} |")
+    skipped = {(_kind(e), e["path"]): e for e in record["paths"] if e["status"] != "ok"}
+    for (kind, name), entry in skipped.items():
+        if (kind, name) not in seen:
+            lines.append(f"| {_label(name, kind)} | {entry['status']}: {entry['reason'].replace('|', '/')} | - |")
+    return lines
+
+
 def perf_table(record: dict) -> str:
-    """Markdown: every path's steady-state figures, the ratios against issue 4's targets, the kernels read back."""
+    """Markdown: every path's steady-state figures on each kind of batches, the product's targets, the kernels."""
     device, framework = record["device"], record["framework"]
     ceiling = record["matmul_ceiling"]
     lines = [
@@ -23,38 +110,15 @@ def perf_table(record: dict) -> str:
         f"{record['timing_protocol']['warmup_steps_excluded']} warm-up; {ceiling['dtype']} matmul "
         f"{ceiling['size']}^3 ceiling {ceiling['tflops_per_s']:,.1f} TFLOP/s in the same run; "
         f"cflib {(framework.get('cflib_commit') or 'unknown')[:7]}",
-        "",
-        "| path | micro-batch | tokens/s | model TFLOP/s | MFU | peak GiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for entry in record["paths"]:
-        if entry["status"] == "ok":
-            lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['tokens_per_s'])} | "
-                         f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
-                         f"{_number(entry['peak_memory_gib'], 1)} |")
-        else:
-            lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | "
-                         f"{_number(entry.get('peak_memory_gib'), 1)} |")
-    lines += ["", "| ratio | micro-batch | measured | target | met |", "| --- | ---: | ---: | ---: | :---: |"]
-    for row in record["comparison"]:
-        quantity = {"tokens_per_s": "tokens/s", "peak_memory_gib": "peak memory"}[row["quantity"]]
-        label = f"{quantity}: {row['numerator']} / {row['denominator']}"
-        if row["value"] is None:
-            lines.append(f"| {label} | {row['micro_batch']} | - | {row['target']} | not measured |")
-        else:
-            label += f" ({row['denominator_entry']})" if row["denominator"] == "best_peer" else ""
-            lines.append(f"| {label} | {row['micro_batch']} | {row['value']:.2f} | {row['target']} | "
-                         f"{'yes' if row['met'] else 'no'} |")
-    lines += ["", "| path | kernels read back | compiled |", "| --- | --- | --- |"]
-    seen = set()
-    for entry in record["paths"]:
-        if entry["status"] == "ok" and entry["path"] not in seen:
-            seen.add(entry["path"])
-            kernels = ", ".join(f"{name} {value}" for name, value in entry["kernel_path"].items())
-            lines.append(f"| {entry['path']} | {kernels} | {entry['compiled'] or 'no'} |")
-    skipped = {e["path"]: e for e in record["paths"] if e["status"] != "ok" and e["path"] not in seen}
-    for name, entry in skipped.items():
-        lines.append(f"| {name} | {entry['status']}: {entry['reason'].replace('|', '/')} | - |")
+    dense = [e for e in record["paths"] if _kind(e) == "random_rows"]
+    if dense:
+        lines += ["", f"Random rows ({record['seq_len']:,} random tokens each, the first third unsupervised):", ""]
+        lines += _random_rows_table(dense)
+    realistic = [e for e in record["paths"] if _kind(e) == "realistic"]
+    if realistic:
+        lines += [""] + _realistic_table(record, realistic)
+    lines += [""] + _ratio_rows(record) + [""] + _kernel_rows(record)
     timed = [e for e in record["paths"] if e.get("evaluation_and_checkpoint", {}).get("status") == "ok"]
     for entry in timed:
         io = entry["evaluation_and_checkpoint"]

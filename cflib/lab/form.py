@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import ipywidgets as widgets
 
 from cflib.bench.components import COMPONENTS
-from cflib.bench.throughput import ThroughputParams
+from cflib.bench.throughput import BATCHES, ThroughputParams
 from cflib.bench.tune import TuneParams
 from cflib.bench.validate import resolve_grid
 from cflib.paths import project_root, resolve_path
@@ -110,15 +110,18 @@ def throughput_form(namespace: dict[str, Any]) -> "ParameterForm | None":
     """measure_throughput.ipynb's form: ThroughputParams checks the values; the runs it will time below."""
 
     def derived(params: ThroughputParams) -> str:
-        runs = len(params.paths) * len(params.micro_batches)
-        return (f"{runs} measurements ({len(params.paths)} paths x micro-batches "
-                f"{', '.join(map(str, params.micro_batches))}), each {params.warmup_steps} warm-up + "
-                f"{params.timed_steps} timed steps of {params.seq_len}-token rows; ratios at micro-batch "
-                f"{params.compare_micro_batch}")
+        parts = []
+        for kind in params.batches:
+            paths = [name for name in params.paths if name in BATCHES[kind]]
+            micros = params.micro_batches if kind == "random_rows" else (params.compare_micro_batch,)
+            parts.append(f"{kind}: {len(paths) * len(micros)} measurements ({len(paths)} paths x "
+                         f"micro-batch{'es' if len(micros) > 1 else ''} {', '.join(map(str, micros))})")
+        return (f"{'; '.join(parts)}; each {params.warmup_steps} warm-up + {params.timed_steps} timed steps of "
+                f"{params.seq_len}-token rows or windows; ratios at micro-batch {params.compare_micro_batch}")
     return parameter_form(namespace, ThroughputParams.names(),
                           check=lambda values: ThroughputParams.from_dict(values, "form"), derived=derived,
-                          main=["model", "seq_len", "micro_batches", "compare_micro_batch", "paths", "timed_steps",
-                                "bf16", "compile_backend", "device"])
+                          main=["model", "seq_len", "micro_batches", "compare_micro_batch", "paths", "batches",
+                                "shard", "timed_steps", "bf16", "compile_backend", "device"])
 
 
 def show_value(value: Any) -> str:

@@ -13,17 +13,11 @@ import torch
 
 import cflib.bench.throughput as throughput
 from cflib.bench.__main__ import main as report_main
+from cflib.bench.comparison import TARGETS, compare
 from cflib.bench.peer import PeerTrainer, active_ffn_width, llama_config
+from cflib.bench.synthetic import write_random_token_shard
 from cflib.bench.tables import perf_table, update_readme_perf_table
-from cflib.bench.throughput import (
-    PATHS,
-    ThroughputParams,
-    compare,
-    flops_per_token,
-    measure,
-    time_steps,
-    write_random_token_shard,
-)
+from cflib.bench.throughput import BATCHES, ThroughputParams, flops_per_token, measure, time_steps
 from cflib.data.shards import IGNORE_INDEX, open_shard
 from cflib.model.config import preset
 from cflib.train.params import ParamError, load_params_file
@@ -34,19 +28,29 @@ NOTEBOOK = ROOT / "notebooks" / "measure_throughput.ipynb"
 SMOKE = {**load_params_file(ROOT / "params" / "throughput_smoke.yaml")}
 
 
+SMOKE_PATHS = ["reference", "production", "peer_eager", "peer_liger", "peer_compile", "peer_padded", "peer_packed",
+               "peer_padding_free"]
+
+
 @pytest.fixture(scope="module")
 def smoke_record(tmp_path_factory) -> dict:
-    """One smoke measurement of every path the CPU can run, and the Liger peer it cannot."""
+    """One smoke measurement of both kinds of batches: every path the CPU can run, and those it cannot."""
     out_dir = tmp_path_factory.mktemp("throughput") / "run"
-    params = ThroughputParams.from_dict({**SMOKE, "out_dir": str(out_dir), "paths": [
-        "reference", "production", "peer_eager", "peer_liger", "peer_compile"]})
+    params = ThroughputParams.from_dict({**SMOKE, "out_dir": str(out_dir), "paths": SMOKE_PATHS})
     return measure(params, log=lambda line: None)
+
+
+def entries_of(record: dict, batches: str) -> list[dict]:
+    return [e for e in record["paths"] if e["batches"] == batches]
 
 
 # --- parameters -------------------------------------------------------------------------
 
 def test_parameters_cell_mirrors_throughput_params():
-    from test_notebooks import parameters_cell
+    try:
+        from test_notebooks import parameters_cell
+    except ImportError:
+        from tests.lab.test_notebooks import parameters_cell
 
     defaults = {name: getattr(ThroughputParams(), name) for name in ThroughputParams.names()}
     cell = parameters_cell(NOTEBOOK)
@@ -58,12 +62,21 @@ def test_throughput_params_files_validate(path):
     ThroughputParams.from_dict(load_params_file(path), source=str(path))
 
 
-def test_h200_params_measure_the_issue_targets_settings():
+def test_h200_params_measure_the_products_targets_settings():
     params = ThroughputParams.from_dict(load_params_file(ROOT / "params" / "throughput_200m_h200.yaml"))
     assert (params.model, params.seq_len, params.bf16, params.device) == ("tr_hash_200m", 2048, True, "cuda")
-    assert {16, 32} <= set(params.micro_batches) and params.compare_micro_batch == 16  # the issue's sizes
-    assert set(params.paths) == set(PATHS) and params.ceiling_size == 8192
-    assert params.warmup_steps >= 3 and params.timed_steps >= 8
+    assert 16 in params.micro_batches and len(params.micro_batches) > 1 and params.compare_micro_batch == 16
+    assert set(params.batches) == set(BATCHES) and params.shard is None and params.realistic_median_length == 300
+    named = {side.path for target in TARGETS for side in (target.numerator, target.denominator)}
+    assert named - {"best_peer", "ceiling"} <= set(params.paths)  # every target's sides are measured
+    assert {"peer_padded", "peer_packed", "peer_padding_free"} <= set(params.paths) and params.fed_peers_liger
+    assert params.ceiling_size == 8192 and params.warmup_steps >= 3 and params.timed_steps >= 8
+
+
+def test_smoke_params_run_the_realistic_batches_on_a_cpu():
+    params = ThroughputParams.from_dict(SMOKE)
+    assert params.device == "cpu" and "realistic" in params.batches and params.seq_len <= 128
+    assert {"peer_padded", "peer_packed", "peer_padding_free"} <= set(params.paths) and not params.fed_peers_liger
 
 
 @pytest.mark.parametrize("raw, expected", [("16,32", (16, 32)), ("[16, 32]", (16, 32)), ([8], (8,)), (4, (4,))])
@@ -84,6 +97,14 @@ def test_micro_batches_accept_yaml_lists_and_papermill_strings(raw, expected):
     ({"seq_len": 4096}, "exceeds model smoke's max_position_embeddings"),
     ({"timed_steps": 0}, "timed_steps must be positive"),
     ({"device": "tpu"}, "device must be one of"),
+    ({"batches": "random_rows,packed"}, "batches: name one or more of"),
+    ({"batches": []}, "batches: name one or more of"),
+    ({"batches": "realistic", "paths": "peer_liger"}, "batches: realistic runs .* paths names none of them"),
+    ({"batches": "random_rows", "paths": "peer_padded"}, "batches: random_rows runs .* paths names none"),
+    ({"realistic_median_length": 64}, "realistic_median_length 64 must be below seq_len 64"),
+    ({"realistic_median_length": 0}, "realistic_median_length must be positive"),
+    ({"batches": "random_rows", "shard": "outputs/data"}, "shard 'outputs/data' is read by the realistic"),
+    ({"shard": "/nonexistent/shard"}, "shard: /nonexistent/shard holds no train/ partition"),
 ])
 def test_bad_parameters_name_the_culprit(raw, message):
     with pytest.raises(ParamError, match=message):
@@ -166,15 +187,19 @@ def test_record_carries_the_measurement_protocol(smoke_record):
     assert json.loads((Path(record["out_dir"]) / "record.json").read_text()) == json.loads(json.dumps(record))
 
 
-def test_every_path_is_measured_at_every_micro_batch(smoke_record):
-    assert [(e["path"], e["micro_batch"]) for e in smoke_record["paths"]] == [
-        (name, micro) for name in ("reference", "production", "peer_eager", "peer_liger", "peer_compile")
-        for micro in (2, 4)]
+def test_every_path_is_measured_on_its_batches(smoke_record):
+    dense = ("reference", "production", "peer_eager", "peer_liger", "peer_compile")
+    realistic = ("reference", "production", "peer_padded", "peer_packed", "peer_padding_free")
+    assert [(e["batches"], e["path"], e["micro_batch"]) for e in smoke_record["paths"]] == [
+        ("random_rows", name, micro) for name in dense for micro in (2, 4)] + [
+        ("realistic", name, 2) for name in realistic]  # realistic lengths at the compared micro-batch
     for entry in smoke_record["paths"]:
         if entry["status"] != "ok":
             continue
-        assert entry["tokens_per_s"] > 0 and len(entry["step_seconds"]) == 2
-        assert all(math.isfinite(loss) for loss in entry["losses"]) and len(entry["losses"]) == 3
+        assert entry["tokens_per_s"] > 0 and entry["supervised_tokens_per_s"] > 0
+        assert 0 < len(entry["step_seconds"]) < entry["steps"]  # warm-up excluded
+        assert len(entry["step_seconds"]) == 2 or entry["path"] == "peer_padded"
+        assert all(math.isfinite(loss) for loss in entry["losses"]) and len(entry["losses"]) == entry["steps"]
         assert entry["mfu"] == entry["model_tflops_per_s"] / smoke_record["matmul_ceiling"]["tflops_per_s"]
         assert entry["peak_memory_gib"] is None  # not measured on CPU
         for field in ("kernel_path", "params_total", "params_trainable", "model_flops_per_token", "precision",
@@ -185,12 +210,13 @@ def test_every_path_is_measured_at_every_micro_batch(smoke_record):
 def test_project_paths_train_through_the_trainer_and_read_kernels_back(smoke_record):
     from cflib.model.decoder import TRMoEModel
 
-    reference = [e for e in smoke_record["paths"] if e["path"] == "reference"]
+    reference = [e for e in entries_of(smoke_record, "random_rows") if e["path"] == "reference"]
     assert [e["status"] for e in reference] == ["ok", "ok"]
     model = TRMoEModel(preset("smoke"))
     assert set(reference[0]["kernel_path"]) == set(model.kernel_path())
     assert reference[0]["kernel_path"]["moe"] != "none"  # set by a forward that ran, not by construction
-    assert reference[0]["requested"] == {"use_custom_kernels": "false", "require_liger": False}
+    assert reference[0]["requested"] == {"use_custom_kernels": "false", "require_liger": False,
+                                         "pack_sequences": False}
     assert reference[0]["params_trainable"] == preset("smoke").num_parameters()
     production = [e for e in smoke_record["paths"] if e["path"] == "production"]
     # on CPU the release kernels either refuse (skipped, with the reason) or run: never a crash
@@ -198,9 +224,47 @@ def test_project_paths_train_through_the_trainer_and_read_kernels_back(smoke_rec
     assert all(e["reason"] for e in production if e["status"] == "skipped")
 
 
+def test_realistic_lengths_train_the_release_layout_with_document_masking(smoke_record):
+    project = {e["path"]: e for e in entries_of(smoke_record, "realistic") if e["path"] in ("reference", "production")}
+    assert project["reference"]["status"] == "ok" and project["reference"]["requested"]["pack_sequences"] is True
+    for entry in project.values():
+        if entry["status"] == "ok":  # the backend the model ran, read back: a document mask, not plain causal
+            assert entry["kernel_path"]["attention"] in ("sdpa_mask", "flex_attention") or "varlen" in \
+                entry["kernel_path"]["attention"]
+    dense_reference = entries_of(smoke_record, "random_rows")[0]
+    assert dense_reference["kernel_path"]["attention"] == "torch_sdpa"
+
+
+def test_every_realistic_path_trains_the_same_examples(smoke_record):
+    """Timed supervised and example tokens are the same for every path: the same examples, however fed."""
+    source = smoke_record["realistic"]
+    assert source["median"] == 10 and source["generated"] and source["timed_examples"] > 0
+    ran = [e for e in entries_of(smoke_record, "realistic") if e["status"] == "ok"]
+    assert {e["path"] for e in ran} >= {"reference", "peer_padded", "peer_packed"}
+    for entry in ran:
+        seconds = sum(entry["step_seconds"])
+        assert round(entry["supervised_tokens_per_s"] * seconds) == source["timed_supervised_tokens"], entry["path"]
+        assert round(entry["real_tokens_per_s"] * seconds) == source["timed_example_tokens"], entry["path"]
+        assert entry["model_flops_per_token"] > 0
+    by_path = {e["path"]: e for e in ran}
+    padded, packed = by_path["peer_padded"], by_path["peer_packed"]
+    assert padded["steps"] > packed["steps"] == 3  # the same examples, micro-batch examples a step
+    assert padded["requested"]["micro_batch_counts"] == "examples" and "padded" in padded["feed"]
+    assert "wrapped" in packed["feed"] and packed["kernel_path"]["attention"] == "sdpa"
+    # the same windows, fed by position: the peer on positions fed, the project on the same count
+    assert packed["tokens_per_s"] * sum(packed["step_seconds"]) == pytest.approx(
+        by_path["reference"]["tokens_per_s"] * sum(by_path["reference"]["step_seconds"]))
+
+
+def test_padding_free_is_skipped_without_a_varlen_kernel_with_its_reason(smoke_record):
+    entry = next(e for e in smoke_record["paths"] if e["path"] == "peer_padding_free")
+    assert entry["status"] == "skipped" and "varlen attention kernel" in entry["reason"] and "cpu" in entry["reason"]
+
+
 def test_evaluation_and_checkpoint_are_timed_apart_and_the_checkpoint_removed(smoke_record):
     timed = [e for e in smoke_record["paths"] if "evaluation_and_checkpoint" in e]
-    assert {(e["path"], e["micro_batch"]) for e in timed} <= {("reference", 2), ("production", 2)}
+    assert {(e["batches"], e["path"], e["micro_batch"]) for e in timed} <= {
+        ("random_rows", "reference", 2), ("random_rows", "production", 2)}
     io = next(e for e in timed if e["path"] == "reference")["evaluation_and_checkpoint"]
     assert io["status"] == "ok" and io["eval_examples"] == 8 and io["eval_s"] > 0
     assert io["checkpoint_bytes"] > preset("smoke").num_parameters() * 4  # fp32 weights at least
@@ -209,8 +273,8 @@ def test_evaluation_and_checkpoint_are_timed_apart_and_the_checkpoint_removed(sm
 
 def test_profiles_are_taken_after_the_timed_steps_at_the_compared_micro_batch(smoke_record):
     profiled = [e for e in smoke_record["paths"] if "profile" in e]
-    assert {(e["path"], e["micro_batch"]) for e in profiled} == {
-        (e["path"], 2) for e in smoke_record["paths"] if e["status"] == "ok"}
+    assert {(e["batches"], e["path"], e["micro_batch"]) for e in profiled} == {
+        (e["batches"], e["path"], 2) for e in smoke_record["paths"] if e["status"] == "ok"}
     profile = profiled[0]["profile"]
     assert profile["status"] == "ok" and profile["steps"] == 1 and profile["top_ms"]
     assert "Self CPU" in Path(profile["table"]).read_text()
@@ -219,7 +283,7 @@ def test_profiles_are_taken_after_the_timed_steps_at_the_compared_micro_batch(sm
 
 def test_peers_train_and_liger_is_skipped_on_cpu_with_its_reason(smoke_record):
     by_path = {}
-    for entry in smoke_record["paths"]:
+    for entry in entries_of(smoke_record, "random_rows"):
         by_path.setdefault(entry["path"], []).append(entry)
     eager = by_path["peer_eager"][0]
     assert eager["status"] == "ok" and eager["compiled"] is False
@@ -229,6 +293,14 @@ def test_peers_train_and_liger_is_skipped_on_cpu_with_its_reason(smoke_record):
     assert [e["status"] for e in compiled] == ["ok", "ok"] and compiled[0]["compiled"] == "eager"
     for entry in by_path["peer_liger"]:
         assert entry["status"] == "skipped" and "CUDA" in entry["reason"]
+
+
+def test_fed_peers_with_liger_are_skipped_on_cpu_with_its_reason(tmp_path):
+    record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "batches": "realistic",
+                                                 "paths": ["peer_packed"], "fed_peers_liger": True}),
+                     log=lambda line: None)
+    [entry] = record["paths"]
+    assert entry["status"] == "skipped" and "Liger" in entry["reason"] and "CUDA" in entry["reason"]
 
 
 def test_liger_patches_are_read_back_and_undone_for_the_next_peer(monkeypatch):
@@ -280,11 +352,12 @@ def test_a_path_whose_requirements_fail_is_skipped_with_the_reason(tmp_path, mon
 
     monkeypatch.setattr(throughput, "prepare", prepare)
     record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
-                                                 "paths": ["reference", "production"]}), log=lambda line: None)
+                                                 "batches": "random_rows", "paths": ["reference", "production"]}),
+                     log=lambda line: None)
     reference, production = record["paths"]
     assert reference["status"] == "ok"
     assert production["status"] == "skipped" and "need a CUDA device" in production["reason"]
-    row = next(r for r in record["comparison"] if r["denominator"] == "reference")
+    row = next(r for r in record["comparison"] if r["numerator"] == "production" and r["denominator"] == "peer_liger")
     assert row["value"] is None and "need a CUDA device" in row["why_none"]
 
 
@@ -294,7 +367,8 @@ def test_out_of_memory_is_recorded_and_the_next_path_runs(tmp_path, monkeypatch)
 
     monkeypatch.setattr(PeerTrainer, "train_step", out_of_memory)
     record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
-                                                 "paths": ["peer_eager", "reference"]}), log=lambda line: None)
+                                                 "batches": "random_rows", "paths": ["peer_eager", "reference"]}),
+                     log=lambda line: None)
     peer, reference = record["paths"]
     assert peer["status"] == "oom" and "Tried to allocate" in peer["reason"]
     assert reference["status"] == "ok"
@@ -302,43 +376,77 @@ def test_out_of_memory_is_recorded_and_the_next_path_runs(tmp_path, monkeypatch)
 
 # --- the comparison ---------------------------------------------------------------------
 
-def _entry(path: str, micro: int, tokens_per_s: float, peak: float | None = 10.0) -> dict:
-    return {"path": path, "micro_batch": micro, "status": "ok", "tokens_per_s": tokens_per_s,
-            "peak_memory_gib": peak}
+def _entry(path: str, micro: int, tokens_per_s: float, peak: float | None = 10.0, batches: str = "random_rows",
+           supervised: float | None = None, tflops: float | None = None) -> dict:
+    return {"path": path, "batches": batches, "micro_batch": micro, "status": "ok", "tokens_per_s": tokens_per_s,
+            "supervised_tokens_per_s": supervised, "peak_memory_gib": peak, "model_tflops_per_s": tflops}
 
 
-def test_compare_takes_issue_4s_ratios_from_one_run():
-    entries = [_entry("reference", 16, 100.0, 36.0), _entry("production", 16, 400.0, 16.0),
-               _entry("production", 32, 440.0, 30.0), _entry("peer_liger", 16, 250.0, 22.5),
+def test_compare_takes_the_products_targets_from_one_run():
+    entries = [_entry("reference", 16, 100.0, 36.0), _entry("production", 16, 400.0, 16.0, tflops=500.0),
+               _entry("production", 32, 440.0, 30.0, tflops=550.0), _entry("peer_liger", 16, 250.0, 22.5),
                _entry("peer_liger", 32, 265.0, 42.0), _entry("peer_compile", 16, 300.0, 27.0),
-               {"path": "peer_compile", "micro_batch": 32, "status": "oom", "reason": "CUDA out of memory"}]
-    rows = {(r["quantity"], r["micro_batch"], r["denominator"]): r for r in compare(entries, 16)}
-    assert rows["tokens_per_s", 16, "peer_liger"]["value"] == 400 / 250
-    assert rows["tokens_per_s", 16, "best_peer"]["value"] == 400 / 300  # compile peers count too
-    assert rows["tokens_per_s", 16, "best_peer"]["denominator_entry"] == "peer_compile mb16"
-    assert rows["tokens_per_s", 16, "reference"]["value"] == 4.0 and rows["tokens_per_s", 16, "reference"]["met"]
-    memory = rows["peak_memory_gib", 16, "peer_liger"]
-    assert memory["value"] == 16.0 / 22.5 and memory["met"] and memory["target"] == "<= 0.8"
-    best = rows["tokens_per_s", "best", "best_peer"]
+               {"path": "peer_compile", "batches": "random_rows", "micro_batch": 32, "status": "oom",
+                "reason": "CUDA out of memory"},
+               _entry("production", 16, 420.0, 14.0, "realistic", supervised=200.0),
+               _entry("peer_packed", 16, 380.0, 20.0, "realistic", supervised=100.0),
+               _entry("peer_padded", 16, 90.0, 30.0, "realistic", supervised=20.0),
+               _entry("peer_liger", 16, 999.0, 1.0, "realistic")]  # not a random-rows peer: never best_peer
+    rows = {(r["quantity"], r["micro_batch"], r["denominator"], r["numerator_batches"]): r
+            for r in compare(entries, 16, {"tflops_per_s": 800.0})}
+    assert len(rows) == len(TARGETS) == 7
+    assert rows["tokens_per_s", 16, "peer_liger", "random_rows"]["value"] == 400 / 250
+    assert rows["tokens_per_s", 16, "peer_liger", "random_rows"]["target"] == ">= 1.35"
+    memory = rows["peak_memory_gib", 16, "peer_liger", "random_rows"]
+    assert memory["value"] == 16.0 / 22.5 and memory["met"] and memory["target"] == "<= 0.75"
+    best = rows["tokens_per_s", "best", "best_peer", "random_rows"]  # each side at its fastest micro-batch
     assert best["value"] == 440 / 300 and best["numerator_entry"] == "production mb32" and best["met"]
+    assert best["denominator_entry"] == "peer_compile mb16"  # compile peers count too
+    own = rows["tokens_per_s", 16, "production", "realistic"]
+    assert own["value"] == 420 / 400 and own["met"] and own["denominator_batches"] == "random_rows"
+    packed = rows["supervised_tokens_per_s", 16, "peer_packed", "realistic"]
+    assert packed["value"] == 2.0 and packed["met"] and packed["target"] == ">= 1.35"
+    padded = rows["supervised_tokens_per_s", 16, "peer_padded", "realistic"]
+    assert padded["value"] == 10.0 and padded["met"] and padded["target"] == ">= 8.00"
+    ceiling = rows["model_tflops_per_s", "best", "ceiling", "random_rows"]
+    assert ceiling["value"] == 550 / 800 and ceiling["met"] and ceiling["denominator_entry"] == "bf16 matmul ceiling"
+    assert not any(r["denominator"] == "reference" for r in rows.values())
 
 
 def test_compare_says_why_a_ratio_is_missing():
     entries = [_entry("production", 16, 400.0),
                {"path": "peer_liger", "micro_batch": 16, "status": "skipped", "reason": "no CUDA device"}]
-    row = compare(entries, 16)[0]
-    assert row["value"] is None and row["met"] is None and "no CUDA device" in row["why_none"]
+    rows = compare(entries, 16)
+    assert rows[0]["value"] is None and rows[0]["met"] is None and "no CUDA device" in rows[0]["why_none"]
+    realistic = next(r for r in rows if r["denominator"] == "peer_padded")
+    assert realistic["value"] is None and "production on realistic has no measurement" in realistic["why_none"]
+    assert "no matmul ceiling" in rows[-1]["why_none"]
 
 
 # --- the report -------------------------------------------------------------------------
 
 def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
     table = perf_table(smoke_record)
+    random_rows, realistic = table.split("Realistic lengths (")
     for entry in smoke_record["paths"]:
-        assert f"| {entry['path']} | {entry['micro_batch']} |" in table
-    assert table.count("| tokens/s: production /") == 4 and "| peak memory: production / peer_liger |" in table
+        part = random_rows if entry["batches"] == "random_rows" else realistic
+        assert f"| {entry['path']} | {entry['micro_batch']} |" in part
+    assert table.count("| tokens/s: production") == 3 and "| peak memory: production / peer_liger |" in table
+    assert "| supervised tokens/s: production (realistic) / peer_packed (realistic) |" in table
+    assert "| supervised tokens/s: production (realistic) / peer_padded (realistic) |" in table
+    assert "| model TFLOP/s: production / bf16 matmul ceiling" in table and "product's targets" in table
     assert "| peer_liger | skipped: PathUnavailable: Liger's Triton kernels" in table
-    assert "attention torch_sdpa" in table and "one checkpoint save" in table
+    assert "| peer_padding_free (realistic) | skipped: PathUnavailable: padding-free" in table
+    assert "- peer_padded: micro-batch examples right-padded" in table
+    assert "attention torch_sdpa" in table and "attention sdpa_mask" in table and "one checkpoint save" in table
+    assert "issue" not in table.lower()
+
+
+def test_perf_table_reads_a_record_of_random_rows_only():
+    """Records written before realistic lengths (no 'batches' field) still render."""
+    record = json.loads((ROOT / "outputs" / "records" / "throughput_200m_h200.json").read_text())
+    table = perf_table(record)
+    assert "| production | 16 |" in table and "Realistic lengths" not in table
 
 
 def test_readme_block_is_replaced_and_missing_markers_are_named(tmp_path, smoke_record, capsys):
@@ -374,12 +482,16 @@ def test_papermill_runs_the_smoke_profile(tmp_path):
     out_dir = tmp_path / "run"
     executed = tmp_path / "executed.ipynb"
     papermill.execute_notebook(str(NOTEBOOK), str(executed), parameters={
-        **SMOKE, "out_dir": str(out_dir), "micro_batches": [2], "paths": ["reference", "peer_eager", "peer_liger"]},
+        **SMOKE, "out_dir": str(out_dir), "micro_batches": [2],
+        "paths": ["reference", "peer_eager", "peer_liger", "peer_padded"]},
         cwd=str(ROOT / "notebooks"), progress_bar=False)
     outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the bar chart
     assert any("| peer_eager | 2 |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
+    assert any("| peer_padded | 2 |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
     record = json.loads((out_dir / "record.json").read_text())
-    assert [e["status"] for e in record["paths"]] == ["ok", "ok", "skipped"]
+    assert [(e["batches"], e["path"], e["status"]) for e in record["paths"]] == [
+        ("random_rows", "reference", "ok"), ("random_rows", "peer_eager", "ok"),
+        ("random_rows", "peer_liger", "skipped"), ("realistic", "reference", "ok"), ("realistic", "peer_padded", "ok")]
     assert (out_dir / "throughput.png").is_file()
