@@ -364,6 +364,8 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
         else:
             log(f"{label:>28} mb{micro:<3} {entry['status']}: {entry['reason']}")
         entries.append(entry)
+        # A run cut short (a time limit, a lost machine) still leaves what it measured.
+        write_json_atomic(out_dir / "progress.json", {"matmul_ceiling": ceiling, "paths": entries})
     release_memory(device)
     record = {
         "job": "measure_throughput",
@@ -407,4 +409,5 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
     if notes:
         record["notes"] = notes
     write_json_atomic(out_dir / "record.json", record)
+    (out_dir / "progress.json").unlink(missing_ok=True)
     return record

@@ -185,6 +185,8 @@ def test_record_carries_the_measurement_protocol(smoke_record):
     assert protocol["includes_eval"] is False and protocol["includes_checkpoint_io"] is False
     assert record["matmul_ceiling"]["tflops_per_s"] > 0
     assert json.loads((Path(record["out_dir"]) / "record.json").read_text()) == json.loads(json.dumps(record))
+    assert not (Path(record["out_dir"]) / "progress.json").exists()  # the record replaces it
+    assert record["batches"] == ["random_rows", "realistic"] and set(protocol["data"]) == set(BATCHES)
 
 
 def test_every_path_is_measured_on_its_batches(smoke_record):
@@ -372,6 +374,25 @@ def test_out_of_memory_is_recorded_and_the_next_path_runs(tmp_path, monkeypatch)
     peer, reference = record["paths"]
     assert peer["status"] == "oom" and "Tried to allocate" in peer["reason"]
     assert reference["status"] == "ok"
+
+
+def test_a_run_cut_short_leaves_what_it_measured(tmp_path, monkeypatch):
+    real_measure_path = throughput.measure_path
+
+    def measure_path(name, *args):
+        if name == "peer_eager":
+            raise KeyboardInterrupt  # as a time limit stops a run
+        return real_measure_path(name, *args)
+
+    monkeypatch.setattr(throughput, "measure_path", measure_path)
+    out_dir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(out_dir), "micro_batches": [2],
+                                            "batches": "random_rows", "paths": ["reference", "peer_eager"]}),
+                log=lambda line: None)
+    progress = json.loads((out_dir / "progress.json").read_text())
+    assert [(e["path"], e["status"]) for e in progress["paths"]] == [("reference", "ok")]
+    assert not (out_dir / "record.json").exists()
 
 
 # --- the comparison ---------------------------------------------------------------------
