@@ -83,13 +83,12 @@ def flattened_batch(data: ShardPartition, plan: PackPlan, windows: np.ndarray) -
 
 
 FEEDS: dict[str, Feed] = {
-    "peer_padded": Feed("micro-batch examples right-padded to the longest, SDPA with the padding mask "
-                        "(TRL's default collator)", "examples", False, padded_batch),
-    "peer_packed": Feed("the project's windows, causal over each whole window, no document masking "
-                        "(TRL packing_strategy='wrapped' with SDPA)", "windows", False, packed_batch),
-    "peer_padding_free": Feed("the windows' examples flattened into one row with position_ids and cu_seq_lens, "
-                              "a varlen attention kernel (TRL packing=True / padding_free=True)", "windows", True,
-                              flattened_batch),
+    "peer_padded": Feed("examples padded to the longest, SDPA with the padding mask (TRL's default collator)",
+                        "examples", False, padded_batch),
+    "peer_packed": Feed("the project's windows, causal across examples (TRL's wrapped packing, SDPA)", "windows",
+                        False, packed_batch),
+    "peer_padding_free": Feed("the windows' examples in one row with cu_seq_lens, a varlen kernel (TRL "
+                              "padding-free)", "windows", True, flattened_batch),
 }
 
 

@@ -40,14 +40,16 @@ def _random_rows_table(entries: list[dict]) -> list[str]:
 def _realistic_table(record: dict, entries: list[dict]) -> list[str]:
     source = record["realistic"]
     origin = (f"shard {source['shard']}" if "shard" in source else
-              f"generated: log-normal lengths, median {source['median']:,}, capped at {record['seq_len']:,}, the "
-              f"first third of each example unsupervised")
-    lines = [f"Realistic lengths ({origin}); {source['timed_examples']:,} timed examples, length median "
-             f"{source['timed_length_median']:,.0f}, mean {source['timed_length_mean']:,.0f}, max "
-             f"{source['timed_length_max']:,}; the project trains packed {record['seq_len']:,}-token windows, each "
-             "example attending only to itself; model TFLOP/s counts each example's own work alone:", "",
-             "| path | micro-batch | supervised tokens/s | example tokens/s | tokens fed/s | model TFLOP/s | MFU | "
-             "peak GiB |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              f"generated, log-normal median {source['median']:,}, capped at {record['seq_len']:,}")
+    lines = [f"Realistic lengths ({origin}; {source['timed_examples']:,} timed examples, mean "
+             f"{source['timed_length_mean']:,.0f} tokens): the project trains packed windows, each example attending "
+             "only to itself; a micro-batch counts windows (peer_padded's, examples); model TFLOP/s counts each "
+             "example's work alone."]
+    fed = {e["path"]: e["feed"] for e in entries if e.get("feed")}
+    if fed:
+        lines[0] += " The peer fed " + "; ".join(f"{path}: {feed}" for path, feed in fed.items()) + "."
+    lines += ["", "| path | micro-batch | supervised tokens/s | example tokens/s | tokens fed/s | model TFLOP/s | MFU | "
+              "peak GiB |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for entry in entries:
         if entry["status"] == "ok":
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['supervised_tokens_per_s'])} | "
@@ -57,11 +59,6 @@ def _realistic_table(record: dict, entries: list[dict]) -> list[str]:
         else:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | - | - | "
                          f"{_number(entry.get('peak_memory_gib'), 1)} |")
-    fed = {e["path"]: e["feed"] for e in entries if e.get("feed")}
-    if fed:
-        lines += ["", "How the peer was fed (the same examples in the same order; a micro-batch counts windows, "
-                  "peer_padded's counts examples):", ""]
-        lines += [f"- {path}: {feed}" for path, feed in fed.items()]
     return lines
 
 
@@ -85,18 +82,27 @@ def _ratio_rows(record: dict) -> list[str]:
 
 
 def _kernel_rows(record: dict) -> list[str]:
+    """One row per distinct kernel path read back, naming every path that ran it; a path on realistic lengths
+    that also ran on random rows shows only what differs."""
     lines = ["| path | kernels read back | compiled |", "| --- | --- | --- |"]
-    seen = set()
+    dense = {e["path"]: e["kernel_path"] for e in record["paths"] if e["status"] == "ok" and _kind(e) == "random_rows"}
+    groups: dict[tuple[str, str], list[str]] = {}
+    ran = set()
     for entry in record["paths"]:
-        key = (_kind(entry), entry["path"])
-        if entry["status"] == "ok" and key not in seen:
-            seen.add(key)
-            kernels = ", ".join(f"{name} {value}" for name, value in entry["kernel_path"].items())
-            lines.append(f"| {_label(entry['path'], key[0])} | {kernels} | {entry['compiled'] or 'no'} |")
-    skipped = {(_kind(e), e["path"]): e for e in record["paths"] if e["status"] != "ok"}
-    for (kind, name), entry in skipped.items():
-        if (kind, name) not in seen:
-            lines.append(f"| {_label(name, kind)} | {entry['status']}: {entry['reason'].replace('|', '/')} | - |")
+        label = _label(entry["path"], _kind(entry))
+        if entry["status"] != "ok" or label in ran:
+            continue
+        ran.add(label)
+        kernels, same = entry["kernel_path"], dense.get(entry["path"]) if _kind(entry) == "realistic" else None
+        shown = ", ".join(f"{name} {value}" for name, value in kernels.items() if same is None or same.get(name) != value)
+        if same is not None:
+            shown = f"as {entry['path']}" + (f", but {shown}" if shown else "")
+        groups.setdefault((shown, str(entry["compiled"] or "no")), []).append(label)
+    lines += [f"| {', '.join(labels)} | {kernels} | {compiled} |" for (kernels, compiled), labels in groups.items()]
+    skipped = {_label(e["path"], _kind(e)): e for e in record["paths"] if e["status"] != "ok"}
+    for label, entry in skipped.items():
+        if label not in ran:
+            lines.append(f"| {label} | {entry['status']}: {entry['reason'].replace('|', '/')} | - |")
     return lines
 
 

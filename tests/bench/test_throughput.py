@@ -458,8 +458,9 @@ def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
     assert "| model TFLOP/s: production / bf16 matmul ceiling" in table and "product's targets" in table
     assert "| peer_liger | skipped: PathUnavailable: Liger's Triton kernels" in table
     assert "| peer_padding_free (realistic) | skipped: PathUnavailable: padding-free" in table
-    assert "- peer_padded: micro-batch examples right-padded" in table
-    assert "attention torch_sdpa" in table and "attention sdpa_mask" in table and "one checkpoint save" in table
+    assert "peer_padded: examples padded to the longest" in table
+    assert "| reference (realistic) | as reference, but attention sdpa_mask |" in table
+    assert "attention torch_sdpa" in table and "one checkpoint save" in table
     assert "issue" not in table.lower()
 
 
