@@ -131,28 +131,34 @@ def _random_route_table(cfg: dict, gen: torch.Generator) -> torch.Tensor:
 
 
 def _derived_buffers(cfg: dict, route_tables: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Extra buffers published checkpoints may carry; loaders must accept them.
+    """The derived buffers of DESIGN.md ("Checkpoints that the published adapter and the Hub load").
 
-    Their exact encoding is not public, so these are plausible stand-ins:
-    inv_freq is the true RoPE frequency vector, fused_route_codes packs a
-    token's route into one integer, fused_expert_pairs lists the distinct
-    (first, second) expert pairs that occur."""
+    inv_freq is the RoPE frequency vector; fused_expert_pairs lists every pair
+    a < b of experts; fused_route_codes packs each token's (first, second)
+    route as the index of its pair plus a swap bit. Written token by token, in
+    plain Python, to stay independent of cflib's vectorised version."""
     hd = head_dim(cfg)
-    e = cfg["num_experts"]
+    e, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
     inv_freq = 1.0 / (
         float(cfg["rope_theta"]) ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     )
+    pairs = [(a, b) for a in range(e) for b in range(a + 1, e)]
     out: dict[str, torch.Tensor] = {}
     for i, table in enumerate(route_tables):
-        codes = torch.zeros(table.shape[1], dtype=torch.int64)
-        for k in range(table.shape[0]):
-            codes += table[k] * (e**k)
-        pair_src = table[:2] if table.shape[0] >= 2 else table[:1].repeat(2, 1)
-        pairs = torch.unique(pair_src.T.contiguous(), dim=0)
+        routes = table.T.tolist()
+        if top_k == 2 and 2 <= e <= 8 and all(r0 != r1 for r0, r1 in routes):
+            swap_value = 8 if len(pairs) <= 8 else 32
+            codes = [pairs.index((min(r0, r1), max(r0, r1))) + (swap_value if r0 > r1 else 0)
+                     for r0, r1 in routes]
+            code_tensor = torch.tensor(codes, dtype=torch.uint8)
+            pair_tensor = torch.tensor(pairs, dtype=torch.int32)
+        else:
+            code_tensor = torch.zeros(0, dtype=torch.uint8)
+            pair_tensor = torch.zeros(0, 2, dtype=torch.int32)
         p = f"layers.{i}."
         out[p + "self_attn.rotary_emb.inv_freq"] = inv_freq.to(torch.float32)
-        out[p + "mlp.engine.fused_route_codes"] = codes
-        out[p + "mlp.engine.fused_expert_pairs"] = pairs.to(torch.int64).contiguous()
+        out[p + "mlp.engine.fused_route_codes"] = code_tensor
+        out[p + "mlp.engine.fused_expert_pairs"] = pair_tensor
     return out
 
 
@@ -185,7 +191,8 @@ def write_public_checkpoint(
             state[name] = std * torch.randn(shape, generator=gen)
     if derived_buffers:
         state.update(_derived_buffers(cfg, route_tables))
-    state = {k: (v if v.dtype == torch.int64 else v.to(torch.float32)).contiguous() for k, v in state.items()}
+    state = {k: (v if not v.dtype.is_floating_point else v.to(torch.float32)).contiguous()
+             for k, v in state.items()}
 
     config = {key: cfg[key] for key in CONFIG_KEYS}
     # Extra keys a Hugging Face style export typically carries; must be harmless.

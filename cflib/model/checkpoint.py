@@ -1,13 +1,14 @@
 """Checkpoints in the public layout: `config.json` + `model.safetensors`.
 
-Weights are copied name by name with shape checks. Optimizer and scheduler
-state, when saved, go beside the weights as tensors and plain data, loaded
-with `weights_only=True`: never pickled code.
+Weights are copied name by name with shape checks. Every checkpoint written
+also carries the derived buffers the published adapter needs (cflib.model.derived);
+a checkpoint read may lack them, and where it has them they must agree with its
+route tables. Optimizer and scheduler state, when saved, go beside the weights
+as tensors and plain data, loaded with `weights_only=True`: never pickled code.
 """
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,13 @@ from safetensors.torch import load_file, save_file
 from cflib.atomic import atomic_directory
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
+from cflib.model.derived import DERIVED_SUFFIXES, derived_buffers, derived_disagreement
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.pt"
 # Where a run stood (step, epoch, ...): small, so finding the newest checkpoint reads no tensors.
 PROGRESS_FILE = "trainer_progress.json"
-# Buffers published checkpoints may carry that this loader derives itself.
-DERIVED_BUFFERS = re.compile(r"layers\.\d+\.(self_attn\.rotary_emb\.inv_freq|mlp\.engine\.fused_route_codes"
-                             r"|mlp\.engine\.fused_expert_pairs)")
 
 
 class CheckpointError(ValueError):
@@ -35,15 +34,16 @@ class CheckpointError(ValueError):
 
 def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None,
                     weights: dict[str, torch.Tensor] | None = None, progress: dict[str, Any] | None = None) -> Path:
-    """Write weights (and optionally optimizer/scheduler state and progress) atomically.
+    """Write weights with their derived buffers (and optionally optimizer/scheduler state and progress) atomically.
 
     `weights` replaces `model.state_dict()` where the model is sharded and its
-    full weights were gathered beforehand.
+    full weights were gathered beforehand. The single writer of checkpoints.
     """
     weights = model.state_dict() if weights is None else weights
+    tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
+    tensors = {**tensors, **checked_derived_buffers(model.config, tensors, "weights to save")}
     with atomic_directory(path) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
-        tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         if trainer_state is not None:
             torch.save(trainer_state, staging / TRAINER_STATE_FILE)
@@ -56,10 +56,27 @@ def load_config(path: str | Path) -> ModelConfig:
     return ModelConfig.from_json_file(Path(path) / CONFIG_FILE)
 
 
+def derived_names(config: ModelConfig) -> set[str]:
+    return {f"layers.{i}.{suffix}" for i in range(config.num_hidden_layers) for suffix in DERIVED_SUFFIXES}
+
+
+def checked_derived_buffers(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str
+                            ) -> dict[str, torch.Tensor]:
+    """The derived buffers the route tables in `tensors` give; any `tensors` already holds must agree."""
+    derived = derived_buffers(config, tensors)
+    for name in sorted(derived.keys() & tensors.keys()):
+        problem = derived_disagreement(config, name, tensors[name], tensors)
+        if problem:
+            raise CheckpointError(f"{source}: {problem}")
+    return derived
+
+
 def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy tensors by name, checking every name and shape against the model."""
+    """Copy tensors by name, checking every name and shape against the model, and any derived buffer
+    against its route table; nothing is copied unless everything passes."""
     expected = model.state_dict()
-    unknown = sorted(name for name in tensors if name not in expected and not DERIVED_BUFFERS.fullmatch(name))
+    derived = derived_names(model.config)
+    unknown = sorted(name for name in tensors if name not in expected and name not in derived)
     if unknown:
         raise CheckpointError(f"{source}: unexpected tensor {unknown[0]!r}"
                               + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
@@ -67,20 +84,22 @@ def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source:
     if missing:
         raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name, target in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {list(tensor.shape)}, "
+                                  f"the config needs {list(target.shape)}")
+        if name.endswith("route_table"):
+            if tensor.dtype.is_floating_point:
+                raise CheckpointError(f"{source}: tensor {name!r} must be integer, got {tensor.dtype}")
+            num_experts = model.config.num_experts
+            if tensor.numel() and (tensor.min() < 0 or tensor.max() >= num_experts):
+                raise CheckpointError(f"{source}: tensor {name!r} routes to experts outside "
+                                      f"[0, {num_experts})")
+    checked_derived_buffers(model.config, tensors, source)
     with torch.no_grad():
         for name, target in expected.items():
-            tensor = tensors[name]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise CheckpointError(f"{source}: tensor {name!r} has shape {list(tensor.shape)}, "
-                                      f"the config needs {list(target.shape)}")
-            if name.endswith("route_table"):
-                if tensor.dtype.is_floating_point:
-                    raise CheckpointError(f"{source}: tensor {name!r} must be integer, got {tensor.dtype}")
-                num_experts = model.config.num_experts
-                if tensor.numel() and (tensor.min() < 0 or tensor.max() >= num_experts):
-                    raise CheckpointError(f"{source}: tensor {name!r} routes to experts outside "
-                                          f"[0, {num_experts})")
-            target.copy_(tensor.to(target.dtype))
+            target.copy_(tensors[name].to(target.dtype))
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",

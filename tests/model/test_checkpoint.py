@@ -89,20 +89,35 @@ def test_round_trip_reproduces_logits_and_route_tables(saved: tuple[TRMoEModel, 
     assert not torch.equal(route_tables(loaded)[0], TRMoEModel(model.config).layers[0].mlp["engine"].route_table)
 
 
+def derived_layout(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """DESIGN.md's derived buffers of a top-2 model over 4 experts: names, shapes and dtypes."""
+    pairs = config.num_experts * (config.num_experts - 1) // 2
+    layout = {}
+    for i in range(config.num_hidden_layers):
+        layout[f"layers.{i}.self_attn.rotary_emb.inv_freq"] = ((config.head_dim // 2,), torch.float32)
+        layout[f"layers.{i}.mlp.engine.fused_expert_pairs"] = ((pairs, 2), torch.int32)
+        layout[f"layers.{i}.mlp.engine.fused_route_codes"] = ((config.vocab_size,), torch.uint8)
+    return layout
+
+
 def test_written_files_follow_the_public_layout(saved: tuple[TRMoEModel, Path]) -> None:
     model, path = saved
     assert sorted(os.listdir(path)) == ["config.json", WEIGHTS]
     assert json.loads((path / "config.json").read_text()) == model.config.to_dict()
     layout = public_layout(model.config)
+    derived = derived_layout(model.config)
     with safe_open(str(path / WEIGHTS), framework="pt") as f:
         names = set(f.keys())
-        assert names == set(layout)
-        assert not [n for n in names if "inv_freq" in n]
-        for name in names:
+        assert names == set(layout) | set(derived)
+        assert f.metadata() == {"format": "pt"}
+        for name in layout:
             tensor = f.get_tensor(name)
             assert tuple(tensor.shape) == layout[name], name
             expected = torch.int64 if name.endswith("route_table") else torch.float32
             assert tensor.dtype == expected, name
+        for name, (shape, dtype) in derived.items():
+            tensor = f.get_tensor(name)
+            assert (tuple(tensor.shape), tensor.dtype) == (shape, dtype), name
 
 
 def test_load_in_bf16_keeps_integer_route_tables(saved: tuple[TRMoEModel, Path]) -> None:
