@@ -1,6 +1,11 @@
 """export: the trained model leaving the project.
 
-Owns the Hugging Face Hub bundle (`python -m cflib.export hub CHECKPOINT OUT`)
-and the modules it carries. Imports model, data and the foundation modules;
-never train, bench or lab.
+Owns the Hugging Face Hub bundle (`python -m cflib.export hub CHECKPOINT OUT`,
+`export_hub` in Python), its tokenizer files and the modules it carries
+(`hub_modules/`, copied verbatim into the bundle and importing no cflib code).
+Imports model, data and the foundation modules; never train, bench or lab.
 """
+from cflib.export.hub import ExportError, export_hub, resolve_checkpoint
+from cflib.export.tokenizer_files import TokenizerExportError
+
+__all__ = ["ExportError", "TokenizerExportError", "export_hub", "resolve_checkpoint"]

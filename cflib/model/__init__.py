@@ -2,12 +2,15 @@
 
 Owns the configuration (`config`), the deterministic route tables
 (`routing`), the reference decoder with its fast-path switches (`decoder`),
-and reading and writing checkpoints (`checkpoint`). Imports `cflib.ops` and
-the foundation modules only; never data, training or measuring code.
+reading and writing checkpoints (`checkpoint`), and the derived buffers
+every written checkpoint carries for the published adapter (`derived`).
+Imports `cflib.ops` and the foundation modules only; never data, training or
+measuring code.
 """
 from cflib.model.checkpoint import CheckpointError, load_checkpoint, load_config, save_checkpoint
 from cflib.model.config import PRESETS, ConfigError, ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
+from cflib.model.derived import derived_buffers, fused_route_buffers
 
-__all__ = ["PRESETS", "CheckpointError", "ConfigError", "ModelConfig", "TRMoEModel", "load_checkpoint", "load_config",
-           "preset", "save_checkpoint"]
+__all__ = ["PRESETS", "CheckpointError", "ConfigError", "ModelConfig", "TRMoEModel", "derived_buffers",
+           "fused_route_buffers", "load_checkpoint", "load_config", "preset", "save_checkpoint"]

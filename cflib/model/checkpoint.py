@@ -33,17 +33,20 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None,
-                    weights: dict[str, torch.Tensor] | None = None, progress: dict[str, Any] | None = None) -> Path:
+                    weights: dict[str, torch.Tensor] | None = None, progress: dict[str, Any] | None = None,
+                    config_extra: dict[str, Any] | None = None) -> Path:
     """Write weights with their derived buffers (and optionally optimizer/scheduler state and progress) atomically.
 
-    `weights` replaces `model.state_dict()` where the model is sharded and its
-    full weights were gathered beforehand. The single writer of checkpoints.
+    The single writer of checkpoints. `weights` replaces `model.state_dict()`
+    where the model is sharded and its full weights were gathered beforehand.
+    `config_extra` adds keys to config.json after the model's own (a Hub bundle's).
     """
     weights = model.state_dict() if weights is None else weights
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
     tensors = {**tensors, **checked_derived_buffers(model.config, tensors, "weights to save")}
+    config = {**model.config.to_dict(), **(config_extra or {})}
     with atomic_directory(path) as staging:
-        (staging / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         if trainer_state is not None:
             torch.save(trainer_state, staging / TRAINER_STATE_FILE)
@@ -63,7 +66,10 @@ def derived_names(config: ModelConfig) -> set[str]:
 def checked_derived_buffers(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str
                             ) -> dict[str, torch.Tensor]:
     """The derived buffers the route tables in `tensors` give; any `tensors` already holds must agree."""
-    derived = derived_buffers(config, tensors)
+    try:
+        derived = derived_buffers(config, tensors)
+    except (KeyError, ValueError) as err:  # a missing or out-of-range route table
+        raise CheckpointError(f"{source}: {err}") from None
     for name in sorted(derived.keys() & tensors.keys()):
         problem = derived_disagreement(config, name, tensors[name], tensors)
         if problem:

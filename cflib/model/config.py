@@ -13,8 +13,8 @@ from typing import Any
 # they say nothing about the architecture, so they are accepted and dropped.
 IGNORED_CONFIG_KEYS = frozenset({
     "architectures", "model_type", "torch_dtype", "transformers_version", "auto_map",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
-    "attention_dropout", "head_dim",
+    "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "use_cache", "initializer_range",
+    "attention_dropout", "head_dim", "is_decoder", "is_encoder_decoder", "dtype",
 })
 # Keys this model can honour only at one value: anything else would change the maths.
 FIXED_CONFIG_KEYS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_scaling": None}

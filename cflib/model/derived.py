@@ -42,7 +42,7 @@ def fused_route_buffers(route_table: torch.Tensor, num_experts: int) -> tuple[to
     if table.dim() != 2 or table.shape[0] != 2 or not 2 <= num_experts <= 8:
         return empty_fused_buffers()
     if table.numel() and (table.min() < 0 or table.max() >= num_experts):
-        raise ValueError(f"route table routes to experts outside [0, {num_experts})")
+        raise ValueError(f"routes to experts outside [0, {num_experts})")
     first, second = table
     if bool((first == second).any()):
         return empty_fused_buffers()
@@ -60,7 +60,11 @@ def derived_buffers(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) ->
     inv_freq = rope_inv_freq(config.head_dim, config.rope_theta)
     out = {}
     for i in range(config.num_hidden_layers):
-        codes, pairs = fused_route_buffers(tensors[f"layers.{i}.{ROUTE_TABLE}"], config.num_experts)
+        table_name = f"layers.{i}.{ROUTE_TABLE}"
+        try:
+            codes, pairs = fused_route_buffers(tensors[table_name], config.num_experts)
+        except ValueError as err:
+            raise ValueError(f"{table_name}: {err}") from None
         out.update({f"layers.{i}.{INV_FREQ}": inv_freq.clone(), f"layers.{i}.{EXPERT_PAIRS}": pairs,
                     f"layers.{i}.{ROUTE_CODES}": codes})
     return out

@@ -190,3 +190,12 @@ def test_top3_model_writes_empty_fused_buffers(tmp_path: Path):
     assert tensors["layers.0.mlp.engine.fused_route_codes"].shape == (0,)
     assert tensors["layers.0.mlp.engine.fused_expert_pairs"].shape == (0, 2)
     load_checkpoint(tmp_path / "ckpt")
+
+
+def test_saving_an_out_of_range_route_table_names_it(tmp_path: Path):
+    model = tiny_model()
+    model.layers[1].mlp["engine"].route_table[0, 3] = 4
+    with pytest.raises(CheckpointError, match=re.escape("layers.1.mlp.engine.route_table: routes to "
+                                                        "experts outside [0, 4)")):
+        save_checkpoint(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

@@ -1,0 +1,117 @@
+"""A Hugging Face Hub bundle of a trained model: what `from_pretrained(..., trust_remote_code=True)` loads.
+
+    python -m cflib.export hub CHECKPOINT OUT [--tokenizer PATH]
+
+or `export_hub(checkpoint, out, tokenizer)` from Python. OUT holds config.json
+(the model's keys plus the Hub's), model.safetensors (every published tensor,
+derived buffers included), generation_config.json, the tokenizer files and
+the two modules of cflib/export/hub_modules. It is written atomically and
+never over an existing folder.
+"""
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from cflib.atomic import atomic_directory
+from cflib.export.tokenizer_files import tokenizer_files
+from cflib.model import TRMoEModel, fused_route_buffers, load_checkpoint, save_checkpoint
+
+MODEL_TYPE = "tr_hash_moe"
+ARCHITECTURE = "TRHashForCausalLM"
+HUB_MODULES = ("configuration_tr_hash_moe.py", "modeling_tr_hash_moe.py")
+AUTO_MAP = {"AutoConfig": "configuration_tr_hash_moe.TRHashConfig",
+            "AutoModelForCausalLM": "modeling_tr_hash_moe.TRHashForCausalLM"}
+CHECKPOINT_FILES = ("config.json", "model.safetensors")
+
+
+class ExportError(ValueError):
+    """An export that cannot be made; the message names the input at fault. Nothing was written."""
+
+
+def is_checkpoint(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """(checkpoint folder, which one and why): a checkpoint itself, or a run folder's best checkpoint,
+    else its newest of `last`, `epoch-N`, `step-N` (in that order of preference)."""
+    path = Path(path)
+    if is_checkpoint(path):
+        return path, f"checkpoint {path}"
+    checkpoints = path / "checkpoints"
+    if not checkpoints.is_dir():
+        raise ExportError(f"{path}: neither a checkpoint (config.json and model.safetensors) nor a run folder "
+                          "(one with checkpoints/)")
+    if is_checkpoint(checkpoints / "best"):
+        return checkpoints / "best", f"{checkpoints / 'best'}: the run's best evaluation loss"
+    if is_checkpoint(checkpoints / "last"):
+        return checkpoints / "last", f"{checkpoints / 'last'}: no best checkpoint; the run's final weights"
+    for kind in ("epoch", "step"):
+        numbered = [(int(match.group(1)), folder) for folder in checkpoints.iterdir()
+                    if (match := re.fullmatch(rf"{kind}-(\d+)", folder.name)) and is_checkpoint(folder)]
+        if numbered:
+            newest = max(numbered)[1]
+            return newest, f"{newest}: no best or last checkpoint; the newest {kind} checkpoint"
+    raise ExportError(f"{checkpoints}: no checkpoint in it (best, last, epoch-N or step-N with config.json and "
+                      "model.safetensors)")
+
+
+def hub_config_keys(special_ids: dict[str, int | None]) -> dict:
+    """What config.json carries beyond the model's keys, for transformers."""
+    return {"model_type": MODEL_TYPE, "architectures": [ARCHITECTURE], "auto_map": AUTO_MAP, "is_decoder": True,
+            "is_encoder_decoder": False, "use_cache": True, "attention_dropout": 0.0,
+            **{f"{role}_token_id": special_ids[role] for role in ("bos", "eos", "pad", "unk")}}
+
+
+def check_fused_buffers_defined(model: TRMoEModel) -> None:
+    """The Hub modules give top-2 models over 2..8 experts fused buffers of full size: every route table of
+    such a model must route each token to two distinct experts."""
+    config = model.config
+    if config.num_experts_per_tok != 2 or not 2 <= config.num_experts <= 8:
+        return
+    for i, layer in enumerate(model.layers):
+        table = layer.mlp["engine"].route_table
+        if not fused_route_buffers(table, config.num_experts)[0].numel():
+            token = int((table[0] == table[1]).nonzero()[0, 0])
+            raise ExportError(f"layers.{i}.mlp.engine.route_table routes token {token} to expert "
+                              f"{int(table[0, token])} twice; the Hub layout needs two distinct experts per token")
+
+
+def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None,
+               echo: Callable[[str], None] | None = print) -> Path:
+    """Write the Hub bundle of `checkpoint` (a checkpoint or a run folder) to the new folder `out`.
+
+    `tokenizer`: "byte", a tokenizer.json, or a folder holding one; None takes
+    the byte tokenizer for a model of its vocabulary size. Every check runs
+    before anything is written; `out` must not exist.
+    """
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise ExportError(f"{out} already exists; export to a new folder (nothing was changed)")
+    source, choice = resolve_checkpoint(checkpoint)
+    model = load_checkpoint(source)  # also checks any derived buffers it carries against its route tables
+    check_fused_buffers_defined(model)
+    config = model.config
+    tok = tokenizer_files(tokenizer, config.vocab_size, config.max_position_embeddings)
+    modules = resources.files("cflib.export.hub_modules")
+    with atomic_directory(out) as staging:
+        # save_checkpoint publishes a folder of its own atomically: it takes the empty staging folder's place.
+        save_checkpoint(model, staging, config_extra=hub_config_keys(tok.ids))
+        generation = {key: value for key, value in (("bos_token_id", tok.ids["bos"]), ("eos_token_id", tok.ids["eos"]),
+                                                    ("pad_token_id", tok.ids["pad"])) if value is not None}
+        (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        for name, content in tok.files.items():
+            (staging / name).write_bytes(content)
+        for name in HUB_MODULES:
+            (staging / name).write_bytes(modules.joinpath(name).read_bytes())
+    if echo is not None:
+        echo(f"exported {choice}")
+        echo(f"tokenizer: {tok.description} (eos id {tok.ids['eos']}, pad id {tok.ids['pad']})")
+        for note in tok.notes:
+            echo(f"note: {note}")
+        echo(f"wrote {out}: load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    return out
