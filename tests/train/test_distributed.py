@@ -11,10 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from cflib.lab.report import summary
 from cflib.model.checkpoint import load_checkpoint
 from cflib.model.config import preset
+from cflib.model.derived import DERIVED_SUFFIXES
 from cflib.train import prepare, train
 from cflib.train.distributed import DistContext, epoch_stream, memory_estimate, rank_share
 from cflib.train.launch import LaunchError, fit
@@ -68,6 +70,9 @@ def test_two_processes_give_the_losses_of_one(tmp_path, strategy):
     b = load_checkpoint(tmp_path / "two" / "checkpoints" / "last").state_dict()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5, msg=name)
+    # Gathered weights (FSDP) are written with the derived buffers too, and load_checkpoint found them agreeing.
+    written = load_file(str(tmp_path / "two" / "checkpoints" / "last" / "model.safetensors"))
+    assert {f"layers.{i}.{suffix}" for i in range(2) for suffix in DERIVED_SUFFIXES} <= written.keys()
 
 
 def test_two_processes_pack_and_weight_like_one(tmp_path):
