@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cflib.model.config import ModelConfig
 from cflib.model.routing import build_route_table
-from cflib.ops.attention import DocumentMask, build_document_mask, document_attention, document_positions
+from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
 
 INIT_STD = 0.02
 
@@ -80,10 +80,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.rope_backend = "torch"  # or "liger", or "cflib_qk_norm_rope" (QK-norm and RoPE fused)
         self.fused_qkv = False  # one GEMM for q, k, v: the input is cast and read once
-        self.last_rope_backend = self.last_qkv = "none"
+        self.last_rope_backend = self.last_qkv = self.last_attention = "none"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_mask: DocumentMask | None = None) -> torch.Tensor:
+                attention: AttentionBatch = DENSE_SDPA) -> torch.Tensor:
+        """attention: the kernel of this forward's rows and, packed, their documents (cflib.ops.attention)."""
         batch, seq, _ = x.shape
         shape = (batch, seq, -1, self.head_dim)
         self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
@@ -109,11 +110,8 @@ class Attention(nn.Module):
                 q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
             else:
                 q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
-        if document_mask is not None:  # packed window: each example attends only to itself
-            out = document_attention(q, k, v, document_mask)
-        else:  # Right padding needs no mask: under the causal mask no real token sees a later pad.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+        out = attend(q, k, v, attention)  # packed: each example attends only to itself
+        self.last_attention = attention.kernel
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -184,14 +182,14 @@ class DecoderLayer(nn.Module):
         self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_routes)})
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_mask: DocumentMask | None = None,
+                attention: AttentionBatch = DENSE_SDPA,
                 pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(h, pending): with fused add+norm, the MLP output is added by the next norm, so it is returned apart."""
         if self.input_layernorm.backend == "cflib_add_rmsnorm":
             h, x = self.input_layernorm.add_norm(h, pending)
-            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, document_mask))
+            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, attention))
             return h, self.mlp["engine"](x, token_ids)
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_mask)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attention)
         return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids), None
 
 
@@ -206,7 +204,7 @@ class TRMoEModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
         self.grad_ckpt = False
-        self.last_attention = "torch_sdpa"  # set by each forward: what actually ran
+        self.attention_backend = "auto"  # cflib.ops.attention.ATTENTION_BACKENDS; set by use_kernels
         self.reset_parameters()
 
     @torch.no_grad()
@@ -233,27 +231,31 @@ class TRMoEModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final hidden states. document_ids [B, T]: packed examples, each attending only to itself
-        with positions restarting at 0; None: one sequence per row, as if unpacked."""
-        document_mask, positions = None, None
-        if document_ids is not None:
-            document_mask = build_document_mask(document_ids, self.config.head_dim)
-            positions = document_positions(document_ids)
-        self.last_attention = document_mask.backend if document_mask is not None else "torch_sdpa"
-        cos, sin = self.rope(input_ids.shape[1], input_ids.device, positions)
+    def forward(self, input_ids: torch.Tensor,
+                document_ids: torch.Tensor | PackedDocuments | None = None) -> torch.Tensor:
+        """Final hidden states. document_ids: packed examples, each attending only to itself with positions
+        restarting at 0, as [B, T] ids or, built on the host with the batch, PackedDocuments (no sync);
+        None: one sequence per row, as if unpacked."""
+        documents = pack_documents(document_ids) if isinstance(document_ids, torch.Tensor) else document_ids
+        device = input_ids.device
+        activations = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                       else self.embed_tokens.weight.dtype)
+        attention = attention_batch(self.attention_backend, device, activations, self.config.head_dim, documents)
+        positions = documents.positions if documents is not None else None
+        cos, sin = self.rope(input_ids.shape[1], device, positions)
         h, pending = self.embed_tokens(input_ids), None
         for layer in self.layers:
             if self.grad_ckpt and self.training:
-                h, pending = checkpoint(layer, h, input_ids, cos, sin, document_mask, pending, use_reentrant=False)
+                h, pending = checkpoint(layer, h, input_ids, cos, sin, attention, pending, use_reentrant=False)
             else:
-                h, pending = layer(h, input_ids, cos, sin, document_mask, pending)
+                h, pending = layer(h, input_ids, cos, sin, attention, pending)
         if self.norm.backend == "cflib_add_rmsnorm":
             return self.norm.add_norm(h, pending)[1]
         return self.norm(h)
 
     def use_kernels(self, plan) -> None:
         """Point every module at the backends of a cflib.ops.dispatch.KernelPlan."""
+        self.attention_backend = plan.attention
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.backend = "liger" if plan.liger else "torch"
@@ -273,7 +275,7 @@ class TRMoEModel(nn.Module):
     def kernel_path(self) -> dict[str, str]:
         """The backends the last forward actually used, read back from the modules."""
         attention, engine = self.layers[0].self_attn, self.layers[0].mlp["engine"]
-        path = {"attention": self.last_attention, "qkv": attention.last_qkv, "rmsnorm": self.norm.last_backend,
+        path = {"attention": attention.last_attention, "qkv": attention.last_qkv, "rmsnorm": self.norm.last_backend,
                 "rope": attention.last_rope_backend, "swiglu": engine.last_swiglu_backend, "moe": engine.last_backend}
         if isinstance(attention.q_norm, RMSNorm):
             path["qk_norm"] = attention.q_norm.last_backend

@@ -18,6 +18,7 @@ from cflib.ops import interpreter  # noqa: F401
 from cflib.ops.loss import saved_gradients
 
 BLOCK_VOCAB = 4096
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")  # torch 2.8+: addmm(..., out_dtype=)
 
 
 @triton.jit
@@ -44,6 +45,15 @@ def _weighted_cross_entropy(logits_ptr, row_stride, targets_ptr, weights_ptr, lo
         logits = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         grad = tl.exp(logits - log_z) - tl.where(cols == target, 1.0, 0.0)
         tl.store(row_ptr + cols, (weight * grad).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total (fp32) += a @ b. Half-precision operands on a GPU accumulate straight into total in fp32 (cuBLAS
+    with an fp32 output, torch 2.8+), without a head-sized product in their dtype cast and added per chunk."""
+    if total.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _ADDMM_OUT_DTYPE:
+        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    else:
+        total += (a @ b).float()
 
 
 def weighted_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor,
@@ -73,7 +83,7 @@ class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
             chunk_weights = token_weights[start:start + chunk_tokens] if token_weights is not None else None
             loss_sum += weighted_cross_entropy_(logits, targets[start:start + chunk_tokens], chunk_weights).sum()
             torch.mm(logits, weight, out=grad_hidden[start:start + chunk_tokens])
-            grad_weight += (logits.t() @ h).float()
+            accumulate_product(grad_weight, logits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss_sum
 

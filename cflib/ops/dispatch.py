@@ -14,19 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from cflib.errors import ParamError
+from cflib.errors import KernelUnavailable
+from cflib.ops.attention import plan_attention
 from cflib.ops.loss import IGNORE_INDEX, chunked_cross_entropy_sum, supervised_rows
-
-
-class KernelUnavailable(ParamError):
-    """A required fast path cannot run here; the message says which check failed."""
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     liger: bool  # Liger's RMSNorm, RoPE, SwiGLU and fused linear CE
-    custom: bool  # cflib's Triton TR-MoE block and weighted fused linear CE
+    custom: bool  # cflib's Triton TR-MoE block, QKV/norm kernels and fused linear CE
     notes: tuple[str, ...] = ()  # why `auto` left a fast path off
+    attention: str = "auto"  # attention_backend, checked here (cflib.ops.attention)
 
     def describe(self) -> str:
         chosen = [name for name, on in (("Liger", self.liger), ("cflib Triton", self.custom)) if on]
@@ -60,11 +58,13 @@ def liger_problem() -> str | None:
     return None
 
 
-def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device) -> KernelPlan:
+def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device,
+                 attention_backend: str = "auto", head_dim: int = 64, packed: bool = False) -> KernelPlan:
     """Resolve the flags against this device, or raise KernelUnavailable naming the check.
 
-    Shapes need no check here: every valid ModelConfig (even head_dim) runs on every path."""
-    notes: list[str] = []
+    Shapes need no check here but attention's (head_dim; packed: whether training rows are packed windows):
+    every valid ModelConfig (even head_dim) runs on every other path."""
+    notes: list[str] = list(plan_attention(attention_backend, device, head_dim, packed))
 
     def decide(flag_name: str, mode: str, problem: str | None) -> bool:
         if mode == "false":
@@ -86,15 +86,27 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
     liger_mode = "true" if require_liger else ("false" if use_custom_kernels == "false" else "auto")
     liger = decide("require_liger" if require_liger else "use_custom_kernels (Liger)", liger_mode,
                    common or liger_problem())
-    return KernelPlan(liger=liger, custom=custom, notes=tuple(notes))
+    return KernelPlan(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend)
 
 
 class SFTLoss:
     """Summed token cross-entropy through the tied head, on the fastest path the plan allows.
 
-    Unweighted: Liger's fused linear CE when Liger runs; the weighted loss
-    (per-token weights) needs cflib's fused op. Both return (sum, count) like
+    With cflib's kernels (plan.custom), weighted or not, cflib's fused op
+    (cflib.ops.cross_entropy); with Liger's alone, Liger's fused linear CE for
+    the unweighted loss. Both return (sum, count) like
     cflib.ops.loss.chunked_cross_entropy_sum, the reference they are tested against.
+
+    Why cflib's op, not Liger's, serves the unweighted loss too: Liger's
+    (liger-kernel 0.8.5, ops/fused_linear_cross_entropy.py) reads the count
+    of supervised targets back to the host in forward (`target_mask.sum().item()`)
+    and compares the incoming gradient with 1.0 on the host in backward
+    (`torch.equal`), two syncs a step that stall the host's queue of kernels
+    mid-step; it also accumulates the head's gradient in the head's dtype
+    (bf16 here). cflib's op has no host read (the count is the index tensor's
+    length, known on the host: `supervised` below), accumulates that gradient
+    in fp32, and follows the same plan: head GEMMs over chunks of tokens, one
+    Triton kernel per chunk turning logits into their gradient in place.
     """
 
     def __init__(self, plan: KernelPlan) -> None:
@@ -102,14 +114,16 @@ class SFTLoss:
         self.last_backend = "none"
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
-                 loss_chunk_tokens: int, fp32_loss: bool,
-                 token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                 loss_chunk_tokens: int, fp32_loss: bool, token_weights: torch.Tensor | None = None,
+                 supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """supervised: the flat indices of labels' supervised positions (cflib.ops.loss.supervised_positions),
+        computed where the batch is collated; None: found here, which on a GPU is a sync."""
         fused = torch.is_grad_enabled() and (self.plan.custom or (self.plan.liger and token_weights is None))
         if not fused:
             self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
             return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
-                                             token_weights=token_weights)
-        hidden, targets, weights = supervised_rows(hidden, labels, token_weights)
+                                             token_weights=token_weights, supervised=supervised)
+        hidden, targets, weights = supervised_rows(hidden, labels, token_weights, supervised)
         count = int(targets.numel())
         if count == 0:
             return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0
@@ -119,7 +133,7 @@ class SFTLoss:
         with torch.autocast(device_type, enabled=False):
             dtype = torch.float32 if fp32_loss else run_dtype
             hidden, weight = hidden.to(dtype), head_weight.to(dtype)
-            if self.plan.liger and weights is None:
+            if not self.plan.custom:  # Liger's alone, unweighted
                 from cflib.ops.liger import LigerFusedLinearCrossEntropyFunction
                 self.last_backend = "liger_fused_linear_ce"
                 out = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, targets, None, None, IGNORE_INDEX,

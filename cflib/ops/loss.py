@@ -76,20 +76,31 @@ def saved_gradients(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch
     return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output
 
 
-def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Hidden states, targets and fp32 weights of the supervised positions only: prompt tokens cost no head FLOPs."""
+def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The flat indices of labels' supervised positions, in order. Computed on the host where the batch is
+    collated and moved with it, they let the loss gather rows without a boolean mask, whose size a GPU
+    would have to report back to the host (a sync) in every step."""
+    return (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor | None,
+                    supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Hidden states, targets and fp32 weights of the supervised positions only: prompt tokens cost no head FLOPs.
+
+    supervised: supervised_positions(labels), already on labels' device; None: found here."""
     if token_weights is not None and token_weights.shape != labels.shape:
         raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, labels {tuple(labels.shape)}")
-    labels = labels.reshape(-1)
-    supervised = labels != IGNORE_INDEX
-    weights = token_weights.reshape(-1)[supervised].float() if token_weights is not None else None
-    return hidden.reshape(-1, hidden.shape[-1])[supervised], labels[supervised], weights
+    if supervised is None:
+        supervised = supervised_positions(labels)
+    weights = token_weights.reshape(-1).index_select(0, supervised).float() if token_weights is not None else None
+    return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, supervised),
+            labels.reshape(-1).index_select(0, supervised), weights)
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                               loss_chunk_tokens: int = 1024, fp32_loss: bool = True,
-                              token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                              token_weights: torch.Tensor | None = None,
+                              supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Sum of (weighted) token cross-entropies over supervised positions, and their count.
 
     hidden: [..., D] final hidden states; labels: [...] causally aligned
@@ -97,10 +108,11 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, l
     weights of labels' shape (only supervised positions are read), giving
     sum_i w_i * CE_i. Callers divide by the count, or the weighted mass, of the
     whole (accumulated) batch, so accumulation gives the exact (weighted) mean.
+    supervised: the supervised positions' flat indices (supervised_positions), if known.
     """
     if loss_chunk_tokens <= 0:
         raise ValueError(f"loss_chunk_tokens must be positive, got {loss_chunk_tokens}")
-    hidden, targets, token_weights = supervised_rows(hidden, labels, token_weights)
+    hidden, targets, token_weights = supervised_rows(hidden, labels, token_weights, supervised)
     count = int(targets.numel())
     if count == 0:
         return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0

@@ -19,6 +19,7 @@ import yaml
 
 from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
+from cflib.ops.attention import ATTENTION_BACKENDS
 from cflib.yamlio import read_yaml
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -62,6 +63,9 @@ class TrainParams(ParamSet):
     grad_ckpt: bool = False
     use_custom_kernels: str = "auto"  # auto: fast paths where every check passes; true: require them; false: PyTorch
     require_liger: bool = False  # fail before training unless Liger's kernels run
+    # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
+    # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
+    attention_backend: str = "auto"
     eval_at_start: bool = True
     eval_every_steps: int | None = None
     eval_micro_batch: int | None = None  # None: micro_batch_per_rank
@@ -142,6 +146,11 @@ class TrainParams(ParamSet):
         if self.use_custom_kernels not in KERNEL_CHOICES:
             raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), "
                              f"got {self.use_custom_kernels!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ParamError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "cudnn_sdpa" and self.pack_sequences:
+            raise ParamError("attention_backend cudnn_sdpa attends dense rows only (it has no document mask); with "
+                             "pack_sequences: true choose auto, fa4, torch_varlen, flex or sdpa_mask")
         if self.strategy not in STRATEGIES:
             raise ParamError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not 0 <= self.node_rank < self.nnodes:

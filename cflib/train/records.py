@@ -119,7 +119,7 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "memory_estimate": run.memory_estimate,
         "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend},
         "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
-                              "notes": list(run.kernels.notes)},
+                              "attention_backend": p.attention_backend, "notes": list(run.kernels.notes)},
         **count_parameters(model),
         "params_active": config.active_parameters(),
         "vocab_size": config.vocab_size,

@@ -196,7 +196,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     model.grad_ckpt = params.grad_ckpt
-    kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device)
+    kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
+                           config.head_dim, packed=params.pack_sequences)
     model.use_kernels(kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,

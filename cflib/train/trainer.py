@@ -11,7 +11,7 @@ import math
 import shutil
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -28,7 +28,9 @@ from cflib.data.packing import collate_packed
 from cflib.data.shards import collate
 from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
+from cflib.ops.attention import PackedDocuments, pack_documents
 from cflib.ops.dispatch import SFTLoss
+from cflib.ops.loss import supervised_positions
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
 from cflib.train.optim import lr_factor, make_optimizer
@@ -46,6 +48,15 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class DeviceBatch:
+    input_ids: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T]
+    documents: PackedDocuments | None  # packed windows' documents; None: one example per row
+    token_weights: torch.Tensor | None  # [B, T] under loss weighting
+    supervised: torch.Tensor  # flat indices of the supervised labels (cflib.ops.loss.supervised_positions)
 
 
 class Trainer:
@@ -201,10 +212,11 @@ class Trainer:
             self.train_model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
-    def batch(self, units: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """input_ids, labels, document_ids (packed) and token_weights (weighted) of some units, on the device."""
+    def batch(self, units: np.ndarray) -> DeviceBatch:
+        """Some units' batch on the device. Everything the step's kernels need to know of its shape (packed
+        documents, supervised positions) is worked out here on the host, so no step reads the device back."""
         data, plan = self.run.train_data, self.run.pack_plan
-        document_ids = None
+        documents = None
         if plan is None:
             input_ids, labels = collate([data[int(i)] for i in units], data.eos_token_id)
             example_index = torch.as_tensor(np.asarray(units, dtype=np.int64))[:, None].expand_as(labels)
@@ -213,9 +225,10 @@ class Trainer:
         token_weights = None
         if self.example_weights is not None:  # padding (-1) takes any weight: its label is -100
             token_weights = to_device(self.example_weights[example_index.clamp(min=0)], self.device)
-        if document_ids is not None:
-            document_ids = to_device(document_ids, self.device)
-        return to_device(input_ids, self.device), to_device(labels, self.device), document_ids, token_weights
+        if plan is not None:
+            documents = pack_documents(document_ids).moved(lambda t: to_device(t, self.device))
+        return DeviceBatch(to_device(input_ids, self.device), to_device(labels, self.device), documents,
+                           token_weights, to_device(supervised_positions(labels), self.device))
 
     def train_step(self, step_units: np.ndarray) -> dict:
         p, data = self.params, self.run.train_data
@@ -233,17 +246,17 @@ class Trainer:
         start = time.perf_counter()
         micro_starts = range(0, len(mine), p.micro_batch_per_rank)
         for micro_start in micro_starts:
-            input_ids, labels, document_ids, token_weights = self.batch(
-                mine[micro_start:micro_start + p.micro_batch_per_rank])
+            batch = self.batch(mine[micro_start:micro_start + p.micro_batch_per_rank])
             with self._gradient_sync(micro_start == micro_starts[-1]):
                 with autocast(self.device, p.bf16):
-                    hidden = self.train_model(input_ids, document_ids)
-                    loss_sum, _ = self.loss(hidden, self.model.head_weight, labels, p.loss_chunk_tokens, p.fp32_loss,
-                                            token_weights=token_weights)
+                    hidden = self.train_model(batch.input_ids, batch.documents)
+                    loss_sum, _ = self.loss(hidden, self.model.head_weight, batch.labels, p.loss_chunk_tokens,
+                                            p.fp32_loss, token_weights=batch.token_weights,
+                                            supervised=batch.supervised)
                 # The step's (weighted) token mean, times world size: data parallelism averages gradients.
                 (loss_sum * (self.dist.world_size / step_mass)).backward()
             totals[0] += loss_sum.detach().double()
-            totals[1] += labels.numel()
+            totals[1] += batch.labels.numel()
         totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
         # The norm is measured even unclipped (max_norm inf), so a non-finite gradient is caught here.
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf)

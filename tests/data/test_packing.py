@@ -11,7 +11,7 @@ from tiny_models import random_ids, tiny_model
 
 from cflib.data.packing import collate_packed, plan_packs
 from cflib.data.shards import IGNORE_INDEX, Example, open_shard
-from cflib.ops.attention import build_document_mask, document_attention, document_positions
+from cflib.ops.attention import attend, attention_batch, document_positions, pack_documents
 from cflib.ops.loss import chunked_cross_entropy_sum
 
 VOCAB = 50
@@ -81,7 +81,33 @@ def test_positions_restart_at_zero_in_each_document():
     assert document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3], list(range(9))]
 
 
-@pytest.mark.parametrize("backend", ["sdpa_mask", "flex_attention"])
+def test_packed_documents_give_each_document_its_start_length_and_positions():
+    """Worked by hand: row 0 holds documents of 3, 2 and 4 tokens; row 1 one of 9 (the ids restart per row)."""
+    documents = pack_documents(torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0, 0]]))
+    assert documents.cu_seqlens.tolist() == [0, 3, 5, 9, 18] and documents.cu_seqlens.dtype == torch.int32
+    assert documents.max_seqlen == 9
+    assert documents.positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3], list(range(9))]
+
+
+def test_packed_documents_of_collated_windows_are_their_examples_and_padding(shard):
+    """cu_seqlens from the windows' document ids: each example with the separator after it is one document,
+    the tail padding one more, row after row; built on the host from what the pack plan knows."""
+    plan = plan_packs(shard.lengths, 32)
+    _, _, document_ids, _ = collate_packed(shard, plan, range(len(plan)))
+    expected = []
+    for w in range(len(plan)):
+        lengths = shard.lengths[plan.window(w)]
+        starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]])
+        expected += (w * 32 + starts).tolist()
+        if (end := int(starts[-1] + lengths[-1])) < 32:
+            expected.append(w * 32 + end)
+    expected.append(32 * len(plan))
+    documents = pack_documents(document_ids)
+    assert documents.cu_seqlens.tolist() == expected
+    assert documents.max_seqlen == int(np.diff(expected).max())
+
+
+@pytest.mark.parametrize("backend", ["sdpa_mask", "flex"])
 def test_document_attention_is_attention_of_each_document_alone(backend):
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 4, 12, 8, generator=gen), torch.randn(1, 2, 12, 8, generator=gen), torch.randn(
@@ -89,7 +115,9 @@ def test_document_attention_is_attention_of_each_document_alone(backend):
     document_ids = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3])
     with warnings.catch_warnings():  # FlexAttention on CPU warns that it runs uncompiled
         warnings.simplefilter("ignore")
-        out = document_attention(q, k, v, build_document_mask(document_ids, q.shape[-1], backend))
+        batch = attention_batch(backend, q.device, q.dtype, q.shape[-1], pack_documents(document_ids))
+        out = attend(q, k, v, batch)
+    assert batch.kernel == {"sdpa_mask": "sdpa_mask", "flex": "flex_attention"}[backend]
     for start, stop in ((0, 5), (5, 9), (9, 12)):
         alone = torch.nn.functional.scaled_dot_product_attention(
             q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], is_causal=True, enable_gqa=True)

@@ -1,0 +1,134 @@
+"""Which attention kernel runs where, and how a run's attention_backend is checked before any step.
+
+The GPU kernels cannot run here: the GPUs are mocked (compute capability, installed
+packages), as the kernel dispatch tests mock a missing Liger. The kernels' numbers
+are checked by validate_kernels on a GPU (cflib.bench.components).
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+
+import pytest
+import torch
+
+from cflib.ops import attention
+from cflib.ops.attention import ATTENTION_BACKENDS, choose_kernel, plan_attention
+from cflib.ops.dispatch import KernelUnavailable, plan_kernels
+from cflib.train import prepare
+from cflib.train.params import ParamError, TrainParams
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A mocked GPU: set its compute capability and whether flash-attn-4 is installed."""
+    real_find_spec = importlib.util.find_spec
+    state = {"capability": (9, 0), "fa4": True}
+
+    def find_spec(name, *args):
+        if name == "flash_attn.cute":
+            return importlib.machinery.ModuleSpec(name, None) if state["fa4"] else None
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(attention, "_import_problem", lambda module: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["capability"])
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    return state
+
+
+def test_auto_on_cpu_runs_sdpa_dense_and_the_sdpa_mask_packed():
+    assert choose_kernel("auto", False, CPU, 64, FP32) == "torch_sdpa"
+    assert choose_kernel("auto", True, CPU, 64, BF16) == "sdpa_mask"
+    assert plan_attention("auto", CPU, 64, packed=True) == ()  # no note: no GPU kernel was expected on a CPU
+
+
+def test_auto_on_hopper_with_flash_attn_4_takes_it_dense_and_packed(gpu):
+    assert choose_kernel("auto", False, GPU, 64, BF16) == "fa4"
+    assert choose_kernel("auto", True, GPU, 64, BF16) == "fa4_varlen"
+    assert plan_kernels("auto", False, GPU, "auto", 64, packed=True).attention == "auto"
+
+
+def test_auto_in_an_fp32_run_keeps_attention_in_fp32(gpu):
+    """The half-precision kernels are left to runs whose activations are bf16 (or fp16)."""
+    assert choose_kernel("auto", False, GPU, 64, FP32) == "torch_sdpa"
+    assert choose_kernel("auto", True, GPU, 64, FP32) == "flex_attention"
+    assert choose_kernel("auto", True, GPU, 64, torch.float16) == "fa4_varlen"
+
+
+def test_auto_falls_back_in_order_without_flash_attn_4(gpu):
+    gpu["fa4"] = False
+    assert choose_kernel("auto", False, GPU, 64, BF16) == "cudnn_sdpa"
+    assert choose_kernel("auto", True, GPU, 64, BF16) == "torch_varlen"
+    plan = plan_kernels("auto", False, GPU, "auto", 64, packed=True)
+    assert any("attention_backend (fa4): flash-attn-4 is not installed" in note for note in plan.notes)
+    with pytest.raises(KernelUnavailable, match="attention_backend: fa4, but flash-attn-4 is not installed"):
+        plan_attention("fa4", GPU, 64, packed=False)
+
+
+def test_before_hopper_auto_takes_the_ampere_kernels_and_fa4_is_refused(gpu):
+    gpu["capability"] = (8, 0)
+    assert choose_kernel("auto", False, GPU, 64, BF16) == "torch_sdpa"
+    assert choose_kernel("auto", True, GPU, 64, BF16) == "torch_varlen"
+    with pytest.raises(KernelUnavailable, match=r"fa4, but compute capability 8.0 < 9.0 \(FlashAttention-4 needs "
+                                                r"Hopper or newer\)"):
+        plan_attention("fa4", GPU, 64, packed=True)
+
+
+def test_flex_on_a_gpu_needs_wide_heads_and_fa4_a_multiple_of_8(gpu):
+    with pytest.raises(KernelUnavailable, match="head_dim 8 < 16"):
+        plan_attention("flex", GPU, 8, packed=True)
+    with pytest.raises(KernelUnavailable, match="head_dim 60: FlashAttention-4 takes multiples of 8 up to 256"):
+        plan_attention("fa4", GPU, 60, packed=False)
+    assert choose_kernel("auto", True, GPU, 60, BF16) == "flex_attention"
+
+
+def test_a_named_backend_runs_its_kernel_and_dense_rows_need_no_mask(gpu):
+    assert [choose_kernel(name, True, GPU, 64, BF16) for name in ("fa4", "torch_varlen", "flex", "sdpa_mask")] == [
+        "fa4_varlen", "torch_varlen", "flex_attention", "sdpa_mask"]
+    assert [choose_kernel(name, False, GPU, 64, BF16) for name in ("fa4", "cudnn_sdpa", "torch_varlen", "flex")] == [
+        "fa4", "cudnn_sdpa", "torch_sdpa", "torch_sdpa"]
+    assert choose_kernel("fa4", False, GPU, 64, FP32) == "fa4"  # named: an fp32 run's q, k, v are cast to bf16
+
+
+def test_cudnn_sdpa_cannot_attend_packed_windows(gpu):
+    with pytest.raises(KernelUnavailable, match="cudnn_sdpa attends dense rows only"):
+        plan_attention("cudnn_sdpa", GPU, 64, packed=True)
+    with pytest.raises(KernelUnavailable, match="cudnn_sdpa attends dense rows only"):
+        choose_kernel("cudnn_sdpa", True, GPU, 64, BF16)
+    with pytest.raises(ParamError, match="cudnn_sdpa attends dense rows only.*pack_sequences"):
+        TrainParams.from_dict({"attention_backend": "cudnn_sdpa", "pack_sequences": True})
+
+
+@pytest.mark.parametrize("name", ["fa4", "cudnn_sdpa", "torch_varlen"])
+def test_a_gpu_backend_asked_for_on_cpu_names_the_failed_check(name):
+    with pytest.raises(KernelUnavailable, match=f"attention_backend: {name}, but no GPU: the device is cpu"):
+        plan_kernels("false", False, CPU, name, 64)
+
+
+def test_fa4_on_cpu_stops_prepare_before_anything_is_written(tmp_path):
+    out_dir = tmp_path / "run"
+    params = TrainParams.from_dict({"model": "smoke", "device": "cpu", "out_dir": str(out_dir),
+                                    "attention_backend": "fa4"})
+    with pytest.raises(KernelUnavailable, match="attention_backend: fa4, but no GPU"):
+        prepare(params)
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("value", ["FA4", "flash", "flex_attention", "", "true"])
+def test_attention_backend_refuses_other_values_listing_the_choices(value):
+    with pytest.raises(ParamError, match="attention_backend must be one of") as caught:
+        TrainParams.from_dict({"attention_backend": value})
+    assert all(name in str(caught.value) for name in ATTENTION_BACKENDS)
+
+
+def test_a_run_checks_its_backend_where_it_trains(tmp_path):
+    """Named backends that run on a CPU are accepted there, and the model attends with them."""
+    for name, kernel in (("sdpa_mask", "sdpa_mask"), ("flex", "flex_attention")):
+        run = prepare(TrainParams.from_dict({"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / name),
+                                             "attention_backend": name, "pack_sequences": True}))
+        assert run.kernels.attention == name and run.model.attention_backend == name
+        assert choose_kernel(run.model.attention_backend, True, CPU, run.model.config.head_dim, FP32) == kernel
