@@ -16,6 +16,7 @@ from cflib.bench.validate import check, compare, validate
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.ops.dispatch import KernelPlan, KernelUnavailable, SFTLoss, plan_kernels
+from cflib.ops.loss import supervised_positions
 from cflib.train import prepare, train
 from cflib.train.params import TrainParams
 
@@ -83,7 +84,7 @@ def test_whole_model_production_path_matches_reference():
     assert path["moe"] == "triton_fused" and path["rmsnorm"] == "cflib_add_rmsnorm"
     assert path["rope"] == path["qk_norm"] == "cflib_qk_norm_rope"
     assert path["qkv"] == "fused_gemm" and (ref_backend, fast_backend) == ("torch_chunked_linear_ce",
-                                                                           "liger_fused_linear_ce")
+                                                                           "cflib_triton_fused_linear_ce")
     assert fast_loss == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(fast_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -145,9 +146,35 @@ def test_training_records_the_kernels_that_ran(tmp_path):
                     "use_custom_kernels": "true", "require_liger": True}, progress=False)
     assert record["kernel_path"]["moe"] == "triton_fused"
     assert record["kernel_path"]["rmsnorm"] == "cflib_add_rmsnorm" and record["kernel_path"]["qk_norm"] == "cflib_qk_norm_rope"
-    assert record["kernel_path"]["loss"] == "liger_fused_linear_ce"
-    assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True, "notes": []}
+    assert record["kernel_path"]["loss"] == "cflib_triton_fused_linear_ce"
+    assert record["kernel_path"]["attention"] == "torch_sdpa"
+    assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True,
+                                           "attention_backend": "auto", "notes": []}
 
 
 def test_tolerances_are_stated_per_dtype():
     assert TOLERANCES["float32"] < TOLERANCES["bfloat16"] <= 2e-2
+
+
+@pytest.mark.parametrize("plan", [KernelPlan(liger=True, custom=False), KernelPlan(liger=True, custom=True)],
+                         ids=["liger", "cflib"])
+def test_fused_losses_take_host_computed_supervised_positions(plan):
+    """The loss as the trainer calls it (supervised positions computed where the batch is collated) equals the
+    loss finding them itself, bit for bit, on Liger's and cflib's fused paths."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 12, 16, generator=gen).to(DEVICE)
+    head = (torch.randn(40, 16, generator=gen) * 0.2).to(DEVICE)
+    labels = torch.randint(0, 40, (2, 12), generator=gen)
+    labels[:, :5] = -100
+    results = []
+    for supervised in (None, supervised_positions(labels).to(DEVICE)):
+        h, w = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+        loss_fn = SFTLoss(plan)
+        loss, count = loss_fn(h, w, labels.to(DEVICE), 8, True, supervised=supervised)
+        loss.backward()
+        results.append({"loss": loss.detach(), "count": count, "d_hidden": h.grad, "d_head": w.grad,
+                        "backend": loss_fn.last_backend})
+    found, given = results
+    assert found["count"] == given["count"] == 14 and found["backend"] == given["backend"]
+    for name in ("loss", "d_hidden", "d_head"):
+        assert torch.equal(found[name], given[name]), name

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cflib.ops.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_mean
+from cflib.ops.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_mean, supervised_positions
 
 CHUNKS = [1, 3, 7, 1024]
 BATCH, SEQ, DIM, VOCAB = 2, 9, 16, 37
@@ -240,3 +240,26 @@ def test_token_weights_of_another_shape_are_refused() -> None:
     problem = make_problem()
     with pytest.raises(ValueError, match="token_weights has shape"):
         chunked_cross_entropy_sum(problem.hidden, problem.weight, problem.labels, token_weights=torch.ones(SEQ))
+
+
+def test_supervised_positions_are_the_flat_indices_of_the_supervised_labels() -> None:
+    labels = torch.tensor([[IGNORE_INDEX, 5, 6], [IGNORE_INDEX, IGNORE_INDEX, 2]])
+    assert supervised_positions(labels).tolist() == [1, 2, 5]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_given_supervised_positions_change_nothing(weighted: bool) -> None:
+    """Rows gathered by host-computed indices (no boolean mask on the device): the same loss and gradients,
+    bit for bit, as the positions found in the loss."""
+    problem = make_problem(seed=6)
+    token_weights = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(7)) * 3 if weighted else None
+    results = []
+    for supervised in (None, supervised_positions(problem.labels)):
+        hidden, weight = leaves(problem)
+        loss, count = chunked_cross_entropy_sum(hidden, weight, problem.labels, 3, token_weights=token_weights,
+                                                supervised=supervised)
+        loss.backward()
+        results.append((loss, count, hidden.grad, weight.grad))
+    (loss_a, count_a, *grads_a), (loss_b, count_b, *grads_b) = results
+    assert count_a == count_b and torch.equal(loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))

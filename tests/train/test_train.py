@@ -10,14 +10,18 @@ import pytest
 import torch
 from sft_shard_helpers import write_shard
 
+from cflib.data.packing import collate_packed
 from cflib.data.shards import Example, ShardError, write_partition
 from cflib.data.tasks import generate
 from cflib.data.tokenizer import ByteTokenizer
 from cflib.model.checkpoint import load_checkpoint
+from cflib.ops.attention import pack_documents
+from cflib.ops.loss import chunked_cross_entropy_sum
 from cflib.train import prepare, train
 from cflib.train.optim import lr_factor
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
+from cflib.train.trainer import Trainer
 
 FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 3e-3,
         "exact_match_limit": 24, "device": "cpu"}
@@ -262,3 +266,27 @@ def test_save_total_limit_keeps_the_newest_and_the_best(tmp_path, small_shard):
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["best", "epoch-3", "step-8"]  # step 9 ends epoch 3, whose own checkpoint it is
     assert set(record["checkpoints"]) == {"best", "best_step", "epoch-3", "step-8"}
+
+
+def test_a_packed_step_takes_its_documents_and_supervised_positions_from_the_host(tmp_path, small_shard):
+    """The trainer builds cu_seqlens, positions and the supervised positions with the batch, on the host, and the
+    step's loss is the model's on the windows' document ids, each example attending only to itself."""
+    params = TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "run"),
+                                    "pack_sequences": True, "micro_batch_per_rank": 2, "global_batch": 2})
+    prepared = prepare(params)
+    trainer = Trainer(prepared, progress=False)
+    windows = np.arange(2)
+    batch = trainer.batch(windows)
+    input_ids, labels, document_ids, _ = collate_packed(prepared.train_data, prepared.pack_plan, windows)
+    documents = pack_documents(document_ids)
+    assert torch.equal(batch.documents.cu_seqlens, documents.cu_seqlens) and batch.documents.cu_seqlens.is_contiguous()
+    assert torch.equal(batch.documents.positions, documents.positions)
+    assert batch.documents.max_seqlen == documents.max_seqlen
+    assert batch.supervised.tolist() == torch.nonzero(labels.reshape(-1) != -100).squeeze(1).tolist()
+    model = prepared.model
+    with torch.no_grad():
+        loss, count = chunked_cross_entropy_sum(model(input_ids, document_ids), model.head_weight, labels,
+                                                params.loss_chunk_tokens)
+    row = trainer.train_step(windows)
+    assert row["loss"] == pytest.approx(loss.item() / count, rel=1e-6)
+    assert trainer.train_kernel_path["attention"] == "sdpa_mask"
