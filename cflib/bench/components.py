@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from cflib.data.shards import IGNORE_INDEX
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
+from cflib.ops.attention import GPU_NEEDS, attend, attention_batch, backend_problem, pack_documents
 from cflib.ops.dispatch import KernelPlan, SFTLoss
 
 # bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3 (METHOD.md).
@@ -49,6 +50,7 @@ class Component:
     reference: Callable[[dict], torch.Tensor]
     fast: Callable[[dict], tuple[torch.Tensor, str]]  # output, backend read back
     bf16_arithmetic: bool = False  # the kernel multiplies bf16 values (not fp32 then a bf16 store)
+    unavailable: Callable[[torch.device, str, Shape], str | None] | None = None  # why not here (device, dtype)
 
 
 def _randn(shape, generator, device, scale=1.0, shift=0.0):
@@ -223,6 +225,60 @@ def _loss_fast(plan: KernelPlan):
     return run
 
 
+def _attention_inputs(packed: bool):
+    def inputs(shape, gen, device):
+        c = shape.config
+        found = {name: _randn((shape.batch, heads, shape.seq_len, c.head_dim), gen, device)
+                 for name, heads in (("q", c.num_attention_heads), ("k", c.num_key_value_heads),
+                                     ("v", c.num_key_value_heads))}
+        if packed:  # each row cut into documents at random places: a few at tiny shapes, one per ~300 tokens
+            cuts = max(2, shape.seq_len // 300)
+            ids = torch.zeros(shape.batch, shape.seq_len, dtype=torch.int64)
+            for row in range(shape.batch):
+                starts = torch.randperm(shape.seq_len - 1, generator=torch.Generator().manual_seed(row))[:cuts] + 1
+                ids[row, starts] = 1
+            found["documents"] = pack_documents(ids.cumsum(1)).moved(lambda t: t.to(device))
+        return found
+    return inputs
+
+
+def _attention_reference(inputs):
+    """Causal SDPA of each row, or, packed, of each document alone: the outputs side by side."""
+    q, k, v, documents = inputs["q"], inputs["k"], inputs["v"], inputs.get("documents")
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    seq, pieces = q.shape[2], []
+    bounds = documents.cu_seqlens.tolist()
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        row, first = divmod(start, seq)
+        part = slice(first, first + stop - start)
+        pieces.append(F.scaled_dot_product_attention(q[row:row + 1, :, part], k[row:row + 1, :, part],
+                                                     v[row:row + 1, :, part], is_causal=True, enable_gqa=True))
+    return torch.cat(pieces, dim=2).transpose(1, 2).reshape(q.shape[0], seq, *q.shape[1:2], -1).transpose(1, 2)
+
+
+def _attention_fast(backend: str):
+    def run(inputs):
+        q = inputs["q"]
+        batch = attention_batch(backend, q.device, q.dtype, q.shape[-1], inputs.get("documents"))
+        return attend(q, inputs["k"], inputs["v"], batch), batch.kernel
+    return run
+
+
+def _attention_unavailable(backend: str):
+    def why(device: torch.device, dtype_name: str, shape: Shape) -> str | None:
+        problem = backend_problem(backend, device, shape.config.head_dim)
+        if problem is None and backend in GPU_NEEDS and dtype_name != "bfloat16":
+            return f"{GPU_NEEDS[backend][0]} computes in bfloat16/float16: checked in bfloat16"
+        return problem
+    return why
+
+
+def _attention(name: str, backend: str, kernel: str, packed: bool) -> Component:
+    return Component(name, kernel, _attention_inputs(packed), (), _attention_reference, _attention_fast(backend),
+                     unavailable=_attention_unavailable(backend))
+
+
 COMPONENTS = [
     Component("rmsnorm", "liger", _rms_inputs, ("weight",), lambda i: _rms_module(i, "torch")(i["x"]), _rms_fast),
     # h is the fp32 residual stream in every run, like a weight: listed with them.
@@ -237,4 +293,12 @@ COMPONENTS = [
               _loss_reference, _loss_fast(KernelPlan(liger=True, custom=False))),
     Component("weighted_loss", "cflib_triton_fused_linear_ce_weighted", lambda s, g, d: _loss_inputs(s, g, d, True),
               ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=False, custom=True))),
+    # The production unweighted loss (cflib.ops.dispatch.SFTLoss: cflib's kernels take it from Liger's).
+    Component("cflib_loss", "cflib_triton_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False),
+              ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=True, custom=True))),
+    _attention("attention_fa4", "fa4", "fa4", packed=False),
+    _attention("attention_fa4_varlen", "fa4", "fa4_varlen", packed=True),
+    _attention("attention_cudnn", "cudnn_sdpa", "cudnn_sdpa", packed=False),
+    _attention("attention_torch_varlen", "torch_varlen", "torch_varlen", packed=True),
+    _attention("attention_flex", "flex", "flex_attention", packed=True),
 ]

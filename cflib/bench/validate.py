@@ -99,10 +99,12 @@ def validate(device: torch.device, dtypes: tuple[str, ...] = ("float32", "bfloat
     skip_bf16_arithmetic = device.type == "cpu" and bf16_arithmetic_broken()
     rows: list[dict] = []
     for component, shape, dtype_name in (progress(grid) if progress else grid):
+        reason = component.unavailable(device, dtype_name, shape) if component.unavailable else None
         if skip_bf16_arithmetic and component.bf16_arithmetic and dtype_name == "bfloat16":
+            reason = "Triton's interpreter multiplies bfloat16 values as raw bits; checked on the GPU"
+        if reason:
             skipped.append({"component": component.name, "shape": shape.name, "dtype": dtype_name,
-                            "reason": "Triton's interpreter multiplies bfloat16 values as raw bits; "
-                                      "checked on the GPU"})
+                            "reason": reason})
             continue
         rows.extend(compare(component, shape, dtype_name, device))
     return rows, skipped

@@ -132,7 +132,9 @@ def backend_problem(name: str, device: torch.device, head_dim: int, dtype: torch
     if name == "flex":
         if flex_attention is None:
             return f"torch {torch.__version__} has no FlexAttention"
-        if device.type == "cuda" and head_dim < FLEX_MIN_HEAD_DIM:
+        if device.type != "cuda":  # uncompiled it computes every score, and it has no backward on a CPU
+            return f"no GPU: the device is {device} (FlexAttention trains compiled, on GPUs)"
+        if head_dim < FLEX_MIN_HEAD_DIM:
             return f"head_dim {head_dim} < {FLEX_MIN_HEAD_DIM} (FlexAttention's GPU kernels)"
         return None
     what, least, widest = GPU_NEEDS[name]
@@ -153,9 +155,7 @@ def choose_kernel(requested: str, packed: bool, device: torch.device, head_dim: 
     """The kernel `requested` runs for dense rows or packed windows, or KernelUnavailable naming the check."""
     if requested == "auto":
         return next((KERNELS[name][packed] for name in AUTO_ORDER[packed]
-                     if backend_problem(name, device, head_dim, dtype) is None
-                     and (name != "flex" or device.type == "cuda")),  # uncompiled, it computes every score
-                    AUTO_LAST[packed])
+                     if backend_problem(name, device, head_dim, dtype) is None), AUTO_LAST[packed])
     if requested not in KERNELS:
         raise KernelUnavailable(f"attention_backend {requested!r}: expected one of {ATTENTION_BACKENDS}")
     kernel = KERNELS[requested][packed]
@@ -267,8 +267,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBa
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if kernel == "flex_attention":
-        run = _compiled_flex_attention() if q.is_cuda else flex_attention
-        return run(q, k, v, block_mask=batch.mask, enable_gqa=gqa)
+        return _compiled_flex_attention()(q, k, v, block_mask=batch.mask, enable_gqa=gqa)
     if kernel == "sdpa_mask":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, enable_gqa=gqa)
     # Right padding needs no mask: under the causal mask no real token sees a later pad.
