@@ -1,0 +1,365 @@
+"""Attention backends and the production step, A/B on one GPU: `python -m cflib.bench.attention --out DIR`.
+
+Three parts, each run guarded (a failure is recorded with its reason and the
+rest go on) and the record rewritten after each, so a run cut short keeps
+what it measured:
+
+1. kernels: forward + backward of every attention kernel at the model's
+   shapes (micro-batch x seq_len, the model's heads, BF16), on dense rows and
+   on packed windows of the same documents, median ms (CUDA events), the
+   time to build what each needs per forward (a mask, or nothing), and the
+   output's max error against an fp32 SDPA (per document when packed);
+2. loss: the tied-head fused linear cross-entropy, Liger's against cflib's, fed
+   as the production step feeds it (the first third of each row unsupervised);
+3. steps: the production step (cflib and Liger kernels, BF16) with each attention
+   backend, on dense random-token rows and on packed windows of realistic
+   lengths: tokens/s, supervised tokens/s, peak memory, the kernel path read
+   back, then a profile of a few more steps: GPU busy time per step against
+   wall time (the gap is the GPU waiting on the host) and the top operators.
+
+Realistic lengths follow DESIGN.md: log-normal, median 300 tokens (mean ~405, before the cap),
+the first third of each example unsupervised, packed by the project's own
+plan (cflib.data.packing) into windows shuffled with a seed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import statistics
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from cflib.atomic import write_json_atomic
+from cflib.bench.synthetic import write_random_token_shard
+from cflib.bench.timing import error_line, peak_memory_gib, release_memory, sync, time_steps
+from cflib.data.packing import collate_packed, plan_packs
+from cflib.data.shards import IGNORE_INDEX, Example, open_shard, write_partition
+from cflib.model.config import PRESETS
+from cflib.ops.attention import DENSE_SDPA, attend, attention_batch, backend_problem, pack_documents
+from cflib.ops.dispatch import KernelPlan, KernelUnavailable, SFTLoss
+from cflib.ops.loss import supervised_positions
+from cflib.train.params import TrainParams
+from cflib.train.records import device_info, framework_versions
+from cflib.train.run import prepare, resolve_device
+from cflib.train.trainer import Trainer
+
+LENGTH_SIGMA = math.sqrt(2 * math.log(1.35))  # log-normal: mean / median = exp(sigma^2 / 2) = 1.35
+DENSE_KERNELS = {"fa4": "fa4", "cudnn_sdpa": "cudnn_sdpa", "torch_sdpa": None}  # kernel -> backend asked for
+PACKED_KERNELS = {"fa4_varlen": "fa4", "torch_varlen": "torch_varlen", "flex_attention": "flex",
+                  "sdpa_mask": "sdpa_mask"}
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 20) -> float:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def guarded(part: Callable[[], dict]) -> dict:
+    try:
+        return {"status": "ok", **part()}
+    except KernelUnavailable as err:  # a backend this machine cannot run: the check that failed
+        return {"status": "skipped", "reason": str(err)}
+    except torch.cuda.OutOfMemoryError as err:
+        return {"status": "oom", "reason": error_line(err)}
+    except Exception as err:  # noqa: BLE001  (the part's failure is its result; the others go on)
+        return {"status": "failed", "reason": error_line(err), "traceback_tail": traceback.format_exc(limit=-3)[-1500:]}
+
+
+# --- realistic documents ----------------------------------------------------------------------------------
+
+def write_realistic_shard(root: Path, vocab_size: int, seq_len: int, median: int, windows: int, seed: int) -> Path:
+    """Examples of log-normal lengths around `median` (capped at seq_len), enough to fill `windows` packed windows."""
+    rng = np.random.default_rng(seed)
+    count = max(64, int(windows * seq_len / (median * 1.35) * 1.3))
+    while True:
+        lengths = np.clip(np.rint(rng.lognormal(math.log(median), LENGTH_SIGMA, count)), 2, seq_len)
+        if len(plan_packs(lengths.astype(np.int64), seq_len)) >= windows:
+            break
+        count *= 2
+
+    def examples(partition: str, lengths: np.ndarray):
+        for index, length in enumerate(lengths.astype(int)):
+            ids = np.append(rng.integers(1, vocab_size, length - 1), 0)  # ends with EOS (id 0)
+            labels = np.full(length, IGNORE_INDEX)
+            labels[length // 3:-1] = ids[length // 3 + 1:]  # causally aligned, the first third unsupervised
+            yield Example(ids, labels, {"example_id": f"{partition}-{index:06d}", "task": "realistic_lengths"})
+
+    for partition, part in (("train", lengths), ("eval", lengths[:8])):
+        write_partition(root / partition, examples(partition, part), vocab_size=vocab_size, eos_token_id=0,
+                        max_seq_len=seq_len)
+    return root
+
+
+# --- 1. the attention kernels -------------------------------------------------------------------------------
+
+def _reference_out(q, k, v, documents) -> torch.Tensor:
+    q, k, v = q.float(), k.float(), v.float()
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    seq, pieces, bounds = q.shape[2], [], documents.cu_seqlens.tolist()
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        row, first = divmod(start, seq)
+        part = slice(first, first + stop - start)
+        pieces.append(F.scaled_dot_product_attention(q[row:row + 1, :, part], k[row:row + 1, :, part],
+                                                     v[row:row + 1, :, part], is_causal=True, enable_gqa=True))
+    return torch.cat(pieces, dim=2).transpose(1, 2).reshape(q.shape[0], seq, q.shape[1], -1).transpose(1, 2)
+
+
+def time_kernels(config, micro: int, seq_len: int, documents, device: torch.device, dtype: torch.dtype) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    head_dim = config.head_dim
+    q, k, v = (torch.randn(micro, heads, seq_len, head_dim, generator=gen, device=device, dtype=dtype)
+               .requires_grad_() for heads in (config.num_attention_heads, config.num_key_value_heads,
+                                                config.num_key_value_heads))
+    grad = torch.randn(micro, config.num_attention_heads, seq_len, head_dim, generator=gen, device=device,
+                       dtype=dtype)
+    lengths = documents.cu_seqlens.diff().double().cpu()
+    pairs = {"dense": micro * seq_len * (seq_len + 1) / 2, "packed": float((lengths * (lengths + 1) / 2).sum())}
+    results = {"documents": {"count": len(lengths), "mean_length": float(lengths.mean()),
+                             "max_length": documents.max_seqlen,
+                             "useful_pairs_vs_dense": pairs["packed"] / pairs["dense"]}, "rows": []}
+    with torch.no_grad():
+        truth = {"dense": _reference_out(q, k, v, None), "packed": _reference_out(q, k, v, documents)}
+    for kind, kernels in (("dense", DENSE_KERNELS), ("packed", PACKED_KERNELS)):
+        for kernel, requested in kernels.items():
+            row = {"kind": kind, "kernel": kernel}
+            problem = backend_problem(requested, device, head_dim, dtype) if requested else None
+            if problem:
+                results["rows"].append({**row, "status": "skipped", "reason": problem})
+                continue
+
+            def measure(kind=kind, requested=requested):
+                docs = documents if kind == "packed" else None
+
+                def build():  # what the model builds once per forward for every layer (a mask, or nothing)
+                    return attention_batch(requested, device, dtype, head_dim, docs) if requested else DENSE_SDPA
+
+                def step():
+                    torch.autograd.grad(attend(q, k, v, batch), (q, k, v), grad)
+                started = time.perf_counter()
+                batch = build()
+                step()
+                sync(device)
+                first_call_s = time.perf_counter() - started  # the first call compiles (FA4, FlexAttention)
+                ms = median_ms(step, device)
+                flops = 4 * pairs[kind] * config.num_attention_heads * head_dim * 3.5  # fwd + bwd = 3.5 x fwd
+                with torch.no_grad():
+                    error = (attend(q, k, v, batch).float() - truth[kind]).abs().max().item()
+                return {"kernel_ran": batch.kernel, "first_call_s": first_call_s, "fwd_bwd_ms": ms,
+                        "prepare_ms": median_ms(build, device, warmup=1, repeats=5),
+                        "useful_tflops_per_s": flops / ms / 1e9, "max_abs_error_vs_fp32": error}
+            results["rows"].append({**row, **guarded(measure)})
+    return results
+
+
+# --- 2. the loss ----------------------------------------------------------------------------------------------
+
+def time_losses(config, micro: int, seq_len: int, device: torch.device, bf16: bool) -> dict:
+    gen = torch.Generator(device=device).manual_seed(1)
+    hidden = torch.randn(micro, seq_len, config.hidden_size, generator=gen, device=device).requires_grad_()
+    head = torch.nn.Parameter(torch.randn(config.vocab_size, config.hidden_size, generator=gen, device=device) * 0.02)
+    labels = torch.randint(0, config.vocab_size, (micro, seq_len), device=device, generator=gen)
+    labels[:, :seq_len // 3] = IGNORE_INDEX
+    supervised = supervised_positions(labels.cpu()).to(device)
+    rows = []
+    for name, plan in (("liger", KernelPlan(liger=True, custom=False)), ("cflib", KernelPlan(liger=True, custom=True))):
+        loss = SFTLoss(plan)
+
+        def step(loss=loss):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                total, _ = loss(hidden, head, labels, 1024, False, supervised=supervised)
+            total.backward()
+            hidden.grad = head.grad = None
+        rows.append({"path": name, **guarded(lambda step=step, loss=loss: {
+            "fwd_bwd_ms": median_ms(step, device), "backend": loss.last_backend})})
+    return {"supervised_tokens": int(supervised.numel()), "rows": rows}
+
+
+# --- 3. the production step ------------------------------------------------------------------------------------
+
+def profile_step(trainer: Trainer, batches: list[np.ndarray], device: torch.device, table: Path) -> dict:
+    """GPU busy time (the union of kernel intervals) against wall time, per step, and the top operators."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with torch.profiler.profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        for batch in batches:
+            trainer.train_step(batch)
+        sync(device)
+        wall_ms = (time.perf_counter() - started) * 1e3 / len(batches)
+    events = profiler.key_averages()
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text(events.table(sort_by=sort_by, row_limit=40) + "\n")
+    found = {"steps": len(batches), "wall_ms_per_step": wall_ms, "table": str(table),
+             "top_ms_per_step": {e.key: getattr(e, sort_by) / 1e3 / len(batches)
+                                 for e in sorted(events, key=lambda e: getattr(e, sort_by), reverse=True)[:15]}}
+    if device.type == "cuda":
+        spans = sorted((e.time_range.start, e.time_range.end) for e in profiler.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        busy, reach = 0.0, -math.inf
+        for start, end in spans:  # the union of the kernels' intervals: the GPU's busy time
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        found["gpu_busy_ms_per_step"] = busy / 1e3 / len(batches)
+        found["gpu_idle_ms_per_step"] = wall_ms - found["gpu_busy_ms_per_step"]
+    return found
+
+
+def time_step(args, kind: str, backend: str, data_root: Path, device: torch.device, order: np.ndarray | None) -> dict:
+    steps = args.warmup_steps + args.timed_steps + args.profile_steps
+    release_memory(device)
+    production = args.kernels == "production"
+    params = TrainParams.from_dict({
+        "model": args.model, "data": str(data_root), "out_dir": str(args.out / "runs" / f"{kind}-{backend}"),
+        "seed": 0, "seq_len": args.seq_len, "micro_batch_per_rank": args.micro_batch,
+        "global_batch": args.micro_batch, "max_steps": steps, "lr": 2e-5, "bf16": device.type == "cuda",
+        "fp32_loss": False, "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False,
+        "use_custom_kernels": "true" if production else "false", "require_liger": production,
+        "attention_backend": backend, "pack_sequences": kind == "packed", "device": device.type})
+    with warnings.catch_warnings():  # the generated shards are not release shards: the preflight says so
+        warnings.simplefilter("ignore", UserWarning)
+        trainer = Trainer(prepare(params), progress=False)
+    units = order if order is not None else np.arange(args.micro_batch * steps)
+    batches = [units[i * args.micro_batch:(i + 1) * args.micro_batch] for i in range(steps)]
+    timed = args.warmup_steps + args.timed_steps
+    timing = time_steps(trainer.train_step, batches[:timed], args.warmup_steps, device)
+    found = {"tokens_per_s": timing["tokens_per_s"], "supervised_tokens_per_s": timing["supervised_tokens_per_s"],
+             "step_ms": [s * 1e3 for s in timing["step_seconds"]], "losses": timing["losses"],
+             "peak_memory_gib": peak_memory_gib(device),
+             "kernel_path": {**trainer.model.kernel_path(), "loss": trainer.loss.last_backend}}
+    if args.profile_steps:
+        found["profile"] = guarded(lambda: profile_step(
+            trainer, batches[timed:], device, args.out / "profiles" / f"{kind}-{backend}.txt"))
+    return found
+
+
+# --- the run -----------------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
+    device = resolve_device(args.device)
+    args.out = Path(args.out)
+    if (args.out / "record.json").exists():
+        raise SystemExit(f"{args.out} already holds a record; choose another --out")
+    config = PRESETS[args.model]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    steps = args.warmup_steps + args.timed_steps + args.profile_steps
+    try:
+        fa4 = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        fa4 = None
+    record: dict[str, Any] = {
+        "job": "attention_ab", "framework": {**framework_versions(), "flash_attn_4": fa4},
+        "device": device_info(device), "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+        "dtype": str(dtype).removeprefix("torch."), "kernels": args.kernels,
+        "protocol": {"kernel_timing": "median of 20 forward+backward calls (CUDA events) after 3 warm-up",
+                     "steps": f"{args.warmup_steps} warm-up + {args.timed_steps} timed optimizer steps, each "
+                              "bounded by device syncs; then the profiled steps",
+                     "realistic_lengths": f"log-normal, median {args.median_length}, sigma {LENGTH_SIGMA:.3f}, "
+                                          "first third unsupervised, packed by cflib.data.packing, shuffled"}}
+    started = time.perf_counter()
+    realistic = write_realistic_shard(args.out / "realistic", config.vocab_size, args.seq_len, args.median_length,
+                                      args.micro_batch * steps, seed=0)
+    shard = open_shard(realistic, "train")
+    plan = plan_packs(shard.lengths, args.seq_len)  # the plan prepare() makes of the same shard
+    order = np.random.default_rng(0).permutation(len(plan))  # the windows in the order the steps train them
+    _, _, document_ids, _ = collate_packed(shard, plan, order[:args.micro_batch])  # the first step's windows
+    documents = pack_documents(document_ids).moved(lambda t: t.to(device))
+    parts = set(args.parts.split(","))
+    if "kernels" in parts:
+        log("attention kernels ...")
+        record["attention_kernels"] = guarded(lambda: time_kernels(config, args.micro_batch, args.seq_len,
+                                                                   documents, device, dtype))
+        write_json_atomic(args.out / "record.json", record)
+    if "loss" in parts:
+        log("fused linear cross-entropy ...")
+        record["loss"] = guarded(lambda: time_losses(config, args.micro_batch, args.seq_len, device,
+                                                     device.type == "cuda"))
+        write_json_atomic(args.out / "record.json", record)
+    if "steps" in parts:
+        random_rows = write_random_token_shard(args.out / "random_tokens", config.vocab_size, args.seq_len,
+                                               args.micro_batch * steps, 8, seed=0)
+        record["steps"] = []
+        for kind, backends, root, units in (("dense", args.dense, random_rows, None),
+                                            ("packed", args.packed, realistic, order)):
+            for backend in filter(None, backends.split(",")):
+                log(f"production step, {kind} rows, attention_backend {backend} ...")
+                record["steps"].append({"kind": kind, "attention_backend": backend, **guarded(
+                    lambda: time_step(args, kind, backend, root, device, units))})
+                write_json_atomic(args.out / "record.json", record)
+    release_memory(device)
+    record["wall_s"] = time.perf_counter() - started
+    write_json_atomic(args.out / "record.json", record)
+    log(summary(record))
+    return record
+
+
+def summary(record: dict) -> str:
+    lines = []
+    for row in record.get("attention_kernels", {}).get("rows", []):
+        lines.append(f"{row['kind']:6s} {row['kernel']:15s} " + (
+            f"{row['fwd_bwd_ms']:7.3f} ms  prepare {row['prepare_ms']:6.3f} ms  err {row['max_abs_error_vs_fp32']:.1e}"
+            if row["status"] == "ok" else f"{row['status']}: {row['reason']}"))
+    for row in record.get("loss", {}).get("rows", []):
+        lines.append(f"loss   {row['path']:15s} " + (f"{row['fwd_bwd_ms']:7.3f} ms ({row['backend']})"
+                                                     if row["status"] == "ok" else f"{row['status']}: {row['reason']}"))
+    for row in record.get("steps", []):
+        head = f"step   {row['kind']:6s} {row['attention_backend']:13s}"
+        if row["status"] != "ok":
+            lines.append(f"{head} {row['status']}: {row['reason']}")
+            continue
+        profile = row.get("profile", {})
+        idle = f"  GPU idle {profile['gpu_idle_ms_per_step']:.1f} of {profile['wall_ms_per_step']:.1f} ms" if (
+            "gpu_idle_ms_per_step" in profile) else ""
+        memory = f"  peak {row['peak_memory_gib']:.1f} GiB" if row["peak_memory_gib"] is not None else ""
+        lines.append(f"{head} {row['tokens_per_s']:>10,.0f} tokens/s  {row['supervised_tokens_per_s']:>10,.0f} "
+                     f"supervised/s{memory}{idle}  attention {row['kernel_path']['attention']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m cflib.bench.attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for record.json, profiles and the generated shards")
+    parser.add_argument("--model", default="tr_hash_200m", choices=sorted(PRESETS))
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--median-length", type=int, default=300, help="of the realistic examples (DESIGN.md)")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--timed-steps", type=int, default=8)
+    parser.add_argument("--profile-steps", type=int, default=2, help="0: no profile")
+    parser.add_argument("--parts", default="kernels,loss,steps")
+    parser.add_argument("--dense", default="fa4,cudnn_sdpa", help="attention backends of the dense-row steps")
+    parser.add_argument("--packed", default="fa4,torch_varlen,flex", help="attention backends of the packed steps")
+    parser.add_argument("--kernels", default="production", choices=("production", "reference"),
+                        help="the step's other kernels: cflib + Liger (production) or PyTorch (reference)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    run(parse_args())
