@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cflib.errors import KernelUnavailable
 
@@ -113,6 +114,7 @@ def _import_problem(module: str) -> str | None:
     return None
 
 
+@functools.cache  # asked at every forward: the answer does not change within a process
 def _install_problem(name: str) -> str | None:
     if name == "fa4":
         if _missing("flash_attn.cute"):
@@ -263,7 +265,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBa
                               **({"enable_gqa": gqa} if takes_gqa else {}))
         return out.view(rows, seq, heads, head_dim).transpose(1, 2)
     if kernel == "cudnn_sdpa":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if kernel == "flex_attention":

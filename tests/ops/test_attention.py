@@ -37,7 +37,9 @@ def gpu(monkeypatch):
     monkeypatch.setattr(attention, "_import_problem", lambda module: None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["capability"])
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
-    return state
+    attention._install_problem.cache_clear()  # answers from the real machine, or from another test's mock
+    yield state
+    attention._install_problem.cache_clear()
 
 
 def test_auto_on_cpu_runs_sdpa_dense_and_the_sdpa_mask_packed():
