@@ -135,3 +135,74 @@ def test_a_run_checks_its_backend_where_it_trains(tmp_path):
     assert run.kernels.attention == run.model.attention_backend == "sdpa_mask"
     with pytest.raises(KernelUnavailable, match="attention_backend: flex, but no GPU"):
         prepare(TrainParams.from_dict({**params, "attention_backend": "flex"}))
+
+
+# --- the varlen and FlashAttention-4 calls, through stand-ins of the GPU kernels' signatures --------------------
+
+def _segments(q, k, v, cu_seqlens):
+    """Causal attention of each [start, stop) run of tokens alone: q [N, Hq, hd], k/v [N, Hkv, hd]."""
+    bounds = cu_seqlens.tolist()
+    parts = [torch.nn.functional.scaled_dot_product_attention(
+        q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
+        is_causal=True, enable_gqa=True).transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts).to(q.dtype)
+
+
+class StandInFlashAttention4:
+    """flash_attn.cute's two entry points as 4.0.0b36 defines them (layouts, keywords, dtypes, the (out, lse)
+    pair), computed with SDPA: what cflib hands FlashAttention-4 is checked, not the kernel."""
+
+    def flash_attn_func(self, q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, **rest):
+        assert q.dim() == 4 and q.shape[1] == k.shape[1] and causal and q.dtype in (torch.bfloat16, torch.float16)
+        batch, seq = q.shape[:2]
+        cu_seqlens = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32)
+        out = _segments(q.reshape(batch * seq, *q.shape[2:]), k.reshape(batch * seq, *k.shape[2:]),
+                        v.reshape(batch * seq, *v.shape[2:]), cu_seqlens)
+        return out.view(q.shape), None
+
+    def flash_attn_varlen_func(self, q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, causal=False, **rest):
+        assert qv is None and q.dim() == 3 and causal and q.dtype in (torch.bfloat16, torch.float16)
+        assert cu_seqlens_q.dtype == torch.int32 and cu_seqlens_q.is_contiguous() and cu_seqlens_q is cu_seqlens_k
+        assert max_seqlen_q is None and max_seqlen_k is None  # a tensor fails in 4.0.0b36; None reads cu_seqlens
+        return _segments(q, k, v, cu_seqlens_q), None
+
+
+def stand_in_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1),
+                         enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's signature (2.12+, enable_gqa) with SDPA inside."""
+    assert window_size == (-1, 0) and isinstance(max_q, int) and max_q == max_k
+    assert enable_gqa == (query.shape[1] != key.shape[1])
+    assert max_q == int(cu_seq_q.diff().max())
+    return _segments(query, key, value, cu_seq_q)
+
+
+@pytest.mark.parametrize("kernel", ["fa4", "fa4_varlen", "torch_varlen"])
+def test_the_model_hands_the_gpu_kernels_what_they_take(monkeypatch, kernel):
+    """The whole model (packed windows for the varlen kernels) through stand-ins of FlashAttention-4 and
+    torch's varlen_attn: the loss and every gradient those of SDPA with a document mask, up to the bf16 cast
+    of q, k and v that these kernels compute in."""
+    from tiny_models import random_ids, tiny_model
+
+    from cflib.ops.loss import chunked_cross_entropy_sum
+
+    monkeypatch.setattr(attention, "_fa4", StandInFlashAttention4)
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: (stand_in_varlen_attn, True))
+    model = tiny_model(seed=4, hidden_size=64).train()  # head_dim 16
+    ids, labels = random_ids(50, 2, 16), random_ids(50, 2, 16, seed=1)
+    packed = kernel != "fa4"
+    document_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7]) if packed else None
+    results = {}
+    for name in ("reference", kernel):
+        chosen = (lambda *args: name) if name != "reference" else attention.choose_kernel
+        monkeypatch.setattr(attention, "choose_kernel", chosen)
+        model.zero_grad()
+        loss, _ = chunked_cross_entropy_sum(model(ids, document_ids), model.head_weight, labels, 8)
+        loss.backward()
+        assert model.kernel_path()["attention"] == (name if name != "reference" else
+                                                    "sdpa_mask" if packed else "torch_sdpa")
+        results[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (want, want_grads), (got, got_grads) = results["reference"], results[kernel]
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
+    for name, grad in want_grads.items():
+        assert (got_grads[name] - grad).norm() <= 2e-2 * grad.norm() + 1e-6, name
