@@ -17,9 +17,9 @@ what it measured:
    back, then a profile of a few more steps: GPU busy time per step against
    wall time (the gap is the GPU waiting on the host) and the top operators.
 
-Realistic lengths follow DESIGN.md: log-normal, median 300 tokens (mean ~405, before the cap),
-the first third of each example unsupervised, packed by the project's own
-plan (cflib.data.packing) into windows shuffled with a seed.
+Realistic lengths are those of the throughput measurement (cflib.bench.synthetic
+and feeding: log-normal, median 300 tokens, the first third of each example
+unsupervised), packed by the project's own plan into windows in a seeded order.
 """
 from __future__ import annotations
 
@@ -39,10 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from cflib.atomic import write_json_atomic
-from cflib.bench.synthetic import write_random_token_shard
+from cflib.bench.feeding import examples_to_fill, realistic_stream
+from cflib.bench.synthetic import LENGTH_SIGMA, write_random_token_shard, write_realistic_shard
 from cflib.bench.timing import error_line, peak_memory_gib, release_memory, sync, time_steps
-from cflib.data.packing import collate_packed, plan_packs
-from cflib.data.shards import IGNORE_INDEX, Example, open_shard, write_partition
+from cflib.data.packing import collate_packed
+from cflib.data.shards import IGNORE_INDEX, open_shard
 from cflib.model.config import PRESETS
 from cflib.ops.attention import DENSE_SDPA, attend, attention_batch, backend_problem, pack_documents
 from cflib.ops.dispatch import KernelPlan, KernelUnavailable, SFTLoss
@@ -52,7 +53,6 @@ from cflib.train.records import device_info, framework_versions
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
 
-LENGTH_SIGMA = math.sqrt(2 * math.log(1.35))  # log-normal: mean / median = exp(sigma^2 / 2) = 1.35
 DENSE_KERNELS = {"fa4": "fa4", "cudnn_sdpa": "cudnn_sdpa", "torch_sdpa": None}  # kernel -> backend asked for
 PACKED_KERNELS = {"fa4_varlen": "fa4", "torch_varlen": "torch_varlen", "flex_attention": "flex",
                   "sdpa_mask": "sdpa_mask"}
@@ -87,31 +87,6 @@ def guarded(part: Callable[[], dict]) -> dict:
         return {"status": "oom", "reason": error_line(err)}
     except Exception as err:  # noqa: BLE001  (the part's failure is its result; the others go on)
         return {"status": "failed", "reason": error_line(err), "traceback_tail": traceback.format_exc(limit=-3)[-1500:]}
-
-
-# --- realistic documents ----------------------------------------------------------------------------------
-
-def write_realistic_shard(root: Path, vocab_size: int, seq_len: int, median: int, windows: int, seed: int) -> Path:
-    """Examples of log-normal lengths around `median` (capped at seq_len), enough to fill `windows` packed windows."""
-    rng = np.random.default_rng(seed)
-    count = max(64, int(windows * seq_len / (median * 1.35) * 1.3))
-    while True:
-        lengths = np.clip(np.rint(rng.lognormal(math.log(median), LENGTH_SIGMA, count)), 2, seq_len)
-        if len(plan_packs(lengths.astype(np.int64), seq_len)) >= windows:
-            break
-        count *= 2
-
-    def examples(partition: str, lengths: np.ndarray):
-        for index, length in enumerate(lengths.astype(int)):
-            ids = np.append(rng.integers(1, vocab_size, length - 1), 0)  # ends with EOS (id 0)
-            labels = np.full(length, IGNORE_INDEX)
-            labels[length // 3:-1] = ids[length // 3 + 1:]  # causally aligned, the first third unsupervised
-            yield Example(ids, labels, {"example_id": f"{partition}-{index:06d}", "task": "realistic_lengths"})
-
-    for partition, part in (("train", lengths), ("eval", lengths[:8])):
-        write_partition(root / partition, examples(partition, part), vocab_size=vocab_size, eos_token_id=0,
-                        max_seq_len=seq_len)
-    return root
 
 
 # --- 1. the attention kernels -------------------------------------------------------------------------------
@@ -283,12 +258,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
                      "realistic_lengths": f"log-normal, median {args.median_length}, sigma {LENGTH_SIGMA:.3f}, "
                                           "first third unsupervised, packed by cflib.data.packing, shuffled"}}
     started = time.perf_counter()
+    examples = examples_to_fill(args.micro_batch * steps, args.seq_len, args.median_length, seed=0)
     realistic = write_realistic_shard(args.out / "realistic", config.vocab_size, args.seq_len, args.median_length,
-                                      args.micro_batch * steps, seed=0)
-    shard = open_shard(realistic, "train")
-    plan = plan_packs(shard.lengths, args.seq_len)  # the plan prepare() makes of the same shard
-    order = np.random.default_rng(0).permutation(len(plan))  # the windows in the order the steps train them
-    _, _, document_ids, _ = collate_packed(shard, plan, order[:args.micro_batch])  # the first step's windows
+                                      examples, 8, seed=0)
+    # The windows of the plan prepare() makes of the same shard, in a seeded order: the steps train them so.
+    stream = realistic_stream(open_shard(realistic, "train"), args.seq_len, args.micro_batch, steps, 0, seed=0)
+    order = stream.order
+    _, _, document_ids, _ = collate_packed(stream.data, stream.plan, order[:args.micro_batch])  # the first step's
     documents = pack_documents(document_ids).moved(lambda t: t.to(device))
     parts = set(args.parts.split(","))
     if "kernels" in parts:
