@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cflib.model.config import ModelConfig
+from cflib.model.kv_cache import KVCache, LayerCache
 from cflib.model.routing import build_route_table
 from cflib.ops.attention import DocumentMask, build_document_mask, document_attention, document_positions
 
@@ -83,7 +84,7 @@ class Attention(nn.Module):
         self.last_rope_backend = self.last_qkv = "none"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_mask: DocumentMask | None = None) -> torch.Tensor:
+                document_mask: DocumentMask | None = None, kv: LayerCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         shape = (batch, seq, -1, self.head_dim)
         self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
@@ -109,7 +110,9 @@ class Attention(nn.Module):
                 q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
             else:
                 q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
-        if document_mask is not None:  # packed window: each example attends only to itself
+        if kv is not None:  # decoding: the layer's cache keeps k and v, and attends over every cached position
+            out = kv.attend(q, k, v)
+        elif document_mask is not None:  # packed window: each example attends only to itself
             out = document_attention(q, k, v, document_mask)
         else:  # Right padding needs no mask: under the causal mask no real token sees a later pad.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -184,14 +187,14 @@ class DecoderLayer(nn.Module):
         self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_routes)})
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                document_mask: DocumentMask | None = None,
-                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                document_mask: DocumentMask | None = None, pending: torch.Tensor | None = None,
+                kv: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(h, pending): with fused add+norm, the MLP output is added by the next norm, so it is returned apart."""
         if self.input_layernorm.backend == "cflib_add_rmsnorm":
             h, x = self.input_layernorm.add_norm(h, pending)
-            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, document_mask))
+            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, document_mask, kv))
             return h, self.mlp["engine"](x, token_ids)
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_mask)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, document_mask, kv)
         return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids), None
 
 
@@ -233,21 +236,28 @@ class TRMoEModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+                kv: KVCache | None = None) -> torch.Tensor:
         """Final hidden states. document_ids [B, T]: packed examples, each attending only to itself
-        with positions restarting at 0; None: one sequence per row, as if unpacked."""
+        with positions restarting at 0; None: one sequence per row, as if unpacked.
+        kv (cflib.model.kv_cache.KVCache): decoding; the cache says each row's positions and keeps every
+        layer's keys and values."""
         document_mask, positions = None, None
         if document_ids is not None:
             document_mask = build_document_mask(document_ids, self.config.head_dim)
             positions = document_positions(document_ids)
-        self.last_attention = document_mask.backend if document_mask is not None else "torch_sdpa"
+        if kv is not None:
+            positions = kv.positions
+        self.last_attention = (kv.backend if kv is not None else
+                               document_mask.backend if document_mask is not None else "torch_sdpa")
         cos, sin = self.rope(input_ids.shape[1], input_ids.device, positions)
         h, pending = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             if self.grad_ckpt and self.training:
                 h, pending = checkpoint(layer, h, input_ids, cos, sin, document_mask, pending, use_reentrant=False)
             else:
-                h, pending = layer(h, input_ids, cos, sin, document_mask, pending)
+                h, pending = layer(h, input_ids, cos, sin, document_mask, pending,
+                                   kv.layers[index] if kv is not None else None)
         if self.norm.backend == "cflib_add_rmsnorm":
             return self.norm.add_norm(h, pending)[1]
         return self.norm(h)
