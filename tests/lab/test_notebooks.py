@@ -103,6 +103,7 @@ def test_papermill_runs_the_smoke_profile(tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "step 6/6" in text  # the text trace papermill keeps
+    assert "greedy, 5 held-out prompts" in text and text.count("expected ") == 5  # the best checkpoint's answers
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot
     form_cell = next(c for c in notebook.cells if "train_form(globals())" in c.source)
     assert form_cell.outputs == []  # no form under papermill
