@@ -113,7 +113,8 @@ class _Slot:
         """One token per row through the model and the cache: what the CUDA graph replays."""
         self.cache.decode_at(self.positions)
         hidden = self.model(self.tokens, kv=self.cache)[:, -1]
-        self.positions += 1
+        # A finished row steps on with the others; held at the last slot, it writes only its own row there.
+        self.positions.add_(1).clamp_(max=self.length - 1)
         self.choose(hidden)
 
     def capture(self) -> None:

@@ -170,3 +170,13 @@ def test_bad_input_is_refused_before_any_forward(model):
     finally:
         handle.remove()
     assert calls == []
+
+
+def test_a_long_prompt_that_stops_early_beside_a_short_one_that_runs_long(model):
+    """The cache is sized by each row's own need; a finished row goes on stepping with the others."""
+    limit = model.config.max_position_embeddings
+    rows = [prompts()[0] * 10, prompts()[1]]
+    rows[0] = rows[0][:limit - 2]
+    budgets = [1, limit - len(rows[1])]
+    expected = [without_cache(model, p, n, None) for p, n in zip(rows, budgets)]
+    assert Decoder(model).generate(rows, budgets) == expected
