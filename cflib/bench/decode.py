@@ -6,6 +6,7 @@ a GPU (fp32 with --smoke, a tiny model on the CPU in seconds):
 
   decoder          cflib.model.generate.Decoder: static KV cache, each decode step replayed as a CUDA graph
   decoder_eager    the same decoder launching every kernel from the host (what the graph saves)
+  decoder_compiled the decoder with its decode step compiled by torch.compile (inductor) before the capture
   decoder_kernels  the decoder with the fast kernels of plan_kernels("auto") (Triton TR-MoE, fused QKV
                    norm+RoPE, add+RMSNorm, Liger): the path read back is recorded
   no_cache         one full forward per new token (how exact match decoded before the cache)
@@ -14,8 +15,9 @@ a GPU (fp32 with --smoke, a tiny model on the CPU in seconds):
 
 Each path is timed once after a warm-up call (graph capture, kernel selection), between
 torch.cuda.synchronize calls, prefill included; tokens/s counts new tokens. Then exact match
-(cflib.train.evaluate.exact_match) over held-out prompts at the released data's lengths
-(cflib.bench.synthetic.write_release_like_eval) is timed end to end, graph captures included.
+(cflib.train.evaluate.exact_match, with the fast kernels as training evaluates on a GPU) over
+held-out prompts at the released data's lengths (cflib.bench.synthetic.write_release_like_eval) is
+timed end to end, graph captures included.
 Every part is guarded: one that fails records its error and the others still run. DIR/record.json.
 """
 from __future__ import annotations
@@ -93,11 +95,11 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
 
 
 def decoder_path(model: TRMoEModel, prompts: list[list[int]], settings: DecodeBench, device: torch.device,
-                 cuda_graph: bool) -> dict:
+                 cuda_graph: bool, compile_step: bool = False) -> dict:
     decoder = Decoder(model, max_batch=len(prompts), autocast_dtype=torch.bfloat16 if settings.bf16 else None,
-                      cuda_graph=cuda_graph)
+                      cuda_graph=cuda_graph, compile_step=compile_step)
     run = lambda: decoder.generate(prompts, settings.new_tokens)  # noqa: E731 - no EOS stop: every row in full
-    run()  # warm-up: cache allocation, graph capture, kernel selection
+    run()  # warm-up: cache allocation, compilation, graph capture, kernel selection
     tokens, seconds = timed(run, device)
     return {"seconds": seconds, "new_tokens": sum(map(len, tokens)), "tokens_per_s": sum(map(len, tokens)) / seconds,
             "decoder": decoder.path(), "tokens": tokens}
@@ -160,6 +162,7 @@ def exact_match_pass(model: TRMoEModel, settings: DecodeBench, device: torch.dev
                             device)
     generated = data["answer_tokens"]["total"]  # every prompt decodes exactly its answer's length
     return {"data": data, "seconds": seconds, "examples": result["examples"], "new_tokens": generated,
+            "kernel_path": model.kernel_path(),
             "tokens_per_s": generated / seconds, "exact_match": result["exact_match"]["overall"],
             "batch_size": settings.exact_match_batch,
             "includes": "prompt slicing, prefill, decoding, CUDA graph captures, scoring (not writing the shard)"}
@@ -199,6 +202,12 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
             if reference and eager:
                 record["decoder"]["graph_matches_eager"] = reference["tokens"] == eager["tokens"]
             release_memory(device)
+            compiled = guarded(record, "decoder_compiled", lambda: decoder_path(
+                model, prompts, settings, device, cuda_graph=True, compile_step=True), out)
+            if reference and compiled:
+                record["decoder_compiled"]["agreement_with_decoder"] = agreement(compiled["tokens"],
+                                                                                 reference["tokens"])
+            release_memory(device)
         no_cache = guarded(record, "no_cache", lambda: no_cache_path(model, prompts, settings, device), out)
         release_memory(device)
         hub = guarded(record, "hf_bundle", lambda: hf_generate_path(
@@ -211,19 +220,20 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
             for name, other in (("no_cache", no_cache), ("hf_bundle", hub)):
                 if other:
                     record[name]["agreement_with_decoder"] = agreement(other["tokens"], reference["tokens"])
-        guarded(record, "exact_match_pass", lambda: exact_match_pass(model, settings, device, work), out)
-        release_memory(device)
         plan = plan_kernels("auto", require_liger=False, device=device)
-        model.use_kernels(plan)
+        model.use_kernels(plan)  # from here on: the fast kernels, as training evaluates on a GPU
         kernels = guarded(record, "decoder_kernels",
                           lambda: decoder_path(model, prompts, settings, device, graph), out)
         record["decoder_kernels"]["plan"] = plan.describe()
         if reference and kernels:
             record["decoder_kernels"]["agreement_with_decoder"] = agreement(kernels["tokens"], reference["tokens"])
-    rates = {name: record[name].get("tokens_per_s") for name in ("decoder", "decoder_eager", "decoder_kernels",
-             "no_cache", "hf_bundle", "hf_llama", "exact_match_pass") if name in record}
+        release_memory(device)
+        guarded(record, "exact_match_pass", lambda: exact_match_pass(model, settings, device, work), out)
+    rates = {name: record[name].get("tokens_per_s") for name in ("decoder", "decoder_eager", "decoder_compiled",
+             "decoder_kernels", "no_cache", "hf_bundle", "hf_llama", "exact_match_pass") if name in record}
     record["tokens_per_s"] = rates
-    fastest = max((rates[name] for name in ("decoder", "decoder_kernels") if rates.get(name)), default=None)
+    fastest = max((rates[name] for name in ("decoder", "decoder_compiled", "decoder_kernels") if rates.get(name)),
+                  default=None)
     record["speedup_of_the_faster_decoder"] = {
         f"vs_{name}": fastest / rates[name] for name in ("no_cache", "hf_bundle", "hf_llama")
         if fastest and rates.get(name)}

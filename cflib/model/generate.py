@@ -82,7 +82,8 @@ def _next_power_of_two(n: int) -> int:
 class _Slot:
     """The static state of one (batch, cache length, sampling) shape: cache, buffers and its CUDA graph."""
 
-    def __init__(self, model: TRMoEModel, batch: int, length: int, sampling: Sampling, dtype: torch.dtype) -> None:
+    def __init__(self, model: TRMoEModel, batch: int, length: int, sampling: Sampling, dtype: torch.dtype,
+                 compile_backend: str | None = None) -> None:
         device = model.embed_tokens.weight.device
         self.model, self.sampling, self.batch, self.length = model, sampling, batch, length
         self.cache = KVCache(model.config, batch, length, device, dtype)
@@ -98,6 +99,9 @@ class _Slot:
         self.pad = torch.zeros(1, **long)
         self.noise = None if sampling.greedy else torch.ones(batch, model.config.vocab_size, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
+        # Compiled once per slot (its shapes are static); the warm-up steps before a capture compile it.
+        self.advance = self.decode_step if compile_backend is None else torch.compile(
+            self.decode_step, backend=compile_backend, dynamic=False)
 
     def choose(self, hidden: torch.Tensor) -> None:
         """Pick each row's next token from its last hidden state [B, D] and do the bookkeeping."""
@@ -128,11 +132,11 @@ class _Slot:
         side.wait_stream(torch.cuda.current_stream(self.positions.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.decode_step()
+                self.advance()
         torch.cuda.current_stream(self.positions.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.decode_step()
+            self.advance()
         self.graph = graph
 
     def run(self, prompts: list[list[int]], budgets: list[int], eos_token_id: int | None,
@@ -161,7 +165,7 @@ class _Slot:
             if self.graph is not None:
                 self.graph.replay()
             else:
-                self.decode_step()
+                self.advance()
             if stream is not None:
                 self._stream(stream, index, emitted)
             elif index % STOP_CHECK_EVERY == 0 and bool(self.finished.all()):
@@ -191,14 +195,17 @@ class Decoder:
     autocast_dtype: run under autocast (e.g. torch.bfloat16), as training evaluates; None: the
     model's own dtype. cuda_graph: None replays each decode step as a CUDA graph wherever the
     model is on a CUDA device and not sharded (falling back to eager, with a warning, if the
-    capture fails); True requires it; False runs eagerly.
+    capture fails); True requires it; False runs eagerly. compile_step: torch.compile the decode step
+    (True: inductor, or a backend's name) before capturing it, which fuses the reference modules'
+    elementwise chains into fewer kernels; each new (batch, cache length) shape compiles again.
     """
 
     def __init__(self, model: TRMoEModel, *, max_batch: int = 64, autocast_dtype: torch.dtype | None = None,
-                 cuda_graph: bool | None = None) -> None:
+                 cuda_graph: bool | None = None, compile_step: bool | str = False) -> None:
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise GenerationError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.model, self.max_batch, self.autocast_dtype = model, max_batch, autocast_dtype
+        self.compile_backend = None if not compile_step else "inductor" if compile_step is True else compile_step
         self.device = model.embed_tokens.weight.device
         sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
         if cuda_graph and (self.device.type != "cuda" or sharded):
@@ -216,6 +223,7 @@ class Decoder:
     def path(self) -> dict:
         """How this decoder ran: CUDA graphs or eager, the shapes it holds, and the model's kernels read back."""
         return {"cuda_graph": self.cuda_graph and self.graph_failure is None, "graph_failure": self.graph_failure,
+                "compiled": self.compile_backend or False,
                 "graphs": sorted(f"batch {b} x length {n} ({'greedy' if s.greedy else 'sampling'})"
                                  for b, n, s in self._slots if self._slots[(b, n, s)].graph is not None),
                 "kv_cache_bytes": sum(slot.cache.nbytes() for slot in self._slots.values()),
@@ -280,7 +288,7 @@ class Decoder:
     def _slot(self, batch: int, length: int, sampling: Sampling) -> _Slot:
         key = (batch, length, sampling)
         if key not in self._slots:
-            slot = _Slot(self.model, batch, length, sampling, self.compute_dtype)
+            slot = _Slot(self.model, batch, length, sampling, self.compute_dtype, self.compile_backend)
             if self.cuda_graph and self.graph_failure is None:
                 try:
                     slot.capture()
@@ -336,7 +344,9 @@ class Decoder:
 def generate(model: TRMoEModel, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int | Sequence[int],
              eos_token_id: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int | None = None, stream: Callable[[int, int], None] | None = None, *, max_batch: int = 64,
-             autocast_dtype: torch.dtype | None = None, cuda_graph: bool | None = None) -> list[list[int]]:
+             autocast_dtype: torch.dtype | None = None, cuda_graph: bool | None = None,
+             compile_step: bool | str = False) -> list[list[int]]:
     """One call's worth of Decoder(model, ...).generate(...): each prompt's new tokens."""
-    decoder = Decoder(model, max_batch=max_batch, autocast_dtype=autocast_dtype, cuda_graph=cuda_graph)
+    decoder = Decoder(model, max_batch=max_batch, autocast_dtype=autocast_dtype, cuda_graph=cuda_graph,
+                      compile_step=compile_step)
     return decoder.generate(prompts, max_new_tokens, eos_token_id, temperature, top_p, top_k, seed, stream)

@@ -180,3 +180,10 @@ def test_a_long_prompt_that_stops_early_beside_a_short_one_that_runs_long(model)
     budgets = [1, limit - len(rows[1])]
     expected = [without_cache(model, p, n, None) for p, n in zip(rows, budgets)]
     assert Decoder(model).generate(rows, budgets) == expected
+
+
+def test_a_compiled_decode_step_decodes_as_eager(model):
+    """torch.compile traces the step through the cache (aot_eager here: the tracing without a C++ build)."""
+    decoder = Decoder(model, compile_step="aot_eager")
+    assert decoder.generate(prompts(), 6, h.EOS) == Decoder(model).generate(prompts(), 6, h.EOS)
+    assert decoder.path()["compiled"] == "aot_eager"
