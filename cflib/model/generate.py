@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -34,6 +35,9 @@ from cflib.model.kv_cache import KVCache
 # Steps between checks that every row has stopped (each check waits for the device).
 STOP_CHECK_EVERY = 8
 MIN_CACHE_LENGTH = 64
+# Shapes kept at once (each a cache and a graph); the least recently used goes first. Prompts sorted by
+# length visit each cache length in turn, so a few suffice.
+MAX_SLOTS = 4
 
 
 class GenerationError(ValueError):
@@ -214,7 +218,8 @@ class Decoder:
         self.cuda_graph = self.device.type == "cuda" and not sharded if cuda_graph is None else cuda_graph
         self._graph_required = bool(cuda_graph)
         self.graph_failure: str | None = None
-        self._slots: dict[tuple, _Slot] = {}
+        self._slots: OrderedDict[tuple, _Slot] = OrderedDict()
+        self.graphs_captured = 0
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -224,8 +229,9 @@ class Decoder:
         """How this decoder ran: CUDA graphs or eager, the shapes it holds, and the model's kernels read back."""
         return {"cuda_graph": self.cuda_graph and self.graph_failure is None, "graph_failure": self.graph_failure,
                 "compiled": self.compile_backend or False,
-                "graphs": sorted(f"batch {b} x length {n} ({'greedy' if s.greedy else 'sampling'})"
-                                 for b, n, s in self._slots if self._slots[(b, n, s)].graph is not None),
+                "graphs_captured": self.graphs_captured,
+                "shapes_held": [f"batch {b} x length {n} ({'greedy' if s.greedy else 'sampling'})"
+                                for b, n, s in self._slots],
                 "kv_cache_bytes": sum(slot.cache.nbytes() for slot in self._slots.values()),
                 "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
                 "kernel_path": self.model.kernel_path()}
@@ -287,7 +293,11 @@ class Decoder:
 
     def _slot(self, batch: int, length: int, sampling: Sampling) -> _Slot:
         key = (batch, length, sampling)
-        if key not in self._slots:
+        if key in self._slots:
+            self._slots.move_to_end(key)
+        else:
+            while len(self._slots) >= MAX_SLOTS:
+                self._slots.popitem(last=False)
             slot = _Slot(self.model, batch, length, sampling, self.compute_dtype, self.compile_backend)
             if self.cuda_graph and self.graph_failure is None:
                 try:
@@ -299,6 +309,7 @@ class Decoder:
                     warnings.warn(f"decoding eagerly: the CUDA graph capture failed ({self.graph_failure})",
                                   stacklevel=3)
                     slot.graph = None
+                self.graphs_captured += slot.graph is not None
             self._slots[key] = slot
         return self._slots[key]
 

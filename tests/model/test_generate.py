@@ -136,7 +136,7 @@ def test_cuda_graph_decodes_as_eager(model, temperature):
     graphed, eager = Decoder(gpu), Decoder(gpu, cuda_graph=False)
     kwargs = dict(eos_token_id=h.EOS, temperature=temperature, top_p=0.9, seed=3)
     assert graphed.generate(prompts(), 12, **kwargs) == eager.generate(prompts(), 12, **kwargs)
-    assert graphed.path()["cuda_graph"] and graphed.path()["graphs"] and not eager.path()["cuda_graph"]
+    assert graphed.path()["cuda_graph"] and graphed.path()["graphs_captured"] and not eager.path()["cuda_graph"]
 
 
 def test_bad_input_is_refused_before_any_forward(model):
@@ -187,3 +187,17 @@ def test_a_compiled_decode_step_decodes_as_eager(model):
     decoder = Decoder(model, compile_step="aot_eager")
     assert decoder.generate(prompts(), 6, h.EOS) == Decoder(model).generate(prompts(), 6, h.EOS)
     assert decoder.path()["compiled"] == "aot_eager"
+
+
+def test_a_decoder_holds_a_few_shapes_and_rebuilds_the_others(model, monkeypatch):
+    monkeypatch.setattr("cflib.model.generate.MAX_SLOTS", 2)
+    decoder = Decoder(model, max_batch=2)
+    expected = [without_cache(model, p, 3, h.EOS) for p in prompts()[:2]]
+    assert decoder.generate(prompts()[:2], 3, h.EOS) == expected
+    assert decoder.generate(prompts()[:1], 3, h.EOS) == expected[:1]
+    assert decoder.generate(prompts()[:2], 3, h.EOS, temperature=1.0, top_k=1, seed=0) == expected  # a third shape
+    assert decoder.path()["shapes_held"] == ["batch 1 x length 64 (greedy)", "batch 2 x length 64 (sampling)"]
+    assert decoder.generate(prompts()[:2], 3, h.EOS) == expected  # the first shape, built again
+    assert decoder.path()["shapes_held"] == ["batch 2 x length 64 (sampling)", "batch 2 x length 64 (greedy)"]
+    decoder.release()
+    assert decoder.path()["shapes_held"] == [] and decoder.path()["kv_cache_bytes"] == 0
