@@ -6,15 +6,18 @@
 
 Prompts of different lengths share a batch right-padded, each row at its own
 positions (RoPE sees exactly the unpadded prompt) with its own stop: EOS or
-its `max_new_tokens`. The model's own modules run every step through a static
-KV cache (cflib.model.kv_cache). At the 200M size a decode step is a few
-hundred small kernels, so the host's launch time, not the GPU, bounds an
-eager loop; on CUDA each decode step is therefore captured once as a CUDA
-graph and replayed (static inputs, positions and outputs; the way gpt-fast
-and vLLM decode). The token choice (greedy argmax, or temperature, top-k and
-top-p sampling) runs inside the step; sampling draws exponential noise from a
-seeded torch.Generator outside it (argmax of p / noise is a draw from p), so
-a seed repeats a run and the graph and eager paths choose alike.
+its `max_new_tokens`. The model's own modules (and whichever fast kernels
+TRMoEModel.use_kernels chose) run every step through a static KV cache
+(cflib.model.kv_cache). At the 200M size a decode step is hundreds of small
+kernels (over a thousand on the reference modules), so the host's launch
+time, not the GPU, bounds an eager loop; on CUDA each decode step is
+therefore captured once as a CUDA graph and replayed (static inputs,
+positions and outputs; the way gpt-fast and vLLM decode), optionally
+compiled first (compile_step) to fuse the small kernels. The token choice
+(greedy argmax, or temperature, top-k and top-p sampling) runs inside the
+step; sampling draws exponential noise from a seeded torch.Generator outside
+it (argmax of p / noise is a draw from p), so a seed repeats a run and the
+graph and eager paths choose alike.
 
 A Decoder holds the model's tensors by address: build a new one after moving,
 casting or re-pointing the model at other kernels (TRMoEModel.use_kernels).
