@@ -162,7 +162,7 @@ def exact_match_pass(model: TRMoEModel, settings: DecodeBench, device: torch.dev
                             device)
     generated = data["answer_tokens"]["total"]  # every prompt decodes exactly its answer's length
     return {"data": data, "seconds": seconds, "examples": result["examples"], "new_tokens": generated,
-            "kernel_path": model.kernel_path(),
+            "decoder": result["decoder"],
             "tokens_per_s": generated / seconds, "exact_match": result["exact_match"]["overall"],
             "batch_size": settings.exact_match_batch,
             "includes": "prompt slicing, prefill, decoding, CUDA graph captures, scoring (not writing the shard)"}

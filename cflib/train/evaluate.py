@@ -75,7 +75,7 @@ def exact_match(model: TRMoEModel, shard: ShardPartition, bf16: bool = False, li
     answer has, with no EOS stop, so the generated ids are what one full forward per token would
     choose.
     Returns the rate per `task` (from examples.jsonl) and `overall`, the rate per `group`,
-    and the first few decoded samples.
+    the first few decoded samples, and how the decoder ran (CUDA graphs, kernels).
     """
     count = len(shard) if limit is None else min(limit, len(shard))
     targets = {}
@@ -86,7 +86,8 @@ def exact_match(model: TRMoEModel, shard: ShardPartition, bf16: bool = False, li
         prompts.append(prompt)
     decoder = Decoder(model, max_batch=batch_size, autocast_dtype=torch.bfloat16 if bf16 else None)
     answers = decoder.generate(prompts, [len(targets[i]) for i in range(count)]) if count else []
-    return score_answers(shard, {index: (targets[index], answer) for index, answer in enumerate(answers)})
+    scores = score_answers(shard, {index: (targets[index], answer) for index, answer in enumerate(answers)})
+    return {**scores, "decoder": decoder.path()}
 
 
 def score_answers(shard: ShardPartition, answers: dict[int, tuple[list[int], list[int]]]) -> dict:

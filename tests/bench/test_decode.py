@@ -22,6 +22,7 @@ def test_smoke_run_writes_a_complete_record(tmp_path, capsys):
     assert record["hf_bundle"].get("tokens_per_s") or "error" in record["hf_bundle"]
     passed = record["exact_match_pass"]
     assert passed["examples"] == SMOKE.exact_match_examples and passed["seconds"] > 0
+    assert passed["decoder"]["kernel_path"]["attention"] == "sdpa_kv_cache"
     assert passed["new_tokens"] == passed["data"]["answer_tokens"]["total"]
     assert passed["data"]["prompt_tokens"]["max"] < passed["data"]["length"]["cap"]
     assert not any("tokens" in part for part in record.values() if isinstance(part, dict))
