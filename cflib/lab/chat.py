@@ -218,9 +218,20 @@ def chat_out_dir(out_dir: str | None) -> Path:
     return folder
 
 
-def prepare_chat(params: ChatParams, out_dir: Path) -> tuple[ChatSession, list[list[dict]]]:
-    """Check the prompts, tokenizer and template, then load the checkpoint (or train one under out_dir when
-    none is named) and check every prompt against it: a bad input stops here, before any answer."""
+@dataclass
+class Chat:
+    """A checked chat job: the session, the conversations to answer and where the answers go."""
+
+    session: ChatSession
+    conversations: list[list[dict]]
+    out_dir: Path
+    trained_here: bool  # no checkpoint was named: out_dir/trained-here holds the run
+
+
+def prepare_chat(params: ChatParams) -> Chat:
+    """Check the prompts, tokenizer, template and out_dir, then load the checkpoint (or train one under
+    out_dir when none is named) and check every prompt against it: a bad input stops here, before any answer."""
+    out_dir = chat_out_dir(params.out_dir)
     conversations = read_conversations(params.prompts)
     renderer = chat_renderer(params.tokenizer, params.template)
     for messages in conversations:
@@ -233,12 +244,13 @@ def prepare_chat(params: ChatParams, out_dir: Path) -> tuple[ChatSession, list[l
         checkpoint, _ = train_here(out_dir / "trained-here", params.train_steps, params.device, params.seed or 0)
     session = ChatSession(checkpoint, params.tokenizer, params.template, params.device, params.bf16)
     session.prompt_ids(conversations, params.max_new_tokens)
-    return session, conversations
+    return Chat(session, conversations, out_dir, trained_here=params.checkpoint is None)
 
 
-def answer_prompts(session: ChatSession, conversations: list[list[dict]], params: ChatParams, out_dir: Path) -> dict:
+def answer_prompts(chat: Chat, params: ChatParams) -> dict:
     """Answer every conversation; write out_dir/answers.jsonl and out_dir/record.json."""
-    rows, timing = session.answer(conversations, params.generation())
+    session, out_dir = chat.session, chat.out_dir
+    rows, timing = session.answer(chat.conversations, params.generation())
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "answers.jsonl", "w") as out:
         out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)

@@ -10,6 +10,7 @@ from cflib.data import ChatRenderer, ChatTemplate, ConvertError
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.lab.chat import (
+    Chat,
     ChatParams,
     ChatSession,
     answer_prompts,
@@ -69,7 +70,7 @@ def test_answers_come_from_the_decoder_and_are_written_with_a_record(session, ru
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                      {"role": "user", "content": "reverse dog"}]}], "max_new_tokens": 8, "device": "cpu"})
     conversations = read_conversations(params.prompts)
-    record = answer_prompts(session, conversations, params, tmp_path)
+    record = answer_prompts(Chat(session, conversations, tmp_path, trained_here=False), params)
     rows = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     expected = Decoder(session.model).generate(session.prompt_ids(conversations, 8), 8, eos_token_id=h.EOS)
     assert [row["answer_ids"] for row in rows] == expected
@@ -112,7 +113,8 @@ def test_find_checkpoint_takes_a_checkpoint_or_a_run_folder(run_dir, tmp_path):
 
 
 def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_names():
-    namespace = {"prompts": ["a"], "template": {"eos": "<|eos|>"}, "max_new_tokens": 4, "record": {"a": 1}}
+    namespace = {"prompts": ["a"], "template": {"eos": "<|eos|>"}, "max_new_tokens": 4,  # and what later cells
+                 "record": {"a": 1}, "timing": {"seconds": 1.0}, "chat": object(), "params": object()}  # made
     params = ChatParams.from_namespace(namespace)
     assert params.template == {"eos": "<|eos|>"} and params.prompts == ["a"] and params.max_new_tokens == 4
     with pytest.raises(ParamError, match="unknown parameter 'max_new_token'"):
@@ -134,10 +136,16 @@ def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_na
 def test_bad_input_stops_before_anything_is_generated(run_dir, tmp_path, monkeypatch, change, error, message):
     monkeypatch.setattr(Decoder, "generate", lambda *a, **k: pytest.fail("generated despite bad input"))
     params = ChatParams.from_dict({"checkpoint": str(run_dir), "prompts": ["12+34="], "max_new_tokens": 8,
-                                   "device": "cpu", **change})
+                                   "device": "cpu", "out_dir": str(tmp_path / "chat"), **change})
     with pytest.raises(error, match=message):
-        prepare_chat(params, tmp_path / "chat")
+        prepare_chat(params)
     assert not (tmp_path / "chat").exists()
+
+
+def test_an_out_dir_with_answers_is_refused(run_dir, tmp_path):
+    (tmp_path / "answers.jsonl").write_text("")
+    with pytest.raises(ParamError, match="already holds answers.jsonl"):
+        prepare_chat(ChatParams.from_dict({"checkpoint": str(run_dir), "prompts": ["a"], "out_dir": str(tmp_path)}))
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused(run_dir, tmp_path):
