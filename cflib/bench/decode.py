@@ -40,6 +40,7 @@ from cflib.bench.peer import build_llama
 from cflib.bench.synthetic import write_release_like_eval
 from cflib.bench.timing import release_memory, sync
 from cflib.data.shards import ShardPartition
+from cflib.export.hub import export_hub
 from cflib.model import TRMoEModel, preset, save_checkpoint
 from cflib.model.decoder import rope_inv_freq
 from cflib.model.generate import Decoder
@@ -141,14 +142,11 @@ def hf_generate_path(hf_model: torch.nn.Module, prompts: list[list[int]], settin
 
 
 def hub_bundle_model(model: TRMoEModel, work: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    try:
-        from cflib.export.hub import export_hub
-    except ImportError as err:
-        raise RuntimeError(f"no Hub bundle exporter in this checkout (cflib.export.hub.export_hub: {err})") from None
+    """The model as transformers loads it: saved, exported as a Hub bundle (its own modeling code), loaded."""
     from transformers import AutoModelForCausalLM
 
     checkpoint = save_checkpoint(model, work / "checkpoint")
-    export_hub(checkpoint, work / "bundle")
+    export_hub(checkpoint, work / "bundle", tokenizer="byte", echo=None)  # the prompts are ids: any tokenizer
     hf_model = AutoModelForCausalLM.from_pretrained(str(work / "bundle"), trust_remote_code=True, dtype=dtype)
     return hf_model.to(device).eval()
 
