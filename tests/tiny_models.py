@@ -36,3 +36,21 @@ def random_ids(vocab_size: int, batch: int, seq: int, seed: int = 0) -> torch.Te
 def logits(model: TRMoEModel, input_ids: torch.Tensor) -> torch.Tensor:
     """Full logits through the tied head (tests only: fine at tiny sizes)."""
     return model(input_ids) @ model.head_weight.t()
+
+
+
+def trained_model(sequences: list[list[int]], vocab_size: int, steps: int = 40, seed: int = 0,
+                  **overrides: object) -> TRMoEModel:
+    """A tiny model trained (Adam, next-token loss) on `sequences` until it half remembers them:
+    its greedy continuations vary from token to token, unlike a random model's, and are partly right."""
+    model = tiny_model(seed, vocab_size=vocab_size, **overrides).train()
+    width = max(len(ids) for ids in sequences)
+    inputs = torch.tensor([ids[:-1] + [0] * (width - len(ids)) for ids in sequences])
+    targets = torch.tensor([ids[1:] + [-100] * (width - len(ids)) for ids in sequences])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):  # right padding: no real token sees a pad, and pads are not scored
+        loss = torch.nn.functional.cross_entropy(logits(model, inputs).flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()

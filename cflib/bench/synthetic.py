@@ -82,3 +82,37 @@ def write_realistic_shard(root: Path, vocab_size: int, seq_len: int, median: int
                             "tokens": "uniform random ids 1..vocab-1, then EOS (0)",
                             "supervised": "all but the first third of each example; the EOS predicts nothing"}})
     return root
+
+
+def write_release_like_eval(directory: Path, count: int, vocab_size: int, seed: int, median_tokens: int = 300,
+                            answer_median: float = 32.0, answer_sigma: float = 0.5, cap: int = 2048) -> dict:
+    """One partition of chat-like examples at realistic lengths, for timing exact match.
+
+    Each example's length comes from realistic_lengths (log-normal, median `median_tokens`, capped
+    at `cap`); it ends in an answer of log-normal length (median `answer_median`, log-sd
+    `answer_sigma`, at most a quarter of the example) and the EOS, which alone are supervised: the
+    prompt is everything before. Returns the generator's settings and the lengths it drew.
+    """
+    totals = np.maximum(realistic_lengths(count, median_tokens, cap, seed), 4)
+    rng = np.random.default_rng([seed, 2])  # answers and tokens, apart from the lengths' stream
+    answers = np.clip(np.rint(rng.lognormal(math.log(answer_median), answer_sigma, count)), 1,
+                      totals // 4).astype(np.int64)
+    prompts = totals - answers - 1
+
+    def rows():
+        for index, (prompt, answer) in enumerate(zip(prompts, answers)):
+            ids = np.append(rng.integers(1, vocab_size, size=prompt + answer, dtype=np.int64), EOS_TOKEN_ID)
+            labels = np.full(ids.size, IGNORE_INDEX, dtype=np.int64)
+            labels[prompt - 1:-1] = ids[prompt:]  # the answer and its EOS, causally aligned
+            yield Example(ids, labels, {"example_id": f"eval-{index:06d}", "task": "release_like_chat"})
+
+    write_partition(directory, rows(), vocab_size=vocab_size, eos_token_id=EOS_TOKEN_ID, max_seq_len=cap)
+    targets = answers + 1  # with the EOS
+    return {"generator": "cflib.bench.synthetic.write_release_like_eval", "examples": count, "seed": seed,
+            "length": {"distribution": "log-normal", "median": median_tokens, "sigma": LENGTH_SIGMA, "cap": cap},
+            "answer": {"distribution": "log-normal", "median": answer_median, "sigma": answer_sigma,
+                       "max_share": 0.25},
+            "prompt_tokens": {"median": float(np.median(prompts)), "mean": float(prompts.mean()),
+                              "max": int(prompts.max())},
+            "answer_tokens": {"median": float(np.median(targets)), "mean": float(targets.mean()),
+                              "max": int(targets.max()), "total": int(targets.sum())}}

@@ -133,8 +133,9 @@ def conversation_digest(messages: list[dict]) -> int:
     return int.from_bytes(hashlib.blake2b(canonical.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 
-def _check_row(row: object, where: str) -> list[dict]:
-    """The row's messages, or ConvertError naming the line."""
+def _check_row(row: object, where: str, to_answer: bool = False) -> list[dict]:
+    """The row's messages, or ConvertError naming the line. A conversation to convert ends with the
+    assistant turn it teaches; one `to_answer` ends before the assistant's turn."""
     if not isinstance(row, dict):
         raise ConvertError(f"{where}: not a JSON object")
     messages = row.get("messages")
@@ -145,13 +146,21 @@ def _check_row(row: object, where: str) -> list[dict]:
                 message.get("content"), str):
             raise ConvertError(f"{where}: message {turn} needs a role in {ROLES} and a string content, "
                                f"got {str(message)[:80]}")
-    if messages[-1]["role"] != "assistant":
+    if to_answer and messages[-1]["role"] == "assistant":
+        raise ConvertError(f"{where}: the last message is the assistant's; a conversation to answer ends with "
+                           "a user (or system) turn")
+    if not to_answer and messages[-1]["role"] != "assistant":
         raise ConvertError(f"{where}: the last message is {messages[-1]['role']!r}; a conversation ends with "
                            "the assistant turn it teaches")
     for key in METADATA:
         if key in row and not isinstance(row[key], str):
             raise ConvertError(f"{where}: {key!r} must be a string, got {row[key]!r}")
     return messages
+
+
+def conversation_to_answer(row: object, where: str) -> list[dict]:
+    """The messages of {"messages": [...]} ending with a user or system turn, or ConvertError naming `where`."""
+    return _check_row(row, where, to_answer=True)
 
 
 class ChatRenderer:
@@ -166,6 +175,11 @@ class ChatRenderer:
         self.markers = {role: tokenizer.encode_template(getattr(template, role)) for role in ROLES}
         self.turn_end = tokenizer.encode_template(template.turn_end)
 
+    def _turn(self, role: str, content: str) -> tuple[list[int], list[int]]:
+        """A turn's marker ids, then its content and end ids (EOS after the assistant's)."""
+        end = [self.eos_token_id] if role == "assistant" else self.turn_end
+        return self.markers[role], self.tokenizer.encode(content) + end
+
     def render(self, messages: list[dict]) -> tuple[list[int], list[int]] | None:
         """Causally aligned ids and labels; None when a supervised answer is empty."""
         ids: list[int] = []
@@ -176,15 +190,24 @@ class ChatRenderer:
             taught = role == "assistant" and (self.supervise == "all_assistant_turns" or turn == last)
             if taught and not message["content"].strip():
                 return None
-            content = self.tokenizer.encode(message["content"])
-            end = [self.eos_token_id] if role == "assistant" else self.turn_end
-            ids += self.markers[role]
-            supervised += [False] * len(self.markers[role])
-            ids += content + end
-            supervised += [taught] * (len(content) + len(end))
+            marker, body = self._turn(role, message["content"])
+            ids += marker + body
+            supervised += [False] * len(marker) + [taught] * len(body)
         # labels[j] is the target of position j: the next token when that token is supervised.
         labels = [ids[j + 1] if supervised[j + 1] else IGNORE_INDEX for j in range(len(ids) - 1)]
         return ids, labels + [IGNORE_INDEX]
+
+    def render_prompt(self, messages: list[dict]) -> list[int]:
+        """What a model trained on this template sees before it answers `messages` (see
+        conversation_to_answer): every turn as in training, then the assistant marker."""
+        if not self.markers["assistant"]:
+            raise ConvertError(f"the template names no assistant marker (assistant: "
+                               f"{self.template.assistant!r}): nothing tells the model that its turn begins")
+        ids: list[int] = []
+        for message in messages:
+            marker, body = self._turn(message["role"], message["content"])
+            ids += marker + body
+        return ids + self.markers["assistant"]
 
 
 def _read_jsonl(path: Path, digest: "hashlib._Hash") -> Iterator[tuple[int, object]]:

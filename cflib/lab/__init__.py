@@ -1,20 +1,23 @@
 """lab: what a person sees in JupyterLab.
 
 Owns the parameter forms (`form`), the views of a training run (`report`),
-starting JupyterLab with the project's kernel (`python -m cflib.lab`) and
-cleaning notebooks before a commit (`python -m cflib.lab.nbclean`). The top
-layer: it may import every other part of cflib; nothing imports it.
+chatting with a checkpoint (`chat`, `chat_box`), starting JupyterLab with the
+project's kernel (`python -m cflib.lab`) and cleaning notebooks before a
+commit (`python -m cflib.lab.nbclean`). The top layer: it may import every
+other part of cflib; nothing imports it.
 """
 from cflib.lab.form import throughput_form, train_form, tune_form, validate_form
 from cflib.lab.report import (
-                              headline,
-                              plan_like_this_run,
-                              plot_loss_curves,
-                              plot_loss_weighting,
-                              show_data_plan,
-                              show_exact_match,
-                              summary,
+    headline,
+    plan_like_this_run,
+    plot_loss_curves,
+    plot_loss_weighting,
+    show_answers,
+    show_data_plan,
+    show_exact_match,
+    summary,
 )
 
-__all__ = ["headline", "plan_like_this_run", "plot_loss_curves", "plot_loss_weighting", "show_data_plan",
-           "show_exact_match", "summary", "throughput_form", "train_form", "tune_form", "validate_form"]
+__all__ = ["headline", "plan_like_this_run", "plot_loss_curves", "plot_loss_weighting", "show_answers",
+           "show_data_plan", "show_exact_match", "summary", "throughput_form", "train_form", "tune_form",
+           "validate_form"]

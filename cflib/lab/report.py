@@ -4,7 +4,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import torch
 
+from cflib.data import ByteTokenizer, JsonTokenizer, ShardPartition
+from cflib.model import load_checkpoint
+from cflib.model.generate import Decoder
+from cflib.train.evaluate import final_turn
 from cflib.train.plan import format_arithmetic, run_arithmetic
 from cflib.train.records import read_metrics
 
@@ -60,6 +65,45 @@ def show_exact_match(record: dict) -> None:
 
     table = exact_match_table(record)
     display({"text/markdown": table, "text/plain": table}, raw=True)
+
+
+def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | None:
+    """The tokenizer a shard was converted with, when its index names one; the byte tokenizer for the
+    embedded tasks (no conversion block, its vocabulary); None when unknown."""
+    named = shard.index.get("conversion", {}).get("tokenizer", {})
+    if named.get("kind") == "tokenizer.json" and named.get("path") and Path(named["path"]).is_file():
+        return JsonTokenizer(named["path"])
+    if named.get("kind") == "byte" or (not named and shard.vocab_size == ByteTokenizer.vocab_size):
+        return ByteTokenizer()
+    return None
+
+
+def show_answers(record: dict, n: int = 5) -> None:
+    """The run's best checkpoint on n held-out prompts spread over the partition (its tasks are often
+    in blocks), greedy through the KV-cache decoder; each answer gets as many tokens as the expected one,
+    as in exact match."""
+    best = None if _elsewhere(record) else record.get("checkpoints", {}).get("best")
+    if best is None:
+        print(_elsewhere(record) or "no best checkpoint was saved (save_checkpoints: false, or no step ran)")
+        return
+    device = torch.device(record["device"]["type"])
+    model = load_checkpoint(best, device)
+    shard = ShardPartition(Path(record["data"]["root"]) / "eval", vocab_size=model.config.vocab_size)
+    count = min(n, len(shard))
+    pairs = [final_turn(*shard[i * len(shard) // count]) for i in range(count)]
+    decoder = Decoder(model, autocast_dtype=torch.bfloat16 if record["precision"].startswith("bf16") else None)
+    answers = decoder.generate([prompt for prompt, _ in pairs], [target.numel() for _, target in pairs],
+                               eos_token_id=shard.eos_token_id)
+    tokenizer = shard_tokenizer(shard)
+
+    def text(ids: list[int]) -> str:
+        shown = tokenizer.decode_template(ids) if tokenizer else " ".join(map(str, ids))
+        return shown if len(shown) <= 60 else "..." + shown[-57:]
+
+    print(f"best checkpoint {best}, greedy, {len(pairs)} held-out prompts")
+    for (prompt, target), answer in zip(pairs, answers):
+        mark = "hit " if answer == target.tolist() else "miss"
+        print(f"{mark} {text(prompt.tolist())!r}\n       expected {text(target.tolist())!r}, answered {text(answer)!r}")
 
 
 def headline(record: dict) -> str:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cflib.model.config import ModelConfig
+from cflib.model.kv_cache import KVCache, LayerCache
 from cflib.model.routing import build_route_table
 from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
 
@@ -83,8 +84,9 @@ class Attention(nn.Module):
         self.last_rope_backend = self.last_qkv = self.last_attention = "none"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionBatch = DENSE_SDPA) -> torch.Tensor:
-        """attention: the kernel of this forward's rows and, packed, their documents (cflib.ops.attention)."""
+                attention: AttentionBatch = DENSE_SDPA, kv: LayerCache | None = None) -> torch.Tensor:
+        """attention: the kernel of this forward's rows and, packed, their documents (cflib.ops.attention);
+        kv: decoding, the layer's cache keeps k and v and attends over every cached position."""
         batch, seq, _ = x.shape
         shape = (batch, seq, -1, self.head_dim)
         self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
@@ -110,8 +112,12 @@ class Attention(nn.Module):
                 q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
             else:
                 q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
-        out = attend(q, k, v, attention)  # packed: each example attends only to itself
-        self.last_attention = attention.kernel
+        if kv is not None:
+            out = kv.attend(q, k, v)
+            self.last_attention = kv.backend
+        else:
+            out = attend(q, k, v, attention)  # packed: each example attends only to itself
+            self.last_attention = attention.kernel
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -182,14 +188,14 @@ class DecoderLayer(nn.Module):
         self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_routes)})
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionBatch = DENSE_SDPA,
-                pending: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                attention: AttentionBatch = DENSE_SDPA, pending: torch.Tensor | None = None,
+                kv: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(h, pending): with fused add+norm, the MLP output is added by the next norm, so it is returned apart."""
         if self.input_layernorm.backend == "cflib_add_rmsnorm":
             h, x = self.input_layernorm.add_norm(h, pending)
-            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, attention))
+            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, attention, kv))
             return h, self.mlp["engine"](x, token_ids)
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attention)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attention, kv)
         return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids), None
 
 
@@ -231,24 +237,26 @@ class TRMoEModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
-    def forward(self, input_ids: torch.Tensor,
-                document_ids: torch.Tensor | PackedDocuments | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | PackedDocuments | None = None,
+                kv: KVCache | None = None) -> torch.Tensor:
         """Final hidden states. document_ids: packed examples, each attending only to itself with positions
         restarting at 0, as [B, T] ids or, built on the host with the batch, PackedDocuments (no sync);
-        None: one sequence per row, as if unpacked."""
+        None: one sequence per row, as if unpacked. kv (cflib.model.kv_cache.KVCache): decoding; the cache
+        says each row's positions and keeps every layer's keys and values."""
         documents = pack_documents(document_ids) if isinstance(document_ids, torch.Tensor) else document_ids
         device = input_ids.device
         activations = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
                        else self.embed_tokens.weight.dtype)
         attention = attention_batch(self.attention_backend, device, activations, self.config.head_dim, documents)
-        positions = documents.positions if documents is not None else None
+        positions = kv.positions if kv is not None else documents.positions if documents is not None else None
         cos, sin = self.rope(input_ids.shape[1], device, positions)
         h, pending = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             if self.grad_ckpt and self.training:
                 h, pending = checkpoint(layer, h, input_ids, cos, sin, attention, pending, use_reentrant=False)
             else:
-                h, pending = layer(h, input_ids, cos, sin, attention, pending)
+                h, pending = layer(h, input_ids, cos, sin, attention, pending,
+                                   kv.layers[index] if kv is not None else None)
         if self.norm.backend == "cflib_add_rmsnorm":
             return self.norm.add_norm(h, pending)[1]
         return self.norm(h)

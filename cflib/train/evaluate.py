@@ -14,6 +14,7 @@ import torch
 
 from cflib.data.shards import IGNORE_INDEX, ShardPartition, collate
 from cflib.model.decoder import TRMoEModel
+from cflib.model.generate import Decoder
 from cflib.ops.loss import chunked_cross_entropy_sum
 
 
@@ -65,37 +66,33 @@ def final_turn(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return input_ids[:start + 1], labels[start:end]
 
 
-@torch.no_grad()
-def exact_match(model: TRMoEModel, shard: ShardPartition, device: str | torch.device, bf16: bool = False,
-                limit: int | None = None, batch_size: int = 64) -> dict:
+def exact_match(model: TRMoEModel, shard: ShardPartition, bf16: bool = False, limit: int | None = None,
+                batch_size: int = 64) -> dict:
     """Greedy-decode each held-out prompt; a hit reproduces the answer and its EOS exactly.
 
-    Returns the rate per `task` (from examples.jsonl) and `overall`, the rate
-    per `group`, and the first few decoded samples.
+    Decodes through cflib.model.generate's KV cache (CUDA graphs on a GPU), prompts of all
+    lengths batched together, on the model's device; each prompt gets as many new tokens as its
+    answer has, with no EOS stop, so the generated ids are what one full forward per token would
+    choose.
+    Returns the rate per `task` (from examples.jsonl) and `overall`, the rate per `group`,
+    the first few decoded samples, and how the decoder ran (CUDA graphs, kernels).
     """
-    device = torch.device(device)
     count = len(shard) if limit is None else min(limit, len(shard))
-    by_prompt_length: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = defaultdict(list)
+    targets = {}
+    prompts = []
     for index in range(count):
         prompt, target = final_turn(*shard[index])
-        by_prompt_length[prompt.numel()].append((index, prompt, target))
-    hits: dict[int, bool] = {}
-    generated: dict[int, list[int]] = {}
-    with _eval_mode(model):
-        for items in by_prompt_length.values():  # equal prompt lengths batch without padding
-            for start in range(0, len(items), batch_size):
-                chunk = items[start:start + batch_size]
-                tokens = torch.stack([prompt for _, prompt, _ in chunk]).to(device)
-                steps = max(target.numel() for _, _, target in chunk)
-                for _ in range(steps):
-                    with autocast(device, bf16):
-                        last = model(tokens)[:, -1]
-                        next_token = (last @ model.head_weight.t().to(last.dtype)).argmax(-1)
-                    tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-                for row, (index, prompt, target) in enumerate(chunk):
-                    answer = tokens[row, prompt.numel():prompt.numel() + target.numel()].cpu()
-                    hits[index] = bool(torch.equal(answer, target))
-                    generated[index] = answer.tolist()
+        targets[index] = target.tolist()
+        prompts.append(prompt)
+    decoder = Decoder(model, max_batch=batch_size, autocast_dtype=torch.bfloat16 if bf16 else None)
+    answers = decoder.generate(prompts, [len(targets[i]) for i in range(count)]) if count else []
+    scores = score_answers(shard, {index: (targets[index], answer) for index, answer in enumerate(answers)})
+    return {**scores, "decoder": decoder.path()}
+
+
+def score_answers(shard: ShardPartition, answers: dict[int, tuple[list[int], list[int]]]) -> dict:
+    """exact_match's rates from {example index: (target ids, generated ids)}."""
+    hits = {index: generated == target for index, (target, generated) in answers.items()}
     per_task: dict[str, list[bool]] = defaultdict(list)
     per_group: dict[str, list[bool]] = defaultdict(list)
     for index, hit in hits.items():
@@ -105,7 +102,7 @@ def exact_match(model: TRMoEModel, shard: ShardPartition, device: str | torch.de
     rates = {task: float(np.mean(values)) for task, values in sorted(per_task.items())}
     rates["overall"] = float(np.mean(list(hits.values()))) if hits else 0.0
     samples = [{"example_id": shard.rows[i].get("example_id"), "task": shard.rows[i].get("task"),
-                "hit": hits[i], "generated_ids": generated[i]} for i in sorted(hits)[:8]]
+                "hit": hits[i], "generated_ids": answers[i][1]} for i in sorted(hits)[:8]]
     return {"exact_match": rates,
             "exact_match_by_group": {g: float(np.mean(v)) for g, v in sorted(per_group.items())},
             "examples": len(hits), "samples": samples}

@@ -133,7 +133,7 @@ class Trainer:
         result.update(eval_loss(self.model, self.run.eval_data, p.eval_micro_batch or p.micro_batch_per_rank,
                                 self.device, p.bf16, p.loss_chunk_tokens, p.fp32_loss))
         if with_exact_match and p.exact_match_limit != 0:
-            matched = exact_match(self.model, self.run.eval_data, self.device, p.bf16, p.exact_match_limit)
+            matched = exact_match(self.model, self.run.eval_data, p.bf16, p.exact_match_limit)
             result.update(exact_match=matched["exact_match"], exact_match_by_group=matched["exact_match_by_group"],
                           exact_match_samples=matched["samples"])
         _sync(self.device)

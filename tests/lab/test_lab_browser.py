@@ -51,6 +51,7 @@ SMOKE_RUNS = {
     "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run"}),
     "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run"}),
     "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run"}),
+    "chat.ipynb": (None, {"out_dir": "{tmp}/chat-run"}),
 }
 
 # Bounds for a loaded 2-core CI machine; each names what it waited for when it runs out.

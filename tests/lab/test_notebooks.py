@@ -9,13 +9,22 @@ import nbformat
 import papermill
 import pytest
 
+from cflib.data.shards import sha256_file
 from cflib.lab import nbclean
 from cflib.lab.jupyter import KERNEL_NAME, LabError, lab_command
 from cflib.train.params import TrainParams, load_params_file
 from cflib.train.run import prepare
 
+try:
+    import sft_shard_helpers as h
+    from tiny_models import trained_model
+except ImportError:  # pragma: no cover - depends on how pytest is invoked
+    from tests import sft_shard_helpers as h
+    from tests.tiny_models import trained_model
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SFT = ROOT / "notebooks" / "train_sft.ipynb"
+CHAT = ROOT / "notebooks" / "chat.ipynb"
 
 
 def parameters_cell(path: Path) -> dict[str, object]:
@@ -94,6 +103,7 @@ def test_papermill_runs_the_smoke_profile(tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "step 6/6" in text  # the text trace papermill keeps
+    assert "greedy, 5 held-out prompts" in text and text.count("expected ") == 5  # the best checkpoint's answers
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot
     form_cell = next(c for c in notebook.cells if "train_form(globals())" in c.source)
     assert form_cell.outputs == []  # no form under papermill
@@ -125,7 +135,8 @@ def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(t
 
 
 @pytest.mark.parametrize("notebook, misspelt", [("train_sft.ipynb", {"lrr": 0.1}),
-                                                ("tune_microbatch.ipynb", {"budget": 40})])
+                                                ("tune_microbatch.ipynb", {"budget": 40}),
+                                                ("chat.ipynb", {"max_new_token": 4})])
 def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, notebook, misspelt):
     out_dir = tmp_path / "run"
     with pytest.raises(papermill.PapermillExecutionError, match=f"unknown parameter '{next(iter(misspelt))}'"):
@@ -156,3 +167,39 @@ def test_nbval_sees_every_check_output_marker(path):
         if "NBVAL_CHECK_OUTPUT" in cell.source:
             assert ("check", True) in list(find_comment_markers(cell.source)), cell.source[:60]
             assert cell.outputs, "a checked cell needs its expected output committed"
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from cflib.model import save_checkpoint
+
+    path = tmp_path_factory.mktemp("chat-model") / "best"
+    save_checkpoint(trained_model([e.input_ids for e in h.chat_examples()], h.VOCAB, steps=25), path)
+    return path
+
+
+def test_papermill_chat_answers_every_prompt_of_a_jsonl_file(tmp_path, tiny_checkpoint):
+    prompts = tmp_path / "prompts.jsonl"
+    conversations = [[{"role": "user", "content": "12+34="}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                      {"role": "user", "content": "reverse dog"}]]
+    prompts.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    out_dir = tmp_path / "chat"
+    papermill.execute_notebook(str(CHAT), str(tmp_path / "executed.ipynb"), parameters={
+        "checkpoint": str(tiny_checkpoint), "prompts": str(prompts), "max_new_tokens": 6, "out_dir": str(out_dir),
+        "device": "cpu"}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    rows = [json.loads(line) for line in (out_dir / "answers.jsonl").read_text().splitlines()]
+    assert [row["messages"] for row in rows] == conversations and all(len(row["answer_ids"]) <= 6 for row in rows)
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["checkpoint"]["sha256"] == sha256_file(tiny_checkpoint / "model.safetensors")
+    assert record["timing"]["tokens_per_s"] > 0 and record["prompts"]["source"] == str(prompts)
+    assert not (out_dir / "trained-here").exists()  # a checkpoint was named: nothing trained
+
+
+def test_papermill_chat_refuses_a_template_without_an_assistant_marker(tmp_path, tiny_checkpoint):
+    out_dir = tmp_path / "chat"
+    with pytest.raises(papermill.PapermillExecutionError, match="the template names no assistant marker"):
+        papermill.execute_notebook(str(CHAT), str(tmp_path / "executed.ipynb"), parameters={
+            "checkpoint": str(tiny_checkpoint), "template": {"assistant": ""}, "out_dir": str(out_dir)},
+            cwd=str(ROOT / "notebooks"), progress_bar=False)
+    assert not out_dir.exists()

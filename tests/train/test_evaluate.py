@@ -1,20 +1,23 @@
-"""cflib.train.evaluate: final-turn split, token-mean eval loss, greedy exact match."""
+"""cflib.train.evaluate: final-turn split, token-mean eval loss, greedy exact match and its scores."""
 from __future__ import annotations
+
+from collections import defaultdict
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from cflib.data.shards import open_shard
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
-from cflib.train.evaluate import eval_loss, exact_match, final_turn
+from cflib.train.evaluate import eval_loss, exact_match, final_turn, score_answers
 
 try:
     import sft_shard_helpers as h
+    from tiny_models import trained_model
 except ImportError:  # pragma: no cover - depends on how pytest is invoked
     from tests import sft_shard_helpers as h
+    from tests.tiny_models import trained_model
 
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             vocab_size=h.VOCAB, max_position_embeddings=64, shared_intermediate_size=32,
@@ -80,42 +83,13 @@ def test_eval_loss_is_the_token_mean_over_examples(loss_shard, micro_batch, trai
     assert len({int((loss_shard[i][1] != -100).sum()) for i in range(len(loss_shard))}) > 1
 
 
-# --- exact_match --------------------------------------------------------------------------------
-
-class Oracle(nn.Module):
-    """Predicts, for any prefix it knows, the token the labels say comes next; EOS otherwise.
-
-    Hidden size = vocab, head = identity: the hidden state of the last position is the
-    one-hot of the predicted token, so `hidden @ head_weight.T` argmaxes to it.
-    """
-
-    def __init__(self, shard, tasks: set[str] | None = None) -> None:
-        super().__init__()
-        self.register_buffer("eye", torch.eye(h.VOCAB))
-        self.next_token: dict[tuple[int, ...], int] = {}
-        for i in range(len(shard)):
-            if tasks is not None and shard.rows[i]["task"] not in tasks:
-                continue
-            ids, labels = shard[i]
-            for j in (labels != -100).nonzero().flatten().tolist():
-                self.next_token[tuple(ids[:j + 1].tolist())] = int(labels[j])
-
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.eye
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = torch.zeros(*tokens.shape, h.VOCAB)
-        for row, prefix in enumerate(tokens.tolist()):
-            hidden[row, -1, self.next_token.get(tuple(prefix), h.EOS)] = 1.0
-        return hidden
-
+# --- exact_match ----------------------------------------------------------------------------------
 
 @pytest.fixture
 def eval_shard(tmp_path):
     extra = [h.chat_example(10, "addition", "no-carry", "21+43=", "64"),  # same prompt length as 12+34=
              h.chat_example(11, "reverse", "short", "reverse xyz", "zyx")]
-    h.write_shard(tmp_path, h.chat_examples(), h.chat_examples() + extra)
+    h.write_shard(tmp_path, h.chat_examples(), h.chat_examples() + extra + [h.two_turn_example()])
     return open_shard(tmp_path, "eval", vocab_size=h.VOCAB)
 
 
@@ -123,47 +97,70 @@ def group_keys(shard) -> set[str]:
     return {f"{row['task']}/{row['group']}" for row in shard.rows}
 
 
-@pytest.mark.parametrize("batch_size", [1, 64])
-def test_exact_match_oracle_scores_one(eval_shard, batch_size):
-    oracle = Oracle(eval_shard)
-    oracle.train()
-    result = exact_match(oracle, eval_shard, "cpu", batch_size=batch_size)
-    assert oracle.training
-    assert result["examples"] == len(eval_shard)
-    assert result["exact_match"] == {"addition": 1.0, "reverse": 1.0, "overall": 1.0}
-    assert result["exact_match_by_group"] == {key: 1.0 for key in group_keys(eval_shard)}
-    for sample in result["samples"]:
-        row = next(r for r in eval_shard.rows if r["example_id"] == sample["example_id"])
-        assert sample["hit"] and h.TOKENIZER.decode(sample["generated_ids"]) == row["answer"]
+def answers(shard, right: set[str] = frozenset(), run_on: set[str] = frozenset()) -> dict:
+    """{index: (target, generated)}: the target itself for examples of the `right` tasks, an EOS alone
+    otherwise; for `run_on` tasks the right answer with another token where its EOS should be."""
+    out = {}
+    for index in range(len(shard)):
+        _, target = final_turn(*shard[index])
+        target = target.tolist()
+        task = shard.rows[index]["task"]
+        generated = target if task in right else [h.EOS]
+        out[index] = (target, target[:-1] + h.TOKENIZER.encode("7") if task in run_on else generated)
+    return out
 
 
-def test_exact_match_always_eos_scores_zero(eval_shard):
-    result = exact_match(Oracle(eval_shard, tasks=set()), eval_shard, "cpu")
-    assert result["exact_match"] == {"addition": 0.0, "reverse": 0.0, "overall": 0.0}
-    assert set(result["exact_match_by_group"].values()) == {0.0}
-
-
-def test_exact_match_rates_per_task_and_group(eval_shard):
-    result = exact_match(Oracle(eval_shard, tasks={"addition"}), eval_shard, "cpu", batch_size=2)
+def test_scores_per_task_and_group(eval_shard):
     tasks = [row["task"] for row in eval_shard.rows]
-    assert result["exact_match"] == {"addition": 1.0, "reverse": 0.0,
-                                     "overall": pytest.approx(tasks.count("addition") / len(tasks))}
-    assert result["exact_match_by_group"] == {key: float(key.startswith("addition/"))
-                                              for key in group_keys(eval_shard)}
+    perfect = score_answers(eval_shard, answers(eval_shard, right={"addition", "reverse", "dialog"}))
+    assert perfect["exact_match"] == {"addition": 1.0, "dialog": 1.0, "reverse": 1.0, "overall": 1.0}
+    assert perfect["exact_match_by_group"] == {key: 1.0 for key in group_keys(eval_shard)}
+    assert perfect["examples"] == len(eval_shard)
+    half = score_answers(eval_shard, answers(eval_shard, right={"addition"}))
+    assert half["exact_match"] == {"addition": 1.0, "dialog": 0.0, "reverse": 0.0,
+                                   "overall": pytest.approx(tasks.count("addition") / len(tasks))}
+    assert half["exact_match_by_group"] == {key: float(key.startswith("addition/")) for key in group_keys(eval_shard)}
+    sample = half["samples"][0]
+    assert sample["hit"] and h.TOKENIZER.decode(sample["generated_ids"]) == eval_shard.rows[0]["answer"]
 
 
-def test_exact_match_limit(eval_shard):
-    result = exact_match(Oracle(eval_shard, tasks={"addition"}), eval_shard, "cpu", limit=3)
-    first = [row["task"] for row in eval_shard.rows[:3]]
-    assert result["examples"] == 3
-    assert result["exact_match"]["overall"] == pytest.approx(first.count("addition") / 3)
+def test_an_answer_that_runs_on_past_its_eos_is_no_hit(eval_shard):
+    result = score_answers(eval_shard, answers(eval_shard, right={"addition", "reverse"}, run_on={"addition"}))
+    assert result["exact_match"]["addition"] == 0.0 and result["exact_match"]["reverse"] == 1.0
 
 
-def test_exact_match_needs_the_eos(tmp_path):
-    """An answer that is right but runs on instead of stopping is not a hit."""
-    h.write_shard(tmp_path, h.chat_examples()[:1])
-    shard = open_shard(tmp_path, "eval")
-    oracle = Oracle(shard)
-    ids, _ = shard[0]
-    oracle.next_token[tuple(ids[:-1].tolist())] = h.TOKENIZER.encode("7")[0]  # replace the EOS
-    assert exact_match(oracle, shard, "cpu")["exact_match"]["overall"] == 0.0
+def old_exact_match_loop(model, shard, batch_size: int) -> dict[int, list[int]]:
+    """Exact match's decoding before the KV cache, kept as the reference: prompts of equal length batched,
+    one full forward per new token, as many new tokens as the answer has."""
+    by_prompt_length = defaultdict(list)
+    for index in range(len(shard)):
+        prompt, target = final_turn(*shard[index])
+        by_prompt_length[prompt.numel()].append((index, prompt, target))
+    generated = {}
+    with torch.no_grad():
+        for items in by_prompt_length.values():
+            for start in range(0, len(items), batch_size):
+                chunk = items[start:start + batch_size]
+                tokens = torch.stack([prompt for _, prompt, _ in chunk])
+                for _ in range(max(target.numel() for _, _, target in chunk)):
+                    last = model(tokens)[:, -1]
+                    next_token = (last @ model.head_weight.t().to(last.dtype)).argmax(-1)
+                    tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+                for row, (index, prompt, target) in enumerate(chunk):
+                    generated[index] = tokens[row, prompt.numel():prompt.numel() + target.numel()].tolist()
+    return generated
+
+
+@pytest.mark.parametrize("batch_size", [64, 3])
+def test_exact_match_decodes_as_the_loop_without_a_cache(eval_shard, batch_size):
+    model = trained_model([example.input_ids for example in h.chat_examples()], h.VOCAB, steps=25)
+    model.train()
+    reference = old_exact_match_loop(model, eval_shard, batch_size)
+    result = exact_match(model, eval_shard, batch_size=batch_size)
+    assert model.training
+    hits = [reference[i] == final_turn(*eval_shard[i])[1].tolist() for i in range(len(eval_shard))]
+    assert 0 < sum(hits) < len(hits)  # a model half right: both kinds of answer are compared
+    assert [s["generated_ids"] for s in result["samples"]] == [reference[i] for i in range(len(result["samples"]))]
+    assert [s["hit"] for s in result["samples"]] == hits[:len(result["samples"])]
+    assert result["exact_match"]["overall"] == pytest.approx(sum(hits) / len(hits))
+    assert exact_match(model, eval_shard, limit=3)["examples"] == 3

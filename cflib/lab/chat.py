@@ -1,0 +1,281 @@
+"""Answers from a checkpoint: every prompt of a list (papermill), and a chat box in JupyterLab.
+
+Prompts are rendered by the chat converter's own template code
+(cflib.data.ChatRenderer.render_prompt), so the model sees a conversation
+exactly as it saw its training data; answers come from cflib.model.generate's
+KV-cache decoder. Everything is checked before anything is generated: the
+parameters, the checkpoint, a tokenizer whose vocabulary the model covers, a
+template that names the assistant's marker, and every prompt's length.
+"""
+from __future__ import annotations
+
+import json
+import time
+import typing
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from cflib.atomic import write_json_atomic
+from cflib.data import ByteTokenizer, ChatRenderer, ChatTemplate, ConvertError, conversation_to_answer, load_tokenizer
+from cflib.data.shards import sha256_file
+from cflib.errors import ParamError
+from cflib.model import CheckpointError, load_checkpoint
+from cflib.model.generate import Decoder, GenerationError
+from cflib.paths import resolve_path
+from cflib.train import TrainParams, fit, prepare
+from cflib.train.params import ParamSet, _coerce, _is_user_variable, reject_unknown
+from cflib.train.records import count_parameters, device_info, framework_versions
+from cflib.train.run import resolve_device
+
+WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class ChatParams(ParamSet):
+    """chat.ipynb's parameters. Defaults: a quickstart-size model trained here for a few steps, on the CPU."""
+
+    checkpoint: str | None = None  # a checkpoint folder, a run folder (its checkpoints/best); None: train one here
+    tokenizer: str = "byte"  # "byte" or the tokenizer.json the data was converted with
+    template: dict | None = None  # cflib.data.ChatTemplate keys; None: the default (byte tokenizer's specials)
+    prompts: list | tuple | str = ()  # a JSONL path of {"messages": [...]}, or a list of those or of plain user texts
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = 0  # sampling's seed: the same answers again
+    bf16: bool = False
+    device: str = "auto"
+    out_dir: str | None = None  # None: a new outputs/chat/<time>/
+    train_steps: int = 32  # with checkpoint None: optimizer steps of the model trained here
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "ChatParams":
+        reject_unknown(raw, cls.names(), source)
+        hints = typing.get_type_hints(cls)
+        values = {name: value if name == "prompts" else _coerce(name, value, hints[name]) for name, value in raw.items()}
+        params = cls(**values)
+        params.validate()
+        return params
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "ChatParams":
+        """The notebook's parameters: its scalars (a misspelt papermill -p name is caught), the template
+        mapping and the prompts."""
+        chosen = {name: value for name, value in namespace.items() if _is_user_variable(name, value)}
+        for name, kinds in (("template", dict), ("prompts", (list, tuple))):
+            if isinstance(namespace.get(name), kinds):
+                chosen[name] = namespace[name]
+        return cls.from_dict(chosen, source="notebook parameters")
+
+    def validate(self) -> None:
+        if not isinstance(self.prompts, (str, list, tuple)) or not self.prompts:
+            raise ParamError(f"prompts: a JSONL path or a non-empty list, got {self.prompts!r}")
+        if self.max_new_tokens < 1 or self.train_steps < 1:
+            raise ParamError("max_new_tokens and train_steps must be positive integers")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ParamError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    def generation(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed}
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, or a run folder's checkpoints/best."""
+    folder = resolve_path(path)
+    for candidate in (folder, folder / "checkpoints" / "best"):
+        if (candidate / WEIGHTS).is_file() and (candidate / "config.json").is_file():
+            return candidate
+    raise CheckpointError(f"checkpoint {folder}: neither a checkpoint folder (config.json + {WEIGHTS}) nor a "
+                          "run folder with checkpoints/best")
+
+
+def train_here(out_dir: Path, steps: int, device: str, seed: int = 0) -> tuple[Path, dict]:
+    """A quickstart-size model trained for `steps` optimizer steps on the embedded tasks, under out_dir:
+    enough to learn the answers' form, not their content (params/quickstart.yaml trains ~1,000 steps)."""
+    params = TrainParams.from_dict({
+        "model": "quickstart", "data": "embedded", "out_dir": str(out_dir), "seed": seed, "seq_len": 64,
+        "micro_batch_per_rank": 64, "global_batch": 64, "epochs": 1, "max_steps": steps, "lr": 3e-3,
+        "warmup_ratio": 0.05, "eval_at_start": False, "exact_match_limit": 0, "device": device})
+    record = fit(prepare(params))
+    return Path(record["checkpoints"]["best"]), record
+
+
+def read_conversations(prompts: list | tuple | str) -> list[list[dict]]:
+    """Each conversation's messages, from a JSONL path or a list (a plain string is one user turn)."""
+    if isinstance(prompts, str):
+        path = resolve_path(prompts)
+        if not path.is_file():
+            raise ParamError(f"prompts: {path} is not a file (a JSONL of {{\"messages\": [...]}} rows, or a list)")
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append((json.loads(line), f"{path}:{number}"))
+                except json.JSONDecodeError as err:
+                    raise ConvertError(f"{path}:{number}: not valid JSON ({err})") from None
+    else:
+        rows = [({"messages": [{"role": "user", "content": item}]} if isinstance(item, str) else item,
+                 f"prompts[{index}]") for index, item in enumerate(prompts)]
+    if not rows:
+        raise ParamError("prompts: no conversation to answer")
+    return [conversation_to_answer(row, where) for row, where in rows]
+
+
+def chat_renderer(tokenizer: str, template: dict | None) -> ChatRenderer:
+    """The converter's renderer for this tokenizer and template, refusing one with no assistant marker."""
+    try:
+        loaded = load_tokenizer(tokenizer)
+    except (FileNotFoundError, ValueError) as err:
+        raise ParamError(f"tokenizer: {err}") from None
+    renderer = ChatRenderer(loaded, ChatTemplate.from_dict(template or {}, "template"), "final_turn")
+    renderer.render_prompt([])  # a template without an assistant marker stops here
+    return renderer
+
+
+class ChatSession:
+    """A checkpoint, its tokenizer and template, and a decoder that keeps its caches between turns."""
+
+    def __init__(self, checkpoint: str | Path, tokenizer: str = "byte", template: dict | None = None,
+                 device: str = "auto", bf16: bool = False) -> None:
+        self.renderer = chat_renderer(tokenizer, template)
+        self.tokenizer, self.template = self.renderer.tokenizer, self.renderer.template
+        self.checkpoint = find_checkpoint(checkpoint)
+        self.device = resolve_device(device)
+        self.model = load_checkpoint(self.checkpoint, self.device)
+        vocab = self.model.config.vocab_size
+        if self.tokenizer.vocab_size > vocab:
+            raise ParamError(f"tokenizer {self.tokenizer.description} has {self.tokenizer.vocab_size:,} tokens, "
+                             f"more than the model's vocab_size {vocab:,} ({self.checkpoint}): it is not the "
+                             "tokenizer this model was trained with")
+        self.decoder = Decoder(self.model, autocast_dtype=torch.bfloat16 if bf16 else None)
+
+    def prompt_ids(self, conversations: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
+        """Each conversation rendered, every one checked against the model's positions."""
+        prompts = [self.renderer.render_prompt(messages) for messages in conversations]
+        limit = self.model.config.max_position_embeddings
+        for index, prompt in enumerate(prompts):
+            if len(prompt) + max_new_tokens > limit:
+                raise GenerationError(f"prompt {index}: {len(prompt)} tokens + max_new_tokens {max_new_tokens} "
+                                      f"exceeds the model's max_position_embeddings {limit}")
+        return prompts
+
+    def answer_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids[:-1] if ids and ids[-1] == self.renderer.eos_token_id else ids)
+
+    def answer(self, conversations: list[list[dict]], generation: dict[str, Any], batch: int = 16,
+               progress: bool = True) -> tuple[list[dict], dict]:
+        """Every conversation's answer ({messages, answer, ids, stopped_by}) and the timing."""
+        prompts = self.prompt_ids(conversations, generation["max_new_tokens"])
+        rows, start = [], time.perf_counter()
+        for first in tqdm(range(0, len(prompts), batch), desc="answer", unit="batch", disable=not progress):
+            answers = self.decoder.generate(prompts[first:first + batch], eos_token_id=self.renderer.eos_token_id,
+                                            **generation)
+            for offset, ids in enumerate(answers):
+                index = first + offset
+                rows.append({"index": index, "messages": conversations[index], "answer": self.answer_text(ids),
+                             "answer_ids": ids, "prompt_tokens": len(prompts[index]),
+                             "stopped_by": "eos" if ids[-1] == self.renderer.eos_token_id else "max_new_tokens"})
+        seconds = time.perf_counter() - start  # the answers are host lists: the device has finished
+        new_tokens = sum(len(row["answer_ids"]) for row in rows)
+        return rows, {"seconds": seconds, "new_tokens": new_tokens, "tokens_per_s": new_tokens / seconds,
+                      "includes": "prompt rendering, prefill, decoding (and CUDA graph capture on a GPU)"}
+
+    def reply(self, messages: list[dict], generation: dict[str, Any], on_text: Callable[[str], None]) -> str:
+        """The next assistant turn of `messages`, its text handed to on_text as it grows."""
+        prompt = self.prompt_ids([conversation_to_answer({"messages": messages}, "conversation")],
+                                 generation["max_new_tokens"])
+        ids: list[int] = []
+
+        def grow(_: int, token: int) -> None:
+            ids.append(token)
+            on_text(self.answer_text(ids))
+
+        answer = self.decoder.generate(prompt, eos_token_id=self.renderer.eos_token_id, stream=grow, **generation)
+        return self.answer_text(answer[0])
+
+    def describe(self) -> dict[str, Any]:
+        tokenizer = {"kind": "byte" if isinstance(self.tokenizer, ByteTokenizer) else "tokenizer.json",
+                     "vocab_size": self.tokenizer.vocab_size}
+        if not isinstance(self.tokenizer, ByteTokenizer):
+            tokenizer.update(path=str(self.tokenizer.path), sha256=sha256_file(self.tokenizer.path))
+        return {"checkpoint": {"path": str(self.checkpoint), "sha256": sha256_file(self.checkpoint / WEIGHTS),
+                               "config": self.model.config.to_dict(), **count_parameters(self.model)},
+                "tokenizer": tokenizer, "template": asdict(self.template), "eos_token_id": self.renderer.eos_token_id}
+
+
+def chat_out_dir(out_dir: str | None) -> Path:
+    if out_dir is None:
+        return resolve_path(f"outputs/chat/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+    folder = resolve_path(out_dir)
+    if (folder / "answers.jsonl").exists():
+        raise ParamError(f"out_dir {folder} already holds answers.jsonl; choose another out_dir")
+    return folder
+
+
+@dataclass
+class Chat:
+    """A checked chat job: the session, the conversations to answer and where the answers go."""
+
+    session: ChatSession
+    conversations: list[list[dict]]
+    out_dir: Path
+    trained_here: bool  # no checkpoint was named: out_dir/trained-here holds the run
+
+
+def prepare_chat(params: ChatParams) -> Chat:
+    """Check the prompts, tokenizer, template and out_dir, then load the checkpoint (or train one under
+    out_dir when none is named) and check every prompt against it: a bad input stops here, before any answer."""
+    out_dir = chat_out_dir(params.out_dir)
+    conversations = read_conversations(params.prompts)
+    renderer = chat_renderer(params.tokenizer, params.template)
+    for messages in conversations:
+        renderer.render_prompt(messages)
+    checkpoint = params.checkpoint
+    if checkpoint is None:
+        if params.tokenizer != "byte" or renderer.template != ChatTemplate():
+            raise ParamError("checkpoint None trains a model here on the embedded tasks, which use the byte "
+                             "tokenizer and the default template: name a checkpoint for another tokenizer or template")
+        checkpoint, _ = train_here(out_dir / "trained-here", params.train_steps, params.device, params.seed or 0)
+    session = ChatSession(checkpoint, params.tokenizer, params.template, params.device, params.bf16)
+    session.prompt_ids(conversations, params.max_new_tokens)
+    return Chat(session, conversations, out_dir, trained_here=params.checkpoint is None)
+
+
+def answer_prompts(chat: Chat, params: ChatParams) -> dict:
+    """Answer every conversation; write out_dir/answers.jsonl and out_dir/record.json."""
+    session, out_dir = chat.session, chat.out_dir
+    rows, timing = session.answer(chat.conversations, params.generation())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "answers.jsonl", "w") as out:
+        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    record = {"job": "chat", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "out_dir": str(out_dir), "framework": framework_versions(), "device": device_info(session.device),
+              **session.describe(), "generation": params.generation(),
+              "precision": "bf16-autocast" if params.bf16 else "fp32", "decoder": session.decoder.path(),
+              "prompts": {"source": params.prompts if isinstance(params.prompts, str) else "inline list",
+                          "conversations": len(rows)},
+              "timing": timing, "answers": str(out_dir / "answers.jsonl")}
+    write_json_atomic(out_dir / "record.json", record)
+    return record
+
+
+def show_answers_of(rows_path: str | Path, limit: int = 20) -> None:
+    """Each prompt's last user turn and its answer, one pair per line."""
+    for line in Path(rows_path).read_text().splitlines()[:limit]:
+        row = json.loads(line)
+        print(f"{row['messages'][-1]['content']!r:40} -> {row['answer']!r} ({row['stopped_by']})")
+
+
+def headline(record: dict) -> str:
+    """One deterministic line (what nbval compares for the default parameters)."""
+    checkpoint, generation = record["checkpoint"], record["generation"]
+    mode = "greedy" if generation["temperature"] == 0 else f"sampled at temperature {generation['temperature']}"
+    return (f"{record['prompts']['conversations']} conversations answered ({mode}, up to "
+            f"{generation['max_new_tokens']} new tokens) by a {checkpoint['params_total']:,}-parameter model, "
+            f"vocabulary {checkpoint['config']['vocab_size']}, {record['tokenizer']['kind']} tokenizer")

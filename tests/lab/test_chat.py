@@ -1,0 +1,181 @@
+"""cflib.lab.chat and chat_box: prompts formatted as in training, answers through the decoder, bad input refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from cflib.data import ChatRenderer, ChatTemplate, ConvertError
+from cflib.data.shards import sha256_file
+from cflib.errors import ParamError
+from cflib.lab.chat import (
+    Chat,
+    ChatParams,
+    ChatSession,
+    answer_prompts,
+    find_checkpoint,
+    headline,
+    prepare_chat,
+    read_conversations,
+)
+from cflib.lab.chat_box import ChatBox
+from cflib.model import CheckpointError, save_checkpoint
+from cflib.model.generate import Decoder, GenerationError
+
+try:
+    import sft_shard_helpers as h
+    from tiny_models import trained_model
+except ImportError:  # pragma: no cover - depends on how pytest is invoked
+    from tests import sft_shard_helpers as h
+    from tests.tiny_models import trained_model
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run folder whose checkpoints/best is a tiny model half-trained on the chat examples (64 positions)."""
+    run = tmp_path_factory.mktemp("run")
+    model = trained_model([e.input_ids for e in h.chat_examples()] + [h.two_turn_example().input_ids], h.VOCAB,
+                          steps=25)
+    save_checkpoint(model, run / "checkpoints" / "best")
+    return run
+
+
+@pytest.fixture(scope="module")
+def session(run_dir):
+    return ChatSession(run_dir, device="cpu")
+
+
+def word_tokenizer(path, words: int) -> str:
+    """A tokenizer.json of `words` plain words plus the chat specials."""
+    specials = ["<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {token: index for index, token in enumerate(specials + ["[UNK]"] + [f"w{i}" for i in range(words)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(path))
+    return str(path)
+
+
+def test_prompts_render_as_the_training_data(session):
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "reverse dog"}]
+    first, _ = h.TOKENIZER.encode_chat("hi", "hello")
+    assert session.prompt_ids([conversation], 4) == [first + h.TOKENIZER.encode_prompt("reverse dog")]
+    assert session.prompt_ids([conversation[:1]], 4) == [h.TOKENIZER.encode_prompt("hi")]
+
+
+def test_answers_come_from_the_decoder_and_are_written_with_a_record(session, run_dir, tmp_path):
+    params = ChatParams.from_dict({"checkpoint": str(run_dir), "prompts": ["12+34=", "reverse planet", {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                     {"role": "user", "content": "reverse dog"}]}], "max_new_tokens": 8, "device": "cpu"})
+    conversations = read_conversations(params.prompts)
+    record = answer_prompts(Chat(session, conversations, tmp_path, trained_here=False), params)
+    rows = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    expected = Decoder(session.model).generate(session.prompt_ids(conversations, 8), 8, eos_token_id=h.EOS)
+    assert [row["answer_ids"] for row in rows] == expected
+    assert [row["answer"] for row in rows] == [h.TOKENIZER.decode([t for t in ids if t != h.EOS]) for ids in expected]
+    assert rows[2]["messages"] == conversations[2]
+    assert {row["stopped_by"] for row in rows} <= {"eos", "max_new_tokens"}
+    saved = json.loads((tmp_path / "record.json").read_text())
+    assert saved["checkpoint"]["sha256"] == sha256_file(run_dir / "checkpoints" / "best" / "model.safetensors")
+    assert saved["checkpoint"]["path"] == str(run_dir / "checkpoints" / "best")
+    assert saved["timing"]["new_tokens"] == sum(map(len, expected)) and saved["timing"]["tokens_per_s"] > 0
+    assert saved["generation"]["max_new_tokens"] == 8 and saved["tokenizer"]["kind"] == "byte"
+    assert saved["decoder"]["kernel_path"]["attention"] == "sdpa_kv_cache"
+    assert headline(record).startswith("3 conversations answered (greedy, up to 8 new tokens) by a ")
+
+
+def test_a_reply_streams_its_text_and_the_chat_box_keeps_the_conversation(session):
+    generation = ChatParams(prompts=["x"], max_new_tokens=6).generation()
+    shown: list[str] = []
+    messages = [{"role": "user", "content": "reverse abc"}]
+    answer = session.reply(messages, generation, on_text=shown.append)
+    assert shown and shown[-1] == answer and all(b.startswith(a) for a, b in zip(shown, shown[1:]))
+
+    box = ChatBox(session, generation, system="be brief")
+    assert box.send("reverse abc") == session.reply([{"role": "system", "content": "be brief"}, *messages],
+                                                    generation, on_text=lambda _: None)
+    second = box.send("12+34=")
+    assert [m["role"] for m in box.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert box.messages[-1]["content"] == second and "12+34=" in box.transcript.value
+    assert box.send("x" * 80) is None  # past the model's 64 positions: said in the box, the turn not kept
+    assert "max_position_embeddings 64" in box.transcript.value and len(box.messages) == 5
+    box.restart()
+    assert box.messages == [{"role": "system", "content": "be brief"}]
+
+
+def test_find_checkpoint_takes_a_checkpoint_or_a_run_folder(run_dir, tmp_path):
+    assert find_checkpoint(run_dir) == find_checkpoint(run_dir / "checkpoints" / "best") == \
+        run_dir / "checkpoints" / "best"
+    with pytest.raises(CheckpointError, match="neither a checkpoint folder"):
+        find_checkpoint(tmp_path)
+
+
+def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_names():
+    namespace = {"prompts": ["a"], "template": {"eos": "<|eos|>"}, "max_new_tokens": 4,  # and what later cells
+                 "record": {"a": 1}, "timing": {"seconds": 1.0}, "chat": object(), "params": object()}  # made
+    params = ChatParams.from_namespace(namespace)
+    assert params.template == {"eos": "<|eos|>"} and params.prompts == ["a"] and params.max_new_tokens == 4
+    with pytest.raises(ParamError, match="unknown parameter 'max_new_token'"):
+        ChatParams.from_namespace({"prompts": ["a"], "max_new_token": 4})
+    with pytest.raises(ParamError, match="prompts"):
+        ChatParams.from_dict({"prompts": []})
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"template": {"assistant": ""}}, ConvertError, "the template names no assistant marker"),
+    ({"prompts": ["x" * 70]}, GenerationError, "prompt 0: 72 tokens \\+ max_new_tokens 8 exceeds the model's "
+                                               "max_position_embeddings 64"),
+    ({"prompts": [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]},
+     ConvertError, "prompts\\[0\\]: the last message is the assistant's"),
+    ({"prompts": [{"messages": [{"role": "robot", "content": "a"}]}]}, ConvertError, "message 0 needs a role"),
+    ({"checkpoint": None, "template": {"user": "User: "}}, ParamError, "checkpoint None trains a model here"),
+    ({"tokenizer": "missing/tokenizer.json"}, ParamError, "tokenizer: .*no such tokenizer.json"),
+])
+def test_bad_input_stops_before_anything_is_generated(run_dir, tmp_path, monkeypatch, change, error, message):
+    monkeypatch.setattr(Decoder, "generate", lambda *a, **k: pytest.fail("generated despite bad input"))
+    params = ChatParams.from_dict({"checkpoint": str(run_dir), "prompts": ["12+34="], "max_new_tokens": 8,
+                                   "device": "cpu", "out_dir": str(tmp_path / "chat"), **change})
+    with pytest.raises(error, match=message):
+        prepare_chat(params)
+    assert not (tmp_path / "chat").exists()
+
+
+def test_an_out_dir_with_answers_is_refused(run_dir, tmp_path):
+    (tmp_path / "answers.jsonl").write_text("")
+    with pytest.raises(ParamError, match="already holds answers.jsonl"):
+        prepare_chat(ChatParams.from_dict({"checkpoint": str(run_dir), "prompts": ["a"], "out_dir": str(tmp_path)}))
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(run_dir, tmp_path):
+    path = word_tokenizer(tmp_path / "tokenizer.json", words=300)
+    with pytest.raises(ParamError, match=f"has 305 tokens, more than the model's vocab_size {h.VOCAB}"):
+        ChatSession(run_dir, tokenizer=path, device="cpu")
+    small = word_tokenizer(tmp_path / "small.json", words=20)
+    session = ChatSession(run_dir, tokenizer=small, device="cpu")
+    assert session.prompt_ids([[{"role": "user", "content": "w3 w4"}]], 2) == [[1, 8, 9, 2]]
+    assert session.describe()["tokenizer"]["sha256"] == sha256_file(small)
+
+
+def test_render_prompt_reuses_the_converters_turns():
+    template = ChatTemplate(system="S:", user="U:", assistant="A:", turn_end="|", eos="<|eos|>")
+    renderer = ChatRenderer(h.TOKENIZER, template, "final_turn")
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}]
+    full, _ = renderer.render(messages + [{"role": "assistant", "content": "b"}])
+    assert renderer.render_prompt(messages) == full[:-2]  # all but the answer "b" and its EOS
+    assert h.TOKENIZER.decode_template(renderer.render_prompt(messages)) == "S:s|U:q|A:a<|eos|>U:r|A:"
+    with pytest.raises(ConvertError, match="no assistant marker"):
+        ChatRenderer(h.TOKENIZER, ChatTemplate(assistant=""), "final_turn").render_prompt(messages)
+
+
+def test_prompts_from_a_jsonl_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n\n{oops\n")
+    with pytest.raises(ConvertError, match="prompts.jsonl:3: not valid JSON"):
+        read_conversations(str(path))
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert read_conversations(str(path)) == [[{"role": "user", "content": "hi"}]]
+    with pytest.raises(ParamError, match="is not a file"):
+        read_conversations(str(tmp_path / "none.jsonl"))
