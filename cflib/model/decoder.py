@@ -114,7 +114,7 @@ class Attention(nn.Module):
                 q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
         if kv is not None:
             out = kv.attend(q, k, v)
-            self.last_attention = kv.backend
+            self.last_attention = kv.cache.backend
         else:
             out = attend(q, k, v, attention)  # packed: each example attends only to itself
             self.last_attention = attention.kernel
