@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cflib.model.config import ModelConfig
 from cflib.model.kv_cache import KVCache, LayerCache
+from cflib.model.lora import experts_in, experts_out, fused_linear, fused_trmoe
 from cflib.model.routing import build_route_table
 from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
 
@@ -92,7 +93,7 @@ class Attention(nn.Module):
         self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
         self.last_rope_backend = self.rope_backend
         if self.fused_qkv:
-            qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+            qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))  # LoRA adapters included
             qkv = qkv.view(batch * seq, -1)
         if self.rope_backend == "cflib_qk_norm_rope":  # set only with fused_qkv and QK-norm
             from cflib.ops.qk_norm_rope import qkv_norm_rope
@@ -118,7 +119,8 @@ class Attention(nn.Module):
         else:
             out = attend(q, k, v, attention)  # packed: each example attends only to itself
             self.last_attention = attention.kernel
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        return fused_linear(out, (self.o_proj,)) if self.fused_qkv else self.o_proj(out)  # LoRA adapters included
 
 
 class TRMoEEngine(nn.Module):
@@ -158,9 +160,8 @@ class TRMoEEngine(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.backend == "triton_fused":
-            from cflib.ops.trmoe import trmoe_forward
             self.last_backend = self.last_swiglu_backend = "triton_fused"
-            return trmoe_forward(self, x, token_ids.reshape(-1)).reshape(shape)
+            return fused_trmoe(self, x, token_ids.reshape(-1)).reshape(shape)  # cflib.ops.trmoe, adapters included
         self.last_swiglu_backend = self.swiglu_backend
         if self.swiglu_backend == "liger":
             from cflib.ops.liger import LigerSiLUMulFunction
@@ -169,10 +170,9 @@ class TRMoEEngine(nn.Module):
             shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
         # Dense over experts: with few narrow experts every expert on every token
         # is cheap, exact (unrouted experts get coefficient 0) and gather-free.
-        gate = torch.einsum("nd,edw->new", x, self.expert_gate)
-        up = torch.einsum("nd,edw->new", x, self.expert_up)
+        gate, up = experts_in(self, "expert_gate", x), experts_in(self, "expert_up", x)  # LoRA adapters included
         coeff = self.expert_coefficients(token_ids.reshape(-1), gate.dtype)
-        routed = torch.einsum("new,ewd->nd", F.silu(gate) * up * coeff[:, :, None], self.expert_down)
+        routed = experts_out(self, F.silu(gate) * up * coeff[:, :, None])
         self.last_backend = "torch_dense"
         out = self.shared_output_scale * shared + self.routed_output_scale * routed
         return out.reshape(shape)

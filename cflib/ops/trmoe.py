@@ -104,11 +104,14 @@ class ScaledSwiGLUDown(torch.autograd.Function):
     rides in the backward kernel, which reads gate|up anyway: backward computes
     the activation's gradient first (grad_out @ down) and the kernel turns that
     buffer into the activation as it consumes it, for the down weight's gradient.
+    With `return_hidden` the activation is also an output (a caller's own branch
+    on the down projection's input, e.g. a LoRA adapter with dropout), and its
+    gradient joins the one from the down GEMM; a frozen `down` gets no gradient.
     """
 
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, down: torch.Tensor,
-                layout: tuple) -> torch.Tensor:
+                layout: tuple, return_hidden: bool = False):
         gate_up, token_ids, route_table = gate_up.contiguous(), token_ids.contiguous(), route_table.contiguous()
         num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
         hidden = torch.empty(num_rows, columns, dtype=gate_up.dtype, device=gate_up.device)
@@ -116,40 +119,65 @@ class ScaledSwiGLUDown(torch.autograd.Function):
                                                          *layout, TOP_K=route_table.shape[0])
         ctx.save_for_backward(gate_up, token_ids, route_table, down)
         ctx.layout = layout
-        return hidden @ down.t()
+        ctx.set_materialize_grads(False)
+        out = hidden @ down.t()
+        return (out, hidden) if return_hidden else out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, grad_hidden_out: torch.Tensor | None = None):
         gate_up, token_ids, route_table, down = ctx.saved_tensors
+        num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
+        if grad_out is None:
+            grad_out = torch.zeros(num_rows, down.shape[0], dtype=gate_up.dtype, device=gate_up.device)
         grad_out = grad_out.contiguous().to(gate_up.dtype)
         grad_hidden = grad_out @ down
-        num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
+        if grad_hidden_out is not None:
+            grad_hidden += grad_hidden_out.to(grad_hidden.dtype)
         _scaled_swiglu_backward[_grid(num_rows, columns)](grad_hidden, gate_up, token_ids, route_table, num_rows,
                                                           columns, *ctx.layout, TOP_K=route_table.shape[0])
-        grad_down = grad_out.t() @ grad_hidden  # grad_hidden now holds the activation
-        return gate_up, None, None, grad_down, None
+        # grad_hidden now holds the activation
+        grad_down = grad_out.t() @ grad_hidden if ctx.needs_input_grad[3] else None
+        return gate_up, None, None, grad_down, None, None
 
 
-def fused_weights(engine) -> tuple[torch.Tensor, torch.Tensor]:
-    """[2C, D] gate|up and [D, C] down weights: shared columns first, then expert e's W columns."""
-    num_experts, hidden, width = engine.expert_gate.shape
-    expert_gate = engine.expert_gate.transpose(1, 2).reshape(num_experts * width, hidden)
-    expert_up = engine.expert_up.transpose(1, 2).reshape(num_experts * width, hidden)
-    gate_up = torch.cat([engine.shared_gate.weight, expert_gate, engine.shared_up.weight, expert_up])
-    down = torch.cat([engine.shared_down.weight, engine.expert_down.reshape(num_experts * width, hidden).t()], dim=1)
+def engine_weights(engine) -> dict[str, torch.Tensor]:
+    """The six weights of the block by name: shared_gate/up/down [S, D], [S, D], [D, S]; expert_* [E, ., .]."""
+    return {"shared_gate": engine.shared_gate.weight, "shared_up": engine.shared_up.weight,
+            "shared_down": engine.shared_down.weight, "expert_gate": engine.expert_gate,
+            "expert_up": engine.expert_up, "expert_down": engine.expert_down}
+
+
+def fused_weights(engine, weights: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[2C, D] gate|up and [D, C] down weights: shared columns first, then expert e's W columns.
+
+    `weights` (engine_weights' names) replaces the engine's own, e.g. by effective weights."""
+    w = engine_weights(engine) if weights is None else weights
+    num_experts, hidden, width = w["expert_gate"].shape
+    expert_gate = w["expert_gate"].transpose(1, 2).reshape(num_experts * width, hidden)
+    expert_up = w["expert_up"].transpose(1, 2).reshape(num_experts * width, hidden)
+    gate_up = torch.cat([w["shared_gate"], expert_gate, w["shared_up"], expert_up])
+    down = torch.cat([w["shared_down"], w["expert_down"].reshape(num_experts * width, hidden).t()], dim=1)
     return gate_up, down
 
 
-def trmoe_forward(engine, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """The TR-MoE block of `engine` (a cflib.model.TRMoEEngine) on x [N, D] and token ids [N]."""
-    gate_up_weight, down_weight = fused_weights(engine)
-    weights = engine.route_weights
-    if any(w != weights[-1] for w in weights[1:]):
-        raise ValueError(f"route weights {weights}: the kernel takes a primary weight and equal others")
+def trmoe_forward(engine, x: torch.Tensor, token_ids: torch.Tensor, weights: dict[str, torch.Tensor] | None = None,
+                  gate_up_delta: torch.Tensor | None = None, return_hidden: bool = False):
+    """The TR-MoE block of `engine` (a cflib.model.TRMoEEngine) on x [N, D] and token ids [N].
+
+    For callers that adapt the block (cflib.model.lora): `weights` replaces the engine's (fused_weights),
+    `gate_up_delta` [N, 2C] is added to the gate|up GEMM's output, and `return_hidden` also returns the
+    scaled activation [N, C] the down projection reads, differentiably."""
+    gate_up_weight, down_weight = fused_weights(engine, weights)
+    route_weights = engine.route_weights
+    if any(w != route_weights[-1] for w in route_weights[1:]):
+        raise ValueError(f"route weights {route_weights}: the kernel takes a primary weight and equal others")
     vocab_size = engine.route_table.shape[1]
     # shared_columns, expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight
     layout = (engine.shared_gate.weight.shape[0], engine.expert_gate.shape[2], vocab_size,
-              float(engine.shared_output_scale), float(engine.routed_output_scale), float(weights[0]),
-              float(weights[-1]) if len(weights) > 1 else 0.0)
+              float(engine.shared_output_scale), float(engine.routed_output_scale), float(route_weights[0]),
+              float(route_weights[-1]) if len(route_weights) > 1 else 0.0)
     gate_up = F.linear(x, gate_up_weight)
-    return ScaledSwiGLUDown.apply(gate_up, token_ids, engine.route_table, down_weight.to(gate_up.dtype), layout)
+    if gate_up_delta is not None:
+        gate_up = gate_up + gate_up_delta.to(gate_up.dtype)
+    return ScaledSwiGLUDown.apply(gate_up, token_ids, engine.route_table, down_weight.to(gate_up.dtype), layout,
+                                  return_hidden)

@@ -59,7 +59,13 @@ class TrainParams(ParamSet):
     bf16: bool = False
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
-    full_parameter: bool = True
+    full_parameter: bool = True  # false: LoRA adapters on a frozen init_checkpoint (cflib.model.lora)
+    lora_rank: int | None = None  # None: 8 when full_parameter is false
+    lora_alpha: float | None = None  # None: lora_rank (scale alpha / rank = 1)
+    lora_dropout: float | None = None  # None: 0.0 (the fused paths then run on the effective weights)
+    lora_targets: tuple[str, ...] | None = None  # "q_proj,v_proj" or a list; None: all ten (cflib.model.lora)
+    base_dtype: str | None = None  # float32 | bfloat16 (frozen weights held in BF16; needs bf16); None: float32
+    train_tasks: tuple[str, ...] | None = None  # train only on examples of these `task`s; eval stays whole
     grad_ckpt: bool = False
     use_custom_kernels: str = "auto"  # auto: fast paths where every check passes; true: require them; false: PyTorch
     require_liger: bool = False  # fail before training unless Liger's kernels run
@@ -98,6 +104,7 @@ class TrainParams(ParamSet):
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TrainParams":
         reject_unknown(raw, cls.names(), source)
         hints = typing.get_type_hints(cls)
+        raw = with_name_lists(raw)
         if isinstance(raw.get("resume"), bool) or str(raw.get("resume")).lower() in ("true", "false"):
             raw = {**raw, "resume": "latest" if str(raw["resume"]).lower() == "true" else None}
         values = {name: _coerce(name, value, hints[name]) for name, value in with_kernel_choice(raw).items()}
@@ -112,7 +119,8 @@ class TrainParams(ParamSet):
         # Mappings are parameters only under a mapping-typed name: a later cell's `record` dict is not one.
         mappings = {name for name in cls.names() if _target_type(hints[name]) is dict}
         return cls.from_dict({name: value for name, value in namespace.items()
-                              if _is_user_variable(name, value) or (name in mappings and isinstance(value, dict))},
+                              if _is_user_variable(name, value) or (name in mappings and isinstance(value, dict))
+                              or (name in NAME_LISTS and isinstance(value, (list, tuple)))},
                              source="notebook parameters")
 
     def validate(self) -> None:
@@ -140,9 +148,9 @@ class TrainParams(ParamSet):
             raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
         if self.device not in DEVICES:
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if not self.full_parameter:
-            raise ParamError("full_parameter: false asks for parameter-efficient fine-tuning, which cflib does "
-                             "not offer yet; the released recipe is full-parameter SFT (full_parameter: true)")
+        self._validate_lora()
+        if self.train_tasks is not None and not self.train_tasks:
+            raise ParamError("train_tasks must name at least one task, or be None for every example")
         if self.use_custom_kernels not in KERNEL_CHOICES:
             raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), "
                              f"got {self.use_custom_kernels!r}")
@@ -164,6 +172,60 @@ class TrainParams(ParamSet):
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
+
+
+    def _validate_lora(self) -> None:
+        from cflib.model.lora import BASE_DTYPES, TARGETS  # the model layer owns what can be adapted
+
+        given = [name for name in LORA_PARAMETERS if getattr(self, name) is not None]
+        if self.full_parameter:
+            if given:
+                raise ParamError(f"{given[0]} is a LoRA setting, but full_parameter is true (every weight trains); "
+                                 "set full_parameter: false for LoRA, or remove " + ", ".join(given))
+            return
+        if self.init_checkpoint is None and self.resume is None:
+            raise ParamError("full_parameter: false trains LoRA adapters on a frozen base model: set "
+                             "init_checkpoint to the trained checkpoint to adapt")
+        if self.lora_rank is not None and self.lora_rank <= 0:
+            raise ParamError(f"lora_rank must be a positive integer, got {self.lora_rank}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ParamError(f"lora_alpha must be positive, got {self.lora_alpha}")
+        if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
+            raise ParamError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.lora_targets is not None:
+            unknown = [name for name in self.lora_targets if name not in TARGETS]
+            if unknown or not self.lora_targets:
+                what = f"{unknown[0]!r} is not an adaptable weight" if unknown else "names no weight"
+                raise ParamError(f"lora_targets: {what}; choose from {', '.join(TARGETS)} (embeddings and norms "
+                                 "stay frozen)")
+            if len(set(self.lora_targets)) != len(self.lora_targets):
+                raise ParamError(f"lora_targets repeats a name: {list(self.lora_targets)}")
+        if self.base_dtype is not None and self.base_dtype not in BASE_DTYPES:
+            raise ParamError(f"base_dtype must be one of {tuple(BASE_DTYPES)}, got {self.base_dtype!r}")
+        if self.base_dtype == "bfloat16" and not self.bf16:
+            raise ParamError("base_dtype: bfloat16 holds the frozen weights in BF16 for BF16 autocast GEMMs; "
+                             "set bf16: true, or keep base_dtype float32")
+
+
+# What `full_parameter: false` reads; any of them with full_parameter: true is a mistake.
+LORA_PARAMETERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype")
+# Parameters holding a list of names: a YAML list, or one string "a,b" (papermill -p, a notebook scalar).
+NAME_LISTS = ("lora_targets", "train_tasks")
+
+
+def with_name_lists(raw: dict[str, Any]) -> dict[str, Any]:
+    """Every NAME_LISTS value as a tuple of stripped names (None stays None)."""
+    out = dict(raw)
+    for name in NAME_LISTS:
+        value = raw.get(name)
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+            continue
+        if isinstance(value, str):
+            value = value.strip().strip("[]()").split(",")
+        if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+            raise ParamError(f"{name} must be a list of names or one comma-separated string, got {value!r}")
+        out[name] = tuple(item.strip().strip("'\"") for item in value if item.strip())
+    return out
 
 
 def reject_unknown(raw: dict[str, Any], known: list[str], source: str) -> None:
@@ -267,6 +329,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if isinstance(value, (str, Path)):
             return str(value)
         raise ParamError(f"{name} must be a string, got {value!r}")
+    if typing.get_origin(target) is tuple:  # a NAME_LISTS value, already a tuple of names (with_name_lists)
+        return tuple(value)
     if target is dict:  # a nested mapping: from YAML (-f) or a notebook dict, or -p as a YAML/JSON string
         if isinstance(value, str):
             try:

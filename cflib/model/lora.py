@@ -1,0 +1,334 @@
+"""LoRA: trainable low-rank updates beside frozen base weights, on the reference and the fused paths.
+
+A target weight W [out, in] becomes W + scale * B @ A with A [r, in], B [out, r]
+and scale = alpha / r, as PEFT defines it: A starts kaiming-uniform (PEFT's
+default), B at zero, so a fresh adapter leaves the model unchanged. The adapters
+sit where PEFT puts them, so the model's own state-dict names are PEFT's less its
+`base_model.model.` prefix: `layers.0.self_attn.q_proj.lora_A.weight`. Each
+expert tensor [E, in, out] gets one adapter per expert, A [E, r, in] and
+B [E, out, r], under `mlp.engine.expert_lora.<name>`; PEFT's layout for 3-D
+parameters is written on export (cflib.export.peft).
+
+Two forms of the same function:
+- the reference (plain PyTorch, `TRMoEModel.use_kernels` without custom kernels):
+  PEFT's textbook `base(x) + scale * B(A(dropout(x)))`, one branch per target;
+- the fused paths (one QKV GEMM, the wide TR-MoE GEMMs of cflib.ops.trmoe). With
+  lora_dropout 0 they run on the effective weight W + scale * B @ A: weight-sized
+  work (at 32k tokens a step, ~1/30 of one token GEMM), the fused GEMMs and
+  kernels unchanged, and autograd takes dA, dB from dW_eff without a base
+  gradient being stored. The base-weight GEMM of the backward is still paid; a
+  rank-r branch would skip it but read the token-sized activations and output
+  gradients several more times, which at the 200M shapes costs about as much, and
+  it could not reach the down projection inside the fused SwiGLU kernel without
+  changing it. With dropout > 0 the update cannot fold into the weight (each
+  token sees its own mask): the base GEMM runs frozen (no weight gradient) and each
+  branch is added on its dropped input, the down projections' from the activation
+  the fused kernel hands out for them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# target -> where it lives in a decoder layer
+TARGETS: dict[str, str] = {
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj", "shared_gate": "mlp.engine.shared_gate", "shared_up": "mlp.engine.shared_up",
+    "shared_down": "mlp.engine.shared_down", "expert_gate": "mlp.engine.expert_gate",
+    "expert_up": "mlp.engine.expert_up", "expert_down": "mlp.engine.expert_down",
+}
+EXPERT_TARGETS = ("expert_gate", "expert_up", "expert_down")
+LINEAR_TARGETS = tuple(name for name in TARGETS if name not in EXPERT_TARGETS)
+BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What a LoRA run adapts and how; PEFT's defaults (rank 8, alpha 8, no dropout), every target."""
+
+    rank: int = 8
+    alpha: float = 8.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = tuple(TARGETS)
+    base_dtype: str = "float32"
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "LoraSettings":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known}
+        return cls(**{**values, "targets": tuple(values.get("targets", TARGETS))})
+
+
+def dropout_input(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """The adapter's input: x with dropout p while training (one function, so tests can fix the masks)."""
+    return F.dropout(x, p, training) if p > 0 else x
+
+
+class LoraLinear(nn.Linear):
+    """nn.Linear with a frozen weight and a LoRA update; its forward is the reference form."""
+
+    def __init__(self, base: nn.Linear, settings: LoraSettings) -> None:
+        nn.Module.__init__(self)  # not nn.Linear's: the base weight is taken over, not re-created
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", None)
+        device = base.weight.device
+        self.lora_A = nn.Linear(self.in_features, settings.rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(settings.rank, self.out_features, bias=False, device=device, dtype=torch.float32)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init_lora_weights=True
+        nn.init.zeros_(self.lora_B.weight)
+        self.scale, self.dropout = settings.scale, settings.dropout
+        self.last_form = "none"
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lora_B(self.lora_A(dropout_input(x, self.dropout, self.training))) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        return (self.lora_B.weight @ self.lora_A.weight) * self.scale
+
+    def effective_weight(self) -> torch.Tensor:
+        return self.weight + self.delta()  # promoted to the adapters' fp32 when the base is held in BF16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last_form = "branch"
+        return F.linear(x, self.weight) + self.branch(x)
+
+
+class _Stack(nn.Module):
+    """One LoRA factor for every expert, named `.weight` as PEFT's factors are."""
+
+    def __init__(self, *shape: int, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, device=device, dtype=torch.float32))
+
+
+class ExpertLora(nn.Module):
+    """One adapter per expert of an [E, in, out] tensor: A [E, r, in], B [E, out, r]."""
+
+    def __init__(self, base: torch.Tensor, settings: LoraSettings) -> None:
+        super().__init__()
+        experts, d_in, d_out = base.shape
+        self.lora_A = _Stack(experts, settings.rank, d_in, device=base.device)
+        self.lora_B = _Stack(experts, d_out, settings.rank, device=base.device)
+        for matrix in self.lora_A.weight:  # per expert: a 3-D tensor's own fan-in would count E x r
+            nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.scale, self.dropout = settings.scale, settings.dropout
+        self.last_form = "none"
+
+    def delta(self) -> torch.Tensor:
+        """[E, in, out], the stored layout of the expert tensor."""
+        return torch.einsum("eri,eor->eio", self.lora_A.weight, self.lora_B.weight) * self.scale
+
+    def branch_in(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, in] -> [N, E, out]: every expert's update on every token (dense, as the engine is)."""
+        low = torch.einsum("ni,eri->ner", dropout_input(x, self.dropout, self.training), self.lora_A.weight)
+        return torch.einsum("ner,eor->neo", low, self.lora_B.weight) * self.scale
+
+    def branch_out(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, E, in] per-expert inputs -> [N, out], summed over experts."""
+        low = torch.einsum("nei,eri->ner", dropout_input(hidden, self.dropout, self.training), self.lora_A.weight)
+        return torch.einsum("ner,eor->no", low, self.lora_B.weight) * self.scale
+
+
+# --- attaching -------------------------------------------------------------------------------------
+
+def _owner(layer: nn.Module, path: str) -> tuple[nn.Module, str]:
+    *parents, name = path.split(".")
+    module = layer
+    for part in parents:
+        module = module[part] if isinstance(module, nn.ModuleDict) else getattr(module, part)
+    return module, name
+
+
+def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Freeze every base weight, add the adapters (fp32), and hold the frozen matrices in base_dtype.
+
+    Embeddings (also the tied head the loss reads) and norms stay fp32 and frozen."""
+    if has_lora(model):
+        raise ValueError("the model already carries LoRA adapters")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    base_dtype = BASE_DTYPES[settings.base_dtype]
+    for layer in model.layers:
+        for name, param in layer.named_parameters():
+            if param.dim() >= 2:
+                param.data = param.data.to(base_dtype)
+        for target in settings.targets:
+            owner, name = _owner(layer, TARGETS[target])
+            if target in EXPERT_TARGETS:
+                if not hasattr(owner, "expert_lora"):
+                    owner.expert_lora = nn.ModuleDict()
+                owner.expert_lora[name] = ExpertLora(getattr(owner, name), settings)
+            else:
+                setattr(owner, name, LoraLinear(getattr(owner, name), settings))
+    model.lora_settings = settings
+    return model
+
+
+def has_lora(model: nn.Module) -> bool:
+    return getattr(model, "lora_settings", None) is not None
+
+
+def adapter_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name of the adapted weight's module (or expert tensor) -> its adapter."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            found[name] = module
+        elif isinstance(module, ExpertLora):
+            found[name.replace(".expert_lora.", ".")] = module
+    return found
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable tensors by their names in the model (PEFT's, less `base_model.model.`)."""
+    return {name: param for name, param in model.named_parameters() if ".lora_A." in name or ".lora_B." in name}
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], settings: LoraSettings) -> None:
+    """Add scale * B @ A into the base weights of a plain model, in fp32, in place (names of adapter_state_dict)."""
+    scale = settings.scale
+    params = dict(model.named_parameters())
+    for target_name, param in params.items():
+        module_name, _, leaf = target_name.rpartition(".")
+        if target_name.rsplit(".", 1)[-1] in EXPERT_TARGETS:
+            prefix = f"{module_name}.expert_lora.{leaf}"
+            if f"{prefix}.lora_A.weight" in adapters:
+                a, b = adapters[f"{prefix}.lora_A.weight"].float(), adapters[f"{prefix}.lora_B.weight"].float()
+                param.add_(torch.einsum("eri,eor->eio", a, b) * scale)
+        elif leaf == "weight" and f"{module_name}.lora_A.weight" in adapters:
+            a, b = adapters[f"{module_name}.lora_A.weight"].float(), adapters[f"{module_name}.lora_B.weight"].float()
+            param.add_((b @ a) * scale)
+
+
+# --- the fused paths (cflib.model.decoder calls these) ------------------------------------------------
+
+def fused_linear(x: torch.Tensor, modules: tuple[nn.Linear, ...]) -> torch.Tensor:
+    """One GEMM over the concatenated weights of `modules` (q|k|v, or o alone), adapters included."""
+    adapted = [m for m in modules if isinstance(m, LoraLinear)]
+    if not adapted:
+        weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
+        return F.linear(x, weight)
+    if adapted[0].dropout == 0:
+        for module in adapted:
+            module.last_form = "effective_weight"
+        weights = [m.effective_weight() if isinstance(m, LoraLinear) else m.weight for m in modules]
+        return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights))
+    weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
+    base = F.linear(x, weight)
+    for module in adapted:
+        module.last_form = "separate_branch"
+    updates = [m.branch(x) if isinstance(m, LoraLinear) else None for m in modules]
+    return base + torch.cat([u if u is not None else base.new_zeros(*base.shape[:-1], m.out_features)
+                             for u, m in zip(updates, modules)], dim=-1)
+
+
+def _expert_adapter(engine: nn.Module, name: str) -> ExpertLora | None:
+    adapters = getattr(engine, "expert_lora", None)
+    return adapters[name] if adapters is not None and name in adapters else None
+
+
+def experts_in(engine: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Reference: [N, D] -> [N, E, W] through every expert's gate or up projection, adapter included."""
+    out = torch.einsum("nd,edw->new", x, getattr(engine, name))
+    adapter = _expert_adapter(engine, name)
+    if adapter is None:
+        return out
+    adapter.last_form = "branch"
+    return out + adapter.branch_in(x)
+
+
+def experts_out(engine: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Reference: [N, E, W] -> [N, D] through every expert's down projection, summed, adapter included."""
+    out = torch.einsum("new,ewd->nd", hidden, engine.expert_down)
+    adapter = _expert_adapter(engine, "expert_down")
+    if adapter is None:
+        return out
+    adapter.last_form = "branch"
+    return out + adapter.branch_out(hidden)
+
+
+def fused_trmoe(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The wide TR-MoE path (cflib.ops.trmoe) with the engine's adapters: effective weights without dropout,
+    else the frozen fused block plus each branch on its dropped input."""
+    from cflib.ops.trmoe import engine_weights, trmoe_forward
+
+    linear = {name: getattr(engine, name) for name in ("shared_gate", "shared_up", "shared_down")}
+    adapters = {name: m for name, m in linear.items() if isinstance(m, LoraLinear)}
+    adapters.update({name: a for name in EXPERT_TARGETS if (a := _expert_adapter(engine, name)) is not None})
+    if not adapters:
+        return trmoe_forward(engine, x, token_ids)
+    weights = engine_weights(engine)
+    if next(iter(adapters.values())).dropout == 0:
+        for name, adapter in adapters.items():
+            adapter.last_form = "effective_weight"
+            weights[name] = weights[name] + adapter.delta()
+        return trmoe_forward(engine, x, token_ids, weights=weights)
+    for adapter in adapters.values():
+        adapter.last_form = "separate_branch"
+    num_tokens, (num_experts, _, width) = x.shape[0], engine.expert_gate.shape
+
+    def update(name: str, columns: int) -> torch.Tensor | None:
+        if name not in adapters:
+            return None
+        if name in EXPERT_TARGETS:
+            return adapters[name].branch_in(x).reshape(num_tokens, num_experts * width)
+        return adapters[name].branch(x)
+
+    shared = engine.shared_gate.weight.shape[0]
+    pieces = [(update(n, c), c) for n, c in (("shared_gate", shared), ("expert_gate", num_experts * width),
+                                               ("shared_up", shared), ("expert_up", num_experts * width))]
+    gate_up_delta = None
+    if any(piece is not None for piece, _ in pieces):
+        like = next(piece for piece, _ in pieces if piece is not None)
+        gate_up_delta = torch.cat([piece if piece is not None else like.new_zeros(num_tokens, columns)
+                                   for piece, columns in pieces], dim=1)
+    out, hidden = trmoe_forward(engine, x, token_ids, weights=weights, gate_up_delta=gate_up_delta,
+                                return_hidden=True)
+    # hidden carries each column's output scale, and dropout's mask commutes with it: by linearity these
+    # are the reference's scaled branches.
+    if "shared_down" in adapters:
+        out = out + adapters["shared_down"].branch(hidden[:, :shared])
+    if "expert_down" in adapters:
+        out = out + adapters["expert_down"].branch_out(hidden[:, shared:].reshape(num_tokens, num_experts, width))
+    return out
+
+
+def lora_kernel_path(model: nn.Module) -> dict[str, str]:
+    """How the adapters ran in the last forward (read back), for the run record; {} without adapters."""
+    forms = sorted({m.last_form for m in adapter_modules(model).values()})
+    return {"lora": "+".join(forms)} if forms else {}
+
+
+def describe(model: nn.Module) -> dict:
+    """Settings and parameter counts of an adapted model, for the record."""
+    settings: LoraSettings = model.lora_settings
+    adapter = sum(p.numel() for p in adapter_state_dict(model).values())
+    total = sum(p.numel() for p in model.parameters())
+    return {**settings.to_dict(), "scale": settings.scale, "adapter_parameters": adapter,
+            "base_parameters": total - adapter}
+
+
+def adapter_parameter_count(config, settings: LoraSettings) -> int:
+    """Trainable parameters LoRA adds to a model of `config`, without building it."""
+    d, hd = config.hidden_size, config.head_dim
+    q, kv, s = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.shared_intermediate_size
+    e, w = config.num_experts, config.expert_width
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d), "shared_gate": (d, s),
+              "shared_up": (d, s), "shared_down": (s, d), "expert_gate": (d, w), "expert_up": (d, w),
+              "expert_down": (w, d)}
+    per_layer = sum(settings.rank * sum(shapes[t]) * (e if t in EXPERT_TARGETS else 1) for t in settings.targets)
+    return per_layer * config.num_hidden_layers

@@ -1,0 +1,176 @@
+"""LoRA adapters: the reference and the fused paths agree, a fresh adapter changes nothing, merging is exact.
+
+The fused paths run cflib's Triton kernels (Triton's interpreter on a CPU, tests/conftest.py).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import logits, random_ids, tiny_config
+
+import cflib.model.lora as lora
+from cflib.model.decoder import TRMoEModel
+from cflib.model.lora import (
+    EXPERT_TARGETS,
+    TARGETS,
+    LoraSettings,
+    adapter_parameter_count,
+    adapter_state_dict,
+    attach_lora,
+    lora_kernel_path,
+    merge_adapters,
+)
+from cflib.ops.dispatch import KernelPlan, SFTLoss
+
+REFERENCE, PRODUCTION = KernelPlan(liger=False, custom=False), KernelPlan(liger=True, custom=True)
+
+
+def adapted(settings: LoraSettings, seed: int = 0, trained: bool = True) -> TRMoEModel:
+    """A tiny model with adapters; `trained`: B moved off zero, as after some steps."""
+    torch.manual_seed(seed)
+    model = TRMoEModel(tiny_config())
+    attach_lora(model, settings)
+    if trained:
+        with torch.no_grad():
+            for name, param in adapter_state_dict(model).items():
+                if ".lora_B." in name:
+                    param.normal_(0.0, 0.05)
+    return model
+
+
+def loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids: torch.Tensor, labels: torch.Tensor):
+    model.use_kernels(plan)
+    model.zero_grad()
+    loss, count = SFTLoss(plan)(model(ids), model.head_weight, labels, 8, True)
+    (loss / count).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads
+
+
+def batch(model: TRMoEModel, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = random_ids(model.config.vocab_size, 2, 12, seed=seed)
+    labels = random_ids(model.config.vocab_size, 2, 12, seed=seed + 1)
+    labels[:, :4] = -100
+    return ids, labels
+
+
+def test_only_the_adapters_train_and_their_names_and_shapes_are_peft_s():
+    model = adapted(LoraSettings(rank=4, alpha=8), trained=False)
+    trainable = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {name: tuple(p.shape) for name, p in adapter_state_dict(model).items()}
+    assert trainable["layers.0.self_attn.q_proj.lora_A.weight"] == (4, 32)
+    assert trainable["layers.0.self_attn.q_proj.lora_B.weight"] == (32, 4)
+    assert trainable["layers.1.self_attn.k_proj.lora_B.weight"] == (16, 4)  # 2 kv heads x 8
+    assert trainable["layers.0.mlp.engine.shared_down.lora_A.weight"] == (4, 48)
+    assert trainable["layers.0.mlp.engine.expert_lora.expert_gate.lora_A.weight"] == (4, 4, 32)  # [E, r, in]
+    assert trainable["layers.0.mlp.engine.expert_lora.expert_down.lora_B.weight"] == (4, 32, 4)  # [E, out, r]
+    assert sum(n for n in map(lambda s: torch.Size(s).numel(), trainable.values())) == adapter_parameter_count(
+        model.config, model.lora_settings)
+    assert "embed_tokens.weight" in dict(model.named_parameters())  # kept, frozen
+    # the base weights keep their public names
+    assert {"layers.0.self_attn.q_proj.weight", "layers.0.mlp.engine.expert_up"} <= set(model.state_dict())
+
+
+def test_a_second_attach_is_refused():
+    model = adapted(LoraSettings(), trained=False)
+    with pytest.raises(ValueError, match="already carries"):
+        attach_lora(model, LoraSettings())
+
+
+@pytest.mark.parametrize("plan", [REFERENCE, PRODUCTION], ids=["reference", "production"])
+def test_a_fresh_adapter_is_exactly_the_base_model(plan):
+    torch.manual_seed(0)
+    base = TRMoEModel(tiny_config())
+    model = attach_lora(copy.deepcopy(base), LoraSettings(rank=4, alpha=16))
+    ids, _ = batch(base)
+    base.use_kernels(plan)
+    model.use_kernels(plan)
+    with torch.no_grad():
+        assert torch.equal(model(ids), base(ids))
+
+
+@pytest.mark.parametrize("targets", [tuple(TARGETS), ("q_proj", "v_proj"), ("o_proj", "shared_down", "expert_down"),
+                                     EXPERT_TARGETS], ids=["all", "qv", "down", "experts"])
+def test_production_path_matches_reference_with_effective_weights(targets):
+    model = adapted(LoraSettings(rank=4, alpha=8, targets=targets))
+    ids, labels = batch(model)
+    ref_loss, ref_grads = loss_and_grads(model, REFERENCE, ids, labels)
+    assert lora_kernel_path(model) == {"lora": "branch"}
+    fast_loss, fast_grads = loss_and_grads(model, PRODUCTION, ids, labels)
+    assert model.kernel_path()["moe"] == "triton_fused" and model.kernel_path()["qkv"] == "fused_gemm"
+    assert lora_kernel_path(model) == {"lora": "effective_weight"}
+    assert fast_loss == pytest.approx(ref_loss, abs=1e-5)
+    assert set(fast_grads) == set(ref_grads) and ref_grads
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert ref_grads[name].abs().sum() > 0, name  # every adapter receives a gradient
+
+
+def fixed_masks(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout whose mask depends on the input's shape only: both paths draw the same one."""
+    if not (training and p > 0):
+        return x
+    generator = torch.Generator().manual_seed(hash(tuple(x.shape)) % 2**31)
+    keep = (torch.rand(x.shape, generator=generator) >= p).to(x.dtype)
+    return x * keep / (1 - p)
+
+
+def test_production_path_matches_reference_with_dropout(monkeypatch):
+    monkeypatch.setattr(lora, "dropout_input", fixed_masks)
+    model = adapted(LoraSettings(rank=4, alpha=8, dropout=0.3)).train()
+    ids, labels = batch(model)
+    ref_loss, ref_grads = loss_and_grads(model, REFERENCE, ids, labels)
+    fast_loss, fast_grads = loss_and_grads(model, PRODUCTION, ids, labels)
+    assert lora_kernel_path(model) == {"lora": "separate_branch"}
+    assert fast_loss == pytest.approx(ref_loss, abs=1e-5)
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    monkeypatch.undo()  # real dropout: the masks differ, so the loss does, but training mode alone decides it
+    torch.manual_seed(1)
+    dropped, _ = loss_and_grads(model, PRODUCTION, ids, labels)
+    assert dropped != pytest.approx(fast_loss, abs=1e-6)
+    model.eval()
+    with torch.no_grad():
+        evaluated = model(ids)
+        model.use_kernels(REFERENCE)
+        torch.testing.assert_close(model(ids), evaluated, rtol=1e-5, atol=1e-5)
+
+
+def test_the_frozen_base_gets_no_gradient_on_either_path():
+    model = adapted(LoraSettings(rank=2, dropout=0.1))
+    ids, labels = batch(model)
+    for plan in (REFERENCE, PRODUCTION):
+        loss_and_grads(model, plan, ids, labels)
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+@pytest.mark.parametrize("plan", [REFERENCE, PRODUCTION], ids=["reference", "production"])
+def test_merged_weights_give_the_adapted_model_s_logits(plan):
+    model = adapted(LoraSettings(rank=4, alpha=12)).eval()
+    ids, _ = batch(model, seed=3)
+    model.use_kernels(plan)
+    with torch.no_grad():
+        expected = logits(model, ids)
+    torch.manual_seed(0)
+    plain = TRMoEModel(tiny_config()).eval()  # the same base weights: the same seed, nothing attached
+    merge_adapters(plain, {k: v.detach() for k, v in adapter_state_dict(model).items()}, model.lora_settings)
+    plain.use_kernels(plan)
+    with torch.no_grad():
+        torch.testing.assert_close(logits(plain, ids), expected, rtol=0, atol=1e-5)
+        assert (logits(plain, ids) - logits(TRMoEModel(tiny_config()).eval(), ids)).abs().max() > 1e-3
+
+
+def test_base_dtype_bfloat16_holds_the_frozen_matrices_in_bf16_and_runs_under_autocast():
+    model = adapted(LoraSettings(rank=4, base_dtype="bfloat16"))
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes["layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["layers.0.mlp.engine.expert_down"] == torch.bfloat16
+    assert dtypes["embed_tokens.weight"] == dtypes["norm.weight"] == torch.float32
+    assert all(p.dtype == torch.float32 for p in adapter_state_dict(model).values())
+    ids, labels = batch(model)
+    for plan in (REFERENCE, PRODUCTION):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, grads = loss_and_grads(model, plan, ids, labels)
+        assert torch.isfinite(torch.tensor(loss)) and all(g.dtype == torch.float32 for g in grads.values())
