@@ -12,6 +12,7 @@ a process that another has already checked for (a torchrun worker) opens with
 from __future__ import annotations
 
 import hashlib
+import copy
 import json
 import warnings
 from dataclasses import dataclass
@@ -256,6 +257,19 @@ class ShardPartition(torch.utils.data.Dataset):
         ids = torch.from_numpy(self.input_ids[start:start + length].astype(np.int64))
         labels = torch.from_numpy(self.labels[start:start + length].astype(np.int64))
         return ids, labels
+
+    def tasks(self) -> list[str]:
+        """The `task` values of examples.jsonl, sorted."""
+        return sorted({str(row.get("task")) for row in self.rows})
+
+    def only_tasks(self, tasks: Sequence[str]) -> "ShardPartition":
+        """A view of the examples whose `task` is one of `tasks`; the mapped files are shared, not copied."""
+        keep = np.array([i for i, row in enumerate(self.rows) if str(row.get("task")) in tasks], dtype=np.int64)
+        view = copy.copy(self)
+        view.rows = [self.rows[i] for i in keep]
+        view.offsets, view.lengths = self.offsets[keep], self.lengths[keep]
+        view.supervised_counts = self.supervised_counts[keep]
+        return view
 
     def supervised_tokens(self, indices: Sequence[int] | None = None) -> int:
         counts = self.supervised_counts if indices is None else self.supervised_counts[np.asarray(indices)]

@@ -89,18 +89,26 @@ def rank_share(step_examples: np.ndarray, ctx: DistContext) -> np.ndarray:
 
 
 def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int, bf16: bool, grad_ckpt: bool,
-                    device_memory_bytes: int) -> dict:
-    """Bytes one rank needs to hold a whole model and its optimizer state (the DDP condition)."""
+                    device_memory_bytes: int, lora: dict | None = None) -> dict:
+    """Bytes one rank needs to hold a whole model and its optimizer state (the DDP condition).
+
+    `lora` ({trainable_params, base_dtype}): the base is frozen (4 or 2 B/param, no gradient, no moments)
+    and only the adapters take the 16 B/param of training."""
     params = config.num_parameters()
-    state = TRAINING_BYTES_PER_PARAM * params
+    if lora is None:
+        state, rule = TRAINING_BYTES_PER_PARAM * params, "16 B/param (fp32 weights, grads, AdamW moments)"
+    else:
+        frozen = 2 if lora["base_dtype"] == "bfloat16" else 4
+        state = frozen * params + TRAINING_BYTES_PER_PARAM * lora["trainable_params"]
+        rule = (f"LoRA: {frozen} B/param of frozen base ({lora['base_dtype']}) + 16 B per adapter parameter "
+                "(fp32 weights, grads, AdamW moments)")
     per_unit = ACTIVATION_BYTES["grad_ckpt" if grad_ckpt else ("bf16" if bf16 else "fp32")]
     activations = per_unit * micro_batch_per_rank * seq_len * config.num_hidden_layers * config.hidden_size
     need = state + activations
     return {"model_and_optimizer_bytes": state, "activation_bytes": activations, "total_bytes": need,
             "device_bytes": device_memory_bytes, "fits_one_device": need <= 0.9 * device_memory_bytes,
-            "rule": "16 B/param (fp32 weights, grads, AdamW moments) + activations "
-                    "(72 B per token x layer x hidden in BF16, 144 in fp32, 8 with checkpointing, "
-                    "measured on the reference path); DDP when it fits 90% of one device"}
+            "rule": rule + " + activations (72 B per token x layer x hidden in BF16, 144 in fp32, 8 with "
+                    "checkpointing, measured on the reference path); DDP when it fits 90% of one device"}
 
 
 def device_memory_bytes(device: torch.device) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cflib import __version__
+from cflib.model.lora import describe as describe_lora
 from cflib.paths import project_root
 
 if TYPE_CHECKING:  # the trainer builds on this module
@@ -121,6 +122,8 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
                               "attention_backend": p.attention_backend, "notes": list(run.kernels.notes)},
         **count_parameters(model),
+        "lora": None if run.lora is None else {**describe_lora(model), "base": {
+            key: value for key, value in run.lora.base.items() if key != "config"}},
         "params_active": config.active_parameters(),
         "vocab_size": config.vocab_size,
         "seq_len": p.seq_len,

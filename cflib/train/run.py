@@ -22,11 +22,13 @@ from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
 from cflib.data.tasks import TASKS, ensure_embedded_shard
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
-from cflib.model.checkpoint import latest_resumable, load_checkpoint, load_config, load_trainer_state
+from cflib.model.checkpoint import latest_resumable, load_trainer_state
+from cflib.model.lora import adapter_parameter_count
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
 from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.paths import resolve_path
+from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
 from cflib.train.params import ParamError, TrainParams, gradient_accumulation
 from cflib.train.records import count_parameters
@@ -67,6 +69,7 @@ class Run:
     pack_plan: PackPlan | None = None  # pack_sequences: the windows, planned once
     loss_weights: LossWeights | None = None  # loss_groups: every cell's coefficient
     preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
+    lora: LoraRun | None = None  # full_parameter: false: the adapters' settings and their base
 
     @property
     def train_units(self) -> int:
@@ -86,6 +89,8 @@ class Run:
         tokens = int(self.train_data.lengths.sum())
         return "\n".join([
             f"model        {self.model_source}: {count_parameters(self.model)['params_total']:,} parameters",
+            *([f"lora         {self.lora.describe()}: {count_parameters(self.model)['params_trainable']:,} "
+               "trainable"] if self.lora is not None else []),
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
             f"examples, {tokens:,} train tokens",
             *([self._packing_line()] if self.pack_plan is not None else []),
@@ -153,15 +158,15 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if params.resume is not None:
         checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
                           else resolve_path(params.resume))
-        model = load_checkpoint(checkpoint_dir)
+        model, lora = resumed_model(checkpoint_dir, params)
         resume_state = load_trainer_state(checkpoint_dir)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
     elif params.init_checkpoint is not None:
         checkpoint_dir = resolve_path(params.init_checkpoint)
-        model = load_checkpoint(checkpoint_dir)
+        model, lora = initial_model(checkpoint_dir, params)
         model_source, model_name = f"checkpoint {checkpoint_dir}", checkpoint_dir.name
     else:
-        model = TRMoEModel(_preset(params.model))
+        model, lora = TRMoEModel(_preset(params.model)), None
         model_source, model_name = f"preset {params.model}", params.model
     config: ModelConfig = model.config
     if params.seq_len > config.max_position_embeddings:
@@ -181,6 +186,12 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
             preflight(data_root, partition, vocab_size=config.vocab_size, seq_len=params.seq_len,
                       require_release_ready=params.require_release_ready) for partition in ("train", "eval"))
         reports = {"train": train_report, "eval": eval_report}
+    if params.train_tasks is not None:
+        missing = [task for task in params.train_tasks if task not in train_data.tasks()]
+        if missing:
+            raise ParamError(f"train_tasks: no example of {train_data.directory} has task {missing[0]!r}; its "
+                             f"tasks: {', '.join(train_data.tasks())}")
+        train_data = train_data.only_tasks(params.train_tasks)
     pack_plan = plan_packs(train_data.lengths, params.seq_len) if params.pack_sequences else None
     # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
     loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, train_data.supervised_counts,
@@ -189,8 +200,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
     units = len(pack_plan) if pack_plan is not None else len(train_data)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
-    estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
-                               device_memory_bytes(device))
+    estimate = _memory_estimate(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
@@ -201,7 +211,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     model.use_kernels(kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
-              pack_plan, loss_weights, reports)
+              pack_plan, loss_weights, reports, lora)
     if resume_state is not None:
         _check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
@@ -235,9 +245,9 @@ def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
     if params.resume is not None:
         checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
                           else resolve_path(params.resume))
-        return load_config(checkpoint_dir), f"resumed from {checkpoint_dir}"
+        return checkpoint_config(checkpoint_dir), f"resumed from {checkpoint_dir}"
     if params.init_checkpoint is not None:
-        return load_config(resolve_path(params.init_checkpoint)), f"checkpoint {params.init_checkpoint}"
+        return checkpoint_config(resolve_path(params.init_checkpoint)), f"checkpoint {params.init_checkpoint}"
     return _preset(params.model), f"preset {params.model}"
 
 
@@ -248,8 +258,7 @@ def batch_arithmetic(params: TrainParams) -> dict:
     train_examples = count_train_examples(params.data)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params)
     device = resolve_device(params.device)
-    estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
-                               device_memory_bytes(device))
+    estimate = _memory_estimate(config, params, device)
     return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,
             "grad_accum": gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size),
             "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
@@ -290,11 +299,20 @@ def schedule_signature(run: Run) -> dict:
     p = run.params
     return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
             "lr": p.lr, "weight_decay": p.weight_decay, "beta1": p.beta1, "beta2": p.beta2,
-            "pack_sequences": p.pack_sequences, "loss_groups": p.loss_groups}
+            "pack_sequences": p.pack_sequences, "loss_groups": p.loss_groups,
+            "train_tasks": list(p.train_tasks) if p.train_tasks is not None else None}
 
 
 # What checkpoints written before a signature key existed were trained with.
-_SIGNATURE_DEFAULTS = {"pack_sequences": False, "loss_groups": None}
+_SIGNATURE_DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None}
+
+
+def _memory_estimate(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
+    settings = lora_settings(params)
+    lora = None if settings is None else {"trainable_params": adapter_parameter_count(config, settings),
+                                          "base_dtype": settings.base_dtype}
+    return memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
+                           device_memory_bytes(device), lora=lora)
 
 
 def _check_resumable(state: dict, run: Run, checkpoint_dir: Path) -> None:

@@ -28,6 +28,7 @@ from cflib.data.packing import collate_packed
 from cflib.data.shards import collate
 from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
+from cflib.model.lora import lora_kernel_path
 from cflib.ops.attention import PackedDocuments, pack_documents
 from cflib.ops.dispatch import SFTLoss
 from cflib.ops.loss import supervised_positions
@@ -156,9 +157,9 @@ class Trainer:
         start = time.perf_counter()
         weights = optimizer_state = None
         fsdp = self.run.strategy == "fsdp"
-        if fsdp:  # every rank joins the gathers; rank 0 receives the whole
-            weights = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True,
-                                                                                 cpu_offload=True))
+        if fsdp:  # every rank joins the gathers; rank 0 receives the whole (a LoRA run's adapters only)
+            weights = get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.run.lora is not None))
         if resumable and (fsdp or self.dist.is_main):
             # Keyed by parameter name and whole, so a run on another strategy or world size can resume it.
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
@@ -168,7 +169,10 @@ class Trainer:
             progress = {"step": self.step, "epoch": self.position[0], "batch_in_epoch": self.position[1]}
             target = self.run.out_dir / "checkpoints" / name
             try:
-                path = save_checkpoint(self.model, target, state, weights, progress if resumable else None)
+                if self.run.lora is not None:  # the adapters, in PEFT's format, naming their base
+                    path = self.run.lora.save(self.model, target, weights, state, progress if resumable else None)
+                else:
+                    path = save_checkpoint(self.model, target, state, weights, progress if resumable else None)
             except OSError as err:
                 if err.errno != errno.ENOSPC:
                     raise
@@ -282,7 +286,7 @@ class Trainer:
             self._end_step()
         _sync(self.device)
         seconds = time.perf_counter() - start
-        self.train_kernel_path = self.model.kernel_path()
+        self.train_kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model)}
         self.step += 1
         self.timing["train_s"] += seconds
         if self.step > self.warmup_exclude:

@@ -1,0 +1,204 @@
+"""LoRA adapter checkpoints in PEFT's format, and merging one into its base checkpoint.
+
+A LoRA checkpoint folder holds what `peft.PeftModel.from_pretrained` reads:
+`adapter_config.json` and `adapter_model.safetensors`, keyed
+`base_model.model.<module>.lora_A.weight` / `lora_B.weight`; and
+`cflib_adapter.json`: the base checkpoint it adapts (path, SHA-256 of its weights,
+config) and the settings, so a resumed run or a merge finds its base and can tell
+when it has changed. A resumable one also holds the optimizer state and progress
+files of a full checkpoint (cflib.model.checkpoint).
+
+These files are written here, not by PEFT: `PeftModel.save_pretrained` saves a
+transformers model wrapped by PEFT, and training holds cflib's own model (its
+fused kernels have no PEFT counterpart); PEFT stays a test-time dependency, and
+the tests load these folders with PEFT itself. Expert adapters follow PEFT's
+`target_parameters` layout for 3-D parameters (lora.ParamWrapper): on an
+[E, in, out] tensor, PEFT's lora_A is [E * r, out] and lora_B [in, r * E], and the
+wrappers of one module's parameters nest, the first registered (expert_gate)
+deepest, each adding a `base_layer.` to the names below it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from cflib.atomic import atomic_directory
+from cflib.model.checkpoint import (
+    CONFIG_FILE,
+    PROGRESS_FILE,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    load_checkpoint,
+    save_checkpoint,
+)
+from cflib.model.lora import EXPERT_TARGETS, LINEAR_TARGETS, LoraSettings, merge_adapters
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+CFLIB_ADAPTER_FILE = "cflib_adapter.json"
+ADAPTER_FORMAT = "cflib-lora-v1"
+PEFT_PREFIX = "base_model.model."
+_SHARED = "mlp.engine.shared_"
+
+
+def is_adapter_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG_FILE).is_file()
+
+
+def weights_sha256(checkpoint_dir: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(Path(checkpoint_dir) / WEIGHTS_FILE, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe_base(checkpoint_dir: str | Path) -> dict:
+    """What identifies a LoRA run's base: where it is, its weights' hash and its config."""
+    path = Path(checkpoint_dir).resolve()
+    return {"path": str(path), "sha256": weights_sha256(path),
+            "config": json.loads((path / CONFIG_FILE).read_text())}
+
+
+def _expert_depths(settings: LoraSettings) -> dict[str, int]:
+    """PEFT's nesting: how many `base_layer.` sit between mlp.engine and each expert target's factors."""
+    chosen = [name for name in EXPERT_TARGETS if name in settings.targets]
+    return {name: len(chosen) - 1 - k for k, name in enumerate(chosen)}
+
+
+def to_peft(adapters: dict[str, torch.Tensor], settings: LoraSettings) -> dict[str, torch.Tensor]:
+    """The model's adapter tensors (cflib.model.lora.adapter_state_dict) under PEFT's names and layout."""
+    depths, nested = _expert_depths(settings), "base_layer." * len(_expert_depths(settings))
+    out = {}
+    for name, tensor in adapters.items():
+        tensor = tensor.detach().to("cpu", torch.float32)
+        if ".expert_lora." in name:
+            owner, rest = name.split(".expert_lora.")
+            target, factor = rest.split(".", 1)[0], rest.split(".")[1]
+            prefix = f"{PEFT_PREFIX}{owner}.{'base_layer.' * depths[target]}"
+            experts, rank = tensor.shape[0], settings.rank
+            if factor == "lora_A":  # ours [E, r, in] -> PEFT's lora_B [in, r * E]
+                out[prefix + "lora_B.weight"] = tensor.permute(2, 1, 0).reshape(tensor.shape[2], rank * experts)
+            else:  # ours [E, out, r] -> PEFT's lora_A [E * r, out]
+                out[prefix + "lora_A.weight"] = tensor.transpose(1, 2).reshape(experts * rank, tensor.shape[1])
+        else:
+            out[PEFT_PREFIX + name.replace(_SHARED, "mlp.engine." + nested + "shared_")] = tensor
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def from_peft(tensors: dict[str, torch.Tensor], settings: LoraSettings, source: str) -> dict[str, torch.Tensor]:
+    """The inverse of to_peft: PEFT's names and layout back to the model's adapter names."""
+    depths = _expert_depths(settings)
+    by_depth = {depth: name for name, depth in depths.items()}
+    nested = "base_layer." * len(depths)
+    out = {}
+    for key, tensor in tensors.items():
+        if not key.startswith(PEFT_PREFIX):
+            raise CheckpointError(f"{source}: tensor {key!r} lacks PEFT's {PEFT_PREFIX!r} prefix")
+        name = key[len(PEFT_PREFIX):]
+        if ".mlp.engine." in name and ".mlp.engine." + nested + "shared_" not in name:
+            owner, rest = name.split(".mlp.engine.")
+            depth = rest.count("base_layer.")
+            if depth not in by_depth or rest != "base_layer." * depth + rest.rsplit(".", 2)[-2] + ".weight":
+                raise CheckpointError(f"{source}: tensor {key!r} is no adapter of the targets {settings.targets}")
+            prefix, rank = f"{owner}.mlp.engine.expert_lora.{by_depth[depth]}", settings.rank
+            if rest.endswith("lora_B.weight"):  # PEFT's [in, r * E] -> ours [E, r, in]
+                experts = tensor.shape[1] // rank
+                out[prefix + ".lora_A.weight"] = tensor.reshape(tensor.shape[0], rank, experts).permute(2, 1, 0)
+            else:  # PEFT's [E * r, out] -> ours [E, out, r]
+                experts = tensor.shape[0] // rank
+                out[prefix + ".lora_B.weight"] = tensor.reshape(experts, rank, tensor.shape[1]).transpose(1, 2)
+        else:
+            out[name.replace(".mlp.engine." + nested + "shared_", ".mlp.engine.shared_")] = tensor
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def peft_config(settings: LoraSettings, base_path: str) -> dict:
+    """adapter_config.json: LoraConfig's fields that say what these adapters are; PEFT fills in the rest."""
+    linear = [name for name in LINEAR_TARGETS if name in settings.targets]
+    experts = [name for name in EXPERT_TARGETS if name in settings.targets]
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+            "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+            "target_modules": linear or None, "target_parameters": experts or None, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+            "modules_to_save": None, "inference_mode": True}
+
+
+def save_adapter(path: str | Path, adapters: dict[str, torch.Tensor], settings: LoraSettings, base: dict,
+                 trainer_state: dict | None = None, progress: dict | None = None) -> Path:
+    """Write a LoRA checkpoint atomically (optionally resumable: optimizer state and progress beside it)."""
+    with atomic_directory(path) as staging:
+        (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config(settings, base["path"]), indent=2) + "\n")
+        save_file(to_peft(adapters, settings), str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / CFLIB_ADAPTER_FILE).write_text(json.dumps(
+            {"format": ADAPTER_FORMAT, "lora": settings.to_dict(), "base": base}, indent=2) + "\n")
+        if trainer_state is not None:
+            torch.save(trainer_state, staging / TRAINER_STATE_FILE)
+        if progress is not None:
+            (staging / PROGRESS_FILE).write_text(json.dumps(progress, indent=2) + "\n")
+    return Path(path)
+
+
+def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.Tensor]]:
+    """(settings, base description, the model's adapter tensors) of a LoRA checkpoint folder."""
+    path = Path(path)
+    meta_file, weights = path / CFLIB_ADAPTER_FILE, path / ADAPTER_WEIGHTS_FILE
+    for needed in (path / ADAPTER_CONFIG_FILE, meta_file, weights):
+        if not needed.is_file():
+            raise CheckpointError(f"{needed}: missing; a LoRA checkpoint holds {ADAPTER_CONFIG_FILE}, "
+                                  f"{ADAPTER_WEIGHTS_FILE} and {CFLIB_ADAPTER_FILE}")
+    try:
+        meta = json.loads(meta_file.read_text())
+        settings, base = LoraSettings.from_dict(meta["lora"]), meta["base"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{meta_file}: unreadable ({type(err).__name__}: {err})") from None
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    return settings, base, from_peft(tensors, settings, str(weights))
+
+
+def check_fits(expected: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], source: str,
+               model: str = "the model") -> None:
+    """Every adapter tensor named and shaped as `expected`'s (the adapters `model` takes)."""
+    for name, tensor in adapters.items():
+        if name not in expected:
+            raise CheckpointError(f"{source}: adapter {name!r} has no counterpart in {model}")
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{source}: adapter {name!r} has shape {list(tensor.shape)}, {model} needs "
+                                  f"{list(expected[name].shape)}")
+    missing = sorted(set(expected) - set(adapters))
+    if missing:
+        raise CheckpointError(f"{source}: missing adapter {missing[0]!r}")
+
+
+def merge(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | None = None) -> dict:
+    """Write base + scale * B @ A (fp32) as a public-layout checkpoint; base_dir: None for the recorded base.
+
+    Returns what was merged, and whether the base's weights are the ones the adapters were trained on."""
+    settings, base, adapters = read_adapter(adapter_dir)
+    base_dir = Path(base_dir or base["path"])
+    model = load_checkpoint(base_dir)
+    _check_base_fits(model, adapters, settings, f"{adapter_dir} on {base_dir}")
+    merge_adapters(model, adapters, settings)
+    save_checkpoint(model, out_dir)
+    return {"adapter": str(adapter_dir), "base": str(base_dir), "out": str(out_dir), "lora": settings.to_dict(),
+            "base_matches_training": weights_sha256(base_dir) == base.get("sha256")}
+
+
+def _check_base_fits(model, adapters: dict[str, torch.Tensor], settings: LoraSettings, source: str) -> None:
+    """Each adapter's B @ A must have its base weight's shape, and every target its adapter."""
+    from cflib.model.lora import attach_lora  # a skeleton of the adapted model gives every expected shape
+
+    with torch.device("meta"):
+        skeleton = type(model)(model.config, build_routes=False)
+    attach_lora(skeleton, settings)
+    expected = {name: p for name, p in skeleton.named_parameters() if p.requires_grad}
+    check_fits(expected, adapters, source, model="a base of this shape")

@@ -1,0 +1,120 @@
+"""The model a run trains: a full checkpoint, or LoRA adapters on a frozen base (full_parameter: false).
+
+A LoRA run's checkpoints hold only its adapters (cflib.export.peft) and name
+their base; resuming reloads that base, checks it is the same weights, and
+refuses to turn a LoRA run into a full one or the other way round.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cflib.errors import ParamError
+from cflib.export.peft import (
+    CFLIB_ADAPTER_FILE,
+    check_fits,
+    describe_base,
+    is_adapter_checkpoint,
+    read_adapter,
+    save_adapter,
+    weights_sha256,
+)
+from cflib.model.checkpoint import load_checkpoint, load_config
+from cflib.model.config import ModelConfig
+from cflib.model.decoder import TRMoEModel
+from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora
+from cflib.train.params import TrainParams
+
+SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
+                      "targets": "lora_targets", "base_dtype": "base_dtype"}
+
+
+@dataclass(frozen=True)
+class LoraRun:
+    """A LoRA run's settings and the base checkpoint it adapts (path, weights' SHA-256, config)."""
+
+    settings: LoraSettings
+    base: dict
+
+    def save(self, model: TRMoEModel, path: Path, adapters: dict[str, torch.Tensor] | None = None,
+             trainer_state: dict | None = None, progress: dict | None = None) -> Path:
+        # Gathered FSDP weights come with the buffers (route tables): only the factors are the adapter's.
+        adapters = adapter_state_dict(model) if adapters is None else {
+            name: tensor for name, tensor in adapters.items() if ".lora_A." in name or ".lora_B." in name}
+        return save_adapter(path, adapters, self.settings, self.base, trainer_state, progress)
+
+    def describe(self) -> str:
+        s = self.settings
+        return (f"LoRA rank {s.rank}, alpha {s.alpha:g} (scale {s.scale:g}), dropout {s.dropout:g}, frozen base in "
+                f"{s.base_dtype}, on {', '.join(s.targets)}; base {self.base['path']}")
+
+
+def lora_settings(params: TrainParams) -> LoraSettings | None:
+    """The LoRA settings a parameter set asks for (defaults filled in), or None for full-parameter training."""
+    if params.full_parameter:
+        return None
+    defaults = LoraSettings()
+    rank = params.lora_rank or defaults.rank
+    return LoraSettings(rank=rank, alpha=float(params.lora_alpha or rank),
+                        dropout=params.lora_dropout if params.lora_dropout is not None else defaults.dropout,
+                        targets=params.lora_targets or defaults.targets,
+                        base_dtype=params.base_dtype or defaults.base_dtype)
+
+
+def initial_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel, LoraRun | None]:
+    """init_checkpoint's model, with fresh adapters on it when the run is a LoRA run."""
+    if is_adapter_checkpoint(checkpoint_dir):
+        raise ParamError(f"init_checkpoint {checkpoint_dir} holds LoRA adapters, not a model: merge them into "
+                         "their base first (python -m cflib.export merge), or continue that run with resume")
+    model = load_checkpoint(checkpoint_dir)
+    settings = lora_settings(params)
+    if settings is None:
+        return model, None
+    return attach_lora(model, settings), LoraRun(settings, describe_base(checkpoint_dir))
+
+
+def resumed_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel, LoraRun | None]:
+    """The model of a resumable checkpoint; a LoRA checkpoint's adapters on their (unchanged) base."""
+    adapter = is_adapter_checkpoint(checkpoint_dir)
+    if adapter and params.full_parameter:
+        raise ParamError(f"{checkpoint_dir} is a checkpoint of a LoRA run: it resumes with full_parameter: false "
+                         "(and its LoRA settings); to train every weight from it, merge it (python -m cflib.export "
+                         "merge) and start a new run with init_checkpoint")
+    if not adapter and not params.full_parameter:
+        raise ParamError(f"{checkpoint_dir} is a checkpoint of a full-parameter run: it resumes with "
+                         "full_parameter: true; for LoRA, start a new run with init_checkpoint")
+    if not adapter:
+        return load_checkpoint(checkpoint_dir), None
+    saved, base, adapters = read_adapter(checkpoint_dir)
+    wanted = lora_settings(params)
+    for name, parameter in SETTING_PARAMETERS.items():
+        if getattr(saved, name) != getattr(wanted, name):
+            raise ParamError(f"{checkpoint_dir} was trained with {parameter} {getattr(saved, name)}, this run has "
+                             f"{getattr(wanted, name)}: a resumed run keeps its LoRA settings")
+    base_dir = Path(base["path"])
+    if params.init_checkpoint is not None and Path(params.init_checkpoint).resolve() != base_dir:
+        raise ParamError(f"init_checkpoint {params.init_checkpoint} is not the base {base_dir} that {checkpoint_dir} "
+                         "adapts")
+    if not (base_dir / "model.safetensors").is_file():
+        raise ParamError(f"{checkpoint_dir} adapts the base checkpoint {base_dir}, which is gone")
+    if weights_sha256(base_dir) != base["sha256"]:
+        raise ParamError(f"the base checkpoint {base_dir} changed since {checkpoint_dir} was written (its weights' "
+                         "SHA-256 differs): the adapters fit only the weights they were trained on")
+    model = attach_lora(load_checkpoint(base_dir), saved)
+    own = adapter_state_dict(model)
+    check_fits(own, adapters, str(checkpoint_dir))
+    with torch.no_grad():
+        for name, tensor in adapters.items():
+            own[name].copy_(tensor)
+    return model, LoraRun(saved, base)
+
+
+def checkpoint_config(checkpoint_dir: Path) -> ModelConfig:
+    """The architecture of a full checkpoint or of a LoRA checkpoint's base, without loading weights."""
+    if is_adapter_checkpoint(checkpoint_dir):
+        meta = Path(checkpoint_dir) / CFLIB_ADAPTER_FILE
+        return ModelConfig.from_dict(json.loads(meta.read_text())["base"]["config"], source=str(meta))
+    return load_config(checkpoint_dir)

@@ -1,0 +1,199 @@
+"""LoRA runs end to end on CPU: the base's loss at step 0, adapter checkpoints, merging, bad input."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from sft_shard_helpers import write_shard
+
+from cflib.data.tasks import generate
+from cflib.export.peft import merge, read_adapter
+from cflib.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from cflib.model.config import preset
+from cflib.model.decoder import TRMoEModel
+from cflib.model.lora import adapter_parameter_count, adapter_state_dict
+from cflib.train import prepare, train
+from cflib.train.adapters import resumed_model
+from cflib.train.params import ParamError, TrainParams
+from cflib.train.records import read_metrics
+
+FAST = {"seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 1e-2, "exact_match_limit": 8,
+        "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory) -> Path:
+    train_examples, eval_examples = generate(seed=1)
+    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:40], eval_examples[:8] + eval_examples[-8:],
+                       max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    torch.manual_seed(3)
+    return save_checkpoint(TRMoEModel(preset("smoke")), tmp_path_factory.mktemp("base") / "base")
+
+
+def lora_params(shard: Path, base: Path, out_dir: Path, **overrides) -> dict:
+    return {**FAST, "data": str(shard), "init_checkpoint": str(base), "out_dir": str(out_dir),
+            "full_parameter": False, "lora_rank": 4, "lora_alpha": 8, **overrides}
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("kernels", ["false", "true"], ids=["reference", "production"])
+def test_a_fresh_adapter_gives_exactly_the_base_model_s_loss(tmp_path, shard, base, kernels):
+    common = {"max_steps": 0, "use_custom_kernels": kernels, "exact_match_limit": 0}
+    full = train({**FAST, **common, "data": str(shard), "init_checkpoint": str(base),
+                  "out_dir": str(tmp_path / "full")}, progress=False)
+    adapted = train(lora_params(shard, base, tmp_path / "lora", **common), progress=False)
+    assert adapted["eval"]["at_start"]["loss"] == full["eval"]["at_start"]["loss"]
+
+
+def test_a_lora_run_trains_only_its_adapters_and_saves_them_in_peft_s_format(tmp_path, shard, base):
+    before = digest(base / "model.safetensors")
+    record = train(lora_params(shard, base, tmp_path / "run", max_steps=None, epochs=2), progress=False)
+    assert record["eval"]["final"]["loss"] < record["eval"]["at_start"]["loss"]
+    config = preset("smoke")
+    lora = record["lora"]
+    assert lora["rank"] == 4 and lora["alpha"] == 8 and lora["scale"] == 2 and lora["dropout"] == 0
+    assert lora["base"]["path"] == str(base.resolve()) and lora["base"]["sha256"] == before
+    assert record["params_trainable"] == lora["adapter_parameters"] == adapter_parameter_count(
+        config, resumed_model(tmp_path / "run" / "checkpoints" / "epoch-2", TrainParams.from_dict(
+            lora_params(shard, base, tmp_path / "x", resume="x")))[1].settings)
+    assert record["params_total"] == config.num_parameters() + record["params_trainable"]
+    assert record["kernel_path"]["lora"] == "branch"
+    assert record["memory_estimate"]["model_and_optimizer_bytes"] == (
+        4 * config.num_parameters() + 16 * record["params_trainable"])
+    assert digest(base / "model.safetensors") == before  # the base is never written
+    checkpoint = tmp_path / "run" / "checkpoints" / "epoch-2"
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                            "cflib_adapter.json"]
+    peft_config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert peft_config["peft_type"] == "LORA" and peft_config["r"] == 4 and peft_config["lora_alpha"] == 8
+    assert peft_config["base_model_name_or_path"] == str(base.resolve())
+    keys = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert keys["base_model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, config.hidden_size)
+    assert keys["base_model.model.layers.0.self_attn.q_proj.lora_B.weight"].abs().sum() > 0  # it trained
+
+
+def test_merged_checkpoint_gives_the_adapted_model_s_logits(tmp_path, shard, base):
+    train(lora_params(shard, base, tmp_path / "run", max_steps=2, use_custom_kernels="true"), progress=False)
+    adapter = tmp_path / "run" / "checkpoints" / "last"
+    summary = merge(adapter, tmp_path / "merged")
+    assert summary["base_matches_training"] is True and summary["base"] == str(base.resolve())
+    adapted, _ = resumed_model(adapter, TrainParams.from_dict(lora_params(shard, base, tmp_path / "x", resume="x")))
+    merged = load_checkpoint(tmp_path / "merged")
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = adapted.eval()(ids) @ adapted.head_weight.t()
+        got = merged.eval()(ids) @ merged.head_weight.t()
+        plain = load_checkpoint(base).eval()(ids) @ merged.head_weight.t()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert (plain - expected).abs().max() > 1e-4  # the adapters changed the model, and the merge kept it
+    # the merged checkpoint is an ordinary one: a full run starts from it
+    again = train({**FAST, "data": str(shard), "init_checkpoint": str(tmp_path / "merged"), "max_steps": 0,
+                   "exact_match_limit": 0, "out_dir": str(tmp_path / "again")}, progress=False)
+    final = json.loads((tmp_path / "run" / "record.json").read_text())["eval"]["final"]["loss"]
+    assert again["eval"]["final"]["loss"] == pytest.approx(final, abs=1e-5)
+
+
+def test_merging_onto_a_base_of_another_shape_is_refused(tmp_path, shard, base):
+    train(lora_params(shard, base, tmp_path / "run", max_steps=1, eval_at_start=False), progress=False)
+    other = save_checkpoint(TRMoEModel(preset("quickstart")), tmp_path / "other")
+    with pytest.raises(CheckpointError, match=r"adapter 'layers\.0\.[\w.]+' has shape \[4, \d+\], a base of this shape needs"):
+        merge(tmp_path / "run" / "checkpoints" / "last", tmp_path / "merged", base_dir=other)
+    assert not (tmp_path / "merged").exists()
+
+
+def test_only_the_named_targets_are_adapted_and_base_dtype_bf16_runs(tmp_path, shard, base):
+    record = train(lora_params(shard, base, tmp_path / "run", max_steps=2, lora_targets="q_proj, v_proj",
+                               base_dtype="bfloat16", bf16=True), progress=False)
+    assert record["lora"]["targets"] == ["q_proj", "v_proj"] and record["lora"]["base_dtype"] == "bfloat16"
+    settings, _, adapters = read_adapter(tmp_path / "run" / "checkpoints" / "last")
+    assert {name.split(".")[3] for name in adapters} == {"q_proj", "v_proj"}
+    assert np.isfinite(record["eval"]["final"]["loss"])
+
+
+def test_train_tasks_trains_on_those_tasks_and_evaluates_every_task(tmp_path, shard, base):
+    record = train(lora_params(shard, base, tmp_path / "run", max_steps=2, train_tasks="uppercase",
+                               exact_match_limit=None),
+                   progress=False)
+    uppercase = sum(1 for _ in filter(lambda e: e.meta["task"] == "uppercase", generate(seed=1)[0][:40]))
+    assert record["data"]["train_examples"] == uppercase
+    assert set(record["eval"]["final"]["exact_match"]) == {"addition", "uppercase", "overall"}
+    with pytest.raises(ParamError, match="train_tasks: no example .* has task 'poetry'; its tasks: addition, upp"):
+        train(lora_params(shard, base, tmp_path / "bad", train_tasks=["poetry"]), progress=False)
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"full_parameter": True}, ["lora_rank", "full_parameter"]),
+    ({"lora_rank": 0}, ["lora_rank", "positive"]),
+    ({"lora_rank": -2}, ["lora_rank"]),
+    ({"lora_targets": "q_proj,embed_tokens"}, ["lora_targets", "'embed_tokens'", "expert_down"]),
+    ({"lora_targets": ["q_proj", "q_proj"]}, ["lora_targets", "repeats"]),
+    ({"lora_dropout": 1.0}, ["lora_dropout"]),
+    ({"lora_alpha": 0}, ["lora_alpha"]),
+    ({"base_dtype": "float16"}, ["base_dtype", "float16"]),
+    ({"base_dtype": "bfloat16"}, ["base_dtype", "bf16"]),
+    ({"init_checkpoint": None}, ["full_parameter", "init_checkpoint"]),
+])
+def test_bad_lora_settings_stop_before_anything_runs(tmp_path, shard, base, bad, words):
+    with pytest.raises(ParamError) as caught:
+        train(lora_params(shard, base, tmp_path / "run", **bad), progress=False)
+    for word in words:
+        assert word in str(caught.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_resuming_across_full_and_lora_is_refused(tmp_path, shard, base):
+    lora = lora_params(shard, base, tmp_path / "lora", max_steps=3, save_every_steps=2)
+    train(lora, progress=False)
+    (tmp_path / "lora" / "COMPLETE").unlink()  # as if killed after step 2's checkpoint
+    full = {k: v for k, v in lora.items() if k not in ("full_parameter", "lora_rank", "lora_alpha")}
+    with pytest.raises(ParamError, match="checkpoint of a LoRA run: it resumes with full_parameter: false"):
+        train({**full, "resume": "latest"}, progress=False)
+    with pytest.raises(ParamError, match="trained with lora_rank 4, this run has 8"):
+        train({**lora, "resume": "latest", "lora_rank": 8}, progress=False)
+    with pytest.raises(ParamError, match="holds LoRA adapters, not a model: merge"):
+        train({**lora, "out_dir": str(tmp_path / "x"), "init_checkpoint": str(tmp_path / "lora/checkpoints/step-2")},
+              progress=False)
+    train({**full, "out_dir": str(tmp_path / "full")}, progress=False)
+    (tmp_path / "full" / "COMPLETE").unlink()
+    with pytest.raises(ParamError, match="checkpoint of a full-parameter run: it resumes with full_parameter: true"):
+        train({**lora, "out_dir": str(tmp_path / "full"), "resume": "latest"}, progress=False)
+
+
+def test_a_changed_base_stops_the_resume(tmp_path, shard, base):
+    moved = save_checkpoint(load_checkpoint(base), tmp_path / "base")
+    lora = lora_params(shard, moved, tmp_path / "run", max_steps=3, save_every_steps=2)
+    train(lora, progress=False)
+    (tmp_path / "run" / "COMPLETE").unlink()
+    model = load_checkpoint(moved)
+    with torch.no_grad():
+        model.norm.weight.add_(0.5)
+    save_checkpoint(model, moved)
+    with pytest.raises(ParamError, match="changed since .* was written"):
+        train({**lora, "resume": "latest"}, progress=False)
+
+
+def test_adapter_tensors_round_trip_through_peft_names(tmp_path, shard, base):
+    run = prepare(TrainParams.from_dict(lora_params(shard, base, tmp_path / "run", lora_rank=3)))
+    with torch.no_grad():
+        for param in adapter_state_dict(run.model).values():
+            param.normal_()
+    run.lora.save(run.model, tmp_path / "saved")
+    _, _, adapters = read_adapter(tmp_path / "saved")
+    own = adapter_state_dict(run.model)
+    assert set(adapters) == set(own)
+    for name in own:
+        assert torch.equal(adapters[name], own[name].detach()), name
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] if (tmp_path / "run").exists() else []
+    assert rows == []  # prepare wrote nothing
