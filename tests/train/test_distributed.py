@@ -75,6 +75,30 @@ def test_two_processes_give_the_losses_of_one(tmp_path, strategy):
     assert {f"layers.{i}.{suffix}" for i in range(2) for suffix in DERIVED_SUFFIXES} <= written.keys()
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_train_lora_adapters_like_one(tmp_path, strategy):
+    """Frozen base, trainable adapters (BF16 base under FSDP: mixed dtypes in one shard group)."""
+    from cflib.export.peft import read_adapter
+    from cflib.model.checkpoint import save_checkpoint
+    from cflib.model.decoder import TRMoEModel
+
+    torch.manual_seed(1)
+    base = save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "base")
+    lora = {**BASE, "init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lr": 1e-2,
+            **({"base_dtype": "bfloat16", "bf16": True} if strategy == "fsdp" else {})}
+    train({**lora, "out_dir": str(tmp_path / "one")}, progress=False)
+    double = train({**lora, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": strategy},
+                   progress=False)
+    assert double["strategy"] == strategy and double["params_trainable"] == double["lora"]["adapter_parameters"]
+    tolerance = 2e-2 if strategy == "fsdp" else 1e-5  # BF16 autocast: the two runs round differently
+    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=tolerance)
+    one = read_adapter(tmp_path / "one" / "checkpoints" / "last")[2]
+    two = read_adapter(tmp_path / "two" / "checkpoints" / "last")[2]
+    assert set(one) == set(two)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5 if strategy == "ddp" else 5e-3, msg=name)
+
+
 def test_two_processes_pack_and_weight_like_one(tmp_path):
     """Workers skip the preflight their launcher ran, plan the same windows and weigh the same tokens."""
     groups = {"arithmetic": {"target_share": 0.4, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},

@@ -86,10 +86,43 @@ def test_nan_is_refused(name):
     assert names(message, name), message
 
 
-def test_parameter_efficient_request_is_refused():
+def test_lora_needs_a_base_checkpoint():
     message = param_error({"full_parameter": "false"})
-    assert "parameter-efficient" in message
-    assert names(message, "full_parameter")
+    assert names(message, "full_parameter") and names(message, "init_checkpoint")
+
+
+def test_lora_parameters_from_papermill_strings_yaml_lists_and_notebooks():
+    lora = {"full_parameter": "false", "init_checkpoint": "some/checkpoint"}
+    params = TrainParams.from_dict({**lora, "lora_rank": "16", "lora_alpha": "32", "lora_dropout": "0.05",
+                                    "lora_targets": "q_proj, v_proj", "base_dtype": "bfloat16", "bf16": "true"})
+    assert (params.lora_rank, params.lora_alpha, params.lora_dropout) == (16, 32.0, 0.05)
+    assert params.lora_targets == ("q_proj", "v_proj") and params.base_dtype == "bfloat16"
+    assert TrainParams.from_dict({**lora, "lora_targets": ["expert_up", "o_proj"]}).lora_targets == (
+        "expert_up", "o_proj")
+    assert TrainParams.from_dict({**lora, "lora_targets": "[q_proj, 'k_proj']"}).lora_targets == ("q_proj", "k_proj")
+    assert TrainParams.from_dict({**lora, "lora_targets": "None"}).lora_targets is None
+    assert TrainParams.from_namespace({**lora, "lora_targets": ["k_proj"]}).lora_targets == ("k_proj",)
+    assert TrainParams.from_dict({"train_tasks": "uppercase"}).train_tasks == ("uppercase",)
+
+
+@pytest.mark.parametrize("raw, name", [
+    ({"lora_rank": 8}, "lora_rank"), ({"lora_targets": "q_proj"}, "lora_targets"),
+    ({"base_dtype": "bfloat16"}, "base_dtype"), ({"lora_dropout": 0.0}, "lora_dropout"),
+])
+def test_lora_settings_with_full_parameter_training_are_refused(raw, name):
+    message = param_error(raw)
+    assert names(message, name) and names(message, "full_parameter"), message
+
+
+@pytest.mark.parametrize("raw, name", [
+    ({"lora_rank": 0}, "lora_rank"), ({"lora_rank": -1}, "lora_rank"), ({"lora_alpha": "nan"}, "lora_alpha"),
+    ({"lora_dropout": -0.1}, "lora_dropout"), ({"lora_targets": "q_proj,lm_head"}, "lora_targets"),
+    ({"lora_targets": ","}, "lora_targets"), ({"lora_targets": [1, 2]}, "lora_targets"),
+    ({"base_dtype": "fp8"}, "base_dtype"), ({"train_tasks": []}, "train_tasks"),
+])
+def test_bad_lora_settings_name_the_parameter(raw, name):
+    message = param_error({"full_parameter": False, "init_checkpoint": "c", **raw})
+    assert names(message, name), message
 
 
 def test_impossible_batch_arithmetic_offers_valid_alternatives():

@@ -161,3 +161,35 @@ def test_resume_ignores_a_save_that_a_kill_left_half_done(tmp_path, shard):
     record = train(params(shard, out_dir, max_steps=9, resume="latest"), progress=False)
     assert "checkpoints/step-8 at step 8" in record["model_source"]
     assert record["schedule"]["steps_done"] == 9
+
+
+def adapters_of(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from cflib.export.peft import read_adapter
+
+    return read_adapter(checkpoint)[2]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    from cflib.model.checkpoint import save_checkpoint
+    from cflib.model.config import preset
+    from cflib.model.decoder import TRMoEModel
+
+    torch.manual_seed(5)
+    return save_checkpoint(TRMoEModel(preset("smoke")), tmp_path_factory.mktemp("base") / "base")
+
+
+def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, base):
+    """Adapters, their AdamW state and the stream continue; the frozen base is reloaded and checked."""
+    lora = {"init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lora_dropout": 0.1,
+            "lr": 1e-2, "epochs": 4}
+    train(params(shard, tmp_path / "whole", **lora), progress=False)
+    start_and_kill(params(shard, tmp_path / "killed", **lora), tmp_path / "killed", after_checkpoint="step-8")
+    resumed = train(params(shard, tmp_path / "killed", resume="latest", **lora), progress=False)
+    assert resumed["model_source"].startswith("resumed from") and resumed["schedule"]["steps_done"] == 12
+    whole = adapters_of(tmp_path / "whole" / "checkpoints" / "epoch-4")
+    again = adapters_of(tmp_path / "killed" / "checkpoints" / "epoch-4")
+    assert_same_weights(whole, again, atol=1e-6)
+    assert any(tensor.abs().sum() > 0 for name, tensor in whole.items() if ".lora_B." in name)  # they trained
+    state = torch.load(tmp_path / "killed" / "checkpoints" / "step-8" / "trainer_state.pt", weights_only=True)
+    assert set(state["optimizer"]["state"]) == set(whole)  # the optimizer holds the adapters alone
