@@ -2,8 +2,10 @@
 
 Owns the Hugging Face Hub bundle (`python -m cflib.export hub CHECKPOINT OUT`,
 `export_hub` in Python), its tokenizer files and the modules it carries
-(`hub_modules/`, copied verbatim into the bundle and importing no cflib code).
-Imports model, data and the foundation modules; never train, bench or lab.
+(`hub_modules/`, copied verbatim into the bundle and importing no cflib code),
+and LoRA adapters in PEFT's format with their merge into the base (`peft`;
+`python -m cflib.export merge ADAPTER OUT`). Imports model, data and the
+foundation modules; never train, bench or lab.
 """
 from cflib.export.hub import ExportError, export_hub, resolve_checkpoint
 from cflib.export.tokenizer_files import TokenizerExportError

@@ -1,12 +1,30 @@
-"""`python -m cflib.export hub CHECKPOINT OUT [--tokenizer PATH]`: a Hugging Face Hub bundle of a trained model."""
+"""`python -m cflib.export hub CHECKPOINT OUT [--tokenizer PATH]`: a Hugging Face Hub bundle of a trained model.
+
+`python -m cflib.export merge ADAPTER OUT [--base BASE]`: a LoRA checkpoint merged into its base.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from collections.abc import Sequence
 
 from cflib.export.hub import ExportError, export_hub
+from cflib.export.peft import merge
 from cflib.export.tokenizer_files import TokenizerExportError
 from cflib.model import CheckpointError, ConfigError
+
+
+def _hub(args: argparse.Namespace) -> None:
+    export_hub(args.checkpoint, args.out, args.tokenizer)
+
+
+def _merge(args: argparse.Namespace) -> None:
+    summary = merge(args.adapter, args.out, base_dir=args.base)
+    print(json.dumps(summary, indent=2))
+    if not summary["base_matches_training"]:
+        print(f"note: {summary['base']} is not the base these adapters were trained on (its weights differ); "
+              "the merged model is that base plus the adapters", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -20,9 +38,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     hub.add_argument("out", help="the bundle folder to create (must not exist)")
     hub.add_argument("--tokenizer", help="'byte' (the default for a model of the byte vocabulary), a "
                                          "tokenizer.json, or a folder holding one")
+    hub.set_defaults(run=_hub)
+    merging = commands.add_parser("merge", help="a LoRA checkpoint's base + scale * B @ A, written (fp32) as an "
+                                                "ordinary checkpoint")
+    merging.add_argument("adapter", help="a LoRA checkpoint folder (adapter_config.json, adapter_model.safetensors)")
+    merging.add_argument("out", help="the merged checkpoint folder to write (config.json + model.safetensors)")
+    merging.add_argument("--base", default=None, help="the base checkpoint; default: the one the adapters name")
+    merging.set_defaults(run=_merge)
     args = parser.parse_args(argv)
     try:
-        export_hub(args.checkpoint, args.out, args.tokenizer)
+        args.run(args)
     except (ExportError, TokenizerExportError, CheckpointError, ConfigError) as err:  # each names the input at fault
         raise SystemExit(f"export: {err}") from None
 
