@@ -35,6 +35,11 @@ TARGETS = (
     Target("supervised_tokens_per_s", Side("production", REALISTIC), Side("peer_padded", REALISTIC), ">=", 8.0),
     Target("model_tflops_per_s", Side("production", micro="best"), Side("ceiling"), ">=", 0.60),
 )
+# LoRA on the production path against full-parameter training, when a run measures it.
+LORA_TARGETS = tuple(
+    target for path in ("production_lora", "production_lora_bf16_base") for target in (
+        Target("tokens_per_s", Side(path), Side("production"), ">=", 0.90),
+        Target("peak_memory_gib", Side(path), Side("production"), "<=", 1.00)))
 
 
 def batches_of(entry: dict) -> str:
@@ -73,7 +78,8 @@ def _side(entries: list[dict], side: Side, compare_micro: int, quantity: str,
 def compare(entries: list[dict], compare_micro: int, ceiling: dict | None = None) -> list[dict]:
     """Every target's ratio from this run's entries; a side that did not run leaves its ratio None, saying why."""
     rows = []
-    for target in TARGETS:
+    measured = {e["path"] for e in entries}
+    for target in TARGETS + tuple(t for t in LORA_TARGETS if t.numerator.path in measured):
         top, bottom = target.numerator, target.denominator
         best = "best" in (top.micro, bottom.micro)
         row = {"quantity": target.quantity, "micro_batch": "best" if best else compare_micro,

@@ -52,7 +52,9 @@ from cflib.bench.timing import (
     sync,
     time_steps,
 )
+from cflib.model.checkpoint import save_checkpoint
 from cflib.model.config import PRESETS, ModelConfig
+from cflib.model.decoder import TRMoEModel
 from cflib.paths import resolve_path
 from cflib.train.params import DEVICES, ParamError, ParamSet, TrainParams, _coerce, _is_user_variable, reject_unknown
 from cflib.train.records import _package_version, count_parameters, device_info, framework_versions
@@ -64,6 +66,14 @@ PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "reference": {"use_custom_kernels": "false", "require_liger": False},
     "production": {"use_custom_kernels": "true", "require_liger": True},
 }
+# LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
+# measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.
+LORA_PATHS: dict[str, dict[str, Any]] = {
+    "production_lora": {**PROJECT_PATHS["production"], "full_parameter": False, "lora_rank": 16, "lora_alpha": 32},
+    "production_lora_bf16_base": {**PROJECT_PATHS["production"], "full_parameter": False, "lora_rank": 16,
+                                  "lora_alpha": 32, "base_dtype": "bfloat16"},
+}
+PROJECT_PATHS.update(LORA_PATHS)
 # The peers: Liger applied or not, torch.compile or not.
 PEER_PATHS: dict[str, dict[str, bool]] = {
     "peer_eager": {"liger": False, "compiled": False},
@@ -74,6 +84,7 @@ PEER_PATHS: dict[str, dict[str, bool]] = {
 # The kinds of batches, and the paths each runs: the project's on both, the peer's as each kind feeds it.
 BATCHES: dict[str, tuple[str, ...]] = {RANDOM_ROWS: (*PROJECT_PATHS, *PEER_PATHS), REALISTIC: (*PROJECT_PATHS, *FEEDS)}
 PATHS = (*PROJECT_PATHS, *PEER_PATHS, *FEEDS)
+DEFAULT_PATHS = tuple(name for name in PATHS if name not in LORA_PATHS)
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,7 @@ class ThroughputParams(ParamSet):
     seq_len: int = 64
     micro_batches: tuple[int, ...] = (2, 4)  # every path on random rows is measured at each
     compare_micro_batch: int = 2  # where the ratios are taken, and realistic lengths measured; one of micro_batches
-    paths: tuple[str, ...] = PATHS
+    paths: tuple[str, ...] = DEFAULT_PATHS  # of PATHS; the LoRA paths when named
     batches: tuple[str, ...] = tuple(BATCHES)  # random_rows and/or realistic
     shard: str | None = None  # realistic lengths from this shard root (its train partition); None: generated
     realistic_median_length: int = 10  # generated lengths: log-normal median, capped at seq_len (300 on a GPU run)
@@ -269,9 +280,11 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
     with contextlib.ExitStack() as stack:
         kernels = PROJECT_PATHS.get(name, PROJECT_PATHS["reference"])
         run_dir = out_dir / "runs" / f"{batches.kind}-{name}-mb{micro}"
-        tparams = train_params(params, micro, len(steps_batches), batches.root, run_dir, kernels,
-                               packed=batches.stream is not None)
         try:
+            if kernels.get("full_parameter") is False:  # LoRA adapts a checkpoint: the preset's, written once
+                kernels = {**kernels, "init_checkpoint": str(_lora_base(out_dir / "lora_base", config, params.seed))}
+            tparams = train_params(params, micro, len(steps_batches), batches.root, run_dir, kernels,
+                                   packed=batches.stream is not None)
             session = _session(name, tparams, batches, len(steps_batches), params, config, device, stack)
         except torch.cuda.OutOfMemoryError as err:
             return {**entry, "status": "oom", "reason": error_line(err), "peak_memory_gib": peak_memory_gib(device)}
@@ -300,6 +313,13 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
         if session.trainer is not None and batches.stream is None and micro == params.compare_micro_batch:
             entry["evaluation_and_checkpoint"] = _guarded(time_evaluation_and_checkpoint, session.trainer, device)
     return entry
+
+
+def _lora_base(path: Path, config: ModelConfig, seed: int) -> Path:
+    if not (path / "model.safetensors").is_file():
+        torch.manual_seed(seed)
+        save_checkpoint(TRMoEModel(config), path)
+    return path
 
 
 def _guarded(timing: Callable[..., dict], *args: Any) -> dict:

@@ -363,6 +363,24 @@ def test_a_path_whose_requirements_fail_is_skipped_with_the_reason(tmp_path, mon
     assert row["value"] is None and "need a CUDA device" in row["why_none"]
 
 
+def test_lora_paths_train_adapters_on_the_production_kernels_and_are_compared(tmp_path):
+    """production_lora against production (smoke size: the plumbing); its BF16 base needs bf16 and says so."""
+    record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
+                                                 "paths": ["production", "production_lora",
+                                                           "production_lora_bf16_base"], "profile_steps": 0,
+                                                 "batches": ["random_rows"]}),
+                     log=lambda line: None)
+    full, lora, bf16_base = record["paths"]
+    assert full["status"] == lora["status"] == "ok", (full.get("reason"), lora.get("reason"))
+    assert lora["kernel_path"]["moe"] == "triton_fused" and lora["params_trainable"] < lora["params_total"] / 2
+    assert full["params_trainable"] == full["params_total"]
+    assert lora["evaluation_and_checkpoint"]["status"] == "ok"
+    assert bf16_base["status"] == "skipped" and "bf16" in bf16_base["reason"]
+    rows = [r for r in record["comparison"] if r["numerator"] == "production_lora"]
+    assert [(r["quantity"], r["target"]) for r in rows] == [("tokens_per_s", ">= 0.90"), ("peak_memory_gib", "<= 1.00")]
+    assert rows[0]["value"] == lora["tokens_per_s"] / full["tokens_per_s"]
+
+
 def test_out_of_memory_is_recorded_and_the_next_path_runs(tmp_path, monkeypatch):
     def out_of_memory(self, step_examples):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
