@@ -58,6 +58,31 @@ def test_peft_loads_the_adapters_onto_the_base_model_and_computes_the_same(tmp_p
     assert (plain - expected).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("targets", [LINEAR_TARGETS, tuple(TARGETS)], ids=["linear", "all"])
+def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets):
+    """The Hub bundle of the base (cflib.export.hub) with PeftModel.from_pretrained: the adapted model's logits,
+    and merge_and_unload gives those of cflib's merged checkpoint."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from cflib.export import export_hub
+    from cflib.export.peft import merge
+
+    adapter, model = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=targets))
+    export_hub(tmp_path / "base", tmp_path / "bundle", echo=None)
+    hub = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bundle"), trust_remote_code=True,
+                                                            dtype=torch.float32)
+    wrapped = peft.PeftModel.from_pretrained(hub, str(adapter)).eval()
+    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model.eval()(ids) @ model.head_weight.t()
+        torch.testing.assert_close(wrapped(input_ids=ids).logits, expected, rtol=0, atol=1e-4)
+        merge(adapter, tmp_path / "merged")
+        merged = load_checkpoint(tmp_path / "merged").eval()
+        unloaded = wrapped.merge_and_unload()
+        torch.testing.assert_close(unloaded(input_ids=ids).logits, merged(ids) @ merged.head_weight.t(),
+                                   rtol=0, atol=1e-4)
+
+
 def test_merge_cli_writes_an_ordinary_checkpoint_and_refuses_another_shape(tmp_path):
     adapter, model = saved_adapter(tmp_path, LoraSettings(rank=2, alpha=4))
     merged = tmp_path / "merged"
