@@ -127,7 +127,9 @@ def peft_config(settings: LoraSettings, base_path: str) -> dict:
             "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
             "target_modules": linear or None, "target_parameters": experts or None, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-            "modules_to_save": None, "inference_mode": True}
+            "modules_to_save": None, "inference_mode": True,
+            "trainable_token_indices": {"embed_tokens": list(settings.trainable_tokens)}
+            if settings.trainable_tokens else None}
 
 
 def save_adapter(path: str | Path, adapters: dict[str, torch.Tensor], settings: LoraSettings, base: dict,

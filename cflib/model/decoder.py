@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cflib.model.config import ModelConfig
 from cflib.model.kv_cache import KVCache, LayerCache
-from cflib.model.lora import experts_in, experts_out, fused_linear, fused_trmoe
+from cflib.model.lora import embedding_weight, experts_in, experts_out, fused_linear, fused_trmoe
 from cflib.model.routing import build_route_table
 from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
 
@@ -226,7 +226,7 @@ class TRMoEModel(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight
+        return embedding_weight(self.embed_tokens)  # a LoRA run's trainable token rows included
 
     def rope(self, seq_len: int, device: torch.device,
              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,9 @@ sit where PEFT puts them, so the model's own state-dict names are PEFT's less it
 `base_model.model.` prefix: `layers.0.self_attn.q_proj.lora_A.weight`. Each
 expert tensor [E, in, out] gets one adapter per expert, A [E, r, in] and
 B [E, out, r], under `mlp.engine.expert_lora.<name>`; PEFT's layout for 3-D
-parameters is written on export (cflib.export.peft).
+parameters is written on export (cflib.export.peft). Optionally some rows of the
+tied embedding train too (PEFT's trainable tokens): tokens a base never saw share
+one collapsed embedding, which no adapter on the blocks can tell apart in the head.
 
 Two forms of the same function:
 - the reference (plain PyTorch, `TRMoEModel.use_kernels` without custom kernels):
@@ -55,19 +57,21 @@ class LoraSettings:
     dropout: float = 0.0
     targets: tuple[str, ...] = tuple(TARGETS)
     base_dtype: str = "float32"
+    trainable_tokens: tuple[int, ...] = ()  # embedding rows (token ids) that train too: PEFT's trainable tokens
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "targets": list(self.targets)}
+        return {**asdict(self), "targets": list(self.targets), "trainable_tokens": list(self.trainable_tokens)}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "LoraSettings":
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
-        return cls(**{**values, "targets": tuple(values.get("targets", TARGETS))})
+        return cls(**{**values, "targets": tuple(values.get("targets", TARGETS)),
+                      "trainable_tokens": tuple(values.get("trainable_tokens", ()))})
 
 
 def dropout_input(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -142,6 +146,42 @@ class ExpertLora(nn.Module):
         return torch.einsum("ner,eor->no", low, self.lora_B.weight) * self.scale
 
 
+class TrainableTokens(nn.Module):
+    """New values for some rows of the (tied) embedding, PEFT's `trainable_tokens_delta`: rows the base never
+    learned, e.g. the tokens of a new task, whose frozen embeddings the head could not tell apart."""
+
+    def __init__(self, embedding: torch.Tensor, token_ids: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("token_indices", torch.tensor(token_ids, dtype=torch.long, device=embedding.device),
+                             persistent=False)
+        # PEFT's convention: the parameter holds the rows' values (starting as the base's), not a difference.
+        self.trainable_tokens_delta = nn.Parameter(embedding.detach()[self.token_indices].float().clone())
+
+
+class LoraEmbedding(nn.Embedding):
+    """The frozen embedding (and tied head) with some rows replaced by trainable ones."""
+
+    def __init__(self, base: nn.Embedding, token_ids: tuple[int, ...]) -> None:
+        nn.Module.__init__(self)  # the base weight is taken over, not re-created
+        self.num_embeddings, self.embedding_dim = base.num_embeddings, base.embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = base.padding_idx, base.max_norm, base.norm_type
+        self.scale_grad_by_freq, self.sparse = base.scale_grad_by_freq, base.sparse
+        self.weight = base.weight
+        self.token_adapter = TrainableTokens(base.weight, token_ids)
+
+    def effective_weight(self) -> torch.Tensor:
+        rows = self.token_adapter.trainable_tokens_delta.to(self.weight.dtype)
+        return self.weight.index_copy(0, self.token_adapter.token_indices, rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.effective_weight())
+
+
+def embedding_weight(embedding: nn.Embedding) -> torch.Tensor:
+    """The embedding matrix the model computes with (also the tied head): trainable rows included."""
+    return embedding.effective_weight() if isinstance(embedding, LoraEmbedding) else embedding.weight
+
+
 # --- attaching -------------------------------------------------------------------------------------
 
 def _owner(layer: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -173,6 +213,12 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
                 owner.expert_lora[name] = ExpertLora(getattr(owner, name), settings)
             else:
                 setattr(owner, name, LoraLinear(getattr(owner, name), settings))
+    if settings.trainable_tokens:
+        vocab = model.embed_tokens.num_embeddings
+        outside = [t for t in settings.trainable_tokens if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"lora_trainable_tokens: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        model.embed_tokens = LoraEmbedding(model.embed_tokens, settings.trainable_tokens)
     model.lora_settings = settings
     return model
 
@@ -194,7 +240,11 @@ def adapter_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trainable tensors by their names in the model (PEFT's, less `base_model.model.`)."""
-    return {name: param for name, param in model.named_parameters() if ".lora_A." in name or ".lora_B." in name}
+    return {name: param for name, param in model.named_parameters() if is_adapter_name(name)}
+
+
+def is_adapter_name(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name or name.endswith(".trainable_tokens_delta")
 
 
 @torch.no_grad()
@@ -202,6 +252,10 @@ def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], settings
     """Add scale * B @ A into the base weights of a plain model, in fp32, in place (names of adapter_state_dict)."""
     scale = settings.scale
     params = dict(model.named_parameters())
+    rows = adapters.get("embed_tokens.token_adapter.trainable_tokens_delta")
+    if rows is not None:
+        index = torch.tensor(settings.trainable_tokens, dtype=torch.long)
+        params["embed_tokens.weight"].index_copy_(0, index, rows.to(params["embed_tokens.weight"].dtype))
     for target_name, param in params.items():
         module_name, _, leaf = target_name.rpartition(".")
         if target_name.rsplit(".", 1)[-1] in EXPERT_TARGETS:
@@ -331,4 +385,4 @@ def adapter_parameter_count(config, settings: LoraSettings) -> int:
               "shared_up": (d, s), "shared_down": (s, d), "expert_gate": (d, w), "expert_up": (d, w),
               "expert_down": (w, d)}
     per_layer = sum(settings.rank * sum(shapes[t]) * (e if t in EXPERT_TARGETS else 1) for t in settings.targets)
-    return per_layer * config.num_hidden_layers
+    return per_layer * config.num_hidden_layers + len(settings.trainable_tokens) * d

@@ -25,11 +25,12 @@ from cflib.export.peft import (
 from cflib.model.checkpoint import load_checkpoint, load_config
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
-from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora
+from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora, is_adapter_name
 from cflib.train.params import TrainParams
 
 SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
-                      "targets": "lora_targets", "base_dtype": "base_dtype"}
+                      "targets": "lora_targets", "base_dtype": "base_dtype",
+                      "trainable_tokens": "lora_trainable_tokens"}
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,14 @@ class LoraRun:
              trainer_state: dict | None = None, progress: dict | None = None) -> Path:
         # Gathered FSDP weights come with the buffers (route tables): only the factors are the adapter's.
         adapters = adapter_state_dict(model) if adapters is None else {
-            name: tensor for name, tensor in adapters.items() if ".lora_A." in name or ".lora_B." in name}
+            name: tensor for name, tensor in adapters.items() if is_adapter_name(name)}
         return save_adapter(path, adapters, self.settings, self.base, trainer_state, progress)
 
     def describe(self) -> str:
         s = self.settings
+        tokens = f", {len(s.trainable_tokens)} trainable token rows" if s.trainable_tokens else ""
         return (f"LoRA rank {s.rank}, alpha {s.alpha:g} (scale {s.scale:g}), dropout {s.dropout:g}, frozen base in "
-                f"{s.base_dtype}, on {', '.join(s.targets)}; base {self.base['path']}")
+                f"{s.base_dtype}, on {', '.join(s.targets)}{tokens}; base {self.base['path']}")
 
 
 def lora_settings(params: TrainParams) -> LoraSettings | None:
@@ -61,7 +63,8 @@ def lora_settings(params: TrainParams) -> LoraSettings | None:
     return LoraSettings(rank=rank, alpha=float(params.lora_alpha or rank),
                         dropout=params.lora_dropout if params.lora_dropout is not None else defaults.dropout,
                         targets=params.lora_targets or defaults.targets,
-                        base_dtype=params.base_dtype or defaults.base_dtype)
+                        base_dtype=params.base_dtype or defaults.base_dtype,
+                        trainable_tokens=params.lora_trainable_tokens or ())
 
 
 def initial_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel, LoraRun | None]:
@@ -73,6 +76,10 @@ def initial_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
     settings = lora_settings(params)
     if settings is None:
         return model, None
+    outside = [t for t in settings.trainable_tokens if t >= model.config.vocab_size]
+    if outside:
+        raise ParamError(f"lora_trainable_tokens: token id {outside[0]} is outside the model's vocabulary "
+                         f"[0, {model.config.vocab_size})")
     return attach_lora(model, settings), LoraRun(settings, describe_base(checkpoint_dir))
 
 

@@ -65,6 +65,7 @@ class TrainParams(ParamSet):
     lora_dropout: float | None = None  # None: 0.0 (the fused paths then run on the effective weights)
     lora_targets: tuple[str, ...] | None = None  # "q_proj,v_proj" or a list; None: all ten (cflib.model.lora)
     base_dtype: str | None = None  # float32 | bfloat16 (frozen weights held in BF16; needs bf16); None: float32
+    lora_trainable_tokens: tuple[int, ...] | None = None  # embedding rows that train too: "69-94,101-126" or a list
     train_tasks: tuple[str, ...] | None = None  # train only on examples of these `task`s; eval stays whole
     grad_ckpt: bool = False
     use_custom_kernels: str = "auto"  # auto: fast paths where every check passes; true: require them; false: PyTorch
@@ -104,7 +105,7 @@ class TrainParams(ParamSet):
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TrainParams":
         reject_unknown(raw, cls.names(), source)
         hints = typing.get_type_hints(cls)
-        raw = with_name_lists(raw)
+        raw = with_token_ids(with_name_lists(raw))
         if isinstance(raw.get("resume"), bool) or str(raw.get("resume")).lower() in ("true", "false"):
             raw = {**raw, "resume": "latest" if str(raw["resume"]).lower() == "true" else None}
         values = {name: _coerce(name, value, hints[name]) for name, value in with_kernel_choice(raw).items()}
@@ -120,7 +121,7 @@ class TrainParams(ParamSet):
         mappings = {name for name in cls.names() if _target_type(hints[name]) is dict}
         return cls.from_dict({name: value for name, value in namespace.items()
                               if _is_user_variable(name, value) or (name in mappings and isinstance(value, dict))
-                              or (name in NAME_LISTS and isinstance(value, (list, tuple)))},
+                              or (name in (*NAME_LISTS, "lora_trainable_tokens") and isinstance(value, (list, tuple)))},
                              source="notebook parameters")
 
     def validate(self) -> None:
@@ -208,7 +209,8 @@ class TrainParams(ParamSet):
 
 
 # What `full_parameter: false` reads; any of them with full_parameter: true is a mistake.
-LORA_PARAMETERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype")
+LORA_PARAMETERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype",
+                   "lora_trainable_tokens")
 # Parameters holding a list of names: a YAML list, or one string "a,b" (papermill -p, a notebook scalar).
 NAME_LISTS = ("lora_targets", "train_tasks")
 
@@ -226,6 +228,25 @@ def with_name_lists(raw: dict[str, Any]) -> dict[str, Any]:
             raise ParamError(f"{name} must be a list of names or one comma-separated string, got {value!r}")
         out[name] = tuple(item.strip().strip("'\"") for item in value if item.strip())
     return out
+
+
+def with_token_ids(raw: dict[str, Any]) -> dict[str, Any]:
+    """lora_trainable_tokens as a tuple of ints: a YAML list of ids and "a-b" ranges, or one such string."""
+    value = raw.get("lora_trainable_tokens")
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+        return raw
+    items = value.strip().strip("[]()").split(",") if isinstance(value, str) else value
+    ids: list[int] = []
+    for item in items if isinstance(items, (list, tuple)) else [items]:
+        text = str(item).strip()
+        low, _, high = text.partition("-") if "-" in text[1:] else (text, "", text)
+        try:
+            ids.extend(range(int(low), int(high) + 1))
+        except ValueError:
+            raise ParamError(f"lora_trainable_tokens: {text!r} is not a token id or an a-b range of them") from None
+    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+        raise ParamError(f"lora_trainable_tokens: token ids must be distinct and >= 0, got {value!r}")
+    return {**raw, "lora_trainable_tokens": tuple(ids)}
 
 
 def reject_unknown(raw: dict[str, Any], known: list[str], source: str) -> None:

@@ -58,8 +58,9 @@ def test_peft_loads_the_adapters_onto_the_base_model_and_computes_the_same(tmp_p
     assert (plain - expected).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("targets", [LINEAR_TARGETS, tuple(TARGETS)], ids=["linear", "all"])
-def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets):
+@pytest.mark.parametrize("targets, tokens", [(LINEAR_TARGETS, ()), (tuple(TARGETS), (70, 71, 102))],
+                         ids=["linear", "all_and_token_rows"])
+def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets, tokens):
     """The Hub bundle of the base (cflib.export.hub) with PeftModel.from_pretrained: the adapted model's logits,
     and merge_and_unload gives those of cflib's merged checkpoint."""
     peft = pytest.importorskip("peft")
@@ -67,12 +68,12 @@ def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets):
     from cflib.export import export_hub
     from cflib.export.peft import merge
 
-    adapter, model = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=targets))
+    adapter, model = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=targets, trainable_tokens=tokens))
     export_hub(tmp_path / "base", tmp_path / "bundle", echo=None)
     hub = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bundle"), trust_remote_code=True,
                                                             dtype=torch.float32)
     wrapped = peft.PeftModel.from_pretrained(hub, str(adapter)).eval()
-    ids = torch.randint(1, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([[70, 5, 102, 9, 71, 33, 1, 40, 8], [3, 71, 71, 6, 102, 9, 12, 70, 2]])
     with torch.no_grad():
         expected = model.eval()(ids) @ model.head_weight.t()
         torch.testing.assert_close(wrapped(input_ids=ids).logits, expected, rtol=0, atol=1e-4)

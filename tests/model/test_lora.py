@@ -174,3 +174,27 @@ def test_base_dtype_bfloat16_holds_the_frozen_matrices_in_bf16_and_runs_under_au
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, grads = loss_and_grads(model, plan, ids, labels)
         assert torch.isfinite(torch.tensor(loss)) and all(g.dtype == torch.float32 for g in grads.values())
+
+
+def test_trainable_token_rows_feed_the_input_and_the_tied_head_and_merge():
+    settings = LoraSettings(rank=2, alpha=4, targets=("q_proj",), trainable_tokens=(3, 7, 11))
+    model = adapted(settings, trained=False)
+    delta = model.embed_tokens.token_adapter.trainable_tokens_delta
+    assert delta.requires_grad and delta.shape == (3, 32)
+    assert not model.embed_tokens.weight.requires_grad
+    torch.manual_seed(0)
+    base = TRMoEModel(tiny_config()).eval()
+    ids, labels = batch(model)
+    with torch.no_grad():  # the rows start as the base's: nothing changes
+        assert torch.equal(model.eval()(ids), base(ids))
+        delta.normal_()
+    ref_loss, ref_grads = loss_and_grads(model, REFERENCE, ids, labels)
+    fast_loss, fast_grads = loss_and_grads(model, PRODUCTION, ids, labels)
+    assert fast_loss == pytest.approx(ref_loss, abs=1e-5)
+    name = "embed_tokens.token_adapter.trainable_tokens_delta"
+    torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5)
+    assert (ref_grads[name].abs().sum(1) > 0).all()  # each row learns (as input or as an output of the head)
+    merge_adapters(base, {k: v.detach() for k, v in adapter_state_dict(model).items()}, settings)
+    with torch.no_grad():
+        torch.testing.assert_close(logits(base, ids), logits(model.eval(), ids), rtol=0, atol=1e-5)
+        assert torch.equal(base.embed_tokens.weight[[3, 7, 11]], delta)

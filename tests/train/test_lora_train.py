@@ -145,6 +145,7 @@ def test_train_tasks_trains_on_those_tasks_and_evaluates_every_task(tmp_path, sh
     ({"base_dtype": "float16"}, ["base_dtype", "float16"]),
     ({"base_dtype": "bfloat16"}, ["base_dtype", "bf16"]),
     ({"init_checkpoint": None}, ["full_parameter", "init_checkpoint"]),
+    ({"lora_trainable_tokens": "250-300"}, ["lora_trainable_tokens", "260", "vocabulary"]),
 ])
 def test_bad_lora_settings_stop_before_anything_runs(tmp_path, shard, base, bad, words):
     with pytest.raises(ParamError) as caught:

@@ -103,6 +103,8 @@ def test_lora_parameters_from_papermill_strings_yaml_lists_and_notebooks():
     assert TrainParams.from_dict({**lora, "lora_targets": "None"}).lora_targets is None
     assert TrainParams.from_namespace({**lora, "lora_targets": ["k_proj"]}).lora_targets == ("k_proj",)
     assert TrainParams.from_dict({"train_tasks": "uppercase"}).train_tasks == ("uppercase",)
+    assert TrainParams.from_dict({**lora, "lora_trainable_tokens": "3-5, 9"}).lora_trainable_tokens == (3, 4, 5, 9)
+    assert TrainParams.from_dict({**lora, "lora_trainable_tokens": [7, "10-11"]}).lora_trainable_tokens == (7, 10, 11)
 
 
 @pytest.mark.parametrize("raw, name", [
@@ -119,6 +121,7 @@ def test_lora_settings_with_full_parameter_training_are_refused(raw, name):
     ({"lora_dropout": -0.1}, "lora_dropout"), ({"lora_targets": "q_proj,lm_head"}, "lora_targets"),
     ({"lora_targets": ","}, "lora_targets"), ({"lora_targets": [1, 2]}, "lora_targets"),
     ({"base_dtype": "fp8"}, "base_dtype"), ({"train_tasks": []}, "train_tasks"),
+    ({"lora_trainable_tokens": "a-z"}, "lora_trainable_tokens"), ({"lora_trainable_tokens": [3, 3]}, "lora_trainable_tokens"),
 ])
 def test_bad_lora_settings_name_the_parameter(raw, name):
     message = param_error({"full_parameter": False, "init_checkpoint": "c", **raw})
