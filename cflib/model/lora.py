@@ -254,17 +254,18 @@ def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], settings
     params = dict(model.named_parameters())
     rows = adapters.get("embed_tokens.token_adapter.trainable_tokens_delta")
     if rows is not None:
-        index = torch.tensor(settings.trainable_tokens, dtype=torch.long)
-        params["embed_tokens.weight"].index_copy_(0, index, rows.to(params["embed_tokens.weight"].dtype))
+        embedding = params["embed_tokens.weight"]
+        index = torch.tensor(settings.trainable_tokens, dtype=torch.long, device=embedding.device)
+        embedding.index_copy_(0, index, rows.to(embedding.device, embedding.dtype))
     for target_name, param in params.items():
         module_name, _, leaf = target_name.rpartition(".")
-        if target_name.rsplit(".", 1)[-1] in EXPERT_TARGETS:
+        if leaf in EXPERT_TARGETS:
             prefix = f"{module_name}.expert_lora.{leaf}"
             if f"{prefix}.lora_A.weight" in adapters:
-                a, b = adapters[f"{prefix}.lora_A.weight"].float(), adapters[f"{prefix}.lora_B.weight"].float()
+                a, b = (adapters[f"{prefix}.lora_{f}.weight"].to(param.device, torch.float32) for f in "AB")
                 param.add_(torch.einsum("eri,eor->eio", a, b) * scale)
         elif leaf == "weight" and f"{module_name}.lora_A.weight" in adapters:
-            a, b = adapters[f"{module_name}.lora_A.weight"].float(), adapters[f"{module_name}.lora_B.weight"].float()
+            a, b = (adapters[f"{module_name}.lora_{f}.weight"].to(param.device, torch.float32) for f in "AB")
             param.add_((b @ a) * scale)
 
 
