@@ -16,16 +16,18 @@ Two forms of the same function:
   PEFT's textbook `base(x) + scale * B(A(dropout(x)))`, one branch per target;
 - the fused paths (one QKV GEMM, the wide TR-MoE GEMMs of cflib.ops.trmoe). With
   lora_dropout 0 they run on the effective weight W + scale * B @ A: weight-sized
-  work (at 32k tokens a step, ~1/30 of one token GEMM), the fused GEMMs and
-  kernels unchanged, and autograd takes dA, dB from dW_eff without a base
-  gradient being stored. The base-weight GEMM of the backward is still paid; a
-  rank-r branch would skip it but read the token-sized activations and output
-  gradients several more times, which at the 200M shapes costs about as much, and
-  it could not reach the down projection inside the fused SwiGLU kernel without
-  changing it. With dropout > 0 the update cannot fold into the weight (each
-  token sees its own mask): the base GEMM runs frozen (no weight gradient) and each
-  branch is added on its dropped input, the down projections' from the activation
-  the fused kernel hands out for them.
+  work, small next to the token-sized GEMMs of a 32k-token step; the fused GEMMs
+  and kernels stay as they are, and autograd takes dA, dB from dW_eff without a
+  base gradient being stored. The base-weight GEMM of the backward is still paid;
+  a rank-r branch would skip it but read the token-sized activations and output
+  gradients several more times (by estimate the same order of time at the 200M shapes),
+  and could not reach the down projection inside the fused SwiGLU kernel without
+  changing it. Under BF16 autocast the GEMM reads bf16(W + update): an update
+  below W's bf16 resolution is rounded, as a full-parameter run's fp32 weights
+  are when cast for the same GEMM. With dropout > 0 the update cannot fold into
+  the weight (each token sees its own mask): the base GEMM runs frozen (no weight
+  gradient) and each branch is added on its dropped input, the down projections'
+  on the activation the fused kernel hands out for them.
 """
 from __future__ import annotations
 

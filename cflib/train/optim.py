@@ -22,5 +22,6 @@ def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.de
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]  # LoRA trains no norm gain: no empty group
     return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2),
                              fused=fused and device.type == "cuda")
