@@ -15,6 +15,7 @@ import cflib.bench.throughput as throughput
 from cflib.bench.__main__ import main as report_main
 from cflib.bench.comparison import TARGETS, compare
 from cflib.bench.peer import PeerTrainer, active_ffn_width, llama_config
+from cflib.bench.plots import plot_throughput
 from cflib.bench.synthetic import write_random_token_shard
 from cflib.bench.tables import perf_table, update_readme_perf_table
 from cflib.bench.throughput import BATCHES, ThroughputParams, flops_per_token, measure, time_steps
@@ -379,6 +380,9 @@ def test_lora_paths_train_adapters_on_the_production_kernels_and_are_compared(tm
     rows = [r for r in record["comparison"] if r["numerator"] == "production_lora"]
     assert [(r["quantity"], r["target"]) for r in rows] == [("tokens_per_s", ">= 0.90"), ("peak_memory_gib", "<= 1.00")]
     assert rows[0]["value"] == lora["tokens_per_s"] / full["tokens_per_s"]
+    assert "| production_lora | 2 |" in perf_table(record)  # what the notebook shows of it
+    plot_throughput(record, save_to=tmp_path / "throughput.png")
+    assert (tmp_path / "throughput.png").is_file()
 
 
 def test_out_of_memory_is_recorded_and_the_next_path_runs(tmp_path, monkeypatch):
