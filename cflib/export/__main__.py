@@ -21,7 +21,7 @@ def _hub(args: argparse.Namespace) -> None:
 
 def _merge(args: argparse.Namespace) -> None:
     summary = merge(args.adapter, args.out, base_dir=args.base)
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
     if not summary["base_matches_training"]:
         print(f"note: {summary['base']} is not the base these adapters were trained on (its weights differ); "
               "the merged model is that base plus the adapters", file=sys.stderr)
