@@ -16,11 +16,10 @@ from cflib.export.peft import merge, read_adapter
 from cflib.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cflib.model.config import preset
 from cflib.model.decoder import TRMoEModel
-from cflib.model.lora import adapter_parameter_count, adapter_state_dict
+from cflib.model.lora import LoraSettings, adapter_parameter_count, adapter_state_dict
 from cflib.train import prepare, train
 from cflib.train.adapters import resumed_model
 from cflib.train.params import ParamError, TrainParams
-from cflib.train.records import read_metrics
 
 FAST = {"seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 1e-2, "exact_match_limit": 8,
         "device": "cpu"}
@@ -66,8 +65,7 @@ def test_a_lora_run_trains_only_its_adapters_and_saves_them_in_peft_s_format(tmp
     assert lora["rank"] == 4 and lora["alpha"] == 8 and lora["scale"] == 2 and lora["dropout"] == 0
     assert lora["base"]["path"] == str(base.resolve()) and lora["base"]["sha256"] == before
     assert record["params_trainable"] == lora["adapter_parameters"] == adapter_parameter_count(
-        config, resumed_model(tmp_path / "run" / "checkpoints" / "epoch-2", TrainParams.from_dict(
-            lora_params(shard, base, tmp_path / "x", resume="x")))[1].settings)
+        config, LoraSettings(rank=4, alpha=8))
     assert record["params_total"] == config.num_parameters() + record["params_trainable"]
     assert record["kernel_path"]["lora"] == "branch"
     assert record["memory_estimate"]["model_and_optimizer_bytes"] == (
@@ -197,5 +195,4 @@ def test_adapter_tensors_round_trip_through_peft_names(tmp_path, shard, base):
     assert set(adapters) == set(own)
     for name in own:
         assert torch.equal(adapters[name], own[name].detach()), name
-    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] if (tmp_path / "run").exists() else []
-    assert rows == []  # prepare wrote nothing
+    assert not (tmp_path / "run").exists()  # prepare wrote nothing
