@@ -122,7 +122,7 @@ def time_kernels(config, micro: int, seq_len: int, documents, device: torch.devi
     for kind, kernels in (("dense", DENSE_KERNELS), ("packed", PACKED_KERNELS)):
         for kernel, requested in kernels.items():
             row = {"kind": kind, "kernel": kernel}
-            problem = backend_problem(requested, device, head_dim, dtype) if requested else None
+            problem = backend_problem(requested, device, head_dim, dtype, kind == "packed") if requested else None
             if problem:
                 results["rows"].append({**row, "status": "skipped", "reason": problem})
                 continue

@@ -265,9 +265,9 @@ def _attention_fast(backend: str):
     return run
 
 
-def _attention_unavailable(backend: str):
+def _attention_unavailable(backend: str, packed: bool):
     def why(device: torch.device, dtype_name: str, shape: Shape) -> str | None:
-        problem = backend_problem(backend, device, shape.config.head_dim)
+        problem = backend_problem(backend, device, shape.config.head_dim, packed=packed)
         if problem is None and backend in GPU_NEEDS and dtype_name != "bfloat16":
             return f"{GPU_NEEDS[backend][0]} computes in bfloat16/float16: checked in bfloat16"
         return problem
@@ -276,7 +276,7 @@ def _attention_unavailable(backend: str):
 
 def _attention(name: str, backend: str, kernel: str, packed: bool) -> Component:
     return Component(name, kernel, _attention_inputs(packed), (), _attention_reference, _attention_fast(backend),
-                     unavailable=_attention_unavailable(backend))
+                     unavailable=_attention_unavailable(backend, packed))
 
 
 COMPONENTS = [

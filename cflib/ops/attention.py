@@ -54,6 +54,9 @@ GPU_NEEDS = {"fa4": ("FlashAttention-4", (9, 0), 256), "cudnn_sdpa": ("cuDNN att
              "torch_varlen": ("torch.nn.attention.varlen (FlashAttention-2)", (8, 0), 256)}
 # Inductor's FlexAttention kernels refuse heads narrower than this (torch 2.11: "NYI").
 FLEX_MIN_HEAD_DIM = 16
+# FlashAttention-4 4.0.0b36's varlen backward on Hopper returns wrong gradients for narrower heads (H200, measured
+# against float64: head_dim 16 off by 100%, 32, 64 and 128 within 3e-3; its forward and the dense kernel are right).
+FA4_VARLEN_MIN_HEAD_DIM = 32
 
 
 # --- the packed documents ---------------------------------------------------------------------------------
@@ -127,8 +130,10 @@ def _install_problem(name: str) -> str | None:
     return None
 
 
-def backend_problem(name: str, device: torch.device, head_dim: int, dtype: torch.dtype | None = None) -> str | None:
-    """Why backend `name` cannot run on `device` with heads of head_dim (and, given, activations of dtype), or None."""
+def backend_problem(name: str, device: torch.device, head_dim: int, dtype: torch.dtype | None = None,
+                    packed: bool = False) -> str | None:
+    """Why backend `name` cannot run on `device` with heads of head_dim (and, given, activations of dtype), for
+    packed windows or dense rows, or None."""
     if name == "sdpa_mask":
         return None
     if name == "flex":
@@ -148,6 +153,9 @@ def backend_problem(name: str, device: torch.device, head_dim: int, dtype: torch
                 f"{'Hopper' if least >= (9, 0) else 'Ampere'} or newer)")
     if head_dim % 8 or head_dim > widest:
         return f"head_dim {head_dim}: {what} takes multiples of 8 up to {widest}"
+    if name == "fa4" and packed and head_dim < FA4_VARLEN_MIN_HEAD_DIM:
+        return (f"head_dim {head_dim} < {FA4_VARLEN_MIN_HEAD_DIM}: {what}'s varlen backward gives wrong gradients "
+                "for narrower heads")
     if dtype is not None and dtype not in HALF:
         return f"{str(dtype).removeprefix('torch.')} activations: {what} computes in bfloat16/float16 (bf16: true)"
     return _install_problem(name)
@@ -157,14 +165,14 @@ def choose_kernel(requested: str, packed: bool, device: torch.device, head_dim: 
     """The kernel `requested` runs for dense rows or packed windows, or KernelUnavailable naming the check."""
     if requested == "auto":
         return next((KERNELS[name][packed] for name in AUTO_ORDER[packed]
-                     if backend_problem(name, device, head_dim, dtype) is None), AUTO_LAST[packed])
+                     if backend_problem(name, device, head_dim, dtype, packed) is None), AUTO_LAST[packed])
     if requested not in KERNELS:
         raise KernelUnavailable(f"attention_backend {requested!r}: expected one of {ATTENTION_BACKENDS}")
     kernel = KERNELS[requested][packed]
     if kernel is None:
         raise KernelUnavailable(f"attention_backend {requested} attends dense rows only (it has no document mask); "
                                 f"packed windows take fa4, torch_varlen, flex or sdpa_mask")
-    if kernel != "torch_sdpa" and (problem := backend_problem(requested, device, head_dim)):
+    if kernel != "torch_sdpa" and (problem := backend_problem(requested, device, head_dim, packed=packed)):
         raise KernelUnavailable(f"attention_backend: {requested}, but {problem}")
     return kernel
 
@@ -173,9 +181,9 @@ def plan_attention(requested: str, device: torch.device, head_dim: int, packed: 
     """A run's attention_backend checked before any step: KernelUnavailable naming the failed check, or, for
     auto, notes on the fast kernel it leaves off on this GPU (the activations' dtype is judged at each forward)."""
     if requested == "auto":
-        problem = backend_problem("fa4", device, head_dim) if device.type == "cuda" else None
+        problem = backend_problem("fa4", device, head_dim, packed=packed) if device.type == "cuda" else None
         return (f"attention_backend (fa4): {problem}",) if problem else ()
-    if requested in KERNELS and (problem := backend_problem(requested, device, head_dim)):
+    if requested in KERNELS and (problem := backend_problem(requested, device, head_dim, packed=packed)):
         raise KernelUnavailable(f"attention_backend: {requested}, but {problem}")
     choose_kernel(requested, packed, device, head_dim, torch.bfloat16)  # a kind of row it cannot attend
     return ()

@@ -88,6 +88,17 @@ def test_flex_on_a_gpu_needs_wide_heads_and_fa4_a_multiple_of_8(gpu):
     assert choose_kernel("auto", True, GPU, 60, BF16) == "flex_attention"
 
 
+def test_fa4_packs_no_heads_narrower_than_its_varlen_backward_computes_right(gpu):
+    """FlashAttention-4's varlen backward is wrong below head_dim 32 (H200): auto packs those with torch's varlen,
+    a named fa4 stops before any step; dense rows keep it."""
+    assert choose_kernel("auto", True, GPU, 16, BF16) == "torch_varlen"
+    assert choose_kernel("auto", False, GPU, 16, BF16) == "fa4"
+    assert choose_kernel("auto", True, GPU, 32, BF16) == "fa4_varlen"
+    with pytest.raises(KernelUnavailable, match="fa4, but head_dim 16 < 32: FlashAttention-4's varlen backward"):
+        plan_attention("fa4", GPU, 16, packed=True)
+    assert plan_attention("fa4", GPU, 16, packed=False) == ()
+
+
 def test_a_named_backend_runs_its_kernel_and_dense_rows_need_no_mask(gpu):
     assert [choose_kernel(name, True, GPU, 64, BF16) for name in ("fa4", "torch_varlen", "flex", "sdpa_mask")] == [
         "fa4_varlen", "torch_varlen", "flex_attention", "sdpa_mask"]
