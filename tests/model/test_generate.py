@@ -37,7 +37,7 @@ def without_cache(model, prompt: list[int], max_new_tokens: int, eos: int | None
     ids, new = list(prompt), []
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            hidden = model(torch.tensor([ids]))[:, -1]
+            hidden = model(torch.tensor([ids], device=model.head_weight.device))[:, -1]
             token = int((hidden @ model.head_weight.t()).argmax(-1))
             new.append(token)
             ids.append(token)
@@ -112,7 +112,7 @@ def test_sampler_draws_from_the_filtered_distribution():
 def test_fast_kernels_take_decode_shapes(model, plan):
     """Liger's RMSNorm/RoPE/SwiGLU and cflib's fused QKV norm+RoPE, add+RMSNorm and TR-MoE block accept one
     token per row at per-row positions, and decode as full forwards through the same kernels do."""
-    fast = copy.deepcopy(model)
+    fast = copy.deepcopy(model).to("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: Triton's interpreter
     fast.use_kernels(plan)
     ragged = [prompts()[1], prompts()[-1]]
     expected = [without_cache(fast, p, 3, h.EOS) for p in ragged]
