@@ -1,10 +1,11 @@
-"""Markdown tables of benchmark records, and the README blocks generated from them."""
+"""Markdown tables of benchmark records, and the blocks of README.md and docs/ generated from them.
+
+A generated block sits between `<!-- KIND RECORD -->` and `<!-- /KIND -->`, KIND one of TABLES;
+`python -m cflib.bench KIND RECORD --into FILE` rewrites it, and a test keeps every block current.
+"""
 from __future__ import annotations
 
 from pathlib import Path
-
-PERF_TABLE_BEGIN = "<!-- perf-table {} -->"
-PERF_TABLE_END = "<!-- /perf-table -->"
 
 
 def _number(value: float | None, digits: int = 0) -> str:
@@ -106,17 +107,23 @@ def _kernel_rows(record: dict) -> list[str]:
     return lines
 
 
+def _setting(record: dict) -> str:
+    device, framework, ceiling = record["device"], record["framework"], record["matmul_ceiling"]
+    return (f"{device['name']} x {device['count']}, torch {framework['torch']}, {record['precision']}, "
+            f"seq {record['seq_len']:,}, {record['timing_protocol']['timed_steps']} timed steps after "
+            f"{record['timing_protocol']['warmup_steps_excluded']} warm-up; {ceiling['dtype']} matmul "
+            f"{ceiling['size']}^3 ceiling {ceiling['tflops_per_s']:,.1f} TFLOP/s in the same run; "
+            f"cflib {(framework.get('cflib_commit') or 'unknown')[:7]}")
+
+
+def headline_table(record: dict) -> str:
+    """Markdown: the setting and the product's targets with what this run measured against each."""
+    return "\n".join([_setting(record), ""] + _ratio_rows(record)[2:])
+
+
 def perf_table(record: dict) -> str:
     """Markdown: every path's steady-state figures on each kind of batches, the product's targets, the kernels."""
-    device, framework = record["device"], record["framework"]
-    ceiling = record["matmul_ceiling"]
-    lines = [
-        f"{device['name']} x {device['count']}, torch {framework['torch']}, {record['precision']}, "
-        f"seq {record['seq_len']:,}, {record['timing_protocol']['timed_steps']} timed steps after "
-        f"{record['timing_protocol']['warmup_steps_excluded']} warm-up; {ceiling['dtype']} matmul "
-        f"{ceiling['size']}^3 ceiling {ceiling['tflops_per_s']:,.1f} TFLOP/s in the same run; "
-        f"cflib {(framework.get('cflib_commit') or 'unknown')[:7]}",
-    ]
+    lines = [_setting(record)]
     dense = [e for e in record["paths"] if _kind(e) == "random_rows"]
     if dense:
         lines += ["", f"Random rows ({record['seq_len']:,} random tokens each, the first third unsupervised):", ""]
@@ -135,16 +142,18 @@ def perf_table(record: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme_perf_table(readme: str, record_name: str, table: str) -> str:
-    """README text with the block between the record's perf-table markers replaced by `table`."""
-    begin = PERF_TABLE_BEGIN.format(record_name)
-    if begin not in readme:
-        raise ValueError(f"README has no line {begin!r} (followed later by {PERF_TABLE_END!r}) to fill")
-    head, rest = readme.split(begin, 1)
-    if PERF_TABLE_END not in rest:
-        raise ValueError(f"README's {begin!r} block has no closing {PERF_TABLE_END!r}")
-    tail = rest.split(PERF_TABLE_END, 1)[1]
-    return f"{head}{begin}\n{table}\n{PERF_TABLE_END}{tail}"
+TABLES = {"perf-table": perf_table, "headline-table": headline_table}
+
+
+def update_block(text: str, kind: str, record_name: str, table: str) -> str:
+    """`text` with its generated `kind` block of record_name (cflib.bench.tables) replaced by `table`."""
+    begin, end = f"<!-- {kind} {record_name} -->", f"<!-- /{kind} -->"
+    if begin not in text:
+        raise ValueError(f"no line {begin!r} (followed later by {end!r}) to fill")
+    head, rest = text.split(begin, 1)
+    if end not in rest:
+        raise ValueError(f"the {begin!r} block has no closing {end!r}")
+    return f"{head}{begin}\n{table}\n{end}{rest.split(end, 1)[1]}"
 
 
 def tuning_summary(record: dict) -> str:

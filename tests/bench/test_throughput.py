@@ -17,7 +17,7 @@ from cflib.bench.comparison import TARGETS, compare
 from cflib.bench.peer import PeerTrainer, active_ffn_width, llama_config
 from cflib.bench.plots import plot_throughput
 from cflib.bench.synthetic import write_random_token_shard
-from cflib.bench.tables import perf_table, update_readme_perf_table
+from cflib.bench.tables import TABLES, headline_table, perf_table, update_block
 from cflib.bench.throughput import BATCHES, ThroughputParams, flops_per_token, measure, time_steps
 from cflib.data.shards import IGNORE_INDEX, open_shard
 from cflib.model.config import preset
@@ -493,31 +493,43 @@ def test_perf_table_reads_a_record_of_random_rows_only():
     assert "| production | 16 |" in table and "Realistic lengths" not in table
 
 
-def test_readme_block_is_replaced_and_missing_markers_are_named(tmp_path, smoke_record, capsys):
+def test_a_generated_block_is_replaced_and_missing_markers_are_named(tmp_path, smoke_record, capsys):
     record_path = tmp_path / "record.json"
     record_path.write_text(json.dumps(smoke_record))
-    readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n<!-- perf-table {record_path} -->\nold\n<!-- /perf-table -->\noutro\n")
-    report_main(["perf-table", str(record_path), "--readme", str(readme)])
-    assert readme.read_text() == (f"intro\n<!-- perf-table {record_path} -->\n{perf_table(smoke_record)}\n"
-                                  "<!-- /perf-table -->\noutro\n")
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n<!-- perf-table {record_path} -->\nold\n<!-- /perf-table -->\n"
+                    f"<!-- headline-table {record_path} -->\nold\n<!-- /headline-table -->\noutro\n")
+    report_main(["perf-table", str(record_path), "--into", str(page)])
+    report_main(["headline-table", str(record_path), "--into", str(page)])
+    assert page.read_text() == (f"intro\n<!-- perf-table {record_path} -->\n{perf_table(smoke_record)}\n"
+                                f"<!-- /perf-table -->\n<!-- headline-table {record_path} -->\n"
+                                f"{headline_table(smoke_record)}\n<!-- /headline-table -->\noutro\n")
+    assert "| ratio | micro-batch | measured | target | met |" in headline_table(smoke_record)
     report_main(["perf-table", str(record_path)])
     assert capsys.readouterr().out == perf_table(smoke_record) + "\n"
-    with pytest.raises(ValueError, match="README has no line"):
-        update_readme_perf_table("no markers", "outputs/records/x.json", "table")
+    with pytest.raises(ValueError, match="no line '<!-- perf-table outputs/records/x.json -->'"):
+        update_block("no markers", "perf-table", "outputs/records/x.json", "table")
 
 
 COMMITTED = sorted((ROOT / "outputs" / "records").glob("throughput_*.json"))
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @pytest.mark.skipif(not COMMITTED, reason="no throughput record committed under outputs/records yet")
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.name)
-def test_readme_perf_table_is_generated_from_the_committed_record(path):
+def test_every_committed_record_is_shown_and_its_blocks_are_current(path):
     name = str(path.relative_to(ROOT))
-    readme = (ROOT / "README.md").read_text()
-    table = perf_table(json.loads(path.read_text()))
-    assert update_readme_perf_table(readme, name, table) == readme, (
-        f"README's table for {name} is stale: python -m cflib.bench perf-table {name} --readme README.md")
+    record = json.loads(path.read_text())
+    shown = 0
+    for page in PAGES:
+        text = page.read_text()
+        for kind, table in TABLES.items():
+            if f"<!-- {kind} {name} -->" in text:
+                shown += 1
+                assert update_block(text, kind, name, table(record)) == text, (
+                    f"{page.name}'s {kind} for {name} is stale: python -m cflib.bench {kind} {name} "
+                    f"--into {page.relative_to(ROOT)}")
+    assert shown, f"{name} is committed but no page shows it (a perf-table or headline-table block)"
 
 
 # --- the notebook -----------------------------------------------------------------------
