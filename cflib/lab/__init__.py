@@ -8,6 +8,7 @@ other part of cflib; nothing imports it.
 """
 from cflib.lab.form import throughput_form, train_form, tune_form, validate_form
 from cflib.lab.report import (
+    export_run,
     headline,
     plan_like_this_run,
     plot_loss_curves,
@@ -18,6 +19,6 @@ from cflib.lab.report import (
     summary,
 )
 
-__all__ = ["headline", "plan_like_this_run", "plot_loss_curves", "plot_loss_weighting", "show_answers",
+__all__ = ["export_run", "headline", "plan_like_this_run", "plot_loss_curves", "plot_loss_weighting", "show_answers",
            "show_data_plan", "show_exact_match", "summary", "throughput_form", "train_form", "tune_form",
            "validate_form"]

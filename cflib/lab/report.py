@@ -7,6 +7,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from cflib.data import ByteTokenizer, JsonTokenizer, ShardPartition
+from cflib.export import export_hub
 from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
 from cflib.train.evaluate import final_turn
@@ -67,15 +68,35 @@ def show_exact_match(record: dict) -> None:
     display({"text/markdown": table, "text/plain": table}, raw=True)
 
 
-def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | None:
-    """The tokenizer a shard was converted with, when its index names one; the byte tokenizer for the
-    embedded tasks (no conversion block, its vocabulary); None when unknown."""
+def shard_tokenizer_spec(shard: ShardPartition) -> str | None:
+    """The tokenizer a shard was converted with, when its index names one ("byte" or a tokenizer.json path);
+    "byte" for the embedded tasks (no conversion block, its vocabulary); None when unknown."""
     named = shard.index.get("conversion", {}).get("tokenizer", {})
     if named.get("kind") == "tokenizer.json" and named.get("path") and Path(named["path"]).is_file():
-        return JsonTokenizer(named["path"])
+        return named["path"]
     if named.get("kind") == "byte" or (not named and shard.vocab_size == ByteTokenizer.vocab_size):
-        return ByteTokenizer()
+        return "byte"
     return None
+
+
+def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | None:
+    spec = shard_tokenizer_spec(shard)
+    return None if spec is None else ByteTokenizer() if spec == "byte" else JsonTokenizer(spec)
+
+
+def export_run(record: dict, out: str | Path | None = None) -> Path | None:
+    """The run's Hub bundle (cflib.export.export_hub of its best checkpoint) in out, by default out_dir/hub,
+    with the tokenizer its data was converted with; where that is unknown, the command that names one."""
+    if _elsewhere(record):
+        print(_elsewhere(record))
+        return None
+    out = Path(out) if out is not None else Path(record["out_dir"]) / "hub"
+    spec = shard_tokenizer_spec(ShardPartition(Path(record["data"]["root"]) / "eval"))
+    if spec is None:
+        print(f"the data's index names no tokenizer: python -m cflib.export hub {record['out_dir']} {out} "
+              "--tokenizer path/to/tokenizer.json")
+        return None
+    return export_hub(record["out_dir"], out, tokenizer=spec)
 
 
 def show_answers(record: dict, n: int = 5) -> None:
