@@ -8,6 +8,7 @@ import torch
 
 from cflib.data import ByteTokenizer, JsonTokenizer, ShardPartition
 from cflib.export import export_hub
+from cflib.export.peft import is_adapter_checkpoint, merge
 from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
 from cflib.train.evaluate import final_turn
@@ -85,18 +86,27 @@ def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | No
 
 
 def export_run(record: dict, out: str | Path | None = None) -> Path | None:
-    """The run's Hub bundle (cflib.export.export_hub of its best checkpoint) in out, by default out_dir/hub,
-    with the tokenizer its data was converted with; where that is unknown, the command that names one."""
+    """The Hub bundle of the run's best (else last) checkpoint in out, by default out_dir/hub, with the tokenizer
+    its data was converted with (where that is unknown, the command that names one). A LoRA run's adapters are
+    merged into their base first, in out_dir/merged (cflib.export.peft.merge)."""
     if _elsewhere(record):
         print(_elsewhere(record))
         return None
-    out = Path(out) if out is not None else Path(record["out_dir"]) / "hub"
+    run_dir = Path(record["out_dir"])
+    out = Path(out) if out is not None else run_dir / "hub"
     spec = shard_tokenizer_spec(ShardPartition(Path(record["data"]["root"]) / "eval"))
     if spec is None:
-        print(f"the data's index names no tokenizer: python -m cflib.export hub {record['out_dir']} {out} "
+        print(f"the data's index names no tokenizer: python -m cflib.export hub {run_dir} {out} "
               "--tokenizer path/to/tokenizer.json")
         return None
-    return export_hub(record["out_dir"], out, tokenizer=spec)
+    checkpoints = record.get("checkpoints", {})
+    chosen = checkpoints.get("best") or checkpoints.get("last")
+    if chosen is not None and is_adapter_checkpoint(chosen):
+        merged = run_dir / "merged"
+        merge(chosen, merged)
+        print(f"merged the adapters of {chosen} into their base: {merged}")
+        chosen = merged
+    return export_hub(chosen or run_dir, out, tokenizer=spec)
 
 
 def show_answers(record: dict, n: int = 5) -> None:

@@ -37,3 +37,13 @@ def test_data_of_an_unknown_tokenizer_gets_the_command_that_names_one(record, tm
         eval_index.write_text(json.dumps(index))
     assert not (tmp_path / "bundle").exists()
     assert f"python -m cflib.export hub {record['out_dir']} {tmp_path / 'bundle'} --tokenizer" in capsys.readouterr().out
+
+
+def test_a_lora_run_is_merged_into_its_base_then_exported(record, tmp_path_factory):
+    lora = train({"model": "smoke", "data": record["data"]["root"], "init_checkpoint": record["checkpoints"]["best"],
+                  "out_dir": str(tmp_path_factory.mktemp("runs") / "lora"), "full_parameter": False, "lora_rank": 4,
+                  "lora_alpha": 8, "seq_len": 48, "micro_batch_per_rank": 4, "global_batch": 4, "max_steps": 2,
+                  "eval_at_start": False, "exact_match_limit": 0, "device": "cpu"}, progress=False)
+    bundle = export_run(lora)
+    assert (Path(lora["out_dir"]) / "merged" / "model.safetensors").is_file()
+    assert (bundle / "model.safetensors").is_file() and (bundle / "tokenizer.json").is_file()
