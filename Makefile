@@ -27,8 +27,9 @@ train: setup
 	$(VENV)/bin/papermill notebooks/train_sft.ipynb outputs/train_sft.$(notdir $(basename $(PARAMS))).ipynb \
 		-f $(PARAMS) --cwd notebooks --log-output
 
+# One pytest worker per core, at most 4; a test file (a notebook's cells among them) stays on one worker.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env tests notebooks
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env tests notebooks
 
 # JupyterLab on this machine (http://localhost:8888, token in the log); LAB_ARGS="--port 9999 ..." passes options on.
 lab: setup

@@ -92,8 +92,8 @@ class ThroughputParams(ParamSet):
     """The controls of one measurement. Defaults: a CPU smoke run of a few seconds."""
 
     model: str = "smoke"  # a preset of cflib.model.config.PRESETS
-    seq_len: int = 64
-    micro_batches: tuple[int, ...] = (2, 4)  # every path on random rows is measured at each
+    seq_len: int = 32
+    micro_batches: tuple[int, ...] = (1, 2)  # every path on random rows is measured at each
     compare_micro_batch: int = 2  # where the ratios are taken, and realistic lengths measured; one of micro_batches
     paths: tuple[str, ...] = DEFAULT_PATHS  # of PATHS; the LoRA paths when named
     batches: tuple[str, ...] = tuple(BATCHES)  # random_rows and/or realistic

@@ -9,6 +9,7 @@ import pytest
 
 import cflib.train.plan
 from cflib.train.plan import PlanError, load_cluster_plan, run_arithmetic, validate_cluster_plan
+from cflib.train.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -244,6 +245,16 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=30)
 
 
+@pytest.fixture
+def run_cli(capsys):
+    """`python -m cflib.train.plan` in this process (a subprocess would spend seconds importing torch)."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        returncode = plan_main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, returncode, out, err)
+    return run
+
+
 def test_cli_check_good_plan(tmp_path: Path) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(GOOD_PLAN_YAML)
@@ -253,22 +264,22 @@ def test_cli_check_good_plan(tmp_path: Path) -> None:
     assert "158,720" in done.stdout
 
 
-def test_cli_check_bad_plan(tmp_path: Path) -> None:
+def test_cli_check_bad_plan(tmp_path: Path, run_cli) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(GOOD_PLAN_YAML.replace("global_batch: 128", "global_batch: 100"))
-    done = cli("check", str(path))
+    done = run_cli("check", str(path))
     assert done.returncode == 2
     assert "parallel.global_batch 100 is not divisible" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert done.stdout == ""
 
 
-def test_cli_arithmetic() -> None:
-    done = cli("arithmetic", "--target-tokens", "2e9", "--gpus", "8", "--micro-batch-per-rank", "16",
+def test_cli_arithmetic(run_cli) -> None:
+    done = run_cli("arithmetic", "--target-tokens", "2e9", "--gpus", "8", "--micro-batch-per-rank", "16",
                "--seq-len", "2048", "--tokens-per-s-per-gpu", "140000", "--checkpoints", "10")
     assert done.returncode == 0, done.stderr
     assert "262,144" in done.stdout and "7,630" in done.stdout and "763 steps" in done.stdout
-    bad = cli("arithmetic", "--target-tokens", "2e9", "--gpus", "0", "--micro-batch-per-rank", "16",
+    bad = run_cli("arithmetic", "--target-tokens", "2e9", "--gpus", "0", "--micro-batch-per-rank", "16",
               "--seq-len", "2048", "--tokens-per-s-per-gpu", "140000")
     assert bad.returncode == 2 and "gpus must be a positive integer" in bad.stderr
     assert "Traceback" not in bad.stderr
