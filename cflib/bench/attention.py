@@ -44,8 +44,15 @@ from cflib.bench.synthetic import LENGTH_SIGMA, write_random_token_shard, write_
 from cflib.bench.timing import error_line, peak_memory_gib, release_memory, sync, time_steps
 from cflib.data.packing import collate_packed
 from cflib.data.shards import IGNORE_INDEX, open_shard
-from cflib.model.config import PRESETS
-from cflib.ops.attention import DENSE_SDPA, attend, attention_batch, backend_problem, pack_documents
+from cflib.model.config import PRESETS, ModelConfig
+from cflib.ops.attention import (
+    DENSE_SDPA,
+    PackedDocuments,
+    attend,
+    attention_batch,
+    backend_problem,
+    pack_documents,
+)
 from cflib.ops.dispatch import KernelPlan, KernelUnavailable, SFTLoss
 from cflib.ops.loss import supervised_positions
 from cflib.train.params import TrainParams
@@ -104,7 +111,8 @@ def _reference_out(q, k, v, documents) -> torch.Tensor:
     return torch.cat(pieces, dim=2).transpose(1, 2).reshape(q.shape[0], seq, q.shape[1], -1).transpose(1, 2)
 
 
-def time_kernels(config, micro: int, seq_len: int, documents, device: torch.device, dtype: torch.dtype) -> dict:
+def time_kernels(config: ModelConfig, micro: int, seq_len: int, documents: PackedDocuments, device: torch.device,
+                 dtype: torch.dtype) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     head_dim = config.head_dim
     q, k, v = (torch.randn(micro, heads, seq_len, head_dim, generator=gen, device=device, dtype=dtype)
@@ -153,7 +161,7 @@ def time_kernels(config, micro: int, seq_len: int, documents, device: torch.devi
 
 # --- 2. the loss ----------------------------------------------------------------------------------------------
 
-def time_losses(config, micro: int, seq_len: int, device: torch.device, bf16: bool) -> dict:
+def time_losses(config: ModelConfig, micro: int, seq_len: int, device: torch.device, bf16: bool) -> dict:
     gen = torch.Generator(device=device).manual_seed(1)
     hidden = torch.randn(micro, seq_len, config.hidden_size, generator=gen, device=device).requires_grad_()
     head = torch.nn.Parameter(torch.randn(config.vocab_size, config.hidden_size, generator=gen, device=device) * 0.02)
@@ -206,7 +214,8 @@ def profile_step(trainer: Trainer, batches: list[np.ndarray], device: torch.devi
     return found
 
 
-def time_step(args, kind: str, backend: str, data_root: Path, device: torch.device, order: np.ndarray | None) -> dict:
+def time_step(args: argparse.Namespace, kind: str, backend: str, data_root: Path, device: torch.device,
+              order: np.ndarray | None) -> dict:
     steps = args.warmup_steps + args.timed_steps + args.profile_steps
     release_memory(device)
     production = args.kernels == "production"
@@ -324,7 +333,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="tr_hash_200m", choices=sorted(PRESETS))
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--median-length", type=int, default=300, help="of the realistic examples (DESIGN.md)")
+    parser.add_argument("--median-length", type=int, default=300, help="of the realistic examples (log-normal lengths)")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timed-steps", type=int, default=8)
     parser.add_argument("--profile-steps", type=int, default=2, help="0: no profile")

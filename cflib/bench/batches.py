@@ -61,7 +61,7 @@ def realistic(shard: str | None, generate_at: Path, vocab_size: int, seq_len: in
 
 
 def timing_protocol(warmup_steps: int, timed_steps: int, device: torch.device) -> dict:
-    """How the figures were taken (DESIGN.md's measurement protocol), for the record."""
+    """How the figures were taken (docs/measuring.md's measurement protocol), for the record."""
     cuda = device.type == "cuda"
     return {
         "data": {

@@ -125,7 +125,8 @@ class RealisticStream:
 
     def useful_flops(self, active_params: int, layers: int, hidden: int) -> int:
         """Model FLOPs of the timed examples, each alone: 6 x active parameters per token + causal attention over
-        its own length (DESIGN.md's count with seq = the example's length); padding and separators do no work."""
+        its own length (docs/measuring.md's count with seq = the example's length); padding and separators do
+        no work."""
         lengths = self.data.lengths[self.timed_examples()].astype(np.int64)
         return int(6 * active_params * lengths.sum() + 6 * layers * hidden * (lengths ** 2).sum())
 

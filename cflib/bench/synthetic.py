@@ -15,7 +15,7 @@ import numpy as np
 from cflib.data.shards import IGNORE_INDEX, Example, write_partition
 
 EOS_TOKEN_ID = 0
-# Realistic lengths (DESIGN.md): log-normal with mean/median = exp(sigma^2 / 2) = 1.35, i.e. a median of
+# Realistic lengths (docs/measuring.md): log-normal with mean/median = exp(sigma^2 / 2) = 1.35, i.e. a median of
 # 300 tokens gives a mean of 405, before the cap.
 LENGTH_SIGMA = math.sqrt(2 * math.log(1.35))
 SHORTEST_EXAMPLE = 2  # one token to predict from, and the EOS it predicts

@@ -3,7 +3,7 @@
 Two kinds of batches, each measured in the same run (`batches`):
 
 - `random_rows`: every path on the same fresh random-token rows of seq_len
-  (DESIGN.md: the first third of each row unsupervised), at every micro-batch;
+  (the first third of each row unsupervised), at every micro-batch;
 - `realistic`: examples of realistic SFT lengths (cflib.bench.synthetic, or a
   shard the user names), the project in its release layout (packed windows,
   each example attending only to itself) and the peer fed the ways users feed
@@ -13,7 +13,7 @@ Two kinds of batches, each measured in the same run (`batches`):
 Every path takes real optimizer steps (forward, backward, clipping, fused
 AdamW), one model at a time, each from a clean device. Warm-up steps are
 excluded; each timed step is bounded by device synchronisation. The bf16
-matmul ceiling is measured in the same run, FLOPs are counted as in DESIGN.md,
+matmul ceiling is measured in the same run, FLOPs are counted as in docs/measuring.md,
 and one full evaluation and one checkpoint save of each project path are timed
 on their own, never inside the steady-state figure. A path whose requirements
 are not met is recorded as skipped with the reason; an out-of-memory or a
@@ -41,6 +41,7 @@ from cflib.atomic import write_json_atomic
 from cflib.bench.batches import Batches, random_rows, realistic, timing_protocol
 from cflib.bench.comparison import RANDOM_ROWS, REALISTIC, _ok, compare
 from cflib.bench.feeding import FEEDS, RealisticStream
+from cflib.bench.peer import PathUnavailable
 from cflib.bench.sessions import Session, compiled, fed_peer_session, peer_session
 from cflib.bench.timing import (
     error_line,
@@ -288,8 +289,11 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
             session = _session(name, tparams, batches, len(steps_batches), params, config, device, stack)
         except torch.cuda.OutOfMemoryError as err:
             return {**entry, "status": "oom", "reason": error_line(err), "peak_memory_gib": peak_memory_gib(device)}
-        except Exception as err:  # the path's requirements: its message is the reason it was skipped
+        except (PathUnavailable, ParamError, ImportError) as err:  # its requirements: the reason it was skipped
             return {**entry, "status": "skipped", "reason": error_line(err)}
+        except Exception as err:
+            return {**entry, "status": "failed", "reason": error_line(err),
+                    "traceback_tail": traceback.format_exc(limit=-3)[-2000:]}
         entry.update(session.facts)
         try:
             timing = time_steps(session.step, steps_batches, warmup, device)
@@ -391,7 +395,7 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
         "job": "measure_throughput",
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "out_dir": str(out_dir),
-        # measurement protocol (DESIGN.md)
+        # measurement protocol (docs/measuring.md)
         "framework": {"cflib": __version__, **framework_versions(), "transformers": _package_version("transformers"),
                       "flash_attn_4": _package_version("flash-attn-4")},
         "device": device_info(device, count=1),

@@ -19,7 +19,8 @@ def sync(device: torch.device) -> None:
 
 
 def flops_per_token(active_params: int, layers: int, hidden: int, seq_len: int) -> int:
-    """DESIGN.md: 6 x active parameters (the tied head once) + 6 x layers x hidden x seq for causal attention."""
+    """docs/measuring.md: 6 x active parameters (the tied head once) + 6 x layers x hidden x seq for causal
+    attention."""
     return 6 * active_params + 6 * layers * hidden * seq_len
 
 

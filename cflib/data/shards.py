@@ -1,4 +1,4 @@
-"""SFT token shards in the public format (DESIGN.md): write, open, validate, batch.
+"""SFT token shards in the public format (docs/data.md): write, open, validate, batch.
 
 A shard root holds `train/` and `eval/`; each partition has `input_ids.bin`
 (uint32 LE), `labels.bin` (int32 LE, causally aligned: labels[j] is the target

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from cflib.atomic import atomic_directory
+from cflib.export.peft import is_adapter_checkpoint
 from cflib.export.tokenizer_files import tokenizer_files
 from cflib.model import TRMoEModel, fused_route_buffers, load_checkpoint, save_checkpoint
 
@@ -42,6 +43,10 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     path = Path(path)
     if is_checkpoint(path):
         return path, f"checkpoint {path}"
+    for adapters in (path, path / "checkpoints" / "best"):
+        if is_adapter_checkpoint(adapters):
+            raise ExportError(f"{adapters} holds LoRA adapters, not a model: merge them into their base first "
+                              f"(python -m cflib.export merge {adapters} MERGED), then export MERGED")
     checkpoints = path / "checkpoints"
     if not checkpoints.is_dir():
         raise ExportError(f"{path}: neither a checkpoint (config.json and model.safetensors) nor a run folder "

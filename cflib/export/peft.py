@@ -37,6 +37,7 @@ from cflib.model.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import EXPERT_TARGETS, LINEAR_TARGETS, LoraSettings, merge_adapters
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -181,18 +182,29 @@ def check_fits(expected: dict[str, torch.Tensor], adapters: dict[str, torch.Tens
         raise CheckpointError(f"{source}: missing adapter {missing[0]!r}")
 
 
+def load_merged(adapter_dir: str | Path, base_dir: str | Path | None = None) -> TRMoEModel:
+    """base + scale * B @ A (fp32) in memory, from a LoRA checkpoint; base_dir: None for the recorded base."""
+    return _merged(adapter_dir, base_dir)[0]
+
+
 def merge(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | None = None) -> dict:
     """Write base + scale * B @ A (fp32) as a public-layout checkpoint; base_dir: None for the recorded base.
 
     Returns what was merged, and whether the base's weights are the ones the adapters were trained on."""
+    model, settings, base, base_dir = _merged(adapter_dir, base_dir)
+    save_checkpoint(model, out_dir)
+    return {"adapter": str(adapter_dir), "base": str(base_dir), "out": str(out_dir), "lora": settings.to_dict(),
+            "base_matches_training": weights_sha256(base_dir) == base.get("sha256")}
+
+
+def _merged(adapter_dir: str | Path, base_dir: str | Path | None
+            ) -> tuple[TRMoEModel, LoraSettings, dict, Path]:
     settings, base, adapters = read_adapter(adapter_dir)
     base_dir = Path(base_dir or base["path"])
     model = load_checkpoint(base_dir)
     _check_base_fits(model, adapters, settings, f"{adapter_dir} on {base_dir}")
     merge_adapters(model, adapters, settings)
-    save_checkpoint(model, out_dir)
-    return {"adapter": str(adapter_dir), "base": str(base_dir), "out": str(out_dir), "lora": settings.to_dict(),
-            "base_matches_training": weights_sha256(base_dir) == base.get("sha256")}
+    return model, settings, base, base_dir
 
 
 def _check_base_fits(model, adapters: dict[str, torch.Tensor], settings: LoraSettings, source: str) -> None:

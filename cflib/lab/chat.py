@@ -24,8 +24,9 @@ from cflib.atomic import write_json_atomic
 from cflib.data import ByteTokenizer, ChatRenderer, ChatTemplate, ConvertError, conversation_to_answer, load_tokenizer
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
+from cflib.export.peft import is_adapter_checkpoint
 from cflib.model import CheckpointError, load_checkpoint
-from cflib.model.generate import Decoder, GenerationError
+from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.paths import resolve_path
 from cflib.train import TrainParams, fit, prepare
 from cflib.train.params import ParamSet, _coerce, _is_user_variable, reject_unknown
@@ -79,6 +80,10 @@ class ChatParams(ParamSet):
             raise ParamError("max_new_tokens and train_steps must be positive integers")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ParamError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        try:  # before `checkpoint: None` trains a model for minutes
+            Sampling(self.temperature, self.top_p, self.top_k)
+        except GenerationError as err:
+            raise ParamError(str(err)) from None
 
     def generation(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -91,6 +96,9 @@ def find_checkpoint(path: str | Path) -> Path:
     for candidate in (folder, folder / "checkpoints" / "best"):
         if (candidate / WEIGHTS).is_file() and (candidate / "config.json").is_file():
             return candidate
+        if is_adapter_checkpoint(candidate):
+            raise CheckpointError(f"checkpoint {candidate} holds LoRA adapters, not a model: merge them into their "
+                                  f"base first (python -m cflib.export merge {candidate} MERGED) and chat with MERGED")
     raise CheckpointError(f"checkpoint {folder}: neither a checkpoint folder (config.json + {WEIGHTS}) nor a "
                           "run folder with checkpoints/best")
 

@@ -8,9 +8,10 @@ import torch
 
 from cflib.data import ByteTokenizer, JsonTokenizer, ShardPartition
 from cflib.export import export_hub
-from cflib.export.peft import is_adapter_checkpoint, merge
+from cflib.export.peft import is_adapter_checkpoint, load_merged, merge
 from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
+from cflib.train import Run
 from cflib.train.evaluate import final_turn
 from cflib.train.plan import format_arithmetic, run_arithmetic
 from cflib.train.records import read_metrics
@@ -118,7 +119,7 @@ def show_answers(record: dict, n: int = 5) -> None:
         print(_elsewhere(record) or "no best checkpoint was saved (save_checkpoints: false, or no step ran)")
         return
     device = torch.device(record["device"]["type"])
-    model = load_checkpoint(best, device)
+    model = load_merged(best).to(device) if is_adapter_checkpoint(best) else load_checkpoint(best, device)
     shard = ShardPartition(Path(record["data"]["root"]) / "eval", vocab_size=model.config.vocab_size)
     count = min(n, len(shard))
     pairs = [final_turn(*shard[i * len(shard) // count]) for i in range(count)]
@@ -200,7 +201,7 @@ def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) ->
     return fig
 
 
-def show_data_plan(run) -> None:
+def show_data_plan(run: Run) -> None:
     """Before training: the shard preflight, the packing plan and the loss-weighting plot
     (its table is part of run.describe())."""
     for partition, report in (run.preflight or {}).items():

@@ -162,7 +162,7 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # The released TR-HASH MoE 200M architecture (DESIGN.md).
+    # The released TR-HASH MoE 200M architecture (its published config.json).
     "tr_hash_200m": ModelConfig(),
     # Small enough to learn the embedded tasks on two CPU cores in minutes.
     "quickstart": ModelConfig(

@@ -2,10 +2,12 @@
 
 `TRMoEModel.use_kernels` points modules at the Triton/Liger fast paths of
 cflib.ops instead; each module records the backend its last forward ran.
-Module and parameter names mirror the public checkpoint layout (DESIGN.md), so a
+Module and parameter names mirror the public checkpoint layout (docs/export.md), so a
 state dict maps one to one onto `model.safetensors`.
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,9 @@ from cflib.model.kv_cache import KVCache, LayerCache
 from cflib.model.lora import embedding_weight, experts_in, experts_out, fused_linear, fused_trmoe
 from cflib.model.routing import build_route_table
 from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
+
+if TYPE_CHECKING:
+    from cflib.ops.dispatch import KernelPlan
 
 INIT_STD = 0.02
 
@@ -261,7 +266,7 @@ class TRMoEModel(nn.Module):
             return self.norm.add_norm(h, pending)[1]
         return self.norm(h)
 
-    def use_kernels(self, plan) -> None:
+    def use_kernels(self, plan: KernelPlan) -> None:
         """Point every module at the backends of a cflib.ops.dispatch.KernelPlan."""
         self.attention_backend = plan.attention
         for module in self.modules():

@@ -1,4 +1,4 @@
-"""The derived buffers every written checkpoint carries for the published adapter (DESIGN.md).
+"""The derived buffers every written checkpoint carries for the published adapter (docs/export.md).
 
 Per layer: `self_attn.rotary_emb.inv_freq` (from head_dim and rope_theta), and
 `mlp.engine.fused_expert_pairs` / `mlp.engine.fused_route_codes` (from the

@@ -33,10 +33,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from cflib.model.config import ModelConfig
 
 # target -> where it lives in a decoder layer
 TARGETS: dict[str, str] = {
@@ -338,7 +342,7 @@ def fused_trmoe(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor) -> 
         adapter.last_form = "separate_branch"
     num_tokens, (num_experts, _, width) = x.shape[0], engine.expert_gate.shape
 
-    def update(name: str, columns: int) -> torch.Tensor | None:
+    def update(name: str) -> torch.Tensor | None:
         if name not in adapters:
             return None
         if name in EXPERT_TARGETS:
@@ -346,7 +350,7 @@ def fused_trmoe(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor) -> 
         return adapters[name].branch(x)
 
     shared = engine.shared_gate.weight.shape[0]
-    pieces = [(update(n, c), c) for n, c in (("shared_gate", shared), ("expert_gate", num_experts * width),
+    pieces = [(update(n), c) for n, c in (("shared_gate", shared), ("expert_gate", num_experts * width),
                                                ("shared_up", shared), ("expert_up", num_experts * width))]
     gate_up_delta = None
     if any(piece is not None for piece, _ in pieces):
@@ -379,7 +383,7 @@ def describe(model: nn.Module) -> dict:
             "base_parameters": total - adapter}
 
 
-def adapter_parameter_count(config, settings: LoraSettings) -> int:
+def adapter_parameter_count(config: ModelConfig, settings: LoraSettings) -> int:
     """Trainable parameters LoRA adds to a model of `config`, without building it."""
     d, hd = config.hidden_size, config.head_dim
     q, kv, s = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.shared_intermediate_size

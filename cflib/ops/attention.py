@@ -5,11 +5,13 @@ example position t belongs to. Query t attends to key s when s <= t and both
 lie in the same document, so a packed example computes exactly what it would
 compute alone (its positions restart at 0 as well). The backends, fastest
 first where each applies (H200, 16 x 2,048 tokens, GQA 14/2, head dim 64,
-BF16, forward + backward; DESIGN.md):
+BF16, forward + backward; outputs/records/attention_200m_h200/kernels_and_loss.json):
 
-  dense rows      fa4 (FlashAttention-4) 1.08 ms > cudnn_sdpa 1.29 ms > torch_sdpa (SDPA's own choice)
-  packed windows  fa4 varlen 0.77 ms > torch_varlen (FlashAttention-2 varlen) 1.35 ms >
-                  flex (FlexAttention document block mask) 1.41 ms > sdpa_mask (a boolean mask, anywhere)
+  dense rows      fa4 (FlashAttention-4) 1.33 ms > cudnn_sdpa 1.38 ms > torch_sdpa (SDPA's own choice)
+  packed windows  fa4 varlen 1.26 ms > flex (FlexAttention document block mask) 1.79 ms >
+                  torch_varlen (FlashAttention-2 varlen) 1.99 ms > sdpa_mask (a boolean mask, anywhere) 3.50 ms
+
+In the whole training step fa4 leads on both kinds of batches (docs/kernels.md).
 
 `auto` takes the first whose checks pass for the activations' dtype; a backend
 asked for by name must pass its checks or stops the run naming the one that
@@ -45,7 +47,7 @@ KERNELS = {"fa4": ("fa4", "fa4_varlen"), "cudnn_sdpa": ("cudnn_sdpa", None),
            "torch_varlen": ("torch_sdpa", "torch_varlen"), "flex": ("torch_sdpa", "flex_attention"),
            "sdpa_mask": ("torch_sdpa", "sdpa_mask")}
 # auto: the first of these that passes, else the last kernel, which runs anywhere.
-AUTO_ORDER = {False: ("fa4", "cudnn_sdpa"), True: ("fa4", "torch_varlen", "flex")}
+AUTO_ORDER = {False: ("fa4", "cudnn_sdpa"), True: ("fa4", "flex", "torch_varlen")}
 AUTO_LAST = {False: "torch_sdpa", True: "sdpa_mask"}
 HALF = (torch.bfloat16, torch.float16)
 HALF_ONLY_KERNELS = ("fa4", "fa4_varlen", "cudnn_sdpa", "torch_varlen")

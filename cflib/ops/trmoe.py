@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import nn
 
 from cflib.ops.interpreter import INTERPRETING
 
@@ -140,14 +141,15 @@ class ScaledSwiGLUDown(torch.autograd.Function):
         return gate_up, None, None, grad_down, None, None
 
 
-def engine_weights(engine) -> dict[str, torch.Tensor]:
+def engine_weights(engine: nn.Module) -> dict[str, torch.Tensor]:
     """The six weights of the block by name: shared_gate/up/down [S, D], [S, D], [D, S]; expert_* [E, ., .]."""
     return {"shared_gate": engine.shared_gate.weight, "shared_up": engine.shared_up.weight,
             "shared_down": engine.shared_down.weight, "expert_gate": engine.expert_gate,
             "expert_up": engine.expert_up, "expert_down": engine.expert_down}
 
 
-def fused_weights(engine, weights: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_weights(engine: nn.Module, weights: dict[str, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """[2C, D] gate|up and [D, C] down weights: shared columns first, then expert e's W columns.
 
     `weights` (engine_weights' names) replaces the engine's own, e.g. by effective weights."""
@@ -160,8 +162,9 @@ def fused_weights(engine, weights: dict[str, torch.Tensor] | None = None) -> tup
     return gate_up, down
 
 
-def trmoe_forward(engine, x: torch.Tensor, token_ids: torch.Tensor, weights: dict[str, torch.Tensor] | None = None,
-                  gate_up_delta: torch.Tensor | None = None, return_hidden: bool = False):
+def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
+                  weights: dict[str, torch.Tensor] | None = None, gate_up_delta: torch.Tensor | None = None,
+                  return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The TR-MoE block of `engine` (a cflib.model.TRMoEEngine) on x [N, D] and token ids [N].
 
     For callers that adapt the block (cflib.model.lora): `weights` replaces the engine's (fused_weights),

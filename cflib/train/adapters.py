@@ -26,6 +26,7 @@ from cflib.model.checkpoint import load_checkpoint, load_config
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora, is_adapter_name
+from cflib.paths import resolve_path
 from cflib.train.params import TrainParams
 
 SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
@@ -102,7 +103,7 @@ def resumed_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
             raise ParamError(f"{checkpoint_dir} was trained with {parameter} {getattr(saved, name)}, this run has "
                              f"{getattr(wanted, name)}: a resumed run keeps its LoRA settings")
     base_dir = Path(base["path"])
-    if params.init_checkpoint is not None and Path(params.init_checkpoint).resolve() != base_dir:
+    if params.init_checkpoint is not None and resolve_path(params.init_checkpoint).resolve() != base_dir.resolve():
         raise ParamError(f"init_checkpoint {params.init_checkpoint} is not the base {base_dir} that {checkpoint_dir} "
                          "adapts")
     if not (base_dir / "model.safetensors").is_file():

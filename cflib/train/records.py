@@ -112,7 +112,7 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "job": "train_sft",
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "out_dir": str(run.out_dir),
-        # measurement protocol (DESIGN.md)
+        # measurement protocol (docs/measuring.md)
         "framework": {"cflib": __version__, **framework_versions()},
         "device": device_info(trainer.device, count=trainer.dist.world_size),
         "world_size": trainer.dist.world_size,

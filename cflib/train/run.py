@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -227,13 +228,16 @@ def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, 
     return steps_per_epoch, total_steps, math.ceil(params.warmup_ratio * total_steps)
 
 
-def count_train_examples(data: str) -> int:
-    """Train examples of `data` from its index alone (the embedded set's count is known before it is written)."""
+def count_train_examples(data: str, tasks: Sequence[str] | None = None) -> int:
+    """Train examples of `data` (of `tasks` only, when named) from its index alone; the embedded set's count
+    is known before it is written, and a shard's per-task counts are in its examples.jsonl."""
     if data == "embedded":
-        return sum(count for _, count in TASKS.values())
+        return sum(count for task, (_, count) in TASKS.items() if tasks is None or task in tasks)
     index = resolve_path(data) / "train" / "sft.idx.json"
     if not index.is_file():
         raise ShardError(f"{index}: missing (is {index.parent.parent} a shard root with train/ and eval/?)")
+    if tasks is not None:
+        return len(ShardPartition(index.parent).only_tasks(tasks))
     try:
         return int(json.loads(index.read_text())["examples"])
     except (ValueError, KeyError, TypeError) as err:
@@ -255,7 +259,7 @@ def batch_arithmetic(params: TrainParams) -> dict:
     """A run's batch, schedule and memory figures from its parameters, the model's config and the data's
     index alone: nothing is built or loaded (prepare() then checks everything for real)."""
     config, source = model_config(params)
-    train_examples = count_train_examples(params.data)
+    train_examples = count_train_examples(params.data, params.train_tasks)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params)
     device = resolve_device(params.device)
     estimate = _memory_estimate(config, params, device)

@@ -262,6 +262,12 @@ def test_a_route_table_the_hub_layout_cannot_hold_is_refused(tmp_path: Path):
 def test_a_folder_without_checkpoints_is_refused(tmp_path: Path):
     with pytest.raises(ExportError, match="neither a checkpoint .* nor a run folder"):
         export_hub(tmp_path, tmp_path / "out", echo=None)
+    adapters = tmp_path / "lora-run" / "checkpoints" / "best"
+    adapters.mkdir(parents=True)
+    (adapters / "adapter_config.json").write_text("{}")
+    with pytest.raises(ExportError, match="holds LoRA adapters, not a model: merge them"):
+        export_hub(tmp_path / "lora-run", tmp_path / "out", echo=None)
+    assert not (tmp_path / "out").exists()
     (tmp_path / "checkpoints" / ".best.tmp").mkdir(parents=True)
     with pytest.raises(ExportError, match="no checkpoint in it"):
         export_hub(tmp_path, tmp_path / "out", echo=None)

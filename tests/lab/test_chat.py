@@ -110,6 +110,11 @@ def test_find_checkpoint_takes_a_checkpoint_or_a_run_folder(run_dir, tmp_path):
         run_dir / "checkpoints" / "best"
     with pytest.raises(CheckpointError, match="neither a checkpoint folder"):
         find_checkpoint(tmp_path)
+    adapters = tmp_path / "lora-run" / "checkpoints" / "best"
+    adapters.mkdir(parents=True)
+    (adapters / "adapter_config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="holds LoRA adapters, not a model: .*python -m cflib.export merge"):
+        find_checkpoint(tmp_path / "lora-run")
 
 
 def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_names():
@@ -121,6 +126,8 @@ def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_na
         ChatParams.from_namespace({"prompts": ["a"], "max_new_token": 4})
     with pytest.raises(ParamError, match="prompts"):
         ChatParams.from_dict({"prompts": []})
+    with pytest.raises(ParamError, match="top_p must be in"):
+        ChatParams.from_dict({"checkpoint": None, "prompts": ["a"], "top_p": 1.5})
 
 
 @pytest.mark.parametrize("change, error, message", [

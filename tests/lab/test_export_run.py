@@ -1,4 +1,5 @@
-"""The train_sft notebook's last step: the run's Hub bundle, with the tokenizer its data was converted with."""
+"""The train_sft notebook's last steps: a few answers, and the run's Hub bundle with the tokenizer its data was
+converted with."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 from sft_shard_helpers import chat_examples, write_shard
 
-from cflib.lab.report import export_run
+from cflib.lab.report import export_run, show_answers
 from cflib.train import train
 
 
@@ -39,11 +40,15 @@ def test_data_of_an_unknown_tokenizer_gets_the_command_that_names_one(record, tm
     assert f"python -m cflib.export hub {record['out_dir']} {tmp_path / 'bundle'} --tokenizer" in capsys.readouterr().out
 
 
-def test_a_lora_run_is_merged_into_its_base_then_exported(record, tmp_path_factory):
+def test_a_lora_run_answers_and_is_merged_into_its_base_then_exported(record, tmp_path_factory, capsys):
     lora = train({"model": "smoke", "data": record["data"]["root"], "init_checkpoint": record["checkpoints"]["best"],
                   "out_dir": str(tmp_path_factory.mktemp("runs") / "lora"), "full_parameter": False, "lora_rank": 4,
                   "lora_alpha": 8, "seq_len": 48, "micro_batch_per_rank": 4, "global_batch": 4, "max_steps": 2,
                   "eval_at_start": False, "exact_match_limit": 0, "device": "cpu"}, progress=False)
+    show_answers(lora, n=2)  # its best checkpoint holds adapters: answered by the base with them merged in
+    shown = capsys.readouterr().out
+    assert f"best checkpoint {lora['checkpoints']['best']}, greedy, 2 held-out prompts" in shown
+    assert shown.count("expected") == 2
     bundle = export_run(lora)
     assert (Path(lora["out_dir"]) / "merged" / "model.safetensors").is_file()
     assert (bundle / "model.safetensors").is_file() and (bundle / "tokenizer.json").is_file()

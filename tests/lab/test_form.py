@@ -86,8 +86,9 @@ def test_params_file_fills_the_fields_and_apply_sets_the_namespace(attached):
     assert form.fields["model"].value == "smoke" and form.fields["lr"].value == "0.001"
 
 
-def test_arithmetic_agrees_with_prepare():
-    params = TrainParams(micro_batch_per_rank=8, max_steps=None, epochs=2, device="cpu")
+@pytest.mark.parametrize("train_tasks", [None, ("addition",)])
+def test_arithmetic_agrees_with_prepare(train_tasks):
+    params = TrainParams(micro_batch_per_rank=8, max_steps=None, epochs=2, device="cpu", train_tasks=train_tasks)
     figures, run = batch_arithmetic(params), prepare(params)
     assert (figures["steps_per_epoch"], figures["total_steps"], figures["warmup_steps"], figures["grad_accum"]) == \
            (run.steps_per_epoch, run.total_steps, run.warmup_steps, run.grad_accum)
@@ -109,6 +110,8 @@ def test_a_shard_counts_from_its_index_and_a_missing_one_is_named(tmp_path):
         write_partition(tmp_path / "shard" / partition, examples, vocab_size=260, eos_token_id=0, max_seq_len=64)
     figures = batch_arithmetic(TrainParams(data=str(tmp_path / "shard"), max_steps=None))
     assert figures["train_examples"] == 50 and figures["steps_per_epoch"] == 2
+    only = batch_arithmetic(TrainParams(data=str(tmp_path / "shard"), max_steps=None, train_tasks=("uppercase",)))
+    assert only["train_examples"] == sum(e.meta["task"] == "uppercase" for e in train[:50])
     with pytest.raises(ShardError, match=r"nowhere/train/sft.idx.json: missing"):
         batch_arithmetic(TrainParams(data=str(tmp_path / "nowhere")))
 

@@ -64,7 +64,8 @@ def test_auto_in_an_fp32_run_keeps_attention_in_fp32(gpu):
 def test_auto_falls_back_in_order_without_flash_attn_4(gpu):
     gpu["fa4"] = False
     assert choose_kernel("auto", False, GPU, 64, BF16) == "cudnn_sdpa"
-    assert choose_kernel("auto", True, GPU, 64, BF16) == "torch_varlen"
+    assert choose_kernel("auto", True, GPU, 64, BF16) == "flex_attention"
+    assert choose_kernel("auto", True, GPU, 8, BF16) == "torch_varlen"  # heads too narrow for flex
     plan = plan_kernels("auto", False, GPU, "auto", 64, packed=True)
     assert any("attention_backend (fa4): flash-attn-4 is not installed" in note for note in plan.notes)
     with pytest.raises(KernelUnavailable, match="attention_backend: fa4, but flash-attn-4 is not installed"):
@@ -74,7 +75,8 @@ def test_auto_falls_back_in_order_without_flash_attn_4(gpu):
 def test_before_hopper_auto_takes_the_ampere_kernels_and_fa4_is_refused(gpu):
     gpu["capability"] = (8, 0)
     assert choose_kernel("auto", False, GPU, 64, BF16) == "torch_sdpa"
-    assert choose_kernel("auto", True, GPU, 64, BF16) == "torch_varlen"
+    assert choose_kernel("auto", True, GPU, 64, BF16) == "flex_attention"
+    assert choose_kernel("auto", True, GPU, 8, BF16) == "torch_varlen"
     with pytest.raises(KernelUnavailable, match=r"fa4, but compute capability 8.0 < 9.0 \(FlashAttention-4 needs "
                                                 r"Hopper or newer\)"):
         plan_attention("fa4", GPU, 64, packed=True)
@@ -89,9 +91,9 @@ def test_flex_on_a_gpu_needs_wide_heads_and_fa4_a_multiple_of_8(gpu):
 
 
 def test_fa4_packs_no_heads_narrower_than_its_varlen_backward_computes_right(gpu):
-    """FlashAttention-4's varlen backward is wrong below head_dim 32 (H200): auto packs those with torch's varlen,
+    """FlashAttention-4's varlen backward is wrong below head_dim 32 (H200): auto packs those with FlexAttention,
     a named fa4 stops before any step; dense rows keep it."""
-    assert choose_kernel("auto", True, GPU, 16, BF16) == "torch_varlen"
+    assert choose_kernel("auto", True, GPU, 16, BF16) == "flex_attention"
     assert choose_kernel("auto", False, GPU, 16, BF16) == "fa4"
     assert choose_kernel("auto", True, GPU, 32, BF16) == "fa4_varlen"
     with pytest.raises(KernelUnavailable, match="fa4, but head_dim 16 < 32: FlashAttention-4's varlen backward"):

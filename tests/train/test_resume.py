@@ -179,12 +179,15 @@ def base(tmp_path_factory) -> Path:
     return save_checkpoint(TRMoEModel(preset("smoke")), tmp_path_factory.mktemp("base") / "base")
 
 
-def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, base):
+def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, base, monkeypatch):
     """Adapters, their AdamW state and the stream continue; the frozen base is reloaded and checked."""
     lora = {"init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lora_dropout": 0.1,
             "lr": 1e-2, "epochs": 4}
     train(params(shard, tmp_path / "whole", **lora), progress=False)
     start_and_kill(params(shard, tmp_path / "killed", **lora), tmp_path / "killed", after_checkpoint="step-8")
+    # the base named as params files name it (relative to the project), from another working directory
+    monkeypatch.chdir(tmp_path)
+    lora["init_checkpoint"] = os.path.relpath(base, ROOT)
     resumed = train(params(shard, tmp_path / "killed", resume="latest", **lora), progress=False)
     assert resumed["model_source"].startswith("resumed from") and resumed["schedule"]["steps_done"] == 12
     whole = adapters_of(tmp_path / "whole" / "checkpoints" / "epoch-4")
