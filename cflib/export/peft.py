@@ -75,7 +75,8 @@ def _expert_depths(settings: LoraSettings) -> dict[str, int]:
 
 def to_peft(adapters: dict[str, torch.Tensor], settings: LoraSettings) -> dict[str, torch.Tensor]:
     """The model's adapter tensors (cflib.model.lora.adapter_state_dict) under PEFT's names and layout."""
-    depths, nested = _expert_depths(settings), "base_layer." * len(_expert_depths(settings))
+    depths = _expert_depths(settings)
+    nested = "base_layer." * len(depths)
     out = {}
     for name, tensor in adapters.items():
         tensor = tensor.detach().to("cpu", torch.float32)

@@ -22,7 +22,7 @@ from cflib.export.peft import (
     save_adapter,
     weights_sha256,
 )
-from cflib.model.checkpoint import load_checkpoint, load_config
+from cflib.model.checkpoint import WEIGHTS_FILE, load_checkpoint, load_config
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora, is_adapter_name
@@ -106,7 +106,7 @@ def resumed_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
     if params.init_checkpoint is not None and resolve_path(params.init_checkpoint).resolve() != base_dir.resolve():
         raise ParamError(f"init_checkpoint {params.init_checkpoint} is not the base {base_dir} that {checkpoint_dir} "
                          "adapts")
-    if not (base_dir / "model.safetensors").is_file():
+    if not (base_dir / WEIGHTS_FILE).is_file():
         raise ParamError(f"{checkpoint_dir} adapts the base checkpoint {base_dir}, which is gone")
     if weights_sha256(base_dir) != base["sha256"]:
         raise ParamError(f"the base checkpoint {base_dir} changed since {checkpoint_dir} was written (its weights' "

@@ -12,8 +12,8 @@ import json
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Sequence
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -24,9 +24,9 @@ from cflib.data.shards import ShardError, ShardPartition, open_shard
 from cflib.data.tasks import TASKS, ensure_embedded_shard
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
-from cflib.model.lora import adapter_parameter_count
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
+from cflib.model.lora import adapter_parameter_count
 from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.paths import resolve_path
 from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
@@ -157,8 +157,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
     if params.resume is not None:
-        checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
-                          else resolve_path(params.resume))
+        checkpoint_dir = resume_dir(params)
         model, lora = resumed_model(checkpoint_dir, params)
         resume_state = load_trainer_state(checkpoint_dir)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
@@ -244,11 +243,17 @@ def count_train_examples(data: str, tasks: Sequence[str] | None = None) -> int:
         raise ShardError(f"{index}: no example count ({type(err).__name__}: {err})") from None
 
 
+def resume_dir(params: TrainParams) -> Path:
+    """The checkpoint `resume` names: `latest` is out_dir's newest resumable one."""
+    if params.resume == "latest":
+        return latest_resumable(resolve_path(params.out_dir) / "checkpoints")
+    return resolve_path(params.resume)
+
+
 def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
     """The architecture a run would train, and where it comes from, read without building the model."""
     if params.resume is not None:
-        checkpoint_dir = (latest_resumable(resolve_path(params.out_dir) / "checkpoints") if params.resume == "latest"
-                          else resolve_path(params.resume))
+        checkpoint_dir = resume_dir(params)
         return checkpoint_config(checkpoint_dir), f"resumed from {checkpoint_dir}"
     if params.init_checkpoint is not None:
         return checkpoint_config(resolve_path(params.init_checkpoint)), f"checkpoint {params.init_checkpoint}"
