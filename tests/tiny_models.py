@@ -9,6 +9,9 @@ import torch
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 
+# Where tests run the fast kernels: the GPU where there is one, else the CPU in Triton's interpreter (conftest.py).
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 TINY_FIELDS: dict[str, object] = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=50, max_position_embeddings=64, shared_intermediate_size=48,

@@ -55,6 +55,22 @@ def llama_config(config: ModelConfig, attn_implementation: str = "sdpa") -> Any:
 VARLEN_ATTENTION = ("flash_attention_4", "flash_attention_3", "flash_attention_2")
 
 
+def check_attention(name: str, device: torch.device) -> None:
+    """PathUnavailable unless transformers can run attn_implementation `name` (a FlashAttention) here."""
+    if name not in VARLEN_ATTENTION:
+        raise PathUnavailable(f"attention {name!r}: the peers take sdpa or one of {VARLEN_ATTENTION}")
+    if device.type != "cuda":
+        raise PathUnavailable(f"attention {name} needs a CUDA device; this run is on {device.type}")
+    try:
+        import transformers
+        import transformers.utils as available
+    except ImportError as err:
+        raise PathUnavailable(f"transformers is not installed ({err}); pip install -e '.[bench]'") from None
+    check = getattr(available, f"is_flash_attn_{name[-1]}_available", None)
+    if check is None or not check():
+        raise PathUnavailable(f"transformers {transformers.__version__} finds no {name} kernel installed here")
+
+
 def varlen_attention(device: torch.device) -> str:
     """The attn_implementation that runs padding-free batches here with a varlen kernel, or PathUnavailable."""
     if device.type != "cuda":

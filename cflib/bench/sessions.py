@@ -12,6 +12,7 @@ from cflib.bench.feeding import FEEDS, RealisticStream
 from cflib.bench.peer import (
     PeerTrainer,
     build_llama,
+    check_attention,
     check_liger,
     gradient_checkpointing,
     liger_applied,
@@ -61,12 +62,16 @@ def _peer_facts(model: torch.nn.Module, trainer: PeerTrainer, tparams: TrainPara
     }
 
 
-def peer_session(variant: dict[str, bool], tparams: TrainParams, config: ModelConfig, device: torch.device,
+def peer_session(variant: dict[str, Any], tparams: TrainParams, config: ModelConfig, device: torch.device,
                  data: ShardPartition, steps: int, compile_backend: str, stack: contextlib.ExitStack) -> Session:
-    """A peer on the project's rows, collated as the project collates them; Liger and torch.compile as asked."""
+    """A peer on the project's rows, collated as the project collates them; Liger, torch.compile and
+    transformers' attention implementation as asked."""
     if variant["liger"]:
         check_liger(device)
-    model = build_llama(config, device, tparams.seed)
+    attention = variant.get("attention", "sdpa")
+    if attention != "sdpa":
+        check_attention(attention, device)
+    model = build_llama(config, device, tparams.seed, attention)
     if variant["liger"]:
         stack.enter_context(liger_applied(model, device))
     if variant["compiled"]:

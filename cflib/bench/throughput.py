@@ -75,10 +75,11 @@ LORA_PATHS: dict[str, dict[str, Any]] = {
                                   "lora_alpha": 32, "base_dtype": "bfloat16"},
 }
 PROJECT_PATHS.update(LORA_PATHS)
-# The peers: Liger applied or not, torch.compile or not.
-PEER_PATHS: dict[str, dict[str, bool]] = {
+# The peers: Liger applied or not, torch.compile or not, transformers' SDPA attention or FlashAttention-4.
+PEER_PATHS: dict[str, dict[str, Any]] = {
     "peer_eager": {"liger": False, "compiled": False},
     "peer_liger": {"liger": True, "compiled": False},
+    "peer_liger_fa4": {"liger": True, "compiled": False, "attention": "flash_attention_4"},
     "peer_compile": {"liger": False, "compiled": True},
     "peer_liger_compile": {"liger": True, "compiled": True},
 }

@@ -360,7 +360,7 @@ def test_a_path_whose_requirements_fail_is_skipped_with_the_reason(tmp_path, mon
     reference, production = record["paths"]
     assert reference["status"] == "ok"
     assert production["status"] == "skipped" and "need a CUDA device" in production["reason"]
-    row = next(r for r in record["comparison"] if r["numerator"] == "production" and r["denominator"] == "peer_liger")
+    row = next(r for r in record["comparison"] if r["numerator"] == "production" and r["denominator"] == "best_peer")
     assert row["value"] is None and "need a CUDA device" in row["why_none"]
 
 
@@ -434,14 +434,16 @@ def test_compare_takes_the_products_targets_from_one_run():
                _entry("production", 16, 420.0, 14.0, "realistic", supervised=200.0),
                _entry("peer_packed", 16, 380.0, 20.0, "realistic", supervised=100.0),
                _entry("peer_padded", 16, 90.0, 30.0, "realistic", supervised=20.0),
+               _entry("peer_padding_free", 16, 300.0, 18.0, "realistic", supervised=160.0),
                _entry("peer_liger", 16, 999.0, 1.0, "realistic")]  # not a random-rows peer: never best_peer
     rows = {(r["quantity"], r["micro_batch"], r["denominator"], r["numerator_batches"]): r
             for r in compare(entries, 16, {"tflops_per_s": 800.0})}
-    assert len(rows) == len(TARGETS) == 7
-    assert rows["tokens_per_s", 16, "peer_liger", "random_rows"]["value"] == 400 / 250
-    assert rows["tokens_per_s", 16, "peer_liger", "random_rows"]["target"] == ">= 1.35"
-    memory = rows["peak_memory_gib", 16, "peer_liger", "random_rows"]
-    assert memory["value"] == 16.0 / 22.5 and memory["met"] and memory["target"] == "<= 0.75"
+    assert len(rows) == len(TARGETS) == 8
+    at_16 = rows["tokens_per_s", 16, "best_peer", "random_rows"]  # the fastest peer at 16: compiled here
+    assert at_16["value"] == 400 / 300 and at_16["denominator_entry"] == "peer_compile mb16"
+    assert at_16["target"] == ">= 1.35" and not at_16["met"]
+    memory = rows["peak_memory_gib", 16, "best_peer", "random_rows"]  # against that same peer's memory
+    assert memory["value"] == 16.0 / 27.0 and memory["met"] and memory["target"] == "<= 0.75"
     best = rows["tokens_per_s", "best", "best_peer", "random_rows"]  # each side at its fastest micro-batch
     assert best["value"] == 440 / 300 and best["numerator_entry"] == "production mb32" and best["met"]
     assert best["denominator_entry"] == "peer_compile mb16"  # compile peers count too
@@ -449,6 +451,8 @@ def test_compare_takes_the_products_targets_from_one_run():
     assert own["value"] == 420 / 400 and own["met"] and own["denominator_batches"] == "random_rows"
     packed = rows["supervised_tokens_per_s", 16, "peer_packed", "realistic"]
     assert packed["value"] == 2.0 and packed["met"] and packed["target"] == ">= 1.35"
+    padding_free = rows["supervised_tokens_per_s", 16, "peer_padding_free", "realistic"]
+    assert padding_free["value"] == 200 / 160 and not padding_free["met"] and padding_free["target"] == ">= 1.30"
     padded = rows["supervised_tokens_per_s", 16, "peer_padded", "realistic"]
     assert padded["value"] == 10.0 and padded["met"] and padded["target"] == ">= 8.00"
     ceiling = rows["model_tflops_per_s", "best", "ceiling", "random_rows"]

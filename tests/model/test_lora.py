@@ -1,6 +1,7 @@
 """LoRA adapters: the reference and the fused paths agree, a fresh adapter changes nothing, merging is exact.
 
-The fused paths run cflib's Triton kernels (Triton's interpreter on a CPU, tests/conftest.py).
+The fused paths run cflib's Triton kernels: on the GPU where there is one, else in Triton's interpreter on the
+CPU (tests/conftest.py); every model and batch here lives on KERNEL_DEVICE.
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import logits, random_ids, tiny_config
+from tiny_models import KERNEL_DEVICE, logits, random_ids, tiny_config
 
 import cflib.model.lora as lora
 from cflib.model.decoder import TRMoEModel
@@ -32,6 +33,7 @@ def adapted(settings: LoraSettings, seed: int = 0, trained: bool = True) -> TRMo
     torch.manual_seed(seed)
     model = TRMoEModel(tiny_config())
     attach_lora(model, settings)
+    model.to(KERNEL_DEVICE)
     if trained:
         with torch.no_grad():
             for name, param in adapter_state_dict(model).items():
@@ -53,7 +55,7 @@ def batch(model: TRMoEModel, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     ids = random_ids(model.config.vocab_size, 2, 12, seed=seed)
     labels = random_ids(model.config.vocab_size, 2, 12, seed=seed + 1)
     labels[:, :4] = -100
-    return ids, labels
+    return ids.to(KERNEL_DEVICE), labels.to(KERNEL_DEVICE)
 
 
 def test_only_the_adapters_train_and_their_names_and_shapes_are_peft_s():
@@ -82,7 +84,7 @@ def test_a_second_attach_is_refused():
 @pytest.mark.parametrize("plan", [REFERENCE, PRODUCTION], ids=["reference", "production"])
 def test_a_fresh_adapter_is_exactly_the_base_model(plan):
     torch.manual_seed(0)
-    base = TRMoEModel(tiny_config())
+    base = TRMoEModel(tiny_config()).to(KERNEL_DEVICE)
     model = attach_lora(copy.deepcopy(base), LoraSettings(rank=4, alpha=16))
     ids, _ = batch(base)
     base.use_kernels(plan)
@@ -113,7 +115,7 @@ def fixed_masks(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     if not (training and p > 0):
         return x
     generator = torch.Generator().manual_seed(hash(tuple(x.shape)) % 2**31)
-    keep = (torch.rand(x.shape, generator=generator) >= p).to(x.dtype)
+    keep = (torch.rand(x.shape, generator=generator) >= p).to(x.device, x.dtype)
     return x * keep / (1 - p)
 
 
@@ -154,12 +156,12 @@ def test_merged_weights_give_the_adapted_model_s_logits(plan):
     with torch.no_grad():
         expected = logits(model, ids)
     torch.manual_seed(0)
-    plain = TRMoEModel(tiny_config()).eval()  # the same base weights: the same seed, nothing attached
+    plain = TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval()  # the same base weights: the same seed, nothing attached
     merge_adapters(plain, {k: v.detach() for k, v in adapter_state_dict(model).items()}, model.lora_settings)
     plain.use_kernels(plan)
     with torch.no_grad():
         torch.testing.assert_close(logits(plain, ids), expected, rtol=0, atol=1e-5)
-        assert (logits(plain, ids) - logits(TRMoEModel(tiny_config()).eval(), ids)).abs().max() > 1e-3
+        assert (logits(plain, ids) - logits(TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval(), ids)).abs().max() > 1e-3
 
 
 def test_base_dtype_bfloat16_holds_the_frozen_matrices_in_bf16_and_runs_under_autocast():
@@ -171,7 +173,7 @@ def test_base_dtype_bfloat16_holds_the_frozen_matrices_in_bf16_and_runs_under_au
     assert all(p.dtype == torch.float32 for p in adapter_state_dict(model).values())
     ids, labels = batch(model)
     for plan in (REFERENCE, PRODUCTION):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
             loss, grads = loss_and_grads(model, plan, ids, labels)
         assert torch.isfinite(torch.tensor(loss)) and all(g.dtype == torch.float32 for g in grads.values())
 
@@ -183,7 +185,7 @@ def test_trainable_token_rows_feed_the_input_and_the_tied_head_and_merge():
     assert delta.requires_grad and delta.shape == (3, 32)
     assert not model.embed_tokens.weight.requires_grad
     torch.manual_seed(0)
-    base = TRMoEModel(tiny_config()).eval()
+    base = TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval()
     ids, labels = batch(model)
     with torch.no_grad():  # the rows start as the base's: nothing changes
         assert torch.equal(model.eval()(ids), base(ids))
