@@ -131,9 +131,13 @@ def wrap_model(model: torch.nn.Module, strategy: str, ctx: DistContext, device: 
         device_ids = [device.index] if device.type == "cuda" else None
         # Buffers (route tables, RoPE frequencies) are identical by construction: no per-step broadcast.
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # FSDP's default mesh is on the accelerator whenever one exists: a CPU run on a machine with fewer GPUs
+    # than ranks would ask for a GPU per rank ("invalid device ordinal"), so the mesh names the run's device.
+    mesh = init_device_mesh(device.type, (ctx.world_size,))
     for layer in model.layers:  # one all-gather per layer keeps the peak at one layer's weights
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model

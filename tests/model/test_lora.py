@@ -192,7 +192,7 @@ def test_trainable_token_rows_feed_the_input_and_the_tied_head_and_merge():
         delta.normal_()
     ref_loss, ref_grads = loss_and_grads(model, REFERENCE, ids, labels)
     fast_loss, fast_grads = loss_and_grads(model, PRODUCTION, ids, labels)
-    assert fast_loss == pytest.approx(ref_loss, abs=1e-5)
+    assert fast_loss == pytest.approx(ref_loss, rel=1e-6, abs=1e-5)  # a summed loss of ~130: rounding scales
     name = "embed_tokens.token_adapter.trainable_tokens_delta"
     torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5)
     assert (ref_grads[name].abs().sum(1) > 0).all()  # each row learns (as input or as an output of the head)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from sft_shard_helpers import write_shard
+from tiny_models import KERNEL_DEVICE
 
 from cflib.data.tasks import generate
 from cflib.export.peft import merge, read_adapter
@@ -23,6 +24,8 @@ from cflib.train.params import ParamError, TrainParams
 
 FAST = {"seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 1e-2, "exact_match_limit": 8,
         "device": "cpu"}
+# cflib's kernels where the tests run them: the GPU where there is one, else Triton's interpreter on the CPU.
+KERNELS = {"use_custom_kernels": "true", "device": KERNEL_DEVICE.type}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,8 @@ def digest(path: Path) -> str:
 
 @pytest.mark.parametrize("kernels", ["false", "true"], ids=["reference", "production"])
 def test_a_fresh_adapter_gives_exactly_the_base_model_s_loss(tmp_path, shard, base, kernels):
-    common = {"max_steps": 0, "use_custom_kernels": kernels, "exact_match_limit": 0}
+    common = {"max_steps": 0, "use_custom_kernels": kernels, "exact_match_limit": 0,
+              **(KERNELS if kernels == "true" else {})}
     full = train({**FAST, **common, "data": str(shard), "init_checkpoint": str(base),
                   "out_dir": str(tmp_path / "full")}, progress=False)
     adapted = train(lora_params(shard, base, tmp_path / "lora", **common), progress=False)
@@ -83,7 +87,7 @@ def test_a_lora_run_trains_only_its_adapters_and_saves_them_in_peft_s_format(tmp
 
 
 def test_merged_checkpoint_gives_the_adapted_model_s_logits(tmp_path, shard, base):
-    train(lora_params(shard, base, tmp_path / "run", max_steps=2, use_custom_kernels="true"), progress=False)
+    train(lora_params(shard, base, tmp_path / "run", max_steps=2, **KERNELS), progress=False)
     adapter = tmp_path / "run" / "checkpoints" / "last"
     summary = merge(adapter, tmp_path / "merged")
     assert summary["base_matches_training"] is True and summary["base"] == str(base.resolve())
@@ -97,7 +101,7 @@ def test_merged_checkpoint_gives_the_adapted_model_s_logits(tmp_path, shard, bas
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     assert (plain - expected).abs().max() > 1e-4  # the adapters changed the model, and the merge kept it
     # the merged checkpoint is an ordinary one: a full run starts from it
-    again = train({**FAST, "data": str(shard), "init_checkpoint": str(tmp_path / "merged"), "max_steps": 0,
+    again = train({**FAST, **KERNELS, "data": str(shard), "init_checkpoint": str(tmp_path / "merged"), "max_steps": 0,
                    "exact_match_limit": 0, "out_dir": str(tmp_path / "again")}, progress=False)
     final = json.loads((tmp_path / "run" / "record.json").read_text())["eval"]["final"]["loss"]
     assert again["eval"]["final"]["loss"] == pytest.approx(final, abs=1e-5)
