@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from cflib.data.shards import IGNORE_INDEX
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
+from cflib.model.fast import AddRMSNorm, FusedTRMoEEngine, LigerRMSNorm
 from cflib.ops.attention import GPU_NEEDS, attend, attention_batch, backend_problem, pack_documents
 from cflib.ops.dispatch import KernelPlan, SFTLoss
 
@@ -62,16 +63,15 @@ def _rms_inputs(shape, gen, device):
             "weight": _randn((shape.config.hidden_size,), gen, device, 0.1, 1.0)}
 
 
-def _rms_module(inputs: dict, backend: str) -> RMSNorm:
-    norm = RMSNorm(inputs["weight"].shape[0], 1e-6).to(inputs["weight"].device)  # the preset's norm_eps
+def _rms_module(inputs: dict, cls: type[RMSNorm] = RMSNorm) -> RMSNorm:
+    norm = cls(inputs["weight"].shape[0], 1e-6).to(inputs["weight"].device)  # the preset's norm_eps
     norm.weight = inputs["weight"]
-    norm.backend = backend
     return norm
 
 
 def _rms_fast(inputs):
-    norm = _rms_module(inputs, "liger")
-    return norm(inputs["x"]), norm.last_backend
+    norm = _rms_module(inputs, LigerRMSNorm)
+    return norm(inputs["x"]), norm.ran["rmsnorm"]
 
 
 def _add_norm_inputs(shape, gen, device):
@@ -82,13 +82,13 @@ def _add_norm_inputs(shape, gen, device):
 
 def _add_norm_reference(inputs):
     total = inputs["h"] + inputs["delta"]
-    return torch.cat([total.flatten(), _rms_module(inputs, "torch")(total).flatten().to(total.dtype)])
+    return torch.cat([total.flatten(), _rms_module(inputs)(total).flatten().to(total.dtype)])
 
 
 def _add_norm_fast(inputs):
-    norm = _rms_module(inputs, "cflib_add_rmsnorm")
+    norm = _rms_module(inputs, AddRMSNorm)
     total, normed = norm.add_norm(inputs["h"], inputs["delta"])
-    return torch.cat([total.flatten(), normed.flatten().to(total.dtype)]), norm.last_backend
+    return torch.cat([total.flatten(), normed.flatten().to(total.dtype)]), norm.ran["rmsnorm"]
 
 
 def _rope_inputs(shape, gen, device):
@@ -132,8 +132,8 @@ def _qk_reference(inputs):
     cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, qkv.device)
     if qkv.dtype == torch.float64:
         cos, sin = cos.double(), sin.double()
-    q = apply_rope(_rms_module({"weight": inputs["q_weight"]}, "torch")(q), cos, sin)
-    k = apply_rope(_rms_module({"weight": inputs["k_weight"]}, "torch")(k), cos, sin)
+    q = apply_rope(_rms_module({"weight": inputs["q_weight"]})(q), cos, sin)
+    k = apply_rope(_rms_module({"weight": inputs["k_weight"]})(k), cos, sin)
     return torch.cat([q.flatten(), k.flatten(), v.flatten()])
 
 
@@ -174,24 +174,23 @@ def _moe_inputs(shape, gen, device):
     return found
 
 
-def _engine(inputs: dict, backend: str) -> TRMoEEngine:
-    engine = TRMoEEngine(inputs["config"], build_routes=False).to(inputs["x"].device)
+def _engine(inputs: dict, cls: type[TRMoEEngine] = TRMoEEngine) -> TRMoEEngine:
+    engine = cls(inputs["config"], build_routes=False).to(inputs["x"].device)
     for name in ENGINE_WEIGHTS:
         module_name, _, attr = name.rpartition(".")
         owner = engine.get_submodule(module_name) if module_name else engine
         setattr(owner, attr, inputs[name])
     engine.route_table.copy_(inputs["route_table"])
-    engine.backend = backend
     return engine
 
 
 def _moe_reference(inputs):
-    return _engine(inputs, "torch_dense")(inputs["x"], inputs["token_ids"])
+    return _engine(inputs)(inputs["x"], inputs["token_ids"])
 
 
 def _moe_fast(inputs):
-    engine = _engine(inputs, "triton_fused")
-    return engine(inputs["x"], inputs["token_ids"]), engine.last_backend
+    engine = _engine(inputs, FusedTRMoEEngine)
+    return engine(inputs["x"], inputs["token_ids"]), engine.ran["moe"]
 
 
 def _loss_inputs(shape, gen, device, weighted: bool):
@@ -280,7 +279,7 @@ def _attention(name: str, backend: str, kernel: str, packed: bool) -> Component:
 
 
 COMPONENTS = [
-    Component("rmsnorm", "liger", _rms_inputs, ("weight",), lambda i: _rms_module(i, "torch")(i["x"]), _rms_fast),
+    Component("rmsnorm", "liger", _rms_inputs, ("weight",), lambda i: _rms_module(i)(i["x"]), _rms_fast),
     # h is the fp32 residual stream in every run, like a weight: listed with them.
     Component("add_rmsnorm", "cflib_add_rmsnorm", _add_norm_inputs, ("h", "weight"), _add_norm_reference,
               _add_norm_fast),

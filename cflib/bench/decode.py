@@ -44,6 +44,7 @@ from cflib.data.shards import ShardPartition
 from cflib.export.hub import export_hub
 from cflib.model import TRMoEModel, preset, save_checkpoint
 from cflib.model.decoder import rope_inv_freq
+from cflib.model.fast import use_kernels
 from cflib.model.generate import Decoder
 from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.train.evaluate import exact_match
@@ -214,7 +215,7 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
                 if other:
                     record[name]["agreement_with_decoder"] = agreement(other["tokens"], reference["tokens"])
         plan = plan_kernels("auto", require_liger=False, device=device)
-        model.use_kernels(plan)  # from here on: the fast kernels, as training evaluates on a GPU
+        use_kernels(model, plan)  # from here on: the fast kernels, as training evaluates on a GPU
         kernels = guarded(record, "decoder_kernels",
                           lambda: decoder_path(model, prompts, settings, device, graph), out)
         record["decoder_kernels"]["plan"] = plan.describe()
@@ -223,7 +224,7 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
         release_memory(device)
         guarded(record, "exact_match_pass", lambda: exact_match_pass(model, settings, device, work), out)
         if graph:  # last: inductor's compile takes the longest, and the figures above do not wait for it
-            model.use_kernels(KernelPlan(liger=False, custom=False))
+            use_kernels(model, KernelPlan(liger=False, custom=False))
             release_memory(device)
             compiled = guarded(record, "decoder_compiled", lambda: decoder_path(
                 model, prompts, settings, device, cuda_graph=True, compile_step=True), out)

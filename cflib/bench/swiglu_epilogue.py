@@ -9,7 +9,9 @@ Side by side in one run, forward + backward of one layer at the 200M shapes
 - quack_concat / quack_interleaved: quack's MLP (`quack.mlp.mlp_func`), whose GEMMs apply SwiGLU in the
   epilogue forward (gemm_gated) and its derivative backward (gemm_dgated), with gate and up concatenated
   or interleaved. quack has no per-token column scale, so these compute a plain SwiGLU: the time of the
-  epilogue design, not yet the routed block.
+  epilogue design, not yet the routed block;
+- quack_shared_cflib_routed: the routed block split in two, as it could run: the shared columns (output
+  scale 1) through quack's MLP, the experts' columns through cflib's kernels, the two outputs added.
 Each variant runs guarded: one that fails records its error and the others still run. Errors are norm-relative
 against an FP32 computation of the same function.
 
@@ -90,11 +92,28 @@ def main() -> None:
         from quack.mlp import mlp_func
         return mlp_func(x, gate_up_interleaved, down, "swiglu")
 
+    routed_layout = (0, *layout[1:])
+    gate_rows = gate_up.detach().chunk(2)
+    shared_gate_up = torch.cat([half[:shared_columns] for half in gate_rows]).requires_grad_(True)
+    routed_gate_up = torch.cat([half[shared_columns:] for half in gate_rows]).requires_grad_(True)
+    shared_down = down.detach()[:, :shared_columns].contiguous().requires_grad_(True)
+    routed_down = down.detach()[:, shared_columns:].contiguous().requires_grad_(True)
+
+    def quack_shared_cflib_routed() -> torch.Tensor:
+        from quack.mlp import mlp_func
+        if float(engine.shared_output_scale) != 1.0:
+            raise ValueError("the split needs shared_output_scale 1")
+        shared = mlp_func(x, shared_gate_up, shared_down, "swiglu", concat_layout=True)
+        return shared + ScaledSwiGLUDown.apply(x @ routed_gate_up.t(), ids, engine.route_table, routed_down,
+                                               routed_layout)
+
     variants = {"cflib_block": (cflib_block, "scaled"), "cflib_bf16_weights": (cflib_bf16_weights, "scaled"),
                 "cublas_liger": (cublas_liger, "plain"), "quack_concat": (quack_concat, "plain"),
-                "quack_interleaved": (quack_interleaved, "plain")}
+                "quack_interleaved": (quack_interleaved, "plain"),
+                "quack_shared_cflib_routed": (quack_shared_cflib_routed, "scaled")}
     references = {"scaled": scaled_reference(), "plain": plain_reference()}
-    leaves = (x32, x, gate_up, down, gate_up_interleaved, *engine.parameters())
+    leaves = (x32, x, gate_up, down, gate_up_interleaved, shared_gate_up, routed_gate_up, shared_down, routed_down,
+              *engine.parameters())
     results: dict[str, dict] = {}
     for name, (forward, kind) in variants.items():
         try:

@@ -11,6 +11,7 @@ import torch
 
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEEngine
+from cflib.model.fast import FusedTRMoEEngine, swap_class
 
 
 def sync(device: torch.device) -> None:
@@ -133,7 +134,7 @@ def time_trmoe(config: ModelConfig, tokens: int, device: torch.device) -> dict[s
     """Forward+backward ms of one TR-MoE layer (BF16 autocast), reference vs the fused Triton block."""
     engine, x, ids, grad = trmoe_bench_inputs(config, tokens, device)
     found = {}
-    for backend in ("torch_dense", "triton_fused"):
-        engine.backend = backend
-        found[backend] = time_forward_backward(lambda: engine(x, ids), grad)
+    for name, cls in (("torch_dense", TRMoEEngine), ("triton_fused", FusedTRMoEEngine)):
+        swap_class(engine, cls)
+        found[name] = time_forward_backward(lambda: engine(x, ids), grad)
     return found

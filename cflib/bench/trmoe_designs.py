@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from cflib.bench.timing import time_forward_backward, trmoe_bench_inputs
 from cflib.model.config import preset
 from cflib.model.decoder import TRMoEEngine
+from cflib.model.fast import FusedTRMoEEngine, swap_class
 from cflib.ops.liger import LigerSiLUMulFunction
 from cflib.train.records import device_info, framework_versions
 
@@ -63,7 +64,7 @@ def main() -> None:
         return time_forward_backward(forward, grad, rep_ms=400)
 
     def run_engine(backend):
-        engine.backend = backend
+        swap_class(engine, {"torch_dense": TRMoEEngine, "triton_fused": FusedTRMoEEngine}[backend])
         return engine(x, ids)
 
     with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -1,13 +1,13 @@
 """The TR-MoE decoder in plain PyTorch: the numerical reference for every fast path.
 
-`TRMoEModel.use_kernels` points modules at the Triton/Liger fast paths of
-cflib.ops instead; each module records the backend its last forward ran.
-Module and parameter names mirror the public checkpoint layout (docs/export.md), so a
-state dict maps one to one onto `model.safetensors`.
+The fast paths are subclasses of these modules (cflib.model.fast): `use_kernels(model, plan)` swaps each
+module's class for the one a KernelPlan chooses, so no forward reads a flag. Every forward records what it
+ran (`ran`), and `TRMoEModel.kernel_path()` reads that back over all layers. Adapters (LoRA) reach the
+computation through the weight protocol of cflib.model.weights; nothing here names them.
+Module and parameter names mirror the public checkpoint layout (docs/formats.md), so a state dict maps one
+to one onto `model.safetensors`.
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,40 +16,34 @@ from torch.utils.checkpoint import checkpoint
 
 from cflib.model.config import ModelConfig
 from cflib.model.kv_cache import KVCache, LayerCache
-from cflib.model.lora import embedding_weight, experts_in, experts_out, fused_linear, fused_trmoe
 from cflib.model.routing import build_route_table
+from cflib.model.weights import ExpertAdapter, effective_weight
 from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
 
-if TYPE_CHECKING:
-    from cflib.ops.dispatch import KernelPlan
-
 INIT_STD = 0.02
+EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
 
 
 class RMSNorm(nn.Module):
+    kernel = "torch"  # what this class runs, as records name it
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.backend = "torch"  # or "liger", or "cflib_add_rmsnorm" on the residual stream (TRMoEModel.use_kernels)
-        self.last_backend = "none"
-
-    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, its norm) in one kernel: the residual stream stays fp32, the norm comes out for the GEMM."""
-        from cflib.ops.add_rms_norm import add_rms_norm
-        self.last_backend = "cflib_add_rmsnorm"
-        return add_rms_norm(h, delta, self.weight, self.eps)
+        self.ran = {"rmsnorm": "none"}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.last_backend = self.backend
-        if self.backend == "liger":
-            from cflib.ops.liger import LigerRMSNormFunction
-            # "gemma" casting: normalise and scale in fp32, cast once at the end, as below.
-            return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "gemma", False)
+        self.ran = {"rmsnorm": self.kernel}
         # Normalise in fp32 whatever the activation dtype: bf16 sums of squares drift.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's add and the norm after it: (h + delta, its norm); delta None adds nothing."""
+        h = h if delta is None else h + delta
+        return h, self(h)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -75,6 +69,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """GQA with QK-norm and RoPE: three projections, the norms and RoPE in PyTorch, the attention kernel of
+    this forward's rows (cflib.ops.attention)."""
+
+    kernels = {"qkv": "three_gemms", "rope": "torch"}
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hd = config.head_dim
@@ -85,51 +84,52 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
-        self.rope_backend = "torch"  # or "liger", or "cflib_qk_norm_rope" (QK-norm and RoPE fused)
-        self.fused_qkv = False  # one GEMM for q, k, v: the input is cast and read once
-        self.last_rope_backend = self.last_qkv = self.last_attention = "none"
+        self.ran = {key: "none" for key in ("attention", *self.kernels)}
+
+    @property
+    def qk_norm_kernel(self) -> str | None:
+        return self.q_norm.kernel if isinstance(self.q_norm, RMSNorm) else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionBatch = DENSE_SDPA, kv: LayerCache | None = None) -> torch.Tensor:
         """attention: the kernel of this forward's rows and, packed, their documents (cflib.ops.attention);
         kv: decoding, the layer's cache keeps k and v and attends over every cached position."""
         batch, seq, _ = x.shape
-        shape = (batch, seq, -1, self.head_dim)
-        self.last_qkv = "fused_gemm" if self.fused_qkv else "three_gemms"
-        self.last_rope_backend = self.rope_backend
-        if self.fused_qkv:
-            qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))  # LoRA adapters included
-            qkv = qkv.view(batch * seq, -1)
-        if self.rope_backend == "cflib_qk_norm_rope":  # set only with fused_qkv and QK-norm
-            from cflib.ops.qk_norm_rope import qkv_norm_rope
-            self.q_norm.last_backend = self.k_norm.last_backend = "cflib_qk_norm_rope"
-            q, k, v = qkv_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, batch, seq,
-                                    self.num_heads, self.num_kv_heads, self.q_norm.eps)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        else:
-            if self.fused_qkv:
-                q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], 1)
-            else:
-                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            v = v.reshape(shape).transpose(1, 2)
-            q, k = self.q_norm(q.reshape(shape)), self.k_norm(k.reshape(shape))
-            if self.rope_backend == "liger":
-                from cflib.ops.liger import LigerRopeFunction
-                q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
-            else:
-                q, k = apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+        q, k, v = self.project(x, cos, sin)  # [B, H, T, hd] each
         if kv is not None:
-            out = kv.attend(q, k, v)
-            self.last_attention = kv.cache.backend
+            out, kernel = kv.attend(q, k, v), kv.cache.backend
         else:
-            out = attend(q, k, v, attention)  # packed: each example attends only to itself
-            self.last_attention = attention.kernel
-        out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
-        return fused_linear(out, (self.o_proj,)) if self.fused_qkv else self.o_proj(out)  # LoRA adapters included
+            out, kernel = attend(q, k, v, attention), attention.kernel  # packed: each example attends to itself
+        self.ran = {**self.kernels, "attention": kernel}
+        if self.qk_norm_kernel is not None:
+            self.ran["qk_norm"] = self.qk_norm_kernel
+        return self.output(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B, H, T, hd], normed and rotated."""
+        return self.norm_and_rotate(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [B, T, H x hd] -> [B, H, T, hd], with QK-norm and RoPE on q and k."""
+        shape = (*q.shape[:2], -1, self.head_dim)
+        q, k = self.rope(self.q_norm(q.reshape(shape)), self.k_norm(k.reshape(shape)), cos, sin)
+        return q, k, v.reshape(shape).transpose(1, 2)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T, H, hd] in, [B, H, T, hd] out."""
+        return apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(out)
 
 
 class TRMoEEngine(nn.Module):
     """Shared SwiGLU plus routed SwiGLU experts chosen by a fixed token-id table."""
+
+    kernels = {"swiglu": "torch", "moe": "torch_dense"}
 
     def __init__(self, config: ModelConfig, build_routes: bool = True) -> None:
         super().__init__()
@@ -147,10 +147,19 @@ class TRMoEEngine(nn.Module):
         self.route_weights = config.route_weights()
         self.shared_output_scale = config.shared_output_scale
         self.routed_output_scale = config.routed_output_scale
-        self.backend = "torch_dense"  # or "triton_fused" (cflib.ops.trmoe)
-        self.swiglu_backend = "torch"  # or "liger", for the shared branch of torch_dense
-        self.last_backend = "none"  # set by each forward: what actually ran
-        self.last_swiglu_backend = "none"
+        self.expert_adapter_slot: str | None = None
+        self.ran = {key: "none" for key in self.kernels}
+
+    def attach_expert_adapter(self, name: str, adapter: ExpertAdapter, slot: str) -> None:
+        """Adapt expert tensor `name` ("expert_gate", "expert_up" or "expert_down"); the adapters live in a
+        ModuleDict attribute named `slot`, so their tensors are named `<slot>.<name>.*` in the state dict."""
+        if not hasattr(self, slot):
+            setattr(self, slot, nn.ModuleDict())
+        getattr(self, slot)[name] = adapter
+        self.expert_adapter_slot = slot
+
+    def expert_adapters(self) -> dict[str, ExpertAdapter]:
+        return dict(getattr(self, self.expert_adapter_slot).items()) if self.expert_adapter_slot else {}
 
     def expert_coefficients(self, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[N, E]: each token's route weight on its experts, zero elsewhere."""
@@ -162,25 +171,38 @@ class TRMoEEngine(nn.Module):
         return coeff
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        self.ran = dict(self.kernels)
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        if self.backend == "triton_fused":
-            self.last_backend = self.last_swiglu_backend = "triton_fused"
-            return fused_trmoe(self, x, token_ids.reshape(-1)).reshape(shape)  # cflib.ops.trmoe, adapters included
-        self.last_swiglu_backend = self.swiglu_backend
-        if self.swiglu_backend == "liger":
-            from cflib.ops.liger import LigerSiLUMulFunction
-            shared = self.shared_down(LigerSiLUMulFunction.apply(self.shared_gate(x), self.shared_up(x)))
-        else:
-            shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
+        out = self.block(x.reshape(-1, shape[-1]), token_ids.reshape(-1))
+        return out.reshape(shape)
+
+    def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D], token ids [N] -> [N, D]."""
+        shared = self.shared_down(self.swiglu(self.shared_gate(x), self.shared_up(x)))
         # Dense over experts: with few narrow experts every expert on every token
         # is cheap, exact (unrouted experts get coefficient 0) and gather-free.
-        gate, up = experts_in(self, "expert_gate", x), experts_in(self, "expert_up", x)  # LoRA adapters included
-        coeff = self.expert_coefficients(token_ids.reshape(-1), gate.dtype)
-        routed = experts_out(self, F.silu(gate) * up * coeff[:, :, None])
-        self.last_backend = "torch_dense"
-        out = self.shared_output_scale * shared + self.routed_output_scale * routed
-        return out.reshape(shape)
+        adapters = self.expert_adapters()
+        gate = self.experts_in(x, self.expert_gate, adapters.get("expert_gate"))
+        up = self.experts_in(x, self.expert_up, adapters.get("expert_up"))
+        coeff = self.expert_coefficients(token_ids, gate.dtype)
+        hidden = F.silu(gate) * up * coeff[:, :, None]
+        routed = torch.einsum("new,ewd->nd", hidden, self.expert_down)
+        if (down := adapters.get("expert_down")) is not None:
+            down.last_form = "branch"
+            routed = routed + down.branch_out(hidden)
+        return self.shared_output_scale * shared + self.routed_output_scale * routed
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    @staticmethod
+    def experts_in(x: torch.Tensor, weight: torch.Tensor, adapter: ExpertAdapter | None) -> torch.Tensor:
+        """[N, D] -> [N, E, W] through every expert's gate or up projection, its adapter's branch added."""
+        out = torch.einsum("nd,edw->new", x, weight)
+        if adapter is None:
+            return out
+        adapter.last_form = "branch"
+        return out + adapter.branch_in(x)
 
 
 class DecoderLayer(nn.Module):
@@ -194,14 +216,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionBatch = DENSE_SDPA, pending: torch.Tensor | None = None,
-                kv: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(h, pending): with fused add+norm, the MLP output is added by the next norm, so it is returned apart."""
-        if self.input_layernorm.backend == "cflib_add_rmsnorm":
-            h, x = self.input_layernorm.add_norm(h, pending)
-            h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, attention, kv))
-            return h, self.mlp["engine"](x, token_ids)
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attention, kv)
-        return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids), None
+                kv: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, pending): the MLP's output is returned apart and added by the next norm, which on the fast path
+        does the add and the norm in one kernel."""
+        h, x = self.input_layernorm.add_norm(h, pending)
+        h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, attention, kv))
+        return h, self.mlp["engine"](x, token_ids)
 
 
 class TRMoEModel(nn.Module):
@@ -215,7 +235,9 @@ class TRMoEModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
         self.grad_ckpt = False
-        self.attention_backend = "auto"  # cflib.ops.attention.ATTENTION_BACKENDS; set by use_kernels
+        # The backend asked for (cflib.ops.attention.ATTENTION_BACKENDS); each forward picks its kernel for the
+        # activations' dtype and the kind of rows. Set by cflib.model.fast.use_kernels.
+        self.attention_backend = "auto"
         self.reset_parameters()
 
     @torch.no_grad()
@@ -231,7 +253,7 @@ class TRMoEModel(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        return embedding_weight(self.embed_tokens)  # a LoRA run's trainable token rows included
+        return effective_weight(self.embed_tokens)  # an adapter's trainable token rows included
 
     def rope(self, seq_len: int, device: torch.device,
              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,34 +284,16 @@ class TRMoEModel(nn.Module):
             else:
                 h, pending = layer(h, input_ids, cos, sin, attention, pending,
                                    kv.layers[index] if kv is not None else None)
-        if self.norm.backend == "cflib_add_rmsnorm":
-            return self.norm.add_norm(h, pending)[1]
-        return self.norm(h)
-
-    def use_kernels(self, plan: KernelPlan) -> None:
-        """Point every module at the backends of a cflib.ops.dispatch.KernelPlan."""
-        self.attention_backend = plan.attention
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.backend = "liger" if plan.liger else "torch"
-            elif isinstance(module, Attention):
-                module.rope_backend = "liger" if plan.liger else "torch"
-                module.fused_qkv = plan.custom
-                if plan.custom and isinstance(module.q_norm, RMSNorm):
-                    module.rope_backend = "cflib_qk_norm_rope"
-            elif isinstance(module, TRMoEEngine):
-                module.backend = "triton_fused" if plan.custom else "torch_dense"
-                module.swiglu_backend = "liger" if plan.liger else "torch"
-        if plan.custom:  # the norms on the residual stream also take its add (cflib.ops.add_rms_norm)
-            for layer in self.layers:
-                layer.input_layernorm.backend = layer.post_attention_layernorm.backend = "cflib_add_rmsnorm"
-            self.norm.backend = "cflib_add_rmsnorm"
+        return self.norm.add_norm(h, pending)[1]
 
     def kernel_path(self) -> dict[str, str]:
-        """The backends the last forward actually used, read back from the modules."""
-        attention, engine = self.layers[0].self_attn, self.layers[0].mlp["engine"]
-        path = {"attention": attention.last_attention, "qkv": attention.last_qkv, "rmsnorm": self.norm.last_backend,
-                "rope": attention.last_rope_backend, "swiglu": engine.last_swiglu_backend, "moe": engine.last_backend}
-        if isinstance(attention.q_norm, RMSNorm):
-            path["qk_norm"] = attention.q_norm.last_backend
-        return path
+        """What the last forward ran, read back from every layer's modules ("a+b" where layers differ)."""
+        found: dict[str, set[str]] = {}
+        for layer in self.layers:
+            for module in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
+                           layer.mlp["engine"]):
+                for key, value in module.ran.items():
+                    found.setdefault(key, set()).add(value)
+        for key, value in self.norm.ran.items():
+            found.setdefault(key, set()).add(value)
+        return {key: "+".join(sorted(values)) for key, values in found.items()}

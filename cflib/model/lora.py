@@ -12,9 +12,9 @@ tied embedding train too (PEFT's trainable tokens): tokens a base never saw shar
 one collapsed embedding, which no adapter on the blocks can tell apart in the head.
 
 Two forms of the same function:
-- the reference (plain PyTorch, `TRMoEModel.use_kernels` without custom kernels):
+- the reference (plain PyTorch, the decoder's reference modules):
   PEFT's textbook `base(x) + scale * B(A(dropout(x)))`, one branch per target;
-- the fused paths (one QKV GEMM, the wide TR-MoE GEMMs of cflib.ops.trmoe). With
+- the fused paths (cflib.model.fast: one QKV GEMM, the wide TR-MoE GEMMs of cflib.ops.trmoe). With
   lora_dropout 0 they run on the effective weight W + scale * B @ A: weight-sized
   work, small next to the token-sized GEMMs of a 32k-token step; the fused GEMMs
   and kernels stay as they are, and autograd takes dA, dB from dW_eff without a
@@ -28,6 +28,7 @@ Two forms of the same function:
   the weight (each token sees its own mask): the base GEMM runs frozen (no weight
   gradient) and each branch is added on its dropped input, the down projections'
   on the activation the fused kernel hands out for them.
+The adapters reach both through the weight protocol of cflib.model.weights: the decoder never names them.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cflib.model.decoder import EXPERT_TENSORS
+
 if TYPE_CHECKING:
     from cflib.model.config import ModelConfig
 
@@ -49,7 +52,9 @@ TARGETS: dict[str, str] = {
     "shared_down": "mlp.engine.shared_down", "expert_gate": "mlp.engine.expert_gate",
     "expert_up": "mlp.engine.expert_up", "expert_down": "mlp.engine.expert_down",
 }
-EXPERT_TARGETS = ("expert_gate", "expert_up", "expert_down")
+EXPERT_TARGETS = EXPERT_TENSORS
+# The engine's ModuleDict of expert adapters: its name is part of the adapters' state-dict names (PEFT's, on export).
+EXPERT_SLOT = "expert_lora"
 LINEAR_TARGETS = tuple(name for name in TARGETS if name not in EXPERT_TARGETS)
 BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -101,6 +106,9 @@ class LoraLinear(nn.Linear):
         self.scale, self.dropout = settings.scale, settings.dropout
         self.last_form = "none"
 
+    def folds(self) -> bool:
+        return self.dropout == 0  # with dropout each token sees its own mask: no single effective weight
+
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.lora_B(self.lora_A(dropout_input(x, self.dropout, self.training))) * self.scale
 
@@ -136,6 +144,9 @@ class ExpertLora(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
         self.scale, self.dropout = settings.scale, settings.dropout
         self.last_form = "none"
+
+    def folds(self) -> bool:
+        return self.dropout == 0
 
     def delta(self) -> torch.Tensor:
         """[E, in, out], the stored layout of the expert tensor."""
@@ -183,11 +194,6 @@ class LoraEmbedding(nn.Embedding):
         return F.embedding(input_ids, self.effective_weight())
 
 
-def embedding_weight(embedding: nn.Embedding) -> torch.Tensor:
-    """The embedding matrix the model computes with (also the tied head): trainable rows included."""
-    return embedding.effective_weight() if isinstance(embedding, LoraEmbedding) else embedding.weight
-
-
 # --- attaching -------------------------------------------------------------------------------------
 
 def _owner(layer: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -214,9 +220,7 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         for target in settings.targets:
             owner, name = _owner(layer, TARGETS[target])
             if target in EXPERT_TARGETS:
-                if not hasattr(owner, "expert_lora"):
-                    owner.expert_lora = nn.ModuleDict()
-                owner.expert_lora[name] = ExpertLora(getattr(owner, name), settings)
+                owner.attach_expert_adapter(name, ExpertLora(getattr(owner, name), settings), EXPERT_SLOT)
             else:
                 setattr(owner, name, LoraLinear(getattr(owner, name), settings))
     if settings.trainable_tokens:
@@ -240,7 +244,7 @@ def adapter_modules(model: nn.Module) -> dict[str, nn.Module]:
         if isinstance(module, LoraLinear):
             found[name] = module
         elif isinstance(module, ExpertLora):
-            found[name.replace(".expert_lora.", ".")] = module
+            found[name.replace(f".{EXPERT_SLOT}.", ".")] = module
     return found
 
 
@@ -266,106 +270,13 @@ def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], settings
     for target_name, param in params.items():
         module_name, _, leaf = target_name.rpartition(".")
         if leaf in EXPERT_TARGETS:
-            prefix = f"{module_name}.expert_lora.{leaf}"
+            prefix = f"{module_name}.{EXPERT_SLOT}.{leaf}"
             if f"{prefix}.lora_A.weight" in adapters:
                 a, b = (adapters[f"{prefix}.lora_{f}.weight"].to(param.device, torch.float32) for f in "AB")
                 param.add_(torch.einsum("eri,eor->eio", a, b) * scale)
         elif leaf == "weight" and f"{module_name}.lora_A.weight" in adapters:
             a, b = (adapters[f"{module_name}.lora_{f}.weight"].to(param.device, torch.float32) for f in "AB")
             param.add_((b @ a) * scale)
-
-
-# --- the fused paths (cflib.model.decoder calls these) ------------------------------------------------
-
-def fused_linear(x: torch.Tensor, modules: tuple[nn.Linear, ...]) -> torch.Tensor:
-    """One GEMM over the concatenated weights of `modules` (q|k|v, or o alone), adapters included."""
-    adapted = [m for m in modules if isinstance(m, LoraLinear)]
-    if not adapted:
-        weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
-        return F.linear(x, weight)
-    if adapted[0].dropout == 0:
-        for module in adapted:
-            module.last_form = "effective_weight"
-        weights = [m.effective_weight() if isinstance(m, LoraLinear) else m.weight for m in modules]
-        return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights))
-    weight = modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules])
-    base = F.linear(x, weight)
-    for module in adapted:
-        module.last_form = "separate_branch"
-    updates = [m.branch(x) if isinstance(m, LoraLinear) else None for m in modules]
-    return base + torch.cat([u if u is not None else base.new_zeros(*base.shape[:-1], m.out_features)
-                             for u, m in zip(updates, modules)], dim=-1)
-
-
-def _expert_adapter(engine: nn.Module, name: str) -> ExpertLora | None:
-    adapters = getattr(engine, "expert_lora", None)
-    return adapters[name] if adapters is not None and name in adapters else None
-
-
-def experts_in(engine: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
-    """Reference: [N, D] -> [N, E, W] through every expert's gate or up projection, adapter included."""
-    out = torch.einsum("nd,edw->new", x, getattr(engine, name))
-    adapter = _expert_adapter(engine, name)
-    if adapter is None:
-        return out
-    adapter.last_form = "branch"
-    return out + adapter.branch_in(x)
-
-
-def experts_out(engine: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Reference: [N, E, W] -> [N, D] through every expert's down projection, summed, adapter included."""
-    out = torch.einsum("new,ewd->nd", hidden, engine.expert_down)
-    adapter = _expert_adapter(engine, "expert_down")
-    if adapter is None:
-        return out
-    adapter.last_form = "branch"
-    return out + adapter.branch_out(hidden)
-
-
-def fused_trmoe(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """The wide TR-MoE path (cflib.ops.trmoe) with the engine's adapters: effective weights without dropout,
-    else the frozen fused block plus each branch on its dropped input."""
-    from cflib.ops.trmoe import engine_weights, trmoe_forward
-
-    linear = {name: getattr(engine, name) for name in ("shared_gate", "shared_up", "shared_down")}
-    adapters = {name: m for name, m in linear.items() if isinstance(m, LoraLinear)}
-    adapters.update({name: a for name in EXPERT_TARGETS if (a := _expert_adapter(engine, name)) is not None})
-    if not adapters:
-        return trmoe_forward(engine, x, token_ids)
-    weights = engine_weights(engine)
-    if next(iter(adapters.values())).dropout == 0:
-        for name, adapter in adapters.items():
-            adapter.last_form = "effective_weight"
-            weights[name] = weights[name] + adapter.delta()
-        return trmoe_forward(engine, x, token_ids, weights=weights)
-    for adapter in adapters.values():
-        adapter.last_form = "separate_branch"
-    num_tokens, (num_experts, _, width) = x.shape[0], engine.expert_gate.shape
-
-    def update(name: str) -> torch.Tensor | None:
-        if name not in adapters:
-            return None
-        if name in EXPERT_TARGETS:
-            return adapters[name].branch_in(x).reshape(num_tokens, num_experts * width)
-        return adapters[name].branch(x)
-
-    shared = engine.shared_gate.weight.shape[0]
-    pieces = [(update(n), c) for n, c in (("shared_gate", shared), ("expert_gate", num_experts * width),
-                                               ("shared_up", shared), ("expert_up", num_experts * width))]
-    gate_up_delta = None
-    if any(piece is not None for piece, _ in pieces):
-        like = next(piece for piece, _ in pieces if piece is not None)
-        gate_up_delta = torch.cat([piece if piece is not None else like.new_zeros(num_tokens, columns)
-                                   for piece, columns in pieces], dim=1)
-    out, hidden = trmoe_forward(engine, x, token_ids, weights=weights, gate_up_delta=gate_up_delta,
-                                return_hidden=True)
-    # hidden carries each column's output scale, and dropout's mask commutes with it: by linearity these
-    # are the reference's scaled branches.
-    if "shared_down" in adapters:
-        out = out + adapters["shared_down"].branch(hidden[:, :shared])
-    if "expert_down" in adapters:
-        out = out + adapters["expert_down"].branch_out(hidden[:, shared:].reshape(num_tokens, num_experts, width))
-    return out
 
 
 def lora_kernel_path(model: nn.Module) -> dict[str, str]:

@@ -26,6 +26,7 @@ from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
+from cflib.model.fast import use_kernels
 from cflib.model.lora import adapter_parameter_count
 from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.paths import resolve_path
@@ -208,7 +209,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     model.grad_ckpt = params.grad_ckpt
     kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
                            config.head_dim, packed=params.pack_sequences)
-    model.use_kernels(kernels)
+    use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
               pack_plan, loss_weights, reports, lora)

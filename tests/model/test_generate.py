@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from cflib.model.fast import use_kernels
 from cflib.model.generate import Decoder, GenerationError, Sampling, generate
 from cflib.ops.dispatch import KernelPlan
 
@@ -113,7 +114,7 @@ def test_fast_kernels_take_decode_shapes(model, plan):
     """Liger's RMSNorm/RoPE/SwiGLU and cflib's fused QKV norm+RoPE, add+RMSNorm and TR-MoE block accept one
     token per row at per-row positions, and decode as full forwards through the same kernels do."""
     fast = copy.deepcopy(model).to("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: Triton's interpreter
-    fast.use_kernels(plan)
+    use_kernels(fast, plan)
     ragged = [prompts()[1], prompts()[-1]]
     expected = [without_cache(fast, p, 3, h.EOS) for p in ragged]
     decoder = Decoder(fast)

@@ -13,6 +13,7 @@ from tiny_models import KERNEL_DEVICE, logits, random_ids, tiny_config
 
 import cflib.model.lora as lora
 from cflib.model.decoder import TRMoEModel
+from cflib.model.fast import use_kernels
 from cflib.model.lora import (
     EXPERT_TARGETS,
     TARGETS,
@@ -43,7 +44,7 @@ def adapted(settings: LoraSettings, seed: int = 0, trained: bool = True) -> TRMo
 
 
 def loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids: torch.Tensor, labels: torch.Tensor):
-    model.use_kernels(plan)
+    use_kernels(model, plan)
     model.zero_grad()
     loss, count = SFTLoss(plan)(model(ids), model.head_weight, labels, 8, True)
     (loss / count).backward()
@@ -87,8 +88,8 @@ def test_a_fresh_adapter_is_exactly_the_base_model(plan):
     base = TRMoEModel(tiny_config()).to(KERNEL_DEVICE)
     model = attach_lora(copy.deepcopy(base), LoraSettings(rank=4, alpha=16))
     ids, _ = batch(base)
-    base.use_kernels(plan)
-    model.use_kernels(plan)
+    use_kernels(base, plan)
+    use_kernels(model, plan)
     with torch.no_grad():
         assert torch.equal(model(ids), base(ids))
 
@@ -136,7 +137,7 @@ def test_production_path_matches_reference_with_dropout(monkeypatch):
     model.eval()
     with torch.no_grad():
         evaluated = model(ids)
-        model.use_kernels(REFERENCE)
+        use_kernels(model, REFERENCE)
         torch.testing.assert_close(model(ids), evaluated, rtol=1e-5, atol=1e-5)
 
 
@@ -152,13 +153,13 @@ def test_the_frozen_base_gets_no_gradient_on_either_path():
 def test_merged_weights_give_the_adapted_model_s_logits(plan):
     model = adapted(LoraSettings(rank=4, alpha=12)).eval()
     ids, _ = batch(model, seed=3)
-    model.use_kernels(plan)
+    use_kernels(model, plan)
     with torch.no_grad():
         expected = logits(model, ids)
     torch.manual_seed(0)
     plain = TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval()  # the same base weights: the same seed, nothing attached
     merge_adapters(plain, {k: v.detach() for k, v in adapter_state_dict(model).items()}, model.lora_settings)
-    plain.use_kernels(plan)
+    use_kernels(plain, plan)
     with torch.no_grad():
         torch.testing.assert_close(logits(plain, ids), expected, rtol=0, atol=1e-5)
         assert (logits(plain, ids) - logits(TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval(), ids)).abs().max() > 1e-3

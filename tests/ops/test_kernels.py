@@ -15,6 +15,7 @@ from cflib.bench.components import COMPONENTS, TOLERANCES, Shape, shapes_for
 from cflib.bench.validate import check, compare, validate
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
+from cflib.model.fast import use_kernels
 from cflib.ops.dispatch import KernelPlan, KernelUnavailable, SFTLoss, plan_kernels
 from cflib.ops.loss import supervised_positions
 from cflib.train import prepare, train
@@ -65,7 +66,7 @@ def test_trmoe_kernel_takes_unequal_route_weights_and_repeated_routes():
 
 def _loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids, labels, document_ids=None, token_weights=None):
     loss_fn = SFTLoss(plan)
-    model.use_kernels(plan)
+    use_kernels(model, plan)
     loss, count = loss_fn(model(ids, document_ids), model.head_weight, labels, 8, True, token_weights=token_weights)
     model.zero_grad()
     (loss / count).backward()

@@ -1,0 +1,207 @@
+"""The decoder's fast modules, and the swap that puts them in place of the reference ones.
+
+Each fast module subclasses its reference module (cflib.model.decoder), adds no parameter or buffer, and
+overrides the method whose computation it replaces, so state dicts, adapters and checkpoints do not change
+with the kernels. `use_kernels(model, plan)` gives every module the class a KernelPlan (cflib.ops.dispatch)
+chooses, as Liger swaps modules: forwards read no flags, and the same model swaps back to the reference.
+
+- norms: Liger's RMSNorm; on the residual stream, cflib's add + RMSNorm kernel (cflib.ops.add_rms_norm);
+- attention: Liger's RoPE; or one QKV GEMM, with QK-norm and RoPE in one kernel (cflib.ops.qk_norm_rope);
+- the TR-MoE block: Liger's SwiGLU for the shared branch; or the whole block as one wide SwiGLU
+  (cflib.ops.trmoe).
+Adapters join the fused GEMMs through the weight protocol (cflib.model.weights): with updates that fold,
+the GEMMs read effective weights; otherwise the base GEMM runs and each adapter adds its branch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cflib.model.config import ModelConfig
+from cflib.model.decoder import EXPERT_TENSORS, Attention, RMSNorm, TRMoEEngine, TRMoEModel
+from cflib.model.weights import effective_weight, is_adapted
+from cflib.ops.dispatch import KernelPlan
+
+
+class LigerRMSNorm(RMSNorm):
+    kernel = "liger"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from cflib.ops.liger import LigerRMSNormFunction
+        self.ran = {"rmsnorm": self.kernel}
+        # "gemma" casting: normalise and scale in fp32, cast once at the end, as the reference does.
+        return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "gemma", False)
+
+
+class AddRMSNorm(RMSNorm):
+    """The residual add and the norm in one kernel: the residual stream stays fp32, the norm comes out for
+    the GEMM after it."""
+
+    kernel = "cflib_add_rmsnorm"
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        from cflib.ops.add_rms_norm import add_rms_norm
+        self.ran = {"rmsnorm": self.kernel}
+        return add_rms_norm(h, delta, self.weight, self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_norm(x, None)[1]
+
+
+def fused_linear(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> torch.Tensor:
+    """One GEMM over the concatenated weights of `modules` (q|k|v, or o alone), adapters included."""
+    adapted = [m for m in modules if is_adapted(m)]
+    if not adapted or adapted[0].folds():
+        for module in adapted:
+            module.last_form = "effective_weight"
+        weights = [effective_weight(m) for m in modules]
+        return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights))
+    base = F.linear(x, modules[0].weight if len(modules) == 1 else torch.cat([m.weight for m in modules]))
+    for module in adapted:
+        module.last_form = "separate_branch"
+    return base + torch.cat([m.branch(x) if is_adapted(m) else base.new_zeros(*base.shape[:-1], m.out_features)
+                             for m in modules], dim=-1)
+
+
+class LigerRopeAttention(Attention):
+    kernels = {"qkv": "three_gemms", "rope": "liger"}
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        from cflib.ops.liger import LigerRopeFunction
+        return LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, H, T, hd]
+
+
+class FusedQKVAttention(Attention):
+    """One GEMM for q, k and v (the input is cast and read once) and the output through the same path."""
+
+    kernels = {"qkv": "fused_gemm", "rope": "torch"}
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        return self.norm_and_rotate(q, k, v, cos, sin)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        return fused_linear(out, (self.o_proj,))
+
+
+class FusedAttention(FusedQKVAttention):
+    """The QKV GEMM, then QK-norm and RoPE in one kernel that also splits q, k and v (models with QK-norm)."""
+
+    kernels = {"qkv": "fused_gemm", "rope": "cflib_qk_norm_rope"}
+
+    @property
+    def qk_norm_kernel(self) -> str:
+        return "cflib_qk_norm_rope"
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from cflib.ops.qk_norm_rope import qkv_norm_rope
+        batch, seq, _ = x.shape
+        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(batch * seq, -1)
+        q, k, v = qkv_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, batch, seq,
+                                self.num_heads, self.num_kv_heads, self.q_norm.eps)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+class LigerSwiGLUEngine(TRMoEEngine):
+    kernels = {"swiglu": "liger", "moe": "torch_dense"}
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        from cflib.ops.liger import LigerSiLUMulFunction
+        return LigerSiLUMulFunction.apply(gate, up)
+
+
+class FusedTRMoEEngine(TRMoEEngine):
+    """The block as one wide SwiGLU over the shared and every expert's columns (cflib.ops.trmoe), with the
+    engine's adapters: effective weights where their updates fold, else the frozen block plus each branch on
+    its dropped input."""
+
+    kernels = {"swiglu": "triton_fused", "moe": "triton_fused"}
+
+    def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        from cflib.ops.trmoe import engine_weights, trmoe_forward
+
+        adapters = {name: m for name in ("shared_gate", "shared_up", "shared_down")
+                    if is_adapted(m := getattr(self, name))}
+        adapters.update(self.expert_adapters())
+        if not adapters:
+            return trmoe_forward(self, x, token_ids)
+        weights = engine_weights(self)
+        if next(iter(adapters.values())).folds():
+            for name, adapter in adapters.items():
+                adapter.last_form = "effective_weight"
+                weights[name] = weights[name] + adapter.delta()
+            return trmoe_forward(self, x, token_ids, weights=weights)
+        return self._with_branches(x, token_ids, weights, adapters)
+
+    def _with_branches(self, x: torch.Tensor, token_ids: torch.Tensor, weights: dict[str, torch.Tensor],
+                       adapters: dict) -> torch.Tensor:
+        from cflib.ops.trmoe import trmoe_forward
+
+        for adapter in adapters.values():
+            adapter.last_form = "separate_branch"
+        num_tokens, (num_experts, _, width) = x.shape[0], self.expert_gate.shape
+
+        def update(name: str) -> torch.Tensor | None:
+            if name not in adapters:
+                return None
+            if name in EXPERT_TENSORS:
+                return adapters[name].branch_in(x).reshape(num_tokens, num_experts * width)
+            return adapters[name].branch(x)
+
+        shared = self.shared_gate.weight.shape[0]
+        pieces = [(update(n), c) for n, c in (("shared_gate", shared), ("expert_gate", num_experts * width),
+                                               ("shared_up", shared), ("expert_up", num_experts * width))]
+        gate_up_delta = None
+        if any(piece is not None for piece, _ in pieces):
+            like = next(piece for piece, _ in pieces if piece is not None)
+            gate_up_delta = torch.cat([piece if piece is not None else like.new_zeros(num_tokens, columns)
+                                       for piece, columns in pieces], dim=1)
+        out, hidden = trmoe_forward(self, x, token_ids, weights=weights, gate_up_delta=gate_up_delta,
+                                    return_hidden=True)
+        # hidden carries each column's output scale, and dropout's mask commutes with it: by linearity these
+        # are the reference's scaled branches.
+        if "shared_down" in adapters:
+            out = out + adapters["shared_down"].branch(hidden[:, :shared])
+        if "expert_down" in adapters:
+            out = out + adapters["expert_down"].branch_out(hidden[:, shared:].reshape(num_tokens, num_experts, width))
+        return out
+
+
+def swap_class(module: nn.Module, cls: type[nn.Module]) -> None:
+    """Make `module` an instance of `cls`, a fast or reference variant of its own class (same state)."""
+    reference = next((ref for ref in (RMSNorm, Attention, TRMoEEngine) if issubclass(cls, ref)), None)
+    if reference is None or not isinstance(module, reference):
+        raise TypeError(f"a {type(module).__name__} cannot become a {cls.__name__}")
+    module.__class__ = cls
+
+
+def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
+    """Give every module of `model` the implementation `plan` chooses (in place; returns the model)."""
+    model.attention_backend = plan.attention
+    residual_norm = AddRMSNorm if plan.custom else LigerRMSNorm if plan.liger else RMSNorm
+    head_norm = LigerRMSNorm if plan.liger else RMSNorm
+    if plan.custom:
+        attention = FusedAttention if model.config.use_qk_norm else FusedQKVAttention
+    else:
+        attention = LigerRopeAttention if plan.liger else Attention
+    engine = FusedTRMoEEngine if plan.custom else LigerSwiGLUEngine if plan.liger else TRMoEEngine
+    for layer in model.layers:
+        swap_class(layer.input_layernorm, residual_norm)
+        swap_class(layer.post_attention_layernorm, residual_norm)
+        swap_class(layer.self_attn, attention)
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            if isinstance(norm, RMSNorm):
+                swap_class(norm, head_norm)
+        swap_class(layer.mlp["engine"], engine)
+    swap_class(model.norm, residual_norm)
+    return model
+
+
+def build_model(config: ModelConfig, plan: KernelPlan, build_routes: bool = True) -> TRMoEModel:
+    """A model of `config` whose modules are the implementations `plan` chooses."""
+    return use_kernels(TRMoEModel(config, build_routes), plan)
