@@ -51,6 +51,7 @@ from cflib.ops.attention import (
     attend,
     attention_batch,
     backend_problem,
+    kernels_of,
     pack_documents,
 )
 from cflib.ops.dispatch import KernelPlan, KernelUnavailable, SFTLoss
@@ -59,10 +60,6 @@ from cflib.train.params import TrainParams
 from cflib.train.records import device_info, framework_versions
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
-
-DENSE_KERNELS = {"fa4": "fa4", "cudnn_sdpa": "cudnn_sdpa", "torch_sdpa": None}  # kernel -> backend asked for
-PACKED_KERNELS = {"fa4_varlen": "fa4", "torch_varlen": "torch_varlen", "flex_attention": "flex",
-                  "sdpa_mask": "sdpa_mask"}
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 20) -> float:
@@ -127,7 +124,7 @@ def time_kernels(config: ModelConfig, micro: int, seq_len: int, documents: Packe
                              "useful_pairs_vs_dense": pairs["packed"] / pairs["dense"]}, "rows": []}
     with torch.no_grad():
         truth = {"dense": _reference_out(q, k, v, None), "packed": _reference_out(q, k, v, documents)}
-    for kind, kernels in (("dense", DENSE_KERNELS), ("packed", PACKED_KERNELS)):
+    for kind, kernels in (("dense", kernels_of(packed=False)), ("packed", kernels_of(packed=True))):
         for kernel, requested in kernels.items():
             row = {"kind": kind, "kernel": kernel}
             problem = backend_problem(requested, device, head_dim, dtype, kind == "packed") if requested else None

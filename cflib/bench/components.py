@@ -14,7 +14,7 @@ from cflib.data.shards import IGNORE_INDEX
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
 from cflib.model.fast import AddRMSNorm, FusedTRMoEEngine, LigerRMSNorm
-from cflib.ops.attention import GPU_NEEDS, attend, attention_batch, backend_problem, pack_documents
+from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_problem, pack_documents
 from cflib.ops.dispatch import KernelPlan, SFTLoss
 
 # bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3 (METHOD.md).
@@ -267,8 +267,9 @@ def _attention_fast(backend: str):
 def _attention_unavailable(backend: str, packed: bool):
     def why(device: torch.device, dtype_name: str, shape: Shape) -> str | None:
         problem = backend_problem(backend, device, shape.config.head_dim, packed=packed)
-        if problem is None and backend in GPU_NEEDS and dtype_name != "bfloat16":
-            return f"{GPU_NEEDS[backend][0]} computes in bfloat16/float16: checked in bfloat16"
+        kernel = BACKENDS[backend].packed if packed else BACKENDS[backend].dense
+        if problem is None and kernel.half_only and dtype_name != "bfloat16":
+            return f"{BACKENDS[backend].what} computes in bfloat16/float16: checked in bfloat16"
         return problem
     return why
 
@@ -276,6 +277,12 @@ def _attention_unavailable(backend: str, packed: bool):
 def _attention(name: str, backend: str, kernel: str, packed: bool) -> Component:
     return Component(name, kernel, _attention_inputs(packed), (), _attention_reference, _attention_fast(backend),
                      unavailable=_attention_unavailable(backend, packed))
+
+
+def _attention_components() -> list[Component]:
+    """A component for every attention kernel a backend names for validation (cflib.ops.attention.BACKENDS)."""
+    return [_attention(kernel.component, backend.name, kernel.name, packed) for backend in BACKENDS.values()
+            for packed, kernel in ((False, backend.dense), (True, backend.packed)) if kernel and kernel.component]
 
 
 COMPONENTS = [
@@ -295,9 +302,11 @@ COMPONENTS = [
     # The production unweighted loss (cflib.ops.dispatch.SFTLoss: cflib's kernels take it from Liger's).
     Component("cflib_loss", "cflib_triton_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False),
               ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=True, custom=True))),
-    _attention("attention_fa4", "fa4", "fa4", packed=False),
-    _attention("attention_fa4_varlen", "fa4", "fa4_varlen", packed=True),
-    _attention("attention_cudnn", "cudnn_sdpa", "cudnn_sdpa", packed=False),
-    _attention("attention_torch_varlen", "torch_varlen", "torch_varlen", packed=True),
-    _attention("attention_flex", "flex", "flex_attention", packed=True),
+    *_attention_components(),
 ]
+
+
+def components() -> list[Component]:
+    """COMPONENTS, and the kernels of any attention backend registered since this module was imported."""
+    known = {c.name for c in COMPONENTS}
+    return COMPONENTS + [c for c in _attention_components() if c.name not in known]

@@ -19,7 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from cflib.atomic import write_json_atomic
-from cflib.bench.components import COMPONENTS, DTYPES, TOLERANCES, Component, Shape, shapes_for
+from cflib.bench.components import DTYPES, TOLERANCES, Component, Shape, shapes_for
+from cflib.bench.components import components as all_components
 from cflib.bench.timing import time_trmoe
 from cflib.ops.dispatch import KernelUnavailable, liger_problem, triton_problem
 from cflib.ops.interpreter import bf16_arithmetic_broken
@@ -95,7 +96,7 @@ def validate(device: torch.device, dtypes: tuple[str, ...] = ("float32", "bfloat
         raise KernelUnavailable(f"cannot validate the fast paths: {problem}")
     shapes = shapes if shapes is not None else shapes_for(device)
     skipped: list[dict] = []
-    grid = [(c, s, d) for s in shapes for d in dtypes for c in (components or COMPONENTS)]
+    grid = [(c, s, d) for s in shapes for d in dtypes for c in (components or all_components())]
     skip_bf16_arithmetic = device.type == "cpu" and bf16_arithmetic_broken()
     rows: list[dict] = []
     for component, shape, dtype_name in (progress(grid) if progress else grid):

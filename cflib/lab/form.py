@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import ipywidgets as widgets
 
-from cflib.bench.components import COMPONENTS
+from cflib.bench.components import components
 from cflib.bench.throughput import BATCHES, ThroughputParams
 from cflib.bench.tune import TuneParams
 from cflib.bench.validate import resolve_grid
@@ -85,8 +85,9 @@ def validate_form(namespace: dict[str, Any]) -> "ParameterForm | None":
 
     def derived(grid: tuple) -> str:
         dtypes, shapes = grid
-        return (f"{len(COMPONENTS) * len(dtypes) * len(shapes)} comparisons on {device.type}: "
-                f"{len(COMPONENTS)} components x {', '.join(dtypes)} x {', '.join(s.name for s in shapes)}")
+        count = len(components())
+        return (f"{count * len(dtypes) * len(shapes)} comparisons on {device.type}: "
+                f"{count} components x {', '.join(dtypes)} x {', '.join(s.name for s in shapes)}")
     return parameter_form(namespace, ["out_dir", "dtypes", "shapes", "time_layers"],
                           check=lambda values: resolve_grid(values["dtypes"], values["shapes"], device),
                           derived=derived, params_dir="params")

@@ -235,7 +235,7 @@ class TRMoEModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
         self.grad_ckpt = False
-        # The backend asked for (cflib.ops.attention.ATTENTION_BACKENDS); each forward picks its kernel for the
+        # The backend asked for (cflib.ops.attention.BACKENDS, or auto); each forward picks its kernel for the
         # activations' dtype and the kind of rows. Set by cflib.model.fast.use_kernels.
         self.attention_backend = "auto"
         self.reset_parameters()

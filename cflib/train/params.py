@@ -19,7 +19,7 @@ import yaml
 
 from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
-from cflib.ops.attention import ATTENTION_BACKENDS
+from cflib.ops.attention import backend_names, packed_problem
 from cflib.yamlio import read_yaml
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -155,11 +155,10 @@ class TrainParams(ParamSet):
         if self.use_custom_kernels not in KERNEL_CHOICES:
             raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), "
                              f"got {self.use_custom_kernels!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ParamError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.attention_backend == "cudnn_sdpa" and self.pack_sequences:
-            raise ParamError("attention_backend cudnn_sdpa attends dense rows only (it has no document mask); with "
-                             "pack_sequences: true choose auto, fa4, torch_varlen, flex or sdpa_mask")
+        if self.attention_backend not in backend_names():
+            raise ParamError(f"attention_backend must be one of {backend_names()}, got {self.attention_backend!r}")
+        if self.pack_sequences and (problem := packed_problem(self.attention_backend)):
+            raise ParamError(f"{problem} (pack_sequences: true)")
         if self.strategy not in STRATEGIES:
             raise ParamError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not 0 <= self.node_rank < self.nnodes:
