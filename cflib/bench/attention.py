@@ -54,7 +54,8 @@ from cflib.ops.attention import (
     kernels_of,
     pack_documents,
 )
-from cflib.ops.dispatch import KernelPlan, KernelUnavailable, SFTLoss
+from cflib.ops.dispatch import KernelPlan, KernelUnavailable
+from cflib.ops.sft_loss import SFTLoss
 from cflib.ops.loss import supervised_positions
 from cflib.train.params import TrainParams
 from cflib.train.records import device_info, framework_versions

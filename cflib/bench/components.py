@@ -15,7 +15,8 @@ from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
 from cflib.model.fast import AddRMSNorm, FusedTRMoEEngine, LigerRMSNorm
 from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_problem, pack_documents
-from cflib.ops.dispatch import KernelPlan, SFTLoss
+from cflib.ops.dispatch import KernelPlan
+from cflib.ops.sft_loss import SFTLoss
 
 # bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3 (METHOD.md).
 TOLERANCES = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -299,7 +300,7 @@ COMPONENTS = [
               _loss_reference, _loss_fast(KernelPlan(liger=True, custom=False))),
     Component("weighted_loss", "cflib_triton_fused_linear_ce_weighted", lambda s, g, d: _loss_inputs(s, g, d, True),
               ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=False, custom=True))),
-    # The production unweighted loss (cflib.ops.dispatch.SFTLoss: cflib's kernels take it from Liger's).
+    # The production unweighted loss (cflib.ops.sft_loss.SFTLoss: cflib's kernels take it from Liger's).
     Component("cflib_loss", "cflib_triton_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False),
               ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=True, custom=True))),
     *_attention_components(),

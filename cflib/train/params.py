@@ -20,6 +20,7 @@ import yaml
 from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
 from cflib.ops.attention import backend_names, packed_problem
+from cflib.ops.sft_loss import LOSSES
 from cflib.yamlio import read_yaml
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -57,6 +58,7 @@ class TrainParams(ParamSet):
     max_grad_norm: float | None = 1.0
     nan_patience: int = 0  # non-finite steps skipped in a row before the run stops
     bf16: bool = False
+    loss_type: str = "sft_cross_entropy"  # a loss of cflib.ops.sft_loss.LOSSES (register_loss adds one)
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
     full_parameter: bool = True  # false: LoRA adapters on a frozen init_checkpoint (cflib.model.lora)
@@ -147,6 +149,8 @@ class TrainParams(ParamSet):
             raise ParamError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
+        if self.loss_type not in LOSSES:
+            raise ParamError(f"loss_type must be one of {tuple(LOSSES)}, got {self.loss_type!r}")
         if self.device not in DEVICES:
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._validate_lora()

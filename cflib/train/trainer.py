@@ -30,7 +30,7 @@ from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.lora import lora_kernel_path
 from cflib.ops.attention import PackedDocuments, pack_documents
-from cflib.ops.dispatch import SFTLoss
+from cflib.ops.sft_loss import make_loss
 from cflib.ops.loss import supervised_positions
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
@@ -75,7 +75,7 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, self.params, self.device, fused=run.strategy != "fsdp")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
-        self.loss = SFTLoss(run.kernels)
+        self.loss = make_loss(self.params.loss_type, run.kernels)
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
         self.evals: list[dict] = []

@@ -24,7 +24,8 @@ from cflib.model.lora import (
     lora_kernel_path,
     merge_adapters,
 )
-from cflib.ops.dispatch import KernelPlan, SFTLoss
+from cflib.ops.dispatch import KernelPlan
+from cflib.ops.sft_loss import SFTLoss
 
 REFERENCE, PRODUCTION = KernelPlan(liger=False, custom=False), KernelPlan(liger=True, custom=True)
 

@@ -16,7 +16,8 @@ from cflib.bench.validate import check, compare, validate
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import use_kernels
-from cflib.ops.dispatch import KernelPlan, KernelUnavailable, SFTLoss, plan_kernels
+from cflib.ops.dispatch import KernelPlan, KernelUnavailable, plan_kernels
+from cflib.ops.sft_loss import SFTLoss
 from cflib.ops.loss import supervised_positions
 from cflib.train import prepare, train
 from cflib.train.params import TrainParams

@@ -1,0 +1,98 @@
+"""The training loss: its interface, the losses a run can name, and the SFT cross-entropy on the fastest path.
+
+A loss takes the final hidden states, the tied head's weight and the causally aligned labels of one
+micro-batch, and returns the summed loss and the number of supervised targets it summed over; the trainer
+divides by the step's total (or weighted mass), so micro-batches and ranks add up exactly. It never holds the
+full logits. `register_loss` adds one that a run names with `loss: NAME` (docs/architecture.md shows one).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from cflib.ops.dispatch import KernelPlan
+from cflib.ops.loss import IGNORE_INDEX, chunked_cross_entropy_sum, supervised_rows
+
+
+class Loss(Protocol):
+    last_backend: str  # what the last call ran, for the record
+
+    def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                 loss_chunk_tokens: int, fp32_loss: bool, token_weights: torch.Tensor | None = None,
+                 supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """hidden [B, T, D], head_weight [V, D], labels [B, T] (-100: not supervised); token_weights [B, T] under
+        2-D weighting; supervised: the flat indices of the supervised positions, found where the batch is
+        collated (None: found here, a sync on a GPU). Returns (summed loss, supervised-target count)."""
+        ...
+
+
+class SFTLoss:
+    """Summed token cross-entropy through the tied head, on the fastest path the plan allows.
+
+    With cflib's kernels (plan.custom), weighted or not, cflib's fused op
+    (cflib.ops.cross_entropy); with Liger's alone, Liger's fused linear CE for
+    the unweighted loss. Both return (sum, count) like
+    cflib.ops.loss.chunked_cross_entropy_sum, the reference they are tested against.
+
+    Why cflib's op, not Liger's, serves the unweighted loss too: Liger's
+    (liger-kernel 0.8.5, ops/fused_linear_cross_entropy.py) reads the count
+    of supervised targets back to the host in forward (`target_mask.sum().item()`)
+    and compares the incoming gradient with 1.0 on the host in backward
+    (`torch.equal`), two syncs a step that stall the host's queue of kernels
+    mid-step; it also accumulates the head's gradient in the head's dtype
+    (bf16 here). cflib's op has no host read (the count is the index tensor's
+    length, known on the host: `supervised` below), accumulates that gradient
+    in fp32, and follows the same plan: head GEMMs over chunks of tokens, one
+    Triton kernel per chunk turning logits into their gradient in place.
+    """
+
+    def __init__(self, plan: KernelPlan) -> None:
+        self.plan = plan
+        self.last_backend = "none"
+
+    def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                 loss_chunk_tokens: int, fp32_loss: bool, token_weights: torch.Tensor | None = None,
+                 supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """supervised: the flat indices of labels' supervised positions (cflib.ops.loss.supervised_positions),
+        computed where the batch is collated; None: found here, which on a GPU is a sync."""
+        fused = torch.is_grad_enabled() and (self.plan.custom or (self.plan.liger and token_weights is None))
+        if not fused:
+            self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
+            return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
+                                             token_weights=token_weights, supervised=supervised)
+        hidden, targets, weights = supervised_rows(hidden, labels, token_weights, supervised)
+        count = int(targets.numel())
+        if count == 0:
+            return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0
+        device_type = hidden.device.type
+        # The head GEMM runs in the autocast dtype, as under autocast: the final norm's output is fp32.
+        run_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        with torch.autocast(device_type, enabled=False):
+            dtype = torch.float32 if fp32_loss else run_dtype
+            hidden, weight = hidden.to(dtype), head_weight.to(dtype)
+            if not self.plan.custom:  # Liger's alone, unweighted
+                from cflib.ops.liger import LigerFusedLinearCrossEntropyFunction
+                self.last_backend = "liger_fused_linear_ce"
+                out = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, targets, None, None, IGNORE_INDEX,
+                                                                 0.0, 0.0, "sum")
+                loss = out[0] if isinstance(out, tuple) else out
+                return loss.float(), count
+            from cflib.ops.cross_entropy import FusedLinearWeightedCrossEntropy
+            self.last_backend = "cflib_triton_fused_linear_ce" + ("_weighted" if weights is not None else "")
+            return FusedLinearWeightedCrossEntropy.apply(hidden, weight, targets, weights, loss_chunk_tokens), count
+
+
+LOSSES: dict[str, Callable[[KernelPlan], Loss]] = {"sft_cross_entropy": SFTLoss}
+
+
+def register_loss(name: str, build: Callable[[KernelPlan], Loss]) -> None:
+    """Make `loss: NAME` a run's loss: `build(plan)` is called once per run with its kernel plan."""
+    LOSSES[name] = build
+
+
+def make_loss(name: str, plan: KernelPlan) -> Loss:
+    if name not in LOSSES:
+        raise KeyError(f"loss {name!r}: expected one of {tuple(LOSSES)}")
+    return LOSSES[name](plan)
