@@ -308,7 +308,8 @@ def _judge(point: Point, before: dict | None, params: SweepParams) -> Point:
                              "gives each point one GPU")
         point.total_steps = batch_arithmetic(checked)["total_steps"]
     except (ValueError, OSError) as err:
-        point.status, point.action, point.error = "failed", "failed its checks", str(err)
+        message = str(err) if str(err).startswith(f"point {point.name}") else f"point {point.name}: {err}"
+        point.status, point.action, point.error = "failed", "failed its checks", message
         return point
     recorded = point.run_dir / POINT_FILE
     if recorded.is_file() and _without_resume(load_params_file(recorded)) != _without_resume(_as_yaml(point.params)):
