@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import EngFormatter
 from tqdm.auto import tqdm
 
 from cflib.atomic import write_json_atomic
@@ -251,6 +252,8 @@ def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
             return f"{value:g}"  # a parameter as it was set, not rounded
         if column == "tokens_per_s":
             return f"{value:,.0f}"
+        if column.startswith("exact_match/"):
+            return f"{value:.3f}"
         return f"{value:.1f}" if column == "wall_s" else f"{value:.4f}"
     return str(value)
 
@@ -314,6 +317,7 @@ def plot_curves(comparison: Comparison, save_to: str | Path | None = None) -> pl
             ax.set_ylabel(what)
             ax.set_yscale("log")
             ax.grid(alpha=0.3)
+        axes[row][1].xaxis.set_major_formatter(EngFormatter(sep=""))  # 50k, 1M: tokens read at a glance
     axes[0][1].legend(fontsize=7, loc="upper right")
     fig.suptitle("loss curves, overlaid")
     fig.tight_layout()
@@ -363,6 +367,9 @@ def plot_sweep(comparison: Comparison, save_to: str | Path | None = None) -> plt
             ax.set_xscale("log")
         if not numeric:
             ax.set_xticks(range(len(labels)), [str(x) for x in labels])
+        elif len(labels) <= 8:  # a sweep's few values, each named where it sits
+            ax.set_xticks(labels, [f"{x:g}" for x in labels])
+            ax.minorticks_off()
         ax.set_xlabel(name)
         ax.set_ylabel(comparison.metric)
         ax.grid(alpha=0.3)

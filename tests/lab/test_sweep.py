@@ -14,7 +14,7 @@ import pytest
 
 from cflib.lab.compare import CompareParams, compare
 from cflib.lab.sweep import SweepParams, plan_sweep
-from cflib.train.params import ParamError, load_params_file
+from cflib.train.params import ParamError, TrainParams, load_params_file
 from cflib.train.records import read_metrics
 
 try:
@@ -71,11 +71,14 @@ def test_grid_from_a_yaml_file_and_points(tmp_path):
     assert [p.name for p in listed.points] == ["base", "warmup_ratio-0.1"]
 
 
-def test_params_files_for_the_sweep_notebook_validate():
-    for path in sorted((ROOT / "params").glob("sweep_*.yaml")):
-        values = load_params_file(path)
-        if "grid" in values or "points" in values:  # a sweep's parameters; else a base
-            plan_sweep(SweepParams.from_dict({**values, "out_dir": None}, source=str(path)))
+@pytest.mark.parametrize("path", sorted((ROOT / "params").glob("sweep_*.yaml")), ids=lambda p: p.name)
+def test_params_files_for_the_sweep_notebook_validate(path):
+    values = load_params_file(path)
+    if "grid" in values or "points" in values:  # a sweep's parameters
+        sweep = plan_sweep(SweepParams.from_dict({**values, "out_dir": None}, source=str(path)))
+        assert all(point.status == "queued" for point in sweep.points)
+    else:  # a base: train_sft's parameters
+        TrainParams.from_dict(values, source=str(path))
 
 
 def _papermill(out_dir: Path, executed: Path, log: Path) -> subprocess.Popen:
