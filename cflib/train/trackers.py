@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
+from cflib.train.records import read_metrics
 
 REPORTERS = ("tensorboard", "mlflow")
 _PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
@@ -113,8 +114,13 @@ class TensorBoardTracker:
 
         self.folder = out_dir / "tensorboard"
         self.error: str | None = None
-        # A resumed run logs the steps after its checkpoint again: purge_step hides the killed run's copies.
-        self.writer = SummaryWriter(str(self.folder), purge_step=resumed_step + 1 if resumed_step else None)
+        # Resumed, the new event file hides every earlier one (purge_step 0) and starts with metrics.jsonl's rows
+        # up to the checkpoint: a killed run's last events may never have left its writer's buffer.
+        self.writer = SummaryWriter(str(self.folder), purge_step=0 if resumed_step else None)
+        if resumed_step and (out_dir / "metrics.jsonl").is_file():
+            for row in read_metrics(out_dir / "metrics.jsonl"):
+                if row.get("step", 0) <= resumed_step:  # the rows the resumed run keeps (MetricsLog.truncate_after)
+                    self.log(scalars(row), int(row.get("step", 0)))
 
     def log(self, values: dict[str, float], step: int) -> None:
         if self.error:

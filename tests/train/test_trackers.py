@@ -199,3 +199,45 @@ def test_a_server_killed_mid_run_only_warns(tmp_path, mlflow_server):
         assert metric.value == pytest.approx(losses[metric.step])
     # The end of the run waited at most the tracker's bound, not MLflow's minutes of retries.
     assert elapsed < record["timing"]["wall_s"] + 45
+
+
+def _tensorboard_series(folder: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return [(s.step, s.value) for s in events.Scalars(tag)]
+
+
+def test_a_run_killed_and_resumed_shows_each_step_once_in_tensorboard(tmp_path):
+    out_dir = tmp_path / "run"
+    params = run_params(out_dir, max_steps=80, eval_every_steps=None, exact_match_limit=0, save_every_steps=8,
+                        report_to="tensorboard")
+    code = "import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
+    child = subprocess.Popen([sys.executable, "-c", code, json.dumps(params)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out_dir / "checkpoints" / "step-16").is_dir():
+        assert child.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.02)
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    assert not (out_dir / "COMPLETE").exists(), "killed too late: the run had finished"
+    # What a SIGKILL can cost: events still in the writer's buffer never reach the disk. Here, all of them.
+    for events in (out_dir / "tensorboard").glob("events.out.tfevents.*"):
+        events.unlink()
+    train({**params, "resume": "latest"}, progress=False)
+    train_rows = rows(out_dir, "train")
+    assert [r["step"] for r in train_rows] == list(range(1, 81))
+    assert _tensorboard_series(out_dir / "tensorboard", "train/loss") == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in train_rows]
+    assert [step for step, _ in _tensorboard_series(out_dir / "tensorboard", "eval/loss")] == [0, 80]
+
+
+def test_only_rank_zero_reports_under_ddp(tmp_path):
+    out_dir = tmp_path / "run"
+    train(run_params(out_dir, max_steps=4, eval_every_steps=None, exact_match_limit=0, nproc_per_node=2,
+                     micro_batch_per_rank=8, report_to="tensorboard"), progress=False)
+    assert len(list((out_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 1 wrote none
+    assert _tensorboard_series(out_dir / "tensorboard", "train/loss") == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows(out_dir, "train")]
