@@ -157,3 +157,42 @@ def test_compare_refuses_an_incomplete_run_by_name(tmp_path):
     assert shown.rows[0]["steps"] == 1 and shown.rows[0]["tokens_per_s"] is None
     with pytest.raises(ParamError, match="matches no run folder"):
         compare(CompareParams.from_dict({"runs": str(tmp_path / "nothing-*")}))
+
+
+COMPARE = ROOT / "notebooks" / "compare_runs.ipynb"
+COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
+
+
+def test_papermill_compares_the_committed_sweep_and_writes_its_files(tmp_path):
+    import papermill
+
+    out_dir = tmp_path / "comparison"
+    papermill.execute_notebook(str(COMPARE), str(tmp_path / "executed.ipynb"), parameters={
+        "runs": str(COMMITTED_SWEEP), "out_dir": str(out_dir), "metric": "exact_match/overall"},
+        cwd=str(ROOT / "notebooks"), progress_bar=False)
+    saved = json.loads((out_dir / "comparison.json").read_text())
+    assert [row["run"] for row in saved["rows"]] == ["lr-0.003_seed-0", "lr-0.003_seed-1", "lr-0.01_seed-0",
+                                                     "lr-0.01_seed-1"]
+    assert saved["differing"] == ["seed", "lr"] and saved["metric"] == "exact_match/overall"
+    for row in saved["rows"]:
+        record = json.loads((COMMITTED_SWEEP / "runs" / row["run"] / "record.json").read_text())
+        assert row["final_eval_loss"] == record["eval"]["final"]["loss"]
+        assert row["exact_match/uppercase"] == record["eval"]["final"]["exact_match"]["uppercase"]
+        assert row["tokens_per_s"] == record["throughput"]["steady_state_tokens_per_s"]
+    header = (out_dir / "comparison.csv").read_text().splitlines()[0].split(",")
+    assert header[:3] == ["run", "seed", "lr"] and "kernel_path" in header
+    assert {"loss_curves.png", "exact_match.png", "sweep.png"} <= {p.name for p in out_dir.iterdir()}
+
+
+def test_papermill_refuses_an_incomplete_run_before_writing_anything(tmp_path):
+    import papermill
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "params.json").write_text(json.dumps({"lr": 0.001}))
+    out_dir = tmp_path / "comparison"
+    with pytest.raises(papermill.PapermillExecutionError, match="run killed .* has no complete record"):
+        papermill.execute_notebook(str(COMPARE), str(tmp_path / "executed.ipynb"), parameters={
+            "runs": [str(COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"), str(killed)], "out_dir": str(out_dir)},
+            cwd=str(ROOT / "notebooks"), progress_bar=False)
+    assert not out_dir.exists()
