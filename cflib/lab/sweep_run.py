@@ -239,7 +239,8 @@ def run_sweep(sweep: Sweep, poll_s: float = POLL_S) -> Sweep:
         bar.close()
         (sweep.out_dir / LOCK_FILE).unlink(missing_ok=True)
     view.update({})
-    print(text_table(sweep))
+    if view.widget is None:  # in JupyterLab the table above is already final
+        print(text_table(sweep))
     return sweep
 
 
