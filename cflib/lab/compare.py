@@ -269,14 +269,21 @@ def table_columns(comparison: Comparison) -> list[str]:
 
 
 def comparison_table(comparison: Comparison) -> str:
-    """Markdown: one row per run, the parameters that differ first."""
+    """Markdown: one row per run, the parameters that differ first; each kernel path a letter, spelt out below
+    (a path names every module's kernel: in the table it would crowd out the figures)."""
     columns = table_columns(comparison)
+    paths = list(dict.fromkeys(row["kernel_path"] for row in comparison.rows if row.get("kernel_path")))
+    letters = {path: chr(ord("A") + i) if i < 26 else str(i) for i, path in enumerate(paths)}
     lines = ["| " + " | ".join(columns) + " |",
              "| " + " | ".join("---" if c in ("run", "kernel_path", *comparison.differing) else "---:"
                                for c in columns) + " |"]
     for row in comparison.rows:
-        lines.append("| " + " | ".join(_cell(row.get(column), column, comparison.differing) for column in columns) + " |")
-    return "\n".join(lines)
+        shown = {**row, "kernel_path": letters.get(row.get("kernel_path"))}
+        lines.append("| " + " | ".join(_cell(shown.get(column), column, comparison.differing) for column in columns)
+                     + " |")
+    lines += ["", *(f"kernel path {letter}: {path}" + ("  " if len(paths) > 1 else "")
+                    for path, letter in letters.items())]
+    return "\n".join(lines).rstrip()
 
 
 def show_comparison(comparison: Comparison) -> None:
