@@ -196,3 +196,19 @@ def test_papermill_refuses_an_incomplete_run_before_writing_anything(tmp_path):
             "runs": [str(COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"), str(killed)], "out_dir": str(out_dir)},
             cwd=str(ROOT / "notebooks"), progress_bar=False)
     assert not out_dir.exists()
+
+
+def test_points_run_side_by_side_one_per_device_slot(tmp_path):
+    """gpus: [0, 1] starts two points at once, each with its own CUDA_VISIBLE_DEVICES (on this CPU-only machine
+    the base's device: cpu trains them on the CPU)."""
+    from cflib.lab.sweep_run import run_sweep
+
+    sweep = plan_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.002], "max_steps": [4]}, "gpus": [0, 1],
+                                              "out_dir": str(tmp_path / "sweep")}))
+    run_sweep(sweep, poll_s=0.2)
+    state = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [p["status"] for p in state["points"]] == ["done", "done"]
+    first, second = (p["attempts"][0] for p in state["points"])
+    assert (first["device"], second["device"]) == ("cuda:0", "cuda:1")
+    assert second["started_utc"] <= first["finished_utc"]  # both ran at once
+    assert not (tmp_path / "sweep" / "sweep.lock").exists()
