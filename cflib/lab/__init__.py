@@ -1,12 +1,13 @@
 """lab: what a person sees in JupyterLab.
 
 Owns the parameter forms (`form`), the views of a training run (`report`),
+sweeps of train_sft runs (`sweep`, `sweep_run`) and their comparison (`compare`),
 chatting with a checkpoint (`chat`, `chat_box`), starting JupyterLab with the
 project's kernel (`python -m cflib.lab`) and cleaning notebooks before a
 commit (`python -m cflib.lab.nbclean`). The top layer: it may import every
 other part of cflib; nothing imports it.
 """
-from cflib.lab.form import throughput_form, train_form, tune_form, validate_form
+from cflib.lab.form import compare_form, sweep_form, throughput_form, train_form, tune_form, validate_form
 from cflib.lab.report import (
     export_run,
     headline,
@@ -19,6 +20,6 @@ from cflib.lab.report import (
     summary,
 )
 
-__all__ = ["export_run", "headline", "plan_like_this_run", "plot_loss_curves", "plot_loss_weighting", "show_answers",
+__all__ = ["compare_form", "sweep_form", "export_run", "headline", "plan_like_this_run", "plot_loss_curves", "plot_loss_weighting", "show_answers",
            "show_data_plan", "show_exact_match", "summary", "throughput_form", "train_form", "tune_form",
            "validate_form"]

@@ -28,6 +28,8 @@ from cflib.bench.components import components
 from cflib.bench.throughput import BATCHES, ThroughputParams
 from cflib.bench.tune import TuneParams
 from cflib.bench.validate import resolve_grid
+from cflib.lab.compare import CompareParams
+from cflib.lab.sweep import SweepParams, plan_sweep
 from cflib.paths import project_root, resolve_path
 from cflib.train.params import ParamError, TrainParams, load_params_file
 from cflib.train.run import batch_arithmetic, describe_arithmetic
@@ -123,6 +125,19 @@ def throughput_form(namespace: dict[str, Any]) -> "ParameterForm | None":
                           check=lambda values: ThroughputParams.from_dict(values, "form"), derived=derived,
                           main=["model", "seq_len", "micro_batches", "compare_micro_batch", "paths", "batches",
                                 "shard", "timed_steps", "bf16", "compile_backend", "device"])
+
+
+def sweep_form(namespace: dict[str, Any]) -> "ParameterForm | None":
+    """sweep.ipynb's form: SweepParams checks the values; every point and what this sweep does with it below."""
+    return parameter_form(namespace, SweepParams.names(), check=lambda values: SweepParams.from_dict(values, "form"),
+                          derived=lambda params: plan_sweep(params).describe())
+
+
+def compare_form(namespace: dict[str, Any]) -> "ParameterForm | None":
+    """compare_runs.ipynb's form: CompareParams checks the values."""
+    return parameter_form(namespace, CompareParams.names(),
+                          check=lambda values: CompareParams.from_dict(values, "form"),
+                          derived=lambda params: f"comparing {', '.join(params.runs)} on {params.metric}")
 
 
 def show_value(value: Any) -> str:

@@ -21,6 +21,7 @@ from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
+from cflib.train.trackers import check_report_to, with_report_to
 from cflib.yamlio import read_yaml
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -98,6 +99,9 @@ class TrainParams(ParamSet):
     loss_groups: dict | None = None  # group -> {target_share, tasks, task_target_shares}; None: unweighted
     max_task_loss_weight: float = 30.0  # a larger loss coefficient stops the run before training
     require_release_ready: bool = False  # any shard/manifest mismatch is fatal, not a warning
+    # Experiment trackers, named as transformers names them (cflib.train.trackers): rank 0 reports, never blocks.
+    report_to: tuple[str, ...] | None = None  # None or "none"; "tensorboard", "mlflow", "all", or a list
+    mlflow_tracking_uri: str | None = None  # None: an SQLite store in out_dir/mlruns
 
     @property
     def world_size(self) -> int:
@@ -107,7 +111,7 @@ class TrainParams(ParamSet):
     def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TrainParams":
         reject_unknown(raw, cls.names(), source)
         hints = typing.get_type_hints(cls)
-        raw = with_token_ids(with_name_lists(raw))
+        raw = with_report_to(with_token_ids(with_name_lists(raw)))
         if isinstance(raw.get("resume"), bool) or str(raw.get("resume")).lower() in ("true", "false"):
             raw = {**raw, "resume": "latest" if str(raw["resume"]).lower() == "true" else None}
         values = {name: _coerce(name, value, hints[name]) for name, value in with_kernel_choice(raw).items()}
@@ -173,6 +177,7 @@ class TrainParams(ParamSet):
             raise ParamError(f"max_task_loss_weight must be positive, got {self.max_task_loss_weight}")
         if self.loss_groups is not None:
             parse_loss_groups(self.loss_groups)
+        check_report_to(self.report_to, self.mlflow_tracking_uri)
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
@@ -215,7 +220,7 @@ class TrainParams(ParamSet):
 LORA_PARAMETERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype",
                    "lora_trainable_tokens")
 # Parameters holding a list of names: a YAML list, or one string "a,b" (papermill -p, a notebook scalar).
-NAME_LISTS = ("lora_targets", "train_tasks")
+NAME_LISTS = ("lora_targets", "train_tasks", "report_to")
 
 
 def with_name_lists(raw: dict[str, Any]) -> dict[str, Any]:

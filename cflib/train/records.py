@@ -10,7 +10,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -27,6 +27,7 @@ class MetricsLog:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.listeners: list[Callable[[dict], None]] = []  # the trackers of report_to (cflib.train.trackers)
 
     def truncate_after(self, step: int) -> None:
         """Drop rows past `step`: a resumed run logs those steps again."""
@@ -38,6 +39,8 @@ class MetricsLog:
     def write(self, **row: Any) -> dict:
         with open(self.path, "a") as out:
             out.write(json.dumps(row, default=str) + "\n")
+        for listener in self.listeners:
+            listener(row)
         return row
 
 

@@ -37,6 +37,7 @@ from cflib.train.evaluate import autocast, eval_loss, exact_match
 from cflib.train.optim import lr_factor, make_optimizer
 from cflib.train.records import MetricsLog, train_record
 from cflib.train.run import Run, schedule_signature
+from cflib.train.trackers import open_trackers
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -314,6 +315,11 @@ class Trainer:
             f"no non-finite weight was written. Batch examples (first 8): {ids}. Last checkpoint: {last_good}")
 
     def fit(self) -> dict:
+        """Train to the end and return the record; report_to's trackers (rank 0) see every metrics row."""
+        with open_trackers(self.run, self.metrics, self.step, active=self.dist.is_main) as trackers:
+            return trackers.finished(self._fit())
+
+    def _fit(self) -> dict:
         run, p = self.run, self.params
         started = time.perf_counter()
         if self.dist.is_main:

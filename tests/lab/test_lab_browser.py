@@ -52,6 +52,8 @@ SMOKE_RUNS = {
     "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run"}),
     "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run"}),
     "chat.ipynb": (None, {"out_dir": "{tmp}/chat-run"}),
+    "sweep.ipynb": (None, {"out_dir": "{tmp}/sweep-run"}),
+    "compare_runs.ipynb": (None, {"out_dir": "{tmp}/compare-run"}),
 }
 
 # Bounds for a loaded 2-core CI machine; each names what it waited for when it runs out.

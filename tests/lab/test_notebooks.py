@@ -81,8 +81,8 @@ def test_lab_without_the_registered_kernel_says_how_to_register_it(monkeypatch):
 
 
 @pytest.mark.parametrize("path", sorted(p for p in (ROOT / "params").glob("*.yaml")
-                                         if not p.name.startswith(("throughput_", "tune_"))), ids=lambda p: p.name)
-def test_params_files_validate(path):  # throughput_*, tune_*: tests/test_throughput.py, tests/test_tune.py
+                                         if not p.name.startswith(("throughput_", "tune_", "sweep_"))), ids=lambda p: p.name)
+def test_params_files_validate(path):  # throughput_*, tune_*, sweep_*: tests/bench/, tests/lab/test_sweep.py
     TrainParams.from_dict(load_params_file(path), source=str(path))
 
 

@@ -1,0 +1,411 @@
+"""Runs side by side: the parameters that differ, what each reached, their curves, a sweep's trends.
+
+`compare(CompareParams)` reads run folders (named, globbed, or a sweep's
+points) from their records; `comparison_table`, `plot_curves`,
+`plot_exact_match` and `plot_sweep` show them, `save_comparison` writes
+comparison.json, comparison.csv and the figures. A run whose record is not
+complete (killed, failed, still running) is refused by name unless
+`include_incomplete`, when what its metrics.jsonl holds is shown instead.
+"""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.ticker import EngFormatter
+from tqdm.auto import tqdm
+
+from cflib.atomic import write_json_atomic
+from cflib.errors import ParamError
+from cflib.paths import resolve_path
+from cflib.train.params import ParamSet, reject_unknown
+from cflib.train.records import read_metrics
+
+SWEEP_FILE = "sweep.json"  # a sweep folder's plan and the state of each point (cflib.lab.sweep)
+METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "tokens_per_s", "peak_memory_gib", "wall_s")
+# Parameters that name where a run lives, not what it trained.
+_NOT_COMPARED = ("out_dir", "resume")
+
+
+@dataclass(frozen=True)
+class CompareParams(ParamSet):
+    """compare_runs.ipynb's parameters."""
+
+    runs: tuple[str, ...] = ("outputs/records/sweep_lr_seeds_cpu",)  # run folders, globs or sweep folders
+    include_incomplete: bool = False  # show killed or failed runs from their metrics instead of refusing them
+    metric: str = "final_eval_loss"  # what a sweep's parameters are plotted against: one of METRICS
+    out_dir: str | None = None  # None: a new outputs/comparisons/<time>/
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "CompareParams":
+        reject_unknown(raw, cls.names(), source)
+        values = {**{f: getattr(cls(), f) for f in cls.names()}, **raw}
+        runs = values["runs"]
+        runs = (runs,) if isinstance(runs, (str, Path)) else tuple(runs) if isinstance(runs, (list, tuple)) else None
+        if not runs or not all(isinstance(item, (str, Path)) and str(item).strip() for item in runs):
+            raise ParamError(f"runs must name run folders, globs or a sweep folder, got {values['runs']!r}")
+        include = values["include_incomplete"]
+        if isinstance(include, str) and include.strip().lower() in ("true", "false"):
+            include = include.strip().lower() == "true"
+        if not isinstance(include, bool):
+            raise ParamError(f"include_incomplete must be true or false, got {include!r}")
+        if values["metric"] not in METRICS and not str(values["metric"]).startswith("exact_match/"):
+            raise ParamError(f"metric {values['metric']!r} is not compared; choose from {', '.join(METRICS)} "
+                             "or exact_match/<task>")
+        out_dir = values["out_dir"]
+        if out_dir is not None and str(out_dir).strip().lower() in ("none", "null", ""):
+            out_dir = None
+        return cls(tuple(str(item) for item in runs), include, str(values["metric"]),
+                   None if out_dir is None else str(out_dir))
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "CompareParams":
+        return cls.from_dict({name: namespace[name] for name in cls.names() if name in namespace},
+                             source="notebook parameters")
+
+
+@dataclass
+class RunView:
+    """One run as the comparison sees it: its parameters, its record when complete, its metrics rows."""
+
+    name: str
+    path: Path
+    params: dict
+    record: dict | None
+    metrics: list[dict]
+    problem: str | None = None  # why the record is incomplete; None: complete
+
+    @property
+    def complete(self) -> bool:
+        return self.problem is None
+
+
+@dataclass
+class Comparison:
+    runs: list[RunView]
+    differing: list[str]  # parameters whose values differ between the runs
+    rows: list[dict]  # one per run: the table, comparison.csv
+    metric: str
+    swept: list[str] = field(default_factory=list)  # a sweep's swept parameters (sweep.json)
+    skipped: list[str] = field(default_factory=list)  # a sweep's points left out, and why
+    out_dir: Path | None = None
+
+    def describe(self) -> str:
+        lines = [f"{len(self.runs)} run(s): " + ", ".join(run.name for run in self.runs),
+                 "parameters that differ: " + (", ".join(self.differing) or "none")]
+        if self.swept:
+            lines.append(f"swept: {', '.join(self.swept)}, against {self.metric}")
+        lines += [f"not compared: {line}" for line in self.skipped]
+        lines += [f"incomplete: {run.name} ({run.problem}): shown from its metrics.jsonl"
+                  for run in self.runs if not run.complete]
+        return "\n".join(lines)
+
+
+def _is_run_folder(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in ("record.json", "params.json"))
+
+
+def _sweep_points(folder: Path) -> tuple[list[Path], list[str], list[str]]:
+    """A sweep folder's finished points (and any other with a run folder), its swept parameters, the rest."""
+    plan = json.loads((folder / SWEEP_FILE).read_text())
+    found, skipped = [], []
+    for point in plan["points"]:
+        run_dir = folder / point["run_dir"]
+        if point.get("status") == "failed":
+            skipped.append(f"{point['name']} (failed: {str(point.get('error', '')).splitlines()[0][:120]})")
+        elif _is_run_folder(run_dir):
+            found.append(run_dir)
+        else:
+            skipped.append(f"{point['name']} ({point.get('status', 'queued')}, no run yet)")
+    return found, list(plan.get("swept", [])), skipped
+
+
+def resolve_runs(runs: Sequence[str]) -> tuple[list[Path], list[str], list[str]]:
+    """Run folders in the order named (a glob's sorted), a sweep's swept parameters, a sweep's points left out."""
+    found: list[Path] = []
+    swept: list[str] = []
+    skipped: list[str] = []
+    for item in runs:
+        path = resolve_path(item)
+        if (path / SWEEP_FILE).is_file():
+            points, names, left_out = _sweep_points(path)
+            found += points
+            swept += [name for name in names if name not in swept]
+            skipped += left_out
+        elif glob.has_magic(str(item)):
+            matches = [Path(p) for p in sorted(glob.glob(str(path))) if _is_run_folder(Path(p))]
+            if not matches:
+                raise ParamError(f"runs: {item!r} matches no run folder (one holding record.json or params.json)")
+            found += matches
+        elif _is_run_folder(path):
+            found.append(path)
+        else:
+            raise ParamError(f"runs: {item} is neither a run folder (record.json or params.json) nor a sweep folder "
+                             f"({SWEEP_FILE})" + ("" if path.exists() else ": it does not exist"))
+    unique = list(dict.fromkeys(path.resolve() for path in found))
+    if not unique:
+        raise ParamError(f"runs: {', '.join(runs)} hold no run to compare yet" + (
+            f" ({'; '.join(skipped)})" if skipped else ""))
+    return unique, swept, skipped
+
+
+def _incomplete(path: Path, record: dict | None) -> str | None:
+    if not (path / "COMPLETE").is_file():
+        return "no COMPLETE marker: killed, failed or still running"
+    if record is None:
+        return "no record.json"
+    for key in ("eval", "throughput", "kernel_path", "timing", "params"):
+        if key not in record:
+            return f"record.json has no {key!r}"
+    if not (path / "metrics.jsonl").is_file():
+        return "no metrics.jsonl"
+    return None
+
+
+def load_run(path: Path, name: str) -> RunView:
+    record = json.loads((path / "record.json").read_text()) if (path / "record.json").is_file() else None
+    metrics = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+    params = record["params"] if record and "params" in record else (
+        json.loads((path / "params.json").read_text()) if (path / "params.json").is_file() else {})
+    return RunView(name, path, params, record, metrics, _incomplete(path, record))
+
+
+def _names(paths: list[Path]) -> list[str]:
+    """Each run's folder name, or parent/name where two runs share a folder name."""
+    names = [path.name for path in paths]
+    return [f"{path.parent.name}/{path.name}" if names.count(path.name) > 1 else path.name for path in paths]
+
+
+def _shown(value: Any) -> Any:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+
+
+def differing_parameters(runs: list[RunView]) -> list[str]:
+    names = list(dict.fromkeys(name for run in runs for name in run.params))
+    return [name for name in names if name not in _NOT_COMPARED
+            and len({json.dumps(run.params.get(name), sort_keys=True, default=str) for run in runs}) > 1]
+
+
+def run_row(run: RunView, differing: list[str]) -> dict:
+    """The table's row of one run: its differing parameters, then what it reached."""
+    evals = [row for row in run.metrics if row.get("event") == "eval"]
+    train = [row for row in run.metrics if row.get("event") == "train"]
+    row: dict[str, Any] = {"run": run.name, "complete": run.complete}
+    row.update({name: _shown(run.params.get(name)) for name in differing})
+    if run.record is not None and run.complete:
+        record = run.record
+        final, history = record["eval"]["final"], record["eval"]["history"]
+        row.update(steps=record["schedule"]["steps_done"], final_eval_loss=final["loss"],
+                   best_eval_loss=min(e["loss"] for e in history if e["step"] > 0 or len(history) == 1))
+        exact = final.get("exact_match") or {}
+        row.update({f"exact_match/{task}": rate for task, rate in exact.items()})
+        throughput = record["throughput"]
+        row.update(tokens_per_s=throughput["steady_state_tokens_per_s"], peak_memory_gib=throughput["peak_memory_gib"],
+                   kernel_path=" ".join(f"{k}={v}" for k, v in record["kernel_path"].items()),
+                   wall_s=record["timing"]["wall_s"])
+    else:  # what metrics.jsonl holds of an incomplete run
+        trained = [e for e in evals if e["step"] > 0] or evals
+        exact = next((e["exact_match"] for e in reversed(evals) if e.get("exact_match")), {})
+        row.update(steps=train[-1]["step"] if train else 0, final_eval_loss=evals[-1]["loss"] if evals else None,
+                   best_eval_loss=min(e["loss"] for e in trained) if trained else None,
+                   **{f"exact_match/{task}": rate for task, rate in exact.items()},
+                   tokens_per_s=None, peak_memory_gib=None, kernel_path=None, wall_s=None)
+    return row
+
+
+def compare(params: CompareParams) -> Comparison:
+    """Read the runs params names; an incomplete record stops here, naming the run, unless include_incomplete."""
+    paths, swept, skipped = resolve_runs(params.runs)
+    runs = [load_run(path, name) for path, name in tqdm(list(zip(paths, _names(paths))), desc="reading runs",
+                                                         unit="run")]
+    incomplete = [run for run in runs if not run.complete]
+    if incomplete and not params.include_incomplete:
+        first = incomplete[0]
+        raise ParamError(f"run {first.name} ({first.path}) has no complete record: {first.problem}; "
+                         "include_incomplete: true shows what its metrics.jsonl holds"
+                         + (f" (also incomplete: {', '.join(r.name for r in incomplete[1:])})" if incomplete[1:] else ""))
+    differing = differing_parameters(runs)
+    rows = [run_row(run, differing) for run in runs]
+    if not any(params.metric in row for row in rows):
+        raise ParamError(f"metric {params.metric!r}: no run has it; these have "
+                         f"{', '.join(k for k in rows[0] if k in METRICS or k.startswith('exact_match/'))}")
+    out_dir = resolve_path(params.out_dir) if params.out_dir else resolve_path(
+        f"outputs/comparisons/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+    return Comparison(runs, differing, rows, params.metric, [s for s in swept if s in differing] or swept, skipped,
+                      out_dir)
+
+
+def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if column in parameters:
+            return f"{value:g}"  # a parameter as it was set, not rounded
+        if column == "tokens_per_s":
+            return f"{value:,.0f}"
+        if column.startswith("exact_match/"):
+            return f"{value:.3f}"
+        return f"{value:.1f}" if column == "wall_s" else f"{value:.4f}"
+    return str(value)
+
+
+def table_columns(comparison: Comparison) -> list[str]:
+    columns = ["run", *comparison.differing, "steps", "final_eval_loss", "best_eval_loss"]
+    columns += sorted({key for row in comparison.rows for key in row if key.startswith("exact_match/")},
+                      key=lambda key: (key != "exact_match/overall", key))
+    columns += ["tokens_per_s", "peak_memory_gib", "kernel_path", "wall_s"]
+    if not all(row["complete"] for row in comparison.rows):
+        columns.insert(1, "complete")
+    return columns
+
+
+def comparison_table(comparison: Comparison) -> str:
+    """Markdown: one row per run, the parameters that differ first; each kernel path a letter, spelt out below
+    (a path names every module's kernel: in the table it would crowd out the figures)."""
+    columns = table_columns(comparison)
+    paths = list(dict.fromkeys(row["kernel_path"] for row in comparison.rows if row.get("kernel_path")))
+    letters = {path: chr(ord("A") + i) if i < 26 else str(i) for i, path in enumerate(paths)}
+    lines = ["| " + " | ".join(columns) + " |",
+             "| " + " | ".join("---" if c in ("run", "kernel_path", *comparison.differing) else "---:"
+                               for c in columns) + " |"]
+    for row in comparison.rows:
+        shown = {**row, "kernel_path": letters.get(row.get("kernel_path"))}
+        lines.append("| " + " | ".join(_cell(shown.get(column), column, comparison.differing) for column in columns)
+                     + " |")
+    lines += ["", *(f"kernel path {letter}: {path}" + ("  " if len(paths) > 1 else "")
+                    for path, letter in letters.items())]
+    return "\n".join(lines).rstrip()
+
+
+def show_comparison(comparison: Comparison) -> None:
+    """The table, as markdown in JupyterLab and as text under papermill."""
+    from IPython.display import display
+
+    table = comparison_table(comparison)
+    display({"text/markdown": table, "text/plain": table}, raw=True)
+
+
+def _tokens_seen(metrics: list[dict]) -> dict[int, int]:
+    """Tokens fed to the model by the end of each step (step 0: none)."""
+    seen, total = {0: 0}, 0
+    for row in metrics:
+        if row.get("event") == "train":
+            total += row["tokens"]
+            seen[row["step"]] = total
+    return seen
+
+
+def plot_curves(comparison: Comparison, save_to: str | Path | None = None) -> plt.Figure:
+    """Train and held-out loss of every run, by optimizer step and by tokens seen."""
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6.5), sharey="row")
+    for index, run in enumerate(comparison.runs):
+        color = f"C{index % 10}"
+        seen = _tokens_seen(run.metrics)
+        train = [row for row in run.metrics if row.get("event") == "train"]
+        evals = [row for row in run.metrics if row.get("event") == "eval"]
+        for column, x_of in enumerate((lambda row: row["step"], lambda row: seen.get(row["step"], math.nan))):
+            axes[0][column].plot([x_of(r) for r in train], [r["loss"] for r in train], lw=1, color=color,
+                                 label=run.name)
+            axes[1][column].plot([x_of(r) for r in evals], [r["loss"] for r in evals], "o-", ms=3, color=color,
+                                 label=run.name)
+    for row, what in enumerate(("train loss (per step)", "held-out loss")):
+        for column, xlabel in enumerate(("optimizer step", "tokens seen")):
+            ax = axes[row][column]
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(what)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        axes[row][1].xaxis.set_major_formatter(EngFormatter(sep=""))  # 50k, 1M: tokens read at a glance
+    axes[0][1].legend(fontsize=7, loc="upper right")
+    fig.suptitle("loss curves, overlaid")
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
+
+
+def plot_exact_match(comparison: Comparison, save_to: str | Path | None = None) -> plt.Figure | None:
+    """Final held-out exact match per task, one bar per run; None when no run decoded."""
+    tasks = sorted({key.split("/", 1)[1] for row in comparison.rows for key in row if key.startswith("exact_match/")},
+                   key=lambda task: (task == "overall", task))
+    if not tasks:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(tasks) + 0.4 * len(comparison.rows)), 3.6))
+    width = 0.8 / len(comparison.rows)
+    for index, row in enumerate(comparison.rows):
+        ax.bar([t + index * width for t in range(len(tasks))],
+               [row.get(f"exact_match/{task}") or 0.0 for task in tasks], width, label=row["run"])
+    ax.set_xticks([t + width * (len(comparison.rows) - 1) / 2 for t in range(len(tasks))], tasks)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("held-out exact match")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
+
+
+def plot_sweep(comparison: Comparison, save_to: str | Path | None = None) -> plt.Figure | None:
+    """Each swept parameter against the chosen metric: every run a dot, the mean over the rest a line."""
+    swept = [name for name in comparison.swept if name in comparison.differing] or comparison.swept
+    if not swept:
+        return None
+    fig, axes = plt.subplots(1, len(swept), figsize=(4.5 * len(swept), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], swept):
+        points = [(row.get(name), row.get(comparison.metric)) for row in comparison.rows
+                  if row.get(comparison.metric) is not None]
+        numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x, _ in points)
+        labels = sorted({x for x, _ in points}, key=lambda x: (x is None, x if numeric else str(x)))
+        position = (lambda x: x) if numeric else (lambda x: labels.index(x))
+        ax.plot([position(x) for x, _ in points], [y for _, y in points], "o", alpha=0.6, label="each run")
+        means = [sum(y for x, y in points if x == value) / sum(1 for x, _ in points if x == value) for value in labels]
+        ax.plot([position(x) for x in labels], means, "-", color="C3", label="mean")
+        if numeric and all(x > 0 for x in labels) and max(labels) / min(labels) >= 10:
+            ax.set_xscale("log")
+        if not numeric:
+            ax.set_xticks(range(len(labels)), [str(x) for x in labels])
+        elif len(labels) <= 8:  # a sweep's few values, each named where it sits
+            ax.set_xticks(labels, [f"{x:g}" for x in labels])
+            ax.minorticks_off()
+        ax.set_xlabel(name)
+        ax.set_ylabel(comparison.metric)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
+
+
+def save_comparison(comparison: Comparison) -> list[Path]:
+    """comparison.json, comparison.csv and the figures in comparison.out_dir; the files written."""
+    out = comparison.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    written = [write_json_atomic(out / "comparison.json", {
+        "runs": [{"name": run.name, "path": str(run.path), "complete": run.complete, "problem": run.problem}
+                 for run in comparison.runs],
+        "differing": comparison.differing, "swept": comparison.swept, "metric": comparison.metric,
+        "skipped": comparison.skipped, "rows": comparison.rows})]
+    columns = table_columns(comparison)
+    with open(out / "comparison.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(comparison.rows)
+    written.append(out / "comparison.csv")
+    for name, plot in (("loss_curves.png", plot_curves), ("exact_match.png", plot_exact_match),
+                       ("sweep.png", plot_sweep)):
+        figure = plot(comparison, save_to=out / name)
+        if figure is not None:
+            plt.close(figure)
+            written.append(out / name)
+    return written

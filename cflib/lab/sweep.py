@@ -1,0 +1,355 @@
+"""A grid of train_sft runs: the sweep's parameters, its points, and what a re-run does with each.
+
+`plan_sweep(SweepParams)` expands `grid` (the full product) or `points`
+over `repeats` seeds, checks every point with TrainParams and the batch
+arithmetic before any of them runs, and reads what `out_dir` already holds:
+a finished point is skipped, a killed one resumes from its latest resumable
+checkpoint (train_sft's `resume: latest`), a failed one stays failed unless
+`rerun_failed`. A point that fails its checks is failed from the start; the
+others still run. `cflib.lab.sweep_run.run_sweep` then runs the plan, one
+papermill run of train_sft.ipynb per point, and the sweep ends with
+`cflib.lab.compare` over its points.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cflib.atomic import write_json_atomic
+from cflib.errors import ParamError
+from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
+from cflib.model.checkpoint import CheckpointError, latest_resumable
+from cflib.paths import resolve_path
+from cflib.train.params import ParamSet, TrainParams, load_params_file, reject_unknown
+from cflib.train.run import RUN_FILES, batch_arithmetic
+from cflib.yamlio import read_yaml
+
+# The sweep owns where each point runs and how it continues.
+OWNED_BY_SWEEP = ("out_dir", "resume")
+LOCK_FILE = "sweep.lock"
+POINT_FILE = "point.yaml"  # the parameters papermill gives the point's train_sft.ipynb (-f)
+
+
+@dataclass(frozen=True)
+class SweepParams(ParamSet):
+    """sweep.ipynb's parameters."""
+
+    base: str | None = "params/sweep_smoke.yaml"  # a train_sft params file every point starts from; None: defaults
+    grid: dict | None = None  # parameter -> list of values, the full product; or a YAML file holding that mapping
+    points: tuple[dict, ...] | None = None  # instead of grid: a list of override mappings (or a YAML file of one)
+    repeats: tuple[int, ...] | int = 1  # seeds per point: n runs base seed, +1, ... +n-1; or a list of seeds
+    gpus: tuple[int, ...] | None = None  # device indices, one point per GPU at a time; None ("cpu"): one at a time
+    out_dir: str | None = None  # None: a new outputs/sweeps/<time>/; an existing sweep folder continues
+    rerun_failed: bool = False  # run failed points again (a finished point is never re-run)
+    metric: str = "final_eval_loss"  # what the comparison plots each swept parameter against
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "sweep parameters") -> "SweepParams":
+        reject_unknown(raw, cls.names(), source)
+        values = {**{name: getattr(cls(), name) for name in cls.names()}, **raw}
+        base = _none(values["base"])
+        base_values = load_params_file(resolve_path(base)) if base is not None else {}
+        reject_unknown(base_values, TrainParams.names(), f"base {base}")
+        grid, points = _mapping_or_file("grid", _none(values["grid"])), _none(values["points"])
+        if grid is not None and points is not None:
+            raise ParamError("give grid (every combination) or points (a list of overrides), not both")
+        if grid is not None:
+            if not isinstance(grid, dict) or not grid:
+                raise ParamError(f"grid must map parameter names to lists of values, got {grid!r}")
+            _check_overrides(grid, "grid")
+            for name, options in grid.items():
+                if not isinstance(options, list) or not options:
+                    raise ParamError(f"grid: {name} must be a non-empty list of values, got {options!r}")
+        if points is not None:
+            points = _mapping_or_file("points", points)
+            if not isinstance(points, (list, tuple)) or not points or not all(isinstance(p, dict) for p in points):
+                raise ParamError(f"points must be a list of mappings of parameter: value, got {points!r}")
+            for index, point in enumerate(points):
+                _check_overrides(point, f"points[{index}]")
+            points = tuple(points)
+        seeds = _seeds(values["repeats"], int(base_values.get("seed", 0)))
+        swept = set(grid or {}) | {name for point in points or () for name in point}
+        if "seed" in swept and len(seeds) > 1:
+            raise ParamError("seed is swept and repeats gives several seeds: choose one of them")
+        metric = CompareParams.from_dict({"metric": values["metric"]}).metric
+        rerun = values["rerun_failed"]
+        if isinstance(rerun, str) and rerun.strip().lower() in ("true", "false"):
+            rerun = rerun.strip().lower() == "true"
+        if not isinstance(rerun, bool):
+            raise ParamError(f"rerun_failed must be true or false, got {rerun!r}")
+        out_dir = _none(values["out_dir"])
+        return cls(base, grid, points, seeds, _gpus(values["gpus"]), None if out_dir is None else str(out_dir),
+                   rerun, metric)
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "SweepParams":
+        return cls.from_dict({name: namespace[name] for name in cls.names() if name in namespace},
+                             source="notebook parameters")
+
+
+def _none(value: Any) -> Any:
+    return None if isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "") else value
+
+
+def _mapping_or_file(name: str, value: Any) -> Any:
+    """A grid or points value: as given, or read from the YAML file (or inline YAML text) a string names."""
+    if not isinstance(value, (str, Path)):
+        return value
+    path = resolve_path(value)
+    if path.is_file():
+        return read_yaml(path, ParamError, f"{name} file")
+    try:
+        parsed = yaml.safe_load(str(value))
+    except yaml.YAMLError:
+        parsed = None
+    if isinstance(parsed, (dict, list)):
+        return parsed
+    raise ParamError(f"{name}: {value!r} is neither a YAML file ({path} does not exist) nor a YAML mapping")
+
+
+def _check_overrides(overrides: dict, where: str) -> None:
+    reject_unknown(overrides, TrainParams.names(), where)
+    owned = [name for name in overrides if name in OWNED_BY_SWEEP]
+    if owned:
+        raise ParamError(f"{where}: {owned[0]} is set by the sweep (each point runs in its own folder of the "
+                         "sweep's out_dir and resumes from it); remove it")
+
+
+def _seeds(repeats: Any, base_seed: int) -> tuple[int, ...]:
+    if isinstance(repeats, str):
+        text = repeats.strip().strip("[]()")
+        repeats = [int(s) for s in text.split(",")] if "," in text else int(text) if text.isdigit() else repeats
+    if isinstance(repeats, int) and not isinstance(repeats, bool):
+        if repeats < 1:
+            raise ParamError(f"repeats must be at least 1 (or a list of seeds), got {repeats}")
+        return tuple(base_seed + i for i in range(repeats))
+    if isinstance(repeats, (list, tuple)) and repeats and all(isinstance(s, int) and not isinstance(s, bool)
+                                                              for s in repeats):
+        if len(set(repeats)) != len(repeats):
+            raise ParamError(f"repeats repeats a seed: {list(repeats)}")
+        return tuple(repeats)
+    raise ParamError(f"repeats must be a number of seeds or a list of seeds, got {repeats!r}")
+
+
+def _gpus(value: Any) -> tuple[int, ...] | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("cpu", "none", "")):
+        return None
+    if isinstance(value, str):
+        try:
+            value = [int(item) for item in value.strip().strip("[]()").split(",")]
+        except ValueError:
+            raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {value!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ParamError(f"gpus names a device twice: {list(value)}")
+    return tuple(value)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        text = f"{value:g}"
+    elif isinstance(value, (bool, int, str)) or value is None:
+        text = str(value)
+    else:
+        text = hashlib.sha1(json.dumps(value, sort_keys=True).encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", text).rstrip("-")[:40] or "x"
+
+
+def point_name(overrides: dict, seed: int | None) -> str:
+    """The point's folder name: its overrides, then its seed when the sweep repeats points."""
+    parts = [f"{name}-{_short(value)}" for name, value in overrides.items()]
+    return "_".join(parts + ([f"seed-{seed}"] if seed is not None else [])) or "base"
+
+
+@dataclass
+class Point:
+    name: str
+    overrides: dict  # what differs from the base (the seed included when the sweep repeats)
+    params: dict  # what papermill gives train_sft.ipynb: base, overrides, seed, out_dir
+    run_dir: Path
+    status: str = "queued"  # queued | running | done | failed
+    action: str = "run"  # what this sweep does with it: run, resume, skip (finished before), or why it failed
+    error: str | None = None
+    total_steps: int | None = None
+    attempts: list = field(default_factory=list)
+
+    def state(self, sweep_dir: Path) -> dict:
+        return {"name": self.name, "overrides": self.overrides, "run_dir": self.run_dir.relative_to(sweep_dir).as_posix(),
+                "status": self.status, "action": self.action, "error": self.error, "total_steps": self.total_steps,
+                "attempts": self.attempts}
+
+
+@dataclass
+class Sweep:
+    params: SweepParams
+    out_dir: Path
+    points: list[Point]
+    swept: list[str]
+
+    def save(self) -> None:
+        """sweep.json: the plan and every point's state, replaced whole at every change."""
+        p = self.params
+        write_json_atomic(self.out_dir / SWEEP_FILE, {
+            "base": p.base, "grid": p.grid, "points_given": list(p.points) if p.points else None,
+            "repeats": list(p.repeats), "gpus": list(p.gpus) if p.gpus else "cpu", "swept": self.swept,
+            "metric": p.metric, "points": [point.state(self.out_dir) for point in self.points]})
+
+    def plan_table(self) -> str:
+        """The points and what each overrides (deterministic for given parameters)."""
+        width = max(len(point.name) for point in self.points)
+        return "\n".join(f"{point.name:<{width}}  " + ", ".join(f"{k}={v}" for k, v in point.overrides.items())
+                         for point in self.points)
+
+    def describe(self) -> str:
+        device = "cpu, one point at a time" if self.params.gpus is None else (
+            f"GPUs {', '.join(map(str, self.params.gpus))}, one point per GPU at a time")
+        lines = [f"out_dir  {self.out_dir}", f"base     {self.params.base or '(train_sft defaults)'}",
+                 f"points   {len(self.points)} ({' x '.join(self.swept) or 'the base alone'}"
+                 + (f", seeds {', '.join(map(str, self.params.repeats))}" if len(self.params.repeats) > 1 else "")
+                 + f"), on {device}"]
+        for point in self.points:
+            what = point.action + (f": {point.error}" if point.status == "failed" else "")
+            lines.append(f"  {point.name}: {what}")
+        return "\n".join(lines)
+
+    def compare(self) -> Comparison:
+        """The finished points side by side (cflib.lab.compare), written beside them in out_dir/comparison."""
+        return compare(CompareParams(runs=(str(self.out_dir),), metric=self.params.metric,
+                                     out_dir=str(self.out_dir / "comparison")))
+
+
+def _expand(params: SweepParams, base: dict) -> list[tuple[dict, int | None]]:
+    if params.grid is not None:
+        names = list(params.grid)
+        combos = [dict(zip(names, values)) for values in itertools.product(*(params.grid[n] for n in names))]
+    else:
+        combos = [dict(point) for point in params.points] if params.points else [{}]
+    repeated = len(params.repeats) > 1
+    return [(combo, seed if repeated else None) for combo in combos for seed in params.repeats]
+
+
+def _varying(combos: list[dict]) -> list[str]:
+    """The parameters whose value differs between points (a one-value grid entry sets, but does not name)."""
+    names = list(dict.fromkeys(name for combo in combos for name in combo))
+    return [name for name in names if len({json.dumps(c.get(name), sort_keys=True, default=str) for c in combos}) > 1]
+
+
+def _check_lock(out_dir: Path) -> None:
+    """One process runs a sweep folder at a time; a lock left by a killed one is stale."""
+    lock = out_dir / LOCK_FILE
+    if not lock.is_file():
+        return
+    try:
+        held = json.loads(lock.read_text())
+        pid, host = int(held["pid"]), held["host"]
+    except (ValueError, KeyError, TypeError):
+        return
+    if host == socket.gethostname() and pid != os.getpid():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        except PermissionError:
+            pass
+        raise ParamError(f"out_dir {out_dir} is being swept by process {pid}: wait for it, or stop it first")
+
+
+def plan_sweep(params: SweepParams) -> Sweep:
+    """Every point checked and its action chosen from what out_dir holds; nothing runs, nothing is written."""
+    base = load_params_file(resolve_path(params.base)) if params.base else {}
+    out_dir = resolve_path(params.out_dir) if params.out_dir else resolve_path(
+        f"outputs/sweeps/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
+    previous = {}
+    if (out_dir / SWEEP_FILE).is_file():
+        _check_lock(out_dir)
+        previous = {p["name"]: p for p in json.loads((out_dir / SWEEP_FILE).read_text())["points"]}
+    elif out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ParamError(f"out_dir {out_dir} holds files but no {SWEEP_FILE}: choose an empty or new folder")
+    points: list[Point] = []
+    seen: dict[str, int] = {}
+    expanded = _expand(params, base)
+    varying = _varying([overrides for overrides, _ in expanded])
+    for overrides, seed in expanded:
+        name = point_name({k: v for k, v in overrides.items() if k in varying}, seed)
+        seen[name] = seen.get(name, 0) + 1
+        name = name if seen[name] == 1 else f"{name}-{seen[name]}"
+        shown = {**overrides, **({"seed": seed} if seed is not None else {})}
+        run_dir = out_dir / "runs" / name
+        values = {**base, **overrides, **({"seed": seed} if seed is not None else {}), "out_dir": str(run_dir)}
+        points.append(_judge(Point(name, shown, values, run_dir), previous.get(name), params))
+    swept = list(varying)
+    if len(params.repeats) > 1:
+        swept.append("seed")
+    return Sweep(params, out_dir, points, swept)
+
+
+def _judge(point: Point, before: dict | None, params: SweepParams) -> Point:
+    """The point's checks, then what this sweep does with it given what its folder holds."""
+    try:
+        checked = TrainParams.from_dict(point.params, source=f"point {point.name}")
+        if params.gpus is not None and checked.world_size > 1:
+            raise ParamError(f"point {point.name}: nproc_per_node x nnodes is {checked.world_size}, but a sweep "
+                             "gives each point one GPU")
+        point.total_steps = batch_arithmetic(checked)["total_steps"]
+    except (ValueError, OSError) as err:
+        message = str(err) if str(err).startswith(f"point {point.name}") else f"point {point.name}: {err}"
+        point.status, point.action, point.error = "failed", "failed its checks", message
+        return point
+    recorded = point.run_dir / POINT_FILE
+    if recorded.is_file() and _without_resume(load_params_file(recorded)) != _without_resume(_as_yaml(point.params)):
+        raise ParamError(f"point {point.name} in {point.run_dir.parent.parent} ran with other parameters "
+                         f"({recorded}); choose another out_dir for a changed sweep")
+    point.attempts = list(before.get("attempts", [])) if before else []
+    if before and before.get("status") == "failed" and not params.rerun_failed:
+        point.status, point.action, point.error = "failed", "failed before (rerun_failed: true runs it again)", \
+            before.get("error")
+        return point
+    if (point.run_dir / "COMPLETE").is_file() and not (before and before.get("status") == "failed"):
+        point.status, point.action = "done", "skip: finished before"
+        return point
+    started = [name for name in RUN_FILES if (point.run_dir / name).exists()]
+    if started and before and before.get("status") == "failed":
+        point.action = "run again: the failed run's folder is set aside"
+    elif started:
+        try:
+            checkpoint = latest_resumable(point.run_dir / "checkpoints")
+            point.action = f"resume from {checkpoint.name}"
+            point.params = {**point.params, "resume": "latest"}
+        except CheckpointError:
+            point.action = "run again: killed before a resumable checkpoint (save_every_steps makes them)"
+    return point
+
+
+def _without_resume(values: dict) -> dict:
+    return {name: value for name, value in values.items() if name != "resume"}
+
+
+def _as_yaml(values: dict) -> dict:
+    """Values as they read back from point.yaml (tuples become lists)."""
+    return yaml.safe_load(yaml.safe_dump(values))
+
+
+def set_aside(run_dir: Path) -> Path:
+    """A run folder that will not be continued, renamed beside it (never deleted)."""
+    for index in itertools.count(1):
+        target = run_dir.with_name(f"{run_dir.name}.set-aside-{index}")
+        if not target.exists():
+            run_dir.rename(target)
+            return target
+    raise AssertionError("unreachable")

@@ -1,0 +1,377 @@
+"""Experiment trackers beside metrics.jsonl: TensorBoard event files and MLflow runs (`report_to`).
+
+The trainer hands every row it appends to metrics.jsonl to the trackers
+(rank 0 only) and, at the end, the record. No tracker may stop or slow a run:
+TensorBoard's writer queues events for a thread of its own, and every MLflow
+call runs on a worker thread fed by a queue, so a slow or vanished server
+costs the training loop one `put`. A tracker that fails warns once, goes
+quiet, and the run carries on; metrics.jsonl still holds every row.
+
+`out_dir/trackers.json` names where the run went (the TensorBoard folder,
+the MLflow tracking URI and run id), so a resumed run continues the same
+MLflow run and `log_artifacts` can add the notebook's plots to it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import queue
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from cflib.atomic import write_json_atomic
+from cflib.errors import ParamError
+from cflib.train.records import read_metrics
+
+REPORTERS = ("tensorboard", "mlflow")
+_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+TRACKING_FILE = "trackers.json"
+# How long the end of a run waits for MLflow to take the last metrics and the record; then it goes on without.
+CLOSE_TIMEOUT_S = 30.0
+EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  # as transformers' MLflow callback reads it
+DEFAULT_EXPERIMENT = "cflib"
+# A vanished server should be noticed in seconds, not after MLflow's default minutes of retries.
+_MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+def with_report_to(raw: dict[str, Any]) -> dict[str, Any]:
+    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one."""
+    value = raw.get("report_to")
+    if not isinstance(value, tuple):
+        return raw
+    names = tuple(name.lower() for name in value)
+    if names in ((), ("none",)):
+        return {**raw, "report_to": None}
+    if "all" in names:
+        names = REPORTERS
+    return {**raw, "report_to": names}
+
+
+def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None) -> None:
+    """ParamError naming an unknown or uninstalled tracker, before anything runs."""
+    for name in report_to or ():
+        if name not in REPORTERS:
+            raise ParamError(f"report_to: unknown tracker {name!r}; choose none, all, or from "
+                             f"{', '.join(REPORTERS)} (a list, or one comma-separated string)")
+        if importlib.util.find_spec(_PACKAGES[name]) is None:
+            raise ParamError(f"report_to: {name} is not installed in this environment: pip install {_PACKAGES[name]}")
+    if report_to and len(set(report_to)) != len(report_to):
+        raise ParamError(f"report_to repeats a tracker: {list(report_to)}")
+    if tracking_uri is not None and "mlflow" not in (report_to or ()):
+        raise ParamError(f"mlflow_tracking_uri is {tracking_uri!r} but report_to has no mlflow: add it "
+                         "(report_to: mlflow), or remove mlflow_tracking_uri")
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The tracked scalars of one metrics.jsonl row, under the names both trackers use."""
+    if row.get("event") == "train":
+        found = {"train/loss": row.get("loss"), "train/learning_rate": row.get("lr"),
+                 "train/grad_norm": row.get("grad_norm")}
+        if row.get("seconds"):
+            found["train/tokens_per_s"] = row["tokens"] / row["seconds"]
+            found["train/supervised_tokens_per_s"] = row["supervised_tokens"] / row["seconds"]
+    elif row.get("event") == "eval":
+        found = {"eval/loss": row.get("loss")}
+        for task, rate in (row.get("exact_match") or {}).items():
+            found[f"eval/exact_match/{task}"] = rate
+    else:
+        return {}
+    return {key: float(value) for key, value in found.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
+def flat_params(params: dict[str, Any]) -> dict[str, str | int | float | bool]:
+    """Parameters as both trackers store them: scalars as they are, None, lists and mappings as text."""
+    out: dict[str, str | int | float | bool] = {}
+    for name, value in params.items():
+        if isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        elif isinstance(value, (list, tuple)):
+            out[name] = ",".join(map(str, value))
+        else:
+            out[name] = json.dumps(value, sort_keys=True, default=str) if isinstance(value, dict) else str(value)
+    return out
+
+
+def _warn_once(tracker: str, what: str, err: BaseException | str) -> str:
+    message = (f"{tracker} tracker stopped ({what}: {err}); training goes on and metrics.jsonl keeps every row")
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return message
+
+
+class TensorBoardTracker:
+    """Event files under out_dir/tensorboard, written by SummaryWriter's own thread."""
+
+    name = "tensorboard"
+
+    def __init__(self, out_dir: Path, resumed_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder = out_dir / "tensorboard"
+        self.error: str | None = None
+        # Resumed, the new event file hides every earlier one (purge_step 0) and starts with metrics.jsonl's rows
+        # up to the checkpoint: a killed run's last events may never have left its writer's buffer.
+        self.writer = SummaryWriter(str(self.folder), purge_step=0 if resumed_step else None)
+        if resumed_step and (out_dir / "metrics.jsonl").is_file():
+            for row in read_metrics(out_dir / "metrics.jsonl"):
+                if row.get("step", 0) <= resumed_step:  # the rows the resumed run keeps (MetricsLog.truncate_after)
+                    self.log(scalars(row), int(row.get("step", 0)))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        if self.error:
+            return
+        try:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
+        except Exception as err:  # a full disk, say: the run matters more than its event file
+            self.error = _warn_once(self.name, "writing events", err)
+
+    def close(self, record: dict | None, status: str) -> None:
+        if self.error:
+            return
+        try:
+            if record is not None:
+                from torch.utils.tensorboard.summary import hparams
+
+                final = record["eval"]["final"]
+                metrics = {"eval/loss": final["loss"], **{f"eval/exact_match/{task}": rate for task, rate in
+                                                           (final.get("exact_match") or {}).items()}}
+                for summary in hparams(flat_params(record["params"]), metrics):
+                    self.writer.file_writer.add_summary(summary)
+            self.writer.close()
+        except Exception as err:
+            self.error = _warn_once(self.name, "closing", err)
+
+    def describe(self) -> dict:
+        return {"log_dir": str(self.folder), "error": self.error}
+
+
+_STOP = object()
+
+
+class MlflowTracker:
+    """One MLflow run per training run; every call to the tracking server runs on this tracker's own thread."""
+
+    name = "mlflow"
+
+    def __init__(self, out_dir: Path, params: dict, tracking_uri: str | None, run_id: str | None,
+                 on_started: Callable[[], None]) -> None:
+        self.out_dir = out_dir
+        self.tracking_uri = tracking_uri or default_tracking_uri(out_dir)
+        self.experiment = os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
+        self.run_id = run_id
+        self.error: str | None = None
+        self._params, self._on_started = params, on_started
+        self._queue: queue.Queue = queue.Queue()
+        self._held: Any = None  # an end-of-run item met while batching metrics
+        self._thread = threading.Thread(target=self._work, name="cflib-mlflow", daemon=True)
+        self._thread.start()
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        if not self.error:
+            self._queue.put((values, step, int(time.time() * 1000)))
+
+    def close(self, record: dict | None, status: str) -> None:
+        self._queue.put(("close", record, status))
+        self._queue.put(_STOP)
+        self._thread.join(CLOSE_TIMEOUT_S)
+        if self._thread.is_alive() and not self.error:
+            self.error = _warn_once(self.name, "closing", f"the server took no answer within {CLOSE_TIMEOUT_S:g} s")
+
+    def describe(self) -> dict:
+        return {"tracking_uri": self.tracking_uri, "experiment": self.experiment, "run_id": self.run_id,
+                "error": self.error}
+
+    # --- on the tracker's thread ------------------------------------------------------
+    def _work(self) -> None:
+        try:
+            self._start()
+        except Exception as err:
+            self.error = _warn_once(self.name, f"starting a run at {self.tracking_uri}", err)
+        while True:
+            item, self._held = (self._held, None) if self._held is not None else (self._queue.get(), None)
+            if item is _STOP:
+                return
+            if self.error:
+                continue  # drained, never sent: the run goes on
+            try:
+                if isinstance(item, tuple) and item[0] == "close":
+                    self._finish(item[1], item[2])
+                else:
+                    self._send([item] + self._more())
+            except Exception as err:
+                self.error = _warn_once(self.name, f"sending to {self.tracking_uri}", err)
+
+    def _more(self) -> list:
+        """The metric updates already queued behind the first, up to one batch: one request for them all."""
+        items = []
+        while len(items) < 200:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is _STOP or (isinstance(item, tuple) and item[0] == "close"):
+                self._held = item  # handled next, after this batch
+                break
+            items.append(item)
+        return items
+
+    def _start(self) -> None:
+        for name, value in _MLFLOW_HTTP_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(self.tracking_uri)
+        if self.run_id is not None:  # a resumed run continues its MLflow run
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        experiment = self.client.get_experiment_by_name(self.experiment)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+            self.experiment, artifact_location=_artifact_location(self.tracking_uri))
+        run = self.client.create_run(experiment_id, run_name=self.out_dir.name,
+                                     tags={"cflib.out_dir": str(self.out_dir)})
+        self.run_id = run.info.run_id
+        self._on_started()
+        values = [Param(name, str(value)[:6000]) for name, value in flat_params(self._params).items()]
+        for start in range(0, len(values), 100):  # MLflow takes at most 100 parameters a request
+            self.client.log_batch(self.run_id, params=values[start:start + 100])
+
+    def _send(self, items: list) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(key, value, stamp, step) for values, step, stamp in items for key, value in values.items()]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def _finish(self, record: dict | None, status: str) -> None:
+        for name in ("record.json", "metrics.jsonl", "params.json", "loss_weighting.json"):
+            if (self.out_dir / name).is_file():
+                self.client.log_artifact(self.run_id, str(self.out_dir / name))
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def default_tracking_uri(out_dir: Path) -> str:
+    """An SQLite store in out_dir/mlruns (MLflow's file store no longer takes new runs)."""
+    (out_dir / "mlruns").mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{(out_dir / 'mlruns' / 'mlflow.db').resolve()}"
+
+
+def _artifact_location(tracking_uri: str) -> str | None:
+    """Beside an SQLite store, its artifacts; a server chooses its own."""
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
+    return None
+
+
+class Trackers:
+    """The trackers report_to names, fed each metrics row; a context that ends their runs, FAILED on an error."""
+
+    def __init__(self, out_dir: Path, params: dict, report_to: Iterable[str], tracking_uri: str | None,
+                 resumed_step: int) -> None:
+        self.out_dir, self.record = out_dir, None
+        previous = read_tracking(out_dir) if resumed_step else {}
+        self.trackers: list = []
+        for name in report_to:
+            if name == "tensorboard":
+                self.trackers.append(TensorBoardTracker(out_dir, resumed_step))
+            elif name == "mlflow":
+                run_id = previous.get("mlflow", {}).get("run_id")
+                uri = previous.get("mlflow", {}).get("tracking_uri") if run_id else tracking_uri
+                self.trackers.append(MlflowTracker(out_dir, params, uri, run_id, on_started=self.save))
+        self._lock = threading.Lock()
+        self.save()
+
+    def log(self, row: dict) -> None:
+        values = scalars(row)
+        if values:
+            for tracker in self.trackers:
+                tracker.log(values, int(row.get("step", 0)))
+
+    def finished(self, record: dict) -> dict:
+        self.record = record
+        return record
+
+    def save(self) -> None:
+        with self._lock:
+            write_json_atomic(self.out_dir / TRACKING_FILE, {t.name: t.describe() for t in self.trackers})
+
+    def __enter__(self) -> "Trackers":
+        return self
+
+    def __exit__(self, kind: type | None, err: BaseException | None, traceback: Any) -> None:
+        status = "FINISHED" if kind is None else "KILLED" if issubclass(kind, KeyboardInterrupt) else "FAILED"
+        for tracker in self.trackers:
+            tracker.close(self.record if kind is None else None, status)
+        self.save()
+
+
+def open_trackers(run: Any, metrics: Any, resumed_step: int, active: bool) -> Trackers:
+    """The run's trackers (none off rank 0, or without report_to), fed by the metrics log's every row."""
+    from dataclasses import asdict
+
+    p = run.params
+    if not (active and p.report_to):
+        return _NoTrackers()
+    trackers = Trackers(run.out_dir, {**asdict(p), "out_dir": str(run.out_dir)}, p.report_to,
+                        p.mlflow_tracking_uri, resumed_step)
+    metrics.listeners.append(trackers.log)
+    return trackers
+
+
+class _NoTrackers:
+    def log(self, row: dict) -> None:
+        pass
+
+    def finished(self, record: dict) -> dict:
+        return record
+
+    def __enter__(self) -> "_NoTrackers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def read_tracking(out_dir: str | Path) -> dict:
+    path = Path(out_dir) / TRACKING_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def log_artifacts(out_dir: str | Path, *names: str, timeout_s: float = CLOSE_TIMEOUT_S) -> list[str]:
+    """Add files of out_dir (the notebook's plots) to the run's MLflow run, when it has one; the names sent.
+    A server that fails or does not answer within timeout_s warns, and the notebook goes on."""
+    out_dir = Path(out_dir)
+    tracked = read_tracking(out_dir).get("mlflow") or {}
+    files = [out_dir / name for name in names if (out_dir / name).is_file()]
+    if not tracked.get("run_id") or tracked.get("error") or not files:
+        return []
+    sent: list[str] = []
+
+    def send() -> None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracked["tracking_uri"])
+        for path in files:
+            client.log_artifact(tracked["run_id"], str(path))
+            sent.append(path.name)
+
+    failure: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _capture(send, failure), name="cflib-mlflow-artifacts", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if failure or thread.is_alive():
+        _warn_once("mlflow", "sending artifacts", failure[0] if failure else f"no answer within {timeout_s:g} s")
+    return sent
+
+
+def _capture(fn: Callable[[], None], failure: list[BaseException]) -> None:
+    try:
+        fn()
+    except Exception as err:
+        failure.append(err)

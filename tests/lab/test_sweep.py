@@ -1,0 +1,214 @@
+"""Sweeps: every point checked before the first runs, and a real papermill sweep killed mid-point and resumed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from cflib.lab.compare import CompareParams, compare
+from cflib.lab.sweep import SweepParams, plan_sweep
+from cflib.train.params import ParamError, TrainParams, load_params_file
+from cflib.train.records import read_metrics
+
+try:
+    from processes import descendants, still_running
+except ImportError:  # pragma: no cover - depends on how pytest is invoked
+    from tests.processes import descendants, still_running
+
+ROOT = Path(__file__).resolve().parents[2]
+SWEEP = ROOT / "notebooks" / "sweep.ipynb"
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"grid": {"lrr": [1e-3]}}, "grid: unknown parameter 'lrr' (did you mean 'lr'?)"),
+    ({"grid": {"lr": 1e-3}}, "grid: lr must be a non-empty list of values, got 0.001"),
+    ({"grid": {"out_dir": ["a", "b"]}}, "grid: out_dir is set by the sweep"),
+    ({"grid": {"lr": [1e-3]}, "points": [{"lr": 1e-3}]}, "give grid (every combination) or points"),
+    ({"points": [{"seed": 1}], "repeats": 2}, "seed is swept and repeats gives several seeds"),
+    ({"points": [{"resume": "latest"}]}, "points[0]: resume is set by the sweep"),
+    ({"gpus": "0,0"}, "gpus names a device twice"),
+    ({"gpus": "first"}, "gpus must be 'cpu' or a list of device indices"),
+    ({"repeats": 0}, "repeats must be at least 1"),
+    ({"base": "params/no_such.yaml"}, "no_such.yaml: no such parameter file"),
+    ({"grid": "params/no_such_grid.yaml"}, "is neither a YAML file"),
+    ({"metric": "loss"}, "metric 'loss' is not compared"),
+    ({"gird": {}}, "unknown parameter 'gird' (did you mean 'grid'?)"),
+])
+def test_a_bad_sweep_is_refused_naming_the_culprit(raw, message):
+    with pytest.raises(ParamError) as caught:
+        SweepParams.from_dict(raw)
+    assert message in str(caught.value)
+
+
+def test_every_point_is_checked_before_any_runs_and_a_bad_one_fails_alone(tmp_path):
+    out_dir = tmp_path / "sweep"
+    sweep = plan_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3, -1.0], "max_steps": [4]}, "repeats": [3, 4],
+                                              "out_dir": str(out_dir)}))
+    assert [p.name for p in sweep.points] == ["lr-0.001_seed-3", "lr-0.001_seed-4", "lr--1_seed-3", "lr--1_seed-4"]
+    assert [p.status for p in sweep.points] == ["queued", "queued", "failed", "failed"]
+    assert sweep.points[2].error == "point lr--1_seed-3: lr must be positive, got -1.0"
+    assert sweep.points[0].params["max_steps"] == 4 and sweep.points[0].params["seed"] == 3
+    assert sweep.points[0].overrides == {"lr": 0.001, "max_steps": 4, "seed": 3}
+    assert sweep.swept == ["lr", "seed"] and sweep.points[0].total_steps == 4
+    assert not out_dir.exists()  # planning writes nothing
+
+
+def test_grid_from_a_yaml_file_and_points(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("lr: [0.001, 0.002]\nseq_len: [64, 96]\n")
+    sweep = plan_sweep(SweepParams.from_dict({"grid": str(grid), "out_dir": str(tmp_path / "a")}))
+    assert [p.name for p in sweep.points] == ["lr-0.001_seq_len-64", "lr-0.001_seq_len-96", "lr-0.002_seq_len-64",
+                                              "lr-0.002_seq_len-96"]
+    listed = plan_sweep(SweepParams.from_dict({"points": [{"lr": 0.001}, {"lr": 0.001, "warmup_ratio": 0.1}],
+                                               "out_dir": str(tmp_path / "b")}))
+    assert [p.name for p in listed.points] == ["base", "warmup_ratio-0.1"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "params").glob("sweep_*.yaml")), ids=lambda p: p.name)
+def test_params_files_for_the_sweep_notebook_validate(path):
+    values = load_params_file(path)
+    if "grid" in values or "points" in values:  # a sweep's parameters
+        sweep = plan_sweep(SweepParams.from_dict({**values, "out_dir": None}, source=str(path)))
+        assert all(point.status == "queued" for point in sweep.points)
+    else:  # a base: train_sft's parameters
+        TrainParams.from_dict(values, source=str(path))
+
+
+def _papermill(out_dir: Path, executed: Path, log: Path) -> subprocess.Popen:
+    # Three points of 40 steps, a resumable checkpoint every 4; exact match over 16 prompts.
+    command = [sys.executable, "-m", "papermill", str(SWEEP), str(executed), "-p", "out_dir", str(out_dir),
+               "-y", "grid: {lr: [0.001, 0.002, 0.003], max_steps: [40], save_every_steps: [4], "
+                     "eval_every_steps: [20], exact_match_limit: [16]}",
+               "--cwd", str(ROOT / "notebooks"), "--no-progress-bar"]
+    with open(log, "w") as handle:
+        return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stream_text(executed: Path) -> str:
+    return "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code"
+                   for o in c.outputs if o.output_type == "stream")
+
+
+def test_a_sweep_killed_in_its_second_point_resumes_to_the_end(tmp_path):
+    out_dir = tmp_path / "sweep"
+    second = out_dir / "runs" / "lr-0.002"
+    process = _papermill(out_dir, tmp_path / "killed.ipynb", tmp_path / "killed.log")
+    deadline = time.monotonic() + 400
+    while not (second / "checkpoints" / "step-8").is_dir():
+        assert process.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the second point never reached its second checkpoint"
+        time.sleep(0.05)
+    tree = descendants(process.pid) | {process.pid}  # papermill, the sweep's kernel, the point and its kernel
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+    assert not still_running(tree), "a process of the killed sweep is still running"
+    assert (out_dir / "runs" / "lr-0.001" / "COMPLETE").is_file() and not (second / "COMPLETE").exists()
+    assert not (out_dir / "runs" / "lr-0.003").exists()
+    killed_at = max(r["step"] for r in read_metrics(second / "metrics.jsonl") if r["event"] == "train")
+    assert 8 <= killed_at < 40
+    first_record = (out_dir / "runs" / "lr-0.001" / "record.json").read_text()
+
+    resumed = _papermill(out_dir, tmp_path / "resumed.ipynb", tmp_path / "resumed.log")
+    assert resumed.wait(timeout=600) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    text = _stream_text(tmp_path / "resumed.ipynb")
+    assert "lr-0.001: skip: finished before" in text
+    assert "lr-0.002: started on cpu (resume from step-" in text and "lr-0.003: started on cpu\n" in text
+    assert (out_dir / "runs" / "lr-0.001" / "record.json").read_text() == first_record  # never re-run
+    record = json.loads((second / "record.json").read_text())
+    assert record["model_source"].startswith(f"resumed from {second / 'checkpoints' / 'step-'}")
+    steps = [r["step"] for r in read_metrics(second / "metrics.jsonl") if r["event"] == "train"]
+    assert steps == list(range(1, 41))  # every step once: nothing lost, nothing doubled
+    state = json.loads((out_dir / "sweep.json").read_text())
+    assert [p["status"] for p in state["points"]] == ["done"] * 3
+    assert [a["resumed"] for a in state["points"][1]["attempts"]] == [False, True]
+    saved = json.loads((out_dir / "comparison" / "comparison.json").read_text())
+    assert [row["run"] for row in saved["rows"]] == ["lr-0.001", "lr-0.002", "lr-0.003"]
+    assert saved["differing"] == ["lr"] and saved["swept"] == ["lr"]
+    assert {"comparison.csv", "loss_curves.png", "exact_match.png", "sweep.png"} <= {
+        p.name for p in (out_dir / "comparison").iterdir()}
+    # A third run finds nothing to do.
+    again = plan_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": {
+        "lr": [0.001, 0.002, 0.003], "max_steps": [40], "save_every_steps": [4], "eval_every_steps": [20],
+        "exact_match_limit": [16]}}))
+    assert [p.action for p in again.points] == ["skip: finished before"] * 3
+
+
+def test_compare_refuses_an_incomplete_run_by_name(tmp_path):
+    run = tmp_path / "killed-run"
+    run.mkdir()
+    (run / "params.json").write_text(json.dumps({"lr": 0.001}))
+    (run / "metrics.jsonl").write_text(json.dumps({"event": "train", "step": 1, "loss": 5.0, "tokens": 10}) + "\n"
+                                       + json.dumps({"event": "eval", "step": 0, "loss": 5.5}) + "\n")
+    with pytest.raises(ParamError, match="run killed-run .* has no complete record: no COMPLETE marker"):
+        compare(CompareParams.from_dict({"runs": str(run)}))
+    shown = compare(CompareParams.from_dict({"runs": [str(run)], "include_incomplete": "true"}))
+    assert shown.rows[0]["complete"] is False and shown.rows[0]["final_eval_loss"] == 5.5
+    assert shown.rows[0]["steps"] == 1 and shown.rows[0]["tokens_per_s"] is None
+    with pytest.raises(ParamError, match="matches no run folder"):
+        compare(CompareParams.from_dict({"runs": str(tmp_path / "nothing-*")}))
+
+
+COMPARE = ROOT / "notebooks" / "compare_runs.ipynb"
+COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
+
+
+def test_papermill_compares_the_committed_sweep_and_writes_its_files(tmp_path):
+    import papermill
+
+    out_dir = tmp_path / "comparison"
+    papermill.execute_notebook(str(COMPARE), str(tmp_path / "executed.ipynb"), parameters={
+        "runs": str(COMMITTED_SWEEP), "out_dir": str(out_dir), "metric": "exact_match/overall"},
+        cwd=str(ROOT / "notebooks"), progress_bar=False)
+    saved = json.loads((out_dir / "comparison.json").read_text())
+    assert [row["run"] for row in saved["rows"]] == ["lr-0.003_seed-0", "lr-0.003_seed-1", "lr-0.01_seed-0",
+                                                     "lr-0.01_seed-1"]
+    assert saved["differing"] == ["seed", "lr"] and saved["metric"] == "exact_match/overall"
+    for row in saved["rows"]:
+        record = json.loads((COMMITTED_SWEEP / "runs" / row["run"] / "record.json").read_text())
+        assert row["final_eval_loss"] == record["eval"]["final"]["loss"]
+        assert row["exact_match/uppercase"] == record["eval"]["final"]["exact_match"]["uppercase"]
+        assert row["tokens_per_s"] == record["throughput"]["steady_state_tokens_per_s"]
+    header = (out_dir / "comparison.csv").read_text().splitlines()[0].split(",")
+    assert header[:3] == ["run", "seed", "lr"] and "kernel_path" in header
+    assert {"loss_curves.png", "exact_match.png", "sweep.png"} <= {p.name for p in out_dir.iterdir()}
+
+
+def test_papermill_refuses_an_incomplete_run_before_writing_anything(tmp_path):
+    import papermill
+
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "params.json").write_text(json.dumps({"lr": 0.001}))
+    out_dir = tmp_path / "comparison"
+    with pytest.raises(papermill.PapermillExecutionError, match="run killed .* has no complete record"):
+        papermill.execute_notebook(str(COMPARE), str(tmp_path / "executed.ipynb"), parameters={
+            "runs": [str(COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"), str(killed)], "out_dir": str(out_dir)},
+            cwd=str(ROOT / "notebooks"), progress_bar=False)
+    assert not out_dir.exists()
+
+
+def test_points_run_side_by_side_one_per_device_slot(tmp_path):
+    """gpus: [0, 1] starts two points at once, each with its own CUDA_VISIBLE_DEVICES (on this CPU-only machine
+    the base's device: cpu trains them on the CPU)."""
+    from cflib.lab.sweep_run import run_sweep
+
+    sweep = plan_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.002], "max_steps": [4]}, "gpus": [0, 1],
+                                              "out_dir": str(tmp_path / "sweep")}))
+    run_sweep(sweep, poll_s=0.2)
+    state = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [p["status"] for p in state["points"]] == ["done", "done"]
+    first, second = (p["attempts"][0] for p in state["points"])
+    assert (first["device"], second["device"]) == ("cuda:0", "cuda:1")
+    assert second["started_utc"] <= first["finished_utc"]  # both ran at once
+    assert not (tmp_path / "sweep" / "sweep.lock").exists()
