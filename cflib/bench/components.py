@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from cflib.data.shards import IGNORE_INDEX
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
-from cflib.model.fast import AddRMSNorm, FusedTRMoEEngine, LigerRMSNorm
+from cflib.model.fast import AddRMSNorm, EpilogueSwiGLUEngine, FusedTRMoEEngine, LigerRMSNorm
 from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_problem, pack_documents
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelPlan, quack_problem
 from cflib.ops.sft_loss import SFTLoss
 
 # bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3 (METHOD.md).
@@ -194,6 +194,11 @@ def _moe_fast(inputs):
     return engine(inputs["x"], inputs["token_ids"]), engine.ran["moe"]
 
 
+def _moe_epilogue_fast(inputs):
+    engine = _engine(inputs, EpilogueSwiGLUEngine)
+    return engine(inputs["x"], inputs["token_ids"]), engine.ran["swiglu"]
+
+
 def _loss_inputs(shape, gen, device, weighted: bool):
     c = shape.config
     tokens = shape.batch * shape.seq_len
@@ -296,6 +301,8 @@ COMPONENTS = [
     Component("swiglu", "liger", _swiglu_inputs, (), lambda i: F.silu(i["gate"]) * i["up"], _swiglu_fast,
               bf16_arithmetic=True),
     Component("trmoe", "triton_fused", _moe_inputs, ENGINE_WEIGHTS, _moe_reference, _moe_fast),
+    Component("trmoe_epilogue_swiglu", "quack_gemm_swiglu", _moe_inputs, ENGINE_WEIGHTS, _moe_reference,
+              _moe_epilogue_fast, unavailable=lambda device, dtype, shape: quack_problem(device)),
     Component("loss", "liger_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False), ("head_weight",),
               _loss_reference, _loss_fast(KernelPlan(liger=True, custom=False))),
     Component("weighted_loss", "cflib_triton_fused_linear_ce_weighted", lambda s, g, d: _loss_inputs(s, g, d, True),

@@ -8,7 +8,7 @@ chooses, as Liger swaps modules: forwards read no flags, and the same model swap
 - norms: Liger's RMSNorm; on the residual stream, cflib's add + RMSNorm kernel (cflib.ops.add_rms_norm);
 - attention: Liger's RoPE; or one QKV GEMM, with QK-norm and RoPE in one kernel (cflib.ops.qk_norm_rope);
 - the TR-MoE block: Liger's SwiGLU for the shared branch; or the whole block as one wide SwiGLU
-  (cflib.ops.trmoe).
+  (cflib.ops.trmoe); on Hopper with quack-kernels, its shared branch in quack's SwiGLU GEMMs.
 Adapters join the fused GEMMs through the weight protocol (cflib.model.weights): with updates that fold,
 the GEMMs read effective weights; otherwise the base GEMM runs and each adapter adds its branch.
 """
@@ -172,6 +172,23 @@ class FusedTRMoEEngine(TRMoEEngine):
         return out
 
 
+class EpilogueSwiGLUEngine(FusedTRMoEEngine):
+    """Training steps run the shared branch through quack's SwiGLU GEMMs and the experts through cflib's kernel
+    (cflib.ops.trmoe.trmoe_split_forward). Without gradients (evaluation, decoding: other shapes, CUDA graphs)
+    and with adapters, the block runs as FusedTRMoEEngine's."""
+
+    kernels = {"swiglu": "quack_gemm_swiglu", "moe": "triton_fused"}
+
+    def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        from cflib.ops.trmoe import trmoe_split_forward
+
+        if not torch.is_grad_enabled() or self.expert_adapters() or any(
+                is_adapted(getattr(self, name)) for name in ("shared_gate", "shared_up", "shared_down")):
+            self.ran = dict(FusedTRMoEEngine.kernels)
+            return super().block(x, token_ids)
+        return trmoe_split_forward(self, x, token_ids)
+
+
 def swap_class(module: nn.Module, cls: type[nn.Module]) -> None:
     """Make `module` an instance of `cls`, a fast or reference variant of its own class (same state)."""
     reference = next((ref for ref in (RMSNorm, Attention, TRMoEEngine) if issubclass(cls, ref)), None)
@@ -189,7 +206,10 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
         attention = FusedAttention if model.config.use_qk_norm else FusedQKVAttention
     else:
         attention = LigerRopeAttention if plan.liger else Attention
-    engine = FusedTRMoEEngine if plan.custom else LigerSwiGLUEngine if plan.liger else TRMoEEngine
+    if plan.custom:
+        engine = EpilogueSwiGLUEngine if plan.epilogue_swiglu else FusedTRMoEEngine
+    else:
+        engine = LigerSwiGLUEngine if plan.liger else TRMoEEngine
     for layer in model.layers:
         swap_class(layer.input_layernorm, residual_norm)
         swap_class(layer.post_attention_layernorm, residual_norm)

@@ -24,9 +24,11 @@ class KernelPlan:
     custom: bool  # cflib's Triton TR-MoE block, QKV/norm kernels and fused linear CE
     notes: tuple[str, ...] = ()  # why `auto` left a fast path off
     attention: str = "auto"  # attention_backend, checked here (cflib.ops.attention)
+    epilogue_swiglu: bool = False  # the shared SwiGLU's activation in quack's GEMM epilogues (with custom)
 
     def describe(self) -> str:
-        chosen = [name for name, on in (("Liger", self.liger), ("cflib Triton", self.custom)) if on]
+        chosen = [name for name, on in (("Liger", self.liger), ("cflib Triton", self.custom),
+                                        ("quack SwiGLU GEMMs", self.epilogue_swiglu)) if on]
         text = " + ".join(chosen) if chosen else "PyTorch reference"
         return text + "".join(f"; {note}" for note in self.notes)
 
@@ -57,8 +59,26 @@ def liger_problem() -> str | None:
     return None
 
 
+def quack_problem(device: torch.device) -> str | None:
+    """Why quack's SwiGLU GEMMs (the shared branch's activation in the GEMM epilogue) cannot run here, or None."""
+    if device.type != "cuda":
+        return f"no GPU: the device is {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"compute capability {major}.{minor}: quack's SwiGLU GEMMs are measured on Hopper (9.x) only"
+    spec = importlib.util.find_spec("quack")
+    if spec is None or importlib.util.find_spec("quack.mlp") is None:
+        return "quack-kernels is not installed (pip install quack-kernels, or cflib[gpu])"
+    if not any(f"{os.sep}{folder}{os.sep}" in (spec.origin or "") for folder in ("site-packages", "dist-packages")):
+        # quack keys its compiled epilogues on the code they call and trusts only installed libraries (under
+        # site-packages); elsewhere it walks into CUTLASS DSL's globals and refuses them with a TypeError.
+        return f"quack is imported from {spec.origin}, outside a site-packages folder, where its GEMMs refuse to compile"
+    return None
+
+
 def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device,
-                 attention_backend: str = "auto", head_dim: int = 64, packed: bool = False) -> KernelPlan:
+                 attention_backend: str = "auto", head_dim: int = 64, packed: bool = False,
+                 epilogue_swiglu: str = "auto") -> KernelPlan:
     """Resolve the flags against this device, or raise KernelUnavailable naming the check.
 
     Shapes need no check here but attention's (head_dim; packed: whether training rows are packed windows):
@@ -85,4 +105,11 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
     liger_mode = "true" if require_liger else ("false" if use_custom_kernels == "false" else "auto")
     liger = decide("require_liger" if require_liger else "use_custom_kernels (Liger)", liger_mode,
                    common or liger_problem())
-    return KernelPlan(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend)
+    if epilogue_swiglu == "true" and not custom:
+        raise KernelUnavailable("epilogue_swiglu: true, but it runs inside cflib's TR-MoE block, which is off here "
+                                "(use_custom_kernels)")
+    # A GPU refinement of cflib's block: auto says nothing of it where the block itself runs interpreted.
+    on = custom and (device.type == "cuda" or epilogue_swiglu == "true")
+    epilogue = decide("epilogue_swiglu", epilogue_swiglu if on else "false", quack_problem(device))
+    return KernelPlan(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend,
+                      epilogue_swiglu=epilogue)

@@ -72,6 +72,8 @@ class TrainParams(ParamSet):
     train_tasks: tuple[str, ...] | None = None  # train only on examples of these `task`s; eval stays whole
     grad_ckpt: bool = False
     use_custom_kernels: str = "auto"  # auto: fast paths where every check passes; true: require them; false: PyTorch
+    # The shared SwiGLU's activation in quack's GEMM epilogues, inside cflib's TR-MoE block (Hopper); like above.
+    epilogue_swiglu: str = "auto"
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
@@ -160,9 +162,9 @@ class TrainParams(ParamSet):
         self._validate_lora()
         if self.train_tasks is not None and not self.train_tasks:
             raise ParamError("train_tasks must name at least one task, or be None for every example")
-        if self.use_custom_kernels not in KERNEL_CHOICES:
-            raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), "
-                             f"got {self.use_custom_kernels!r}")
+        for name in ("use_custom_kernels", "epilogue_swiglu"):
+            if getattr(self, name) not in KERNEL_CHOICES:
+                raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
         if self.attention_backend not in backend_names():
             raise ParamError(f"attention_backend must be one of {backend_names()}, got {self.attention_backend!r}")
         if self.pack_sequences and (problem := packed_problem(self.attention_backend)):
@@ -268,11 +270,13 @@ def reject_unknown(raw: dict[str, Any], known: list[str], source: str) -> None:
 
 
 def with_kernel_choice(raw: dict[str, Any]) -> dict[str, Any]:
-    """use_custom_kernels as "auto"/"true"/"false": YAML gives booleans, papermill strings in any case."""
-    value = raw.get("use_custom_kernels")
-    if isinstance(value, (bool, str)):
-        return {**raw, "use_custom_kernels": str(value).strip().lower()}
-    return raw
+    """use_custom_kernels and epilogue_swiglu as "auto"/"true"/"false": YAML gives booleans, papermill strings
+    in any case."""
+    found = dict(raw)
+    for name in ("use_custom_kernels", "epilogue_swiglu"):
+        if isinstance(value := raw.get(name), (bool, str)):
+            found[name] = str(value).strip().lower()
+    return found
 
 
 def gradient_accumulation(global_batch: int, micro_batch_per_rank: int, world_size: int) -> int:

@@ -208,7 +208,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     model.grad_ckpt = params.grad_ckpt
     kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
-                           config.head_dim, packed=params.pack_sequences)
+                           config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu)
     use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,

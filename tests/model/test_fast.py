@@ -1,0 +1,107 @@
+"""The kernel plan picks each module's class: the swap, its way back, what the records read, and the checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import KERNEL_DEVICE, random_ids, tiny_model
+
+from cflib.errors import KernelUnavailable
+from cflib.model.decoder import Attention, RMSNorm, TRMoEEngine
+from cflib.model.fast import (
+    AddRMSNorm,
+    EpilogueSwiGLUEngine,
+    FusedAttention,
+    FusedQKVAttention,
+    FusedTRMoEEngine,
+    LigerRMSNorm,
+    LigerRopeAttention,
+    LigerSwiGLUEngine,
+    swap_class,
+    use_kernels,
+)
+from cflib.ops.dispatch import KernelPlan, plan_kernels
+
+REFERENCE, LIGER, CUSTOM = (KernelPlan(liger=False, custom=False), KernelPlan(liger=True, custom=False),
+                            KernelPlan(liger=True, custom=True))
+
+
+def classes(model) -> dict[str, type]:
+    layer = model.layers[0]
+    return {"norm": type(layer.input_layernorm), "attention": type(layer.self_attn),
+            "qk_norm": type(layer.self_attn.q_norm), "engine": type(layer.mlp["engine"]), "final": type(model.norm)}
+
+
+@pytest.mark.parametrize("plan, expected", [
+    (REFERENCE, {"norm": RMSNorm, "attention": Attention, "qk_norm": RMSNorm, "engine": TRMoEEngine,
+                 "final": RMSNorm}),
+    (LIGER, {"norm": LigerRMSNorm, "attention": LigerRopeAttention, "qk_norm": LigerRMSNorm,
+             "engine": LigerSwiGLUEngine, "final": LigerRMSNorm}),
+    (CUSTOM, {"norm": AddRMSNorm, "attention": FusedAttention, "qk_norm": LigerRMSNorm, "engine": FusedTRMoEEngine,
+              "final": AddRMSNorm}),
+    (KernelPlan(liger=True, custom=True, epilogue_swiglu=True), {
+        "norm": AddRMSNorm, "attention": FusedAttention, "qk_norm": LigerRMSNorm, "engine": EpilogueSwiGLUEngine,
+        "final": AddRMSNorm}),
+], ids=["reference", "liger", "custom", "epilogue"])
+def test_the_plan_picks_every_module_s_class_and_the_state_dict_stays(plan, expected):
+    model = tiny_model()
+    names = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    use_kernels(model, plan)
+    assert classes(model) == expected
+    assert all(classes(model)["engine"] is type(layer.mlp["engine"]) for layer in model.layers)
+    assert {name: tuple(t.shape) for name, t in model.state_dict().items()} == names
+
+
+def test_without_qk_norm_the_fused_path_keeps_one_qkv_gemm():
+    model = use_kernels(tiny_model(use_qk_norm=False), CUSTOM)
+    assert type(model.layers[0].self_attn) is FusedQKVAttention
+
+
+def test_the_same_model_swaps_back_to_the_reference_and_computes_the_same():
+    model = tiny_model().to(KERNEL_DEVICE)
+    ids = random_ids(model.config.vocab_size, 2, 10).to(KERNEL_DEVICE)
+    with torch.no_grad():
+        before = model(ids)
+        use_kernels(model, CUSTOM)
+        fast = model(ids)
+        assert model.kernel_path()["moe"] == "triton_fused"
+        use_kernels(model, REFERENCE)
+        again = model(ids)
+    assert classes(model)["engine"] is TRMoEEngine and model.kernel_path()["moe"] == "torch_dense"
+    torch.testing.assert_close(again, before, rtol=0, atol=0)
+    torch.testing.assert_close(fast, before, rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_path_reads_every_layer_and_says_where_they_differ():
+    model = tiny_model()
+    ids = random_ids(model.config.vocab_size, 1, 6)
+    swap_class(model.layers[1].mlp["engine"], LigerSwiGLUEngine)
+    with torch.no_grad():
+        model(ids)
+    path = model.kernel_path()
+    assert path["swiglu"] == "liger+torch" and path["moe"] == "torch_dense"
+    assert path["rmsnorm"] == "torch" and path["qkv"] == "three_gemms" and path["qk_norm"] == "torch"
+    assert path["attention"] == "torch_sdpa"
+
+
+def test_a_module_cannot_become_a_class_of_another_kind():
+    model = tiny_model()
+    with pytest.raises(TypeError, match="a RMSNorm cannot become a FusedTRMoEEngine"):
+        swap_class(model.norm, FusedTRMoEEngine)
+
+
+def test_no_forward_reads_a_flag_the_swap_wrote():
+    """The fast classes carry no state of their own: the swap adds no attribute to any module."""
+    model = tiny_model()
+    before = {name: set(vars(module)) for name, module in model.named_modules()}
+    use_kernels(model, CUSTOM)
+    assert {name: set(vars(module)) for name, module in model.named_modules()} == before
+
+
+def test_the_epilogue_swiglu_is_checked_before_any_step():
+    cpu = torch.device("cpu")
+    with pytest.raises(KernelUnavailable, match=r"epilogue_swiglu: true, but .* \(use_custom_kernels\)"):
+        plan_kernels("false", False, cpu, epilogue_swiglu="true")
+    with pytest.raises(KernelUnavailable, match="epilogue_swiglu: true, but no GPU"):
+        plan_kernels("true", False, cpu, epilogue_swiglu="true")
+    plan = plan_kernels("true", False, cpu)  # auto says nothing of a GPU refinement on the CPU
+    assert plan.custom and not plan.epilogue_swiglu and not any("epilogue" in note for note in plan.notes)
