@@ -84,7 +84,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
-        self.ran = {key: "none" for key in ("attention", *self.kernels)}
+        self.ran = {key: "none" for key in ("attention", *self.kernels, *(("qk_norm",) if config.use_qk_norm else ()))}
 
     @property
     def qk_norm_kernel(self) -> str | None:

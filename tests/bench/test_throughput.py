@@ -478,7 +478,7 @@ def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
     for entry in smoke_record["paths"]:
         part = random_rows if entry["batches"] == "random_rows" else realistic
         assert f"| {entry['path']} | {entry['micro_batch']} |" in part
-    assert table.count("| tokens/s: production") == 3 and "| peak memory: production / peer_liger |" in table
+    assert table.count("| tokens/s: production") == 3 and "| peak memory: production / best_peer |" in table
     assert "| supervised tokens/s: production (realistic) / peer_packed (realistic) |" in table
     assert "| supervised tokens/s: production (realistic) / peer_padded (realistic) |" in table
     assert "| model TFLOP/s: production / bf16 matmul ceiling" in table and "product's targets" in table
