@@ -35,6 +35,7 @@ from cflib.model.checkpoint import (
     WEIGHTS_FILE,
     CheckpointError,
     load_checkpoint,
+    non_finite_tensor,
     save_checkpoint,
 )
 from cflib.model.decoder import TRMoEModel
@@ -137,6 +138,9 @@ def peft_config(settings: LoraSettings, base_path: str) -> dict:
 def save_adapter(path: str | Path, adapters: dict[str, torch.Tensor], settings: LoraSettings, base: dict,
                  trainer_state: dict | None = None, progress: dict | None = None) -> Path:
     """Write a LoRA checkpoint atomically (optionally resumable: optimizer state and progress beside it)."""
+    bad = non_finite_tensor(adapters)
+    if bad:  # never published, whatever nan_patience allowed
+        raise CheckpointError(f"{path}: not written: adapter {bad}; the earlier checkpoints are unchanged")
     with atomic_directory(path) as staging:
         (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config(settings, base["path"]), indent=2) + "\n")
         save_file(to_peft(adapters, settings), str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
@@ -166,6 +170,9 @@ def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    bad = non_finite_tensor(tensors)
+    if bad:
+        raise CheckpointError(f"{weights}: adapter {bad}; training or merging from it gives non-finite outputs")
     return settings, base, from_peft(tensors, settings, str(weights))
 
 

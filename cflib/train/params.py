@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -125,6 +126,13 @@ class TrainParams(ParamSet):
                              source="notebook parameters")
 
     def validate(self) -> None:
+        # Before any range check: `x <= 0` is False for NaN, and inf passes every lower bound.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ParamError(f"{field.name} must be a finite number, got {value}")
+        if not 0 <= self.seed < 2**32:  # numpy's and torch's generators both take it as given
+            raise ParamError(f"seed must be an integer in [0, 2**32), got {self.seed}")
         positive = ("seq_len", "micro_batch_per_rank", "global_batch", "epochs", "loss_chunk_tokens",
                     "nproc_per_node", "nnodes", "collective_timeout_s")
         for name in positive:

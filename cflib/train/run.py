@@ -28,13 +28,17 @@ from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import adapter_parameter_count
 from cflib.ops.dispatch import KernelPlan, plan_kernels
+from cflib.atomic import check_writable_folder
 from cflib.paths import resolve_path
 from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
+from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams, gradient_accumulation
 from cflib.train.records import count_parameters
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
+# What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
+RUN_JSON_FILES = ("record.json", "params.json", "loss_weighting.json", "COMPLETE")
 
 
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -128,6 +132,8 @@ def _out_dir(params: TrainParams, model_name: str) -> Path:
     out_dir = resolve_path(params.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ParamError(f"out_dir {out_dir} exists and is not a directory")
+    check_writable_folder(out_dir, "out_dir")
+    check_not_locked(out_dir)
     previous = [name for name in RUN_FILES if (out_dir / name).exists()]
     # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
     if previous and params.resume is None:

@@ -1,0 +1,122 @@
+"""One writer per run folder: an OS file lock (`fcntl.flock`) on `out_dir/.cflib-run.lock`.
+
+The process that writes a run (the single process, or torchrun's rank 0)
+holds the lock from before `params.json` until it returns or dies: the
+kernel drops a flock with its last descriptor, so a killed run leaves no
+stale lock, only a file another run may take. A second run into the same
+folder is refused, naming the holder's pid and host. The descriptor is not
+inherited by child processes, so torchrun workers or a notebook's other
+subprocesses never keep a dead run's folder locked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from cflib.errors import ParamError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the folder check of prepare() still refuses a finished run
+    fcntl = None
+
+LOCK_FILE = ".cflib-run.lock"
+
+# Folders this process holds: a notebook cell re-run while another still trains (a thread) is told so.
+_HELD: dict[Path, "RunLock"] = {}
+_GUARD = threading.Lock()
+
+
+class RunLockedError(ParamError):
+    """Another process (or this kernel) is writing the run folder."""
+
+
+def _holder(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not isinstance(info, dict) or "pid" not in info:
+        return "a process that is starting (its pid is not written yet)"
+    mine = info.get("pid") == os.getpid() and info.get("host") == socket.gethostname()
+    where = f"pid {info.get('pid')} on host {info.get('host')}, since {info.get('since', '?')}"
+    return f"this kernel ({where}), which is still running a fit into it" if mine else where
+
+
+def _refusal(out_dir: Path, holder: str) -> RunLockedError:
+    return RunLockedError(f"out_dir {out_dir} is being written by another run: {holder}. Wait for it to end, or "
+                          "choose another out_dir; a run that was killed releases the folder by itself")
+
+
+class RunLock:
+    """The exclusive lock on a run folder; `with RunLock(out_dir):` or acquire()/release()."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        self.out_dir = Path(out_dir).resolve()
+        self.path = self.out_dir / LOCK_FILE
+        self._descriptor: int | None = None
+
+    def acquire(self) -> "RunLock":
+        if fcntl is None:
+            return self
+        with _GUARD:
+            if self.out_dir in _HELD:
+                raise _refusal(self.out_dir, _holder(self.path))
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(descriptor)
+                raise _refusal(self.out_dir, _holder(self.path)) from None
+            except BaseException:
+                os.close(descriptor)
+                raise
+            info = {"pid": os.getpid(), "host": socket.gethostname(),
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            os.ftruncate(descriptor, 0)
+            os.pwrite(descriptor, (json.dumps(info) + "\n").encode(), 0)
+            self._descriptor = descriptor
+            _HELD[self.out_dir] = self
+        return self
+
+    def release(self) -> None:
+        with _GUARD:
+            if self._descriptor is None:
+                return
+            _HELD.pop(self.out_dir, None)
+            descriptor, self._descriptor = self._descriptor, None
+            os.close(descriptor)  # closing drops the flock; the file stays, free for the next run
+
+    @property
+    def held(self) -> bool:
+        return self._descriptor is not None
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def check_not_locked(out_dir: str | Path) -> None:
+    """RunLockedError when a live run holds `out_dir`; writes nothing (prepare's early check)."""
+    path = Path(out_dir).resolve() / LOCK_FILE
+    if fcntl is None or not path.is_file():
+        return
+    if path.parent in _HELD:
+        raise _refusal(path.parent, _holder(path))
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return  # unreadable: the exclusive lock taken before the first write decides
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _refusal(path.parent, _holder(path)) from None
+    finally:
+        os.close(descriptor)
