@@ -84,6 +84,7 @@ class TrainParams(ParamSet):
     save_total_limit: int | None = None  # keep the newest N epoch/step checkpoints, plus the best
     resume: str | None = None  # None; "latest" (or true): out_dir's newest resumable checkpoint; or its path
     allow_world_size_change: bool = False  # resume on another number of processes
+    allow_resume_changes: tuple[str, ...] | None = None  # changed on purpose by a resume: "data,max_grad_norm"
     device: str = "auto"
     # Data parallelism: more than one process starts torchrun from the notebook.
     nproc_per_node: int = 1
@@ -220,7 +221,7 @@ class TrainParams(ParamSet):
 LORA_PARAMETERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype",
                    "lora_trainable_tokens")
 # Parameters holding a list of names: a YAML list, or one string "a,b" (papermill -p, a notebook scalar).
-NAME_LISTS = ("lora_targets", "train_tasks")
+NAME_LISTS = ("lora_targets", "train_tasks", "allow_resume_changes")
 
 
 def with_name_lists(raw: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from cflib.train.distributed import DistContext, choose_strategy, device_memory_
 from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams, gradient_accumulation
 from cflib.train.records import count_parameters
+from cflib.train.resume_identity import check_resumable, run_identity
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 # What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
@@ -219,7 +220,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
               pack_plan, loss_weights, reports, lora)
     if resume_state is not None:
-        _check_resumable(resume_state, run, checkpoint_dir)
+        check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
         model.to(device)
     return run
@@ -310,16 +311,8 @@ def _size(num_bytes: int) -> str:
 
 
 def schedule_signature(run: Run) -> dict:
-    """What a resumed run must share with the one it continues: the stream and the schedule."""
-    p = run.params
-    return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
-            "lr": p.lr, "weight_decay": p.weight_decay, "beta1": p.beta1, "beta2": p.beta2,
-            "pack_sequences": p.pack_sequences, "loss_groups": p.loss_groups,
-            "train_tasks": list(p.train_tasks) if p.train_tasks is not None else None}
-
-
-# What checkpoints written before a signature key existed were trained with.
-_SIGNATURE_DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None}
+    """What a resumed run must share with the one it continues (cflib.train.resume_identity)."""
+    return run_identity(run)
 
 
 def _memory_estimate(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
@@ -328,22 +321,6 @@ def _memory_estimate(config: ModelConfig, params: TrainParams, device: torch.dev
                                           "base_dtype": settings.base_dtype}
     return memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
                            device_memory_bytes(device), lora=lora)
-
-
-def _check_resumable(state: dict, run: Run, checkpoint_dir: Path) -> None:
-    """A resumed run must cut the same stream into the same global batches, on the same schedule."""
-    params = run.params
-    now = {"seed": params.seed, "global_batch": params.global_batch, **schedule_signature(run)}
-    for name, value in now.items():
-        then = state.get(name, _SIGNATURE_DEFAULTS.get(name))
-        if then != value:
-            raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}: "
-                             "a resumed run continues the same stream and schedule; start a new run "
-                             "(init_checkpoint) to change them")
-    if state["world_size"] != params.world_size and not params.allow_world_size_change:
-        raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
-                         f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "
-                         "batch stays the same, the per-rank split and accumulation change)")
 
 
 def _preset(name: str) -> ModelConfig:
