@@ -11,7 +11,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 
 def _default_mode(is_dir: bool) -> int:
@@ -162,6 +162,40 @@ def check_writable_folder(path: str | Path, what: str, error: type[Exception] = 
     if read_only or not os.access(existing, os.W_OK | os.X_OK):
         why = "is on a read-only filesystem" if read_only else "is not writable by this user"
         raise error(f"{what} {path}: {existing} {why}; choose a folder you can write to")
+
+
+def check_output_folder(out: str | Path, inputs: dict[str, str | Path | None], error: type[Exception],
+                        owned: Callable[[Path], bool] | None = None, overwrite: bool = False,
+                        what: str = "out") -> None:
+    """`error` unless a command may (re)write the folder `out`: it must not be, contain or lie inside any of
+    `inputs` (name -> path); an existing `out` is replaced only with `overwrite` and only when every entry in
+    it is one the command wrote itself (`owned`, recognised by the command's own manifest)."""
+    out = Path(out)
+    target = out.resolve()
+    for name, given in inputs.items():
+        if given is None:
+            continue
+        source = Path(given).resolve()
+        if target == source:
+            raise error(f"{what} {out} is the {name} input itself; write to another folder")
+        if source.is_relative_to(target):
+            raise error(f"{what} {out} contains the {name} input {given}: replacing the folder would delete it; "
+                        "write to another folder")
+        if target.is_relative_to(source):
+            raise error(f"{what} {out} lies inside the {name} input {given}; write outside it")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise error(f"{what} {out} exists and is not a folder; nothing was changed")
+    if out.exists():
+        if not overwrite or owned is None:
+            hint = " (--overwrite replaces a folder this command wrote)" if owned is not None else ""
+            raise error(f"{what} {out} already exists; choose another folder{hint}; nothing was changed")
+        foreign = [entry.name for entry in sorted(out.iterdir()) if not owned(entry)]
+        if foreign:
+            raise error(f"{what} {out} holds {foreign[0]!r}" + (f" and {len(foreign) - 1} more" if len(foreign) > 1
+                                                                 else "")
+                        + ", which this command did not write: it only replaces a folder of its own output; "
+                        "choose another folder; nothing was changed")
+    check_writable_folder(out, what, error)
 
 
 def is_out_of_space(err: BaseException) -> bool:
