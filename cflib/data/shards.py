@@ -257,17 +257,17 @@ class ShardPartition(torch.utils.data.Dataset):
         is_last[np.cumsum(lengths) - 1] = True
         next_ids = np.empty_like(example_ids)
         next_ids[:-1] = example_ids[1:]
-        past_end = np.flatnonzero(supervised & is_last)
-        if past_end.size:  # its target would be the next example's first token: trained on, never generated
-            row, pos = locate(past_end[0])
-            self._fail("labels.bin", row, f"label {example_labels[past_end[0]]} at the last position {pos} "
-                       "supervises a token past the example's end; the last label of an example must be -100")
         misaligned = supervised & ~is_last & (example_labels.astype(np.int64) != next_ids.astype(np.int64))
         if misaligned.any():
             first = int(np.flatnonzero(misaligned)[0])
             row, pos = locate(first)
             self._fail("labels.bin", row, f"label {example_labels[first]} at position {pos} is not the next "
                        f"input token {next_ids[first]}: labels are not causally aligned (already shifted)")
+        past_end = np.flatnonzero(supervised & is_last)
+        if past_end.size:  # its target would be the next example's first token: trained on, never generated
+            row, pos = locate(past_end[0])
+            self._fail("labels.bin", row, f"label {example_labels[past_end[0]]} at the last position {pos} "
+                       "supervises a token past the example's end; the last label of an example must be -100")
         return np.bincount(row_of_token, weights=supervised, minlength=len(starts)).astype(np.int64)
 
     def __len__(self) -> int:

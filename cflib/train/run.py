@@ -134,13 +134,22 @@ def _out_dir(params: TrainParams, model_name: str) -> Path:
     if out_dir.exists() and not out_dir.is_dir():
         raise ParamError(f"out_dir {out_dir} exists and is not a directory")
     check_writable_folder(out_dir, "out_dir")
-    check_not_locked(out_dir)
     previous = [name for name in RUN_FILES if (out_dir / name).exists()]
     # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
     if previous and params.resume is None:
         raise ParamError(f"out_dir {out_dir} already holds a run ({', '.join(previous)}); choose another "
                          "out_dir, or continue that run with resume: latest")
     return out_dir
+
+
+def recheck_out_dir(run: "Run") -> None:
+    """prepare's out_dir verdict again, once the lock is held: another run may have written it in between."""
+    if run.params.out_dir is None:
+        return
+    if run.resume_state is not None and (run.out_dir / "COMPLETE").is_file():
+        raise ParamError(f"out_dir {run.out_dir} holds a completed run: another run finished it meanwhile")
+    if run.resume_state is None:
+        _out_dir(run.params, "")
 
 
 def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
@@ -160,6 +169,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
     torch.manual_seed(params.seed)
+    if params.out_dir is not None and dist.is_main:  # first: a live run's checkpoints are still changing
+        check_not_locked(resolve_path(params.out_dir))
     resume_state = None
     if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")

@@ -36,7 +36,7 @@ from cflib.train.evaluate import autocast, eval_loss, exact_match
 from cflib.train.optim import lr_factor, make_optimizer
 from cflib.train.records import MetricsLog, train_record
 from cflib.train.lock import RunLock
-from cflib.train.run import RUN_JSON_FILES, Run, schedule_signature
+from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -324,6 +324,8 @@ class Trainer:
         """Train to the end under the run folder's lock (rank 0 writes, so rank 0 holds it)."""
         lock = RunLock(self.run.out_dir).acquire() if self.dist.is_main else None
         try:
+            if lock is not None:
+                recheck_out_dir(self.run)
             return self._fit()
         finally:
             if lock is not None:
