@@ -47,7 +47,7 @@ def _listed(value: Any) -> Any:
 def run_identity(run: Any) -> dict[str, Any]:
     """The identity of a prepared run (cflib.train.run.Run), as plain data a trainer state keeps."""
     p = run.params
-    model = str(resolve_path(p.init_checkpoint)) if p.init_checkpoint is not None else f"preset {p.model}"
+    model = str(resolve_path(p.init_checkpoint).resolve()) if p.init_checkpoint is not None else f"preset {p.model}"
     return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
             "data": {"train": partition_digest(run.train_data), "eval": partition_digest(run.eval_data)},
             "model": model, **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
