@@ -67,13 +67,18 @@ LARGEST = 10**15
 LONGEST_SECONDS = 1e12  # about 31,700 years
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
 def _number(value: Any, name: str) -> float:
     """A positive finite number (int or float) up to LARGEST, else a PlanError naming `name`."""
     number = _unquote_exponent(value)
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
-        raise PlanError(f"{name} must be a positive number, got {value!r}")
-    if number > LARGEST:
-        raise PlanError(f"{name} {value!r} is past {LARGEST:.0e}: no plan needs it; check the units")
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or number != number or number <= 0:
+        raise PlanError(f"{name} must be a positive number, got {_shown(value)}")
+    if number > LARGEST:  # before any float arithmetic: an int past 1e308 has no float
+        raise PlanError(f"{name} {_shown(value)} is past {LARGEST:.0e}: no plan needs it; check the units")
     return number
 
 
@@ -83,9 +88,9 @@ def _integer(value: Any, name: str) -> int:
     if isinstance(number, float) and number.is_integer():
         number = int(number)
     if isinstance(number, bool) or not isinstance(number, int) or number <= 0:
-        raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        raise PlanError(f"{name} must be a positive integer, got {_shown(value)}")
     if number > LARGEST:
-        raise PlanError(f"{name} {value!r} is past {LARGEST:.0e}: no plan needs it; check the units")
+        raise PlanError(f"{name} {_shown(value)} is past {LARGEST:.0e}: no plan needs it; check the units")
     return number
 
 
