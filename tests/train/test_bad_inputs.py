@@ -283,3 +283,26 @@ def test_the_planner_refuses_broken_plans(plan, words):
         validate_cluster_plan(plan)
     for word in words:
         assert word in str(caught.value)
+
+
+def test_a_read_only_out_dir_is_refused_before_anything_runs(tmp_path):
+    try:
+        from small_disk import read_only_folder
+    except ImportError:  # run from the repository root as a package
+        from tests.small_disk import read_only_folder
+    with read_only_folder(tmp_path / "ro") as folder:
+        if folder is None:
+            pytest.skip("needs to mount a read-only filesystem (root)")
+        params = {**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(folder / "run")}
+        with pytest.raises(ValueError, match=r"out_dir .*ro/run: .*ro is on a read-only filesystem"):
+            train(params, progress=False)
+
+
+def test_a_seed_out_of_range_fails_before_params_json_blocks_the_out_dir(tmp_path):
+    out_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        train({**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(out_dir), "seed": 2**64},
+              progress=False)
+    assert not out_dir.exists()
+    train({**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(out_dir), "seed": 2**32 - 1},
+          progress=False)  # the largest seed trains, into the same folder
