@@ -47,6 +47,54 @@ def _holder(path: Path) -> str:
     return f"this kernel ({where}), which is still running a fit into it" if mine else where
 
 
+# A killed process keeps its descriptors until the kernel has torn it down (seconds, for one holding a GPU).
+EXIT_GRACE_S = 15.0
+
+
+def _holder_exiting(path: Path) -> bool:
+    """True when the recorded holder runs on this host and is gone or on its way out: its memory is released
+    (an empty /proc cmdline) before its files are, so its lock is about to go."""
+    try:
+        info = json.loads(path.read_text() or "{}")
+        pid = int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if info.get("host") != socket.gethostname() or pid == os.getpid():
+        return False
+    if not Path("/proc/self").is_dir():  # no procfs (macOS): only a pid that no longer exists tells
+        return _pid_gone(pid)
+    proc = Path(f"/proc/{pid}")
+    if not proc.is_dir():  # gone, yet the lock is held: by another process sharing its descriptor
+        return False
+    try:
+        return not (proc / "cmdline").read_bytes() or (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except (OSError, IndexError):
+        return True
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _flock_waiting_out_an_exit(descriptor: int, mode: int, path: Path) -> None:
+    """flock(mode | LOCK_NB), waiting up to EXIT_GRACE_S while the holder is a process that is exiting."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while True:
+        try:
+            fcntl.flock(descriptor, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline or not _holder_exiting(path):
+                raise
+            time.sleep(0.05)
+
+
 def _refusal(out_dir: Path, holder: str) -> RunLockedError:
     return RunLockedError(f"out_dir {out_dir} is being written by another run: {holder}. Wait for it to end, or "
                           "choose another out_dir; a run that was killed releases the folder by itself")
@@ -69,7 +117,7 @@ class RunLock:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
             try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _flock_waiting_out_an_exit(descriptor, fcntl.LOCK_EX, self.path)
             except BlockingIOError:
                 os.close(descriptor)
                 raise _refusal(self.out_dir, _holder(self.path)) from None
@@ -115,7 +163,7 @@ def check_not_locked(out_dir: str | Path) -> None:
     except OSError:
         return  # unreadable: the exclusive lock taken before the first write decides
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        _flock_waiting_out_an_exit(descriptor, fcntl.LOCK_SH, path)
     except BlockingIOError:
         raise _refusal(path.parent, _holder(path)) from None
     finally:
