@@ -5,8 +5,9 @@ holds the lock from before `params.json` until it returns or dies: the
 kernel drops a flock with its last descriptor, so a killed run leaves no
 stale lock, only a file another run may take. A second run into the same
 folder is refused, naming the holder's pid and host. The descriptor is not
-inherited by child processes, so torchrun workers or a notebook's other
-subprocesses never keep a dead run's folder locked.
+inherited by child processes, started or forked, so torchrun workers,
+data loader workers or a notebook's other subprocesses never keep a dead
+run's folder locked.
 """
 from __future__ import annotations
 
@@ -149,6 +150,23 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _close_in_forked_child() -> None:
+    # A forked child (a data loader worker, a helper) shares the parent's descriptor, and with it the lock:
+    # it closes its copy, so the lock ends with the run and not with the last of its children.
+    for lock in list(_HELD.values()):
+        if lock._descriptor is not None:
+            try:
+                os.close(lock._descriptor)
+            except OSError:
+                pass
+            lock._descriptor = None
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def check_not_locked(out_dir: str | Path) -> None:

@@ -133,3 +133,23 @@ def test_the_lock_is_not_inherited_by_child_processes(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_the_lock_is_not_kept_by_a_forked_child(tmp_path):
+    lock = RunLock(tmp_path / "run").acquire()
+    ready, started = os.pipe()
+    child = os.fork()
+    if child == 0:  # a data loader worker, say, that outlives the run
+        os.write(started, b"1")  # the fork handlers have run by now
+        time.sleep(30)
+        os._exit(0)
+    try:
+        os.read(ready, 1)
+        lock.release()
+        RunLock(tmp_path / "run").acquire().release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready)
+        os.close(started)
