@@ -160,8 +160,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     return model.to(device=device, dtype=dtype)
 
 
-def load_trainer_state(path: str | Path) -> dict[str, Any]:
-    """Optimizer/scheduler state saved beside a checkpoint (tensors and plain data only)."""
+def load_trainer_state(path: str | Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Optimizer/scheduler state saved beside a checkpoint (tensors and plain data only), holding `required`."""
     state_file = Path(path) / TRAINER_STATE_FILE
     if not state_file.is_file():
         raise CheckpointError(f"{state_file}: missing; only checkpoints saved with optimizer state "
@@ -172,16 +172,13 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{state_file}: not a readable trainer state (truncated or corrupt: "
                               f"{type(err).__name__}: {str(err)[:160]}); resume from another checkpoint "
                               "(resume: PATH)") from None
-    missing = [key for key in TRAINER_STATE_KEYS if not isinstance(state, dict) or key not in state]
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{state_file}: a trainer state is a mapping, got {type(state).__name__}")
+    missing = [key for key in required if key not in state]
     if missing:
         raise CheckpointError(f"{state_file}: trainer state lacks {missing[0]!r}; resume from another checkpoint "
                               "(resume: PATH)")
     return state
-
-
-# What resuming reads from a trainer state: checked before any of it is used.
-TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "global_batch",
-                      "seed", "best_loss", "evals", "fill_ins", "torch_rng", "checkpoints", "timing")
 
 
 def latest_resumable(checkpoints_dir: str | Path) -> Path:

@@ -29,6 +29,10 @@ ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_
              "fp32_loss", "bf16", "seq_len", "loss_groups", "max_task_loss_weight", "full_parameter", "lora_rank",
              "lora_alpha", "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens")
 
+# What resuming reads from a trainer state: checked before any of it is used.
+TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "global_batch",
+                      "seed", "best_loss", "evals", "fill_ins", "torch_rng", "checkpoints", "timing")
+
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None}
 

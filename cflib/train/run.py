@@ -35,7 +35,7 @@ from cflib.train.distributed import DistContext, choose_strategy, device_memory_
 from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams, gradient_accumulation
 from cflib.train.records import count_parameters
-from cflib.train.resume_identity import check_resumable, run_identity
+from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 # What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
@@ -177,7 +177,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if params.resume is not None:
         checkpoint_dir = resume_dir(params)
         model, lora = resumed_model(checkpoint_dir, params)
-        resume_state = load_trainer_state(checkpoint_dir)
+        resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
     elif params.init_checkpoint is not None:
         checkpoint_dir = resolve_path(params.init_checkpoint)
