@@ -17,7 +17,13 @@ import cflib.model.checkpoint
 import cflib.train.trainer
 from cflib.atomic import is_out_of_space
 from cflib.data.tasks import generate
-from cflib.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from cflib.model.checkpoint import (
+    CheckpointError,
+    latest_resumable,
+    load_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+)
 from cflib.model.config import preset
 from cflib.model.decoder import TRMoEModel
 from cflib.train import train
@@ -51,6 +57,11 @@ def assert_every_checkpoint_loads(out_dir: Path) -> list[str]:
     assert not [n for n in names if n.startswith(".")], f"a failed save left staging behind: {names}"
     for name in names:
         load_checkpoint(checkpoints / name)
+    # Every checkpoint the newest resumable one lists (what a resume restores) exists and loads.
+    state = load_trainer_state(latest_resumable(checkpoints))
+    for name, path in state["checkpoints"].items():
+        if name != "best_step":
+            assert Path(path).name in names, f"{name} is listed but missing"
     return names
 
 
