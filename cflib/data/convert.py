@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from cflib.atomic import atomic_directory, check_output_folder
+from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
 from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, sha256_file, write_partition
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 from cflib.yamlio import read_yaml
@@ -296,6 +296,7 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                         "path": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
                         "sha256": None if isinstance(tokenizer, ByteTokenizer) else sha256_file(tokenizer.path)}
     conversion = {"tokenizer": tokenizer_record, "template": asdict(spec.template), "supervise": spec.supervise}
+    clean_leftovers(out.parent, targets=(out.name,))  # an earlier conversion into `out` killed mid-write
     seen = SeenConversations()
     try:
         with atomic_directory(out) as staging:

@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from cflib.atomic import atomic_directory, check_output_folder
+from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.export.tokenizer_files import tokenizer_files
 from cflib.model import TRMoEModel, fused_route_buffers, load_checkpoint, save_checkpoint
@@ -105,6 +105,7 @@ def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | 
     config = model.config
     tok = tokenizer_files(tokenizer, config.vocab_size, config.max_position_embeddings)
     modules = resources.files("cflib.export.hub_modules")
+    clean_leftovers(out.parent, targets=(out.name,))  # an export into `out` killed mid-write
     with atomic_directory(out) as staging:
         # save_checkpoint publishes a folder of its own atomically: it takes the empty staging folder's place.
         save_checkpoint(model, staging, config_extra=hub_config_keys(tok.ids))

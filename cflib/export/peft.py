@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cflib.atomic import atomic_directory, check_output_folder
+from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
 from cflib.model.checkpoint import (
     CONFIG_FILE,
     PROGRESS_FILE,
@@ -207,6 +207,7 @@ def merge(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | N
     check_output_folder(out_dir, {"adapter": adapter_dir, "base": recorded_base}, MergeError,
                         owned=lambda entry: _written_by_merge(Path(out_dir), entry), overwrite=True)
     model, settings, base, base_dir = _merged(adapter_dir, base_dir)
+    clean_leftovers(Path(out_dir).parent, targets=(Path(out_dir).name,))  # a merge into it killed mid-write
     with atomic_directory(out_dir) as staging:
         # save_checkpoint publishes a folder of its own atomically: it takes the empty staging folder's place.
         save_checkpoint(model, staging)

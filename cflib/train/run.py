@@ -39,7 +39,7 @@ from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 # What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
-RUN_JSON_FILES = ("record.json", "params.json", "loss_weighting.json", "COMPLETE")
+RUN_JSON_FILES = ("record.json", "params.json", "loss_weighting.json", "COMPLETE", "metrics.jsonl")
 
 
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:

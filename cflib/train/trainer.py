@@ -196,7 +196,9 @@ class Trainer:
         for name in rolling[:-limit] if limit else ():
             self.checkpoints.pop(name)
             # By name under this run's own folder: a stored path may point into the folder this one was copied from.
-            shutil.rmtree(self.run.out_dir / "checkpoints" / name, ignore_errors=True)
+            folder = self.run.out_dir / "checkpoints" / name
+            if folder.resolve().parent == (self.run.out_dir / "checkpoints").resolve():
+                shutil.rmtree(folder, ignore_errors=True)
 
     def evaluation_point(self, tag: str, epoch: int, with_exact_match: bool, checkpoint: str | None = None) -> None:
         """Evaluate, keep the best weights, write the scheduled checkpoint; then every rank goes on together."""

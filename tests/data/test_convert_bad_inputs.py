@@ -149,3 +149,12 @@ def test_the_command_line_names_the_folder_and_keeps_the_input(tmp_path):
 
 def test_the_battery_is_large():
     assert len(CASES) >= 20
+
+
+def test_a_conversion_killed_mid_write_leaves_nothing_the_next_one_keeps(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    leftover = tmp_path / ".shard.staging-k1ll3d"  # what a kill during the write leaves beside the target
+    (leftover / "train").mkdir(parents=True)
+    (leftover / "train" / "input_ids.bin").write_bytes(b"\0" * 1024)
+    convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "shard")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "shard"]

@@ -14,6 +14,7 @@ from cflib.data.tasks import generate
 from cflib.model.checkpoint import CheckpointError
 from cflib.train import train
 from cflib.train.params import ParamError
+from cflib.train.records import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +101,21 @@ def test_a_truncated_trainer_state_is_named(killed, shards, tmp_path):
     with pytest.raises(CheckpointError, match=r"step-4/trainer_state.pt: not a readable trainer state \(truncated"):
         train(params(shards["a"], copy, resume="latest"), progress=False)
     assert digest(copy) == before
+
+
+def test_a_metrics_line_cut_off_by_the_kill_is_dropped_on_resume(killed, shards, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    with open(copy / "metrics.jsonl", "a") as log:
+        log.write('{"event": "train", "step": 5, "lo')  # the append the kill interrupted
+    record = train(params(shards["a"], copy, resume="latest"), progress=False)
+    assert record["schedule"]["steps_done"] == 6
+    steps = [row["step"] for row in read_metrics(copy / "metrics.jsonl") if row["event"] == "train"]
+    assert steps == list(range(1, 7))  # every step once, the cut-off row gone
+
+
+def test_a_corrupt_metrics_line_is_named(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2, oops}\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON row"):
+        read_metrics(log)
