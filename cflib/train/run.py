@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cflib.atomic import check_writable_folder
 from cflib.data.packing import PackPlan, plan_packs
 from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
@@ -28,7 +29,6 @@ from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import adapter_parameter_count
 from cflib.ops.dispatch import KernelPlan, plan_kernels
-from cflib.atomic import check_writable_folder
 from cflib.paths import resolve_path
 from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate

@@ -33,9 +33,9 @@ from cflib.ops.dispatch import SFTLoss
 from cflib.ops.loss import supervised_positions
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
+from cflib.train.lock import RunLock
 from cflib.train.optim import lr_factor, make_optimizer
 from cflib.train.records import MetricsLog, train_record
-from cflib.train.lock import RunLock
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 
 

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from cflib.train.plan import PlanError, format_arithmetic, format_cluster_plan, main, run_arithmetic, \
-    validate_cluster_plan
+from cflib.train.plan import (
+    PlanError,
+    format_arithmetic,
+    format_cluster_plan,
+    main,
+    run_arithmetic,
+    validate_cluster_plan,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITHMETIC = {"target_tokens": 2e9, "gpus": 8, "micro_batch_per_rank": 16, "seq_len": 2048,
