@@ -98,8 +98,8 @@ def test_a_checkpoint_killed_mid_replacement_still_loads_and_resumes(tmp_path, m
     if mode == "exchange" and not _exchange_supported(tmp_path):
         pytest.skip("this filesystem cannot exchange two entries in one step")
     old_model = TRMoEModel(preset("smoke"))
-    steps = steps_of(mode, tmp_path, "checkpoint")
-    assert steps == (2 if mode == "exchange" else 3)
+    # The same publication as a plain folder's (counted there without importing torch, which is slow to start).
+    steps = steps_of(mode, tmp_path)
     for kill_at in range(1, steps + 1):
         checkpoints = tmp_path / f"kill-{kill_at}" / "checkpoints"
         save_checkpoint(old_model, checkpoints / "step-2", trainer_state={"step": 2}, progress={"step": 2})
