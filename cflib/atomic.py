@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import glob
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 
 def _default_mode(is_dir: bool) -> int:
@@ -29,41 +33,198 @@ def _fsync_tree(folder: Path) -> None:
         os.close(descriptor)
 
 
+STAGING, RETIRED = "staging", "old"  # hidden names beside a target: `.{target}.{kind}-{suffix}`
+
+
+def _hidden(path: Path, kind: str) -> str:
+    return f".{path.name}.{kind}-"
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing entries in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # a libc without renameat2 (glibc < 2.28, musl)
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):  # a filesystem that cannot swap
+        return False
+    raise OSError(error, os.strerror(error), str(a))
+
+
+def _publish(staging: Path, path: Path) -> None:
+    """Put the complete `staging` at `path`, so that at every instant `path`, or its retired copy, is whole."""
+    if not path.exists():
+        os.replace(staging, path)
+        return
+    if _exchange(staging, path):  # one step: `path` goes from old to new, the old one now sits at `staging`
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    # Two renames: in between, only the retired copy exists; `live_path` and `clean_leftovers` bring it back.
+    retired = path.with_name(_hidden(path, RETIRED) + str(os.getpid()))
+    os.replace(path, retired)
+    try:
+        os.replace(staging, path)
+    except BaseException:
+        os.replace(retired, path)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a staging folder beside `path`; when the block succeeds it replaces `path`.
 
-    The previous folder is removed only after the new one is in place; when
-    anything fails, `path` is left as it was and the staging folder is removed.
+    The previous folder is given up only once the new one is complete and on
+    disk; when anything fails, `path` is left as it was and the staging folder
+    is removed. A kill may leave a hidden `.{name}.staging-*` folder (removed by
+    `clean_leftovers`), never a missing `path` without its retired copy.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_hidden(path, STAGING), dir=path.parent))
     try:
         os.chmod(staging, _default_mode(is_dir=True))
         yield staging
         _fsync_tree(staging)  # on disk before the rename makes it visible: a crash leaves old or new
-        retired = None
-        if path.exists():
-            retired = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, retired)
-        try:
-            os.replace(staging, path)
-        except BaseException:
-            if retired is not None:
-                os.replace(retired, path)
-            raise
-        if retired is not None:
-            shutil.rmtree(retired, ignore_errors=True)
+        _publish(staging, path)
+        _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
+def _fsync_dir(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _retired_copies(path: Path) -> list[Path]:
+    return sorted(path.parent.glob(glob.escape(_hidden(path, RETIRED)) + "*")) if path.parent.is_dir() else []
+
+
+def live_path(path: str | Path) -> Path:
+    """`path`, or where a replacement interrupted between its two renames left the previous folder."""
+    path = Path(path)
+    if path.exists():
+        return path
+    retired = _retired_copies(path)
+    return retired[-1] if retired else path
+
+
+def clean_leftovers(folder: str | Path, targets: Collection[str] | None = None) -> list[str]:
+    """Finish what interrupted replacements in `folder` left: a retired folder whose target is missing goes
+    back; staging folders and files, and retired copies whose target exists, are removed. Returns their names.
+    `targets`: only leftovers of these names (None: every hidden `.{name}.{suffix}` entry).
+
+    Only for a folder its caller alone writes (a run's, under its lock): a live writer's staging would go too.
+    """
+    folder = Path(folder)
+    removed: list[str] = []
+    if not folder.is_dir():
+        return removed
+    for entry in sorted(folder.iterdir()):
+        target, dot, suffix = entry.name[1:].rpartition(".")
+        if not entry.name.startswith(".") or not dot or not target or entry.is_symlink():
+            continue
+        if targets is not None and target not in targets:
+            continue
+        if suffix.startswith(RETIRED + "-") and not (folder / target).exists():
+            os.replace(entry, folder / target)
+            continue
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        removed.append(entry.name)
+    return removed
+
+
+def check_writable_folder(path: str | Path, what: str, error: type[Exception] = ValueError) -> None:
+    """`error` naming `what` unless `path` is, or can be created as, a folder this process may write in.
+    Reads only: the nearest existing ancestor must be a writable folder on a filesystem mounted read-write."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise error(f"{what} {path}: {existing} is a file, not a folder, so nothing can be written under it")
+    read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY) if hasattr(os, "statvfs") else False
+    if read_only or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+        raise error(f"{what} {path}: {existing} {why}; choose a folder you can write to")
+
+
+def check_output_folder(out: str | Path, inputs: dict[str, str | Path | None], error: type[Exception],
+                        owned: Callable[[Path], bool] | None = None, overwrite: bool = False,
+                        what: str = "out") -> None:
+    """`error` unless a command may (re)write the folder `out`: it must not be, contain or lie inside any of
+    `inputs` (name -> path); an existing `out` is replaced only with `overwrite` and only when every entry in
+    it is one the command wrote itself (`owned`, recognised by the command's own manifest)."""
+    out = Path(out)
+    target = out.resolve()
+    for name, given in inputs.items():
+        if given is None:
+            continue
+        source = Path(given).resolve()
+        if target == source:
+            raise error(f"{what} {out} is the {name} input itself; write to another folder")
+        if source.is_relative_to(target):
+            raise error(f"{what} {out} contains the {name} input {given}: replacing the folder would delete it; "
+                        "write to another folder")
+        if target.is_relative_to(source):
+            raise error(f"{what} {out} lies inside the {name} input {given}; write outside it")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise error(f"{what} {out} exists and is not a folder; nothing was changed")
+    if out.exists():
+        if not overwrite or owned is None:
+            hint = " (--overwrite replaces a folder this command wrote)" if owned is not None else ""
+            raise error(f"{what} {out} already exists; choose another folder{hint}; nothing was changed")
+        foreign = [entry.name for entry in sorted(out.iterdir()) if not owned(entry)]
+        if foreign:
+            raise error(f"{what} {out} holds {foreign[0]!r}" + (f" and {len(foreign) - 1} more" if len(foreign) > 1
+                                                                 else "")
+                        + ", which this command did not write: it only replaces a folder of its own output; "
+                        "choose another folder; nothing was changed")
+    check_writable_folder(out, what, error)
+
+
+def is_out_of_space(err: BaseException) -> bool:
+    """A write that failed for want of disk space or quota, whichever layer raised it: an OSError, or a
+    library's own error (safetensors' SafetensorError, torch.save's RuntimeError) carrying the OS message."""
+    for link in _chain(err):
+        if isinstance(link, OSError) and link.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(link)
+        if any(sign in text for sign in ("No space left on device", "Disk quota exceeded", "ENOSPC",
+                                         "os error 28", "error code: 28")):
+            return True
+    return False
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__
+
+
 def write_json_atomic(path: str | Path, document: Any) -> Path:
+    """Write `document` as JSON to a staging file, flushed, then renamed over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    handle, staging = tempfile.mkstemp(prefix=_hidden(path, STAGING), dir=path.parent)
     try:
         with os.fdopen(handle, "w") as out:
             json.dump(document, out, indent=2, default=str)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from cflib.atomic import atomic_directory
+from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
 from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, sha256_file, write_partition
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 from cflib.yamlio import read_yaml
@@ -146,6 +146,13 @@ def _check_row(row: object, where: str, to_answer: bool = False) -> list[dict]:
                 message.get("content"), str):
             raise ConvertError(f"{where}: message {turn} needs a role in {ROLES} and a string content, "
                                f"got {str(message)[:80]}")
+    for turn, message in enumerate(messages):
+        try:
+            message["content"].encode("utf-8")
+        except UnicodeEncodeError as err:  # a lone surrogate escape ("\ud800") is valid JSON but no text
+            raise ConvertError(f"{where}: message {turn} content is not encodable text (character "
+                               f"{message['content'][err.start]!r} at {err.start}: {err.reason})") from None
+    _check_turn_order(messages, where)
     if to_answer and messages[-1]["role"] == "assistant":
         raise ConvertError(f"{where}: the last message is the assistant's; a conversation to answer ends with "
                            "a user (or system) turn")
@@ -156,6 +163,19 @@ def _check_row(row: object, where: str, to_answer: bool = False) -> list[dict]:
         if key in row and not isinstance(row[key], str):
             raise ConvertError(f"{where}: {key!r} must be a string, got {row[key]!r}")
     return messages
+
+
+def _check_turn_order(messages: list[dict], where: str) -> None:
+    """An optional system turn first, then user and assistant in turn, the user first: an answer with no
+    question before it, or two questions in a row, would teach the template a conversation it never sees."""
+    turns = messages[1:] if messages[0]["role"] == "system" else messages
+    for turn, message in enumerate(turns, start=len(messages) - len(turns)):
+        expected = "user" if (turn - (len(messages) - len(turns))) % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            what = ("a system turn after the first message" if message["role"] == "system" else
+                    f"{message['role']!r} where the {expected!r} turn belongs")
+            raise ConvertError(f"{where}: message {turn} is {what}; a conversation is an optional system turn, "
+                               "then user and assistant turns in turn, starting with the user")
 
 
 def conversation_to_answer(row: object, where: str) -> list[dict]:
@@ -264,9 +284,9 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
     """Write spec.out/{train,eval}; returns each partition's sft.idx.json. All or nothing."""
     spec.validate()
     out = Path(spec.out)
-    if out.exists() and not overwrite:
-        raise ConvertError(f"out: {out} already exists; choose another folder or overwrite it "
-                           "(--overwrite, overwrite=True)")
+    inputs = {"train": spec.train, "eval": spec.eval,
+              "tokenizer": None if spec.tokenizer == "byte" else spec.tokenizer}
+    check_output_folder(out, inputs, ConvertError, owned=_written_by_convert, overwrite=overwrite, what="out:")
     try:
         tokenizer = load_tokenizer(spec.tokenizer)
     except (FileNotFoundError, ValueError) as err:
@@ -276,6 +296,7 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                         "path": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
                         "sha256": None if isinstance(tokenizer, ByteTokenizer) else sha256_file(tokenizer.path)}
     conversion = {"tokenizer": tokenizer_record, "template": asdict(spec.template), "supervise": spec.supervise}
+    clean_leftovers(out.parent, targets=(out.name,))  # an earlier conversion into `out` killed mid-write
     seen = SeenConversations()
     try:
         with atomic_directory(out) as staging:
@@ -292,6 +313,21 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
     return {p: json.loads((out / p / "sft.idx.json").read_text()) for p in ("train", "eval")}
 
 
+_PARTITION_FILES = {"input_ids.bin", "labels.bin", "examples.jsonl", "sft.idx.json"}
+
+
+def _written_by_convert(entry: Path) -> bool:
+    """A partition this command wrote: only its four files, its manifest recording a conversion."""
+    if entry.name not in PARTITIONS or entry.is_symlink() or not entry.is_dir():
+        return False
+    if {item.name for item in entry.iterdir()} - _PARTITION_FILES:
+        return False
+    try:
+        return isinstance(json.loads((entry / "sft.idx.json").read_text()).get("conversion"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
     parser = argparse.ArgumentParser(prog="python -m cflib.data convert",
                                      description="Chat JSONL to an SFT token shard (train/ and eval/).")
@@ -304,7 +340,8 @@ def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
     parser.add_argument("--supervise", choices=SUPERVISE)
     parser.add_argument("--max-seq-len", type=int, dest="max_seq_len")
     parser.add_argument("--template", help="YAML or JSON file with the template's keys")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing out folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an out folder this command wrote (nothing else in it)")
     args = parser.parse_args(argv)
     raw: dict = {}
     if args.spec:

@@ -101,11 +101,22 @@ class ShardPartition(torch.utils.data.Dataset):
                              f"train/ and eval/ partitions?)")
         try:
             self.index = json.loads(index_path.read_text())
-        except json.JSONDecodeError as err:
+        except ValueError as err:  # bad JSON, or bytes that are not UTF-8
             raise ShardError(f"{index_path}: not valid JSON ({err})") from None
+        if not isinstance(self.index, dict):
+            raise ShardError(f"{index_path}: a shard index is a JSON object, got {type(self.index).__name__}")
         for key in ("format", "num_tokens", "examples", "eos_token_id", "vocab_size"):
             if key not in self.index:
                 raise ShardError(f"{index_path}: missing key {key!r}")
+        for key in ("num_tokens", "examples", "eos_token_id", "vocab_size", *_CAP_KEYS):
+            value = self.index.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ShardError(f"{index_path}: {key!r} must be a non-negative integer, got {value!r}")
+        hashes = self.index.get("sha256")
+        if hashes is not None and not (isinstance(hashes, dict) and all(
+                isinstance(k, str) and "/" not in k and isinstance(v, str) for k, v in hashes.items())):
+            raise ShardError(f"{index_path}: 'sha256' must map each file name of the partition to its hex digest, "
+                             f"got {str(hashes)[:80]}")
         if self.index["format"] != SHARD_FORMAT:
             raise ShardError(f"{index_path}: format {self.index['format']!r}, expected {SHARD_FORMAT!r}")
         self.vocab_size = int(self.index["vocab_size"])
@@ -145,17 +156,22 @@ class ShardPartition(torch.utils.data.Dataset):
         if not path.is_file():
             raise ShardError(f"{path}: missing")
         rows = []
-        with open(path) as handle:
+        with open(path, "rb") as handle:  # decoded per line, so bad bytes name their line
             for line_number, line in enumerate(handle, start=1):
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError as err:
+                except ValueError as err:  # bad JSON, or bytes that are not UTF-8
                     raise ShardError(f"{path}: row {line_number - 1} (line {line_number}) is not JSON ({err})") from None
                 if not isinstance(row, dict):
                     raise ShardError(f"{path}: row {line_number - 1} (line {line_number}) is not a JSON object")
                 for key in ("offset", "num_tokens"):
-                    if not isinstance(row.get(key), int):
-                        raise ShardError(f"{path}: row {line_number - 1} lacks an integer {key!r}")
+                    if isinstance(row.get(key), bool) or not isinstance(row.get(key), int):
+                        raise ShardError(f"{path}: row {line_number - 1} (line {line_number}) lacks an integer "
+                                         f"{key!r}, got {row.get(key)!r}")
+                for key in ("task", "group", "domain"):  # grouped and sorted by name: strings only
+                    if key in row and not isinstance(row[key], str):
+                        raise ShardError(f"{path}: row {line_number - 1} (line {line_number}): {key!r} must be a "
+                                         f"string, got {row[key]!r}")
                 rows.append(row)
         if len(rows) != self.index["examples"]:
             raise ShardError(f"{path}: {len(rows)} rows but sft.idx.json says examples={self.index['examples']}")
@@ -247,6 +263,11 @@ class ShardPartition(torch.utils.data.Dataset):
             row, pos = locate(first)
             self._fail("labels.bin", row, f"label {example_labels[first]} at position {pos} is not the next "
                        f"input token {next_ids[first]}: labels are not causally aligned (already shifted)")
+        past_end = np.flatnonzero(supervised & is_last)
+        if past_end.size:  # its target would be the next example's first token: trained on, never generated
+            row, pos = locate(past_end[0])
+            self._fail("labels.bin", row, f"label {example_labels[past_end[0]]} at the last position {pos} "
+                       "supervises a token past the example's end; the last label of an example must be -100")
         return np.bincount(row_of_token, weights=supervised, minlength=len(starts)).astype(np.int64)
 
     def __len__(self) -> int:

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from cflib.export.hub import ExportError, export_hub
-from cflib.export.peft import merge
+from cflib.export.peft import MergeError, merge
 from cflib.export.tokenizer_files import TokenizerExportError
 from cflib.model import CheckpointError, ConfigError
 
@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ExportError, TokenizerExportError, CheckpointError, ConfigError) as err:  # each names the input at fault
+    except (ExportError, MergeError, TokenizerExportError, CheckpointError, ConfigError) as err:  # each names the input at fault
         raise SystemExit(f"export: {err}") from None
 
 

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cflib.atomic import atomic_directory
+from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
 from cflib.model.checkpoint import (
     CONFIG_FILE,
     PROGRESS_FILE,
@@ -35,6 +35,7 @@ from cflib.model.checkpoint import (
     WEIGHTS_FILE,
     CheckpointError,
     load_checkpoint,
+    non_finite_tensor,
     save_checkpoint,
 )
 from cflib.model.decoder import TRMoEModel
@@ -137,6 +138,9 @@ def peft_config(settings: LoraSettings, base_path: str) -> dict:
 def save_adapter(path: str | Path, adapters: dict[str, torch.Tensor], settings: LoraSettings, base: dict,
                  trainer_state: dict | None = None, progress: dict | None = None) -> Path:
     """Write a LoRA checkpoint atomically (optionally resumable: optimizer state and progress beside it)."""
+    bad = non_finite_tensor(adapters)
+    if bad:  # never published, whatever nan_patience allowed
+        raise CheckpointError(f"{path}: not written: adapter {bad}; the earlier checkpoints are unchanged")
     with atomic_directory(path) as staging:
         (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config(settings, base["path"]), indent=2) + "\n")
         save_file(to_peft(adapters, settings), str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
@@ -160,12 +164,18 @@ def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.
     try:
         meta = json.loads(meta_file.read_text())
         settings, base = LoraSettings.from_dict(meta["lora"]), meta["base"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{meta_file}: unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(base, dict) or not isinstance(base.get("path"), str):
+        raise CheckpointError(f"{meta_file}: 'base' must be an object with the base checkpoint's 'path', "
+                              f"got {str(base)[:80]}")
     try:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    bad = non_finite_tensor(tensors)
+    if bad:
+        raise CheckpointError(f"{weights}: adapter {bad}; training or merging from it gives non-finite outputs")
     return settings, base, from_peft(tensors, settings, str(weights))
 
 
@@ -191,11 +201,37 @@ def load_merged(adapter_dir: str | Path, base_dir: str | Path | None = None) -> 
 def merge(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | None = None) -> dict:
     """Write base + scale * B @ A (fp32) as a public-layout checkpoint; base_dir: None for the recorded base.
 
-    Returns what was merged, and whether the base's weights are the ones the adapters were trained on."""
+    Returns what was merged, and whether the base's weights are the ones the adapters were trained on.
+    `out_dir` is new, or a folder an earlier merge wrote (its MERGE_MANIFEST and checkpoint, nothing else)."""
+    recorded_base = read_adapter(adapter_dir)[1]["path"] if base_dir is None else base_dir
+    check_output_folder(out_dir, {"adapter": adapter_dir, "base": recorded_base}, MergeError,
+                        owned=lambda entry: _written_by_merge(Path(out_dir), entry), overwrite=True)
     model, settings, base, base_dir = _merged(adapter_dir, base_dir)
-    save_checkpoint(model, out_dir)
+    clean_leftovers(Path(out_dir).parent, targets=(Path(out_dir).name,))  # a merge into it killed mid-write
+    with atomic_directory(out_dir) as staging:
+        # save_checkpoint publishes a folder of its own atomically: it takes the empty staging folder's place.
+        save_checkpoint(model, staging)
+        (staging / MERGE_MANIFEST).write_text(json.dumps(
+            {"format": MERGE_FORMAT, "adapter": str(adapter_dir), "base": str(base_dir)}, indent=2) + "\n")
     return {"adapter": str(adapter_dir), "base": str(base_dir), "out": str(out_dir), "lora": settings.to_dict(),
             "base_matches_training": weights_sha256(base_dir) == base.get("sha256")}
+
+
+class MergeError(ValueError):
+    """A merge that cannot be written where asked; the message names the folder. Nothing was changed."""
+
+
+MERGE_MANIFEST, MERGE_FORMAT = "merged_from.json", "cflib-lora-merge-v1"
+
+
+def _written_by_merge(out_dir: Path, entry: Path) -> bool:
+    """An entry of a folder an earlier merge wrote: recognised by the manifest it leaves."""
+    try:
+        manifest = json.loads((out_dir / MERGE_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(manifest, dict) and manifest.get("format") == MERGE_FORMAT and entry.is_file()
+            and entry.name in (MERGE_MANIFEST, CONFIG_FILE, WEIGHTS_FILE))
 
 
 def _merged(adapter_dir: str | Path, base_dir: str | Path | None

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cflib.atomic import atomic_directory
+from cflib.atomic import atomic_directory, live_path
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.model.derived import DERIVED_SUFFIXES, derived_buffers, derived_disagreement
@@ -32,6 +32,22 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the public layout; the message names the tensor."""
 
 
+# FP16's 10-bit mantissa cannot hold the rope frequencies nor the weights' range: refused by name, before the
+# derived-buffer check would blame rope_theta for the rounding.
+REFUSED_DTYPES = (torch.float16,)
+
+
+def non_finite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor holding NaN or inf, with how many; None when all are finite."""
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if tensor.dtype.is_floating_point and tensor.numel():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                return f"{name!r} ({bad} of {tensor.numel()} values are NaN or inf)"
+    return None
+
+
 def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str, Any] | None = None,
                     weights: dict[str, torch.Tensor] | None = None, progress: dict[str, Any] | None = None,
                     config_extra: dict[str, Any] | None = None) -> Path:
@@ -44,15 +60,25 @@ def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str
     weights = model.state_dict() if weights is None else weights
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights.items()}
     tensors = {**tensors, **checked_derived_buffers(model.config, tensors, "weights to save")}
+    bad = non_finite_tensor(tensors)
+    if bad:  # whatever nan_patience allowed, a run never publishes weights that cannot be trained on
+        raise CheckpointError(f"{path}: not written: tensor {bad}; the earlier checkpoints are unchanged")
     config = {**model.config.to_dict(), **(config_extra or {})}
     with atomic_directory(path) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         if trainer_state is not None:
-            torch.save(trainer_state, staging / TRAINER_STATE_FILE)
+            save_trainer_state(trainer_state, staging / TRAINER_STATE_FILE)
         if progress is not None:
             (staging / PROGRESS_FILE).write_text(json.dumps(progress, indent=2) + "\n")
     return Path(path)
+
+
+def save_trainer_state(state: dict[str, Any], file: Path) -> None:
+    """torch.save through a Python file: a full disk then surfaces as the OSError it is (ENOSPC, kept as the
+    cause of torch's RuntimeError), not only as torch's own "unexpected pos" message."""
+    with open(file, "wb") as handle:
+        torch.save(state, handle)
 
 
 def load_config(path: str | Path) -> ModelConfig:
@@ -90,6 +116,13 @@ def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source:
     if missing:
         raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for name, tensor in sorted(tensors.items()):
+        if tensor.dtype in REFUSED_DTYPES:
+            raise CheckpointError(f"{source}: tensor {name!r} is stored as {tensor.dtype}; cflib reads float32 or "
+                                  "bfloat16 checkpoints (convert the weights, e.g. tensor.float(), and save again)")
+    bad = non_finite_tensor(tensors)
+    if bad:
+        raise CheckpointError(f"{source}: tensor {bad}; training from it would make every loss non-finite")
     for name, target in expected.items():
         tensor = tensors[name]
         if tuple(tensor.shape) != tuple(target.shape):
@@ -111,7 +144,7 @@ def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source:
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32) -> TRMoEModel:
     """Build the model from config.json and load its weights; the loaded route tables are kept."""
-    path = Path(path)
+    path = live_path(path)  # a replacement killed between its renames left the previous folder aside
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     config = load_config(path)
@@ -127,23 +160,39 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
     return model.to(device=device, dtype=dtype)
 
 
-def load_trainer_state(path: str | Path) -> dict[str, Any]:
-    """Optimizer/scheduler state saved beside a checkpoint (tensors and plain data only)."""
+def load_trainer_state(path: str | Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Optimizer/scheduler state saved beside a checkpoint (tensors and plain data only), holding `required`."""
     state_file = Path(path) / TRAINER_STATE_FILE
     if not state_file.is_file():
         raise CheckpointError(f"{state_file}: missing; only checkpoints saved with optimizer state "
                               "(save_every_steps, or save_optimizer_state: true) can be resumed")
-    return torch.load(state_file, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{state_file}: not a readable trainer state (truncated or corrupt: "
+                              f"{type(err).__name__}: {str(err)[:160]}); resume from another checkpoint "
+                              "(resume: PATH)") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{state_file}: a trainer state is a mapping, got {type(state).__name__}")
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise CheckpointError(f"{state_file}: trainer state lacks {missing[0]!r}; resume from another checkpoint "
+                              "(resume: PATH)")
+    return state
 
 
 def latest_resumable(checkpoints_dir: str | Path) -> Path:
     """The checkpoint of the furthest step that carries optimizer state."""
     checkpoints_dir = Path(checkpoints_dir)
     candidates = []
-    for folder in checkpoints_dir.iterdir() if checkpoints_dir.is_dir() else ():
+    entries = list(checkpoints_dir.iterdir()) if checkpoints_dir.is_dir() else []
+    # Dot-folders are unfinished or retired saves (cflib.atomic): a resume point only where a replacement was
+    # interrupted between its renames, leaving the previous folder aside (live_path finds it).
+    names = {f.name for f in entries if not f.name.startswith(".")}
+    names |= {f.name[1:].rsplit(".old-", 1)[0] for f in entries if f.name.startswith(".") and ".old-" in f.name}
+    for folder in (live_path(checkpoints_dir / name) for name in sorted(names)):
         progress = folder / PROGRESS_FILE
-        # Dot-folders are unfinished or retired saves (cflib.atomic): never a resume point.
-        if folder.name.startswith(".") or not (progress.is_file() and (folder / TRAINER_STATE_FILE).is_file()):
+        if not (progress.is_file() and (folder / TRAINER_STATE_FILE).is_file()):
             continue
         try:
             candidates.append((int(json.loads(progress.read_text())["step"]), folder.name, folder))

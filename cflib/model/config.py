@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,8 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):  # NaN passes `<= 0`, and either poisons the first forward
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
         for name in ("use_qk_norm", "tie_word_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -101,8 +104,9 @@ class ModelConfig:
                               f"(got {self.top_k_primary_weight})")
         if not isinstance(self.routing_strategy, str):
             raise ConfigError(f"routing_strategy must be a string, got {self.routing_strategy!r}")
-        if self.norm_eps <= 0 or self.rope_theta <= 0:
-            raise ConfigError("norm_eps and rope_theta must be positive")
+        for name in ("norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         if not self.tie_word_embeddings:
             raise ConfigError("tie_word_embeddings must be true: TR-MoE checkpoints have no separate lm_head")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class TrainParams(ParamSet):
     save_total_limit: int | None = None  # keep the newest N epoch/step checkpoints, plus the best
     resume: str | None = None  # None; "latest" (or true): out_dir's newest resumable checkpoint; or its path
     allow_world_size_change: bool = False  # resume on another number of processes
+    allow_resume_changes: tuple[str, ...] | None = None  # changed on purpose by a resume: "data,max_grad_norm"
     device: str = "auto"
     # Data parallelism: more than one process starts torchrun from the notebook.
     nproc_per_node: int = 1
@@ -133,6 +135,13 @@ class TrainParams(ParamSet):
                              source="notebook parameters")
 
     def validate(self) -> None:
+        # Before any range check: `x <= 0` is False for NaN, and inf passes every lower bound.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ParamError(f"{field.name} must be a finite number, got {value}")
+        if not 0 <= self.seed < 2**32:  # numpy's and torch's generators both take it as given
+            raise ParamError(f"seed must be an integer in [0, 2**32), got {self.seed}")
         positive = ("seq_len", "micro_batch_per_rank", "global_batch", "epochs", "loss_chunk_tokens",
                     "nproc_per_node", "nnodes", "collective_timeout_s")
         for name in positive:
@@ -222,7 +231,7 @@ class TrainParams(ParamSet):
 LORA_PARAMETERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype",
                    "lora_trainable_tokens")
 # Parameters holding a list of names: a YAML list, or one string "a,b" (papermill -p, a notebook scalar).
-NAME_LISTS = ("lora_targets", "train_tasks", "report_to")
+NAME_LISTS = ("lora_targets", "train_tasks", "report_to", "allow_resume_changes")
 
 
 def with_name_lists(raw: dict[str, Any]) -> dict[str, Any]:

@@ -62,11 +62,23 @@ def _unquote_exponent(value: Any) -> Any:
     return float(value) if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()) else value
 
 
+# Past these a plan describes no cluster, and the float arithmetic of wall time would overflow.
+LARGEST = 10**15
+LONGEST_SECONDS = 1e12  # about 31,700 years
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
 def _number(value: Any, name: str) -> float:
-    """A positive finite number (int or float), else a PlanError naming `name`."""
+    """A positive finite number (int or float) up to LARGEST, else a PlanError naming `name`."""
     number = _unquote_exponent(value)
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number) or number <= 0:
-        raise PlanError(f"{name} must be a positive number, got {value!r}")
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or number != number or number <= 0:
+        raise PlanError(f"{name} must be a positive number, got {_shown(value)}")
+    if number > LARGEST:  # before any float arithmetic: an int past 1e308 has no float
+        raise PlanError(f"{name} {_shown(value)} is past {LARGEST:.0e}: no plan needs it; check the units")
     return number
 
 
@@ -76,7 +88,9 @@ def _integer(value: Any, name: str) -> int:
     if isinstance(number, float) and number.is_integer():
         number = int(number)
     if isinstance(number, bool) or not isinstance(number, int) or number <= 0:
-        raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        raise PlanError(f"{name} must be a positive integer, got {_shown(value)}")
+    if number > LARGEST:
+        raise PlanError(f"{name} {_shown(value)} is past {LARGEST:.0e}: no plan needs it; check the units")
     return number
 
 
@@ -93,8 +107,11 @@ def _token_steps(target_tokens: int, tokens_per_step: int) -> dict[str, Any]:
     }
 
 
-def _timing(tokens_processed: int, tokens_per_step: int, tokens_per_s: float) -> dict[str, Any]:
+def _timing(tokens_processed: int, tokens_per_step: int, tokens_per_s: float, name: str) -> dict[str, Any]:
     wall = tokens_processed / tokens_per_s
+    if not wall <= LONGEST_SECONDS:
+        raise PlanError(f"{name} gives a wall time of {wall:.3g} s (over {LONGEST_SECONDS / 3.156e7:,.0f} years): "
+                        "check the units (tokens per second per GPU)")
     return {
         "tokens_per_s": tokens_per_s,
         "step_seconds": tokens_per_step / tokens_per_s,
@@ -130,7 +147,8 @@ def run_arithmetic(target_tokens: int, gpus: int, micro_batch_per_rank: int, seq
         "tokens_per_step": tokens_per_step, "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
     }
     report.update(_token_steps(target_tokens, tokens_per_step))
-    report.update(_timing(report["tokens_processed"], tokens_per_step, tokens_per_s_per_gpu * gpus))
+    report.update(_timing(report["tokens_processed"], tokens_per_step, tokens_per_s_per_gpu * gpus,
+                          "tokens_per_s_per_gpu"))
 
     steps = report["steps"]
     every: int | None = None
@@ -240,7 +258,8 @@ def _validate(plan: dict[str, Any], source: str) -> dict[str, Any]:
         per_gpu = _number(run["tokens_per_s_per_gpu"], "run.tokens_per_s_per_gpu")
         report["tokens_per_s_per_gpu"] = per_gpu
         # Every GPU of the world counts: with tp/pp several GPUs share one sequence.
-        report.update(_timing(report["tokens_processed"], tokens_per_step, per_gpu * world_size))
+        report.update(_timing(report["tokens_processed"], tokens_per_step, per_gpu * world_size,
+                              "run.tokens_per_s_per_gpu"))
     return report
 
 

@@ -33,8 +33,13 @@ class MetricsLog:
         """Drop rows past `step`: a resumed run logs those steps again."""
         if self.path.is_file():
             kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
-            with open(self.path, "w") as out:
+            # Replaced whole: a kill while rewriting must not lose the rows kept.
+            staging = self.path.with_name(f".{self.path.name}.staging-{os.getpid()}")
+            with open(staging, "w") as out:
                 out.writelines(json.dumps(row, default=str) + "\n" for row in kept)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(staging, self.path)
 
     def write(self, **row: Any) -> dict:
         with open(self.path, "a") as out:
@@ -45,8 +50,24 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    """The rows of a metrics.jsonl; a last line cut off by a kill mid-append is dropped, any other bad line
+    is a ValueError naming file and line."""
+    rows = []
+    with open(path, "rb") as handle:
+        lines = handle.read().split(b"\n")
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            if number == len(lines):  # no newline after it: the append a kill interrupted
+                break
+            raise ValueError(f"{path}:{number}: not a JSON row ({err})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: not a JSON object")
+        rows.append(row)
+    return rows
 
 
 def _package_version(name: str) -> str | None:

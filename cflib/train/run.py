@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cflib.atomic import check_writable_folder
 from cflib.data.packing import PackPlan, plan_packs
 from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
@@ -32,10 +33,14 @@ from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.paths import resolve_path
 from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
+from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams, gradient_accumulation
 from cflib.train.records import count_parameters
+from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
+# What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
+RUN_JSON_FILES = ("record.json", "params.json", "loss_weighting.json", "COMPLETE", "metrics.jsonl")
 
 
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
@@ -129,12 +134,23 @@ def _out_dir(params: TrainParams, model_name: str) -> Path:
     out_dir = resolve_path(params.out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ParamError(f"out_dir {out_dir} exists and is not a directory")
+    check_writable_folder(out_dir, "out_dir")
     previous = [name for name in RUN_FILES if (out_dir / name).exists()]
     # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
     if previous and params.resume is None:
         raise ParamError(f"out_dir {out_dir} already holds a run ({', '.join(previous)}); choose another "
                          "out_dir, or continue that run with resume: latest")
     return out_dir
+
+
+def recheck_out_dir(run: "Run") -> None:
+    """prepare's out_dir verdict again, once the lock is held: another run may have written it in between."""
+    if run.params.out_dir is None:
+        return
+    if run.resume_state is not None and (run.out_dir / "COMPLETE").is_file():
+        raise ParamError(f"out_dir {run.out_dir} holds a completed run: another run finished it meanwhile")
+    if run.resume_state is None:
+        _out_dir(run.params, "")
 
 
 def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
@@ -154,13 +170,15 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
     torch.manual_seed(params.seed)
+    if params.out_dir is not None and dist.is_main:  # first: a live run's checkpoints are still changing
+        check_not_locked(resolve_path(params.out_dir))
     resume_state = None
     if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
     if params.resume is not None:
         checkpoint_dir = resume_dir(params)
         model, lora = resumed_model(checkpoint_dir, params)
-        resume_state = load_trainer_state(checkpoint_dir)
+        resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
     elif params.init_checkpoint is not None:
         checkpoint_dir = resolve_path(params.init_checkpoint)
@@ -214,7 +232,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
               pack_plan, loss_weights, reports, lora)
     if resume_state is not None:
-        _check_resumable(resume_state, run, checkpoint_dir)
+        check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
         model.to(device)
     return run
@@ -305,16 +323,8 @@ def _size(num_bytes: int) -> str:
 
 
 def schedule_signature(run: Run) -> dict:
-    """What a resumed run must share with the one it continues: the stream and the schedule."""
-    p = run.params
-    return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
-            "lr": p.lr, "weight_decay": p.weight_decay, "beta1": p.beta1, "beta2": p.beta2,
-            "pack_sequences": p.pack_sequences, "loss_groups": p.loss_groups,
-            "train_tasks": list(p.train_tasks) if p.train_tasks is not None else None}
-
-
-# What checkpoints written before a signature key existed were trained with.
-_SIGNATURE_DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None}
+    """What a resumed run must share with the one it continues (cflib.train.resume_identity)."""
+    return run_identity(run)
 
 
 def _memory_estimate(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
@@ -323,22 +333,6 @@ def _memory_estimate(config: ModelConfig, params: TrainParams, device: torch.dev
                                           "base_dtype": settings.base_dtype}
     return memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
                            device_memory_bytes(device), lora=lora)
-
-
-def _check_resumable(state: dict, run: Run, checkpoint_dir: Path) -> None:
-    """A resumed run must cut the same stream into the same global batches, on the same schedule."""
-    params = run.params
-    now = {"seed": params.seed, "global_batch": params.global_batch, **schedule_signature(run)}
-    for name, value in now.items():
-        then = state.get(name, _SIGNATURE_DEFAULTS.get(name))
-        if then != value:
-            raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}: "
-                             "a resumed run continues the same stream and schedule; start a new run "
-                             "(init_checkpoint) to change them")
-    if state["world_size"] != params.world_size and not params.allow_world_size_change:
-        raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
-                         f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "
-                         "batch stays the same, the per-rank split and accumulation change)")
 
 
 def _preset(name: str) -> ModelConfig:

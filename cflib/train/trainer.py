@@ -6,7 +6,6 @@ under torchrun each worker builds its own. One optimizer step is `train_step`.
 from __future__ import annotations
 
 import contextlib
-import errno
 import math
 import shutil
 import time
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm.auto import tqdm
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import clean_leftovers, is_out_of_space, write_json_atomic
 from cflib.data.packing import collate_packed
 from cflib.data.shards import collate
 from cflib.errors import ParamError
@@ -34,9 +33,10 @@ from cflib.ops.sft_loss import make_loss
 from cflib.ops.loss import supervised_positions
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
+from cflib.train.lock import RunLock
 from cflib.train.optim import lr_factor, make_optimizer
 from cflib.train.records import MetricsLog, train_record
-from cflib.train.run import Run, schedule_signature
+from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.trackers import open_trackers
 
 
@@ -106,10 +106,15 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
         self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
-        self.checkpoints, self.timing = state["checkpoints"], state["timing"]
+        self.checkpoints, self.timing = self._rooted(state["checkpoints"]), state["timing"]
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
         torch.set_rng_state(state["torch_rng"])
+
+    def _rooted(self, saved: dict[str, str]) -> dict[str, str]:
+        """Saved checkpoint paths re-rooted in this run's out_dir (the run folder may have been copied or moved)."""
+        return {name: value if name == "best_step" else str(self.run.out_dir / "checkpoints" / name)
+                for name, value in saved.items()}
 
     def _trainer_state(self, optimizer_state: dict) -> dict:
         epoch, batch_in_epoch = self.position
@@ -174,8 +179,8 @@ class Trainer:
                     path = self.run.lora.save(self.model, target, weights, state, progress if resumable else None)
                 else:
                     path = save_checkpoint(self.model, target, state, weights, progress if resumable else None)
-            except OSError as err:
-                if err.errno != errno.ENOSPC:
+            except Exception as err:  # safetensors and torch wrap the OS error in their own types
+                if not is_out_of_space(err):
                     raise
                 kept = [p for n, p in self.checkpoints.items() if n != "best_step"]
                 raise CheckpointError(f"out of disk space writing checkpoint {target}; it was not written and "
@@ -190,7 +195,11 @@ class Trainer:
         limit = self.params.save_total_limit
         rolling = [name for name in self.checkpoints if name not in ("best", "best_step")]
         for name in rolling[:-limit] if limit else ():
-            shutil.rmtree(self.checkpoints.pop(name), ignore_errors=True)
+            self.checkpoints.pop(name)
+            # By name under this run's own folder: a stored path may point into the folder this one was copied from.
+            folder = self.run.out_dir / "checkpoints" / name
+            if folder.resolve().parent == (self.run.out_dir / "checkpoints").resolve():
+                shutil.rmtree(folder, ignore_errors=True)
 
     def evaluation_point(self, tag: str, epoch: int, with_exact_match: bool, checkpoint: str | None = None) -> None:
         """Evaluate, keep the best weights, write the scheduled checkpoint; then every rank goes on together."""
@@ -315,15 +324,26 @@ class Trainer:
             f"no non-finite weight was written. Batch examples (first 8): {ids}. Last checkpoint: {last_good}")
 
     def fit(self) -> dict:
-        """Train to the end and return the record; report_to's trackers (rank 0) see every metrics row."""
-        with open_trackers(self.run, self.metrics, self.step, active=self.dist.is_main) as trackers:
-            return trackers.finished(self._fit())
+        """Train to the end and return the record, under the run folder's lock (rank 0 writes, so rank 0 holds
+        it); report_to's trackers (rank 0) see every metrics row."""
+        lock = RunLock(self.run.out_dir).acquire() if self.dist.is_main else None
+        try:
+            if lock is not None:
+                recheck_out_dir(self.run)
+            with open_trackers(self.run, self.metrics, self.step, active=self.dist.is_main) as trackers:
+                return trackers.finished(self._fit())
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _fit(self) -> dict:
         run, p = self.run, self.params
         started = time.perf_counter()
         if self.dist.is_main:
             run.out_dir.mkdir(parents=True, exist_ok=True)
+            # Under the lock no other writer exists: staging left by a killed save can go, a retired one back.
+            clean_leftovers(run.out_dir / "checkpoints")
+            clean_leftovers(run.out_dir, targets=RUN_JSON_FILES)
             if run.resume_state is not None:
                 self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
             write_json_atomic(run.out_dir / "params.json", {**asdict(p), "out_dir": str(run.out_dir)})

@@ -210,6 +210,16 @@ def fail_in_publish(monkeypatch: pytest.MonkeyPatch, path: Path) -> dict[str, ob
             raise OSError("rename failed (injected)")
         real_replace(src, dst)
     monkeypatch.setattr(os, "replace", replace)
+    import cflib.atomic
+
+    real_exchange = cflib.atomic._exchange
+
+    def exchange(a: Path, b: Path) -> bool:  # the one-step swap that replaces an existing folder
+        if Path(b) == path and not failed:
+            failed.append(True)
+            raise OSError("exchange failed (injected)")
+        return real_exchange(a, b)
+    monkeypatch.setattr(cflib.atomic, "_exchange", exchange)
     return None
 
 

@@ -120,7 +120,7 @@ def test_route_weights(top_k: int, primary: float, expected: list[float]) -> Non
     (dict(top_k_primary_weight=1.5), "top_k_primary_weight must be in (0, 1], got 1.5"),
     (dict(num_experts_per_tok=1), "top_k_primary_weight must be 1.0 when num_experts_per_tok is 1"),
     (dict(tie_word_embeddings=False), "tie_word_embeddings must be true"),
-    (dict(norm_eps=0.0), "norm_eps and rope_theta must be positive"),
+    (dict(norm_eps=0.0), "norm_eps must be positive, got 0.0"),
 ])
 def test_invalid_config_is_refused_with_a_clear_message(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -84,6 +84,12 @@ def unended(partition: Path) -> None:
     write_partition(partition, examples, vocab_size=TOKENIZER.vocab_size, eos_token_id=0, max_seq_len=64)
 
 
+def label_past_the_end(partition: Path) -> None:
+    """Supervise each example's last position, whose target (the next token) lies beyond the example."""
+    examples = [Example(e.input_ids, list(e.labels[:-1]) + [0], e.meta) for e in generate(seed=3)[0][:16]]
+    write_partition(partition, examples, vocab_size=TOKENIZER.vocab_size, eos_token_id=0, max_seq_len=64)
+
+
 def loss_groups(addition: float = 0.5, uppercase: float = 0.5, cells: dict | None = None) -> dict:
     return {"arithmetic": {"target_share": addition, "tasks": list(cells or {"addition": 1.0}),
                            "task_target_shares": cells or {"addition": 1.0}},
@@ -111,6 +117,17 @@ CASES = [
     ("seq-len-past-positions", lambda t: {"seq_len": 100_000}, ValueError, ["seq_len", "max_position_embeddings"]),
     ("max-steps-negative", lambda t: {"max_steps": -1}, ValueError, ["max_steps"]),
     ("out-dir-is-a-file", lambda t: {"out_dir": str(t / "afile")}, ValueError, ["afile", "not a directory"]),
+    ("out-dir-under-a-file", lambda t: {"out_dir": str(t / "afile" / "run")}, ValueError,
+     ["out_dir", "afile is a file"]),
+    # --- non-finite and out-of-range numbers: `x <= 0` lets NaN through, and inf passes every lower bound -----
+    ("lr-inf", lambda t: {"lr": float("inf")}, ValueError, ["lr", "finite", "inf"]),
+    ("lr-inf-from-papermill", lambda t: {"lr": "inf"}, ValueError, ["lr", "finite"]),
+    ("weight-decay-inf", lambda t: {"weight_decay": float("inf")}, ValueError, ["weight_decay", "finite"]),
+    ("weight-decay-nan", lambda t: {"weight_decay": "nan"}, ValueError, ["weight_decay", "finite"]),
+    ("max-grad-norm-inf", lambda t: {"max_grad_norm": "inf"}, ValueError, ["max_grad_norm", "finite"]),
+    ("beta2-nan", lambda t: {"beta2": float("nan")}, ValueError, ["beta2", "finite"]),
+    ("seed-negative", lambda t: {"seed": -1}, ValueError, ["seed", "-1"]),
+    ("seed-past-64-bits", lambda t: {"seed": 2**64}, ValueError, ["seed", str(2**64)]),
     # --- the shard reader --------------------------------------------------------------------------------
     ("shard-root-missing", lambda t: {"data": str(t / "nowhere")}, ValueError, ["nowhere"]),
     ("partition-missing", lambda t: {"data": str(shard(t / "s", lambda p: (p / "sft.idx.json").unlink()))},
@@ -145,6 +162,28 @@ CASES = [
         p, lambda rows: [{**rows[0], "task": "renamed"}] + rows[1:])))}, ValueError, ["examples.jsonl", "sha256"]),
     ("shard-not-release-ready", lambda t: {"data": str(shard(t / "s", unended)), "require_release_ready": True},
      ValueError, ["not release-ready", "do not end with EOS"]),
+    ("index-not-an-object", lambda t: {"data": str(shard(t / "s", lambda p: (p / "sft.idx.json").write_text("[1]")))},
+     ValueError, ["sft.idx.json", "JSON object"]),
+    ("index-vocab-size-a-string", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "vocab_size": "260"})))}, ValueError, ["sft.idx.json", "'vocab_size'"]),
+    ("index-examples-negative", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "examples": -3})))}, ValueError, ["sft.idx.json", "'examples'"]),
+    ("index-cap-a-list", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "max_seq_len": [64]})))}, ValueError, ["sft.idx.json", "'max_seq_len'"]),
+    ("index-hashes-a-list", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "sha256": ["abc"]})))}, ValueError, ["sft.idx.json", "'sha256'"]),
+    ("index-not-utf8", lambda t: {"data": str(shard(t / "s", lambda p: (p / "sft.idx.json").write_bytes(b"\xff{")))},
+     ValueError, ["sft.idx.json", "not valid JSON"]),
+    ("row-offset-a-bool", lambda t: {"data": str(shard(t / "s", lambda p: edit_rows(
+        p, lambda rows: [{**rows[0], "offset": True}] + rows[1:])))}, ValueError, ["examples.jsonl", "'offset'"]),
+    ("row-task-a-number", lambda t: {"data": str(shard(t / "s", lambda p: edit_rows(
+        p, lambda rows: rows[:2] + [{**rows[2], "task": 7}] + rows[3:])))}, ValueError,
+     ["examples.jsonl", "line 3", "'task'"]),
+    ("rows-not-utf8", lambda t: {"data": str(shard(t / "s", lambda p: (p / "examples.jsonl").write_bytes(
+        (p / "examples.jsonl").read_bytes().replace(b'"example_id"', b'"ex\xffmple_id"', 1))))},
+     ValueError, ["examples.jsonl", "line 1"]),
+    ("label-on-the-last-position", lambda t: {"data": str(shard(t / "s", label_past_the_end))},
+     ValueError, ["labels.bin", "row 0", "last position", "past the example's end"]),
     # --- 2-D loss weighting --------------------------------------------------------------------------------
     ("loss-group-shares-not-one", lambda t: {"loss_groups": loss_groups(0.5, 0.6)}, ValueError,
      ["loss_groups", "sum to 1.1"]),
@@ -181,6 +220,23 @@ CASES = [
         p, lambda d: {k: v for k, v in d.items() if k != "norm.weight"})))}, ValueError, ["norm.weight"]),
     ("weights-corrupt", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: (
         p / "model.safetensors").write_bytes(b"\x00" * 64)))}, ValueError, ["model.safetensors"]),
+    ("config-nan-shared-output-scale", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "shared_output_scale": float("nan")})))}, ValueError,
+     ["config.json", "shared_output_scale", "finite"]),
+    ("config-nan-norm-eps", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "norm_eps": float("nan")})))}, ValueError, ["norm_eps", "finite"]),
+    ("config-inf-rope-theta", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "rope_theta": float("inf")})))}, ValueError, ["rope_theta", "finite"]),
+    ("weights-nan", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
+        p, lambda d: {**d, "norm.weight": torch.full_like(d["norm.weight"], float("nan"))})))},
+     ValueError, ["model.safetensors", "'norm.weight'", "NaN"]),
+    ("weights-inf", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
+        p, lambda d: {**d, "embed_tokens.weight": d["embed_tokens.weight"].index_fill(0, torch.tensor([7]),
+                                                                                     float("inf"))})))},
+     ValueError, ["'embed_tokens.weight'", "inf"]),
+    ("weights-fp16", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
+        p, lambda d: {k: v.half() if v.is_floating_point() else v for k, v in d.items()})))},
+     ValueError, ["float16", "tensor"]),
     ("route-table-out-of-range", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
         p, lambda d: {**d, "layers.0.mlp.engine.route_table": torch.full_like(d["layers.0.mlp.engine.route_table"], 9)})))},
      ValueError, ["layers.0.mlp.engine.route_table"]),
@@ -227,3 +283,26 @@ def test_the_planner_refuses_broken_plans(plan, words):
         validate_cluster_plan(plan)
     for word in words:
         assert word in str(caught.value)
+
+
+def test_a_read_only_out_dir_is_refused_before_anything_runs(tmp_path):
+    try:
+        from small_disk import read_only_folder
+    except ImportError:  # run from the repository root as a package
+        from tests.small_disk import read_only_folder
+    with read_only_folder(tmp_path / "ro") as folder:
+        if folder is None:
+            pytest.skip("needs to mount a read-only filesystem (root)")
+        params = {**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(folder / "run")}
+        with pytest.raises(ValueError, match=r"out_dir .*ro/run: .*ro is on a read-only filesystem"):
+            train(params, progress=False)
+
+
+def test_a_seed_out_of_range_fails_before_params_json_blocks_the_out_dir(tmp_path):
+    out_dir = tmp_path / "run"
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        train({**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(out_dir), "seed": 2**64},
+              progress=False)
+    assert not out_dir.exists()
+    train({**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(out_dir), "seed": 2**32 - 1},
+          progress=False)  # the largest seed trains, into the same folder

@@ -173,24 +173,35 @@ def test_prepare_writes_nothing(tmp_path, small_shard):
     assert not (tmp_path / "fresh").exists()
 
 
-def test_a_non_finite_step_stops_before_the_optimizer_and_writes_no_checkpoint(tmp_path, small_shard):
-    from cflib.model.checkpoint import save_checkpoint
-    from cflib.model.config import preset
-    from cflib.model.decoder import TRMoEModel
-
-    model = TRMoEModel(preset("smoke"))
+def poisoned(tmp_path: Path, shard: Path, name: str = "run", **overrides) -> "Trainer":
+    """A prepared run whose weights turned non-finite (a checkpoint holding them is refused at load)."""
+    prepared = prepare(TrainParams.from_dict({**FAST, "data": str(shard), "out_dir": str(tmp_path / name),
+                                              **overrides}))
     with torch.no_grad():
-        model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
-    save_checkpoint(model, tmp_path / "broken")
+        prepared.model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
+    return Trainer(prepared, progress=False)
+
+
+def test_a_non_finite_step_stops_before_the_optimizer_and_writes_no_checkpoint(tmp_path, small_shard):
     with pytest.raises(FloatingPointError, match=r"step 1: loss nan.*Batch examples \(first 8\): \['(addition|uppercase)-"):
-        run(tmp_path, small_shard, init_checkpoint=str(tmp_path / "broken"), max_steps=2, eval_at_start=False)
+        poisoned(tmp_path, small_shard, max_steps=2, eval_at_start=False).fit()
     assert not (tmp_path / "run" / "checkpoints").exists()
     # With patience the bad steps are skipped (no update) until the patience runs out.
     with pytest.raises(FloatingPointError, match="step 3: .* after 3 non-finite step"):
-        run(tmp_path, small_shard, "patient", init_checkpoint=str(tmp_path / "broken"), max_steps=5,
-            eval_at_start=False, nan_patience=2)
+        poisoned(tmp_path, small_shard, "patient", max_steps=5, eval_at_start=False, nan_patience=2).fit()
     rows = [r for r in read_metrics(tmp_path / "patient" / "metrics.jsonl") if r["event"] == "train"]
     assert [r["skipped"] for r in rows] == [True, True]
+
+
+def test_no_checkpoint_holds_a_non_finite_tensor_whatever_nan_patience_says(tmp_path, small_shard):
+    from cflib.model.checkpoint import CheckpointError
+
+    trainer = poisoned(tmp_path, small_shard, max_steps=3, eval_at_start=False, nan_patience=100)
+    with pytest.raises(CheckpointError, match=r"not written: tensor 'layers.0.mlp.engine.expert_up' \(4096 of 4096"):
+        trainer.fit()  # every step skipped, the weights still non-finite at the end: the save refuses them
+    out_dir = tmp_path / "run"
+    assert not (out_dir / "COMPLETE").exists() and not (out_dir / "record.json").exists()
+    assert not list(out_dir.glob("checkpoints/**/*.safetensors"))  # none written, no staging left behind
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["host_skip", "device_skip"])
@@ -199,10 +210,6 @@ def test_a_non_finite_step_moves_no_weight_and_no_optimizer_state(tmp_path, smal
 
     CPU AdamW has a fused kernel too, so the device-side skip runs here."""
     import cflib.train.trainer
-    from cflib.model.checkpoint import save_checkpoint
-    from cflib.model.config import preset
-    from cflib.model.decoder import TRMoEModel
-    from cflib.train import Trainer
 
     real_make_optimizer = cflib.train.trainer.make_optimizer
     def make_optimizer(model, params, device, **_):
@@ -211,13 +218,7 @@ def test_a_non_finite_step_moves_no_weight_and_no_optimizer_state(tmp_path, smal
         return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2), fused=fused)
 
     monkeypatch.setattr(cflib.train.trainer, "make_optimizer", make_optimizer)
-    model = TRMoEModel(preset("smoke"))
-    with torch.no_grad():
-        model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
-    save_checkpoint(model, tmp_path / "broken")
-    run_ = prepare(TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "run"),
-                                          "init_checkpoint": str(tmp_path / "broken"), "nan_patience": 5}))
-    trainer = Trainer(run_, progress=False)
+    trainer = poisoned(tmp_path, small_shard, nan_patience=5)
     assert all(bool(group["fused"]) == fused for group in trainer.optimizer.param_groups)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     rows = [trainer.train_step(np.arange(i * 16, (i + 1) * 16) % 40) for i in range(2)]

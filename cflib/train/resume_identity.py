@@ -1,0 +1,96 @@
+"""What a resumed run must share with the run it continues, and the changes a user may allow on purpose.
+
+A checkpoint's trainer state records the run's identity: the data (the SHA-256
+its shard manifests record for every file, train and eval), the stream
+(seed, global batch, examples, packing, tasks), the schedule and every
+setting that changes the trajectory (optimizer, clipping, loss numerics,
+precision, model source, LoRA). Resuming compares each with this run's and
+refuses the first difference by name; `allow_resume_changes` names the ones
+changed on purpose (e.g. `max_grad_norm` to tame a spike, `data` for a
+fixed copy of the shard). The world size has its own switch,
+`allow_world_size_change`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from cflib.data.shards import ShardPartition, sha256_file
+from cflib.errors import ParamError
+from cflib.paths import resolve_path
+
+# What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
+STREAM = ("seed", "global_batch", "train_examples", "total_steps", "warmup_steps", "pack_sequences", "train_tasks")
+# What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
+ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
+             "fp32_loss", "bf16", "seq_len", "loss_groups", "max_task_loss_weight", "full_parameter", "lora_rank",
+             "lora_alpha", "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type")
+
+# What resuming reads from a trainer state: checked before any of it is used.
+TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "global_batch",
+                      "seed", "best_loss", "evals", "fill_ins", "torch_rng", "checkpoints", "timing")
+
+# What checkpoints written before a key existed were trained with; keys absent from both are not compared.
+_DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy"}
+
+
+def partition_digest(partition: ShardPartition) -> str:
+    """SHA-256 over the file hashes a partition's manifest records (computed when it records none)."""
+    recorded = partition.index.get("sha256") or {
+        name: sha256_file(partition.directory / name) for name in ("input_ids.bin", "labels.bin", "examples.jsonl")}
+    return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def run_identity(run: Any) -> dict[str, Any]:
+    """The identity of a prepared run (cflib.train.run.Run), as plain data a trainer state keeps."""
+    p = run.params
+    model = str(resolve_path(p.init_checkpoint).resolve()) if p.init_checkpoint is not None else f"preset {p.model}"
+    return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
+            "data": {"train": partition_digest(run.train_data), "eval": partition_digest(run.eval_data)},
+            "model": model, **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
+                               if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps")}}
+
+
+def _model_left_out(params: Any) -> bool:
+    # Resuming takes the architecture and weights from the checkpoint: a run that names neither a preset nor an
+    # init_checkpoint changes nothing; one that names another is told so.
+    default = next(f.default for f in dataclasses.fields(params) if f.name == "model")
+    return params.init_checkpoint is None and params.model == default
+
+
+def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
+    """ParamError naming the first setting this run changes from the one `checkpoint_dir` continues."""
+    params = run.params
+    allowed = set(params.allow_resume_changes or ())
+    unknown = sorted(allowed - set(ALLOWABLE))
+    if unknown:
+        raise ParamError(f"allow_resume_changes: {unknown[0]!r} cannot be allowed; a resumed run may change "
+                         f"{', '.join(ALLOWABLE)} (the stream and schedule, {', '.join(STREAM)}, never)")
+    now = {"seed": params.seed, "global_batch": params.global_batch, **run_identity(run)}
+    for name in (*STREAM, *ALLOWABLE):
+        if name not in state and name not in _DEFAULTS:
+            continue  # written before this key was recorded
+        then, value = state.get(name, _DEFAULTS.get(name)), now[name]
+        if then == value or name in allowed or (name == "model" and _model_left_out(params)):
+            continue
+        if name == "data":
+            changed = [part for part in ("train", "eval") if (then or {}).get(part) != value[part]]
+            raise ParamError(f"{checkpoint_dir} was trained on other data: the {' and '.join(changed)} "
+                             f"partition of {run.data_root} differs from the one it continued (its shard manifest's "
+                             "hashes differ, even if the example count is the same); resume with the same shard, "
+                             "or set allow_resume_changes: data to continue on this one on purpose")
+        hint = ("a resumed run continues the same stream and schedule; start a new run (init_checkpoint) to "
+                "change them") if name in STREAM else (f"set allow_resume_changes: {name} to change it on purpose, "
+                                                       "or start a new run (init_checkpoint)")
+        raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}: {hint}")
+    if state["world_size"] != params.world_size and not params.allow_world_size_change:
+        raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
+                         f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "
+                         "batch stays the same, the per-rank split and accumulation change)")

@@ -1,0 +1,160 @@
+"""`python -m cflib.data convert` fed what users get wrong: each case ends in an error naming the file, line
+or folder at fault, and every file that existed before is unchanged (the inputs above all)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from cflib.data.convert import ConvertError, ConvertSpec, convert
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def turn(role: str, content: str) -> dict:
+    return {"role": role, "content": content}
+
+
+def row(*messages: dict, **meta) -> str:
+    return json.dumps({"messages": list(messages), **meta})
+
+
+GOOD = [row(turn("user", f"{a}+{a}="), turn("assistant", str(2 * a))) for a in range(10, 20)]
+
+
+def write_inputs(folder: Path, train_lines: list[str] | None = None) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("\n".join(train_lines or GOOD[:8]) + "\n")
+    (folder / "eval.jsonl").write_text("\n".join(GOOD[8:]) + "\n")
+    return {"train": folder / "train.jsonl", "eval": folder / "eval.jsonl"}
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def with_line(line: str) -> Callable[[Path], dict]:
+    """A train file whose third line is `line`: the error must name train.jsonl:3."""
+    def build(tmp: Path) -> dict:
+        inputs = write_inputs(tmp / "in", GOOD[:2] + [line] + GOOD[2:8])
+        if line.startswith("@@"):  # bytes that are no UTF-8: written as Latin-1
+            raw = inputs["train"].read_bytes()
+            inputs["train"].write_bytes(raw.replace(line.encode(), line.strip("@").encode("latin-1")))
+        return {"train": str(inputs["train"]), "eval": str(inputs["eval"]), "out": str(tmp / "out")}
+    return build
+
+
+def folder_case(arrange: Callable[[Path, dict], str], overwrite: bool = True) -> Callable[[Path], dict]:
+    """`arrange(tmp, inputs)` prepares the folder the conversion is pointed at and returns it."""
+    def build(tmp: Path) -> dict:
+        inputs = write_inputs(tmp / "in")
+        out = arrange(tmp, inputs)
+        return {"train": str(inputs["train"]), "eval": str(inputs["eval"]), "out": out, "overwrite": overwrite}
+    return build
+
+
+def previous_output_with(extra: str) -> Callable[[Path, dict], str]:
+    def arrange(tmp: Path, inputs: dict) -> str:
+        convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp / "shard")))
+        (tmp / "shard" / extra).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / "shard" / extra).write_text("the user's own notes")
+        return str(tmp / "shard")
+    return arrange
+
+
+# (id, build(tmp) -> convert arguments, words the message must contain)
+CASES = [
+    # --- conversations out of turn order: no user turn before the answer, two questions in a row ----------
+    ("assistant-first", with_line(row(turn("assistant", "hello"), turn("user", "hi"), turn("assistant", "yo"))),
+     ["train.jsonl:3", "message 0", "'assistant' where the 'user' turn belongs"]),
+    ("assistant-only", with_line(row(turn("assistant", "42"))), ["train.jsonl:3", "message 0", "'user' turn"]),
+    ("user-after-user", with_line(row(turn("user", "a"), turn("user", "b"), turn("assistant", "c"))),
+     ["train.jsonl:3", "message 1", "'user' where the 'assistant' turn belongs"]),
+    ("system-in-the-middle", with_line(row(turn("user", "a"), turn("system", "b"), turn("assistant", "c"))),
+     ["train.jsonl:3", "message 1", "system turn after the first message"]),
+    ("system-then-assistant", with_line(row(turn("system", "s"), turn("assistant", "c"))),
+     ["train.jsonl:3", "message 1", "'user' turn belongs"]),
+    # --- odd text -------------------------------------------------------------------------------------------
+    ("lone-surrogate", with_line('{"messages": [{"role": "user", "content": "\\ud800"}, '
+                                 '{"role": "assistant", "content": "x"}]}'),
+     ["train.jsonl:3", "message 0", "not encodable text"]),
+    ("not-utf8", with_line("@@latin-1: caf\xe9@@"), ["train.jsonl:3", "not valid JSON"]),
+    ("a-json-list", with_line("[1, 2]"), ["train.jsonl:3", "not a JSON object"]),
+    ("nan-literal", with_line("NaN"), ["train.jsonl:3", "not a JSON object"]),
+    ("content-a-number", with_line(row(turn("user", "a"), {"role": "assistant", "content": 5})),
+     ["train.jsonl:3", "message 1", "string content"]),
+    ("role-unknown", with_line(row(turn("user", "a"), turn("bot", "b"))), ["train.jsonl:3", "message 1", "role"]),
+    ("task-a-mapping", with_line(row(turn("user", "a"), turn("assistant", "b"), task={"a": 1})),
+     ["train.jsonl:3", "'task' must be a string"]),
+    ("truncated-line", with_line('{"messages": [{"role": "user", "content": "a'), ["train.jsonl:3", "not valid JSON"]),
+    # --- the output folder: never an input, never anything the command did not write ----------------------
+    ("out-holds-the-inputs", folder_case(lambda tmp, inputs: str(tmp / "in")),
+     ["contains the train input", "would delete it"]),
+    ("out-is-an-input-file", folder_case(lambda tmp, inputs: str(inputs["train"])), ["is the train input itself"]),
+    ("out-inside-an-input", folder_case(lambda tmp, inputs: str(inputs["train"] / "shard")),
+     ["lies inside the train input"]),
+    ("out-holds-an-unrelated-file", folder_case(previous_output_with("notes.txt")),
+     ["'notes.txt'", "did not write"]),
+    ("out-partition-holds-an-unrelated-file", folder_case(previous_output_with("train/extra.bin")),
+     ["'train'", "did not write"]),
+    ("out-is-someone-elses-folder", folder_case(lambda tmp, inputs: (
+        (tmp / "mine").mkdir(), (tmp / "mine" / "train").mkdir(), (tmp / "mine" / "train" / "a.txt").write_text("x"),
+        str(tmp / "mine"))[-1]), ["'train'", "did not write"]),
+    ("out-exists-without-overwrite", folder_case(previous_output_with("notes.txt"), overwrite=False),
+     ["already exists", "--overwrite"]),
+    ("out-under-a-file", folder_case(lambda tmp, inputs: (
+        (tmp / "afile").write_text("x"), str(tmp / "afile" / "shard"))[-1]), ["afile is a file"]),
+]
+
+
+@pytest.mark.parametrize("build, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_conversion_input_names_the_culprit_and_changes_nothing(tmp_path, build, words):
+    arguments = build(tmp_path)
+    overwrite = arguments.pop("overwrite", False)
+    before = digest(tmp_path)
+    with pytest.raises(ConvertError) as caught:
+        convert(ConvertSpec(**arguments), overwrite=overwrite)
+    for word in words:
+        assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+    assert digest(tmp_path) == before
+    assert not [p for p in tmp_path.rglob(".*") if "staging" in p.name]
+
+
+def test_overwrite_replaces_a_folder_of_its_own_output(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    spec = ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "shard"))
+    first = convert(spec)
+    (tmp_path / "in" / "train.jsonl").write_text("\n".join(GOOD[:6]) + "\n")
+    again = convert(spec, overwrite=True)
+    assert first["train"]["examples"] == 8 and again["train"]["examples"] == 6
+
+
+def test_the_command_line_names_the_folder_and_keeps_the_input(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    (tmp_path / "in" / "unrelated.txt").write_text("keep me")
+    before = digest(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--train", str(inputs["train"]),
+                           "--eval", str(inputs["eval"]), "--out", str(tmp_path / "in"), "--overwrite"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "contains the train input" in done.stderr
+    assert digest(tmp_path) == before
+
+
+def test_the_battery_is_large():
+    assert len(CASES) >= 20
+
+
+def test_a_conversion_killed_mid_write_leaves_nothing_the_next_one_keeps(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    leftover = tmp_path / ".shard.staging-k1ll3d"  # what a kill during the write leaves beside the target
+    (leftover / "train").mkdir(parents=True)
+    (leftover / "train" / "input_ids.bin").write_bytes(b"\0" * 1024)
+    convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "shard")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "shard"]

@@ -1,0 +1,121 @@
+"""Resume checks what it continues: the data (its manifest's hashes, not only its example count) and every
+setting that changes the trajectory, refused by name unless allowed on purpose; a copied run folder deletes
+nothing in the folder it was copied from; a truncated trainer state is named."""
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+from sft_shard_helpers import write_shard
+
+from cflib.data.tasks import generate
+from cflib.model.checkpoint import CheckpointError
+from cflib.train import train
+from cflib.train.params import ParamError
+from cflib.train.records import read_metrics
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> dict[str, Path]:
+    train_examples, eval_examples = generate(seed=2)
+    root = tmp_path_factory.mktemp("shards")
+    return {"a": write_shard(root / "a", train_examples[:16], eval_examples[:4], max_seq_len=64),
+            # Another data set of exactly the same size: the example count alone cannot tell them apart.
+            "b": write_shard(root / "b", train_examples[16:32], eval_examples[:4], max_seq_len=64)}
+
+
+def params(shard: Path, out_dir: Path, **overrides) -> dict:
+    return {"model": "smoke", "data": str(shard), "out_dir": str(out_dir), "seq_len": 64, "micro_batch_per_rank": 4,
+            "global_batch": 8, "max_steps": 6, "lr": 3e-3, "exact_match_limit": 0, "device": "cpu",
+            "eval_at_start": False, "save_every_steps": 2, **overrides}
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def killed(shards, tmp_path_factory) -> Path:
+    """A run that stopped after its step-4 checkpoint (its COMPLETE removed, as if killed)."""
+    out_dir = tmp_path_factory.mktemp("killed") / "run"
+    train(params(shards["a"], out_dir), progress=False)
+    (out_dir / "COMPLETE").unlink()
+    return out_dir
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"data": "b"}, ["other data", "train partition", "manifest's hashes", "allow_resume_changes: data"]),
+    ({"model": "quickstart"}, ["model preset smoke", "preset quickstart", "allow_resume_changes: model"]),
+    ({"max_grad_norm": 0.5}, ["max_grad_norm 1.0", "has 0.5", "allow_resume_changes: max_grad_norm"]),
+    ({"loss_chunk_tokens": 256}, ["loss_chunk_tokens 1024", "has 256"]),
+    ({"fp32_loss": False}, ["fp32_loss True", "has False"]),
+    ({"lr": 1e-3}, ["lr 0.003", "has 0.001"]),
+    ({"seed": 1}, ["seed 0", "has 1", "same stream and schedule"]),
+    ({"allow_resume_changes": "bogus"}, ["allow_resume_changes", "'bogus'"]),
+    ({"allow_resume_changes": "seed", "seed": 1}, ["allow_resume_changes", "'seed' cannot be allowed"]),
+], ids=["other-shard-same-count", "model", "max-grad-norm", "loss-chunk-tokens", "fp32-loss", "lr", "seed",
+        "unknown-allowance", "stream-not-allowable"])
+def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, shards, change, words):
+    before = digest(killed)
+    change = {**change, "data": str(shards[change["data"]])} if "data" in change else change
+    with pytest.raises(ParamError) as caught:
+        train({**params(shards["a"], killed, resume="latest"), **change}, progress=False)
+    for word in words:
+        assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+    assert "step-4" in str(caught.value) or "allow_resume_changes" in str(caught.value)
+    assert digest(killed) == before
+
+
+@pytest.mark.parametrize("change", [{"max_grad_norm": 0.5, "allow_resume_changes": "max_grad_norm"},
+                                    {"data": "b", "allow_resume_changes": ["data"]}], ids=["max-grad-norm", "data"])
+def test_a_change_allowed_on_purpose_resumes(killed, shards, tmp_path, change):
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    change = {**change, "data": str(shards[change["data"]])} if "data" in change else change
+    record = train({**params(shards["a"], copy, resume="latest"), **change}, progress=False)
+    assert record["schedule"]["steps_done"] == 6 and "step-4" in record["model_source"]
+
+
+def test_a_copied_run_folder_deletes_nothing_in_the_original(shards, tmp_path):
+    original = tmp_path / "original"
+    run = params(shards["a"], original, save_every_steps=1, save_total_limit=2)
+    train(run, progress=False)
+    (original / "COMPLETE").unlink()  # as if killed before its end
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    before = digest(original)
+    record = train({**run, "out_dir": str(copy), "resume": "latest"}, progress=False)
+    assert digest(original) == before  # the copy's pruning stayed in the copy
+    assert all(str(copy) in path for name, path in record["checkpoints"].items() if name != "best_step")
+
+
+def test_a_truncated_trainer_state_is_named(killed, shards, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    state = copy / "checkpoints" / "step-4" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    before = digest(copy)
+    with pytest.raises(CheckpointError, match=r"step-4/trainer_state.pt: not a readable trainer state \(truncated"):
+        train(params(shards["a"], copy, resume="latest"), progress=False)
+    assert digest(copy) == before
+
+
+def test_a_metrics_line_cut_off_by_the_kill_is_dropped_on_resume(killed, shards, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    with open(copy / "metrics.jsonl", "a") as log:
+        log.write('{"event": "train", "step": 5, "lo')  # the append the kill interrupted
+    record = train(params(shards["a"], copy, resume="latest"), progress=False)
+    assert record["schedule"]["steps_done"] == 6
+    steps = [row["step"] for row in read_metrics(copy / "metrics.jsonl") if row["event"] == "train"]
+    assert steps == list(range(1, 7))  # every step once, the cut-off row gone
+
+
+def test_a_corrupt_metrics_line_is_named(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2, oops}\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON row"):
+        read_metrics(log)
