@@ -66,8 +66,8 @@ from cflib.train.trainer import Trainer
 PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "reference": {"use_custom_kernels": "false", "require_liger": False},
     "production": {"use_custom_kernels": "true", "require_liger": True},
-    # production with cflib's wide SwiGLU kernel for the shared branch too, beside quack's epilogue GEMMs
-    "production_cflib_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "false"},
+    # production with the shared SwiGLU in quack's GEMM epilogues (Hopper, quack-kernels)
+    "production_epilogue_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "true"},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
 # measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.

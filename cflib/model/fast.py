@@ -173,17 +173,22 @@ class FusedTRMoEEngine(TRMoEEngine):
 
 
 class EpilogueSwiGLUEngine(FusedTRMoEEngine):
-    """Training steps run the shared branch through quack's SwiGLU GEMMs and the experts through cflib's kernel
-    (cflib.ops.trmoe.trmoe_split_forward). Without gradients (evaluation, decoding: other shapes, CUDA graphs)
-    and with adapters, the block runs as FusedTRMoEEngine's."""
+    """Training steps in half precision run the shared branch through quack's SwiGLU GEMMs and the experts
+    through cflib's kernel (cflib.ops.trmoe.trmoe_split_forward). The block runs as FusedTRMoEEngine's where
+    quack's GEMMs do not apply: fp32 activations (its epilogue writes 16-bit outputs only), no gradients
+    (evaluation and decoding, whose shapes would each be tuned anew), and adapters."""
 
     kernels = {"swiglu": "quack_gemm_swiglu", "moe": "triton_fused"}
 
     def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         from cflib.ops.trmoe import trmoe_split_forward
 
-        if not torch.is_grad_enabled() or self.expert_adapters() or any(
-                is_adapted(getattr(self, name)) for name in ("shared_gate", "shared_up", "shared_down")):
+        half = x.dtype in (torch.bfloat16, torch.float16) or (
+            torch.is_autocast_enabled(x.device.type)
+            and torch.get_autocast_dtype(x.device.type) in (torch.bfloat16, torch.float16))
+        adapted = self.expert_adapters() or any(is_adapted(getattr(self, name))
+                                                for name in ("shared_gate", "shared_up", "shared_down"))
+        if not (half and torch.is_grad_enabled()) or adapted:
             self.ran = dict(FusedTRMoEEngine.kernels)
             return super().block(x, token_ids)
         return trmoe_split_forward(self, x, token_ids)

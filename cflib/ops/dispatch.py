@@ -78,7 +78,7 @@ def quack_problem(device: torch.device) -> str | None:
 
 def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device,
                  attention_backend: str = "auto", head_dim: int = 64, packed: bool = False,
-                 epilogue_swiglu: str = "auto") -> KernelPlan:
+                 epilogue_swiglu: str = "false") -> KernelPlan:
     """Resolve the flags against this device, or raise KernelUnavailable naming the check.
 
     Shapes need no check here but attention's (head_dim; packed: whether training rows are packed windows):

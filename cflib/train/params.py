@@ -73,8 +73,9 @@ class TrainParams(ParamSet):
     train_tasks: tuple[str, ...] | None = None  # train only on examples of these `task`s; eval stays whole
     grad_ckpt: bool = False
     use_custom_kernels: str = "auto"  # auto: fast paths where every check passes; true: require them; false: PyTorch
-    # The shared SwiGLU's activation in quack's GEMM epilogues, inside cflib's TR-MoE block (Hopper); like above.
-    epilogue_swiglu: str = "auto"
+    # The shared SwiGLU's activation in quack's GEMM epilogues, inside cflib's TR-MoE block (Hopper): false until
+    # measured end to end (docs/kernels.md); auto/true as above.
+    epilogue_swiglu: str = "false"
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
