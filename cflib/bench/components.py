@@ -17,7 +17,8 @@ from cflib.model.fast import AddRMSNorm, FusedTRMoEEngine, LigerRMSNorm
 from cflib.ops.attention import GPU_NEEDS, attend, attention_batch, backend_problem, pack_documents
 from cflib.ops.dispatch import KernelPlan, SFTLoss
 
-# bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3 (METHOD.md).
+# bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3
+# (docs/formats.md#numerical-tolerances).
 TOLERANCES = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
