@@ -32,11 +32,13 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env tests notebooks
 
 # On a CUDA machine, with the Python that has torch and the project's requirements (no .venv is made): the kernel,
-# model, export, data and training tests with the fast kernels compiled for the GPU instead of interpreted.
+# model, export, data and training tests and validate_kernels' checks, with the fast kernels compiled for the GPU
+# instead of interpreted.
 GPU_PYTHON ?= python3
 test-gpu:
 	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'make test-gpu: no CUDA device (make test runs the kernels in Triton\'s interpreter)')"
-	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests/ops tests/model tests/export tests/data tests/train
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests/ops tests/model tests/export tests/data tests/train \
+		tests/bench/test_validate.py
 
 # JupyterLab on this machine (http://localhost:8888, token in the log); LAB_ARGS="--port 9999 ..." passes options on.
 lab: setup
