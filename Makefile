@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.\n' 
 KERNEL := $(VENV)/share/jupyter/kernels/cflib/kernel.json
 PARAMS ?= params/quickstart.yaml
 
-.PHONY: setup train test test-gpu lab strip screenshots clean
+.PHONY: setup train test test-fast test-gpu lab strip screenshots clean
 
 setup: $(STAMP) $(KERNEL)
 
@@ -30,6 +30,11 @@ train: setup
 # One pytest worker per core, at most 4; a test file (a notebook's cells among them) stays on one worker.
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env tests notebooks
+
+# The unit tests alone, in under two minutes on two cores: no notebooks (nbval), and none of the tests marked slow
+# (torchrun, papermill, JupyterLab, the browser); the slowest are named at the end, to be marked when they grow.
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" --durations=10 tests
 
 # On a CUDA machine, with the Python that has torch and the project's requirements (no .venv is made): the kernel,
 # model, export, data and training tests and validate_kernels' checks, with the fast kernels compiled for the GPU

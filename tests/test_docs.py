@@ -141,7 +141,8 @@ def test_pages_speak_of_the_product_not_of_its_tracker(page):
 def test_the_project_cites_nothing_outside_itself():
     files = shipped_files()
     assert any(path.suffix == ".py" for path in files) and any(path.suffix == ".md" for path in files)
-    hits = {path.relative_to(ROOT).as_posix(): found for path in files if (found := outside_citations(path.read_text()))}
+    hits = {path.relative_to(ROOT).as_posix(): found
+            for path in files if (found := outside_citations(path.read_text()))}
     assert not hits, f"citations of notes outside the project or of machine paths (cite docs/ instead): {hits}"
 
 

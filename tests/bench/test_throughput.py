@@ -547,6 +547,7 @@ def test_every_committed_record_is_shown_and_its_blocks_are_current(path):
 
 # --- the notebook -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_papermill_runs_the_smoke_profile(tmp_path):
     out_dir = tmp_path / "run"
     executed = tmp_path / "executed.ipynb"

@@ -67,8 +67,8 @@ def test_rope(dtype):
 def test_silu_mul(dtype):
     gen = torch.Generator().manual_seed(2)
     raw = {"gate": randn(gen, 24, 40, scale=2.0), "up": randn(gen, 24, 40)}
-    check(lambda gate, up: LigerSiLUMulFunction.apply(gate, up), lambda gate, up: F.silu(gate) * up, raw, {"gate": dtype, "up": dtype},
-          ("gate", "up"), dtype, multiplies_bf16=True)
+    check(lambda gate, up: LigerSiLUMulFunction.apply(gate, up), lambda gate, up: F.silu(gate) * up, raw,
+          {"gate": dtype, "up": dtype}, ("gate", "up"), dtype, multiplies_bf16=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -44,7 +44,8 @@ def problem(seed: int, **config):
     engine = TRMoEEngine(tiny_config(**config)).to(KERNEL_DEVICE)
     gen = torch.Generator().manual_seed(seed)
     raw = {"x": torch.randn(TOKENS, engine.expert_gate.shape[1], generator=gen)}
-    raw.update({name: torch.randn(tensor.shape, generator=gen) * 0.2 for name, tensor in engine_weights(engine).items()})
+    raw.update({name: torch.randn(tensor.shape, generator=gen) * 0.2
+                for name, tensor in engine_weights(engine).items()})
     token_ids = torch.randint(0, engine.route_table.shape[1], (TOKENS,), generator=gen).to(KERNEL_DEVICE)
     return engine, raw, token_ids
 
