@@ -32,9 +32,11 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env tests notebooks
 
 # The unit tests alone, in under two minutes on two cores: no notebooks (nbval), and none of the tests marked slow
-# (torchrun, papermill, JupyterLab, the browser); the slowest are named at the end, to be marked when they grow.
+# (torchrun, papermill, JupyterLab, the browser); the DURATIONS slowest are named at the end, to be marked when they
+# grow.
+DURATIONS ?= 10
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" --durations=10 tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" --durations=$(DURATIONS) tests
 
 # On a CUDA machine, with the Python that has torch and the project's requirements (no .venv is made): the kernel,
 # model, export, data and training tests and validate_kernels' checks, with the fast kernels compiled for the GPU
