@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.\n' 
 KERNEL := $(VENV)/share/jupyter/kernels/cflib/kernel.json
 PARAMS ?= params/quickstart.yaml
 
-.PHONY: setup train test test-gpu lab strip screenshots clean
+.PHONY: setup train test test-fast test-gpu lab strip screenshots clean
 
 setup: $(STAMP) $(KERNEL)
 
@@ -31,12 +31,21 @@ train: setup
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env tests notebooks
 
+# The unit tests alone, in under two minutes on two cores: no notebooks (nbval), and none of the tests marked slow
+# (torchrun, papermill, JupyterLab, the browser); the DURATIONS slowest are named at the end, to be marked when they
+# grow.
+DURATIONS ?= 10
+test-fast: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not slow" --durations=$(DURATIONS) tests
+
 # On a CUDA machine, with the Python that has torch and the project's requirements (no .venv is made): the kernel,
-# model, export, data and training tests with the fast kernels compiled for the GPU instead of interpreted.
+# model, export, data and training tests and validate_kernels' checks, with the fast kernels compiled for the GPU
+# instead of interpreted.
 GPU_PYTHON ?= python3
 test-gpu:
 	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'make test-gpu: no CUDA device (make test runs the kernels in Triton\'s interpreter)')"
-	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests/ops tests/model tests/export tests/data tests/train
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests/ops tests/model tests/export tests/data tests/train \
+		tests/bench/test_validate.py
 
 # JupyterLab on this machine (http://localhost:8888, token in the log); LAB_ARGS="--port 9999 ..." passes options on.
 lab: setup

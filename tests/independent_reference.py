@@ -1,6 +1,6 @@
 """Independent reference for the TR-MoE decoder and its public file formats.
 
-Written from /work/shared/DESIGN.md alone, deliberately without importing
+Written from docs/formats.md alone, deliberately without importing
 cflib, so that parity tests compare two implementations that share no code.
 Everything here favours being obviously right over being fast: the forward
 pass handles one sequence at a time in float64 with explicit loops.
@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 IGNORE_INDEX = -100
 SHARD_FORMAT = "complexity-sft-token-shard-v2"
 
-# Keys of config.json listed in DESIGN.md ("The released 200M configuration").
+# Keys of config.json listed in docs/formats.md#the-released-200m-configuration.
 CONFIG_KEYS = (
     "hidden_size",
     "num_hidden_layers",
@@ -58,8 +58,8 @@ CONFIG_KEYS = (
 
 
 def head_dim(cfg: dict) -> int:
-    """head_dim is not a separate key in DESIGN.md's table; it is hidden / heads
-    (896 / 14 = 64). An explicit "head_dim" key, if present, wins."""
+    """head_dim is not a separate key in the table of docs/formats.md#the-released-200m-configuration;
+    it is hidden / heads (896 / 14 = 64). An explicit "head_dim" key, if present, wins."""
     return int(cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]))
 
 
@@ -81,7 +81,7 @@ def route_weights(cfg: dict) -> list[float]:
 
 
 def public_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Exact public tensor names and shapes (DESIGN.md "Checkpoint layout")."""
+    """Exact public tensor names and shapes (docs/formats.md#the-checkpoint-layout)."""
     d, v = cfg["hidden_size"], cfg["vocab_size"]
     hq, hkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
     s, e, w = cfg["shared_intermediate_size"], cfg["num_experts"], expert_width(cfg)
@@ -131,7 +131,7 @@ def _random_route_table(cfg: dict, gen: torch.Generator) -> torch.Tensor:
 
 
 def _derived_buffers(cfg: dict, route_tables: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The derived buffers of DESIGN.md ("Checkpoints that the published adapter and the Hub load").
+    """The derived buffers of docs/formats.md#derived-buffers.
 
     inv_freq is the RoPE frequency vector; fused_expert_pairs lists every pair
     a < b of experts; fused_route_codes packs each token's (first, second)

@@ -15,6 +15,9 @@ LAYERS = {"errors": 0, "atomic": 0, "paths": 0, "yamlio": 0, "ops": 1, "model": 
 MAX_LINES = 450
 # Copied verbatim into exported bundles and run by transformers there: they import no cflib code.
 NOT_CFLIB_CODE = ("export/hub_modules",)
+TESTS = project_root() / "tests"
+# Each op is tested beside its reference alone: what measures or trains with the ops is tested with them.
+NOT_IN_OP_TESTS = ("cflib.bench", "cflib.train")
 
 
 def module_name(path: Path) -> str:
@@ -130,3 +133,52 @@ def test_each_package_says_what_it_owns_and_may_import():
     for init in sorted(PACKAGE.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "import" in doc.lower(), f"{init}: the docstring says what the package owns and what it may import"
+
+
+def imported_names(path: Path) -> set[str]:
+    """Every module `path` imports by absolute name, anywhere in it; `from a import b` counts as a and a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def forbidden_imports(test_dir: Path, helpers: Path, forbidden: tuple[str, ...]) -> list[str]:
+    """Each import of a `forbidden` package by a test file under test_dir, or by a helper module of `helpers`
+    (tests/tiny_models.py, ...) that it imports, however indirectly."""
+    wrong = []
+    for start in sorted(test_dir.rglob("*.py")):
+        seen, queue = {start}, [start]
+        while queue:
+            path = queue.pop()
+            for name in sorted(imported_names(path)):
+                if any(name == package or name.startswith(package + ".") for package in forbidden):
+                    via = "" if path == start else f" (through {path.name})"
+                    wrong.append(f"{start.relative_to(test_dir.parent)} imports {name}{via}")
+                helper = helpers / f"{name}.py"
+                if helper.is_file() and helper not in seen:
+                    seen.add(helper)
+                    queue.append(helper)
+    return sorted(set(wrong))
+
+
+def test_op_tests_import_neither_bench_nor_train():
+    assert sorted((TESTS / "ops").glob("test_*.py")), "no op tests found"
+    wrong = forbidden_imports(TESTS / "ops", TESTS, NOT_IN_OP_TESTS)
+    assert not wrong, "tests/ops/ tests each op beside its reference; move these to tests/bench/ or tests/train/:\n" \
+        + "\n".join(wrong)
+
+
+def test_the_op_test_check_finds_imports_in_functions_and_helpers(tmp_path):
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "test_a.py").write_text("import torch\n\ndef test():\n    from cflib.train import prepare\n")
+    (tmp_path / "ops" / "test_b.py").write_text("from helper import x\nfrom cflib import ops\n")
+    (tmp_path / "ops" / "test_c.py").write_text("from cflib.ops.loss import IGNORE_INDEX\nimport cflib.trainer_notes\n")
+    (tmp_path / "helper.py").write_text("from cflib import bench\n")
+    assert forbidden_imports(tmp_path / "ops", tmp_path, NOT_IN_OP_TESTS) == [
+        "ops/test_a.py imports cflib.train", "ops/test_a.py imports cflib.train.prepare",
+        "ops/test_b.py imports cflib.bench (through helper.py)"]

@@ -24,6 +24,47 @@ HEADING = re.compile(r"^\s{0,3}#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:, ...
 # A page speaks of the product as it is: no tracker references.
 TRACKER = re.compile(r"\bissues?\b|(?<![\w&/])#\d+\b", re.I)
+# The project stands alone: nothing in it cites notes kept outside it or a path on one machine. Each letter class
+# ([N], [k], ...) keeps this line from matching itself.
+OUTSIDE_CITATION = re.compile(r"\b(?:DESIG[N]|METHO[D])\b|(?i:\b(?:desig[n]|metho[d])[._]md\b)|/wor[k]/|\.\./share[d]\b"
+                              r"|(?<![\w.])/(?:hom[e]|User[s])/\w")
+# The trees and files the project ships; outputs/ holds records of past runs, evidence kept as it was written.
+SHIPPED = ("cflib", "tests", "notebooks", "docs", "params", "examples", ".ci", "README.md", "Makefile",
+           "pyproject.toml", "environment.yml")
+# A code comment or docstring citing a page of the manual: docs/<page>.md, optionally #<anchor>.
+DOC_CITATION = re.compile(r"\bdocs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def shipped_files() -> list[Path]:
+    """Every text file of the shipped trees (bytecode and other binaries left out)."""
+    found = []
+    for name in SHIPPED:
+        top = ROOT / name
+        for path in sorted(top.rglob("*")) if top.is_dir() else [top] if top.is_file() else []:
+            if path.is_file() and "__pycache__" not in path.parts:
+                try:
+                    path.read_text()
+                except UnicodeDecodeError:
+                    continue
+                found.append(path)
+    return found
+
+
+def outside_citations(text: str) -> list[str]:
+    return [f"line {text[:match.start()].count(chr(10)) + 1}: {match.group(0)!r}"
+            for match in OUTSIDE_CITATION.finditer(text)]
+
+
+def broken_doc_citations(text: str, root: Path = ROOT) -> list[str]:
+    """Each docs/<page>.md[#anchor] cited in `text` whose page, or heading, does not exist."""
+    broken = []
+    for page, anchor in DOC_CITATION.findall(text):
+        path = root / "docs" / page
+        if not path.is_file():
+            broken.append(f"docs/{page}: no such page")
+        elif anchor and anchor not in anchors(path):
+            broken.append(f"docs/{page}#{anchor}: no heading with that anchor")
+    return broken
 
 
 def prose(text: str) -> str:
@@ -97,6 +138,28 @@ def test_pages_speak_of_the_product_not_of_its_tracker(page):
     assert not hits, f"{page.relative_to(ROOT)} refers to issues: {hits}"
 
 
+def test_the_project_cites_nothing_outside_itself():
+    files = shipped_files()
+    assert any(path.suffix == ".py" for path in files) and any(path.suffix == ".md" for path in files)
+    hits = {path.relative_to(ROOT).as_posix(): found
+            for path in files if (found := outside_citations(path.read_text()))}
+    assert not hits, f"citations of notes outside the project or of machine paths (cite docs/ instead): {hits}"
+
+
+def test_code_citing_the_manual_names_pages_and_headings_that_exist():
+    cited = broken = 0
+    problems = {}
+    for path in shipped_files():
+        if path.suffix in (".py", ".ipynb") or path.name == "Makefile":
+            text = path.read_text()
+            cited += len(DOC_CITATION.findall(text))
+            if found := broken_doc_citations(text):
+                problems[path.relative_to(ROOT).as_posix()] = found
+                broken += len(found)
+    assert cited, "no docs/ citation found in the code (is DOC_CITATION still right?)"
+    assert not problems, f"{broken} citation(s) of the manual lead nowhere: {problems}"
+
+
 # --- the checks themselves ---------------------------------------------------------------
 
 def test_a_broken_link_image_or_anchor_is_caught(tmp_path):
@@ -133,3 +196,22 @@ def test_github_anchors():
     assert slug("2-D loss weighting") == "2-d-loss-weighting"
     assert slug("`make lab`") == "make-lab"
     assert slug("The TR-MoE block: three designs") == "the-tr-moe-block-three-designs"
+
+
+# Written in pieces, here and below, so that this file does not cite what it tests for.
+@pytest.mark.parametrize("text, found", [
+    ("written from DESIG" "N.md alone", True), ("(METHO" "D: ||a - b||)", True), ("see desig" "n_md", True),
+    ("/wor" "k/shared/notes", True), ("../share" "d/x", True), ("/hom" "e/alice/run", True),
+    ("three designs", False), ("the method of moments", False), ("docs/formats.md#derived-buffers", False),
+    ("outputs/runs/x", False), ("a shared/ folder", False), ("/usr/bin/chromium", False),
+])
+def test_outside_citations_are_recognised(text, found):
+    assert bool(outside_citations(text)) is found
+
+
+def test_a_citation_of_a_missing_page_or_heading_is_caught(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "page.md").write_text("# Page\n\n## Derived buffers\n")
+    text = ("see docs/" "page.md#derived-buffers, docs/" "page.md, docs/" "page.md#gone and docs/" "none.md#x")
+    assert broken_doc_citations(text, tmp_path) == ["docs/" "page.md#gone: no heading with that anchor",
+                                                    "docs/" "none.md: no such page"]

@@ -18,7 +18,8 @@ from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_probl
 from cflib.ops.dispatch import KernelPlan, quack_problem
 from cflib.ops.sft_loss import SFTLoss
 
-# bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3 (METHOD.md).
+# bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3
+# (docs/formats.md#numerical-tolerances).
 TOLERANCES = {"float32": 1e-4, "bfloat16": 2e-2}
 
 

@@ -3,7 +3,7 @@
 Truth is the reference computed in float64 from the same inputs. Each fast path
 runs as training runs it (fp32; or BF16 activations with fp32 weights under
 autocast), and its error is the normwise relative error against that truth
-(METHOD: ||out - ref|| / ||ref||); the reference path's own error in the same
+(docs/formats.md#numerical-tolerances: ||out - ref|| / ||ref||); the reference path's own error in the same
 dtype is shown beside it. Max absolute and max relative (to the largest
 reference magnitude) errors are reported too. Pass: normwise error within the
 dtype's tolerance.

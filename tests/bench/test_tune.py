@@ -187,6 +187,7 @@ def test_tuning_params_files_validate(name):
     TuneParams.from_dict(load_params_file(ROOT / "params" / name), source=name)
 
 
+@pytest.mark.slow
 def test_papermill_tunes_on_cpu_and_train_sft_accepts_the_result(tmp_path):
     out_dir = tmp_path / "tune"
     executed = tmp_path / "tune.ipynb"

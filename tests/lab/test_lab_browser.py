@@ -40,6 +40,8 @@ try:
 except ImportError:
     from tests.processes import descendants, still_running
 
+pytestmark = pytest.mark.slow  # JupyterLab and a browser: make test runs it, make test-fast leaves it out
+
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = ROOT / "outputs" / "lab"

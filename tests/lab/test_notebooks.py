@@ -92,6 +92,7 @@ def test_release_profile_without_its_inputs_names_the_missing_checkpoint():
         prepare(params)
 
 
+@pytest.mark.slow
 def test_papermill_runs_the_smoke_profile(tmp_path):
     out_dir = tmp_path / "run"
     executed = tmp_path / "executed.ipynb"
@@ -112,6 +113,7 @@ def test_papermill_runs_the_smoke_profile(tmp_path):
     assert (out_dir / "loss_curves.png").is_file()
 
 
+@pytest.mark.slow
 def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(tmp_path):
     """loss_groups, a nested mapping, reaches the notebook from the params YAML (-f)."""
     out_dir = tmp_path / "run"
@@ -134,6 +136,7 @@ def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(t
     assert (out_dir / "loss_weighting.json").is_file() and (out_dir / "loss_weighting.png").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("notebook, misspelt", [("train_sft.ipynb", {"lrr": 0.1}),
                                                 ("tune_microbatch.ipynb", {"budget": 40}),
                                                 ("chat.ipynb", {"max_new_token": 4})])
@@ -146,6 +149,7 @@ def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, 
     assert not out_dir.exists()
 
 
+@pytest.mark.slow
 def test_papermill_launches_torchrun_from_the_notebook(tmp_path):
     out_dir = tmp_path / "run"
     executed = tmp_path / "executed.ipynb"
@@ -178,6 +182,7 @@ def tiny_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_papermill_chat_answers_every_prompt_of_a_jsonl_file(tmp_path, tiny_checkpoint):
     prompts = tmp_path / "prompts.jsonl"
     conversations = [[{"role": "user", "content": "12+34="}],
@@ -196,6 +201,7 @@ def test_papermill_chat_answers_every_prompt_of_a_jsonl_file(tmp_path, tiny_chec
     assert not (out_dir / "trained-here").exists()  # a checkpoint was named: nothing trained
 
 
+@pytest.mark.slow
 def test_papermill_chat_refuses_a_template_without_an_assistant_marker(tmp_path, tiny_checkpoint):
     out_dir = tmp_path / "chat"
     with pytest.raises(papermill.PapermillExecutionError, match="the template names no assistant marker"):

@@ -27,7 +27,7 @@ WEIGHTS = "model.safetensors"
 
 
 def public_layout(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of DESIGN.md's "Checkpoint layout" (no derived buffers)."""
+    """Tensor names and shapes of docs/formats.md#the-checkpoint-layout (no derived buffers)."""
     d, v, hd = config.hidden_size, config.vocab_size, config.head_dim
     hq, hkv, s = config.num_attention_heads, config.num_key_value_heads, config.shared_intermediate_size
     e, w, k = config.num_experts, config.expert_width, config.num_experts_per_tok
@@ -90,7 +90,7 @@ def test_round_trip_reproduces_logits_and_route_tables(saved: tuple[TRMoEModel, 
 
 
 def derived_layout(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """DESIGN.md's derived buffers of a top-2 model over 4 experts: names, shapes and dtypes."""
+    """The derived buffers (docs/formats.md#derived-buffers) of a top-2 model over 4 experts: names, shapes, dtypes."""
     pairs = config.num_experts * (config.num_experts - 1) // 2
     layout = {}
     for i in range(config.num_hidden_layers):

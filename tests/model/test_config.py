@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover - tests/ imported as a package
 
 RELEASED_PARAMETERS = 201_194_368
 
-# DESIGN.md, "The released 200M configuration".
+# docs/formats.md#the-released-200m-configuration.
 RELEASED_FIELDS: dict[str, object] = dict(
     hidden_size=896, num_hidden_layers=16, num_attention_heads=14, num_key_value_heads=2,
     use_qk_norm=True, norm_eps=1e-6, rope_theta=10000.0, vocab_size=32000,

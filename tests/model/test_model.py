@@ -29,7 +29,7 @@ def gradients(model: TRMoEModel) -> dict[str, torch.Tensor]:
 
 
 def expert_swiglu(engine: TRMoEEngine, expert: int, x: torch.Tensor) -> torch.Tensor:
-    """One routed expert on one token, written from DESIGN.md: down(silu(x gate) * (x up))."""
+    """One routed expert on one token, written from docs/formats.md#the-tr-moe-model: down(silu(x gate) * (x up))."""
     return (F.silu(x @ engine.expert_gate[expert]) * (x @ engine.expert_up[expert])) @ engine.expert_down[expert]
 
 

@@ -2,7 +2,7 @@
 
 Checkpoints and shards are produced by the independent writer (never by
 cflib), loaded through cflib's public API, and compared against a float64,
-one-sequence-at-a-time reference forward pass written from DESIGN.md alone.
+one-sequence-at-a-time reference forward pass written from docs/formats.md alone.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ MAX_SEQ_LEN = 48
 
 
 def tiny_config(**overrides: object) -> dict:
-    """Small config with every DESIGN.md config.json key."""
+    """Small config with every config.json key of docs/formats.md#the-released-200m-configuration."""
     cfg = {
         "hidden_size": 64,
         "num_hidden_layers": 2,

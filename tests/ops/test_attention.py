@@ -1,8 +1,10 @@
-"""Which attention kernel runs where, and how a run's attention_backend is checked before any step.
+"""The attention backends (cflib.ops.attention): which kernel runs where, and each one beside its reference.
 
-The GPU kernels cannot run here: the GPUs are mocked (compute capability, installed
-packages), as the kernel dispatch tests mock a missing Liger. The kernels' numbers
-are checked by validate_kernels on a GPU (cflib.bench.components).
+Where a kernel cannot run (a GPU kernel on a CPU), the choice of kernel is checked on mocked GPUs
+(compute capability, installed packages), as the dispatch tests mock a missing Liger, and what cflib
+hands the GPU kernels through stand-ins of their signatures; the kernels' numbers are checked
+against a float64 reference wherever they run (the end of this file). A run's attention_backend,
+checked before any step, is tested in tests/train/test_kernel_params.py.
 """
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ import importlib.util
 
 import pytest
 import torch
+from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
+from tiny_models import KERNEL_DEVICE
 
 from cflib.ops import attention
-from cflib.ops.attention import ATTENTION_BACKENDS, choose_kernel, plan_attention
+from cflib.ops.attention import (GPU_NEEDS, HALF_ONLY_KERNELS, attend, attention_batch, backend_problem,
+                                 choose_kernel, pack_documents, plan_attention)
 from cflib.ops.dispatch import KernelUnavailable, plan_kernels
-from cflib.train import prepare
-from cflib.train.params import ParamError, TrainParams
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -114,40 +117,12 @@ def test_cudnn_sdpa_cannot_attend_packed_windows(gpu):
         plan_attention("cudnn_sdpa", GPU, 64, packed=True)
     with pytest.raises(KernelUnavailable, match="cudnn_sdpa attends dense rows only"):
         choose_kernel("cudnn_sdpa", True, GPU, 64, BF16)
-    with pytest.raises(ParamError, match="cudnn_sdpa attends dense rows only.*pack_sequences"):
-        TrainParams.from_dict({"attention_backend": "cudnn_sdpa", "pack_sequences": True})
 
 
 @pytest.mark.parametrize("name", ["fa4", "cudnn_sdpa", "torch_varlen", "flex"])
 def test_a_gpu_backend_asked_for_on_cpu_names_the_failed_check(name):
     with pytest.raises(KernelUnavailable, match=f"attention_backend: {name}, but no GPU: the device is cpu"):
         plan_kernels("false", False, CPU, name, 64)
-
-
-def test_fa4_on_cpu_stops_prepare_before_anything_is_written(tmp_path):
-    out_dir = tmp_path / "run"
-    params = TrainParams.from_dict({"model": "smoke", "device": "cpu", "out_dir": str(out_dir),
-                                    "attention_backend": "fa4"})
-    with pytest.raises(KernelUnavailable, match="attention_backend: fa4, but no GPU"):
-        prepare(params)
-    assert not out_dir.exists()
-
-
-@pytest.mark.parametrize("value", ["FA4", "flash", "flex_attention", "", "true"])
-def test_attention_backend_refuses_other_values_listing_the_choices(value):
-    with pytest.raises(ParamError, match="attention_backend must be one of") as caught:
-        TrainParams.from_dict({"attention_backend": value})
-    assert all(name in str(caught.value) for name in ATTENTION_BACKENDS)
-
-
-def test_a_run_checks_its_backend_where_it_trains(tmp_path):
-    """The backend that runs on a CPU is accepted there and the model attends with it; FlexAttention, which
-    trains only on a GPU, is refused before any step."""
-    params = {"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "run"), "pack_sequences": True}
-    run = prepare(TrainParams.from_dict({**params, "attention_backend": "sdpa_mask"}))
-    assert run.kernels.attention == run.model.attention_backend == "sdpa_mask"
-    with pytest.raises(KernelUnavailable, match="attention_backend: flex, but no GPU"):
-        prepare(TrainParams.from_dict({**params, "attention_backend": "flex"}))
 
 
 # --- the varlen and FlashAttention-4 calls, through stand-ins of the GPU kernels' signatures --------------------
@@ -219,3 +194,53 @@ def test_the_model_hands_the_gpu_kernels_what_they_take(monkeypatch, kernel):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
     for name, grad in want_grads.items():
         assert (got_grads[name] - grad).norm() <= 2e-2 * grad.norm() + 1e-6, name
+
+
+# --- each kernel beside its reference, where it runs -----------------------------------------------------------
+
+# (attention_backend, packed): every kernel the backends run (auto on dense rows: torch_sdpa on a CPU).
+KERNEL_CASES = [("auto", False), ("sdpa_mask", True), ("fa4", False), ("fa4", True), ("cudnn_sdpa", False),
+                ("torch_varlen", True), ("flex", True)]
+BATCH, SEQ, Q_HEADS, KV_HEADS, HEAD_DIM = 2, 12, 4, 2, 32
+DOCUMENT_IDS = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 8 + [1] * 4])
+
+
+def attention_truth(document_ids):
+    """Causal attention of each document alone, with GQA, an explicit softmax and scale 1/sqrt(hd)."""
+    def attend_each(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        allowed = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()
+        if document_ids is not None:
+            allowed = allowed & (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
+        scores = (q @ k.transpose(-1, -2)) / HEAD_DIM ** 0.5
+        return scores.masked_fill(~allowed.to(q.device), float("-inf")).softmax(-1) @ v
+    return attend_each
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("backend, packed", KERNEL_CASES, ids=[f"{b}-{'packed' if p else 'dense'}"
+                                                              for b, p in KERNEL_CASES])
+def test_each_kernel_matches_the_reference_forward_and_backward(backend, packed, dtype):
+    if problem := backend_problem(backend, KERNEL_DEVICE, HEAD_DIM, packed=packed) if backend != "auto" else None:
+        pytest.skip(problem)
+    if dtype == torch.float32 and (backend in GPU_NEEDS or backend in HALF_ONLY_KERNELS):
+        pytest.skip(f"{backend} computes in bfloat16/float16: checked in bfloat16")
+    gen = torch.Generator().manual_seed(len(backend) + packed)
+    raw = {name: torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen).to(dtype)
+           for name, heads in (("q", Q_HEADS), ("k", KV_HEADS), ("v", KV_HEADS))}
+    documents = pack_documents(DOCUMENT_IDS).moved(lambda t: t.to(KERNEL_DEVICE)) if packed else None
+    ran = []
+
+    def fast(q, k, v):
+        batch = attention_batch(backend, q.device, q.dtype, HEAD_DIM, documents)
+        ran.append(batch.kernel)
+        return attend(q, k, v, batch)
+    grad = ("q", "k", "v")
+    truth = run(attention_truth(DOCUMENT_IDS if packed else None),
+                leaves(raw, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 4)
+    got = run(fast, leaves(raw, {}, KERNEL_DEVICE, grad), 4)
+    want = (attention.KERNELS[backend][packed] if backend != "auto"
+            else choose_kernel("auto", packed, KERNEL_DEVICE, HEAD_DIM, dtype))
+    assert ran == [want]  # the kernel asked for ran, not a fallback
+    assert_matches(got, truth, dtype)

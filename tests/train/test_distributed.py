@@ -57,6 +57,7 @@ def test_epochs_reshuffle_reproducibly():
     assert not np.array_equal(first, epoch_stream(50, seed=1, epoch=2, global_batch=10)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_give_the_losses_of_one(tmp_path, strategy):
     single = train({**BASE, "out_dir": str(tmp_path / "one")}, progress=False)
@@ -75,6 +76,7 @@ def test_two_processes_give_the_losses_of_one(tmp_path, strategy):
     assert {f"layers.{i}.{suffix}" for i in range(2) for suffix in DERIVED_SUFFIXES} <= written.keys()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_processes_train_lora_adapters_like_one(tmp_path, strategy):
     """Frozen base, trainable adapters (BF16 base under FSDP: mixed dtypes in one shard group)."""
@@ -99,6 +101,7 @@ def test_two_processes_train_lora_adapters_like_one(tmp_path, strategy):
         torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5 if strategy == "ddp" else 5e-3, msg=name)
 
 
+@pytest.mark.slow
 def test_two_processes_pack_and_weight_like_one(tmp_path):
     """Workers skip the preflight their launcher ran, plan the same windows and weigh the same tokens."""
     groups = {"arithmetic": {"target_share": 0.4, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},
@@ -117,6 +120,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_rendezvous_on_localhost(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
     common = {**BASE, "out_dir": str(tmp_path / "run"), "nnodes": 2, "rdzv_endpoint": endpoint}
@@ -139,6 +143,7 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path):
     assert len(train_losses(tmp_path / "run")) == 3
 
 
+@pytest.mark.slow
 def test_killing_a_rank_ends_the_job_promptly_with_its_error(tmp_path):
     out_dir = tmp_path / "run"
     run = prepare(TrainParams.from_dict({**BASE, "out_dir": str(out_dir), "nproc_per_node": 2,

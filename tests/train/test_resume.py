@@ -66,6 +66,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=atol, msg=name)
 
 
+@pytest.mark.slow
 def test_killed_single_process_run_resumes_to_the_uninterrupted_weights(tmp_path, shard):
     reference = train(params(shard, tmp_path / "whole"), progress=False)
     start_and_kill(params(shard, tmp_path / "killed"), tmp_path / "killed", after_checkpoint="step-8")
@@ -78,6 +79,7 @@ def test_killed_single_process_run_resumes_to_the_uninterrupted_weights(tmp_path
     assert resumed["schedule"]["fill_ins_per_epoch"] == [8] * 12
 
 
+@pytest.mark.slow
 def test_killed_two_process_run_resumes_and_refuses_another_world_size(tmp_path, shard):
     out_dir = tmp_path / "killed"
     two = params(shard, out_dir, nproc_per_node=2, epochs=4)
@@ -91,6 +93,7 @@ def test_killed_two_process_run_resumes_and_refuses_another_world_size(tmp_path,
     assert_same_weights(weights(tmp_path / "single"), weights(out_dir), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path, shard):
     """FSDP gathers the whole optimizer state, keyed by parameter name: FSDP resumes it, and so would DDP."""
     out_dir = tmp_path / "killed"
@@ -179,6 +182,7 @@ def base(tmp_path_factory) -> Path:
     return save_checkpoint(TRMoEModel(preset("smoke")), tmp_path_factory.mktemp("base") / "base")
 
 
+@pytest.mark.slow
 def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, base, monkeypatch):
     """Adapters, their AdamW state and the stream continue; the frozen base is reloaded and checked."""
     lora = {"init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lora_dropout": 0.1,

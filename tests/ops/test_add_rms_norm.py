@@ -1,0 +1,57 @@
+"""cflib's residual add + RMSNorm kernel (cflib.ops.add_rms_norm) beside its PyTorch reference, forward and backward.
+
+Triton's interpreter runs it on a CPU (tests/conftest.py), the GPU where there is one.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
+from tiny_models import KERNEL_DEVICE
+
+from cflib.ops.add_rms_norm import add_rms_norm
+
+EPS = 1e-6
+ROWS, DIM = 24, 48  # a width below a power of two: the kernel's masked columns run too
+
+
+def reference(h, delta, weight):
+    """s = h + delta; rmsnorm(s) * weight, every step in the inputs' dtype (float64 for the truth)."""
+    total = h + delta
+    return total, total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+
+def inputs(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"h": torch.randn(ROWS, DIM, generator=gen) * 2, "delta": torch.randn(ROWS, DIM, generator=gen),
+            "weight": torch.randn(DIM, generator=gen) * 0.1 + 1.0}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_matches_the_reference_forward_and_backward(dtype, seed):
+    """As training runs it: the residual h and the weight in fp32, the sub-layer's output delta in the
+    compute dtype, the normed output in the autocast dtype."""
+    raw = inputs(seed)
+    dtypes = {"h": torch.float32, "delta": dtype, "weight": torch.float32}
+    rounded = {name: value.to(dtypes[name]) for name, value in raw.items()}
+    grad = ("h", "delta", "weight")
+    truth = run(reference, leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), seed + 10)
+    got = run(lambda h, delta, weight: add_rms_norm(h, delta, weight, EPS),
+              leaves(rounded, dtypes, KERNEL_DEVICE, grad), seed + 10,
+              autocast_dtype=dtype if dtype != torch.float32 else None)
+    assert got["out0"].dtype == torch.float32 and got["out1"].dtype == dtype  # the stream stays fp32
+    assert got["d_delta"].dtype == dtype
+    assert_matches(got, truth, dtype)
+
+
+def test_nothing_to_add_is_the_norm_of_the_stream():
+    """The first layer has no delta: the stream passes unchanged and is normalised."""
+    raw = inputs(2)
+    grad = ("h", "weight")
+    truth = run(lambda h, weight: reference(h, torch.zeros_like(h), weight),
+                leaves({k: raw[k] for k in grad}, dict.fromkeys(grad, torch.float64), KERNEL_DEVICE, grad), 3)
+    got = run(lambda h, weight: add_rms_norm(h, None, weight, EPS),
+              leaves({k: raw[k] for k in grad}, {}, KERNEL_DEVICE, grad), 3)
+    assert torch.equal(got["out0"].cpu(), raw["h"])
+    assert_matches(got, truth, torch.float32)

@@ -1,0 +1,46 @@
+"""cflib's fused linear cross-entropy with token weights (cflib.ops.cross_entropy) beside the full-logit loss.
+
+The op takes the supervised rows only (cflib.ops.loss.supervised_rows picks them) and returns
+sum_i w_i * CE(hidden_i @ head.T, target_i), its gradients done in forward.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
+from tiny_models import KERNEL_DEVICE
+
+from cflib.ops.cross_entropy import FusedLinearWeightedCrossEntropy
+
+ROWS, DIM, VOCAB = 19, 16, 300  # a vocabulary below a power of two: the kernel's masked columns run too
+
+
+def reference(hidden, head, token_weights=None, *, targets):
+    losses = F.cross_entropy(hidden @ head.t(), targets, reduction="none")
+    return (losses * token_weights).sum() if token_weights is not None else losses.sum()
+
+
+def inputs(seed: int, weighted: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    raw = {"hidden": torch.randn(ROWS, DIM, generator=gen), "head": torch.randn(VOCAB, DIM, generator=gen) * 0.4}
+    if weighted:
+        raw["token_weights"] = torch.rand(ROWS, generator=gen) * 3
+    return raw, torch.randint(0, VOCAB, (ROWS,), generator=gen).to(KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("chunk", [1, 6, 1024])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_matches_the_full_logit_loss_forward_and_backward(dtype, weighted, chunk):
+    """As SFTLoss runs it: hidden states and head in the run's dtype, the token weights in fp32."""
+    raw, targets = inputs(chunk, weighted)
+    dtypes = {"hidden": dtype, "head": dtype}
+    rounded = {name: value.to(dtypes.get(name, value.dtype)) for name, value in raw.items()}
+    grad = ("hidden", "head")
+    truth = run(lambda **t: reference(**t, targets=targets),
+                leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 2)
+    got = run(lambda hidden, head, token_weights=None: FusedLinearWeightedCrossEntropy.apply(
+        hidden, head, targets, token_weights, chunk), leaves(rounded, {}, KERNEL_DEVICE, grad), 2)
+    assert got["out0"].dtype == torch.float32 and got["d_head"].dtype == dtype
+    assert_matches(got, truth, dtype)

@@ -1,0 +1,88 @@
+"""cflib's TR-MoE kernel (cflib.ops.trmoe) beside the block's formula, forward and backward.
+
+TR-MoE(x, t) = shared_output_scale * shared_swiglu(x) + routed_output_scale * sum_k w_k * expert[route_table[k, t]](x)
+(docs/formats.md#the-tr-moe-model). The reference below runs only each token's routed experts, one route at a
+time; the kernel runs every expert on every token with zero coefficients off its routes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
+from tiny_models import KERNEL_DEVICE, tiny_config
+
+from cflib.model.decoder import TRMoEEngine
+from cflib.ops.trmoe import engine_weights, trmoe_forward
+
+TOKENS = 20
+WEIGHTS = ("shared_gate", "shared_up", "shared_down", "expert_gate", "expert_up", "expert_down")
+
+
+def swiglu(x, gate, up, down):
+    """down(silu(x @ gate) * (x @ up)) for [N, D] x with weights laid out as the checkpoint's."""
+    return (F.silu(x @ gate) * (x @ up)) @ down
+
+
+def reference(engine: TRMoEEngine, token_ids: torch.Tensor):
+    routes = engine.route_table[:, token_ids].cpu()  # [top_k, N]
+
+    def block(x, shared_gate, shared_up, shared_down, expert_gate, expert_up, expert_down):
+        shared = swiglu(x, shared_gate.t(), shared_up.t(), shared_down.t())
+        routed = torch.zeros_like(shared)
+        for k, weight in enumerate(engine.route_weights):
+            for n in range(x.shape[0]):
+                e = int(routes[k, n])
+                routed[n] += weight * swiglu(x[n:n + 1], expert_gate[e], expert_up[e], expert_down[e])[0]
+        return engine.shared_output_scale * shared + engine.routed_output_scale * routed
+    return block
+
+
+def problem(seed: int, **config):
+    """An engine (its routes and scales; the weights are the leaves) and random inputs and weights."""
+    torch.manual_seed(seed)
+    engine = TRMoEEngine(tiny_config(**config)).to(KERNEL_DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    raw = {"x": torch.randn(TOKENS, engine.expert_gate.shape[1], generator=gen)}
+    raw.update({name: torch.randn(tensor.shape, generator=gen) * 0.2
+                for name, tensor in engine_weights(engine).items()})
+    token_ids = torch.randint(0, engine.route_table.shape[1], (TOKENS,), generator=gen).to(KERNEL_DEVICE)
+    return engine, raw, token_ids
+
+
+def check(engine, raw, token_ids, dtype):
+    """As training runs it: fp32 weights, x in the compute dtype, the GEMMs under autocast."""
+    dtypes = {"x": dtype}
+    rounded = {name: value.to(dtypes.get(name, torch.float32)) for name, value in raw.items()}
+    grad = ("x", *WEIGHTS)
+    truth = run(reference(engine, token_ids), leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad),
+                5)
+    got = run(lambda x, **weights: trmoe_forward(engine, x, token_ids, weights=weights),
+              leaves(rounded, {}, KERNEL_DEVICE, grad), 5, autocast_dtype=dtype if dtype != torch.float32 else None)
+    assert_matches(got, truth, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_the_released_routing_matches_the_formula(dtype):
+    """Top-2, 0.5 / 0.5, shared scale 1 and routed scale 2, as the released 200M model routes."""
+    engine, raw, token_ids = problem(0)
+    assert engine.route_weights == [0.5, 0.5] and engine.routed_output_scale == 2.0
+    check(engine, raw, token_ids, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_unequal_route_weights_other_scales_and_a_token_routed_twice_to_one_expert(dtype):
+    """Top-3 with primary weight 0.6 (0.2 each for the others), other output scales, and every other token's
+    third route its primary expert again: that expert gets both weights."""
+    engine, raw, token_ids = problem(1, num_experts_per_tok=3, top_k_primary_weight=0.6,
+                                     shared_output_scale=0.5, routed_output_scale=3.0)
+    engine.route_table[2, ::2] = engine.route_table[0, ::2]
+    assert engine.route_weights == pytest.approx([0.6, 0.2, 0.2])
+    check(engine, raw, token_ids, dtype)
+
+
+def test_route_weights_other_than_a_primary_and_equal_others_are_refused():
+    engine, raw, token_ids = problem(2, num_experts_per_tok=3, top_k_primary_weight=0.5)
+    engine.route_weights = [0.5, 0.3, 0.2]
+    with pytest.raises(ValueError, match="primary weight and equal others"):
+        trmoe_forward(engine, raw["x"].to(KERNEL_DEVICE), token_ids)

@@ -1,0 +1,74 @@
+"""A run's fast paths and attention backend: checked before any step (nothing written when refused), and the
+kernels that ran read back into the record.
+
+Which kernel runs where is tested in tests/ops/ (test_dispatch.py, test_attention.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import KERNEL_DEVICE
+
+from cflib.ops.attention import ATTENTION_BACKENDS
+from cflib.ops.dispatch import KernelUnavailable
+from cflib.train import prepare, train
+from cflib.train.params import ParamError, TrainParams
+
+DEVICE = KERNEL_DEVICE
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"use_custom_kernels": "true"}, "use_custom_kernels: true, but no GPU"),
+    ({"require_liger": True}, "require_liger: true, but no GPU"),
+])
+def test_required_fast_path_stops_before_training(monkeypatch, tmp_path, flags, message):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out_dir = tmp_path / "run"
+    params = TrainParams.from_dict({"model": "smoke", "device": "cpu", "out_dir": str(out_dir), **flags})
+    with pytest.raises(KernelUnavailable, match=message):
+        prepare(params)
+    assert not out_dir.exists()
+
+
+def test_training_records_the_kernels_that_ran(tmp_path):
+    record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 2,
+                    "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False,
+                    "device": DEVICE.type, "out_dir": str(tmp_path / "run"),
+                    "use_custom_kernels": "true", "require_liger": True}, progress=False)
+    assert record["kernel_path"]["moe"] == "triton_fused"
+    assert record["kernel_path"]["rmsnorm"] == "cflib_add_rmsnorm" and record["kernel_path"]["qk_norm"] == "cflib_qk_norm_rope"
+    assert record["kernel_path"]["loss"] == "cflib_triton_fused_linear_ce"
+    assert record["kernel_path"]["attention"] == "torch_sdpa"
+    assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True,
+                                           "attention_backend": "auto", "notes": []}
+
+
+def test_cudnn_sdpa_with_packed_windows_is_refused_naming_pack_sequences():
+    with pytest.raises(ParamError, match="cudnn_sdpa attends dense rows only.*pack_sequences"):
+        TrainParams.from_dict({"attention_backend": "cudnn_sdpa", "pack_sequences": True})
+
+
+def test_fa4_on_cpu_stops_prepare_before_anything_is_written(tmp_path):
+    out_dir = tmp_path / "run"
+    params = TrainParams.from_dict({"model": "smoke", "device": "cpu", "out_dir": str(out_dir),
+                                    "attention_backend": "fa4"})
+    with pytest.raises(KernelUnavailable, match="attention_backend: fa4, but no GPU"):
+        prepare(params)
+    assert not out_dir.exists()
+
+
+@pytest.mark.parametrize("value", ["FA4", "flash", "flex_attention", "", "true"])
+def test_attention_backend_refuses_other_values_listing_the_choices(value):
+    with pytest.raises(ParamError, match="attention_backend must be one of") as caught:
+        TrainParams.from_dict({"attention_backend": value})
+    assert all(name in str(caught.value) for name in ATTENTION_BACKENDS)
+
+
+def test_a_run_checks_its_backend_where_it_trains(tmp_path):
+    """The backend that runs on a CPU is accepted there and the model attends with it; FlexAttention, which
+    trains only on a GPU, is refused before any step."""
+    params = {"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "run"), "pack_sequences": True}
+    run = prepare(TrainParams.from_dict({**params, "attention_backend": "sdpa_mask"}))
+    assert run.kernels.attention == run.model.attention_backend == "sdpa_mask"
+    with pytest.raises(KernelUnavailable, match="attention_backend: flex, but no GPU"):
+        prepare(TrainParams.from_dict({**params, "attention_backend": "flex"}))
