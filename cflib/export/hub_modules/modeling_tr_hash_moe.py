@@ -15,8 +15,8 @@ table of token ids, so every forward needs input_ids (not inputs_embeds).
 As a transformers model it takes transformers' caches (DynamicCache,
 StaticCache: `generate(cache_implementation="static")` and torch.compile with
 fullgraph), the attention implementation transformers selects (`sdpa`, here
-with GQA and never a repeated KV head; `eager`; `flash_attention_*` and
-`flex_attention` through transformers' attention interface), padding-free
+with GQA and never a repeated KV head; `eager`; `flash_attention_*` through
+transformers' attention interface), padding-free
 packed rows (position_ids restarting per example: each example attends only
 to itself), gradient checkpointing, and the loss of `labels` through
 transformers' causal-LM loss (`num_items_in_batch` honoured, so gradient
@@ -35,7 +35,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_tr_hash_moe import TRHashConfig
@@ -311,7 +311,6 @@ class TRHashPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["TRHashDecoderLayer"]
     _supports_sdpa = True
     _supports_flash_attn = True
-    _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True  # StaticCache + torch.compile(fullgraph=True): no graph break, no host sync
     _supports_static_cache = True  # the name transformers before 5 read
@@ -336,6 +335,34 @@ class TRHashPreTrainedModel(PreTrainedModel):
                 module.fused_expert_pairs.copy_(pairs)
 
 
+class TRHashTiedHead:
+    """The output head as tools that bring their own loss read it (TRL's fused LM head): `weight` is the input
+    embedding's own tensor (tied), no bias. A view, not a module: the checkpoint holds no head of its own."""
+
+    bias = None
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        self._embedding = embedding
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding.weight
+
+
+class TRHashTrunk:
+    """The body (embeddings, layers, final norm) returning hidden states, as `model.base_model`: what tools that
+    apply the head themselves call. A view over the model's own modules, so no tensor is renamed."""
+
+    _tp_plan = _pp_plan = None
+
+    def __init__(self, model: "TRHashForCausalLM") -> None:
+        self._model = model
+
+    def __call__(self, input_ids: torch.LongTensor | None = None, **kwargs) -> BaseModelOutputWithPast:
+        hidden, cache = self._model.hidden_states(input_ids, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{_CACHE_FIELD: cache})
+
+
 class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
     def __init__(self, config: TRHashConfig) -> None:
         super().__init__(config)
@@ -344,30 +371,28 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
         self.norm = TRHashRMSNorm(config.hidden_size, config.norm_eps)
         self.post_init()
 
+    @property
+    def base_model(self) -> TRHashTrunk:
+        return TRHashTrunk(self)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def get_output_embeddings(self) -> None:
-        return None  # the head is embed_tokens itself (logits = h @ embed_tokens.weight.T)
+    def get_output_embeddings(self) -> TRHashTiedHead:
+        return TRHashTiedHead(self.embed_tokens)  # logits = h @ embed_tokens.weight.T
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        cache: Cache | None = None,
-        **kwargs,
-    ) -> CausalLMOutputWithPast:
-        """kwargs: `num_items_in_batch` (the supervised tokens of the whole accumulated batch: the loss is their
-        mean), and what transformers' attention kernels read (cu_seq_lens_*, max_length_* of padding-free rows)."""
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise ValueError("a TR-MoE's vocabulary is fixed by its route tables (every token id has its experts): "
+                         "the token embeddings cannot be resized")
+
+    def hidden_states(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                      inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                      cache: Cache | None = None, keep_cache: bool = True, **kwargs) -> tuple[torch.Tensor, Cache | None]:
+        """(final normed hidden states [B, T, D], the cache); kwargs reach transformers' attention kernels."""
         if input_ids is None:
             raise ValueError("TR-MoE routes each token by its id: pass input_ids (inputs_embeds alone cannot route)")
         cache = cache if cache is not None else past_key_values
@@ -375,7 +400,7 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if not use_cache:
             cache = None
-        elif cache is None and labels is None:  # a forward that computes a loss keeps no cache
+        elif cache is None and keep_cache:
             cache = DynamicCache()
         batch, seq = input_ids.shape
         if position_ids is None:
@@ -400,7 +425,25 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
         for layer in self.layers:
             h = layer(h, input_ids, position_embeddings, attention_mask=mask, cache=cache, position_ids=position_ids,
                       **kwargs)
-        h = self.norm(h)
+        return self.norm(h), cache
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """kwargs: `num_items_in_batch` (the supervised tokens of the whole accumulated batch: the loss is their
+        mean), and what transformers' attention kernels read (cu_seq_lens_*, max_length_* of padding-free rows)."""
+        h, cache = self.hidden_states(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                      use_cache, cache, keep_cache=labels is None, **kwargs)  # a loss keeps no cache
         if isinstance(logits_to_keep, int):
             kept = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
         else:
