@@ -194,21 +194,26 @@ def test_device_map_auto_loads_the_bundle(pair):
     torch.testing.assert_close(logits, cflib_logits(model, ids), rtol=0, atol=1e-5)
 
 
-def test_a_forward_with_labels_keeps_no_cache_and_decoding_reuses_the_route_coefficients(pair):
+def test_a_forward_with_labels_keeps_no_cache_and_decoding_reuses_what_it_derived(pair):
     model, bundle = pair
     hub_model = hub(bundle)
     ids = random_ids(model.config.vocab_size, 1, 6, seed=4)
+    engine = hub_model.layers[0].mlp["engine"]
     with torch.no_grad():
         assert hub_model(input_ids=ids, labels=ids).past_key_values is None
         out = hub_model(input_ids=ids, use_cache=True)
         assert isinstance(out.past_key_values, DynamicCache) and out.past_key_values.get_seq_length() == 6
-        engine = hub_model.layers[0].mlp["engine"]
-        built = engine._coefficients
+        built = {name: tensor for name, (_, tensor) in engine._derived.items()}
+        assert set(built) == {"coefficients", "experts_in"}
         hub_model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
-        assert engine._coefficients is built  # built once, read by every later step
-        engine.route_table[0, int(ids[0, 0])] = (engine.route_table[0, int(ids[0, 0])] + 1) % model.config.num_experts
+        assert all(engine._derived[name][1] is tensor for name, tensor in built.items())  # built once, then read
+        token = int(ids[0, 0])
+        engine.route_table[0, token] = (engine.route_table[0, token] + 1) % model.config.num_experts
+        engine.expert_up.mul_(2.0)
         hub_model(input_ids=ids, use_cache=False)
-        assert engine._coefficients is not built  # a changed table is read afresh
+        assert all(engine._derived[name][1] is not tensor for name, tensor in built.items())  # changed: read afresh
+        torch.testing.assert_close(engine._derived["experts_in"][1][:, -engine.expert_up.shape[2]:],
+                                   engine.expert_up[-1])
 
 
 def test_a_mask_that_does_not_cover_the_cache_is_refused(pair):

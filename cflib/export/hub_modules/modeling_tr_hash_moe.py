@@ -110,11 +110,13 @@ class TRHashRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm keeps its statistics in fp32 for half inputs (bf16 sums of squares drift) and is one fused
-        # kernel where torch has one: four norms a layer make this a large share of a decode step's launches.
-        if self.weight.dtype == x.dtype:
+        if x.is_cuda and self.weight.dtype == x.dtype:
+            # One fused kernel on CUDA (fp32 statistics for half inputs): four norms a layer are otherwise a
+            # large share of a decode step's launches. Elsewhere rms_norm is composite and slower than this:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        x32 = x.float()  # half-precision sums of squares drift
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
 
 
 class TRHashRotaryEmbedding(nn.Module):
@@ -215,8 +217,10 @@ class TRHashAttention(nn.Module):
         batch, seq, _ = x.shape
         shape = (batch, seq, -1, self.head_dim)
         cos, sin = position_embeddings
-        q = _apply_rope(self.q_norm(self.q_proj(x).view(shape)), cos.to(x.dtype), sin.to(x.dtype)).transpose(1, 2)
-        k = _apply_rope(self.k_norm(self.k_proj(x).view(shape)), cos.to(x.dtype), sin.to(x.dtype)).transpose(1, 2)
+        q, k = self.q_norm(self.q_proj(x).view(shape)), self.k_norm(self.k_proj(x).view(shape))
+        if cos.dtype != q.dtype:  # under autocast; otherwise the model cast them once for every layer
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        q, k = _apply_rope(q, cos, sin).transpose(1, 2), _apply_rope(k, cos, sin).transpose(1, 2)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
@@ -258,35 +262,48 @@ class TRHashMoEEngine(nn.Module):
         self.register_buffer("fused_expert_pairs", torch.zeros(pairs_shape, dtype=torch.int32))
         self.route_weights = config.route_weights()
         self.shared_output_scale, self.routed_output_scale = config.shared_output_scale, config.routed_output_scale
-        # The route table's [V, E] coefficients, built once (not every step) and rebuilt when the table, its
-        # device or the activations' dtype change; a plain attribute, so no checkpoint or load sees it.
-        self._coefficients: torch.Tensor | None = None
-        self._coefficients_of: tuple | None = None
+        # Derived once, not every step (plain attributes: no checkpoint or load sees them), rebuilt when their
+        # sources, device or dtype change: the route table's [V, E] coefficients, and in inference the experts'
+        # gate and up projections side by side as one [D, 2 E W] matrix (one GEMM, no per-step re-layout).
+        self._derived: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    def _cached(self, name: str, sources: tuple[torch.Tensor, ...], dtype: torch.dtype,
+                build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        entry = self._derived.get(name)
+        if torch.compiler.is_compiling():  # a compiled graph reads what the eager prefill built
+            return entry[1] if entry is not None and entry[1].dtype == dtype else build().to(dtype)
+        key = tuple((t.data_ptr(), t._version, t.device) for t in sources) + (dtype,)
+        if entry is None or entry[0] != key:
+            entry = (key, build().to(dtype))
+            self._derived[name] = entry
+        return entry[1]
 
     def coefficients(self, dtype: torch.dtype) -> torch.Tensor:
-        table, cached = self.route_table, self._coefficients
-        if torch.compiler.is_compiling():  # a compiled graph reads what the eager prefill built
-            if cached is not None and cached.dtype == dtype and cached.device == table.device:
-                return cached
-            return route_coefficients(table, self.expert_gate.shape[0], self.route_weights).to(dtype)
-        source = (table.data_ptr(), table._version, table.device, dtype)
-        if cached is None or self._coefficients_of != source:
-            cached = route_coefficients(table, self.expert_gate.shape[0], self.route_weights).to(dtype)
-            self._coefficients, self._coefficients_of = cached, source
-        return cached
+        return self._cached("coefficients", (self.route_table,), dtype, lambda: route_coefficients(
+            self.route_table, self.expert_gate.shape[0], self.route_weights))
+
+    def experts_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """[D, 2 E W]: every expert's gate projection, then every expert's up projection."""
+        def build() -> torch.Tensor:
+            return torch.cat([self.expert_gate.transpose(0, 1).flatten(1), self.expert_up.transpose(0, 1).flatten(1)],
+                             dim=1)
+        if torch.is_grad_enabled() and self.expert_gate.requires_grad:
+            return build().to(dtype)  # training: built each step, so gradients reach the experts' own tensors
+        return self._cached("experts_in", (self.expert_gate, self.expert_up), dtype, build)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
-        gate = torch.einsum("nd,edw->new", x, self.expert_gate)
-        up = torch.einsum("nd,edw->new", x, self.expert_up)
-        coeff = F.embedding(token_ids.reshape(-1), self.coefficients(gate.dtype))  # [N, E], 0 off-route
-        # Every expert on every token, weighted by coeff: few narrow experts make this cheap, exact and gather-free.
-        routed = (F.silu(gate) * up * coeff[:, :, None]).flatten(1) @ self.expert_down.flatten(0, 1)
-        if self.shared_output_scale != 1.0:
-            shared = shared * self.shared_output_scale
-        return torch.add(shared, routed, alpha=self.routed_output_scale).reshape(shape)
+        gate, up = (x @ self.experts_in(x.dtype if not torch.is_autocast_enabled(x.device.type) else
+                                        torch.get_autocast_dtype(x.device.type))).chunk(2, dim=1)
+        # Every expert on every token, weighted by its coefficient (0 off-route): few narrow experts make this
+        # cheap, exact and gather-free.
+        coeff = F.embedding(token_ids.reshape(-1), self.coefficients(gate.dtype))  # [N, E]
+        hidden = (F.silu(gate) * up).view(x.shape[0], coeff.shape[1], -1) * coeff[:, :, None]
+        out = torch.addmm(shared, hidden.flatten(1), self.expert_down.flatten(0, 1).to(hidden.dtype),
+                          beta=self.shared_output_scale, alpha=self.routed_output_scale)
+        return out.reshape(shape)
 
 
 class TRHashDecoderLayer(GradientCheckpointingLayer):
