@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
 import time
 import typing
 from dataclasses import dataclass
@@ -175,6 +177,7 @@ class Evaluation:
     model_source: str
     tasks: dict[str, dict]
     task_manager: Any
+    task_dir: Path  # the shipped tasks' YAMLs with resolved data paths, copied to out_dir/tasks by the run
     device: torch.device
     out_dir: Path
 
@@ -187,18 +190,24 @@ def prepare_evaluation(params: EvalParams) -> Evaluation:
     out_dir = eval_out_dir(params.out_dir)
     device = resolve_device(params.device)
     names = params.task_names()
-    tasks = materialize_tasks(names, out_dir / "tasks")
-    manager = TaskManager(include_path=str(out_dir / "tasks"))
-    for name in names:
-        if name not in manager.all_tasks:
-            raise ParamError(f"tasks: {name!r} is neither a task of this project ({', '.join(shipped_tasks())}) "
-                             "nor one lm-eval knows (lm-eval --tasks list shows them)")
-        tasks.setdefault(name, {"source": "lm-eval registry"})
+    staging = Path(tempfile.mkdtemp(prefix="cflib-eval-tasks-"))  # out_dir stays untouched until all is checked
     try:
+        tasks = materialize_tasks(names, staging)
+        manager = TaskManager(include_path=str(staging))
+        for name in names:
+            if name not in manager.all_tasks:
+                raise ParamError(f"tasks: {name!r} is neither a task of this project ({', '.join(shipped_tasks())}) "
+                                 "nor one lm-eval knows (lm-eval --tasks list shows them)")
+            tasks.setdefault(name, {"source": "lm-eval registry"})
         bundle, source = resolve_bundle(params.model, out_dir, params.device)
     except (ExportError, CheckpointError) as err:
+        shutil.rmtree(staging, ignore_errors=True)
         raise ParamError(f"model {params.model}: {err}") from None
-    return Evaluation(params, bundle, source, {name: tasks[name] for name in names}, manager, device, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Evaluation(params, bundle, source, {name: tasks[name] for name in names}, manager, staging, device,
+                      out_dir)
 
 
 def score_rows(results: dict) -> list[dict]:
@@ -287,6 +296,8 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
                 merged[key] = value
     seconds = time.perf_counter() - start
     out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(job.task_dir, out_dir / "tasks", dirs_exist_ok=True)
+    shutil.rmtree(job.task_dir, ignore_errors=True)
     (out_dir / "lm_eval_results.json").write_text(json.dumps(merged, indent=2, default=handle_non_serializable))
     for task, rows in samples.items():
         with open(out_dir / f"samples_{task}.jsonl", "w") as out:

@@ -52,6 +52,7 @@ SMOKE_RUNS = {
     "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run"}),
     "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run"}),
     "chat.ipynb": (None, {"out_dir": "{tmp}/chat-run"}),
+    "evaluate.ipynb": (None, {"out_dir": "{tmp}/evaluate-run"}),
 }
 
 # Bounds for a loaded 2-core CI machine; each names what it waited for when it runs out.
