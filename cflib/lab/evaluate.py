@@ -36,6 +36,7 @@ from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.hub import is_checkpoint
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.lab.chat import train_here
+from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.paths import resolve_path
@@ -360,6 +361,9 @@ def evaluate_run(record: dict, tasks: str | None) -> dict | None:
     into out_dir/eval; None when tasks is None (off)."""
     if not tasks:
         print("eval_tasks: None, no lm-eval evaluation (name tasks, e.g. embedded_choice,embedded_exact)")
+        return None
+    if elsewhere(record):
+        print(elsewhere(record))
         return None
     run_dir = Path(record["out_dir"])
     model = run_dir / "hub" if is_bundle(run_dir / "hub") else run_dir

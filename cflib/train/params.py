@@ -96,6 +96,9 @@ class TrainParams(ParamSet):
     loss_groups: dict | None = None  # group -> {target_share, tasks, task_target_shares}; None: unweighted
     max_task_loss_weight: float = 30.0  # a larger loss coefficient stops the run before training
     require_release_ready: bool = False  # any shard/manifest mismatch is fatal, not a warning
+    # After training: lm-evaluation-harness on the run's Hub bundle (cflib.lab.evaluate, train_sft's last cell),
+    # task names as "embedded_choice,embedded_exact" (shipped) or "piqa,arc_easy" (lm-eval's, needs network)
+    eval_tasks: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -152,6 +155,8 @@ class TrainParams(ParamSet):
         self._validate_lora()
         if self.train_tasks is not None and not self.train_tasks:
             raise ParamError("train_tasks must name at least one task, or be None for every example")
+        if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
+            raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
         if self.use_custom_kernels not in KERNEL_CHOICES:
             raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), "
                              f"got {self.use_custom_kernels!r}")

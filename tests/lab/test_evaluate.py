@@ -153,3 +153,12 @@ def test_an_out_dir_that_holds_an_evaluation_is_refused(evaluated):
     _, out = evaluated
     with pytest.raises(ParamError, match="already holds an evaluation"):
         prepare_evaluation(EvalParams(out_dir=str(out), device="cpu"))
+
+
+def test_train_params_take_eval_tasks_and_refuse_an_empty_list():
+    from cflib.train import TrainParams
+
+    assert TrainParams().eval_tasks is None  # off by default
+    assert TrainParams.from_dict({"eval_tasks": "embedded_choice,piqa"}).eval_tasks == "embedded_choice,piqa"
+    with pytest.raises(ParamError, match="eval_tasks must name at least one lm-eval task"):
+        TrainParams.from_dict({"eval_tasks": " , "})

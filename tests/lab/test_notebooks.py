@@ -230,3 +230,14 @@ def test_papermill_evaluate_scores_a_bundle_with_lm_eval(tmp_path, tiny_checkpoi
     assert record["loglikelihood_check"]["pairs"] == 24 and record["loglikelihood_check"]["max_abs_diff"] < 1e-4
     assert (out_dir / "lm_eval_results.json").is_file() and (out_dir / "scores.png").is_file()
     assert not (out_dir / "trained-here").exists()  # a model was named: nothing trained
+
+
+def test_papermill_train_sft_ends_with_an_lm_eval_evaluation_of_its_bundle(tmp_path):
+    out_dir = tmp_path / "run"
+    papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "executed.ipynb"), parameters={
+        **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "max_steps": 2,
+        "eval_tasks": "embedded_choice"}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    record = json.loads((out_dir / "eval" / "record.json").read_text())
+    assert record["model"]["bundle"] == str(out_dir / "hub") and list(record["tasks"]) == ["embedded_choice"]
+    assert record["model"]["sha256"] == sha256_file(out_dir / "hub" / "model.safetensors")
+    assert record["loglikelihood_check"]["max_abs_diff"] < 1e-4
