@@ -1,7 +1,8 @@
 """lab: what a person sees in JupyterLab.
 
 Owns the parameter forms (`form`), the views of a training run (`report`),
-chatting with a checkpoint (`chat`, `chat_box`), starting JupyterLab with the
+chatting with a checkpoint (`chat`, `chat_box`), lm-evaluation-harness on a
+model's Hub bundle (`evaluate`), starting JupyterLab with the
 project's kernel (`python -m cflib.lab`) and cleaning notebooks before a
 commit (`python -m cflib.lab.nbclean`). The top layer: it may import every
 other part of cflib; nothing imports it.
