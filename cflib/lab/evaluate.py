@@ -130,12 +130,13 @@ def resolve_bundle(model: str | None, out_dir: Path, device: str) -> tuple[Path,
     if is_adapter_checkpoint(path):
         raise ParamError(f"model {path} holds LoRA adapters: merge them into their base first "
                          f"(python -m cflib.export merge {path} MERGED) and pass model=MERGED")
-    if is_checkpoint(path):
+    if is_checkpoint(path) or (path / "checkpoints").is_dir():  # a run folder without its record: its newest
         try:
             export_hub(path, target, echo=None)
         except TokenizerExportError as err:
             raise ParamError(f"model {path}: {err}; export its bundle with --tokenizer and pass the bundle") from None
-        return target, f"the Hub bundle of checkpoint {path}, exported here"
+        what = "checkpoint" if is_checkpoint(path) else "the newest checkpoint of"
+        return target, f"the Hub bundle of {what} {path}, exported here"
     raise ParamError(f"model {path}: neither a Hub bundle ({', '.join(BUNDLE_FILES)}), a run folder "
                      "(record.json, checkpoints/) nor a checkpoint (config.json, model.safetensors)")
 
