@@ -195,6 +195,9 @@ def eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return (weights @ value).transpose(1, 2).contiguous(), weights
 
 
+_OWN_ATTENTION = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
 class TRHashAttention(nn.Module):
     def __init__(self, config: TRHashConfig, layer_idx: int) -> None:
         super().__init__()
@@ -225,8 +228,8 @@ class TRHashAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         implementation = self.config._attn_implementation or "sdpa"
-        attend: Callable = {"sdpa": sdpa_attention, "eager": eager_attention}.get(implementation) or \
-            ALL_ATTENTION_FUNCTIONS[implementation]  # flash_attention_*, flex_attention, kernels registered by users
+        # sdpa and eager are this module's own; flash_attention_* and kernels users register come from transformers.
+        attend: Callable = _OWN_ATTENTION.get(implementation) or ALL_ATTENTION_FUNCTIONS[implementation]
         out, _ = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
                         scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
