@@ -13,7 +13,9 @@ chart; everything is checked before any model is scored.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import shutil
 import tempfile
@@ -22,7 +24,7 @@ import typing
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import matplotlib.pyplot as plt
 import torch
@@ -259,8 +261,8 @@ def plot_scores(rows: list[dict], save_to: Path | None = None) -> plt.Figure:
     labels = [f"{row['task']}\n{row['metric']}" for row in rows]
     errors = [row["stderr"] or 0.0 for row in rows]
     bars = ax.bar(range(len(rows)), [row["value"] for row in rows], yerr=errors, capsize=4, color="#4c72b0")
-    for bar, row in zip(bars, rows):
-        ax.annotate(f"{row['value']:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+    for bar, row, error in zip(bars, rows, errors):  # above the error bar
+        ax.annotate(f"{row['value']:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height() + error),
                     ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("score (lm-eval)")
@@ -271,6 +273,19 @@ def plot_scores(rows: list[dict], save_to: Path | None = None) -> plt.Figure:
     if save_to is not None:
         fig.savefig(save_to, dpi=120)
     return fig
+
+
+@contextlib.contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """lm-eval's log at errors only: its notes (0-shot asked of a task with no default, --limit is for
+    testing) would read as warnings in every notebook run; the record holds the settings instead."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
@@ -288,8 +303,9 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
     samples: dict[str, list[dict]] = {}
     start = time.perf_counter()
     for name in tqdm(list(job.tasks), desc="tasks", unit="task", disable=not progress):
-        result = lm_eval.simple_evaluate(model=lm, tasks=[name], limit=params.limit, task_manager=job.task_manager,
-                                         log_samples=True, num_fewshot=0)
+        with quiet_lm_eval():
+            result = lm_eval.simple_evaluate(model=lm, tasks=[name], limit=params.limit,
+                                             task_manager=job.task_manager, log_samples=True, num_fewshot=0)
         samples.update(result.pop("samples"))
         for key, value in result.items():
             if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -306,7 +322,7 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
             out.writelines(json.dumps(row, default=handle_non_serializable) + "\n" for row in rows)
     rows = score_rows(merged)
     check = loglikelihood_check(samples, lm, job.bundle, job.device)
-    plot_scores(rows, save_to=out_dir / "scores.png")
+    plt.close(plot_scores(rows, save_to=out_dir / "scores.png"))  # saved; the notebook shows its own
     import transformers
 
     record = {
