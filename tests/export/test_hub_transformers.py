@@ -225,3 +225,32 @@ def test_a_mask_that_does_not_cover_the_cache_is_refused(pair):
         with pytest.raises(ValueError, match="attention_mask covers 1 positions, but the cache holds 6 and the "
                                              "input 1: it must cover all 7"):
             hub_model(input_ids=ids[:, :1], attention_mask=torch.ones(1, 1), past_key_values=cache)
+
+
+def test_an_attention_kernel_registered_with_transformers_runs_through_its_interface(pair):
+    """The route flash_attention_* take: transformers' attention interface, here with transformers' own SDPA
+    function registered under a name of its own (and its mask), packed rows and generate() included."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    calls: list[int] = []
+
+    def counted(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return sdpa_attention_forward(module, *args, **kwargs)
+
+    AttentionInterface.register("counted_sdpa", counted)
+    AttentionMaskInterface.register("counted_sdpa", sdpa_mask)
+    model, bundle = pair
+    hub_model = hub(bundle, attn_implementation="counted_sdpa")
+    ids, mask = left_padded(model.config.vocab_size)
+    assert generate(hub_model, ids, mask, 6) == greedy_cflib(model, ids, mask, 6)
+    assert calls and set(calls) == set(range(model.config.num_hidden_layers))
+    lengths = [4, 6]
+    packed = torch.cat([random_ids(model.config.vocab_size, 1, n, seed=20 + n)[0] for n in lengths])[None]
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.no_grad():
+        logits = hub_model(input_ids=packed, position_ids=position_ids).logits
+    torch.testing.assert_close(logits, cflib_logits(model, packed, document_ids), rtol=0, atol=1e-5)
