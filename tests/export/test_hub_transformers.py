@@ -97,6 +97,21 @@ def test_a_compiled_static_cache_decode_step_has_no_graph_break_and_cflibs_logit
             torch.testing.assert_close(logits, cflib_logits(model, tokens)[:, -1], rtol=0, atol=1e-4)
 
 
+def test_generate_compiles_its_static_cache_decode_step_with_fullgraph_and_gives_cflibs_tokens(pair):
+    """What generate(cache_implementation="static") does on a GPU, asked of it here on the CPU: its decode step
+    through torch.compile(fullgraph=True) (dynamo's capture; the eager backend spares the C++ build)."""
+    from transformers import CompileConfig
+
+    model, bundle = pair
+    hub_model = hub(bundle)
+    config = CompileConfig(fullgraph=True, backend="eager", dynamic=False)
+    config._compile_all_devices = True  # transformers compiles on accelerators only unless told otherwise
+    ids, mask = left_padded(model.config.vocab_size)
+    tokens = generate(hub_model, ids, mask, 8, cache_implementation="static", compile_config=config)
+    assert getattr(hub_model, "_compiled_call", None) is not None  # the decode steps ran compiled
+    assert tokens == greedy_cflib(model, ids, mask, 8)
+
+
 def test_sdpa_never_repeats_a_kv_head(pair, monkeypatch):
     model, bundle = pair
     hub_model = hub(bundle)
