@@ -114,6 +114,8 @@ class TRHashRMSNorm(nn.Module):
             # One fused kernel on CUDA (fp32 statistics for half inputs): four norms a layer are otherwise a
             # large share of a decode step's launches. Elsewhere rms_norm is composite and slower than this:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == self.weight.dtype == torch.float32:  # no casts to dispatch: the same arithmetic
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         x32 = x.float()  # half-precision sums of squares drift
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
@@ -220,10 +222,11 @@ class TRHashAttention(nn.Module):
         batch, seq, _ = x.shape
         shape = (batch, seq, -1, self.head_dim)
         cos, sin = position_embeddings
-        q, k = self.q_norm(self.q_proj(x).view(shape)), self.k_norm(self.k_proj(x).view(shape))
-        if cos.dtype != q.dtype:  # under autocast; otherwise the model cast them once for every layer
-            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        q, k = _apply_rope(q, cos, sin).transpose(1, 2), _apply_rope(k, cos, sin).transpose(1, 2)
+        # Query and key heads side by side: one rotation for both (half the launches of two).
+        qk = torch.cat([self.q_norm(self.q_proj(x).view(shape)), self.k_norm(self.k_proj(x).view(shape))], dim=2)
+        if cos.dtype != qk.dtype:  # under autocast; otherwise the model cast them once for every layer
+            cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)
+        q, k = _apply_rope(qk, cos, sin).transpose(1, 2).split([self.num_heads, self.num_kv_heads], dim=1)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
