@@ -11,10 +11,16 @@ a GPU (fp32 with --smoke, a tiny model on the CPU in seconds):
                    norm+RoPE, add+RMSNorm, Liger): the path read back is recorded
                    (decoder_compiled runs last: its compile takes the longest)
   no_cache         one full forward per new token (how exact match decoded before the cache)
-  hf_bundle        transformers generate() on the Hub bundle exported from the same weights (cflib.export.hub)
-  hf_llama         transformers generate() on a Llama of equal active width (random weights): the peer
+  hf_bundle        transformers generate() on the Hub bundle exported from the same weights (cflib.export.hub),
+                   its DynamicCache
+  hf_bundle_static the bundle's generate() with cache_implementation="static", its decode steps compiled by
+                   generate itself (CompileConfig: inductor, fullgraph, reduce-overhead) on a GPU
+  hf_llama         transformers generate() on a Llama of equal active width (random weights): the peer, DynamicCache
+  hf_llama_static  the Llama with the static cache, compiled the same way
 
-Each path is timed once after a warm-up call (graph capture, kernel selection), between
+The bundle's targets beside the Llama are in `targets`: generate() at least as fast with the dynamic cache,
+and with the static cache compiled. Each path is timed once after a warm-up call (graph capture, kernel
+selection, compilation: twice for the compiled static paths, whose CUDA graphs record on the second), between
 torch.cuda.synchronize calls, prefill included; tokens/s counts new tokens. Then exact match
 (cflib.train.evaluate.exact_match, with the fast kernels as training evaluates on a GPU) over
 held-out prompts at the released data's lengths (cflib.bench.synthetic.write_release_like_eval) is
@@ -42,7 +48,7 @@ from cflib.bench.synthetic import write_release_like_eval
 from cflib.bench.timing import release_memory, sync
 from cflib.data.shards import ShardPartition
 from cflib.export.hub import export_hub
-from cflib.model import TRMoEModel, preset, save_checkpoint
+from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
 from cflib.model.decoder import rope_inv_freq
 from cflib.model.fast import use_kernels
 from cflib.model.generate import Decoder
@@ -127,20 +133,35 @@ def no_cache_path(model: TRMoEModel, prompts: list[list[int]], settings: DecodeB
 
 
 def hf_generate_path(hf_model: torch.nn.Module, prompts: list[list[int]], settings: DecodeBench,
-                     device: torch.device) -> dict:
-    """transformers generate(): greedy, its own KV cache, exactly new_tokens per row (EOS suppressed until then)."""
+                     device: torch.device, static: bool = False) -> dict:
+    """transformers generate(): greedy, exactly new_tokens per row (EOS suppressed until then), its DynamicCache;
+    static: cache_implementation="static", and on a GPU generate() compiles its decode step (prefill stays eager),
+    as transformers documents it."""
     input_ids = torch.tensor(prompts, device=device)
+    options: dict[str, Any] = {}
+    if static:
+        from transformers import CompileConfig
+
+        options = {"cache_implementation": "static",
+                   "compile_config": CompileConfig(fullgraph=True, mode="reduce-overhead", dynamic=False)}
 
     def run(steps: int) -> list[list[int]]:
         with torch.no_grad():
             out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                    max_new_tokens=steps, min_new_tokens=steps, use_cache=True, pad_token_id=0)
+                                    max_new_tokens=steps, min_new_tokens=steps, use_cache=True, pad_token_id=0,
+                                    **options)
         return out[:, input_ids.shape[1]:].tolist()
 
-    run(4)  # warm-up
+    # The static cache's length (prompt + new tokens) is part of the compiled graph: warm up at the timed shape.
+    for _ in range(2 if static else 1):
+        run(settings.new_tokens if static else 4)
     tokens, seconds = timed(lambda: run(settings.new_tokens), device)
-    return {"seconds": seconds, "new_tokens": sum(map(len, tokens)), "tokens_per_s": sum(map(len, tokens)) / seconds,
-            "transformers_attention": getattr(hf_model.config, "_attn_implementation", None), "tokens": tokens}
+    result = {"seconds": seconds, "new_tokens": sum(map(len, tokens)), "tokens_per_s": sum(map(len, tokens)) / seconds,
+              "transformers_attention": getattr(hf_model.config, "_attn_implementation", None), "tokens": tokens,
+              "cache": "static" if static else "dynamic"}
+    if static:  # generate() compiles only where transformers allows it (a GPU): say whether it did
+        result["compiled_decode_step"] = getattr(hf_model, "_compiled_call", None) is not None
+    return result
 
 
 def hub_bundle_model(model: TRMoEModel, work: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -166,6 +187,39 @@ def exact_match_pass(model: TRMoEModel, settings: DecodeBench, device: torch.dev
             "tokens_per_s": generated / seconds, "exact_match": result["exact_match"]["overall"],
             "batch_size": settings.exact_match_batch,
             "includes": "prompt slicing, prefill, decoding, CUDA graph captures, scoring (not writing the shard)"}
+
+
+def transformers_generate_paths(record: dict, master: TRMoEModel, config: ModelConfig, prompts: list[list[int]],
+                                settings: DecodeBench, device: torch.device, work: Path, dtype: torch.dtype,
+                                out: Path) -> dict[str, dict | None]:
+    """generate() on the bundle and on the Llama, dynamic cache then static compiled, each guarded; one model
+    loaded per side for both caches. A side whose model fails to load records that error on both its paths."""
+    results: dict[str, dict | None] = {}
+    for side, load in (("hf_bundle", lambda: hub_bundle_model(master, work, dtype, device)),
+                       ("hf_llama", lambda: build_llama(config, device, settings.seed).to(dtype).eval())):
+        loaded: dict[str, torch.nn.Module] = {}
+
+        def path(static: bool) -> dict:
+            if "model" not in loaded:
+                loaded["model"] = load()
+            return hf_generate_path(loaded["model"], prompts, settings, device, static=static)
+
+        results[side] = guarded(record, side, lambda: path(False), out)
+        results[f"{side}_static"] = guarded(record, f"{side}_static", lambda: path(True), out)
+        loaded.clear()
+        release_memory(device)
+    return results
+
+
+def targets(rates: dict[str, float | None]) -> dict[str, dict]:
+    """The bundle's generate() against the Llama's, per cache: the product's targets are a ratio of at least 1."""
+    found = {}
+    for cache, bundle, llama in (("dynamic", "hf_bundle", "hf_llama"), ("static_compiled", "hf_bundle_static",
+                                                                         "hf_llama_static")):
+        if rates.get(bundle) and rates.get(llama):
+            ratio = rates[bundle] / rates[llama]
+            found[cache] = {"bundle_vs_llama": ratio, "target": 1.0, "met": ratio >= 1.0}
+    return found
 
 
 def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
@@ -204,15 +258,11 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
             release_memory(device)
         no_cache = guarded(record, "no_cache", lambda: no_cache_path(model, prompts, settings, device), out)
         release_memory(device)
-        hub = guarded(record, "hf_bundle", lambda: hf_generate_path(
-            hub_bundle_model(master, work, dtype, device), prompts, settings, device), out)
-        release_memory(device)
-        guarded(record, "hf_llama", lambda: hf_generate_path(
-            build_llama(config, device, settings.seed).to(dtype).eval(), prompts, settings, device), out)
-        release_memory(device)
+        transformers_paths = transformers_generate_paths(record, master, config, prompts, settings, device, work,
+                                                         dtype, out)
         if reference:
-            for name, other in (("no_cache", no_cache), ("hf_bundle", hub)):
-                if other:
+            for name, other in (("no_cache", no_cache), *transformers_paths.items()):
+                if other and name != "hf_llama" and name != "hf_llama_static":
                     record[name]["agreement_with_decoder"] = agreement(other["tokens"], reference["tokens"])
         plan = plan_kernels("auto", require_liger=False, device=device)
         use_kernels(model, plan)  # from here on: the fast kernels, as training evaluates on a GPU
@@ -232,12 +282,15 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
                 record["decoder_compiled"]["agreement_with_decoder"] = agreement(compiled["tokens"],
                                                                                  reference["tokens"])
     rates = {name: record[name].get("tokens_per_s") for name in ("decoder", "decoder_eager", "decoder_compiled",
-             "decoder_kernels", "no_cache", "hf_bundle", "hf_llama", "exact_match_pass") if name in record}
+             "decoder_kernels", "no_cache", "hf_bundle", "hf_bundle_static", "hf_llama", "hf_llama_static",
+             "exact_match_pass") if name in record}
     record["tokens_per_s"] = rates
+    record["targets"] = targets(rates)
     fastest = max((rates[name] for name in ("decoder", "decoder_compiled", "decoder_kernels") if rates.get(name)),
                   default=None)
     record["speedup_of_the_faster_decoder"] = {
-        f"vs_{name}": fastest / rates[name] for name in ("no_cache", "hf_bundle", "hf_llama")
+        f"vs_{name}": fastest / rates[name] for name in ("no_cache", "hf_bundle", "hf_bundle_static", "hf_llama",
+                                                          "hf_llama_static")
         if fastest and rates.get(name)}
     for part in record.values():  # the token lists served the comparisons; the record keeps the figures
         if isinstance(part, dict):
@@ -257,6 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
     record = run_bench(settings, Path(args.out), device)
     for name, rate in record["tokens_per_s"].items():
         print(f"{name:18s} {'error: ' + record[name]['error'] if rate is None else f'{rate:12,.0f} new tokens/s'}")
+    for cache, target in record["targets"].items():
+        print(f"bundle / llama, {cache} cache: {target['bundle_vs_llama']:.2f}x (target >= {target['target']:.1f}x)")
     return record
 
 

@@ -2,7 +2,8 @@
 
 Owns the parameter forms (`form`), the views of a training run (`report`),
 sweeps of train_sft runs (`sweep`, `sweep_run`) and their comparison (`compare`),
-chatting with a checkpoint (`chat`, `chat_box`), starting JupyterLab with the
+chatting with a checkpoint (`chat`, `chat_box`), lm-evaluation-harness on a
+model's Hub bundle (`evaluate`), starting JupyterLab with the
 project's kernel (`python -m cflib.lab`) and cleaning notebooks before a
 commit (`python -m cflib.lab.nbclean`). The top layer: it may import every
 other part of cflib; nothing imports it.

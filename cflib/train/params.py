@@ -107,6 +107,9 @@ class TrainParams(ParamSet):
     # Experiment trackers, named as transformers names them (cflib.train.trackers): rank 0 reports, never blocks.
     report_to: tuple[str, ...] | None = None  # None or "none"; "tensorboard", "mlflow", "all", or a list
     mlflow_tracking_uri: str | None = None  # None: an SQLite store in out_dir/mlruns
+    # After training: lm-evaluation-harness on the run's Hub bundle (cflib.lab.evaluate, train_sft's last cell),
+    # task names as "embedded_choice,embedded_exact" (shipped) or "piqa,arc_easy" (lm-eval's, needs network)
+    eval_tasks: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -172,6 +175,8 @@ class TrainParams(ParamSet):
         self._validate_lora()
         if self.train_tasks is not None and not self.train_tasks:
             raise ParamError("train_tasks must name at least one task, or be None for every example")
+        if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
+            raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
         for name in ("use_custom_kernels", "epilogue_swiglu"):
             if getattr(self, name) not in KERNEL_CHOICES:
                 raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")

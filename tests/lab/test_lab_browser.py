@@ -56,6 +56,7 @@ SMOKE_RUNS = {
     "chat.ipynb": (None, {"out_dir": "{tmp}/chat-run"}),
     "sweep.ipynb": (None, {"out_dir": "{tmp}/sweep-run"}),
     "compare_runs.ipynb": (None, {"out_dir": "{tmp}/compare-run"}),
+    "evaluate.ipynb": (None, {"out_dir": "{tmp}/evaluate-run"}),
 }
 
 # Bounds for a loaded 2-core CI machine; each names what it waited for when it runs out.

@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - depends on how pytest is invoked
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_SFT = ROOT / "notebooks" / "train_sft.ipynb"
 CHAT = ROOT / "notebooks" / "chat.ipynb"
+EVALUATE = ROOT / "notebooks" / "evaluate.ipynb"
 
 
 def parameters_cell(path: Path) -> dict[str, object]:
@@ -37,6 +38,13 @@ def parameters_cell(path: Path) -> dict[str, object]:
 
 def test_parameters_cell_mirrors_train_params():
     assert parameters_cell(TRAIN_SFT) == {name: getattr(TrainParams(), name) for name in TrainParams.names()}
+
+
+def test_evaluate_parameters_cell_mirrors_eval_params():
+    from cflib.lab.evaluate import EvalParams
+
+    defaults = {name: getattr(EvalParams(), name) for name in EvalParams.names()}
+    assert parameters_cell(EVALUATE) == {**defaults, "tasks": list(defaults["tasks"])}
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
@@ -139,7 +147,8 @@ def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(t
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook, misspelt", [("train_sft.ipynb", {"lrr": 0.1}),
                                                 ("tune_microbatch.ipynb", {"budget": 40}),
-                                                ("chat.ipynb", {"max_new_token": 4})])
+                                                ("chat.ipynb", {"max_new_token": 4}),
+                                                ("evaluate.ipynb", {"task": "piqa"})])
 def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, notebook, misspelt):
     out_dir = tmp_path / "run"
     with pytest.raises(papermill.PapermillExecutionError, match=f"unknown parameter '{next(iter(misspelt))}'"):
@@ -209,3 +218,32 @@ def test_papermill_chat_refuses_a_template_without_an_assistant_marker(tmp_path,
             "checkpoint": str(tiny_checkpoint), "template": {"assistant": ""}, "out_dir": str(out_dir)},
             cwd=str(ROOT / "notebooks"), progress_bar=False)
     assert not out_dir.exists()
+
+
+def test_papermill_evaluate_scores_a_bundle_with_lm_eval(tmp_path, tiny_checkpoint):
+    """A checkpoint is exported to a bundle here and scored on one shipped task, a few examples."""
+    out_dir = tmp_path / "eval"
+    papermill.execute_notebook(str(EVALUATE), str(tmp_path / "executed.ipynb"), parameters={
+        "model": str(tiny_checkpoint), "tasks": "embedded_choice", "limit": 6, "out_dir": str(out_dir),
+        "device": "cpu"}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    notebook = nbformat.read(tmp_path / "executed.ipynb", as_version=4)
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the chart
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["model"]["source"] == f"the Hub bundle of checkpoint {tiny_checkpoint}, exported here"
+    assert [row["metric"] for row in record["scores"]] == ["acc", "acc_norm"]
+    assert record["scores"][0]["samples"] == 6 and record["settings"]["limit"] == 6
+    assert record["loglikelihood_check"]["pairs"] == 24 and record["loglikelihood_check"]["max_abs_diff"] < 1e-4
+    assert (out_dir / "lm_eval_results.json").is_file() and (out_dir / "scores.png").is_file()
+    assert not (out_dir / "trained-here").exists()  # a model was named: nothing trained
+
+
+def test_papermill_train_sft_ends_with_an_lm_eval_evaluation_of_its_bundle(tmp_path):
+    out_dir = tmp_path / "run"
+    papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "executed.ipynb"), parameters={
+        **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "max_steps": 2,
+        "eval_tasks": "embedded_choice"}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    record = json.loads((out_dir / "eval" / "record.json").read_text())
+    assert record["model"]["bundle"] == str(out_dir / "hub") and list(record["tasks"]) == ["embedded_choice"]
+    assert record["model"]["sha256"] == sha256_file(out_dir / "hub" / "model.safetensors")
+    assert record["loglikelihood_check"]["max_abs_diff"] < 1e-4

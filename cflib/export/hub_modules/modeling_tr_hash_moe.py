@@ -1,4 +1,4 @@
-"""The TR-MoE decoder (model_type "tr_hash_moe") for Hugging Face transformers, with a KV cache.
+"""The TR-MoE decoder (model_type "tr_hash_moe") for Hugging Face transformers.
 
 Self-contained: loaded by `AutoModelForCausalLM.from_pretrained(folder,
 trust_remote_code=True)` from an exported bundle, it imports torch and
@@ -11,23 +11,40 @@ is GQA with an RMSNorm on each query and key head before rotate-half RoPE.
 The MLP (TR-MoE) is shared_output_scale * shared SwiGLU(x) + routed_output_scale
 * sum_k w_k * expert[route_table[k, token]](x): routing is a fixed per-layer
 table of token ids, so every forward needs input_ids (not inputs_embeds).
+
+As a transformers model it takes transformers' caches (DynamicCache,
+StaticCache: `generate(cache_implementation="static")` and torch.compile with
+fullgraph), the attention implementation transformers selects (`sdpa`, here
+with GQA and never a repeated KV head; `eager`; `flash_attention_*` through
+transformers' attention interface), padding-free
+packed rows (position_ids restarting per example: each example attends only
+to itself), gradient checkpointing, and the loss of `labels` through
+transformers' causal-LM loss (`num_items_in_batch` honoured, so gradient
+accumulation gives the loss of the whole batch).
 """
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import DynamicCache
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_tr_hash_moe import TRHashConfig
 
 # Newer transformers name the output's cache field `cache`, older ones `past_key_values`.
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 _HASH_MULTIPLIERS = (2654435761, 2246822519, 3266489917, 668265263, 374761393)
+# create_causal_mask took the cache as `past_key_values` before `cache`: passed by the name this version reads.
+_MASK_CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 
 # --- route tables and their derived buffers --------------------------------------------------
@@ -85,7 +102,7 @@ def rope_inv_freq(config: TRHashConfig) -> torch.Tensor:
     return (1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))).float()
 
 
-# --- modules ----------------------------------------------------------------------------------
+# --- modules ---
 class TRHashRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -93,6 +110,12 @@ class TRHashRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.weight.dtype == x.dtype:
+            # One fused kernel on CUDA (fp32 statistics for half inputs): four norms a layer are otherwise a
+            # large share of a decode step's launches. Elsewhere rms_norm is composite and slower than this:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype == self.weight.dtype == torch.float32:  # no casts to dispatch: the same arithmetic
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
         x32 = x.float()  # half-precision sums of squares drift
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
@@ -106,12 +129,20 @@ class TRHashRotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta = config.head_dim, config.rope_theta
         self.register_buffer("inv_freq", torch.zeros(config.head_dim // 2, dtype=torch.float32))
+        self._exact_inv_freq: torch.Tensor | None = None  # fp32 from the config, on the last device asked for
+
+    def exact_inv_freq(self, device: torch.device) -> torch.Tensor:
+        cached = self._exact_inv_freq
+        if cached is None or cached.device != device:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+            cached = (1.0 / self.theta ** exponents).float().to(device)
+            if not torch.compiler.is_compiling():  # a compiled graph reads the cache the eager prefill filled
+                self._exact_inv_freq = cached
+        return cached
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [B, T, head_dim] float32 for [B, T] positions."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=positions.device) / self.head_dim
-        inv_freq = (1.0 / self.theta ** exponents).float()
-        freqs = positions.float()[..., None] * inv_freq
+        freqs = positions.float()[..., None] * self.exact_inv_freq(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
@@ -122,18 +153,62 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, hd]; rotated in float32."""
-    x32 = x.float()
-    return (x32 * cos[:, :, None] + _rotate_half(x32) * sin[:, :, None]).to(x.dtype)
+    """x: [B, T, H, hd]; cos, sin: [B, T, hd] in x's dtype (cast once per forward, not per layer)."""
+    return x * cos[:, :, None] + _rotate_half(x) * sin[:, :, None]
+
+
+def sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   **kwargs) -> tuple[torch.Tensor, None]:
+    """torch's SDPA over [B, H, T, hd] queries and [B, KV, S, hd] keys: GQA without repeating a KV head.
+    Returns [B, T, H, hd]."""
+    batch, heads, seq, head_dim = query.shape
+    groups = module.num_key_value_groups
+    if seq == 1 and groups > 1 and (attention_mask is None or attention_mask.shape[1] == 1):
+        # One query per row (decoding): the heads that share a KV head become that head's rows of queries,
+        # which every SDPA kernel takes; the mask [B, 1, 1, S] is the same for all of them.
+        grouped = query.view(batch, heads // groups, groups, head_dim)
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                             scale=scaling)
+        return out.view(batch, 1, heads, head_dim), None
+    is_causal = attention_mask is None and seq > 1
+    if is_causal and key.shape[2] > seq:  # a static cache's full buffer on a first chunk: only its first keys exist
+        key, value = key[:, :, :seq], value[:, :, :seq]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         is_causal=is_causal, scale=scaling, enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: scores, mask, softmax in fp32, weights returned. [B, T, H, hd]."""
+    groups = module.num_key_value_groups
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if attention_mask is not None:
+        mask = attention_mask[..., :key.shape[-2]]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    elif query.shape[2] > 1:
+        causal = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    weights = F.softmax(scores.float(), dim=-1).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+_OWN_ATTENTION = {"sdpa": sdpa_attention, "eager": eager_attention}
 
 
 class TRHashAttention(nn.Module):
     def __init__(self, config: TRHashConfig, layer_idx: int) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.config, self.layer_idx, self.is_causal = config, layer_idx, True  # what transformers' kernels read
         hd, d = config.head_dim, config.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
-        self.dropout = config.attention_dropout
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = hd ** -0.5
+        self.attention_dropout = config.attention_dropout
         self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
@@ -142,19 +217,34 @@ class TRHashAttention(nn.Module):
         self.k_norm = TRHashRMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.rotary_emb = TRHashRotaryEmbedding(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None, cache: Cache | None = None, **kwargs) -> torch.Tensor:
         batch, seq, _ = x.shape
         shape = (batch, seq, -1, self.head_dim)
-        cos, sin = self.rotary_emb(positions)
-        q = _apply_rope(self.q_norm(self.q_proj(x).view(shape)), cos, sin).transpose(1, 2)
-        k = _apply_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin).transpose(1, 2)
+        cos, sin = position_embeddings
+        # Query and key heads side by side: one rotation for both (half the launches of two).
+        qk = torch.cat([self.q_norm(self.q_proj(x).view(shape)), self.k_norm(self.k_proj(x).view(shape))], dim=2)
+        if cos.dtype != qk.dtype:  # under autocast; otherwise the model cast them once for every layer
+            cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)
+        q, k = _apply_rope(qk, cos, sin).transpose(1, 2).split([self.num_heads, self.num_kv_heads], dim=1)
         v = self.v_proj(x).view(shape).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        implementation = self.config._attn_implementation or "sdpa"
+        # sdpa and eager are this module's own; flash_attention_* and kernels users register come from transformers.
+        attend: Callable = _OWN_ATTENTION.get(implementation) or ALL_ATTENTION_FUNCTIONS[implementation]
+        out, _ = attend(self, q, k, v, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+                        scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+def route_coefficients(route_table: torch.Tensor, num_experts: int, weights: list[float]) -> torch.Tensor:
+    """[V, E] float32: each token's route weight on each expert (0 off its routes; a token routed twice to
+    one expert gets both weights)."""
+    table = torch.zeros(route_table.shape[1], num_experts, dtype=torch.float32, device=route_table.device)
+    for k, weight in enumerate(weights):
+        table.scatter_add_(1, route_table[k][:, None], torch.full_like(table[:, :1], weight))
+    return table
 
 
 class TRHashMoEEngine(nn.Module):
@@ -178,23 +268,51 @@ class TRHashMoEEngine(nn.Module):
         self.register_buffer("fused_expert_pairs", torch.zeros(pairs_shape, dtype=torch.int32))
         self.route_weights = config.route_weights()
         self.shared_output_scale, self.routed_output_scale = config.shared_output_scale, config.routed_output_scale
+        # Derived once, not every step (plain attributes: no checkpoint or load sees them), rebuilt when their
+        # sources, device or dtype change: the route table's [V, E] coefficients, and in inference the experts'
+        # gate and up projections side by side as one [D, 2 E W] matrix (one GEMM, no per-step re-layout).
+        self._derived: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    def _cached(self, name: str, sources: tuple[torch.Tensor, ...], dtype: torch.dtype,
+                build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        entry = self._derived.get(name)
+        if torch.compiler.is_compiling():  # a compiled graph reads what the eager prefill built
+            return entry[1] if entry is not None and entry[1].dtype == dtype else build().to(dtype)
+        key = tuple((t.data_ptr(), t._version, t.device) for t in sources) + (dtype,)
+        if entry is None or entry[0] != key:
+            entry = (key, build().to(dtype))
+            self._derived[name] = entry
+        return entry[1]
+
+    def coefficients(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._cached("coefficients", (self.route_table,), dtype, lambda: route_coefficients(
+            self.route_table, self.expert_gate.shape[0], self.route_weights))
+
+    def experts_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """[D, 2 E W]: every expert's gate projection, then every expert's up projection."""
+        def build() -> torch.Tensor:
+            return torch.cat([self.expert_gate.transpose(0, 1).flatten(1), self.expert_up.transpose(0, 1).flatten(1)],
+                             dim=1)
+        if torch.is_grad_enabled() and self.expert_gate.requires_grad:
+            return build().to(dtype)  # training: built each step, so gradients reach the experts' own tensors
+        return self._cached("experts_in", (self.expert_gate, self.expert_up), dtype, build)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
-        routes = self.route_table[:, token_ids.reshape(-1)]  # [top_k, N]
-        coeff = torch.zeros(x.shape[0], self.expert_gate.shape[0], dtype=x.dtype, device=x.device)
-        for k, weight in enumerate(self.route_weights):  # a token routed twice to one expert gets both weights
-            coeff.scatter_add_(1, routes[k][:, None], torch.full_like(coeff[:, :1], weight))
-        # Every expert on every token, weighted by coeff (0 off-route): few narrow experts make this cheap and exact.
-        gate = torch.einsum("nd,edw->new", x, self.expert_gate)
-        up = torch.einsum("nd,edw->new", x, self.expert_up)
-        routed = torch.einsum("new,ewd->nd", F.silu(gate) * up * coeff[:, :, None], self.expert_down)
-        return (self.shared_output_scale * shared + self.routed_output_scale * routed).reshape(shape)
+        gate, up = (x @ self.experts_in(x.dtype if not torch.is_autocast_enabled(x.device.type) else
+                                        torch.get_autocast_dtype(x.device.type))).chunk(2, dim=1)
+        # Every expert on every token, weighted by its coefficient (0 off-route): few narrow experts make this
+        # cheap, exact and gather-free.
+        coeff = F.embedding(token_ids.reshape(-1), self.coefficients(gate.dtype))  # [N, E]
+        hidden = (F.silu(gate) * up).view(x.shape[0], coeff.shape[1], -1) * coeff[:, :, None]
+        out = torch.addmm(shared, hidden.flatten(1), self.expert_down.flatten(0, 1).to(hidden.dtype),
+                          beta=self.shared_output_scale, alpha=self.routed_output_scale)
+        return out.reshape(shape)
 
 
-class TRHashDecoderLayer(nn.Module):
+class TRHashDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: TRHashConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = TRHashRMSNorm(config.hidden_size, config.norm_eps)
@@ -202,41 +320,23 @@ class TRHashDecoderLayer(nn.Module):
         self.post_attention_layernorm = TRHashRMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = nn.ModuleDict({"engine": TRHashMoEEngine(config)})  # tensor names read `mlp.engine.*`
 
-    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                cache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, mask, cache)
+    def forward(self, h: torch.Tensor, token_ids: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None = None, cache: Cache | None = None, **kwargs) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), position_embeddings, attention_mask, cache=cache, **kwargs)
         return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids)
-
-
-def attention_mask_4d(attention_mask: torch.Tensor | None, batch: int, query_len: int, past: int,
-                      device: torch.device) -> torch.Tensor | None:
-    """Boolean [B, 1, q, past + q]: causal, without padded keys; None where plain causal attention is exact."""
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask  # already expanded by the caller
-    if attention_mask is not None and bool(attention_mask.all()):
-        attention_mask = None
-    if attention_mask is None and (past == 0 or query_len == 1):
-        return None  # is_causal (or, for one query, every cached key)
-    total = past + query_len
-    query_at = torch.arange(past, total, device=device)[:, None]
-    key_at = torch.arange(total, device=device)[None, :]
-    allowed = (key_at <= query_at)[None].expand(batch, -1, -1)
-    if attention_mask is not None:
-        if attention_mask.shape[-1] != total:
-            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, but the cache holds "
-                             f"{past} and the input {query_len}: it must cover all {total}")
-        # A padding query still sees itself, so no softmax row is empty (its output is never used).
-        allowed = (allowed & attention_mask.bool()[:, None, :]) | (key_at == query_at)
-    return allowed[:, None]
 
 
 class TRHashPreTrainedModel(PreTrainedModel):
     config_class = TRHashConfig
     base_model_prefix = "tr_hash"  # no submodule has this name: checkpoint names are the model's own
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["TRHashDecoderLayer"]
     _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = True  # StaticCache + torch.compile(fullgraph=True): no graph break, no host sync
+    _supports_static_cache = True  # the name transformers before 5 read
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -258,6 +358,34 @@ class TRHashPreTrainedModel(PreTrainedModel):
                 module.fused_expert_pairs.copy_(pairs)
 
 
+class TRHashTiedHead:
+    """The output head as tools that bring their own loss read it (TRL's fused LM head): `weight` is the input
+    embedding's own tensor (tied), no bias. A view, not a module: the checkpoint holds no head of its own."""
+
+    bias = None
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        self._embedding = embedding
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding.weight
+
+
+class TRHashTrunk:
+    """The body (embeddings, layers, final norm) returning hidden states, as `model.base_model`: what tools that
+    apply the head themselves call. A view over the model's own modules, so no tensor is renamed."""
+
+    _tp_plan = _pp_plan = None
+
+    def __init__(self, model: "TRHashForCausalLM") -> None:
+        self._model = model
+
+    def __call__(self, input_ids: torch.LongTensor | None = None, **kwargs) -> BaseModelOutputWithPast:
+        hidden, cache = self._model.hidden_states(input_ids, **kwargs)
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{_CACHE_FIELD: cache})
+
+
 class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
     def __init__(self, config: TRHashConfig) -> None:
         super().__init__(config)
@@ -266,57 +394,85 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
         self.norm = TRHashRMSNorm(config.hidden_size, config.norm_eps)
         self.post_init()
 
+    @property
+    def base_model(self) -> TRHashTrunk:
+        return TRHashTrunk(self)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def get_output_embeddings(self) -> None:
-        return None  # the head is embed_tokens itself (logits = h @ embed_tokens.weight.T)
+    def get_output_embeddings(self) -> TRHashTiedHead:
+        return TRHashTiedHead(self.embed_tokens)  # logits = h @ embed_tokens.weight.T
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise ValueError("a TR-MoE's vocabulary is fixed by its route tables (every token id has its experts): "
+                         "the token embeddings cannot be resized")
+
+    def hidden_states(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                      inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                      cache: Cache | None = None, keep_cache: bool = True, **kwargs) -> tuple[torch.Tensor, Cache | None]:
+        """(final normed hidden states [B, T, D], the cache); kwargs reach transformers' attention kernels."""
+        if input_ids is None:
+            raise ValueError("TR-MoE routes each token by its id: pass input_ids (inputs_embeds alone cannot route)")
+        cache = cache if cache is not None else past_key_values
+        given_cache = cache
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if not use_cache:
+            cache = None
+        elif cache is None and keep_cache:
+            cache = DynamicCache()
+        batch, seq = input_ids.shape
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            if attention_mask is not None and attention_mask.dim() == 2:
+                # Left padding: each row's real tokens count from 0.
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq:]
+            else:
+                position_ids = torch.arange(seq, device=input_ids.device)[None] + past
+        if attention_mask is not None and attention_mask.dim() == 2 and isinstance(cache, DynamicCache):
+            total = cache.get_seq_length() + seq
+            if attention_mask.shape[-1] != total:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} positions, but the cache holds "
+                                 f"{total - seq} and the input {seq}: it must cover all {total}")
+        h = self.embed_tokens(input_ids)
+        # The cache this call made is empty: the mask is built without it, so position_ids that restart
+        # (padding-free packed rows) keep each example attending only to itself.
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=attention_mask,
+                                  position_ids=position_ids, **{_MASK_CACHE_ARG: given_cache if use_cache else None})
+        cos, sin = self.layers[0].self_attn.rotary_emb(position_ids.expand(batch, seq))
+        position_embeddings = (cos.to(h.dtype), sin.to(h.dtype))  # once here, not in every layer
+        for layer in self.layers:
+            h = layer(h, input_ids, position_embeddings, attention_mask=mask, cache=cache, position_ids=position_ids,
+                      **kwargs)
+        return self.norm(h), cache
 
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values=None,
+        past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        cache=None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
-        if input_ids is None:
-            raise ValueError("TR-MoE routes each token by its id: pass input_ids (inputs_embeds alone cannot route)")
-        cache = cache if cache is not None else past_key_values
-        use_cache = self.config.use_cache if use_cache is None else use_cache
-        if not use_cache:
-            cache = None
-        elif cache is None:
-            cache = DynamicCache()
-        batch, seq = input_ids.shape
-        past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            if attention_mask is not None and attention_mask.dim() == 2:
-                # Left padding: each row's real tokens count from 0.
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq:]
-            else:
-                position_ids = torch.arange(past, past + seq, device=input_ids.device)[None]
-        positions = position_ids.expand(batch, seq)
-        mask = attention_mask_4d(attention_mask, batch, seq, past, input_ids.device)
-        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
-            h = layer(h, input_ids, positions, mask, cache)
-        h = self.norm(h)
+        """kwargs: `num_items_in_batch` (the supervised tokens of the whole accumulated batch: the loss is their
+        mean), and what transformers' attention kernels read (cu_seq_lens_*, max_length_* of padding-free rows)."""
+        h, cache = self.hidden_states(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds,
+                                      use_cache, cache, keep_cache=labels is None, **kwargs)  # a loss keeps no cache
         if isinstance(logits_to_keep, int):
             kept = h[:, -logits_to_keep:] if logits_to_keep > 0 else h
         else:
             kept = h[:, logits_to_keep]
         logits = F.linear(kept, self.embed_tokens.weight)
         loss = None
-        if labels is not None:  # labels are the input ids: position t predicts t + 1
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
-                                   ignore_index=-100)
+        if labels is not None:  # labels are the input ids: position t predicts t + 1 (shifted by the loss)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})

@@ -1,0 +1,390 @@
+"""lm-evaluation-harness on a trained model, through its Hub bundle (notebooks/evaluate.ipynb).
+
+The model is what transformers loads (`python -m cflib.export hub`, made here
+when a run folder or checkpoint is named), scored by lm-eval's Python API
+(`lm_eval.simple_evaluate` with an `HFLM` of the bundle, `trust_remote_code`),
+so the numbers are the ones anyone gets with lm-eval. The project ships two
+small local tasks (examples/eval: multiple choice and exact match over the
+embedded tasks); any task of lm-eval's registry (`piqa`, `arc_easy`, ...) runs
+where its data can be downloaded. Every log-likelihood lm-eval reports for a
+multiple-choice task is checked against cflib's own decoder on the same
+tokens. Writes lm-eval's results JSON, its per-sample log, a record and a bar
+chart; everything is checked before any model is scored.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+import typing
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import matplotlib.pyplot as plt
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from cflib.atomic import write_json_atomic
+from cflib.data.shards import sha256_file
+from cflib.errors import ParamError
+from cflib.export import ExportError, TokenizerExportError, export_hub
+from cflib.export.hub import is_checkpoint
+from cflib.export.peft import is_adapter_checkpoint
+from cflib.lab.chat import train_here
+from cflib.lab.report import _elsewhere as elsewhere
+from cflib.lab.report import export_run
+from cflib.model import CheckpointError, load_checkpoint
+from cflib.paths import resolve_path
+from cflib.train.params import ParamSet, _coerce, _is_user_variable, reject_unknown
+from cflib.train.records import device_info, framework_versions
+from cflib.train.run import resolve_device
+
+SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
+DEFAULT_TASKS = ("embedded_choice", "embedded_exact")
+TRAIN_HERE_STEPS = 32  # model None: a quickstart-size model this many steps into training (seconds on a CPU)
+LOGLIKELIHOOD_CHECK_PAIRS = 64  # per task: the first (context, continuation) pairs recomputed by cflib
+BUNDLE_FILES = ("config.json", "model.safetensors", "modeling_tr_hash_moe.py")
+
+
+@dataclass(frozen=True)
+class EvalParams(ParamSet):
+    """evaluate.ipynb's parameters. Defaults: a small model trained here, the shipped tasks, on the CPU."""
+
+    model: str | None = None  # a run folder, a checkpoint or a Hub bundle; None: train a small model here
+    tasks: str | list | tuple = DEFAULT_TASKS  # names, or one comma-separated string ("piqa,arc_easy")
+    limit: int | None = None  # examples per task; None: all
+    batch_size: int = 8
+    device: str = "auto"  # auto | cpu | cuda
+    out_dir: str | None = None  # None: a new outputs/eval/<time>/
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "EvalParams":
+        reject_unknown(raw, cls.names(), source)
+        hints = typing.get_type_hints(cls)
+        params = cls(**{name: value if name == "tasks" else _coerce(name, value, hints[name])
+                        for name, value in raw.items()})
+        params.validate()
+        return params
+
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any]) -> "EvalParams":
+        """The notebook's parameters: its scalars (a misspelt papermill -p name is caught) and the task list."""
+        chosen = {name: value for name, value in namespace.items() if _is_user_variable(name, value)}
+        if isinstance(namespace.get("tasks"), (list, tuple)):
+            chosen["tasks"] = namespace["tasks"]
+        return cls.from_dict(chosen, source="notebook parameters")
+
+    def task_names(self) -> list[str]:
+        items = self.tasks.split(",") if isinstance(self.tasks, str) else list(self.tasks)
+        return [str(item).strip() for item in items if str(item).strip()]
+
+    def validate(self) -> None:
+        if not isinstance(self.tasks, (str, list, tuple)) or not self.task_names():
+            raise ParamError(f"tasks: one or more task names (a list, or 'piqa,arc_easy'), got {self.tasks!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ParamError(f"limit must be None (every example) or a positive integer, got {self.limit}")
+        if self.batch_size < 1:
+            raise ParamError(f"batch_size must be a positive integer, got {self.batch_size}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ParamError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+
+def is_bundle(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in BUNDLE_FILES)
+
+
+def eval_out_dir(out_dir: str | None) -> Path:
+    if out_dir is None:
+        return resolve_path(f"outputs/eval/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+    folder = resolve_path(out_dir)
+    if (folder / "record.json").exists():
+        raise ParamError(f"out_dir {folder} already holds an evaluation (record.json); choose another out_dir")
+    return folder
+
+
+def resolve_bundle(model: str | None, out_dir: Path, device: str) -> tuple[Path, str]:
+    """(the bundle to score, how it was found): a bundle as it is; a run folder's bundle (out_dir/hub), else
+    the one exported here from its best checkpoint with its data's tokenizer; a checkpoint exported here;
+    None: a small model trained and exported here."""
+    target = out_dir / "bundle"
+    if model is None:
+        checkpoint, _ = train_here(out_dir / "trained-here", TRAIN_HERE_STEPS, device)
+        export_hub(checkpoint, target, tokenizer="byte", echo=None)
+        return target, f"a quickstart-size model trained here for {TRAIN_HERE_STEPS} steps ({checkpoint})"
+    path = resolve_path(model)
+    if is_bundle(path):
+        return path, f"the Hub bundle {path}"
+    if (path / "record.json").is_file() and (path / "checkpoints").is_dir():
+        if is_bundle(path / "hub"):
+            return path / "hub", f"the run's Hub bundle {path / 'hub'}"
+        exported = export_run(json.loads((path / "record.json").read_text()), target)
+        if exported is None:
+            raise ParamError(f"model {path}: the run's data names no tokenizer; export its bundle with "
+                             f"python -m cflib.export hub {path} BUNDLE --tokenizer TOKENIZER and pass model=BUNDLE")
+        return target, f"the Hub bundle of run {path}, exported here"
+    if is_adapter_checkpoint(path):
+        raise ParamError(f"model {path} holds LoRA adapters: merge them into their base first "
+                         f"(python -m cflib.export merge {path} MERGED) and pass model=MERGED")
+    if is_checkpoint(path) or (path / "checkpoints").is_dir():  # a run folder without its record: its newest
+        try:
+            export_hub(path, target, echo=None)
+        except TokenizerExportError as err:
+            raise ParamError(f"model {path}: {err}; export its bundle with --tokenizer and pass the bundle") from None
+        what = "checkpoint" if is_checkpoint(path) else "the newest checkpoint of"
+        return target, f"the Hub bundle of {what} {path}, exported here"
+    raise ParamError(f"model {path}: neither a Hub bundle ({', '.join(BUNDLE_FILES)}), a run folder "
+                     "(record.json, checkpoints/) nor a checkpoint (config.json, model.safetensors)")
+
+
+def shipped_tasks() -> dict[str, Path]:
+    """The project's tasks: name -> YAML."""
+    found = {}
+    for path in sorted(resolve_path(SHIPPED_TASKS).glob("*.yaml")):
+        found[yaml.safe_load(path.read_text())["task"]] = path
+    return found
+
+
+def materialize_tasks(names: list[str], folder: Path) -> dict[str, dict]:
+    """Copies of the named shipped tasks in folder, their data files resolved to absolute paths (lm-eval reads
+    them relative to the working directory); name -> {yaml, sha256 of YAML and data}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    described = {}
+    for name, path in shipped_tasks().items():
+        if name not in names:
+            continue
+        config = yaml.safe_load(path.read_text())
+        files = config["dataset_kwargs"]["data_files"]
+        resolved = {split: (path.parent / file).resolve() for split, file in files.items()}
+        for split, file in resolved.items():
+            if not file.is_file():
+                raise ParamError(f"task {name} ({path}): its {split} data {file} is missing")
+        config["dataset_kwargs"]["data_files"] = {split: str(file) for split, file in resolved.items()}
+        (folder / path.name).write_text(yaml.safe_dump(config, sort_keys=False))
+        described[name] = {"source": "shipped", "yaml": str(path), "yaml_sha256": sha256_file(path),
+                           "data_sha256": {split: sha256_file(file) for split, file in resolved.items()}}
+    return described
+
+
+@dataclass
+class Evaluation:
+    """A checked evaluation: the bundle, the tasks (lm-eval knows each one) and where the results go."""
+
+    params: EvalParams
+    bundle: Path
+    model_source: str
+    tasks: dict[str, dict]
+    task_manager: Any
+    task_dir: Path  # the shipped tasks' YAMLs with resolved data paths, copied to out_dir/tasks by the run
+    device: torch.device
+    out_dir: Path
+
+
+def prepare_evaluation(params: EvalParams) -> Evaluation:
+    """Check the parameters, out_dir and every task name against the shipped tasks and lm-eval's registry,
+    then find (or export, or train) the bundle: a bad input stops here, before any model is scored."""
+    from lm_eval.tasks import TaskManager
+
+    out_dir = eval_out_dir(params.out_dir)
+    device = resolve_device(params.device)
+    names = params.task_names()
+    staging = Path(tempfile.mkdtemp(prefix="cflib-eval-tasks-"))  # out_dir stays untouched until all is checked
+    try:
+        tasks = materialize_tasks(names, staging)
+        manager = TaskManager(include_path=str(staging))
+        for name in names:
+            if name not in manager.all_tasks:
+                raise ParamError(f"tasks: {name!r} is neither a task of this project ({', '.join(shipped_tasks())}) "
+                                 "nor one lm-eval knows (lm-eval --tasks list shows them)")
+            tasks.setdefault(name, {"source": "lm-eval registry"})
+        bundle, source = resolve_bundle(params.model, out_dir, params.device)
+    except (ExportError, CheckpointError) as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ParamError(f"model {params.model}: {err}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Evaluation(params, bundle, source, {name: tasks[name] for name in names}, manager, staging, device,
+                      out_dir)
+
+
+def score_rows(results: dict) -> list[dict]:
+    """One row per task and metric: value and standard error, as lm-eval reports them."""
+    rows = []
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+                continue
+            metric, filtering = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filtering}")
+            rows.append({"task": task, "metric": metric, "filter": filtering, "value": float(value),
+                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                         "samples": results.get("n-samples", {}).get(task, {}).get("effective")})
+    return rows
+
+
+def loglikelihood_check(samples: dict[str, list[dict]], lm: Any, bundle: Path, device: torch.device,
+                        pairs_per_task: int = LOGLIKELIHOOD_CHECK_PAIRS) -> dict:
+    """lm-eval's log-likelihood of each (context, continuation) against cflib's decoder on the same tokens
+    (lm-eval's own encoding of the pair), for the first pairs of every log-likelihood task."""
+    model = load_checkpoint(bundle, device).eval()
+    worst, checked, tasks = 0.0, 0, []
+    for task, rows in samples.items():
+        pairs = [(argument, response[0][0]) for row in rows if all(isinstance(a, tuple) and len(a) == 2 and
+                 isinstance(a[1], str) for a in row["arguments"])
+                 for argument, response in zip(row["arguments"], row["resps"])][:pairs_per_task]
+        if not pairs:
+            continue
+        tasks.append(task)
+        for (context, continuation), reported in pairs:
+            context_ids, continuation_ids = lm._encode_pair(context, continuation)
+            ids = torch.tensor([context_ids + continuation_ids], device=device)
+            with torch.no_grad():
+                logits = (model(ids[:, :-1]) @ model.head_weight.T).float().log_softmax(-1)[0]
+            targets = ids[0, len(context_ids):]
+            ours = float(logits[len(context_ids) - 1:].gather(1, targets[:, None]).sum())
+            worst, checked = max(worst, abs(ours - float(reported))), checked + 1
+    return {"tasks": tasks, "pairs": checked, "max_abs_diff": worst,
+            "what": "sum of log p(continuation | context) from lm-eval's HFLM on the bundle vs cflib's TRMoEModel "
+                    "on the same token ids, fp32"}
+
+
+def plot_scores(rows: list[dict], save_to: Path | None = None) -> plt.Figure:
+    """One bar per task and metric, with lm-eval's standard error."""
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(rows) + 2), 3.5))
+    labels = [f"{row['task']}\n{row['metric']}" for row in rows]
+    errors = [row["stderr"] or 0.0 for row in rows]
+    bars = ax.bar(range(len(rows)), [row["value"] for row in rows], yerr=errors, capsize=4, color="#4c72b0")
+    for bar, row, error in zip(bars, rows, errors):  # above the error bar
+        ax.annotate(f"{row['value']:.3f}", (bar.get_x() + bar.get_width() / 2, bar.get_height() + error),
+                    ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("score (lm-eval)")
+    ax.set_ylim(0, max(1.0, max((row["value"] + (row["stderr"] or 0) for row in rows), default=1.0)) * 1.1)
+    ax.set_title("lm-evaluation-harness, 0-shot")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    if save_to is not None:
+        fig.savefig(save_to, dpi=120)
+    return fig
+
+
+@contextlib.contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """lm-eval's log at errors only: its notes (0-shot asked of a task with no default, --limit is for
+    testing) would read as warnings in every notebook run; the record holds the settings instead."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
+    """Score the bundle on every task through lm-eval (one task after another, a progress bar over them);
+    write out_dir/lm_eval_results.json, samples_<task>.jsonl, record.json and scores.png."""
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.utils import handle_non_serializable
+
+    params, out_dir = job.params, job.out_dir
+    dtype = "float32"  # log-likelihoods comparable with cflib's to float32 precision
+    lm = HFLM(pretrained=str(job.bundle), trust_remote_code=True, batch_size=params.batch_size,
+              device=str(job.device), dtype=dtype)
+    merged: dict[str, Any] = {}
+    samples: dict[str, list[dict]] = {}
+    start = time.perf_counter()
+    for name in tqdm(list(job.tasks), desc="tasks", unit="task", disable=not progress):
+        with quiet_lm_eval():
+            result = lm_eval.simple_evaluate(model=lm, tasks=[name], limit=params.limit,
+                                             task_manager=job.task_manager, log_samples=True, num_fewshot=0)
+        samples.update(result.pop("samples"))
+        for key, value in result.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key].update(value)
+            else:
+                merged[key] = value
+    seconds = time.perf_counter() - start
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(job.task_dir, out_dir / "tasks", dirs_exist_ok=True)
+    shutil.rmtree(job.task_dir, ignore_errors=True)
+    (out_dir / "lm_eval_results.json").write_text(json.dumps(merged, indent=2, default=handle_non_serializable))
+    for task, rows in samples.items():
+        with open(out_dir / f"samples_{task}.jsonl", "w") as out:
+            out.writelines(json.dumps(row, default=handle_non_serializable) + "\n" for row in rows)
+    rows = score_rows(merged)
+    check = loglikelihood_check(samples, lm, job.bundle, job.device)
+    plt.close(plot_scores(rows, save_to=out_dir / "scores.png"))  # saved; the notebook shows its own
+    import transformers
+
+    record = {
+        "job": "evaluate", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "out_dir": str(out_dir),
+        "framework": {**framework_versions(), "lm_eval": lm_eval.__version__, "transformers": transformers.__version__},
+        "device": device_info(job.device), "precision": dtype,
+        "model": {"source": job.model_source, "bundle": str(job.bundle),
+                  "sha256": sha256_file(job.bundle / "model.safetensors"),
+                  "config": json.loads((job.bundle / "config.json").read_text())},
+        "tasks": job.tasks,
+        "settings": {"limit": params.limit, "batch_size": params.batch_size, "num_fewshot": 0,
+                     "lm_eval_model": "hf (HFLM, trust_remote_code)"},
+        "scores": rows, "loglikelihood_check": check,
+        "timing": {"seconds": seconds, "includes": "lm-eval's data loading, requests and metrics, every task"},
+        "files": {"results": "lm_eval_results.json", "chart": "scores.png",
+                  "samples": [f"samples_{task}.jsonl" for task in samples]},
+    }
+    write_json_atomic(out_dir / "record.json", record)
+    return record
+
+
+def evaluate(params: EvalParams, progress: bool = True) -> dict:
+    return run_evaluation(prepare_evaluation(params), progress)
+
+
+def scores_table(record: dict) -> str:
+    """Markdown: task, metric, value ± stderr."""
+    lines = ["| task | metric | value | stderr |", "| --- | --- | ---: | ---: |"]
+    for row in record["scores"]:
+        stderr = "-" if row["stderr"] is None or math.isnan(row["stderr"]) else f"{row['stderr']:.3f}"
+        lines.append(f"| {row['task']} | {row['metric']} | {row['value']:.3f} | {stderr} |")
+    return "\n".join(lines)
+
+
+def show_scores(record: dict) -> None:
+    from IPython.display import display
+
+    table = scores_table(record)
+    display({"text/markdown": table, "text/plain": table}, raw=True)
+
+
+def headline(record: dict) -> str:
+    """One deterministic line (what nbval compares for the default parameters)."""
+    check = record["loglikelihood_check"]
+    return (f"{len(record['tasks'])} tasks scored by lm-eval "
+            f"({', '.join(record['tasks'])}); {check['pairs']} log-likelihoods checked against cflib, "
+            f"agreeing to {'1e-4' if check['max_abs_diff'] < 1e-4 else 'more than 1e-4: investigate'}")
+
+
+def evaluate_run(record: dict, tasks: str | None) -> dict | None:
+    """train_sft's last step: the run's bundle (out_dir/hub, exported by the cell before) scored on `tasks`
+    into out_dir/eval; None when tasks is None (off)."""
+    if not tasks:
+        print("eval_tasks: None, no lm-eval evaluation (name tasks, e.g. embedded_choice,embedded_exact)")
+        return None
+    if elsewhere(record):
+        print(elsewhere(record))
+        return None
+    run_dir = Path(record["out_dir"])
+    model = run_dir / "hub" if is_bundle(run_dir / "hub") else run_dir
+    evaluation = evaluate(EvalParams(model=str(model), tasks=tasks, device=record["device"]["type"],
+                                     out_dir=str(run_dir / "eval")))
+    show_scores(evaluation)
+    return evaluation

@@ -1,0 +1,164 @@
+"""cflib.lab.evaluate: lm-eval (its Python API, real runs) on the Hub bundle of a model that knows the answers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cflib.data import ByteTokenizer
+from cflib.data.shards import sha256_file
+from cflib.errors import ParamError
+from cflib.export import export_hub
+from cflib.lab.evaluate import EvalParams, evaluate, headline, prepare_evaluation, scores_table, shipped_tasks
+from cflib.model import load_checkpoint, save_checkpoint
+
+try:
+    from tiny_models import trained_model
+except ImportError:  # pragma: no cover - tests/ imported as a package
+    from tests.tiny_models import trained_model
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = ByteTokenizer()
+
+
+def rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (ROOT / "examples" / "eval" / name).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    """A tiny model trained on the exact-match task's own conversations until it half remembers them: it answers
+    some prompts right, not all (a model that knows nothing scores 0, one that knows all 1: neither tests much)."""
+    sequences = [TOKENIZER.encode_chat(row["prompt"], row["answer"])[0] for row in rows("exact.jsonl")]
+    model = trained_model(sequences, TOKENIZER.vocab_size, steps=60)
+    root = tmp_path_factory.mktemp("eval-model")
+    return export_hub(save_checkpoint(model, root / "ckpt"), root / "bundle", echo=None)
+
+
+@pytest.fixture(scope="module")
+def evaluated(bundle: Path, tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("eval") / "out"
+    return evaluate(EvalParams(model=str(bundle), tasks="embedded_choice, embedded_exact", device="cpu",
+                               out_dir=str(out)), progress=False), out
+
+
+def test_the_shipped_tasks_are_found():
+    assert set(shipped_tasks()) == {"embedded_choice", "embedded_exact"}
+
+
+def test_lm_eval_scores_the_bundle_and_the_files_are_written(evaluated, bundle: Path):
+    record, out = evaluated
+    assert sorted(p.name for p in out.iterdir()) == ["lm_eval_results.json", "record.json",
+                                                     "samples_embedded_choice.jsonl", "samples_embedded_exact.jsonl",
+                                                     "scores.png", "tasks"]
+    results = json.loads((out / "lm_eval_results.json").read_text())
+    assert set(results["results"]) == {"embedded_choice", "embedded_exact"}
+    scores = {(row["task"], row["metric"]): row for row in record["scores"]}
+    assert set(scores) == {("embedded_choice", "acc"), ("embedded_choice", "acc_norm"),
+                           ("embedded_exact", "exact_match")}
+    exact = scores[("embedded_exact", "exact_match")]
+    assert 0.0 < exact["value"] < 1.0 and exact["samples"] == 40
+    assert exact["value"] == results["results"]["embedded_exact"]["exact_match,none"]
+    assert exact["stderr"] == results["results"]["embedded_exact"]["exact_match_stderr,none"]
+    assert record["model"]["sha256"] == sha256_file(bundle / "model.safetensors")
+    assert record["framework"]["lm_eval"] == results["lm_eval_version"] and record["framework"]["torch"]
+    assert record["device"]["type"] == "cpu" and record["job"] == "evaluate" and record["created_utc"]
+    yaml_hash = sha256_file(ROOT / "examples" / "eval" / "embedded_exact.yaml")
+    assert record["tasks"]["embedded_exact"]["yaml_sha256"] == yaml_hash
+    assert (out / "scores.png").stat().st_size > 5_000
+    assert "| embedded_exact | exact_match |" in scores_table(record)
+    assert headline(record).endswith("64 log-likelihoods checked against cflib, agreeing to 1e-4")
+
+
+def test_exact_match_is_what_the_answers_say(evaluated):
+    """lm-eval's answers are compared with the expected ones here, and the hits counted again."""
+    record, out = evaluated
+    samples = [json.loads(line) for line in (out / "samples_embedded_exact.jsonl").read_text().splitlines()]
+    expected = {row["prompt"]: row["answer"] for row in rows("exact.jsonl")}
+    hits = [sample["filtered_resps"][0] == expected[sample["doc"]["prompt"]] for sample in samples]
+    value = next(row["value"] for row in record["scores"] if row["metric"] == "exact_match")
+    assert len(hits) == 40 and sum(hits) / 40 == value
+
+
+def test_lm_evals_log_likelihoods_are_cflibs(evaluated, bundle: Path):
+    """Every choice's log-likelihood lm-eval reports, recomputed here with cflib's decoder from the byte
+    tokenizer's ids of the prompt's chat layout and the choice."""
+    record, out = evaluated
+    model = load_checkpoint(bundle).eval()
+    samples = [json.loads(line) for line in (out / "samples_embedded_choice.jsonl").read_text().splitlines()]
+    assert len(samples) == 40
+    for sample in samples:
+        prompt = TOKENIZER.encode_prompt(sample["doc"]["prompt"])
+        for choice, response in zip(sample["doc"]["choices"], sample["resps"]):
+            ids = prompt + TOKENIZER.encode(choice)
+            with torch.no_grad():
+                logits = (model(torch.tensor([ids[:-1]])) @ model.head_weight.T).log_softmax(-1)[0]
+            ours = sum(float(logits[i - 1, ids[i]]) for i in range(len(prompt), len(ids)))
+            assert response[0][0] == pytest.approx(ours, abs=1e-4), (sample["doc"], choice)
+    check = record["loglikelihood_check"]
+    assert check["tasks"] == ["embedded_choice"] and check["pairs"] == 64 and check["max_abs_diff"] < 1e-4
+
+
+def test_a_run_folder_is_scored_through_its_bundle(bundle: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "record.json").write_text(json.dumps({"out_dir": str(run)}))
+    export_hub(load_checkpoint_dir(bundle, tmp_path), run / "hub", echo=None)
+    job = prepare_evaluation(EvalParams(model=str(run), tasks=["embedded_choice"], device="cpu",
+                                        out_dir=str(tmp_path / "out")))
+    assert job.bundle == run / "hub" and "the run's Hub bundle" in job.model_source
+    checkpoint_job = prepare_evaluation(EvalParams(model=str(load_checkpoint_dir(bundle, tmp_path)),
+                                                   tasks=["embedded_choice"], device="cpu",
+                                                   out_dir=str(tmp_path / "out2")))
+    assert checkpoint_job.bundle == tmp_path / "out2" / "bundle"
+    assert sha256_file(checkpoint_job.bundle / "model.safetensors") == sha256_file(bundle / "model.safetensors")
+
+
+def load_checkpoint_dir(bundle: Path, root: Path) -> Path:
+    """The bundle's weights saved as a plain cflib checkpoint (the bundle is one too)."""
+    folder = root / "ckpt"
+    if not folder.exists():
+        save_checkpoint(load_checkpoint(bundle), folder)
+    return folder
+
+
+# --- bad inputs: a clear error naming the culprit, before any model is scored or trained --------
+@pytest.mark.parametrize("raw, message", [
+    ({"tasks": "embedded_choice,no_such_task"}, "tasks: 'no_such_task' is neither a task of this project"),
+    ({"tasks": " , "}, "tasks: one or more task names"),
+    ({"limit": 0}, "limit must be None"),
+    ({"batch_size": 0}, "batch_size must be a positive integer"),
+    ({"device": "tpu"}, "device must be auto, cpu or cuda"),
+    ({"tasks_": "piqa"}, "unknown parameter 'tasks_'"),
+])
+def test_bad_parameters_are_refused_before_anything_runs(tmp_path: Path, raw: dict, message: str):
+    out = tmp_path / "out"
+    with pytest.raises(ParamError, match=message):
+        prepare_evaluation(EvalParams.from_dict({"out_dir": str(out), "device": "cpu", **raw}))
+    assert not out.exists()  # nothing written, nothing trained
+
+
+def test_a_folder_that_is_no_model_is_refused(tmp_path: Path):
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ParamError, match="holds LoRA adapters: merge them into their base first"):
+        prepare_evaluation(EvalParams(model=str(tmp_path / "adapters"), device="cpu", out_dir=str(tmp_path / "a")))
+    with pytest.raises(ParamError, match="neither a Hub bundle .* a run folder .* nor a checkpoint"):
+        prepare_evaluation(EvalParams(model=str(tmp_path), device="cpu", out_dir=str(tmp_path / "b")))
+
+
+def test_an_out_dir_that_holds_an_evaluation_is_refused(evaluated):
+    _, out = evaluated
+    with pytest.raises(ParamError, match="already holds an evaluation"):
+        prepare_evaluation(EvalParams(out_dir=str(out), device="cpu"))
+
+
+def test_train_params_take_eval_tasks_and_refuse_an_empty_list():
+    from cflib.train import TrainParams
+
+    assert TrainParams().eval_tasks is None  # off by default
+    assert TrainParams.from_dict({"eval_tasks": "embedded_choice,piqa"}).eval_tasks == "embedded_choice,piqa"
+    with pytest.raises(ParamError, match="eval_tasks must name at least one lm-eval task"):
+        TrainParams.from_dict({"eval_tasks": " , "})
