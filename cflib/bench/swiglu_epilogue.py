@@ -41,6 +41,108 @@ def _rel(found: torch.Tensor, expected: torch.Tensor) -> float:
     return ((found.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+class _Layer:
+    """One layer's inputs and weights, held once, and every variant as a method computing its output."""
+
+    def __init__(self, tokens: int, device: torch.device) -> None:
+        self.config = config = preset("tr_hash_200m")
+        self.engine, self.x32, self.ids, self.grad = trmoe_bench_inputs(config, tokens, device)
+        with torch.no_grad():
+            self.gate_up32, self.down32 = fused_weights(self.engine)
+        engine, self.shared_columns, self.tokens = self.engine, config.shared_intermediate_size, tokens
+        leaf = lambda t: t.detach().contiguous().requires_grad_(True)  # noqa: E731
+        self.x, self.gate_up, self.down = leaf(self.x32.bfloat16()), leaf(self.gate_up32.bfloat16()), leaf(
+            self.down32.bfloat16())
+        self.gate_up_interleaved = leaf(torch.stack(self.gate_up.detach().chunk(2), 1).reshape_as(self.gate_up))
+        gate_rows = self.gate_up.detach().chunk(2)
+        self.shared_gate_up = leaf(torch.cat([half[:self.shared_columns] for half in gate_rows]))
+        self.routed_gate_up = leaf(torch.cat([half[self.shared_columns:] for half in gate_rows]))
+        self.shared_down = leaf(self.down.detach()[:, :self.shared_columns])
+        self.routed_down = leaf(self.down.detach()[:, self.shared_columns:])
+        self.layout = (self.shared_columns, engine.expert_gate.shape[2], config.vocab_size,
+                       float(engine.shared_output_scale), float(engine.routed_output_scale),
+                       float(engine.route_weights[0]), float(engine.route_weights[-1]))
+        self.leaves = (self.x32, self.x, self.gate_up, self.down, self.gate_up_interleaved, self.shared_gate_up,
+                       self.routed_gate_up, self.shared_down, self.routed_down, *engine.parameters())
+
+    def reference(self, scaled: bool) -> torch.Tensor:
+        """FP32 truth: the routed block's function (scaled) or a plain SwiGLU over the same weights."""
+        g, u = (self.x.detach().float() @ self.gate_up32.detach().t()).chunk(2, dim=1)
+        hidden = F.silu(g) * u
+        if scaled:
+            engine = self.engine
+            scale = torch.full_like(hidden, float(engine.shared_output_scale))
+            coeff = engine.expert_coefficients(self.ids, torch.float32) * float(engine.routed_output_scale)
+            scale[:, self.shared_columns:] = coeff.repeat_interleave(engine.expert_gate.shape[2], dim=1)
+            hidden = hidden * scale
+        return hidden @ self.down32.detach().t()
+
+    def cflib_block(self) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return trmoe_forward(self.engine, self.x32, self.ids)
+
+    def cflib_bf16_weights(self) -> torch.Tensor:
+        return ScaledSwiGLUDown.apply(self.x @ self.gate_up.t(), self.ids, self.engine.route_table, self.down,
+                                      self.layout)
+
+    def cublas_liger(self) -> torch.Tensor:
+        from cflib.ops.liger import LigerSiLUMulFunction
+        g, u = (self.x @ self.gate_up.t()).chunk(2, dim=1)
+        return LigerSiLUMulFunction.apply(g, u) @ self.down.t()
+
+    def quack_concat(self) -> torch.Tensor:
+        from quack.mlp import mlp_func
+        return mlp_func(self.x, self.gate_up, self.down, "swiglu", concat_layout=True)
+
+    def quack_interleaved(self) -> torch.Tensor:
+        from quack.mlp import mlp_func
+        return mlp_func(self.x, self.gate_up_interleaved, self.down, "swiglu")
+
+    def quack_shared_cflib_routed(self) -> torch.Tensor:
+        from quack.mlp import mlp_func
+        if float(self.engine.shared_output_scale) != 1.0:
+            raise ValueError("the split needs shared_output_scale 1")
+        shared = mlp_func(self.x, self.shared_gate_up, self.shared_down, "swiglu", concat_layout=True)
+        return shared + ScaledSwiGLUDown.apply(self.x @ self.routed_gate_up.t(), self.ids, self.engine.route_table,
+                                               self.routed_down, (0, *self.layout[1:]))
+
+
+# variant -> whether it computes the routed block (scaled) or a plain SwiGLU
+VARIANTS = {"cflib_block": True, "cflib_bf16_weights": True, "cublas_liger": False, "quack_concat": False,
+            "quack_interleaved": False, "quack_shared_cflib_routed": True}
+
+
+def measure_variant(layer: _Layer, name: str, reference: torch.Tensor, rep_ms: int) -> dict:
+    forward, scaled = getattr(layer, name), VARIANTS[name]
+    entry: dict = {"function": "scaled" if scaled else "plain"}
+    try:
+        for leaf in layer.leaves:
+            leaf.grad = None
+        out = forward()
+        out.backward(layer.grad)
+        torch.cuda.synchronize()
+        entry["forward_rel_error"] = _rel(out, reference)
+        entry["finite_grads"] = all(leaf.grad is None or bool(torch.isfinite(leaf.grad).all()) for leaf in layer.leaves)
+        entry["ms_forward_backward"] = _timed(lambda: forward().backward(layer.grad), rep_ms)
+        with torch.no_grad():
+            entry["ms_forward"] = _timed(forward, rep_ms)
+    except Exception as err:  # noqa: BLE001  (a variant that cannot run is a finding, not a stop)
+        entry["error"] = error_line(err)
+    return entry
+
+
+def _versions() -> dict:
+    found = {}
+    try:
+        import quack
+        found["quack"] = getattr(quack, "__version__", "unknown")
+        import cutlass
+        found["nvidia_cutlass_dsl"] = getattr(cutlass, "__version__", "unknown")
+    except Exception as err:  # noqa: BLE001
+        found["quack"] = error_line(err)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=16 * 2048)
@@ -48,112 +150,25 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
-    config = preset("tr_hash_200m")
-    engine, x32, ids, grad = trmoe_bench_inputs(config, args.tokens, device)
-    with torch.no_grad():
-        gate_up32, down32 = fused_weights(engine)
-    shared_columns = config.shared_intermediate_size
-    columns = down32.shape[1]
-    x = x32.detach().bfloat16().requires_grad_(True)
-    gate_up = gate_up32.detach().bfloat16().requires_grad_(True)
-    down = down32.detach().bfloat16().contiguous().requires_grad_(True)
-    gate_up_interleaved = torch.stack(gate_up.detach().chunk(2), 1).reshape_as(gate_up).requires_grad_(True)
-    layout = (shared_columns, engine.expert_gate.shape[2], config.vocab_size, float(engine.shared_output_scale),
-              float(engine.routed_output_scale), float(engine.route_weights[0]), float(engine.route_weights[-1]))
-
-    def plain_reference() -> torch.Tensor:
-        g, u = (x.detach().float() @ gate_up32.detach().t()).chunk(2, dim=1)
-        return (F.silu(g) * u) @ down32.detach().t()
-
-    def scaled_reference() -> torch.Tensor:
-        g, u = (x.detach().float() @ gate_up32.detach().t()).chunk(2, dim=1)
-        scale = torch.full((args.tokens, columns), float(engine.shared_output_scale), device=device)
-        coeff = engine.expert_coefficients(ids, torch.float32) * float(engine.routed_output_scale)
-        scale[:, shared_columns:] = coeff.repeat_interleave(engine.expert_gate.shape[2], dim=1)
-        return (F.silu(g) * u * scale) @ down32.detach().t()
-
-    def cflib_block() -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return trmoe_forward(engine, x32, ids)
-
-    def cflib_bf16_weights() -> torch.Tensor:
-        return ScaledSwiGLUDown.apply(x @ gate_up.t(), ids, engine.route_table, down, layout)
-
-    def cublas_liger() -> torch.Tensor:
-        from cflib.ops.liger import LigerSiLUMulFunction
-        g, u = (x @ gate_up.t()).chunk(2, dim=1)
-        return LigerSiLUMulFunction.apply(g, u) @ down.t()
-
-    def quack_concat() -> torch.Tensor:
-        from quack.mlp import mlp_func
-        return mlp_func(x, gate_up, down, "swiglu", concat_layout=True)
-
-    def quack_interleaved() -> torch.Tensor:
-        from quack.mlp import mlp_func
-        return mlp_func(x, gate_up_interleaved, down, "swiglu")
-
-    routed_layout = (0, *layout[1:])
-    gate_rows = gate_up.detach().chunk(2)
-    shared_gate_up = torch.cat([half[:shared_columns] for half in gate_rows]).requires_grad_(True)
-    routed_gate_up = torch.cat([half[shared_columns:] for half in gate_rows]).requires_grad_(True)
-    shared_down = down.detach()[:, :shared_columns].contiguous().requires_grad_(True)
-    routed_down = down.detach()[:, shared_columns:].contiguous().requires_grad_(True)
-
-    def quack_shared_cflib_routed() -> torch.Tensor:
-        from quack.mlp import mlp_func
-        if float(engine.shared_output_scale) != 1.0:
-            raise ValueError("the split needs shared_output_scale 1")
-        shared = mlp_func(x, shared_gate_up, shared_down, "swiglu", concat_layout=True)
-        return shared + ScaledSwiGLUDown.apply(x @ routed_gate_up.t(), ids, engine.route_table, routed_down,
-                                               routed_layout)
-
-    variants = {"cflib_block": (cflib_block, "scaled"), "cflib_bf16_weights": (cflib_bf16_weights, "scaled"),
-                "cublas_liger": (cublas_liger, "plain"), "quack_concat": (quack_concat, "plain"),
-                "quack_interleaved": (quack_interleaved, "plain"),
-                "quack_shared_cflib_routed": (quack_shared_cflib_routed, "scaled")}
-    references = {"scaled": scaled_reference(), "plain": plain_reference()}
-    leaves = (x32, x, gate_up, down, gate_up_interleaved, shared_gate_up, routed_gate_up, shared_down, routed_down,
-              *engine.parameters())
-    results: dict[str, dict] = {}
-    for name, (forward, kind) in variants.items():
-        try:
-            for leaf in leaves:
-                leaf.grad = None
-            out = forward()
-            out.backward(grad)
-            torch.cuda.synchronize()
-            entry: dict = {"function": kind, "forward_rel_error": _rel(out, references[kind]),
-                           "finite_grads": all(leaf.grad is None or bool(torch.isfinite(leaf.grad).all())
-                                               for leaf in leaves)}
-
-            def step(forward=forward) -> None:
-                forward().backward(grad)
-
-            entry["ms_forward_backward"] = _timed(step, args.rep_ms)
-            with torch.no_grad():
-                entry["ms_forward"] = _timed(lambda forward=forward: forward(), args.rep_ms)
-        except Exception as err:  # noqa: BLE001  (a variant that cannot run is a finding, not a stop)
-            entry = {"function": kind, "error": error_line(err)}
-        results[name] = entry
-        print(f"{name:20s} " + (f"fwd+bwd {entry['ms_forward_backward']:7.3f} ms  fwd {entry['ms_forward']:7.3f} ms"
-                                f"  err {entry['forward_rel_error']:.1e}" if "error" not in entry
-                                else entry["error"]), flush=True)
-    gemm_flops = 3 * 2 * args.tokens * config.hidden_size * 3 * columns  # fwd + 2x bwd, three projections
+    layer = _Layer(args.tokens, device)
+    references = {scaled: layer.reference(scaled) for scaled in (True, False)}
+    results = {}
+    for name, scaled in VARIANTS.items():
+        results[name] = entry = measure_variant(layer, name, references[scaled], args.rep_ms)
+        print(f"{name:26s} " + (entry["error"] if "error" in entry else
+                                f"fwd+bwd {entry['ms_forward_backward']:7.3f} ms  fwd {entry['ms_forward']:7.3f} ms"
+                                f"  err {entry['forward_rel_error']:.1e}"), flush=True)
+    config, columns = layer.config, layer.down32.shape[1]
     record = {
-        "job": "swiglu_epilogue", "framework": framework_versions(), "device": device_info(device, count=1),
+        "job": "swiglu_epilogue", "framework": {**framework_versions(), **_versions()},
+        "device": device_info(device, count=1),
         "shapes": {"tokens": args.tokens, "hidden": config.hidden_size, "columns": columns,
-                   "shared_columns": shared_columns},
+                   "shared_columns": layer.shared_columns},
         "precision": "bf16 (cflib_block: bf16 autocast over fp32 master weights)",
         "timing": f"triton.testing.do_bench median, warmup 50 ms, rep {args.rep_ms} ms, one layer",
-        "gemm_flops_forward_backward": gemm_flops, "variants": results,
+        "gemm_flops_forward_backward": 3 * 2 * args.tokens * config.hidden_size * 3 * columns,
+        "variants": results,
     }
-    try:
-        import quack
-        record["framework"]["quack"] = getattr(quack, "__version__", "unknown")
-        import cutlass
-        record["framework"]["nvidia_cutlass_dsl"] = getattr(cutlass, "__version__", "unknown")
-    except Exception as err:  # noqa: BLE001
-        record["framework"]["quack"] = error_line(err)
     with open(args.out, "w") as out:
         json.dump(record, out, indent=1)
 

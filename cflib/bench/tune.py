@@ -235,14 +235,15 @@ def prepare_tuning(params: TuneParams) -> Tuning:
 
 @contextlib.contextmanager
 def probe_shard(config: ModelConfig, seq_len: int, rows: int, seed: int) -> Iterator[Path]:
-    """A temporary shard of `rows` full-length rows of random tokens, every position supervised."""
+    """A temporary shard of `rows` full-length rows of random tokens ending in EOS, every position supervised but
+    the last (whose next token lies past the example)."""
     rng = np.random.default_rng(seed)
     eos = 0
     with tempfile.TemporaryDirectory(prefix="cflib-tune-") as root:
         def examples(count: int) -> Iterator[Example]:
             for _ in range(count):
-                ids = rng.integers(1, config.vocab_size, size=seq_len)
-                yield Example(ids, np.append(ids[1:], eos), {})
+                ids = np.append(rng.integers(1, config.vocab_size, size=seq_len - 1), eos)
+                yield Example(ids, np.append(ids[1:], -100), {})
         for partition, count in (("train", rows), ("eval", 1)):
             write_partition(Path(root) / partition, examples(count), vocab_size=config.vocab_size,
                             eos_token_id=eos, max_seq_len=seq_len)

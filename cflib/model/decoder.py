@@ -22,6 +22,8 @@ from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, att
 
 INIT_STD = 0.02
 EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
+# The order records list what ran in.
+KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm")
 
 
 class RMSNorm(nn.Module):
@@ -296,4 +298,5 @@ class TRMoEModel(nn.Module):
                     found.setdefault(key, set()).add(value)
         for key, value in self.norm.ran.items():
             found.setdefault(key, set()).add(value)
-        return {key: "+".join(sorted(values)) for key, values in found.items()}
+        order = {key: index for index, key in enumerate(KERNEL_PATH_KEYS)}
+        return {key: "+".join(sorted(found[key])) for key in sorted(found, key=lambda k: order.get(k, len(order)))}

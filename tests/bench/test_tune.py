@@ -165,8 +165,10 @@ def test_peak_memory_is_affine_in_the_microbatch_over_whole_loss_chunks(tmp_path
     tuning = prepare_tuning(TuneParams.from_dict({**SMOKE, "budget_gib": 1.0, "out_dir": str(tmp_path / "o")}))
     with probe_shard(tuning.config, tuning.params.seq_len, 64, seed=0) as shard:
         peaks = [measure_probe(tuning, shard, m).peak_bytes for m in (8, 12, 16)]
-    # 4 x 64 tokens fill one loss chunk of 256: between whole chunks the growth is the same, byte for byte.
-    assert peaks[2] - peaks[1] == peaks[1] - peaks[0] > 0
+    # 4 rows of 63 supervised tokens (a row's last position has no next token) nearly fill a loss chunk of 256:
+    # the growth per 4 rows is the same to within the chunks' unfilled tail.
+    growth = (peaks[1] - peaks[0], peaks[2] - peaks[1])
+    assert min(growth) > 0 and abs(growth[1] - growth[0]) <= 0.02 * growth[0], growth
 
 
 # --- the notebook ----------------------------------------------------------------------------------

@@ -220,6 +220,7 @@ def test_papermill_chat_refuses_a_template_without_an_assistant_marker(tmp_path,
     assert not out_dir.exists()
 
 
+@pytest.mark.slow
 def test_papermill_evaluate_scores_a_bundle_with_lm_eval(tmp_path, tiny_checkpoint):
     """A checkpoint is exported to a bundle here and scored on one shipped task, a few examples."""
     out_dir = tmp_path / "eval"
@@ -238,6 +239,7 @@ def test_papermill_evaluate_scores_a_bundle_with_lm_eval(tmp_path, tiny_checkpoi
     assert not (out_dir / "trained-here").exists()  # a model was named: nothing trained
 
 
+@pytest.mark.slow
 def test_papermill_train_sft_ends_with_an_lm_eval_evaluation_of_its_bundle(tmp_path):
     out_dir = tmp_path / "run"
     papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "executed.ipynb"), parameters={

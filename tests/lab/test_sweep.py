@@ -96,6 +96,7 @@ def _stream_text(executed: Path) -> str:
                    for o in c.outputs if o.output_type == "stream")
 
 
+@pytest.mark.slow
 def test_a_sweep_killed_in_its_second_point_resumes_to_the_end(tmp_path):
     out_dir = tmp_path / "sweep"
     second = out_dir / "runs" / "lr-0.002"
@@ -163,6 +164,7 @@ COMPARE = ROOT / "notebooks" / "compare_runs.ipynb"
 COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
 
 
+@pytest.mark.slow
 def test_papermill_compares_the_committed_sweep_and_writes_its_files(tmp_path):
     import papermill
 
@@ -184,6 +186,7 @@ def test_papermill_compares_the_committed_sweep_and_writes_its_files(tmp_path):
     assert {"loss_curves.png", "exact_match.png", "sweep.png"} <= {p.name for p in out_dir.iterdir()}
 
 
+@pytest.mark.slow
 def test_papermill_refuses_an_incomplete_run_before_writing_anything(tmp_path):
     import papermill
 

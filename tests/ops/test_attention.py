@@ -17,7 +17,7 @@ from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
 from tiny_models import KERNEL_DEVICE
 
 from cflib.ops import attention
-from cflib.ops.attention import (GPU_NEEDS, HALF_ONLY_KERNELS, attend, attention_batch, backend_problem,
+from cflib.ops.attention import (BACKENDS, attend, attention_batch, backend_problem,
                                  choose_kernel, pack_documents, plan_attention)
 from cflib.ops.dispatch import KernelUnavailable, plan_kernels
 
@@ -224,7 +224,8 @@ def attention_truth(document_ids):
 def test_each_kernel_matches_the_reference_forward_and_backward(backend, packed, dtype):
     if problem := backend_problem(backend, KERNEL_DEVICE, HEAD_DIM, packed=packed) if backend != "auto" else None:
         pytest.skip(problem)
-    if dtype == torch.float32 and (backend in GPU_NEEDS or backend in HALF_ONLY_KERNELS):
+    kernel = (BACKENDS[backend].packed if packed else BACKENDS[backend].dense) if backend in BACKENDS else None
+    if dtype == torch.float32 and kernel is not None and kernel.half_only:
         pytest.skip(f"{backend} computes in bfloat16/float16: checked in bfloat16")
     gen = torch.Generator().manual_seed(len(backend) + packed)
     raw = {name: torch.randn(BATCH, heads, SEQ, HEAD_DIM, generator=gen).to(dtype)
@@ -240,7 +241,6 @@ def test_each_kernel_matches_the_reference_forward_and_backward(backend, packed,
     truth = run(attention_truth(DOCUMENT_IDS if packed else None),
                 leaves(raw, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 4)
     got = run(fast, leaves(raw, {}, KERNEL_DEVICE, grad), 4)
-    want = (attention.KERNELS[backend][packed] if backend != "auto"
-            else choose_kernel("auto", packed, KERNEL_DEVICE, HEAD_DIM, dtype))
+    want = (kernel.name if backend != "auto" else choose_kernel("auto", packed, KERNEL_DEVICE, HEAD_DIM, dtype))
     assert ran == [want]  # the kernel asked for ran, not a fallback
     assert_matches(got, truth, dtype)

@@ -54,6 +54,7 @@ def wait_for_holder(out_dir: Path, child: subprocess.Popen) -> dict:
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_folder_being_written_is_refused_naming_the_holder(tmp_path, shard):
     out_dir = tmp_path / "run"
     # A long run (many steps, each checkpointed) that holds the folder while this test tries to enter it.
@@ -84,6 +85,7 @@ def test_a_second_run_into_a_folder_being_written_is_refused_naming_the_holder(t
             first.wait()
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_into_one_folder_one_trains_the_other_is_refused(tmp_path, shard):
     out_dir = tmp_path / "run"
     runs = [start(params(shard, out_dir, max_steps=40)) for _ in range(2)]
@@ -123,6 +125,7 @@ def test_this_kernel_holding_a_folder_is_named_as_the_holder(tmp_path):
     RunLock(tmp_path / "run").acquire().release()
 
 
+@pytest.mark.slow
 def test_the_lock_is_not_inherited_by_child_processes(tmp_path):
     """A subprocess outliving its parent (a torchrun worker, a notebook's helper) must not keep the folder."""
     lock = RunLock(tmp_path / "run").acquire()

@@ -209,6 +209,7 @@ def _tensorboard_series(folder: Path, tag: str) -> list[tuple[int, float]]:
     return [(s.step, s.value) for s in events.Scalars(tag)]
 
 
+@pytest.mark.slow
 def test_a_run_killed_and_resumed_shows_each_step_once_in_tensorboard(tmp_path):
     out_dir = tmp_path / "run"
     params = run_params(out_dir, max_steps=80, eval_every_steps=None, exact_match_limit=0, save_every_steps=8,
@@ -234,6 +235,7 @@ def test_a_run_killed_and_resumed_shows_each_step_once_in_tensorboard(tmp_path):
     assert [step for step, _ in _tensorboard_series(out_dir / "tensorboard", "eval/loss")] == [0, 80]
 
 
+@pytest.mark.slow
 def test_only_rank_zero_reports_under_ddp(tmp_path):
     out_dir = tmp_path / "run"
     train(run_params(out_dir, max_steps=4, eval_every_steps=None, exact_match_limit=0, nproc_per_node=2,

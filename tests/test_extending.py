@@ -1,0 +1,96 @@
+"""The doors of docs/architecture.md ("Extending the package"), walked through as the page shows them: a toy
+attention backend and a toy loss, registered, named by a run's parameters and trained with."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from sft_shard_helpers import write_shard
+from tiny_models import random_ids, tiny_model
+
+from cflib.bench.components import components
+from cflib.data.tasks import generate
+from cflib.ops import attention, sft_loss
+from cflib.ops.attention import Backend, Kernel, attend, attention_batch, register_backend
+from cflib.ops.loss import chunked_cross_entropy_sum
+from cflib.ops.sft_loss import register_loss
+from cflib.train import train
+from cflib.train.params import ParamError, TrainParams
+
+
+def causal_math(q, k, v, batch):  # q [B, Hq, T, hd], k/v [B, Hkv, T, hd]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class SmoothedLoss:
+    """Cross-entropy plus a small penalty on the hidden states' scale."""
+    last_backend = "none"
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __call__(self, hidden, head_weight, labels, loss_chunk_tokens, fp32_loss, token_weights=None,
+                 supervised=None):
+        self.last_backend = "smoothed_chunked_ce"
+        loss, count = chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
+                                                token_weights=token_weights, supervised=supervised)
+        return loss + 1e-3 * count * hidden.float().pow(2).mean(), count
+
+
+@pytest.fixture
+def registered():
+    """The page's two registrations, undone afterwards so no other test sees them."""
+    register_backend(Backend("math", "SDPA's math over repeated KV heads",
+                             Kernel("math_sdpa", causal_math, component="attention_math"), None,
+                             lambda device, head_dim, packed: None))
+    register_loss("smoothed", SmoothedLoss)
+    yield
+    attention.BACKENDS.pop("math")
+    sft_loss.LOSSES.pop("smoothed")
+
+
+def test_a_registered_backend_attends_like_sdpa_and_is_validated(registered):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 9, 8, generator=gen) for heads in (4, 2, 2))
+    batch = attention_batch("math", torch.device("cpu"), torch.float32, 8)
+    assert batch.kernel == "math_sdpa"
+    torch.testing.assert_close(attend(q, k, v, batch),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert "attention_math" in {c.name for c in components()}
+    with pytest.raises(Exception, match="math attends dense rows only"):
+        attention_batch("math", torch.device("cpu"), torch.float32, 8, attention.pack_documents(
+            torch.tensor([[0, 0, 1, 1]])))
+
+
+def test_the_model_attends_with_it(registered):
+    model = tiny_model()
+    ids = random_ids(model.config.vocab_size, 2, 10)
+    with torch.no_grad():
+        expected = model(ids)
+        model.attention_backend = "math"
+        found = model(ids)
+    assert model.kernel_path()["attention"] == "math_sdpa"
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_names_both_and_its_record_says_so(registered, tmp_path):
+    train_examples, eval_examples = generate(seed=1)
+    shard = write_shard(tmp_path / "shard", train_examples[:16], eval_examples[:8], max_seq_len=64)
+    record = train({"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 8, "max_steps": 2,
+                    "exact_match_limit": 0, "device": "cpu", "data": str(shard), "out_dir": str(tmp_path / "run"),
+                    "attention_backend": "math", "loss_type": "smoothed"}, progress=False)
+    saved = json.loads(Path(tmp_path / "run" / "record.json").read_text())
+    assert saved["kernel_path"]["attention"] == "math_sdpa" and saved["kernel_path"]["loss"] == "smoothed_chunked_ce"
+    assert record["eval"]["final"]["loss"] > 0
+
+
+def test_unregistered_names_are_refused_before_any_step():
+    with pytest.raises(ParamError, match="loss_type must be one of .*'sft_cross_entropy'.*got 'smoothed'"):
+        TrainParams.from_dict({"loss_type": "smoothed"})
+    with pytest.raises(ParamError, match="attention_backend must be one of .* got 'math'"):
+        TrainParams.from_dict({"attention_backend": "math"})
