@@ -249,3 +249,20 @@ def test_papermill_train_sft_ends_with_an_lm_eval_evaluation_of_its_bundle(tmp_p
     assert record["model"]["bundle"] == str(out_dir / "hub") and list(record["tasks"]) == ["embedded_choice"]
     assert record["model"]["sha256"] == sha256_file(out_dir / "hub" / "model.safetensors")
     assert record["loglikelihood_check"]["max_abs_diff"] < 1e-4
+
+
+def test_train_sft_s_cells_bind_no_name_a_rerun_would_take_as_a_parameter():
+    """Re-running the cells from the checks reads the notebook's scalars (and Nones) as parameters: a later
+    cell that binds `x = f()` returning None or a string would make that re-run fail on an unknown name."""
+    allowed = {"params", "run", "record"}  # objects, never scalars
+    bound = {}
+    for index, cell in enumerate(nbformat.read(TRAIN_SFT, as_version=4).cells):
+        if cell.cell_type != "code" or "parameters" in cell.metadata.get("tags", []):
+            continue
+        for node in ast.parse(cell.source).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            for target in targets:
+                names = [target] if isinstance(target, ast.Name) else getattr(target, "elts", [])
+                bound.update({n.id: index for n in names if isinstance(n, ast.Name)})
+    assert set(bound) <= allowed, {name: f"cell {i}" for name, i in bound.items() if name not in allowed}
