@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 from cflib.paths import project_root
 
 PACKAGE = project_root() / "cflib"
