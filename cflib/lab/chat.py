@@ -25,6 +25,7 @@ from cflib.data import ByteTokenizer, ChatRenderer, ChatTemplate, ConvertError, 
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export.peft import is_adapter_checkpoint
+from cflib.lab.out_dirs import job_out_dir
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.paths import resolve_path
@@ -217,15 +218,6 @@ class ChatSession:
                 "tokenizer": tokenizer, "template": asdict(self.template), "eos_token_id": self.renderer.eos_token_id}
 
 
-def chat_out_dir(out_dir: str | None) -> Path:
-    if out_dir is None:
-        return resolve_path(f"outputs/chat/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
-    folder = resolve_path(out_dir)
-    if (folder / "answers.jsonl").exists():
-        raise ParamError(f"out_dir {folder} already holds answers.jsonl; choose another out_dir")
-    return folder
-
-
 @dataclass
 class Chat:
     """A checked chat job: the session, the conversations to answer and where the answers go."""
@@ -239,7 +231,7 @@ class Chat:
 def prepare_chat(params: ChatParams) -> Chat:
     """Check the prompts, tokenizer, template and out_dir, then load the checkpoint (or train one under
     out_dir when none is named) and check every prompt against it: a bad input stops here, before any answer."""
-    out_dir = chat_out_dir(params.out_dir)
+    out_dir = job_out_dir(params.out_dir, "chat", "answers.jsonl", "answers.jsonl")
     conversations = read_conversations(params.prompts)
     renderer = chat_renderer(params.tokenizer, params.template)
     for messages in conversations:

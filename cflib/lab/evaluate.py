@@ -38,6 +38,7 @@ from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.hub import is_checkpoint
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.lab.chat import train_here
+from cflib.lab.out_dirs import job_out_dir
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
 from cflib.model import CheckpointError, load_checkpoint
@@ -98,15 +99,6 @@ class EvalParams(ParamSet):
 
 def is_bundle(folder: Path) -> bool:
     return all((folder / name).is_file() for name in BUNDLE_FILES)
-
-
-def eval_out_dir(out_dir: str | None) -> Path:
-    if out_dir is None:
-        return resolve_path(f"outputs/eval/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
-    folder = resolve_path(out_dir)
-    if (folder / "record.json").exists():
-        raise ParamError(f"out_dir {folder} already holds an evaluation (record.json); choose another out_dir")
-    return folder
 
 
 def resolve_bundle(model: str | None, out_dir: Path, device: str) -> tuple[Path, str]:
@@ -191,7 +183,7 @@ def prepare_evaluation(params: EvalParams) -> Evaluation:
     then find (or export, or train) the bundle: a bad input stops here, before any model is scored."""
     from lm_eval.tasks import TaskManager
 
-    out_dir = eval_out_dir(params.out_dir)
+    out_dir = job_out_dir(params.out_dir, "eval", "record.json", "an evaluation (record.json)")
     device = resolve_device(params.device)
     names = params.task_names()
     staging = Path(tempfile.mkdtemp(prefix="cflib-eval-tasks-"))  # out_dir stays untouched until all is checked
