@@ -15,9 +15,10 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def small_disk(folder: Path, size: str = "16m") -> Iterator[Path | None]:
+def _tmpfs(folder: Path, options: str) -> Iterator[Path | None]:
+    """`folder` as a tmpfs mounted with `options`; None where mounting is not allowed."""
     folder.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
                              capture_output=True).returncode == 0 if shutil.which("mount") else False
     try:
         yield folder if mounted else None
@@ -26,17 +27,13 @@ def small_disk(folder: Path, size: str = "16m") -> Iterator[Path | None]:
             subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-@contextlib.contextmanager
-def read_only_folder(folder: Path) -> Iterator[Path | None]:
+def small_disk(folder: Path, size: str = "16m") -> contextlib.AbstractContextManager[Path | None]:
+    return _tmpfs(folder, f"size={size}")
+
+
+def read_only_folder(folder: Path) -> contextlib.AbstractContextManager[Path | None]:
     """An empty folder on a filesystem mounted read-only; None where mounting is not allowed."""
-    folder.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                             capture_output=True).returncode == 0 if shutil.which("mount") else False
-    try:
-        yield folder if mounted else None
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(folder)], check=False)
+    return _tmpfs(folder, "ro,size=1m")
 
 
 def fill(folder: Path, leave: int = 0) -> Path:
