@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
@@ -24,6 +23,7 @@ from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
 from cflib.data.tasks import TASKS, ensure_embedded_shard
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
+from cflib.jobs import job_out_dir
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
@@ -128,18 +128,12 @@ class Run:
 
 
 def _out_dir(params: TrainParams, model_name: str) -> Path:
-    if params.out_dir is None:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        return resolve_path(f"outputs/runs/{stamp}-{model_name}")
-    out_dir = resolve_path(params.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
-    check_writable_folder(out_dir, "out_dir")
-    previous = [name for name in RUN_FILES if (out_dir / name).exists()]
     # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
-    if previous and params.resume is None:
-        raise ParamError(f"out_dir {out_dir} already holds a run ({', '.join(previous)}); choose another "
-                         "out_dir, or continue that run with resume: latest")
+    holds = RUN_FILES if params.resume is None else ()
+    out_dir = job_out_dir(params.out_dir, "runs", holds, "a run", name=model_name,
+                          hint="choose another out_dir, or continue that run with resume: latest")
+    if params.out_dir is not None:
+        check_writable_folder(out_dir, "out_dir")
     return out_dir
 
 
