@@ -35,7 +35,7 @@ from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
 from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams, gradient_accumulation
-from cflib.train.records import count_parameters
+from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
@@ -127,9 +127,27 @@ class Run:
         return self.pack_plan.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
 
 
+def never_trained(out_dir: Path) -> bool:
+    """Whether the run in `out_dir` stopped before its first optimizer step (building the trainer, the
+    evaluation at start or the first step failed): it left nothing worth keeping, so a new run may start there."""
+    if (out_dir / "record.json").exists() or (out_dir / "COMPLETE").exists():
+        return False
+    checkpoints = out_dir / "checkpoints"
+    if checkpoints.exists() and not (checkpoints.is_dir() and not any(checkpoints.iterdir())):
+        return False
+    metrics = out_dir / "metrics.jsonl"
+    try:
+        return not metrics.exists() or not any(row.get("event") == "train" for row in read_metrics(metrics))
+    except ValueError:  # rows that cannot be read may be steps: leave them alone
+        return False
+
+
 def _out_dir(params: TrainParams, model_name: str) -> Path:
-    # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
-    holds = RUN_FILES if params.resume is None else ()
+    # Never mix or overwrite: another run's artifacts are continued (resume) or left alone; one that never
+    # trained left none.
+    reusable = params.resume is not None or (params.out_dir is not None
+                                             and never_trained(resolve_path(params.out_dir)))
+    holds = () if reusable else RUN_FILES
     out_dir = job_out_dir(params.out_dir, "runs", holds, "a run", name=model_name,
                           hint="choose another out_dir, or continue that run with resume: latest")
     if params.out_dir is not None:
