@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import live_path, write_json_atomic
 from cflib.data import ByteTokenizer, ChatRenderer, ChatTemplate, ConvertError, conversation_to_answer, load_tokenizer
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
@@ -91,9 +91,9 @@ class ChatParams(ParamSet):
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder's checkpoints/best."""
+    """A checkpoint folder, or a run folder's checkpoints/best (or its retired copy: cflib.atomic.live_path)."""
     folder = resolve_path(path)
-    for candidate in (folder, folder / "checkpoints" / "best"):
+    for candidate in (live_path(folder), live_path(folder / "checkpoints" / "best")):
         if (candidate / WEIGHTS).is_file() and (candidate / "config.json").is_file():
             return candidate
         if is_adapter_checkpoint(candidate):

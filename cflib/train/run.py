@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from cflib.atomic import check_writable_folder
+from cflib.atomic import check_writable_folder, live_path
 from cflib.data.packing import PackPlan, plan_packs
 from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
@@ -275,10 +275,11 @@ def count_train_examples(data: str, tasks: Sequence[str] | None = None) -> int:
 
 
 def resume_dir(params: TrainParams) -> Path:
-    """The checkpoint `resume` names: `latest` is out_dir's newest resumable one."""
+    """The checkpoint `resume` names: `latest` is out_dir's newest resumable one; a named one whose replacement
+    a kill cut between its renames is its retired copy (cflib.atomic.live_path), as loaders take it."""
     if params.resume == "latest":
         return latest_resumable(resolve_path(params.out_dir) / "checkpoints")
-    return resolve_path(params.resume)
+    return live_path(resolve_path(params.resume))
 
 
 def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
