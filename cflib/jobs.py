@@ -1,7 +1,9 @@
 """What every job shares: the folder it writes, the refusal of another job's output there, its record's header
-(the measurement protocol's fields) and sections whose failure becomes their result instead of the job's end."""
+(the measurement protocol's fields), sections whose failure becomes their result instead of the job's end, and a
+command line's bad input ending in one line."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -11,7 +13,7 @@ import traceback
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 
@@ -135,3 +137,13 @@ def guarded(part: Callable[[], dict]) -> dict:
     except Exception as err:  # noqa: BLE001 - the section's failure is its result; the others go on
         return {"status": "failed", "reason": error_line(err),
                 "traceback_tail": traceback.format_exc(limit=-3)[-2000:]}
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str, *errors: type[BaseException]) -> Iterator[None]:
+    """A command line's body: a ParamError, an OSError or one of `errors` (each message names its culprit) ends
+    the process with the one line `prog: message` and exit status 1, not a traceback."""
+    try:
+        yield
+    except (ParamError, OSError, *errors) as err:
+        raise SystemExit(f"{prog}: {err}") from None

@@ -36,13 +36,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import check_writable_folder, write_json_atomic
 from cflib.bench.feeding import examples_to_fill, realistic_stream
 from cflib.bench.synthetic import LENGTH_SIGMA, write_random_token_shard, write_realistic_shard
 from cflib.bench.timing import peak_memory_gib, release_memory, sync, time_steps
 from cflib.data.packing import collate_packed
 from cflib.data.shards import IGNORE_INDEX, open_shard
-from cflib.jobs import guarded, record_header, refuse_existing
+from cflib.errors import ParamError
+from cflib.jobs import guarded, one_line_errors, record_header, refuse_existing
 from cflib.model.config import PRESETS, ModelConfig
 from cflib.ops.attention import (
     DENSE_SDPA,
@@ -234,6 +235,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     device = resolve_device(args.device)
     args.out = Path(args.out)
     refuse_existing(args.out, ("record.json",), "a record", hint="choose another --out", label="--out")
+    check_writable_folder(args.out, "--out", ParamError)
     config = PRESETS[args.model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     steps = args.warmup_steps + args.timed_steps + args.profile_steps
@@ -326,5 +328,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    with one_line_errors("python -m cflib.bench.attention"):
+        return run(args)
+
+
 if __name__ == "__main__":
-    run(parse_args())
+    main()

@@ -47,7 +47,7 @@ from cflib.bench.synthetic import write_release_like_eval
 from cflib.bench.timing import release_memory, sync
 from cflib.data.shards import ShardPartition
 from cflib.export.hub import export_hub
-from cflib.jobs import guarded, record_header
+from cflib.jobs import guarded, one_line_errors, record_header
 from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
 from cflib.model.decoder import rope_inv_freq
 from cflib.model.fast import use_kernels
@@ -55,6 +55,7 @@ from cflib.model.generate import Decoder
 from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.train.evaluate import exact_match
 from cflib.train.records import count_parameters
+from cflib.train.run import resolve_device
 
 
 @dataclass(frozen=True)
@@ -299,11 +300,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m cflib.bench.decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for record.json")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU in seconds (fp32)")
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when there is one; cpu with --smoke)")
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        help="default: cuda when there is one; cpu with --smoke")
     args = parser.parse_args(argv)
     settings = SMOKE if args.smoke else DecodeBench()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
-    record = run_bench(settings, Path(args.out), device)
+    with one_line_errors("python -m cflib.bench.decode"):
+        device = resolve_device(args.device or ("cpu" if args.smoke else "auto"))
+        record = run_bench(settings, Path(args.out), device)
     for name, rate in record["tokens_per_s"].items():
         part = record[name]
         rate_text = f"{rate:12,.0f} new tokens/s" if rate is not None else f"{part['status']}: {part.get('reason', '')}"
