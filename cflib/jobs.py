@@ -47,7 +47,8 @@ def refuse_existing(folder: Path, holds: Collection[str] | None, what: str,
     found = sorted(entry.name for entry in folder.iterdir()) if holds is ANYTHING else [
         name for name in holds if (folder / name).exists()]
     if found:
-        raise ParamError(f"{label} {folder} already holds {what} ({', '.join(found)}); {hint}")
+        named = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ParamError(f"{label} {folder} already holds {what} ({named}); {hint}")
 
 
 def job_out_dir(out_dir: str | Path | None, kind: str, holds: Collection[str] | None, what: str,
