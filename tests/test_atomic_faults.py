@@ -137,6 +137,7 @@ def _exchange_supported(tmp_path: Path) -> bool:
 def test_a_best_checkpoint_killed_between_its_renames_is_what_export_chat_and_resume_take(tmp_path):
     from cflib.export.hub import resolve_checkpoint
     from cflib.lab.chat import find_checkpoint
+    from cflib.train.adapters import checkpoint_config
     from cflib.train.params import TrainParams
     from cflib.train.run import resume_dir
 
@@ -155,5 +156,6 @@ def test_a_best_checkpoint_killed_between_its_renames_is_what_export_chat_and_re
     params = TrainParams.from_dict({"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "run"),
                                     "resume": str(checkpoints / "best")})
     assert resume_dir(params) == retired
+    assert checkpoint_config(checkpoints / "best") == preset("smoke")  # what init_checkpoint and the plan read
     clean_leftovers(checkpoints)  # the next run's start puts it back
     assert resolve_checkpoint(tmp_path / "run")[0] == checkpoints / "best"

@@ -82,7 +82,7 @@ def save_trainer_state(state: dict[str, Any], file: Path) -> None:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_json_file(Path(path) / CONFIG_FILE)
+    return ModelConfig.from_json_file(live_path(path) / CONFIG_FILE)
 
 
 def derived_names(config: ModelConfig) -> set[str]:
