@@ -24,8 +24,8 @@ from cflib.atomic import write_json_atomic
 from cflib.bench.decode import SMOKE, DecodeBench, hub_bundle_model
 from cflib.bench.peer import build_llama
 from cflib.bench.timing import sync
+from cflib.jobs import record_header
 from cflib.model import TRMoEModel, preset
-from cflib.train.records import device_info, framework_versions
 
 
 def profile_side(model: torch.nn.Module, prompts: torch.Tensor, steps: int, device: torch.device) -> dict[str, Any]:
@@ -74,8 +74,7 @@ def run_profile(settings: DecodeBench, device: torch.device, steps: int) -> dict
     master = TRMoEModel(config).eval()
     generator = torch.Generator().manual_seed(settings.seed)
     prompts = torch.randint(1, config.vocab_size, (settings.prompts, settings.prompt_tokens), generator=generator)
-    record: dict[str, Any] = {"job": "generate_profile", "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "framework": framework_versions(), "device": device_info(device),
+    record: dict[str, Any] = {**record_header("generate_profile", device, packages=("transformers",)),
                               "model": settings.model, "rows": settings.prompts, "prompt_tokens": settings.prompt_tokens,
                               "dtype": str(dtype), "steps": steps, "cache": "dynamic"}
     with tempfile.TemporaryDirectory(prefix="cflib-generate-profile-") as scratch:

@@ -29,10 +29,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from cflib.bench.timing import error_line, trmoe_bench_inputs
+from cflib.bench.timing import trmoe_bench_inputs
+from cflib.jobs import error_line, record_header
 from cflib.model.config import preset
 from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, trmoe_forward, trmoe_split_forward
-from cflib.train.records import device_info, framework_versions
 
 
 def _timed(step: Callable[[], None], rep_ms: int) -> float:
@@ -174,8 +174,7 @@ def main() -> None:
                                 f"  err {entry['forward_rel_error']:.1e}"), flush=True)
     config, columns = layer.config, layer.down32.shape[1]
     record = {
-        "job": "swiglu_epilogue", "framework": {**framework_versions(), **_versions()},
-        "device": device_info(device, count=1),
+        **record_header("swiglu_epilogue", device),
         "shapes": {"tokens": args.tokens, "hidden": config.hidden_size, "columns": columns,
                    "shared_columns": layer.shared_columns},
         "precision": "bf16 (cflib_block: bf16 autocast over fp32 master weights)",
@@ -183,6 +182,7 @@ def main() -> None:
         "gemm_flops_forward_backward": 3 * 2 * args.tokens * config.hidden_size * 3 * columns,
         "variants": results,
     }
+    record["framework"].update(_versions())
     with open(args.out, "w") as out:
         json.dump(record, out, indent=1)
 
