@@ -136,26 +136,8 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
             return value.strip().lower() in TRUE_WORDS
         raise ParamError(f"{name} must be true or false, got {value!r}")
-    if target is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise ParamError(f"{name} must be an integer{' or None' if nullable else ''}, got {value!r}")
-    if target is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-        raise ParamError(f"{name} must be a number, got {value!r}")
+    if target in (int, float):
+        return _number(name, value, target, nullable)
     if target is str:
         if isinstance(value, (str, Path)):
             return str(value)
@@ -165,6 +147,20 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
     if target is dict:
         return _mapping(name, value, nullable)
     raise TypeError(f"unsupported parameter type {hint} for {name}")
+
+
+def _number(name: str, value: Any, kind: type, nullable: bool) -> int | float:
+    # An int parameter takes a whole float (YAML's 5.0); a float parameter takes any number.
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            kind is float or isinstance(value, int) or value.is_integer()):
+        return kind(value)
+    if isinstance(value, str):
+        try:
+            return kind(value.strip())
+        except ValueError:
+            pass
+    what = f"an integer{' or None' if nullable else ''}" if kind is int else "a number"
+    raise ParamError(f"{name} must be {what}, got {value!r}")
 
 
 def _mapping(name: str, value: Any, nullable: bool) -> dict:
