@@ -19,8 +19,9 @@ a GPU (fp32 with --smoke, a tiny model on the CPU in seconds):
   hf_llama_static  the Llama with the static cache, compiled the same way
 
 The bundle's targets beside the Llama are in `targets`: generate() at least as fast with the dynamic cache,
-and with the static cache compiled. Each path is timed once after a warm-up call (graph capture, kernel
-selection, compilation: twice for the compiled static paths, whose CUDA graphs record on the second), between
+and with the static cache compiled. Each path is timed once after a warm-up call of the same length (graph
+capture, kernel selection for every cache length, compilation: twice for the compiled static paths, whose CUDA
+graphs record on the second), between
 torch.cuda.synchronize calls, prefill included; tokens/s counts new tokens. Then exact match
 (cflib.train.evaluate.exact_match, with the fast kernels as training evaluates on a GPU) over
 held-out prompts at the released data's lengths (cflib.bench.synthetic.write_release_like_eval) is
@@ -124,7 +125,7 @@ def no_cache_path(model: TRMoEModel, prompts: list[list[int]], settings: DecodeB
                 tokens = torch.cat([tokens, (last @ model.head_weight.t().to(last.dtype)).argmax(-1)[:, None]], 1)
         return tokens[:, len(prompts[0]):].tolist()
 
-    run(2)  # warm-up
+    run(settings.new_tokens)  # warm-up through every length the timed call meets (kernel selection per shape)
     tokens, seconds = timed(lambda: run(settings.new_tokens), device)
     return {"seconds": seconds, "new_tokens": sum(map(len, tokens)), "tokens_per_s": sum(map(len, tokens)) / seconds,
             "kernel_path": model.kernel_path(), "tokens": tokens}
@@ -150,9 +151,12 @@ def hf_generate_path(hf_model: torch.nn.Module, prompts: list[list[int]], settin
                                     **options)
         return out[:, input_ids.shape[1]:].tolist()
 
-    # The static cache's length (prompt + new tokens) is part of the compiled graph: warm up at the timed shape.
+    # Warm up at the timed shape: a dynamic cache meets a new length at every step, and the first call through
+    # each length selects its kernels (on the H200 the first of two identical calls ran at a third of the
+    # second's speed); the static cache's length is part of the compiled graph, whose CUDA graphs record on the
+    # second call.
     for _ in range(2 if static else 1):
-        run(settings.new_tokens if static else 4)
+        run(settings.new_tokens)
     tokens, seconds = timed(lambda: run(settings.new_tokens), device)
     result = {"seconds": seconds, "new_tokens": sum(map(len, tokens)), "tokens_per_s": sum(map(len, tokens)) / seconds,
               "transformers_attention": getattr(hf_model.config, "_attn_implementation", None), "tokens": tokens,
