@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cflib.atomic import check_writable_folder
+from cflib.data.filters import parse_filters, select
 from cflib.data.packing import PackPlan, plan_packs
 from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
@@ -77,6 +78,7 @@ class Run:
     loss_weights: LossWeights | None = None  # loss_groups: every cell's coefficient
     preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
     lora: LoraRun | None = None  # full_parameter: false: the adapters' settings and their base
+    filter_counts: dict | None = None  # filters: the examples each one kept (cflib.data.filters)
 
     @property
     def train_units(self) -> int:
@@ -205,12 +207,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
             preflight(data_root, partition, vocab_size=config.vocab_size, seq_len=params.seq_len,
                       require_release_ready=params.require_release_ready) for partition in ("train", "eval"))
         reports = {"train": train_report, "eval": eval_report}
-    if params.train_tasks is not None:
-        missing = [task for task in params.train_tasks if task not in train_data.tasks()]
-        if missing:
-            raise ParamError(f"train_tasks: no example of {train_data.directory} has task {missing[0]!r}; its "
-                             f"tasks: {', '.join(train_data.tasks())}")
-        train_data = train_data.only_tasks(params.train_tasks)
+    train_data, filter_counts = kept_examples(params, train_data)
     pack_plan = plan_packs(train_data.lengths, params.seq_len) if params.pack_sequences else None
     # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
     loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, train_data.supervised_counts,
@@ -230,12 +227,31 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
-              pack_plan, loss_weights, reports, lora)
+              pack_plan, loss_weights, reports, lora, filter_counts)
     if resume_state is not None:
         check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
         model.to(device)
     return run
+
+
+def kept_examples(params: TrainParams, train_data: ShardPartition) -> tuple[ShardPartition, dict | None]:
+    """The train examples of train_tasks and filters, and each filter's count; an empty result is an error."""
+    if params.train_tasks is not None:
+        missing = [task for task in params.train_tasks if task not in train_data.tasks()]
+        if missing:
+            raise ParamError(f"train_tasks: no example of {train_data.directory} has task {missing[0]!r}; its "
+                             f"tasks: {', '.join(train_data.tasks())}")
+        train_data = train_data.only_tasks(params.train_tasks)
+    if params.filters is None:
+        return train_data, None
+    keep, counts = select(train_data.rows, train_data.supervised_counts, parse_filters(params.filters, "filters"),
+                          params.seed)
+    if not len(keep):
+        emptied = next(key for key, count in counts.items() if count == 0)
+        raise ParamError(f"filters: {emptied} keeps no train example of {train_data.directory} ({counts}); "
+                         "loosen it")
+    return train_data.subset(keep), counts
 
 
 def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, int]:
