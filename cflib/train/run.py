@@ -161,6 +161,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     `dist` is given inside torchrun workers; without it a multi-process
     parameter set is checked here for the launcher, and the model stays on the CPU.
     """
+    if params.curriculum is not None or params.dry_run:
+        raise ParamError("curriculum and dry_run are prepared by cflib.train.prepare_job, stage by stage")
     dist = dist or DistContext()
     device = resolve_device(params.device, dist.local_rank)
     if dist.active and dist.world_size != params.world_size:
@@ -216,7 +218,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
     units = len(pack_plan) if pack_plan is not None else len(train_data)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
-    estimate = _memory_estimate(config, params, device)
+    estimate = memory_figures(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
@@ -302,7 +304,7 @@ def batch_arithmetic(params: TrainParams) -> dict:
     train_examples = count_train_examples(params.data, params.train_tasks)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params)
     device = resolve_device(params.device)
-    estimate = _memory_estimate(config, params, device)
+    estimate = memory_figures(config, params, device)
     return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,
             "grad_accum": gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size),
             "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
@@ -343,7 +345,7 @@ def schedule_signature(run: Run) -> dict:
     return run_identity(run)
 
 
-def _memory_estimate(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
+def memory_figures(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
     settings = lora_settings(params)
     lora = None if settings is None else {"trainable_params": adapter_parameter_count(config, settings),
                                           "base_dtype": settings.base_dtype}

@@ -436,6 +436,7 @@ class Trainer:
         """record.json: train_record's fields, with the optimizer's groups, the filters and early stopping."""
         record = train_record(self, dict(self.evals[-1]), epochs_done, wall_s)
         patience = self.params.early_stopping_patience
+        record["data"]["train_supervised_tokens"] = self.run.train_data.supervised_tokens()  # after the filters
         return {**record, "optimizer_groups": describe_groups(self.optimizer), "filters": self.run.filter_counts,
                 "early_stopping": None if patience is None else {
                     "patience": patience, "stopped_at_step": self.step if self.step < self.run.total_steps else None}}
