@@ -12,15 +12,18 @@ from cflib.export.peft import is_adapter_checkpoint, load_merged, merge
 from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
 from cflib.train import Run
+from cflib.train.curriculum_run import CurriculumRun
 from cflib.train.evaluate import final_turn
 from cflib.train.plan import format_arithmetic, run_arithmetic
 from cflib.train.records import read_metrics
 
 
 def _elsewhere(record: dict) -> str | None:
-    """Nodes other than node 0 hold no record: say so instead of failing."""
+    """Nodes other than node 0 hold no record, a dry run trains nothing: say so instead of failing."""
     if "eval" in record:
         return None
+    if record.get("dry_run"):
+        return f"dry run: nothing was trained; the audit of every stage is {record['out_dir']}/dry_run.json"
     return (f"node {record.get('node_rank')}: its ranks trained; rank 0 writes the record, metrics and "
             "checkpoints on node 0")
 
@@ -201,9 +204,12 @@ def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) ->
     return fig
 
 
-def show_data_plan(run: Run) -> None:
+def show_data_plan(run: Run | CurriculumRun) -> None:
     """Before training: the shard preflight, the packing plan and the loss-weighting plot
-    (its table is part of run.describe())."""
+    (its table is part of run.describe()); a curriculum's audit of every stage is its describe()."""
+    if isinstance(run, CurriculumRun):
+        print("every stage's data, weights and batch arithmetic: the table above (dry_run: true writes it alone)")
+        return
     for partition, report in (run.preflight or {}).items():
         state = "release-ready" if report["release_ready"] else f"{len(report['findings'])} finding(s)"
         print(f"preflight {partition}: {report['examples']:,} examples, {report['supervised_tokens']:,} supervised "

@@ -15,6 +15,8 @@
 A stage sets any training parameter (a key it does not set takes the run's),
 `batch_size` (global_batch), `max_examples` (filters' max_examples),
 `loss_task_targets` (per-task shares: one loss_groups group) and `filters`.
+`compare_one_stage: true` also trains the run's parameters alone for the
+stages' total steps (out_dir/one_stage/), so the record holds both results.
 What a run folder holds once (the model, data, out_dir, resume, processes)
 is the run's alone. Every problem is a ParamError naming the file, the stage
 and the key, raised before anything trains.
@@ -32,7 +34,7 @@ from cflib.train.params import TrainParams, reject_unknown
 from cflib.yamlio import read_yaml
 
 VERSION = 1
-TOP_KEYS = ["version", "seed", "shared", "stages"]
+TOP_KEYS = ["version", "seed", "shared", "stages", "compare_one_stage"]
 # The names curriculum files give some parameters, and the training parameter each one sets.
 ALIASES = {"batch_size": "global_batch"}
 STAGE_KEYS = ["name", "loss_task_targets", "max_examples", *ALIASES]
@@ -56,6 +58,8 @@ class Curriculum:
     path: Path | None  # None: a dry run of one run's parameters, as a one-stage curriculum
     stages: list[Stage]  # those that run: through through_stage
     skipped: list[str]  # the stages after through_stage, checked but not run
+    run: TrainParams  # the run's parameters (with the file's seed): what a stage does not set
+    compare_one_stage: bool = False  # also train one stage of the same total steps, for the record
 
 
 def _stage_overrides(raw: Any, where: str) -> dict:
@@ -135,9 +139,12 @@ def load_curriculum(params: TrainParams, out_dir: Path) -> Curriculum:
     if through is not None and through not in names:
         raise ParamError(f"through_stage {through!r} names no stage of {path}; its stages: {', '.join(names)}")
     end = names.index(through) + 1 if through is not None else len(stages)
-    return Curriculum(path, stages[:end], names[end:])
+    compare = raw.get("compare_one_stage", False)
+    if not isinstance(compare, bool):
+        raise ParamError(f"{path}: compare_one_stage must be true or false, got {compare!r}")
+    return Curriculum(path, stages[:end], names[end:], run, compare)
 
 
 def one_stage(params: TrainParams, out_dir: Path) -> Curriculum:
     """A run without a curriculum as a curriculum of one stage, `run` (for its dry run)."""
-    return Curriculum(None, [Stage("run", stage_params(params, {}, out_dir, "parameters"), {})], [])
+    return Curriculum(None, [Stage("run", stage_params(params, {}, out_dir, "parameters"), {})], [], params)

@@ -2,6 +2,7 @@
 
     out_dir/curriculum.json        the resolved stages and the audit, written before the first step
     out_dir/stages/<name>/         each stage's run folder: checkpoints, metrics.jsonl, record.json, COMPLETE
+    out_dir/one_stage/             with compare_one_stage: the run's parameters alone, for the same total steps
     out_dir/record.json, COMPLETE  at the end: the last stage's record with `curriculum`, linking every stage
 
 Each stage starts from the previous stage's best checkpoint with a fresh
@@ -25,7 +26,7 @@ from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.model.config import ModelConfig
 from cflib.paths import resolve_path
-from cflib.train.curriculum import Curriculum, Stage, load_curriculum, one_stage
+from cflib.train.curriculum import Curriculum, Stage, load_curriculum, one_stage, stage_params
 from cflib.train.curriculum_audit import audit, stages_table
 from cflib.train.launch import fit
 from cflib.train.lock import RunLock
@@ -79,10 +80,23 @@ class CurriculumRun:
             record = self._fit_stage(stage, start_from, progress)
             records.append(record)
             start_from = selected_checkpoint(record) or start_from
-        record = {**records[-1], "curriculum": curriculum_summary(self.curriculum, records, self.out_dir)}
+        summary = curriculum_summary(self.curriculum, records, self.out_dir)
+        if self.curriculum.compare_one_stage:
+            summary["one_stage"] = self._fit_one_stage(sum(r["schedule"]["steps_done"] for r in records), progress)
+        record = {**records[-1], "curriculum": summary}
         write_json_atomic(self.out_dir / "record.json", record)
         write_json_atomic(self.out_dir / "COMPLETE", {"completed_utc": _now(), "stages": len(records)})
         return record
+
+    def _fit_one_stage(self, steps: int, progress: bool) -> dict:
+        """The comparison: the run's parameters alone, for as many steps as the stages took together."""
+        where = f"{self.curriculum.path}: compare_one_stage"
+        stage = Stage("one_stage", stage_params(self.curriculum.run, {"max_steps": steps},
+                                                self.out_dir / "one_stage", where), {"max_steps": steps})
+        record = self._fit_stage(stage, self.params.init_checkpoint, progress)
+        final = record["eval"]["final"]
+        return {"out_dir": record["out_dir"], "steps": record["schedule"]["steps_done"],
+                "final_eval": {"loss": final["loss"], "exact_match": final.get("exact_match", {}).get("overall")}}
 
     def _fit_stage(self, stage: Stage, start_from: str | None, progress: bool) -> dict:
         stage_dir = Path(stage.params.out_dir)
