@@ -149,13 +149,13 @@ def test_a_two_process_curriculum_trains_like_one_process(tmp_path, shard):
     single = train(params(shard, tmp_path / "one", curriculum), progress=False)
     double = train(params(shard, tmp_path / "two", curriculum, nproc_per_node=2, strategy="ddp"), progress=False)
     assert single["world_size"] == 1 and double["world_size"] == 2
-    for stage in ("easy", "medium", "all"):
+    # Later stages start from weights that already differ by reduction order (see below): a looser bound.
+    for stage, atol in (("easy", 1e-5), ("medium", 1e-4), ("all", 1e-4)):
         np.testing.assert_allclose(train_losses(tmp_path / "two", stage), train_losses(tmp_path / "one", stage),
-                                   rtol=0, atol=1e-5)
+                                   rtol=0, atol=atol)
     assert_same_weights(stage_weights(tmp_path / "one", "easy", "best"),
                         stage_weights(tmp_path / "two", "easy", "best"), atol=1e-5)
-    # Later stages start from weights that already differ by reduction order, and AdamW's normalised steps
-    # carry that on: the two runs' distance stays a tiny fraction of the distance each stage moves the weights.
+    # AdamW's normalised steps carry the difference on: it stays a tiny fraction of how far each stage moves.
     for previous, stage in (("easy", "medium"), ("medium", "all")):
         start, one, two = (stage_weights(tmp_path / run, name, "best")
                            for run, name in (("one", previous), ("one", stage), ("two", stage)))
