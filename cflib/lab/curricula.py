@@ -5,7 +5,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from cflib.lab.report import _elsewhere, plot_loss_curves
+from cflib.lab.report import _elsewhere, finish_loss_plot, plot_loss_curves
 from cflib.train.records import read_metrics
 
 
@@ -24,15 +24,7 @@ def plot_stage_curves(curriculum: dict, save_to: str | Path | None = None) -> pl
         if index:
             ax.axvline(offset, color="grey", ls="--", lw=0.8)
         offset += stage["steps"]
-    ax.set_xlabel("optimizer step, stages end to end")
-    ax.set_ylabel("SFT loss (nats / supervised token)")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    if save_to is not None:
-        fig.savefig(save_to, dpi=120)
-    return fig
+    return finish_loss_plot(fig, ax, "optimizer step, stages end to end", save_to, legend_size=8)
 
 
 def stage_table(curriculum: dict) -> str:

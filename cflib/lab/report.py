@@ -39,11 +39,17 @@ def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8, label="train (per step)")
     ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out eval")
-    ax.set_xlabel("optimizer step")
+    return finish_loss_plot(fig, ax, "optimizer step", save_to)
+
+
+def finish_loss_plot(fig: plt.Figure, ax: plt.Axes, xlabel: str, save_to: str | Path | None,
+                     legend_size: float | None = None) -> plt.Figure:
+    """A loss plot's axes (log SFT loss per supervised token), legend, layout and file."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("SFT loss (nats / supervised token)")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     if save_to is not None:
         fig.savefig(save_to, dpi=120)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cflib.atomic import check_writable_folder, write_json_atomic
+from cflib.atomic import write_json_atomic
 from cflib.data.tasks import ensure_embedded_shard
 from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, latest_resumable
@@ -31,7 +31,7 @@ from cflib.train.curriculum_audit import audit, stages_table
 from cflib.train.launch import fit
 from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
-from cflib.train.run import model_config, prepare
+from cflib.train.run import allocate_out_dir, model_config, prepare
 
 PLAN_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 
@@ -146,16 +146,9 @@ def curriculum_summary(curriculum: Curriculum, records: list[dict], out_dir: Pat
 
 def _root(params: TrainParams) -> Path:
     """The curriculum's run folder: a new one, or the one `resume: latest` continues."""
-    if params.out_dir is None:
-        if params.resume is not None:
-            raise ParamError("resume: latest needs the out_dir of the curriculum run to continue")
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        return resolve_path(f"outputs/runs/{stamp}-{'dry-run' if params.dry_run else 'curriculum'}")
-    out_dir = resolve_path(params.out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
-    check_writable_folder(out_dir, "out_dir")
-    return out_dir
+    if params.out_dir is None and params.resume is not None:
+        raise ParamError("resume: latest needs the out_dir of the curriculum run to continue")
+    return allocate_out_dir(params.out_dir, "dry-run" if params.dry_run else "curriculum")
 
 
 def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> None:

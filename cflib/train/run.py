@@ -129,14 +129,22 @@ class Run:
         return self.pack_plan.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
 
 
-def _out_dir(params: TrainParams, model_name: str) -> Path:
-    if params.out_dir is None:
+def allocate_out_dir(requested: str | None, name: str) -> Path:
+    """A new outputs/runs/<time>-<name>/, or the requested out_dir, checked to be a folder this process can write."""
+    if requested is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        return resolve_path(f"outputs/runs/{stamp}-{model_name}")
-    out_dir = resolve_path(params.out_dir)
+        return resolve_path(f"outputs/runs/{stamp}-{name}")
+    out_dir = resolve_path(requested)
     if out_dir.exists() and not out_dir.is_dir():
         raise ParamError(f"out_dir {out_dir} exists and is not a directory")
     check_writable_folder(out_dir, "out_dir")
+    return out_dir
+
+
+def _out_dir(params: TrainParams, model_name: str) -> Path:
+    out_dir = allocate_out_dir(params.out_dir, model_name)
+    if params.out_dir is None:
+        return out_dir
     previous = [name for name in RUN_FILES if (out_dir / name).exists()]
     # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
     if previous and params.resume is None:
