@@ -258,3 +258,15 @@ def test_expert_and_lora_multipliers_make_named_groups_in_the_record(tmp_path, s
     assert groups["decay+experts"]["tensors"] == 6  # expert_gate, expert_up, expert_down of two layers
     with pytest.raises(ParamError, match="expert_lr_multiplier must be positive"):
         train({"model": "smoke", "device": "cpu", "expert_lr_multiplier": 0}, progress=False)
+
+
+def test_the_dry_run_of_one_run_audits_it_as_a_stage(tmp_path, shard):
+    record = train({"model": "smoke", "data": str(shard), "out_dir": str(tmp_path / "dry"), "device": "cpu",
+                    "dry_run": True, "filters": {"tasks": ["uppercase"]}, "max_steps": None,
+                    "micro_batch_per_rank": 4, "global_batch": 8}, progress=False)
+    (row,) = record["stages"]
+    uppercase = sum(row["task"] == "uppercase" for row in
+                    (json.loads(line) for line in (shard / "train" / "examples.jsonl").read_text().splitlines()))
+    assert row["stage"] == "run" and row["passed"] and row["examples"]["kept"] == uppercase
+    assert row["steps_per_epoch"] == -(-uppercase // 8) and row["grad_accum"] == 2
+    assert sorted(path.name for path in (tmp_path / "dry").iterdir()) == ["dry_run.json"]
