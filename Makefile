@@ -42,9 +42,10 @@ test-fast: setup
 # model, export, data and training tests and validate_kernels' checks, with the fast kernels compiled for the GPU
 # instead of interpreted.
 GPU_PYTHON ?= python3
+GPU_WORKERS ?= 8
 test-gpu:
 	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'make test-gpu: no CUDA device (make test runs the kernels in Triton\'s interpreter)')"
-	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -n 8 --dist loadfile tests/ops tests/model tests/export tests/data tests/train \
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rfE -n $(GPU_WORKERS) --dist loadfile tests/ops tests/model tests/export tests/data tests/train \
 		tests/bench/test_validate.py
 
 # JupyterLab on this machine (http://localhost:8888, token in the log); LAB_ARGS="--port 9999 ..." passes options on.

@@ -132,3 +132,30 @@ def _exchange_supported(tmp_path: Path) -> bool:
     finally:
         a.rmdir()
         b.rmdir()
+
+
+def test_a_best_checkpoint_killed_between_its_renames_is_what_export_chat_and_resume_take(tmp_path):
+    from cflib.export.hub import resolve_checkpoint
+    from cflib.lab.chat import find_checkpoint
+    from cflib.train.adapters import checkpoint_config
+    from cflib.train.params import TrainParams
+    from cflib.train.run import resume_dir
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    save_checkpoint(TRMoEModel(preset("smoke")), checkpoints / "last", trainer_state={"step": 4}, progress={"step": 4})
+    save_checkpoint(TRMoEModel(preset("smoke")), checkpoints / "best", trainer_state={"step": 2}, progress={"step": 2})
+    # A filesystem without RENAME_EXCHANGE, killed after best/ went aside and before the new one came in.
+    killed = replace_and_kill(checkpoints / "best", 2, "two-renames", "checkpoint")
+    assert killed.returncode == 9, killed.stderr
+    assert not (checkpoints / "best").exists()
+    retired = live_path(checkpoints / "best")
+    assert retired.name.startswith(".best.old-")
+    chosen, why = resolve_checkpoint(tmp_path / "run")
+    assert chosen == retired and "best evaluation loss" in why  # not last/: best/ is only aside
+    assert find_checkpoint(tmp_path / "run") == retired
+    params = TrainParams.from_dict({"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "run"),
+                                    "resume": str(checkpoints / "best")})
+    assert resume_dir(params) == retired
+    assert checkpoint_config(checkpoints / "best") == preset("smoke")  # what init_checkpoint and the plan read
+    clean_leftovers(checkpoints)  # the next run's start puts it back
+    assert resolve_checkpoint(tmp_path / "run")[0] == checkpoints / "best"

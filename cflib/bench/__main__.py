@@ -16,14 +16,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--into", help="rewrite this file's generated block for the record instead of printing")
     args = parser.parse_args(argv)
     try:
-        markdown = TABLES[args.kind](json.loads(Path(args.record).read_text()))
-        if args.into:
-            target = Path(args.into)
-            target.write_text(update_block(target.read_text(), args.kind, args.record, markdown))
-        else:
-            print(markdown)
-    except (OSError, ValueError, KeyError) as err:
-        parser.error(f"{args.into or args.record}: {type(err).__name__}: {err}")
+        record = json.loads(Path(args.record).read_text())
+        if not isinstance(record, dict):
+            raise ValueError(f"a record is a JSON object, not a {type(record).__name__}")
+        markdown = TABLES[args.kind](record)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # TypeError: a field of another shape
+        parser.error(f"{args.record}: {type(err).__name__}: {err}")
+    if not args.into:
+        print(markdown)
+        return
+    target = Path(args.into)
+    try:
+        target.write_text(update_block(target.read_text(), args.kind, args.record, markdown))
+    except (OSError, ValueError) as err:
+        parser.error(f"{args.into}: {type(err).__name__}: {err}")
 
 
 if __name__ == "__main__":

@@ -24,11 +24,9 @@ unsupervised), packed by the project's own plan into windows in a seeded order.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import math
 import statistics
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -38,12 +36,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import check_writable_folder, write_json_atomic
 from cflib.bench.feeding import examples_to_fill, realistic_stream
 from cflib.bench.synthetic import LENGTH_SIGMA, write_random_token_shard, write_realistic_shard
-from cflib.bench.timing import error_line, peak_memory_gib, release_memory, sync, time_steps
+from cflib.bench.timing import peak_memory_gib, release_memory, sync, time_steps
 from cflib.data.packing import collate_packed
 from cflib.data.shards import IGNORE_INDEX, open_shard
+from cflib.errors import ParamError
+from cflib.jobs import guarded, one_line_errors, record_header, refuse_existing
 from cflib.model.config import PRESETS, ModelConfig
 from cflib.ops.attention import (
     DENSE_SDPA,
@@ -54,11 +54,10 @@ from cflib.ops.attention import (
     kernels_of,
     pack_documents,
 )
-from cflib.ops.dispatch import KernelPlan, KernelUnavailable
+from cflib.ops.dispatch import KernelPlan
 from cflib.ops.sft_loss import SFTLoss
 from cflib.ops.loss import supervised_positions
 from cflib.train.params import TrainParams
-from cflib.train.records import device_info, framework_versions
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
 
@@ -81,17 +80,6 @@ def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, repe
             fn()
             times.append((time.perf_counter() - began) * 1e3)
     return statistics.median(times)
-
-
-def guarded(part: Callable[[], dict]) -> dict:
-    try:
-        return {"status": "ok", **part()}
-    except KernelUnavailable as err:  # a backend this machine cannot run: the check that failed
-        return {"status": "skipped", "reason": str(err)}
-    except torch.cuda.OutOfMemoryError as err:
-        return {"status": "oom", "reason": error_line(err)}
-    except Exception as err:  # noqa: BLE001  (the part's failure is its result; the others go on)
-        return {"status": "failed", "reason": error_line(err), "traceback_tail": traceback.format_exc(limit=-3)[-1500:]}
 
 
 # --- 1. the attention kernels -------------------------------------------------------------------------------
@@ -246,18 +234,14 @@ def time_step(args: argparse.Namespace, kind: str, backend: str, data_root: Path
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict:
     device = resolve_device(args.device)
     args.out = Path(args.out)
-    if (args.out / "record.json").exists():
-        raise SystemExit(f"{args.out} already holds a record; choose another --out")
+    refuse_existing(args.out, ("record.json",), "a record", hint="choose another --out", label="--out")
+    check_writable_folder(args.out, "--out", ParamError)
     config = PRESETS[args.model]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     steps = args.warmup_steps + args.timed_steps + args.profile_steps
-    try:
-        fa4 = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        fa4 = None
     record: dict[str, Any] = {
-        "job": "attention_ab", "framework": {**framework_versions(), "flash_attn_4": fa4},
-        "device": device_info(device), "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+        **record_header("attention_ab", device, args.out, packages=("flash-attn-4",)),
+        "model": args.model, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
         "dtype": str(dtype).removeprefix("torch."), "kernels": args.kernels,
         "protocol": {"kernel_timing": "median of 20 forward+backward calls (CUDA events) after 3 warm-up",
                      "steps": f"{args.warmup_steps} warm-up + {args.timed_steps} timed optimizer steps, each "
@@ -344,5 +328,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    with one_line_errors("python -m cflib.bench.attention"):
+        return run(args)
+
+
 if __name__ == "__main__":
-    run(parse_args())
+    main()

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from cflib.jobs import record_header
 from cflib.paths import project_root
 
 ROOT = project_root()
@@ -91,10 +90,7 @@ def main() -> None:
                   f"peak RSS {result['peak_rss_kib'] / 1024:6.1f} MiB (after imports "
                   f"{result['peak_rss_after_imports_kib'] / 1024:.1f})  {result['convert_s']:7.1f} s  "
                   f"{result['train']['examples']:,} examples, rejected {result['rejected']}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    record = {"job": "convert_memory", "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "commit": commit or None,
-              "python": platform.python_version(), "machine": platform.machine(),
+    record = {**record_header("convert_memory"),
               "method": "getrusage(RUSAGE_SELF).ru_maxrss of a fresh process running cflib.data.convert.convert "
                         "(byte tokenizer, supervise all_assistant_turns, max_seq_len 512)",
               "results": results}

@@ -34,7 +34,6 @@ import contextlib
 import copy
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -48,13 +47,15 @@ from cflib.bench.synthetic import write_release_like_eval
 from cflib.bench.timing import release_memory, sync
 from cflib.data.shards import ShardPartition
 from cflib.export.hub import export_hub
+from cflib.jobs import guarded, one_line_errors, record_header
 from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
 from cflib.model.decoder import rope_inv_freq
 from cflib.model.fast import use_kernels
 from cflib.model.generate import Decoder
 from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.train.evaluate import exact_match
-from cflib.train.records import count_parameters, device_info, framework_versions
+from cflib.train.records import count_parameters
+from cflib.train.run import resolve_device
 
 
 @dataclass(frozen=True)
@@ -85,14 +86,11 @@ def timed(run: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def guarded(record: dict, name: str, part: Callable[[], dict], out: Path) -> dict | None:
-    """Run one part into record[name]; its error is recorded instead of stopping the others."""
-    try:
-        record[name] = part()
-    except Exception as err:  # noqa: BLE001 - any failure of one path is that path's result
-        record[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+def section(record: dict, name: str, part: Callable[[], dict], out: Path) -> dict | None:
+    """record[name]: the part's result, or its failure (`cflib.jobs.guarded`); None when it did not run."""
+    record[name] = guarded(part)
     write_json_atomic(out / "record.json", record)  # what has run so far survives a crash of the next part
-    return record[name] if "error" not in record[name] else None
+    return record[name] if record[name]["status"] == "ok" else None
 
 
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> dict:
@@ -204,8 +202,8 @@ def transformers_generate_paths(record: dict, master: TRMoEModel, config: ModelC
                 loaded["model"] = load()
             return hf_generate_path(loaded["model"], prompts, settings, device, static=static)
 
-        results[side] = guarded(record, side, lambda: path(False), out)
-        results[f"{side}_static"] = guarded(record, f"{side}_static", lambda: path(True), out)
+        results[side] = section(record, side, lambda: path(False), out)
+        results[f"{side}_static"] = section(record, f"{side}_static", lambda: path(True), out)
         loaded.clear()
         release_memory(device)
     return results
@@ -235,8 +233,7 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
     # Module.to casts every float buffer: RoPE's frequencies stay fp32, as the model computes them.
     model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta).to(device)
     record: dict[str, Any] = {
-        "job": "decode_bench", "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "framework": framework_versions(), "device": device_info(device), "settings": asdict(settings),
+        **record_header("decode_bench", device, out), "settings": asdict(settings),
         "model_config": config.to_dict(), **count_parameters(model), "params_active": config.active_parameters(),
         "precision": "bf16 weights under bf16 autocast" if settings.bf16 else "fp32",
         "decoding": f"greedy; every row makes exactly {settings.new_tokens} new tokens (no EOS stop)",
@@ -248,15 +245,15 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
     with tempfile.TemporaryDirectory(prefix="cflib-decode-") as scratch:
         work = Path(scratch)
         graph = device.type == "cuda"
-        reference = guarded(record, "decoder", lambda: decoder_path(model, prompts, settings, device, graph), out)
+        reference = section(record, "decoder", lambda: decoder_path(model, prompts, settings, device, graph), out)
         release_memory(device)
         if graph:
-            eager = guarded(record, "decoder_eager",
+            eager = section(record, "decoder_eager",
                             lambda: decoder_path(model, prompts, settings, device, cuda_graph=False), out)
             if reference and eager:
                 record["decoder"]["graph_matches_eager"] = reference["tokens"] == eager["tokens"]
             release_memory(device)
-        no_cache = guarded(record, "no_cache", lambda: no_cache_path(model, prompts, settings, device), out)
+        no_cache = section(record, "no_cache", lambda: no_cache_path(model, prompts, settings, device), out)
         release_memory(device)
         transformers_paths = transformers_generate_paths(record, master, config, prompts, settings, device, work,
                                                          dtype, out)
@@ -266,17 +263,17 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
                     record[name]["agreement_with_decoder"] = agreement(other["tokens"], reference["tokens"])
         plan = plan_kernels("auto", require_liger=False, device=device)
         use_kernels(model, plan)  # from here on: the fast kernels, as training evaluates on a GPU
-        kernels = guarded(record, "decoder_kernels",
+        kernels = section(record, "decoder_kernels",
                           lambda: decoder_path(model, prompts, settings, device, graph), out)
         record["decoder_kernels"]["plan"] = plan.describe()
         if reference and kernels:
             record["decoder_kernels"]["agreement_with_decoder"] = agreement(kernels["tokens"], reference["tokens"])
         release_memory(device)
-        guarded(record, "exact_match_pass", lambda: exact_match_pass(model, settings, device, work), out)
+        section(record, "exact_match_pass", lambda: exact_match_pass(model, settings, device, work), out)
         if graph:  # last: inductor's compile takes the longest, and the figures above do not wait for it
             use_kernels(model, KernelPlan(liger=False, custom=False))
             release_memory(device)
-            compiled = guarded(record, "decoder_compiled", lambda: decoder_path(
+            compiled = section(record, "decoder_compiled", lambda: decoder_path(
                 model, prompts, settings, device, cuda_graph=True, compile_step=True), out)
             if reference and compiled:
                 record["decoder_compiled"]["agreement_with_decoder"] = agreement(compiled["tokens"],
@@ -303,13 +300,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m cflib.bench.decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for record.json")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU in seconds (fp32)")
-    parser.add_argument("--device", help="cuda or cpu (default: cuda when there is one; cpu with --smoke)")
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        help="default: cuda when there is one; cpu with --smoke")
     args = parser.parse_args(argv)
     settings = SMOKE if args.smoke else DecodeBench()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
-    record = run_bench(settings, Path(args.out), device)
+    with one_line_errors("python -m cflib.bench.decode"):
+        device = resolve_device(args.device or ("cpu" if args.smoke else "auto"))
+        record = run_bench(settings, Path(args.out), device)
     for name, rate in record["tokens_per_s"].items():
-        print(f"{name:18s} {'error: ' + record[name]['error'] if rate is None else f'{rate:12,.0f} new tokens/s'}")
+        part = record[name]
+        rate_text = f"{rate:12,.0f} new tokens/s" if rate is not None else f"{part['status']}: {part.get('reason', '')}"
+        print(f"{name:18s} {rate_text}")
     for cache, target in record["targets"].items():
         print(f"bundle / llama, {cache} cache: {target['bundle_vs_llama']:.2f}x (target >= {target['target']:.1f}x)")
     return record

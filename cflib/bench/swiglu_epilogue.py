@@ -11,7 +11,10 @@ Side by side in one run, forward + backward of one layer at the 200M shapes
   or interleaved. quack has no per-token column scale, so these compute a plain SwiGLU: the time of the
   epilogue design, not yet the routed block;
 - quack_shared_cflib_routed: the routed block split in two, as it could run: the shared columns (output
-  scale 1) through quack's MLP, the experts' columns through cflib's kernels, the two outputs added.
+  scale 1) through quack's MLP, the experts' columns through cflib's kernels, the two outputs added;
+  `_untuned`: quack's configuration fixed by the shape instead of timed per shape;
+- cflib_split_block / _tuned: the split as the model runs it (cflib.ops.trmoe.trmoe_split_forward over the
+  FP32 master weights under autocast), untuned (the model's choice) and tuned.
 Each variant runs guarded: one that fails records its error and the others still run. Errors are norm-relative
 against an FP32 computation of the same function.
 
@@ -26,10 +29,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from cflib.bench.timing import error_line, trmoe_bench_inputs
+from cflib.bench.timing import trmoe_bench_inputs
+from cflib.jobs import error_line, record_header
 from cflib.model.config import preset
-from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, trmoe_forward
-from cflib.train.records import device_info, framework_versions
+from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, trmoe_forward, trmoe_split_forward
 
 
 def _timed(step: Callable[[], None], rep_ms: int) -> float:
@@ -98,18 +101,29 @@ class _Layer:
         from quack.mlp import mlp_func
         return mlp_func(self.x, self.gate_up_interleaved, self.down, "swiglu")
 
-    def quack_shared_cflib_routed(self) -> torch.Tensor:
+    def quack_shared_cflib_routed(self, tuned: bool = True) -> torch.Tensor:
         from quack.mlp import mlp_func
         if float(self.engine.shared_output_scale) != 1.0:
             raise ValueError("the split needs shared_output_scale 1")
-        shared = mlp_func(self.x, self.shared_gate_up, self.shared_down, "swiglu", concat_layout=True)
+        shared = mlp_func(self.x, self.shared_gate_up, self.shared_down, "swiglu", concat_layout=True, tuned=tuned)
         return shared + ScaledSwiGLUDown.apply(self.x @ self.routed_gate_up.t(), self.ids, self.engine.route_table,
                                                self.routed_down, (0, *self.layout[1:]))
+
+    def quack_shared_cflib_routed_untuned(self) -> torch.Tensor:
+        return self.quack_shared_cflib_routed(tuned=False)
+
+    def cflib_split_block(self, tuned: bool = False) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return trmoe_split_forward(self.engine, self.x32, self.ids, tuned=tuned)
+
+    def cflib_split_block_tuned(self) -> torch.Tensor:
+        return self.cflib_split_block(tuned=True)
 
 
 # variant -> whether it computes the routed block (scaled) or a plain SwiGLU
 VARIANTS = {"cflib_block": True, "cflib_bf16_weights": True, "cublas_liger": False, "quack_concat": False,
-            "quack_interleaved": False, "quack_shared_cflib_routed": True}
+            "quack_interleaved": False, "quack_shared_cflib_routed": True, "quack_shared_cflib_routed_untuned": True,
+            "cflib_split_block": True, "cflib_split_block_tuned": True}
 
 
 def measure_variant(layer: _Layer, name: str, reference: torch.Tensor, rep_ms: int) -> dict:
@@ -160,8 +174,7 @@ def main() -> None:
                                 f"  err {entry['forward_rel_error']:.1e}"), flush=True)
     config, columns = layer.config, layer.down32.shape[1]
     record = {
-        "job": "swiglu_epilogue", "framework": {**framework_versions(), **_versions()},
-        "device": device_info(device, count=1),
+        **record_header("swiglu_epilogue", device),
         "shapes": {"tokens": args.tokens, "hidden": config.hidden_size, "columns": columns,
                    "shared_columns": layer.shared_columns},
         "precision": "bf16 (cflib_block: bf16 autocast over fp32 master weights)",
@@ -169,6 +182,7 @@ def main() -> None:
         "gemm_flops_forward_backward": 3 * 2 * args.tokens * config.hidden_size * 3 * columns,
         "variants": results,
     }
+    record["framework"].update(_versions())
     with open(args.out, "w") as out:
         json.dump(record, out, indent=1)
 

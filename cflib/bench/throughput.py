@@ -28,7 +28,6 @@ import time
 import traceback
 import typing
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +35,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from cflib import __version__
 from cflib.atomic import write_json_atomic
 from cflib.bench.batches import Batches, random_rows, realistic, timing_protocol
 from cflib.bench.comparison import RANDOM_ROWS, REALISTIC, _ok, compare
@@ -44,7 +42,6 @@ from cflib.bench.feeding import FEEDS, RealisticStream
 from cflib.bench.peer import PathUnavailable
 from cflib.bench.sessions import Session, compiled, fed_peer_session, peer_session
 from cflib.bench.timing import (
-    error_line,
     flops_per_token,
     matmul_ceiling,
     peak_memory_gib,
@@ -53,12 +50,13 @@ from cflib.bench.timing import (
     sync,
     time_steps,
 )
+from cflib.jobs import error_line, guarded, job_out_dir, record_header
 from cflib.model.checkpoint import save_checkpoint
 from cflib.model.config import PRESETS, ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.paths import resolve_path
 from cflib.train.params import DEVICES, ParamError, ParamSet, TrainParams, _coerce, _is_user_variable, reject_unknown
-from cflib.train.records import _package_version, count_parameters, device_info, framework_versions
+from cflib.train.records import count_parameters
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
 
@@ -315,10 +313,14 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
             entry["model_flops_per_token"] = useful / batches.source["timed_example_tokens"]
             entry["model_tflops_per_s"] = useful / sum(timing["step_seconds"]) / 1e12
         if params.profile_steps and micro == params.compare_micro_batch:
-            entry["profile"] = _guarded(profile_steps, session.step, steps_batches[:params.profile_steps], device,
-                                        out_dir / "profiles" / f"{batches.kind}-{name}-mb{micro}.txt")
+            # Profiles and the evaluation and checkpoint timings are apart from the steady state: their failure
+            # is theirs.
+            entry["profile"] = guarded(lambda: profile_steps(
+                session.step, steps_batches[:params.profile_steps], device,
+                out_dir / "profiles" / f"{batches.kind}-{name}-mb{micro}.txt"))
         if session.trainer is not None and batches.stream is None and micro == params.compare_micro_batch:
-            entry["evaluation_and_checkpoint"] = _guarded(time_evaluation_and_checkpoint, session.trainer, device)
+            entry["evaluation_and_checkpoint"] = guarded(
+                lambda: time_evaluation_and_checkpoint(session.trainer, device))
     return entry
 
 
@@ -329,26 +331,7 @@ def _lora_base(path: Path, config: ModelConfig, seed: int) -> Path:
     return path
 
 
-def _guarded(timing: Callable[..., dict], *args: Any) -> dict:
-    """Profiles and the evaluation and checkpoint timings are apart from the steady state: their failure is theirs."""
-    try:
-        return {"status": "ok", **timing(*args)}
-    except (torch.cuda.OutOfMemoryError, OSError, RuntimeError) as err:
-        return {"status": "failed", "reason": error_line(err)}
-
-
 # --- the run ----------------------------------------------------------------------------
-
-def _out_dir(params: ThroughputParams) -> Path:
-    if params.out_dir is None:
-        return resolve_path(f"outputs/runs/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}-throughput")
-    out_dir = resolve_path(params.out_dir)
-    if (out_dir / "record.json").exists():
-        raise ParamError(f"out_dir {out_dir} already holds a throughput record; choose another out_dir")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
-    return out_dir
-
 
 def _batches(kind: str, params: ThroughputParams, config: ModelConfig, out_dir: Path) -> Batches:
     if kind == RANDOM_ROWS:
@@ -363,7 +346,7 @@ def _batches(kind: str, params: ThroughputParams, config: ModelConfig, out_dir: 
 def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dict:
     """Measure every path on each kind of batches; write and return out_dir/record.json."""
     device = resolve_device(params.device)
-    out_dir = _out_dir(params)
+    out_dir = job_out_dir(params.out_dir, "runs", ("record.json",), "a throughput record", name="throughput")
     config = PRESETS[params.model]
     kinds = [_batches(kind, params, config, out_dir) for kind in params.batches]  # a bad shard fails here
     started = time.perf_counter()
@@ -395,13 +378,8 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
         write_json_atomic(out_dir / "progress.json", {"matmul_ceiling": ceiling, "paths": entries})
     release_memory(device)
     record = {
-        "job": "measure_throughput",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "out_dir": str(out_dir),
+        **record_header("measure_throughput", device, out_dir, packages=("transformers", "flash-attn-4")),
         # measurement protocol (docs/measuring.md)
-        "framework": {"cflib": __version__, **framework_versions(), "transformers": _package_version("transformers"),
-                      "flash_attn_4": _package_version("flash-attn-4")},
-        "device": device_info(device, count=1),
         "model": params.model,
         "model_config": config.to_dict(),
         "vocab_size": config.vocab_size,

@@ -100,11 +100,6 @@ def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray],
             "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
 
 
-def error_line(err: BaseException) -> str:
-    first = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {first[0] if first else ''}"[:500]
-
-
 def trmoe_bench_inputs(config: ModelConfig, tokens: int, device: torch.device
                        ) -> tuple[TRMoEEngine, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What TR-MoE layer timings run on: an engine with real weights, its input, token ids, an output gradient."""

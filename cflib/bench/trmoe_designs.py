@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from cflib.bench.timing import time_forward_backward, trmoe_bench_inputs
+from cflib.jobs import record_header
 from cflib.model.config import preset
 from cflib.model.decoder import TRMoEEngine
 from cflib.model.fast import FusedTRMoEEngine, swap_class
 from cflib.ops.liger import LigerSiLUMulFunction
-from cflib.train.records import device_info, framework_versions
 
 
 def _grouped(a: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -81,7 +81,7 @@ def main() -> None:
     flops = {"reference": 3 * 6 * args.tokens * d * (s + e * w), "gather": 3 * 6 * args.tokens * d * (s + k * w),
              "fused": 3 * 6 * args.tokens * d * (s + e * w)}
     record = {
-        "job": "trmoe_designs", "framework": framework_versions(), "device": device_info(device, count=1),
+        **record_header("trmoe_designs", device),
         "shapes": {"tokens": args.tokens, "hidden": d, "shared": s, "experts": e, "expert_width": w, "top_k": k},
         "precision": "bf16-autocast, fp32 master weights", "timing": "triton.testing.do_bench median, "
         "warmup 50 ms, rep 400 ms, forward+backward of one layer",

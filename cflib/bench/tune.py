@@ -19,8 +19,7 @@ import time
 import typing
 import warnings
 import weakref
-from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -30,12 +29,12 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from cflib import __version__
 from cflib.atomic import atomic_directory
 from cflib.bench.memory import PeakMemory, free_device_memory, measure_name
 from cflib.bench.plots import plot_microbatch_memory
 from cflib.bench.search import GIB, Probe, Search, search, sweep
 from cflib.data.shards import Example, write_partition
+from cflib.jobs import ANYTHING, job_out_dir, record_header
 from cflib.model.config import ConfigError, ModelConfig, preset
 from cflib.paths import resolve_path
 from cflib.train.params import (
@@ -49,7 +48,6 @@ from cflib.train.params import (
     reject_unknown,
     with_kernel_choice,
 )
-from cflib.train.records import device_info, framework_versions
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
 
@@ -224,12 +222,7 @@ def prepare_tuning(params: TuneParams) -> Tuning:
             f"{' and DDP buckets' if ddp_bytes else ''}, below the fixed memory of training this model: "
             f"{FIXED_BYTES_PER_PARAM} B x {trainable:,} parameters = {fixed / GIB:.4g} GiB (fp32 weights, "
             "gradients and AdamW moments) before any activation")
-    if params.out_dir is None:
-        out_dir = resolve_path(f"outputs/tune/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}-{params.model}")
-    else:
-        out_dir = resolve_path(params.out_dir)
-        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-            raise ParamError(f"out_dir {out_dir} exists and is not an empty folder; choose another")
+    out_dir = job_out_dir(params.out_dir, "tune", ANYTHING, "files", name=params.model)
     return Tuning(params, device, config, source, budget, usable, ddp_bytes, out_dir)
 
 
@@ -337,15 +330,10 @@ def _record(tuning: Tuning, found: Search, swept: list[Probe] | None, batch: dic
         fit = {"slope_bytes_per_example": line.slope, "intercept_bytes": line.intercept, "through_micro": line.through,
                "residuals_bytes": {str(pr.micro): pr.peak_bytes - line(pr.micro) for pr in measured}}
     record = {
-        "job": "tune_microbatch",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "out_dir": str(tuning.out_dir),
-        "framework": {"cflib": __version__, **framework_versions()},
-        "device": device_info(tuning.device),
+        **record_header("tune_microbatch", tuning.device, tuning.out_dir, params=p),
         "model_source": tuning.model_source,
         "model_config": tuning.config.to_dict(),
         "params_trainable": tuning.trainable_parameters,
-        "params": asdict(p),
         "memory_measure": measure_name(tuning.device),
         "probe_rows": f"{p.seq_len} random tokens per row, every position supervised (the worst case of real "
                       "data); one warm-up step, then the peak of the measured steps",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from datetime import datetime
 
 import torch
 from tqdm.auto import tqdm
@@ -22,10 +21,9 @@ from cflib.atomic import write_json_atomic
 from cflib.bench.components import DTYPES, TOLERANCES, Component, Shape, shapes_for
 from cflib.bench.components import components as all_components
 from cflib.bench.timing import time_trmoe
+from cflib.jobs import job_out_dir, record_header
 from cflib.ops.dispatch import KernelUnavailable, liger_problem, triton_problem
 from cflib.ops.interpreter import bf16_arithmetic_broken
-from cflib.paths import resolve_path
-from cflib.train.records import device_info, framework_versions
 
 
 def _prepare(inputs: dict, params: tuple[str, ...], dtype: torch.dtype) -> dict:
@@ -173,14 +171,11 @@ def run_job(out_dir: str | None = None, dtypes: str = "float32,bfloat16", shapes
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     wanted, chosen = resolve_grid(dtypes, shapes, device)
-    target = resolve_path(out_dir or f"outputs/runs/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}-validate_kernels")
-    if (target / "record.json").exists():
-        raise ValueError(f"out_dir {target} already holds a record; choose another out_dir")
+    target = job_out_dir(out_dir or None, "runs", ("record.json",), "a record", name="validate_kernels")
     rows, skipped = validate(device, tuple(wanted), chosen,
                              progress=(lambda grid: tqdm(grid, desc="comparisons")) if progress else None)
     record = {
-        "job": "validate_kernels", "created_utc": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "framework": framework_versions(), "device": device_info(device),
+        **record_header("validate_kernels", device, target),
         "triton_interpreter": device.type == "cpu",
         "truth": "PyTorch reference in float64 from the same inputs",
         "error_measure": "normwise relative error ||fast - truth|| / ||truth||; max_abs; max_rel = max|diff| / max|truth|",
@@ -195,7 +190,6 @@ def run_job(out_dir: str | None = None, dtypes: str = "float32,bfloat16", shapes
                                     "timing": "triton.testing.do_bench median, forward+backward of one layer",
                                     **ms, "speedup": ms["torch_dense"] / ms["triton_fused"]}
     write_json_atomic(target / "record.json", record)
-    record["out_dir"] = str(target)
     return record
 
 

@@ -39,6 +39,7 @@ from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
 from cflib.data import loss_metadata
 from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, sha256_file, write_partition
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
+from cflib.jobs import one_line_errors
 from cflib.yamlio import read_yaml
 
 ROLES = ("system", "user", "assistant")
@@ -397,10 +398,8 @@ def show_example(shard: ShardPartition, index: int, tokenizer: ByteTokenizer | J
 
 
 def main(argv: Sequence[str]) -> None:
-    try:
+    with one_line_errors("convert", ConvertError):
         spec, overwrite = spec_from_args(argv)
         indexes = convert(spec, overwrite)
-    except ConvertError as err:
-        raise SystemExit(f"convert: {err}") from None
     print(f"wrote {spec.out}")
     print(summary(indexes))

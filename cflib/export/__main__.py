@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from cflib.export.hub import ExportError, export_hub
 from cflib.export.peft import MergeError, merge
 from cflib.export.tokenizer_files import TokenizerExportError
+from cflib.jobs import one_line_errors
 from cflib.model import CheckpointError, ConfigError
 
 
@@ -46,10 +47,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     merging.add_argument("--base", default=None, help="the base checkpoint; default: the one the adapters name")
     merging.set_defaults(run=_merge)
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors("export", ExportError, MergeError, TokenizerExportError, CheckpointError, ConfigError):
         args.run(args)
-    except (ExportError, MergeError, TokenizerExportError, CheckpointError, ConfigError) as err:  # each names the input at fault
-        raise SystemExit(f"export: {err}") from None
 
 
 if __name__ == "__main__":

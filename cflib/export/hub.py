@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
+from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers, live_path
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.export.tokenizer_files import tokenizer_files
 from cflib.model import TRMoEModel, fused_route_buffers, load_checkpoint, save_checkpoint
@@ -39,22 +39,24 @@ def is_checkpoint(folder: Path) -> bool:
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     """(checkpoint folder, which one and why): a checkpoint itself, or a run folder's best checkpoint,
-    else its newest of `last`, `epoch-N`, `step-N` (in that order of preference)."""
-    path = Path(path)
+    else its newest of `last`, `epoch-N`, `step-N` (in that order of preference). A folder whose replacement a
+    kill cut between its two renames is found under its retired name (cflib.atomic.live_path)."""
+    path = live_path(Path(path))
     if is_checkpoint(path):
         return path, f"checkpoint {path}"
-    for adapters in (path, path / "checkpoints" / "best"):
+    checkpoints = path / "checkpoints"
+    best, last = live_path(checkpoints / "best"), live_path(checkpoints / "last")
+    for adapters in (path, best):
         if is_adapter_checkpoint(adapters):
             raise ExportError(f"{adapters} holds LoRA adapters, not a model: merge them into their base first "
                               f"(python -m cflib.export merge {adapters} MERGED), then export MERGED")
-    checkpoints = path / "checkpoints"
     if not checkpoints.is_dir():
         raise ExportError(f"{path}: neither a checkpoint (config.json and model.safetensors) nor a run folder "
                           "(one with checkpoints/)")
-    if is_checkpoint(checkpoints / "best"):
-        return checkpoints / "best", f"{checkpoints / 'best'}: the run's best evaluation loss"
-    if is_checkpoint(checkpoints / "last"):
-        return checkpoints / "last", f"{checkpoints / 'last'}: no best checkpoint; the run's final weights"
+    if is_checkpoint(best):
+        return best, f"{best}: the run's best evaluation loss"
+    if is_checkpoint(last):
+        return last, f"{last}: no best checkpoint; the run's final weights"
     for kind in ("epoch", "step"):
         numbered = [(int(match.group(1)), folder) for folder in checkpoints.iterdir()
                     if (match := re.fullmatch(rf"{kind}-(\d+)", folder.name)) and is_checkpoint(folder)]

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
+from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers, live_path
 from cflib.model.checkpoint import (
     CONFIG_FILE,
     PROGRESS_FILE,
@@ -50,7 +50,7 @@ _SHARED = "mlp.engine.shared_"
 
 
 def is_adapter_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / ADAPTER_CONFIG_FILE).is_file()
+    return (live_path(path) / ADAPTER_CONFIG_FILE).is_file()
 
 
 def weights_sha256(checkpoint_dir: str | Path) -> str:
@@ -155,7 +155,7 @@ def save_adapter(path: str | Path, adapters: dict[str, torch.Tensor], settings: 
 
 def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.Tensor]]:
     """(settings, base description, the model's adapter tensors) of a LoRA checkpoint folder."""
-    path = Path(path)
+    path = live_path(path)  # a replacement killed between its renames left the previous folder aside
     meta_file, weights = path / CFLIB_ADAPTER_FILE, path / ADAPTER_WEIGHTS_FILE
     for needed in (path / ADAPTER_CONFIG_FILE, meta_file, weights):
         if not needed.is_file():

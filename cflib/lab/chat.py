@@ -13,25 +13,24 @@ import json
 import time
 import typing
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import live_path, write_json_atomic
 from cflib.data import ByteTokenizer, ChatRenderer, ChatTemplate, ConvertError, conversation_to_answer, load_tokenizer
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export.peft import is_adapter_checkpoint
-from cflib.lab.out_dirs import job_out_dir
+from cflib.jobs import job_out_dir, record_header
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.paths import resolve_path
 from cflib.train import TrainParams, fit, prepare
 from cflib.train.params import ParamSet, _coerce, _is_user_variable, reject_unknown
-from cflib.train.records import count_parameters, device_info, framework_versions
+from cflib.train.records import count_parameters
 from cflib.train.run import resolve_device
 
 WEIGHTS = "model.safetensors"
@@ -92,9 +91,9 @@ class ChatParams(ParamSet):
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder's checkpoints/best."""
+    """A checkpoint folder, or a run folder's checkpoints/best (or its retired copy: cflib.atomic.live_path)."""
     folder = resolve_path(path)
-    for candidate in (folder, folder / "checkpoints" / "best"):
+    for candidate in (live_path(folder), live_path(folder / "checkpoints" / "best")):
         if (candidate / WEIGHTS).is_file() and (candidate / "config.json").is_file():
             return candidate
         if is_adapter_checkpoint(candidate):
@@ -231,7 +230,7 @@ class Chat:
 def prepare_chat(params: ChatParams) -> Chat:
     """Check the prompts, tokenizer, template and out_dir, then load the checkpoint (or train one under
     out_dir when none is named) and check every prompt against it: a bad input stops here, before any answer."""
-    out_dir = job_out_dir(params.out_dir, "chat", "answers.jsonl", "answers.jsonl")
+    out_dir = job_out_dir(params.out_dir, "chat", ("answers.jsonl",), "answers")
     conversations = read_conversations(params.prompts)
     renderer = chat_renderer(params.tokenizer, params.template)
     for messages in conversations:
@@ -254,8 +253,7 @@ def answer_prompts(chat: Chat, params: ChatParams) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "answers.jsonl", "w") as out:
         out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    record = {"job": "chat", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "out_dir": str(out_dir), "framework": framework_versions(), "device": device_info(session.device),
+    record = {**record_header("chat", session.device, out_dir),
               **session.describe(), "generation": params.generation(),
               "precision": "bf16-autocast" if params.bf16 else "fp32", "decoder": session.decoder.path(),
               "prompts": {"source": params.prompts if isinstance(params.prompts, str) else "inline list",

@@ -14,7 +14,6 @@ import glob
 import json
 import math
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,6 +23,7 @@ from tqdm.auto import tqdm
 
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
+from cflib.jobs import new_out_dir
 from cflib.paths import resolve_path
 from cflib.train.params import ParamSet, reject_unknown
 from cflib.train.records import read_metrics
@@ -236,8 +236,7 @@ def compare(params: CompareParams) -> Comparison:
     if not any(params.metric in row for row in rows):
         raise ParamError(f"metric {params.metric!r}: no run has it; these have "
                          f"{', '.join(k for k in rows[0] if k in METRICS or k.startswith('exact_match/'))}")
-    out_dir = resolve_path(params.out_dir) if params.out_dir else resolve_path(
-        f"outputs/comparisons/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
+    out_dir = resolve_path(params.out_dir) if params.out_dir else new_out_dir("comparisons")
     return Comparison(runs, differing, rows, params.metric, [s for s in swept if s in differing] or swept, skipped,
                       out_dir)
 

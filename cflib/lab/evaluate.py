@@ -22,7 +22,6 @@ import tempfile
 import time
 import typing
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,14 +36,13 @@ from cflib.errors import ParamError
 from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.hub import is_checkpoint
 from cflib.export.peft import is_adapter_checkpoint
+from cflib.jobs import job_out_dir, record_header
 from cflib.lab.chat import train_here
-from cflib.lab.out_dirs import job_out_dir
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.paths import resolve_path
 from cflib.train.params import ParamSet, _coerce, _is_user_variable, reject_unknown
-from cflib.train.records import device_info, framework_versions
 from cflib.train.run import resolve_device
 
 SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
@@ -183,7 +181,7 @@ def prepare_evaluation(params: EvalParams) -> Evaluation:
     then find (or export, or train) the bundle: a bad input stops here, before any model is scored."""
     from lm_eval.tasks import TaskManager
 
-    out_dir = job_out_dir(params.out_dir, "eval", "record.json", "an evaluation (record.json)")
+    out_dir = job_out_dir(params.out_dir, "eval", ("record.json",), "an evaluation")
     device = resolve_device(params.device)
     names = params.task_names()
     staging = Path(tempfile.mkdtemp(prefix="cflib-eval-tasks-"))  # out_dir stays untouched until all is checked
@@ -315,13 +313,8 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
     rows = score_rows(merged)
     check = loglikelihood_check(samples, lm, job.bundle, job.device)
     plt.close(plot_scores(rows, save_to=out_dir / "scores.png"))  # saved; the notebook shows its own
-    import transformers
-
     record = {
-        "job": "evaluate", "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "out_dir": str(out_dir),
-        "framework": {**framework_versions(), "lm_eval": lm_eval.__version__, "transformers": transformers.__version__},
-        "device": device_info(job.device), "precision": dtype,
+        **record_header("evaluate", job.device, out_dir, packages=("lm_eval", "transformers")), "precision": dtype,
         "model": {"source": job.model_source, "bundle": str(job.bundle),
                   "sha256": sha256_file(job.bundle / "model.safetensors"),
                   "config": json.loads((job.bundle / "config.json").read_text())},

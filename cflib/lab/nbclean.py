@@ -16,6 +16,8 @@ from pathlib import Path
 
 import nbformat
 
+from cflib.jobs import one_line_errors
+
 PORTABLE_KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 NBVAL_MARK = "NBVAL_CHECK_OUTPUT"
 
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     dirty = 0
     for path in args.notebooks:
-        notebook = nbformat.read(path, as_version=4)
+        with one_line_errors(f"nbclean: {path}", ValueError):  # ValueError: nbformat's "not a notebook"
+            notebook = nbformat.read(path, as_version=4)
         found = problems(notebook)
         if args.check:
             dirty += bool(found)

@@ -19,7 +19,6 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import yaml
 
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
+from cflib.jobs import job_out_dir
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.paths import resolve_path
@@ -271,10 +271,8 @@ def _check_lock(out_dir: Path) -> None:
 def plan_sweep(params: SweepParams) -> Sweep:
     """Every point checked and its action chosen from what out_dir holds; nothing runs, nothing is written."""
     base = load_params_file(resolve_path(params.base)) if params.base else {}
-    out_dir = resolve_path(params.out_dir) if params.out_dir else resolve_path(
-        f"outputs/sweeps/{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
+    # A sweep continues in its own folder (sweep.json), so only a file in its place is refused here.
+    out_dir = job_out_dir(params.out_dir or None, "sweeps", (), "a sweep")
     previous = {}
     if (out_dir / SWEEP_FILE).is_file():
         _check_lock(out_dir)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import IO
 
@@ -30,6 +30,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from cflib.atomic import write_json_atomic
+from cflib.jobs import utc_now
 from cflib.lab.form import frontend_attached
 from cflib.lab.sweep import LOCK_FILE, POINT_FILE, Point, Sweep, set_aside
 from cflib.paths import resolve_path
@@ -57,10 +58,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 def _start(point: Point, slot: str, sweep: Sweep) -> Running:
     if point.action.startswith("run again") and any((point.run_dir / name).exists() for name in RUN_FILES):
         moved = set_aside(point.run_dir)
@@ -76,7 +73,7 @@ def _start(point: Point, slot: str, sweep: Sweep) -> Running:
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                preexec_fn=_die_with_parent)
     point.status, point.error = "running", None
-    point.attempts.append({"started_utc": _now(), "device": slot if slot == "cpu" else f"cuda:{slot}",
+    point.attempts.append({"started_utc": utc_now(), "device": slot if slot == "cpu" else f"cuda:{slot}",
                            "resumed": point.params.get("resume") == "latest"})
     sweep.save()
     return Running(point, process, slot, time.monotonic(), log)
@@ -99,7 +96,7 @@ def _finish(running: Running, sweep: Sweep) -> None:
     point, code = running.point, running.process.returncode
     running.log.close()
     seconds = time.monotonic() - running.started
-    point.attempts[-1].update(finished_utc=_now(), seconds=round(seconds, 1), returncode=code)
+    point.attempts[-1].update(finished_utc=utc_now(), seconds=round(seconds, 1), returncode=code)
     if code == 0 and (point.run_dir / "COMPLETE").is_file():
         point.status, point.error = "done", None
     else:
@@ -232,7 +229,7 @@ def run_sweep(sweep: Sweep, poll_s: float = POLL_S) -> Sweep:
             _stop(job.process)
             job.log.close()
             job.point.status, job.point.action = "queued", "interrupted: resumes on the next run"
-            job.point.attempts[-1].update(finished_utc=_now(), interrupted=True)
+            job.point.attempts[-1].update(finished_utc=utc_now(), interrupted=True)
         sweep.save()
         raise
     finally:

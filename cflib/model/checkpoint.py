@@ -82,7 +82,7 @@ def save_trainer_state(state: dict[str, Any], file: Path) -> None:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_json_file(Path(path) / CONFIG_FILE)
+    return ModelConfig.from_json_file(live_path(path) / CONFIG_FILE)
 
 
 def derived_names(config: ModelConfig) -> set[str]:
@@ -162,7 +162,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
 
 def load_trainer_state(path: str | Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
     """Optimizer/scheduler state saved beside a checkpoint (tensors and plain data only), holding `required`."""
-    state_file = Path(path) / TRAINER_STATE_FILE
+    state_file = live_path(path) / TRAINER_STATE_FILE
     if not state_file.is_file():
         raise CheckpointError(f"{state_file}: missing; only checkpoints saved with optimizer state "
                               "(save_every_steps, or save_optimizer_state: true) can be resumed")

@@ -187,18 +187,20 @@ def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
 
 
 def trmoe_split_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
-                        weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                        weights: dict[str, torch.Tensor] | None = None, tuned: bool = False) -> torch.Tensor:
     """The block in two parts (CUDA, Hopper): the shared branch through quack's MLP, whose gate|up GEMM applies
     SwiGLU in its epilogue and whose backward GEMM applies SwiGLU's derivative in its own (no [N, 2S] tensor is
     read back by a separate kernel); the experts' columns through this module's kernel, their per-token scales
     read from the route table. quack has no per-token column scale, hence the split. H200, one 200M layer,
     forward + backward: 3.14 ms against 3.51 for the whole block through this module's kernel
-    (outputs/records/swiglu_epilogue_h200.json)."""
+    (outputs/records/swiglu_epilogue_h200.json). `tuned` lets quack time its tile configurations for each new
+    shape: minutes of compilation at a run's first step, and a choice that may differ between runs; untuned,
+    its configuration is fixed by the shape."""
     from quack.mlp import mlp_func
 
     w = engine_weights(engine) if weights is None else weights
     shared = mlp_func(x, torch.cat([w["shared_gate"], w["shared_up"]]), w["shared_down"], "swiglu",
-                      concat_layout=True)
+                      concat_layout=True, tuned=tuned)
     num_experts, hidden, width = w["expert_gate"].shape
     gate_up = torch.cat([w["expert_gate"].transpose(1, 2).reshape(num_experts * width, hidden),
                          w["expert_up"].transpose(1, 2).reshape(num_experts * width, hidden)])

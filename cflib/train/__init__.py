@@ -2,7 +2,7 @@
 
 Owns the parameters (`params`), `prepare` (every check, nothing written),
 the loop (`trainer`), the optimizer and schedule (`optim`), curricula
-(`curriculum`, `curriculum_audit`, `curriculum_run`; `jobs` picks one run or
+(`curriculum`, `curriculum_audit`, `curriculum_run`; `start` picks one run or
 a curriculum), data
 parallelism (`distributed`, `launch`; `python -m cflib.train PARAMS.json`
 is a torchrun worker), held-out evaluation, run records and the cluster
@@ -10,7 +10,7 @@ arithmetic (`python -m cflib.train.plan`). Imports model, data, ops, export
 and the foundation modules; never bench or lab.
 """
 from cflib.errors import ParamError
-from cflib.train.jobs import prepare_job, train
+from cflib.train.start import prepare_job, train
 from cflib.train.launch import fit
 from cflib.train.params import TrainParams
 from cflib.train.run import Run, batch_arithmetic, describe_arithmetic, prepare

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from cflib.atomic import live_path
 from cflib.errors import ParamError
 from cflib.export.peft import (
     CFLIB_ADAPTER_FILE,
@@ -123,6 +124,6 @@ def resumed_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
 def checkpoint_config(checkpoint_dir: Path) -> ModelConfig:
     """The architecture of a full checkpoint or of a LoRA checkpoint's base, without loading weights."""
     if is_adapter_checkpoint(checkpoint_dir):
-        meta = Path(checkpoint_dir) / CFLIB_ADAPTER_FILE
+        meta = live_path(checkpoint_dir) / CFLIB_ADAPTER_FILE
         return ModelConfig.from_dict(json.loads(meta.read_text())["base"]["config"], source=str(meta))
     return load_config(checkpoint_dir)

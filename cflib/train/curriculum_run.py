@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
 from pathlib import Path
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import check_writable_folder, write_json_atomic
 from cflib.data.tasks import ensure_embedded_shard
 from cflib.errors import ParamError
+from cflib.jobs import job_out_dir, utc_now
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.model.config import ModelConfig
 from cflib.paths import resolve_path
@@ -31,7 +31,7 @@ from cflib.train.curriculum_audit import audit, stages_table
 from cflib.train.launch import fit
 from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
-from cflib.train.run import allocate_out_dir, model_config, prepare
+from cflib.train.run import model_config, prepare
 
 PLAN_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 
@@ -58,7 +58,7 @@ class CurriculumRun:
     def fit(self, progress: bool = True) -> dict:
         """Train every stage (or write the dry run's audit) and return the record."""
         if self.params.dry_run:
-            record = {"dry_run": True, "created_utc": _now(), "out_dir": str(self.out_dir),
+            record = {"dry_run": True, "created_utc": utc_now(), "out_dir": str(self.out_dir),
                       "curriculum": str(self.curriculum.path) if self.curriculum.path else None,
                       "stages": self.audit}
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +74,7 @@ class CurriculumRun:
         plan = {"curriculum": str(self.curriculum.path), "stages": [
             {"name": stage.name, "overrides": stage.overrides} for stage in self.curriculum.stages]}
         if not (self.out_dir / PLAN_FILE).is_file():
-            write_json_atomic(self.out_dir / PLAN_FILE, {**plan, "created_utc": _now(), "audit": self.audit})
+            write_json_atomic(self.out_dir / PLAN_FILE, {**plan, "created_utc": utc_now(), "audit": self.audit})
         start_from, records = self.params.init_checkpoint, []
         for stage in self.curriculum.stages:
             record = self._fit_stage(stage, start_from, progress)
@@ -85,7 +85,7 @@ class CurriculumRun:
             summary["one_stage"] = self._fit_one_stage(sum(r["schedule"]["steps_done"] for r in records), progress)
         record = {**records[-1], "curriculum": summary}
         write_json_atomic(self.out_dir / "record.json", record)
-        write_json_atomic(self.out_dir / "COMPLETE", {"completed_utc": _now(), "stages": len(records)})
+        write_json_atomic(self.out_dir / "COMPLETE", {"completed_utc": utc_now(), "stages": len(records)})
         return record
 
     def _fit_one_stage(self, steps: int, progress: bool) -> dict:
@@ -148,7 +148,11 @@ def _root(params: TrainParams) -> Path:
     """The curriculum's run folder: a new one, or the one `resume: latest` continues."""
     if params.out_dir is None and params.resume is not None:
         raise ParamError("resume: latest needs the out_dir of the curriculum run to continue")
-    return allocate_out_dir(params.out_dir, "dry-run" if params.dry_run else "curriculum")
+    # A curriculum's own folder is judged by _check_root: resumed, or refused when it holds one.
+    out_dir = job_out_dir(params.out_dir, "runs", (), "a run", name="dry-run" if params.dry_run else "curriculum")
+    if params.out_dir is not None:
+        check_writable_folder(out_dir, "out_dir")
+    return out_dir
 
 
 def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> None:
@@ -184,7 +188,3 @@ def prepare_curriculum(params: TrainParams) -> CurriculumRun:
                  else resolve_path(params.data))
     rows = audit(curriculum, config, data_root, stop_at_first=not params.dry_run)
     return CurriculumRun(params, curriculum, out_dir, config, data_root, rows)
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -6,7 +6,7 @@ streams every rank's output back live (rank 0's progress drives the bar),
 stops the whole job when any rank fails, and returns rank 0's record.
 
 `python -m cflib.train PARAMS.json` (cflib/train/__main__.py) is the worker entry point torchrun runs;
-`train` (cflib.train.jobs) checks and trains in one call.
+`train` (cflib.train.start) checks and trains in one call.
 """
 from __future__ import annotations
 

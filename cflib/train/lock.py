@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from cflib.errors import ParamError
+from cflib.jobs import utc_now
 
 try:
     import fcntl
@@ -126,7 +127,7 @@ class RunLock:
                 os.close(descriptor)
                 raise
             info = {"pid": os.getpid(), "host": socket.gethostname(),
-                    "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                    "since": utc_now()}
             os.ftruncate(descriptor, 0)
             os.pwrite(descriptor, (json.dumps(info) + "\n").encode(), 0)
             self._descriptor = descriptor

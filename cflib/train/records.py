@@ -3,20 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import subprocess
-import sys
-from dataclasses import asdict
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from cflib import __version__
+from cflib.jobs import record_header
 from cflib.model.lora import describe as describe_lora
-from cflib.paths import project_root
 
 if TYPE_CHECKING:  # the trainer builds on this module
     from cflib.train.trainer import Trainer
@@ -70,49 +63,6 @@ def read_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
-def _package_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _git(*args: str) -> str | None:
-    try:
-        result = subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
-
-
-def framework_versions() -> dict[str, Any]:
-    # A copied working tree (a GPU box's) names its commit in CFLIB_COMMIT: its .git, if any, may be stale.
-    named = os.environ.get("CFLIB_COMMIT")
-    status = None if named else _git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "cflib_commit": named or _git("rev-parse", "HEAD"),
-        "cflib_dirty": bool(status) if status is not None else None,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "torch_git": torch.version.git_version,
-        "cuda_runtime": torch.version.cuda,
-        "triton": _package_version("triton"),
-        "liger_kernel": _package_version("liger-kernel"),
-        "safetensors": _package_version("safetensors"),
-        "platform": platform.platform(),
-    }
-
-
-def device_info(device: torch.device, count: int = 1) -> dict[str, Any]:
-    """The device model, and how many of them the run used (one per rank)."""
-    if device.type == "cuda":
-        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": count,
-                "capability": list(torch.cuda.get_device_capability(device)),
-                "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2)}
-    return {"type": device.type, "name": platform.processor() or platform.machine(), "count": count,
-            "threads": torch.get_num_threads()}
-
-
 def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -133,12 +83,9 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         eval_block["at_start"] = at_start
     eval_block["epochs"] = [e for e in trainer.evals if e["tag"].startswith("epoch-")]
     return {
-        "job": "train_sft",
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "out_dir": str(run.out_dir),
+        **record_header("train_sft", trainer.device, run.out_dir, device_count=trainer.dist.world_size,
+                        params=p),
         # measurement protocol (docs/measuring.md)
-        "framework": {"cflib": __version__, **framework_versions()},
-        "device": device_info(trainer.device, count=trainer.dist.world_size),
         "world_size": trainer.dist.world_size,
         "strategy": run.strategy,
         "memory_estimate": run.memory_estimate,
@@ -189,7 +136,6 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "schedule": {"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                      "warmup_steps": run.warmup_steps, "steps_done": trainer.step, "epochs_started": epochs_done,
                      "fill_ins_per_epoch": trainer.fill_ins},
-        "params": asdict(p),
         "eval": eval_block,
         "checkpoints": trainer.checkpoints,
     }

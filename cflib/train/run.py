@@ -11,20 +11,20 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from cflib.atomic import check_writable_folder
+from cflib.atomic import check_writable_folder, live_path
 from cflib.data.filters import parse_filters, select
 from cflib.data.packing import PackPlan, plan_packs
 from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
 from cflib.data.tasks import TASKS, ensure_embedded_shard
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
+from cflib.jobs import job_out_dir
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
@@ -36,7 +36,7 @@ from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
 from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams, gradient_accumulation
-from cflib.train.records import count_parameters
+from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
@@ -129,27 +129,31 @@ class Run:
         return self.pack_plan.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
 
 
-def allocate_out_dir(requested: str | None, name: str) -> Path:
-    """A new outputs/runs/<time>-<name>/, or the requested out_dir, checked to be a folder this process can write."""
-    if requested is None:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-        return resolve_path(f"outputs/runs/{stamp}-{name}")
-    out_dir = resolve_path(requested)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ParamError(f"out_dir {out_dir} exists and is not a directory")
-    check_writable_folder(out_dir, "out_dir")
-    return out_dir
+def never_trained(out_dir: Path) -> bool:
+    """Whether the run in `out_dir` stopped before its first optimizer step (building the trainer, the
+    evaluation at start or the first step failed): it left nothing worth keeping, so a new run may start there."""
+    if (out_dir / "record.json").exists() or (out_dir / "COMPLETE").exists():
+        return False
+    checkpoints = out_dir / "checkpoints"
+    if checkpoints.exists() and not (checkpoints.is_dir() and not any(checkpoints.iterdir())):
+        return False
+    metrics = out_dir / "metrics.jsonl"
+    try:
+        return not metrics.exists() or not any(row.get("event") == "train" for row in read_metrics(metrics))
+    except ValueError:  # rows that cannot be read may be steps: leave them alone
+        return False
 
 
 def _out_dir(params: TrainParams, model_name: str) -> Path:
-    out_dir = allocate_out_dir(params.out_dir, model_name)
-    if params.out_dir is None:
-        return out_dir
-    previous = [name for name in RUN_FILES if (out_dir / name).exists()]
-    # Never mix or overwrite: another run's artifacts are continued (resume) or left alone.
-    if previous and params.resume is None:
-        raise ParamError(f"out_dir {out_dir} already holds a run ({', '.join(previous)}); choose another "
-                         "out_dir, or continue that run with resume: latest")
+    # Never mix or overwrite: another run's artifacts are continued (resume) or left alone; one that never
+    # trained left none.
+    reusable = params.resume is not None or (params.out_dir is not None
+                                             and never_trained(resolve_path(params.out_dir)))
+    holds = () if reusable else RUN_FILES
+    out_dir = job_out_dir(params.out_dir, "runs", holds, "a run", name=model_name,
+                          hint="choose another out_dir, or continue that run with resume: latest")
+    if params.out_dir is not None:
+        check_writable_folder(out_dir, "out_dir")
     return out_dir
 
 
@@ -289,10 +293,11 @@ def count_train_examples(data: str, tasks: Sequence[str] | None = None) -> int:
 
 
 def resume_dir(params: TrainParams) -> Path:
-    """The checkpoint `resume` names: `latest` is out_dir's newest resumable one."""
+    """The checkpoint `resume` names: `latest` is out_dir's newest resumable one; a named one whose replacement
+    a kill cut between its renames is its retired copy (cflib.atomic.live_path), as loaders take it."""
     if params.resume == "latest":
         return latest_resumable(resolve_path(params.out_dir) / "checkpoints")
-    return resolve_path(params.resume)
+    return live_path(resolve_path(params.resume))
 
 
 def model_config(params: TrainParams) -> tuple[ModelConfig, str]:

@@ -350,15 +350,7 @@ class Trainer:
         run, p = self.run, self.params
         started = time.perf_counter()
         if self.dist.is_main:
-            run.out_dir.mkdir(parents=True, exist_ok=True)
-            # Under the lock no other writer exists: staging left by a killed save can go, a retired one back.
-            clean_leftovers(run.out_dir / "checkpoints")
-            clean_leftovers(run.out_dir, targets=RUN_JSON_FILES)
-            if run.resume_state is not None:
-                self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
-            write_json_atomic(run.out_dir / "params.json", {**asdict(p), "out_dir": str(run.out_dir)})
-            if run.loss_weights is not None:  # the audit is on disk before the first step
-                write_json_atomic(run.out_dir / "loss_weighting.json", self.loss_weighting())
+            self._open_run_folder()
         self.model.train()
         last_eval_step = self.evals[-1]["step"] if self.evals else -1
         if run.resume_state is None and (p.eval_at_start or run.total_steps == 0):
@@ -430,6 +422,22 @@ class Trainer:
         if patience is None:
             return False
         return self.dist.agree(evaluations_without_improvement(self.evals) >= patience)
+
+    def _open_run_folder(self) -> None:
+        """The run folder ready for step 1: what an interrupted run left put right, the parameters written."""
+        run = self.run
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        # Under the lock no other writer exists: staging left by a killed save can go, a retired one back.
+        clean_leftovers(run.out_dir / "checkpoints")
+        clean_leftovers(run.out_dir, targets=RUN_JSON_FILES)
+        if run.resume_state is not None:
+            self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
+        else:  # a run that stopped before step 1 may have left these (prepare allows that folder only)
+            for name in ("metrics.jsonl", "loss_weighting.json"):
+                (run.out_dir / name).unlink(missing_ok=True)
+        write_json_atomic(run.out_dir / "params.json", {**asdict(self.params), "out_dir": str(run.out_dir)})
+        if run.loss_weights is not None:  # the audit is on disk before the first step
+            write_json_atomic(run.out_dir / "loss_weighting.json", self.loss_weighting())
 
     # --- the record -----------------------------------------------------------------
     def record(self, epochs_done: int, wall_s: float) -> dict:

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers  # the test extra, with trl and datasets: the bundle is for them; cflib never imports them
-from datasets import Dataset
-from trl import SFTConfig, SFTTrainer
+
+pytest.importorskip("trl")  # test extras that the GPU tier's image may lack
+from datasets import Dataset  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from cflib.data.tasks import addition, uppercase
 from cflib.export import export_hub

@@ -151,7 +151,7 @@ def test_bad_input_stops_before_anything_is_generated(run_dir, tmp_path, monkeyp
 
 def test_an_out_dir_with_answers_is_refused(run_dir, tmp_path):
     (tmp_path / "answers.jsonl").write_text("")
-    with pytest.raises(ParamError, match="already holds answers.jsonl"):
+    with pytest.raises(ParamError, match=r"already holds answers \(answers.jsonl\)"):
         prepare_chat(ChatParams.from_dict({"checkpoint": str(run_dir), "prompts": ["a"], "out_dir": str(tmp_path)}))
 
 

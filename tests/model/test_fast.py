@@ -72,8 +72,8 @@ def test_the_same_model_swaps_back_to_the_reference_and_computes_the_same():
 
 
 def test_kernel_path_reads_every_layer_and_says_where_they_differ():
-    model = tiny_model()
-    ids = random_ids(model.config.vocab_size, 1, 6)
+    model = tiny_model().to(KERNEL_DEVICE)
+    ids = random_ids(model.config.vocab_size, 1, 6).to(KERNEL_DEVICE)
     swap_class(model.layers[1].mlp["engine"], LigerSwiGLUEngine)
     with torch.no_grad():
         model(ids)
@@ -97,7 +97,9 @@ def test_no_forward_reads_a_flag_the_swap_wrote():
     assert {name: set(vars(module)) for name, module in model.named_modules()} == before
 
 
-def test_the_epilogue_swiglu_is_checked_before_any_step():
+def test_the_epilogue_swiglu_is_checked_before_any_step(monkeypatch):
+    # The custom kernels run on the CPU in Triton's interpreter; the epilogue GEMMs still need a GPU.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     cpu = torch.device("cpu")
     with pytest.raises(KernelUnavailable, match=r"epilogue_swiglu: true, but .* \(use_custom_kernels\)"):
         plan_kernels("false", False, cpu, epilogue_swiglu="true")

@@ -21,6 +21,7 @@ from cflib.train import prepare, train
 from cflib.train.optim import lr_factor
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
+from cflib.train.run import never_trained
 from cflib.train.trainer import Trainer
 
 FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 3e-3,
@@ -164,6 +165,37 @@ def test_an_existing_run_is_never_replaced(tmp_path, small_shard):
     with pytest.raises(ParamError, match="already holds a run"):
         run(tmp_path, small_shard, max_steps=1)
     assert tree_digest(tmp_path / "run") == before
+
+
+def test_a_run_that_stopped_before_step_1_leaves_its_out_dir_free(tmp_path, small_shard, monkeypatch):
+    def out_of_memory(trainer, units):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (the first step)")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Trainer, "train_step", out_of_memory)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            run(tmp_path, small_shard, max_steps=2, eval_at_start=True)
+    out = tmp_path / "run"
+    assert (out / "params.json").is_file() and [row["event"] for row in read_metrics(out / "metrics.jsonl")] == [
+        "eval"]
+    record = run(tmp_path, small_shard, max_steps=2, eval_at_start=False)
+    assert record["schedule"]["steps_done"] == 2 and (out / "COMPLETE").is_file()
+    # The stopped run's evaluation at start is gone with it: the rows are this run's alone.
+    assert [row["event"] for row in read_metrics(out / "metrics.jsonl")] == ["train", "train", "eval"]
+
+
+def test_a_run_that_trained_a_step_keeps_its_out_dir(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "params.json").write_text("{}")
+    assert never_trained(out)
+    (out / "metrics.jsonl").write_text('{"event": "eval", "step": 0}\n')
+    assert never_trained(out)
+    (out / "metrics.jsonl").write_text('{"event": "eval", "step": 0}\n{"event": "train", "step": 1}\n')
+    assert not never_trained(out)
+    (out / "metrics.jsonl").unlink()
+    (out / "checkpoints" / "epoch-1").mkdir(parents=True)
+    assert not never_trained(out)
 
 
 def test_prepare_writes_nothing(tmp_path, small_shard):

@@ -103,6 +103,31 @@ def rope_inv_freq(config: TRHashConfig) -> torch.Tensor:
 
 
 # --- modules ---
+def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], dtype: torch.dtype,
+            build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A tensor derived from `sources` (owner._derived: a plain attribute, so no checkpoint or load sees it), built
+    once and rebuilt when a source, its device or the dtype changes."""
+    entry = owner._derived.get(name)
+    if torch.compiler.is_compiling():  # a compiled graph reads what the eager prefill built
+        return entry[1] if entry is not None and entry[1].dtype == dtype else build().to(dtype)
+    key = tuple((t.data_ptr(), t._version, t.device) for t in sources) + (dtype,)
+    if entry is None or entry[0] != key:
+        entry = (key, build().to(dtype))
+        owner._derived[name] = entry
+    return entry[1]
+
+
+def frozen(linears: tuple[nn.Module, ...], weights: tuple[torch.Tensor, ...]) -> bool:
+    """No gradient can reach `weights`, and `linears` are plain Linears (not ones an adapter wraps): the weights
+    may then be read as derived matrices, side by side."""
+    return (not torch.is_grad_enabled() or not any(weight.requires_grad for weight in weights)) and all(
+        type(linear) is nn.Linear for linear in linears)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+
+
 class TRHashRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -216,18 +241,30 @@ class TRHashAttention(nn.Module):
         self.q_norm = TRHashRMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = TRHashRMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.rotary_emb = TRHashRotaryEmbedding(config)
+        self._derived: dict[str, tuple[tuple, torch.Tensor]] = {}  # the fused projection of frozen weights
+
+    def projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys, values as [B, T, heads, hd]; frozen weights as one GEMM (a decode step is bound by
+        the kernels it launches)."""
+        shape = (*x.shape[:2], -1, self.head_dim)
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        weights = tuple(linear.weight for linear in linears)
+        if not frozen(linears, weights):
+            return tuple(linear(x).view(shape) for linear in linears)
+        fused = derived(self, "qkv", weights, compute_dtype(x), lambda: torch.cat(weights))
+        return F.linear(x, fused).view(shape).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
 
     def forward(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None, cache: Cache | None = None, **kwargs) -> torch.Tensor:
         batch, seq, _ = x.shape
-        shape = (batch, seq, -1, self.head_dim)
         cos, sin = position_embeddings
+        q, k, v = self.projections(x)
         # Query and key heads side by side: one rotation for both (half the launches of two).
-        qk = torch.cat([self.q_norm(self.q_proj(x).view(shape)), self.k_norm(self.k_proj(x).view(shape))], dim=2)
+        qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         if cos.dtype != qk.dtype:  # under autocast; otherwise the model cast them once for every layer
             cos, sin = cos.to(qk.dtype), sin.to(qk.dtype)
         q, k = _apply_rope(qk, cos, sin).transpose(1, 2).split([self.num_heads, self.num_kv_heads], dim=1)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         implementation = self.config._attn_implementation or "sdpa"
@@ -269,40 +306,30 @@ class TRHashMoEEngine(nn.Module):
         self.route_weights = config.route_weights()
         self.shared_output_scale, self.routed_output_scale = config.shared_output_scale, config.routed_output_scale
         # Derived once, not every step (plain attributes: no checkpoint or load sees them), rebuilt when their
-        # sources, device or dtype change: the route table's [V, E] coefficients, and in inference the experts'
-        # gate and up projections side by side as one [D, 2 E W] matrix (one GEMM, no per-step re-layout).
+        # sources, device or dtype change: the route table's [V, E] coefficients, and in inference the four input
+        # projections side by side as one matrix and the two output projections as another (inference_block).
         self._derived: dict[str, tuple[tuple, torch.Tensor]] = {}
 
-    def _cached(self, name: str, sources: tuple[torch.Tensor, ...], dtype: torch.dtype,
-                build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        entry = self._derived.get(name)
-        if torch.compiler.is_compiling():  # a compiled graph reads what the eager prefill built
-            return entry[1] if entry is not None and entry[1].dtype == dtype else build().to(dtype)
-        key = tuple((t.data_ptr(), t._version, t.device) for t in sources) + (dtype,)
-        if entry is None or entry[0] != key:
-            entry = (key, build().to(dtype))
-            self._derived[name] = entry
-        return entry[1]
-
     def coefficients(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._cached("coefficients", (self.route_table,), dtype, lambda: route_coefficients(
+        return derived(self, "coefficients", (self.route_table,), dtype, lambda: route_coefficients(
             self.route_table, self.expert_gate.shape[0], self.route_weights))
 
-    def experts_in(self, dtype: torch.dtype) -> torch.Tensor:
+    def experts_in(self) -> torch.Tensor:
         """[D, 2 E W]: every expert's gate projection, then every expert's up projection."""
-        def build() -> torch.Tensor:
-            return torch.cat([self.expert_gate.transpose(0, 1).flatten(1), self.expert_up.transpose(0, 1).flatten(1)],
-                             dim=1)
-        if torch.is_grad_enabled() and self.expert_gate.requires_grad:
-            return build().to(dtype)  # training: built each step, so gradients reach the experts' own tensors
-        return self._cached("experts_in", (self.expert_gate, self.expert_up), dtype, build)
+        return torch.cat([self.expert_gate.transpose(0, 1).flatten(1), self.expert_up.transpose(0, 1).flatten(1)],
+                         dim=1)
+
+    def frozen(self) -> bool:
+        return frozen((self.shared_gate, self.shared_up, self.shared_down), tuple(self.parameters()))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        dtype = compute_dtype(x)
+        if self.frozen():
+            return self.inference_block(x, token_ids, dtype).reshape(shape)
         shared = self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
-        gate, up = (x @ self.experts_in(x.dtype if not torch.is_autocast_enabled(x.device.type) else
-                                        torch.get_autocast_dtype(x.device.type))).chunk(2, dim=1)
+        gate, up = (x @ self.experts_in().to(dtype)).chunk(2, dim=1)
         # Every expert on every token, weighted by its coefficient (0 off-route): few narrow experts make this
         # cheap, exact and gather-free.
         coeff = F.embedding(token_ids.reshape(-1), self.coefficients(gate.dtype))  # [N, E]
@@ -310,6 +337,31 @@ class TRHashMoEEngine(nn.Module):
         out = torch.addmm(shared, hidden.flatten(1), self.expert_down.flatten(0, 1).to(hidden.dtype),
                           beta=self.shared_output_scale, alpha=self.routed_output_scale)
         return out.reshape(shape)
+
+    def inference_block(self, x: torch.Tensor, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The same function as two GEMMs in all (shared and expert columns side by side, derived once): a decode
+        step of a model this size is bound by the kernels it launches, not by their FLOPs."""
+        def weights_in() -> torch.Tensor:  # [D, 2 (S + E W)]: the gate columns, then the up columns
+            return torch.cat([self.shared_gate.weight.t(), self.expert_gate.transpose(0, 1).flatten(1),
+                              self.shared_up.weight.t(), self.expert_up.transpose(0, 1).flatten(1)], dim=1)
+
+        def weights_out() -> torch.Tensor:  # [S + E W, D]
+            return torch.cat([self.shared_down.weight.t(), self.expert_down.flatten(0, 1)])
+
+        def routed_coefficients() -> torch.Tensor:  # the routed scale folded into each token's weights
+            return route_coefficients(self.route_table, self.expert_gate.shape[0],
+                                      self.route_weights) * self.routed_output_scale
+
+        sources_in = (self.shared_gate.weight, self.expert_gate, self.shared_up.weight, self.expert_up)
+        gate, up = (x @ derived(self, "mlp_in", sources_in, dtype, weights_in)).chunk(2, dim=1)
+        hidden = F.silu(gate) * up  # [N, S + E W]
+        shared_columns = self.shared_gate.weight.shape[0]
+        coeff = F.embedding(token_ids.reshape(-1), derived(self, "routed_coefficients", (self.route_table,),
+                                                              hidden.dtype, routed_coefficients))
+        hidden[:, shared_columns:].view(x.shape[0], coeff.shape[1], -1).mul_(coeff[:, :, None])
+        if self.shared_output_scale != 1.0:
+            hidden[:, :shared_columns].mul_(self.shared_output_scale)
+        return hidden @ derived(self, "mlp_out", (self.shared_down.weight, self.expert_down), dtype, weights_out)
 
 
 class TRHashDecoderLayer(GradientCheckpointingLayer):

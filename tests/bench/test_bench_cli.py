@@ -1,0 +1,54 @@
+"""`python -m cflib.bench ...`, `cflib.bench.attention` and `cflib.bench.decode` given bad arguments or files:
+each ends in one line naming the culprit and a non-zero status, never a traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD = ROOT / "outputs" / "records" / "throughput_200m_h200.json"
+
+
+def cli(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *arguments], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("entry_points")
+    (root / "list.json").write_text("[1, 2]\n")
+    (root / "afile").write_text("a file, not a folder")
+    (root / "measured").mkdir()
+    (root / "measured" / "record.json").write_text("{}\n")
+    return root
+
+
+CASES = [
+    ("table-of-a-list", lambda w: ["cflib.bench", "perf-table", str(w / "list.json")],
+     ["list.json", "a record is a JSON object"]),
+    ("table-of-a-missing-record", lambda w: ["cflib.bench", "headline-table", str(w / "nowhere.json")],
+     ["nowhere.json", "No such file"]),
+    ("table-into-a-missing-page", lambda w: ["cflib.bench", "perf-table", str(RECORD), "--into", str(w / "no.md")],
+     ["no.md", "No such file"]),
+    ("attention-over-a-record", lambda w: ["cflib.bench.attention", "--out", str(w / "measured"), "--device", "cpu"],
+     ["--out", "already holds a record (record.json)"]),
+    ("attention-under-a-file", lambda w: ["cflib.bench.attention", "--out", str(w / "afile" / "x"),
+                                          "--device", "cpu"], ["afile is a file"]),
+    ("decode-on-no-such-device", lambda w: ["cflib.bench.decode", "--out", str(w / "d"), "--device", "tpu"],
+     ["--device", "invalid choice: 'tpu'"]),
+    ("decode-under-a-file", lambda w: ["cflib.bench.decode", "--out", str(w / "afile" / "x"), "--smoke"],
+     ["afile/x", "Not a directory"]),
+]
+
+
+@pytest.mark.parametrize("arguments, words", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_ends_in_one_line_naming_the_culprit(world, arguments, words):
+    done = cli(*arguments(world))
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    for word in words:
+        assert word in last, last
