@@ -1,8 +1,10 @@
 """The doors of docs/architecture.md ("Extending the package"), walked through as the page shows them: a toy
-attention backend and a toy loss, registered, named by a run's parameters and trained with."""
+attention backend and a toy loss, registered, named by a run's parameters and trained with; a new parameter,
+declared and read from papermill's strings and a notebook's namespace."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,35 @@ def test_unregistered_names_are_refused_before_any_step():
         TrainParams.from_dict({"loss_type": "smoothed"})
     with pytest.raises(ParamError, match="attention_backend must be one of .* got 'math'"):
         TrainParams.from_dict({"attention_backend": "math"})
+
+
+@dataclass(frozen=True)
+class AveragedTrainParams(TrainParams):
+    """TrainParams with the page's ema_decay, declared as its Optimisation section would declare it (a subclass
+    here, so no other test sees it)."""
+
+    ema_decay: float | None = None  # None: no average; else the share of the average kept at each step
+
+    def validate(self) -> None:
+        super().validate()
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ParamError(f"ema_decay must be None or in (0, 1), got {self.ema_decay}")
+
+
+def test_a_new_parameter_is_read_as_its_type_says_and_reads_flat():
+    assert AveragedTrainParams.from_dict({"ema_decay": "0.999"}).ema_decay == 0.999  # -p ema_decay 0.999
+    assert AveragedTrainParams.from_dict({"ema_decay": 0.99, "lr": "2e-3"}).ema_decay == 0.99  # a params file
+    assert AveragedTrainParams.from_dict({"ema_decay": "None"}).ema_decay is None
+    assert {"lr": 1e-3, "ema_decay": None}.items() <= asdict(AveragedTrainParams()).items()  # params.json's names
+    with pytest.raises(ParamError, match=r"ema_decay must be None or in \(0, 1\), got 1.5"):
+        AveragedTrainParams.from_dict({"ema_decay": 1.5})
+
+
+def test_a_misspelt_new_parameter_is_refused_with_the_name_meant():
+    meant = r"unknown parameter 'ema_decy' \(did you mean 'ema_decay'\?\)"
+    with pytest.raises(ParamError, match=meant):
+        AveragedTrainParams.from_dict({"ema_decy": 0.9})
+    namespace = {"ema_decay": 0.9, "ema_note": "kept", "In": ["", "ema_note = 'kept'"]}  # a later cell's
+    assert AveragedTrainParams.from_namespace(namespace).ema_decay == 0.9
+    with pytest.raises(ParamError, match=meant):  # -p ema_decy 0.9, as papermill injects it
+        AveragedTrainParams.from_namespace({**namespace, "ema_decy": 0.9, "In": ["# Parameters\nema_decy = 0.9\n"]})

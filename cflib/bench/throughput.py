@@ -26,7 +26,6 @@ import dataclasses
 import shutil
 import time
 import traceback
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -55,7 +54,8 @@ from cflib.model.checkpoint import save_checkpoint
 from cflib.model.config import PRESETS, ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.paths import resolve_path
-from cflib.train.params import DEVICES, ParamError, ParamSet, TrainParams, _coerce, _is_user_variable, reject_unknown
+from cflib.params import Params
+from cflib.train.params import DEVICES, ParamError, TrainParams
 from cflib.train.records import count_parameters
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
@@ -90,7 +90,7 @@ DEFAULT_PATHS = tuple(name for name in PATHS if name not in LORA_PATHS)
 
 
 @dataclass(frozen=True)
-class ThroughputParams(ParamSet):
+class ThroughputParams(Params):
     """The controls of one measurement. Defaults: a CPU smoke run of a few seconds."""
 
     model: str = "smoke"  # a preset of cflib.model.config.PRESETS
@@ -117,29 +117,6 @@ class ThroughputParams(ParamSet):
     seed: int = 0
     device: str = "auto"
     out_dir: str | None = None  # None: a new outputs/runs/<time>-throughput folder
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "ThroughputParams":
-        reject_unknown(raw, cls.names(), source)
-        hints = typing.get_type_hints(cls)
-        values = {}
-        for name, value in raw.items():
-            if name == "micro_batches":
-                values[name] = tuple(_coerce(name, item, int) for item in _as_list(name, value))
-            elif name in ("paths", "batches"):
-                values[name] = tuple(str(item).strip() for item in _as_list(name, value))
-            else:
-                values[name] = _coerce(name, value, hints[name])
-        params = cls(**values)
-        params.validate()
-        return params
-
-    @classmethod
-    def from_namespace(cls, namespace: dict[str, Any]) -> "ThroughputParams":
-        """The parameters a notebook defined (its parameters and injected-parameters cells)."""
-        return cls.from_dict({name: value for name, value in namespace.items()
-                              if _is_user_variable(name, value if not isinstance(value, (list, tuple)) else None)},
-                             source="notebook parameters")
 
     def validate(self) -> None:
         if self.model not in PRESETS:
@@ -190,17 +167,6 @@ class ThroughputParams(ParamSet):
             if not (resolve_path(self.shard) / "train").is_dir():
                 raise ParamError(f"shard: {resolve_path(self.shard)} holds no train/ partition (a shard root written "
                                  "by `python -m cflib.data convert` holds train/ and eval/)")
-
-
-def _as_list(name: str, value: Any) -> list:
-    """A YAML list, or papermill's string form of one ("16,32" or "[16, 32]")."""
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, str):
-        return [item for item in value.strip().strip("[]()").replace(" ", "").split(",") if item]
-    raise ParamError(f"{name} must be a list, got {value!r}")
 
 
 # --- the paths ------------------------------------------------------------------------

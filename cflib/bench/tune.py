@@ -16,7 +16,6 @@ import math
 import os
 import tempfile
 import time
-import typing
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -36,18 +35,9 @@ from cflib.bench.search import GIB, Probe, Search, search, sweep
 from cflib.data.shards import Example, write_partition
 from cflib.jobs import ANYTHING, job_out_dir, record_header
 from cflib.model.config import ConfigError, ModelConfig, preset
+from cflib.params import composed, parsed_by
 from cflib.paths import resolve_path
-from cflib.train.params import (
-    DEVICES,
-    ParamError,
-    ParamSet,
-    TrainParams,
-    _coerce,
-    _is_user_variable,
-    gradient_accumulation,
-    reject_unknown,
-    with_kernel_choice,
-)
+from cflib.train.params import DEVICES, Model, ParamError, TrainParams, gradient_accumulation, kernel_choice
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
 
@@ -60,11 +50,10 @@ DDP_BUCKET_BYTES_PER_PARAM = 4
 
 
 @dataclass(frozen=True)
-class TuneParams(ParamSet):
-    """The controls of one tuning run; the notebook's parameters cell."""
+class Tuning:
+    """What a probe trains and how the search goes. (The model section's init_checkpoint gives the architecture
+    only: weights do not change memory.)"""
 
-    model: str = "smoke"  # a preset of cflib.model.config.PRESETS; ignored when init_checkpoint is set
-    init_checkpoint: str | None = None  # its config.json gives the architecture (weights do not change memory)
     out_dir: str | None = None  # None: a new outputs/tune/<time>-<model> folder
     seed: int = 0
     seq_len: int = 64
@@ -76,7 +65,7 @@ class TuneParams(ParamSet):
     fp32_loss: bool = True
     loss_chunk_tokens: int = 1024
     grad_ckpt: bool = False
-    use_custom_kernels: str = "auto"
+    use_custom_kernels: str = parsed_by(kernel_choice, "auto")
     require_liger: bool = False
     device: str = "auto"
     max_probes: int = 4  # probes the search may use (the exhaustive sweep is extra)
@@ -84,19 +73,10 @@ class TuneParams(ParamSet):
     probe_steps: int = 2  # measured steps per probe, after one warm-up step
     exhaustive_sweep: bool = False  # also probe 1, 2, 3, ... up to the first that does not fit
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TuneParams":
-        reject_unknown(raw, cls.names(), source)
-        hints = typing.get_type_hints(cls)
-        params = cls(**{name: _coerce(name, value, hints[name]) for name, value in with_kernel_choice(raw).items()})
-        params.validate()
-        return params
 
-    @classmethod
-    def from_namespace(cls, namespace: dict[str, Any]) -> "TuneParams":
-        """The parameters a notebook defined: its scalars, so a misspelt papermill -p name is caught."""
-        return cls.from_dict({k: v for k, v in namespace.items() if _is_user_variable(k, v)},
-                             source="notebook parameters")
+@dataclass(frozen=True)
+class TuneParams(composed(Model, Tuning)):
+    """The controls of one tuning run; the notebook's parameters cell."""
 
     def validate(self) -> None:
         if not 0.0 <= self.headroom < 1.0:  # written so that NaN fails too

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-import typing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -27,9 +26,9 @@ from cflib.export.peft import is_adapter_checkpoint
 from cflib.jobs import job_out_dir, record_header
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
+from cflib.params import Params, as_given, parsed_by
 from cflib.paths import resolve_path
 from cflib.train import TrainParams, fit, prepare
-from cflib.train.params import ParamSet, _coerce, _is_user_variable, reject_unknown
 from cflib.train.records import count_parameters
 from cflib.train.run import resolve_device
 
@@ -37,13 +36,14 @@ WEIGHTS = "model.safetensors"
 
 
 @dataclass(frozen=True)
-class ChatParams(ParamSet):
+class ChatParams(Params):
     """chat.ipynb's parameters. Defaults: a quickstart-size model trained here for a few steps, on the CPU."""
 
     checkpoint: str | None = None  # a checkpoint folder, a run folder (its checkpoints/best); None: train one here
     tokenizer: str = "byte"  # "byte" or the tokenizer.json the data was converted with
     template: dict | None = None  # cflib.data.ChatTemplate keys; None: the default (byte tokenizer's specials)
-    prompts: list | tuple | str = ()  # a JSONL path of {"messages": [...]}, or a list of those or of plain user texts
+    # a JSONL path of {"messages": [...]}, or a list of those or of plain user texts
+    prompts: list | tuple | str = parsed_by(as_given, ())
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -53,25 +53,6 @@ class ChatParams(ParamSet):
     device: str = "auto"
     out_dir: str | None = None  # None: a new outputs/chat/<time>/
     train_steps: int = 32  # with checkpoint None: optimizer steps of the model trained here
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "ChatParams":
-        reject_unknown(raw, cls.names(), source)
-        hints = typing.get_type_hints(cls)
-        values = {name: value if name == "prompts" else _coerce(name, value, hints[name]) for name, value in raw.items()}
-        params = cls(**values)
-        params.validate()
-        return params
-
-    @classmethod
-    def from_namespace(cls, namespace: dict[str, Any]) -> "ChatParams":
-        """The notebook's parameters: its scalars (a misspelt papermill -p name is caught), the template
-        mapping and the prompts."""
-        chosen = {name: value for name, value in namespace.items() if _is_user_variable(name, value)}
-        for name, kinds in (("template", dict), ("prompts", (list, tuple))):
-            if isinstance(namespace.get(name), kinds):
-                chosen[name] = namespace[name]
-        return cls.from_dict(chosen, source="notebook parameters")
 
     def validate(self) -> None:
         if not isinstance(self.prompts, (str, list, tuple)) or not self.prompts:

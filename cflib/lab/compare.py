@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
 from cflib.jobs import new_out_dir
+from cflib.params import Params, parsed_by
 from cflib.paths import resolve_path
-from cflib.train.params import ParamSet, reject_unknown
 from cflib.train.records import read_metrics
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's plan and the state of each point (cflib.lab.sweep)
@@ -34,41 +34,27 @@ METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "tokens_p
 _NOT_COMPARED = ("out_dir", "resume")
 
 
+def run_list(name: str, value: Any) -> tuple[str, ...]:
+    """Run folders, globs or sweep folders: one, or a list of them."""
+    runs = (value,) if isinstance(value, (str, Path)) else tuple(value) if isinstance(value, (list, tuple)) else None
+    if not runs or not all(isinstance(item, (str, Path)) and str(item).strip() for item in runs):
+        raise ParamError(f"{name} must name run folders, globs or a sweep folder, got {value!r}")
+    return tuple(str(item) for item in runs)
+
+
 @dataclass(frozen=True)
-class CompareParams(ParamSet):
+class CompareParams(Params):
     """compare_runs.ipynb's parameters."""
 
-    runs: tuple[str, ...] = ("outputs/records/sweep_lr_seeds_cpu",)  # run folders, globs or sweep folders
+    runs: tuple[str, ...] = parsed_by(run_list, ("outputs/records/sweep_lr_seeds_cpu",))  # folders, globs, sweeps
     include_incomplete: bool = False  # show killed or failed runs from their metrics instead of refusing them
     metric: str = "final_eval_loss"  # what a sweep's parameters are plotted against: one of METRICS
     out_dir: str | None = None  # None: a new outputs/comparisons/<time>/
 
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "CompareParams":
-        reject_unknown(raw, cls.names(), source)
-        values = {**{f: getattr(cls(), f) for f in cls.names()}, **raw}
-        runs = values["runs"]
-        runs = (runs,) if isinstance(runs, (str, Path)) else tuple(runs) if isinstance(runs, (list, tuple)) else None
-        if not runs or not all(isinstance(item, (str, Path)) and str(item).strip() for item in runs):
-            raise ParamError(f"runs must name run folders, globs or a sweep folder, got {values['runs']!r}")
-        include = values["include_incomplete"]
-        if isinstance(include, str) and include.strip().lower() in ("true", "false"):
-            include = include.strip().lower() == "true"
-        if not isinstance(include, bool):
-            raise ParamError(f"include_incomplete must be true or false, got {include!r}")
-        if values["metric"] not in METRICS and not str(values["metric"]).startswith("exact_match/"):
-            raise ParamError(f"metric {values['metric']!r} is not compared; choose from {', '.join(METRICS)} "
+    def validate(self) -> None:
+        if self.metric not in METRICS and not self.metric.startswith("exact_match/"):
+            raise ParamError(f"metric {self.metric!r} is not compared; choose from {', '.join(METRICS)} "
                              "or exact_match/<task>")
-        out_dir = values["out_dir"]
-        if out_dir is not None and str(out_dir).strip().lower() in ("none", "null", ""):
-            out_dir = None
-        return cls(tuple(str(item) for item in runs), include, str(values["metric"]),
-                   None if out_dir is None else str(out_dir))
-
-    @classmethod
-    def from_namespace(cls, namespace: dict[str, Any]) -> "CompareParams":
-        return cls.from_dict({name: namespace[name] for name in cls.names() if name in namespace},
-                             source="notebook parameters")
 
 
 @dataclass

@@ -20,7 +20,6 @@ import math
 import shutil
 import tempfile
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,8 +40,8 @@ from cflib.lab.chat import train_here
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
 from cflib.model import CheckpointError, load_checkpoint
+from cflib.params import Params, as_given, parsed_by
 from cflib.paths import resolve_path
-from cflib.train.params import ParamSet, _coerce, _is_user_variable, reject_unknown
 from cflib.train.run import resolve_device
 
 SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
@@ -53,32 +52,15 @@ BUNDLE_FILES = ("config.json", "model.safetensors", "modeling_tr_hash_moe.py")
 
 
 @dataclass(frozen=True)
-class EvalParams(ParamSet):
+class EvalParams(Params):
     """evaluate.ipynb's parameters. Defaults: a small model trained here, the shipped tasks, on the CPU."""
 
     model: str | None = None  # a run folder, a checkpoint or a Hub bundle; None: train a small model here
-    tasks: str | list | tuple = DEFAULT_TASKS  # names, or one comma-separated string ("piqa,arc_easy")
+    tasks: str | list | tuple = parsed_by(as_given, DEFAULT_TASKS)  # names, or one string "piqa,arc_easy"
     limit: int | None = None  # examples per task; None: all
     batch_size: int = 8
     device: str = "auto"  # auto | cpu | cuda
     out_dir: str | None = None  # None: a new outputs/eval/<time>/
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "EvalParams":
-        reject_unknown(raw, cls.names(), source)
-        hints = typing.get_type_hints(cls)
-        params = cls(**{name: value if name == "tasks" else _coerce(name, value, hints[name])
-                        for name, value in raw.items()})
-        params.validate()
-        return params
-
-    @classmethod
-    def from_namespace(cls, namespace: dict[str, Any]) -> "EvalParams":
-        """The notebook's parameters: its scalars (a misspelt papermill -p name is caught) and the task list."""
-        chosen = {name: value for name, value in namespace.items() if _is_user_variable(name, value)}
-        if isinstance(namespace.get("tasks"), (list, tuple)):
-            chosen["tasks"] = namespace["tasks"]
-        return cls.from_dict(chosen, source="notebook parameters")
 
     def task_names(self) -> list[str]:
         items = self.tasks.split(",") if isinstance(self.tasks, str) else list(self.tasks)

@@ -19,6 +19,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ from cflib.errors import ParamError
 from cflib.jobs import job_out_dir
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
 from cflib.model.checkpoint import CheckpointError, latest_resumable
+from cflib.params import Params, is_none_word, parsed_by, reject_unknown
 from cflib.paths import resolve_path
-from cflib.train.params import ParamSet, TrainParams, load_params_file, reject_unknown
+from cflib.train.params import TrainParams, load_params_file
 from cflib.train.run import RUN_FILES, batch_arithmetic
 from cflib.yamlio import read_yaml
 
@@ -38,67 +40,6 @@ from cflib.yamlio import read_yaml
 OWNED_BY_SWEEP = ("out_dir", "resume")
 LOCK_FILE = "sweep.lock"
 POINT_FILE = "point.yaml"  # the parameters papermill gives the point's train_sft.ipynb (-f)
-
-
-@dataclass(frozen=True)
-class SweepParams(ParamSet):
-    """sweep.ipynb's parameters."""
-
-    base: str | None = "params/sweep_smoke.yaml"  # a train_sft params file every point starts from; None: defaults
-    grid: dict | None = None  # parameter -> list of values, the full product; or a YAML file holding that mapping
-    points: tuple[dict, ...] | None = None  # instead of grid: a list of override mappings (or a YAML file of one)
-    repeats: tuple[int, ...] | int = 1  # seeds per point: n runs base seed, +1, ... +n-1; or a list of seeds
-    gpus: tuple[int, ...] | None = None  # device indices, one point per GPU at a time; None ("cpu"): one at a time
-    out_dir: str | None = None  # None: a new outputs/sweeps/<time>/; an existing sweep folder continues
-    rerun_failed: bool = False  # run failed points again (a finished point is never re-run)
-    metric: str = "final_eval_loss"  # what the comparison plots each swept parameter against
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "sweep parameters") -> "SweepParams":
-        reject_unknown(raw, cls.names(), source)
-        values = {**{name: getattr(cls(), name) for name in cls.names()}, **raw}
-        base = _none(values["base"])
-        base_values = load_params_file(resolve_path(base)) if base is not None else {}
-        reject_unknown(base_values, TrainParams.names(), f"base {base}")
-        grid, points = _mapping_or_file("grid", _none(values["grid"])), _none(values["points"])
-        if grid is not None and points is not None:
-            raise ParamError("give grid (every combination) or points (a list of overrides), not both")
-        if grid is not None:
-            if not isinstance(grid, dict) or not grid:
-                raise ParamError(f"grid must map parameter names to lists of values, got {grid!r}")
-            _check_overrides(grid, "grid")
-            for name, options in grid.items():
-                if not isinstance(options, list) or not options:
-                    raise ParamError(f"grid: {name} must be a non-empty list of values, got {options!r}")
-        if points is not None:
-            points = _mapping_or_file("points", points)
-            if not isinstance(points, (list, tuple)) or not points or not all(isinstance(p, dict) for p in points):
-                raise ParamError(f"points must be a list of mappings of parameter: value, got {points!r}")
-            for index, point in enumerate(points):
-                _check_overrides(point, f"points[{index}]")
-            points = tuple(points)
-        seeds = _seeds(values["repeats"], int(base_values.get("seed", 0)))
-        swept = set(grid or {}) | {name for point in points or () for name in point}
-        if "seed" in swept and len(seeds) > 1:
-            raise ParamError("seed is swept and repeats gives several seeds: choose one of them")
-        metric = CompareParams.from_dict({"metric": values["metric"]}).metric
-        rerun = values["rerun_failed"]
-        if isinstance(rerun, str) and rerun.strip().lower() in ("true", "false"):
-            rerun = rerun.strip().lower() == "true"
-        if not isinstance(rerun, bool):
-            raise ParamError(f"rerun_failed must be true or false, got {rerun!r}")
-        out_dir = _none(values["out_dir"])
-        return cls(base, grid, points, seeds, _gpus(values["gpus"]), None if out_dir is None else str(out_dir),
-                   rerun, metric)
-
-    @classmethod
-    def from_namespace(cls, namespace: dict[str, Any]) -> "SweepParams":
-        return cls.from_dict({name: namespace[name] for name in cls.names() if name in namespace},
-                             source="notebook parameters")
-
-
-def _none(value: Any) -> Any:
-    return None if isinstance(value, str) and value.strip().lower() in ("none", "null", "~", "") else value
 
 
 def _mapping_or_file(name: str, value: Any) -> Any:
@@ -117,22 +58,32 @@ def _mapping_or_file(name: str, value: Any) -> Any:
     raise ParamError(f"{name}: {value!r} is neither a YAML file ({path} does not exist) nor a YAML mapping")
 
 
-def _check_overrides(overrides: dict, where: str) -> None:
-    reject_unknown(overrides, TrainParams.names(), where)
-    owned = [name for name in overrides if name in OWNED_BY_SWEEP]
-    if owned:
-        raise ParamError(f"{where}: {owned[0]} is set by the sweep (each point runs in its own folder of the "
-                         "sweep's out_dir and resumes from it); remove it")
+def _grid(name: str, value: Any) -> dict | None:
+    if value is None or is_none_word(value):
+        return None
+    grid = _mapping_or_file(name, value)
+    if not isinstance(grid, dict) or not grid:
+        raise ParamError(f"grid must map parameter names to lists of values, got {grid!r}")
+    return grid
 
 
-def _seeds(repeats: Any, base_seed: int) -> tuple[int, ...]:
+def _points(name: str, value: Any) -> tuple[dict, ...] | None:
+    if value is None or is_none_word(value):
+        return None
+    points = _mapping_or_file(name, value)
+    if not isinstance(points, (list, tuple)) or not points or not all(isinstance(p, dict) for p in points):
+        raise ParamError(f"points must be a list of mappings of parameter: value, got {points!r}")
+    return tuple(points)
+
+
+def _repeats(name: str, repeats: Any) -> int | tuple[int, ...]:
     if isinstance(repeats, str):
         text = repeats.strip().strip("[]()")
         repeats = [int(s) for s in text.split(",")] if "," in text else int(text) if text.isdigit() else repeats
     if isinstance(repeats, int) and not isinstance(repeats, bool):
         if repeats < 1:
             raise ParamError(f"repeats must be at least 1 (or a list of seeds), got {repeats}")
-        return tuple(base_seed + i for i in range(repeats))
+        return repeats
     if isinstance(repeats, (list, tuple)) and repeats and all(isinstance(s, int) and not isinstance(s, bool)
                                                               for s in repeats):
         if len(set(repeats)) != len(repeats):
@@ -141,7 +92,7 @@ def _seeds(repeats: Any, base_seed: int) -> tuple[int, ...]:
     raise ParamError(f"repeats must be a number of seeds or a list of seeds, got {repeats!r}")
 
 
-def _gpus(value: Any) -> tuple[int, ...] | None:
+def _gpus(name: str, value: Any) -> tuple[int, ...] | None:
     if value is None or (isinstance(value, str) and value.strip().lower() in ("cpu", "none", "")):
         return None
     if isinstance(value, str):
@@ -157,6 +108,60 @@ def _gpus(value: Any) -> tuple[int, ...] | None:
     if len(set(value)) != len(value):
         raise ParamError(f"gpus names a device twice: {list(value)}")
     return tuple(value)
+
+
+@dataclass(frozen=True)
+class SweepParams(Params):
+    """sweep.ipynb's parameters."""
+
+    base: str | None = "params/sweep_smoke.yaml"  # a train_sft params file every point starts from; None: defaults
+    # parameter -> list of values, the full product; or a YAML file holding that mapping
+    grid: dict | None = parsed_by(_grid)
+    # instead of grid: a list of override mappings (or a YAML file of one)
+    points: tuple[dict, ...] | None = parsed_by(_points)
+    # seeds per point: n runs base seed, +1, ... +n-1; or a list of seeds
+    repeats: tuple[int, ...] | int = parsed_by(_repeats, 1)
+    # device indices, one point per GPU at a time; None ("cpu"): one at a time
+    gpus: tuple[int, ...] | None = parsed_by(_gpus)
+    out_dir: str | None = None  # None: a new outputs/sweeps/<time>/; an existing sweep folder continues
+    rerun_failed: bool = False  # run failed points again (a finished point is never re-run)
+    metric: str = "final_eval_loss"  # what the comparison plots each swept parameter against
+
+    @cached_property
+    def base_values(self) -> dict[str, Any]:
+        """The base params file's values; {} for train_sft's defaults."""
+        return load_params_file(resolve_path(self.base)) if self.base is not None else {}
+
+    @property
+    def seeds(self) -> tuple[int, ...]:
+        """Each point's seeds: `repeats` of them counted from the base's seed, or the list `repeats` gives."""
+        if isinstance(self.repeats, int):
+            return tuple(int(self.base_values.get("seed", 0)) + i for i in range(self.repeats))
+        return self.repeats
+
+    def validate(self) -> None:
+        reject_unknown(self.base_values, TrainParams.names(), f"base {self.base}")
+        if self.grid is not None and self.points is not None:
+            raise ParamError("give grid (every combination) or points (a list of overrides), not both")
+        if self.grid is not None:
+            _check_overrides(self.grid, "grid")
+            for name, options in self.grid.items():
+                if not isinstance(options, list) or not options:
+                    raise ParamError(f"grid: {name} must be a non-empty list of values, got {options!r}")
+        for index, point in enumerate(self.points or ()):
+            _check_overrides(point, f"points[{index}]")
+        swept = set(self.grid or {}) | {name for point in self.points or () for name in point}
+        if "seed" in swept and len(self.seeds) > 1:
+            raise ParamError("seed is swept and repeats gives several seeds: choose one of them")
+        CompareParams.from_dict({"metric": self.metric})
+
+
+def _check_overrides(overrides: dict, where: str) -> None:
+    reject_unknown(overrides, TrainParams.names(), where)
+    owned = [name for name in overrides if name in OWNED_BY_SWEEP]
+    if owned:
+        raise ParamError(f"{where}: {owned[0]} is set by the sweep (each point runs in its own folder of the "
+                         "sweep's out_dir and resumes from it); remove it")
 
 
 def _short(value: Any) -> str:
@@ -205,7 +210,7 @@ class Sweep:
         p = self.params
         write_json_atomic(self.out_dir / SWEEP_FILE, {
             "base": p.base, "grid": p.grid, "points_given": list(p.points) if p.points else None,
-            "repeats": list(p.repeats), "gpus": list(p.gpus) if p.gpus else "cpu", "swept": self.swept,
+            "repeats": list(p.seeds), "gpus": list(p.gpus) if p.gpus else "cpu", "swept": self.swept,
             "metric": p.metric, "points": [point.state(self.out_dir) for point in self.points]})
 
     def plan_table(self) -> str:
@@ -219,7 +224,7 @@ class Sweep:
             f"GPUs {', '.join(map(str, self.params.gpus))}, one point per GPU at a time")
         lines = [f"out_dir  {self.out_dir}", f"base     {self.params.base or '(train_sft defaults)'}",
                  f"points   {len(self.points)} ({' x '.join(self.swept) or 'the base alone'}"
-                 + (f", seeds {', '.join(map(str, self.params.repeats))}" if len(self.params.repeats) > 1 else "")
+                 + (f", seeds {', '.join(map(str, self.params.seeds))}" if len(self.params.seeds) > 1 else "")
                  + f"), on {device}"]
         for point in self.points:
             what = point.action + (f": {point.error}" if point.status == "failed" else "")
@@ -238,8 +243,8 @@ def _expand(params: SweepParams, base: dict) -> list[tuple[dict, int | None]]:
         combos = [dict(zip(names, values)) for values in itertools.product(*(params.grid[n] for n in names))]
     else:
         combos = [dict(point) for point in params.points] if params.points else [{}]
-    repeated = len(params.repeats) > 1
-    return [(combo, seed if repeated else None) for combo in combos for seed in params.repeats]
+    repeated = len(params.seeds) > 1
+    return [(combo, seed if repeated else None) for combo in combos for seed in params.seeds]
 
 
 def _varying(combos: list[dict]) -> list[str]:
@@ -270,7 +275,7 @@ def _check_lock(out_dir: Path) -> None:
 
 def plan_sweep(params: SweepParams) -> Sweep:
     """Every point checked and its action chosen from what out_dir holds; nothing runs, nothing is written."""
-    base = load_params_file(resolve_path(params.base)) if params.base else {}
+    base = params.base_values
     # A sweep continues in its own folder (sweep.json), so only a file in its place is refused here.
     out_dir = job_out_dir(params.out_dir or None, "sweeps", (), "a sweep")
     previous = {}
@@ -292,7 +297,7 @@ def plan_sweep(params: SweepParams) -> Sweep:
         values = {**base, **overrides, **({"seed": seed} if seed is not None else {}), "out_dir": str(run_dir)}
         points.append(_judge(Point(name, shown, values, run_dir), previous.get(name), params))
     swept = list(varying)
-    if len(params.repeats) > 1:
+    if len(params.seeds) > 1:
         swept.append("seed")
     return Sweep(params, out_dir, points, swept)
 

@@ -1,29 +1,26 @@
 """Training parameters: the notebook's parameters cell, papermill `-p`/`-f`, params/*.yaml.
 
 Every value is checked here, before anything is built or written: unknown
-names, wrong types, impossible ranges and impossible batch arithmetic.
-Papermill delivers `-p` values as strings ("true", "None", "1e-3") and YAML
-as typed values; both are accepted.
+names, wrong types, impossible ranges and impossible batch arithmetic. The
+fields are declared in sections (`cflib.params` reads them, from papermill's
+strings and YAML's typed values alike); `TrainParams` joins them and checks
+them together.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from cflib.data.filters import parse_filters
 from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
-from cflib.train.trackers import check_report_to, with_report_to
+from cflib.params import coerce, composed, is_none_word, parsed_by
+from cflib.train.trackers import check_report_to, resolve_report_to
 from cflib.yamlio import read_yaml
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -31,28 +28,78 @@ KERNEL_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "ddp", "fsdp")
 
 
-class ParamSet:
-    """What every parameter set (TrainParams, TuneParams, ThroughputParams) shares: its names, to refuse others."""
+def kernel_choice(name: str, value: Any) -> str:
+    """A KERNEL_CHOICES value: YAML gives booleans, papermill strings in any case."""
+    return str(value).strip().lower() if isinstance(value, (bool, str)) else coerce(name, value, str)
 
-    @classmethod
-    def names(cls) -> list[str]:
-        return [field.name for field in dataclasses.fields(cls)]
+
+def token_ids(name: str, value: Any) -> tuple[int, ...] | None:
+    """Token ids: a YAML list of ids and "a-b" ranges, or one such string ("69-94,101-126")."""
+    if value is None or is_none_word(value):
+        return None
+    items = value.strip().strip("[]()").split(",") if isinstance(value, str) else value
+    ids: list[int] = []
+    for item in items if isinstance(items, (list, tuple)) else [items]:
+        text = str(item).strip()
+        low, _, high = text.partition("-") if "-" in text[1:] else (text, "", text)
+        try:
+            ids.extend(range(int(low), int(high) + 1))
+        except ValueError:
+            raise ParamError(f"{name}: {text!r} is not a token id or an a-b range of them") from None
+    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+        raise ParamError(f"{name}: token ids must be distinct and >= 0, got {value!r}")
+    return tuple(ids)
+
+
+def resume_choice(name: str, value: Any) -> str | None:
+    """resume: true means "latest", false None (YAML gives booleans, papermill strings)."""
+    if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+        return "latest" if str(value).lower() == "true" else None
+    return coerce(name, value, str | None)
+
+
+def tracker_names(name: str, value: Any) -> tuple[str, ...] | None:
+    """report_to's trackers: a list of names, "none" for no tracker, "all" for every one (as transformers)."""
+    return resolve_report_to(coerce(name, value, tuple[str, ...] | None))
 
 
 @dataclass(frozen=True)
-class TrainParams(ParamSet):
-    """The controls of one SFT run. Defaults: a CPU smoke run of a few seconds."""
+class Model:
+    """The model a run starts from."""
 
     model: str = "smoke"  # a preset of cflib.model.config.PRESETS; ignored when init_checkpoint is set
     init_checkpoint: str | None = None  # checkpoint dir; its config.json gives the architecture
+
+
+@dataclass(frozen=True)
+class Data:
+    """The data path: the shard, packing, 2-D loss weighting (cflib.data.weighting), shard preflight
+    (cflib.data.preflight)."""
+
     data: str = "embedded"  # "embedded" or a shard root with train/ and eval/
-    out_dir: str | None = None  # None: a new outputs/runs/<time>-<model> folder
+    train_tasks: tuple[str, ...] | None = None  # train only on examples of these `task`s; eval stays whole
+    pack_sequences: bool = False  # whole examples in seq_len windows, each attending only to itself
+    loss_groups: dict | None = None  # group -> {target_share, tasks, task_target_shares}; None: unweighted
+    max_task_loss_weight: float = 30.0  # a larger loss coefficient stops the run before training
+    require_release_ready: bool = False  # any shard/manifest mismatch is fatal, not a warning
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Batches and how long the run trains."""
+
     seed: int = 0
     seq_len: int = 64
     micro_batch_per_rank: int = 16
     global_batch: int = 32
     epochs: int = 1
     max_steps: int | None = 30  # None: whole epochs; 0: evaluation only
+
+
+@dataclass(frozen=True)
+class Optimisation:
+    """AdamW, its warm-up + cosine schedule, clipping and non-finite steps."""
+
     lr: float = 1e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -60,59 +107,104 @@ class TrainParams(ParamSet):
     warmup_ratio: float = 0.03
     max_grad_norm: float | None = 1.0
     nan_patience: int = 0  # non-finite steps skipped in a row before the run stops
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The training loss and its precision."""
+
     bf16: bool = False
     loss_type: str = "sft_cross_entropy"  # a loss of cflib.ops.sft_loss.LOSSES (register_loss adds one)
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
+
+
+@dataclass(frozen=True)
+class Lora:
+    """Full-parameter training, or LoRA adapters on a frozen base (cflib.model.lora)."""
+
     full_parameter: bool = True  # false: LoRA adapters on a frozen init_checkpoint (cflib.model.lora)
     lora_rank: int | None = None  # None: 8 when full_parameter is false
     lora_alpha: float | None = None  # None: lora_rank (scale alpha / rank = 1)
     lora_dropout: float | None = None  # None: 0.0 (the fused paths then run on the effective weights)
     lora_targets: tuple[str, ...] | None = None  # "q_proj,v_proj" or a list; None: all ten (cflib.model.lora)
     base_dtype: str | None = None  # float32 | bfloat16 (frozen weights held in BF16; needs bf16); None: float32
-    lora_trainable_tokens: tuple[int, ...] | None = None  # embedding rows that train too: "69-94,101-126" or a list
-    train_tasks: tuple[str, ...] | None = None  # train only on examples of these `task`s; eval stays whole
+    # embedding rows that train too: "69-94,101-126" or a list
+    lora_trainable_tokens: tuple[int, ...] | None = parsed_by(token_ids)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which implementation computes each step (docs/kernels.md)."""
+
     grad_ckpt: bool = False
-    use_custom_kernels: str = "auto"  # auto: fast paths where every check passes; true: require them; false: PyTorch
+    # auto: fast paths where every check passes; true: require them; false: PyTorch
+    use_custom_kernels: str = parsed_by(kernel_choice, "auto")
     # The shared SwiGLU's activation in quack's GEMM epilogues, inside cflib's TR-MoE block (Hopper): false until
     # measured end to end (docs/kernels.md); auto/true as above.
-    epilogue_swiglu: str = "false"
+    epilogue_swiglu: str = parsed_by(kernel_choice, "false")
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
     attention_backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Held-out loss and exact match during the run, lm-evaluation-harness after it."""
+
     eval_at_start: bool = True
     eval_every_steps: int | None = None
     eval_micro_batch: int | None = None  # None: micro_batch_per_rank
     exact_match_limit: int | None = None  # None: every eval prompt; 0: skip exact match
+    # After training: lm-evaluation-harness on the run's Hub bundle (cflib.lab.evaluate, train_sft's last cell),
+    # task names as "embedded_choice,embedded_exact" (shipped) or "piqa,arc_easy" (lm-eval's, needs network)
+    eval_tasks: str | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """The run folder, its checkpoints and resuming from them."""
+
+    out_dir: str | None = None  # None: a new outputs/runs/<time>-<model> folder
     save_checkpoints: bool = True
     save_optimizer_state: bool = False  # beside epoch checkpoints, so a run can resume from them
     save_every_steps: int | None = None  # resumable step-N checkpoints in between
     save_total_limit: int | None = None  # keep the newest N epoch/step checkpoints, plus the best
-    resume: str | None = None  # None; "latest" (or true): out_dir's newest resumable checkpoint; or its path
+    # None; "latest" (or true): out_dir's newest resumable checkpoint; or its path
+    resume: str | None = parsed_by(resume_choice)
     allow_world_size_change: bool = False  # resume on another number of processes
     allow_resume_changes: tuple[str, ...] | None = None  # changed on purpose by a resume: "data,max_grad_norm"
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """The device, and data parallelism: more than one process starts torchrun from the notebook."""
+
     device: str = "auto"
-    # Data parallelism: more than one process starts torchrun from the notebook.
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None  # host:port of the rendezvous, needed when nnodes > 1
     strategy: str = "auto"  # auto | ddp | fsdp: DDP when model + optimizer state fit one device
     collective_timeout_s: int = 1800  # bounds every collective, rank 0's evaluation and saves included
-    # The data path: packing, 2-D loss weighting (cflib.data.weighting), shard preflight (cflib.data.preflight).
-    pack_sequences: bool = False  # whole examples in seq_len windows, each attending only to itself
-    loss_groups: dict | None = None  # group -> {target_share, tasks, task_target_shares}; None: unweighted
-    max_task_loss_weight: float = 30.0  # a larger loss coefficient stops the run before training
-    require_release_ready: bool = False  # any shard/manifest mismatch is fatal, not a warning
-    # Experiment trackers, named as transformers names them (cflib.train.trackers): rank 0 reports, never blocks.
-    report_to: tuple[str, ...] | None = None  # None or "none"; "tensorboard", "mlflow", "all", or a list
+
+
+@dataclass(frozen=True)
+class Trackers:
+    """Experiment trackers, named as transformers names them (cflib.train.trackers): rank 0 reports, never
+    blocks."""
+
+    # None or "none"; "tensorboard", "mlflow", "all", or a list
+    report_to: tuple[str, ...] | None = parsed_by(tracker_names)
     mlflow_tracking_uri: str | None = None  # None: an SQLite store in out_dir/mlruns
-    # After training: lm-evaluation-harness on the run's Hub bundle (cflib.lab.evaluate, train_sft's last cell),
-    # task names as "embedded_choice,embedded_exact" (shipped) or "piqa,arc_easy" (lm-eval's, needs network)
-    eval_tasks: str | None = None
-    # Curricula and their controls (cflib.train.curriculum, docs/curricula.md): stages in one run folder, each a
-    # run of these parameters with its own overrides; filters, parameter groups and early stopping serve any run.
+
+
+@dataclass(frozen=True)
+class Curricula:
+    """Curricula and their controls (cflib.train.curriculum, docs/curricula.md): stages in one run folder, each a
+    run of these parameters with its own overrides; filters, parameter groups and early stopping serve any run."""
+
     curriculum: str | None = None  # a curriculum YAML file: its stages run in order in out_dir/stages/<name>/
     through_stage: str | None = None  # run the curriculum up to and including this stage
     dry_run: bool = False  # resolve every stage against the data, write the audit, train nothing
@@ -121,32 +213,15 @@ class TrainParams(ParamSet):
     expert_lr_multiplier: float = 1.0  # the routed experts' learning rate: lr x this
     lora_lr_multiplier: float = 1.0  # the LoRA adapters' learning rate: lr x this
 
+
+@dataclass(frozen=True)
+class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kernels, Evaluation, Checkpoints,
+                          Distributed, Trackers, Curricula)):
+    """The controls of one SFT run. Defaults: a CPU smoke run of a few seconds."""
+
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "parameters") -> "TrainParams":
-        reject_unknown(raw, cls.names(), source)
-        hints = typing.get_type_hints(cls)
-        raw = with_report_to(with_token_ids(with_name_lists(raw)))
-        if isinstance(raw.get("resume"), bool) or str(raw.get("resume")).lower() in ("true", "false"):
-            raw = {**raw, "resume": "latest" if str(raw["resume"]).lower() == "true" else None}
-        values = {name: _coerce(name, value, hints[name]) for name, value in with_kernel_choice(raw).items()}
-        params = cls(**values)
-        params.validate()
-        return params
-
-    @classmethod
-    def from_namespace(cls, namespace: dict[str, Any]) -> "TrainParams":
-        """The parameters a notebook defined (its parameters and injected-parameters cells)."""
-        hints = typing.get_type_hints(cls)
-        # Mappings are parameters only under a mapping-typed name: a later cell's `record` dict is not one.
-        mappings = {name for name in cls.names() if _target_type(hints[name]) is dict}
-        return cls.from_dict({name: value for name, value in namespace.items()
-                              if _is_user_variable(name, value) or (name in mappings and isinstance(value, dict))
-                              or (name in (*NAME_LISTS, "lora_trainable_tokens") and isinstance(value, (list, tuple)))},
-                             source="notebook parameters")
 
     def validate(self) -> None:
         # Before any range check: `x <= 0` is False for NaN, and inf passes every lower bound.
@@ -256,64 +331,7 @@ class TrainParams(ParamSet):
 
 
 # What `full_parameter: false` reads; any of them with full_parameter: true is a mistake.
-LORA_PARAMETERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype",
-                   "lora_trainable_tokens")
-# Parameters holding a list of names: a YAML list, or one string "a,b" (papermill -p, a notebook scalar).
-NAME_LISTS = ("lora_targets", "train_tasks", "report_to", "allow_resume_changes")
-
-
-def with_name_lists(raw: dict[str, Any]) -> dict[str, Any]:
-    """Every NAME_LISTS value as a tuple of stripped names (None stays None)."""
-    out = dict(raw)
-    for name in NAME_LISTS:
-        value = raw.get(name)
-        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
-            continue
-        if isinstance(value, str):
-            value = value.strip().strip("[]()").split(",")
-        if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
-            raise ParamError(f"{name} must be a list of names or one comma-separated string, got {value!r}")
-        out[name] = tuple(item.strip().strip("'\"") for item in value if item.strip())
-    return out
-
-
-def with_token_ids(raw: dict[str, Any]) -> dict[str, Any]:
-    """lora_trainable_tokens as a tuple of ints: a YAML list of ids and "a-b" ranges, or one such string."""
-    value = raw.get("lora_trainable_tokens")
-    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
-        return raw
-    items = value.strip().strip("[]()").split(",") if isinstance(value, str) else value
-    ids: list[int] = []
-    for item in items if isinstance(items, (list, tuple)) else [items]:
-        text = str(item).strip()
-        low, _, high = text.partition("-") if "-" in text[1:] else (text, "", text)
-        try:
-            ids.extend(range(int(low), int(high) + 1))
-        except ValueError:
-            raise ParamError(f"lora_trainable_tokens: {text!r} is not a token id or an a-b range of them") from None
-    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
-        raise ParamError(f"lora_trainable_tokens: token ids must be distinct and >= 0, got {value!r}")
-    return {**raw, "lora_trainable_tokens": tuple(ids)}
-
-
-def reject_unknown(raw: dict[str, Any], known: list[str], source: str) -> None:
-    """ParamError naming the first name of `raw` that is not in `known`, with the likeliest meant."""
-    for name in raw:
-        if name not in known:
-            # A known name that extends the unknown one ("micro_batch") beats spelling distance.
-            close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ParamError(f"{source}: unknown parameter {name!r}{hint}; known: {', '.join(known)}")
-
-
-def with_kernel_choice(raw: dict[str, Any]) -> dict[str, Any]:
-    """use_custom_kernels and epilogue_swiglu as "auto"/"true"/"false": YAML gives booleans, papermill strings
-    in any case."""
-    found = dict(raw)
-    for name in ("use_custom_kernels", "epilogue_swiglu"):
-        if isinstance(value := raw.get(name), (bool, str)):
-            found[name] = str(value).strip().lower()
-    return found
+LORA_PARAMETERS = tuple(field.name for field in dataclasses.fields(Lora) if field.name != "full_parameter")
 
 
 def gradient_accumulation(global_batch: int, micro_batch_per_rank: int, world_size: int) -> int:
@@ -339,75 +357,3 @@ def load_params_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ParamError(f"{path}: a parameter file holds a mapping of name: value")
     return raw
-
-
-_NOTEBOOK_BUILTINS = {"In", "Out", "exit", "quit", "get_ipython", "open"}
-
-
-def _is_user_variable(name: str, value: Any) -> bool:
-    # Parameters are scalars; the objects later cells make (params, run, record, imports)
-    # are not, so re-running the notebook top to bottom in JupyterLab stays valid.
-    if name.startswith("_") or name in _NOTEBOOK_BUILTINS:
-        return False
-    return value is None or isinstance(value, (bool, int, float, str, Path))
-
-
-_TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~", ""}
-
-
-def _target_type(hint: Any) -> Any:
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    return next(option for option in options if option is not type(None))
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """Bring a value (possibly a papermill string) to the declared type, or fail naming it."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    nullable = type(None) in options
-    target = _target_type(hint)
-    if value is None or (nullable and isinstance(value, str) and value.strip().lower() in _NONE):
-        if nullable:
-            return None
-        raise ParamError(f"{name} cannot be None")
-    if target is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ParamError(f"{name} must be true or false, got {value!r}")
-    if target is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                pass
-        raise ParamError(f"{name} must be an integer{' or None' if nullable else ''}, got {value!r}")
-    if target is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-        raise ParamError(f"{name} must be a number, got {value!r}")
-    if target is str:
-        if isinstance(value, (str, Path)):
-            return str(value)
-        raise ParamError(f"{name} must be a string, got {value!r}")
-    if typing.get_origin(target) is tuple:  # a NAME_LISTS value, already a tuple of names (with_name_lists)
-        return tuple(value)
-    if target is dict:  # a nested mapping: from YAML (-f) or a notebook dict, or -p as a YAML/JSON string
-        if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as err:
-                raise ParamError(f"{name}: not a YAML/JSON mapping ({err})") from None
-        if isinstance(value, dict):
-            return value
-        raise ParamError(f"{name} must be a mapping{' or None' if nullable else ''}, got {value!r}")
-    raise TypeError(f"unsupported parameter type {hint} for {name}")

@@ -39,17 +39,16 @@ _MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_RE
                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
-def with_report_to(raw: dict[str, Any]) -> dict[str, Any]:
+def resolve_report_to(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
     """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one."""
-    value = raw.get("report_to")
-    if not isinstance(value, tuple):
-        return raw
-    names = tuple(name.lower() for name in value)
+    if names is None:
+        return None
+    names = tuple(name.lower() for name in names)
     if names in ((), ("none",)):
-        return {**raw, "report_to": None}
+        return None
     if "all" in names:
-        names = REPORTERS
-    return {**raw, "report_to": names}
+        return REPORTERS
+    return names
 
 
 def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None) -> None:

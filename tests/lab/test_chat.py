@@ -122,8 +122,8 @@ def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_na
                  "record": {"a": 1}, "timing": {"seconds": 1.0}, "chat": object(), "params": object()}  # made
     params = ChatParams.from_namespace(namespace)
     assert params.template == {"eos": "<|eos|>"} and params.prompts == ["a"] and params.max_new_tokens == 4
-    with pytest.raises(ParamError, match="unknown parameter 'max_new_token'"):
-        ChatParams.from_namespace({"prompts": ["a"], "max_new_token": 4})
+    with pytest.raises(ParamError, match="unknown parameter 'max_new_token'"):  # as papermill's -p injected it
+        ChatParams.from_namespace({"prompts": ["a"], "max_new_token": 4, "In": ["# Parameters\nmax_new_token = 4"]})
     with pytest.raises(ParamError, match="prompts"):
         ChatParams.from_dict({"prompts": []})
     with pytest.raises(ParamError, match="top_p must be in"):

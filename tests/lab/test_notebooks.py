@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -179,13 +181,14 @@ def test_papermill_dry_run_trains_nothing_and_writes_its_audit_alone(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("notebook, misspelt", [("train_sft.ipynb", {"lrr": 0.1}),
-                                                ("tune_microbatch.ipynb", {"budget": 40}),
-                                                ("chat.ipynb", {"max_new_token": 4}),
-                                                ("evaluate.ipynb", {"task": "piqa"})])
-def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, notebook, misspelt):
+@pytest.mark.parametrize("notebook, misspelt, meant", [("train_sft.ipynb", {"lrr": 0.1}, "lr"),
+                                                       ("tune_microbatch.ipynb", {"budget": 40}, "budget_gib"),
+                                                       ("chat.ipynb", {"max_new_token": 4}, "max_new_tokens"),
+                                                       ("evaluate.ipynb", {"task": "piqa"}, "tasks")])
+def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, notebook, misspelt, meant):
     out_dir = tmp_path / "run"
-    with pytest.raises(papermill.PapermillExecutionError, match=f"unknown parameter '{next(iter(misspelt))}'"):
+    refused = re.escape(f"unknown parameter '{next(iter(misspelt))}' (did you mean '{meant}'?)")
+    with pytest.raises(papermill.PapermillExecutionError, match=refused):
         papermill.execute_notebook(str(ROOT / "notebooks" / notebook), str(tmp_path / "executed.ipynb"),
                                    parameters={**misspelt, "out_dir": str(out_dir)},
                                    cwd=str(ROOT / "notebooks"), progress_bar=False)
@@ -285,18 +288,52 @@ def test_papermill_train_sft_ends_with_an_lm_eval_evaluation_of_its_bundle(tmp_p
     assert record["loglikelihood_check"]["max_abs_diff"] < 1e-4
 
 
-def test_train_sft_s_cells_bind_no_name_a_rerun_would_take_as_a_parameter():
-    """Re-running the cells from the checks reads the notebook's scalars (and Nones) as parameters: a later
-    cell that binds `x = f()` returning None or a string would make that re-run fail on an unknown name."""
-    allowed = {"params", "run", "record"}  # objects, never scalars
+NOTEBOOK_PARAMETERS = {"train_sft.ipynb": "cflib.train.params:TrainParams", "chat.ipynb": "cflib.lab.chat:ChatParams",
+                       "evaluate.ipynb": "cflib.lab.evaluate:EvalParams", "sweep.ipynb": "cflib.lab.sweep:SweepParams",
+                       "compare_runs.ipynb": "cflib.lab.compare:CompareParams",
+                       "tune_microbatch.ipynb": "cflib.bench.tune:TuneParams",
+                       "measure_throughput.ipynb": "cflib.bench.throughput:ThroughputParams"}
+
+
+def parameter_class(notebook: str) -> type:
+    module, name = NOTEBOOK_PARAMETERS[notebook].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOK_PARAMETERS))
+def test_no_later_cell_binds_a_parameter_name(notebook):
+    """Re-running the checks after the whole notebook reads every declared name from the namespace: a later
+    cell that bound one would hand the re-run its value instead of the parameter's."""
+    declared = set(parameter_class(notebook).names())
     bound = {}
-    for index, cell in enumerate(nbformat.read(TRAIN_SFT, as_version=4).cells):
+    for index, cell in enumerate(nbformat.read(ROOT / "notebooks" / notebook, as_version=4).cells):
         if cell.cell_type != "code" or "parameters" in cell.metadata.get("tags", []):
             continue
-        for node in ast.parse(cell.source).body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, (ast.AnnAssign, ast.AugAssign)) else []
-            for target in targets:
-                names = [target] if isinstance(target, ast.Name) else getattr(target, "elts", [])
-                bound.update({n.id: index for n in names if isinstance(n, ast.Name)})
-    assert set(bound) <= allowed, {name: f"cell {i}" for name, i in bound.items() if name not in allowed}
+        for node in ast.walk(ast.parse(cell.source)):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in declared:
+                bound[node.id] = f"cell {index}"
+    assert not bound, bound
+
+
+def rerun_notebook(tmp_path: Path) -> Path:
+    """train_sft's parameters cell, a later cell binding scalars, then its checks' first line run again."""
+    notebook = nbformat.read(TRAIN_SFT, as_version=4)
+    parameters = next(c for c in notebook.cells if "parameters" in c.metadata.get("tags", []))
+    notebook.cells = [parameters, nbformat.v4.new_code_cell('bundle = "hub"\nsteps_seen = 3\nnote = None'),
+                      nbformat.v4.new_code_cell("from cflib.train import TrainParams\n\n"
+                                                "print('lr', TrainParams.from_namespace(globals()).lr)")]
+    path = tmp_path / "rerun.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+@pytest.mark.slow
+def test_papermill_parameters_are_the_declared_names_whatever_later_cells_bound(tmp_path):
+    source, executed = rerun_notebook(tmp_path), tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(source), str(executed), parameters={"lr": 0.002}, progress_bar=False)
+    text = "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells
+                   if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
+    assert "lr 0.002" in text
+    with pytest.raises(papermill.PapermillExecutionError,
+                       match=re.escape("notebook parameters: unknown parameter 'lrr' (did you mean 'lr'?)")):
+        papermill.execute_notebook(str(source), str(executed), parameters={"lrr": 0.1}, progress_bar=False)

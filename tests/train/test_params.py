@@ -148,31 +148,31 @@ def test_gradient_accumulation():
         gradient_accumulation(64, 8, 3)
 
 
-def test_from_namespace_ignores_notebook_machinery():
+def test_from_namespace_takes_the_declared_names_only():
     import os
 
     class Shell:
         def __call__(self):
             return self
 
-    def helper():
-        return 1
-
     namespace = {
-        "os": os, "math_mod": math, "helper": helper, "len": len, "TrainParams": TrainParams,
-        "_": "last output", "__name__": "__main__", "_i1": "lr = 1", "In": ["", "lr = 1"], "Out": {1: 2},
-        "get_ipython": Shell(), "exit": Shell(), "lr": "3e-4", "max_steps": 5, "full_parameter": True,
+        "os": os, "math_mod": math, "len": len, "TrainParams": TrainParams, "_": "last output",
+        "__name__": "__main__", "_i1": "lr = 1", "In": ["", "lr = 1"], "Out": {1: 2}, "get_ipython": Shell(),
+        "exit": Shell(), "lr": "3e-4", "max_steps": 5, "full_parameter": True, "batch": 8, "note": None,
     }
-    params = TrainParams.from_namespace(namespace)
+    params = TrainParams.from_namespace(namespace)  # batch and note: the notebook's own variables
     assert params.lr == 3e-4 and params.max_steps == 5
 
-    message = str(pytest.raises(ParamError, TrainParams.from_namespace, {**namespace, "batch": 8}).value)
-    assert "'batch'" in message
+
+def test_from_namespace_refuses_a_name_papermill_injected_that_is_not_declared():
+    namespace = {"In": ["", "lr = 1", "# Parameters\nlrr = 0.1\nmax_steps = 4\n"], "lrr": 0.1, "max_steps": 4}
+    message = str(pytest.raises(ParamError, TrainParams.from_namespace, namespace).value)
+    assert "notebook parameters: unknown parameter 'lrr' (did you mean 'lr'?)" in message
 
 
 def test_from_namespace_survives_a_rerun_after_the_whole_notebook():
-    # JupyterLab keeps what later cells made: the params object, the run, the record.
-    namespace = {"lr": 0.01, "params": TrainParams(), "record": {"eval": {}}, "run": object()}
+    # JupyterLab keeps what later cells made: the params object, the run, the record, a bundle path.
+    namespace = {"lr": 0.01, "params": TrainParams(), "record": {"eval": {}}, "run": object(), "bundle": "hub"}
     assert TrainParams.from_namespace(namespace).lr == 0.01
 
 
