@@ -2,7 +2,8 @@
 
 Each input line is `{"messages": [{"role": "system"|"user"|"assistant",
 "content": "..."}, ...]}` with optional `task`, `group`, `domain`, `source` and
-`id` fields. A conversation renders through a chat template:
+`id` fields, and the semantic `domain`, `mode` and `difficulty`, which go to
+each partition's `loss_metadata.jsonl` (cflib.data.loss_metadata). A conversation renders through a chat template:
 
     every turn:       <role marker> content
     system/user turn: ... followed by turn_end
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
+from cflib.data import loss_metadata
 from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, sha256_file, write_partition
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 from cflib.jobs import one_line_errors
@@ -42,7 +44,7 @@ from cflib.yamlio import read_yaml
 
 ROLES = ("system", "user", "assistant")
 SUPERVISE = ("final_turn", "all_assistant_turns")
-METADATA = ("task", "group", "domain", "source")
+METADATA = ("task", "group", "source", *loss_metadata.FIELDS)
 
 
 class ConvertError(ValueError):
@@ -308,17 +310,18 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                 # The generator fills `stats` as it ends, before write_partition reads index_extra.
                 write_partition(staging / partition, examples, vocab_size=tokenizer.vocab_size,
                                 eos_token_id=renderer.eos_token_id, max_seq_len=spec.max_seq_len,
-                                index_extra={"conversion": {**conversion, "stats": stats}})
+                                index_extra={"conversion": {**conversion, "stats": stats}},
+                                sidecar_fields=loss_metadata.FIELDS)
     finally:
         seen.close()
     return {p: json.loads((out / p / "sft.idx.json").read_text()) for p in ("train", "eval")}
 
 
-_PARTITION_FILES = {"input_ids.bin", "labels.bin", "examples.jsonl", "sft.idx.json"}
+_PARTITION_FILES = {"input_ids.bin", "labels.bin", "examples.jsonl", "sft.idx.json", loss_metadata.SIDECAR}
 
 
 def _written_by_convert(entry: Path) -> bool:
-    """A partition this command wrote: only its four files, its manifest recording a conversion."""
+    """A partition this command wrote: only its files, its manifest recording a conversion."""
     if entry.name not in PARTITIONS or entry.is_symlink() or not entry.is_dir():
         return False
     if {item.name for item in entry.iterdir()} - _PARTITION_FILES:

@@ -2,7 +2,8 @@
 
 Always fatal: anything the format forbids (cflib.data: offsets, token ids and
 labels outside the vocabulary, misaligned labels, an example over the cap or
-seq_len, a vocabulary larger than the model's, an EOS outside it) and a file
+seq_len, a vocabulary larger than the model's, an EOS outside it, a
+loss_metadata.jsonl whose example ids differ from the index's) and a file
 whose SHA-256 differs from the one sft.idx.json recorded. Findings that a
 foreign writer may leave (no hashes or cap recorded, a smaller vocabulary
 than the model's, supervised-token counts that disagree with labels.bin,
@@ -67,5 +68,6 @@ def preflight(root: str | Path, partition: str, *, vocab_size: int, seq_len: int
     report = {"partition": partition, "examples": len(shard), "tokens": int(shard.lengths.sum()),
               "supervised_tokens": shard.supervised_tokens(), "vocab_size": shard.vocab_size,
               "eos_token_id": shard.eos_token_id, "max_seq_len": shard.max_seq_len, "sha256_verified": verified,
-              "findings": findings, "release_ready": not findings}
+              "findings": findings, "release_ready": not findings,
+              "loss_metadata": shard.metadata_fields}  # the sidecar's fields, its ids checked on opening; None: none
     return shard, report

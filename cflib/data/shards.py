@@ -11,8 +11,9 @@ a process that another has already checked for (a torchrun worker) opens with
 """
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import copy
+import hashlib
 import json
 import warnings
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from cflib.atomic import atomic_directory
+from cflib.data import loss_metadata
 
 SHARD_FORMAT = "complexity-sft-token-shard-v2"
 IGNORE_INDEX = -100
@@ -53,18 +55,23 @@ def sha256_file(path: Path) -> str:
 
 
 def write_partition(directory: str | Path, examples: Iterable[Example], *, vocab_size: int,
-                    eos_token_id: int, max_seq_len: int, index_extra: dict | None = None) -> Path:
+                    eos_token_id: int, max_seq_len: int, index_extra: dict | None = None,
+                    sidecar_fields: Sequence[str] = ()) -> Path:
     """Write one partition atomically: a finished directory appears, or nothing does.
 
     Streams: `examples` may be a generator of any length; memory does not grow
     with it. `index_extra` joins sft.idx.json and is read only once the
     examples are exhausted, so a generator may fill it with what it counted.
+    `sidecar_fields` of each example's metadata go to loss_metadata.jsonl
+    (cflib.data.loss_metadata) instead of examples.jsonl; none: no sidecar.
     """
     directory = Path(directory)
+    hashed = ("input_ids.bin", "labels.bin", "examples.jsonl") + ((loss_metadata.SIDECAR,) if sidecar_fields else ())
     with atomic_directory(directory) as staging:
         offset = count = supervised_total = 0
         with open(staging / "input_ids.bin", "wb") as ids_out, open(staging / "labels.bin", "wb") as labels_out, \
-                open(staging / "examples.jsonl", "w") as rows_out:
+                open(staging / "examples.jsonl", "w") as rows_out, \
+                open(staging / loss_metadata.SIDECAR, "w") if sidecar_fields else contextlib.nullcontext() as sidecar:
             for count, example in enumerate(examples, start=1):
                 ids = np.asarray(example.input_ids, dtype="<u4")
                 labels = np.asarray(example.labels, dtype="<i4")
@@ -75,15 +82,17 @@ def write_partition(directory: str | Path, examples: Iterable[Example], *, vocab
                 supervised = int((labels != IGNORE_INDEX).sum())
                 row = {"example_id": example.meta.get("example_id", f"ex-{count - 1:08d}"), "offset": offset,
                        "num_tokens": int(ids.size), "supervised_tokens": supervised}
-                row.update({k: v for k, v in example.meta.items() if k not in row})
+                row.update({k: v for k, v in example.meta.items() if k not in row and k not in sidecar_fields})
                 rows_out.write(json.dumps(row, sort_keys=True) + "\n")
+                if sidecar is not None:
+                    loss_metadata.write_row(sidecar, row["example_id"], example.meta, sidecar_fields)
                 offset += int(ids.size)
                 supervised_total += supervised
         index_doc = {
             "format": SHARD_FORMAT, "num_tokens": offset, "examples": count, "supervised_tokens": supervised_total,
             "eos_token_id": eos_token_id, "vocab_size": vocab_size, "max_seq_len": max_seq_len,
             **(index_extra or {}),
-            "sha256": {name: sha256_file(staging / name) for name in ("input_ids.bin", "labels.bin", "examples.jsonl")},
+            "sha256": {name: sha256_file(staging / name) for name in hashed},
         }
         (staging / "sft.idx.json").write_text(json.dumps(index_doc, indent=2) + "\n")
     return directory
@@ -127,7 +136,7 @@ class ShardPartition(torch.utils.data.Dataset):
                              f"vocab_size {self.vocab_size}")
         if vocab_size is not None and self.vocab_size > vocab_size:
             raise ShardError(f"{index_path}: shard vocab_size {self.vocab_size} exceeds the model's {vocab_size}")
-        self.rows = self._read_rows()
+        self.rows, self.metadata_fields = self._merged_rows()
         self.input_ids = self._map("input_ids.bin", "<u4")
         self.labels = self._map("labels.bin", "<i4")
         if verify_hashes:
@@ -150,6 +159,13 @@ class ShardPartition(torch.utils.data.Dataset):
                               f"{meta['supervised_tokens']}, labels.bin supervises {count}; using labels.bin",
                               stacklevel=2)
                 break
+
+    def _merged_rows(self) -> tuple[list[dict], list[str] | None]:
+        """examples.jsonl's rows with the semantic fields of loss_metadata.jsonl, when there is one."""
+        try:
+            return loss_metadata.merge(self.directory, self._read_rows())
+        except loss_metadata.LossMetadataError as err:
+            raise ShardError(str(err)) from None
 
     def _read_rows(self) -> list[dict]:
         path = self.directory / "examples.jsonl"
@@ -285,7 +301,11 @@ class ShardPartition(torch.utils.data.Dataset):
 
     def only_tasks(self, tasks: Sequence[str]) -> "ShardPartition":
         """A view of the examples whose `task` is one of `tasks`; the mapped files are shared, not copied."""
-        keep = np.array([i for i, row in enumerate(self.rows) if str(row.get("task")) in tasks], dtype=np.int64)
+        return self.subset(np.array([i for i, row in enumerate(self.rows) if str(row.get("task")) in tasks],
+                                    dtype=np.int64))
+
+    def subset(self, keep: np.ndarray) -> "ShardPartition":
+        """A view of the examples at `keep`, in that order; the mapped files are shared, not copied."""
         view = copy.copy(self)
         view.rows = [self.rows[i] for i in keep]
         view.offsets, view.lengths = self.offsets[keep], self.lengths[keep]

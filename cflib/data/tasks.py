@@ -2,7 +2,9 @@
 
 Two tasks a small model can learn on a CPU in minutes yet not guess:
 three-digit addition and upper-casing a word. Each example is tagged with its
-`task` and a `group` (a slice worth reading apart), written once into the
+`task` and a `group` (a slice worth reading apart), and its sidecar
+(loss_metadata.jsonl) gives each a `difficulty`: easy, medium or hard by the
+carries an addition needs (an upper-casing is easy). Written once into the
 public shard format and then read through the same reader as real data.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from cflib.data.shards import Example, ShardError, ShardPartition, write_partition
 from cflib.data.tokenizer import ByteTokenizer
 
-EMBEDDED_VERSION = "embedded-v4"
+EMBEDDED_VERSION = "embedded-v5"
 EVAL_PER_TASK = 100
 MAX_SEQ_LEN = 64
 
@@ -35,6 +37,18 @@ def uppercase(rng: random.Random) -> tuple[str, str, str]:
     """Upper-case a random six-letter word."""
     word = "".join(rng.choice(string.ascii_lowercase) for _ in range(6))
     return f"upper {word}", word.upper(), "repeats" if len(set(word)) < 6 else "distinct"
+
+
+def difficulty(task: str, prompt: str) -> str:
+    """easy, medium or hard: the carries an addition needs (none, one, more); copying a word is easy."""
+    if task != "addition":
+        return "easy"
+    a, b = (int(operand) for operand in prompt.rstrip("=").split("+"))
+    carries, carry = 0, 0
+    for place in range(3):
+        carry = int(a // 10**place % 10 + b // 10**place % 10 + carry >= 10)
+        carries += carry
+    return ("easy", "medium", "hard")[min(carries, 2)]
 
 
 # task -> (example maker, train examples); the carry makes addition the harder one.
@@ -58,7 +72,8 @@ def generate(seed: int = 0) -> tuple[list[Example], list[Example]]:
             for prompt, answer, group in chunk:
                 input_ids, labels = tokenizer.encode_chat(prompt, answer)
                 meta = {"example_id": f"{task}-{len(split):06d}", "task": task, "group": group,
-                        "source": EMBEDDED_VERSION, "prompt": prompt, "answer": answer}
+                        "source": EMBEDDED_VERSION, "prompt": prompt, "answer": answer,
+                        "difficulty": difficulty(task, prompt)}
                 split.append(Example(input_ids, labels, meta))
     rng.shuffle(train)
     return train, held_out
@@ -77,5 +92,6 @@ def ensure_embedded_shard(data_root: str | Path) -> Path:
     tokenizer = ByteTokenizer()
     for partition, examples in (("train", train), ("eval", held_out)):
         write_partition(root / partition, examples, vocab_size=tokenizer.vocab_size,
-                        eos_token_id=tokenizer.eos_token_id, max_seq_len=MAX_SEQ_LEN)
+                        eos_token_id=tokenizer.eos_token_id, max_seq_len=MAX_SEQ_LEN,
+                        sidecar_fields=("difficulty",))
     return root

@@ -12,15 +12,18 @@ from cflib.export.peft import is_adapter_checkpoint, load_merged, merge
 from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
 from cflib.train import Run
+from cflib.train.curriculum_run import CurriculumRun
 from cflib.train.evaluate import final_turn
 from cflib.train.plan import format_arithmetic, run_arithmetic
 from cflib.train.records import read_metrics
 
 
 def _elsewhere(record: dict) -> str | None:
-    """Nodes other than node 0 hold no record: say so instead of failing."""
+    """Nodes other than node 0 hold no record, a dry run trains nothing: say so instead of failing."""
     if "eval" in record:
         return None
+    if record.get("dry_run"):
+        return f"dry run: nothing was trained; the audit of every stage is {record['out_dir']}/dry_run.json"
     return (f"node {record.get('node_rank')}: its ranks trained; rank 0 writes the record, metrics and "
             "checkpoints on node 0")
 
@@ -36,11 +39,17 @@ def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8, label="train (per step)")
     ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out eval")
-    ax.set_xlabel("optimizer step")
+    return finish_loss_plot(fig, ax, "optimizer step", save_to)
+
+
+def finish_loss_plot(fig: plt.Figure, ax: plt.Axes, xlabel: str, save_to: str | Path | None,
+                     legend_size: float | None = None) -> plt.Figure:
+    """A loss plot's axes (log SFT loss per supervised token), legend, layout and file."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("SFT loss (nats / supervised token)")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     if save_to is not None:
         fig.savefig(save_to, dpi=120)
@@ -201,9 +210,12 @@ def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) ->
     return fig
 
 
-def show_data_plan(run: Run) -> None:
+def show_data_plan(run: Run | CurriculumRun) -> None:
     """Before training: the shard preflight, the packing plan and the loss-weighting plot
-    (its table is part of run.describe())."""
+    (its table is part of run.describe()); a curriculum's audit of every stage is its describe()."""
+    if isinstance(run, CurriculumRun):
+        print("every stage's data, weights and batch arithmetic: the table above (dry_run: true writes it alone)")
+        return
     for partition, report in (run.preflight or {}).items():
         state = "release-ready" if report["release_ready"] else f"{len(report['findings'])} finding(s)"
         print(f"preflight {partition}: {report['examples']:,} examples, {report['supervised_tokens']:,} supervised "

@@ -5,7 +5,8 @@ more it starts `python -m torch.distributed.run ... -m cflib.train PARAMS`,
 streams every rank's output back live (rank 0's progress drives the bar),
 stops the whole job when any rank fails, and returns rank 0's record.
 
-`python -m cflib.train PARAMS.json` (cflib/train/__main__.py) is the worker entry point torchrun runs.
+`python -m cflib.train PARAMS.json` (cflib/train/__main__.py) is the worker entry point torchrun runs;
+`train` (cflib.train.start) checks and trains in one call.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class LaunchError(RuntimeError):
 
 def fit(run: Run, progress: bool = True) -> dict:
     """Train a prepared run and return its record."""
+    if not isinstance(run, Run):  # a curriculum or a dry run (cflib.train.curriculum_run) runs its own stages
+        return run.fit(progress=progress)
     if not run.launches_workers:
         return Trainer(run, progress=progress).fit()
     return torchrun(run, progress=progress)
@@ -129,13 +132,3 @@ def worker(params_file: str) -> None:
         Trainer(run, progress=False).fit()
     finally:
         dist.destroy_process_group()
-
-
-
-def train(params: TrainParams | dict, progress: bool = True) -> dict:
-    """Check everything, then train (here or through torchrun); returns the record of out_dir/record.json."""
-    if isinstance(params, dict):
-        params = TrainParams.from_dict(params)
-    run = prepare(params)
-    print(run.describe())
-    return fit(run, progress=progress)

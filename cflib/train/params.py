@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cflib.data.filters import parse_filters
 from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
 from cflib.ops.attention import backend_names, packed_problem
@@ -200,8 +201,22 @@ class Trackers:
 
 
 @dataclass(frozen=True)
+class Curricula:
+    """Curricula and their controls (cflib.train.curriculum, docs/curricula.md): stages in one run folder, each a
+    run of these parameters with its own overrides; filters, parameter groups and early stopping serve any run."""
+
+    curriculum: str | None = None  # a curriculum YAML file: its stages run in order in out_dir/stages/<name>/
+    through_stage: str | None = None  # run the curriculum up to and including this stage
+    dry_run: bool = False  # resolve every stage against the data, write the audit, train nothing
+    filters: dict | None = None  # train examples kept: difficulties, tasks, domains, max_supervised_tokens, ...
+    early_stopping_patience: int | None = None  # evaluations without a lower held-out loss before stopping
+    expert_lr_multiplier: float = 1.0  # the routed experts' learning rate: lr x this
+    lora_lr_multiplier: float = 1.0  # the LoRA adapters' learning rate: lr x this
+
+
+@dataclass(frozen=True)
 class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kernels, Evaluation, Checkpoints,
-                          Distributed, Trackers)):
+                          Distributed, Trackers, Curricula)):
     """The controls of one SFT run. Defaults: a CPU smoke run of a few seconds."""
 
     @property
@@ -262,13 +277,25 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"nnodes {self.nnodes} needs rdzv_endpoint (host:port of the rendezvous on node 0)")
         if not self.max_task_loss_weight > 0:
             raise ParamError(f"max_task_loss_weight must be positive, got {self.max_task_loss_weight}")
-        if self.loss_groups is not None:
-            parse_loss_groups(self.loss_groups)
+        self._validate_curriculum_controls()
         check_report_to(self.report_to, self.mlflow_tracking_uri)
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
 
+    def _validate_curriculum_controls(self) -> None:
+        """What selects and weights the train examples, and the curriculum's own controls."""
+        if self.loss_groups is not None:
+            parse_loss_groups(self.loss_groups)
+        if self.filters is not None:
+            parse_filters(self.filters, "filters")
+        if self.early_stopping_patience is not None and self.early_stopping_patience <= 0:
+            raise ParamError(f"early_stopping_patience must be None or positive, got {self.early_stopping_patience}")
+        for name in ("expert_lr_multiplier", "lora_lr_multiplier"):
+            if not getattr(self, name) > 0:
+                raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.through_stage is not None and self.curriculum is None:
+            raise ParamError(f"through_stage {self.through_stage!r} names a stage, but no curriculum is set")
 
     def _validate_lora(self) -> None:
         from cflib.model.lora import BASE_DTYPES, TARGETS  # the model layer owns what can be adapted

@@ -23,18 +23,22 @@ from cflib.errors import ParamError
 from cflib.paths import resolve_path
 
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
-STREAM = ("seed", "global_batch", "train_examples", "total_steps", "warmup_steps", "pack_sequences", "train_tasks")
+# The learning-rate multipliers too: a resumed optimizer keeps its groups' saved rates, so a change would not apply.
+STREAM = ("seed", "global_batch", "train_examples", "total_steps", "warmup_steps", "pack_sequences", "train_tasks",
+          "filters", "expert_lr_multiplier", "lora_lr_multiplier")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
              "fp32_loss", "bf16", "seq_len", "loss_groups", "max_task_loss_weight", "full_parameter", "lora_rank",
-             "lora_alpha", "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type")
+             "lora_alpha", "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type",
+             "early_stopping_patience")
 
 # What resuming reads from a trainer state: checked before any of it is used.
 TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "global_batch",
                       "seed", "best_loss", "evals", "fill_ins", "torch_rng", "checkpoints", "timing")
 
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
-_DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy"}
+_DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
+             "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None}
 
 
 def partition_digest(partition: ShardPartition) -> str:

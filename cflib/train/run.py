@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from cflib.atomic import check_writable_folder, live_path
+from cflib.data.filters import parse_filters, select
 from cflib.data.packing import PackPlan, plan_packs
 from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
@@ -77,6 +78,7 @@ class Run:
     loss_weights: LossWeights | None = None  # loss_groups: every cell's coefficient
     preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
     lora: LoraRun | None = None  # full_parameter: false: the adapters' settings and their base
+    filter_counts: dict | None = None  # filters: the examples each one kept (cflib.data.filters)
 
     @property
     def train_units(self) -> int:
@@ -171,6 +173,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     `dist` is given inside torchrun workers; without it a multi-process
     parameter set is checked here for the launcher, and the model stays on the CPU.
     """
+    if params.curriculum is not None or params.dry_run:
+        raise ParamError("curriculum and dry_run are prepared by cflib.train.prepare_job, stage by stage")
     dist = dist or DistContext()
     device = resolve_device(params.device, dist.local_rank)
     if dist.active and dist.world_size != params.world_size:
@@ -217,12 +221,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
             preflight(data_root, partition, vocab_size=config.vocab_size, seq_len=params.seq_len,
                       require_release_ready=params.require_release_ready) for partition in ("train", "eval"))
         reports = {"train": train_report, "eval": eval_report}
-    if params.train_tasks is not None:
-        missing = [task for task in params.train_tasks if task not in train_data.tasks()]
-        if missing:
-            raise ParamError(f"train_tasks: no example of {train_data.directory} has task {missing[0]!r}; its "
-                             f"tasks: {', '.join(train_data.tasks())}")
-        train_data = train_data.only_tasks(params.train_tasks)
+    train_data, filter_counts = kept_examples(params, train_data)
     pack_plan = plan_packs(train_data.lengths, params.seq_len) if params.pack_sequences else None
     # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
     loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, train_data.supervised_counts,
@@ -231,7 +230,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
     units = len(pack_plan) if pack_plan is not None else len(train_data)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
-    estimate = _memory_estimate(config, params, device)
+    estimate = memory_figures(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
@@ -242,12 +241,31 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
-              pack_plan, loss_weights, reports, lora)
+              pack_plan, loss_weights, reports, lora, filter_counts)
     if resume_state is not None:
         check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
         model.to(device)
     return run
+
+
+def kept_examples(params: TrainParams, train_data: ShardPartition) -> tuple[ShardPartition, dict | None]:
+    """The train examples of train_tasks and filters, and each filter's count; an empty result is an error."""
+    if params.train_tasks is not None:
+        missing = [task for task in params.train_tasks if task not in train_data.tasks()]
+        if missing:
+            raise ParamError(f"train_tasks: no example of {train_data.directory} has task {missing[0]!r}; its "
+                             f"tasks: {', '.join(train_data.tasks())}")
+        train_data = train_data.only_tasks(params.train_tasks)
+    if params.filters is None:
+        return train_data, None
+    keep, counts = select(train_data.rows, train_data.supervised_counts, parse_filters(params.filters, "filters"),
+                          params.seed)
+    if not len(keep):
+        emptied = next(key for key, count in counts.items() if count == 0)
+        raise ParamError(f"filters: {emptied} keeps no train example of {train_data.directory} ({counts}); "
+                         "loosen it")
+    return train_data.subset(keep), counts
 
 
 def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, int]:
@@ -299,7 +317,7 @@ def batch_arithmetic(params: TrainParams) -> dict:
     train_examples = count_train_examples(params.data, params.train_tasks)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params)
     device = resolve_device(params.device)
-    estimate = _memory_estimate(config, params, device)
+    estimate = memory_figures(config, params, device)
     return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,
             "grad_accum": gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size),
             "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
@@ -340,7 +358,7 @@ def schedule_signature(run: Run) -> dict:
     return run_identity(run)
 
 
-def _memory_estimate(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
+def memory_figures(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
     settings = lora_settings(params)
     lora = None if settings is None else {"trainable_params": adapter_parameter_count(config, settings),
                                           "base_dtype": settings.base_dtype}

@@ -34,7 +34,7 @@ from cflib.ops.loss import supervised_positions
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
 from cflib.train.lock import RunLock
-from cflib.train.optim import lr_factor, make_optimizer
+from cflib.train.optim import describe_groups, lr_factor, make_optimizer
 from cflib.train.records import MetricsLog, train_record
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.trackers import open_trackers
@@ -59,6 +59,16 @@ class DeviceBatch:
     documents: PackedDocuments | None  # packed windows' documents; None: one example per row
     token_weights: torch.Tensor | None  # [B, T] under loss weighting
     supervised: torch.Tensor  # flat indices of the supervised labels (cflib.ops.loss.supervised_positions)
+
+
+def evaluations_without_improvement(evals: list[dict]) -> int:
+    """Trailing evaluations after training began whose held-out loss did not beat the best before them."""
+    best, since = math.inf, 0
+    for result in evals:
+        if result["step"] == 0:
+            continue
+        best, since = (result["loss"], 0) if result["loss"] < best else (best, since + 1)
+    return since
 
 
 class Trainer:
@@ -369,29 +379,49 @@ class Trainer:
                     rank = f"[rank {self.dist.rank}] " if self.dist.active else ""
                     tqdm.write(f"{rank}step {self.step}/{run.total_steps} epoch {epoch} loss {row['loss']:.4f} "
                                f"lr {row['lr']:.2e} {row['tokens'] / row['seconds']:,.0f} tokens/s")
-                if batch_start + p.global_batch >= len(order):  # the epoch ran to its end
-                    self.evaluation_point(f"epoch-{epoch}", epoch, with_exact_match=True, checkpoint=f"epoch-{epoch}")
+                if self._scheduled_points(epoch, epoch_ended=batch_start + p.global_batch >= len(order)):
                     last_eval_step = self.step
-                elif p.eval_every_steps and self.step % p.eval_every_steps == 0 and self.step < run.total_steps:
-                    self.evaluation_point("periodic", epoch, with_exact_match=False)
-                    last_eval_step = self.step
-                if p.save_every_steps and self.step % p.save_every_steps == 0 and self.step < run.total_steps:
-                    self.save(f"step-{self.step}", epoch, resumable=True)
-                    self.dist.barrier()
-                if self.step >= run.total_steps:
+                if self.step >= run.total_steps or self.stopped_early:
                     break
             batches_done = 0
+            if self.stopped_early:
+                break
         bar.close()
         if last_eval_step != self.step:
             self.evaluation_point("end", epoch, with_exact_match=True, checkpoint="last" if self.step > 0 else None)
         if not self.dist.is_main:
             return {}
-        record = train_record(self, dict(self.evals[-1]), epoch, time.perf_counter() - started)
+        record = self.record(epoch, time.perf_counter() - started)
         write_json_atomic(run.out_dir / "record.json", record)
         # Written last: its presence says the record and every checkpoint are final.
         write_json_atomic(run.out_dir / "COMPLETE", {"completed_utc": record["created_utc"],
                                                      "steps": self.step})
         return record
+
+    def _scheduled_points(self, epoch: int, epoch_ended: bool) -> bool:
+        """The evaluation and checkpoints due after this step; True when it evaluated."""
+        p, total = self.params, self.run.total_steps
+        evaluated = True
+        if epoch_ended:
+            self.evaluation_point(f"epoch-{epoch}", epoch, with_exact_match=True, checkpoint=f"epoch-{epoch}")
+        elif p.eval_every_steps and self.step % p.eval_every_steps == 0 and self.step < total:
+            self.evaluation_point("periodic", epoch, with_exact_match=False)
+        else:
+            evaluated = False
+        if p.save_every_steps and self.step % p.save_every_steps == 0 and self.step < total:
+            self.save(f"step-{self.step}", epoch, resumable=True)
+            self.dist.barrier()
+        return evaluated
+
+    @property
+    def stopped_early(self) -> bool:
+        """early_stopping_patience evaluations in a row without a lower held-out loss (as transformers'
+        EarlyStoppingCallback counts them: the first evaluation after training sets the best). Derived from the
+        evaluations, which a resumed run restores; rank 0's verdict on every rank, since only it may evaluate."""
+        patience = self.params.early_stopping_patience
+        if patience is None:
+            return False
+        return self.dist.agree(evaluations_without_improvement(self.evals) >= patience)
 
     def _open_run_folder(self) -> None:
         """The run folder ready for step 1: what an interrupted run left put right, the parameters written."""
@@ -410,6 +440,15 @@ class Trainer:
             write_json_atomic(run.out_dir / "loss_weighting.json", self.loss_weighting())
 
     # --- the record -----------------------------------------------------------------
+    def record(self, epochs_done: int, wall_s: float) -> dict:
+        """record.json: train_record's fields, with the optimizer's groups, the filters and early stopping."""
+        record = train_record(self, dict(self.evals[-1]), epochs_done, wall_s)
+        patience = self.params.early_stopping_patience
+        record["data"]["train_supervised_tokens"] = self.run.train_data.supervised_tokens()  # after the filters
+        return {**record, "optimizer_groups": describe_groups(self.optimizer), "filters": self.run.filter_counts,
+                "early_stopping": None if patience is None else {
+                    "patience": patience, "stopped_at_step": self.step if self.step < self.run.total_steps else None}}
+
     def loss_weighting(self) -> dict | None:
         """The audit: raw shares, targets, coefficients, the achieved shares, and those trained so far."""
         weights = self.run.loss_weights

@@ -103,7 +103,7 @@ def test_rejections_are_counted_and_the_manifest_records_everything(tmp_path):
         assert index["supervised_tokens"] == shard.supervised_tokens()
         assert (index["vocab_size"], index["eos_token_id"], index["max_seq_len"]) == (BYTES.vocab_size, 0, 64)
         assert index["sha256"] == {name: sha256_file(folder / name)
-                                   for name in ("input_ids.bin", "labels.bin", "examples.jsonl")}
+                                   for name in ("input_ids.bin", "labels.bin", "examples.jsonl", "loss_metadata.jsonl")}
         source = tmp_path / f"shard-{partition}.jsonl"
         assert index["conversion"]["stats"]["source"] == {"path": str(source), "sha256": sha256_file(source)}
         assert index["conversion"]["template"] == vars(ChatTemplate())

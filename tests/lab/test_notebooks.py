@@ -146,6 +146,40 @@ def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(t
     assert (out_dir / "loss_weighting.json").is_file() and (out_dir / "loss_weighting.png").is_file()
 
 
+def stream_text(executed: Path) -> str:
+    return "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells
+                   if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
+
+
+@pytest.mark.slow
+def test_papermill_trains_a_curriculum_with_one_plot_and_a_row_per_stage(tmp_path):
+    curriculum = tmp_path / "curriculum.yaml"
+    curriculum.write_text("version: 1\nstages:\n  - {name: easy, filters: {difficulties: [easy]}, max_steps: 3}\n"
+                          "  - {name: all, max_steps: 3, loss_task_targets: {addition: 0.6, uppercase: 0.4}}\n")
+    out_dir, executed = tmp_path / "run", tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "curriculum": str(curriculum),
+        "exact_match_limit": 8}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    text = stream_text(executed)
+    assert "| easy | yes | 10,295 of 22,000 |" in text  # the audit, before training
+    assert "=== stage all: from " in text and "| all | none | 22,000 | 126,000 | addition 1.08, uppercase 0.90 |" in text
+    record = json.loads((out_dir / "record.json").read_text())
+    assert [stage["name"] for stage in record["curriculum"]["stages"]] == ["easy", "all"]
+    assert (out_dir / "loss_curves.png").is_file() and (out_dir / "stages" / "all" / "hub").is_dir()
+
+
+@pytest.mark.slow
+def test_papermill_dry_run_trains_nothing_and_writes_its_audit_alone(tmp_path):
+    out_dir, executed = tmp_path / "run", tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        "out_dir": str(out_dir), "curriculum": str(ROOT / "params" / "curricula" / "quickstart.yaml"),
+        "model": "quickstart", "micro_batch_per_rank": 64, "global_batch": 64, "dry_run": True},
+        cwd=str(ROOT / "notebooks"), progress_bar=False)
+    assert "| medium | yes | 15,407 of 22,000 |" in stream_text(executed)
+    assert "dry run: nothing was trained" in stream_text(executed)
+    assert sorted(path.name for path in out_dir.iterdir()) == ["dry_run.json"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook, misspelt, meant", [("train_sft.ipynb", {"lrr": 0.1}, "lr"),
                                                        ("tune_microbatch.ipynb", {"budget": 40}, "budget_gib"),

@@ -200,3 +200,13 @@ def test_adapter_tensors_round_trip_through_peft_names(tmp_path, shard, base):
     for name in own:
         assert torch.equal(adapters[name], own[name].detach()), name
     assert not (tmp_path / "run").exists()  # prepare wrote nothing
+
+
+def test_lora_and_expert_multipliers_give_the_adapters_their_own_learning_rates(tmp_path, shard, base):
+    record = train(lora_params(shard, base, tmp_path / "run", max_steps=2, exact_match_limit=0, lr=1e-2,
+                               lora_lr_multiplier=2.0, expert_lr_multiplier=0.25), progress=False)
+    groups = {group["name"]: group["lr"] for group in record["optimizer_groups"]}
+    # Adapters on attention and the shared MLP: lora only; on the routed experts: both multipliers.
+    assert groups == pytest.approx({"decay+lora": 2e-2, "decay+experts+lora": 5e-3})
+    trainable = sum(group["params"] for group in record["optimizer_groups"])
+    assert trainable == record["params_trainable"]

@@ -1,0 +1,109 @@
+"""Every stage of a curriculum resolved against the actual shard, before anything trains.
+
+Per stage: the filters' counts, the supervised tokens kept, the loss weighting
+(every cell's visible supervised tokens at the stage's seq_len, its
+coefficient, whether the achieved shares match the targets and which cells
+exceed max_task_loss_weight), the batch arithmetic and the memory estimate,
+and `passed`. A run checks every stage this way and stops at the first that
+fails; `dry_run: true` writes the audit (dry_run.json) and shows it instead.
+Nothing here builds a model or touches a GPU.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from cflib.data.packing import plan_packs
+from cflib.data.shards import ShardError, ShardPartition, open_shard
+from cflib.data.weighting import SHARE_TOLERANCE, audit_table, derive_loss_weights
+from cflib.errors import ParamError
+from cflib.model.config import ModelConfig
+from cflib.train.curriculum import Curriculum, Stage
+from cflib.train.params import gradient_accumulation
+from cflib.train.run import kept_examples, memory_figures, resolve_device, schedule_steps
+
+
+def _weighting(stage: Stage, kept: ShardPartition) -> dict:
+    """The loss policy's audit; an over-cap cell is reported here and is an error of the stage's run."""
+    p = stage.params
+    if p.loss_groups is None:
+        return {"loss_weighting": None, "shares_match_targets": None, "overweight_tasks": [],
+                "weights_within_cap": True}
+    # Derived without the cap, so that the audit can show the cells that exceed it.
+    weights = derive_loss_weights(p.loss_groups, kept.rows, kept.supervised_counts, sys.float_info.max)
+    cells = weights.audit()
+    over = [row["cell"] for row in cells if row["coefficient"] > p.max_task_loss_weight]
+    return {"loss_weighting": cells, "overweight_tasks": over, "weights_within_cap": not over,
+            "shares_match_targets": all(abs(row["achieved_share"] - row["target_share"]) <= SHARE_TOLERANCE
+                                        for row in cells)}
+
+
+def audit_stage(stage: Stage, config: ModelConfig, data_root: Path) -> dict:
+    """One stage against the shard; ParamError or ShardError for what stops it before training."""
+    p = stage.params
+    if p.seq_len > config.max_position_embeddings:
+        raise ParamError(f"seq_len {p.seq_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    train, held_out = (open_shard(data_root, partition, vocab_size=config.vocab_size, seq_len=p.seq_len)
+                       for partition in ("train", "eval"))
+    kept, counts = kept_examples(p, train)
+    units = len(plan_packs(kept.lengths, p.seq_len)) if p.pack_sequences else len(kept)
+    steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, p)
+    weighting = _weighting(stage, kept)
+    return {"stage": stage.name, "passed": weighting["weights_within_cap"], "overrides": stage.overrides,
+            "examples": counts or {"examples": len(kept), "kept": len(kept)},
+            "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(held_out), "seq_len": p.seq_len,
+            "global_batch": p.global_batch, "micro_batch_per_rank": p.micro_batch_per_rank,
+            "grad_accum": gradient_accumulation(p.global_batch, p.micro_batch_per_rank, p.world_size),
+            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
+            "lr": p.lr, "max_task_loss_weight": p.max_task_loss_weight,
+            "memory_estimate": memory_figures(config, p, resolve_device(p.device)), **weighting}
+
+
+def audit(curriculum: Curriculum, config: ModelConfig, data_root: Path, stop_at_first: bool) -> list[dict]:
+    """Every stage that runs, audited. stop_at_first: raise the first failure as a ParamError naming the stage
+    (a run); otherwise report it in its row (a dry run)."""
+    where = f"{curriculum.path}: " if curriculum.path is not None else ""
+    rows = []
+    for stage in curriculum.stages:
+        row: dict = {}
+        try:
+            row = audit_stage(stage, config, data_root)
+            if not row["passed"]:
+                raise ParamError(f"loss_groups: cell(s) {row['overweight_tasks']} would get a loss coefficient "
+                                 f"above max_task_loss_weight {row['max_task_loss_weight']:g}; lower their targets "
+                                 "or raise the cap")
+        except (ParamError, ShardError) as err:
+            message = f"{where}stage {stage.name!r}: {err}"
+            if stop_at_first:
+                raise ParamError(message) from None
+            row = {**row, "stage": stage.name, "passed": False, "error": message}
+        rows.append(row)
+    return rows
+
+
+def stages_table(rows: list[dict]) -> str:
+    """The audit as a markdown table, then each weighted stage's cells."""
+    lines = ["| stage | passed | examples kept | supervised tokens | seq_len | batch (accum) | steps (warm-up) | lr "
+             "| memory / rank | shares match | over cap |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+    for row in rows:
+        if "total_steps" not in row:
+            lines.append(f"| {row['stage']} | no | | | | | | | | | |")
+            continue
+        memory = row["memory_estimate"]["total_bytes"] / 2**20
+        lines.append(f"| {row['stage']} | {'yes' if row['passed'] else 'no'} | {row['examples']['kept']:,} of "
+                     f"{row['examples']['examples']:,} | {row['supervised_tokens']:,} | {row['seq_len']} | "
+                     f"{row['global_batch']} ({row['grad_accum']}) | {row['total_steps']} ({row['warmup_steps']}) | "
+                     f"{row['lr']:g} | {memory:,.1f} MiB | {_yes_no(row['shares_match_targets'])} | "
+                     f"{', '.join(row['overweight_tasks']) or 'none'} |")
+    lines += [f"\n{row['error']}" for row in rows if "error" in row]
+    for row in rows:
+        if row.get("loss_weighting"):
+            lines += ["", f"stage {row['stage']}: loss weighting (max_task_loss_weight "
+                          f"{row['max_task_loss_weight']:g})", audit_table(row["loss_weighting"])]
+    return "\n".join(lines)
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
