@@ -71,6 +71,7 @@ def steps_of(mode: str, tmp_path: Path, kind: str = "folder") -> int:
 MODES = ["exchange", "two-renames"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_kill_before_any_step_of_a_replacement_leaves_a_whole_folder(tmp_path, mode):
     if mode == "exchange" and not _exchange_supported(tmp_path):
@@ -93,6 +94,7 @@ def test_a_kill_before_any_step_of_a_replacement_leaves_a_whole_folder(tmp_path,
         assert {(target / "a").read_text(), (target / "b").read_text()} == contents
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_checkpoint_killed_mid_replacement_still_loads_and_resumes(tmp_path, mode):
     if mode == "exchange" and not _exchange_supported(tmp_path):
@@ -134,6 +136,7 @@ def _exchange_supported(tmp_path: Path) -> bool:
         b.rmdir()
 
 
+@pytest.mark.slow
 def test_a_best_checkpoint_killed_between_its_renames_is_what_export_chat_and_resume_take(tmp_path):
     from cflib.export.hub import resolve_checkpoint
     from cflib.lab.chat import find_checkpoint

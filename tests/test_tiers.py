@@ -13,9 +13,9 @@ from pathlib import Path
 from cflib.paths import project_root
 
 TESTS = project_root() / "tests"
-# What starts one: papermill's kernel, Playwright's browser, a child process to kill; or a run launched (train,
+# What starts one: papermill's kernel, Playwright's browser, a child process (a command line run whole, or one to kill); or a run launched (train,
 # fit) with two or more ranks or nodes, which is torchrun (parameters checked alone start nothing).
-STARTS_SLOW = re.compile(r"papermill\.execute_notebook|sync_playwright|subprocess\.Popen")
+STARTS_SLOW = re.compile(r"papermill\.execute_notebook|sync_playwright|subprocess\.(?:Popen|run|check_output|check_call)")
 RANKS = re.compile(r"\b(?:nproc_per_node|nnodes)[\"']?\s*[:=]\s*[2-9]")
 LAUNCH = re.compile(r"\b(?:train|fit)\(")
 

@@ -45,6 +45,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arguments, words", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_bad_input_ends_in_one_line_naming_the_culprit(world, arguments, words):
     done = cli(*arguments(world))

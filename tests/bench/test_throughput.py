@@ -174,6 +174,7 @@ def test_matmul_ceiling_counts_two_n_cubed_flops(monkeypatch):
 
 # --- one smoke run ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_record_carries_the_measurement_protocol(smoke_record):
     record = smoke_record
     for field in ("framework", "device", "vocab_size", "seq_len", "batch_per_rank", "precision", "grad_ckpt",
@@ -365,6 +366,7 @@ def test_a_path_whose_requirements_fail_is_skipped_with_the_reason(tmp_path, mon
     assert row["value"] is None and "need a CUDA device" in row["why_none"]
 
 
+@pytest.mark.slow
 def test_lora_paths_train_adapters_on_the_production_kernels_and_are_compared(tmp_path):
     """production_lora against production (smoke size: the plumbing); its BF16 base needs bf16 and says so."""
     record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],

@@ -229,6 +229,7 @@ def test_seen_conversations_are_remembered_per_partition_and_their_file_removed(
     assert not folder.exists()
 
 
+@pytest.mark.slow
 def test_command_line_with_a_spec_file(tmp_path):
     spec = tmp_path / "convert.yaml"
     spec.write_text(f"train: {ROOT / 'examples/chat/train.jsonl'}\neval: {ROOT / 'examples/chat/eval.jsonl'}\n"

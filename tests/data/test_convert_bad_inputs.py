@@ -135,6 +135,7 @@ def test_overwrite_replaces_a_folder_of_its_own_output(tmp_path):
     assert first["train"]["examples"] == 8 and again["train"]["examples"] == 6
 
 
+@pytest.mark.slow
 def test_the_command_line_names_the_folder_and_keeps_the_input(tmp_path):
     inputs = write_inputs(tmp_path / "in")
     (tmp_path / "in" / "unrelated.txt").write_text("keep me")

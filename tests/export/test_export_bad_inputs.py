@@ -96,6 +96,7 @@ def test_bad_export_target_names_the_culprit_and_changes_nothing(world, argument
     assert digest(world) == before
 
 
+@pytest.mark.slow
 def test_the_command_line_ends_in_the_message_not_a_traceback(world):
     before = digest(world)
     done = cli("merge", str(world / "adapter"), str(world / "base"))

@@ -84,6 +84,7 @@ def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets, 
                                    rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_merge_cli_writes_an_ordinary_checkpoint_and_refuses_another_shape(tmp_path):
     adapter, model = saved_adapter(tmp_path, LoraSettings(rank=2, alpha=4))
     merged = tmp_path / "merged"

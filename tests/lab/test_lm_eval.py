@@ -48,6 +48,7 @@ def test_the_shipped_tasks_are_found():
     assert set(shipped_tasks()) == {"embedded_choice", "embedded_exact"}
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_the_bundle_and_the_files_are_written(evaluated, bundle: Path):
     record, out = evaluated
     assert sorted(p.name for p in out.iterdir()) == ["lm_eval_results.json", "record.json",
@@ -101,6 +102,7 @@ def test_lm_evals_log_likelihoods_are_cflibs(evaluated, bundle: Path):
     assert check["tasks"] == ["embedded_choice"] and check["pairs"] == 64 and check["max_abs_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_a_run_folder_is_scored_through_its_bundle(bundle: Path, tmp_path: Path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
@@ -140,6 +142,7 @@ def test_bad_parameters_are_refused_before_anything_runs(tmp_path: Path, raw: di
     assert not out.exists()  # nothing written, nothing trained
 
 
+@pytest.mark.slow
 def test_a_folder_that_is_no_model_is_refused(tmp_path: Path):
     (tmp_path / "adapters").mkdir()
     (tmp_path / "adapters" / "adapter_config.json").write_text("{}")

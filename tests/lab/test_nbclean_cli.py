@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, content, words", [
     ("missing.ipynb", None, ["missing.ipynb", "No such file"]),
     ("notes.ipynb", "not json\n", ["notes.ipynb", "not appear to be JSON"]),

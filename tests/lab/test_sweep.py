@@ -201,6 +201,7 @@ def test_papermill_refuses_an_incomplete_run_before_writing_anything(tmp_path):
     assert not out_dir.exists()
 
 
+@pytest.mark.slow
 def test_points_run_side_by_side_one_per_device_slot(tmp_path):
     """gpus: [0, 1] starts two points at once, each with its own CUDA_VISIBLE_DEVICES (on this CPU-only machine
     the base's device: cpu trains them on the CPU)."""

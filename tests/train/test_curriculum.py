@@ -220,6 +220,7 @@ def test_through_stage_must_name_a_stage(tmp_path, shard):
         train(params(shard, tmp_path / "run", curriculum, through_stage="hard"), progress=False)
 
 
+@pytest.mark.slow
 def test_a_sidecar_whose_ids_differ_fails_the_curriculum_naming_the_stage(tmp_path, shard):
     copy = tmp_path / "shard"
     subprocess.run(["cp", "-r", str(shard), str(copy)], check=True)

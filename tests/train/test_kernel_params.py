@@ -30,6 +30,7 @@ def test_required_fast_path_stops_before_training(monkeypatch, tmp_path, flags, 
     assert not out_dir.exists()
 
 
+@pytest.mark.slow
 def test_training_records_the_kernels_that_ran(tmp_path):
     record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 2,
                     "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False,

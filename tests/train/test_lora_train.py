@@ -86,6 +86,7 @@ def test_a_lora_run_trains_only_its_adapters_and_saves_them_in_peft_s_format(tmp
     assert keys["base_model.model.layers.0.self_attn.q_proj.lora_B.weight"].abs().sum() > 0  # it trained
 
 
+@pytest.mark.slow
 def test_merged_checkpoint_gives_the_adapted_model_s_logits(tmp_path, shard, base):
     train(lora_params(shard, base, tmp_path / "run", max_steps=2, **KERNELS), progress=False)
     adapter = tmp_path / "run" / "checkpoints" / "last"

@@ -255,6 +255,7 @@ def run_cli(capsys):
     return run
 
 
+@pytest.mark.slow
 def test_cli_check_good_plan(tmp_path: Path) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(GOOD_PLAN_YAML)

@@ -59,6 +59,7 @@ def test_a_cluster_plan_names_the_key_of_an_extreme_number(section, key, value):
     format_cluster_plan(report)
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_the_error_not_a_traceback(tmp_path, capsys):
     assert main(["arithmetic", "--target-tokens", "2e9", "--gpus", "8", "--micro-batch-per-rank", "16",
                  "--seq-len", "2048", "--tokens-per-s-per-gpu", "1e-300"]) == 2

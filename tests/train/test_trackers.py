@@ -129,6 +129,7 @@ def experiment_name(monkeypatch):
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "cflib-tests")
 
 
+@pytest.mark.slow
 def test_mlflow_server_receives_params_metrics_and_the_record(tmp_path, mlflow_server):
     from mlflow.tracking import MlflowClient
 
@@ -158,6 +159,7 @@ def test_mlflow_server_receives_params_metrics_and_the_record(tmp_path, mlflow_s
     assert json.loads(downloaded.read_text()) == json.loads((out_dir / "record.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_only_warns(tmp_path, mlflow_server):
     """The server dies after a few steps: one warning, every step trained, every row in metrics.jsonl."""
     from mlflow.tracking import MlflowClient

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, content, words", [
     (None, None, ["usage: python -m cflib.train PARAMS.json"]),
     ("missing.json", None, ["missing.json", "No such file"]),
