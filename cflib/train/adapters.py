@@ -70,10 +70,13 @@ def lora_settings(params: TrainParams) -> LoraSettings | None:
 
 
 def initial_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel, LoraRun | None]:
-    """init_checkpoint's model, with fresh adapters on it when the run is a LoRA run."""
+    """init_checkpoint's model, with fresh adapters on it when the run is a LoRA run; a LoRA run started from
+    adapters trains them on (their base, their settings), as a curriculum's later stage does."""
     if is_adapter_checkpoint(checkpoint_dir):
-        raise ParamError(f"init_checkpoint {checkpoint_dir} holds LoRA adapters, not a model: merge them into "
-                         "their base first (python -m cflib.export merge), or continue that run with resume")
+        if params.full_parameter:
+            raise ParamError(f"init_checkpoint {checkpoint_dir} holds LoRA adapters, not a model: merge them into "
+                             "their base first (python -m cflib.export merge), or continue that run with resume")
+        return adapted_model(checkpoint_dir, params)
     model = load_checkpoint(checkpoint_dir)
     settings = lora_settings(params)
     if settings is None:
@@ -97,16 +100,26 @@ def resumed_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
                          "full_parameter: true; for LoRA, start a new run with init_checkpoint")
     if not adapter:
         return load_checkpoint(checkpoint_dir), None
+    _, base, _ = read_adapter(checkpoint_dir)
+    if params.init_checkpoint is not None:
+        start = resolve_path(params.init_checkpoint)
+        # The run started from the base, or from adapters on that base (a curriculum's later LoRA stage)
+        start_base = Path(read_adapter(start)[1]["path"]) if is_adapter_checkpoint(start) else start
+        if start_base.resolve() != Path(base["path"]).resolve():
+            raise ParamError(f"init_checkpoint {params.init_checkpoint} is not the base {base['path']} that "
+                             f"{checkpoint_dir} adapts")
+    return adapted_model(checkpoint_dir, params)
+
+
+def adapted_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel, LoraRun]:
+    """A LoRA checkpoint's adapters on their base, checked: the run's LoRA settings and the base unchanged."""
     saved, base, adapters = read_adapter(checkpoint_dir)
     wanted = lora_settings(params)
     for name, parameter in SETTING_PARAMETERS.items():
         if getattr(saved, name) != getattr(wanted, name):
             raise ParamError(f"{checkpoint_dir} was trained with {parameter} {getattr(saved, name)}, this run has "
-                             f"{getattr(wanted, name)}: a resumed run keeps its LoRA settings")
+                             f"{getattr(wanted, name)}: adapters trained on keep their LoRA settings")
     base_dir = Path(base["path"])
-    if params.init_checkpoint is not None and resolve_path(params.init_checkpoint).resolve() != base_dir.resolve():
-        raise ParamError(f"init_checkpoint {params.init_checkpoint} is not the base {base_dir} that {checkpoint_dir} "
-                         "adapts")
     if not (base_dir / WEIGHTS_FILE).is_file():
         raise ParamError(f"{checkpoint_dir} adapts the base checkpoint {base_dir}, which is gone")
     if weights_sha256(base_dir) != base["sha256"]:

@@ -132,9 +132,6 @@ def load_curriculum(params: TrainParams, out_dir: Path) -> Curriculum:
             raise ParamError(f"{where}: the name is used by an earlier stage; every stage has its own name")
         overrides = _stage_overrides(stage_raw, where)
         stages.append(Stage(name, stage_params(run, overrides, out_dir / "stages" / name, where), overrides))
-    if len(stages) > 1 and not params.full_parameter:
-        raise ParamError(f"{path}: a LoRA run (full_parameter: false) takes one stage: a later stage would start "
-                         "from adapters, not from a model")
     names = [stage.name for stage in stages]
     through = params.through_stage
     if through is not None and through not in names:

@@ -17,6 +17,7 @@ import yaml
 from cflib.data.shards import write_partition
 from cflib.data.tasks import generate
 from cflib.data.tokenizer import ByteTokenizer
+from cflib.model import TRMoEModel, preset, save_checkpoint
 from cflib.model.checkpoint import load_checkpoint
 from cflib.train import train
 from cflib.train.params import ParamError
@@ -271,3 +272,23 @@ def test_the_dry_run_of_one_run_audits_it_as_a_stage(tmp_path, shard):
     assert row["stage"] == "run" and row["passed"] and row["examples"]["kept"] == uppercase
     assert row["steps_per_epoch"] == -(-uppercase // 8) and row["grad_accum"] == 2
     assert sorted(path.name for path in (tmp_path / "dry").iterdir()) == ["dry_run.json"]
+
+
+def test_a_lora_curriculum_trains_one_set_of_adapters_through_its_stages(tmp_path, shard):
+    """Stage 2 of a LoRA curriculum starts from stage 1's best adapters on the same frozen base."""
+    torch.manual_seed(5)
+    base = save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "base")
+    curriculum = write_curriculum(tmp_path / "c.yaml", [
+        {"name": "easy", "filters": {"difficulties": ["easy"]}, "max_steps": 3},
+        {"name": "all", "max_steps": 3}])
+    record = train({**params(shard, tmp_path / "run", curriculum), "init_checkpoint": str(base),
+                    "full_parameter": False, "lora_rank": 4, "lr": 1e-2}, progress=False)
+    first, second = record["curriculum"]["stages"]
+    assert second["started_from"] == first["selected_checkpoint"]
+    previous = json.loads(Path(first["record"]).read_text())
+    best_loss = min(e["loss"] for e in previous["eval"]["history"] if e["step"] > 0)
+    start = json.loads(Path(second["record"]).read_text())["eval"]["at_start"]
+    assert start["loss"] == pytest.approx(best_loss, abs=1e-6)  # the adapters carried over, not fresh ones
+    saved = json.loads((tmp_path / "run" / "stages" / "all" / "checkpoints" / "best" / "adapter_config.json")
+                       .read_text())
+    assert Path(saved["base_model_name_or_path"]).resolve() == base.resolve()

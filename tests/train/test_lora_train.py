@@ -168,7 +168,7 @@ def test_resuming_across_full_and_lora_is_refused(tmp_path, shard, base):
     with pytest.raises(ParamError, match="trained with lora_rank 4, this run has 8"):
         train({**lora, "resume": "latest", "lora_rank": 8}, progress=False)
     with pytest.raises(ParamError, match="holds LoRA adapters, not a model: merge"):
-        train({**lora, "out_dir": str(tmp_path / "x"), "init_checkpoint": str(tmp_path / "lora/checkpoints/step-2")},
+        train({**full, "out_dir": str(tmp_path / "x"), "init_checkpoint": str(tmp_path / "lora/checkpoints/step-2")},
               progress=False)
     train({**full, "out_dir": str(tmp_path / "full")}, progress=False)
     (tmp_path / "full" / "COMPLETE").unlink()
@@ -211,3 +211,20 @@ def test_lora_and_expert_multipliers_give_the_adapters_their_own_learning_rates(
     assert groups == pytest.approx({"decay+lora": 2e-2, "decay+experts+lora": 5e-3})
     trainable = sum(group["params"] for group in record["optimizer_groups"])
     assert trainable == record["params_trainable"]
+
+
+def test_a_lora_run_started_from_adapters_trains_them_on(tmp_path, shard, base):
+    """init_checkpoint may be a LoRA checkpoint (a curriculum's later stage starts so): its adapters on their base,
+    their settings kept, a fresh optimizer; the adapters it saves still name the original base."""
+    first = train(lora_params(shard, base, tmp_path / "first", max_steps=4), progress=False)
+    adapters = tmp_path / "first" / "checkpoints" / "last"
+    assert first["eval"]["final"]["step"] == 4
+    second = train(lora_params(shard, base, tmp_path / "second", max_steps=2, init_checkpoint=str(adapters)),
+                   progress=False)
+    assert second["eval"]["at_start"]["loss"] == first["eval"]["final"]["loss"]
+    assert second["eval"]["final"]["loss"] != second["eval"]["at_start"]["loss"]
+    saved = json.loads((tmp_path / "second" / "checkpoints" / "last" / "adapter_config.json").read_text())
+    assert Path(saved["base_model_name_or_path"]).resolve() == base.resolve()
+    with pytest.raises(ParamError, match="trained with lora_rank 4, this run has 8"):
+        train(lora_params(shard, base, tmp_path / "third", lora_rank=8, init_checkpoint=str(adapters)),
+              progress=False)
