@@ -76,7 +76,7 @@ def initial_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
         if params.full_parameter:
             raise ParamError(f"init_checkpoint {checkpoint_dir} holds LoRA adapters, not a model: merge them into "
                              "their base first (python -m cflib.export merge), or continue that run with resume")
-        return adapted_model(checkpoint_dir, params)
+        return adapted_model(checkpoint_dir, params, read_adapter(checkpoint_dir))
     model = load_checkpoint(checkpoint_dir)
     settings = lora_settings(params)
     if settings is None:
@@ -100,20 +100,23 @@ def resumed_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
                          "full_parameter: true; for LoRA, start a new run with init_checkpoint")
     if not adapter:
         return load_checkpoint(checkpoint_dir), None
-    _, base, _ = read_adapter(checkpoint_dir)
+    adapter = read_adapter(checkpoint_dir)
+    base = adapter[1]
     if params.init_checkpoint is not None:
         start = resolve_path(params.init_checkpoint)
         # The run started from the base, or from adapters on that base (a curriculum's later LoRA stage)
-        start_base = Path(read_adapter(start)[1]["path"]) if is_adapter_checkpoint(start) else start
+        start_base = Path(adapter_base(start)["path"]) if is_adapter_checkpoint(start) else start
         if start_base.resolve() != Path(base["path"]).resolve():
             raise ParamError(f"init_checkpoint {params.init_checkpoint} is not the base {base['path']} that "
                              f"{checkpoint_dir} adapts")
-    return adapted_model(checkpoint_dir, params)
+    return adapted_model(checkpoint_dir, params, adapter)
 
 
-def adapted_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel, LoraRun]:
-    """A LoRA checkpoint's adapters on their base, checked: the run's LoRA settings and the base unchanged."""
-    saved, base, adapters = read_adapter(checkpoint_dir)
+def adapted_model(checkpoint_dir: Path, params: TrainParams,
+                  adapter: tuple[LoraSettings, dict, dict[str, torch.Tensor]]) -> tuple[TRMoEModel, LoraRun]:
+    """A LoRA checkpoint's adapters (read_adapter's) on their base, checked: the run's LoRA settings and the base
+    unchanged."""
+    saved, base, adapters = adapter
     wanted = lora_settings(params)
     for name, parameter in SETTING_PARAMETERS.items():
         if getattr(saved, name) != getattr(wanted, name):
@@ -137,6 +140,11 @@ def adapted_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
 def checkpoint_config(checkpoint_dir: Path) -> ModelConfig:
     """The architecture of a full checkpoint or of a LoRA checkpoint's base, without loading weights."""
     if is_adapter_checkpoint(checkpoint_dir):
-        meta = live_path(checkpoint_dir) / CFLIB_ADAPTER_FILE
-        return ModelConfig.from_dict(json.loads(meta.read_text())["base"]["config"], source=str(meta))
+        return ModelConfig.from_dict(adapter_base(checkpoint_dir)["config"],
+                                     source=str(live_path(checkpoint_dir) / CFLIB_ADAPTER_FILE))
     return load_config(checkpoint_dir)
+
+
+def adapter_base(checkpoint_dir: Path) -> dict:
+    """A LoRA checkpoint's description of its base (path, SHA-256, config), without reading its tensors."""
+    return json.loads((live_path(checkpoint_dir) / CFLIB_ADAPTER_FILE).read_text())["base"]
