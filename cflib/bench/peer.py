@@ -25,7 +25,7 @@ from cflib.model.config import ModelConfig
 from cflib.train.evaluate import autocast
 from cflib.train.optim import lr_factor, make_optimizer
 from cflib.train.params import TrainParams
-from cflib.train.trainer import to_device
+from cflib.train.batch import to_device
 
 
 class PathUnavailable(RuntimeError):

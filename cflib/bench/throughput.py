@@ -66,6 +66,8 @@ PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "production": {"use_custom_kernels": "true", "require_liger": True},
     # production with the shared SwiGLU in quack's GEMM epilogues (Hopper, quack-kernels)
     "production_epilogue_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "true"},
+    # production with every kernel launched from the host: no CUDA graph replays (cflib.train.graphs)
+    "production_eager": {"use_custom_kernels": "true", "require_liger": True, "cuda_graphs": "false"},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
 # measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.
@@ -266,6 +268,8 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
             timing = time_steps(session.step, steps_batches, warmup, device)
             entry["peak_memory_gib"] = peak_memory_gib(device)
             entry["kernel_path"] = session.kernel_path()  # what the forward passes used, read back
+            if session.trainer is not None:
+                entry["step_capture"] = session.trainer.graphs_summary()
         except torch.cuda.OutOfMemoryError as err:
             return {**entry, "status": "oom", "reason": error_line(err), "peak_memory_gib": peak_memory_gib(device)}
         except Exception as err:

@@ -101,6 +101,9 @@ class Kernel:
     half_only: bool = False  # computes in bfloat16/float16: fp32 activations are cast for it and back
     mask: Callable[["PackedDocuments"], Any] | None = None  # built once per forward, read by every layer
     component: str | None = None  # its name among validate_kernels' components (cflib.bench.components)
+    # Its launches can be recorded in a CUDA graph: it reads its documents from device tensors only, builds no
+    # mask, and takes no length from the host (cflib.train.graphs)
+    capturable: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,11 @@ def plan_attention(requested: str, device: torch.device, head_dim: int, packed: 
     return ()
 
 
+def capturable(requested: str, packed: bool, device: torch.device, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel `requested` runs for these rows can be recorded in a CUDA graph."""
+    return _choose(requested, packed, device, head_dim, dtype).capturable
+
+
 def kernel_named(name: str) -> Kernel:
     for backend in BACKENDS.values():
         for kernel in (backend.dense, backend.packed):
@@ -408,17 +416,18 @@ def _run_torch_varlen(q, k, v, batch: AttentionBatch) -> torch.Tensor:
     return _from_tokens(out, q)
 
 
-TORCH_SDPA = Kernel("torch_sdpa", _sdpa)
+TORCH_SDPA = Kernel("torch_sdpa", _sdpa, capturable=True)
 SDPA_MASK = Kernel("sdpa_mask", _sdpa_mask, mask=_boolean_mask)
 DENSE_SDPA = AttentionBatch("torch_sdpa")
 
 # Registered in the order `auto` prefers them (see the module docstring for the measurements).
 register_backend(Backend("fa4", "FlashAttention-4",
-                         Kernel("fa4", _run_fa4, half_only=True, component="attention_fa4"),
-                         Kernel("fa4_varlen", _run_fa4_varlen, half_only=True, component="attention_fa4_varlen"),
+                         Kernel("fa4", _run_fa4, half_only=True, component="attention_fa4", capturable=True),
+                         Kernel("fa4_varlen", _run_fa4_varlen, half_only=True, component="attention_fa4_varlen",
+                                capturable=True),
                          _fa4_problem, auto_for=(False, True)))
 register_backend(Backend("cudnn_sdpa", "cuDNN attention",
-                         Kernel("cudnn_sdpa", _cudnn, half_only=True, component="attention_cudnn"), None,
+                         Kernel("cudnn_sdpa", _cudnn, half_only=True, component="attention_cudnn", capturable=True), None,
                          _cudnn_problem, auto_for=(False,)))
 # On packed windows FlexAttention before torch's varlen, as measured (kernel 1.79 vs 1.99 ms, step 284k vs 282k tok/s).
 register_backend(Backend("flex", "FlexAttention", TORCH_SDPA,

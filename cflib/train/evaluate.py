@@ -18,10 +18,12 @@ from cflib.model.generate import Decoder
 from cflib.ops.loss import chunked_cross_entropy_sum
 
 
-def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device, bf16: bool, cache: bool = True) -> contextlib.AbstractContextManager:
+    """BF16 autocast when bf16; cache: keep each weight's cast for the context's other uses (off inside a CUDA
+    graph's capture, whose memory the cache would outlive)."""
     if not bf16:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
 
 
 @contextlib.contextmanager

@@ -147,6 +147,10 @@ class Kernels:
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
     attention_backend: str = "auto"
+    # Each micro-step's forward, loss and backward replayed from CUDA graphs (cflib.train.graphs), the host
+    # freed of launching its kernels: auto where it runs (one CUDA process, cflib's fused loss, a capturable
+    # attention kernel), true to require it, false for eager steps
+    cuda_graphs: str = parsed_by(kernel_choice, "auto")
 
 
 @dataclass(frozen=True)
@@ -262,7 +266,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError("train_tasks must name at least one task, or be None for every example")
         if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
             raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
-        for name in ("use_custom_kernels", "epilogue_swiglu"):
+        for name in ("use_custom_kernels", "epilogue_swiglu", "cuda_graphs"):
             if getattr(self, name) not in KERNEL_CHOICES:
                 raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
         if self.attention_backend not in backend_names():

@@ -10,7 +10,7 @@ import math
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -25,14 +25,16 @@ from tqdm.auto import tqdm
 from cflib.atomic import clean_leftovers, is_out_of_space, write_json_atomic
 from cflib.data.packing import collate_packed
 from cflib.data.shards import collate
-from cflib.errors import ParamError
+from cflib.errors import KernelUnavailable, ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.lora import lora_kernel_path
-from cflib.ops.attention import PackedDocuments, pack_documents
-from cflib.ops.sft_loss import make_loss
+from cflib.ops.attention import capturable, pack_documents
+from cflib.ops.sft_loss import SFTLoss, make_loss
 from cflib.ops.loss import supervised_positions
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
+from cflib.train.batch import MicroBatch
+from cflib.train.graphs import GraphedMicroSteps, why_eager
 from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups, lr_factor, make_optimizer
 from cflib.train.records import MetricsLog, train_record
@@ -40,25 +42,9 @@ from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signa
 from cflib.train.trackers import open_trackers
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch tensor to the GPU from pinned memory without waiting: the host goes on launching meanwhile."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@dataclass
-class DeviceBatch:
-    input_ids: torch.Tensor  # [B, T]
-    labels: torch.Tensor  # [B, T]
-    documents: PackedDocuments | None  # packed windows' documents; None: one example per row
-    token_weights: torch.Tensor | None  # [B, T] under loss weighting
-    supervised: torch.Tensor  # flat indices of the supervised labels (cflib.ops.loss.supervised_positions)
 
 
 def evaluations_without_improvement(evals: list[dict]) -> int:
@@ -87,6 +73,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
         self.loss = make_loss(self.params.loss_type, run.kernels)
+        self.graphs, self.eager_reason = self._graphed_micro_steps()
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
         self.evals: list[dict] = []
@@ -236,9 +223,9 @@ class Trainer:
             self.train_model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
-    def batch(self, units: np.ndarray) -> DeviceBatch:
-        """Some units' batch on the device. Everything the step's kernels need to know of its shape (packed
-        documents, supervised positions) is worked out here on the host, so no step reads the device back."""
+    def host_batch(self, units: np.ndarray) -> MicroBatch:
+        """Some units' batch, on the host. Everything the step's kernels need to know of its shape (packed
+        documents, supervised positions) is worked out here, so no step reads the device back."""
         data, plan = self.run.train_data, self.run.pack_plan
         documents = None
         if plan is None:
@@ -246,13 +233,53 @@ class Trainer:
             example_index = torch.as_tensor(np.asarray(units, dtype=np.int64))[:, None].expand_as(labels)
         else:
             input_ids, labels, document_ids, example_index = collate_packed(data, plan, units)
+            documents = pack_documents(document_ids)
         token_weights = None
         if self.example_weights is not None:  # padding (-1) takes any weight: its label is -100
-            token_weights = to_device(self.example_weights[example_index.clamp(min=0)], self.device)
-        if plan is not None:
-            documents = pack_documents(document_ids).moved(lambda t: to_device(t, self.device))
-        return DeviceBatch(to_device(input_ids, self.device), to_device(labels, self.device), documents,
-                           token_weights, to_device(supervised_positions(labels), self.device))
+            token_weights = self.example_weights[example_index.clamp(min=0)]
+        return MicroBatch(input_ids, labels, documents, token_weights, supervised_positions(labels))
+
+    def batch(self, units: np.ndarray) -> MicroBatch:
+        """Some units' batch on the device, moved without waiting."""
+        return self.host_batch(units).to(self.device)
+
+    def forward_backward(self, batch: MicroBatch, scale: torch.Tensor | float, capturing: bool = False
+                         ) -> torch.Tensor:
+        """One micro-batch's forward, loss and backward (gradients added to .grad); its summed loss, detached.
+        capturing: inside a CUDA graph's capture, where autocast must not cache casts across replays."""
+        p = self.params
+        rows = {} if batch.row_weights is None else {"row_weights": batch.row_weights}
+        with autocast(self.device, p.bf16, cache=not capturing):
+            hidden = self.train_model(batch.input_ids, batch.documents)
+            loss_sum, _ = self.loss(hidden, self.model.head_weight, batch.labels, p.loss_chunk_tokens,
+                                    p.fp32_loss, token_weights=batch.token_weights, supervised=batch.supervised,
+                                    **rows)
+        (loss_sum * scale).backward()
+        return loss_sum.detach()
+
+    def _graphed_micro_steps(self) -> tuple[GraphedMicroSteps | None, str | None]:
+        """The CUDA-graph replays of the micro-steps (cflib.train.graphs) the run's cuda_graphs asks for, or None
+        and why not; KernelUnavailable for cuda_graphs: true where they cannot run."""
+        p, run = self.params, self.run
+        if p.cuda_graphs == "false":
+            return None, "cuda_graphs: false"
+        dtype = torch.bfloat16 if p.bf16 else torch.float32
+        attention = self.device.type == "cuda" and capturable(self.model.attention_backend, run.pack_plan is not None,
+                                                              self.device, self.model.config.head_dim, dtype)
+        problem = why_eager(self.device, run.strategy, p.grad_ckpt,
+                            isinstance(self.loss, SFTLoss) and self.loss.plan.custom, attention)
+        if problem is not None:
+            if p.cuda_graphs == "true":
+                raise KernelUnavailable(f"cuda_graphs: true, but {problem}")
+            return None, problem
+        return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device, p.seq_len,
+                                 run.train_data.eos_token_id), None
+
+    def graphs_summary(self) -> dict:
+        """How the micro-steps ran: replayed from CUDA graphs (how many, how many shapes), or eagerly and why."""
+        if self.graphs is None:
+            return {"cuda_graphs": False, "reason": self.eager_reason}
+        return self.graphs.summary()
 
     def train_step(self, step_units: np.ndarray) -> dict:
         p, data = self.params, self.run.train_data
@@ -269,18 +296,17 @@ class Trainer:
         _sync(self.device)
         start = time.perf_counter()
         micro_starts = range(0, len(mine), p.micro_batch_per_rank)
+        # The step's (weighted) token mean, times world size: data parallelism averages gradients.
+        scale = self.dist.world_size / step_mass
         for micro_start in micro_starts:
-            batch = self.batch(mine[micro_start:micro_start + p.micro_batch_per_rank])
+            host = self.host_batch(mine[micro_start:micro_start + p.micro_batch_per_rank])
             with self._gradient_sync(micro_start == micro_starts[-1]):
-                with autocast(self.device, p.bf16):
-                    hidden = self.train_model(batch.input_ids, batch.documents)
-                    loss_sum, _ = self.loss(hidden, self.model.head_weight, batch.labels, p.loss_chunk_tokens,
-                                            p.fp32_loss, token_weights=batch.token_weights,
-                                            supervised=batch.supervised)
-                # The step's (weighted) token mean, times world size: data parallelism averages gradients.
-                (loss_sum * (self.dist.world_size / step_mass)).backward()
-            totals[0] += loss_sum.detach().double()
-            totals[1] += batch.labels.numel()
+                if self.graphs is not None:
+                    loss_sum = self.graphs(host, scale, accumulate=micro_start > 0)
+                else:
+                    loss_sum = self.forward_backward(host.to(self.device), scale)
+            totals[0] += loss_sum.double()
+            totals[1] += host.labels.numel()
         totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
         # The norm is measured even unclipped (max_norm inf), so a non-finite gradient is caught here.
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf)

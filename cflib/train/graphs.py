@@ -1,0 +1,220 @@
+"""The training micro-step replayed from CUDA graphs: the host launches one graph instead of ~2,000 kernels.
+
+At the 200M size on one H200 the eager step's host work (Python, autograd, FlashAttention-4's launch path) is
+about as long as its GPU work, so the GPU waits on the host for a tenth of each step. A CUDA graph records the
+forward, the loss and the backward of one micro-batch once per static shape and replays them: the batch is
+copied into fixed buffers, and the gradients land in the tensors the capture allocated, which each parameter's
+`.grad` points to again after a replay. The optimizer step stays eager (a few fused kernels).
+
+Shapes are made static by padding, which changes no value:
+- dense rows to a multiple of SEQ_MULTIPLE tokens (pads after every real token, unseen under the causal mask,
+  unsupervised);
+- the supervised positions to a multiple of SUPERVISED_ROWS: padding rows repeat a supervised position with
+  weight 0, adding nothing to the loss or to any gradient;
+- a packed batch's document table (cu_seqlens) to a multiple of DOCUMENTS, with empty documents at its end.
+A shape runs eagerly the first time (its kernels are chosen and compiled), is captured the second, and is
+replayed from then on; every shape's graphs share one memory pool.
+
+It runs where every kernel of the step can be captured and nothing reads the device back mid-step: one CUDA
+process, the built-in SFT loss on cflib's fused kernel, an attention kernel that takes its documents from
+tensors, no activation checkpointing. Elsewhere the step runs eagerly; `why_eager` says why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cflib.ops.attention import PackedDocuments
+from cflib.train.batch import MicroBatch
+
+SEQ_MULTIPLE = 256
+SUPERVISED_ROWS = 512
+DOCUMENTS = 64
+MAX_SHAPES = 8  # shapes beyond these run eagerly: each costs a capture and grows the pool a little
+
+
+def _round_up(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    rows: int
+    seq: int
+    supervised: int  # padded count of supervised positions
+    documents: int | None  # padded document count of a packed batch
+    weighted: bool
+
+
+def static_shape(batch: MicroBatch, seq_len: int) -> StaticShape | None:
+    """The padded shape a host micro-batch is replayed at; None: nothing to capture (no supervised position)."""
+    supervised = int(batch.supervised.numel())
+    if supervised == 0:
+        return None
+    rows, seq = batch.input_ids.shape
+    documents = None
+    if batch.documents is not None:  # packed windows are seq_len long already
+        documents = _round_up(batch.documents.cu_seqlens.numel() - 1, DOCUMENTS)
+    else:
+        seq = min(_round_up(seq, SEQ_MULTIPLE), max(seq_len, seq))
+    return StaticShape(rows, seq, _round_up(supervised, SUPERVISED_ROWS), documents,
+                       batch.token_weights is not None)
+
+
+def padded(batch: MicroBatch, shape: StaticShape, pad_token_id: int) -> MicroBatch:
+    """The host batch at its static shape, with the same loss and gradients (see the module docstring)."""
+    rows, seq = batch.input_ids.shape
+    input_ids, labels = batch.input_ids, batch.labels
+    if shape.seq > seq:
+        input_ids = torch.nn.functional.pad(input_ids, (0, shape.seq - seq), value=pad_token_id)
+        labels = torch.nn.functional.pad(labels, (0, shape.seq - seq), value=-100)
+    supervised = batch.supervised
+    # Positions are flat indices into [B, T]: re-based on the padded row length.
+    supervised = supervised // seq * shape.seq + supervised % seq
+    weights = (torch.ones(supervised.numel()) if batch.token_weights is None
+               else batch.token_weights.reshape(-1).index_select(0, batch.supervised).float())
+    fill = shape.supervised - supervised.numel()
+    supervised = torch.cat([supervised, supervised[:1].expand(fill)])
+    weights = torch.cat([weights, weights.new_zeros(fill)])
+    documents = batch.documents
+    if documents is not None:
+        cu = documents.cu_seqlens
+        tail = cu.new_full((shape.documents + 1 - cu.numel(),), int(cu[-1]))
+        documents = PackedDocuments(documents.document_ids, documents.positions, torch.cat([cu, tail]), seq)
+    return MicroBatch(input_ids, labels, documents, None, supervised, weights)
+
+
+class _Buffers:
+    """The device tensors one static shape's graphs read: filled from each host batch before a replay."""
+
+    def __init__(self, like: MicroBatch, device: torch.device) -> None:
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty_like(t, device=device)
+
+        documents = like.documents
+        if documents is not None:
+            documents = PackedDocuments(empty(documents.document_ids), empty(documents.positions),
+                                        empty(documents.cu_seqlens), documents.max_seqlen)
+        self.batch = MicroBatch(empty(like.input_ids), empty(like.labels), documents, None, empty(like.supervised),
+                                empty(like.row_weights))
+
+    def fill(self, host: MicroBatch) -> MicroBatch:
+        pairs = [(self.batch.input_ids, host.input_ids), (self.batch.labels, host.labels),
+                 (self.batch.supervised, host.supervised), (self.batch.row_weights, host.row_weights)]
+        if host.documents is not None:
+            mine, theirs = self.batch.documents, host.documents
+            pairs += [(mine.document_ids, theirs.document_ids), (mine.positions, theirs.positions),
+                      (mine.cu_seqlens, theirs.cu_seqlens)]
+        for target, source in pairs:
+            target.copy_(source.pin_memory(), non_blocking=True)
+        return self.batch
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    loss_sum: torch.Tensor  # the replay's summed loss, overwritten by the next replay
+    grads: list[torch.Tensor | None] | None  # a first micro-batch's graph: the gradients it writes
+
+
+class GraphedMicroSteps:
+    """forward_backward(batch, scale, capturing) -> summed loss, run eagerly or replayed from a CUDA graph.
+
+    The first micro-batch of a step writes the gradients (its graph was captured with every .grad unset); the
+    others add to them (captured with .grad bound to the first's tensors)."""
+
+    def __init__(self, forward_backward: Callable[[MicroBatch, torch.Tensor, bool], torch.Tensor],
+                 parameters: list[torch.nn.Parameter], device: torch.device, seq_len: int, pad_token_id: int) -> None:
+        self.forward_backward, self.device = forward_backward, device
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.seq_len, self.pad_token_id = seq_len, pad_token_id
+        self.scale = torch.zeros((), dtype=torch.float32, device=device)
+        self.stream = torch.cuda.Stream(device)
+        self.pool = None
+        self.seen: dict[tuple, int] = {}
+        self.graphs: dict[tuple, _Graph] = {}
+        self.buffers: dict[StaticShape, _Buffers] = {}
+        self.first_shape: StaticShape | None = None
+        self.counts = {"replayed": 0, "eager": 0, "captured": 0}
+        self.failure: str | None = None
+
+    def summary(self) -> dict:
+        return {"cuda_graphs": True, **self.counts, "shapes": len(self.buffers), "capture_failure": self.failure}
+
+    def __call__(self, host: MicroBatch, scale: float, accumulate: bool) -> torch.Tensor:
+        shape = static_shape(host, self.seq_len) if self.failure is None else None
+        if not accumulate:
+            self.first_shape = shape
+        key = (shape, self.first_shape if accumulate else None)
+        if shape is None or self.first_shape is None or (shape not in self.buffers
+                                                         and len(self.buffers) >= MAX_SHAPES):
+            return self._eager(host.to(self.device), scale)
+        batch = padded(host, shape, self.pad_token_id)
+        if key in self.graphs:
+            return self._replay(self.graphs[key], shape, batch, scale)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if self.seen[key] == 1:  # the shape's kernels are chosen and compiled eagerly, off the capture
+            return self._eager(batch.to(self.device), scale, side_stream=True)
+        try:
+            graph = self._capture(shape, batch, accumulate)
+        except Exception as err:  # noqa: BLE001 - an uncapturable step trains eagerly, and the record says why
+            self.failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            if not accumulate:
+                for parameter in self.parameters:
+                    parameter.grad = None  # assigned by the aborted capture, never computed
+            return self._eager(host.to(self.device), scale)
+        self.graphs[key] = graph
+        return self._replay(graph, shape, batch, scale)
+
+    def _eager(self, batch: MicroBatch, scale: float, side_stream: bool = False) -> torch.Tensor:
+        self.counts["eager"] += 1
+        self.scale.fill_(scale)
+        if not side_stream:
+            return self.forward_backward(batch, self.scale, False)
+        # On the stream the capture will use, so its libraries' per-stream state (cuBLAS workspaces) exists.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            loss_sum = self.forward_backward(batch, self.scale, False)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return loss_sum
+
+    def _capture(self, shape: StaticShape, batch: MicroBatch, accumulate: bool) -> _Graph:
+        if shape not in self.buffers:
+            self.buffers[shape] = _Buffers(batch, self.device)
+        static = self.buffers[shape].batch
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            loss_sum = self.forward_backward(static, self.scale, True)
+        self.pool = graph.pool()
+        self.counts["captured"] += 1
+        grads = None if accumulate else [p.grad for p in self.parameters]
+        return _Graph(graph, loss_sum, grads)
+
+    def _replay(self, graph: _Graph, shape: StaticShape, batch: MicroBatch, scale: float) -> torch.Tensor:
+        self.buffers[shape].fill(batch)
+        self.scale.fill_(scale)
+        graph.graph.replay()
+        if graph.grads is not None:
+            for parameter, grad in zip(self.parameters, graph.grads):
+                parameter.grad = grad
+        self.counts["replayed"] += 1
+        return graph.loss_sum
+
+
+def why_eager(device: torch.device, strategy: str, grad_ckpt: bool, fused_loss: bool,
+              attention_capturable: bool) -> str | None:
+    """Why a run's micro-steps cannot be replayed from CUDA graphs, or None."""
+    if device.type != "cuda":
+        return f"the device is {device.type}, not CUDA"
+    if strategy != "single":
+        return f"strategy {strategy}: the gradients' collectives run from the host"
+    if grad_ckpt:
+        return "grad_ckpt: activation checkpointing saves and restores the RNG from the host"
+    if not fused_loss:
+        return "the loss is not the built-in SFT cross-entropy on cflib's fused kernel (use_custom_kernels)"
+    if not attention_capturable:
+        return "the attention kernel builds its mask or reads lengths on the host"
+    return None
+

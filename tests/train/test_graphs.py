@@ -1,0 +1,138 @@
+"""The micro-step replayed from CUDA graphs (cflib.train.graphs): the padding that makes shapes static changes no
+loss or gradient, and on a GPU the graphed steps train exactly as the eager ones.
+
+The padding tests run the production kernels where the fast kernels run (the GPU, else Triton's interpreter);
+the replay tests need CUDA.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
+
+from cflib.errors import KernelUnavailable
+from cflib.model.fast import build_model
+from cflib.ops.attention import pack_documents
+from cflib.ops.dispatch import KernelPlan
+from cflib.ops.loss import supervised_positions
+from cflib.ops.sft_loss import SFTLoss
+from cflib.train.batch import MicroBatch
+from cflib.train.graphs import DOCUMENTS, SUPERVISED_ROWS, padded, static_shape
+from cflib.train.params import TrainParams
+from cflib.train.run import prepare
+from cflib.train.trainer import Trainer
+
+PRODUCTION = KernelPlan(liger=True, custom=True)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def _host_batch(vocab: int, rows: int, seq: int, packed: bool, weighted: bool) -> MicroBatch:
+    ids = random_ids(vocab, rows, seq)
+    labels = random_ids(vocab, rows, seq, seed=1)
+    labels[:, : seq // 3] = -100
+    labels[-1, seq - 5:] = -100  # a shorter last row, padded as collate pads it
+    documents = None
+    if packed:
+        document_ids = torch.zeros(rows, seq, dtype=torch.long)
+        document_ids[:, seq // 2:] = 1
+        document_ids[0, seq - 3:] = 2
+        documents = pack_documents(document_ids)
+    weights = torch.rand(rows, seq, generator=torch.Generator().manual_seed(2)) * 3 if weighted else None
+    return MicroBatch(ids, labels, documents, weights, supervised_positions(labels))
+
+
+def _loss_and_grads(model, batch: MicroBatch) -> tuple[float, dict[str, torch.Tensor]]:
+    loss = SFTLoss(PRODUCTION)
+    model.zero_grad(set_to_none=True)
+    rows = {} if batch.row_weights is None else {"row_weights": batch.row_weights}
+    loss_sum, _ = loss(model(batch.input_ids, batch.documents), model.head_weight, batch.labels, 16, True,
+                       token_weights=batch.token_weights, supervised=batch.supervised, **rows)
+    loss_sum.backward()
+    return loss_sum.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("packed,weighted", [(False, False), (False, True), (True, False)],
+                         ids=["dense", "dense-weighted", "packed"])
+def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, weighted):
+    """Dense rows padded to the next multiple of 256 tokens, supervised positions to a multiple of 512 (rows
+    of weight 0), a packed batch's documents to a multiple of 64 (empty documents): the same loss and
+    gradients. Heads of 64, so that on a GPU packed windows run FlashAttention-4's varlen kernel where it is
+    installed, the kernel whose document table is padded."""
+    torch.manual_seed(0)
+    config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    model = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
+    host = _host_batch(config.vocab_size, 3, 40, packed, weighted)
+    shape = static_shape(host, seq_len=300)
+    assert shape.supervised == SUPERVISED_ROWS and shape.weighted == weighted
+    assert (shape.seq, shape.documents) == ((40, DOCUMENTS) if packed else (256, None))
+    wide = padded(host, shape, pad_token_id=0)
+    assert wide.input_ids.shape == (3, shape.seq) and wide.supervised.shape == wide.row_weights.shape == (512,)
+    if packed:
+        assert wide.documents.cu_seqlens.shape == (DOCUMENTS + 1,)
+    loss, grads = _loss_and_grads(model, host.to(KERNEL_DEVICE))
+    wide_loss, wide_grads = _loss_and_grads(model, wide.to(KERNEL_DEVICE))
+    assert wide_loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(wide_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_static_shapes_round_up_and_a_batch_without_supervision_has_none():
+    host = _host_batch(50, 2, 300, packed=False, weighted=False)
+    shape = static_shape(host, seq_len=300)
+    assert (shape.rows, shape.seq, shape.supervised) == (2, 300, 512)  # 512 capped at seq_len
+    host.supervised = host.supervised[:0]
+    assert static_shape(host, seq_len=300) is None
+
+
+def _params(tmp_path, shard, **overrides) -> TrainParams:
+    return TrainParams.from_dict({"model": "smoke", "data": str(shard), "out_dir": str(tmp_path / "run"),
+                                  "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 8, "max_steps": 6,
+                                  "eval_at_start": False, "exact_match_limit": 0, **overrides})
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    from cflib.data.tasks import generate
+    from sft_shard_helpers import write_shard
+    train_examples, eval_examples = generate(seed=1)
+    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:48], eval_examples[:8])
+
+
+def test_cuda_graphs_true_without_a_gpu_stops_before_any_step(tmp_path, shard):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(KernelUnavailable, match="cuda_graphs: true, but the device is cpu"):
+        Trainer(prepare(_params(tmp_path, shard, device="cpu", cuda_graphs=True)), progress=False)
+    trainer = Trainer(prepare(_params(tmp_path, shard, device="cpu", out_dir=str(tmp_path / "auto"))),
+                      progress=False)
+    assert trainer.graphs_summary() == {"cuda_graphs": False, "reason": "the device is cpu, not CUDA"}
+
+
+@CUDA
+@pytest.mark.parametrize("pack", [False, True], ids=["dense", "packed"])
+def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
+    """Six steps of two micro-batches each, replayed from graphs after each shape's eager warm-up and capture,
+    against the same steps launched from the host: the same losses, gradient norms and weights."""
+    common = {"device": "cuda", "bf16": True, "use_custom_kernels": True, "pack_sequences": pack, "seed": 3}
+    trainers = {}
+    for graphs in ("true", "false"):
+        params = _params(tmp_path / graphs, shard, cuda_graphs=graphs, **common)
+        try:
+            trainers[graphs] = Trainer(prepare(params), progress=False)
+        except KernelUnavailable as err:  # packed windows capture only with FlashAttention-4
+            pytest.skip(str(err))
+    rows = {}
+    for graphs, trainer in trainers.items():
+        units = len(trainer.run.pack_plan) if pack else len(trainer.run.train_data)
+        order = np.random.default_rng(0).permutation(units)
+        rows[graphs] = [trainer.train_step(order[s * 8 % (units - 8):][:8]) for s in range(6)]
+    summary = trainers["true"].graphs_summary()
+    assert summary["replayed"] > 0 and summary["captured"] >= 2 and summary["capture_failure"] is None, summary
+    for graphed, eager in zip(rows["true"], rows["false"]):
+        assert graphed["loss"] == pytest.approx(eager["loss"], rel=2e-3)
+        assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=2e-2)
+        assert graphed["tokens"] == eager["tokens"]
+    weights = [dict(t.model.named_parameters()) for t in trainers.values()]
+    for name, parameter in weights[0].items():
+        torch.testing.assert_close(parameter, weights[1][name], rtol=1e-2, atol=1e-4, msg=name)
