@@ -84,22 +84,21 @@ def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
 
 
 def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor | None,
-                    supervised: torch.Tensor | None = None, row_weights: torch.Tensor | None = None
+                    supervised: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Hidden states, targets and fp32 weights of the supervised positions only: prompt tokens cost no head FLOPs.
 
-    supervised: supervised_positions(labels), already on labels' device; None: found here. row_weights: one
-    weight per entry of supervised, given instead of token_weights (a CUDA graph's padded rows weigh 0)."""
+    supervised: supervised_positions(labels), already on labels' device; None: found here. row_mask: 1.0 for
+    each real entry of supervised, 0.0 for padding (a CUDA graph's static shape), multiplying the weights."""
     if token_weights is not None and token_weights.shape != labels.shape:
         raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, labels {tuple(labels.shape)}")
-    if row_weights is not None and (token_weights is not None or supervised is None
-                                    or row_weights.shape != supervised.shape):
-        raise ValueError("row_weights takes the place of token_weights and needs supervised of its shape")
+    if row_mask is not None and (supervised is None or row_mask.shape != supervised.shape):
+        raise ValueError("row_mask needs supervised of its shape")
     if supervised is None:
         supervised = supervised_positions(labels)
     weights = token_weights.reshape(-1).index_select(0, supervised).float() if token_weights is not None else None
-    if row_weights is not None:
-        weights = row_weights.float()
+    if row_mask is not None:
+        weights = row_mask.float() if weights is None else weights * row_mask
     return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, supervised),
             labels.reshape(-1).index_select(0, supervised), weights)
 

@@ -54,20 +54,20 @@ class SFTLoss:
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                  loss_chunk_tokens: int, fp32_loss: bool, token_weights: torch.Tensor | None = None,
-                 supervised: torch.Tensor | None = None, row_weights: torch.Tensor | None = None
+                 supervised: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, int]:
         """supervised: the flat indices of labels' supervised positions (cflib.ops.loss.supervised_positions),
-        computed where the batch is collated; None: found here, which on a GPU is a sync. row_weights: a weight
-        per supervised entry instead of token_weights, on cflib's fused kernel only (cflib.train.graphs pads
-        the supervised positions with rows of weight 0)."""
+        computed where the batch is collated; None: found here, which on a GPU is a sync. row_mask: 1.0 for each
+        real entry of supervised, 0.0 for padding, on cflib's fused kernel only (cflib.train.graphs pads the
+        supervised positions to a static count)."""
         fused = torch.is_grad_enabled() and (self.plan.custom or (self.plan.liger and token_weights is None))
-        if row_weights is not None and not (fused and self.plan.custom):
-            raise ValueError("row_weights needs cflib's fused loss (use_custom_kernels) and gradients")
+        if row_mask is not None and not (fused and self.plan.custom):
+            raise ValueError("row_mask needs cflib's fused loss (use_custom_kernels) and gradients")
         if not fused:
             self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
             return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
                                              token_weights=token_weights, supervised=supervised)
-        hidden, targets, weights = supervised_rows(hidden, labels, token_weights, supervised, row_weights)
+        hidden, targets, weights = supervised_rows(hidden, labels, token_weights, supervised, row_mask)
         count = int(targets.numel())
         if count == 0:
             return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0
@@ -85,9 +85,7 @@ class SFTLoss:
                 loss = out[0] if isinstance(out, tuple) else out
                 return loss.float(), count
             from cflib.ops.cross_entropy import FusedLinearWeightedCrossEntropy
-            # "_row_weighted": each supervised row weighed as given (a CUDA graph's padding weighs 0)
-            self.last_backend = "cflib_triton_fused_linear_ce" + (
-                "_row_weighted" if row_weights is not None else "_weighted" if weights is not None else "")
+            self.last_backend = "cflib_triton_fused_linear_ce" + ("_weighted" if token_weights is not None else "")
             return FusedLinearWeightedCrossEntropy.apply(hidden, weight, targets, weights, loss_chunk_tokens), count
 
 

@@ -15,13 +15,13 @@ class MicroBatch:
     documents: PackedDocuments | None  # packed windows' documents; None: one example per row
     token_weights: torch.Tensor | None  # [B, T] under loss weighting
     supervised: torch.Tensor  # flat indices of the supervised labels (cflib.ops.loss.supervised_positions)
-    row_weights: torch.Tensor | None = None  # a weight per supervised position, replacing token_weights'
+    row_mask: torch.Tensor | None = None  # 1.0 per real supervised position, 0.0 per padding (a static shape)
 
     def to(self, device: torch.device) -> "MicroBatch":
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         return MicroBatch(move(self.input_ids), move(self.labels),
                           None if self.documents is None else self.documents.moved(move),
-                          move(self.token_weights), move(self.supervised), move(self.row_weights))
+                          move(self.token_weights), move(self.supervised), move(self.row_mask))
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -9,8 +9,8 @@ copied into fixed buffers, and the gradients land in the tensors the capture all
 Shapes are made static by padding, which changes no value:
 - dense rows to a multiple of SEQ_MULTIPLE tokens (pads after every real token, unseen under the causal mask,
   unsupervised);
-- the supervised positions to a multiple of SUPERVISED_ROWS: padding rows repeat a supervised position with
-  weight 0, adding nothing to the loss or to any gradient;
+- the supervised positions to a multiple of SUPERVISED_ROWS: padding rows repeat a supervised position, masked
+  to weight 0, adding nothing to the loss or to any gradient;
 - a packed batch's document table (cu_seqlens) to a multiple of DOCUMENTS, with empty documents at its end.
 A shape runs eagerly the first time (its kernels are chosen and compiled), is captured the second, and is
 replayed from then on; every shape's graphs share one memory pool.
@@ -65,25 +65,24 @@ def static_shape(batch: MicroBatch, seq_len: int) -> StaticShape | None:
 
 def padded(batch: MicroBatch, shape: StaticShape, pad_token_id: int) -> MicroBatch:
     """The host batch at its static shape, with the same loss and gradients (see the module docstring)."""
-    rows, seq = batch.input_ids.shape
-    input_ids, labels = batch.input_ids, batch.labels
+    seq = batch.input_ids.shape[1]
+    input_ids, labels, token_weights = batch.input_ids, batch.labels, batch.token_weights
     if shape.seq > seq:
-        input_ids = torch.nn.functional.pad(input_ids, (0, shape.seq - seq), value=pad_token_id)
-        labels = torch.nn.functional.pad(labels, (0, shape.seq - seq), value=-100)
-    supervised = batch.supervised
+        extra = (0, shape.seq - seq)
+        input_ids = torch.nn.functional.pad(input_ids, extra, value=pad_token_id)
+        labels = torch.nn.functional.pad(labels, extra, value=-100)
+        token_weights = None if token_weights is None else torch.nn.functional.pad(token_weights, extra)
     # Positions are flat indices into [B, T]: re-based on the padded row length.
-    supervised = supervised // seq * shape.seq + supervised % seq
-    weights = (torch.ones(supervised.numel()) if batch.token_weights is None
-               else batch.token_weights.reshape(-1).index_select(0, batch.supervised).float())
+    supervised = batch.supervised // seq * shape.seq + batch.supervised % seq
     fill = shape.supervised - supervised.numel()
     supervised = torch.cat([supervised, supervised[:1].expand(fill)])
-    weights = torch.cat([weights, weights.new_zeros(fill)])
+    row_mask = torch.cat([torch.ones(shape.supervised - fill), torch.zeros(fill)])
     documents = batch.documents
     if documents is not None:
         cu = documents.cu_seqlens
         tail = cu.new_full((shape.documents + 1 - cu.numel(),), int(cu[-1]))
         documents = PackedDocuments(documents.document_ids, documents.positions, torch.cat([cu, tail]), seq)
-    return MicroBatch(input_ids, labels, documents, None, supervised, weights)
+    return MicroBatch(input_ids, labels, documents, token_weights, supervised, row_mask)
 
 
 class _Buffers:
@@ -97,12 +96,15 @@ class _Buffers:
         if documents is not None:
             documents = PackedDocuments(empty(documents.document_ids), empty(documents.positions),
                                         empty(documents.cu_seqlens), documents.max_seqlen)
-        self.batch = MicroBatch(empty(like.input_ids), empty(like.labels), documents, None, empty(like.supervised),
-                                empty(like.row_weights))
+        self.batch = MicroBatch(empty(like.input_ids), empty(like.labels), documents,
+                                None if like.token_weights is None else empty(like.token_weights),
+                                empty(like.supervised), empty(like.row_mask))
 
     def fill(self, host: MicroBatch) -> MicroBatch:
         pairs = [(self.batch.input_ids, host.input_ids), (self.batch.labels, host.labels),
-                 (self.batch.supervised, host.supervised), (self.batch.row_weights, host.row_weights)]
+                 (self.batch.supervised, host.supervised), (self.batch.row_mask, host.row_mask)]
+        if host.token_weights is not None:
+            pairs.append((self.batch.token_weights, host.token_weights))
         if host.documents is not None:
             mine, theirs = self.batch.documents, host.documents
             pairs += [(mine.document_ids, theirs.document_ids), (mine.positions, theirs.positions),

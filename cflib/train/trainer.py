@@ -248,7 +248,7 @@ class Trainer:
         """One micro-batch's forward, loss and backward (gradients added to .grad); its summed loss, detached.
         capturing: inside a CUDA graph's capture, where autocast must not cache casts across replays."""
         p = self.params
-        rows = {} if batch.row_weights is None else {"row_weights": batch.row_weights}
+        rows = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
         with autocast(self.device, p.bf16, cache=not capturing):
             hidden = self.train_model(batch.input_ids, batch.documents)
             loss_sum, _ = self.loss(hidden, self.model.head_weight, batch.labels, p.loss_chunk_tokens,

@@ -45,7 +45,7 @@ def _host_batch(vocab: int, rows: int, seq: int, packed: bool, weighted: bool) -
 def _loss_and_grads(model, batch: MicroBatch) -> tuple[float, dict[str, torch.Tensor]]:
     loss = SFTLoss(PRODUCTION)
     model.zero_grad(set_to_none=True)
-    rows = {} if batch.row_weights is None else {"row_weights": batch.row_weights}
+    rows = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
     loss_sum, _ = loss(model(batch.input_ids, batch.documents), model.head_weight, batch.labels, 16, True,
                        token_weights=batch.token_weights, supervised=batch.supervised, **rows)
     loss_sum.backward()
@@ -67,14 +67,16 @@ def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, wei
     assert shape.supervised == SUPERVISED_ROWS and shape.weighted == weighted
     assert (shape.seq, shape.documents) == ((40, DOCUMENTS) if packed else (256, None))
     wide = padded(host, shape, pad_token_id=0)
-    assert wide.input_ids.shape == (3, shape.seq) and wide.supervised.shape == wide.row_weights.shape == (512,)
+    assert wide.input_ids.shape == (3, shape.seq) and wide.supervised.shape == wide.row_mask.shape == (512,)
     if packed:
         assert wide.documents.cu_seqlens.shape == (DOCUMENTS + 1,)
     loss, grads = _loss_and_grads(model, host.to(KERNEL_DEVICE))
     wide_loss, wide_grads = _loss_and_grads(model, wide.to(KERNEL_DEVICE))
     assert wide_loss == pytest.approx(loss, rel=1e-5)
     for name, grad in grads.items():
-        torch.testing.assert_close(wide_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        # The padded GEMMs sum the same terms (and zeros) in another order: entries that cancel to near zero
+        # differ by the rounding of the terms' scale.
+        torch.testing.assert_close(wide_grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
 
 
 def test_static_shapes_round_up_and_a_batch_without_supervision_has_none():
@@ -113,7 +115,9 @@ def test_cuda_graphs_true_without_a_gpu_stops_before_any_step(tmp_path, shard):
 @pytest.mark.parametrize("pack", [False, True], ids=["dense", "packed"])
 def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
     """Six steps of two micro-batches each, replayed from graphs after each shape's eager warm-up and capture,
-    against the same steps launched from the host: the same losses, gradient norms and weights."""
+    against the same steps launched from the host: the same losses and gradient norms, and the same updates
+    (AdamW turns rounding-level gradient differences of near-zero entries into steps of lr, so the weights are
+    compared as a whole: the two runs' updates differ by a small part of their size)."""
     common = {"device": "cuda", "bf16": True, "use_custom_kernels": True, "pack_sequences": pack, "seed": 3}
     trainers = {}
     for graphs in ("true", "false"):
@@ -122,6 +126,7 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
             trainers[graphs] = Trainer(prepare(params), progress=False)
         except KernelUnavailable as err:  # packed windows capture only with FlashAttention-4
             pytest.skip(str(err))
+    start = {name: p.detach().clone() for name, p in trainers["false"].model.named_parameters()}
     rows = {}
     for graphs, trainer in trainers.items():
         units = len(trainer.run.pack_plan) if pack else len(trainer.run.train_data)
@@ -129,10 +134,12 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
         rows[graphs] = [trainer.train_step(order[s * 8 % (units - 8):][:8]) for s in range(6)]
     summary = trainers["true"].graphs_summary()
     assert summary["replayed"] > 0 and summary["captured"] >= 2 and summary["capture_failure"] is None, summary
+    assert trainers["true"].loss.last_backend == "cflib_triton_fused_linear_ce"
     for graphed, eager in zip(rows["true"], rows["false"]):
         assert graphed["loss"] == pytest.approx(eager["loss"], rel=2e-3)
         assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=2e-2)
         assert graphed["tokens"] == eager["tokens"]
     weights = [dict(t.model.named_parameters()) for t in trainers.values()]
     for name, parameter in weights[0].items():
-        torch.testing.assert_close(parameter, weights[1][name], rtol=1e-2, atol=1e-4, msg=name)
+        update = (weights[1][name] - start[name]).norm()
+        assert (parameter - weights[1][name]).norm() <= 0.1 * update, name
