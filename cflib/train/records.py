@@ -106,8 +106,7 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "grad_ckpt": p.grad_ckpt,
         "loss_chunk_tokens": p.loss_chunk_tokens,
         "telemetry": "tqdm progress + metrics.jsonl per step (host sync once per step)",
-        "compiled": False,
-        "step_capture": trainer.graphs_summary(),
+        "compiled": False, "step_capture": trainer.graphs_summary(),  # CUDA-graph replays (cflib.train.graphs)
         "timing_protocol": {
             "warmup_steps_excluded": trainer.warmup_exclude,
             "sync_boundaries": "torch.cuda.synchronize before and after each timed optimizer step"
