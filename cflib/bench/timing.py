@@ -87,7 +87,7 @@ def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray],
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
         for batch in batches:
             step(batch)
         sync(device)
@@ -95,8 +95,11 @@ def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray],
     events = profiler.key_averages()
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(events.table(sort_by=sort_by, row_limit=40) + "\n")
+    # The operators again, one row per input shape: which copy, cast or reduction each small kernel is.
+    by_shape = table_path.with_name(table_path.stem + "-by-shape.txt")
+    by_shape.write_text(profiler.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=80) + "\n")
     top = sorted(events, key=lambda e: getattr(e, sort_by), reverse=True)[:10]
-    return {"steps": len(batches), "table": str(table_path), "sorted_by": sort_by,
+    return {"steps": len(batches), "table": str(table_path), "table_by_shape": str(by_shape), "sorted_by": sort_by,
             "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
 
 

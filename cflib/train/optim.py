@@ -55,3 +55,14 @@ def describe_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
              "params": sum(p.numel() for p in group["params"]), "lr": group.get("initial_lr", group["lr"]),
              "weight_decay": group["weight_decay"]}
             for index, group in enumerate(optimizer.param_groups)]
+
+
+def clip_in_fused_step(optimizer: torch.optim.Optimizer, parameters: list[torch.nn.Parameter],
+                       max_norm: float | None) -> torch.Tensor:
+    """The gradients' total norm, their clipping left to the fused AdamW's next step: it divides each gradient
+    by `grad_scale` as it reads it (GradScaler's unscaling), so no separate pass rewrites every gradient, not
+    even to multiply by 1 when unclipped. The factor is clip_grad_norm_'s: max(1, (norm + 1e-6) / max_norm)."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    optimizer.grad_scale = None if max_norm is None else torch.clamp((norm + 1e-6) / max_norm, min=1.0)
+    return norm
+

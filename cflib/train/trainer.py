@@ -36,7 +36,7 @@ from cflib.train.evaluate import autocast, eval_loss, exact_match
 from cflib.train.batch import MicroBatch
 from cflib.train.graphs import GraphedMicroSteps, why_eager
 from cflib.train.lock import RunLock
-from cflib.train.optim import describe_groups, lr_factor, make_optimizer
+from cflib.train.optim import clip_in_fused_step, describe_groups, lr_factor, make_optimizer
 from cflib.train.records import MetricsLog, train_record
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.trackers import open_trackers
@@ -308,11 +308,9 @@ class Trainer:
             totals[0] += loss_sum.double()
             totals[1] += host.labels.numel()
         totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
-        # The norm is measured even unclipped (max_norm inf), so a non-finite gradient is caught here.
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), p.max_grad_norm or math.inf)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
         lr = self.scheduler.get_last_lr()[0]
         on_device = all(group.get("fused") for group in self.optimizer.param_groups)
+        norm = self._clip(on_device)
         if on_device:
             # The fused AdamW skips a non-finite step on the device (found_inf, as under GradScaler), so the
             # host queues the update while the backward still runs instead of waiting to read the norm.
@@ -342,6 +340,14 @@ class Trainer:
             self.steady["steps"] += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "supervised_tokens": step_supervised, "seconds": seconds, "skipped": not finite}
+
+    def _clip(self, fused: bool) -> torch.Tensor:
+        """The gradients' total norm, measured even unclipped (max_norm None) so a non-finite gradient is
+        caught; clipped by the fused AdamW's next step, or here."""
+        if fused:
+            return clip_in_fused_step(self.optimizer, list(self.model.parameters()), self.params.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm or math.inf)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
 
     def _end_step(self) -> None:
         with warnings.catch_warnings():  # torch warns when the schedule moves without an optimizer step

@@ -283,6 +283,7 @@ def test_profiles_are_taken_after_the_timed_steps_at_the_compared_micro_batch(sm
     profile = profiled[0]["profile"]
     assert profile["status"] == "ok" and profile["steps"] == 1 and profile["top_ms"]
     assert "Self CPU" in Path(profile["table"]).read_text()
+    assert "Input Shapes" in Path(profile["table_by_shape"]).read_text()
     assert len(profiled[0]["step_seconds"]) == 2  # the profiled step is not among the timed ones
 
 
