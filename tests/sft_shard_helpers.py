@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from cflib.data.shards import IGNORE_INDEX, Example, write_partition
+from cflib.data.tasks import generate
 from cflib.data.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -47,6 +48,12 @@ def write_shard(root: Path, train: list[Example], eval_: list[Example] | None = 
         write_partition(root / partition, examples, vocab_size=vocab_size, eos_token_id=EOS,
                         max_seq_len=max_seq_len)
     return root
+
+
+def task_shard(root: Path, train: int, eval_: int, seed: int = 2) -> Path:
+    """A shard of the first `train` and `eval_` embedded-task examples of generate(seed), rows up to 64 tokens."""
+    train_examples, eval_examples = generate(seed=seed)
+    return write_shard(root, train_examples[:train], eval_examples[:eval_], max_seq_len=64)
 
 
 def read_jsonl(path: Path) -> list[dict]:

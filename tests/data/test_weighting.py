@@ -6,9 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sft_shard_helpers import write_shard
+from sft_shard_helpers import task_shard
 
-from cflib.data.tasks import generate
 from cflib.data.weighting import audit_table, derive_loss_weights, parse_loss_groups
 from cflib.train import train
 from cflib.train.params import ParamError, TrainParams, load_params_file
@@ -106,8 +105,7 @@ FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batc
 @pytest.fixture(scope="module")
 def shard48(tmp_path_factory) -> Path:
     """48 train examples: three whole global batches of 16, so an epoch has no fill-in."""
-    train_examples, eval_examples = generate(seed=2)
-    return write_shard(tmp_path_factory.mktemp("weighted"), train_examples[:48], eval_examples[:8], max_seq_len=64)
+    return task_shard(tmp_path_factory.mktemp("weighted"), 48, 8)
 
 
 GROUPS = {"arithmetic": {"target_share": 0.3, "tasks": ["addition x carry", "addition x no-carry"],

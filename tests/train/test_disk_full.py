@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import SafetensorError
-from sft_shard_helpers import write_shard
+from sft_shard_helpers import task_shard
 
 import cflib.model.checkpoint
 import cflib.train.trainer
 from cflib.atomic import is_out_of_space
-from cflib.data.tasks import generate
 from cflib.model.checkpoint import (
     CheckpointError,
     latest_resumable,
@@ -36,8 +35,7 @@ except ImportError:  # run from the repository root as a package
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory) -> Path:
-    train_examples, eval_examples = generate(seed=2)
-    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:16], eval_examples[:4], max_seq_len=64)
+    return task_shard(tmp_path_factory.mktemp("shard"), 16, 4)
 
 
 def params(shard: Path, out_dir: Path, **overrides) -> dict:

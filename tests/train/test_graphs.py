@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sft_shard_helpers import task_shard
 from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 
 from cflib.errors import KernelUnavailable
@@ -95,10 +96,7 @@ def _params(tmp_path, shard, **overrides) -> TrainParams:
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory):
-    from cflib.data.tasks import generate
-    from sft_shard_helpers import write_shard
-    train_examples, eval_examples = generate(seed=1)
-    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:48], eval_examples[:8])
+    return task_shard(tmp_path_factory.mktemp("shard"), 48, 8, seed=1)
 
 
 def test_cuda_graphs_true_without_a_gpu_stops_before_any_step(tmp_path, shard):

@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from sft_shard_helpers import write_shard
+from sft_shard_helpers import task_shard
 
 import cflib.train.trainer
-from cflib.data.tasks import generate
 from cflib.train import TrainParams, prepare, train
 from cflib.train.lock import LOCK_FILE, RunLock, RunLockedError, check_not_locked
 
@@ -25,8 +24,7 @@ TRAIN = "import json, sys; from cflib.train import train; train(json.loads(sys.a
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory) -> Path:
-    train_examples, eval_examples = generate(seed=2)
-    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:16], eval_examples[:4], max_seq_len=64)
+    return task_shard(tmp_path_factory.mktemp("shard"), 16, 4)
 
 
 def params(shard: Path, out_dir: Path, **overrides) -> dict:

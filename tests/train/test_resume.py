@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from sft_shard_helpers import write_shard
+from sft_shard_helpers import task_shard
 
-from cflib.data.tasks import generate
 from cflib.model.checkpoint import CheckpointError, load_checkpoint
 from cflib.train import train
 from cflib.train.params import ParamError
@@ -30,8 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def shard(tmp_path_factory) -> Path:
-    train_examples, eval_examples = generate(seed=2)
-    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:40], eval_examples[:8], max_seq_len=64)
+    return task_shard(tmp_path_factory.mktemp("shard"), 40, 8)
 
 
 def params(shard: Path, out_dir: Path, **overrides) -> dict:
