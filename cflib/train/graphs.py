@@ -140,6 +140,7 @@ class GraphedMicroSteps:
         self.graphs: dict[tuple, _Graph] = {}
         self.buffers: dict[StaticShape, _Buffers] = {}
         self.first_shape: StaticShape | None = None
+        self.first_replayed = False  # this step's first micro-batch ran from its graph
         self.counts = {"replayed": 0, "eager": 0, "captured": 0}
         self.failure: str | None = None
 
@@ -149,10 +150,11 @@ class GraphedMicroSteps:
     def __call__(self, host: MicroBatch, scale: float, accumulate: bool) -> torch.Tensor:
         shape = static_shape(host, self.seq_len) if self.failure is None else None
         if not accumulate:
-            self.first_shape = shape
+            self.first_shape, self.first_replayed = shape, False
         key = (shape, self.first_shape if accumulate else None)
-        if shape is None or self.first_shape is None or (shape not in self.buffers
-                                                         and len(self.buffers) >= MAX_SHAPES):
+        # A later micro-batch's graph adds into the gradients of its step's first graph: only after a replay of it.
+        if shape is None or (accumulate and not self.first_replayed) or (
+                shape not in self.buffers and len(self.buffers) >= MAX_SHAPES):
             return self._eager(host.to(self.device), scale)
         batch = padded(host, shape, self.pad_token_id)
         if key in self.graphs:
@@ -202,6 +204,7 @@ class GraphedMicroSteps:
         if graph.grads is not None:
             for parameter, grad in zip(self.parameters, graph.grads):
                 parameter.grad = grad
+            self.first_replayed = True
         self.counts["replayed"] += 1
         return graph.loss_sum
 
