@@ -141,3 +141,45 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
     for name, parameter in weights[0].items():
         update = (weights[1][name] - start[name]).norm()
         assert (parameter - weights[1][name]).norm() <= 0.1 * update, name
+
+
+@CUDA
+@pytest.mark.parametrize("max_shapes", [8, 1], ids=["all-captured", "one-shape-held"])
+def test_steps_mixing_shapes_accumulate_the_eager_gradients(monkeypatch, max_shapes):
+    """Steps of two micro-batches whose shapes change from step to step (and, with one shape held, some of them
+    run eagerly beside graphs): each step's gradients are the eager steps' on the unpadded batches."""
+    import cflib.train.graphs as graphs_module
+    from cflib.train.graphs import GraphedMicroSteps
+
+    monkeypatch.setattr(graphs_module, "MAX_SHAPES", max_shapes)
+    torch.manual_seed(0)
+    config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    model = build_model(config, PRODUCTION).cuda().train()
+    loss = SFTLoss(PRODUCTION)
+
+    def forward_backward(batch: MicroBatch, scale, capturing: bool) -> torch.Tensor:
+        rows = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
+        loss_sum, _ = loss(model(batch.input_ids, batch.documents), model.head_weight, batch.labels, 64, True,
+                           supervised=batch.supervised, **rows)
+        (loss_sum * scale).backward()
+        return loss_sum.detach()
+
+    graphed = GraphedMicroSteps(forward_backward, list(model.parameters()), torch.device("cuda"), 512, 0)
+    short, long = (_host_batch(config.vocab_size, 2, seq, False, False) for seq in (40, 300))
+    for step, pair in enumerate([(short, long), (short, short), (long, short), (short, long), (short, long),
+                                 (long, long), (long, short), (short, short)]):
+        for parameter in model.parameters():
+            parameter.grad = None
+        for host in pair:
+            forward_backward(host.to("cuda"), 0.5, False)
+        eager = {name: p.grad.clone() for name, p in model.named_parameters()}
+        for parameter in model.parameters():
+            parameter.grad = None
+        for index, host in enumerate(pair):
+            graphed(host, 0.5, accumulate=index > 0)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, eager[name], rtol=1e-4, atol=1e-5 * float(eager[name].abs().max()),
+                                       msg=lambda m, name=name, step=step: f"step {step}, {name}: {m}")
+    summary = graphed.summary()
+    assert summary["replayed"] > 0 and summary["capture_failure"] is None, summary
+    assert summary["shapes"] <= max_shapes
