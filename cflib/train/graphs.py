@@ -77,7 +77,7 @@ def padded(batch: MicroBatch, shape: StaticShape, pad_token_id: int) -> MicroBat
     supervised = batch.supervised // seq * shape.seq + batch.supervised % seq
     fill = shape.supervised - supervised.numel()
     supervised = torch.cat([supervised, supervised[:1].expand(fill)])
-    row_mask = torch.cat([torch.ones(shape.supervised - fill), torch.zeros(fill)])
+    row_mask = torch.cat([torch.ones(batch.supervised.numel()), torch.zeros(fill)])
     documents = batch.documents
     if documents is not None:
         cu = documents.cu_seqlens

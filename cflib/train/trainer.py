@@ -239,10 +239,6 @@ class Trainer:
             token_weights = self.example_weights[example_index.clamp(min=0)]
         return MicroBatch(input_ids, labels, documents, token_weights, supervised_positions(labels))
 
-    def batch(self, units: np.ndarray) -> MicroBatch:
-        """Some units' batch on the device, moved without waiting."""
-        return self.host_batch(units).to(self.device)
-
     def forward_backward(self, batch: MicroBatch, scale: torch.Tensor | float, capturing: bool = False
                          ) -> torch.Tensor:
         """One micro-batch's forward, loss and backward (gradients added to .grad); its summed loss, detached.
