@@ -80,6 +80,9 @@ def timing_protocol(warmup_steps: int, timed_steps: int, device: torch.device) -
                            "examples micro-batch at a time, so more steps (entry 'steps')",
         "sync_boundaries": "torch.cuda.synchronize before and after each optimizer step, host perf_counter"
         if cuda else "host perf_counter around each optimizer step (CPU: synchronous)",
+        "garbage_collector": "objects alive before the first step frozen out of the collector's walks "
+                             "(gc.freeze, as cflib's trainer runs); each step's collection pauses recorded "
+                             "('collector_pause_s')",
         "includes_eval": False,
         "includes_checkpoint_io": False,
         "tokens_counted": "tokens_per_s: every position fed (padding and separators included); real_tokens_per_s: "

@@ -12,6 +12,7 @@ import torch
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEEngine
 from cflib.model.fast import FusedTRMoEEngine, swap_class
+from cflib.train.collector import steady_collector
 
 
 def sync(device: torch.device) -> None:
@@ -55,18 +56,42 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
+class CollectorPauses:
+    """The garbage collector's pauses while held (gc.callbacks): the host time a step spent collecting."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._began = 0.0
+
+    def _observe(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds.append(time.perf_counter() - self._began)
+
+    def __enter__(self) -> "CollectorPauses":
+        gc.callbacks.append(self._observe)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._observe)
+
+
 def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], warmup_steps: int,
                device: torch.device) -> dict:
-    """Run every batch through `step`; steady state is the steps after the warm-up ones (at least one)."""
+    """Run every batch through `step`; steady state is the steps after the warm-up ones (at least one). The
+    collector holds what exists before the first step out of its walks, as cflib's trainer does."""
     if len(batches) <= warmup_steps:
         raise ValueError(f"{len(batches)} batches leave no step to time after {warmup_steps} warm-up steps")
-    seconds, rows = [], []
-    for batch in batches:
-        sync(device)
-        start = time.perf_counter()
-        rows.append(step(batch))
-        sync(device)
-        seconds.append(time.perf_counter() - start)
+    seconds, rows, paused = [], [], []
+    with steady_collector(), CollectorPauses() as pauses:
+        for batch in batches:
+            sync(device)
+            collections, start = len(pauses.seconds), time.perf_counter()
+            rows.append(step(batch))
+            sync(device)
+            seconds.append(time.perf_counter() - start)
+            paused.append(sum(pauses.seconds[collections:]))
     timed, timed_rows = seconds[warmup_steps:], rows[warmup_steps:]
     total = sum(timed)
     result = {
@@ -74,6 +99,7 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
         "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in timed_rows) / total,
         "warmup_s": sum(seconds[:warmup_steps]),
         "step_seconds": timed,
+        "collector_pause_s": paused[warmup_steps:],
         "losses": [r["loss"] for r in rows],
     }
     if all("real_tokens" in r for r in timed_rows):  # batches with padding or separators: the examples' own tokens

@@ -6,8 +6,9 @@ launches forward (two norms, RoPE, plus the copies that make q and k
 contiguous) and as many backward, each re-reading the heads, and on the
 host the launch overhead of each: at 200M shapes the forward pass was bound by
 the host. One program here takes a block of (token, head) rows straight from
-the QKV output, normalises and rotates them in fp32 and writes q and k in the
-layout SDPA reads.
+the QKV output, normalises and rotates the query and key heads in fp32 and
+writes q, k and v in the layout attention reads (v as it is: no separate copy
+runs for it, forward or backward).
 
 The function takes the whole QKV output and hands back v too, so backward
 writes one gradient for it: q, k and v taken as three slices of it would each
@@ -25,18 +26,30 @@ import triton.language as tl
 from cflib.ops import interpreter  # noqa: F401
 
 BLOCK_ROWS = 64
+# Row blocks per backward program: its weight-gradient partials are summed in registers over them, so the
+# reduction after the kernel reads a few hundred partials instead of one per block (8,192 at 200M shapes).
+BACKWARD_BLOCKS = 8
+
+
+@triton.jit
+def _rows(block, num_rows, q_heads, kv_heads, BLOCK_R: tl.constexpr):
+    """A block of (token, head) rows over q, then k, then v heads: their token, head and kind."""
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < num_rows
+    heads = q_heads + 2 * kv_heads
+    token, head = rows // heads, rows % heads
+    is_q = head < q_heads
+    is_v = head >= q_heads + kv_heads
+    is_k = ~is_q & ~is_v
+    return rows, row_mask, token, head, is_q, is_k, is_v
 
 
 @triton.jit
 def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
-                          q_ptr, k_ptr, rstd_ptr, num_rows, q_heads, kv_heads, eps,
+                          q_ptr, k_ptr, v_ptr, rstd_ptr, num_rows, q_heads, kv_heads, eps,
                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
     half: tl.constexpr = HEAD_DIM // 2
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) pairs, heads q then k
-    row_mask = rows < num_rows
-    heads = q_heads + kv_heads
-    token, head = rows // heads, rows % heads
-    is_q = head < q_heads
+    rows, row_mask, token, head, is_q, is_k, is_v = _rows(tl.program_id(0), num_rows, q_heads, kv_heads, BLOCK_R)
     cols = tl.arange(0, half)
     src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
     mask = row_mask[:, None]
@@ -54,54 +67,68 @@ def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, c
     y1, y2 = n1 * cos - n2 * sin, n2 * cos + n1 * sin  # rotate-half: cos and sin repeat across the halves
     q_dst = q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
     k_dst = k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
-    q_mask, k_mask = mask & is_q[:, None], mask & (~is_q)[:, None]
+    v_dst = v_ptr + (token.to(tl.int64) * kv_heads + head - q_heads - kv_heads)[:, None] * HEAD_DIM + cols[None, :]
+    q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
     tl.store(q_dst, y1.to(q_ptr.dtype.element_ty), mask=q_mask)
     tl.store(q_dst + half, y2.to(q_ptr.dtype.element_ty), mask=q_mask)
     tl.store(k_dst, y1.to(k_ptr.dtype.element_ty), mask=k_mask)
     tl.store(k_dst + half, y2.to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(v_dst, x1.to(v_ptr.dtype.element_ty), mask=v_mask)  # v as it is: exact in its own dtype
+    tl.store(v_dst + half, x2.to(v_ptr.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
-def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, cos_ptr,
-                           sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, grad_w_ptr, num_rows,
-                           q_heads, kv_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr,
+                           cos_ptr, sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, grad_w_ptr,
+                           num_rows, q_heads, kv_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCKS: tl.constexpr):
     half: tl.constexpr = HEAD_DIM // 2
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < num_rows
-    heads = q_heads + kv_heads
-    token, head = rows // heads, rows % heads
-    is_q = head < q_heads
     cols = tl.arange(0, half)
-    mask = row_mask[:, None]
-    q_src = grad_q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
-    k_src = grad_k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
-    q_mask, k_mask = mask & is_q[:, None], mask & (~is_q)[:, None]
-    g1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32) + tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32)
-    g2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32) + \
-        tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32)
-    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
-    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-    d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
-    src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
-    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-    xhat1 = tl.load(src, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-    xhat2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-    w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + cols)[None, :])
-    w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half + cols)[None, :],
-                  tl.load(k_weight_ptr + half + cols)[None, :])
-    s1, s2 = d1 * w1, d2 * w2
-    mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
-    dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
-    tl.store(dst, (rstd[:, None] * (s1 - xhat1 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half, (rstd[:, None] * (s2 - xhat2 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
-    # This block's d(weight), per half, q rows and k rows apart: [program, {q, k}, HEAD_DIM].
+    w1q, w2q = tl.load(q_weight_ptr + cols)[None, :], tl.load(q_weight_ptr + half + cols)[None, :]
+    w1k, w2k = tl.load(k_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + half + cols)[None, :]
+    dwq1, dwq2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
+    dwk1, dwk2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
+    for i in range(BLOCKS):
+        rows, row_mask, token, head, is_q, is_k, is_v = _rows(tl.program_id(0) * BLOCKS + i, num_rows, q_heads,
+                                                              kv_heads, BLOCK_R)
+        mask = row_mask[:, None]
+        q_src = grad_q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
+        k_src = grad_k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
+        v_src = grad_v_ptr + (token.to(tl.int64) * kv_heads + head - q_heads - kv_heads)[:, None] * HEAD_DIM + \
+            cols[None, :]
+        q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
+        g1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32) + \
+            tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32) + tl.load(v_src, mask=v_mask, other=0.0).to(tl.float32)
+        g2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32) + \
+            tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32) + \
+            tl.load(v_src + half, mask=v_mask, other=0.0).to(tl.float32)
+        position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+        cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+        d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
+        src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat1 = tl.load(src, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        xhat2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        s1, s2 = d1 * tl.where(is_q[:, None], w1q, w1k), d2 * tl.where(is_q[:, None], w2q, w2k)
+        mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
+        out1 = tl.where(is_v[:, None], g1, rstd[:, None] * (s1 - xhat1 * mean[:, None]))  # v's gradient as it came
+        out2 = tl.where(is_v[:, None], g2, rstd[:, None] * (s2 - xhat2 * mean[:, None]))
+        dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(dst, out1.to(grad_x_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half, out2.to(grad_x_ptr.dtype.element_ty), mask=mask)
+        qf = tl.where(is_q & row_mask, 1.0, 0.0)[:, None]
+        kf = tl.where(is_k & row_mask, 1.0, 0.0)[:, None]
+        dwq1 += tl.sum(d1 * xhat1 * qf, axis=0)
+        dwq2 += tl.sum(d2 * xhat2 * qf, axis=0)
+        dwk1 += tl.sum(d1 * xhat1 * kf, axis=0)
+        dwk2 += tl.sum(d2 * xhat2 * kf, axis=0)
+    # This program's d(weight), per half, q rows and k rows apart: [program, {q, k}, HEAD_DIM].
     partial = grad_w_ptr + tl.program_id(0) * 2 * HEAD_DIM
-    qf, kf = tl.where(is_q & row_mask, 1.0, 0.0)[:, None], tl.where(~is_q & row_mask, 1.0, 0.0)[:, None]
-    tl.store(partial + cols, tl.sum(d1 * xhat1 * qf, axis=0))
-    tl.store(partial + half + cols, tl.sum(d2 * xhat2 * qf, axis=0))
-    tl.store(partial + HEAD_DIM + cols, tl.sum(d1 * xhat1 * kf, axis=0))
-    tl.store(partial + HEAD_DIM + half + cols, tl.sum(d2 * xhat2 * kf, axis=0))
+    tl.store(partial + cols, dwq1)
+    tl.store(partial + half + cols, dwq2)
+    tl.store(partial + HEAD_DIM + cols, dwk1)
+    tl.store(partial + HEAD_DIM + half + cols, dwk2)
 
 
 class QKVNormRope(torch.autograd.Function):
@@ -115,12 +142,11 @@ class QKVNormRope(torch.autograd.Function):
         tokens = qkv.shape[0]
         qkv = qkv.contiguous()
         q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-        k = torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-        v = qkv[:, (q_heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim).clone()
-        rows = tokens * (q_heads + kv_heads)
+        k, v = (torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(2))
+        rows = tokens * (q_heads + 2 * kv_heads)
         rstd = torch.empty(rows, dtype=torch.float32, device=qkv.device)
         _qk_norm_rope_forward[(triton.cdiv(rows, BLOCK_ROWS),)](
-            qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, rstd, rows, q_heads, kv_heads,
+            qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, v, rstd, rows, q_heads, kv_heads,
             float(eps), HEAD_DIM=head_dim, BLOCK_R=BLOCK_ROWS)
         ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin, positions, rstd)
         ctx.heads = (q_heads, kv_heads)
@@ -130,16 +156,15 @@ class QKVNormRope(torch.autograd.Function):
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
         qkv, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
         q_heads, kv_heads = ctx.heads
-        head_dim, tokens = q_weight.shape[0], qkv.shape[0]
-        rows = tokens * (q_heads + kv_heads)
-        programs = triton.cdiv(rows, BLOCK_ROWS)
+        head_dim = q_weight.shape[0]
+        rows = rstd.shape[0]
+        programs = triton.cdiv(rows, BLOCK_ROWS * BACKWARD_BLOCKS)
         grad_qkv = torch.empty_like(qkv)
         partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qkv.device)
         _qk_norm_rope_backward[(programs,)](
-            grad_q.contiguous(), grad_k.contiguous(), qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions,
-            rstd, grad_qkv, grad_qkv.stride(0), partial, rows, q_heads, kv_heads, HEAD_DIM=head_dim,
-            BLOCK_R=BLOCK_ROWS)
-        grad_qkv[:, (q_heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim).copy_(grad_v)
+            grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous(), qkv, qkv.stride(0), q_weight, k_weight,
+            cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, rows, q_heads, kv_heads,
+            HEAD_DIM=head_dim, BLOCK_R=BLOCK_ROWS, BLOCKS=BACKWARD_BLOCKS)
         grad_w = partial.sum(0)
         return grad_qkv, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype), None, None, None, None, None, None
 

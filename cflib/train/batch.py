@@ -17,15 +17,15 @@ class MicroBatch:
     supervised: torch.Tensor  # flat indices of the supervised labels (cflib.ops.loss.supervised_positions)
     row_mask: torch.Tensor | None = None  # 1.0 per real supervised position, 0.0 per padding (a static shape)
 
-    def to(self, device: torch.device) -> "MicroBatch":
+    def to(self, device: torch.device | str) -> "MicroBatch":
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         return MicroBatch(move(self.input_ids), move(self.labels),
                           None if self.documents is None else self.documents.moved(move),
                           move(self.token_weights), move(self.supervised), move(self.row_mask))
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A batch tensor to the GPU from pinned memory without waiting: the host goes on launching meanwhile."""
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

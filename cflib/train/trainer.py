@@ -34,6 +34,7 @@ from cflib.ops.loss import supervised_positions
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
 from cflib.train.batch import MicroBatch
+from cflib.train.collector import steady_collector
 from cflib.train.graphs import GraphedMicroSteps, why_eager
 from cflib.train.lock import RunLock
 from cflib.train.optim import clip_in_fused_step, describe_groups, lr_factor, make_optimizer
@@ -368,7 +369,8 @@ class Trainer:
         try:
             if lock is not None:
                 recheck_out_dir(self.run)
-            with open_trackers(self.run, self.metrics, self.step, active=self.dist.is_main) as trackers:
+            with open_trackers(self.run, self.metrics, self.step, active=self.dist.is_main) as trackers, \
+                    steady_collector():
                 return trackers.finished(self._fit())
         finally:
             if lock is not None:

@@ -1,6 +1,8 @@
 """The throughput measurement and the peer comparison, on CPU at smoke size (figures prove only the plumbing)."""
 from __future__ import annotations
 
+import gc
+
 import json
 import math
 from pathlib import Path
@@ -159,10 +161,33 @@ def test_random_token_shard_follows_the_protocol(tmp_path):
 def test_time_steps_excludes_warmup_from_the_steady_state(monkeypatch):
     clock = iter([0.0, 5.0, 5.0, 6.0, 6.0, 8.0])  # a 5 s warm-up step, then steps of 1 s and 2 s
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
-    result = time_steps(lambda batch: {"tokens": 100, "supervised_tokens": 60, "loss": 1.0},
-                        [np.arange(2)] * 3, warmup_steps=1, device=torch.device("cpu"))
+    gc.disable()  # an automatic collection would read the clock too
+    try:
+        result = time_steps(lambda batch: {"tokens": 100, "supervised_tokens": 60, "loss": 1.0},
+                            [np.arange(2)] * 3, warmup_steps=1, device=torch.device("cpu"))
+    finally:
+        gc.enable()
     assert result["tokens_per_s"] == 200 / 3 and result["supervised_tokens_per_s"] == 120 / 3
     assert result["warmup_s"] == 5.0 and result["step_seconds"] == [1.0, 2.0]
+    assert result["collector_pause_s"] == [0, 0]
+
+
+def test_time_steps_records_each_steps_collector_pauses_with_the_setup_frozen():
+    frozen = []
+
+    def step(batch: np.ndarray) -> dict:
+        frozen.append(gc.get_freeze_count())
+        if batch[0] == 2:  # this step makes a cycle and collects it
+            cycle = [[]]
+            cycle[0].append(cycle)
+            del cycle
+            gc.collect()
+        return {"tokens": 1, "supervised_tokens": 1, "loss": 0.0}
+
+    result = time_steps(step, [np.array([k]) for k in range(4)], warmup_steps=1, device=torch.device("cpu"))
+    paused = result["collector_pause_s"]
+    assert len(paused) == 3 and paused[1] > 0 and paused[1] <= result["step_seconds"][1]
+    assert all(count > 0 for count in frozen) and gc.get_freeze_count() == 0  # frozen while timed, then back
 
 
 def test_matmul_ceiling_counts_two_n_cubed_flops(monkeypatch):

@@ -30,7 +30,8 @@ def rotate_half(x):
 
 
 def reference(qkv, q_weight, k_weight, cos, sin):
-    q, k, v = qkv.view(BATCH, SEQ, -1, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS], dim=2)
+    q, k, v = qkv.view(-1, cos.shape[-2], Q_HEADS + 2 * KV_HEADS, HEAD_DIM).split([Q_HEADS, KV_HEADS, KV_HEADS],
+                                                                              dim=2)
     cos, sin = cos[..., None, :], sin[..., None, :]  # over the heads
 
     def norm_then_rotate(x, weight):
@@ -39,33 +40,36 @@ def reference(qkv, q_weight, k_weight, cos, sin):
     return norm_then_rotate(q, q_weight), norm_then_rotate(k, k_weight), v
 
 
-def inputs(seed: int, packed: bool) -> dict[str, torch.Tensor]:
+def inputs(seed: int, packed: bool, seq: int = SEQ) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     width = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
     if packed:  # two examples per row, positions restarting at 0 where the second starts
         positions = torch.tensor([list(range(3)) + list(range(4)), list(range(5)) + list(range(2))])
     else:
-        positions = torch.arange(SEQ)
+        positions = torch.arange(seq)
     cos, sin = rope_tables(positions)
-    return {"qkv": torch.randn(BATCH * SEQ, width, generator=gen) * 3,
+    return {"qkv": torch.randn(BATCH * seq, width, generator=gen) * 3,
             "q_weight": torch.randn(HEAD_DIM, generator=gen) * 0.1 + 1.0,
             "k_weight": torch.randn(HEAD_DIM, generator=gen) * 0.1 + 1.0, "cos": cos, "sin": sin}
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("packed, seq", [(False, SEQ), (True, SEQ), (False, 300)],
+                         ids=["dense", "packed", "dense-many-programs"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_matches_the_reference_forward_and_backward(dtype, packed):
-    """As training runs it: qkv, the QKV GEMM's output, in the compute dtype; the norm weights in fp32."""
-    raw = inputs(int(packed), packed)
+def test_matches_the_reference_forward_and_backward(dtype, packed, seq):
+    """As training runs it: qkv, the QKV GEMM's output, in the compute dtype; the norm weights in fp32. At 300
+    tokens a row the backward's weight gradient is summed over several programs' partials."""
+    raw = inputs(int(packed), packed, seq)
     dtypes = {"qkv": dtype}
     rounded = {name: value.to(dtypes.get(name, value.dtype)) for name, value in raw.items()}
     grad = ("qkv", "q_weight", "k_weight")
     truth = run(reference, leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 7)
     got = run(lambda qkv, q_weight, k_weight, cos, sin: qkv_norm_rope(
-        qkv, q_weight, k_weight, cos, sin, BATCH, SEQ, Q_HEADS, KV_HEADS, EPS),
+        qkv, q_weight, k_weight, cos, sin, BATCH, seq, Q_HEADS, KV_HEADS, EPS),
         leaves(rounded, {}, KERNEL_DEVICE, grad), 7)
-    assert [got[f"out{i}"].shape for i in range(3)] == [(BATCH, SEQ, Q_HEADS, HEAD_DIM),
-                                                        (BATCH, SEQ, KV_HEADS, HEAD_DIM),
-                                                        (BATCH, SEQ, KV_HEADS, HEAD_DIM)]
+    assert [got[f"out{i}"].shape for i in range(3)] == [(BATCH, seq, Q_HEADS, HEAD_DIM),
+                                                        (BATCH, seq, KV_HEADS, HEAD_DIM),
+                                                        (BATCH, seq, KV_HEADS, HEAD_DIM)]
     assert got["d_qkv"].dtype == dtype
+    assert torch.equal(got["out2"].cpu(), rounded["qkv"].view(BATCH, seq, -1, HEAD_DIM)[:, :, -KV_HEADS:])  # v exact
     assert_matches(got, truth, dtype)

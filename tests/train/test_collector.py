@@ -1,0 +1,52 @@
+"""Training steps run with what existed before them frozen out of the garbage collector's walks."""
+from __future__ import annotations
+
+import gc
+
+from sft_shard_helpers import write_shard
+
+import cflib.train.trainer
+from cflib.data.tasks import generate
+from cflib.train import train
+from cflib.train.collector import steady_collector
+
+
+def test_steady_collector_freezes_once_for_nested_holders_and_unfreezes_on_exit():
+    alive = object()
+    assert gc.get_freeze_count() == 0
+    with steady_collector():
+        outer = gc.get_freeze_count()
+        with steady_collector():
+            assert gc.get_freeze_count() == outer  # the inner holder neither refreezes nor unfreezes
+        assert gc.get_freeze_count() == outer > 0
+    assert gc.get_freeze_count() == 0 and alive is not None
+
+
+def test_a_cycle_made_by_a_step_is_still_collected():
+    class Node:
+        pass
+
+    with steady_collector():
+        node = Node()
+        node.self = node
+        del node
+        assert gc.collect() >= 1
+    assert not any(type(o) is Node for o in gc.get_objects())
+
+
+def test_every_training_step_runs_with_the_setup_frozen(tmp_path, monkeypatch):
+    train_examples, eval_examples = generate(seed=1)
+    shard = write_shard(tmp_path / "shard", train_examples[:40], eval_examples[:12], max_seq_len=64)
+    frozen = []
+    step = cflib.train.trainer.Trainer.train_step
+
+    def watched(self, *args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(cflib.train.trainer.Trainer, "train_step", watched)
+    train({"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "device": "cpu",
+           "data": str(shard), "out_dir": str(tmp_path / "run"), "max_steps": 3, "eval_at_start": False,
+           "exact_match_limit": 0}, progress=False)
+    assert len(frozen) == 3 and min(frozen) > 0
+    assert gc.get_freeze_count() == 0
