@@ -60,7 +60,7 @@ def realistic(shard: str | None, generate_at: Path, vocab_size: int, seq_len: in
     return Batches(REALISTIC, root, data, stream, {**source, **stream.summary()})
 
 
-def timing_protocol(warmup_steps: int, timed_steps: int, device: torch.device) -> dict:
+def timing_protocol(warmup_steps: int, timed_steps: int, device: torch.device, repetitions: int = 1) -> dict:
     """How the figures were taken (docs/measuring.md's measurement protocol), for the record."""
     cuda = device.type == "cuda"
     return {
@@ -76,10 +76,15 @@ def timing_protocol(warmup_steps: int, timed_steps: int, device: torch.device) -
                 "gradient norm; batches copied from pinned memory (every path alike)",
         "warmup_steps_excluded": warmup_steps,
         "timed_steps": timed_steps,
+        "repetitions": repetitions if repetitions == 1 else
+        f"{repetitions}: every path that many times, round robin; each entry is its fastest repetition, every "
+        "repetition under 'repetitions'",
         "realistic_steps": "warm-up and timed steps count windows of micro-batch; peer_padded takes the same "
                            "examples micro-batch at a time, so more steps (entry 'steps')",
         "sync_boundaries": "torch.cuda.synchronize before and after each optimizer step, host perf_counter"
         if cuda else "host perf_counter around each optimizer step (CPU: synchronous)",
+        "gpu_clock": "the SM clock (MHz, NVML) read after each step, outside the timed interval ('gpu_clock_mhz'): "
+                     "a drifting step time beside a drifting clock is the device, not the code" if cuda else "-",
         "garbage_collector": "objects alive before the first step frozen out of the collector's walks "
                              "(gc.freeze, as cflib's trainer runs); each step's collection pauses recorded "
                              "('collector_pause_s')",

@@ -106,6 +106,7 @@ class ThroughputParams(Params):
     fed_peers_liger: bool = True  # peer_padded, peer_packed, peer_padding_free with Liger's kernels (CUDA)
     warmup_steps: int = 1  # taken, not timed
     timed_steps: int = 2
+    repetitions: int = 1  # > 1: every path that many times, round robin; each entry is its fastest repetition
     bf16: bool = False
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
@@ -123,7 +124,7 @@ class ThroughputParams(Params):
     def validate(self) -> None:
         if self.model not in PRESETS:
             raise ParamError(f"model: unknown preset {self.model!r}; presets: {sorted(PRESETS)}")
-        for name in ("seq_len", "timed_steps", "loss_chunk_tokens", "ceiling_size", "ceiling_repeats",
+        for name in ("seq_len", "timed_steps", "repetitions", "loss_chunk_tokens", "ceiling_size", "ceiling_repeats",
                      "eval_examples", "realistic_median_length"):
             if getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
@@ -242,8 +243,9 @@ def _session(name: str, tparams: TrainParams, batches: Batches, steps: int, para
 
 
 def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.device, config: ModelConfig,
-                 batches: Batches, out_dir: Path) -> dict:
-    """One path at one micro-batch, from a clean device; never raises for the path's own failures."""
+                 batches: Batches, out_dir: Path, repetition: int = 0) -> dict:
+    """One path at one micro-batch, from a clean device; never raises for the path's own failures. Profiles and
+    the evaluation and checkpoint timings are taken in the first repetition only."""
     steps_batches, warmup = batches.steps_of(name, micro, params.warmup_steps, params.timed_steps)
     entry: dict[str, Any] = {"path": name, "batches": batches.kind, "micro_batch": micro}
     release_memory(device)
@@ -282,13 +284,14 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
             useful = batches.stream.useful_flops(entry["params_active"], config.num_hidden_layers, config.hidden_size)
             entry["model_flops_per_token"] = useful / batches.source["timed_example_tokens"]
             entry["model_tflops_per_s"] = useful / sum(timing["step_seconds"]) / 1e12
-        if params.profile_steps and micro == params.compare_micro_batch:
+        if params.profile_steps and micro == params.compare_micro_batch and not repetition:
             # Profiles and the evaluation and checkpoint timings are apart from the steady state: their failure
             # is theirs.
             entry["profile"] = guarded(lambda: profile_steps(
                 session.step, steps_batches[:params.profile_steps], device,
                 out_dir / "profiles" / f"{batches.kind}-{name}-mb{micro}.txt"))
-        if session.trainer is not None and batches.stream is None and micro == params.compare_micro_batch:
+        if session.trainer is not None and batches.stream is None and micro == params.compare_micro_batch \
+                and not repetition:
             entry["evaluation_and_checkpoint"] = guarded(
                 lambda: time_evaluation_and_checkpoint(session.trainer, device))
     return entry
@@ -313,6 +316,57 @@ def _batches(kind: str, params: ThroughputParams, config: ModelConfig, out_dir: 
                      params.timed_steps, params.eval_examples, params.seed)
 
 
+def _measure_paths(kinds: list[Batches], params: ThroughputParams, device: torch.device, config: ModelConfig,
+                   out_dir: Path, ceiling: dict, log: Callable[[str], None]) -> list[dict]:
+    """Every path on each kind of batches at each micro-batch, `repetitions` rounds of them in turn, so that each
+    path meets the device's drifting clocks as often as the others; one entry per measurement."""
+    entries = []
+    # A widget in JupyterLab, a text bar under papermill; the lines above it say what each run measured.
+    runs = tqdm([(batches, name, micro, repetition) for repetition in range(params.repetitions) for batches in kinds
+                 for name in params.paths if name in BATCHES[batches.kind]
+                 for micro in batches.micro_batches(params.micro_batches, params.compare_micro_batch)], desc="paths")
+    for batches, name, micro, repetition in runs:
+        label = f"{name}{' realistic' if batches.stream is not None else ''}"
+        runs.set_postfix_str(f"{label} mb{micro}")
+        path_started = time.perf_counter()
+        entry = measure_path(name, micro, params, device, config, batches, out_dir, repetition)
+        entry["wall_s"] = time.perf_counter() - path_started  # build, compile, every step, any extra timing
+        if params.repetitions > 1:
+            entry["repetition"] = repetition
+        if entry["status"] == "ok":
+            entry["mfu"] = entry["model_tflops_per_s"] / ceiling["tflops_per_s"]
+            memory = f"{entry['peak_memory_gib']:.1f} GiB" if entry["peak_memory_gib"] is not None else "-"
+            log(f"{label:>28} mb{micro:<3} {entry['tokens_per_s']:>12,.0f} tokens/s "
+                f"{entry['supervised_tokens_per_s']:>12,.0f} supervised/s  {entry['model_tflops_per_s']:7.3g} "
+                f"TFLOP/s  MFU {entry['mfu']:.1%}  peak {memory}")
+        else:
+            log(f"{label:>28} mb{micro:<3} {entry['status']}: {entry['reason']}")
+        entries.append(entry)
+        # A run cut short (a time limit, a lost machine) still leaves what it measured.
+        write_json_atomic(out_dir / "progress.json", {"matmul_ceiling": ceiling, "paths": entries})
+    return entries
+
+
+REPETITION_FIELDS = ("repetition", "status", "tokens_per_s", "supervised_tokens_per_s", "step_seconds",
+                     "peak_memory_gib", "gpu_clock_mhz")
+
+
+def best_of_repetitions(entries: list[dict]) -> list[dict]:
+    """One entry per kind of batches, path and micro-batch: its fastest repetition (a failed one when none ran),
+    with every repetition's timing beside it under 'repetitions'."""
+    groups: dict[tuple, list[dict]] = {}
+    for entry in entries:
+        groups.setdefault((entry["batches"], entry["path"], entry["micro_batch"]), []).append(entry)
+    best_entries = []
+    for group in groups.values():
+        ok = [entry for entry in group if entry["status"] == "ok"]
+        best = max(ok, key=lambda entry: entry["tokens_per_s"]) if ok else group[0]
+        if len(group) > 1:
+            best = {**best, "repetitions": [{k: entry[k] for k in REPETITION_FIELDS if k in entry} for entry in group]}
+        best_entries.append(best)
+    return best_entries
+
+
 def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dict:
     """Measure every path on each kind of batches; write and return out_dir/record.json."""
     device = resolve_device(params.device)
@@ -325,27 +379,7 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
     dtype = torch.bfloat16 if params.bf16 else torch.float32
     ceiling = matmul_ceiling(device, params.ceiling_size, params.ceiling_repeats, dtype)
     log(f"{ceiling['dtype']} matmul {params.ceiling_size}^3: {ceiling['tflops_per_s']:.3g} TFLOP/s (the ceiling)")
-    entries = []
-    # A widget in JupyterLab, a text bar under papermill; the lines above it say what each run measured.
-    runs = tqdm([(batches, name, micro) for batches in kinds for name in params.paths if name in BATCHES[batches.kind]
-                 for micro in batches.micro_batches(params.micro_batches, params.compare_micro_batch)], desc="paths")
-    for batches, name, micro in runs:
-        label = f"{name}{' realistic' if batches.stream is not None else ''}"
-        runs.set_postfix_str(f"{label} mb{micro}")
-        path_started = time.perf_counter()
-        entry = measure_path(name, micro, params, device, config, batches, out_dir)
-        entry["wall_s"] = time.perf_counter() - path_started  # build, compile, every step, any extra timing
-        if entry["status"] == "ok":
-            entry["mfu"] = entry["model_tflops_per_s"] / ceiling["tflops_per_s"]
-            memory = f"{entry['peak_memory_gib']:.1f} GiB" if entry["peak_memory_gib"] is not None else "-"
-            log(f"{label:>28} mb{micro:<3} {entry['tokens_per_s']:>12,.0f} tokens/s "
-                f"{entry['supervised_tokens_per_s']:>12,.0f} supervised/s  {entry['model_tflops_per_s']:7.3g} "
-                f"TFLOP/s  MFU {entry['mfu']:.1%}  peak {memory}")
-        else:
-            log(f"{label:>28} mb{micro:<3} {entry['status']}: {entry['reason']}")
-        entries.append(entry)
-        # A run cut short (a time limit, a lost machine) still leaves what it measured.
-        write_json_atomic(out_dir / "progress.json", {"matmul_ceiling": ceiling, "paths": entries})
+    entries = best_of_repetitions(_measure_paths(kinds, params, device, config, out_dir, ceiling, log))
     release_memory(device)
     record = {
         **record_header("measure_throughput", device, out_dir, packages=("transformers", "flash-attn-4")),
@@ -363,7 +397,7 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
                      "of its loss and gradient norm, as a training step does",
         "compilation": {"project": "read back per path (entry 'compiled')",
                         "compiled_peers_backend": params.compile_backend},
-        "timing_protocol": timing_protocol(params.warmup_steps, params.timed_steps, device),
+        "timing_protocol": timing_protocol(params.warmup_steps, params.timed_steps, device, params.repetitions),
         "batches": list(params.batches),
         **({"realistic": kinds[-1].source} if kinds[-1].kind == REALISTIC else {}),
         "matmul_ceiling": ceiling,

@@ -77,13 +77,23 @@ class CollectorPauses:
         gc.callbacks.remove(self._observe)
 
 
+def gpu_clock_mhz(device: torch.device) -> int | None:
+    """The SM clock now (NVML through torch), None off CUDA or without NVML's Python bindings."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.clock_rate(device)
+    except Exception:  # noqa: BLE001  (no pynvml, or a driver that does not answer: the figure is optional)
+        return None
+
+
 def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], warmup_steps: int,
                device: torch.device) -> dict:
     """Run every batch through `step`; steady state is the steps after the warm-up ones (at least one). The
     collector holds what exists before the first step out of its walks, as cflib's trainer does."""
     if len(batches) <= warmup_steps:
         raise ValueError(f"{len(batches)} batches leave no step to time after {warmup_steps} warm-up steps")
-    seconds, rows, paused = [], [], []
+    seconds, rows, paused, clocks = [], [], [], []
     with steady_collector(), CollectorPauses() as pauses:
         for batch in batches:
             sync(device)
@@ -92,6 +102,7 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
             sync(device)
             seconds.append(time.perf_counter() - start)
             paused.append(sum(pauses.seconds[collections:]))
+            clocks.append(gpu_clock_mhz(device))
     timed, timed_rows = seconds[warmup_steps:], rows[warmup_steps:]
     total = sum(timed)
     result = {
@@ -100,6 +111,7 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
         "warmup_s": sum(seconds[:warmup_steps]),
         "step_seconds": timed,
         "collector_pause_s": paused[warmup_steps:],
+        "gpu_clock_mhz": clocks[warmup_steps:],
         "losses": [r["loss"] for r in rows],
     }
     if all("real_tokens" in r for r in timed_rows):  # batches with padding or separators: the examples' own tokens

@@ -119,8 +119,9 @@ def throughput_form(namespace: dict[str, Any]) -> "ParameterForm | None":
             micros = params.micro_batches if kind == "random_rows" else (params.compare_micro_batch,)
             parts.append(f"{kind}: {len(paths) * len(micros)} measurements ({len(paths)} paths x "
                          f"micro-batch{'es' if len(micros) > 1 else ''} {', '.join(map(str, micros))})")
-        return (f"{'; '.join(parts)}; each {params.warmup_steps} warm-up + {params.timed_steps} timed steps of "
-                f"{params.seq_len}-token rows or windows; ratios at micro-batch {params.compare_micro_batch}")
+        rounds = f", {params.repetitions} rounds of them" if params.repetitions > 1 else ""
+        return (f"{'; '.join(parts)}{rounds}; each {params.warmup_steps} warm-up + {params.timed_steps} timed steps "
+                f"of {params.seq_len}-token rows or windows; ratios at micro-batch {params.compare_micro_batch}")
     return parameter_form(namespace, ThroughputParams.names(),
                           check=lambda values: ThroughputParams.from_dict(values, "form"), derived=derived,
                           main=["model", "seq_len", "micro_batches", "compare_micro_batch", "paths", "batches",

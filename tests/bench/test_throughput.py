@@ -446,6 +446,37 @@ def test_a_run_cut_short_leaves_what_it_measured(tmp_path, monkeypatch):
     assert not (out_dir / "record.json").exists()
 
 
+def test_repetitions_run_round_robin_and_each_entry_is_its_fastest(tmp_path, monkeypatch):
+    order = []
+    real_measure_path = throughput.measure_path
+
+    def measure_path(name, micro, params, device, config, batches, out_dir, repetition=0):
+        order.append((name, repetition))
+        entry = real_measure_path(name, micro, params, device, config, batches, out_dir, repetition)
+        return {**entry, "tokens_per_s": entry["tokens_per_s"] * (2 if repetition == 1 else 1)}  # the second wins
+
+    monkeypatch.setattr(throughput, "measure_path", measure_path)
+    record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
+                                                 "batches": "random_rows", "paths": ["reference", "production"],
+                                                 "repetitions": 2}), log=lambda line: None)
+    assert order == [("reference", 0), ("production", 0), ("reference", 1), ("production", 1)]
+    assert record["timing_protocol"]["repetitions"].startswith("2: ")
+    for entry in record["paths"]:
+        tried = entry["repetitions"]
+        assert [r["repetition"] for r in tried] == [0, 1] and entry["repetition"] == 1
+        assert entry["tokens_per_s"] == max(r["tokens_per_s"] for r in tried)
+        assert all(r["status"] == "ok" and len(r["step_seconds"]) == 2 for r in tried)
+
+
+def test_best_of_repetitions_keeps_a_failure_only_when_nothing_ran():
+    ran = {"batches": "random_rows", "path": "reference", "micro_batch": 2, "status": "ok", "tokens_per_s": 5.0}
+    failed = {**ran, "status": "failed", "tokens_per_s": None}
+    other = {**failed, "path": "production"}
+    best = throughput.best_of_repetitions([failed, ran, other, other])
+    assert [(e["path"], e["status"]) for e in best] == [("reference", "ok"), ("production", "failed")]
+    assert [r["status"] for r in best[0]["repetitions"]] == ["failed", "ok"]
+
+
 # --- the comparison ---------------------------------------------------------------------
 
 def _entry(path: str, micro: int, tokens_per_s: float, peak: float | None = 10.0, batches: str = "random_rows",
