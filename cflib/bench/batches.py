@@ -83,8 +83,9 @@ def timing_protocol(warmup_steps: int, timed_steps: int, device: torch.device, r
                            "examples micro-batch at a time, so more steps (entry 'steps')",
         "sync_boundaries": "torch.cuda.synchronize before and after each optimizer step, host perf_counter"
         if cuda else "host perf_counter around each optimizer step (CPU: synchronous)",
-        "gpu_clock": "the SM clock (MHz, NVML) read after each step, outside the timed interval ('gpu_clock_mhz'): "
-                     "a drifting step time beside a drifting clock is the device, not the code" if cuda else "-",
+        "gpu_clock": "the SM clock (MHz) and board power (W), NVML, read after each step outside the timed "
+                     "interval ('gpu_clock_mhz', 'gpu_power_w'): a step time drifting with the clock is the device "
+                     "holding its power limit, not the code" if cuda else "-",
         "garbage_collector": "objects alive before the first step frozen out of the collector's walks "
                              "(gc.freeze, as cflib's trainer runs); each step's collection pauses recorded "
                              "('collector_pause_s')",

@@ -348,7 +348,7 @@ def _measure_paths(kinds: list[Batches], params: ThroughputParams, device: torch
 
 
 REPETITION_FIELDS = ("repetition", "status", "tokens_per_s", "supervised_tokens_per_s", "step_seconds",
-                     "peak_memory_gib", "gpu_clock_mhz")
+                     "peak_memory_gib", "gpu_clock_mhz", "gpu_power_w")
 
 
 def best_of_repetitions(entries: list[dict]) -> list[dict]:

@@ -77,14 +77,14 @@ class CollectorPauses:
         gc.callbacks.remove(self._observe)
 
 
-def gpu_clock_mhz(device: torch.device) -> int | None:
-    """The SM clock now (NVML through torch), None off CUDA or without NVML's Python bindings."""
+def gpu_clock_and_power(device: torch.device) -> tuple[int | None, float | None]:
+    """The SM clock (MHz) and the board's power draw (W) now, through NVML; None off CUDA or without NVML."""
     if device.type != "cuda":
-        return None
+        return None, None
     try:
-        return torch.cuda.clock_rate(device)
-    except Exception:  # noqa: BLE001  (no pynvml, or a driver that does not answer: the figure is optional)
-        return None
+        return torch.cuda.clock_rate(device), torch.cuda.power_draw(device) / 1000
+    except Exception:  # noqa: BLE001  (no pynvml, or a driver that does not answer: the figures are optional)
+        return None, None
 
 
 def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], warmup_steps: int,
@@ -93,7 +93,7 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
     collector holds what exists before the first step out of its walks, as cflib's trainer does."""
     if len(batches) <= warmup_steps:
         raise ValueError(f"{len(batches)} batches leave no step to time after {warmup_steps} warm-up steps")
-    seconds, rows, paused, clocks = [], [], [], []
+    seconds, rows, paused, clocks = [], [], [], []  # clocks: (MHz, W) after each step
     with steady_collector(), CollectorPauses() as pauses:
         for batch in batches:
             sync(device)
@@ -102,7 +102,7 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
             sync(device)
             seconds.append(time.perf_counter() - start)
             paused.append(sum(pauses.seconds[collections:]))
-            clocks.append(gpu_clock_mhz(device))
+            clocks.append(gpu_clock_and_power(device))
     timed, timed_rows = seconds[warmup_steps:], rows[warmup_steps:]
     total = sum(timed)
     result = {
@@ -111,7 +111,8 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
         "warmup_s": sum(seconds[:warmup_steps]),
         "step_seconds": timed,
         "collector_pause_s": paused[warmup_steps:],
-        "gpu_clock_mhz": clocks[warmup_steps:],
+        "gpu_clock_mhz": [mhz for mhz, _ in clocks[warmup_steps:]],
+        "gpu_power_w": [watts for _, watts in clocks[warmup_steps:]],
         "losses": [r["loss"] for r in rows],
     }
     if all("real_tokens" in r for r in timed_rows):  # batches with padding or separators: the examples' own tokens

@@ -170,6 +170,7 @@ def test_time_steps_excludes_warmup_from_the_steady_state(monkeypatch):
     assert result["tokens_per_s"] == 200 / 3 and result["supervised_tokens_per_s"] == 120 / 3
     assert result["warmup_s"] == 5.0 and result["step_seconds"] == [1.0, 2.0]
     assert result["collector_pause_s"] == [0, 0]
+    assert result["gpu_clock_mhz"] == result["gpu_power_w"] == [None, None]  # no GPU, no NVML reading
 
 
 def test_time_steps_records_each_steps_collector_pauses_with_the_setup_frozen():
