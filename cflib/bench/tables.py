@@ -112,8 +112,16 @@ def _setting(record: dict) -> str:
     return (f"{device['name']} x {device['count']}, torch {framework['torch']}, {record['precision']}, "
             f"seq {record['seq_len']:,}, {record['timing_protocol']['timed_steps']} timed steps after "
             f"{record['timing_protocol']['warmup_steps_excluded']} warm-up; {ceiling['dtype']} matmul "
-            f"{ceiling['size']}^3 ceiling {ceiling['tflops_per_s']:,.1f} TFLOP/s in the same run; "
+            f"{ceiling['size']}^3 ceiling {ceiling['tflops_per_s']:,.1f} TFLOP/s in the same run{_sustained(record)}; "
             f"cflib {(framework.get('cflib_commit') or 'unknown')[:7]}")
+
+
+def _sustained(record: dict) -> str:
+    held = record.get("matmul_ceiling_sustained")
+    if not held:
+        return ""
+    clock = f" at {held['gpu_clock_mhz']:,} MHz" if held.get("gpu_clock_mhz") else ""
+    return f" ({held['tflops_per_s']:,.1f} sustained for {held['seconds']:.0f} s{clock})"
 
 
 def headline_table(record: dict) -> str:

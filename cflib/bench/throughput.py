@@ -46,6 +46,7 @@ from cflib.bench.timing import (
     peak_memory_gib,
     profile_steps,
     release_memory,
+    sustained_matmul_ceiling,
     sync,
     time_steps,
 )
@@ -114,6 +115,7 @@ class ThroughputParams(Params):
     compile_backend: str = "eager"  # torch.compile backend of the compiled peers; inductor on a GPU
     ceiling_size: int = 128  # the matmul ceiling multiplies two square matrices of this size (bf16 when bf16)
     ceiling_repeats: int = 5
+    ceiling_sustained_s: float = 0.0  # > 0: also the ceiling held that long after as long a warm-up (power-limited)
     eval_examples: int = 8  # rows of the held-out partition the timed evaluation reads
     profile_steps: int = 0  # > 0: that many more steps of each path under torch.profiler, after the timed ones
     save_optimizer_state: bool = False  # in the timed checkpoint save
@@ -128,7 +130,7 @@ class ThroughputParams(Params):
                      "eval_examples", "realistic_median_length"):
             if getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "profile_steps"):
+        for name in ("warmup_steps", "profile_steps", "ceiling_sustained_s"):
             if getattr(self, name) < 0:
                 raise ParamError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.seq_len > PRESETS[self.model].max_position_embeddings:
@@ -379,7 +381,15 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
     dtype = torch.bfloat16 if params.bf16 else torch.float32
     ceiling = matmul_ceiling(device, params.ceiling_size, params.ceiling_repeats, dtype)
     log(f"{ceiling['dtype']} matmul {params.ceiling_size}^3: {ceiling['tflops_per_s']:.3g} TFLOP/s (the ceiling)")
+    sustained = sustained_matmul_ceiling(device, params.ceiling_size, params.ceiling_sustained_s, dtype) \
+        if params.ceiling_sustained_s else None
+    if sustained:
+        log(f"  held for {sustained['seconds']:.1f} s: {sustained['tflops_per_s']:.3g} TFLOP/s at "
+            f"{sustained['gpu_clock_mhz']} MHz")
     entries = best_of_repetitions(_measure_paths(kinds, params, device, config, out_dir, ceiling, log))
+    for entry in entries if sustained else []:
+        if entry["status"] == "ok":
+            entry["mfu_sustained"] = entry["model_tflops_per_s"] / sustained["tflops_per_s"]
     release_memory(device)
     record = {
         **record_header("measure_throughput", device, out_dir, packages=("transformers", "flash-attn-4")),
@@ -401,6 +411,7 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
         "batches": list(params.batches),
         **({"realistic": kinds[-1].source} if kinds[-1].kind == REALISTIC else {}),
         "matmul_ceiling": ceiling,
+        "matmul_ceiling_sustained": sustained,
         "paths": entries,
         "comparison": compare(entries, params.compare_micro_batch, ceiling),
         "wall_s": time.perf_counter() - started,

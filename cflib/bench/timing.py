@@ -43,6 +43,31 @@ def matmul_ceiling(device: torch.device, size: int, repeats: int, dtype: torch.d
             "tflops_per_s": 2 * size**3 * repeats / seconds / 1e12}
 
 
+def sustained_matmul_ceiling(device: torch.device, size: int, seconds: float,
+                             dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The matmul rate the device holds for `seconds` after as long a warm-up: under its power limit, as the
+    timed steps run, rather than the first burst at boost clocks (matmul_ceiling)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+
+    def run_for(duration: float) -> tuple[int, float]:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < duration:
+            for _ in range(8):
+                torch.matmul(a, b, out=out)
+            count += 8
+            sync(device)
+        return count, time.perf_counter() - start
+
+    run_for(seconds)
+    repeats, elapsed = run_for(seconds)
+    clock, watts = gpu_clock_and_power(device)
+    return {"size": size, "dtype": str(dtype).removeprefix("torch."), "repeats": repeats, "seconds": elapsed,
+            "warmup_s": seconds, "tflops_per_s": 2 * size**3 * repeats / elapsed / 1e12, "gpu_clock_mhz": clock,
+            "gpu_power_w": watts}
+
+
 def release_memory(device: torch.device) -> None:
     """A clean device for the next path: nothing cached, peak statistics from zero."""
     gc.collect()

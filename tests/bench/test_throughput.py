@@ -5,6 +5,7 @@ import gc
 
 import json
 import math
+import time
 from pathlib import Path
 
 import nbformat
@@ -196,6 +197,24 @@ def test_matmul_ceiling_counts_two_n_cubed_flops(monkeypatch):
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
     result = throughput.matmul_ceiling(torch.device("cpu"), size=64, repeats=4)
     assert result["tflops_per_s"] == 2 * 64**3 * 4 / 2.0 / 1e12 and result["dtype"] == "bfloat16"
+
+
+def test_the_sustained_ceiling_runs_for_its_seconds_after_as_long_a_warm_up():
+    started = time.perf_counter()
+    result = throughput.sustained_matmul_ceiling(torch.device("cpu"), size=32, seconds=0.05, dtype=torch.float32)
+    assert time.perf_counter() - started >= 0.1 and result["seconds"] >= 0.05 and result["warmup_s"] == 0.05
+    assert result["repeats"] % 8 == 0 and result["tflops_per_s"] == pytest.approx(
+        2 * 32**3 * result["repeats"] / result["seconds"] / 1e12)
+    assert result["gpu_clock_mhz"] is None and result["gpu_power_w"] is None
+
+
+def test_entries_carry_their_utilisation_of_the_sustained_ceiling(tmp_path):
+    record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
+                                                 "batches": "random_rows", "paths": ["reference"],
+                                                 "ceiling_sustained_s": 0.05}), log=lambda line: None)
+    sustained, (entry,) = record["matmul_ceiling_sustained"], record["paths"]
+    assert entry["mfu_sustained"] == entry["model_tflops_per_s"] / sustained["tflops_per_s"]
+    assert "sustained for" in headline_table(record)
 
 
 # --- one smoke run ----------------------------------------------------------------------
