@@ -69,6 +69,8 @@ PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "production_epilogue_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "true"},
     # production with every kernel launched from the host: no CUDA graph replays (cflib.train.graphs)
     "production_eager": {"use_custom_kernels": "true", "require_liger": True, "cuda_graphs": "false"},
+    # production with BF16 copies of the fused weights written after each step (cflib.model.weight_copies)
+    "production_weight_copies": {"use_custom_kernels": "true", "require_liger": True, "bf16_weight_copies": "true"},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
 # measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.
@@ -369,6 +371,20 @@ def best_of_repetitions(entries: list[dict]) -> list[dict]:
     return best_entries
 
 
+def _ceilings(params: ThroughputParams, device: torch.device, log: Callable[[str], None]) -> tuple[dict, dict | None]:
+    """The matmul ceiling, in the precision the paths compute in (bf16 for the real measurement), and the rate
+    held under the power limit when ceiling_sustained_s asks for it."""
+    dtype = torch.bfloat16 if params.bf16 else torch.float32
+    ceiling = matmul_ceiling(device, params.ceiling_size, params.ceiling_repeats, dtype)
+    log(f"{ceiling['dtype']} matmul {params.ceiling_size}^3: {ceiling['tflops_per_s']:.3g} TFLOP/s (the ceiling)")
+    if not params.ceiling_sustained_s:
+        return ceiling, None
+    sustained = sustained_matmul_ceiling(device, params.ceiling_size, params.ceiling_sustained_s, dtype)
+    log(f"  held for {sustained['seconds']:.1f} s: {sustained['tflops_per_s']:.3g} TFLOP/s at "
+        f"{sustained['gpu_clock_mhz']} MHz")
+    return ceiling, sustained
+
+
 def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dict:
     """Measure every path on each kind of batches; write and return out_dir/record.json."""
     device = resolve_device(params.device)
@@ -377,15 +393,7 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
     kinds = [_batches(kind, params, config, out_dir) for kind in params.batches]  # a bad shard fails here
     started = time.perf_counter()
     release_memory(device)
-    # The ceiling in the precision the paths compute in: bf16 for the real measurement.
-    dtype = torch.bfloat16 if params.bf16 else torch.float32
-    ceiling = matmul_ceiling(device, params.ceiling_size, params.ceiling_repeats, dtype)
-    log(f"{ceiling['dtype']} matmul {params.ceiling_size}^3: {ceiling['tflops_per_s']:.3g} TFLOP/s (the ceiling)")
-    sustained = sustained_matmul_ceiling(device, params.ceiling_size, params.ceiling_sustained_s, dtype) \
-        if params.ceiling_sustained_s else None
-    if sustained:
-        log(f"  held for {sustained['seconds']:.1f} s: {sustained['tflops_per_s']:.3g} TFLOP/s at "
-            f"{sustained['gpu_clock_mhz']} MHz")
+    ceiling, sustained = _ceilings(params, device, log)
     entries = best_of_repetitions(_measure_paths(kinds, params, device, config, out_dir, ceiling, log))
     for entry in entries if sustained else []:
         if entry["status"] == "ok":

@@ -20,6 +20,7 @@ from torch import nn
 
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import EXPERT_TENSORS, Attention, RMSNorm, TRMoEEngine, TRMoEModel
+from cflib.model.weight_copies import WeightCopies, columns, reads_half, rows
 from cflib.model.weights import effective_weight, is_adapted
 from cflib.ops.dispatch import KernelPlan
 
@@ -74,18 +75,41 @@ class LigerRopeAttention(Attention):
 
 
 class FusedQKVAttention(Attention):
-    """One GEMM for q, k and v (the input is cast and read once) and the output through the same path."""
+    """One GEMM for q, k and v (the input is cast and read once) and the output through the same path; with
+    weight copies (attach_weight_copies), both GEMMs read BF16 copies of their weights under BF16 autocast."""
 
     kernels = {"qkv": "fused_gemm", "rope": "torch"}
+    weight_copies: WeightCopies | None = None
+
+    def copy_weights(self, copies: WeightCopies, prefix: str) -> None:
+        q, k, v, o = (m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
+        edges = [0, q.shape[0], q.shape[0] + k.shape[0], q.shape[0] + k.shape[0] + v.shape[0]]
+        copies.add(f"{prefix}.qkv", (q, k, v), tuple(rows(a, b) for a, b in zip(edges, edges[1:])),
+                   (edges[-1], q.shape[1]))
+        copies.add(f"{prefix}.o", (o,), (rows(0, o.shape[0]),), tuple(o.shape))
+        self.weight_copies, self.copies_prefix = copies, prefix
+
+    def gemm(self, x: torch.Tensor, part: str, modules: tuple[nn.Module, ...]) -> torch.Tensor:
+        if self.weight_copies is not None and reads_half(x):
+            self.copies_read = True
+            return F.linear(x, self.weight_copies.weight(f"{self.copies_prefix}.{part}"))
+        self.copies_read = False
+        return fused_linear(x, modules)
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        out = super().forward(*args, **kwargs)
+        if self.weight_copies is not None and self.copies_read:
+            self.ran["weights"] = "bf16_copies"
+        return out
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj))
+        qkv = self.gemm(x, "qkv", (self.q_proj, self.k_proj, self.v_proj))
         q, k, v = qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
         return self.norm_and_rotate(q, k, v, cos, sin)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
-        return fused_linear(out, (self.o_proj,))
+        return self.gemm(out, "o", (self.o_proj,))
 
 
 class FusedAttention(FusedQKVAttention):
@@ -101,7 +125,7 @@ class FusedAttention(FusedQKVAttention):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from cflib.ops.qk_norm_rope import qkv_norm_rope
         batch, seq, _ = x.shape
-        qkv = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj)).view(batch * seq, -1)
+        qkv = self.gemm(x, "qkv", (self.q_proj, self.k_proj, self.v_proj)).view(batch * seq, -1)
         q, k, v = qkv_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, batch, seq,
                                 self.num_heads, self.num_kv_heads, self.q_norm.eps)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -118,9 +142,28 @@ class LigerSwiGLUEngine(TRMoEEngine):
 class FusedTRMoEEngine(TRMoEEngine):
     """The block as one wide SwiGLU over the shared and every expert's columns (cflib.ops.trmoe), with the
     engine's adapters: effective weights where their updates fold, else the frozen block plus each branch on
-    its dropped input."""
+    its dropped input. With weight copies (attach_weight_copies) the block's two GEMMs read BF16 copies of their
+    fused weights under BF16 autocast."""
 
     kernels = {"swiglu": "triton_fused", "moe": "triton_fused"}
+    weight_copies: WeightCopies | None = None
+
+    def copy_weights(self, copies: WeightCopies, prefix: str) -> None:
+        """gate|up [2C, D] and down [D, C] as cflib.ops.trmoe.fused_weights lays them out."""
+        num_experts, hidden, width = self.expert_gate.shape
+        shared = self.shared_gate.weight.shape[0]
+        columns_total = shared + num_experts * width
+
+        def expert_rows(start: int):
+            return lambda copy: copy[start:start + num_experts * width].unflatten(0, (num_experts, width)).transpose(1, 2)
+
+        copies.add(f"{prefix}.gate_up", (self.shared_gate.weight, self.expert_gate, self.shared_up.weight, self.expert_up),
+                   (rows(0, shared), expert_rows(shared), rows(columns_total, columns_total + shared),
+                    expert_rows(columns_total + shared)), (2 * columns_total, hidden))
+        copies.add(f"{prefix}.down", (self.shared_down.weight, self.expert_down),
+                   (columns(0, shared), lambda copy: copy[:, shared:].t().unflatten(0, (num_experts, width))),
+                   (hidden, columns_total))
+        self.weight_copies, self.copies_prefix = copies, prefix
 
     def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         from cflib.ops.trmoe import engine_weights, trmoe_forward
@@ -128,6 +171,11 @@ class FusedTRMoEEngine(TRMoEEngine):
         adapters = {name: m for name in ("shared_gate", "shared_up", "shared_down")
                     if is_adapted(m := getattr(self, name))}
         adapters.update(self.expert_adapters())
+        if not adapters and self.weight_copies is not None and reads_half(x):
+            self.ran["weights"] = "bf16_copies"
+            copies, prefix = self.weight_copies, self.copies_prefix
+            return trmoe_forward(self, x, token_ids, fused=(copies.weight(f"{prefix}.gate_up"),
+                                                            copies.weight(f"{prefix}.down")))
         if not adapters:
             return trmoe_forward(self, x, token_ids)
         weights = engine_weights(self)
@@ -225,6 +273,19 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
         swap_class(layer.mlp["engine"], engine)
     swap_class(model.norm, residual_norm)
     return model
+
+
+def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16) -> WeightCopies:
+    """BF16 copies (cflib.model.weight_copies) of the fused GEMMs' weights, which the fused attention and the
+    whole-block TR-MoE engine read from now on under autocast in `dtype`; the caller refreshes them after each
+    optimizer step. The split block (quack's epilogues) keeps reading its masters."""
+    copies = WeightCopies(dtype)
+    for index, layer in enumerate(model.layers):
+        if isinstance(layer.self_attn, FusedQKVAttention):
+            layer.self_attn.copy_weights(copies, f"layers.{index}.self_attn")
+        if type(layer.mlp["engine"]) is FusedTRMoEEngine:
+            layer.mlp["engine"].copy_weights(copies, f"layers.{index}.mlp")
+    return copies
 
 
 def build_model(config: ModelConfig, plan: KernelPlan, build_routes: bool = True) -> TRMoEModel:

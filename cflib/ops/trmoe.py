@@ -164,13 +164,15 @@ def fused_weights(engine: nn.Module, weights: dict[str, torch.Tensor] | None = N
 
 def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
                   weights: dict[str, torch.Tensor] | None = None, gate_up_delta: torch.Tensor | None = None,
-                  return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  return_hidden: bool = False, fused: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The TR-MoE block of `engine` (a cflib.model.TRMoEEngine) on x [N, D] and token ids [N].
 
     For callers that adapt the block (cflib.model.lora): `weights` replaces the engine's (fused_weights),
     `gate_up_delta` [N, 2C] is added to the gate|up GEMM's output, and `return_hidden` also returns the
-    scaled activation [N, C] the down projection reads, differentiably."""
-    gate_up_weight, down_weight = fused_weights(engine, weights)
+    scaled activation [N, C] the down projection reads, differentiably. `fused`: the gate|up and down weights
+    already laid out as fused_weights lays them (cflib.model.weight_copies)."""
+    gate_up_weight, down_weight = fused if fused is not None else fused_weights(engine, weights)
     route_weights = engine.route_weights
     if any(w != route_weights[-1] for w in route_weights[1:]):
         raise ValueError(f"route weights {route_weights}: the kernel takes a primary weight and equal others")

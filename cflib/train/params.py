@@ -151,6 +151,10 @@ class Kernels:
     # freed of launching its kernels: auto where it runs (one CUDA process, cflib's fused loss, a capturable
     # attention kernel), true to require it, false for eager steps
     cuda_graphs: str = parsed_by(kernel_choice, "auto")
+    # BF16 copies of the fused GEMMs' weights written after each optimizer step, instead of autocast's casts in
+    # every forward (cflib.model.weight_copies): full-parameter BF16 runs on cflib's kernels, not FSDP; false until
+    # measured end to end, auto where it applies on a GPU, true to require it
+    bf16_weight_copies: str = parsed_by(kernel_choice, "false")
 
 
 @dataclass(frozen=True)
@@ -266,7 +270,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError("train_tasks must name at least one task, or be None for every example")
         if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
             raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
-        for name in ("use_custom_kernels", "epilogue_swiglu", "cuda_graphs"):
+        for name in ("use_custom_kernels", "epilogue_swiglu", "cuda_graphs", "bf16_weight_copies"):
             if getattr(self, name) not in KERNEL_CHOICES:
                 raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
         if self.attention_backend not in backend_names():

@@ -27,6 +27,8 @@ from cflib.data.packing import collate_packed
 from cflib.data.shards import collate
 from cflib.errors import KernelUnavailable, ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
+from cflib.model.fast import attach_weight_copies
+from cflib.model.weight_copies import WeightCopies
 from cflib.model.lora import lora_kernel_path
 from cflib.ops.attention import capturable, pack_documents
 from cflib.ops.sft_loss import SFTLoss, make_loss
@@ -74,6 +76,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
         self.loss = make_loss(self.params.loss_type, run.kernels)
+        self.weight_copies, self.copies_reason = self._weight_copies()
         self.graphs, self.eager_reason = self._graphed_micro_steps()
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
@@ -271,6 +274,26 @@ class Trainer:
             return None, problem
         return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device, p.seq_len,
                                  run.train_data.eos_token_id), None
+
+    def _weight_copies(self) -> tuple[WeightCopies | None, str | None]:
+        """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, refreshed after every
+        optimizer step, or None and why not; KernelUnavailable for bf16_weight_copies: true where they do not
+        apply."""
+        p, run = self.params, self.run
+        if p.bf16_weight_copies == "false":
+            return None, "bf16_weight_copies: false"
+        problem = ("bf16 is off" if not p.bf16 else "cflib's kernels are off" if not run.kernels.custom
+                   else "LoRA adapts the weights" if not p.full_parameter
+                   else "FSDP shards the masters" if run.strategy == "fsdp"
+                   else f"the device is {self.device.type}, not CUDA" if self.device.type != "cuda"
+                   and p.bf16_weight_copies == "auto" else None)
+        if problem is not None:
+            if p.bf16_weight_copies == "true":
+                raise KernelUnavailable(f"bf16_weight_copies: true, but {problem}")
+            return None, problem
+        copies = attach_weight_copies(self.model)
+        self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: copies.refresh())
+        return copies, None
 
     def graphs_summary(self) -> dict:
         """How the micro-steps ran: replayed from CUDA graphs (how many, how many shapes), or eagerly and why."""

@@ -73,3 +73,40 @@ def test_a_run_checks_its_backend_where_it_trains(tmp_path):
     assert run.kernels.attention == run.model.attention_backend == "sdpa_mask"
     with pytest.raises(KernelUnavailable, match="attention_backend: flex, but no GPU"):
         prepare(TrainParams.from_dict({**params, "attention_backend": "flex"}))
+
+
+def _copies_run(tmp_path, name: str, **flags) -> dict:
+    return train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 4, "max_steps": 3,
+                  "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False, "bf16": True,
+                  "device": DEVICE.type, "out_dir": str(tmp_path / name), "use_custom_kernels": "true", **flags},
+                 progress=False)
+
+
+@pytest.mark.slow
+def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypatch):
+    """Three steps of two micro-batches under the fused AdamW (on the CPU too: it moves the masters without
+    bumping their version counters, as on a GPU): the copies are refreshed after each optimizer step, so every
+    step's loss and gradient norm are those of the run that casts its masters in every forward."""
+    import cflib.train.trainer
+    from cflib.train.records import read_metrics
+
+    make_optimizer = cflib.train.trainer.make_optimizer
+    monkeypatch.setattr(cflib.train.trainer, "make_optimizer",
+                        lambda model, params, device, fused=True: make_optimizer(model, params, torch.device("cuda"))
+                        if device.type == "cpu" and fused else make_optimizer(model, params, device, fused))
+    copied = _copies_run(tmp_path, "copies", bf16_weight_copies="true")
+    cast = _copies_run(tmp_path, "casts", bf16_weight_copies="false")
+    assert copied["kernel_path"]["weights"] == "bf16_copies" and "weights" not in cast["kernel_path"]
+    rows = [[(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / name / "metrics.jsonl")
+             if r["event"] == "train"] for name in ("copies", "casts")]
+    assert len(rows[0]) == 3 and rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("flags, problem", [
+    ({"bf16": False}, "bf16 is off"),
+    ({"use_custom_kernels": "false"}, "cflib's kernels are off"),
+])
+def test_bf16_weight_copies_true_where_they_do_not_apply_stops_before_any_step(tmp_path, flags, problem):
+    with pytest.raises(KernelUnavailable, match=f"bf16_weight_copies: true, but {problem}"):
+        _copies_run(tmp_path, "refused", bf16_weight_copies="true", **flags)
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()

@@ -1,0 +1,99 @@
+"""BF16 copies of the weights cflib's fused GEMMs read, written once per optimizer step instead of cast per forward.
+
+Under autocast every forward casts each FP32 master weight to BF16, and the fused GEMMs (q|k|v, and the TR-MoE
+block's gate|up and down) first concatenate their pieces in FP32; backward casts each gradient back and splits
+it. `WeightCopies` holds each fused weight once, as one BF16 tensor laid out as its GEMM reads it, written in
+place from the masters by `refresh` (which the trainer calls after every optimizer step; torch's fused AdamW
+moves the masters without bumping their version counters) and before any forward that finds a master's storage
+or version moved (a load, an in-place edit). The GEMM reads the copy as it is, and backward writes each
+master's FP32 gradient from the copy's gradient in one cast. The numbers are autocast's: the same
+round-to-nearest cast of the same masters, the same cast of each gradient back.
+
+The copies are plain tensors beside the model, not its state: checkpoints, adapters and state dicts do not
+change. They apply to full-parameter training under BF16 autocast (adapters' weights fold into effective
+weights per forward, and FSDP reshapes the masters into shards).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Region = Callable[[torch.Tensor], torch.Tensor]  # a master's place in its copy: a view of the copy shaped like it
+
+
+@dataclass
+class _Copy:
+    masters: tuple[nn.Parameter, ...]
+    regions: tuple[Region, ...]
+    shape: tuple[int, int]
+    tensor: torch.Tensor | None = None
+    written_from: tuple = ()  # each master's (storage, version) when the copy was written
+
+    def sources(self) -> tuple:
+        return tuple((master.data_ptr(), master._version) for master in self.masters)
+
+
+class _FromCopy(torch.autograd.Function):
+    """The copy as the GEMM's weight; its gradient becomes each master's FP32 gradient."""
+
+    @staticmethod
+    def forward(ctx, copy: torch.Tensor, regions: tuple[Region, ...], *masters: torch.Tensor) -> torch.Tensor:
+        ctx.regions = regions
+        ctx.masters = [(master.shape, master.dtype, master.device) for master in masters]
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grads = [torch.empty(shape, dtype=dtype, device=device).copy_(region(grad)) if needed else None
+                 for (shape, dtype, device), region, needed in zip(ctx.masters, ctx.regions, ctx.needs_input_grad[2:])]
+        return None, None, *grads
+
+
+class WeightCopies:
+    """Named BF16 copies, each of one or more FP32 masters (`add`), read by `weight(name)`."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype
+        self.copies: dict[str, _Copy] = {}
+
+    def add(self, name: str, masters: tuple[nn.Parameter, ...], regions: tuple[Region, ...],
+            shape: tuple[int, int]) -> None:
+        self.copies[name] = _Copy(masters, regions, shape)
+
+    def weight(self, name: str) -> torch.Tensor:
+        copy = self.copies[name]
+        if copy.tensor is None or copy.sources() != copy.written_from:
+            self._write(copy)
+        return _FromCopy.apply(copy.tensor, copy.regions, *copy.masters)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Every copy written anew from its masters (after an optimizer step)."""
+        for copy in self.copies.values():
+            self._write(copy)
+
+    @torch.no_grad()
+    def _write(self, copy: _Copy) -> None:
+        device = copy.masters[0].device
+        if copy.tensor is None or copy.tensor.device != device:
+            copy.tensor = torch.empty(copy.shape, dtype=self.dtype, device=device)
+        for master, region in zip(copy.masters, copy.regions):
+            region(copy.tensor).copy_(master)
+        copy.written_from = copy.sources()
+
+
+def reads_half(x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a GEMM on x computes in `dtype`: x is, or autocast casts to it."""
+    kind = x.device.type
+    return x.dtype == dtype or (torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == dtype)
+
+
+def rows(start: int, stop: int) -> Region:
+    return lambda copy: copy[start:stop]
+
+
+def columns(start: int, stop: int) -> Region:
+    return lambda copy: copy[:, start:stop]

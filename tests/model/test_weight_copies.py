@@ -1,0 +1,79 @@
+"""BF16 weight copies (cflib.model.weight_copies): under BF16 autocast the fused GEMMs read them and compute what
+autocast's per-forward casts compute, the forward and every gradient alike; a master moved in place is copied
+again before the next forward, and one moved silently (as torch's fused AdamW moves it) after `refresh`."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
+
+from cflib.model.fast import attach_weight_copies, build_model
+from cflib.ops.dispatch import KernelPlan
+
+PRODUCTION = KernelPlan(liger=True, custom=True)
+
+
+def _models(use_qk_norm: bool = True):
+    """The production model twice, the same weights; the second reads weight copies."""
+    torch.manual_seed(0)
+    config = tiny_config(use_qk_norm=use_qk_norm)
+    plain = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
+    copied = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
+    copied.load_state_dict(plain.state_dict())
+    return plain, copied, attach_weight_copies(copied)
+
+
+def _step(model, ids, bf16: bool = True) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16, enabled=bf16):
+        hidden = model(ids)
+    loss = (hidden.float() @ model.head_weight.t()).logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _assert_same(plain, copied, ids, bf16: bool = True) -> None:
+    assert torch.equal(_step(plain, ids, bf16), _step(copied, ids, bf16))
+    for (name, a), b in zip(plain.named_parameters(), copied.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            assert b.grad.dtype == a.dtype and torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize("use_qk_norm", [True, False], ids=["qk-norm", "no-qk-norm"])
+def test_the_fused_gemms_read_the_copies_and_compute_autocasts_numbers(use_qk_norm):
+    plain, copied, copies = _models(use_qk_norm)
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    _assert_same(plain, copied, ids)
+    assert copied.kernel_path()["weights"] == "bf16_copies" and "weights" not in plain.kernel_path()
+    assert len(copies.copies) == 4 * len(copied.layers)  # q|k|v, o, gate|up, down per layer
+    assert all(copy.tensor.dtype == torch.bfloat16 for copy in copies.copies.values())
+
+
+def test_a_master_changed_in_place_is_copied_again_before_the_next_forward():
+    plain, copied, _ = _models()
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    _step(copied, ids)
+    with torch.no_grad():
+        for model in (plain, copied):
+            model.layers[1].mlp["engine"].expert_up.mul_(1.5)  # bumps its version counter
+            model.layers[0].self_attn.k_proj.weight.add_(0.25)
+    _assert_same(plain, copied, ids)
+
+
+def test_a_silent_update_needs_refresh_as_the_fused_optimizer_step_calls_it():
+    plain, copied, copies = _models()
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    _step(copied, ids)
+    for model in (plain, copied):
+        model.layers[0].mlp["engine"].shared_down.weight.data.mul_(2.0)  # storage written, version unchanged
+    assert not torch.equal(_step(plain, ids), _step(copied, ids))  # what refresh is for
+    copies.refresh()
+    _assert_same(plain, copied, ids)
+
+
+def test_fp32_steps_read_the_masters():
+    plain, copied, _ = _models()
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    _assert_same(plain, copied, ids, bf16=False)
+    assert "weights" not in copied.kernel_path()
