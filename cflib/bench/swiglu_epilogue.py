@@ -14,9 +14,12 @@ Side by side in one run, forward + backward of one layer at the 200M shapes
   scale 1) through quack's MLP, the experts' columns through cflib's kernels, the two outputs added;
   `_untuned`: quack's configuration fixed by the shape instead of timed per shape;
 - cflib_split_block / _tuned: the split as the model runs it (cflib.ops.trmoe.trmoe_split_forward over the
-  FP32 master weights under autocast), untuned (the model's choice) and tuned.
-Each variant runs guarded: one that fails records its error and the others still run. Errors are norm-relative
-against an FP32 computation of the same function.
+  FP32 master weights under autocast), untuned (the model's choice) and tuned;
+- cflib_weight_copies: the whole block reading BF16 copies of its fused weights (cflib.model.weight_copies), as
+  the model runs it with bf16_weight_copies, its gradients written back to the FP32 masters.
+Each variant is timed launched from the host and replayed from a CUDA graph (as the training step runs it), each
+guarded: one that fails records its error and the others still run. Errors are norm-relative against an FP32
+computation of the same function.
 
     python -m cflib.bench.swiglu_epilogue --out outputs/records/swiglu_epilogue_h200.json
 """
@@ -32,12 +35,28 @@ import torch.nn.functional as F
 from cflib.bench.timing import trmoe_bench_inputs
 from cflib.jobs import error_line, record_header
 from cflib.model.config import preset
+from cflib.model.fast import FusedTRMoEEngine, swap_class
+from cflib.model.weight_copies import WeightCopies
 from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, trmoe_forward, trmoe_split_forward
 
 
 def _timed(step: Callable[[], None], rep_ms: int) -> float:
     from triton.testing import do_bench
     return do_bench(step, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def _graphed(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` captured as a CUDA graph after three warm-up runs on a side stream (tuning included): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def _rel(found: torch.Tensor, expected: torch.Tensor) -> float:
@@ -65,6 +84,9 @@ class _Layer:
         self.layout = (self.shared_columns, engine.expert_gate.shape[2], config.vocab_size,
                        float(engine.shared_output_scale), float(engine.routed_output_scale),
                        float(engine.route_weights[0]), float(engine.route_weights[-1]))
+        swap_class(engine, FusedTRMoEEngine)
+        self.copies = WeightCopies()
+        engine.copy_weights(self.copies, "mlp")
         self.leaves = (self.x32, self.x, self.gate_up, self.down, self.gate_up_interleaved, self.shared_gate_up,
                        self.routed_gate_up, self.shared_down, self.routed_down, *engine.parameters())
 
@@ -83,6 +105,11 @@ class _Layer:
     def cflib_block(self) -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return trmoe_forward(self.engine, self.x32, self.ids)
+
+    def cflib_weight_copies(self) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return trmoe_forward(self.engine, self.x32, self.ids, fused=(self.copies.weight("mlp.gate_up"),
+                                                                         self.copies.weight("mlp.down")))
 
     def cflib_bf16_weights(self) -> torch.Tensor:
         return ScaledSwiGLUDown.apply(self.x @ self.gate_up.t(), self.ids, self.engine.route_table, self.down,
@@ -121,7 +148,7 @@ class _Layer:
 
 
 # variant -> whether it computes the routed block (scaled) or a plain SwiGLU
-VARIANTS = {"cflib_block": True, "cflib_bf16_weights": True, "cublas_liger": False, "quack_concat": False,
+VARIANTS = {"cflib_block": True, "cflib_weight_copies": True, "cflib_bf16_weights": True, "cublas_liger": False, "quack_concat": False,
             "quack_interleaved": False, "quack_shared_cflib_routed": True, "quack_shared_cflib_routed_untuned": True,
             "cflib_split_block": True, "cflib_split_block_tuned": True}
 
@@ -142,6 +169,11 @@ def measure_variant(layer: _Layer, name: str, reference: torch.Tensor, rep_ms: i
             entry["ms_forward"] = _timed(forward, rep_ms)
     except Exception as err:  # noqa: BLE001  (a variant that cannot run is a finding, not a stop)
         entry["error"] = error_line(err)
+        return entry
+    try:
+        entry["ms_forward_backward_graphed"] = _timed(_graphed(lambda: forward().backward(layer.grad)), rep_ms)
+    except Exception as err:  # noqa: BLE001  (captured or not, the eager figures stand)
+        entry["graphed_error"] = error_line(err)
     return entry
 
 
@@ -169,8 +201,10 @@ def main() -> None:
     results = {}
     for name, scaled in VARIANTS.items():
         results[name] = entry = measure_variant(layer, name, references[scaled], args.rep_ms)
+        graphed = entry.get("ms_forward_backward_graphed")
         print(f"{name:26s} " + (entry["error"] if "error" in entry else
                                 f"fwd+bwd {entry['ms_forward_backward']:7.3f} ms  fwd {entry['ms_forward']:7.3f} ms"
+                                f"  graphed fwd+bwd {graphed if graphed is None else round(graphed, 3)} ms"
                                 f"  err {entry['forward_rel_error']:.1e}"), flush=True)
     config, columns = layer.config, layer.down32.shape[1]
     record = {
@@ -178,7 +212,8 @@ def main() -> None:
         "shapes": {"tokens": args.tokens, "hidden": config.hidden_size, "columns": columns,
                    "shared_columns": layer.shared_columns},
         "precision": "bf16 (cflib_block: bf16 autocast over fp32 master weights)",
-        "timing": f"triton.testing.do_bench median, warmup 50 ms, rep {args.rep_ms} ms, one layer",
+        "timing": f"triton.testing.do_bench median, warmup 50 ms, rep {args.rep_ms} ms, one layer; launched from "
+                  "the host, and replayed from a CUDA graph ('ms_forward_backward_graphed')",
         "gemm_flops_forward_backward": 3 * 2 * args.tokens * config.hidden_size * 3 * columns,
         "variants": results,
     }
