@@ -275,11 +275,15 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
     return model
 
 
-def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16) -> WeightCopies:
+def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16, head: bool = False) -> WeightCopies:
     """BF16 copies (cflib.model.weight_copies) of the fused GEMMs' weights, which the fused attention and the
     whole-block TR-MoE engine read from now on under autocast in `dtype`; the caller refreshes them after each
-    optimizer step. The split block (quack's epilogues) keeps reading its masters."""
+    optimizer step. The split block (quack's epilogues) keeps reading its masters. `head`: also the tied head's
+    ("head", for a loss that computes in `dtype`; the embedding lookup keeps reading the FP32 table)."""
     copies = WeightCopies(dtype)
+    if head and type(model.embed_tokens) is nn.Embedding:
+        table = model.embed_tokens.weight
+        copies.add("head", (table,), (rows(0, table.shape[0]),), tuple(table.shape))
     for index, layer in enumerate(model.layers):
         if isinstance(layer.self_attn, FusedQKVAttention):
             layer.self_attn.copy_weights(copies, f"layers.{index}.self_attn")

@@ -251,7 +251,7 @@ class Trainer:
         rows = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
         with autocast(self.device, p.bf16, cache=not capturing):
             hidden = self.train_model(batch.input_ids, batch.documents)
-            loss_sum, _ = self.loss(hidden, self.model.head_weight, batch.labels, p.loss_chunk_tokens,
+            loss_sum, _ = self.loss(hidden, self._head_weight(), batch.labels, p.loss_chunk_tokens,
                                     p.fp32_loss, token_weights=batch.token_weights, supervised=batch.supervised,
                                     **rows)
         (loss_sum * scale).backward()
@@ -291,9 +291,13 @@ class Trainer:
             if p.bf16_weight_copies == "true":
                 raise KernelUnavailable(f"bf16_weight_copies: true, but {problem}")
             return None, problem
-        copies = attach_weight_copies(self.model)
+        copies = attach_weight_copies(self.model, head=not p.fp32_loss)  # an fp32 loss reads the FP32 head
         self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: copies.refresh())
         return copies, None
+
+    def _head_weight(self) -> torch.Tensor:
+        copies = self.weight_copies
+        return copies.weight("head") if copies is not None and "head" in copies.copies else self.model.head_weight
 
     def graphs_summary(self) -> dict:
         """How the micro-steps ran: replayed from CUDA graphs (how many, how many shapes), or eagerly and why."""

@@ -77,3 +77,17 @@ def test_fp32_steps_read_the_masters():
     ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
     _assert_same(plain, copied, ids, bf16=False)
     assert "weights" not in copied.kernel_path()
+
+
+def test_the_tied_heads_copy_gives_the_embedding_table_autocasts_gradient():
+    plain, copied, _ = _models()
+    copies = attach_weight_copies(copied, head=True)
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    grads = []
+    for model, head in ((plain, lambda: plain.head_weight), (copied, lambda: copies.weight("head"))):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+            logits = model(ids) @ head().to(torch.bfloat16).t()
+        logits.float().logsumexp(-1).mean().backward()
+        grads.append(model.embed_tokens.weight.grad)
+    assert grads[1].dtype == torch.float32 and torch.equal(grads[0], grads[1])  # lookup and head, summed
