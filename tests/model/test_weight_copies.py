@@ -32,12 +32,22 @@ def _step(model, ids, bf16: bool = True) -> torch.Tensor:
     return loss.detach()
 
 
+def _same(a: torch.Tensor, b: torch.Tensor, name: str = "") -> None:
+    """Bitwise on the CPU; on a GPU within rounding, as FlashAttention's backward adds into dQ atomically, in an
+    order that varies from run to run."""
+    if a.device.type == "cpu":
+        assert torch.equal(a, b), name
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(a.abs().max()), msg=name)
+
+
 def _assert_same(plain, copied, ids, bf16: bool = True) -> None:
-    assert torch.equal(_step(plain, ids, bf16), _step(copied, ids, bf16))
+    _same(_step(plain, ids, bf16), _step(copied, ids, bf16), "loss")
     for (name, a), b in zip(plain.named_parameters(), copied.parameters()):
         assert (a.grad is None) == (b.grad is None), name
         if a.grad is not None:
-            assert b.grad.dtype == a.dtype and torch.equal(a.grad, b.grad), name
+            assert b.grad.dtype == a.dtype, name
+            _same(a.grad, b.grad, name)
 
 
 @pytest.mark.parametrize("use_qk_norm", [True, False], ids=["qk-norm", "no-qk-norm"])
@@ -67,7 +77,9 @@ def test_a_silent_update_needs_refresh_as_the_fused_optimizer_step_calls_it():
     _step(copied, ids)
     for model in (plain, copied):
         model.layers[0].mlp["engine"].shared_down.weight.data.mul_(2.0)  # storage written, version unchanged
-    assert not torch.equal(_step(plain, ids), _step(copied, ids))  # what refresh is for
+    with torch.no_grad(), torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+        stale = (plain(ids).float() - copied(ids).float()).abs().max() / plain(ids).float().abs().max()
+    assert stale > 1e-2  # what refresh is for
     copies.refresh()
     _assert_same(plain, copied, ids)
 
@@ -90,4 +102,5 @@ def test_the_tied_heads_copy_gives_the_embedding_table_autocasts_gradient():
             logits = model(ids) @ head().to(torch.bfloat16).t()
         logits.float().logsumexp(-1).mean().backward()
         grads.append(model.embed_tokens.weight.grad)
-    assert grads[1].dtype == torch.float32 and torch.equal(grads[0], grads[1])  # lookup and head, summed
+    assert grads[1].dtype == torch.float32
+    _same(grads[0], grads[1])  # the lookup's gradient and the head's, summed

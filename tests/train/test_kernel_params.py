@@ -100,7 +100,11 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
     assert copied["kernel_path"]["weights"] == "bf16_copies" and "weights" not in cast["kernel_path"]
     rows = [[(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / name / "metrics.jsonl")
              if r["event"] == "train"] for name in ("copies", "casts")]
-    assert len(rows[0]) == 3 and rows[0] == rows[1]
+    assert len(rows[0]) == 3
+    if DEVICE.type == "cpu":
+        assert rows[0] == rows[1]
+    else:  # FlashAttention's backward adds into dQ atomically: the bits vary between runs on a GPU
+        assert rows[0] == [pytest.approx(row, rel=1e-3) for row in rows[1]]
 
 
 @pytest.mark.parametrize("flags, problem", [
