@@ -148,9 +148,9 @@ class _Layer:
 
 
 # variant -> whether it computes the routed block (scaled) or a plain SwiGLU
-VARIANTS = {"cflib_block": True, "cflib_weight_copies": True, "cflib_bf16_weights": True, "cublas_liger": False, "quack_concat": False,
-            "quack_interleaved": False, "quack_shared_cflib_routed": True, "quack_shared_cflib_routed_untuned": True,
-            "cflib_split_block": True, "cflib_split_block_tuned": True}
+VARIANTS = {"cflib_block": True, "cflib_weight_copies": True, "cflib_bf16_weights": True, "cublas_liger": False,
+            "quack_concat": False, "quack_interleaved": False, "quack_shared_cflib_routed": True,
+            "quack_shared_cflib_routed_untuned": True, "cflib_split_block": True, "cflib_split_block_tuned": True}
 
 
 def measure_variant(layer: _Layer, name: str, reference: torch.Tensor, rep_ms: int) -> dict:

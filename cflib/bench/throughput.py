@@ -352,12 +352,14 @@ def _measure_paths(kinds: list[Batches], params: ThroughputParams, device: torch
 
 
 REPETITION_FIELDS = ("repetition", "status", "tokens_per_s", "supervised_tokens_per_s", "step_seconds",
-                     "peak_memory_gib", "gpu_clock_mhz", "gpu_power_w")
+                     "collector_pause_s", "peak_memory_gib", "gpu_clock_mhz", "gpu_power_w")
+FIRST_REPETITION_ONLY = ("profile", "evaluation_and_checkpoint")  # measured in the first repetition alone
 
 
 def best_of_repetitions(entries: list[dict]) -> list[dict]:
     """One entry per kind of batches, path and micro-batch: its fastest repetition (a failed one when none ran),
-    with every repetition's timing beside it under 'repetitions'."""
+    with every repetition's timing beside it under 'repetitions', and the first repetition's profile and
+    evaluation and checkpoint timings."""
     groups: dict[tuple, list[dict]] = {}
     for entry in entries:
         groups.setdefault((entry["batches"], entry["path"], entry["micro_batch"]), []).append(entry)
@@ -366,7 +368,9 @@ def best_of_repetitions(entries: list[dict]) -> list[dict]:
         ok = [entry for entry in group if entry["status"] == "ok"]
         best = max(ok, key=lambda entry: entry["tokens_per_s"]) if ok else group[0]
         if len(group) > 1:
-            best = {**best, "repetitions": [{k: entry[k] for k in REPETITION_FIELDS if k in entry} for entry in group]}
+            first = {key: group[0][key] for key in FIRST_REPETITION_ONLY if key in group[0]}
+            best = {**best, **first,
+                    "repetitions": [{k: entry[k] for k in REPETITION_FIELDS if k in entry} for entry in group]}
         best_entries.append(best)
     return best_entries
 
@@ -380,8 +384,8 @@ def _ceilings(params: ThroughputParams, device: torch.device, log: Callable[[str
     if not params.ceiling_sustained_s:
         return ceiling, None
     sustained = sustained_matmul_ceiling(device, params.ceiling_size, params.ceiling_sustained_s, dtype)
-    log(f"  held for {sustained['seconds']:.1f} s: {sustained['tflops_per_s']:.3g} TFLOP/s at "
-        f"{sustained['gpu_clock_mhz']} MHz")
+    clock = f" at {sustained['gpu_clock_mhz']} MHz" if sustained["gpu_clock_mhz"] else ""
+    log(f"  held for {sustained['seconds']:.1f} s: {sustained['tflops_per_s']:.3g} TFLOP/s{clock}")
     return ceiling, sustained
 
 

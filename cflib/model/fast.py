@@ -80,6 +80,7 @@ class FusedQKVAttention(Attention):
 
     kernels = {"qkv": "fused_gemm", "rope": "torch"}
     weight_copies: WeightCopies | None = None
+    copies_prefix = ""
 
     def copy_weights(self, copies: WeightCopies, prefix: str) -> None:
         q, k, v, o = (m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
@@ -90,16 +91,16 @@ class FusedQKVAttention(Attention):
         self.weight_copies, self.copies_prefix = copies, prefix
 
     def gemm(self, x: torch.Tensor, part: str, modules: tuple[nn.Module, ...]) -> torch.Tensor:
-        if self.weight_copies is not None and reads_half(x):
-            self.copies_read = True
-            return F.linear(x, self.weight_copies.weight(f"{self.copies_prefix}.{part}"))
-        self.copies_read = False
+        copies = self.weight_copies
+        self.copies_read = copies is not None and reads_half(x, copies.dtype) and not any(map(is_adapted, modules))
+        if self.copies_read:
+            return F.linear(x, copies.weight(f"{self.copies_prefix}.{part}"))
         return fused_linear(x, modules)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         out = super().forward(*args, **kwargs)
-        if self.weight_copies is not None and self.copies_read:
-            self.ran["weights"] = "bf16_copies"
+        if self.weight_copies is not None:
+            self.ran["weights"] = "bf16_copies" if self.copies_read else "fp32_masters"
         return out
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -147,6 +148,7 @@ class FusedTRMoEEngine(TRMoEEngine):
 
     kernels = {"swiglu": "triton_fused", "moe": "triton_fused"}
     weight_copies: WeightCopies | None = None
+    copies_prefix = ""
 
     def copy_weights(self, copies: WeightCopies, prefix: str) -> None:
         """gate|up [2C, D] and down [D, C] as cflib.ops.trmoe.fused_weights lays them out."""
@@ -154,12 +156,13 @@ class FusedTRMoEEngine(TRMoEEngine):
         shared = self.shared_gate.weight.shape[0]
         columns_total = shared + num_experts * width
 
-        def expert_rows(start: int):
-            return lambda copy: copy[start:start + num_experts * width].unflatten(0, (num_experts, width)).transpose(1, 2)
+        def expert_rows(start: int):  # [E x W, D] rows seen as expert_gate's [E, D, W]
+            return lambda copy: copy[start:start + num_experts * width].unflatten(0, (num_experts, width)).mT
 
-        copies.add(f"{prefix}.gate_up", (self.shared_gate.weight, self.expert_gate, self.shared_up.weight, self.expert_up),
-                   (rows(0, shared), expert_rows(shared), rows(columns_total, columns_total + shared),
-                    expert_rows(columns_total + shared)), (2 * columns_total, hidden))
+        masters = (self.shared_gate.weight, self.expert_gate, self.shared_up.weight, self.expert_up)
+        copies.add(f"{prefix}.gate_up", masters, (rows(0, shared), expert_rows(shared),
+                                                  rows(columns_total, columns_total + shared),
+                                                  expert_rows(columns_total + shared)), (2 * columns_total, hidden))
         copies.add(f"{prefix}.down", (self.shared_down.weight, self.expert_down),
                    (columns(0, shared), lambda copy: copy[:, shared:].t().unflatten(0, (num_experts, width))),
                    (hidden, columns_total))
@@ -171,11 +174,13 @@ class FusedTRMoEEngine(TRMoEEngine):
         adapters = {name: m for name in ("shared_gate", "shared_up", "shared_down")
                     if is_adapted(m := getattr(self, name))}
         adapters.update(self.expert_adapters())
-        if not adapters and self.weight_copies is not None and reads_half(x):
-            self.ran["weights"] = "bf16_copies"
-            copies, prefix = self.weight_copies, self.copies_prefix
-            return trmoe_forward(self, x, token_ids, fused=(copies.weight(f"{prefix}.gate_up"),
-                                                            copies.weight(f"{prefix}.down")))
+        copies, prefix = self.weight_copies, self.copies_prefix
+        if copies is not None:
+            read = not adapters and reads_half(x, copies.dtype)
+            self.ran["weights"] = "bf16_copies" if read else "fp32_masters"
+            if read:
+                return trmoe_forward(self, x, token_ids, fused=(copies.weight(f"{prefix}.gate_up"),
+                                                                copies.weight(f"{prefix}.down")))
         if not adapters:
             return trmoe_forward(self, x, token_ids)
         weights = engine_weights(self)

@@ -9,9 +9,12 @@ or version moved (a load, an in-place edit). The GEMM reads the copy as it is, a
 master's FP32 gradient from the copy's gradient in one cast. The numbers are autocast's: the same
 round-to-nearest cast of the same masters, the same cast of each gradient back.
 
-The copies are plain tensors beside the model, not its state: checkpoints, adapters and state dicts do not
-change. They apply to full-parameter training under BF16 autocast (adapters' weights fold into effective
-weights per forward, and FSDP reshapes the masters into shards).
+The copies are plain tensors beside the model, not its state (checkpoints and state dicts do not change), and
+they stay allocated while the model reads them: about 2 bytes per copied parameter. They apply to
+full-parameter training under BF16 autocast: a module with adapters reads its masters (the adapters' updates
+fold into effective weights per forward), and FSDP reshapes the masters into shards. A step replayed from a
+CUDA graph runs no Python, so nothing checks the masters there: the trainer rewrites any stale copy before
+each step (`refresh(stale_only=True)`) and every copy after it.
 """
 from __future__ import annotations
 
@@ -70,16 +73,22 @@ class WeightCopies:
         return _FromCopy.apply(copy.tensor, copy.regions, *copy.masters)
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        """Every copy written anew from its masters (after an optimizer step)."""
+    def refresh(self, stale_only: bool = False) -> None:
+        """Every copy written anew from its masters (after an optimizer step), or only those whose masters' storage
+        or version moved (before a step that may replay a CUDA graph, where no forward checks them)."""
         for copy in self.copies.values():
-            self._write(copy)
+            if not stale_only or copy.tensor is None or copy.sources() != copy.written_from:
+                self._write(copy)
 
     @torch.no_grad()
     def _write(self, copy: _Copy) -> None:
         device = copy.masters[0].device
         if copy.tensor is None or copy.tensor.device != device:
-            copy.tensor = torch.empty(copy.shape, dtype=self.dtype, device=device)
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("weight copies are allocated outside CUDA graph captures: a captured graph "
+                                   "would read a tensor the next allocation replaces")
+            with torch.inference_mode(False):  # a first write under inference mode must not make it read-only
+                copy.tensor = torch.empty(copy.shape, dtype=self.dtype, device=device)
         for master, region in zip(copy.masters, copy.regions):
             region(copy.tensor).copy_(master)
         copy.written_from = copy.sources()

@@ -98,7 +98,8 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_
             cols[None, :]
         q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
         g1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32) + \
-            tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32) + tl.load(v_src, mask=v_mask, other=0.0).to(tl.float32)
+            tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32) + \
+            tl.load(v_src, mask=v_mask, other=0.0).to(tl.float32)
         g2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32) + \
             tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32) + \
             tl.load(v_src + half, mask=v_mask, other=0.0).to(tl.float32)

@@ -19,7 +19,8 @@ _depth = 0  # nested holders: only the outermost freezes and unfreezes
 @contextlib.contextmanager
 def steady_collector() -> Iterator[None]:
     """Within: the objects alive on entry are out of the collector's walks (gc.freeze); on exit every frozen
-    object is collectable again (gc.unfreeze), so a notebook that trained frees the run's objects as usual."""
+    object, those frozen before it included, is collectable again (gc.unfreeze), so a notebook that trained frees
+    the run's objects as usual."""
     global _depth
     if _depth == 0:
         gc.collect()  # what is garbage now is not frozen with the rest

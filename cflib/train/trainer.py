@@ -76,7 +76,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
         self.loss = make_loss(self.params.loss_type, run.kernels)
-        self.weight_copies, self.copies_reason = self._weight_copies()
+        self.weight_copies = self._weight_copies()
         self.graphs, self.eager_reason = self._graphed_micro_steps()
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
@@ -275,25 +275,29 @@ class Trainer:
         return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device, p.seq_len,
                                  run.train_data.eos_token_id), None
 
-    def _weight_copies(self) -> tuple[WeightCopies | None, str | None]:
+    def _weight_copies(self) -> WeightCopies | None:
         """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, refreshed after every
-        optimizer step, or None and why not; KernelUnavailable for bf16_weight_copies: true where they do not
-        apply."""
+        optimizer step (the kernel read-back says where they ran: `weights`); KernelUnavailable for
+        bf16_weight_copies: true where they do not apply."""
         p, run = self.params, self.run
         if p.bf16_weight_copies == "false":
-            return None, "bf16_weight_copies: false"
+            return None
         problem = ("bf16 is off" if not p.bf16 else "cflib's kernels are off" if not run.kernels.custom
                    else "LoRA adapts the weights" if not p.full_parameter
                    else "FSDP shards the masters" if run.strategy == "fsdp"
                    else f"the device is {self.device.type}, not CUDA" if self.device.type != "cuda"
                    and p.bf16_weight_copies == "auto" else None)
+        # The head's copy for cflib's loss computing in BF16; an fp32 loss, or another loss, reads the FP32 head.
+        copies = attach_weight_copies(self.model, head=isinstance(self.loss, SFTLoss) and not p.fp32_loss) \
+            if problem is None else None
+        if copies is not None and not copies.copies:
+            problem, copies = "no module of this model reads fused weights", None
         if problem is not None:
             if p.bf16_weight_copies == "true":
                 raise KernelUnavailable(f"bf16_weight_copies: true, but {problem}")
-            return None, problem
-        copies = attach_weight_copies(self.model, head=not p.fp32_loss)  # an fp32 loss reads the FP32 head
+            return None
         self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: copies.refresh())
-        return copies, None
+        return copies
 
     def _head_weight(self) -> torch.Tensor:
         copies = self.weight_copies
@@ -307,6 +311,8 @@ class Trainer:
 
     def train_step(self, step_units: np.ndarray) -> dict:
         p, data = self.params, self.run.train_data
+        if self.weight_copies is not None:  # a replayed graph checks no master: rewrite what moved since
+            self.weight_copies.refresh(stale_only=True)
         step_examples = self.run.examples_of(step_units)
         # Every rank knows the whole step's examples, so every rank divides by the same count (or mass).
         step_supervised = data.supervised_tokens(step_examples)
@@ -325,10 +331,7 @@ class Trainer:
         for micro_start in micro_starts:
             host = self.host_batch(mine[micro_start:micro_start + p.micro_batch_per_rank])
             with self._gradient_sync(micro_start == micro_starts[-1]):
-                if self.graphs is not None:
-                    loss_sum = self.graphs(host, scale, accumulate=micro_start > 0)
-                else:
-                    loss_sum = self.forward_backward(host.to(self.device), scale)
+                loss_sum = self._micro_step(host, scale, accumulate=micro_start > 0)
             totals[0] += loss_sum.double()
             totals[1] += host.labels.numel()
         totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
@@ -364,6 +367,12 @@ class Trainer:
             self.steady["steps"] += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "supervised_tokens": step_supervised, "seconds": seconds, "skipped": not finite}
+
+    def _micro_step(self, host: MicroBatch, scale: float, accumulate: bool) -> torch.Tensor:
+        """One micro-batch's forward, loss and backward: replayed from its CUDA graph where one runs."""
+        if self.graphs is not None:
+            return self.graphs(host, scale, accumulate=accumulate)
+        return self.forward_backward(host.to(self.device), scale)
 
     def _clip(self, fused: bool) -> torch.Tensor:
         """The gradients' total norm, measured even unclipped (max_norm None) so a non-finite gradient is

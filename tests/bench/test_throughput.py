@@ -486,6 +486,8 @@ def test_repetitions_run_round_robin_and_each_entry_is_its_fastest(tmp_path, mon
         assert [r["repetition"] for r in tried] == [0, 1] and entry["repetition"] == 1
         assert entry["tokens_per_s"] == max(r["tokens_per_s"] for r in tried)
         assert all(r["status"] == "ok" and len(r["step_seconds"]) == 2 for r in tried)
+    timed_apart = [e for e in record["paths"] if e["path"] == "production"][0]
+    assert "checkpoint_save_s" in json.dumps(timed_apart["evaluation_and_checkpoint"])  # the first repetition's
 
 
 def test_best_of_repetitions_keeps_a_failure_only_when_nothing_ran():

@@ -88,7 +88,7 @@ def test_fp32_steps_read_the_masters():
     plain, copied, _ = _models()
     ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
     _assert_same(plain, copied, ids, bf16=False)
-    assert "weights" not in copied.kernel_path()
+    assert copied.kernel_path()["weights"] == "fp32_masters"
 
 
 def test_the_tied_heads_copy_gives_the_embedding_table_autocasts_gradient():
@@ -104,3 +104,45 @@ def test_the_tied_heads_copy_gives_the_embedding_table_autocasts_gradient():
         grads.append(model.embed_tokens.weight.grad)
     assert grads[1].dtype == torch.float32
     _same(grads[0], grads[1])  # the lookup's gradient and the head's, summed
+
+
+def test_modules_with_adapters_read_their_masters():
+    from cflib.model.lora import LoraSettings, attach_lora
+
+    plain, copied, _ = _models()
+    for model in (plain, copied):
+        torch.manual_seed(1)
+        attach_lora(model, LoraSettings(rank=2))
+        with torch.no_grad():  # updates that are not zero, the same in both
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    _assert_same(plain, copied, ids)
+    assert copied.kernel_path()["weights"] == "fp32_masters"
+
+
+def test_a_first_write_under_inference_mode_leaves_the_copies_trainable():
+    plain, copied, copies = _models()
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    with torch.inference_mode(), torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+        copied(ids)
+    assert not any(copy.tensor.is_inference() for copy in copies.copies.values())
+    _assert_same(plain, copied, ids)
+    copies.refresh()
+
+
+def test_refresh_of_stale_copies_rewrites_only_what_moved():
+    _, copied, copies = _models()
+    copies.refresh()
+    written = {name: copy.tensor.clone() for name, copy in copies.copies.items()}
+    engine = copied.layers[0].mlp["engine"]
+    with torch.no_grad():
+        engine.expert_gate.add_(1.0)  # a new version
+        copied.layers[1].self_attn.o_proj.weight.data.add_(1.0)  # no new version: only a full refresh sees it
+    copies.refresh(stale_only=True)
+    moved = {name for name, copy in copies.copies.items() if not torch.equal(copy.tensor, written[name])}
+    assert moved == {"layers.0.mlp.gate_up"}
+    copies.refresh()
+    assert torch.equal(copies.copies["layers.1.self_attn.o"].tensor,
+                       copied.layers[1].self_attn.o_proj.weight.to(torch.bfloat16))
