@@ -98,6 +98,8 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
     copied = _copies_run(tmp_path, "copies", bf16_weight_copies="true")
     cast = _copies_run(tmp_path, "casts", bf16_weight_copies="false")
     assert copied["kernel_path"]["weights"] == "bf16_copies" and "weights" not in cast["kernel_path"]
+    if DEVICE.type == "cuda":  # the copies are read by graphs replayed after the optimizer wrote them
+        assert copied["step_capture"]["replayed"] > 0 and cast["step_capture"]["replayed"] > 0
     rows = [[(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / name / "metrics.jsonl")
              if r["event"] == "train"] for name in ("copies", "casts")]
     assert len(rows[0]) == 3
