@@ -297,6 +297,14 @@ def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16,
     return copies
 
 
+def detach_weight_copies(model: TRMoEModel) -> None:
+    """Every module of `model` reads its masters again (copies attached earlier are no longer refreshed)."""
+    for layer in model.layers:
+        for module in (layer.self_attn, layer.mlp["engine"]):
+            if isinstance(module, (FusedQKVAttention, FusedTRMoEEngine)):
+                module.weight_copies = None
+
+
 def build_model(config: ModelConfig, plan: KernelPlan, build_routes: bool = True) -> TRMoEModel:
     """A model of `config` whose modules are the implementations `plan` chooses."""
     return use_kernels(TRMoEModel(config, build_routes), plan)

@@ -27,7 +27,7 @@ from cflib.data.packing import collate_packed
 from cflib.data.shards import collate
 from cflib.errors import KernelUnavailable, ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
-from cflib.model.fast import attach_weight_copies
+from cflib.model.fast import attach_weight_copies, detach_weight_copies
 from cflib.model.weight_copies import WeightCopies
 from cflib.model.lora import lora_kernel_path
 from cflib.ops.attention import capturable, pack_documents
@@ -280,6 +280,7 @@ class Trainer:
         optimizer step (the kernel read-back says where they ran: `weights`); KernelUnavailable for
         bf16_weight_copies: true where they do not apply."""
         p, run = self.params, self.run
+        detach_weight_copies(self.model)  # none left by an earlier trainer of this model, which refreshed them
         if p.bf16_weight_copies == "false":
             return None
         problem = ("bf16 is off" if not p.bf16 else "cflib's kernels are off" if not run.kernels.custom

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 
-from cflib.model.fast import attach_weight_copies, build_model
+from cflib.model.fast import attach_weight_copies, build_model, detach_weight_copies
 from cflib.ops.dispatch import KernelPlan
 
 PRODUCTION = KernelPlan(liger=True, custom=True)
@@ -146,3 +146,11 @@ def test_refresh_of_stale_copies_rewrites_only_what_moved():
     copies.refresh()
     assert torch.equal(copies.copies["layers.1.self_attn.o"].tensor,
                        copied.layers[1].self_attn.o_proj.weight.to(torch.bfloat16))
+
+
+def test_detached_modules_read_their_masters_again():
+    plain, copied, _ = _models()
+    detach_weight_copies(copied)
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    _assert_same(plain, copied, ids)
+    assert "weights" not in copied.kernel_path()
