@@ -28,8 +28,8 @@ from cflib.data.shards import collate
 from cflib.errors import KernelUnavailable, ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.fast import attach_weight_copies, detach_weight_copies
-from cflib.model.weight_copies import WeightCopies
 from cflib.model.lora import lora_kernel_path
+from cflib.model.weight_copies import WeightCopies
 from cflib.ops.attention import capturable, pack_documents
 from cflib.ops.sft_loss import SFTLoss, make_loss
 from cflib.ops.loss import supervised_positions
