@@ -236,9 +236,7 @@ class EpilogueSwiGLUEngine(FusedTRMoEEngine):
     def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         from cflib.ops.trmoe import trmoe_split_forward
 
-        half = x.dtype in (torch.bfloat16, torch.float16) or (
-            torch.is_autocast_enabled(x.device.type)
-            and torch.get_autocast_dtype(x.device.type) in (torch.bfloat16, torch.float16))
+        half = reads_half(x, torch.bfloat16) or reads_half(x, torch.float16)
         adapted = self.expert_adapters() or any(is_adapted(getattr(self, name))
                                                 for name in ("shared_gate", "shared_up", "shared_down"))
         if not (half and torch.is_grad_enabled()) or adapted:

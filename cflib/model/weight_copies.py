@@ -38,6 +38,10 @@ class _Copy:
     def sources(self) -> tuple:
         return tuple((master.data_ptr(), master._version) for master in self.masters)
 
+    def stale(self) -> bool:
+        """Never written, or a master's storage or version moved since."""
+        return self.tensor is None or self.sources() != self.written_from
+
 
 class _FromCopy(torch.autograd.Function):
     """The copy as the GEMM's weight; its gradient becomes each master's FP32 gradient."""
@@ -68,7 +72,7 @@ class WeightCopies:
 
     def weight(self, name: str) -> torch.Tensor:
         copy = self.copies[name]
-        if copy.tensor is None or copy.sources() != copy.written_from:
+        if copy.stale():
             self._write(copy)
         return _FromCopy.apply(copy.tensor, copy.regions, *copy.masters)
 
@@ -77,7 +81,7 @@ class WeightCopies:
         """Every copy written anew from its masters (after an optimizer step), or only those whose masters' storage
         or version moved (before a step that may replay a CUDA graph, where no forward checks them)."""
         for copy in self.copies.values():
-            if not stale_only or copy.tensor is None or copy.sources() != copy.written_from:
+            if not stale_only or copy.stale():
                 self._write(copy)
 
     @torch.no_grad()
