@@ -36,6 +36,7 @@ from cflib.bench.timing import trmoe_bench_inputs
 from cflib.jobs import error_line, record_header
 from cflib.model.config import preset
 from cflib.model.fast import FusedTRMoEEngine, swap_class
+from cflib.model.generate import capture_graph
 from cflib.model.weight_copies import WeightCopies
 from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, trmoe_forward, trmoe_split_forward
 
@@ -46,17 +47,8 @@ def _timed(step: Callable[[], None], rep_ms: int) -> float:
 
 
 def _graphed(step: Callable[[], None]) -> Callable[[], None]:
-    """`step` captured as a CUDA graph after three warm-up runs on a side stream (tuning included): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
+    """`step` captured as a CUDA graph after three warm-up runs (tuning included): its replay."""
+    return capture_graph(step, torch.device("cuda"), warmups=3).replay
 
 
 def _rel(found: torch.Tensor, expected: torch.Tensor) -> float:

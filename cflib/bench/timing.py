@@ -26,11 +26,15 @@ def flops_per_token(active_params: int, layers: int, hidden: int, seq_len: int) 
     return 6 * active_params + 6 * layers * hidden * seq_len
 
 
+def _square_operands(device: torch.device, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """a, b and the output of the ceilings' size x size matmul."""
+    return (torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype),
+            torch.empty(size, size, device=device, dtype=dtype))
+
+
 def matmul_ceiling(device: torch.device, size: int, repeats: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Achievable matmul TFLOP/s on this device, now: the figure model FLOP utilisation is taken against."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    out = torch.empty(size, size, device=device, dtype=dtype)
+    a, b, out = _square_operands(device, size, dtype)
     for _ in range(3):  # kernel selection and clocks settle first
         torch.matmul(a, b, out=out)
     sync(device)
@@ -47,9 +51,7 @@ def sustained_matmul_ceiling(device: torch.device, size: int, seconds: float,
                              dtype: torch.dtype = torch.bfloat16) -> dict:
     """The matmul rate the device holds for `seconds` after as long a warm-up: under its power limit, as the
     timed steps run, rather than the first burst at boost clocks (matmul_ceiling)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    out = torch.empty(size, size, device=device, dtype=dtype)
+    a, b, out = _square_operands(device, size, dtype)
 
     def run_for(duration: float) -> tuple[int, float]:
         count, start = 0, time.perf_counter()

@@ -86,6 +86,21 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def capture_graph(step: Callable[[], None], device: torch.device, warmups: int = 2) -> torch.cuda.CUDAGraph:
+    """`step` recorded as a CUDA graph after `warmups` runs on a side stream, where lazy initialisation, Triton
+    autotuning and cuBLAS workspaces happen, never inside the capture."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 class _Slot:
     """The static state of one (batch, cache length, sampling) shape: cache, buffers and its CUDA graph."""
 
@@ -135,16 +150,7 @@ class _Slot:
         self.step.zero_()
         self.budgets.fill_(self.length)
         self.finished.zero_()
-        side = torch.cuda.Stream(self.positions.device)
-        side.wait_stream(torch.cuda.current_stream(self.positions.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.advance()
-        torch.cuda.current_stream(self.positions.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.advance()
-        self.graph = graph
+        self.graph = capture_graph(self.advance, self.positions.device)
 
     def run(self, prompts: list[list[int]], budgets: list[int], eos_token_id: int | None,
             generator: torch.Generator | None, stream: Callable[[int, int], None] | None) -> list[list[int]]:
