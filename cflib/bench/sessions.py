@@ -22,6 +22,7 @@ from cflib.bench.peer import (
 from cflib.bench.timing import flops_per_token
 from cflib.data.shards import ShardPartition
 from cflib.model.config import ModelConfig
+from cflib.train.optim import describe_optimizer
 from cflib.train.params import TrainParams
 from cflib.train.records import count_parameters
 from cflib.train.trainer import Trainer
@@ -55,7 +56,7 @@ def _peer_facts(model: torch.nn.Module, trainer: PeerTrainer, tparams: TrainPara
         "loss_chunk_tokens": None,
         "grad_ckpt": gradient_checkpointing(model),
         "compiled": compile_backend if compiled(trainer.train_model) else False,
-        "optimizer": f"AdamW fused={trainer.optimizer.defaults.get('fused')}",
+        "optimizer": describe_optimizer(trainer.optimizer),
         "peer_config": {key: getattr(llama, key) for key in (
             "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
             "vocab_size", "tie_word_embeddings")},

@@ -56,6 +56,7 @@ from cflib.model.config import PRESETS, ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.paths import resolve_path
 from cflib.params import Params
+from cflib.train.optim import describe_optimizer, optimizer_kernel
 from cflib.train.params import DEVICES, ParamError, TrainParams
 from cflib.train.records import count_parameters
 from cflib.train.run import prepare, resolve_device
@@ -71,6 +72,9 @@ PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "production_eager": {"use_custom_kernels": "true", "require_liger": True, "cuda_graphs": "false"},
     # production with BF16 copies of the fused weights written after each step (cflib.model.weight_copies)
     "production_weight_copies": {"use_custom_kernels": "true", "require_liger": True, "bf16_weight_copies": "true"},
+    # ... and the optimizer step as cflib's Triton kernel, which writes those copies (cflib.ops.adamw)
+    "production_cflib_adamw": {"use_custom_kernels": "true", "require_liger": True, "bf16_weight_copies": "true",
+                               "cflib_adamw": "true"},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
 # measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.
@@ -205,7 +209,8 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
         def step(windows: np.ndarray) -> dict:
             return {**trainer.train_step(windows),
                     "real_tokens": int(stream.data.lengths[stream.plan.examples_of(windows)].sum())}
-    return Session(step, model.kernel_path, trainer=trainer, facts={
+    return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(trainer.optimizer)},
+                   trainer=trainer, facts={
         **counts, "params_active": active,
         "model_flops_per_token": flops_per_token(active, model.config.num_hidden_layers, model.config.hidden_size,
                                                  p.seq_len),
@@ -215,7 +220,7 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
         "loss_chunk_tokens": p.loss_chunk_tokens,
         "grad_ckpt": bool(model.grad_ckpt),
         "compiled": compiled(trainer.train_model),
-        "optimizer": f"AdamW fused={trainer.optimizer.defaults.get('fused')}",
+        "optimizer": describe_optimizer(trainer.optimizer),
     })
 
 

@@ -4,8 +4,8 @@ Under autocast every forward casts each FP32 master weight to BF16, and the fuse
 block's gate|up and down) first concatenate their pieces in FP32; backward casts each gradient back and splits
 it. `WeightCopies` holds each fused weight once, as one BF16 tensor laid out as its GEMM reads it, written in
 place from the masters by `refresh` (which the trainer calls after every optimizer step; torch's fused AdamW
-moves the masters without bumping their version counters) and before any forward that finds a master's storage
-or version moved (a load, an in-place edit). The GEMM reads the copy as it is, and backward writes each
+moves the masters without bumping their version counters), or by cflib's AdamW kernel as it updates each master
+(`targets`), and before any forward that finds a master's storage or version moved (a load, an in-place edit). The GEMM reads the copy as it is, and backward writes each
 master's FP32 gradient from the copy's gradient in one cast. The numbers are autocast's: the same
 round-to-nearest cast of the same masters, the same cast of each gradient back.
 
@@ -65,6 +65,7 @@ class WeightCopies:
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         self.dtype = dtype
         self.copies: dict[str, _Copy] = {}
+        self._targets: dict[nn.Parameter, torch.Tensor] | None = None
 
     def add(self, name: str, masters: tuple[nn.Parameter, ...], regions: tuple[Region, ...],
             shape: tuple[int, int]) -> None:
@@ -75,6 +76,14 @@ class WeightCopies:
         if copy.stale():
             self._write(copy)
         return _FromCopy.apply(copy.tensor, copy.regions, *copy.masters)
+
+    def targets(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each master's view of its copy, for the copies written so far: where an optimizer that writes the
+        copies as it updates the masters (cflib.train.optim.TritonAdamW) puts each one's BF16 value."""
+        if self._targets is None:
+            self._targets = {master: region(copy.tensor) for copy in self.copies.values() if copy.tensor is not None
+                             for master, region in zip(copy.masters, copy.regions)}
+        return self._targets
 
     @torch.no_grad()
     def refresh(self, stale_only: bool = False) -> None:
@@ -93,6 +102,7 @@ class WeightCopies:
                                    "would read a tensor the next allocation replaces")
             with torch.inference_mode(False):  # a first write under inference mode must not make it read-only
                 copy.tensor = torch.empty(copy.shape, dtype=self.dtype, device=device)
+            self._targets = None
         for master, region in zip(copy.masters, copy.regions):
             region(copy.tensor).copy_(master)
         copy.written_from = copy.sources()

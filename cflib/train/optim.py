@@ -1,5 +1,9 @@
 """AdamW with weight decay on matrices only, and the released schedule: linear warm-up, then one cosine.
 
+The update runs as torch's fused AdamW, or (cflib_adamw) as cflib's Triton kernel (cflib.ops.adamw): the same
+hyperparameters, state and state dict, one launch per parameter group, the BF16 weight copies written as their
+masters are updated.
+
 The routed experts and the LoRA adapters may learn at their own rates (`expert_lr_multiplier`,
 `lora_lr_multiplier`: lr x multiplier, both for an adapter on an expert); each combination is a parameter group,
 named, so the record can show every group's learning rate.
@@ -10,7 +14,12 @@ import math
 
 import torch
 
+from cflib.model.weight_copies import WeightCopies
+from cflib.ops.adamw import BLOCK, NUM_WARPS, AdamWTables, adamw_step_, adamw_tables, step_coefficients
+from cflib.ops.dispatch import triton_problem
 from cflib.train.params import TrainParams
+
+TABLES_KEPT = 32  # address tables cached per optimizer: one per group and set of gradient tensors (graph shapes)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -35,8 +44,100 @@ def _group_of(name: str, parameter: torch.nn.Parameter, params: TrainParams) -> 
     return "+".join(parts), multiplier
 
 
+class TritonAdamW(torch.optim.AdamW):
+    """torch's AdamW, its state and state dict unchanged, stepped by cflib's Triton kernel (cflib.ops.adamw): one
+    launch per parameter group; a clipping factor (`grad_scale`) and a skip flag (`found_inf`) read on the device,
+    as torch's fused step reads them; where `weight_copies` holds a copy of a master, the copy is written in the
+    same pass (so no refresh follows the step)."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], block: int = BLOCK,
+                 num_warps: int = NUM_WARPS) -> None:
+        # fused: the steps live on the parameters' device, and a loaded state dict keeps them there
+        super().__init__(groups, lr=lr, betas=betas, fused=True)
+        self.launch = {"block": block, "num_warps": num_warps}
+        self.weight_copies: WeightCopies | None = None
+        self.stepped = False  # read back into the record's kernel path
+        self._tables: dict[tuple, AdamWTables] = {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # a state dict of a non-fused AdamW: the device reads the skip flag still
+            group["fused"] = True
+
+    def _state(self, parameter: torch.nn.Parameter) -> dict:
+        state = self.state[parameter]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=parameter.device)
+            state["exp_avg"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+        elif state["step"].device != parameter.device:  # loaded from a state dict that kept steps on the host
+            state["step"] = state["step"].to(parameter.device, torch.float32)
+        return state
+
+    def _tables_for(self, params: list[torch.nn.Parameter], states: list[dict]) -> AdamWTables:
+        targets = self.weight_copies.targets() if self.weight_copies is not None else {}
+        tensors = [(p, p.grad, s["exp_avg"], s["exp_avg_sq"], targets.get(p)) for p, s in zip(params, states)]
+        key = tuple((*(t.data_ptr() for t in row[:4]), None if row[4] is None else (row[4].data_ptr(), row[4].stride()))
+                    for row in tensors)
+        if key not in self._tables:
+            if len(self._tables) >= TABLES_KEPT:
+                self._tables.pop(next(iter(self._tables)))
+            self._tables[key] = adamw_tables(*(list(column) for column in zip(*tensors)), **self.launch)
+        return self._tables[key]
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        if closure is not None:
+            raise ValueError("cflib's AdamW takes no closure")
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("cflib's AdamW has no amsgrad and no maximize")
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self._state(p) for p in params]
+            steps = [state["step"] for state in states]
+            torch._foreach_add_(steps, 1.0)
+            coefficients = step_coefficients(torch.stack(steps), float(group["lr"]), group["betas"])
+            adamw_step_(self._tables_for(params, states), coefficients, float(group["lr"]), group["weight_decay"],
+                        group["betas"], group["eps"], grad_scale, found_inf)
+            if found_inf is not None:  # a skipped step does not count, as in torch's fused AdamW
+                torch._foreach_sub_(steps, [found_inf] * len(steps))
+        self.stepped = True
+
+
+def cflib_adamw_problem(model: torch.nn.Module, device: torch.device, strategy: str) -> str | None:
+    """Why cflib's AdamW kernel cannot step this model's parameters, or None."""
+    if strategy == "fsdp":
+        return "FSDP shards the parameters"
+    problem = triton_problem(device, rocm_opt_in=False)
+    if problem is not None:
+        return problem
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if dtypes - {torch.float32}:
+        return f"trainable parameters in {sorted(map(str, dtypes))}, not only float32"
+    return None
+
+
+def optimizer_kernel(optimizer: torch.optim.Optimizer) -> str:
+    """What stepped the parameters, read back from the optimizer: cflib's Triton kernel or torch's AdamW."""
+    if isinstance(optimizer, TritonAdamW) and optimizer.stepped:
+        return "cflib_triton"
+    return "torch_fused" if all(group.get("fused") for group in optimizer.param_groups) else "torch"
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer as a record names it."""
+    if isinstance(optimizer, TritonAdamW):
+        return "AdamW, cflib's Triton kernel"
+    return f"AdamW fused={optimizer.defaults.get('fused')}"
+
+
 def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
-                   fused: bool = True) -> torch.optim.AdamW:
+                   fused: bool = True, triton: bool = False) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters in named groups: torch's (fused on a GPU unless `fused` is
+    false), or with `triton` cflib's kernel (cflib_adamw_problem says where it runs)."""
     groups: dict[str, dict] = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
@@ -45,6 +146,8 @@ def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.de
         groups.setdefault(group, {"name": group, "params": [], "lr": params.lr * multiplier,
                                   "weight_decay": params.weight_decay if group.startswith("decay") else 0.0})
         groups[group]["params"].append(parameter)
+    if triton:
+        return TritonAdamW(list(groups.values()), lr=params.lr, betas=(params.beta1, params.beta2))
     return torch.optim.AdamW(list(groups.values()), lr=params.lr, betas=(params.beta1, params.beta2),
                              fused=fused and device.type == "cuda")
 

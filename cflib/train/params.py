@@ -155,6 +155,10 @@ class Kernels:
     # every forward (cflib.model.weight_copies): full-parameter BF16 runs on cflib's kernels, not FSDP; false until
     # measured end to end, auto where it applies on a GPU, true to require it
     bf16_weight_copies: str = parsed_by(kernel_choice, "false")
+    # AdamW stepped by cflib's Triton kernel (cflib.ops.adamw) instead of torch's fused one: the same update and
+    # state, one launch per parameter group, the weight copies written in the same pass; not FSDP; false until
+    # measured end to end, auto where it applies on a GPU, true to require it
+    cflib_adamw: str = parsed_by(kernel_choice, "false")
 
 
 @dataclass(frozen=True)
@@ -270,7 +274,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError("train_tasks must name at least one task, or be None for every example")
         if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
             raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
-        for name in ("use_custom_kernels", "epilogue_swiglu", "cuda_graphs", "bf16_weight_copies"):
+        for name in ("use_custom_kernels", "epilogue_swiglu", "cuda_graphs", "bf16_weight_copies", "cflib_adamw"):
             if getattr(self, name) not in KERNEL_CHOICES:
                 raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
         if self.attention_backend not in backend_names():

@@ -39,7 +39,15 @@ from cflib.train.batch import MicroBatch
 from cflib.train.collector import steady_collector
 from cflib.train.graphs import GraphedMicroSteps, why_eager
 from cflib.train.lock import RunLock
-from cflib.train.optim import clip_in_fused_step, describe_groups, lr_factor, make_optimizer
+from cflib.train.optim import (
+    TritonAdamW,
+    cflib_adamw_problem,
+    clip_in_fused_step,
+    describe_groups,
+    lr_factor,
+    make_optimizer,
+    optimizer_kernel,
+)
 from cflib.train.records import MetricsLog, train_record
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.trackers import open_trackers
@@ -72,7 +80,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)  # the record's peak is this run's alone
         # FSDP shards the model in place, so the optimizer is built after wrapping.
         self.train_model = wrap_model(self.model, run.strategy, self.dist, self.device)
-        self.optimizer = make_optimizer(self.model, self.params, self.device, fused=run.strategy != "fsdp")
+        self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
         self.loss = make_loss(self.params.loss_type, run.kernels)
@@ -275,6 +283,18 @@ class Trainer:
         return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device, p.seq_len,
                                  run.train_data.eos_token_id), None
 
+    def _make_optimizer(self) -> torch.optim.AdamW:
+        """torch's AdamW (fused, but under FSDP), or cflib's kernel where cflib_adamw asks for it and it applies;
+        KernelUnavailable for cflib_adamw: true where it does not."""
+        choice, strategy = self.params.cflib_adamw, self.run.strategy
+        problem = None if choice == "false" else cflib_adamw_problem(self.model, self.device, strategy)
+        if choice == "auto" and problem is None and self.device.type != "cuda":
+            problem = f"the device is {self.device.type}, not CUDA"
+        if choice == "true" and problem is not None:
+            raise KernelUnavailable(f"cflib_adamw: true, but {problem}")
+        return make_optimizer(self.model, self.params, self.device, fused=strategy != "fsdp",
+                              triton=choice != "false" and problem is None)
+
     def _weight_copies(self) -> WeightCopies | None:
         """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, refreshed after every
         optimizer step (the kernel read-back says where they ran: `weights`); KernelUnavailable for
@@ -297,7 +317,10 @@ class Trainer:
             if p.bf16_weight_copies == "true":
                 raise KernelUnavailable(f"bf16_weight_copies: true, but {problem}")
             return None
-        self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: copies.refresh())
+        if isinstance(self.optimizer, TritonAdamW):  # it writes each copy as it updates the copy's masters
+            self.optimizer.weight_copies = copies
+        else:
+            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: copies.refresh())
         return copies
 
     def _head_weight(self) -> torch.Tensor:
@@ -358,7 +381,8 @@ class Trainer:
             self._end_step()
         _sync(self.device)
         seconds = time.perf_counter() - start
-        self.train_kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model)}
+        self.train_kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model),
+                                  "optimizer": optimizer_kernel(self.optimizer)}
         self.step += 1
         self.timing["train_s"] += seconds
         if self.step > self.warmup_exclude:

@@ -1,7 +1,9 @@
-"""`python -m cflib.bench ...`, `cflib.bench.attention` and `cflib.bench.decode` given bad arguments or files:
+"""`python -m cflib.bench ...`, `cflib.bench.attention`, `cflib.bench.decode` and `cflib.bench.adamw` (on a machine
+without a GPU) given bad arguments or files:
 each ends in one line naming the culprit and a non-zero status, never a traceback."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +15,9 @@ RECORD = ROOT / "outputs" / "records" / "throughput_200m_h200.json"
 
 
 def cli(*arguments: str) -> subprocess.CompletedProcess:
+    """The entry point run with no GPU visible, as on a machine without one."""
     return subprocess.run([sys.executable, "-m", *arguments], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +43,8 @@ CASES = [
                                           "--device", "cpu"], ["afile is a file"]),
     ("decode-on-no-such-device", lambda w: ["cflib.bench.decode", "--out", str(w / "d"), "--device", "tpu"],
      ["--device", "invalid choice: 'tpu'"]),
+    ("adamw-without-a-gpu", lambda w: ["cflib.bench.adamw", "--out", str(w / "adamw.json")],
+     ["measures a GPU; none is available"]),
     ("decode-under-a-file", lambda w: ["cflib.bench.decode", "--out", str(w / "afile" / "x"), "--smoke"],
      ["afile/x", "Not a directory"]),
 ]

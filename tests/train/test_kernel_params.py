@@ -93,8 +93,8 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
 
     make_optimizer = cflib.train.trainer.make_optimizer
     monkeypatch.setattr(cflib.train.trainer, "make_optimizer",
-                        lambda model, params, device, fused=True: make_optimizer(model, params, torch.device("cuda"))
-                        if device.type == "cpu" and fused else make_optimizer(model, params, device, fused))
+                        lambda model, params, device, fused=True, triton=False: make_optimizer(
+                            model, params, torch.device("cuda") if device.type == "cpu" and fused else device, fused))
     copied = _copies_run(tmp_path, "copies", bf16_weight_copies="true")
     cast = _copies_run(tmp_path, "casts", bf16_weight_copies="false")
     assert copied["kernel_path"]["weights"] == "bf16_copies" and "weights" not in cast["kernel_path"]
