@@ -198,3 +198,15 @@ def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, 
     assert any(tensor.abs().sum() > 0 for name, tensor in whole.items() if ".lora_B." in name)  # they trained
     state = torch.load(tmp_path / "killed" / "checkpoints" / "step-8" / "trainer_state.pt", weights_only=True)
     assert set(state["optimizer"]["state"]) == set(whole)  # the optimizer holds the adapters alone
+
+
+def test_a_run_on_torchs_adamw_resumes_on_cflibs_kernel(tmp_path, shard):
+    """cflib_adamw keeps torch's optimizer state: a checkpoint of a run stepped by torch's AdamW resumes on cflib's
+    kernel (Triton's interpreter here) and ends where the uninterrupted run ends."""
+    train(params(shard, tmp_path / "whole", epochs=4, save_total_limit=None), progress=False)
+    kept = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-8", tmp_path / "step-8")
+    resumed = train(params(shard, tmp_path / "resumed", epochs=4, resume=str(kept), cflib_adamw="true"),
+                    progress=False)
+    assert resumed["kernel_path"]["optimizer"] == "cflib_triton"
+    weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
+    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "resumed"), atol=1e-6)
