@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark measures a GPU; none is available")
-    record = {**record_header("adamw_200m"), **measure(args.rep_ms)}
+    record = {**record_header("adamw_200m", torch.device("cuda")), **measure(args.rep_ms)}
     with open(args.out, "w") as handle:
         json.dump(record, handle, indent=2)
     for name, row in record["variants"].items():
