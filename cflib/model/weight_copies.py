@@ -3,18 +3,19 @@
 Under autocast every forward casts each FP32 master weight to BF16, and the fused GEMMs (q|k|v, and the TR-MoE
 block's gate|up and down) first concatenate their pieces in FP32; backward casts each gradient back and splits
 it. `WeightCopies` holds each fused weight once, as one BF16 tensor laid out as its GEMM reads it, written in
-place from the masters by `refresh` (which the trainer calls after every optimizer step; torch's fused AdamW
-moves the masters without bumping their version counters), or by cflib's AdamW kernel as it updates each master
-(`targets`), and before any forward that finds a master's storage or version moved (a load, an in-place edit). The GEMM reads the copy as it is, and backward writes each
-master's FP32 gradient from the copy's gradient in one cast. The numbers are autocast's: the same
-round-to-nearest cast of the same masters, the same cast of each gradient back.
+place from the masters after every optimizer step (by `refresh`, since torch's fused AdamW moves the masters
+without bumping their version counters, or by cflib's AdamW kernel as it updates each master: `targets`) and
+before any forward that finds a master's storage or version moved (a load, an in-place edit). The GEMM reads
+the copy as it is, and backward writes each master's FP32 gradient from the copy's gradient in one cast. The
+numbers are autocast's: the same round-to-nearest cast of the same masters, the same cast of each gradient
+back.
 
 The copies are plain tensors beside the model, not its state (checkpoints and state dicts do not change), and
 they stay allocated while the model reads them: about 2 bytes per copied parameter. They apply to
 full-parameter training under BF16 autocast: a module with adapters reads its masters (the adapters' updates
 fold into effective weights per forward), and FSDP reshapes the masters into shards. A step replayed from a
 CUDA graph runs no Python, so nothing checks the masters there: the trainer rewrites any stale copy before
-each step (`refresh(stale_only=True)`) and every copy after it.
+each step (`refresh(stale_only=True)`), and every copy is written after it.
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class WeightCopies:
     def add(self, name: str, masters: tuple[nn.Parameter, ...], regions: tuple[Region, ...],
             shape: tuple[int, int]) -> None:
         self.copies[name] = _Copy(masters, regions, shape)
+        self._targets = None
 
     def weight(self, name: str) -> torch.Tensor:
         copy = self.copies[name]
@@ -81,8 +83,11 @@ class WeightCopies:
         """Each master's view of its copy, for the copies written so far: where an optimizer that writes the
         copies as it updates the masters (cflib.train.optim.TritonAdamW) puts each one's BF16 value."""
         if self._targets is None:
-            self._targets = {master: region(copy.tensor) for copy in self.copies.values() if copy.tensor is not None
-                             for master, region in zip(copy.masters, copy.regions)}
+            views = [(master, region(copy.tensor)) for copy in self.copies.values() if copy.tensor is not None
+                     for master, region in zip(copy.masters, copy.regions)]
+            self._targets = dict(views)
+            if len(self._targets) != len(views):  # one view per master: a second copy would go stale
+                raise ValueError("a master weight has more than one copy")
         return self._targets
 
     @torch.no_grad()

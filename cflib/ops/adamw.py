@@ -42,10 +42,10 @@ def _bf16_bits(x):
 
 @triton.jit
 def _adamw_kernel(chunk_tensor_ptr, chunk_start_ptr, numel_ptr, param_ptrs, grad_ptrs, exp_avg_ptrs, exp_avg_sq_ptrs,
-                  coefficient_ptr, copy_ptrs, copy_geometry_ptr, grad_scale_ptr, found_inf_ptr, num_tensors,
+                  coefficient_ptr, copy_ptrs, copy_rows_ptr, grad_scale_ptr, found_inf_ptr, num_tensors,
                   lr_times_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                  HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, COPY_BF16: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  HAS_DECAY: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                  COPY_BF16: tl.constexpr, BLOCK: tl.constexpr):
     chunk = tl.program_id(0)
     tensor = tl.load(chunk_tensor_ptr + chunk)
     offsets = tl.load(chunk_start_ptr + chunk) + tl.arange(0, BLOCK)
@@ -61,41 +61,43 @@ def _adamw_kernel(chunk_tensor_ptr, chunk_start_ptr, numel_ptr, param_ptrs, grad
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0)
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
+    # Correctly rounded divisions and square root, as torch's kernels compute them (Triton's defaults approximate).
     if HAS_GRAD_SCALE:
-        grad = tl.fdiv(grad, tl.load(grad_scale_ptr), ieee_rounding=True)
-    param = param - lr_times_decay * param
+        grad = tl.div_rn(grad, tl.zeros_like(grad) + tl.load(grad_scale_ptr))
+    if HAS_DECAY:  # as torch, none where the group has none (an infinite weight stays infinite)
+        param = param - lr_times_decay * param
     exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
     exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
     step_size = tl.load(coefficient_ptr + tensor)
     bias2_sqrt = tl.load(coefficient_ptr + num_tensors + tensor)
-    # Correctly rounded square root and divisions, as torch's kernels compute them (Triton's defaults approximate).
-    denominator = tl.fdiv(tl.sqrt_rn(exp_avg_sq), bias2_sqrt, ieee_rounding=True) + eps
-    param = param - tl.fdiv(step_size * exp_avg, denominator, ieee_rounding=True)
+    denominator = tl.div_rn(tl.sqrt_rn(exp_avg_sq), tl.zeros_like(exp_avg_sq) + bias2_sqrt) + eps
+    param = param - tl.div_rn(step_size * exp_avg, denominator)
     tl.store(param_ptr + offsets, param, mask=mask)
     tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
     tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
     copy_address = tl.load(copy_ptrs + tensor)
     if copy_address != 0:
-        # The copy's view of this master, [size0, size1, size2] at strides (stride0, stride1, stride2).
-        geometry = copy_geometry_ptr + tensor * 5
-        size1 = tl.load(geometry)
-        size2 = tl.load(geometry + 1)
-        outer = offsets // size2
-        target = ((outer // size1) * tl.load(geometry + 2) + (outer % size1) * tl.load(geometry + 3)
-                  + (offsets % size2) * tl.load(geometry + 4))
+        # The copy's view of this master: rows of row_length elements, row_stride apart.
+        row_length = tl.load(copy_rows_ptr + 2 * tensor)
+        target = (offsets // row_length) * tl.load(copy_rows_ptr + 2 * tensor + 1) + offsets % row_length
         if COPY_BF16:
             tl.store(copy_address.to(tl.pointer_type(tl.uint16)) + target, _bf16_bits(param), mask=mask)
         else:
             tl.store(copy_address.to(tl.pointer_type(tl.float16)) + target, param.to(tl.float16), mask=mask)
 
 
-def _geometry(view: torch.Tensor) -> list[int]:
-    """A copy's view of a master as (size1, size2, stride0, stride1, stride2), its shape padded to 3 dims."""
-    if view.dim() > 3:
-        raise ValueError(f"a weight copy's view has {view.dim()} dims; the AdamW kernel writes at most 3")
-    sizes = [1] * (3 - view.dim()) + list(view.shape)
-    strides = [0] * (3 - view.dim()) + list(view.stride())
-    return [sizes[1], sizes[2], *strides]
+def writes_rows(view: torch.Tensor) -> bool:
+    """Whether the kernel writes this view of a copy: rows of contiguous elements (a slice of rows or of
+    columns), which its stores reach coalesced. A transposed view (an expert's slice of a fused copy) would
+    scatter its writes one element per memory sector; its caller copies it instead."""
+    return view.is_contiguous() or view.dim() == 2 and view.stride(1) == 1
+
+
+def _rows(view: torch.Tensor) -> list[int]:
+    """A view that writes_rows as (row_length, row_stride)."""
+    if view.is_contiguous():
+        return [max(view.numel(), 1)] * 2
+    return [view.shape[1], view.stride(0)]
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class AdamWTables:
     exp_avgs: torch.Tensor
     exp_avg_sqs: torch.Tensor
     copies: torch.Tensor
-    copy_geometry: torch.Tensor
+    copy_rows: torch.Tensor
     copy_dtype: torch.dtype
     block: int  # elements per program
     num_warps: int
@@ -119,8 +121,9 @@ class AdamWTables:
 def adamw_tables(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                  exp_avg_sqs: list[torch.Tensor], copies: list[torch.Tensor | None],
                  block: int = BLOCK, num_warps: int = NUM_WARPS) -> AdamWTables:
-    """The tables `adamw_step_` reads, and its launch configuration: built once per set of addresses (they hold
-    no values)."""
+    """The tables `adamw_step_` reads, and its launch configuration: built once per set of addresses. They hold
+    addresses, not references: every tensor must outlive each launch that reads them. A copy (None: none) is a
+    view that writes_rows."""
     for name, tensors in (("parameter", params), ("gradient", grads), ("exp_avg", exp_avgs),
                           ("exp_avg_sq", exp_avg_sqs)):
         for index, tensor in enumerate(tensors):
@@ -136,17 +139,25 @@ def adamw_tables(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
     for index, copy in enumerate(copies):
         if copy is not None and copy.shape != params[index].shape:
             raise ValueError(f"copy {index} has shape {tuple(copy.shape)}, its parameter {tuple(params[index].shape)}")
+        if copy is not None and not writes_rows(copy):
+            raise ValueError(f"copy {index} is a view of strides {copy.stride()}, not rows of contiguous elements")
+        if copy is not None and copy.device != params[index].device:
+            raise ValueError(f"copy {index} is on {copy.device}, its parameter on {params[index].device}")
     numels = np.array([p.numel() for p in params], dtype=np.int64)
-    if numels.max(initial=0) >= 2 ** 31:
-        raise ValueError("cflib's AdamW indexes each tensor with 32-bit offsets: a tensor has 2^31 elements or more")
+    spans = [_rows(copy)[1] * (copy.numel() // _rows(copy)[0]) if copy is not None else 0 for copy in copies]
+    if max([*numels + block, *spans], default=0) > 2 ** 31:
+        raise ValueError("cflib's AdamW indexes each tensor with 32-bit offsets: a tensor (or a copy's span) "
+                         "reaches 2^31 elements")
     chunks = -(-numels // block)
     device = params[0].device
 
     def table(values, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values), dtype=dtype).to(device)
+        host = torch.as_tensor(np.asarray(values), dtype=dtype)
+        # From pinned memory without waiting: a pageable copy would block the host until the backward ends.
+        return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
     starts = np.concatenate([np.arange(count, dtype=np.int64) * block for count in chunks]) if len(chunks) else []
-    geometry = [_geometry(copy) if copy is not None else [1, 1, 0, 0, 0] for copy in copies]
+    rows = [_rows(copy) if copy is not None else [1, 1] for copy in copies]
     return AdamWTables(
         chunk_tensor=table(np.repeat(np.arange(len(params)), chunks), torch.int32),
         chunk_start=table(starts, torch.int32), numel=table(numels, torch.int32),
@@ -155,7 +166,7 @@ def adamw_tables(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
         exp_avgs=table([t.data_ptr() for t in exp_avgs], torch.int64),
         exp_avg_sqs=table([t.data_ptr() for t in exp_avg_sqs], torch.int64),
         copies=table([0 if copy is None else copy.data_ptr() for copy in copies], torch.int64),
-        copy_geometry=table(geometry, torch.int32).flatten(),
+        copy_rows=table(rows, torch.int32).flatten(),
         copy_dtype=next(iter(copy_dtypes), torch.bfloat16), block=block, num_warps=num_warps)
 
 
@@ -172,11 +183,12 @@ def adamw_step_(tables: AdamWTables, coefficients: torch.Tensor, lr: float, weig
     dummy = coefficients  # an unused pointer argument (its constexpr flag is off)
     _adamw_kernel[(programs,)](
         tables.chunk_tensor, tables.chunk_start, tables.numel, tables.params, tables.grads, tables.exp_avgs,
-        tables.exp_avg_sqs, coefficients, tables.copies, tables.copy_geometry,
+        tables.exp_avg_sqs, coefficients, tables.copies, tables.copy_rows,
         dummy if grad_scale is None else grad_scale, dummy if found_inf is None else found_inf,
         tables.numel.numel(), lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
-        HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-        COPY_BF16=tables.copy_dtype == torch.bfloat16, BLOCK=tables.block, num_warps=tables.num_warps)
+        HAS_DECAY=weight_decay != 0, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+        COPY_BF16=tables.copy_dtype == torch.bfloat16, BLOCK=tables.block, num_warps=tables.num_warps,
+        enable_fp_fusion=False)  # no multiply-add contracted into one rounding: the reference's operations
 
 
 def step_coefficients(steps: torch.Tensor, lr: float, betas: tuple[float, float]) -> torch.Tensor:
@@ -196,7 +208,8 @@ def adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
 
     (beta1, beta2), step_size, bias2_sqrt = betas, *step_coefficients(fp32(step), lr, betas)
     grad = grad / fp32(grad_scale)
-    param.copy_(param - fp32(lr * weight_decay) * param)
+    if weight_decay != 0:
+        param.copy_(param - fp32(lr * weight_decay) * param)
     exp_avg.copy_(fp32(beta1) * exp_avg + fp32(1.0 - beta1) * grad)
     exp_avg_sq.copy_(fp32(beta2) * exp_avg_sq + fp32(1.0 - beta2) * grad * grad)
     root = exp_avg_sq.double().sqrt().float()  # correctly rounded (torch's FP32 sqrt on a CPU may not be)

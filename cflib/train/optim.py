@@ -11,11 +11,20 @@ named, so the record can show every group's learning rate.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
 from cflib.model.weight_copies import WeightCopies
-from cflib.ops.adamw import BLOCK, NUM_WARPS, AdamWTables, adamw_step_, adamw_tables, step_coefficients
+from cflib.ops.adamw import (
+    BLOCK,
+    NUM_WARPS,
+    AdamWTables,
+    adamw_step_,
+    adamw_tables,
+    step_coefficients,
+    writes_rows,
+)
 from cflib.ops.dispatch import triton_problem
 from cflib.train.params import TrainParams
 
@@ -47,8 +56,9 @@ def _group_of(name: str, parameter: torch.nn.Parameter, params: TrainParams) -> 
 class TritonAdamW(torch.optim.AdamW):
     """torch's AdamW, its state and state dict unchanged, stepped by cflib's Triton kernel (cflib.ops.adamw): one
     launch per parameter group; a clipping factor (`grad_scale`) and a skip flag (`found_inf`) read on the device,
-    as torch's fused step reads them; where `weight_copies` holds a copy of a master, the copy is written in the
-    same pass (so no refresh follows the step)."""
+    as torch's fused step reads them; where `weight_copies` holds a copy of a master, the kernel writes it in
+    the same pass (rows of a fused copy), or a copy follows the launch (a transposed expert slice), so no
+    refresh follows the step."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], block: int = BLOCK,
                  num_warps: int = NUM_WARPS) -> None:
@@ -57,7 +67,7 @@ class TritonAdamW(torch.optim.AdamW):
         self.launch = {"block": block, "num_warps": num_warps}
         self.weight_copies: WeightCopies | None = None
         self.stepped = False  # read back into the record's kernel path
-        self._tables: dict[tuple, AdamWTables] = {}
+        self._tables: OrderedDict[tuple, AdamWTables] = OrderedDict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
@@ -75,21 +85,39 @@ class TritonAdamW(torch.optim.AdamW):
         return state
 
     def _tables_for(self, params: list[torch.nn.Parameter], states: list[dict]) -> AdamWTables:
-        targets = self.weight_copies.targets() if self.weight_copies is not None else {}
+        """The group's address tables, cached by every address they hold (a set per CUDA graph shape's
+        gradients), the least recently used dropped first."""
+        targets = self._copy_targets()
         tensors = [(p, p.grad, s["exp_avg"], s["exp_avg_sq"], targets.get(p)) for p, s in zip(params, states)]
-        key = tuple((*(t.data_ptr() for t in row[:4]), None if row[4] is None else (row[4].data_ptr(), row[4].stride()))
-                    for row in tensors)
-        if key not in self._tables:
+        key = tuple((*(t.data_ptr() for t in row[:4]), row[0].shape,
+                     None if row[4] is None else (row[4].data_ptr(), row[4].stride())) for row in tensors)
+        if key in self._tables:
+            self._tables.move_to_end(key)
+        else:
             if len(self._tables) >= TABLES_KEPT:
-                self._tables.pop(next(iter(self._tables)))
+                self._tables.popitem(last=False)
             self._tables[key] = adamw_tables(*(list(column) for column in zip(*tensors)), **self.launch)
         return self._tables[key]
+
+    def _copy_targets(self) -> dict[torch.nn.Parameter, torch.Tensor]:
+        """The copies' views the kernel writes (rows); the others are written after it, by `_copy_the_rest`."""
+        if self.weight_copies is None:
+            return {}
+        return {master: view for master, view in self.weight_copies.targets().items() if writes_rows(view)}
+
+    def _copy_the_rest(self, updated: set[int]) -> None:
+        if self.weight_copies is None:
+            return
+        for master, view in self.weight_copies.targets().items():
+            if not writes_rows(view) and id(master) in updated:
+                view.copy_(master)
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         if closure is not None:
             raise ValueError("cflib's AdamW takes no closure")
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        updated: set[int] = set()  # ids of the parameters stepped
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("cflib's AdamW has no amsgrad and no maximize")
@@ -104,6 +132,8 @@ class TritonAdamW(torch.optim.AdamW):
                         group["betas"], group["eps"], grad_scale, found_inf)
             if found_inf is not None:  # a skipped step does not count, as in torch's fused AdamW
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
+            updated.update(map(id, params))
+        self._copy_the_rest(updated)
         self.stepped = True
 
 
@@ -114,9 +144,12 @@ def cflib_adamw_problem(model: torch.nn.Module, device: torch.device, strategy: 
     problem = triton_problem(device, rocm_opt_in=False)
     if problem is not None:
         return problem
-    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    dtypes = {p.dtype for p in trainable}
     if dtypes - {torch.float32}:
         return f"trainable parameters in {sorted(map(str, dtypes))}, not only float32"
+    if not all(p.is_contiguous() for p in trainable):
+        return "a trainable parameter is not contiguous"
     return None
 
 

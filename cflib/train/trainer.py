@@ -296,7 +296,7 @@ class Trainer:
                               triton=choice != "false" and problem is None)
 
     def _weight_copies(self) -> WeightCopies | None:
-        """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, refreshed after every
+        """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, written after every
         optimizer step (the kernel read-back says where they ran: `weights`); KernelUnavailable for
         bf16_weight_copies: true where they do not apply."""
         p, run = self.params, self.run
