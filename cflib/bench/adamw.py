@@ -6,7 +6,9 @@ BF16, the tied head too) with random gradients, each step clipped on the device 
 - torch_fused: torch's fused AdamW alone, as a run without weight copies steps;
 - torch_fused_refresh: the same, then `WeightCopies.refresh()`, as a run with the copies steps today;
 - cflib_b{BLOCK}_w{WARPS}: cflib.ops.adamw, which writes the copies in the same pass, at several launch sizes.
-Each is timed over CUDA events (median), beside the bytes it has to move and the rate that makes. The first
+Each is timed over CUDA events (median wall time, which may be the host's launch time) and by the sum of its
+kernels' GPU time (what it costs inside a training step), beside the bytes it has to move and the rate that
+makes. The first
 cflib step is compared with torch's from the same state: the largest relative difference of the weights, and
 whether every copy is the BF16 cast of its updated master.
 
@@ -33,6 +35,19 @@ BETAS = (0.9, 0.95)
 def _timed(step: Callable[[], None], rep_ms: int) -> float:
     from triton.testing import do_bench
     return do_bench(step, warmup=20, rep=rep_ms, return_mode="median")
+
+
+def _gpu_ms(step: Callable[[], None], steps: int = 5) -> float:
+    """The GPU time of one step, its kernels' sum under torch.profiler: what it costs inside a training step,
+    where the host has queued it during the backward (wall time here may be the host's launch time)."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return sum(event.self_device_time_total for event in prof.key_averages()) / steps / 1e3
 
 
 class _Setting:
@@ -101,8 +116,9 @@ def measure(rep_ms: int) -> dict:
     _timed(setting.step(setting.optimizer(False)), rep_ms)  # the clocks up before the first timed variant
     for name, make, moved in variants:
         try:
-            ms = _timed(make(), rep_ms)
-            rows[name] = {"ms": ms, "bytes_moved": moved, "gb_per_s": moved / ms / 1e6}
+            step = make()
+            ms, gpu_ms = _timed(step, rep_ms), _gpu_ms(step)
+            rows[name] = {"ms": ms, "gpu_ms": gpu_ms, "bytes_moved": moved, "gb_per_s_gpu": moved / gpu_ms / 1e6}
         except Exception as err:  # one variant failing leaves the others measured
             rows[name] = {"error": error_line(err)}
     torch.cuda.synchronize()
@@ -123,7 +139,8 @@ def main() -> None:
     with open(args.out, "w") as handle:
         json.dump(record, handle, indent=2)
     for name, row in record["variants"].items():
-        print(f"{name:24s} " + (f"{row['ms']:.3f} ms  {row['gb_per_s']:,.0f} GB/s" if "ms" in row else row["error"]))
+        print(f"{name:24s} " + (f"{row['ms']:.3f} ms wall  {row['gpu_ms']:.3f} ms GPU  {row['gb_per_s_gpu']:,.0f} GB/s"
+                                if "ms" in row else row["error"]))
     print(record["agreement"])
 
 
