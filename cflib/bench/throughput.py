@@ -70,11 +70,10 @@ PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "production_epilogue_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "true"},
     # production with every kernel launched from the host: no CUDA graph replays (cflib.train.graphs)
     "production_eager": {"use_custom_kernels": "true", "require_liger": True, "cuda_graphs": "false"},
-    # production with BF16 copies of the fused weights written after each step (cflib.model.weight_copies)
-    "production_weight_copies": {"use_custom_kernels": "true", "require_liger": True, "bf16_weight_copies": "true"},
-    # ... and the optimizer step as cflib's Triton kernel, which writes those copies (cflib.ops.adamw)
-    "production_cflib_adamw": {"use_custom_kernels": "true", "require_liger": True, "bf16_weight_copies": "true",
-                               "cflib_adamw": "true"},
+    # production as it ran before the BF16 weight copies and cflib's AdamW kernel (both on by default on one GPU):
+    # autocast's casts of the FP32 masters in every forward, torch's fused AdamW
+    "production_casts": {"use_custom_kernels": "true", "require_liger": True, "bf16_weight_copies": "false",
+                         "cflib_adamw": "false"},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
 # measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.

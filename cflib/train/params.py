@@ -152,13 +152,13 @@ class Kernels:
     # attention kernel), true to require it, false for eager steps
     cuda_graphs: str = parsed_by(kernel_choice, "auto")
     # BF16 copies of the fused GEMMs' weights written after each optimizer step, instead of autocast's casts in
-    # every forward (cflib.model.weight_copies): full-parameter BF16 runs on cflib's kernels, not FSDP; false until
-    # measured end to end, auto where it applies on a GPU, true to require it
-    bf16_weight_copies: str = parsed_by(kernel_choice, "false")
+    # every forward (cflib.model.weight_copies): full-parameter BF16 runs on cflib's kernels, not FSDP; auto where
+    # it applies in one process on a GPU, true to require it (under DDP too), false for the casts
+    bf16_weight_copies: str = parsed_by(kernel_choice, "auto")
     # AdamW stepped by cflib's Triton kernel (cflib.ops.adamw) instead of torch's fused one: the same update and
-    # state, one launch per parameter group, the weight copies written in the same pass; not FSDP; false until
-    # measured end to end, auto where it applies on a GPU, true to require it
-    cflib_adamw: str = parsed_by(kernel_choice, "false")
+    # state, one launch per parameter group, the weight copies written in the same pass; not FSDP; auto where it
+    # applies in one process on a GPU, true to require it (under DDP too), false for torch's
+    cflib_adamw: str = parsed_by(kernel_choice, "auto")
 
 
 @dataclass(frozen=True)

@@ -288,12 +288,19 @@ class Trainer:
         KernelUnavailable for cflib_adamw: true where it does not."""
         choice, strategy = self.params.cflib_adamw, self.run.strategy
         problem = None if choice == "false" else cflib_adamw_problem(self.model, self.device, strategy)
-        if choice == "auto" and problem is None and self.device.type != "cuda":
-            problem = f"the device is {self.device.type}, not CUDA"
+        if choice == "auto" and problem is None:
+            problem = self._auto_problem()
         if choice == "true" and problem is not None:
             raise KernelUnavailable(f"cflib_adamw: true, but {problem}")
         return make_optimizer(self.model, self.params, self.device, fused=strategy != "fsdp",
                               triton=choice != "false" and problem is None)
+
+    def _auto_problem(self) -> str | None:
+        """Why `auto` leaves the weight copies and cflib's AdamW off where they would run: they are measured in
+        one process on a GPU."""
+        if self.device.type != "cuda":
+            return f"the device is {self.device.type}, not CUDA"
+        return f"{self.dist.world_size} processes (auto: one)" if self.dist.active else None
 
     def _weight_copies(self) -> WeightCopies | None:
         """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, written after every
@@ -306,8 +313,7 @@ class Trainer:
         problem = ("bf16 is off" if not p.bf16 else "cflib's kernels are off" if not run.kernels.custom
                    else "LoRA adapts the weights" if not p.full_parameter
                    else "FSDP shards the masters" if run.strategy == "fsdp"
-                   else f"the device is {self.device.type}, not CUDA" if self.device.type != "cuda"
-                   and p.bf16_weight_copies == "auto" else None)
+                   else self._auto_problem() if p.bf16_weight_copies == "auto" else None)
         # The head's copy for cflib's loss computing in BF16; an fp32 loss, or another loss, reads the FP32 head.
         copies = attach_weight_copies(self.model, head=isinstance(self.loss, SFTLoss) and not p.fp32_loss) \
             if problem is None else None
