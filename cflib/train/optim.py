@@ -58,7 +58,8 @@ class TritonAdamW(torch.optim.AdamW):
     launch per parameter group; a clipping factor (`grad_scale`) and a skip flag (`found_inf`) read on the device,
     as torch's fused step reads them; where `weight_copies` holds a copy of a master, the kernel writes it in
     the same pass (rows of a fused copy), or a copy follows the launch (a transposed expert slice), so no
-    refresh follows the step."""
+    refresh follows the step. The gradients are left as they were (torch's clipped step writes them back
+    divided by the factor): read after the step, they are unclipped."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], block: int = BLOCK,
                  num_warps: int = NUM_WARPS) -> None:
