@@ -87,26 +87,32 @@ def _copies_run(tmp_path, name: str, **flags) -> dict:
 def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypatch):
     """Three steps of two micro-batches under the fused AdamW (on the CPU too: it moves the masters without
     bumping their version counters, as on a GPU): the copies are refreshed after each optimizer step, so every
-    step's loss and gradient norm are those of the run that casts its masters in every forward."""
+    step's loss and gradient norm are those of the run that casts its masters in every forward. With cflib's
+    AdamW kernel writing the copies instead, the run trains as well (within the rounding of torch's FP64
+    scalars), and the record says the kernel stepped."""
     import cflib.train.trainer
     from cflib.train.records import read_metrics
 
     make_optimizer = cflib.train.trainer.make_optimizer
-    monkeypatch.setattr(cflib.train.trainer, "make_optimizer",
+    monkeypatch.setattr(cflib.train.trainer, "make_optimizer",  # torch's fused AdamW on the CPU too
                         lambda model, params, device, fused=True, triton=False: make_optimizer(
-                            model, params, torch.device("cuda") if device.type == "cpu" and fused else device, fused))
-    copied = _copies_run(tmp_path, "copies", bf16_weight_copies="true")
-    cast = _copies_run(tmp_path, "casts", bf16_weight_copies="false")
+                            model, params, torch.device("cuda") if not triton and device.type == "cpu" and fused
+                            else device, fused, triton))
+    copied = _copies_run(tmp_path, "copies", bf16_weight_copies="true", cflib_adamw="false")
+    cast = _copies_run(tmp_path, "casts", bf16_weight_copies="false", cflib_adamw="false")
+    kernel = _copies_run(tmp_path, "kernel", bf16_weight_copies="true", cflib_adamw="true")
     assert copied["kernel_path"]["weights"] == "bf16_copies" and "weights" not in cast["kernel_path"]
+    assert kernel["kernel_path"]["optimizer"] == "cflib_triton" and copied["kernel_path"]["optimizer"] == "torch_fused"
     if DEVICE.type == "cuda":  # the copies are read by graphs replayed after the optimizer wrote them
         assert copied["step_capture"]["replayed"] > 0 and cast["step_capture"]["replayed"] > 0
-    rows = [[(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / name / "metrics.jsonl")
-             if r["event"] == "train"] for name in ("copies", "casts")]
-    assert len(rows[0]) == 3
+    rows = {name: [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / name / "metrics.jsonl")
+                   if r["event"] == "train"] for name in ("copies", "casts", "kernel")}
+    assert len(rows["copies"]) == 3
     if DEVICE.type == "cpu":
-        assert rows[0] == rows[1]
+        assert rows["copies"] == rows["casts"]
     else:  # FlashAttention's backward adds into dQ atomically: the bits vary between runs on a GPU
-        assert rows[0] == [pytest.approx(row, rel=1e-3) for row in rows[1]]
+        assert rows["copies"] == [pytest.approx(row, rel=1e-3) for row in rows["casts"]]
+    assert rows["kernel"] == [pytest.approx(row, rel=1e-3 if DEVICE.type == "cuda" else 1e-4) for row in rows["casts"]]
 
 
 @pytest.mark.parametrize("flags, problem", [

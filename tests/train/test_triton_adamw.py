@@ -1,6 +1,7 @@
 """cflib's AdamW kernel as the optimizer (cflib.train.optim.TritonAdamW, `cflib_adamw`) beside torch's fused AdamW:
 the same weights and state step after step (clipped, skipped, two learning rates), state dicts that load
 either way, the weight copies written as their masters move, and the trainer's choice checked before any step.
+A run on the kernel is compared with one on torch's in tests/train/test_kernel_params.py.
 
 Triton's interpreter runs the kernel on a CPU (tests/conftest.py), the GPU where there is one; torch's fused
 AdamW runs on both.
@@ -126,33 +127,6 @@ def test_the_weight_copies_are_written_as_their_masters_move():
         copies.refresh(stale_only=False)  # what the casts from the masters give
         for name, tensor in written.items():
             assert torch.equal(tensor, copies.copies[name].tensor), (step, name)
-
-
-def _run(tmp_path, name: str, **flags) -> dict:
-    return train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 4, "max_steps": 3,
-                  "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False, "bf16": True,
-                  "fp32_loss": False, "device": KERNEL_DEVICE.type, "out_dir": str(tmp_path / name),
-                  "use_custom_kernels": "true", **flags}, progress=False)
-
-
-@pytest.mark.slow
-def test_a_run_on_cflibs_adamw_trains_as_one_on_torchs(tmp_path, monkeypatch):
-    """Three steps with the weight copies: the kernel steps (read back into the record) and writes the copies,
-    and the losses and gradient norms are those of torch's fused AdamW refreshing the copies after each step."""
-    import cflib.train.trainer
-    from cflib.train.records import read_metrics
-
-    make_optimizer = cflib.train.trainer.make_optimizer
-    monkeypatch.setattr(cflib.train.trainer, "make_optimizer",  # torch's fused AdamW on the CPU too
-                        lambda model, params, device, fused=True, triton=False: make_optimizer(
-                            model, params, torch.device("cuda") if not triton else device, fused, triton))
-    kernel = _run(tmp_path, "kernel", bf16_weight_copies="true", cflib_adamw="true")
-    fused = _run(tmp_path, "fused", bf16_weight_copies="true", cflib_adamw="false")
-    assert kernel["kernel_path"]["optimizer"] == "cflib_triton" and fused["kernel_path"]["optimizer"] == "torch_fused"
-    rows = [[(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / name / "metrics.jsonl")
-             if r["event"] == "train"] for name in ("kernel", "fused")]
-    assert len(rows[0]) == 3
-    assert rows[0] == [pytest.approx(row, rel=1e-4) for row in rows[1]]
 
 
 def test_cflib_adamw_true_where_the_kernel_cannot_run_stops_before_any_step(tmp_path, monkeypatch):
