@@ -4,24 +4,24 @@
 Side by side in one run, over the production model's parameters (201,194,368 FP32, every fused weight copied to
 BF16, the tied head too) with random gradients, each step clipped on the device as the trainer clips it:
 - torch_fused: torch's fused AdamW alone, as a run without weight copies steps;
-- torch_fused_refresh: the same, then `WeightCopies.refresh()`, as a run with the copies steps today;
+- torch_fused_refresh: the same, then `WeightCopies.refresh()`, as a run with the copies and cflib_adamw: false
+  steps;
 - cflib_b{BLOCK}_w{WARPS}: cflib.ops.adamw, which writes the copies in the same pass, at several launch sizes.
 Each is timed over CUDA events (median wall time, which may be the host's launch time) and by the sum of its
 kernels' GPU time (what it costs inside a training step), beside the bytes it has to move and the rate that
-makes. The first
-cflib step is compared with torch's from the same state: the largest relative difference of the weights, and
-whether every copy is the BF16 cast of its updated master.
+makes. The first cflib step is compared with torch's from the same state: the largest relative difference of
+the weights, and whether every copy is the BF16 cast of its updated master.
 
     python -m cflib.bench.adamw --out outputs/records/adamw_200m_h200.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 
 import torch
 
+from cflib.atomic import write_json_atomic
 from cflib.jobs import error_line, record_header
 from cflib.model.config import preset
 from cflib.model.fast import attach_weight_copies, build_model
@@ -136,8 +136,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.error("this benchmark measures a GPU; none is available")
     record = {**record_header("adamw_200m", torch.device("cuda")), **measure(args.rep_ms)}
-    with open(args.out, "w") as handle:
-        json.dump(record, handle, indent=2)
+    write_json_atomic(args.out, record)
     for name, row in record["variants"].items():
         print(f"{name:24s} " + (f"{row['ms']:.3f} ms wall  {row['gpu_ms']:.3f} ms GPU  {row['gb_per_s_gpu']:,.0f} GB/s"
                                 if "ms" in row else row["error"]))
