@@ -33,6 +33,12 @@ class KernelPlan:
         return text + "".join(f"; {note}" for note in self.notes)
 
 
+def refuse_if_required(flag_name: str, mode: str, problem: str | None) -> None:
+    """KernelUnavailable naming the flag, where it is `true` and `problem` says why its path cannot run."""
+    if mode == "true" and problem is not None:
+        raise KernelUnavailable(f"{flag_name}: true, but {problem}")
+
+
 def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -90,8 +96,7 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
             return False
         if problem is None:
             return True
-        if mode == "true":
-            raise KernelUnavailable(f"{flag_name}: true, but {problem}")
+        refuse_if_required(flag_name, mode, problem)
         notes.append(f"{flag_name}: {problem}")
         return False
 

@@ -25,12 +25,13 @@ from tqdm.auto import tqdm
 from cflib.atomic import clean_leftovers, is_out_of_space, write_json_atomic
 from cflib.data.packing import collate_packed
 from cflib.data.shards import collate
-from cflib.errors import KernelUnavailable, ParamError
+from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.fast import attach_weight_copies, detach_weight_copies
 from cflib.model.lora import lora_kernel_path
 from cflib.model.weight_copies import WeightCopies
 from cflib.ops.attention import capturable, pack_documents
+from cflib.ops.dispatch import refuse_if_required
 from cflib.ops.sft_loss import SFTLoss, make_loss
 from cflib.ops.loss import supervised_positions
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
@@ -277,8 +278,7 @@ class Trainer:
         problem = why_eager(self.device, run.strategy, p.grad_ckpt,
                             isinstance(self.loss, SFTLoss) and self.loss.plan.custom, attention)
         if problem is not None:
-            if p.cuda_graphs == "true":
-                raise KernelUnavailable(f"cuda_graphs: true, but {problem}")
+            refuse_if_required("cuda_graphs", p.cuda_graphs, problem)
             return None, problem
         return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device, p.seq_len,
                                  run.train_data.eos_token_id), None
@@ -290,8 +290,7 @@ class Trainer:
         problem = None if choice == "false" else cflib_adamw_problem(self.model, self.device, strategy)
         if choice == "auto" and problem is None:
             problem = self._auto_problem()
-        if choice == "true" and problem is not None:
-            raise KernelUnavailable(f"cflib_adamw: true, but {problem}")
+        refuse_if_required("cflib_adamw", choice, problem)
         return make_optimizer(self.model, self.params, self.device, fused=strategy != "fsdp",
                               triton=choice != "false" and problem is None)
 
@@ -320,8 +319,7 @@ class Trainer:
         if copies is not None and not copies.copies:
             problem, copies = "no module of this model reads fused weights", None
         if problem is not None:
-            if p.bf16_weight_copies == "true":
-                raise KernelUnavailable(f"bf16_weight_copies: true, but {problem}")
+            refuse_if_required("bf16_weight_copies", p.bf16_weight_copies, problem)
             return None
         if isinstance(self.optimizer, TritonAdamW):  # it writes each copy as it updates the copy's masters
             self.optimizer.weight_copies = copies
