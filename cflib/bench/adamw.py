@@ -26,10 +26,11 @@ from cflib.jobs import error_line, record_header
 from cflib.model.config import preset
 from cflib.model.fast import attach_weight_copies, build_model
 from cflib.ops.dispatch import KernelPlan
-from cflib.train.optim import TritonAdamW, clip_in_fused_step
+from cflib.train.optim import TritonAdamW, clip_in_fused_step, parameter_groups
+from cflib.train.params import TrainParams
 
 LAUNCHES = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16))
-BETAS = (0.9, 0.95)
+RECIPE = TrainParams.from_dict({"lr": 2e-5})  # the released lr; AdamW's betas and weight decay as defaulted
 
 
 def _timed(step: Callable[[], None], rep_ms: int) -> float:
@@ -64,13 +65,14 @@ class _Setting:
         self.copied = sum(master.numel() for master in self.copies.targets())
 
     def optimizer(self, triton: bool, **launch: int) -> torch.optim.AdamW:
-        groups = [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}]
+        """The trainer's groups (weight decay on matrices) at the release recipe's settings."""
+        groups = parameter_groups(self.model, RECIPE)
+        betas = (RECIPE.beta1, RECIPE.beta2)
         if triton:
-            optimizer = TritonAdamW(groups, lr=2e-5, betas=BETAS, **launch)
+            optimizer = TritonAdamW(groups, lr=RECIPE.lr, betas=betas, **launch)
             optimizer.weight_copies = self.copies
             return optimizer
-        return torch.optim.AdamW(groups, lr=2e-5, betas=BETAS, fused=True)
+        return torch.optim.AdamW(groups, lr=RECIPE.lr, betas=betas, fused=True)
 
     def step(self, optimizer: torch.optim.AdamW, refresh: bool = False) -> Callable[[], None]:
         def run() -> None:

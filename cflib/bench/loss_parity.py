@@ -86,9 +86,9 @@ def compare(params: dict[str, Any], variants: list[dict[str, Any]], steps: int, 
             {"name": "repeat", "overrides": {}, "losses": repeat, "deviation": noise}]
     for index, overrides in enumerate(variants):
         losses, kernels = _losses({**base, **overrides}, work / f"variant_{index}")
+        off = deviation(losses, baseline)
         runs.append({"name": ",".join(f"{k}={v}" for k, v in overrides.items()), "overrides": overrides,
-                     "losses": losses, "kernel_path": kernels, "deviation": deviation(losses, baseline),
-                     "within_noise": deviation(losses, baseline) <= allowed})
+                     "losses": losses, "kernel_path": kernels, "deviation": off, "within_noise": off <= allowed})
     return {"steps": steps, "noise": noise, "allowed": allowed, "noise_factor": NOISE_FACTOR,
             "bf16_floor": BF16_FLOOR, "runs": runs}
 

@@ -144,7 +144,9 @@ def adamw_tables(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
         if copy is not None and copy.device != params[index].device:
             raise ValueError(f"copy {index} is on {copy.device}, its parameter on {params[index].device}")
     numels = np.array([p.numel() for p in params], dtype=np.int64)
-    spans = [_rows(copy)[1] * (copy.numel() // _rows(copy)[0]) if copy is not None else 0 for copy in copies]
+    rows = [_rows(copy) if copy is not None else [1, 1] for copy in copies]
+    spans = [row_stride * (copy.numel() // row_length) for copy, (row_length, row_stride) in zip(copies, rows)
+             if copy is not None]
     if max([*numels + block, *spans], default=0) > 2 ** 31:
         raise ValueError("cflib's AdamW indexes each tensor with 32-bit offsets: a tensor (or a copy's span) "
                          "reaches 2^31 elements")
@@ -157,7 +159,6 @@ def adamw_tables(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs
         return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
     starts = np.concatenate([np.arange(count, dtype=np.int64) * block for count in chunks]) if len(chunks) else []
-    rows = [_rows(copy) if copy is not None else [1, 1] for copy in copies]
     return AdamWTables(
         chunk_tensor=table(np.repeat(np.arange(len(params)), chunks), torch.int32),
         chunk_start=table(starts, torch.int32), numel=table(numels, torch.int32),

@@ -85,10 +85,10 @@ class TritonAdamW(torch.optim.AdamW):
             state["step"] = state["step"].to(parameter.device, torch.float32)
         return state
 
-    def _tables_for(self, params: list[torch.nn.Parameter], states: list[dict]) -> AdamWTables:
+    def _tables_for(self, params: list[torch.nn.Parameter], states: list[dict],
+                    targets: dict[torch.nn.Parameter, torch.Tensor]) -> AdamWTables:
         """The group's address tables, cached by every address they hold (a set per CUDA graph shape's
         gradients), the least recently used dropped first."""
-        targets = self._copy_targets()
         tensors = [(p, p.grad, s["exp_avg"], s["exp_avg_sq"], targets.get(p)) for p, s in zip(params, states)]
         key = tuple((*(t.data_ptr() for t in row[:4]), row[0].shape,
                      None if row[4] is None else (row[4].data_ptr(), row[4].stride())) for row in tensors)
@@ -100,24 +100,18 @@ class TritonAdamW(torch.optim.AdamW):
             self._tables[key] = adamw_tables(*(list(column) for column in zip(*tensors)), **self.launch)
         return self._tables[key]
 
-    def _copy_targets(self) -> dict[torch.nn.Parameter, torch.Tensor]:
-        """The copies' views the kernel writes (rows); the others are written after it, by `_copy_the_rest`."""
-        if self.weight_copies is None:
-            return {}
-        return {master: view for master, view in self.weight_copies.targets().items() if writes_rows(view)}
-
-    def _copy_the_rest(self, updated: set[int]) -> None:
-        if self.weight_copies is None:
-            return
-        for master, view in self.weight_copies.targets().items():
-            if not writes_rows(view) and id(master) in updated:
-                view.copy_(master)
+    def _copy_views(self) -> tuple[dict, list[tuple[torch.nn.Parameter, torch.Tensor]]]:
+        """The copies' views the kernel writes (rows), by master; and the others, written after it."""
+        targets = self.weight_copies.targets() if self.weight_copies is not None else {}
+        rows = {master: view for master, view in targets.items() if writes_rows(view)}
+        return rows, [(master, view) for master, view in targets.items() if master not in rows]
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         if closure is not None:
             raise ValueError("cflib's AdamW takes no closure")
         grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        rows, rest = self._copy_views()
         updated: set[int] = set()  # ids of the parameters stepped
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
@@ -129,12 +123,14 @@ class TritonAdamW(torch.optim.AdamW):
             steps = [state["step"] for state in states]
             torch._foreach_add_(steps, 1.0)
             coefficients = step_coefficients(torch.stack(steps), float(group["lr"]), group["betas"])
-            adamw_step_(self._tables_for(params, states), coefficients, float(group["lr"]), group["weight_decay"],
-                        group["betas"], group["eps"], grad_scale, found_inf)
+            adamw_step_(self._tables_for(params, states, rows), coefficients, float(group["lr"]),
+                        group["weight_decay"], group["betas"], group["eps"], grad_scale, found_inf)
             if found_inf is not None:  # a skipped step does not count, as in torch's fused AdamW
                 torch._foreach_sub_(steps, [found_inf] * len(steps))
             updated.update(map(id, params))
-        self._copy_the_rest(updated)
+        for master, view in rest:
+            if id(master) in updated:
+                view.copy_(master)
         self.stepped = True
 
 
@@ -168,10 +164,8 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     return f"AdamW fused={optimizer.defaults.get('fused')}"
 
 
-def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
-                   fused: bool = True, triton: bool = False) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters in named groups: torch's (fused on a GPU unless `fused` is
-    false), or with `triton` cflib's kernel (cflib_adamw_problem says where it runs)."""
+def parameter_groups(model: torch.nn.Module, params: TrainParams) -> list[dict]:
+    """The model's trainable parameters in named groups, each with its learning rate and weight decay."""
     groups: dict[str, dict] = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
@@ -180,9 +174,17 @@ def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.de
         groups.setdefault(group, {"name": group, "params": [], "lr": params.lr * multiplier,
                                   "weight_decay": params.weight_decay if group.startswith("decay") else 0.0})
         groups[group]["params"].append(parameter)
+    return list(groups.values())
+
+
+def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
+                   fused: bool = True, triton: bool = False) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters in named groups: torch's (fused on a GPU unless `fused` is
+    false), or with `triton` cflib's kernel (cflib_adamw_problem says where it runs)."""
+    groups = parameter_groups(model, params)
     if triton:
-        return TritonAdamW(list(groups.values()), lr=params.lr, betas=(params.beta1, params.beta2))
-    return torch.optim.AdamW(list(groups.values()), lr=params.lr, betas=(params.beta1, params.beta2),
+        return TritonAdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2))
+    return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2),
                              fused=fused and device.type == "cuda")
 
 
