@@ -24,7 +24,6 @@ unsupervised), packed by the project's own plan into windows in a seeded order.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 import warnings
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 from cflib.atomic import check_writable_folder, write_json_atomic
 from cflib.bench.feeding import examples_to_fill, realistic_stream
 from cflib.bench.synthetic import LENGTH_SIGMA, write_random_token_shard, write_realistic_shard
-from cflib.bench.timing import peak_memory_gib, release_memory, sync, time_steps
+from cflib.bench.timing import peak_memory_gib, profile_steps, release_memory, sync, time_steps
 from cflib.data.packing import collate_packed
 from cflib.data.shards import IGNORE_INDEX, open_shard
 from cflib.errors import ParamError
@@ -170,36 +169,6 @@ def time_losses(config: ModelConfig, micro: int, seq_len: int, device: torch.dev
 
 # --- 3. the production step ------------------------------------------------------------------------------------
 
-def profile_step(trainer: Trainer, batches: list[np.ndarray], device: torch.device, table: Path) -> dict:
-    """GPU busy time (the union of kernel intervals) against wall time, per step, and the top operators."""
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sync(device)
-    with torch.profiler.profile(activities=activities) as profiler:
-        started = time.perf_counter()
-        for batch in batches:
-            trainer.train_step(batch)
-        sync(device)
-        wall_ms = (time.perf_counter() - started) * 1e3 / len(batches)
-    events = profiler.key_averages()
-    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table.parent.mkdir(parents=True, exist_ok=True)
-    table.write_text(events.table(sort_by=sort_by, row_limit=40) + "\n")
-    found = {"steps": len(batches), "wall_ms_per_step": wall_ms, "table": str(table),
-             "top_ms_per_step": {e.key: getattr(e, sort_by) / 1e3 / len(batches)
-                                 for e in sorted(events, key=lambda e: getattr(e, sort_by), reverse=True)[:15]}}
-    if device.type == "cuda":
-        spans = sorted((e.time_range.start, e.time_range.end) for e in profiler.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA)
-        busy, reach = 0.0, -math.inf
-        for start, end in spans:  # the union of the kernels' intervals: the GPU's busy time
-            busy += max(0.0, end - max(start, reach))
-            reach = max(reach, end)
-        found["gpu_busy_ms_per_step"] = busy / 1e3 / len(batches)
-        found["gpu_idle_ms_per_step"] = wall_ms - found["gpu_busy_ms_per_step"]
-    return found
-
-
 def time_step(args: argparse.Namespace, kind: str, backend: str, data_root: Path, device: torch.device,
               order: np.ndarray | None) -> dict:
     steps = args.warmup_steps + args.timed_steps + args.profile_steps
@@ -224,8 +193,8 @@ def time_step(args: argparse.Namespace, kind: str, backend: str, data_root: Path
              "peak_memory_gib": peak_memory_gib(device),
              "kernel_path": {**trainer.model.kernel_path(), "loss": trainer.loss.last_backend}}
     if args.profile_steps:
-        found["profile"] = guarded(lambda: profile_step(
-            trainer, batches[timed:], device, args.out / "profiles" / f"{kind}-{backend}.txt"))
+        found["profile"] = guarded(lambda: profile_steps(
+            trainer.train_step, batches[timed:], device, args.out / "profiles" / f"{kind}-{backend}.txt"))
     return found
 
 
@@ -301,8 +270,9 @@ def summary(record: dict) -> str:
             lines.append(f"{head} {row['status']}: {row['reason']}")
             continue
         profile = row.get("profile", {})
-        idle = f"  GPU idle {profile['gpu_idle_ms_per_step']:.1f} of {profile['wall_ms_per_step']:.1f} ms" if (
-            "gpu_idle_ms_per_step" in profile) else ""
+        timeline = profile.get("timeline")
+        idle = f"  GPU idle {timeline['gpu_idle_ms_per_step']:.1f} of {timeline['wall_ms_per_step']:.1f} ms" if (
+            timeline) else ""
         memory = f"  peak {row['peak_memory_gib']:.1f} GiB" if row["peak_memory_gib"] is not None else ""
         lines.append(f"{head} {row['tokens_per_s']:>10,.0f} tokens/s  {row['supervised_tokens_per_s']:>10,.0f} "
                      f"supervised/s{memory}{idle}  attention {row['kernel_path']['attention']}")

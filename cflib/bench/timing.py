@@ -147,16 +147,42 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
     return result
 
 
+def kernel_timeline(spans: list[tuple[float, float]], steps: int, wall_ms: float, gap_us: float = 20.0) -> dict:
+    """Per step, from the kernels' (start, end) intervals in microseconds: the GPU's busy time (their union),
+    its idle time against the wall time, the kernels launched, and the idle time in gaps of at least `gap_us`
+    between two kernels (the host late to launch: a step's setup, a wait) apart from the shorter ones (the
+    spacing between kernels that were queued in time, a CUDA graph's among them)."""
+    busy, reach, long_gaps, short_gaps = 0.0, None, [], 0.0
+    for start, end in sorted(spans):
+        if reach is not None and start > reach:
+            gap = start - reach
+            if gap >= gap_us:
+                long_gaps.append(gap)
+            else:
+                short_gaps += gap
+        busy += max(0.0, end - start if reach is None else end - max(start, reach))
+        reach = end if reach is None else max(reach, end)
+    busy_ms = busy / 1e3 / steps
+    return {"wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy_ms, "gpu_idle_ms_per_step": wall_ms - busy_ms,
+            "kernels_per_step": len(spans) / steps, "long_gaps_per_step": len(long_gaps) / steps,
+            "long_gap_ms_per_step": sum(long_gaps) / 1e3 / steps, "longest_gap_ms": max(long_gaps, default=0.0) / 1e3,
+            "short_gap_ms_per_step": short_gaps / 1e3 / steps, "gap_threshold_us": gap_us}
+
+
 def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], device: torch.device,
                   table_path: Path) -> dict:
-    """Where a path's step time goes: torch.profiler over a few more steps, the table written beside the record."""
+    """Where a path's step time goes: torch.profiler over a few more steps, the table written beside the record;
+    on a GPU also its kernel timeline (kernel_timeline: busy and idle time, launches, gaps)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
     with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
+        started = time.perf_counter()
         for batch in batches:
             step(batch)
         sync(device)
+        wall_ms = (time.perf_counter() - started) * 1e3 / len(batches)
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = profiler.key_averages()
     table_path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,8 +191,14 @@ def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray],
     by_shape = table_path.with_name(table_path.stem + "-by-shape.txt")
     by_shape.write_text(profiler.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=80) + "\n")
     top = sorted(events, key=lambda e: getattr(e, sort_by), reverse=True)[:10]
-    return {"steps": len(batches), "table": str(table_path), "table_by_shape": str(by_shape), "sorted_by": sort_by,
-            "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
+    found = {"steps": len(batches), "wall_ms_per_step": wall_ms, "table": str(table_path),
+             "table_by_shape": str(by_shape), "sorted_by": sort_by,
+             "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
+    if device.type == "cuda":
+        spans = [(e.time_range.start, e.time_range.end) for e in profiler.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+        found["timeline"] = kernel_timeline(spans, len(batches), wall_ms)
+    return found
 
 
 def trmoe_bench_inputs(config: ModelConfig, tokens: int, device: torch.device
