@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -165,14 +165,36 @@ class PeerTrainer:
         warmup = math.ceil(params.warmup_ratio * total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, warmup, total_steps))
+        self.staged: tuple[np.ndarray, dict[str, Any]] | None = None  # the next step's batch, collated (step_on)
 
-    def train_step(self, step_examples: np.ndarray) -> dict:
+    def train_step(self, step_examples: np.ndarray, next_examples: np.ndarray | None = None) -> dict:
         """One step on shard rows, collated as the project collates them."""
-        input_ids, labels = collate([self.data[int(i)] for i in step_examples], self.data.eos_token_id)
-        return self.train_batch({"input_ids": input_ids, "labels": labels})
+        return self.step_on(self._collated, step_examples, next_examples)
 
-    def train_batch(self, batch: dict[str, Any]) -> dict:
-        """One step on a batch of model inputs (labels causally aligned); tensors go to the device, ints stay."""
+    def _collated(self, step_examples: np.ndarray) -> dict[str, Any]:
+        input_ids, labels = collate([self.data[int(i)] for i in step_examples], self.data.eos_token_id)
+        return {"input_ids": input_ids, "labels": labels}
+
+    def step_on(self, collated: Callable[[np.ndarray], dict[str, Any]], units: np.ndarray,
+                next_units: np.ndarray | None = None) -> dict:
+        """One step on `collated(units)`. With `next_units`, the next batch is collated and pinned while the GPU
+        runs this step, as a DataLoader's workers with pinned memory would have it ready: the project's trainer
+        stages its next step the same way."""
+        staged, self.staged = self.staged, None
+        batch = staged[1] if staged is not None and np.array_equal(staged[0], units) else collated(units)
+
+        def stage_next() -> None:
+            if next_units is not None:
+                following = collated(next_units)
+                if self.device.type == "cuda":
+                    following = {name: value.pin_memory() if isinstance(value, torch.Tensor) else value
+                                 for name, value in following.items()}
+                self.staged = (np.array(next_units), following)
+        return self.train_batch(batch, meanwhile=stage_next)
+
+    def train_batch(self, batch: dict[str, Any], meanwhile: Callable[[], None] | None = None) -> dict:
+        """One step on a batch of model inputs (labels causally aligned); tensors go to the device, ints stay.
+        `meanwhile` runs once the step is queued, before the host waits for its loss."""
         labels = batch["labels"]
         supervised = int((labels != IGNORE_INDEX).sum())
         inputs = {name: to_device(value, self.device) if isinstance(value, torch.Tensor) else value
@@ -189,6 +211,8 @@ class PeerTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if meanwhile is not None:
+            meanwhile()
         loss_value, grad_norm = torch.stack([loss.detach().float(), norm.float()]).tolist()
         return {"loss": loss_value, "grad_norm": grad_norm, "tokens": labels.numel(), "supervised_tokens": supervised}
 

@@ -32,7 +32,7 @@ from cflib.train.trainer import Trainer
 class Session:
     """A path ready to step: its step function, how to read its kernels back, and what the record says of it."""
 
-    step: Callable[[np.ndarray], dict]
+    step: Callable[[np.ndarray, np.ndarray | None], dict]  # (units, the next step's units or None) -> its row
     kernel_path: Callable[[], dict]
     facts: dict
     trainer: Trainer | None = None
@@ -95,8 +95,8 @@ def fed_peer_session(name: str, liger: bool, tparams: TrainParams, config: Model
         stack.enter_context(liger_applied(model, device))
     trainer = PeerTrainer(model, tparams, device, stream.data, steps)
 
-    def step(units: np.ndarray) -> dict[str, Any]:
-        row = trainer.train_batch(feed.collate(stream.data, stream.plan, units))
+    def step(units: np.ndarray, next_units: np.ndarray | None = None) -> dict[str, Any]:
+        row = trainer.step_on(lambda some: feed.collate(stream.data, stream.plan, some), units, next_units)
         row["real_tokens"] = int(stream.data.lengths[stream.examples(units, feed.unit)].sum())
         return row
 

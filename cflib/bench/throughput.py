@@ -205,8 +205,8 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
             raise RuntimeError("the run's pack plan differs from the measured stream's: the paths would not train "
                                "the same examples")
 
-        def step(windows: np.ndarray) -> dict:
-            return {**trainer.train_step(windows),
+        def step(windows: np.ndarray, next_windows: np.ndarray | None = None) -> dict:
+            return {**trainer.train_step(windows, next_windows),
                     "real_tokens": int(stream.data.lengths[stream.plan.examples_of(windows)].sum())}
     return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(trainer.optimizer)},
                    trainer=trainer, facts={

@@ -114,18 +114,19 @@ def gpu_clock_and_power(device: torch.device) -> tuple[int | None, float | None]
         return None, None
 
 
-def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], warmup_steps: int,
+def time_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches: list[np.ndarray], warmup_steps: int,
                device: torch.device) -> dict:
-    """Run every batch through `step`; steady state is the steps after the warm-up ones (at least one). The
-    collector holds what exists before the first step out of its walks, as cflib's trainer does."""
+    """Run every batch through `step`, told the next batch (None for the last), whose host work it may do while
+    the GPU runs; steady state is the steps after the warm-up ones (at least one). The collector holds what
+    exists before the first step out of its walks, as cflib's trainer does."""
     if len(batches) <= warmup_steps:
         raise ValueError(f"{len(batches)} batches leave no step to time after {warmup_steps} warm-up steps")
     seconds, rows, paused, clocks = [], [], [], []  # clocks: (MHz, W) after each step
     with steady_collector(), CollectorPauses() as pauses:
-        for batch in batches:
+        for index, batch in enumerate(batches):
             sync(device)
             collections, start = len(pauses.seconds), time.perf_counter()
-            rows.append(step(batch))
+            rows.append(step(batch, batches[index + 1] if index + 1 < len(batches) else None))
             sync(device)
             seconds.append(time.perf_counter() - start)
             paused.append(sum(pauses.seconds[collections:]))
@@ -147,30 +148,35 @@ def time_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], wa
     return result
 
 
-def kernel_timeline(spans: list[tuple[float, float]], steps: int, wall_ms: float, gap_us: float = 20.0) -> dict:
-    """Per step, from the kernels' (start, end) intervals in microseconds: the GPU's busy time (their union),
-    its idle time against the wall time, the kernels launched, and the idle time in gaps of at least `gap_us`
-    between two kernels (the host late to launch: a step's setup, a wait) apart from the shorter ones (the
-    spacing between kernels that were queued in time, a CUDA graph's among them)."""
-    busy, reach, long_gaps, short_gaps = 0.0, None, [], 0.0
-    for start, end in sorted(spans):
+def kernel_timeline(spans: list[tuple[float, float, str]], steps: int, wall_ms: float, gap_us: float = 20.0,
+                    largest: int = 8) -> dict:
+    """Per step, from the kernels' (start, end, name) intervals in microseconds (copies and memsets among
+    them): the GPU's busy time (their union), its idle time against the wall time, the kernels launched, and
+    the idle time in gaps of at least `gap_us` between two kernels (the host late to launch: a step's setup, a
+    wait) apart from the shorter ones (the spacing between kernels queued in time, a CUDA graph's among them);
+    the `largest` gaps with the kernels on either side."""
+    busy, reach, before, long_gaps, short_gaps = 0.0, None, "", [], 0.0
+    for start, end, name in sorted(spans):
         if reach is not None and start > reach:
             gap = start - reach
             if gap >= gap_us:
-                long_gaps.append(gap)
+                long_gaps.append((gap, before, name))
             else:
                 short_gaps += gap
         busy += max(0.0, end - start if reach is None else end - max(start, reach))
-        reach = end if reach is None else max(reach, end)
+        if reach is None or end >= reach:
+            reach, before = end, name
     busy_ms = busy / 1e3 / steps
     return {"wall_ms_per_step": wall_ms, "gpu_busy_ms_per_step": busy_ms, "gpu_idle_ms_per_step": wall_ms - busy_ms,
             "kernels_per_step": len(spans) / steps, "long_gaps_per_step": len(long_gaps) / steps,
-            "long_gap_ms_per_step": sum(long_gaps) / 1e3 / steps, "longest_gap_ms": max(long_gaps, default=0.0) / 1e3,
-            "short_gap_ms_per_step": short_gaps / 1e3 / steps, "gap_threshold_us": gap_us}
+            "long_gap_ms_per_step": sum(gap for gap, *_ in long_gaps) / 1e3 / steps,
+            "short_gap_ms_per_step": short_gaps / 1e3 / steps, "gap_threshold_us": gap_us,
+            "largest_gaps": [{"us": gap, "after": after[:80], "before": following[:80]}
+                             for gap, after, following in sorted(long_gaps, reverse=True)[:largest]]}
 
 
-def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray], device: torch.device,
-                  table_path: Path) -> dict:
+def profile_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches: list[np.ndarray],
+                  device: torch.device, table_path: Path) -> dict:
     """Where a path's step time goes: torch.profiler over a few more steps, the table written beside the record;
     on a GPU also its kernel timeline (kernel_timeline: busy and idle time, launches, gaps)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -179,8 +185,8 @@ def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray],
     sync(device)
     with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
         started = time.perf_counter()
-        for batch in batches:
-            step(batch)
+        for index, batch in enumerate(batches):
+            step(batch, batches[index + 1] if index + 1 < len(batches) else None)
         sync(device)
         wall_ms = (time.perf_counter() - started) * 1e3 / len(batches)
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -195,7 +201,7 @@ def profile_steps(step: Callable[[np.ndarray], dict], batches: list[np.ndarray],
              "table_by_shape": str(by_shape), "sorted_by": sort_by,
              "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
     if device.type == "cuda":
-        spans = [(e.time_range.start, e.time_range.end) for e in profiler.events()
+        spans = [(e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA]
         found["timeline"] = kernel_timeline(spans, len(batches), wall_ms)
     return found

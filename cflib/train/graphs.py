@@ -147,7 +147,14 @@ class GraphedMicroSteps:
     def summary(self) -> dict:
         return {"cuda_graphs": True, **self.counts, "shapes": len(self.buffers), "capture_failure": self.failure}
 
+    def stage(self, host: MicroBatch) -> MicroBatch:
+        """The host batch as a replay copies it in, padded to its static shape and pinned, built ahead of its
+        step; as it is where it has no static shape."""
+        shape = static_shape(host, self.seq_len) if self.failure is None and host.row_mask is None else None
+        return host if shape is None else padded(host, shape, self.pad_token_id).pinned()
+
     def __call__(self, host: MicroBatch, scale: float, accumulate: bool) -> torch.Tensor:
+        """host: a collated micro-batch, or one `stage` padded already (its row_mask set)."""
         shape = static_shape(host, self.seq_len) if self.failure is None else None
         if not accumulate:
             self.first_shape, self.first_replayed = shape, False
@@ -156,7 +163,7 @@ class GraphedMicroSteps:
         if shape is None or (accumulate and not self.first_replayed) or (
                 shape not in self.buffers and len(self.buffers) >= MAX_SHAPES):
             return self._eager(host.to(self.device), scale)
-        batch = padded(host, shape, self.pad_token_id)
+        batch = host if host.row_mask is not None else padded(host, shape, self.pad_token_id)
         if key in self.graphs:
             return self._replay(self.graphs[key], shape, batch, scale)
         self.seen[key] = self.seen.get(key, 0) + 1

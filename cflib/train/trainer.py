@@ -10,7 +10,7 @@ import math
 import shutil
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -59,6 +59,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class StagedStep:
+    """One optimizer step's host work, done ahead: its examples, their supervised tokens, and this rank's
+    micro-batches collated and pinned (at their CUDA graphs' static shape where one replays)."""
+
+    units: np.ndarray
+    examples: np.ndarray
+    supervised: int
+    tokens: int  # the micro-batches' label positions before any static-shape padding
+    micro_batches: list[MicroBatch]
+
+
 def evaluations_without_improvement(evals: list[dict]) -> int:
     """Trailing evaluations after training began whose held-out loss did not beat the best before them."""
     best, since = math.inf, 0
@@ -87,6 +99,7 @@ class Trainer:
         self.loss = make_loss(self.params.loss_type, run.kernels)
         self.weight_copies = self._weight_copies()
         self.graphs, self.eager_reason = self._graphed_micro_steps()
+        self.staged: StagedStep | None = None  # the next step's host work, done during this one (train_step)
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
         self.evals: list[dict] = []
@@ -337,31 +350,47 @@ class Trainer:
             return {"cuda_graphs": False, "reason": self.eager_reason}
         return self.graphs.summary()
 
-    def train_step(self, step_units: np.ndarray) -> dict:
+    def stage(self, step_units: np.ndarray) -> StagedStep:
+        """The step's host work (collation, padding, pinning), which needs nothing from the GPU: train_step
+        does it for the next step while the GPU runs the current one."""
+        p, data = self.params, self.run.train_data
+        step_examples = self.run.examples_of(step_units)
+        mine = rank_share(step_units, self.dist)
+        micro_batches, tokens = [], 0
+        for micro_start in range(0, len(mine), p.micro_batch_per_rank):
+            host = self.host_batch(mine[micro_start:micro_start + p.micro_batch_per_rank])
+            tokens += host.labels.numel()
+            micro_batches.append(self.graphs.stage(host) if self.graphs is not None else
+                                 host.pinned() if self.device.type == "cuda" else host)
+        return StagedStep(np.array(step_units), step_examples, data.supervised_tokens(step_examples), tokens,
+                          micro_batches)
+
+    def train_step(self, step_units: np.ndarray, next_units: np.ndarray | None = None) -> dict:
+        """One optimizer step on these units; with `next_units`, the next step's host work is staged while the
+        GPU runs this one's."""
         p, data = self.params, self.run.train_data
         if self.weight_copies is not None:  # a replayed graph checks no master: rewrite what moved since
             self.weight_copies.refresh(stale_only=True)
-        step_examples = self.run.examples_of(step_units)
+        _sync(self.device)
+        start = time.perf_counter()
+        staged, self.staged = self.staged, None
+        if staged is None or not np.array_equal(staged.units, step_units):
+            staged = self.stage(step_units)
+        step_examples, step_supervised = staged.examples, staged.supervised
         # Every rank knows the whole step's examples, so every rank divides by the same count (or mass).
-        step_supervised = data.supervised_tokens(step_examples)
         step_mass = step_supervised
         if self.example_weights is not None:
             cell_mass = self.run.loss_weights.cell_mass(step_examples, data.supervised_counts)
             self.trained_mass += cell_mass
             step_mass = float(cell_mass.sum())
-        mine = rank_share(step_units, self.dist)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens
-        _sync(self.device)
-        start = time.perf_counter()
-        micro_starts = range(0, len(mine), p.micro_batch_per_rank)
+        totals = torch.tensor([0.0, staged.tokens], dtype=torch.float64, device=self.device)  # loss sum, tokens
         # The step's (weighted) token mean, times world size: data parallelism averages gradients.
         scale = self.dist.world_size / step_mass
-        for micro_start in micro_starts:
-            host = self.host_batch(mine[micro_start:micro_start + p.micro_batch_per_rank])
-            with self._gradient_sync(micro_start == micro_starts[-1]):
-                loss_sum = self._micro_step(host, scale, accumulate=micro_start > 0)
+        for index, host in enumerate(staged.micro_batches):
+            last = index == len(staged.micro_batches) - 1
+            with self._gradient_sync(last):
+                loss_sum = self._micro_step(host, scale, accumulate=index > 0)
             totals[0] += loss_sum.double()
-            totals[1] += host.labels.numel()
         totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
         lr = self.scheduler.get_last_lr()[0]
         on_device = all(group.get("fused") for group in self.optimizer.param_groups)
@@ -372,6 +401,11 @@ class Trainer:
             self.optimizer.found_inf = (~torch.isfinite(totals[0] + norm.double())).float()
             self.optimizer.step()
             self._end_step()
+        # Host work the GPU's results do not change, done while the GPU still runs this step.
+        self.train_kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model),
+                                  "optimizer": optimizer_kernel(self.optimizer)}
+        if next_units is not None:
+            self.staged = self.stage(next_units)
         loss_total, tokens, grad_norm = torch.stack([totals[0], totals[1], norm.double()]).tolist()
         tokens = int(tokens)
         loss = loss_total / step_mass
@@ -385,8 +419,6 @@ class Trainer:
             self._end_step()
         _sync(self.device)
         seconds = time.perf_counter() - start
-        self.train_kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model),
-                                  "optimizer": optimizer_kernel(self.optimizer)}
         self.step += 1
         self.timing["train_s"] += seconds
         if self.step > self.warmup_exclude:
@@ -464,7 +496,9 @@ class Trainer:
             if batches_done == 0:
                 self.fill_ins.append(fill_ins)
             for batch_start in range(batches_done * p.global_batch, len(order), p.global_batch):
-                row = self.train_step(order[batch_start:batch_start + p.global_batch])
+                following = batch_start + p.global_batch
+                row = self.train_step(order[batch_start:following],
+                                      order[following:following + p.global_batch] if following < len(order) else None)
                 self.position = (epoch, batch_start // p.global_batch + 1)
                 if self.dist.is_main:
                     self.metrics.write(event="train", epoch=epoch, **row)

@@ -164,7 +164,7 @@ def test_time_steps_excludes_warmup_from_the_steady_state(monkeypatch):
     monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
     gc.disable()  # an automatic collection would read the clock too
     try:
-        result = time_steps(lambda batch: {"tokens": 100, "supervised_tokens": 60, "loss": 1.0},
+        result = time_steps(lambda batch, following: {"tokens": 100, "supervised_tokens": 60, "loss": 1.0},
                             [np.arange(2)] * 3, warmup_steps=1, device=torch.device("cpu"))
     finally:
         gc.enable()
@@ -174,10 +174,19 @@ def test_time_steps_excludes_warmup_from_the_steady_state(monkeypatch):
     assert result["gpu_clock_mhz"] == result["gpu_power_w"] == [None, None]  # no GPU, no NVML reading
 
 
+def test_time_steps_tells_each_step_the_next_batch():
+    told = []
+    time_steps(lambda batch, following: told.append((int(batch[0]), following if following is None else
+                                                     int(following[0]))) or {"tokens": 1, "supervised_tokens": 1,
+                                                                             "loss": 0.0},
+               [np.array([k]) for k in range(3)], warmup_steps=1, device=torch.device("cpu"))
+    assert told == [(0, 1), (1, 2), (2, None)]
+
+
 def test_time_steps_records_each_steps_collector_pauses_with_the_setup_frozen():
     frozen = []
 
-    def step(batch: np.ndarray) -> dict:
+    def step(batch: np.ndarray, following: np.ndarray | None) -> dict:
         frozen.append(gc.get_freeze_count())
         if batch[0] == 2:  # this step makes a cycle and collects it
             cycle = [[]]
@@ -436,7 +445,7 @@ def test_lora_paths_train_adapters_on_the_production_kernels_and_are_compared(tm
 
 
 def test_out_of_memory_is_recorded_and_the_next_path_runs(tmp_path, monkeypatch):
-    def out_of_memory(self, step_examples):
+    def out_of_memory(self, step_examples, next_examples=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(PeerTrainer, "train_step", out_of_memory)

@@ -6,18 +6,18 @@ from cflib.bench.timing import kernel_timeline
 
 def test_timeline_unions_overlaps_and_splits_gaps_by_length():
     # microseconds: two overlapping kernels, a 5 us gap, a nested kernel, a 100 us gap, a last kernel
-    spans = [(0.0, 100.0), (50.0, 150.0), (155.0, 255.0), (160.0, 200.0), (355.0, 455.0)]
+    spans = [(0.0, 100.0, "a"), (50.0, 150.0, "b"), (155.0, 255.0, "c"), (160.0, 200.0, "d"), (355.0, 455.0, "e")]
     found = kernel_timeline(spans, steps=1, wall_ms=0.5)
     assert found["gpu_busy_ms_per_step"] == pytest.approx(0.35)  # 150 + 100 + 100 us
     assert found["gpu_idle_ms_per_step"] == pytest.approx(0.15)
     assert found["kernels_per_step"] == 5
     assert found["long_gaps_per_step"] == 1 and found["long_gap_ms_per_step"] == pytest.approx(0.1)
-    assert found["longest_gap_ms"] == pytest.approx(0.1)
+    assert found["largest_gaps"] == [{"us": 100.0, "after": "c", "before": "e"}]
     assert found["short_gap_ms_per_step"] == pytest.approx(0.005)
 
 
 def test_timeline_divides_by_steps_and_takes_a_threshold():
-    spans = [(0.0, 10.0), (40.0, 50.0), (60.0, 70.0)]  # gaps of 30 and 10 us
+    spans = [(0.0, 10.0, "a"), (40.0, 50.0, "b"), (60.0, 70.0, "c")]  # gaps of 30 and 10 us
     found = kernel_timeline(spans, steps=2, wall_ms=0.1, gap_us=5.0)
     assert found["long_gaps_per_step"] == 1 and found["long_gap_ms_per_step"] == pytest.approx(0.02)
     assert found["short_gap_ms_per_step"] == 0 and found["gpu_busy_ms_per_step"] == pytest.approx(0.015)

@@ -112,8 +112,9 @@ def test_cuda_graphs_true_without_a_gpu_stops_before_any_step(tmp_path, shard):
 @CUDA
 @pytest.mark.parametrize("pack", [False, True], ids=["dense", "packed"])
 def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
-    """Six steps of two micro-batches each, replayed from graphs after each shape's eager warm-up and capture,
-    against the same steps launched from the host: the same losses and gradient norms, and the same updates
+    """Six steps of two micro-batches each, replayed from graphs after each shape's eager warm-up and capture
+    (each step's batches staged during the step before), against the same steps launched from the host and
+    collated in their own step: the same losses and gradient norms, and the same updates
     (AdamW turns rounding-level gradient differences of near-zero entries into steps of lr, so the weights are
     compared as a whole: the two runs' updates differ by a small part of their size)."""
     common = {"device": "cuda", "bf16": True, "use_custom_kernels": True, "pack_sequences": pack, "seed": 3}
@@ -129,7 +130,9 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
     for graphs, trainer in trainers.items():
         units = len(trainer.run.pack_plan) if pack else len(trainer.run.train_data)
         order = np.random.default_rng(0).permutation(units)
-        rows[graphs] = [trainer.train_step(order[s * 8 % (units - 8):][:8]) for s in range(6)]
+        steps = [order[s * 8 % (units - 8):][:8] for s in range(6)] + [None]
+        # The graphed run stages each next step (padded, pinned) during the current one, as fit() does.
+        rows[graphs] = [trainer.train_step(steps[s], steps[s + 1] if graphs == "true" else None) for s in range(6)]
     summary = trainers["true"].graphs_summary()
     assert summary["replayed"] > 0 and summary["captured"] >= 2 and summary["capture_failure"] is None, summary
     assert trainers["true"].loss.last_backend == "cflib_triton_fused_linear_ce"

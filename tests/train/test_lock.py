@@ -100,10 +100,10 @@ def test_a_notebook_kernel_is_not_locked_out_by_its_own_interrupted_run(tmp_path
     out_dir = tmp_path / "run"
     real_step = cflib.train.trainer.Trainer.train_step
 
-    def interrupted(self, units):
+    def interrupted(self, units, next_units=None):
         if self.step == 2:
             raise KeyboardInterrupt  # the user pressed stop in JupyterLab
-        return real_step(self, units)
+        return real_step(self, units, next_units)
 
     monkeypatch.setattr(cflib.train.trainer.Trainer, "train_step", interrupted)
     with pytest.raises(KeyboardInterrupt):

@@ -94,6 +94,25 @@ def test_gradient_accumulation_matches_one_big_microbatch(tmp_path, small_shard)
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_a_step_staged_during_the_one_before_trains_as_one_collated_in_its_own(tmp_path, small_shard):
+    """fit() stages each next step's host work (collation) while the current one runs. Staged steps train
+    bitwise as unstaged ones, and a staged step for other units than the next one asks for is not used."""
+    common = {**FAST, "data": str(small_shard), "max_steps": 4, "eval_at_start": False, "exact_match_limit": 0,
+              "micro_batch_per_rank": 4}
+    trainers = [Trainer(prepare(TrainParams.from_dict({**common, "out_dir": str(tmp_path / name)})), progress=False)
+                for name in ("staged", "unstaged")]
+    order = np.random.default_rng(0).permutation(len(trainers[0].run.train_data))
+    steps = [order[0:16], order[16:32], order[8:24]]
+    staged = [trainers[0].train_step(steps[0], steps[1]), trainers[0].train_step(steps[1], order[24:40]),
+              trainers[0].train_step(steps[2])]  # staged order[24:40], then asked for other units
+    assert trainers[0].staged is None
+    unstaged = [trainers[1].train_step(units) for units in steps]
+    for ahead, own in zip(staged, unstaged):
+        assert (ahead["loss"], ahead["grad_norm"], ahead["tokens"]) == (own["loss"], own["grad_norm"], own["tokens"])
+    for (name, a), b in zip(trainers[0].model.named_parameters(), trainers[1].model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_max_steps_zero_only_evaluates(tmp_path, small_shard):
     record = run(tmp_path, small_shard, max_steps=0, eval_at_start=False)
     assert record["schedule"]["steps_done"] == 0
@@ -168,7 +187,7 @@ def test_an_existing_run_is_never_replaced(tmp_path, small_shard):
 
 
 def test_a_run_that_stopped_before_step_1_leaves_its_out_dir_free(tmp_path, small_shard, monkeypatch):
-    def out_of_memory(trainer, units):
+    def out_of_memory(trainer, units, next_units=None):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (the first step)")
 
     with monkeypatch.context() as patched:
