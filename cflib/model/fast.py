@@ -94,7 +94,7 @@ class FusedQKVAttention(Attention):
         copies = self.weight_copies
         self.copies_read = copies is not None and reads_half(x, copies.dtype) and not any(map(is_adapted, modules))
         if self.copies_read:
-            return F.linear(x, copies.weight(f"{self.copies_prefix}.{part}"))
+            return copies.linear(x, f"{self.copies_prefix}.{part}")
         return fused_linear(x, modules)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
@@ -179,8 +179,8 @@ class FusedTRMoEEngine(TRMoEEngine):
             read = not adapters and reads_half(x, copies.dtype)
             self.ran["weights"] = "bf16_copies" if read else "fp32_masters"
             if read:
-                return trmoe_forward(self, x, token_ids, fused=(copies.weight(f"{prefix}.gate_up"),
-                                                                copies.weight(f"{prefix}.down")))
+                return trmoe_forward(self, x, token_ids, fused=(None, copies.weight(f"{prefix}.down")),
+                                     gate_up_gemm=lambda rows: copies.linear(rows, f"{prefix}.gate_up"))
         if not adapters:
             return trmoe_forward(self, x, token_ids)
         weights = engine_weights(self)

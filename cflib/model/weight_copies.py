@@ -6,9 +6,12 @@ it. `WeightCopies` holds each fused weight once, as one BF16 tensor laid out as 
 place from the masters after every optimizer step (by `refresh`, since torch's fused AdamW moves the masters
 without bumping their version counters, or by cflib's AdamW kernel as it updates each master: `targets`) and
 before any forward that finds a master's storage or version moved (a load, an in-place edit). The GEMM reads
-the copy as it is, and backward writes each master's FP32 gradient from the copy's gradient in one cast. The
-numbers are autocast's: the same round-to-nearest cast of the same masters, the same cast of each gradient
-back.
+the copy as it is. Where a GEMM reads its copy through `linear` (q|k|v, o, gate|up), its backward writes the
+weight gradient in FP32 on CUDA, straight from the GEMM's FP32 accumulator, and each master's gradient is a
+slice of it (rows) or copied from it; elsewhere (`weight`: the down projection, the head) backward casts the
+copy's BF16 gradient into each master's in one pass. The forward's numbers are autocast's (the same
+round-to-nearest cast of the same masters); the gradients are too where they are cast, and one BF16 rounding
+closer to the FP32 product where the GEMM writes them.
 
 The copies are plain tensors beside the model, not its state (checkpoints and state dicts do not change), and
 they stay allocated while the model reads them: about 2 bytes per copied parameter. They apply to
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 Region = Callable[[torch.Tensor], torch.Tensor]  # a master's place in its copy: a view of the copy shaped like it
@@ -60,6 +64,43 @@ class _FromCopy(torch.autograd.Function):
         return None, None, *grads
 
 
+def weight_gradient(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad_out [N, out] and x [N, in] -> the FP32 weight gradient [out, in]. On CUDA the GEMM writes FP32 from
+    its FP32 accumulator; elsewhere (no such GEMM) it is the half-precision product cast, as autocast's."""
+    if grad_out.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(grad_out.t(), x, out_dtype=torch.float32)
+    return (grad_out.t() @ x).float()
+
+
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch 2.8+: mm(..., out_dtype=)
+
+
+class _CopyLinear(torch.autograd.Function):
+    """x @ copy.T, the copy as the GEMM's weight; backward writes the masters' FP32 gradients from one FP32 weight
+    gradient (weight_gradient), where the GEMM of _FromCopy's path would write BF16 for a cast to read back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, copy: torch.Tensor, regions: tuple[Region, ...], *masters: torch.Tensor
+                ) -> torch.Tensor:
+        x = x.to(copy.dtype)
+        ctx.save_for_backward(x, copy)
+        ctx.regions = regions
+        return F.linear(x, copy)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, copy = ctx.saved_tensors
+        grad_out = grad_out.to(copy.dtype)
+        grad_x = grad_out @ copy if ctx.needs_input_grad[0] else None
+        grads = [None] * len(ctx.regions)
+        if any(ctx.needs_input_grad[3:]):
+            full = weight_gradient(grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1]))
+            # A slice of rows is contiguous and becomes the master's gradient as it is; others are copied out.
+            grads = [region(full).contiguous() if needed else None
+                     for region, needed in zip(ctx.regions, ctx.needs_input_grad[3:])]
+        return grad_x, None, None, *grads
+
+
 class WeightCopies:
     """Named BF16 copies, each of one or more FP32 masters (`add`), read by `weight(name)`."""
 
@@ -78,6 +119,13 @@ class WeightCopies:
         if copy.stale():
             self._write(copy)
         return _FromCopy.apply(copy.tensor, copy.regions, *copy.masters)
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ weight(name).T, its masters' gradients written in FP32 by the GEMM (weight_gradient)."""
+        copy = self.copies[name]
+        if copy.stale():
+            self._write(copy)
+        return _CopyLinear.apply(x, copy.tensor, copy.regions, *copy.masters)
 
     def targets(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each master's view of its copy, for the copies written so far: where an optimizer that writes the

@@ -14,6 +14,8 @@ shapes (cflib/bench/trmoe_designs.py, docs/kernels.md).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -164,14 +166,16 @@ def fused_weights(engine: nn.Module, weights: dict[str, torch.Tensor] | None = N
 
 def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
                   weights: dict[str, torch.Tensor] | None = None, gate_up_delta: torch.Tensor | None = None,
-                  return_hidden: bool = False, fused: tuple[torch.Tensor, torch.Tensor] | None = None
+                  return_hidden: bool = False, fused: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+                  gate_up_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The TR-MoE block of `engine` (a cflib.model.TRMoEEngine) on x [N, D] and token ids [N].
 
     For callers that adapt the block (cflib.model.lora): `weights` replaces the engine's (fused_weights),
     `gate_up_delta` [N, 2C] is added to the gate|up GEMM's output, and `return_hidden` also returns the
     scaled activation [N, C] the down projection reads, differentiably. `fused`: the gate|up and down weights
-    already laid out as fused_weights lays them (cflib.model.weight_copies)."""
+    already laid out as fused_weights lays them (cflib.model.weight_copies); `gate_up_gemm` computes the gate|up
+    GEMM in place of F.linear with fused's first weight (None then), e.g. one whose backward writes FP32."""
     gate_up_weight, down_weight = fused if fused is not None else fused_weights(engine, weights)
     route_weights = engine.route_weights
     if any(w != route_weights[-1] for w in route_weights[1:]):
@@ -181,7 +185,7 @@ def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
     layout = (engine.shared_gate.weight.shape[0], engine.expert_gate.shape[2], vocab_size,
               float(engine.shared_output_scale), float(engine.routed_output_scale), float(route_weights[0]),
               float(route_weights[-1]) if len(route_weights) > 1 else 0.0)
-    gate_up = F.linear(x, gate_up_weight)
+    gate_up = gate_up_gemm(x) if gate_up_gemm is not None else F.linear(x, gate_up_weight)
     if gate_up_delta is not None:
         gate_up = gate_up + gate_up_delta.to(gate_up.dtype)
     return ScaledSwiGLUDown.apply(gate_up, token_ids, engine.route_table, down_weight.to(gate_up.dtype), layout,

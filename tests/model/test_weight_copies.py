@@ -32,13 +32,13 @@ def _step(model, ids, bf16: bool = True) -> torch.Tensor:
     return loss.detach()
 
 
-def _same(a: torch.Tensor, b: torch.Tensor, name: str = "") -> None:
+def _same(a: torch.Tensor, b: torch.Tensor, name: str = "", rtol: float = 1e-4) -> None:
     """Bitwise on the CPU; on a GPU within rounding, as FlashAttention's backward adds into dQ atomically, in an
     order that varies from run to run."""
     if a.device.type == "cpu":
         assert torch.equal(a, b), name
     else:
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(a.abs().max()), msg=name)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=1e-5 * float(a.abs().max()), msg=name)
 
 
 def _assert_same(plain, copied, ids, bf16: bool = True) -> None:
@@ -47,7 +47,9 @@ def _assert_same(plain, copied, ids, bf16: bool = True) -> None:
         assert (a.grad is None) == (b.grad is None), name
         if a.grad is not None:
             assert b.grad.dtype == a.dtype, name
-            _same(a.grad, b.grad, name)
+            # On a GPU the q|k|v, o and gate|up GEMMs write the copies' weight gradients in FP32, where the
+            # casting path's write BF16 and cast: within one BF16 unit of each other.
+            _same(a.grad, b.grad, name, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("use_qk_norm", [True, False], ids=["qk-norm", "no-qk-norm"])
