@@ -393,14 +393,7 @@ class Trainer:
             totals[0] += loss_sum.double()
         totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
         lr = self.scheduler.get_last_lr()[0]
-        on_device = all(group.get("fused") for group in self.optimizer.param_groups)
-        norm = self._clip(on_device)
-        if on_device:
-            # The fused AdamW skips a non-finite step on the device (found_inf, as under GradScaler), so the
-            # host queues the update while the backward still runs instead of waiting to read the norm.
-            self.optimizer.found_inf = (~torch.isfinite(totals[0] + norm.double())).float()
-            self.optimizer.step()
-            self._end_step()
+        norm, on_device = self._queue_update(totals[0])
         # Host work the GPU's results do not change, done while the GPU still runs this step.
         self.train_kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model),
                                   "optimizer": optimizer_kernel(self.optimizer)}
@@ -428,6 +421,18 @@ class Trainer:
             self.steady["steps"] += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "supervised_tokens": step_supervised, "seconds": seconds, "skipped": not finite}
+
+    def _queue_update(self, loss_total: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The gradients' norm, and whether the update is queued already: the fused AdamW skips a non-finite
+        step on the device (found_inf, as under GradScaler), so the host queues it while the backward still
+        runs instead of waiting to read the norm; another optimizer steps after the host has read it."""
+        on_device = all(group.get("fused") for group in self.optimizer.param_groups)
+        norm = self._clip(on_device)
+        if on_device:
+            self.optimizer.found_inf = (~torch.isfinite(loss_total + norm.double())).float()
+            self.optimizer.step()
+            self._end_step()
+        return norm, on_device
 
     def _micro_step(self, host: MicroBatch, scale: float, accumulate: bool) -> torch.Tensor:
         """One micro-batch's forward, loss and backward: replayed from its CUDA graph where one runs."""
