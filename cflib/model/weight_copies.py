@@ -8,8 +8,9 @@ without bumping their version counters, or by cflib's AdamW kernel as it updates
 before any forward that finds a master's storage or version moved (a load, an in-place edit). The GEMM reads
 the copy as it is. Where a GEMM reads its copy through `linear` (q|k|v, o, gate|up), its backward writes the
 weight gradient in FP32 on CUDA, straight from the GEMM's FP32 accumulator, and each master's gradient is a
-slice of it (rows) or copied from it; elsewhere (`weight`: the down projection, the head) backward casts the
-copy's BF16 gradient into each master's in one pass. The forward's numbers are autocast's (the same
+slice of it (rows) or copied from it; through `weight` (the down projection) backward casts the copy's BF16
+gradient into each master's in one pass; an op that takes the copy (`tensor`) and its master writes the
+master's gradient itself (cflib's fused loss, the head). The forward's numbers are autocast's (the same
 round-to-nearest cast of the same masters); the gradients are too where they are cast, and one BF16 rounding
 closer to the FP32 product where the GEMM writes them.
 
@@ -119,6 +120,14 @@ class WeightCopies:
         if copy.stale():
             self._write(copy)
         return _FromCopy.apply(copy.tensor, copy.regions, *copy.masters)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The copy itself, outside autograd, for an op that also takes its master and writes the master's FP32
+        gradient (cflib's fused loss, the head)."""
+        copy = self.copies[name]
+        if copy.stale():
+            self._write(copy)
+        return copy.tensor
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ weight(name).T, its masters' gradients written in FP32 by the GEMM (weight_gradient)."""

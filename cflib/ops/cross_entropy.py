@@ -71,9 +71,15 @@ def weighted_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor,
 
 
 class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
+    """The summed loss of hidden @ weight.T; its head gradient (FP32, accumulated by the GEMMs) goes to `weight`,
+    or, given `master` (the FP32 tensor whose half-precision copy `weight` is), to the master as it is: a
+    gradient handed back to a half-precision input would be rounded to its dtype first."""
+
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                token_weights: torch.Tensor | None, chunk_tokens: int) -> torch.Tensor:
+                token_weights: torch.Tensor | None, chunk_tokens: int, master: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        ctx.to_master = master is not None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -89,4 +95,7 @@ class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        return *saved_gradients(ctx, grad_output), None, None, None
+        grad_hidden, grad_weight = saved_gradients(ctx, grad_output)
+        if ctx.to_master:
+            return grad_hidden, None, None, None, None, grad_weight
+        return grad_hidden, grad_weight, None, None, None, None

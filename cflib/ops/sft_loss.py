@@ -54,15 +54,20 @@ class SFTLoss:
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                  loss_chunk_tokens: int, fp32_loss: bool, token_weights: torch.Tensor | None = None,
-                 supervised: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, int]:
+                 supervised: torch.Tensor | None = None, row_mask: torch.Tensor | None = None,
+                 head_master: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """supervised: the flat indices of labels' supervised positions (cflib.ops.loss.supervised_positions),
         computed where the batch is collated; None: found here, which on a GPU is a sync. row_mask: 1.0 for each
         real entry of supervised, 0.0 for padding, on cflib's fused kernel only (cflib.train.graphs pads the
-        supervised positions to a static count)."""
+        supervised positions to a static count). head_master: the FP32 weight head_weight is a half-precision
+        copy of, outside autograd (cflib.model.weight_copies): cflib's fused loss writes its FP32 gradient
+        there, as it does into an FP32 head_weight it computes on in half precision; the other losses compute
+        on the master itself."""
         fused = torch.is_grad_enabled() and (self.plan.custom or (self.plan.liger and token_weights is None))
         if row_mask is not None and not (fused and self.plan.custom):
             raise ValueError("row_mask needs cflib's fused loss (use_custom_kernels) and gradients")
+        if head_master is not None and not (fused and self.plan.custom):
+            head_weight, head_master = head_master, None
         if not fused:
             self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
             return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
@@ -70,7 +75,7 @@ class SFTLoss:
         hidden, targets, weights = supervised_rows(hidden, labels, token_weights, supervised, row_mask)
         count = int(targets.numel())
         if count == 0:
-            return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0
+            return hidden.sum() * 0.0 + (head_weight if head_master is None else head_master).sum() * 0.0, 0
         device_type = hidden.device.type
         # The head GEMM runs in the autocast dtype, as under autocast: the final norm's output is fp32.
         run_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
@@ -85,8 +90,12 @@ class SFTLoss:
                 loss = out[0] if isinstance(out, tuple) else out
                 return loss.float(), count
             from cflib.ops.cross_entropy import FusedLinearWeightedCrossEntropy
+            if head_master is None and weight.dtype != head_weight.dtype:
+                # The head's FP32 gradient goes to the FP32 head as it is, not rounded to the cast's dtype first.
+                weight, head_master = head_weight.detach().to(dtype), head_weight
             self.last_backend = "cflib_triton_fused_linear_ce" + ("_weighted" if token_weights is not None else "")
-            return FusedLinearWeightedCrossEntropy.apply(hidden, weight, targets, weights, loss_chunk_tokens), count
+            return FusedLinearWeightedCrossEntropy.apply(hidden, weight, targets, weights, loss_chunk_tokens,
+                                                         head_master), count
 
 
 LOSSES: dict[str, Callable[[KernelPlan], Loss]] = {"sft_cross_entropy": SFTLoss}

@@ -273,9 +273,9 @@ class Trainer:
         rows = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
         with autocast(self.device, p.bf16, cache=not capturing):
             hidden = self.train_model(batch.input_ids, batch.documents)
-            loss_sum, _ = self.loss(hidden, self._head_weight(), batch.labels, p.loss_chunk_tokens,
-                                    p.fp32_loss, token_weights=batch.token_weights, supervised=batch.supervised,
-                                    **rows)
+            head_weight, head = self._head()
+            loss_sum, _ = self.loss(hidden, head_weight, batch.labels, p.loss_chunk_tokens, p.fp32_loss,
+                                    token_weights=batch.token_weights, supervised=batch.supervised, **rows, **head)
         (loss_sum * scale).backward()
         return loss_sum.detach()
 
@@ -340,9 +340,13 @@ class Trainer:
             self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: copies.refresh())
         return copies
 
-    def _head_weight(self) -> torch.Tensor:
+    def _head(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The head the loss reads: the FP32 head, or (cflib's loss in BF16) its BF16 copy, with the master the
+        loss writes the FP32 gradient into."""
         copies = self.weight_copies
-        return copies.weight("head") if copies is not None and "head" in copies.copies else self.model.head_weight
+        if copies is not None and "head" in copies.copies:
+            return copies.tensor("head"), {"head_master": copies.copies["head"].masters[0]}
+        return self.model.head_weight, {}
 
     def graphs_summary(self) -> dict:
         """How the micro-steps ran: replayed from CUDA graphs (how many, how many shapes), or eagerly and why."""

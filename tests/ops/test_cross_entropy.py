@@ -44,3 +44,32 @@ def test_matches_the_full_logit_loss_forward_and_backward(dtype, weighted, chunk
         hidden, head, targets, token_weights, chunk), leaves(rounded, {}, KERNEL_DEVICE, grad), 2)
     assert got["out0"].dtype == torch.float32 and got["d_head"].dtype == dtype
     assert_matches(got, truth, dtype)
+
+
+def test_a_master_takes_the_head_gradient_in_fp32_unrounded():
+    """Given the FP32 master of a BF16 head, the op hands the master its FP32 gradient: the one a BF16 head
+    would get, before autograd rounds it to BF16."""
+    raw, targets = inputs(3, False)
+    master = raw["head"].to(KERNEL_DEVICE).requires_grad_()
+    hidden = raw["hidden"].to(KERNEL_DEVICE, torch.bfloat16).requires_grad_()
+    copy = master.detach().bfloat16()
+    FusedLinearWeightedCrossEntropy.apply(hidden, copy, targets, None, 6, master).backward()
+    assert master.grad.dtype == torch.float32 and hidden.grad is not None
+    assert not torch.equal(master.grad, master.grad.bfloat16().float())  # bits a BF16 gradient rounds off
+    head = copy.clone().requires_grad_()
+    FusedLinearWeightedCrossEntropy.apply(hidden.detach(), head, targets, None, 6).backward()
+    assert head.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(head.grad, master.grad.bfloat16(), rtol=0, atol=0)
+
+
+def test_sft_loss_in_bf16_gives_an_fp32_head_its_gradient_unrounded():
+    from cflib.ops.dispatch import KernelPlan
+    from cflib.ops.sft_loss import SFTLoss
+
+    raw, targets = inputs(4, False)
+    head = raw["head"].to(KERNEL_DEVICE).requires_grad_()
+    hidden = raw["hidden"].to(KERNEL_DEVICE)[None]
+    loss, count = SFTLoss(KernelPlan(liger=True, custom=True))(hidden.bfloat16(), head, targets[None], 8, False)
+    loss.backward()
+    assert count == ROWS and head.grad.dtype == torch.float32
+    assert not torch.equal(head.grad, head.grad.bfloat16().float())
