@@ -237,9 +237,9 @@ def measure_probe(tuning: Tuning, shard_root: Path, micro: int) -> Probe:
         with meter.capped([*run.model.parameters(), *run.model.buffers()]):
             trainer = Trainer(run, progress=False)
             examples = np.arange(micro)
-            trainer.train_step(examples)  # warm-up
+            trainer.train_step(examples, examples)  # warm-up; each step staged during the one before, as in fit()
             meter.reset()
-            rows = [trainer.train_step(examples) for _ in range(p.probe_steps)]
+            rows = [trainer.train_step(examples, examples) for _ in range(p.probe_steps)]
             peak = meter.peak()
         detail = {**peak, "step_seconds": [round(r["seconds"], 4) for r in rows],
                   "tokens_per_s": sum(r["tokens"] for r in rows) / sum(r["seconds"] for r in rows),
