@@ -65,15 +65,15 @@ class _FromCopy(torch.autograd.Function):
         return None, None, *grads
 
 
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch 2.8+: mm(..., out_dtype=)
+
+
 def weight_gradient(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """grad_out [N, out] and x [N, in] -> the FP32 weight gradient [out, in]. On CUDA the GEMM writes FP32 from
     its FP32 accumulator; elsewhere (no such GEMM) it is the half-precision product cast, as autocast's."""
     if grad_out.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(grad_out.t(), x, out_dtype=torch.float32)
     return (grad_out.t() @ x).float()
-
-
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch 2.8+: mm(..., out_dtype=)
 
 
 class _CopyLinear(torch.autograd.Function):
@@ -115,25 +115,24 @@ class WeightCopies:
         self.copies[name] = _Copy(masters, regions, shape)
         self._targets = None
 
-    def weight(self, name: str) -> torch.Tensor:
+    def _current(self, name: str) -> _Copy:
         copy = self.copies[name]
         if copy.stale():
             self._write(copy)
+        return copy
+
+    def weight(self, name: str) -> torch.Tensor:
+        copy = self._current(name)
         return _FromCopy.apply(copy.tensor, copy.regions, *copy.masters)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The copy itself, outside autograd, for an op that also takes its master and writes the master's FP32
         gradient (cflib's fused loss, the head)."""
-        copy = self.copies[name]
-        if copy.stale():
-            self._write(copy)
-        return copy.tensor
+        return self._current(name).tensor
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ weight(name).T, its masters' gradients written in FP32 by the GEMM (weight_gradient)."""
-        copy = self.copies[name]
-        if copy.stale():
-            self._write(copy)
+        copy = self._current(name)
         return _CopyLinear.apply(x, copy.tensor, copy.regions, *copy.masters)
 
     def targets(self) -> dict[nn.Parameter, torch.Tensor]:
