@@ -123,10 +123,10 @@ def time_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches: l
         raise ValueError(f"{len(batches)} batches leave no step to time after {warmup_steps} warm-up steps")
     seconds, rows, paused, clocks = [], [], [], []  # clocks: (MHz, W) after each step
     with steady_collector(), CollectorPauses() as pauses:
-        for index, batch in enumerate(batches):
+        for batch, following in zip(batches, [*batches[1:], None]):
             sync(device)
             collections, start = len(pauses.seconds), time.perf_counter()
-            rows.append(step(batch, batches[index + 1] if index + 1 < len(batches) else None))
+            rows.append(step(batch, following))
             sync(device)
             seconds.append(time.perf_counter() - start)
             paused.append(sum(pauses.seconds[collections:]))
@@ -185,8 +185,8 @@ def profile_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches
     sync(device)
     with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
         started = time.perf_counter()
-        for index, batch in enumerate(batches):
-            step(batch, batches[index + 1] if index + 1 < len(batches) else None)
+        for batch, following in zip(batches, [*batches[1:], None]):
+            step(batch, following)
         sync(device)
         wall_ms = (time.perf_counter() - started) * 1e3 / len(batches)
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
