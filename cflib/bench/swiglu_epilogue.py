@@ -10,13 +10,11 @@ Side by side in one run, forward + backward of one layer at the 200M shapes
   epilogue forward (gemm_gated) and its derivative backward (gemm_dgated), with gate and up concatenated
   or interleaved. quack has no per-token column scale, so these compute a plain SwiGLU: the time of the
   epilogue design, not yet the routed block;
-- quack_shared_cflib_routed: the routed block split in two, as it could run: the shared columns (output
-  scale 1) through quack's MLP, the experts' columns through cflib's kernels, the two outputs added;
-  `_untuned`: quack's configuration fixed by the shape instead of timed per shape;
-- cflib_split_block / _tuned: the split as the model runs it (cflib.ops.trmoe.trmoe_split_forward over the
-  FP32 master weights under autocast), untuned (the model's choice) and tuned;
 - cflib_weight_copies: the whole block reading BF16 copies of its fused weights (cflib.model.weight_copies), as
-  the model runs it with bf16_weight_copies, its gradients written back to the FP32 masters.
+  the model runs it with bf16_weight_copies, its gradients written back to the FP32 masters;
+- cflib_gated / cflib_gated_copies: the routed block through quack's SwiGLU GEMMs with the experts' per-token
+  scales applied beside them (cflib.ops.trmoe.GatedSwiGLUDown), over the FP32 masters cast and interleaved per
+  forward, or reading interleaved BF16 copies as the model runs it with epilogue_swiglu.
 Each variant is timed launched from the host and replayed from a CUDA graph (as the training step runs it), each
 guarded: one that fails records its error and the others still run. Errors are norm-relative against an FP32
 computation of the same function.
@@ -35,10 +33,10 @@ import torch.nn.functional as F
 from cflib.bench.timing import trmoe_bench_inputs
 from cflib.jobs import error_line, record_header
 from cflib.model.config import preset
-from cflib.model.fast import FusedTRMoEEngine, swap_class
+from cflib.model.fast import EpilogueSwiGLUEngine, FusedTRMoEEngine, swap_class
 from cflib.model.generate import capture_graph
 from cflib.model.weight_copies import WeightCopies
-from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, trmoe_forward, trmoe_split_forward
+from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, trmoe_forward, trmoe_gated_forward
 
 
 def _timed(step: Callable[[], None], rep_ms: int) -> float:
@@ -68,19 +66,15 @@ class _Layer:
         self.x, self.gate_up, self.down = leaf(self.x32.bfloat16()), leaf(self.gate_up32.bfloat16()), leaf(
             self.down32.bfloat16())
         self.gate_up_interleaved = leaf(torch.stack(self.gate_up.detach().chunk(2), 1).reshape_as(self.gate_up))
-        gate_rows = self.gate_up.detach().chunk(2)
-        self.shared_gate_up = leaf(torch.cat([half[:self.shared_columns] for half in gate_rows]))
-        self.routed_gate_up = leaf(torch.cat([half[self.shared_columns:] for half in gate_rows]))
-        self.shared_down = leaf(self.down.detach()[:, :self.shared_columns])
-        self.routed_down = leaf(self.down.detach()[:, self.shared_columns:])
         self.layout = (self.shared_columns, engine.expert_gate.shape[2], config.vocab_size,
                        float(engine.shared_output_scale), float(engine.routed_output_scale),
                        float(engine.route_weights[0]), float(engine.route_weights[-1]))
         swap_class(engine, FusedTRMoEEngine)
-        self.copies = WeightCopies()
+        self.copies, self.gated_copies = WeightCopies(), WeightCopies()
         engine.copy_weights(self.copies, "mlp")
-        self.leaves = (self.x32, self.x, self.gate_up, self.down, self.gate_up_interleaved, self.shared_gate_up,
-                       self.routed_gate_up, self.shared_down, self.routed_down, *engine.parameters())
+        EpilogueSwiGLUEngine.copy_weights(engine, self.gated_copies, "gated")
+        engine.weight_copies, engine.copies_prefix = self.copies, "mlp"
+        self.leaves = (self.x32, self.x, self.gate_up, self.down, self.gate_up_interleaved, *engine.parameters())
 
     def reference(self, scaled: bool) -> torch.Tensor:
         """FP32 truth: the routed block's function (scaled) or a plain SwiGLU over the same weights."""
@@ -120,29 +114,20 @@ class _Layer:
         from quack.mlp import mlp_func
         return mlp_func(self.x, self.gate_up_interleaved, self.down, "swiglu")
 
-    def quack_shared_cflib_routed(self, tuned: bool = True) -> torch.Tensor:
-        from quack.mlp import mlp_func
-        if float(self.engine.shared_output_scale) != 1.0:
-            raise ValueError("the split needs shared_output_scale 1")
-        shared = mlp_func(self.x, self.shared_gate_up, self.shared_down, "swiglu", concat_layout=True, tuned=tuned)
-        return shared + ScaledSwiGLUDown.apply(self.x @ self.routed_gate_up.t(), self.ids, self.engine.route_table,
-                                               self.routed_down, (0, *self.layout[1:]))
-
-    def quack_shared_cflib_routed_untuned(self) -> torch.Tensor:
-        return self.quack_shared_cflib_routed(tuned=False)
-
-    def cflib_split_block(self, tuned: bool = False) -> torch.Tensor:
+    def cflib_gated(self) -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return trmoe_split_forward(self.engine, self.x32, self.ids, tuned=tuned)
+            return trmoe_gated_forward(self.engine, self.x32, self.ids)
 
-    def cflib_split_block_tuned(self) -> torch.Tensor:
-        return self.cflib_split_block(tuned=True)
+    def cflib_gated_copies(self) -> torch.Tensor:
+        copies = self.gated_copies
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return trmoe_gated_forward(self.engine, self.x32, self.ids,
+                                       (copies.parts("gated.gate_up"), copies.parts("gated.down")))
 
 
 # variant -> whether it computes the routed block (scaled) or a plain SwiGLU
 VARIANTS = {"cflib_block": True, "cflib_weight_copies": True, "cflib_bf16_weights": True, "cublas_liger": False,
-            "quack_concat": False, "quack_interleaved": False, "quack_shared_cflib_routed": True,
-            "quack_shared_cflib_routed_untuned": True, "cflib_split_block": True, "cflib_split_block_tuned": True}
+            "quack_concat": False, "quack_interleaved": False, "cflib_gated": True, "cflib_gated_copies": True}
 
 
 def measure_variant(layer: _Layer, name: str, reference: torch.Tensor, rep_ms: int) -> dict:

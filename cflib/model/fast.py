@@ -8,7 +8,7 @@ chooses, as Liger swaps modules: forwards read no flags, and the same model swap
 - norms: Liger's RMSNorm; on the residual stream, cflib's add + RMSNorm kernel (cflib.ops.add_rms_norm);
 - attention: Liger's RoPE; or one QKV GEMM, with QK-norm and RoPE in one kernel (cflib.ops.qk_norm_rope);
 - the TR-MoE block: Liger's SwiGLU for the shared branch; or the whole block as one wide SwiGLU
-  (cflib.ops.trmoe); on Hopper with quack-kernels, its shared branch in quack's SwiGLU GEMMs.
+  (cflib.ops.trmoe); on Hopper with quack-kernels, its SwiGLU in quack's GEMM epilogues.
 Adapters join the fused GEMMs through the weight protocol (cflib.model.weights): with updates that fold,
 the GEMMs read effective weights; otherwise the base GEMM runs and each adapter adds its branch.
 """
@@ -168,19 +168,27 @@ class FusedTRMoEEngine(TRMoEEngine):
                    (hidden, columns_total))
         self.weight_copies, self.copies_prefix = copies, prefix
 
+    def reads_copies(self, x: torch.Tensor) -> bool:
+        return reads_half(x, self.weight_copies.dtype)
+
+    def from_copies(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        from cflib.ops.trmoe import trmoe_forward
+        copies, prefix = self.weight_copies, self.copies_prefix
+        return trmoe_forward(self, x, token_ids, fused=(None, copies.weight(f"{prefix}.down")),
+                             gate_up_gemm=lambda rows: copies.linear(rows, f"{prefix}.gate_up"))
+
     def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         from cflib.ops.trmoe import engine_weights, trmoe_forward
 
         adapters = {name: m for name in ("shared_gate", "shared_up", "shared_down")
                     if is_adapted(m := getattr(self, name))}
         adapters.update(self.expert_adapters())
-        copies, prefix = self.weight_copies, self.copies_prefix
+        copies = self.weight_copies
         if copies is not None:
-            read = not adapters and reads_half(x, copies.dtype)
+            read = not adapters and self.reads_copies(x)
             self.ran["weights"] = "bf16_copies" if read else "fp32_masters"
             if read:
-                return trmoe_forward(self, x, token_ids, fused=(None, copies.weight(f"{prefix}.down")),
-                                     gate_up_gemm=lambda rows: copies.linear(rows, f"{prefix}.gate_up"))
+                return self.from_copies(x, token_ids)
         if not adapters:
             return trmoe_forward(self, x, token_ids)
         weights = engine_weights(self)
@@ -226,23 +234,52 @@ class FusedTRMoEEngine(TRMoEEngine):
 
 
 class EpilogueSwiGLUEngine(FusedTRMoEEngine):
-    """Training steps in half precision run the shared branch through quack's SwiGLU GEMMs and the experts
-    through cflib's kernel (cflib.ops.trmoe.trmoe_split_forward). The block runs as FusedTRMoEEngine's where
-    quack's GEMMs do not apply: fp32 activations (its epilogue writes 16-bit outputs only), no gradients
-    (evaluation and decoding, whose shapes would each be tuned anew), and adapters."""
+    """Training steps in half precision run the block through quack's SwiGLU GEMMs (cflib.ops.trmoe.
+    GatedSwiGLUDown): the gate|up GEMM writes silu(gate) * up from its epilogue, the backward GEMM the
+    activation's derivative from its own, and a small kernel applies the experts' per-token scales; with weight
+    copies the GEMMs read them, gate and up interleaved row by row as quack's epilogue pairs them. Elsewhere
+    (fp32 activations, which quack's epilogue does not write; no gradients, evaluation and decoding; adapters)
+    the block runs as FusedTRMoEEngine's over the FP32 masters."""
 
     kernels = {"swiglu": "quack_gemm_swiglu", "moe": "triton_fused"}
 
-    def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        from cflib.ops.trmoe import trmoe_split_forward
+    def copy_weights(self, copies: WeightCopies, prefix: str) -> None:
+        """gate|up [2C, D] as cflib.ops.trmoe.interleave_gate_up lays it out, and down [D, C]."""
+        super().copy_weights(copies, prefix)
+        num_experts, hidden, width = self.expert_gate.shape
+        shared = self.shared_gate.weight.shape[0]
+        total = 2 * (shared + num_experts * width)
 
-        half = reads_half(x, torch.bfloat16) or reads_half(x, torch.float16)
+        def expert_rows(first: int):  # every other row from `first`, [E x W, D], seen as expert_gate's [E, D, W]
+            return lambda copy: copy[first:total:2].unflatten(0, (num_experts, width)).mT
+
+        gate_up = copies.copies[f"{prefix}.gate_up"]
+        copies.add(f"{prefix}.gate_up", gate_up.masters,
+                   (lambda copy: copy[0:2 * shared:2], expert_rows(2 * shared), lambda copy: copy[1:2 * shared:2],
+                    expert_rows(2 * shared + 1)), gate_up.shape)
+
+    def gated(self, x: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (reads_half(x, torch.bfloat16) or reads_half(x, torch.float16))
+
+    def reads_copies(self, x: torch.Tensor) -> bool:
+        return self.gated(x) and reads_half(x, self.weight_copies.dtype)
+
+    def from_copies(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        from cflib.ops.trmoe import trmoe_gated_forward
+        copies, prefix = self.weight_copies, self.copies_prefix
+        return trmoe_gated_forward(self, x, token_ids, (copies.parts(f"{prefix}.gate_up"),
+                                                        copies.parts(f"{prefix}.down")))
+
+    def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        from cflib.ops.trmoe import trmoe_gated_forward
+
         adapted = self.expert_adapters() or any(is_adapted(getattr(self, name))
                                                 for name in ("shared_gate", "shared_up", "shared_down"))
-        if not (half and torch.is_grad_enabled()) or adapted:
+        if not self.gated(x) or adapted:
             self.ran = dict(FusedTRMoEEngine.kernels)
-            return super().block(x, token_ids)
-        return trmoe_split_forward(self, x, token_ids)
+        elif self.weight_copies is None:
+            return trmoe_gated_forward(self, x, token_ids)
+        return super().block(x, token_ids)
 
 
 def swap_class(module: nn.Module, cls: type[nn.Module]) -> None:
@@ -281,7 +318,7 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
 def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16, head: bool = False) -> WeightCopies:
     """BF16 copies (cflib.model.weight_copies) of the fused GEMMs' weights, which the fused attention and the
     whole-block TR-MoE engine read from now on under autocast in `dtype`; the caller refreshes them after each
-    optimizer step. The split block (quack's epilogues) keeps reading its masters. `head`: also the tied head's
+    optimizer step. `head`: also the tied head's
     ("head", for a loss that computes in `dtype`; the embedding lookup keeps reading the FP32 table)."""
     copies = WeightCopies(dtype)
     if head and type(model.embed_tokens) is nn.Embedding:
@@ -290,7 +327,7 @@ def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16,
     for index, layer in enumerate(model.layers):
         if isinstance(layer.self_attn, FusedQKVAttention):
             layer.self_attn.copy_weights(copies, f"layers.{index}.self_attn")
-        if type(layer.mlp["engine"]) is FusedTRMoEEngine:
+        if isinstance(layer.mlp["engine"], FusedTRMoEEngine):
             layer.mlp["engine"].copy_weights(copies, f"layers.{index}.mlp")
     return copies
 

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cflib.ops.gemm import weight_gradient
+
 Region = Callable[[torch.Tensor], torch.Tensor]  # a master's place in its copy: a view of the copy shaped like it
 
 
@@ -63,17 +65,6 @@ class _FromCopy(torch.autograd.Function):
         grads = [torch.empty(shape, dtype=dtype, device=device).copy_(region(grad)) if needed else None
                  for (shape, dtype, device), region, needed in zip(ctx.masters, ctx.regions, ctx.needs_input_grad[2:])]
         return None, None, *grads
-
-
-_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch 2.8+: mm(..., out_dtype=)
-
-
-def weight_gradient(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """grad_out [N, out] and x [N, in] -> the FP32 weight gradient [out, in]. On CUDA the GEMM writes FP32 from
-    its FP32 accumulator; elsewhere (no such GEMM) it is the half-precision product cast, as autocast's."""
-    if grad_out.is_cuda and _MM_OUT_DTYPE:
-        return torch.mm(grad_out.t(), x, out_dtype=torch.float32)
-    return (grad_out.t() @ x).float()
 
 
 class _CopyLinear(torch.autograd.Function):
@@ -129,6 +120,12 @@ class WeightCopies:
         """The copy itself, outside autograd, for an op that also takes its master and writes the master's FP32
         gradient (cflib's fused loss, the head)."""
         return self._current(name).tensor
+
+    def parts(self, name: str) -> tuple[torch.Tensor, tuple[Region, ...], tuple[nn.Parameter, ...]]:
+        """The copy, its regions and its masters, for an op that computes the masters' FP32 gradients itself
+        from the copy's (cflib.ops.trmoe.GatedSwiGLUDown)."""
+        copy = self._current(name)
+        return copy.tensor, copy.regions, copy.masters
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ weight(name).T, its masters' gradients written in FP32 by the GEMM (weight_gradient)."""

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from cflib.ops.gemm import dgated_gemm, gated_gemm, weight_gradient
 from cflib.ops.interpreter import INTERPRETING
 
 # Tried on the device at first use per width (do_bench inside triton.autotune); one config in the interpreter.
@@ -31,21 +32,12 @@ _CONFIGS = [triton.Config({"BLOCK_R": 32, "BLOCK_C": 128}, num_warps=4)] if INTE
 
 
 @triton.jit
-def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
-          shared_scale, routed_scale, primary_weight, other_weight, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
-          BLOCK_C: tl.constexpr):
-    """This program's tile: offsets, mask, gate and up in fp32, and each element's column scale.
-
-    The scale is the shared output scale on shared columns; on expert e's columns it is routed_scale
-    x the sum of the route weights of the token's routes to e (zero when none), read from the token id
-    and the route table, as TRMoEEngine.expert_coefficients builds them."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    row_mask = rows < num_rows
-    mask = row_mask[:, None] & (cols < columns)[None, :]
-    gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
-    gate = tl.load(gate_up_ptr + gate_offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + gate_offsets + columns, mask=mask, other=0.0).to(tl.float32)
+def _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, expert_width, vocab_size,
+                  shared_scale, routed_scale, primary_weight, other_weight, TOP_K: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Each element's column scale: the shared output scale on shared columns; on expert e's columns
+    routed_scale x the sum of the route weights of the token's routes to e (zero when none), read from the
+    token id and the route table, as TRMoEEngine.expert_coefficients builds them."""
     routed = cols >= shared_columns
     expert = tl.where(routed, (cols - shared_columns) // expert_width, -1)
     token = tl.load(token_ptr + rows, mask=row_mask, other=0)
@@ -57,7 +49,23 @@ def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, 
         else:
             weight = other_weight
         route_weight += tl.where(destination[:, None] == expert[None, :], weight, 0.0)
-    scale = tl.where(routed[None, :], route_weight * routed_scale, shared_scale)
+    return tl.where(routed[None, :], route_weight * routed_scale, shared_scale)
+
+
+@triton.jit
+def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
+          shared_scale, routed_scale, primary_weight, other_weight, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
+          BLOCK_C: tl.constexpr):
+    """This program's tile: offsets, mask, gate and up in fp32, and each element's column scale."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < num_rows
+    mask = row_mask[:, None] & (cols < columns)[None, :]
+    gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
+    gate = tl.load(gate_up_ptr + gate_offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + gate_offsets + columns, mask=mask, other=0.0).to(tl.float32)
+    scale = _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, expert_width, vocab_size,
+                          shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
     return rows, cols, mask, gate_offsets, gate, up, scale
 
 
@@ -164,6 +172,17 @@ def fused_weights(engine: nn.Module, weights: dict[str, torch.Tensor] | None = N
     return gate_up, down
 
 
+def _layout(engine: nn.Module) -> tuple:
+    """What the kernels read of the block: shared_columns, expert_width, vocab_size, shared_scale, routed_scale,
+    primary_weight, other_weight."""
+    route_weights = engine.route_weights
+    if any(w != route_weights[-1] for w in route_weights[1:]):
+        raise ValueError(f"route weights {route_weights}: the kernel takes a primary weight and equal others")
+    return (engine.shared_gate.weight.shape[0], engine.expert_gate.shape[2], engine.route_table.shape[1],
+            float(engine.shared_output_scale), float(engine.routed_output_scale), float(route_weights[0]),
+            float(route_weights[-1]) if len(route_weights) > 1 else 0.0)
+
+
 def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
                   weights: dict[str, torch.Tensor] | None = None, gate_up_delta: torch.Tensor | None = None,
                   return_hidden: bool = False, fused: tuple[torch.Tensor | None, torch.Tensor] | None = None,
@@ -177,14 +196,7 @@ def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
     already laid out as fused_weights lays them (cflib.model.weight_copies); `gate_up_gemm` computes the gate|up
     GEMM in place of F.linear with fused's first weight (None then), e.g. one whose backward writes FP32."""
     gate_up_weight, down_weight = fused if fused is not None else fused_weights(engine, weights)
-    route_weights = engine.route_weights
-    if any(w != route_weights[-1] for w in route_weights[1:]):
-        raise ValueError(f"route weights {route_weights}: the kernel takes a primary weight and equal others")
-    vocab_size = engine.route_table.shape[1]
-    # shared_columns, expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight
-    layout = (engine.shared_gate.weight.shape[0], engine.expert_gate.shape[2], vocab_size,
-              float(engine.shared_output_scale), float(engine.routed_output_scale), float(route_weights[0]),
-              float(route_weights[-1]) if len(route_weights) > 1 else 0.0)
+    layout = _layout(engine)
     gate_up = gate_up_gemm(x) if gate_up_gemm is not None else F.linear(x, gate_up_weight)
     if gate_up_delta is not None:
         gate_up = gate_up + gate_up_delta.to(gate_up.dtype)
@@ -192,32 +204,106 @@ def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
                                   return_hidden)
 
 
-def trmoe_split_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
-                        weights: dict[str, torch.Tensor] | None = None, tuned: bool = False) -> torch.Tensor:
-    """The block in two parts (CUDA, Hopper): the shared branch through quack's MLP, whose gate|up GEMM applies
-    SwiGLU in its epilogue and whose backward GEMM applies SwiGLU's derivative in its own (no [N, 2S] tensor is
-    read back by a separate kernel); the experts' columns through this module's kernel, their per-token scales
-    read from the route table. quack has no per-token column scale, hence the split. H200, one 200M layer,
-    forward + backward: 3.14 ms against 3.51 for the whole block through this module's kernel
-    (outputs/records/swiglu_epilogue_h200.json). `tuned` lets quack time its tile configurations for each new
-    shape: minutes of compilation at a run's first step, and a choice that may differ between runs; untuned,
-    its configuration is fixed by the shape."""
-    from quack.mlp import mlp_func
+@triton.jit
+def _scale_columns(hidden_ptr, pairs_ptr, token_ptr, route_ptr, num_rows, columns, first_column, shared_columns,
+                   expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
+                   HAS_PAIRS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """In place, from first_column on: hidden [N, C] times each element's column scale, and (HAS_PAIRS) both
+    elements 2c and 2c + 1 of each row of pairs [N, 2C] (gate and up interleaved) times column c's."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = first_column + tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < num_rows
+    mask = row_mask[:, None] & (cols < columns)[None, :]
+    scale = _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, expert_width, vocab_size,
+                          shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
+    offsets = rows.to(tl.int64)[:, None] * columns + cols[None, :]
+    hidden = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(hidden_ptr + offsets, (hidden * scale).to(hidden_ptr.dtype.element_ty), mask=mask)
+    if HAS_PAIRS:
+        pair_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + 2 * cols[None, :]
+        for half in tl.static_range(2):
+            pair = tl.load(pairs_ptr + pair_offsets + half, mask=mask, other=0.0).to(tl.float32)
+            tl.store(pairs_ptr + pair_offsets + half, (pair * scale).to(pairs_ptr.dtype.element_ty), mask=mask)
 
-    w = engine_weights(engine) if weights is None else weights
-    shared = mlp_func(x, torch.cat([w["shared_gate"], w["shared_up"]]), w["shared_down"], "swiglu",
-                      concat_layout=True, tuned=tuned)
-    num_experts, hidden, width = w["expert_gate"].shape
-    gate_up = torch.cat([w["expert_gate"].transpose(1, 2).reshape(num_experts * width, hidden),
-                         w["expert_up"].transpose(1, 2).reshape(num_experts * width, hidden)])
-    down = w["expert_down"].reshape(num_experts * width, hidden).t()
-    route_weights = engine.route_weights
-    # shared_columns 0: every column is an expert's
-    layout = (0, width, engine.route_table.shape[1], 0.0, float(engine.routed_output_scale), float(route_weights[0]),
-              float(route_weights[-1]) if len(route_weights) > 1 else 0.0)
-    expert_gate_up = F.linear(x, gate_up)
-    routed = ScaledSwiGLUDown.apply(expert_gate_up, token_ids, engine.route_table, down.to(expert_gate_up.dtype),
-                                    layout)
-    if engine.shared_output_scale != 1.0:
-        shared = shared * engine.shared_output_scale
-    return shared.to(routed.dtype) + routed
+
+def _scale(hidden: torch.Tensor, pairs: torch.Tensor | None, token_ids: torch.Tensor, route_table: torch.Tensor,
+           layout: tuple) -> None:
+    num_rows, columns = hidden.shape
+    # Shared columns of output scale 1 are left as they are: the kernel reads and writes the experts' alone.
+    first_column = layout[0] if layout[3] == 1.0 else 0
+    block_r, block_c = 16, 128
+    grid = (triton.cdiv(num_rows, block_r), triton.cdiv(columns - first_column, block_c))
+    if grid[1] == 0:
+        return
+    _scale_columns[grid](hidden, pairs if pairs is not None else hidden, token_ids, route_table, num_rows, columns,
+                         first_column, *layout, HAS_PAIRS=pairs is not None, TOP_K=route_table.shape[0],
+                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+
+
+class GatedSwiGLUDown(torch.autograd.Function):
+    """x [N, D] -> (silu(gate) * up * column scale) @ down.T, SwiGLU in the GEMMs' epilogues (cflib.ops.gemm).
+
+    gate_up [2C, D] interleaves gate and up rows (fused_weights' rows, pair by pair: interleave_gate_up), down
+    is [D, C], both in x's 16-bit dtype. The epilogue has no per-token column scale, so a small kernel scales
+    the activation's expert columns after the gate|up GEMM (and, backward, the pre-activation's gradient and
+    the recomputed activation): by linearity of the down projection and of the activation's derivative in its
+    incoming gradient that is the block's function. Only x and the pre-activation are kept for backward.
+
+    The weight gradients are computed in FP32 (weight_gradient). With `regions` (the gate|up copy's and the
+    down copy's, cflib.model.weight_copies) the trailing inputs are the FP32 masters those regions lay out,
+    and each gets its slice of them; without, gate_up and down get their gradients in their own dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, layout: tuple, regions: tuple | None, *masters: torch.Tensor) -> torch.Tensor:
+        x, token_ids, route_table = x.to(gate_up.dtype).contiguous(), token_ids.contiguous(), route_table.contiguous()
+        preact, hidden = gated_gemm(x, gate_up)
+        _scale(hidden, None, token_ids, route_table, layout)
+        ctx.save_for_backward(x, preact, token_ids, route_table, gate_up, down)
+        ctx.layout, ctx.regions = layout, regions
+        return F.linear(hidden, down)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, preact, token_ids, route_table, gate_up, down = ctx.saved_tensors
+        grad_out = grad_out.contiguous().to(down.dtype)
+        grad_preact, hidden = dgated_gemm(grad_out, down, preact)
+        _scale(hidden, grad_preact, token_ids, route_table, ctx.layout)
+        needs = ctx.needs_input_grad
+        grad_x = grad_preact @ gate_up if needs[0] else None
+        if ctx.regions is None:
+            grad_gate_up = weight_gradient(grad_preact, x).to(gate_up.dtype) if needs[3] else None
+            grad_down = weight_gradient(grad_out, hidden).to(down.dtype) if needs[4] else None
+            return grad_x, None, None, grad_gate_up, grad_down, None, None
+        gate_up_regions, down_regions = ctx.regions
+        grads = []
+        for full, regions, wanted in ((lambda: weight_gradient(grad_preact, x), gate_up_regions,
+                                       needs[7:7 + len(gate_up_regions)]),
+                                      (lambda: weight_gradient(grad_out, hidden), down_regions,
+                                       needs[7 + len(gate_up_regions):])):
+            whole = full() if any(wanted) else None
+            grads += [region(whole).contiguous() if need else None for region, need in zip(regions, wanted)]
+        return grad_x, None, None, None, None, None, None, *grads
+
+
+def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """fused_weights' [gate; up] rows [2C, D] as GatedSwiGLUDown reads them: gate row j, then up row j."""
+    return torch.stack(gate_up.chunk(2), dim=1).flatten(0, 1)
+
+
+def trmoe_gated_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
+                        copies: tuple[tuple, tuple] | None = None,
+                        weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The TR-MoE block of `engine` through quack's SwiGLU GEMMs (GatedSwiGLUDown), x in a 16-bit dtype or
+    under autocast to one. `copies`: the gate|up copy (interleaved) and the down copy, each as (tensor,
+    regions, masters) (cflib.model.weight_copies); without, both are laid out from the engine's weights (or
+    `weights`, engine_weights' names)."""
+    dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.get_autocast_dtype(x.device.type)
+    layout = _layout(engine)
+    if copies is None:
+        gate_up, down = fused_weights(engine, weights)
+        return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, interleave_gate_up(gate_up).to(dtype),
+                                     down.to(dtype), layout, None)
+    (gate_up, gate_up_regions, gate_up_masters), (down, down_regions, down_masters) = copies
+    return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, gate_up, down, layout,
+                                 (gate_up_regions, down_regions), *gate_up_masters, *down_masters)

@@ -13,12 +13,12 @@ from cflib.ops.dispatch import KernelPlan
 PRODUCTION = KernelPlan(liger=True, custom=True)
 
 
-def _models(use_qk_norm: bool = True):
+def _models(use_qk_norm: bool = True, plan: KernelPlan = PRODUCTION):
     """The production model twice, the same weights; the second reads weight copies."""
     torch.manual_seed(0)
     config = tiny_config(use_qk_norm=use_qk_norm)
-    plain = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
-    copied = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
+    plain = build_model(config, plan).to(KERNEL_DEVICE).train()
+    copied = build_model(config, plan).to(KERNEL_DEVICE).train()
     copied.load_state_dict(plain.state_dict())
     return plain, copied, attach_weight_copies(copied)
 
@@ -60,6 +60,22 @@ def test_the_fused_gemms_read_the_copies_and_compute_autocasts_numbers(use_qk_no
     assert copied.kernel_path()["weights"] == "bf16_copies" and "weights" not in plain.kernel_path()
     assert len(copies.copies) == 4 * len(copied.layers)  # q|k|v, o, gate|up, down per layer
     assert all(copy.tensor.dtype == torch.bfloat16 for copy in copies.copies.values())
+
+
+def test_the_swiglu_gemms_read_interleaved_copies_and_compute_their_numbers_over_the_masters():
+    """The TR-MoE block through the SwiGLU GEMMs (quack's on a GPU) reads gate|up interleaved row by row."""
+    plain, copied, copies = _models(plan=KernelPlan(liger=True, custom=True, epilogue_swiglu=True))
+    ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
+    _assert_same(plain, copied, ids)
+    assert copied.kernel_path()["swiglu"] == "quack_gemm_swiglu" and copied.kernel_path()["weights"] == "bf16_copies"
+    engine = copied.layers[0].mlp["engine"]
+    gate_up = copies.copies["layers.0.mlp.gate_up"].tensor
+    assert torch.equal(gate_up[0::2][:engine.shared_gate.weight.shape[0]], engine.shared_gate.weight.bfloat16())
+    assert torch.equal(gate_up[1::2][:engine.shared_up.weight.shape[0]], engine.shared_up.weight.bfloat16())
+    with torch.no_grad():  # evaluation reads the masters through cflib's kernel
+        with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+            copied(ids)
+    assert engine.ran == {"swiglu": "triton_fused", "moe": "triton_fused", "weights": "fp32_masters"}
 
 
 def test_a_master_changed_in_place_is_copied_again_before_the_next_forward():

@@ -13,7 +13,7 @@ from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
 from tiny_models import KERNEL_DEVICE, tiny_config
 
 from cflib.model.decoder import TRMoEEngine
-from cflib.ops.trmoe import engine_weights, trmoe_forward
+from cflib.ops.trmoe import engine_weights, interleave_gate_up, trmoe_forward, trmoe_gated_forward
 
 TOKENS = 20
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "expert_gate", "expert_up", "expert_down")
@@ -86,3 +86,27 @@ def test_route_weights_other_than_a_primary_and_equal_others_are_refused():
     engine.route_weights = [0.5, 0.3, 0.2]
     with pytest.raises(ValueError, match="primary weight and equal others"):
         trmoe_forward(engine, raw["x"].to(KERNEL_DEVICE), token_ids)
+
+
+@pytest.mark.parametrize("routing", ["released", "top3_other_scales"])
+def test_the_block_through_the_swiglu_gemms_matches_the_formula(routing):
+    """The SwiGLU GEMMs' block (quack's epilogues on a GPU, their PyTorch form elsewhere) with the experts'
+    per-token scales applied beside them, in BF16: forward and every gradient."""
+    if routing == "released":
+        engine, raw, token_ids = problem(3)
+    else:
+        engine, raw, token_ids = problem(4, num_experts_per_tok=3, top_k_primary_weight=0.6,
+                                         shared_output_scale=0.5, routed_output_scale=3.0)
+        engine.route_table[2, ::2] = engine.route_table[0, ::2]
+    rounded = {name: value.to(torch.bfloat16 if name == "x" else torch.float32) for name, value in raw.items()}
+    grad = ("x", *WEIGHTS)
+    truth = run(reference(engine, token_ids), leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad),
+                5)
+    got = run(lambda x, **weights: trmoe_gated_forward(engine, x, token_ids, weights=weights),
+              leaves(rounded, {}, KERNEL_DEVICE, grad), 5, autocast_dtype=torch.bfloat16)
+    assert_matches(got, truth, torch.bfloat16)
+
+
+def test_interleaving_pairs_each_gate_row_with_its_up_row():
+    gate_up = torch.arange(12.0).reshape(6, 2)  # gate rows 0-2, up rows 3-5
+    assert interleave_gate_up(gate_up).tolist() == [[0, 1], [6, 7], [2, 3], [8, 9], [4, 5], [10, 11]]

@@ -1,0 +1,51 @@
+"""GEMMs the fast paths share: weight gradients written in FP32, and the SwiGLU GEMMs with quack's epilogues.
+
+`gated_gemm` is x @ W.T for a gate|up weight whose rows interleave gate and up (row 2j gate column j, row 2j + 1
+its up column) with SwiGLU applied in the GEMM's epilogue: it writes the pre-activation (for backward) and
+silu(gate) * up, so no kernel reads the [N, 2C] pre-activation back forward. `dgated_gemm` is its backward
+partner: grad_hidden = grad_out @ down computed in the GEMM and turned, in its epilogue, into the
+pre-activation's gradient (interleaved the same way) and the activation recomputed. On CUDA both are
+quack-kernels' (quack.gemm_interface.gemm_gated / gemm_dgated, Hopper); elsewhere the same functions in
+PyTorch, which the tests compare them against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch 2.8+: mm(..., out_dtype=)
+
+
+def weight_gradient(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad_out [N, out] and x [N, in] -> the FP32 weight gradient [out, in]. On CUDA the GEMM writes FP32 from
+    its FP32 accumulator; elsewhere (no such GEMM) it is the half-precision product cast, as autocast's."""
+    if grad_out.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(grad_out.t(), x, out_dtype=torch.float32)
+    return (grad_out.t() @ x).float()
+
+
+def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, D] and an interleaved gate|up weight [2C, D] (one 16-bit dtype) -> (pre-activation [N, 2C],
+    silu(gate) * up [N, C]); on CUDA the activation comes from the FP32 accumulator, rounded once."""
+    if x.is_cuda:
+        from quack.gemm_interface import gemm_gated
+        return gemm_gated(x, gate_up.t(), activation="swiglu", tuned=False)
+    preact = F.linear(x, gate_up)
+    gate, up = preact.float().unflatten(1, (-1, 2)).unbind(2)
+    return preact, (F.silu(gate) * up).to(x.dtype)
+
+
+def dgated_gemm(grad_out: torch.Tensor, down: torch.Tensor, preact: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad_out [N, D], the down weight [D, C] and gated_gemm's pre-activation [N, 2C] -> (the pre-activation's
+    gradient [N, 2C], interleaved as it is, and silu(gate) * up [N, C] recomputed)."""
+    if grad_out.is_cuda:
+        from quack.gemm_interface import gemm_dgated
+        return gemm_dgated(grad_out, down, preact, activation="swiglu", tuned=False)
+    grad_hidden = (grad_out @ down).float()
+    gate, up = preact.float().unflatten(1, (-1, 2)).unbind(2)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    grad_gate = grad_hidden * up * sig * (1.0 + gate * (1.0 - sig))
+    grad_preact = torch.stack([grad_gate, grad_hidden * silu], dim=2).flatten(1)
+    return grad_preact.to(preact.dtype), (silu * up).to(preact.dtype)
