@@ -69,11 +69,11 @@ class _Layer:
         self.layout = (self.shared_columns, engine.expert_gate.shape[2], config.vocab_size,
                        float(engine.shared_output_scale), float(engine.routed_output_scale),
                        float(engine.route_weights[0]), float(engine.route_weights[-1]))
-        swap_class(engine, FusedTRMoEEngine)
         self.copies, self.gated_copies = WeightCopies(), WeightCopies()
+        swap_class(engine, EpilogueSwiGLUEngine)
+        engine.copy_weights(self.gated_copies, "gated")
+        swap_class(engine, FusedTRMoEEngine)
         engine.copy_weights(self.copies, "mlp")
-        EpilogueSwiGLUEngine.copy_weights(engine, self.gated_copies, "gated")
-        engine.weight_copies, engine.copies_prefix = self.copies, "mlp"
         self.leaves = (self.x32, self.x, self.gate_up, self.down, self.gate_up_interleaved, *engine.parameters())
 
     def reference(self, scaled: bool) -> torch.Tensor:
