@@ -66,7 +66,7 @@ from cflib.train.trainer import Trainer
 PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "reference": {"use_custom_kernels": "false", "require_liger": False},
     "production": {"use_custom_kernels": "true", "require_liger": True},
-    # production with the shared SwiGLU in quack's GEMM epilogues (Hopper, quack-kernels)
+    # production with the TR-MoE block's SwiGLU in quack's GEMM epilogues (Hopper, quack-kernels)
     "production_epilogue_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "true"},
     # production with every kernel launched from the host: no CUDA graph replays (cflib.train.graphs)
     "production_eager": {"use_custom_kernels": "true", "require_liger": True, "cuda_graphs": "false"},

@@ -24,7 +24,7 @@ class KernelPlan:
     custom: bool  # cflib's Triton TR-MoE block, QKV/norm kernels and fused linear CE
     notes: tuple[str, ...] = ()  # why `auto` left a fast path off
     attention: str = "auto"  # attention_backend, checked here (cflib.ops.attention)
-    epilogue_swiglu: bool = False  # the shared SwiGLU's activation in quack's GEMM epilogues (with custom)
+    epilogue_swiglu: bool = False  # the TR-MoE block's SwiGLU in quack's GEMM epilogues (with custom)
 
     def describe(self) -> str:
         chosen = [name for name, on in (("Liger", self.liger), ("cflib Triton", self.custom),
