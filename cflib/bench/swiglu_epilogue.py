@@ -9,7 +9,7 @@ Side by side in one run, forward + backward of one layer at the 200M shapes
 - quack_concat / quack_interleaved: quack's MLP (`quack.mlp.mlp_func`), whose GEMMs apply SwiGLU in the
   epilogue forward (gemm_gated) and its derivative backward (gemm_dgated), with gate and up concatenated
   or interleaved. quack has no per-token column scale, so these compute a plain SwiGLU: the time of the
-  epilogue design, not yet the routed block;
+  epilogue design without the routed scales;
 - cflib_weight_copies: the whole block reading BF16 copies of its fused weights (cflib.model.weight_copies), as
   the model runs it with bf16_weight_copies, its gradients written back to the FP32 masters;
 - cflib_gated / cflib_gated_copies: the routed block through quack's SwiGLU GEMMs with the experts' per-token

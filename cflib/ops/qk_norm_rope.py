@@ -29,9 +29,9 @@ from cflib.ops import interpreter  # noqa: F401
 # block, blocks per backward program and warps, kernel plus the partials' sum): forward 16 rows, 2 warps, 53.9 us
 # (64 rows, 4 warps: 64.2); backward 64 rows, one block per program, 2 warps, 123.5 us (8 blocks a program, 4
 # warps: 165.2). More programs keep more loads in flight than fewer walking several blocks each, and the sum of
-# their weight-gradient partials (one per block) costs less than it saves.
-FORWARD_ROWS, FORWARD_WARPS = 16, 2
-BACKWARD_ROWS, BACKWARD_BLOCKS, BACKWARD_WARPS = 64, 1, 2
+# their weight-gradient partials (one per block) costs less than it saves. `python -m cflib.bench.tiles` sweeps them.
+FORWARD_TILE = (16, 2)  # rows per program, warps
+BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
 
 
 @triton.jit
@@ -135,6 +135,39 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_
     tl.store(partial + HEAD_DIM + half + cols, dwk2)
 
 
+def qk_norm_rope_forward(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int, eps: float,
+                         tile: tuple[int, int] = FORWARD_TILE) -> tuple[torch.Tensor, ...]:
+    """The forward kernel on a contiguous qkv [N, (Hq + 2 Hkv) * hd]: q, k, v and each (token, head) row's rstd."""
+    head_dim, tokens = q_weight.shape[0], qkv.shape[0]
+    q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k, v = (torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(2))
+    rows = tokens * (q_heads + 2 * kv_heads)
+    rstd = torch.empty(rows, dtype=torch.float32, device=qkv.device)
+    block_rows, warps = tile
+    _qk_norm_rope_forward[(triton.cdiv(rows, block_rows),)](
+        qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, v, rstd, rows, q_heads, kv_heads,
+        float(eps), HEAD_DIM=head_dim, BLOCK_R=block_rows, num_warps=warps)
+    return q, k, v, rstd
+
+
+def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, qkv: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          positions: torch.Tensor, rstd: torch.Tensor, q_heads: int, kv_heads: int,
+                          tile: tuple[int, int, int] = BACKWARD_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward kernel: qkv's gradient and the FP32 [2, hd] gradients of the q and k norm weights."""
+    head_dim, rows = q_weight.shape[0], rstd.shape[0]
+    block_rows, blocks, warps = tile
+    programs = triton.cdiv(rows, block_rows * blocks)
+    grad_qkv = torch.empty_like(qkv)
+    partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qkv.device)
+    _qk_norm_rope_backward[(programs,)](
+        grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous(), qkv, qkv.stride(0), q_weight, k_weight,
+        cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, rows, q_heads, kv_heads,
+        HEAD_DIM=head_dim, BLOCK_R=block_rows, BLOCKS=blocks, num_warps=warps)
+    return grad_qkv, partial.sum(0)
+
+
 class QKVNormRope(torch.autograd.Function):
     """qkv [N, (Hq + 2 Hkv) * hd] -> q [N, Hq, hd], k [N, Hkv, hd] normed and rotated, v [N, Hkv, hd] as it is."""
 
@@ -142,16 +175,8 @@ class QKVNormRope(torch.autograd.Function):
     def forward(ctx, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        head_dim = q_weight.shape[0]
-        tokens = qkv.shape[0]
         qkv = qkv.contiguous()
-        q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-        k, v = (torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(2))
-        rows = tokens * (q_heads + 2 * kv_heads)
-        rstd = torch.empty(rows, dtype=torch.float32, device=qkv.device)
-        _qk_norm_rope_forward[(triton.cdiv(rows, FORWARD_ROWS),)](
-            qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, v, rstd, rows, q_heads, kv_heads,
-            float(eps), HEAD_DIM=head_dim, BLOCK_R=FORWARD_ROWS, num_warps=FORWARD_WARPS)
+        q, k, v, rstd = qk_norm_rope_forward(qkv, q_weight, k_weight, cos, sin, positions, q_heads, kv_heads, eps)
         ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin, positions, rstd)
         ctx.heads = (q_heads, kv_heads)
         return q, k, v
@@ -159,17 +184,8 @@ class QKVNormRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
         qkv, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
-        q_heads, kv_heads = ctx.heads
-        head_dim = q_weight.shape[0]
-        rows = rstd.shape[0]
-        programs = triton.cdiv(rows, BACKWARD_ROWS * BACKWARD_BLOCKS)
-        grad_qkv = torch.empty_like(qkv)
-        partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qkv.device)
-        _qk_norm_rope_backward[(programs,)](
-            grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous(), qkv, qkv.stride(0), q_weight, k_weight,
-            cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, rows, q_heads, kv_heads,
-            HEAD_DIM=head_dim, BLOCK_R=BACKWARD_ROWS, BLOCKS=BACKWARD_BLOCKS, num_warps=BACKWARD_WARPS)
-        grad_w = partial.sum(0)
+        grad_qkv, grad_w = qk_norm_rope_backward(grad_q, grad_k, grad_v, qkv, q_weight, k_weight, cos, sin, positions,
+                                                 rstd, *ctx.heads)
         return grad_qkv, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype), None, None, None, None, None, None
 
 

@@ -233,7 +233,7 @@ def _scale(hidden: torch.Tensor, pairs: torch.Tensor | None, token_ids: torch.Te
     first_column = layout[0] if layout[3] == 1.0 else 0
     block_r, block_c = 16, 128
     grid = (triton.cdiv(num_rows, block_r), triton.cdiv(columns - first_column, block_c))
-    if grid[1] == 0:
+    if 0 in grid:
         return
     _scale_columns[grid](hidden, pairs if pairs is not None else hidden, token_ids, route_table, num_rows, columns,
                          first_column, *layout, HAS_PAIRS=pairs is not None, TOP_K=route_table.shape[0],

@@ -1,0 +1,157 @@
+"""The tiles of cflib's memory-bound kernels that do not tune themselves, swept at a model's shapes (GPU).
+
+    python -m cflib.bench.tiles --out FILE [--preset tr_hash_200m] [--micro-batch 16] [--seq-len 2048]
+
+For each kernel, every candidate tile is launched on the same inputs, its outputs checked against the default
+tile's (bitwise, except sums whose order the tile sets: within FP32 rounding), and timed
+(`triton.testing.do_bench` median, µs):
+- qk_norm_rope_forward / qk_norm_rope_backward (cflib.ops.qk_norm_rope; backward with its partials' sum):
+  rows per program (per block backward, and blocks per program), warps;
+- adamw (cflib.ops.adamw): elements per program, warps, over the model's parameters with BF16 copies of its
+  2-D weights.
+The record names the default and the fastest tile of each; the defaults in the kernels' modules are what an
+H200 chose at the 200M shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cflib.atomic import write_json_atomic
+from cflib.jobs import record_header
+from cflib.model.config import PRESETS, ModelConfig, preset
+from cflib.model.decoder import TRMoEModel
+from cflib.ops import adamw, qk_norm_rope
+
+
+@dataclass
+class Sweep:
+    """One kernel: its candidate tiles, the default among them, and a launch returning its outputs."""
+
+    name: str
+    tiles: list[tuple[int, ...]]
+    default: tuple[int, ...]
+    launch: Callable[[tuple[int, ...]], tuple[torch.Tensor, ...]]
+    exact: tuple[bool, ...]  # per output: bitwise across tiles, or within FP32 rounding
+
+
+def _qk_inputs(config: ModelConfig, tokens: int, device: torch.device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    q_heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    width = (q_heads + 2 * kv_heads) * head_dim
+    seq = min(tokens, config.max_position_embeddings)
+    found = {"qkv": torch.randn(tokens, width, generator=gen, device=device).to(torch.bfloat16),
+             "q_weight": torch.rand(head_dim, generator=gen, device=device) + 0.5,
+             "k_weight": torch.rand(head_dim, generator=gen, device=device) + 0.5,
+             "cos": torch.randn(seq, head_dim, generator=gen, device=device),
+             "sin": torch.randn(seq, head_dim, generator=gen, device=device),
+             "positions": (torch.arange(tokens, device=device) % seq).to(torch.int32)}
+    found["grads"] = [torch.randn(tokens, heads, head_dim, generator=gen, device=device).to(torch.bfloat16)
+                      for heads in (q_heads, kv_heads, kv_heads)]
+    return found
+
+
+def qk_sweeps(config: ModelConfig, tokens: int, device: torch.device, small: bool = False) -> list[Sweep]:
+    i = _qk_inputs(config, tokens, device)
+    heads, eps = (config.num_attention_heads, config.num_key_value_heads), config.norm_eps
+    tensors = (i["qkv"], i["q_weight"], i["k_weight"], i["cos"], i["sin"], i["positions"])
+    _, _, _, rstd = qk_norm_rope.qk_norm_rope_forward(*tensors, *heads, eps)
+
+    def forward(tile):
+        return qk_norm_rope.qk_norm_rope_forward(*tensors, *heads, eps, tile=tile)
+
+    def backward(tile):
+        return qk_norm_rope.qk_norm_rope_backward(*i["grads"], *tensors, rstd, *heads, tile=tile)
+
+    rows, warps = ((16, 64), (2, 4)) if small else ((16, 32, 64, 128, 256), (1, 2, 4, 8))
+    blocks = (1, 8) if small else (1, 2, 4, 8)
+    forward_tiles = _with(itertools.product(rows, warps), qk_norm_rope.FORWARD_TILE)
+    backward_tiles = _with(itertools.product(rows[:4], blocks, warps[1:]), qk_norm_rope.BACKWARD_TILE)
+    return [Sweep("qk_norm_rope_forward", forward_tiles, qk_norm_rope.FORWARD_TILE, forward, (True,) * 4),
+            Sweep("qk_norm_rope_backward", backward_tiles, qk_norm_rope.BACKWARD_TILE, backward, (True, False))]
+
+
+def _with(candidates, default: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return sorted(set(candidates) | {default})
+
+
+def adamw_sweep(config: ModelConfig, device: torch.device, small: bool = False) -> Sweep:
+    params = [p.data for p in TRMoEModel(config).to(device).parameters()]
+    gen = torch.Generator(device=device).manual_seed(1)
+    for p in params:
+        p.normal_(0.0, 0.02, generator=gen)
+    grads = [torch.randn(p.shape, generator=gen, device=device) * 1e-3 for p in params]
+    start = [p.clone() for p in params]
+    state = [[torch.zeros_like(p) for p in params] for _ in range(2)]
+    copies = [torch.empty_like(p, dtype=torch.bfloat16) if p.dim() == 2 else None for p in params]
+    coefficients = adamw.step_coefficients(torch.ones(len(params), device=device), 1e-4, (0.9, 0.95))
+
+    def launch(tile):
+        for p, s in zip(params, start):  # each tile updates the same values
+            p.copy_(s)
+        for moment in state:
+            for m in moment:
+                m.zero_()
+        tables = adamw.adamw_tables(params, grads, *state, copies, block=tile[0], num_warps=tile[1])
+        adamw.adamw_step_(tables, coefficients, 1e-4, 0.1, (0.9, 0.95), 1e-8)
+        return (*params, *state[0], *state[1], *(c for c in copies if c is not None))
+
+    blocks, warps = ((256, 512), (4, 8)) if small else ((1024, 2048, 4096, 8192), (4, 8, 16))
+    default = (adamw.BLOCK, adamw.NUM_WARPS)
+    outputs = 3 * len(params) + sum(c is not None for c in copies)
+    return Sweep("adamw", _with(itertools.product(blocks, warps), default), default, launch, (True,) * outputs)
+
+
+def _same(found: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], exact: tuple[bool, ...]) -> bool:
+    return all(torch.equal(a, b) if bitwise else torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+               for a, b, bitwise in zip(found, expected, exact))
+
+
+def run_sweep(sweep: Sweep, time_it: bool) -> dict:
+    """Each tile checked against the default's outputs and, on a GPU, timed; a tile that fails to launch or
+    computes otherwise is recorded as such."""
+    expected = [t.clone() for t in sweep.launch(sweep.default)]
+    results: dict[str, dict] = {}
+    for tile in sweep.tiles:
+        entry: dict = {}
+        try:
+            entry["same_outputs"] = _same(sweep.launch(tile), tuple(expected), sweep.exact)
+            if time_it and entry["same_outputs"]:
+                from triton.testing import do_bench
+                entry["us"] = round(1000 * do_bench(lambda: sweep.launch(tile), warmup=25, rep=100), 2)
+        except Exception as err:  # noqa: BLE001  (a tile that cannot run is a finding, not a stop)
+            entry["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        results["x".join(map(str, tile))] = entry
+    timed = {name: e["us"] for name, e in results.items() if "us" in e}
+    return {"default": "x".join(map(str, sweep.default)), "fastest": min(timed, key=timed.get) if timed else None,
+            "tiles": results}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--preset", default="tr_hash_200m", choices=sorted(PRESETS))
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config, tokens = preset(args.preset), args.micro_batch * args.seq_len
+    small = device.type == "cpu"  # the interpreter: the outputs' check over a few tiles, nothing timed
+    record = {**record_header("tiles", device), "shapes": {"preset": args.preset, "tokens": tokens},
+              "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms, us; not timed off a GPU",
+              "kernels": {}}
+    for sweep in (*qk_sweeps(config, tokens, device, small), adamw_sweep(config, device, small)):
+        record["kernels"][sweep.name] = found = run_sweep(sweep, time_it=device.type == "cuda")
+        fastest = found["fastest"]
+        print(f"{sweep.name}: default {found['default']}"
+              + (f" {found['tiles'][found['default']].get('us')} us, fastest {fastest} "
+                 f"{found['tiles'][fastest]['us']} us" if fastest else ""), flush=True)
+        write_json_atomic(args.out, record)
+
+
+if __name__ == "__main__":
+    main()
