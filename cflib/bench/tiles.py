@@ -7,6 +7,7 @@ tile's (bitwise, except sums whose order the tile sets: within FP32 rounding), a
 (`triton.testing.do_bench` median, µs):
 - qk_norm_rope_forward / qk_norm_rope_backward (cflib.ops.qk_norm_rope; backward with its partials' sum):
   rows per program (per block backward, and blocks per program), warps;
+- add_rms_norm_forward (cflib.ops.add_rms_norm; its backward tunes itself): rows per program, warps;
 - adamw (cflib.ops.adamw): elements per program, warps, over the model's parameters with BF16 copies of its
   2-D weights.
 The record names the default and the fastest tile of each; the defaults in the kernels' modules are what an
@@ -25,7 +26,7 @@ from cflib.atomic import write_json_atomic
 from cflib.jobs import record_header
 from cflib.model.config import PRESETS, ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
-from cflib.ops import adamw, qk_norm_rope
+from cflib.ops import adamw, add_rms_norm, qk_norm_rope
 
 
 @dataclass
@@ -77,6 +78,19 @@ def qk_sweeps(config: ModelConfig, tokens: int, device: torch.device, small: boo
 
 def _with(candidates, default: tuple[int, ...]) -> list[tuple[int, ...]]:
     return sorted(set(candidates) | {default})
+
+
+def add_norm_sweep(config: ModelConfig, tokens: int, device: torch.device, small: bool = False) -> Sweep:
+    gen = torch.Generator(device=device).manual_seed(2)
+    dim = config.hidden_size
+    h = torch.randn(tokens, dim, generator=gen, device=device)
+    delta = torch.randn(tokens, dim, generator=gen, device=device).to(torch.bfloat16)
+    weight = torch.rand(dim, generator=gen, device=device) + 0.5
+    default = add_rms_norm.forward_tile(dim)
+    rows, warps = ((1, 4), (4, 8)) if small else ((1, 2, 4, 8, 16), (2, 4, 8, 16))
+    return Sweep("add_rms_norm_forward", _with(itertools.product(rows, warps), default), default,
+                 lambda tile: add_rms_norm.add_rms_norm_forward(h, delta, weight, config.norm_eps, torch.bfloat16,
+                                                                tile), (True,) * 4)
 
 
 def adamw_sweep(config: ModelConfig, device: torch.device, small: bool = False) -> Sweep:
@@ -144,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     record = {**record_header("tiles", device), "shapes": {"preset": args.preset, "tokens": tokens},
               "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms, us; not timed off a GPU",
               "kernels": {}}
-    for sweep in (*qk_sweeps(config, tokens, device, small), adamw_sweep(config, device, small)):
+    sweeps = (*qk_sweeps(config, tokens, device, small), add_norm_sweep(config, tokens, device, small),
+              adamw_sweep(config, device, small))
+    for sweep in sweeps:
         record["kernels"][sweep.name] = found = run_sweep(sweep, time_it=device.type == "cuda")
         fastest = found["fastest"]
         print(f"{sweep.name}: default {found['default']}"

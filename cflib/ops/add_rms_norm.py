@@ -82,9 +82,26 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _block_rows(dim: int) -> tuple[int, int]:
-    block_d = triton.next_power_of_2(dim)
-    return max(1, 4096 // block_d), block_d
+def forward_tile(dim: int) -> tuple[int, int]:
+    """Rows per program and warps of the forward kernel for rows of `dim` elements: about 4,096 elements a
+    program (cflib.bench.tiles sweeps the alternatives)."""
+    return max(1, 4096 // triton.next_power_of_2(dim)), 8
+
+
+def add_rms_norm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                         out_dtype: torch.dtype, tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
+    """The forward kernel on contiguous [rows, dim] h and delta: the fp32 sum, the normed output, the sum in
+    out_dtype (kept for backward) and each row's rstd."""
+    num_rows, dim = h.shape
+    total = torch.empty(num_rows, dim, dtype=torch.float32, device=h.device)
+    out = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
+    saved = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
+    rstd = torch.empty(num_rows, dtype=torch.float32, device=h.device)
+    block_r, warps = tile or forward_tile(dim)
+    _add_rms_norm_forward[(triton.cdiv(num_rows, block_r),)](
+        h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps), BLOCK_R=block_r,
+        BLOCK_D=triton.next_power_of_2(dim), num_warps=warps)
+    return total, out, saved, rstd
 
 
 class AddRMSNorm(torch.autograd.Function):
@@ -95,15 +112,7 @@ class AddRMSNorm(torch.autograd.Function):
                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         shape, dim = h.shape, h.shape[-1]
         h, delta = h.reshape(-1, dim).contiguous(), delta.reshape(-1, dim).contiguous()
-        num_rows = h.shape[0]
-        total = torch.empty(num_rows, dim, dtype=torch.float32, device=h.device)
-        out = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
-        saved = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
-        rstd = torch.empty(num_rows, dtype=torch.float32, device=h.device)
-        block_r, block_d = _block_rows(dim)
-        _add_rms_norm_forward[(triton.cdiv(num_rows, block_r),)](
-            h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps), BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=8)
+        total, out, saved, rstd = add_rms_norm_forward(h, delta, weight, eps, out_dtype)
         ctx.save_for_backward(saved, rstd, weight)
         ctx.dtypes = (h.dtype, delta.dtype)
         return total.view(shape), out.view(shape)
