@@ -6,7 +6,7 @@ silu(gate) * up, so no kernel reads the [N, 2C] pre-activation back forward. `dg
 partner: grad_hidden = grad_out @ down computed in the GEMM and turned, in its epilogue, into the
 pre-activation's gradient (interleaved the same way) and the activation recomputed. On CUDA both are
 quack-kernels' (quack.gemm_interface.gemm_gated / gemm_dgated, Hopper); elsewhere the same functions in
-PyTorch, which the tests compare them against.
+PyTorch. The tests check both through the block that uses them against its float64 formula.
 """
 from __future__ import annotations
 
