@@ -29,15 +29,20 @@ from cflib.model.decoder import TRMoEModel
 from cflib.ops import adamw, add_rms_norm, qk_norm_rope
 
 
+Launch = Callable[[], tuple[torch.Tensor, ...]]
+
+
 @dataclass
 class Sweep:
-    """One kernel: its candidate tiles, the default among them, and a launch returning its outputs."""
+    """One kernel: its candidate tiles, the default among them, and for a tile its launch (what it needs built
+    beforehand, outside the timing), which returns the kernel's outputs."""
 
     name: str
     tiles: list[tuple[int, ...]]
     default: tuple[int, ...]
-    launch: Callable[[tuple[int, ...]], tuple[torch.Tensor, ...]]
+    prepare: Callable[[tuple[int, ...]], Launch]
     exact: tuple[bool, ...]  # per output: bitwise across tiles, or within FP32 rounding
+    reset: Callable[[], None] = lambda: None  # the inputs as they were, before each checked launch
 
 
 def _qk_inputs(config: ModelConfig, tokens: int, device: torch.device) -> dict:
@@ -63,10 +68,10 @@ def qk_sweeps(config: ModelConfig, tokens: int, device: torch.device, small: boo
     _, _, _, rstd = qk_norm_rope.qk_norm_rope_forward(*tensors, *heads, eps)
 
     def forward(tile):
-        return qk_norm_rope.qk_norm_rope_forward(*tensors, *heads, eps, tile=tile)
+        return lambda: qk_norm_rope.qk_norm_rope_forward(*tensors, *heads, eps, tile=tile)
 
     def backward(tile):
-        return qk_norm_rope.qk_norm_rope_backward(*i["grads"], *tensors, rstd, *heads, tile=tile)
+        return lambda: qk_norm_rope.qk_norm_rope_backward(*i["grads"], *tensors, rstd, *heads, tile=tile)
 
     rows, warps = ((16, 64), (2, 4)) if small else ((16, 32, 64, 128, 256), (1, 2, 4, 8))
     blocks = (1, 8) if small else (1, 2, 4, 8)
@@ -89,8 +94,8 @@ def add_norm_sweep(config: ModelConfig, tokens: int, device: torch.device, small
     default = add_rms_norm.forward_tile(dim)
     rows, warps = ((1, 4), (4, 8)) if small else ((1, 2, 4, 8, 16), (2, 4, 8, 16))
     return Sweep("add_rms_norm_forward", _with(itertools.product(rows, warps), default), default,
-                 lambda tile: add_rms_norm.add_rms_norm_forward(h, delta, weight, config.norm_eps, torch.bfloat16,
-                                                                tile), (True,) * 4)
+                 lambda tile: lambda: add_rms_norm.add_rms_norm_forward(h, delta, weight, config.norm_eps,
+                                                                        torch.bfloat16, tile), (True,) * 4)
 
 
 def adamw_sweep(config: ModelConfig, device: torch.device, small: bool = False) -> Sweep:
@@ -104,20 +109,26 @@ def adamw_sweep(config: ModelConfig, device: torch.device, small: bool = False) 
     copies = [torch.empty_like(p, dtype=torch.bfloat16) if p.dim() == 2 else None for p in params]
     coefficients = adamw.step_coefficients(torch.ones(len(params), device=device), 1e-4, (0.9, 0.95))
 
-    def launch(tile):
-        for p, s in zip(params, start):  # each tile updates the same values
+    def reset():  # each tile's checked launch updates the same values
+        for p, s in zip(params, start):
             p.copy_(s)
         for moment in state:
             for m in moment:
                 m.zero_()
+
+    def prepare(tile):
         tables = adamw.adamw_tables(params, grads, *state, copies, block=tile[0], num_warps=tile[1])
-        adamw.adamw_step_(tables, coefficients, 1e-4, 0.1, (0.9, 0.95), 1e-8)
-        return (*params, *state[0], *state[1], *(c for c in copies if c is not None))
+
+        def launch():
+            adamw.adamw_step_(tables, coefficients, 1e-4, 0.1, (0.9, 0.95), 1e-8)
+            return (*params, *state[0], *state[1], *(c for c in copies if c is not None))
+        return launch
 
     blocks, warps = ((256, 512), (4, 8)) if small else ((1024, 2048, 4096, 8192), (4, 8, 16))
     default = (adamw.BLOCK, adamw.NUM_WARPS)
     outputs = 3 * len(params) + sum(c is not None for c in copies)
-    return Sweep("adamw", _with(itertools.product(blocks, warps), default), default, launch, (True,) * outputs)
+    return Sweep("adamw", _with(itertools.product(blocks, warps), default), default, prepare, (True,) * outputs,
+                 reset)
 
 
 def _same(found: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], exact: tuple[bool, ...]) -> bool:
@@ -128,15 +139,18 @@ def _same(found: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], e
 def run_sweep(sweep: Sweep, time_it: bool) -> dict:
     """Each tile checked against the default's outputs and, on a GPU, timed; a tile that fails to launch or
     computes otherwise is recorded as such."""
-    expected = [t.clone() for t in sweep.launch(sweep.default)]
+    sweep.reset()
+    expected = [t.clone() for t in sweep.prepare(sweep.default)()]
     results: dict[str, dict] = {}
     for tile in sweep.tiles:
         entry: dict = {}
         try:
-            entry["same_outputs"] = _same(sweep.launch(tile), tuple(expected), sweep.exact)
+            launch = sweep.prepare(tile)
+            sweep.reset()
+            entry["same_outputs"] = _same(launch(), tuple(expected), sweep.exact)
             if time_it and entry["same_outputs"]:
                 from triton.testing import do_bench
-                entry["us"] = round(1000 * do_bench(lambda: sweep.launch(tile), warmup=25, rep=100), 2)
+                entry["us"] = round(1000 * do_bench(launch, warmup=25, rep=100), 2)
         except Exception as err:  # noqa: BLE001  (a tile that cannot run is a finding, not a stop)
             entry["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         results["x".join(map(str, tile))] = entry

@@ -24,7 +24,7 @@ def test_every_tile_of_each_kernel_computes_the_default_tiles_outputs():
 
 def test_a_tile_that_computes_otherwise_is_recorded_as_such():
     values = torch.arange(6.0)
-    sweep = tiles.Sweep("probe", [(1,), (2,)], (1,), lambda tile: (values * tile[0],), (True,))
+    sweep = tiles.Sweep("probe", [(1,), (2,)], (1,), lambda tile: lambda: (values * tile[0],), (True,))
     found = tiles.run_sweep(sweep, time_it=False)
     assert found["tiles"] == {"1": {"same_outputs": True}, "2": {"same_outputs": False}}
 
