@@ -114,6 +114,11 @@ def gpu_clock_and_power(device: torch.device) -> tuple[int | None, float | None]
         return None, None
 
 
+def with_next(batches: list[np.ndarray]) -> zip:
+    """Each batch with the one after it (None after the last), for a step that stages its successor."""
+    return zip(batches, [*batches[1:], None])
+
+
 def time_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches: list[np.ndarray], warmup_steps: int,
                device: torch.device) -> dict:
     """Run every batch through `step`, told the next batch (None for the last), whose host work it may do while
@@ -123,7 +128,7 @@ def time_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches: l
         raise ValueError(f"{len(batches)} batches leave no step to time after {warmup_steps} warm-up steps")
     seconds, rows, paused, clocks = [], [], [], []  # clocks: (MHz, W) after each step
     with steady_collector(), CollectorPauses() as pauses:
-        for batch, following in zip(batches, [*batches[1:], None]):
+        for batch, following in with_next(batches):
             sync(device)
             collections, start = len(pauses.seconds), time.perf_counter()
             rows.append(step(batch, following))
@@ -185,7 +190,7 @@ def profile_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches
     sync(device)
     with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
         started = time.perf_counter()
-        for batch, following in zip(batches, [*batches[1:], None]):
+        for batch, following in with_next(batches):
             step(batch, following)
         sync(device)
         wall_ms = (time.perf_counter() - started) * 1e3 / len(batches)

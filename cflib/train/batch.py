@@ -1,6 +1,7 @@
 """A micro-batch as the training step consumes it, collated on the host and moved to the device without waiting."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,19 +18,19 @@ class MicroBatch:
     supervised: torch.Tensor  # flat indices of the supervised labels (cflib.ops.loss.supervised_positions)
     row_mask: torch.Tensor | None = None  # 1.0 per real supervised position, 0.0 per padding (a static shape)
 
+    def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "MicroBatch":
+        """The batch with `move` applied to each of its tensors."""
+        each = lambda t: None if t is None else move(t)  # noqa: E731
+        return MicroBatch(each(self.input_ids), each(self.labels),
+                          None if self.documents is None else self.documents.moved(each),
+                          each(self.token_weights), each(self.supervised), each(self.row_mask))
+
     def to(self, device: torch.device | str) -> "MicroBatch":
-        move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
-        return MicroBatch(move(self.input_ids), move(self.labels),
-                          None if self.documents is None else self.documents.moved(move),
-                          move(self.token_weights), move(self.supervised), move(self.row_mask))
+        return self.moved(lambda t: to_device(t, device))
 
     def pinned(self) -> "MicroBatch":
         """The batch in pinned host memory, which a copy to the GPU reads without the host waiting."""
-        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return MicroBatch(pin(self.input_ids), pin(self.labels),
-                          None if self.documents is None else self.documents.moved(pin),
-                          pin(self.token_weights), pin(self.supervised), pin(self.row_mask))
-
+        return self.moved(torch.Tensor.pin_memory)
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A batch tensor to the GPU from pinned memory without waiting: the host goes on launching meanwhile."""
