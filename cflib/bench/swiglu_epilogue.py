@@ -36,7 +36,7 @@ from cflib.model.config import preset
 from cflib.model.fast import EpilogueSwiGLUEngine, FusedTRMoEEngine, swap_class
 from cflib.model.generate import capture_graph
 from cflib.model.weight_copies import WeightCopies
-from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, trmoe_forward, trmoe_gated_forward
+from cflib.ops.trmoe import ScaledSwiGLUDown, fused_weights, kernel_layout, trmoe_forward, trmoe_gated_forward
 
 
 def _timed(step: Callable[[], None], rep_ms: int) -> float:
@@ -66,9 +66,7 @@ class _Layer:
         self.x, self.gate_up, self.down = leaf(self.x32.bfloat16()), leaf(self.gate_up32.bfloat16()), leaf(
             self.down32.bfloat16())
         self.gate_up_interleaved = leaf(torch.stack(self.gate_up.detach().chunk(2), 1).reshape_as(self.gate_up))
-        self.layout = (self.shared_columns, engine.expert_gate.shape[2], config.vocab_size,
-                       float(engine.shared_output_scale), float(engine.routed_output_scale),
-                       float(engine.route_weights[0]), float(engine.route_weights[-1]))
+        self.layout = kernel_layout(engine)
         self.copies, self.gated_copies = WeightCopies(), WeightCopies()
         swap_class(engine, EpilogueSwiGLUEngine)
         engine.copy_weights(self.gated_copies, "gated")

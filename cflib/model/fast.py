@@ -150,19 +150,28 @@ class FusedTRMoEEngine(TRMoEEngine):
     weight_copies: WeightCopies | None = None
     copies_prefix = ""
 
+    interleaved_gate_up = False  # the gate|up copy's rows: gate rows then up rows, or each gate row then its up
+
     def copy_weights(self, copies: WeightCopies, prefix: str) -> None:
-        """gate|up [2C, D] and down [D, C] as cflib.ops.trmoe.fused_weights lays them out."""
+        """gate|up [2C, D] and down [D, C] as cflib.ops.trmoe.fused_weights lays them out (gate|up interleaved row
+        by row, as cflib.ops.trmoe.interleave_gate_up, where interleaved_gate_up)."""
         num_experts, hidden, width = self.expert_gate.shape
         shared = self.shared_gate.weight.shape[0]
         columns_total = shared + num_experts * width
 
-        def expert_rows(start: int):  # [E x W, D] rows seen as expert_gate's [E, D, W]
-            return lambda copy: copy[start:start + num_experts * width].unflatten(0, (num_experts, width)).mT
+        def half_rows(up: bool, first: int, count: int, experts: bool = False):
+            """Rows first..first + count of the gate (or up) half, in the copy's layout; the experts' seen as
+            expert_gate's [E, D, W]."""
+            start, step = (2 * first + up, 2) if self.interleaved_gate_up else (first + up * columns_total, 1)
+            if experts:
+                return lambda copy: copy[start:start + step * count:step].unflatten(0, (num_experts, width)).mT
+            return lambda copy: copy[start:start + step * count:step]
 
         masters = (self.shared_gate.weight, self.expert_gate, self.shared_up.weight, self.expert_up)
-        copies.add(f"{prefix}.gate_up", masters, (rows(0, shared), expert_rows(shared),
-                                                  rows(columns_total, columns_total + shared),
-                                                  expert_rows(columns_total + shared)), (2 * columns_total, hidden))
+        copies.add(f"{prefix}.gate_up", masters,
+                   tuple(half_rows(up, *span) for up in (False, True)
+                         for span in ((0, shared), (shared, num_experts * width, True))),
+                   (2 * columns_total, hidden))
         copies.add(f"{prefix}.down", (self.shared_down.weight, self.expert_down),
                    (columns(0, shared), lambda copy: copy[:, shared:].t().unflatten(0, (num_experts, width))),
                    (hidden, columns_total))
@@ -242,21 +251,7 @@ class EpilogueSwiGLUEngine(FusedTRMoEEngine):
     the block runs as FusedTRMoEEngine's over the FP32 masters."""
 
     kernels = {"swiglu": "quack_gemm_swiglu", "moe": "triton_fused"}
-
-    def copy_weights(self, copies: WeightCopies, prefix: str) -> None:
-        """gate|up [2C, D] as cflib.ops.trmoe.interleave_gate_up lays it out, and down [D, C]."""
-        super().copy_weights(copies, prefix)
-        num_experts, hidden, width = self.expert_gate.shape
-        shared = self.shared_gate.weight.shape[0]
-        total = 2 * (shared + num_experts * width)
-
-        def expert_rows(first: int):  # every other row from `first`, [E x W, D], seen as expert_gate's [E, D, W]
-            return lambda copy: copy[first:total:2].unflatten(0, (num_experts, width)).mT
-
-        gate_up = copies.copies[f"{prefix}.gate_up"]
-        copies.add(f"{prefix}.gate_up", gate_up.masters,
-                   (lambda copy: copy[0:2 * shared:2], expert_rows(2 * shared), lambda copy: copy[1:2 * shared:2],
-                    expert_rows(2 * shared + 1)), gate_up.shape)
+    interleaved_gate_up = True
 
     def gated(self, x: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (reads_half(x, torch.bfloat16) or reads_half(x, torch.float16))

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cflib.ops.gemm import weight_gradient
+from cflib.ops.gemm import master_gradients, weight_gradient
 
 Region = Callable[[torch.Tensor], torch.Tensor]  # a master's place in its copy: a view of the copy shaped like it
 
@@ -84,12 +84,9 @@ class _CopyLinear(torch.autograd.Function):
         x, copy = ctx.saved_tensors
         grad_out = grad_out.to(copy.dtype)
         grad_x = grad_out @ copy if ctx.needs_input_grad[0] else None
-        grads = [None] * len(ctx.regions)
-        if any(ctx.needs_input_grad[3:]):
-            full = weight_gradient(grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1]))
-            # A slice of rows is contiguous and becomes the master's gradient as it is; others are copied out.
-            grads = [region(full).contiguous() if needed else None
-                     for region, needed in zip(ctx.regions, ctx.needs_input_grad[3:])]
+        grads = master_gradients(
+            lambda: weight_gradient(grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])),
+            ctx.regions, ctx.needs_input_grad[3:])
         return grad_x, None, None, *grads
 
 

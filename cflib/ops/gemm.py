@@ -10,6 +10,8 @@ PyTorch. The tests check both through the block that uses them against its float
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,16 @@ def weight_gradient(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if grad_out.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(grad_out.t(), x, out_dtype=torch.float32)
     return (grad_out.t() @ x).float()
+
+
+def master_gradients(full: Callable[[], torch.Tensor], regions: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+                     needed: Sequence[bool]) -> list[torch.Tensor | None]:
+    """Each master's gradient, its region of the FP32 weight gradient `full()` (computed only if one is needed):
+    a slice of rows as it is, contiguous; any other view copied out."""
+    if not any(needed):
+        return [None] * len(regions)
+    whole = full()
+    return [region(whole).contiguous() if need else None for region, need in zip(regions, needed)]
 
 
 def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from cflib.ops.gemm import dgated_gemm, gated_gemm, weight_gradient
+from cflib.ops.gemm import dgated_gemm, gated_gemm, master_gradients, weight_gradient
 from cflib.ops.interpreter import INTERPRETING
 
 # Tried on the device at first use per width (do_bench inside triton.autotune); one config in the interpreter.
@@ -172,7 +172,7 @@ def fused_weights(engine: nn.Module, weights: dict[str, torch.Tensor] | None = N
     return gate_up, down
 
 
-def _layout(engine: nn.Module) -> tuple:
+def kernel_layout(engine: nn.Module) -> tuple:
     """What the kernels read of the block: shared_columns, expert_width, vocab_size, shared_scale, routed_scale,
     primary_weight, other_weight."""
     route_weights = engine.route_weights
@@ -196,7 +196,7 @@ def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
     already laid out as fused_weights lays them (cflib.model.weight_copies); `gate_up_gemm` computes the gate|up
     GEMM in place of F.linear with fused's first weight (None then), e.g. one whose backward writes FP32."""
     gate_up_weight, down_weight = fused if fused is not None else fused_weights(engine, weights)
-    layout = _layout(engine)
+    layout = kernel_layout(engine)
     gate_up = gate_up_gemm(x) if gate_up_gemm is not None else F.linear(x, gate_up_weight)
     if gate_up_delta is not None:
         gate_up = gate_up + gate_up_delta.to(gate_up.dtype)
@@ -276,13 +276,9 @@ class GatedSwiGLUDown(torch.autograd.Function):
             grad_down = weight_gradient(grad_out, hidden).to(down.dtype) if needs[4] else None
             return grad_x, None, None, grad_gate_up, grad_down, None, None
         gate_up_regions, down_regions = ctx.regions
-        grads = []
-        for full, regions, wanted in ((lambda: weight_gradient(grad_preact, x), gate_up_regions,
-                                       needs[7:7 + len(gate_up_regions)]),
-                                      (lambda: weight_gradient(grad_out, hidden), down_regions,
-                                       needs[7 + len(gate_up_regions):])):
-            whole = full() if any(wanted) else None
-            grads += [region(whole).contiguous() if need else None for region, need in zip(regions, wanted)]
+        split = 7 + len(gate_up_regions)
+        grads = (master_gradients(lambda: weight_gradient(grad_preact, x), gate_up_regions, needs[7:split])
+                 + master_gradients(lambda: weight_gradient(grad_out, hidden), down_regions, needs[split:]))
         return grad_x, None, None, None, None, None, None, *grads
 
 
@@ -299,7 +295,7 @@ def trmoe_gated_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Ten
     regions, masters) (cflib.model.weight_copies); without, both are laid out from the engine's weights (or
     `weights`, engine_weights' names)."""
     dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.get_autocast_dtype(x.device.type)
-    layout = _layout(engine)
+    layout = kernel_layout(engine)
     if copies is None:
         gate_up, down = fused_weights(engine, weights)
         return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, interleave_gate_up(gate_up).to(dtype),
