@@ -17,6 +17,18 @@ import torch.nn.functional as F
 
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch 2.8+: mm(..., out_dtype=)
 
+# quack GemmConfig fields pinned for the SwiGLU GEMMs on Hopper (None: quack's default config); quack's own
+# autotuner would compile its whole config space in the first step.
+GATED_TILE: dict | None = None
+DGATED_TILE: dict | None = None
+
+
+def _pinned(tile: dict | None, device: torch.device):
+    if tile is None or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    from quack.gemm_config import GemmConfig
+    return GemmConfig(**tile, is_dynamic_persistent=False, device_capacity=9)
+
 
 def weight_gradient(grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """grad_out [N, out] and x [N, in] -> the FP32 weight gradient [out, in]. On CUDA the GEMM writes FP32 from
@@ -41,7 +53,7 @@ def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, to
     silu(gate) * up [N, C]); on CUDA the activation comes from the FP32 accumulator, rounded once."""
     if x.is_cuda:
         from quack.gemm_interface import gemm_gated
-        return gemm_gated(x, gate_up.t(), activation="swiglu", tuned=False)
+        return gemm_gated(x, gate_up.t(), activation="swiglu", tuned=False, config=_pinned(GATED_TILE, x.device))
     preact = F.linear(x, gate_up)
     gate, up = preact.float().unflatten(1, (-1, 2)).unbind(2)
     return preact, (F.silu(gate) * up).to(x.dtype)
@@ -50,14 +62,20 @@ def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, to
 def dgated_gemm(grad_out: torch.Tensor, down: torch.Tensor, preact: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """grad_out [N, D], the down weight [D, C] and gated_gemm's pre-activation [N, 2C] -> (the pre-activation's
-    gradient [N, 2C], interleaved as it is, and silu(gate) * up [N, C] recomputed)."""
+    gradient [N, 2C], interleaved as it is, and silu(gate) * up [N, C] recomputed). The gradient is written over
+    `preact` (each output tile overwrites the input tile it was computed from), which saves the block's widest
+    buffer in backward; `preact`'s version is bumped, so autograd refuses a second backward through it."""
     if grad_out.is_cuda:
         from quack.gemm_interface import gemm_dgated
-        return gemm_dgated(grad_out, down, preact, activation="swiglu", tuned=False)
+        _, hidden = gemm_dgated(grad_out, down, preact, activation="swiglu", dx_out=preact, tuned=False,
+                                config=_pinned(DGATED_TILE, grad_out.device))
+        torch.autograd.graph.increment_version(preact)
+        return preact, hidden
     grad_hidden = (grad_out @ down).float()
     gate, up = preact.float().unflatten(1, (-1, 2)).unbind(2)
     sig = torch.sigmoid(gate)
     silu = gate * sig
     grad_gate = grad_hidden * up * sig * (1.0 + gate * (1.0 - sig))
-    grad_preact = torch.stack([grad_gate, grad_hidden * silu], dim=2).flatten(1)
-    return grad_preact.to(preact.dtype), (silu * up).to(preact.dtype)
+    hidden = (silu * up).to(preact.dtype)
+    preact.copy_(torch.stack([grad_gate, grad_hidden * silu], dim=2).flatten(1))
+    return preact, hidden

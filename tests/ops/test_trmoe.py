@@ -110,3 +110,16 @@ def test_the_block_through_the_swiglu_gemms_matches_the_formula(routing):
 def test_interleaving_pairs_each_gate_row_with_its_up_row():
     gate_up = torch.arange(12.0).reshape(6, 2)  # gate rows 0-2, up rows 3-5
     assert interleave_gate_up(gate_up).tolist() == [[0, 1], [6, 7], [2, 3], [8, 9], [4, 5], [10, 11]]
+
+
+def test_the_swiglu_gemms_block_refuses_a_second_backward():
+    """Backward writes the pre-activation's gradient over the saved pre-activation, so a second backward through
+    the same graph must fail loudly instead of reading a gradient as a pre-activation."""
+    engine, raw, token_ids = problem(5)
+    weights = {name: raw[name].to(KERNEL_DEVICE).requires_grad_() for name in WEIGHTS}
+    x = raw["x"].to(KERNEL_DEVICE, torch.bfloat16)
+    with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+        out = trmoe_gated_forward(engine, x, token_ids, weights=weights)
+    out.float().sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
