@@ -5,6 +5,7 @@ A generated block sits between `<!-- KIND RECORD -->` and `<!-- /KIND -->`, KIND
 """
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 
@@ -24,17 +25,28 @@ def _label(path: str, batches: str) -> str:
     return f"{path} (realistic)" if batches == "realistic" else path
 
 
+def _median(values: list | None) -> float | None:
+    known = [value for value in values or () if value is not None]
+    return statistics.median(known) if known else None
+
+
+def _clocks(entry: dict) -> str:
+    """The timed steps' median SM clock and board power: under the power limit the clocks say what a step's
+    energy left it (cflib.bench.timing.gpu_clock_and_power)."""
+    return f"{_number(_median(entry.get('gpu_clock_mhz')))} | {_number(_median(entry.get('gpu_power_w')))}"
+
+
 def _random_rows_table(entries: list[dict]) -> list[str]:
-    lines = ["| path | micro-batch | tokens/s | model TFLOP/s | MFU | peak GiB |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| path | micro-batch | tokens/s | model TFLOP/s | MFU | peak GiB | MHz | W |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for entry in entries:
         if entry["status"] == "ok":
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['tokens_per_s'])} | "
                          f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
-                         f"{_number(entry['peak_memory_gib'], 1)} |")
+                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks(entry)} |")
         else:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | "
-                         f"{_number(entry.get('peak_memory_gib'), 1)} |")
+                         f"{_number(entry.get('peak_memory_gib'), 1)} | - | - |")
     return lines
 
 
@@ -50,16 +62,16 @@ def _realistic_table(record: dict, entries: list[dict]) -> list[str]:
     if fed:
         lines[0] += " The peer fed " + "; ".join(f"{path}: {feed}" for path, feed in fed.items()) + "."
     lines += ["", "| path | micro-batch | supervised tokens/s | example tokens/s | tokens fed/s | model TFLOP/s | MFU | "
-              "peak GiB |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "peak GiB | MHz | W |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for entry in entries:
         if entry["status"] == "ok":
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['supervised_tokens_per_s'])} | "
                          f"{_number(entry.get('real_tokens_per_s'))} | {_number(entry['tokens_per_s'])} | "
                          f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
-                         f"{_number(entry['peak_memory_gib'], 1)} |")
+                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks(entry)} |")
         else:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | - | - | "
-                         f"{_number(entry.get('peak_memory_gib'), 1)} |")
+                         f"{_number(entry.get('peak_memory_gib'), 1)} | - | - |")
     return lines
 
 

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch 2.8+: mm(..., out_dtype=)
 
-# quack GemmConfig fields pinned for the SwiGLU GEMMs on Hopper (None: quack's default config); quack's own
-# autotuner would compile its whole config space in the first step.
+# quack GemmConfig fields pinned for the SwiGLU GEMMs on Hopper (None: quack's default config), from a sweep at
+# the 200M block's shapes (docs/kernels.md); quack's own autotuner would compile its whole space in the first step.
 GATED_TILE: dict | None = None
-DGATED_TILE: dict | None = None
+DGATED_TILE: dict | None = dict(tile_m=128, tile_n=192, pingpong=True, cluster_m=1, cluster_n=2)
 
 
 def _pinned(tile: dict | None, device: torch.device):

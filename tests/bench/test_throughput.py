@@ -582,6 +582,17 @@ def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
     assert "issue" not in table.lower()
 
 
+def test_perf_table_shows_each_paths_median_clock_and_power(smoke_record):
+    """Under the board's power limit the clocks tell two paths' energy per step apart; a CPU run has none."""
+    record = json.loads(json.dumps(smoke_record))
+    dense = next(e for e in record["paths"] if e["batches"] == "random_rows" and e["status"] == "ok")
+    dense["gpu_clock_mhz"], dense["gpu_power_w"] = [1755, None, 1605, 1740], [690.2, 695.0, 640.0]
+    rows = [line for line in perf_table(record).splitlines()
+            if line.startswith(f"| {dense['path']} | {dense['micro_batch']} |")]
+    assert rows[0].endswith("| 1,740 | 690 |")
+    assert all(line.endswith("| - | - |") for line in rows[1:])
+
+
 def test_perf_table_reads_a_record_of_random_rows_only():
     """Records written before realistic lengths (no 'batches' field) still render."""
     record = json.loads((ROOT / "outputs" / "records" / "throughput_200m_h200.json").read_text())
