@@ -32,6 +32,7 @@ class MicroBatch:
         """The batch in pinned host memory, which a copy to the GPU reads without the host waiting."""
         return self.moved(torch.Tensor.pin_memory)
 
+
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A batch tensor to the GPU from pinned memory without waiting: the host goes on launching meanwhile."""
     if torch.device(device).type != "cuda":
