@@ -12,9 +12,10 @@ Side by side in one run, forward + backward of one layer at the 200M shapes
   epilogue design without the routed scales;
 - cflib_weight_copies: the whole block reading BF16 copies of its fused weights (cflib.model.weight_copies), as
   the model runs it with bf16_weight_copies, its gradients written back to the FP32 masters;
-- cflib_gated / cflib_gated_copies: the routed block through quack's SwiGLU GEMMs with the experts' per-token
-  scales applied beside them (cflib.ops.trmoe.GatedSwiGLUDown), over the FP32 masters cast and interleaved per
-  forward, or reading interleaved BF16 copies as the model runs it with epilogue_swiglu.
+- cflib_gated / cflib_gated_copies: the routed block with its forward SwiGLU in quack's gate|up GEMM epilogue and
+  the experts' per-token scales applied beside it, backward cuBLAS + cflib's kernel
+  (cflib.ops.trmoe.GatedSwiGLUDown), over the FP32 masters cast and interleaved per forward, or reading
+  interleaved BF16 copies as the model runs it with epilogue_swiglu.
 Each variant is timed launched from the host and replayed from a CUDA graph (as the training step runs it), each
 guarded: one that fails records its error and the others still run. Errors are norm-relative against an FP32
 computation of the same function.

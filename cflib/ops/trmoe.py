@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from cflib.ops.gemm import dgated_gemm, gated_gemm, master_gradients, weight_gradient
+from cflib.ops.gemm import gated_gemm, master_gradients, weight_gradient
 from cflib.ops.interpreter import INTERPRETING
 
 # Tried on the device at first use per width (do_bench inside triton.autotune); one config in the interpreter.
@@ -53,20 +53,46 @@ def _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, ex
 
 
 @triton.jit
+def _gate_up_offsets(rows, row_mask, columns, INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Offsets and mask of this program's gate|up elements: [BLOCK_R, 2 x BLOCK_C] pairs, gate then up, when
+    INTERLEAVED (row 2j gate column j, row 2j + 1 its up column); else the gate half, the up half `columns` on."""
+    if INTERLEAVED:
+        cols = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
+        mask = row_mask[:, None] & (cols < 2 * columns)[None, :]
+    else:
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols < columns)[None, :]
+    return rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :], mask
+
+
+@triton.jit
+def _load_gate_up(gate_up_ptr, offsets, mask, columns, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    if INTERLEAVED:  # one contiguous load of the pairs, split in registers
+        pairs = tl.load(gate_up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        gate, up = tl.split(tl.reshape(pairs, [BLOCK_R, BLOCK_C, 2]))
+    else:
+        gate = tl.load(gate_up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + offsets + columns, mask=mask, other=0.0).to(tl.float32)
+    return gate, up
+
+
+@triton.jit
 def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
-          shared_scale, routed_scale, primary_weight, other_weight, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
-          BLOCK_C: tl.constexpr):
-    """This program's tile: offsets, mask, gate and up in fp32, and each element's column scale."""
+          shared_scale, routed_scale, primary_weight, other_weight, TOP_K: tl.constexpr, INTERLEAVED: tl.constexpr,
+          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's tile: offsets and mask of the activation and of gate|up, gate and up in fp32, and each
+    element's column scale."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < columns)[None, :]
-    gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
-    gate = tl.load(gate_up_ptr + gate_offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + gate_offsets + columns, mask=mask, other=0.0).to(tl.float32)
+    hidden_offsets = rows.to(tl.int64)[:, None] * columns + cols[None, :]
+    gate_up_offsets, gate_up_mask = _gate_up_offsets(rows, row_mask, columns, INTERLEAVED, BLOCK_C)
+    gate, up = _load_gate_up(gate_up_ptr, gate_up_offsets, gate_up_mask, columns, INTERLEAVED, BLOCK_R, BLOCK_C)
     scale = _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, expert_width, vocab_size,
                           shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
-    return rows, cols, mask, gate_offsets, gate, up, scale
+    return hidden_offsets, mask, gate_up_offsets, gate_up_mask, gate, up, scale
 
 
 @triton.autotune(_CONFIGS, key=["columns"])
@@ -74,32 +100,37 @@ def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, 
 def _scaled_swiglu_forward(gate_up_ptr, token_ptr, route_ptr, out_ptr, num_rows, columns, shared_columns,
                            expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
                            TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows, cols, mask, _, gate, up, scale = _tile(
+    hidden_offsets, mask, _, _, gate, up, scale = _tile(
         gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
-        shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
+        shared_scale, routed_scale, primary_weight, other_weight, TOP_K, False, BLOCK_R, BLOCK_C)
     out = gate * tl.sigmoid(gate) * up * scale
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * columns + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(out_ptr + hidden_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(_CONFIGS, key=["columns"], restore_value=["gate_up_ptr", "grad_hidden_ptr"])
+@triton.autotune(_CONFIGS, key=["columns", "INTERLEAVED"], restore_value=["gate_up_ptr", "grad_hidden_ptr"])
 @triton.jit
 def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns,
                             expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
-                            TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Writes d(gate) and d(up) over gate_up, and the recomputed activation over grad_hidden, in place:
-    each element is read before it is overwritten, and neither input is needed afterwards."""
-    rows, cols, mask, gate_offsets, gate, up, scale = _tile(
+                            TOP_K: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_C: tl.constexpr):
+    """Writes d(gate) and d(up) over gate_up (laid out as it is), and the recomputed activation over
+    grad_hidden, in place: each element is read before it is overwritten, and neither input is needed
+    afterwards."""
+    hidden_offsets, mask, gate_up_offsets, gate_up_mask, gate, up, scale = _tile(
         gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
-        shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
-    hidden_offsets = rows.to(tl.int64)[:, None] * columns + cols[None, :]
+        shared_scale, routed_scale, primary_weight, other_weight, TOP_K, INTERLEAVED, BLOCK_R, BLOCK_C)
     grad = tl.load(grad_hidden_ptr + hidden_offsets, mask=mask, other=0.0).to(tl.float32) * scale
     sig = tl.sigmoid(gate)
     silu = gate * sig
     tl.store(grad_hidden_ptr + hidden_offsets, (silu * up * scale).to(grad_hidden_ptr.dtype.element_ty), mask=mask)
-    tl.store(gate_up_ptr + gate_offsets, (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(
-        gate_up_ptr.dtype.element_ty), mask=mask)
-    tl.store(gate_up_ptr + gate_offsets + columns, (grad * silu).to(gate_up_ptr.dtype.element_ty), mask=mask)
+    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(gate_up_ptr.dtype.element_ty)
+    grad_up = (grad * silu).to(gate_up_ptr.dtype.element_ty)
+    if INTERLEAVED:
+        tl.store(gate_up_ptr + gate_up_offsets, tl.reshape(tl.join(grad_gate, grad_up), [BLOCK_R, 2 * BLOCK_C]),
+                 mask=gate_up_mask)
+    else:
+        tl.store(gate_up_ptr + gate_up_offsets, grad_gate, mask=gate_up_mask)
+        tl.store(gate_up_ptr + gate_up_offsets + columns, grad_up, mask=gate_up_mask)
 
 
 def _grid(num_rows: int, columns: int):
@@ -145,7 +176,8 @@ class ScaledSwiGLUDown(torch.autograd.Function):
         if grad_hidden_out is not None:
             grad_hidden += grad_hidden_out.to(grad_hidden.dtype)
         _scaled_swiglu_backward[_grid(num_rows, columns)](grad_hidden, gate_up, token_ids, route_table, num_rows,
-                                                          columns, *ctx.layout, TOP_K=route_table.shape[0])
+                                                          columns, *ctx.layout, TOP_K=route_table.shape[0],
+                                                          INTERLEAVED=False)
         # grad_hidden now holds the activation
         grad_down = grad_out.t() @ grad_hidden if ctx.needs_input_grad[3] else None
         return gate_up, None, None, grad_down, None, None
@@ -205,11 +237,10 @@ def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
 
 
 @triton.jit
-def _scale_columns(hidden_ptr, pairs_ptr, token_ptr, route_ptr, num_rows, columns, first_column, shared_columns,
-                   expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
-                   HAS_PAIRS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """In place, from first_column on: hidden [N, C] times each element's column scale, and (HAS_PAIRS) both
-    elements 2c and 2c + 1 of each row of pairs [N, 2C] (gate and up interleaved) times column c's."""
+def _scale_columns(hidden_ptr, token_ptr, route_ptr, num_rows, columns, first_column, shared_columns, expert_width,
+                   vocab_size, shared_scale, routed_scale, primary_weight, other_weight, TOP_K: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """In place, from first_column on: hidden [N, C] times each element's column scale."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = first_column + tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < num_rows
@@ -219,35 +250,34 @@ def _scale_columns(hidden_ptr, pairs_ptr, token_ptr, route_ptr, num_rows, column
     offsets = rows.to(tl.int64)[:, None] * columns + cols[None, :]
     hidden = tl.load(hidden_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(hidden_ptr + offsets, (hidden * scale).to(hidden_ptr.dtype.element_ty), mask=mask)
-    if HAS_PAIRS:
-        pair_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + 2 * cols[None, :]
-        for half in tl.static_range(2):
-            pair = tl.load(pairs_ptr + pair_offsets + half, mask=mask, other=0.0).to(tl.float32)
-            tl.store(pairs_ptr + pair_offsets + half, (pair * scale).to(pairs_ptr.dtype.element_ty), mask=mask)
 
 
-def _scale(hidden: torch.Tensor, pairs: torch.Tensor | None, token_ids: torch.Tensor, route_table: torch.Tensor,
-           layout: tuple) -> None:
+# BLOCK_R, BLOCK_C, num_warps of _scale_columns: the 200M model's 256 expert columns of a row in one tile.
+SCALE_TILE = (32, 256, 8)
+
+
+def _scale(hidden: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, layout: tuple) -> None:
     num_rows, columns = hidden.shape
     # Shared columns of output scale 1 are left as they are: the kernel reads and writes the experts' alone.
     first_column = layout[0] if layout[3] == 1.0 else 0
-    block_r, block_c = 16, 128
+    block_r, block_c, warps = SCALE_TILE
     grid = (triton.cdiv(num_rows, block_r), triton.cdiv(columns - first_column, block_c))
     if 0 in grid:
         return
-    _scale_columns[grid](hidden, pairs if pairs is not None else hidden, token_ids, route_table, num_rows, columns,
-                         first_column, *layout, HAS_PAIRS=pairs is not None, TOP_K=route_table.shape[0],
-                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    _scale_columns[grid](hidden, token_ids, route_table, num_rows, columns, first_column, *layout,
+                         TOP_K=route_table.shape[0], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 class GatedSwiGLUDown(torch.autograd.Function):
-    """x [N, D] -> (silu(gate) * up * column scale) @ down.T, SwiGLU in the GEMMs' epilogues (cflib.ops.gemm).
+    """x [N, D] -> (silu(gate) * up * column scale) @ down.T, the SwiGLU in the gate|up GEMM's epilogue.
 
     gate_up [2C, D] interleaves gate and up rows (fused_weights' rows, pair by pair: interleave_gate_up), down
-    is [D, C], both in x's 16-bit dtype. The epilogue has no per-token column scale, so a small kernel scales
-    the activation's expert columns after the gate|up GEMM (and, backward, the pre-activation's gradient and
-    the recomputed activation): by linearity of the down projection and of the activation's derivative in its
-    incoming gradient that is the block's function. Only x and the pre-activation are kept for backward.
+    is [D, C], both in x's 16-bit dtype. Forward, one GEMM writes the pre-activation and silu(gate) * up from
+    its FP32 accumulator (gated_gemm); its epilogue has no per-token column scale, so a small kernel scales the
+    activation's expert columns after it, which by linearity of the down projection is the block's function.
+    Backward is cflib's: grad_out @ down through cuBLAS, then one kernel that turns the pre-activation into its
+    gradient in place (interleaved as it is) and that product into the scaled activation recomputed, for the
+    down weight's gradient. Only x and the pre-activation are kept for backward.
 
     The weight gradients are computed in FP32 (weight_gradient). With `regions` (the gate|up copy's and the
     down copy's, cflib.model.weight_copies) the trailing inputs are the FP32 masters those regions lay out,
@@ -258,7 +288,7 @@ class GatedSwiGLUDown(torch.autograd.Function):
                 down: torch.Tensor, layout: tuple, regions: tuple | None, *masters: torch.Tensor) -> torch.Tensor:
         x, token_ids, route_table = x.to(gate_up.dtype).contiguous(), token_ids.contiguous(), route_table.contiguous()
         preact, hidden = gated_gemm(x, gate_up)
-        _scale(hidden, None, token_ids, route_table, layout)
+        _scale(hidden, token_ids, route_table, layout)
         ctx.save_for_backward(x, preact, token_ids, route_table, gate_up, down)
         ctx.layout, ctx.regions = layout, regions
         return F.linear(hidden, down)
@@ -267,8 +297,13 @@ class GatedSwiGLUDown(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, preact, token_ids, route_table, gate_up, down = ctx.saved_tensors
         grad_out = grad_out.contiguous().to(down.dtype)
-        grad_preact, hidden = dgated_gemm(grad_out, down, preact)
-        _scale(hidden, grad_preact, token_ids, route_table, ctx.layout)
+        num_rows, columns = preact.shape[0], preact.shape[1] // 2
+        hidden = grad_out @ down
+        _scaled_swiglu_backward[_grid(num_rows, columns)](hidden, preact, token_ids, route_table, num_rows, columns,
+                                                          *ctx.layout, TOP_K=route_table.shape[0], INTERLEAVED=True)
+        # preact now holds its gradient and hidden the activation; a second backward must not read either
+        torch.autograd.graph.increment_version(preact)
+        grad_preact = preact
         needs = ctx.needs_input_grad
         grad_x = grad_preact @ gate_up if needs[0] else None
         if ctx.regions is None:
