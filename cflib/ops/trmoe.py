@@ -53,46 +53,28 @@ def _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, ex
 
 
 @triton.jit
-def _gate_up_offsets(rows, row_mask, columns, INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Offsets and mask of this program's gate|up elements: [BLOCK_R, 2 x BLOCK_C] pairs, gate then up, when
-    INTERLEAVED (row 2j gate column j, row 2j + 1 its up column); else the gate half, the up half `columns` on."""
-    if INTERLEAVED:
-        cols = tl.program_id(1) * 2 * BLOCK_C + tl.arange(0, 2 * BLOCK_C)
-        mask = row_mask[:, None] & (cols < 2 * columns)[None, :]
-    else:
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = row_mask[:, None] & (cols < columns)[None, :]
-    return rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :], mask
-
-
-@triton.jit
-def _load_gate_up(gate_up_ptr, offsets, mask, columns, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
-    if INTERLEAVED:  # one contiguous load of the pairs, split in registers
-        pairs = tl.load(gate_up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        gate, up = tl.split(tl.reshape(pairs, [BLOCK_R, BLOCK_C, 2]))
-    else:
-        gate = tl.load(gate_up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_up_ptr + offsets + columns, mask=mask, other=0.0).to(tl.float32)
-    return gate, up
-
-
-@triton.jit
 def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
-          shared_scale, routed_scale, primary_weight, other_weight, TOP_K: tl.constexpr, INTERLEAVED: tl.constexpr,
-          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """This program's tile: offsets and mask of the activation and of gate|up, gate and up in fp32, and each
-    element's column scale."""
+          shared_scale, routed_scale, primary_weight, other_weight, HALF: tl.constexpr, TOP_K: tl.constexpr,
+          INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's tile: offsets and mask of the activation, gate and up in fp32, and each element's column
+    scale. gate|up is [N, 2C] of HALF, gate columns then up columns; or, INTERLEAVED, [N, C] 32-bit words,
+    each a gate element (low half) beside its up element (high half), read in one load like the split layout."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < columns)[None, :]
     hidden_offsets = rows.to(tl.int64)[:, None] * columns + cols[None, :]
-    gate_up_offsets, gate_up_mask = _gate_up_offsets(rows, row_mask, columns, INTERLEAVED, BLOCK_C)
-    gate, up = _load_gate_up(gate_up_ptr, gate_up_offsets, gate_up_mask, columns, INTERLEAVED, BLOCK_R, BLOCK_C)
+    if INTERLEAVED:
+        words = tl.load(gate_up_ptr + hidden_offsets, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        gate = (words & 0xFFFF).to(tl.uint16).to(HALF, bitcast=True).to(tl.float32)
+        up = (words >> 16).to(tl.uint16).to(HALF, bitcast=True).to(tl.float32)
+    else:
+        gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
+        gate = tl.load(gate_up_ptr + gate_offsets, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + gate_offsets + columns, mask=mask, other=0.0).to(tl.float32)
     scale = _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, expert_width, vocab_size,
                           shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
-    return hidden_offsets, mask, gate_up_offsets, gate_up_mask, gate, up, scale
+    return rows, cols, mask, hidden_offsets, gate, up, scale
 
 
 @triton.autotune(_CONFIGS, key=["columns"])
@@ -100,9 +82,10 @@ def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, 
 def _scaled_swiglu_forward(gate_up_ptr, token_ptr, route_ptr, out_ptr, num_rows, columns, shared_columns,
                            expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
                            TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    hidden_offsets, mask, _, _, gate, up, scale = _tile(
+    _, _, mask, hidden_offsets, gate, up, scale = _tile(
         gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
-        shared_scale, routed_scale, primary_weight, other_weight, TOP_K, False, BLOCK_R, BLOCK_C)
+        shared_scale, routed_scale, primary_weight, other_weight, out_ptr.dtype.element_ty, TOP_K, False, BLOCK_R,
+        BLOCK_C)
     out = gate * tl.sigmoid(gate) * up * scale
     tl.store(out_ptr + hidden_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -116,21 +99,24 @@ def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, 
     """Writes d(gate) and d(up) over gate_up (laid out as it is), and the recomputed activation over
     grad_hidden, in place: each element is read before it is overwritten, and neither input is needed
     afterwards."""
-    hidden_offsets, mask, gate_up_offsets, gate_up_mask, gate, up, scale = _tile(
+    half = grad_hidden_ptr.dtype.element_ty
+    rows, cols, mask, hidden_offsets, gate, up, scale = _tile(
         gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
-        shared_scale, routed_scale, primary_weight, other_weight, TOP_K, INTERLEAVED, BLOCK_R, BLOCK_C)
+        shared_scale, routed_scale, primary_weight, other_weight, half, TOP_K, INTERLEAVED, BLOCK_R, BLOCK_C)
     grad = tl.load(grad_hidden_ptr + hidden_offsets, mask=mask, other=0.0).to(tl.float32) * scale
     sig = tl.sigmoid(gate)
     silu = gate * sig
-    tl.store(grad_hidden_ptr + hidden_offsets, (silu * up * scale).to(grad_hidden_ptr.dtype.element_ty), mask=mask)
-    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(gate_up_ptr.dtype.element_ty)
-    grad_up = (grad * silu).to(gate_up_ptr.dtype.element_ty)
+    tl.store(grad_hidden_ptr + hidden_offsets, (silu * up * scale).to(half), mask=mask)
+    grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(half)
+    grad_up = (grad * silu).to(half)
     if INTERLEAVED:
-        tl.store(gate_up_ptr + gate_up_offsets, tl.reshape(tl.join(grad_gate, grad_up), [BLOCK_R, 2 * BLOCK_C]),
-                 mask=gate_up_mask)
+        low = grad_gate.to(tl.uint16, bitcast=True).to(tl.uint32)
+        high = grad_up.to(tl.uint16, bitcast=True).to(tl.uint32)
+        tl.store(gate_up_ptr + hidden_offsets, ((high << 16) | low).to(tl.int32, bitcast=True), mask=mask)
     else:
-        tl.store(gate_up_ptr + gate_up_offsets, grad_gate, mask=gate_up_mask)
-        tl.store(gate_up_ptr + gate_up_offsets + columns, grad_up, mask=gate_up_mask)
+        gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
+        tl.store(gate_up_ptr + gate_offsets, grad_gate, mask=mask)
+        tl.store(gate_up_ptr + gate_offsets + columns, grad_up, mask=mask)
 
 
 def _grid(num_rows: int, columns: int):
@@ -299,8 +285,10 @@ class GatedSwiGLUDown(torch.autograd.Function):
         grad_out = grad_out.contiguous().to(down.dtype)
         num_rows, columns = preact.shape[0], preact.shape[1] // 2
         hidden = grad_out @ down
-        _scaled_swiglu_backward[_grid(num_rows, columns)](hidden, preact, token_ids, route_table, num_rows, columns,
-                                                          *ctx.layout, TOP_K=route_table.shape[0], INTERLEAVED=True)
+        # each (gate, up) pair as one 32-bit word: the kernel reads and writes the pairs as whole words
+        _scaled_swiglu_backward[_grid(num_rows, columns)](hidden, preact.view(torch.int32), token_ids, route_table,
+                                                          num_rows, columns, *ctx.layout, TOP_K=route_table.shape[0],
+                                                          INTERLEAVED=True)
         # preact now holds its gradient and hidden the activation; a second backward must not read either
         torch.autograd.graph.increment_version(preact)
         grad_preact = preact
