@@ -15,6 +15,7 @@ shapes (cflib/bench/trmoe_designs.py, docs/kernels.md).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -291,18 +292,21 @@ class GatedSwiGLUDown(torch.autograd.Function):
                                                           INTERLEAVED=True)
         # preact now holds its gradient and hidden the activation; a second backward must not read either
         torch.autograd.graph.increment_version(preact)
-        grad_preact = preact
-        needs = ctx.needs_input_grad
-        grad_x = grad_preact @ gate_up if needs[0] else None
+        grad_preact, needs = preact, ctx.needs_input_grad
+        # The down weight's gradient first, so the [N, C] activation is freed before grad_x is allocated.
         if ctx.regions is None:
-            grad_gate_up = weight_gradient(grad_preact, x).to(gate_up.dtype) if needs[3] else None
             grad_down = weight_gradient(grad_out, hidden).to(down.dtype) if needs[4] else None
+            del hidden
+            grad_x = grad_preact @ gate_up if needs[0] else None
+            grad_gate_up = weight_gradient(grad_preact, x).to(gate_up.dtype) if needs[3] else None
             return grad_x, None, None, grad_gate_up, grad_down, None, None
         gate_up_regions, down_regions = ctx.regions
         split = 7 + len(gate_up_regions)
-        grads = (master_gradients(lambda: weight_gradient(grad_preact, x), gate_up_regions, needs[7:split])
-                 + master_gradients(lambda: weight_gradient(grad_out, hidden), down_regions, needs[split:]))
-        return grad_x, None, None, None, None, None, None, *grads
+        grads_down = master_gradients(partial(weight_gradient, grad_out, hidden), down_regions, needs[split:])
+        del hidden
+        grad_x = grad_preact @ gate_up if needs[0] else None
+        grads_gate_up = master_gradients(partial(weight_gradient, grad_preact, x), gate_up_regions, needs[7:split])
+        return grad_x, None, None, None, None, None, None, *grads_gate_up, *grads_down
 
 
 def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
