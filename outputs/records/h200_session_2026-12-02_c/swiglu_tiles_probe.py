@@ -19,18 +19,24 @@ rows, columns = ids.shape[0], config.shared_intermediate_size + config.intermedi
 gate_up = torch.randn(rows, 2 * columns, device="cuda", dtype=torch.bfloat16)
 hidden = torch.randn(rows, columns, device="cuda", dtype=torch.bfloat16)
 grid = trmoe._grid(rows, columns)
+timings = {}
+
+
+def keep(name):
+    tuner = getattr(trmoe, name)
+    torch.cuda.synchronize()
+    timings[name] = {str(cfg): t for cfg, t in (getattr(tuner, "configs_timings", None) or {}).items()}
+
+
 trmoe._scaled_swiglu_forward[grid](gate_up, ids, table, hidden, rows, columns, *layout, TOP_K=table.shape[0])
+keep("_scaled_swiglu_forward")
 for interleaved in (False, True):
     target = gate_up.view(torch.int32) if interleaved else gate_up
     trmoe._scaled_swiglu_backward[grid](hidden, target, ids, table, rows, columns, *layout, TOP_K=table.shape[0],
                                         INTERLEAVED=interleaved)
-torch.cuda.synchronize()
-record = {}
+    keep(f"_scaled_swiglu_backward interleaved={interleaved}")
+record = {"timings_ms": timings}
 for name in ("_scaled_swiglu_forward", "_scaled_swiglu_backward"):
-    tuner = getattr(trmoe, name)
-    record[name] = {
-        "chosen": {str(key): str(cfg) for key, cfg in tuner.cache.items()},
-        "timings_ms": {str(cfg): timing for cfg, timing in (getattr(tuner, "configs_timings", None) or {}).items()},
-    }
+    record[name] = {str(key): str(cfg) for key, cfg in getattr(trmoe, name).cache.items()}
 print(json.dumps(record, indent=1, default=str))
 json.dump(record, open(sys.argv[1], "w"), indent=1, default=str)
