@@ -91,7 +91,6 @@ def _scaled_swiglu_forward(gate_up_ptr, token_ptr, route_ptr, out_ptr, num_rows,
     tl.store(out_ptr + hidden_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(_CONFIGS, key=["columns", "INTERLEAVED"], restore_value=["gate_up_ptr", "grad_hidden_ptr"])
 @triton.jit
 def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns,
                             expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
@@ -122,6 +121,23 @@ def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, 
 
 def _grid(num_rows: int, columns: int):
     return lambda meta: (triton.cdiv(num_rows, meta["BLOCK_R"]), triton.cdiv(columns, meta["BLOCK_C"]))
+
+
+# The backward kernel's BLOCK_R, BLOCK_C and warps, pinned: it works in place, so autotuning it would clone both of
+# its buffers at the step's memory peak (the first backward is the top layer's). On the H200 at the 200M block's
+# shapes every candidate tile but 64 x 256 timed within 1% of the best, this one (outputs/records/
+# h200_session_2026-12-02_c/swiglu_tiles_h200.json).
+BACKWARD_TILE = (16, 256, 4)
+
+
+def _backward(grad_hidden: torch.Tensor, gate_up: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor,
+              layout: tuple, interleaved: bool) -> None:
+    """_scaled_swiglu_backward over grad_hidden [N, C] and gate_up ([N, 2C], or [N, C] words interleaved)."""
+    num_rows, columns = grad_hidden.shape
+    block_r, block_c, warps = BACKWARD_TILE
+    _scaled_swiglu_backward[_grid(num_rows, columns)](
+        grad_hidden, gate_up, token_ids, route_table, num_rows, columns, *layout, TOP_K=route_table.shape[0],
+        INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
 
 
 class ScaledSwiGLUDown(torch.autograd.Function):
@@ -155,16 +171,13 @@ class ScaledSwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_hidden_out: torch.Tensor | None = None):
         gate_up, token_ids, route_table, down = ctx.saved_tensors
-        num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
         if grad_out is None:
-            grad_out = torch.zeros(num_rows, down.shape[0], dtype=gate_up.dtype, device=gate_up.device)
+            grad_out = torch.zeros(gate_up.shape[0], down.shape[0], dtype=gate_up.dtype, device=gate_up.device)
         grad_out = grad_out.contiguous().to(gate_up.dtype)
         grad_hidden = grad_out @ down
         if grad_hidden_out is not None:
             grad_hidden += grad_hidden_out.to(grad_hidden.dtype)
-        _scaled_swiglu_backward[_grid(num_rows, columns)](grad_hidden, gate_up, token_ids, route_table, num_rows,
-                                                          columns, *ctx.layout, TOP_K=route_table.shape[0],
-                                                          INTERLEAVED=False)
+        _backward(grad_hidden, gate_up, token_ids, route_table, ctx.layout, interleaved=False)
         # grad_hidden now holds the activation
         grad_down = grad_out.t() @ grad_hidden if ctx.needs_input_grad[3] else None
         return gate_up, None, None, grad_down, None, None
@@ -284,12 +297,9 @@ class GatedSwiGLUDown(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, preact, token_ids, route_table, gate_up, down = ctx.saved_tensors
         grad_out = grad_out.contiguous().to(down.dtype)
-        num_rows, columns = preact.shape[0], preact.shape[1] // 2
         hidden = grad_out @ down
         # each (gate, up) pair as one 32-bit word: the kernel reads and writes the pairs as whole words
-        _scaled_swiglu_backward[_grid(num_rows, columns)](hidden, preact.view(torch.int32), token_ids, route_table,
-                                                          num_rows, columns, *ctx.layout, TOP_K=route_table.shape[0],
-                                                          INTERLEAVED=True)
+        _backward(hidden, preact.view(torch.int32), token_ids, route_table, ctx.layout, interleaved=True)
         # preact now holds its gradient and hidden the activation; a second backward must not read either
         torch.autograd.graph.increment_version(preact)
         grad_preact, needs = preact, ctx.needs_input_grad

@@ -23,7 +23,7 @@ timings = {}
 
 
 def keep(name):
-    tuner = getattr(trmoe, name)
+    tuner = getattr(trmoe, name.split()[0])
     torch.cuda.synchronize()
     timings[name] = {str(cfg): t for cfg, t in (getattr(tuner, "configs_timings", None) or {}).items()}
 
