@@ -41,6 +41,7 @@ from cflib.bench.feeding import FEEDS, RealisticStream
 from cflib.bench.peer import PathUnavailable
 from cflib.bench.sessions import Session, compiled, fed_peer_session, peer_session
 from cflib.bench.timing import (
+    allocated_memory_gib,
     flops_per_token,
     matmul_ceiling,
     peak_memory_gib,
@@ -257,6 +258,7 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
     steps_batches, warmup = batches.steps_of(name, micro, params.warmup_steps, params.timed_steps)
     entry: dict[str, Any] = {"path": name, "batches": batches.kind, "micro_batch": micro}
     release_memory(device)
+    entry["memory_at_start_gib"] = allocated_memory_gib(device)  # anything an earlier path left: part of the peak
     with contextlib.ExitStack() as stack:
         kernels = PROJECT_PATHS.get(name, PROJECT_PATHS["reference"])
         run_dir = out_dir / "runs" / f"{batches.kind}-{name}-mb{micro}"
@@ -356,7 +358,7 @@ def _measure_paths(kinds: list[Batches], params: ThroughputParams, device: torch
 
 
 REPETITION_FIELDS = ("repetition", "status", "tokens_per_s", "supervised_tokens_per_s", "step_seconds",
-                     "collector_pause_s", "peak_memory_gib", "gpu_clock_mhz", "gpu_power_w")
+                     "collector_pause_s", "memory_at_start_gib", "peak_memory_gib", "gpu_clock_mhz", "gpu_power_w")
 FIRST_REPETITION_ONLY = ("profile", "evaluation_and_checkpoint")  # measured in the first repetition alone
 
 

@@ -75,8 +75,17 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # also creates the context: the statistics calls below fail without one
+        # cuBLAS keeps a workspace for every stream it has run on (each CUDA graph capture's among them), counted
+        # as allocated memory and kept past empty_cache: a path would carry the earlier paths' in its peak.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def allocated_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def peak_memory_gib(device: torch.device) -> float | None:

@@ -260,7 +260,7 @@ def test_every_path_is_measured_on_its_batches(smoke_record):
         assert len(entry["step_seconds"]) == 2 or entry["path"] == "peer_padded"
         assert all(math.isfinite(loss) for loss in entry["losses"]) and len(entry["losses"]) == entry["steps"]
         assert entry["mfu"] == entry["model_tflops_per_s"] / smoke_record["matmul_ceiling"]["tflops_per_s"]
-        assert entry["peak_memory_gib"] is None  # not measured on CPU
+        assert entry["peak_memory_gib"] is None and entry["memory_at_start_gib"] is None  # not measured on CPU
         for field in ("kernel_path", "params_total", "params_trainable", "model_flops_per_token", "precision",
                       "loss_precision", "grad_ckpt", "compiled"):
             assert field in entry, (entry["path"], field)
