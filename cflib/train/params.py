@@ -140,8 +140,8 @@ class Kernels:
     grad_ckpt: bool = False
     # auto: fast paths where every check passes; true: require them; false: PyTorch
     use_custom_kernels: str = parsed_by(kernel_choice, "auto")
-    # The TR-MoE block's SwiGLU in quack's GEMM epilogues (Hopper): false, as the whole step measures it level with
-    # cflib's kernel (docs/kernels.md); auto/true as above.
+    # The TR-MoE block's forward SwiGLU in quack's GEMM epilogue (Hopper): off unless asked for (docs/kernels.md);
+    # auto/true as above.
     epilogue_swiglu: str = parsed_by(kernel_choice, "false")
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
