@@ -9,7 +9,10 @@ tile's (bitwise, except sums whose order the tile sets: within FP32 rounding), a
   rows per program (per block backward, and blocks per program), warps;
 - add_rms_norm_forward (cflib.ops.add_rms_norm; its backward tunes itself): rows per program, warps;
 - adamw (cflib.ops.adamw): elements per program, warps, over the model's parameters with BF16 copies of its
-  2-D weights.
+  2-D weights;
+- scaled_swiglu_backward / scaled_swiglu_backward_interleaved (cflib.ops.trmoe, in place; the TR-MoE block's
+  gate|up split in halves, or interleaved pairs as the SwiGLU epilogue's GEMM writes them) and expert_scale
+  (the epilogue path's route weights on the experts' columns): rows and columns per program, warps.
 The record names the default and the fastest tile of each; the defaults in the kernels' modules are what an
 H200 chose at the 200M shapes.
 """
@@ -25,8 +28,8 @@ import torch
 from cflib.atomic import write_json_atomic
 from cflib.jobs import record_header
 from cflib.model.config import PRESETS, ModelConfig, preset
-from cflib.model.decoder import TRMoEModel
-from cflib.ops import adamw, add_rms_norm, qk_norm_rope
+from cflib.model.decoder import TRMoEEngine, TRMoEModel
+from cflib.ops import adamw, add_rms_norm, qk_norm_rope, trmoe
 
 
 Launch = Callable[[], tuple[torch.Tensor, ...]]
@@ -131,6 +134,45 @@ def adamw_sweep(config: ModelConfig, device: torch.device, small: bool = False) 
                  reset)
 
 
+def swiglu_sweeps(config: ModelConfig, tokens: int, device: torch.device, small: bool = False) -> list[Sweep]:
+    engine = TRMoEEngine(config).to(device)
+    layout, table = trmoe.kernel_layout(engine), engine.route_table.contiguous()
+    gen = torch.Generator(device=device).manual_seed(3)
+    columns = config.shared_intermediate_size + config.intermediate_size
+    ids = torch.randint(0, config.vocab_size, (tokens,), generator=gen, device=device)
+    start = {"gate_up": torch.randn(tokens, 2 * columns, generator=gen, device=device).to(torch.bfloat16),
+             "grad": torch.randn(tokens, columns, generator=gen, device=device).to(torch.bfloat16)}
+    work = {name: tensor.clone() for name, tensor in start.items()}
+
+    def reset():  # the kernels work in place: each checked launch starts from the same values
+        for name, tensor in work.items():
+            tensor.copy_(start[name])
+
+    def backward(interleaved: bool):
+        gate_up = work["gate_up"].view(torch.int32) if interleaved else work["gate_up"]
+
+        def prepare(tile):
+            def launch():
+                trmoe.scaled_swiglu_backward_(work["grad"], gate_up, ids, table, layout, interleaved, tile)
+                return work["gate_up"], work["grad"]
+            return launch
+        return prepare
+
+    def scale(tile):
+        def launch():
+            trmoe.scale_columns_(work["grad"], ids, table, layout, tile)
+            return (work["grad"],)
+        return launch
+
+    rows, cols, warps = ((8, 16), (128, 256), (4,)) if small else ((8, 16, 32, 64), (128, 256, 512), (4, 8))
+    candidates = [tile for tile in itertools.product(rows, cols, warps) if tile[0] * tile[1] <= 16384]
+    return [Sweep("scaled_swiglu_backward", _with(candidates, trmoe.BACKWARD_TILE), trmoe.BACKWARD_TILE,
+                  backward(False), (True, True), reset),
+            Sweep("scaled_swiglu_backward_interleaved", _with(candidates, trmoe.BACKWARD_TILE), trmoe.BACKWARD_TILE,
+                  backward(True), (True, True), reset),
+            Sweep("expert_scale", _with(candidates, trmoe.SCALE_TILE), trmoe.SCALE_TILE, scale, (True,), reset)]
+
+
 def _same(found: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...], exact: tuple[bool, ...]) -> bool:
     return all(torch.equal(a, b) if bitwise else torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
                for a, b, bitwise in zip(found, expected, exact))
@@ -173,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
               "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms, us; not timed off a GPU",
               "kernels": {}}
     sweeps = (*qk_sweeps(config, tokens, device, small), add_norm_sweep(config, tokens, device, small),
-              adamw_sweep(config, device, small))
+              adamw_sweep(config, device, small), *swiglu_sweeps(config, tokens, device, small))
     for sweep in sweeps:
         record["kernels"][sweep.name] = found = run_sweep(sweep, time_it=device.type == "cuda")
         fastest = found["fastest"]

@@ -130,11 +130,13 @@ def _grid(num_rows: int, columns: int):
 BACKWARD_TILE = (16, 256, 4)
 
 
-def _backward(grad_hidden: torch.Tensor, gate_up: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor,
-              layout: tuple, interleaved: bool) -> None:
-    """_scaled_swiglu_backward over grad_hidden [N, C] and gate_up ([N, 2C], or [N, C] words interleaved)."""
+def scaled_swiglu_backward_(grad_hidden: torch.Tensor, gate_up: torch.Tensor, token_ids: torch.Tensor,
+                            route_table: torch.Tensor, layout: tuple, interleaved: bool,
+                            tile: tuple[int, int, int] = BACKWARD_TILE) -> None:
+    """In place: gate_up ([N, 2C], or interleaved [N, C] 32-bit words) becomes its gradient and grad_hidden [N, C]
+    the scaled activation recomputed (_scaled_swiglu_backward); `tile` is BLOCK_R, BLOCK_C, warps."""
     num_rows, columns = grad_hidden.shape
-    block_r, block_c, warps = BACKWARD_TILE
+    block_r, block_c, warps = tile
     _scaled_swiglu_backward[_grid(num_rows, columns)](
         grad_hidden, gate_up, token_ids, route_table, num_rows, columns, *layout, TOP_K=route_table.shape[0],
         INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
@@ -177,7 +179,7 @@ class ScaledSwiGLUDown(torch.autograd.Function):
         grad_hidden = grad_out @ down
         if grad_hidden_out is not None:
             grad_hidden += grad_hidden_out.to(grad_hidden.dtype)
-        _backward(grad_hidden, gate_up, token_ids, route_table, ctx.layout, interleaved=False)
+        scaled_swiglu_backward_(grad_hidden, gate_up, token_ids, route_table, ctx.layout, interleaved=False)
         # grad_hidden now holds the activation
         grad_down = grad_out.t() @ grad_hidden if ctx.needs_input_grad[3] else None
         return gate_up, None, None, grad_down, None, None
@@ -256,11 +258,13 @@ def _scale_columns(hidden_ptr, token_ptr, route_ptr, num_rows, columns, first_co
 SCALE_TILE = (32, 256, 8)
 
 
-def _scale(hidden: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, layout: tuple) -> None:
+def scale_columns_(hidden: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, layout: tuple,
+                   tile: tuple[int, int, int] = SCALE_TILE) -> None:
+    """In place: the activation hidden [N, C] times each element's column scale (_scale_columns)."""
     num_rows, columns = hidden.shape
     # Shared columns of output scale 1 are left as they are: the kernel reads and writes the experts' alone.
     first_column = layout[0] if layout[3] == 1.0 else 0
-    block_r, block_c, warps = SCALE_TILE
+    block_r, block_c, warps = tile
     grid = (triton.cdiv(num_rows, block_r), triton.cdiv(columns - first_column, block_c))
     if 0 in grid:
         return
@@ -288,7 +292,7 @@ class GatedSwiGLUDown(torch.autograd.Function):
                 down: torch.Tensor, layout: tuple, regions: tuple | None, *masters: torch.Tensor) -> torch.Tensor:
         x, token_ids, route_table = x.to(gate_up.dtype).contiguous(), token_ids.contiguous(), route_table.contiguous()
         preact, hidden = gated_gemm(x, gate_up)
-        _scale(hidden, token_ids, route_table, layout)
+        scale_columns_(hidden, token_ids, route_table, layout)
         ctx.save_for_backward(x, preact, token_ids, route_table, gate_up, down)
         ctx.layout, ctx.regions = layout, regions
         return F.linear(hidden, down)
@@ -299,7 +303,7 @@ class GatedSwiGLUDown(torch.autograd.Function):
         grad_out = grad_out.contiguous().to(down.dtype)
         hidden = grad_out @ down
         # each (gate, up) pair as one 32-bit word: the kernel reads and writes the pairs as whole words
-        _backward(hidden, preact.view(torch.int32), token_ids, route_table, ctx.layout, interleaved=True)
+        scaled_swiglu_backward_(hidden, preact.view(torch.int32), token_ids, route_table, ctx.layout, interleaved=True)
         # preact now holds its gradient and hidden the activation; a second backward must not read either
         torch.autograd.graph.increment_version(preact)
         grad_preact, needs = preact, ctx.needs_input_grad

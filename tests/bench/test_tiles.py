@@ -15,7 +15,7 @@ CPU = torch.device("cpu")
 def test_every_tile_of_each_kernel_computes_the_default_tiles_outputs():
     config = tiny_config()
     for sweep in (*tiles.qk_sweeps(config, 24, CPU, small=True), tiles.add_norm_sweep(config, 24, CPU, small=True),
-                  tiles.adamw_sweep(config, CPU, small=True)):
+                  tiles.adamw_sweep(config, CPU, small=True), *tiles.swiglu_sweeps(config, 24, CPU, small=True)):
         found = tiles.run_sweep(sweep, time_it=False)
         assert sweep.default in sweep.tiles and len(found["tiles"]) == len(sweep.tiles) > 1, sweep.name
         assert all(entry == {"same_outputs": True} for entry in found["tiles"].values()), (sweep.name, found)
@@ -33,6 +33,7 @@ def test_the_command_writes_its_record(tmp_path):
     out = tmp_path / "tiles.json"
     tiles.main(["--out", str(out), "--preset", "smoke", "--micro-batch", "1", "--seq-len", "16"])
     record = json.loads(out.read_text())
-    assert record["job"] == "tiles" and set(record["kernels"]) == {"qk_norm_rope_forward", "qk_norm_rope_backward",
-                                                                   "add_rms_norm_forward", "adamw"}
+    assert record["job"] == "tiles" and set(record["kernels"]) == {
+        "qk_norm_rope_forward", "qk_norm_rope_backward", "add_rms_norm_forward", "adamw", "scaled_swiglu_backward",
+        "scaled_swiglu_backward_interleaved", "expert_scale"}
     assert all(all(e.get("same_outputs") for e in k["tiles"].values()) for k in record["kernels"].values())
