@@ -57,16 +57,18 @@ def _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, ex
 def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
           shared_scale, routed_scale, primary_weight, other_weight, HALF: tl.constexpr, TOP_K: tl.constexpr,
           INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """This program's tile: offsets and mask of the activation, gate and up in fp32, and each element's column
-    scale. gate|up is [N, 2C] of HALF, gate columns then up columns; or, INTERLEAVED, [N, C] 32-bit words,
-    each a gate element (low half) beside its up element (high half), read in one load like the split layout."""
+    """This program's tile: its mask, the offsets of its activation and gate|up elements, gate and up in fp32,
+    and each element's column scale. gate|up is [N, 2C] of HALF, gate columns then up columns (up `columns` past
+    each gate offset); or, INTERLEAVED, [N, C] 32-bit words, each a gate element (low half) beside its up
+    element (high half), read in one load like the split layout."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < columns)[None, :]
     hidden_offsets = rows.to(tl.int64)[:, None] * columns + cols[None, :]
     if INTERLEAVED:
-        words = tl.load(gate_up_ptr + hidden_offsets, mask=mask, other=0).to(tl.uint32, bitcast=True)
+        gate_offsets = hidden_offsets
+        words = tl.load(gate_up_ptr + gate_offsets, mask=mask, other=0).to(tl.uint32, bitcast=True)
         gate = (words & 0xFFFF).to(tl.uint16).to(HALF, bitcast=True).to(tl.float32)
         up = (words >> 16).to(tl.uint16).to(HALF, bitcast=True).to(tl.float32)
     else:
@@ -75,7 +77,7 @@ def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, 
         up = tl.load(gate_up_ptr + gate_offsets + columns, mask=mask, other=0.0).to(tl.float32)
     scale = _column_scale(rows, cols, row_mask, token_ptr, route_ptr, shared_columns, expert_width, vocab_size,
                           shared_scale, routed_scale, primary_weight, other_weight, TOP_K, BLOCK_R, BLOCK_C)
-    return rows, cols, mask, hidden_offsets, gate, up, scale
+    return mask, hidden_offsets, gate_offsets, gate, up, scale
 
 
 @triton.autotune(_CONFIGS, key=["columns"])
@@ -83,7 +85,7 @@ def _tile(gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, 
 def _scaled_swiglu_forward(gate_up_ptr, token_ptr, route_ptr, out_ptr, num_rows, columns, shared_columns,
                            expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
                            TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    _, _, mask, hidden_offsets, gate, up, scale = _tile(
+    mask, hidden_offsets, _, gate, up, scale = _tile(
         gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
         shared_scale, routed_scale, primary_weight, other_weight, out_ptr.dtype.element_ty, TOP_K, False, BLOCK_R,
         BLOCK_C)
@@ -100,7 +102,7 @@ def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, 
     grad_hidden, in place: each element is read before it is overwritten, and neither input is needed
     afterwards."""
     half = grad_hidden_ptr.dtype.element_ty
-    rows, cols, mask, hidden_offsets, gate, up, scale = _tile(
+    mask, hidden_offsets, gate_offsets, gate, up, scale = _tile(
         gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns, expert_width, vocab_size,
         shared_scale, routed_scale, primary_weight, other_weight, half, TOP_K, INTERLEAVED, BLOCK_R, BLOCK_C)
     grad = tl.load(grad_hidden_ptr + hidden_offsets, mask=mask, other=0.0).to(tl.float32) * scale
@@ -112,9 +114,8 @@ def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, 
     if INTERLEAVED:
         low = grad_gate.to(tl.uint16, bitcast=True).to(tl.uint32)
         high = grad_up.to(tl.uint16, bitcast=True).to(tl.uint32)
-        tl.store(gate_up_ptr + hidden_offsets, ((high << 16) | low).to(tl.int32, bitcast=True), mask=mask)
+        tl.store(gate_up_ptr + gate_offsets, ((high << 16) | low).to(tl.int32, bitcast=True), mask=mask)
     else:
-        gate_offsets = rows.to(tl.int64)[:, None] * (2 * columns) + cols[None, :]
         tl.store(gate_up_ptr + gate_offsets, grad_gate, mask=mask)
         tl.store(gate_up_ptr + gate_offsets + columns, grad_up, mask=mask)
 
