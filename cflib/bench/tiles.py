@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from cflib.atomic import write_json_atomic
+from cflib.bench.timing import trmoe_bench_inputs
 from cflib.jobs import record_header
 from cflib.model.config import PRESETS, ModelConfig, preset
-from cflib.model.decoder import TRMoEEngine, TRMoEModel
+from cflib.model.decoder import TRMoEModel
 from cflib.ops import adamw, add_rms_norm, qk_norm_rope, trmoe
 
 
@@ -135,11 +136,10 @@ def adamw_sweep(config: ModelConfig, device: torch.device, small: bool = False) 
 
 
 def swiglu_sweeps(config: ModelConfig, tokens: int, device: torch.device, small: bool = False) -> list[Sweep]:
-    engine = TRMoEEngine(config).to(device)
+    engine, _, ids, _ = trmoe_bench_inputs(config, tokens, device)
     layout, table = trmoe.kernel_layout(engine), engine.route_table.contiguous()
     gen = torch.Generator(device=device).manual_seed(3)
     columns = config.shared_intermediate_size + config.intermediate_size
-    ids = torch.randint(0, config.vocab_size, (tokens,), generator=gen, device=device)
     start = {"gate_up": torch.randn(tokens, 2 * columns, generator=gen, device=device).to(torch.bfloat16),
              "grad": torch.randn(tokens, columns, generator=gen, device=device).to(torch.bfloat16)}
     work = {name: tensor.clone() for name, tensor in start.items()}
