@@ -67,8 +67,9 @@ from cflib.train.trainer import Trainer
 PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "reference": {"use_custom_kernels": "false", "require_liger": False},
     "production": {"use_custom_kernels": "true", "require_liger": True},
-    # production with the TR-MoE block's SwiGLU in quack's GEMM epilogues (Hopper, quack-kernels)
-    "production_epilogue_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "true"},
+    # production with the TR-MoE block's SwiGLU in cflib's own kernel, where production (epilogue_swiglu: auto)
+    # takes quack's GEMM epilogue on Hopper with quack-kernels installed
+    "production_cflib_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "false"},
     # production with every kernel launched from the host: no CUDA graph replays (cflib.train.graphs)
     "production_eager": {"use_custom_kernels": "true", "require_liger": True, "cuda_graphs": "false"},
     # production as it ran before the BF16 weight copies and cflib's AdamW kernel (both on by default on one GPU):

@@ -24,7 +24,7 @@ class KernelPlan:
     custom: bool  # cflib's Triton TR-MoE block, QKV/norm kernels and fused linear CE
     notes: tuple[str, ...] = ()  # why `auto` left a fast path off
     attention: str = "auto"  # attention_backend, checked here (cflib.ops.attention)
-    epilogue_swiglu: bool = False  # the TR-MoE block's SwiGLU in quack's GEMM epilogues (with custom)
+    epilogue_swiglu: bool = False  # the TR-MoE block's SwiGLU in quack's GEMM epilogue (with custom)
 
     def describe(self) -> str:
         chosen = [name for name, on in (("Liger", self.liger), ("cflib Triton", self.custom),
@@ -84,11 +84,13 @@ def quack_problem(device: torch.device) -> str | None:
 
 def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device,
                  attention_backend: str = "auto", head_dim: int = 64, packed: bool = False,
-                 epilogue_swiglu: str = "false") -> KernelPlan:
+                 epilogue_swiglu: str = "false", weight_copies_problem: str | None = None) -> KernelPlan:
     """Resolve the flags against this device, or raise KernelUnavailable naming the check.
 
     Shapes need no check here but attention's (head_dim; packed: whether training rows are packed windows):
-    every valid ModelConfig (even head_dim) runs on every other path."""
+    every valid ModelConfig (even head_dim) runs on every other path. `weight_copies_problem`: why the run
+    reads no BF16 weight copies, if it reads none; `auto` takes the SwiGLU epilogue only with them, where it
+    was measured faster (`true` runs it without, laying the weights out in every forward)."""
     notes: list[str] = list(plan_attention(attention_backend, device, head_dim, packed))
 
     def decide(flag_name: str, mode: str, problem: str | None) -> bool:
@@ -115,6 +117,9 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
                                 "(use_custom_kernels)")
     # A GPU refinement of cflib's block: auto says nothing of it where the block itself runs interpreted.
     on = custom and (device.type == "cuda" or epilogue_swiglu == "true")
-    epilogue = decide("epilogue_swiglu", epilogue_swiglu if on else "false", quack_problem(device))
+    problem = quack_problem(device)
+    if problem is None and epilogue_swiglu == "auto" and weight_copies_problem is not None:
+        problem = f"it reads the BF16 weight copies, off here ({weight_copies_problem})"
+    epilogue = decide("epilogue_swiglu", epilogue_swiglu if on else "false", problem)
     return KernelPlan(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend,
                       epilogue_swiglu=epilogue)

@@ -140,9 +140,10 @@ class Kernels:
     grad_ckpt: bool = False
     # auto: fast paths where every check passes; true: require them; false: PyTorch
     use_custom_kernels: str = parsed_by(kernel_choice, "auto")
-    # The TR-MoE block's forward SwiGLU in quack's GEMM epilogue (Hopper): off unless asked for (docs/kernels.md);
-    # auto/true as above.
-    epilogue_swiglu: str = parsed_by(kernel_choice, "false")
+    # The TR-MoE block's forward SwiGLU in quack's GEMM epilogue (Hopper, quack-kernels; docs/kernels.md): auto
+    # where it runs and the run reads the BF16 weight copies, true to require it (with or without them), false for
+    # cflib's SwiGLU kernel
+    epilogue_swiglu: str = parsed_by(kernel_choice, "auto")
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)

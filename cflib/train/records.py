@@ -91,7 +91,8 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "memory_estimate": run.memory_estimate,
         "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend},
         "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
-                              "attention_backend": p.attention_backend, "notes": list(run.kernels.notes)},
+                              "attention_backend": p.attention_backend, "epilogue_swiglu": p.epilogue_swiglu,
+                              "notes": list(run.kernels.notes)},
         **count_parameters(model),
         "lora": None if run.lora is None else {**describe_lora(model), "base": {
             key: value for key, value in run.lora.base.items() if key != "config"}},

@@ -167,6 +167,26 @@ def recheck_out_dir(run: "Run") -> None:
         _out_dir(run.params, "")
 
 
+def one_gpu_process_problem(device: torch.device, world_size: int) -> str | None:
+    """Why `auto` leaves the BF16 weight copies and cflib's AdamW off: they are measured in one process on a
+    GPU."""
+    if device.type != "cuda":
+        return f"the device is {device.type}, not CUDA"
+    return f"{world_size} processes (auto: one)" if world_size > 1 else None
+
+
+def weight_copies_problem(params: TrainParams, custom: bool, strategy: str, device: torch.device) -> str | None:
+    """Why this run reads no BF16 weight copies (cflib.model.weight_copies), or None where bf16_weight_copies
+    gives it them; `custom`: whether cflib's kernels run, whose fused GEMMs read the copies."""
+    if params.bf16_weight_copies == "false":
+        return "bf16_weight_copies: false"
+    return ("bf16 is off" if not params.bf16 else "cflib's kernels are off" if not custom
+            else "LoRA adapts the weights" if not params.full_parameter
+            else "FSDP shards the masters" if strategy == "fsdp"
+            else one_gpu_process_problem(device, params.world_size) if params.bf16_weight_copies == "auto"
+            else None)
+
+
 def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     """Resolve and check everything a run needs without writing to out_dir.
 
@@ -237,7 +257,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     model.grad_ckpt = params.grad_ckpt
     kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
-                           config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu)
+                           config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu,
+                           weight_copies_problem=weight_copies_problem(params, True, strategy, device))
     use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,

@@ -50,7 +50,8 @@ from cflib.train.optim import (
     optimizer_kernel,
 )
 from cflib.train.records import MetricsLog, train_record
-from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
+from cflib.train.run import (RUN_JSON_FILES, Run, one_gpu_process_problem, recheck_out_dir, schedule_signature,
+                             weight_copies_problem)
 from cflib.train.trackers import open_trackers
 
 
@@ -302,17 +303,10 @@ class Trainer:
         choice, strategy = self.params.cflib_adamw, self.run.strategy
         problem = None if choice == "false" else cflib_adamw_problem(self.model, self.device, strategy)
         if choice == "auto" and problem is None:
-            problem = self._auto_problem()
+            problem = one_gpu_process_problem(self.device, self.params.world_size)
         refuse_if_required("cflib_adamw", choice, problem)
         return make_optimizer(self.model, self.params, self.device, fused=strategy != "fsdp",
                               triton=choice != "false" and problem is None)
-
-    def _auto_problem(self) -> str | None:
-        """Why `auto` leaves the weight copies and cflib's AdamW off where they would run: they are measured in
-        one process on a GPU."""
-        if self.device.type != "cuda":
-            return f"the device is {self.device.type}, not CUDA"
-        return f"{self.dist.world_size} processes (auto: one)" if self.dist.active else None
 
     def _weight_copies(self) -> WeightCopies | None:
         """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, written after every
@@ -322,10 +316,7 @@ class Trainer:
         detach_weight_copies(self.model)  # none left by an earlier trainer of this model, which refreshed them
         if p.bf16_weight_copies == "false":
             return None
-        problem = ("bf16 is off" if not p.bf16 else "cflib's kernels are off" if not run.kernels.custom
-                   else "LoRA adapts the weights" if not p.full_parameter
-                   else "FSDP shards the masters" if run.strategy == "fsdp"
-                   else self._auto_problem() if p.bf16_weight_copies == "auto" else None)
+        problem = weight_copies_problem(p, run.kernels.custom, run.strategy, self.device)
         # The head's copy for cflib's loss computing in BF16; an fp32 loss, or another loss, reads the FP32 head.
         copies = attach_weight_copies(self.model, head=isinstance(self.loss, SFTLoss) and not p.fp32_loss) \
             if problem is None else None

@@ -105,5 +105,22 @@ def test_the_epilogue_swiglu_is_checked_before_any_step(monkeypatch):
         plan_kernels("false", False, cpu, epilogue_swiglu="true")
     with pytest.raises(KernelUnavailable, match="epilogue_swiglu: true, but no GPU"):
         plan_kernels("true", False, cpu, epilogue_swiglu="true")
-    plan = plan_kernels("true", False, cpu)  # auto says nothing of a GPU refinement on the CPU
+    plan = plan_kernels("true", False, cpu, epilogue_swiglu="auto")  # auto says nothing of a GPU refinement on the CPU
     assert plan.custom and not plan.epilogue_swiglu and not any("epilogue" in note for note in plan.notes)
+
+
+def test_auto_takes_the_epilogue_swiglu_only_with_the_bf16_weight_copies(monkeypatch):
+    """Where quack runs (a Hopper GPU, stood in for here), `auto` takes the epilogue in runs that read the BF16
+    weight copies, as it was measured, and says why it left it off elsewhere; `true` runs it either way."""
+    import cflib.ops.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "triton_problem", lambda device, rocm_opt_in: None)
+    monkeypatch.setattr(dispatch, "quack_problem", lambda device: None)
+    monkeypatch.setattr(dispatch, "plan_attention", lambda *args: ())
+    gpu = torch.device("cuda")
+    assert plan_kernels("true", False, gpu, epilogue_swiglu="auto").epilogue_swiglu
+    plan = plan_kernels("true", False, gpu, epilogue_swiglu="auto", weight_copies_problem="2 processes (auto: one)")
+    assert not plan.epilogue_swiglu
+    assert "epilogue_swiglu: it reads the BF16 weight copies, off here (2 processes (auto: one))" in plan.notes
+    assert plan_kernels("true", False, gpu, epilogue_swiglu="true", weight_copies_problem="bf16 is off").epilogue_swiglu
+    assert not plan_kernels("true", False, gpu, epilogue_swiglu="false").epilogue_swiglu

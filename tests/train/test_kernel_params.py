@@ -13,6 +13,7 @@ from cflib.ops.attention import ATTENTION_BACKENDS
 from cflib.ops.dispatch import KernelUnavailable
 from cflib.train import prepare, train
 from cflib.train.params import ParamError, TrainParams
+from cflib.train.run import weight_copies_problem
 
 DEVICE = KERNEL_DEVICE
 
@@ -35,13 +36,14 @@ def test_training_records_the_kernels_that_ran(tmp_path):
     record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 2,
                     "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False,
                     "device": DEVICE.type, "out_dir": str(tmp_path / "run"),
-                    "use_custom_kernels": "true", "require_liger": True}, progress=False)
+                    "use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "false"}, progress=False)
     assert record["kernel_path"]["moe"] == "triton_fused"
     assert record["kernel_path"]["rmsnorm"] == "cflib_add_rmsnorm" and record["kernel_path"]["qk_norm"] == "cflib_qk_norm_rope"
     assert record["kernel_path"]["loss"] == "cflib_triton_fused_linear_ce"
     assert record["kernel_path"]["attention"] == "torch_sdpa"
+    assert record["kernel_path"]["swiglu"] == "triton_fused"
     assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True,
-                                           "attention_backend": "auto", "notes": []}
+                                           "attention_backend": "auto", "epilogue_swiglu": "false", "notes": []}
 
 
 def test_cudnn_sdpa_with_packed_windows_is_refused_naming_pack_sequences():
@@ -123,3 +125,23 @@ def test_bf16_weight_copies_true_where_they_do_not_apply_stops_before_any_step(t
     with pytest.raises(KernelUnavailable, match=f"bf16_weight_copies: true, but {problem}"):
         _copies_run(tmp_path, "refused", bf16_weight_copies="true", **flags)
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
+def test_the_weight_copies_problem_names_why_a_run_reads_none():
+    """The one reason the trainer (which attaches the copies) and the kernel plan (whose `auto` SwiGLU epilogue
+    reads them) share, for the run as configured."""
+    cuda = torch.device("cuda")
+
+    def problem(custom=True, strategy="single", device=cuda, **flags):
+        params = TrainParams.from_dict({"model": "smoke", "bf16": True, **flags})
+        return weight_copies_problem(params, custom, strategy, device)
+
+    assert problem() is None
+    assert problem(bf16=False) == "bf16 is off"
+    assert problem(custom=False) == "cflib's kernels are off"
+    assert problem(full_parameter=False, init_checkpoint="base") == "LoRA adapts the weights"
+    assert problem(strategy="fsdp", nproc_per_node=2) == "FSDP shards the masters"
+    assert problem(nproc_per_node=2) == "2 processes (auto: one)"
+    assert problem(device=torch.device("cpu")) == "the device is cpu, not CUDA"
+    assert problem(bf16_weight_copies="true", nproc_per_node=2) is None
+    assert problem(bf16_weight_copies="false") == "bf16_weight_copies: false"
