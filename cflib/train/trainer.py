@@ -314,8 +314,6 @@ class Trainer:
         bf16_weight_copies: true where they do not apply."""
         p, run = self.params, self.run
         detach_weight_copies(self.model)  # none left by an earlier trainer of this model, which refreshed them
-        if p.bf16_weight_copies == "false":
-            return None
         problem = weight_copies_problem(p, run.kernels.custom, run.strategy, self.device)
         # The head's copy for cflib's loss computing in BF16; an fp32 loss, or another loss, reads the FP32 head.
         copies = attach_weight_copies(self.model, head=isinstance(self.loss, SFTLoss) and not p.fp32_loss) \
