@@ -69,14 +69,28 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     return {"params_total": total, "params_trainable": trainable}
 
 
+def _throughput(trainer: "Trainer") -> dict:
+    """The steady state's rates, its model FLOPs and the run's peak memory."""
+    config, steady = trainer.model.config, trainer.steady
+    steady_s = steady["seconds"]
+    tokens_per_s = steady["tokens"] / steady_s if steady_s else None
+    flops_per_token = (6 * config.active_parameters()
+                       + 6 * config.num_hidden_layers * config.hidden_size * trainer.params.seq_len)
+    return {
+        "steady_state_tokens_per_s": tokens_per_s,
+        "steady_state_supervised_tokens_per_s": steady["supervised_tokens"] / steady_s if steady_s else None,
+        "timed_steps": steady["steps"],
+        "model_flops_per_token": flops_per_token,
+        "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12 if tokens_per_s else None,
+        "peak_memory_gib": (torch.cuda.max_memory_allocated(trainer.device) / 2**30
+                            if trainer.device.type == "cuda" else None),
+    }
+
+
 def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: float) -> dict:
     """record.json of a finished run: the measurement protocol's fields, then what the run did."""
     run, p, model = trainer.run, trainer.params, trainer.model
     config = model.config
-    steady_s = trainer.steady["seconds"]
-    tokens_per_s = trainer.steady["tokens"] / steady_s if steady_s else None
-    flops_per_token = 6 * config.active_parameters() + 6 * config.num_hidden_layers * config.hidden_size * p.seq_len
-    peak = torch.cuda.max_memory_allocated(trainer.device) / 2**30 if trainer.device.type == "cuda" else None
     eval_block: dict[str, Any] = {"final": final, "history": trainer.evals}
     at_start = next((e for e in trainer.evals if e["tag"] == "start"), None)
     if at_start is not None:
@@ -116,14 +130,7 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
             "includes_checkpoint_io": False,
             "tokens_counted": "padded tokens fed to the model",
         },
-        "throughput": {
-            "steady_state_tokens_per_s": tokens_per_s,
-            "steady_state_supervised_tokens_per_s": trainer.steady["supervised_tokens"] / steady_s if steady_s else None,
-            "timed_steps": trainer.steady["steps"],
-            "model_flops_per_token": flops_per_token,
-            "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12 if tokens_per_s else None,
-            "peak_memory_gib": peak,
-        },
+        "throughput": _throughput(trainer),
         "timing": {**trainer.timing, "wall_s": wall_s},
         # the run
         "model_source": run.model_source,
