@@ -1,12 +1,13 @@
 """The tiles of cflib's memory-bound kernels that do not tune themselves, swept at a model's shapes (GPU).
 
     python -m cflib.bench.tiles --out FILE [--preset tr_hash_200m] [--micro-batch 16] [--seq-len 2048]
+        [--kernels NAME ...]
 
 For each kernel, every candidate tile is launched on the same inputs, its outputs checked against the default
 tile's (bitwise, except sums whose order the tile sets: within FP32 rounding), and timed
 (`triton.testing.do_bench` median, µs):
 - qk_norm_rope_forward / qk_norm_rope_backward (cflib.ops.qk_norm_rope; backward with its partials' sum):
-  rows per program (per block backward, and blocks per program), warps;
+  tokens per program (per block backward, and blocks per program), warps;
 - add_rms_norm_forward (cflib.ops.add_rms_norm; its backward tunes itself): rows per program, warps;
 - adamw (cflib.ops.adamw): elements per program, warps, over the model's parameters with BF16 copies of its
   2-D weights;
@@ -77,10 +78,10 @@ def qk_sweeps(config: ModelConfig, tokens: int, device: torch.device, small: boo
     def backward(tile):
         return lambda: qk_norm_rope.qk_norm_rope_backward(*i["grads"], *tensors, rstd, *heads, tile=tile)
 
-    rows, warps = ((16, 64), (2, 4)) if small else ((16, 32, 64, 128, 256), (1, 2, 4, 8))
+    tokens, warps = ((1, 4), (2, 4)) if small else ((1, 2, 4, 8, 16), (1, 2, 4, 8))
     blocks = (1, 8) if small else (1, 2, 4, 8)
-    forward_tiles = _with(itertools.product(rows, warps), qk_norm_rope.FORWARD_TILE)
-    backward_tiles = _with(itertools.product(rows[:4], blocks, warps[1:]), qk_norm_rope.BACKWARD_TILE)
+    forward_tiles = _with(itertools.product(tokens, warps), qk_norm_rope.FORWARD_TILE)
+    backward_tiles = _with(itertools.product(tokens[:4], blocks, warps[1:]), qk_norm_rope.BACKWARD_TILE)
     return [Sweep("qk_norm_rope_forward", forward_tiles, qk_norm_rope.FORWARD_TILE, forward, (True,) * 4),
             Sweep("qk_norm_rope_backward", backward_tiles, qk_norm_rope.BACKWARD_TILE, backward, (True, False))]
 
@@ -207,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="tr_hash_200m", choices=sorted(PRESETS))
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--kernels", nargs="+", metavar="NAME", help="sweep only these kernels (as the record "
+                        "names them)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config, tokens = preset(args.preset), args.micro_batch * args.seq_len
@@ -214,8 +217,17 @@ def main(argv: list[str] | None = None) -> None:
     record = {**record_header("tiles", device), "shapes": {"preset": args.preset, "tokens": tokens},
               "timing": "triton.testing.do_bench median, warmup 25 ms, rep 100 ms, us; not timed off a GPU",
               "kernels": {}}
-    sweeps = (*qk_sweeps(config, tokens, device, small), add_norm_sweep(config, tokens, device, small),
-              adamw_sweep(config, device, small), *swiglu_sweeps(config, tokens, device, small))
+    families = {("qk_norm_rope_forward", "qk_norm_rope_backward"): lambda: qk_sweeps(config, tokens, device, small),
+                ("add_rms_norm_forward",): lambda: [add_norm_sweep(config, tokens, device, small)],
+                ("adamw",): lambda: [adamw_sweep(config, device, small)],
+                ("scaled_swiglu_backward", "scaled_swiglu_backward_interleaved", "expert_scale"):
+                    lambda: swiglu_sweeps(config, tokens, device, small)}
+    known = [name for names in families for name in names]
+    if unknown := sorted(set(args.kernels or ()) - set(known)):
+        parser.error(f"--kernels: no such kernel {', '.join(unknown)} (known: {', '.join(known)})")
+    wanted = set(args.kernels or known)
+    sweeps = [sweep for names, build in families.items() if wanted & set(names) for sweep in build()
+              if sweep.name in wanted]
     for sweep in sweeps:
         record["kernels"][sweep.name] = found = run_sweep(sweep, time_it=device.type == "cuda")
         fastest = found["fastest"]

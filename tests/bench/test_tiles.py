@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from tiny_models import tiny_config
 
@@ -37,3 +38,14 @@ def test_the_command_writes_its_record(tmp_path):
         "qk_norm_rope_forward", "qk_norm_rope_backward", "add_rms_norm_forward", "adamw", "scaled_swiglu_backward",
         "scaled_swiglu_backward_interleaved", "expert_scale"}
     assert all(all(e.get("same_outputs") for e in k["tiles"].values()) for k in record["kernels"].values())
+
+
+def test_the_command_sweeps_only_the_kernels_named(tmp_path, capsys):
+    out = tmp_path / "tiles.json"
+    tiles.main(["--out", str(out), "--preset", "smoke", "--micro-batch", "1", "--seq-len", "16",
+                "--kernels", "qk_norm_rope_forward"])
+    assert set(json.loads(out.read_text())["kernels"]) == {"qk_norm_rope_forward"}
+    with pytest.raises(SystemExit):
+        tiles.main(["--out", str(tmp_path / "other.json"), "--preset", "smoke", "--kernels", "qk_norm"])
+    assert "--kernels: no such kernel qk_norm (known: qk_norm_rope_forward," in capsys.readouterr().err
+    assert not (tmp_path / "other.json").exists()
