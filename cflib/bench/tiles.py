@@ -7,7 +7,7 @@ For each kernel, every candidate tile is launched on the same inputs, its output
 tile's (bitwise, except sums whose order the tile sets: within FP32 rounding), and timed
 (`triton.testing.do_bench` median, µs):
 - qk_norm_rope_forward / qk_norm_rope_backward (cflib.ops.qk_norm_rope; backward with its partials' sum):
-  tokens per program (per block backward, and blocks per program), warps;
+  rows per program (per block backward, and blocks per program), warps;
 - add_rms_norm_forward (cflib.ops.add_rms_norm; its backward tunes itself): rows per program, warps;
 - adamw (cflib.ops.adamw): elements per program, warps, over the model's parameters with BF16 copies of its
   2-D weights;
@@ -78,10 +78,10 @@ def qk_sweeps(config: ModelConfig, tokens: int, device: torch.device, small: boo
     def backward(tile):
         return lambda: qk_norm_rope.qk_norm_rope_backward(*i["grads"], *tensors, rstd, *heads, tile=tile)
 
-    tokens, warps = ((1, 4), (2, 4)) if small else ((1, 2, 4, 8, 16), (1, 2, 4, 8))
+    rows, warps = ((16, 64), (2, 4)) if small else ((16, 32, 64, 128, 256), (1, 2, 4, 8))
     blocks = (1, 8) if small else (1, 2, 4, 8)
-    forward_tiles = _with(itertools.product(tokens, warps), qk_norm_rope.FORWARD_TILE)
-    backward_tiles = _with(itertools.product(tokens[:4], blocks, warps[1:]), qk_norm_rope.BACKWARD_TILE)
+    forward_tiles = _with(itertools.product(rows, warps), qk_norm_rope.FORWARD_TILE)
+    backward_tiles = _with(itertools.product(rows[:4], blocks, warps[1:]), qk_norm_rope.BACKWARD_TILE)
     return [Sweep("qk_norm_rope_forward", forward_tiles, qk_norm_rope.FORWARD_TILE, forward, (True,) * 4),
             Sweep("qk_norm_rope_backward", backward_tiles, qk_norm_rope.BACKWARD_TILE, backward, (True, False))]
 

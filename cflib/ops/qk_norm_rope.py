@@ -5,11 +5,10 @@ weight (QK-norm) and rotated (RoPE, rotate-half). Done apart that is four
 launches forward (two norms, RoPE, plus the copies that make q and k
 contiguous) and as many backward, each re-reading the heads, and on the
 host the launch overhead of each: at 200M shapes the forward pass was bound by
-the host. One program here takes a block of tokens, every head of each, straight
-from the QKV output, normalises and rotates the query and key heads in fp32 and
+the host. One program here takes a block of (token, head) rows straight from
+the QKV output, normalises and rotates the query and key heads in fp32 and
 writes q, k and v in the layout attention reads (v as it is: no separate copy
-runs for it, forward or backward). A token's cos and sin are read once for all
-its heads, and each head is read and written as whole contiguous rows.
+runs for it, forward or backward).
 
 The function takes the whole QKV output and hands back v too, so backward
 writes one gradient for it: q, k and v taken as three slices of it would each
@@ -26,138 +25,129 @@ import triton.language as tl
 
 from cflib.ops import interpreter  # noqa: F401
 
-# Tiles measured on the H200 at the 200M shapes (16 x 2,048 tokens, 14 + 2 + 2 heads of 64): `python -m
-# cflib.bench.tiles` sweeps them.
-FORWARD_TILE = (4, 4)  # tokens per program, warps
-BACKWARD_TILE = (2, 4, 4)  # tokens per block, blocks per program, warps
+# Tiles measured on the H200 at the 200M shapes (16 x 2,048 tokens, 14 + 2 + 2 heads of 64; a sweep of rows per
+# block, blocks per backward program and warps, kernel plus the partials' sum): forward 16 rows, 2 warps, 53.9 us
+# (64 rows, 4 warps: 64.2); backward 64 rows, one block per program, 2 warps, 123.5 us (8 blocks a program, 4
+# warps: 165.2). More programs keep more loads in flight than fewer walking several blocks each, and the sum of
+# their weight-gradient partials (one per block) costs less than it saves. `python -m cflib.bench.tiles` sweeps them.
+FORWARD_TILE = (16, 2)  # rows per program, warps
+BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
 
 
 @triton.jit
-def _head_columns(HEAD_DIM: tl.constexpr):
-    """[1, 1, hd] column offsets, their rotate-half partners' and the sign each partner enters with."""
-    cols = tl.arange(0, HEAD_DIM)[None, None, :]
-    return cols, (cols + HEAD_DIM // 2) % HEAD_DIM, tl.where(cols < HEAD_DIM // 2, -1.0, 1.0)
-
-
-@triton.jit
-def _rope_tables(cos_ptr, sin_ptr, positions_ptr, token, token_mask, cols, HEAD_DIM: tl.constexpr):
-    """cos and sin [T, 1, hd] of each token's position, shared by all its heads."""
-    position = tl.load(positions_ptr + token, mask=token_mask, other=0)
-    table = position[:, None, None] * HEAD_DIM + cols
-    mask = token_mask[:, None, None]
-    return tl.load(cos_ptr + table, mask=mask, other=0.0), tl.load(sin_ptr + table, mask=mask, other=0.0)
-
-
-@triton.jit
-def _norm_rotate(src, mask, weight_ptr, cols, partner, sign, cos, sin, eps, HEAD_DIM: tl.constexpr):
-    """Heads [T, H, hd] at src normalised (their rstd [T, H]) and rotated; each partner column is re-read (from
-    L1) rather than shuffled across threads."""
-    x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=2) / HEAD_DIM + eps)
-    n = x * rstd[:, :, None] * tl.load(weight_ptr + cols)
-    n_partner = x_partner * rstd[:, :, None] * tl.load(weight_ptr + partner)
-    return n * cos + sign * n_partner * sin, rstd  # rotate-half: cos and sin repeat across the halves
+def _rows(block, num_rows, q_heads, kv_heads, BLOCK_R: tl.constexpr):
+    """A block of (token, head) rows over q, then k, then v heads: their token, head and kind."""
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < num_rows
+    heads = q_heads + 2 * kv_heads
+    token, head = rows // heads, rows % heads
+    is_q = head < q_heads
+    is_v = head >= q_heads + kv_heads
+    is_k = ~is_q & ~is_v
+    return rows, row_mask, token, head, is_q, is_k, is_v
 
 
 @triton.jit
 def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
-                          q_ptr, k_ptr, v_ptr, rstd_ptr, num_tokens, eps, Q_HEADS: tl.constexpr,
-                          KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_T: tl.constexpr):
-    token = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    token_mask = token < num_tokens
-    cols, partner, sign = _head_columns(HEAD_DIM)
-    cos, sin = _rope_tables(cos_ptr, sin_ptr, positions_ptr, token, token_mask, cols, HEAD_DIM)
-    token64 = token.to(tl.int64)
-    row = qkv_ptr + token64[:, None, None] * qkv_row_stride
-    q_heads, kv_heads = tl.arange(0, Q_PAD)[None, :], tl.arange(0, KV_PAD)[None, :]
-    q_mask = token_mask[:, None] & (q_heads < Q_HEADS)
-    kv_mask = token_mask[:, None] & (kv_heads < KV_HEADS)
-    rstd_row = rstd_ptr + token64[:, None] * (Q_HEADS + KV_HEADS)
-    y, rstd = _norm_rotate(row + q_heads[:, :, None] * HEAD_DIM, q_mask[:, :, None], q_weight_ptr, cols, partner,
-                           sign, cos, sin, eps, HEAD_DIM)
-    tl.store(q_ptr + (token64[:, None, None] * Q_HEADS + q_heads[:, :, None]) * HEAD_DIM + cols,
-             y.to(q_ptr.dtype.element_ty), mask=q_mask[:, :, None])
-    tl.store(rstd_row + q_heads, rstd, mask=q_mask)
-    y, rstd = _norm_rotate(row + (Q_HEADS + kv_heads[:, :, None]) * HEAD_DIM, kv_mask[:, :, None], k_weight_ptr,
-                           cols, partner, sign, cos, sin, eps, HEAD_DIM)
-    kv_dst = (token64[:, None, None] * KV_HEADS + kv_heads[:, :, None]) * HEAD_DIM + cols
-    tl.store(k_ptr + kv_dst, y.to(k_ptr.dtype.element_ty), mask=kv_mask[:, :, None])
-    tl.store(rstd_row + Q_HEADS + kv_heads, rstd, mask=kv_mask)
-    v = tl.load(row + (Q_HEADS + KV_HEADS + kv_heads[:, :, None]) * HEAD_DIM + cols, mask=kv_mask[:, :, None])
-    tl.store(v_ptr + kv_dst, v, mask=kv_mask[:, :, None])  # v as it is: exact in its own dtype
-
-
-@triton.jit
-def _norm_rotate_backward(grad_src, x_src, rstd, mask, weight_ptr, cols, partner, sign, cos, sin,
-                          HEAD_DIM: tl.constexpr):
-    """The gradient [T, H, hd] of heads at x_src from that of their normed, rotated output at grad_src, and the
-    norm weight's gradient summed over them [hd]."""
-    g = tl.load(grad_src + cols, mask=mask, other=0.0).to(tl.float32)
-    g_partner = tl.load(grad_src + partner, mask=mask, other=0.0).to(tl.float32)
-    d = g * cos - sign * g_partner * sin  # the rotation's transpose
-    xhat = tl.load(x_src + cols, mask=mask, other=0.0).to(tl.float32) * rstd[:, :, None]
-    s = d * tl.load(weight_ptr + cols)
-    mean = tl.sum(s * xhat, axis=2) / HEAD_DIM
-    return rstd[:, :, None] * (s - xhat * mean[:, :, None]), tl.sum(tl.sum(d * xhat, axis=1), axis=0)
+                          q_ptr, k_ptr, v_ptr, rstd_ptr, num_rows, q_heads, kv_heads, eps,
+                          HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    half: tl.constexpr = HEAD_DIM // 2
+    rows, row_mask, token, head, is_q, is_k, is_v = _rows(tl.program_id(0), num_rows, q_heads, kv_heads, BLOCK_R)
+    cols = tl.arange(0, half)
+    src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+    mask = row_mask[:, None]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + cols)[None, :])
+    w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half + cols)[None, :],
+                  tl.load(k_weight_ptr + half + cols)[None, :])
+    n1, n2 = x1 * rstd[:, None] * w1, x2 * rstd[:, None] * w2
+    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    y1, y2 = n1 * cos - n2 * sin, n2 * cos + n1 * sin  # rotate-half: cos and sin repeat across the halves
+    q_dst = q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
+    k_dst = k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
+    v_dst = v_ptr + (token.to(tl.int64) * kv_heads + head - q_heads - kv_heads)[:, None] * HEAD_DIM + cols[None, :]
+    q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
+    tl.store(q_dst, y1.to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_dst + half, y2.to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(k_dst, y1.to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_dst + half, y2.to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(v_dst, x1.to(v_ptr.dtype.element_ty), mask=v_mask)  # v as it is: exact in its own dtype
+    tl.store(v_dst + half, x2.to(v_ptr.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
 def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr,
                            cos_ptr, sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, grad_w_ptr,
-                           num_tokens, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
-                           KV_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCKS: tl.constexpr):
-    cols, partner, sign = _head_columns(HEAD_DIM)
-    q_heads, kv_heads = tl.arange(0, Q_PAD)[None, :], tl.arange(0, KV_PAD)[None, :]
-    dwq = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    dwk = tl.zeros([HEAD_DIM], dtype=tl.float32)
+                           num_rows, q_heads, kv_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCKS: tl.constexpr):
+    half: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, half)
+    w1q, w2q = tl.load(q_weight_ptr + cols)[None, :], tl.load(q_weight_ptr + half + cols)[None, :]
+    w1k, w2k = tl.load(k_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + half + cols)[None, :]
+    dwq1, dwq2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
+    dwk1, dwk2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
     for i in range(BLOCKS):
-        token = (tl.program_id(0) * BLOCKS + i) * BLOCK_T + tl.arange(0, BLOCK_T)
-        token_mask = token < num_tokens
-        cos, sin = _rope_tables(cos_ptr, sin_ptr, positions_ptr, token, token_mask, cols, HEAD_DIM)
-        token64 = token.to(tl.int64)
-        row = qkv_ptr + token64[:, None, None] * qkv_row_stride
-        grad_row = grad_x_ptr + token64[:, None, None] * grad_x_row_stride
-        rstd_row = rstd_ptr + token64[:, None] * (Q_HEADS + KV_HEADS)
-        q_mask = token_mask[:, None] & (q_heads < Q_HEADS)
-        kv_mask = token_mask[:, None] & (kv_heads < KV_HEADS)
-        q_offsets = q_heads[:, :, None] * HEAD_DIM
-        dx, dw = _norm_rotate_backward(grad_q_ptr + (token64[:, None, None] * Q_HEADS + q_heads[:, :, None]) * HEAD_DIM,
-                                       row + q_offsets, tl.load(rstd_row + q_heads, mask=q_mask, other=0.0),
-                                       q_mask[:, :, None], q_weight_ptr, cols, partner, sign, cos, sin, HEAD_DIM)
-        tl.store(grad_row + q_offsets + cols, dx.to(grad_x_ptr.dtype.element_ty), mask=q_mask[:, :, None])
-        dwq += dw
-        kv_src = (token64[:, None, None] * KV_HEADS + kv_heads[:, :, None]) * HEAD_DIM
-        k_offsets = (Q_HEADS + kv_heads[:, :, None]) * HEAD_DIM
-        dx, dw = _norm_rotate_backward(grad_k_ptr + kv_src, row + k_offsets,
-                                       tl.load(rstd_row + Q_HEADS + kv_heads, mask=kv_mask, other=0.0),
-                                       kv_mask[:, :, None], k_weight_ptr, cols, partner, sign, cos, sin, HEAD_DIM)
-        tl.store(grad_row + k_offsets + cols, dx.to(grad_x_ptr.dtype.element_ty), mask=kv_mask[:, :, None])
-        dwk += dw
-        grad_v = tl.load(grad_v_ptr + kv_src + cols, mask=kv_mask[:, :, None])
-        tl.store(grad_row + (Q_HEADS + KV_HEADS + kv_heads[:, :, None]) * HEAD_DIM + cols,
-                 grad_v.to(grad_x_ptr.dtype.element_ty), mask=kv_mask[:, :, None])  # v's gradient as it came
-    # This program's d(weight), q and k apart: [program, {q, k}, HEAD_DIM].
-    partial = grad_w_ptr + tl.program_id(0) * 2 * HEAD_DIM + tl.arange(0, HEAD_DIM)
-    tl.store(partial, dwq)
-    tl.store(partial + HEAD_DIM, dwk)
+        rows, row_mask, token, head, is_q, is_k, is_v = _rows(tl.program_id(0) * BLOCKS + i, num_rows, q_heads,
+                                                              kv_heads, BLOCK_R)
+        mask = row_mask[:, None]
+        q_src = grad_q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
+        k_src = grad_k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
+        v_src = grad_v_ptr + (token.to(tl.int64) * kv_heads + head - q_heads - kv_heads)[:, None] * HEAD_DIM + \
+            cols[None, :]
+        q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
+        g1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32) + \
+            tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32) + \
+            tl.load(v_src, mask=v_mask, other=0.0).to(tl.float32)
+        g2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32) + \
+            tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32) + \
+            tl.load(v_src + half, mask=v_mask, other=0.0).to(tl.float32)
+        position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+        cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+        d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
+        src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat1 = tl.load(src, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        xhat2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        s1, s2 = d1 * tl.where(is_q[:, None], w1q, w1k), d2 * tl.where(is_q[:, None], w2q, w2k)
+        mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
+        out1 = tl.where(is_v[:, None], g1, rstd[:, None] * (s1 - xhat1 * mean[:, None]))  # v's gradient as it came
+        out2 = tl.where(is_v[:, None], g2, rstd[:, None] * (s2 - xhat2 * mean[:, None]))
+        dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(dst, out1.to(grad_x_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half, out2.to(grad_x_ptr.dtype.element_ty), mask=mask)
+        qf = tl.where(is_q & row_mask, 1.0, 0.0)[:, None]
+        kf = tl.where(is_k & row_mask, 1.0, 0.0)[:, None]
+        dwq1 += tl.sum(d1 * xhat1 * qf, axis=0)
+        dwq2 += tl.sum(d2 * xhat2 * qf, axis=0)
+        dwk1 += tl.sum(d1 * xhat1 * kf, axis=0)
+        dwk2 += tl.sum(d2 * xhat2 * kf, axis=0)
+    # This program's d(weight), per half, q rows and k rows apart: [program, {q, k}, HEAD_DIM].
+    partial = grad_w_ptr + tl.program_id(0) * 2 * HEAD_DIM
+    tl.store(partial + cols, dwq1)
+    tl.store(partial + half + cols, dwq2)
+    tl.store(partial + HEAD_DIM + cols, dwk1)
+    tl.store(partial + HEAD_DIM + half + cols, dwk2)
 
 
 def qk_norm_rope_forward(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int, eps: float,
                          tile: tuple[int, int] = FORWARD_TILE) -> tuple[torch.Tensor, ...]:
-    """The forward kernel on a contiguous qkv [N, (Hq + 2 Hkv) * hd]: q, k, v and the rstd [N, Hq + Hkv] of each
-    query and key head."""
+    """The forward kernel on a contiguous qkv [N, (Hq + 2 Hkv) * hd]: q, k, v and each (token, head) row's rstd."""
     head_dim, tokens = q_weight.shape[0], qkv.shape[0]
     q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k, v = (torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(2))
-    rstd = torch.empty(tokens, q_heads + kv_heads, dtype=torch.float32, device=qkv.device)
-    block_tokens, warps = tile
-    _qk_norm_rope_forward[(triton.cdiv(tokens, block_tokens),)](
-        qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, v, rstd, tokens, float(eps),
-        Q_HEADS=q_heads, KV_HEADS=kv_heads, Q_PAD=triton.next_power_of_2(q_heads),
-        KV_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM=head_dim, BLOCK_T=block_tokens, num_warps=warps)
+    rows = tokens * (q_heads + 2 * kv_heads)
+    rstd = torch.empty(rows, dtype=torch.float32, device=qkv.device)
+    block_rows, warps = tile
+    _qk_norm_rope_forward[(triton.cdiv(rows, block_rows),)](
+        qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, v, rstd, rows, q_heads, kv_heads,
+        float(eps), HEAD_DIM=head_dim, BLOCK_R=block_rows, num_warps=warps)
     return q, k, v, rstd
 
 
@@ -166,16 +156,15 @@ def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: to
                           positions: torch.Tensor, rstd: torch.Tensor, q_heads: int, kv_heads: int,
                           tile: tuple[int, int, int] = BACKWARD_TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward kernel: qkv's gradient and the FP32 [2, hd] gradients of the q and k norm weights."""
-    head_dim, tokens = q_weight.shape[0], qkv.shape[0]
-    block_tokens, blocks, warps = tile
-    programs = triton.cdiv(tokens, block_tokens * blocks)
+    head_dim, rows = q_weight.shape[0], rstd.shape[0]
+    block_rows, blocks, warps = tile
+    programs = triton.cdiv(rows, block_rows * blocks)
     grad_qkv = torch.empty_like(qkv)
     partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qkv.device)
     _qk_norm_rope_backward[(programs,)](
         grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous(), qkv, qkv.stride(0), q_weight, k_weight,
-        cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, tokens, Q_HEADS=q_heads,
-        KV_HEADS=kv_heads, Q_PAD=triton.next_power_of_2(q_heads), KV_PAD=triton.next_power_of_2(kv_heads),
-        HEAD_DIM=head_dim, BLOCK_T=block_tokens, BLOCKS=blocks, num_warps=warps)
+        cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, rows, q_heads, kv_heads,
+        HEAD_DIM=head_dim, BLOCK_R=block_rows, BLOCKS=blocks, num_warps=warps)
     return grad_qkv, partial.sum(0)
 
 

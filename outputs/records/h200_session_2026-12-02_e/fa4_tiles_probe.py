@@ -1,12 +1,14 @@
 """FlashAttention-4's SM90 tile configurations at the 200M shapes (16 x 2,048, 14 query heads over 2 KV heads,
-head dim 64, causal, BF16): each forward and backward configuration its feasibility search admits, put in place
-of FA4's hard-coded choice (`_tile_size_fwd_sm90`, `_tile_size_bwd_sm90`), timed round robin (CUDA events,
-median), its outputs and gradients checked against the default configuration's.
+head dim 64, causal, BF16): forward and backward configurations FA4's feasibility search
+(`flash_attn/cute/sm90_config_search.py`) admits, each put in place of FA4's hard-coded choice
+(`_tile_size_fwd_sm90`, `_tile_size_bwd_sm90`) in a process of its own, timed alternately with the default
+(CUDA events, median), its outputs and gradients checked against the default's.
 
     python fa4_tiles_probe.py OUT.json
 """
 import json
 import statistics
+import subprocess
 import sys
 import time
 
@@ -19,7 +21,6 @@ F, BW = fa.FwdConfig, fa.BwdConfig
 FWD = {  # name: (FwdConfig, pack_gqa)
     "default": (None, None),
     "default_pack_gqa_false": (None, False),
-    "default_pack_gqa_true": (None, True),
     "192x128_rs_noolap": (F(192, 128, True, False), None),
     "128x128_rs_olap": (F(128, 128, True, True), None),
     "128x160_rs_olap": (F(128, 160, True, True), None),
@@ -62,77 +63,68 @@ def events_median(fn, repeats=30):
     return statistics.median(times)
 
 
-def main(out_path):
+def one(part, name):
+    """In a process of its own (a configuration past the shared-memory limit aborts the process): the default and
+    this configuration, outputs (forward) or gradients (backward) compared, timed alternately."""
     torch.manual_seed(0)
     q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
     fwd_default, bwd_default = fa._tile_size_fwd_sm90, fa._tile_size_bwd_sm90
+    if part == "forward":
+        config, pack_gqa = FWD[name]
+
+        def launch(candidate):
+            fa._tile_size_fwd_sm90 = (lambda *a, **kw: config) if candidate and config else fwd_default
+            with torch.no_grad():
+                return [flash_attn_func(q, k, v, causal=True, pack_gqa=pack_gqa if candidate else None)[0]]
+    else:
+        config = BWD[name]
+        out = flash_attn_func(q, k, v, causal=True)[0]
+
+        def launch(candidate):
+            fa._tile_size_bwd_sm90 = (lambda *a, **kw: config) if candidate else bwd_default
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    expected = [t.float() for t in launch(False)]
+    started = time.perf_counter()
+    got = launch(True)
+    entry = {"config": repr(config), "compile_s": time.perf_counter() - started,
+             "max_abs_diff": [(g.float() - e).abs().max().item() for g, e in zip(got, expected)],
+             "ms": [], "default_ms": []}
+    for _ in range(3):
+        entry["default_ms"].append(events_median(lambda: launch(False)))
+        entry["ms"].append(events_median(lambda: launch(True)))
+    entry["over_default"] = min(entry["ms"]) / min(entry["default_ms"])
+    print(json.dumps(entry))
+
+
+def main(out_path):
     record = {"shapes": dict(batch=B, seq=T, q_heads=HQ, kv_heads=HKV, head_dim=D, causal=True),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "forward": {}, "backward": {}}
-    reference = {}
-
-    def forward_with(config, pack_gqa):
-        fa._tile_size_fwd_sm90 = fwd_default if config is None else (lambda *a, **kw: config)
-        return lambda: flash_attn_func(q, k, v, causal=True, pack_gqa=pack_gqa)[0]
-
-    runs = {}
-    for name, (config, pack_gqa) in FWD.items():
-        entry = record["forward"][name] = {"config": None if config is None else repr(config), "pack_gqa": pack_gqa}
-        try:
-            started = time.perf_counter()
-            with torch.no_grad():
-                out = forward_with(config, pack_gqa)()
-            entry["compile_s"] = time.perf_counter() - started
-            if name == "default":
-                reference["out"] = out.float()
-            entry["max_abs_diff"] = (out.float() - reference["out"]).abs().max().item()
-            runs[name] = (config, pack_gqa)
-        except Exception as err:  # noqa: BLE001 - a configuration that fails to compile is recorded
-            entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-        print("fwd", name, entry, flush=True)
-    for rep in range(3):  # round robin
-        for name, (config, pack_gqa) in runs.items():
-            fn = forward_with(config, pack_gqa)
-            with torch.no_grad():
-                record["forward"][name].setdefault("ms", []).append(events_median(fn))
-    fa._tile_size_fwd_sm90 = fwd_default
-
-    out = flash_attn_func(q, k, v, causal=True)[0]
-
-    def backward_with(config):
-        fa._tile_size_bwd_sm90 = bwd_default if config is None else (lambda *a, **kw: config)
-        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
-    runs = {}
-    for name, config in BWD.items():
-        entry = record["backward"][name] = {"config": None if config is None else repr(config)}
-        try:
-            started = time.perf_counter()
-            grads = backward_with(config)()
-            entry["compile_s"] = time.perf_counter() - started
-            if name == "default":
-                reference["grads"] = [g.float() for g in grads]
-            entry["max_abs_diff"] = [(g.float() - r).abs().max().item() for g, r in zip(grads, reference["grads"])]
-            runs[name] = config
-        except Exception as err:  # noqa: BLE001
-            entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-        print("bwd", name, entry, flush=True)
-    for rep in range(3):
-        for name, config in runs.items():
-            record["backward"][name].setdefault("ms", []).append(events_median(backward_with(config)))
-    fa._tile_size_bwd_sm90 = bwd_default
-    for part in ("forward", "backward"):
-        base = min(record[part]["default"]["ms"])
-        for name, entry in record[part].items():
-            if "ms" in entry:
-                entry["best_ms"] = min(entry["ms"])
-                entry["over_default"] = entry["best_ms"] / base
-                print(part, f"{name:28s} {entry['best_ms']:.3f} ms  x{entry['over_default']:.3f}", flush=True)
-    with open(out_path, "w") as f:
-        json.dump(record, f, indent=1)
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "method": "one process per configuration, the default and it timed alternately (3 x median of 30, "
+                        "CUDA events); forward alone, backward = FA4's pre-processing, kernel and post-processing",
+              "forward": {}, "backward": {}}
+    for part, names in (("backward", [n for n in BWD if n != "default"]), ("forward", list(FWD)[1:])):
+        for name in names:
+            try:
+                done = subprocess.run([sys.executable, __file__, "--one", part, name], capture_output=True, text=True,
+                                      timeout=120)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                entry = json.loads(lines[-1]) if lines else {
+                    "error": f"exit {done.returncode}: " + " | ".join(
+                        line for line in done.stderr.splitlines() if "rror" in line)[-400:]}
+            except subprocess.TimeoutExpired:
+                entry = {"error": "timed out after 120 s"}
+            record[part][name] = entry
+            print(part, f"{name:28s}", {key: entry.get(key) for key in ("over_default", "max_abs_diff", "error")},
+                  flush=True)
+            with open(out_path, "w") as f:
+                json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--one":
+        one(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1])

@@ -1,7 +1,8 @@
-"""cflib's QK-norm + RoPE kernels as committed (a block of tokens, every head of each) against the earlier
-(token, head)-row kernels kept beside this script (`qk_norm_rope_rows.py`), at the 200M shapes on the same
-inputs: outputs compared, each way timed round robin (triton.testing.do_bench median, backward with its
-partials' sum), and the bytes each way must move over its time.
+"""cflib's QK-norm + RoPE kernels (blocks of (token, head) rows) against a candidate kept beside this script
+(`qk_norm_rope_tokens.py`: a block of tokens, every head of each, whole rows, cos and sin once a token), at the
+200M shapes on the same inputs: outputs compared, each way timed round robin (triton.testing.do_bench median,
+backward with its partials' sum), and the bytes each way must move over its time. The inputs' cos and sin
+are random, not RoPE tables, so the two (which read the tables' halves differently) differ in q and k.
 
     PYTHONPATH=. python qk_norm_rope_ab.py OUT.json
 """
@@ -15,11 +16,11 @@ from triton.testing import do_bench
 
 from cflib.bench.tiles import _qk_inputs
 from cflib.model.config import preset
-from cflib.ops import qk_norm_rope as tokens_kernels
+from cflib.ops import qk_norm_rope as rows_kernels
 
-spec = importlib.util.spec_from_file_location("qk_rows", pathlib.Path(__file__).with_name("qk_norm_rope_rows.py"))
-rows_kernels = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(rows_kernels)
+spec = importlib.util.spec_from_file_location("qk_tokens", pathlib.Path(__file__).with_name("qk_norm_rope_tokens.py"))
+tokens_kernels = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tokens_kernels)
 
 
 def main(out_path):
