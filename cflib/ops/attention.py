@@ -24,13 +24,12 @@ the host with the batch (`pack_documents`), so no step reads the device back.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -376,66 +375,6 @@ def _fa4():
     return flash_attn.cute
 
 
-# FlashAttention-4 4.0.0b36 gives its SM90 backward at head dim <= 64 C++ FA3's H100 configuration (128 x 128 tiles,
-# dQ's MMA atoms over two warp groups). On the H200 at the 200M shapes (16 x 2,048, GQA 14/2, causal) the same
-# tiles with dQ's atoms in one (AtomLayoutMdQ 1) ran the backward, its pre- and post-processing included, 8% faster,
-# gradients within BF16 rounding of the default's; eight other configurations ran slower or did not build
-# (docs/kernels.md). Only that configuration is changed: another FA4 that chooses otherwise keeps its choice.
-_FA3_HEAD_DIM_64_BACKWARD = {"m_block_size": 128, "n_block_size": 128, "AtomLayoutMdQ": 2, "dQ_swapAB": False}
-
-
-@contextlib.contextmanager
-def _sm90_backward_tiles():
-    """FA4's SM90 backward configuration with AtomLayoutMdQ 1 for the one above, for cflib's calls only: other
-    FlashAttention-4 users in the process (a peer model) keep FA4's own choice."""
-    interface = importlib.import_module("flash_attn.cute.interface")
-    default = getattr(interface, "_tile_size_bwd_sm90", None)
-    if default is None:  # an FA4 that chooses its SM90 tiles elsewhere: its choice as it is
-        yield
-        return
-
-    def tiles(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
-        found = default(head_dim, head_dim_v, causal, local, sparse_block_size_q=sparse_block_size_q)
-        if head_dim <= 64 and all(getattr(found, key, None) == value
-                                  for key, value in _FA3_HEAD_DIM_64_BACKWARD.items()):
-            return replace(found, AtomLayoutMdQ=1)
-        return found
-
-    interface._tile_size_bwd_sm90 = tiles
-    try:
-        yield
-    finally:
-        interface._tile_size_bwd_sm90 = default
-
-
-class _FA4Attention(torch.autograd.Function):
-    """FlashAttention-4, causal, over [B, T, H, hd] rows or [tokens, H, hd] documents (cu_seqlens): its forward
-    as FA4 runs it, its backward on the tiles above."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        if cu_seqlens is None:
-            out, lse = _fa4().flash_attn_func(q, k, v, causal=True, return_lse=True)
-        else:
-            out, lse = _fa4().flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                                     causal=True, return_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        return *_fa4_backward(*ctx.saved_tensors[:5], grad_out, cu_seqlens=ctx.saved_tensors[5]), None
-
-
-def _fa4_backward(q, k, v, out, lse, grad_out, cu_seqlens=None) -> tuple[torch.Tensor, ...]:
-    """FA4's backward (its autograd functions' own call), causal, on the tiles above: (dq, dk, dv)."""
-    from flash_attn.cute.interface import _flash_attn_bwd
-    with _sm90_backward_tiles():
-        return _flash_attn_bwd(q, k, v, out, grad_out, lse, None, True, cu_seqlens_q=cu_seqlens,
-                               cu_seqlens_k=cu_seqlens)
-
-
 def _tokens(x: torch.Tensor) -> torch.Tensor:
     """[B, H, T, hd] -> [B x T, H, hd]: a view when x is a transposed [B, T, H, hd] tensor, as the QKV paths give."""
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
@@ -448,14 +387,17 @@ def _from_tokens(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _run_fa4(q, k, v, batch: AttentionBatch) -> torch.Tensor:
     # FlashAttention-4 takes [B, T, H, hd]: the transposes are views.
-    return _FA4Attention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None).transpose(1, 2)
+    out = _fa4().flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)[0]
+    return out.transpose(1, 2)
 
 
 def _run_fa4_varlen(q, k, v, batch: AttentionBatch) -> torch.Tensor:
     cu_seqlens = batch.documents.cu_seqlens
     # No max_seqlen: FA4 bounds its grid by the token count and reads each length from cu_seqlens on the device
     # (H200: 0.77 ms against 0.82 with the true maximum; a tensor maximum fails in 4.0.0b36).
-    return _from_tokens(_FA4Attention.apply(_tokens(q), _tokens(k), _tokens(v), cu_seqlens), q)
+    out = _fa4().flash_attn_varlen_func(_tokens(q), _tokens(k), _tokens(v), cu_seqlens_q=cu_seqlens,
+                                               cu_seqlens_k=cu_seqlens, causal=True)[0]
+    return _from_tokens(out, q)
 
 
 @functools.cache

@@ -8,11 +8,8 @@ checked before any step, is tested in tests/train/test_kernel_params.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.machinery
 import importlib.util
-import sys
-import types
 
 import pytest
 import torch
@@ -159,18 +156,6 @@ class StandInFlashAttention4:
         return _segments(q, k, v, cu_seqlens_q), None
 
 
-def stand_in_fa4_backward(q, k, v, out, lse, grad_out, cu_seqlens=None):
-    """cflib's call of FA4's backward (the forward's q, k, v, out and lse, the output's gradient), computed
-    by autograd through the stand-in's forward."""
-    assert grad_out.shape == out.shape and lse is None  # the stand-in's forward returns no lse
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    fa4 = StandInFlashAttention4()
-    with torch.enable_grad():
-        again = (fa4.flash_attn_func(*leaves, causal=True) if cu_seqlens is None else fa4.flash_attn_varlen_func(
-            *leaves, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, causal=True))[0]
-        return torch.autograd.grad(again, leaves, grad_out)
-
-
 def stand_in_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1),
                          enable_gqa=False):
     """torch.nn.attention.varlen.varlen_attn's signature (2.12+, enable_gqa) with SDPA inside."""
@@ -190,7 +175,6 @@ def test_the_model_hands_the_gpu_kernels_what_they_take(monkeypatch, kernel):
     from cflib.ops.loss import chunked_cross_entropy_sum
 
     monkeypatch.setattr(attention, "_fa4", StandInFlashAttention4)
-    monkeypatch.setattr(attention, "_fa4_backward", stand_in_fa4_backward)
     monkeypatch.setattr(attention, "_torch_varlen", lambda: (stand_in_varlen_attn, True))
     model = tiny_model(seed=4, hidden_size=64).train()  # head_dim 16
     ids, labels = random_ids(50, 2, 16), random_ids(50, 2, 16, seed=1)
@@ -210,34 +194,6 @@ def test_the_model_hands_the_gpu_kernels_what_they_take(monkeypatch, kernel):
     torch.testing.assert_close(got, want, rtol=2e-3, atol=0)
     for name, grad in want_grads.items():
         assert (got_grads[name] - grad).norm() <= 2e-2 * grad.norm() + 1e-6, name
-
-
-def test_fa4s_hopper_backward_takes_the_measured_tiles_in_cflibs_calls_only(monkeypatch):
-    """FA4's SM90 backward choice (a stand-in module with its function's signature): FA3's head-dim-64
-    configuration gets dQ's MMA atoms in one warp group inside cflib's call, every other choice stays, and FA4's
-    own function is back afterwards, an error or not."""
-    @dataclasses.dataclass
-    class Config:
-        m_block_size: int
-        n_block_size: int
-        AtomLayoutMdQ: int
-        dQ_swapAB: bool
-
-    choices = {64: Config(128, 128, 2, False), 128: Config(64, 128, 1, False)}
-    interface = types.ModuleType("flash_attn.cute.interface")
-    interface._tile_size_bwd_sm90 = lambda head_dim, head_dim_v, causal, local, sparse_block_size_q=None: \
-        choices[head_dim]
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    fa4s_own = interface._tile_size_bwd_sm90
-    with attention._sm90_backward_tiles():
-        assert interface._tile_size_bwd_sm90(64, 64, True, False) == Config(128, 128, 1, False)
-        assert interface._tile_size_bwd_sm90(128, 128, True, False) == Config(64, 128, 1, False)
-    assert interface._tile_size_bwd_sm90 is fa4s_own and fa4s_own(64, 64, True, False).AtomLayoutMdQ == 2
-    choices[64] = Config(64, 128, 2, False)  # an FA4 that chooses otherwise keeps its choice
-    with pytest.raises(RuntimeError), attention._sm90_backward_tiles():
-        assert interface._tile_size_bwd_sm90(64, 64, True, False) == Config(64, 128, 2, False)
-        raise RuntimeError("the backward failed")
-    assert interface._tile_size_bwd_sm90 is fa4s_own
 
 
 # --- each kernel beside its reference, where it runs -----------------------------------------------------------
