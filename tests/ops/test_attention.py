@@ -244,8 +244,7 @@ def test_fa4_dq1_changes_fa4s_hopper_backward_tiles_inside_its_own_calls_only(mo
 
 # (attention_backend, packed): every kernel the backends run (auto on dense rows: torch_sdpa on a CPU).
 KERNEL_CASES = [("auto", False), ("sdpa_mask", True), ("fa4", False), ("fa4", True), ("fa4_dq1", False),
-                ("fa4_dq1", True), ("cudnn_sdpa", False),
-                ("torch_varlen", True), ("flex", True)]
+                ("fa4_dq1", True), ("cudnn_sdpa", False), ("torch_varlen", True), ("flex", True)]
 BATCH, SEQ, Q_HEADS, KV_HEADS, HEAD_DIM = 2, 12, 4, 2, 32
 DOCUMENT_IDS = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 8 + [1] * 4])
 
