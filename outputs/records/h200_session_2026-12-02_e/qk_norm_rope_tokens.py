@@ -1,24 +1,9 @@
-"""QK-norm and RoPE on the fused QKV projection's output, in one kernel each way.
-
-After the QKV GEMM every query and key head is RMS-normalised with its own
-weight (QK-norm) and rotated (RoPE, rotate-half). Done apart that is four
-launches forward (two norms, RoPE, plus the copies that make q and k
-contiguous) and as many backward, each re-reading the heads, and on the
-host the launch overhead of each: at 200M shapes the forward pass was bound by
-the host. One program here takes a block of tokens, every head of each, straight
-from the QKV output, normalises and rotates the query and key heads in fp32 and
-writes q, k and v in the layout attention reads (v as it is: no separate copy
-runs for it, forward or backward). A token's cos and sin are read once for all
-its heads, and each head is read and written as whole contiguous rows.
-
-The function takes the whole QKV output and hands back v too, so backward
-writes one gradient for it: q, k and v taken as three slices of it would each
-send back a zero-filled QKV-sized gradient to be summed (at 200M that was
-3 ms of every 107 ms step on the H200).
+"""The candidate layout of the QK-norm + RoPE kernels that qk_norm_rope_ab.py measured against cflib's (and
+that lost both ways): each program takes a block of tokens and every head of each, reads a token's cos and
+sin once for all its heads, and reads and writes each head as one contiguous 64-column row, its rotate-half
+partner columns re-read from L1. rstd is [tokens, Hq + Hkv]. Only the kernels and their launchers are kept.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -26,8 +11,7 @@ import triton.language as tl
 
 from cflib.ops import interpreter  # noqa: F401
 
-# Tiles measured on the H200 at the 200M shapes (16 x 2,048 tokens, 14 + 2 + 2 heads of 64): `python -m
-# cflib.bench.tiles` sweeps them.
+# The tiles the A/B ran (not swept).
 FORWARD_TILE = (4, 4)  # tokens per program, warps
 BACKWARD_TILE = (2, 4, 4)  # tokens per block, blocks per program, warps
 
@@ -177,47 +161,3 @@ def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: to
         KV_HEADS=kv_heads, Q_PAD=triton.next_power_of_2(q_heads), KV_PAD=triton.next_power_of_2(kv_heads),
         HEAD_DIM=head_dim, BLOCK_T=block_tokens, BLOCKS=blocks, num_warps=warps)
     return grad_qkv, partial.sum(0)
-
-
-class QKVNormRope(torch.autograd.Function):
-    """qkv [N, (Hq + 2 Hkv) * hd] -> q [N, Hq, hd], k [N, Hkv, hd] normed and rotated, v [N, Hkv, hd] as it is."""
-
-    @staticmethod
-    def forward(ctx, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = qkv.contiguous()
-        q, k, v, rstd = qk_norm_rope_forward(qkv, q_weight, k_weight, cos, sin, positions, q_heads, kv_heads, eps)
-        ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin, positions, rstd)
-        ctx.heads = (q_heads, kv_heads)
-        return q, k, v
-
-    @staticmethod
-    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
-        qkv, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
-        grad_qkv, grad_w = qk_norm_rope_backward(grad_q, grad_k, grad_v, qkv, q_weight, k_weight, cos, sin, positions,
-                                                 rstd, *ctx.heads)
-        return grad_qkv, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype), None, None, None, None, None, None
-
-
-@functools.lru_cache(maxsize=8)
-def _positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(seq, device=device, dtype=torch.int32).repeat(batch)
-
-
-def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, batch: int, seq: int, q_heads: int, kv_heads: int,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, T, Hq, hd], k and v [B, T, Hkv, hd] from qkv [B*T, (Hq + 2 Hkv) * hd].
-
-    cos/sin [T, hd]: positions 0..T-1 in every row; [B, T, hd] (packed windows, positions restarting
-    per example): each token reads its own row of the flattened tables.
-    """
-    if cos.dim() == 3:
-        cos, sin, positions = cos.reshape(batch * seq, -1), sin.reshape(batch * seq, -1), _positions(1, batch * seq,
-                                                                                                       qkv.device)
-    else:
-        positions = _positions(batch, seq, qkv.device)
-    q, k, v = QKVNormRope.apply(qkv, q_weight, k_weight, cos.contiguous(), sin.contiguous(), positions, q_heads,
-                                kv_heads, eps)
-    return q.view(batch, seq, q_heads, -1), k.view(batch, seq, kv_heads, -1), v.view(batch, seq, kv_heads, -1)
