@@ -12,14 +12,17 @@ from cflib.train.collector import steady_collector
 
 
 def test_steady_collector_freezes_once_for_nested_holders_and_unfreezes_on_exit():
+    """Frozen objects that die meanwhile (a frame, another thread's garbage) leave the count, so the inner holder
+    is told apart by what it would add or remove: the 1,000 lists made after the outer freeze, or everything."""
     before = gc.get_freeze_count()  # a library or plugin may have frozen a few objects already
-    alive = [object() for _ in range(1000)]
+    alive = [[] for _ in range(1000)]  # lists: objects the collector tracks
     with steady_collector():
         outer = gc.get_freeze_count()
         assert outer >= before + len(alive)
+        newer = [[] for _ in range(1000)]
         with steady_collector():
-            assert gc.get_freeze_count() == outer  # the inner holder neither refreezes nor unfreezes
-        assert gc.get_freeze_count() == outer
+            assert outer - len(newer) // 2 < gc.get_freeze_count() <= outer  # neither refrozen nor unfrozen
+        assert outer - len(newer) // 2 < gc.get_freeze_count() <= outer
     assert gc.get_freeze_count() == 0  # every frozen object is collectable again
 
 
