@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--kernels: no such kernel {', '.join(unknown)} (known: {', '.join(known)})")
     wanted = set(args.kernels or known)
     sweeps = [sweep for names, build in families.items() if wanted & set(names) for sweep in build()
-              if sweep.name in wanted]
+              if not args.kernels or sweep.name in wanted]
     for sweep in sweeps:
         record["kernels"][sweep.name] = found = run_sweep(sweep, time_it=device.type == "cuda")
         fastest = found["fastest"]
