@@ -84,13 +84,7 @@ LORA_PATHS: dict[str, dict[str, Any]] = {
     "production_lora_bf16_base": {**PROJECT_PATHS["production"], "full_parameter": False, "lora_rank": 16,
                                   "lora_alpha": 32, "base_dtype": "bfloat16"},
 }
-# production with FlashAttention-4's Hopper backward on the tiles of attention_backend: fa4_dq1 (cflib.ops.attention),
-# a configuration on trial: measured when named.
-TRIAL_PATHS: dict[str, dict[str, Any]] = {
-    "production_fa4_dq1": {**PROJECT_PATHS["production"], "attention_backend": "fa4_dq1"},
-}
 PROJECT_PATHS.update(LORA_PATHS)
-PROJECT_PATHS.update(TRIAL_PATHS)
 # The peers: Liger applied or not, torch.compile or not, transformers' SDPA attention or FlashAttention-4.
 PEER_PATHS: dict[str, dict[str, Any]] = {
     "peer_eager": {"liger": False, "compiled": False},
@@ -102,7 +96,7 @@ PEER_PATHS: dict[str, dict[str, Any]] = {
 # The kinds of batches, and the paths each runs: the project's on both, the peer's as each kind feeds it.
 BATCHES: dict[str, tuple[str, ...]] = {RANDOM_ROWS: (*PROJECT_PATHS, *PEER_PATHS), REALISTIC: (*PROJECT_PATHS, *FEEDS)}
 PATHS = (*PROJECT_PATHS, *PEER_PATHS, *FEEDS)
-DEFAULT_PATHS = tuple(name for name in PATHS if name not in LORA_PATHS and name not in TRIAL_PATHS)
+DEFAULT_PATHS = tuple(name for name in PATHS if name not in LORA_PATHS)
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,12 @@ the host with the batch (`pack_documents`), so no step reads the device back.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -376,67 +375,6 @@ def _fa4():
     return flash_attn.cute
 
 
-# FlashAttention-4 4.0.0b36 gives its Hopper backward at head dim <= 64 C++ FA3's H100 configuration: 128 x 128
-# tiles, dQ's MMA atoms over two warp groups. With dQ's atoms in one (AtomLayoutMdQ 1) the backward alone measured
-# ahead on an H200 at the 200M shapes, by less than the power-limited GPU's spread between runs (docs/measuring.md),
-# so `fa4_dq1` runs it by name while the whole-step A/B decides. Only that configuration changes: an FA4 that
-# chooses otherwise keeps its choice.
-_FA3_HEAD_DIM_64_BACKWARD = {"m_block_size": 128, "n_block_size": 128, "AtomLayoutMdQ": 2, "dQ_swapAB": False}
-
-
-@contextlib.contextmanager
-def _dq1_backward_tiles():
-    """FA4's Hopper backward configuration with AtomLayoutMdQ 1 in place of the one above, for the calls inside
-    only: other FlashAttention-4 users in the process (a peer model) keep FA4's own choice."""
-    interface = importlib.import_module("flash_attn.cute.interface")
-    default = getattr(interface, "_tile_size_bwd_sm90", None)
-    if default is None:  # an FA4 that chooses its Hopper tiles elsewhere: its choice as it is
-        yield
-        return
-
-    def tiles(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
-        found = default(head_dim, head_dim_v, causal, local, sparse_block_size_q=sparse_block_size_q)
-        if head_dim <= 64 and all(getattr(found, key, None) == value
-                                  for key, value in _FA3_HEAD_DIM_64_BACKWARD.items()):
-            return replace(found, AtomLayoutMdQ=1)
-        return found
-
-    interface._tile_size_bwd_sm90 = tiles
-    try:
-        yield
-    finally:
-        interface._tile_size_bwd_sm90 = default
-
-
-def _fa4_dq1_backward(q, k, v, out, lse, grad_out, cu_seqlens=None) -> tuple[torch.Tensor, ...]:
-    """FA4's backward as its autograd functions call it, causal, on the dQ-atoms-in-one tiles: (dq, dk, dv)."""
-    from flash_attn.cute.interface import _flash_attn_bwd
-    with _dq1_backward_tiles():
-        return _flash_attn_bwd(q, k, v, out, grad_out, lse, None, True, cu_seqlens_q=cu_seqlens,
-                               cu_seqlens_k=cu_seqlens)
-
-
-class _FA4Dq1(torch.autograd.Function):
-    """FlashAttention-4, causal, over [B, T, H, hd] rows or [tokens, H, hd] documents (cu_seqlens): its forward
-    as FA4 runs it, its backward through _fa4_dq1_backward."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        if cu_seqlens is None:
-            out, lse = _fa4().flash_attn_func(q, k, v, causal=True, return_lse=True)
-        else:
-            out, lse = _fa4().flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                                     causal=True, return_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        *saved, cu_seqlens = ctx.saved_tensors
-        return *_fa4_dq1_backward(*saved, grad_out, cu_seqlens=cu_seqlens), None
-
-
 def _tokens(x: torch.Tensor) -> torch.Tensor:
     """[B, H, T, hd] -> [B x T, H, hd]: a view when x is a transposed [B, T, H, hd] tensor, as the QKV paths give."""
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
@@ -460,14 +398,6 @@ def _run_fa4_varlen(q, k, v, batch: AttentionBatch) -> torch.Tensor:
     out = _fa4().flash_attn_varlen_func(_tokens(q), _tokens(k), _tokens(v), cu_seqlens_q=cu_seqlens,
                                                cu_seqlens_k=cu_seqlens, causal=True)[0]
     return _from_tokens(out, q)
-
-
-def _run_fa4_dq1(q, k, v, batch: AttentionBatch) -> torch.Tensor:
-    return _FA4Dq1.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None).transpose(1, 2)
-
-
-def _run_fa4_dq1_varlen(q, k, v, batch: AttentionBatch) -> torch.Tensor:
-    return _from_tokens(_FA4Dq1.apply(_tokens(q), _tokens(k), _tokens(v), batch.documents.cu_seqlens), q)
 
 
 @functools.cache
@@ -496,12 +426,6 @@ register_backend(Backend("fa4", "FlashAttention-4",
                          Kernel("fa4_varlen", _run_fa4_varlen, half_only=True, component="attention_fa4_varlen",
                                 capturable=True),
                          _fa4_problem, auto_for=(False, True)))
-register_backend(Backend("fa4_dq1", "FlashAttention-4, its Hopper backward's dQ MMA atoms in one warp group",
-                         Kernel("fa4_dq1", _run_fa4_dq1, half_only=True, component="attention_fa4_dq1",
-                                capturable=True),
-                         Kernel("fa4_dq1_varlen", _run_fa4_dq1_varlen, half_only=True,
-                                component="attention_fa4_dq1_varlen", capturable=True),
-                         _fa4_problem))
 register_backend(Backend("cudnn_sdpa", "cuDNN attention",
                          Kernel("cudnn_sdpa", _cudnn, half_only=True, component="attention_cudnn", capturable=True), None,
                          _cudnn_problem, auto_for=(False,)))

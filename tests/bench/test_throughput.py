@@ -422,17 +422,6 @@ def test_a_path_whose_requirements_fail_is_skipped_with_the_reason(tmp_path, mon
     assert row["value"] is None and "need a CUDA device" in row["why_none"]
 
 
-def test_a_trial_path_is_measured_when_named_and_says_why_it_cannot_run_here(tmp_path):
-    """production_fa4_dq1 (FlashAttention-4 by name) is left out of the default paths; on a CPU it is skipped
-    before any step with the check that failed."""
-    assert "production_fa4_dq1" in throughput.PATHS and "production_fa4_dq1" not in throughput.DEFAULT_PATHS
-    record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
-                                                 "batches": "random_rows", "paths": ["production_fa4_dq1"]}),
-                     log=lambda line: None)
-    (entry,) = record["paths"]
-    assert entry["status"] == "skipped" and "attention_backend: fa4_dq1, but no GPU" in entry["reason"], entry
-
-
 @pytest.mark.slow
 def test_lora_paths_train_adapters_on_the_production_kernels_and_are_compared(tmp_path):
     """production_lora against production (smoke size: the plumbing); its BF16 base needs bf16 and says so."""

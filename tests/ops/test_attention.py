@@ -8,11 +8,8 @@ checked before any step, is tested in tests/train/test_kernel_params.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.machinery
 import importlib.util
-import sys
-import types
 
 import pytest
 import torch
@@ -159,18 +156,6 @@ class StandInFlashAttention4:
         return _segments(q, k, v, cu_seqlens_q), None
 
 
-def stand_in_fa4_backward(q, k, v, out, lse, grad_out, cu_seqlens=None):
-    """cflib's call of FA4's backward (the forward's q, k, v, out and lse, the output's gradient), computed
-    by autograd through the stand-in's forward."""
-    assert grad_out.shape == out.shape and lse is None  # the stand-in's forward returns no lse
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    fa4 = StandInFlashAttention4()
-    with torch.enable_grad():
-        again = (fa4.flash_attn_func(*leaves, causal=True) if cu_seqlens is None else fa4.flash_attn_varlen_func(
-            *leaves, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, causal=True))[0]
-        return torch.autograd.grad(again, leaves, grad_out)
-
-
 def stand_in_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1),
                          enable_gqa=False):
     """torch.nn.attention.varlen.varlen_attn's signature (2.12+, enable_gqa) with SDPA inside."""
@@ -180,7 +165,7 @@ def stand_in_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
     return _segments(query, key, value, cu_seq_q)
 
 
-@pytest.mark.parametrize("kernel", ["fa4", "fa4_varlen", "fa4_dq1", "fa4_dq1_varlen", "torch_varlen"])
+@pytest.mark.parametrize("kernel", ["fa4", "fa4_varlen", "torch_varlen"])
 def test_the_model_hands_the_gpu_kernels_what_they_take(monkeypatch, kernel):
     """The whole model (packed windows for the varlen kernels) through stand-ins of FlashAttention-4 and
     torch's varlen_attn: the loss and every gradient those of SDPA with a document mask, up to the bf16 cast
@@ -190,11 +175,10 @@ def test_the_model_hands_the_gpu_kernels_what_they_take(monkeypatch, kernel):
     from cflib.ops.loss import chunked_cross_entropy_sum
 
     monkeypatch.setattr(attention, "_fa4", StandInFlashAttention4)
-    monkeypatch.setattr(attention, "_fa4_dq1_backward", stand_in_fa4_backward)
     monkeypatch.setattr(attention, "_torch_varlen", lambda: (stand_in_varlen_attn, True))
     model = tiny_model(seed=4, hidden_size=64).train()  # head_dim 16
     ids, labels = random_ids(50, 2, 16), random_ids(50, 2, 16, seed=1)
-    packed = kernel not in ("fa4", "fa4_dq1")
+    packed = kernel != "fa4"
     document_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 9 + [1] * 7]) if packed else None
     results = {}
     for name in ("reference", kernel):
@@ -212,39 +196,11 @@ def test_the_model_hands_the_gpu_kernels_what_they_take(monkeypatch, kernel):
         assert (got_grads[name] - grad).norm() <= 2e-2 * grad.norm() + 1e-6, name
 
 
-def test_fa4_dq1_changes_fa4s_hopper_backward_tiles_inside_its_own_calls_only(monkeypatch):
-    """FA4's Hopper backward choice (a stand-in module with its function's signature): FA3's head-dim-64
-    configuration gets dQ's MMA atoms in one warp group inside fa4_dq1's call, every other choice stays, and
-    FA4's own function is back afterwards, an error or not."""
-    @dataclasses.dataclass
-    class Config:
-        m_block_size: int
-        n_block_size: int
-        AtomLayoutMdQ: int
-        dQ_swapAB: bool
-
-    choices = {64: Config(128, 128, 2, False), 128: Config(64, 128, 1, False)}
-    interface = types.ModuleType("flash_attn.cute.interface")
-    interface._tile_size_bwd_sm90 = lambda head_dim, head_dim_v, causal, local, sparse_block_size_q=None: \
-        choices[head_dim]
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    fa4s_own = interface._tile_size_bwd_sm90
-    with attention._dq1_backward_tiles():
-        assert interface._tile_size_bwd_sm90(64, 64, True, False) == Config(128, 128, 1, False)
-        assert interface._tile_size_bwd_sm90(128, 128, True, False) == Config(64, 128, 1, False)
-    assert interface._tile_size_bwd_sm90 is fa4s_own and fa4s_own(64, 64, True, False).AtomLayoutMdQ == 2
-    choices[64] = Config(64, 128, 2, False)  # an FA4 that chooses otherwise keeps its choice
-    with pytest.raises(RuntimeError), attention._dq1_backward_tiles():
-        assert interface._tile_size_bwd_sm90(64, 64, True, False) == Config(64, 128, 2, False)
-        raise RuntimeError("the backward failed")
-    assert interface._tile_size_bwd_sm90 is fa4s_own
-
-
 # --- each kernel beside its reference, where it runs -----------------------------------------------------------
 
 # (attention_backend, packed): every kernel the backends run (auto on dense rows: torch_sdpa on a CPU).
-KERNEL_CASES = [("auto", False), ("sdpa_mask", True), ("fa4", False), ("fa4", True), ("fa4_dq1", False),
-                ("fa4_dq1", True), ("cudnn_sdpa", False), ("torch_varlen", True), ("flex", True)]
+KERNEL_CASES = [("auto", False), ("sdpa_mask", True), ("fa4", False), ("fa4", True), ("cudnn_sdpa", False),
+                ("torch_varlen", True), ("flex", True)]
 BATCH, SEQ, Q_HEADS, KV_HEADS, HEAD_DIM = 2, 12, 4, 2, 32
 DOCUMENT_IDS = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 8 + [1] * 4])
 
