@@ -19,11 +19,12 @@ from cflib.model.kv_cache import KVCache, LayerCache
 from cflib.model.routing import build_route_table
 from cflib.model.weights import ExpertAdapter, effective_weight
 from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
+from cflib.ops.rows import Rows, gather_rows
 
 INIT_STD = 0.02
 EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
 # The order records list what ran in.
-KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm")
+KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm", "last_layer_rows")
 
 
 class RMSNorm(nn.Module):
@@ -93,9 +94,11 @@ class Attention(nn.Module):
         return self.q_norm.kernel if isinstance(self.q_norm, RMSNorm) else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionBatch = DENSE_SDPA, kv: LayerCache | None = None) -> torch.Tensor:
+                attention: AttentionBatch = DENSE_SDPA, kv: LayerCache | None = None,
+                rows: Rows | None = None) -> torch.Tensor:
         """attention: the kernel of this forward's rows and, packed, their documents (cflib.ops.attention);
-        kv: decoding, the layer's cache keeps k and v and attends over every cached position."""
+        kv: decoding, the layer's cache keeps k and v and attends over every cached position; rows: the output
+        projection of those token rows only, [R, D] (every position still attends and is attended to)."""
         batch, seq, _ = x.shape
         q, k, v = self.project(x, cos, sin)  # [B, H, T, hd] each
         if kv is not None:
@@ -105,7 +108,8 @@ class Attention(nn.Module):
         self.ran = {**self.kernels, "attention": kernel}
         if self.qk_norm_kernel is not None:
             self.ran["qk_norm"] = self.qk_norm_kernel
-        return self.output(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        return self.output(out if rows is None else gather_rows(out, rows))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,11 +222,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionBatch = DENSE_SDPA, pending: torch.Tensor | None = None,
-                kv: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: LayerCache | None = None, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, pending): the MLP's output is returned apart and added by the next norm, which on the fast path
-        does the add and the norm in one kernel."""
+        does the add and the norm in one kernel. rows: after attention, those token rows alone ([R, D] out)."""
         h, x = self.input_layernorm.add_norm(h, pending)
-        h, x = self.post_attention_layernorm.add_norm(h, self.self_attn(x, cos, sin, attention, kv))
+        attended = self.self_attn(x, cos, sin, attention, kv, rows)
+        if rows is not None:
+            h, token_ids = gather_rows(h, rows), token_ids.reshape(-1).index_select(0, rows.indices)
+        h, x = self.post_attention_layernorm.add_norm(h, attended)
         return h, self.mlp["engine"](x, token_ids)
 
 
@@ -240,6 +247,7 @@ class TRMoEModel(nn.Module):
         # The backend asked for (cflib.ops.attention.BACKENDS, or auto); each forward picks its kernel for the
         # activations' dtype and the kind of rows. Set by cflib.model.fast.use_kernels.
         self.attention_backend = "auto"
+        self.last_layer_rows = "none"  # the rows the last forward's last layer computed after attention: all, selected
         self.reset_parameters()
 
     @torch.no_grad()
@@ -267,11 +275,14 @@ class TRMoEModel(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | PackedDocuments | None = None,
-                kv: KVCache | None = None) -> torch.Tensor:
-        """Final hidden states. document_ids: packed examples, each attending only to itself with positions
-        restarting at 0, as [B, T] ids or, built on the host with the batch, PackedDocuments (no sync);
+                kv: KVCache | None = None, rows: Rows | None = None) -> torch.Tensor:
+        """Final hidden states [B, T, D]. document_ids: packed examples, each attending only to itself with
+        positions restarting at 0, as [B, T] ids or, built on the host with the batch, PackedDocuments (no sync);
         None: one sequence per row, as if unpacked. kv (cflib.model.kv_cache.KVCache): decoding; the cache
-        says each row's positions and keeps every layer's keys and values."""
+        says each row's positions and keeps every layer's keys and values. rows (cflib.ops.rows.Rows): the final
+        hidden states of those flat positions alone, [R, D]: everything after the last layer's attention works
+        token by token, so the last layer computes no other row (a third less of its work when a third of the
+        tokens is unsupervised)."""
         documents = pack_documents(document_ids) if isinstance(document_ids, torch.Tensor) else document_ids
         device = input_ids.device
         activations = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
@@ -280,12 +291,16 @@ class TRMoEModel(nn.Module):
         positions = kv.positions if kv is not None else documents.positions if documents is not None else None
         cos, sin = self.rope(input_ids.shape[1], device, positions)
         h, pending = self.embed_tokens(input_ids), None
+        last = len(self.layers) - 1
+        self.last_layer_rows = "all" if rows is None else "selected"
         for index, layer in enumerate(self.layers):
+            layer_rows = rows if index == last else None
             if self.grad_ckpt and self.training:
-                h, pending = checkpoint(layer, h, input_ids, cos, sin, attention, pending, use_reentrant=False)
+                h, pending = checkpoint(layer, h, input_ids, cos, sin, attention, pending, rows=layer_rows,
+                                        use_reentrant=False)
             else:
                 h, pending = layer(h, input_ids, cos, sin, attention, pending,
-                                   kv.layers[index] if kv is not None else None)
+                                   kv.layers[index] if kv is not None else None, layer_rows)
         return self.norm.add_norm(h, pending)[1]
 
     def kernel_path(self) -> dict[str, str]:
@@ -298,5 +313,6 @@ class TRMoEModel(nn.Module):
                     found.setdefault(key, set()).add(value)
         for key, value in self.norm.ran.items():
             found.setdefault(key, set()).add(value)
+        found["last_layer_rows"] = {self.last_layer_rows}
         order = {key: index for index, key in enumerate(KERNEL_PATH_KEYS)}
         return {key: "+".join(sorted(found[key])) for key in sorted(found, key=lambda k: order.get(k, len(order)))}

@@ -84,29 +84,34 @@ def supervised_positions(labels: torch.Tensor) -> torch.Tensor:
 
 
 def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, token_weights: torch.Tensor | None,
-                    supervised: torch.Tensor | None = None, row_mask: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    supervised: torch.Tensor | None = None, row_mask: torch.Tensor | None = None,
+                    gathered: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Hidden states, targets and fp32 weights of the supervised positions only: prompt tokens cost no head FLOPs.
 
     supervised: supervised_positions(labels), already on labels' device; None: found here. row_mask: 1.0 for
-    each real entry of supervised, 0.0 for padding (a CUDA graph's static shape), multiplying the weights."""
+    each real entry of supervised, 0.0 for padding (a CUDA graph's static shape), multiplying the weights.
+    gathered: hidden [R, D] holds those rows already, in supervised's order (a model run with `rows`)."""
     if token_weights is not None and token_weights.shape != labels.shape:
         raise ValueError(f"token_weights has shape {tuple(token_weights.shape)}, labels {tuple(labels.shape)}")
     if row_mask is not None and (supervised is None or row_mask.shape != supervised.shape):
         raise ValueError("row_mask needs supervised of its shape")
+    if gathered and (supervised is None or hidden.dim() != 2 or hidden.shape[0] != supervised.numel()):
+        raise ValueError(f"gathered hidden states must be one row per supervised position: hidden "
+                         f"{tuple(hidden.shape)}, supervised {None if supervised is None else supervised.numel()}")
     if supervised is None:
         supervised = supervised_positions(labels)
     weights = token_weights.reshape(-1).index_select(0, supervised).float() if token_weights is not None else None
     if row_mask is not None:
         weights = row_mask.float() if weights is None else weights * row_mask
-    return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, supervised),
-            labels.reshape(-1).index_select(0, supervised), weights)
+    rows = hidden if gathered else hidden.reshape(-1, hidden.shape[-1]).index_select(0, supervised)
+    return rows, labels.reshape(-1).index_select(0, supervised), weights
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                               loss_chunk_tokens: int = 1024, fp32_loss: bool = True,
                               token_weights: torch.Tensor | None = None,
-                              supervised: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                              supervised: torch.Tensor | None = None, gathered: bool = False
+                              ) -> tuple[torch.Tensor, int]:
     """Sum of (weighted) token cross-entropies over supervised positions, and their count.
 
     hidden: [..., D] final hidden states; labels: [...] causally aligned
@@ -114,11 +119,12 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, l
     weights of labels' shape (only supervised positions are read), giving
     sum_i w_i * CE_i. Callers divide by the count, or the weighted mass, of the
     whole (accumulated) batch, so accumulation gives the exact (weighted) mean.
-    supervised: the supervised positions' flat indices (supervised_positions), if known.
+    supervised: the supervised positions' flat indices (supervised_positions), if known; gathered: hidden
+    [R, D] holds their rows already (supervised_rows).
     """
     if loss_chunk_tokens <= 0:
         raise ValueError(f"loss_chunk_tokens must be positive, got {loss_chunk_tokens}")
-    hidden, targets, token_weights = supervised_rows(hidden, labels, token_weights, supervised)
+    hidden, targets, token_weights = supervised_rows(hidden, labels, token_weights, supervised, gathered=gathered)
     count = int(targets.numel())
     if count == 0:
         return hidden.sum() * 0.0 + head_weight.sum() * 0.0, 0

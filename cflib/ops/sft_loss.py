@@ -18,6 +18,10 @@ from cflib.ops.loss import IGNORE_INDEX, chunked_cross_entropy_sum, supervised_r
 
 class Loss(Protocol):
     last_backend: str  # what the last call ran, for the record
+    # True: the loss reads the hidden states of the supervised positions only, and takes `gathered=True`: the
+    # trainer then hands it just those rows (hidden [R, D], in `supervised`'s order), and the model computes no
+    # other row after the last layer's attention. A loss without the attribute gets every position.
+    reads_supervised_rows_only: bool
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                  loss_chunk_tokens: int, fp32_loss: bool, token_weights: torch.Tensor | None = None,
@@ -48,6 +52,8 @@ class SFTLoss:
     Triton kernel per chunk turning logits into their gradient in place.
     """
 
+    reads_supervised_rows_only = True
+
     def __init__(self, plan: KernelPlan) -> None:
         self.plan = plan
         self.last_backend = "none"
@@ -55,11 +61,12 @@ class SFTLoss:
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                  loss_chunk_tokens: int, fp32_loss: bool, token_weights: torch.Tensor | None = None,
                  supervised: torch.Tensor | None = None, row_mask: torch.Tensor | None = None,
-                 head_master: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+                 head_master: torch.Tensor | None = None, gathered: bool = False) -> tuple[torch.Tensor, int]:
         """supervised: the flat indices of labels' supervised positions (cflib.ops.loss.supervised_positions),
-        computed where the batch is collated; None: found here, which on a GPU is a sync. row_mask: 1.0 for each
-        real entry of supervised, 0.0 for padding, on cflib's fused kernel only (cflib.train.graphs pads the
-        supervised positions to a static count). head_master: the FP32 weight head_weight is a half-precision
+        computed where the batch is collated; None: found here, which on a GPU is a sync. gathered: hidden
+        [R, D] holds the rows of those positions alone, in their order (a model run with `rows`). row_mask: 1.0
+        for each real entry of supervised, 0.0 for padding, on cflib's fused kernel only (cflib.train.graphs
+        pads the supervised positions to a static count). head_master: the FP32 weight head_weight is a half-precision
         copy of, outside autograd (cflib.model.weight_copies): cflib's fused loss writes its FP32 gradient
         there, as it does into an FP32 head_weight it computes on in half precision; the other losses compute
         on the master itself."""
@@ -71,8 +78,8 @@ class SFTLoss:
         if not fused:
             self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
             return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
-                                             token_weights=token_weights, supervised=supervised)
-        hidden, targets, weights = supervised_rows(hidden, labels, token_weights, supervised, row_mask)
+                                             token_weights=token_weights, supervised=supervised, gathered=gathered)
+        hidden, targets, weights = supervised_rows(hidden, labels, token_weights, supervised, row_mask, gathered)
         count = int(targets.numel())
         if count == 0:
             return hidden.sum() * 0.0 + (head_weight if head_master is None else head_master).sum() * 0.0, 0

@@ -34,6 +34,7 @@ from cflib.ops.attention import capturable, pack_documents
 from cflib.ops.dispatch import refuse_if_required
 from cflib.ops.sft_loss import SFTLoss, make_loss
 from cflib.ops.loss import supervised_positions
+from cflib.ops.rows import Rows
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
 from cflib.train.batch import MicroBatch
@@ -98,6 +99,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
         self.loss = make_loss(self.params.loss_type, run.kernels)
+        self.loss_rows_only = bool(getattr(self.loss, "reads_supervised_rows_only", False))
         self.weight_copies = self._weight_copies()
         self.graphs, self.eager_reason = self._graphed_micro_steps()
         self.staged: StagedStep | None = None  # the next step's host work, done during this one (train_step)
@@ -271,12 +273,17 @@ class Trainer:
         """One micro-batch's forward, loss and backward (gradients added to .grad); its summed loss, detached.
         capturing: inside a CUDA graph's capture, where autocast must not cache casts across replays."""
         p = self.params
-        rows = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
+        extra = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
+        # A loss that reads the supervised rows alone gets just those, and the last layer computes no other.
+        rows = Rows(batch.supervised, batch.row_mask) if self.loss_rows_only and batch.supervised.numel() else None
         with autocast(self.device, p.bf16, cache=not capturing):
-            hidden = self.train_model(batch.input_ids, batch.documents)
+            if rows is None:
+                hidden = self.train_model(batch.input_ids, batch.documents)
+            else:
+                hidden, extra["gathered"] = self.train_model(batch.input_ids, batch.documents, rows=rows), True
             head_weight, head = self._head()
             loss_sum, _ = self.loss(hidden, head_weight, batch.labels, p.loss_chunk_tokens, p.fp32_loss,
-                                    token_weights=batch.token_weights, supervised=batch.supervised, **rows, **head)
+                                    token_weights=batch.token_weights, supervised=batch.supervised, **extra, **head)
         (loss_sum * scale).backward()
         return loss_sum.detach()
 

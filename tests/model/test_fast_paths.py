@@ -13,6 +13,8 @@ from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import use_kernels
 from cflib.ops.dispatch import KernelPlan
+from cflib.ops.loss import supervised_positions
+from cflib.ops.rows import Rows
 from cflib.ops.sft_loss import SFTLoss
 
 DEVICE = KERNEL_DEVICE
@@ -60,3 +62,30 @@ def test_packed_and_weighted_production_path_matches_reference():
     assert fast[0] == pytest.approx(ref[0], rel=1e-5)
     for name, grad in ref[1].items():
         torch.testing.assert_close(fast[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_production_path_on_the_supervised_rows_alone_matches_reference():
+    """The trainer's production step: the last layer computes the supervised rows alone, padded as a CUDA graph
+    pads them (entries repeating a position, weight and mask 0), and the fused loss takes them gathered: the
+    reference's loss and gradients over every row."""
+    torch.manual_seed(0)
+    model = TRMoEModel(tiny_config()).to(DEVICE)
+    ids = random_ids(model.config.vocab_size, 2, 12).to(DEVICE)
+    labels = random_ids(model.config.vocab_size, 2, 12, seed=1).to(DEVICE)
+    labels[:, :4] = -100
+    ref_loss, ref_grads, _ = _loss_and_grads(model, KernelPlan(liger=False, custom=False), ids, labels)
+    plan = KernelPlan(liger=True, custom=True)
+    use_kernels(model, plan)
+    supervised = supervised_positions(labels)
+    count = supervised.numel()
+    padded = torch.cat([supervised, supervised[:1].expand(5)])
+    row_mask = torch.cat([torch.ones(count), torch.zeros(5)]).to(DEVICE)
+    hidden = model(ids, rows=Rows(padded, row_mask))
+    assert hidden.shape == (count + 5, model.config.hidden_size)
+    loss, _ = SFTLoss(plan)(hidden, model.head_weight, labels, 8, True, supervised=padded, row_mask=row_mask,
+                            gathered=True)
+    model.zero_grad()
+    (loss / count).backward()
+    assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import cflib.model.decoder
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEEngine, TRMoEModel
+from cflib.ops.rows import Rows
 
 try:
     from tiny_models import random_ids, tiny_config, tiny_model
@@ -117,6 +118,42 @@ def test_grad_checkpointing_matches_plain_backward(monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(ckpt_loss, plain_loss, rtol=1e-6, atol=1e-6)
     for name, grad in gradients(model).items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("grad_ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_chosen_rows_are_the_full_forward_s_rows_with_its_gradients(grad_ckpt: bool) -> None:
+    """rows: the last layer computes only the chosen positions after its attention; their final hidden states
+    and every parameter's gradient are the full forward's, packed documents included. Float64, so only the
+    order of sums differs (the norms compute in fp32 whatever the input, so their weights' gradients differ
+    by fp32 rounding)."""
+    model = tiny_model().double().train()
+    model.grad_ckpt = grad_ckpt
+    ids = random_ids(VOCAB, 3, 10)
+    documents = torch.tensor([[0] * 4 + [1] * 6, [0] * 10, [0] * 2 + [1] * 3 + [2] * 5])
+    chosen = torch.tensor([17, 3, 4, 9, 25, 29, 12])
+    grad = torch.randn(chosen.numel(), model.config.hidden_size, generator=torch.Generator().manual_seed(1),
+                       dtype=torch.float64)
+    full = model(ids, documents).reshape(-1, model.config.hidden_size)[chosen]
+    (full * grad).sum().backward()
+    full_grads = gradients(model)
+    model.zero_grad(set_to_none=True)
+    picked = model(ids, documents, rows=Rows(chosen))
+    (picked * grad).sum().backward()
+    torch.testing.assert_close(picked, full, rtol=1e-12, atol=1e-12)
+    for name, grad in gradients(model).items():
+        torch.testing.assert_close(grad, full_grads[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_only_the_last_layer_computes_just_the_chosen_rows() -> None:
+    model = tiny_model()
+    seen: list[tuple[int, ...]] = []
+    for layer in model.layers:
+        layer.mlp["engine"].register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape)))
+    model(random_ids(VOCAB, 2, 8), rows=Rows(torch.tensor([1, 9, 15])))
+    assert seen == [(2, 8, model.config.hidden_size), (3, model.config.hidden_size)]
+    assert model.kernel_path()["last_layer_rows"] == "selected"
+    model(random_ids(VOCAB, 2, 8))
+    assert model.kernel_path()["last_layer_rows"] == "all"
 
 
 def test_grad_checkpointing_is_off_in_eval(monkeypatch: pytest.MonkeyPatch) -> None:

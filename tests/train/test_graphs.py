@@ -17,6 +17,7 @@ from cflib.model.fast import build_model
 from cflib.ops.attention import pack_documents
 from cflib.ops.dispatch import KernelPlan
 from cflib.ops.loss import supervised_positions
+from cflib.ops.rows import Rows
 from cflib.ops.sft_loss import SFTLoss
 from cflib.train.batch import MicroBatch
 from cflib.train.graphs import DOCUMENTS, SUPERVISED_ROWS, padded, static_shape
@@ -43,23 +44,31 @@ def _host_batch(vocab: int, rows: int, seq: int, packed: bool, weighted: bool) -
     return MicroBatch(ids, labels, documents, weights, supervised_positions(labels))
 
 
-def _loss_and_grads(model, batch: MicroBatch) -> tuple[float, dict[str, torch.Tensor]]:
+def _loss_and_grads(model, batch: MicroBatch, gathered: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    """gathered: as the trainer runs the SFT loss, the last layer computing the supervised rows alone."""
     loss = SFTLoss(PRODUCTION)
     model.zero_grad(set_to_none=True)
-    rows = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
-    loss_sum, _ = loss(model(batch.input_ids, batch.documents), model.head_weight, batch.labels, 16, True,
-                       token_weights=batch.token_weights, supervised=batch.supervised, **rows)
+    extra = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
+    if gathered:
+        hidden = model(batch.input_ids, batch.documents, rows=Rows(batch.supervised, batch.row_mask))
+        extra["gathered"] = True
+    else:
+        hidden = model(batch.input_ids, batch.documents)
+    loss_sum, _ = loss(hidden, model.head_weight, batch.labels, 16, True, token_weights=batch.token_weights,
+                       supervised=batch.supervised, **extra)
     loss_sum.backward()
     return loss_sum.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["every-row", "supervised-rows"])
 @pytest.mark.parametrize("packed,weighted", [(False, False), (False, True), (True, False)],
                          ids=["dense", "dense-weighted", "packed"])
-def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, weighted):
+def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, weighted, gathered):
     """Dense rows padded to the next multiple of 256 tokens, supervised positions to a multiple of 512 (rows
     of weight 0), a packed batch's documents to a multiple of 64 (empty documents): the same loss and
-    gradients. Heads of 64, so that on a GPU packed windows run FlashAttention-4's varlen kernel where it is
-    installed, the kernel whose document table is padded."""
+    gradients, also where the last layer computes the supervised rows alone (padding entries repeating one,
+    masked out of the gradient). Heads of 64, so that on a GPU packed windows run FlashAttention-4's varlen
+    kernel where it is installed, the kernel whose document table is padded."""
     torch.manual_seed(0)
     config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     model = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
@@ -72,7 +81,7 @@ def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, wei
     if packed:
         assert wide.documents.cu_seqlens.shape == (DOCUMENTS + 1,)
     loss, grads = _loss_and_grads(model, host.to(KERNEL_DEVICE))
-    wide_loss, wide_grads = _loss_and_grads(model, wide.to(KERNEL_DEVICE))
+    wide_loss, wide_grads = _loss_and_grads(model, wide.to(KERNEL_DEVICE), gathered)
     assert wide_loss == pytest.approx(loss, rel=1e-5)
     for name, grad in grads.items():
         # The padded GEMMs sum the same terms (and zeros) in another order: entries that cancel to near zero

@@ -342,3 +342,26 @@ def test_a_packed_step_takes_its_documents_and_supervised_positions_from_the_hos
     row = trainer.train_step(windows)
     assert row["loss"] == pytest.approx(loss.item() / count, rel=1e-6)
     assert trainer.train_kernel_path["attention"] == "sdpa_mask"
+
+
+def test_the_sft_step_computes_its_last_layer_on_the_supervised_rows_alone(tmp_path, small_shard):
+    """The built-in loss reads the supervised rows only, so the trainer hands the model their positions and the
+    last layer's TR-MoE block sees those rows alone; the loss and every gradient are those of the step over
+    every row, which a loss reading every position gets."""
+    params = TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "run"),
+                                    "micro_batch_per_rank": 4, "global_batch": 4})
+    trainer = Trainer(prepare(params), progress=False)
+    batch = trainer.host_batch(np.arange(4))
+    seen: list[int] = []
+    trainer.model.layers[-1].mlp["engine"].register_forward_hook(
+        lambda m, args, out: seen.append(args[0].numel() // args[0].shape[-1]))
+    steps = []
+    for rows_only in (True, False):
+        trainer.loss_rows_only = rows_only  # False: as for a loss without reads_supervised_rows_only
+        trainer.model.zero_grad(set_to_none=True)
+        loss = trainer.forward_backward(batch, 1.0)
+        steps.append((loss.item(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}))
+    assert seen == [batch.supervised.numel(), batch.input_ids.numel()]
+    assert steps[0][0] == pytest.approx(steps[1][0], rel=1e-6)
+    for name, grad in steps[1][1].items():
+        torch.testing.assert_close(steps[0][1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
