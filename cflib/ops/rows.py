@@ -18,7 +18,7 @@ import triton.language as tl
 from cflib.ops import interpreter  # noqa: F401
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Rows:
     """Flat positions [R] (int64, into the [B * T] tokens) whose outputs are wanted, each once among the kept;
     keep [R] (float): 0.0 marks a padding entry (a CUDA graph's static count repeats a position), which takes
