@@ -85,11 +85,15 @@ LORA_PATHS: dict[str, dict[str, Any]] = {
                                   "lora_alpha": 32, "base_dtype": "bfloat16"},
 }
 PROJECT_PATHS.update(LORA_PATHS)
-# production with its last layer computing every row, as it does for a loss that reads every position (the SFT
-# loss reads the supervised rows alone, so production computes only those after the last attention). Measured
-# when named, to take the difference side by side.
-EVERY_ROW_PATHS: dict[str, dict[str, Any]] = {"production_every_row": PROJECT_PATHS["production"]}
-PROJECT_PATHS.update(EVERY_ROW_PATHS)
+# Variants of production measured when named, to take a difference side by side: its last layer computing every
+# row, as it does for a loss that reads every position (the SFT loss reads the supervised rows alone, so
+# production computes only those after the last attention); the residual stream in BF16 (needs bf16).
+VARIANT_PATHS: dict[str, dict[str, Any]] = {
+    "production_every_row": PROJECT_PATHS["production"],
+    "production_bf16_residual": {**PROJECT_PATHS["production"], "bf16_residual": True},
+}
+EVERY_ROW_PATHS = ("production_every_row",)
+PROJECT_PATHS.update(VARIANT_PATHS)
 # The peers: Liger applied or not, torch.compile or not, transformers' SDPA attention or FlashAttention-4.
 PEER_PATHS: dict[str, dict[str, Any]] = {
     "peer_eager": {"liger": False, "compiled": False},
@@ -101,7 +105,7 @@ PEER_PATHS: dict[str, dict[str, Any]] = {
 # The kinds of batches, and the paths each runs: the project's on both, the peer's as each kind feeds it.
 BATCHES: dict[str, tuple[str, ...]] = {RANDOM_ROWS: (*PROJECT_PATHS, *PEER_PATHS), REALISTIC: (*PROJECT_PATHS, *FEEDS)}
 PATHS = (*PROJECT_PATHS, *PEER_PATHS, *FEEDS)
-DEFAULT_PATHS = tuple(name for name in PATHS if name not in LORA_PATHS and name not in EVERY_ROW_PATHS)
+DEFAULT_PATHS = tuple(name for name in PATHS if name not in LORA_PATHS and name not in VARIANT_PATHS)
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ class ThroughputParams(Params):
     seq_len: int = 32
     micro_batches: tuple[int, ...] = (1, 2)  # every path on random rows is measured at each
     compare_micro_batch: int = 2  # where the ratios are taken, and realistic lengths measured; one of micro_batches
-    paths: tuple[str, ...] = DEFAULT_PATHS  # of PATHS; the LoRA and every-row paths when named
+    paths: tuple[str, ...] = DEFAULT_PATHS  # of PATHS; the LoRA and variant paths when named
     batches: tuple[str, ...] = tuple(BATCHES)  # random_rows and/or realistic
     shard: str | None = None  # realistic lengths from this shard root (its train partition); None: generated
     realistic_median_length: int = 10  # generated lengths: log-normal median, capped at seq_len (300 on a GPU run)

@@ -24,7 +24,7 @@ from cflib.ops.rows import Rows, gather_rows
 INIT_STD = 0.02
 EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
 # The order records list what ran in.
-KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm", "last_layer_rows")
+KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm", "residual", "last_layer_rows")
 
 
 class RMSNorm(nn.Module):
@@ -248,6 +248,10 @@ class TRMoEModel(nn.Module):
         # activations' dtype and the kind of rows. Set by cflib.model.fast.use_kernels.
         self.attention_backend = "auto"
         self.last_layer_rows = "none"  # the rows the last forward's last layer computed after attention: all, selected
+        # Under autocast, the residual stream between layers in the autocast dtype (as Megatron-LM and torchtitan
+        # keep it), not in the fp32 of the embeddings: each add rounds the stream. Set by cflib.train.run.
+        self.half_residual = False
+        self.last_residual = "none"  # the stream's dtype in the last forward, as records name it
         self.reset_parameters()
 
     @torch.no_grad()
@@ -291,6 +295,9 @@ class TRMoEModel(nn.Module):
         positions = kv.positions if kv is not None else documents.positions if documents is not None else None
         cos, sin = self.rope(input_ids.shape[1], device, positions)
         h, pending = self.embed_tokens(input_ids), None
+        if self.half_residual and torch.is_autocast_enabled(device.type):
+            h = h.to(activations)
+        self.last_residual = str(h.dtype).removeprefix("torch.")
         last = len(self.layers) - 1
         self.last_layer_rows = "all" if rows is None else "selected"
         for index, layer in enumerate(self.layers):
@@ -314,5 +321,6 @@ class TRMoEModel(nn.Module):
         for key, value in self.norm.ran.items():
             found.setdefault(key, set()).add(value)
         found["last_layer_rows"] = {self.last_layer_rows}
+        found["residual"] = {self.last_residual}
         order = {key: index for index, key in enumerate(KERNEL_PATH_KEYS)}
         return {key: "+".join(sorted(found[key])) for key in sorted(found, key=lambda k: order.get(k, len(order)))}

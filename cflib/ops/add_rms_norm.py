@@ -25,19 +25,24 @@ from cflib.ops.interpreter import INTERPRETING
 
 @triton.jit
 def _add_rms_norm_forward(h_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, saved_ptr, rstd_ptr, num_rows, dim, eps,
-                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                          SAVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """SAVE: write s again in the saved dtype for backward; without it (a half-precision stream) the stream is
+    what backward reads, and the norm is taken of s as the stream holds it, rounded."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
     offsets = rows.to(tl.int64)[:, None] * dim + cols[None, :]
     s = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     s += tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    s = s.to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + offsets, s, mask=mask)
+    s = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
     weight = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     y = s * rstd[:, None] * weight[None, :]
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(saved_ptr + offsets, s.to(saved_ptr.dtype.element_ty), mask=mask)
+    if SAVE:
+        tl.store(saved_ptr + offsets, s.to(saved_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=rows < num_rows)
 
 
@@ -48,12 +53,13 @@ _BACKWARD_CONFIGS = [triton.Config({"BLOCK_R": 4}, num_warps=8)] if INTERPRETING
     triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8), (16, 16))]
 
 
-@triton.autotune(_BACKWARD_CONFIGS, key=["dim", "HAS_GRAD_SUM"])
+@triton.autotune(_BACKWARD_CONFIGS, key=["dim", "HAS_GRAD_SUM", "ONE_GRADIENT"])
 @triton.jit
 def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weight_ptr, grad_s_ptr, grad_delta_ptr,
-                           grad_weight_ptr, num_rows, dim, rows_per_program,
-                           HAS_GRAD_SUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Each program walks rows_per_program rows, accumulating its share of d(weight) in registers."""
+                           grad_weight_ptr, num_rows, dim, rows_per_program, HAS_GRAD_SUM: tl.constexpr,
+                           ONE_GRADIENT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Each program walks rows_per_program rows, accumulating its share of d(weight) in registers. ONE_GRADIENT:
+    the stream and the sub-layer's output share a dtype, so their gradient is one tensor, written once."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -72,8 +78,9 @@ def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weig
         grad_s = rstd[:, None] * (scaled - normed * (tl.sum(scaled * normed, axis=1) / dim)[:, None])
         if HAS_GRAD_SUM:
             grad_s += tl.load(grad_sum_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_s_ptr + offsets, grad_s, mask=mask)
-        tl.store(grad_delta_ptr + offsets, grad_s.to(grad_delta_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_s_ptr + offsets, grad_s.to(grad_s_ptr.dtype.element_ty), mask=mask)
+        if not ONE_GRADIENT:
+            tl.store(grad_delta_ptr + offsets, grad_s.to(grad_delta_ptr.dtype.element_ty), mask=mask)
     tl.store(grad_weight_ptr + tl.program_id(0) * dim + cols, grad_weight, mask=col_mask)
 
 
@@ -90,17 +97,18 @@ def forward_tile(dim: int) -> tuple[int, int]:
 
 def add_rms_norm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                          out_dtype: torch.dtype, tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
-    """The forward kernel on contiguous [rows, dim] h and delta: the fp32 sum, the normed output, the sum in
-    out_dtype (kept for backward) and each row's rstd."""
+    """The forward kernel on contiguous [rows, dim] h and delta: the sum in h's dtype (the stream: fp32, or a
+    half-precision stream's rounding of the fp32 sum), the normed output, the sum in out_dtype (kept for
+    backward: the stream itself when it is in out_dtype) and each row's rstd."""
     num_rows, dim = h.shape
-    total = torch.empty(num_rows, dim, dtype=torch.float32, device=h.device)
+    total = torch.empty(num_rows, dim, dtype=h.dtype, device=h.device)
     out = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
-    saved = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
+    saved = total if h.dtype == out_dtype else torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=h.device)
     block_r, warps = tile or forward_tile(dim)
     _add_rms_norm_forward[(triton.cdiv(num_rows, block_r),)](
-        h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps), BLOCK_R=block_r,
-        BLOCK_D=triton.next_power_of_2(dim), num_warps=warps)
+        h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps), SAVE=saved is not total,
+        BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(dim), num_warps=warps)
     return total, out, saved, rstd
 
 
@@ -124,17 +132,19 @@ class AddRMSNorm(torch.autograd.Function):
         grad_out = grad_out.reshape(-1, dim).contiguous()
         num_rows = grad_out.shape[0]
         grad_sum = grad_sum.reshape(-1, dim).contiguous() if grad_sum is not None else None  # None: s unused
-        grad_s = torch.empty(num_rows, dim, dtype=torch.float32, device=grad_out.device)
-        grad_delta = torch.empty(num_rows, dim, dtype=ctx.dtypes[1], device=grad_out.device)
+        grad_s = torch.empty(num_rows, dim, dtype=ctx.dtypes[0], device=grad_out.device)
+        one_gradient = ctx.dtypes[0] == ctx.dtypes[1]
+        grad_delta = grad_s if one_gradient else torch.empty(num_rows, dim, dtype=ctx.dtypes[1],
+                                                             device=grad_out.device)
         # Enough programs to keep loads in flight on every SM; each sums its rows' d(weight) in registers.
         programs = 8 * _multiprocessors(grad_out.device) if grad_out.is_cuda else 4
         rows_per_program = triton.cdiv(num_rows, programs)
         partial = torch.empty(programs, dim, dtype=torch.float32, device=grad_out.device)
         _add_rms_norm_backward[(programs,)](
             grad_out, grad_sum if grad_sum is not None else grad_out, saved, rstd, weight, grad_s, grad_delta, partial,
-            num_rows, dim, rows_per_program, HAS_GRAD_SUM=grad_sum is not None, BLOCK_D=triton.next_power_of_2(dim))
-        return (grad_s.view(shape).to(ctx.dtypes[0]), grad_delta.view(shape), partial.sum(0).to(weight.dtype),
-                None, None)
+            num_rows, dim, rows_per_program, HAS_GRAD_SUM=grad_sum is not None, ONE_GRADIENT=one_gradient,
+            BLOCK_D=triton.next_power_of_2(dim))
+        return grad_s.view(shape), grad_delta.view(shape), partial.sum(0).to(weight.dtype), None, None
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

@@ -114,6 +114,9 @@ class Loss:
     """The training loss and its precision."""
 
     bf16: bool = False
+    # The residual stream between layers in BF16 (as Megatron-LM and torchtitan keep it), not FP32: every add
+    # rounds it, and each norm moves a third fewer bytes; needs bf16
+    bf16_residual: bool = False
     loss_type: str = "sft_cross_entropy"  # a loss of cflib.ops.sft_loss.LOSSES (register_loss adds one)
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
@@ -255,19 +258,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         for name in ("eval_every_steps", "eval_micro_batch", "save_every_steps", "save_total_limit"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ParamError(f"lr must be positive, got {self.lr}")
-        if not self.weight_decay >= 0:  # written so that NaN fails too
-            raise ParamError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ParamError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ParamError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
-        if self.loss_type not in LOSSES:
-            raise ParamError(f"loss_type must be one of {tuple(LOSSES)}, got {self.loss_type!r}")
+        self._validate_optimisation()
         if self.device not in DEVICES:
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._validate_lora()
@@ -295,6 +286,25 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
+
+    def _validate_optimisation(self) -> None:
+        """The optimizer, its schedule, the loss and the step's precision."""
+        if not self.lr > 0:
+            raise ParamError(f"lr must be positive, got {self.lr}")
+        if not self.weight_decay >= 0:  # written so that NaN fails too
+            raise ParamError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ParamError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ParamError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
+        if self.loss_type not in LOSSES:
+            raise ParamError(f"loss_type must be one of {tuple(LOSSES)}, got {self.loss_type!r}")
+        if self.bf16_residual and not self.bf16:
+            raise ParamError("bf16_residual keeps the residual stream in BF16 under BF16 autocast; set bf16: true, "
+                             "or bf16_residual: false")
 
     def _validate_curriculum_controls(self) -> None:
         """What selects and weights the train examples, and the curriculum's own controls."""

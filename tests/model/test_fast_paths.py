@@ -89,3 +89,26 @@ def test_production_path_on_the_supervised_rows_alone_matches_reference():
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_bf16_residual_stream_computes_the_reference_s_function_on_the_fast_path():
+    """half_residual (bf16_residual): under BF16 autocast the stream between layers is BF16 on both paths, which
+    round it at the same adds, and the record says so; without autocast it stays fp32."""
+    torch.manual_seed(0)
+    model = TRMoEModel(tiny_config()).to(DEVICE)
+    model.half_residual = True
+    ids = random_ids(model.config.vocab_size, 2, 12).to(DEVICE)
+    labels = random_ids(model.config.vocab_size, 2, 12, seed=1).to(DEVICE)
+    labels[:, :4] = -100
+    found = {}
+    plans = {"reference": KernelPlan(liger=False, custom=False), "fast": KernelPlan(liger=True, custom=True)}
+    for name, plan in plans.items():
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            found[name] = _loss_and_grads(model, plan, ids, labels)
+        assert model.kernel_path()["residual"] == "bfloat16"
+    assert found["fast"][0] == pytest.approx(found["reference"][0], rel=2e-2)
+    for name, grad in found["reference"][1].items():
+        error = float((found["fast"][1][name] - grad).norm() / grad.norm().clamp_min(1e-12))
+        assert error < 5e-2, (name, error)
+    model(ids)
+    assert model.kernel_path()["residual"] == "float32"

@@ -55,3 +55,22 @@ def test_nothing_to_add_is_the_norm_of_the_stream():
               leaves({k: raw[k] for k in grad}, {}, KERNEL_DEVICE, grad), 3)
     assert torch.equal(got["out0"].cpu(), raw["h"])
     assert_matches(got, truth, torch.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_bf16_stream_is_the_rounded_sum_and_its_gradient_is_written_once(seed):
+    """The residual stream in BF16 (bf16_residual): s = h + delta rounded to BF16, normalised as rounded; one
+    BF16 gradient serves h and delta."""
+    raw = inputs(seed)
+    dtypes = {"h": torch.bfloat16, "delta": torch.bfloat16, "weight": torch.float32}
+    rounded = {name: value.to(dtypes[name]) for name, value in raw.items()}
+    grad = ("h", "delta", "weight")
+    truth = run(reference, leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), seed + 10)
+    got = run(lambda h, delta, weight: add_rms_norm(h, delta, weight, EPS),
+              leaves(rounded, dtypes, KERNEL_DEVICE, grad), seed + 10, autocast_dtype=torch.bfloat16)
+    assert got["out0"].dtype == got["out1"].dtype == got["d_h"].dtype == torch.bfloat16
+    # The fp32 sum rounded to BF16: within one BF16 step of PyTorch's rounding (Triton's interpreter truncates).
+    total = (rounded["h"].float() + rounded["delta"].float()).to(KERNEL_DEVICE)
+    assert bool(((got["out0"].float() - total).abs() <= total.abs() * 2 ** -7).all())
+    assert torch.equal(got["d_h"], got["d_delta"])
+    assert_matches(got, truth, torch.bfloat16)

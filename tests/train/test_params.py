@@ -218,3 +218,9 @@ def test_use_custom_kernels_accepts_booleans_and_strings(raw, expected):
 def test_use_custom_kernels_rejects_other_words():
     with pytest.raises(ParamError, match="use_custom_kernels must be one of"):
         TrainParams.from_dict({"use_custom_kernels": "fast"})
+
+
+def test_a_bf16_residual_stream_needs_bf16():
+    message = param_error({"bf16_residual": True})
+    assert names(message, "bf16_residual") and names(message, "bf16: true"), message
+    assert TrainParams.from_dict({"bf16_residual": "true", "bf16": "true"}).bf16_residual is True
