@@ -29,12 +29,18 @@ def _loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids, labels, document_i
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, loss_fn.last_backend
 
 
-def test_whole_model_production_path_matches_reference():
+def _model_and_rows() -> tuple[TRMoEModel, torch.Tensor, torch.Tensor]:
+    """A tiny model on the device, two rows of 12 tokens, their labels with the first 4 of each unsupervised."""
     torch.manual_seed(0)
     model = TRMoEModel(tiny_config()).to(DEVICE)
     ids = random_ids(model.config.vocab_size, 2, 12).to(DEVICE)
     labels = random_ids(model.config.vocab_size, 2, 12, seed=1).to(DEVICE)
     labels[:, :4] = -100
+    return model, ids, labels
+
+
+def test_whole_model_production_path_matches_reference():
+    model, ids, labels = _model_and_rows()
     ref_loss, ref_grads, ref_backend = _loss_and_grads(model, KernelPlan(liger=False, custom=False), ids, labels)
     fast_loss, fast_grads, fast_backend = _loss_and_grads(model, KernelPlan(liger=True, custom=True), ids, labels)
     path = model.kernel_path()
@@ -68,11 +74,7 @@ def test_production_path_on_the_supervised_rows_alone_matches_reference():
     """The trainer's production step: the last layer computes the supervised rows alone, padded as a CUDA graph
     pads them (entries repeating a position, weight and mask 0), and the fused loss takes them gathered: the
     reference's loss and gradients over every row."""
-    torch.manual_seed(0)
-    model = TRMoEModel(tiny_config()).to(DEVICE)
-    ids = random_ids(model.config.vocab_size, 2, 12).to(DEVICE)
-    labels = random_ids(model.config.vocab_size, 2, 12, seed=1).to(DEVICE)
-    labels[:, :4] = -100
+    model, ids, labels = _model_and_rows()
     ref_loss, ref_grads, _ = _loss_and_grads(model, KernelPlan(liger=False, custom=False), ids, labels)
     plan = KernelPlan(liger=True, custom=True)
     use_kernels(model, plan)
@@ -94,12 +96,8 @@ def test_production_path_on_the_supervised_rows_alone_matches_reference():
 def test_a_bf16_residual_stream_computes_the_reference_s_function_on_the_fast_path():
     """half_residual (bf16_residual): under BF16 autocast the stream between layers is BF16 on both paths, which
     round it at the same adds, and the record says so; without autocast it stays fp32."""
-    torch.manual_seed(0)
-    model = TRMoEModel(tiny_config()).to(DEVICE)
+    model, ids, labels = _model_and_rows()
     model.half_residual = True
-    ids = random_ids(model.config.vocab_size, 2, 12).to(DEVICE)
-    labels = random_ids(model.config.vocab_size, 2, 12, seed=1).to(DEVICE)
-    labels[:, :4] = -100
     found = {}
     plans = {"reference": KernelPlan(liger=False, custom=False), "fast": KernelPlan(liger=True, custom=True)}
     for name, plan in plans.items():
