@@ -11,6 +11,10 @@ inputs in one dtype and writes y in it, which is what this avoids.
 Backward keeps s in the compute dtype (BF16 under autocast), as every GEMM
 here keeps its BF16 input: the forward is exact in fp32; only the norm's
 gradient sees the rounded s.
+
+A BF16 stream (bf16_residual) is the rounded sum, normalised as rounded: the
+kernels then read and write BF16 only, backward keeps the stream itself, and
+one BF16 gradient serves the stream and the sub-layer's output.
 """
 from __future__ import annotations
 
@@ -113,7 +117,8 @@ def add_rms_norm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Ten
 
 
 class AddRMSNorm(torch.autograd.Function):
-    """(h fp32, delta, weight) -> (s = h + delta in fp32, rmsnorm(s) * weight in out_dtype)."""
+    """(h, delta, weight) -> (s = h + delta in h's dtype, rmsnorm(s) * weight in out_dtype); h is the fp32 stream,
+    or a BF16 one (bf16_residual)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -149,7 +154,7 @@ class AddRMSNorm(torch.autograd.Function):
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new fp32 residual, normed input of the next GEMM in the autocast dtype)."""
+    """(new residual in h's dtype, normed input of the next GEMM in the autocast dtype)."""
     device_type = h.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
     if delta is None:  # the first layer: nothing to add yet (one cheap zero tensor keeps a single kernel)

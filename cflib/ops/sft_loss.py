@@ -66,10 +66,10 @@ class SFTLoss:
         computed where the batch is collated; None: found here, which on a GPU is a sync. gathered: hidden
         [R, D] holds the rows of those positions alone, in their order (a model run with `rows`). row_mask: 1.0
         for each real entry of supervised, 0.0 for padding, on cflib's fused kernel only (cflib.train.graphs
-        pads the supervised positions to a static count). head_master: the FP32 weight head_weight is a half-precision
-        copy of, outside autograd (cflib.model.weight_copies): cflib's fused loss writes its FP32 gradient
-        there, as it does into an FP32 head_weight it computes on in half precision; the other losses compute
-        on the master itself."""
+        pads the supervised positions to a static count). head_master: the FP32 weight head_weight is a
+        half-precision copy of, outside autograd (cflib.model.weight_copies): cflib's fused loss writes its FP32
+        gradient there, as it does into an FP32 head_weight it computes on in half precision; the other losses
+        compute on the master itself."""
         fused = torch.is_grad_enabled() and (self.plan.custom or (self.plan.liger and token_weights is None))
         if row_mask is not None and not (fused and self.plan.custom):
             raise ValueError("row_mask needs cflib's fused loss (use_custom_kernels) and gradients")

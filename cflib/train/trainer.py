@@ -276,11 +276,10 @@ class Trainer:
         extra = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
         # A loss that reads the supervised rows alone gets just those, and the last layer computes no other.
         rows = Rows(batch.supervised, batch.row_mask) if self.loss_rows_only and batch.supervised.numel() else None
+        if rows is not None:
+            extra["gathered"] = True
         with autocast(self.device, p.bf16, cache=not capturing):
-            if rows is None:
-                hidden = self.train_model(batch.input_ids, batch.documents)
-            else:
-                hidden, extra["gathered"] = self.train_model(batch.input_ids, batch.documents, rows=rows), True
+            hidden = self.train_model(batch.input_ids, batch.documents, rows=rows)
             head_weight, head = self._head()
             loss_sum, _ = self.loss(hidden, head_weight, batch.labels, p.loss_chunk_tokens, p.fp32_loss,
                                     token_weights=batch.token_weights, supervised=batch.supervised, **extra, **head)
