@@ -131,6 +131,13 @@ def test_init_checkpoint_reproduces_the_trained_model(tmp_path, small_shard):
 def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path, small_shard):
     record = run(tmp_path, small_shard, max_steps=2, bf16=True, grad_ckpt=True, fp32_loss=False)
     assert record["precision"] == "bf16-autocast" and record["grad_ckpt"] is True
+    assert record["kernel_path"]["residual"] == "float32"
+    assert np.isfinite(record["eval"]["final"]["loss"])
+
+
+def test_a_bf16_residual_stream_trains_and_the_record_says_so(tmp_path, small_shard):
+    record = run(tmp_path, small_shard, max_steps=2, bf16=True, bf16_residual=True, exact_match_limit=0)
+    assert record["kernel_path"]["residual"] == "bfloat16" and record["params"]["bf16_residual"] is True
     assert np.isfinite(record["eval"]["final"]["loss"])
 
 
