@@ -115,7 +115,7 @@ class Loss:
 
     bf16: bool = False
     # The residual stream between layers in BF16 (as Megatron-LM and torchtitan keep it), not FP32: every add
-    # rounds it, and each norm moves a third fewer bytes; needs bf16
+    # rounds it, and each residual add + norm moves about 40% fewer bytes; needs bf16
     bf16_residual: bool = False
     loss_type: str = "sft_cross_entropy"  # a loss of cflib.ops.sft_loss.LOSSES (register_loss adds one)
     loss_chunk_tokens: int = 1024
