@@ -27,6 +27,22 @@ EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine'
 KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm", "residual", "last_layer_rows")
 
 
+def bf16_autocast(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
+
+
+class _RoundGradient(torch.autograd.Function):
+    """The identity, whose backward rounds the gradient to BF16 (and keeps its dtype)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to(torch.bfloat16).to(grad.dtype)
+
+
 class RMSNorm(nn.Module):
     kernel = "torch"  # what this class runs, as records name it
 
@@ -35,6 +51,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.ran = {"rmsnorm": "none"}
+        # On the residual stream under BF16 autocast: the FP32 stream's gradient rounded to BF16 at every add
+        # (TRMoEModel.half_residual_gradient sets it).
+        self.bf16_stream_gradient = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ran = {"rmsnorm": self.kernel}
@@ -46,6 +65,8 @@ class RMSNorm(nn.Module):
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream's add and the norm after it: (h + delta, its norm); delta None adds nothing."""
         h = h if delta is None else h + delta
+        if self.bf16_stream_gradient and h.dtype == torch.float32 and bf16_autocast(h.device.type):
+            h = _RoundGradient.apply(h)
         return h, self(h)
 
 
@@ -254,6 +275,18 @@ class TRMoEModel(nn.Module):
         self.last_residual = "none"  # the stream's dtype in the last forward, as records name it
         self.reset_parameters()
 
+    @property
+    def half_residual_gradient(self) -> bool:
+        """Under BF16 autocast, the FP32 residual stream's gradient in BF16 (the forward unchanged): each residual
+        add + norm moves 8 bytes an element backward, not 14. Set by cflib.train.run."""
+        return self.norm.bf16_stream_gradient
+
+    @half_residual_gradient.setter
+    def half_residual_gradient(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.input_layernorm.bf16_stream_gradient = layer.post_attention_layernorm.bf16_stream_gradient = value
+        self.norm.bf16_stream_gradient = value
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         residual_std = INIT_STD / (2 * self.config.num_hidden_layers) ** 0.5
@@ -298,6 +331,8 @@ class TRMoEModel(nn.Module):
         if self.half_residual and torch.is_autocast_enabled(device.type):
             h = h.to(activations)
         self.last_residual = str(h.dtype).removeprefix("torch.")
+        if self.half_residual_gradient and h.dtype == torch.float32 and bf16_autocast(device.type):
+            self.last_residual += "_bfloat16_gradient"
         last = len(self.layers) - 1
         self.last_layer_rows = "all" if rows is None else "selected"
         for index, layer in enumerate(self.layers):

@@ -83,5 +83,6 @@ class _GatherRows(torch.autograd.Function):
 
 
 def gather_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """x [..., D] seen as [N, D] -> its rows at rows.indices, [R, D]."""
-    return _GatherRows.apply(x.reshape(-1, x.shape[-1]), rows)
+    """x [B, T, ...] (token-major) seen as N = B x T rows -> its rows at rows.indices, [R, ...]."""
+    picked = _GatherRows.apply(x.reshape(x.shape[0] * x.shape[1], -1), rows)
+    return picked.view(picked.shape[0], *x.shape[2:])

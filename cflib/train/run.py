@@ -257,6 +257,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     model.grad_ckpt = params.grad_ckpt
     model.half_residual = params.bf16_residual
+    model.half_residual_gradient = params.bf16_residual_gradient
     kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
                            config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu,
                            weight_copies_problem=weight_copies_problem(params, True, strategy, device))
