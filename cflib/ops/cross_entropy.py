@@ -14,13 +14,28 @@ import torch
 import triton
 import triton.language as tl
 
-from cflib.ops import interpreter  # noqa: F401
+from cflib.ops.interpreter import INTERPRETING
 from cflib.ops.loss import saved_gradients
 
-BLOCK_VOCAB = 4096
 _ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")  # torch 2.8+: addmm(..., out_dtype=)
 
+# Logits per block and warps, tried on the device at first use per vocabulary size (do_bench in triton.autotune,
+# the logits restored between tries: the kernel overwrites them). Each program reads its row twice; with fewer,
+# wider programs fewer rows are in flight, and the second read can come from L2.
+# The interpreter takes the widest block that fits the row, untimed.
+_CONFIGS = [triton.Config({"BLOCK_V": block}, num_warps=4) for block in (16, 256, 4096)] if INTERPRETING else [
+    triton.Config({"BLOCK_V": block}, num_warps=warps) for block in (2048, 4096, 8192) for warps in (4, 8, 16, 32)]
 
+
+def _fitting(configs: list, named_args: dict, **kwargs) -> list:
+    """The blocks no wider than the row (a narrow vocabulary in tests), at least the narrowest."""
+    width = triton.next_power_of_2(named_args["vocab_size"])
+    fitting = [c for c in configs if c.kwargs["BLOCK_V"] <= width] or configs[:1]
+    return [max(fitting, key=lambda c: c.kwargs["BLOCK_V"])] if INTERPRETING else fitting
+
+
+@triton.autotune(_CONFIGS, key=["vocab_size", "HAS_WEIGHTS"], prune_configs_by={"early_config_prune": _fitting},
+                 restore_value=["logits_ptr"])
 @triton.jit
 def _weighted_cross_entropy(logits_ptr, row_stride, targets_ptr, weights_ptr, loss_ptr, vocab_size,
                             HAS_WEIGHTS: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -65,8 +80,7 @@ def weighted_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor,
         return losses
     _weighted_cross_entropy[(logits.shape[0],)](
         logits, logits.stride(0), targets.contiguous(), weights.contiguous() if weights is not None else losses,
-        losses, logits.shape[1], HAS_WEIGHTS=weights is not None,
-        BLOCK_V=min(BLOCK_VOCAB, triton.next_power_of_2(logits.shape[1])))
+        losses, logits.shape[1], HAS_WEIGHTS=weights is not None)
     return losses
 
 
