@@ -28,9 +28,9 @@ from cflib.ops.column_sums import column_sums
 
 # Tiles measured on the H200 at the 200M shapes (16 x 2,048 tokens, 14 + 2 + 2 heads of 64; a sweep of rows per
 # block, blocks per backward program and warps, kernel plus the partials' sum): forward 16 rows, 2 warps, 53.9 us
-# (64 rows, 4 warps: 64.2); backward 64 rows, one block per program, 2 warps, 123.5 us (8 blocks a program, 4
-# warps: 165.2). More programs keep more loads in flight than fewer walking several blocks each, and the sum of
-# their weight-gradient partials (one per block) costs less than it saves. `python -m cflib.bench.tiles` sweeps them.
+# (64 rows, 4 warps: 64.2). Backward programs each take rows of one kind (query rows, or key rows with the value
+# rows beside), so each load is a block of one gradient; more programs keep more loads in flight than fewer
+# walking several blocks each. `python -m cflib.bench.tiles` sweeps them.
 FORWARD_TILE = (16, 2)  # rows per program, warps
 BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
 
@@ -82,58 +82,80 @@ def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, c
 
 
 @triton.jit
-def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr,
-                           cos_ptr, sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, grad_w_ptr,
-                           num_rows, q_heads, kv_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCKS: tl.constexpr):
+def _norm_rope_rows_backward(block, grad_ptr, qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, positions_ptr,
+                             rstd_ptr, grad_x_ptr, grad_x_row_stride, num_rows, heads, first_head, all_heads,
+                             HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One block of the (token, head) rows of one kind (query heads, or key heads from first_head on): their
+    gradient through RoPE and the norm, written into qkv's gradient; returns the block's d(weight) halves."""
     half: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, half)
-    w1q, w2q = tl.load(q_weight_ptr + cols)[None, :], tl.load(q_weight_ptr + half + cols)[None, :]
-    w1k, w2k = tl.load(k_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + half + cols)[None, :]
-    dwq1, dwq2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
-    dwk1, dwk2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
-    for i in range(BLOCKS):
-        rows, row_mask, token, head, is_q, is_k, is_v = _rows(tl.program_id(0) * BLOCKS + i, num_rows, q_heads,
-                                                              kv_heads, BLOCK_R)
-        mask = row_mask[:, None]
-        q_src = grad_q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
-        k_src = grad_k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
-        v_src = grad_v_ptr + (token.to(tl.int64) * kv_heads + head - q_heads - kv_heads)[:, None] * HEAD_DIM + \
-            cols[None, :]
-        q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
-        g1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32) + \
-            tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32) + \
-            tl.load(v_src, mask=v_mask, other=0.0).to(tl.float32)
-        g2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32) + \
-            tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32) + \
-            tl.load(v_src + half, mask=v_mask, other=0.0).to(tl.float32)
-        position = tl.load(positions_ptr + token, mask=row_mask, other=0)
-        cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-        d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
-        src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        xhat1 = tl.load(src, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-        xhat2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-        s1, s2 = d1 * tl.where(is_q[:, None], w1q, w1k), d2 * tl.where(is_q[:, None], w2q, w2k)
-        mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
-        out1 = tl.where(is_v[:, None], g1, rstd[:, None] * (s1 - xhat1 * mean[:, None]))  # v's gradient as it came
-        out2 = tl.where(is_v[:, None], g2, rstd[:, None] * (s2 - xhat2 * mean[:, None]))
-        dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
-        tl.store(dst, out1.to(grad_x_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + half, out2.to(grad_x_ptr.dtype.element_ty), mask=mask)
-        qf = tl.where(is_q & row_mask, 1.0, 0.0)[:, None]
-        kf = tl.where(is_k & row_mask, 1.0, 0.0)[:, None]
-        dwq1 += tl.sum(d1 * xhat1 * qf, axis=0)
-        dwq2 += tl.sum(d2 * xhat2 * qf, axis=0)
-        dwk1 += tl.sum(d1 * xhat1 * kf, axis=0)
-        dwk2 += tl.sum(d2 * xhat2 * kf, axis=0)
-    # This program's d(weight), per half, q rows and k rows apart: [program, {q, k}, HEAD_DIM].
-    partial = grad_w_ptr + tl.program_id(0) * 2 * HEAD_DIM
-    tl.store(partial + cols, dwq1)
-    tl.store(partial + half + cols, dwq2)
-    tl.store(partial + HEAD_DIM + cols, dwk1)
-    tl.store(partial + HEAD_DIM + half + cols, dwk2)
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < num_rows
+    mask = row_mask[:, None]
+    token, head = rows // heads, rows % heads + first_head
+    src = grad_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :]
+    g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    g2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
+    x = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+    rstd = tl.load(rstd_ptr + token.to(tl.int64) * all_heads + head, mask=row_mask, other=0.0)
+    xhat1 = tl.load(x, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    xhat2 = tl.load(x + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    s1 = d1 * tl.load(weight_ptr + cols)[None, :]
+    s2 = d2 * tl.load(weight_ptr + half + cols)[None, :]
+    mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
+    dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+    tl.store(dst, (rstd[:, None] * (s1 - xhat1 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, (rstd[:, None] * (s2 - xhat2 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
+    return tl.sum(d1 * xhat1, axis=0), tl.sum(d2 * xhat2, axis=0)  # masked rows load zeros: they add nothing
+
+
+@triton.jit
+def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr,
+                           cos_ptr, sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, grad_w_ptr,
+                           tokens, q_heads, kv_heads, q_programs, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCKS: tl.constexpr):
+    """The first q_programs programs take query rows, the rest key rows and the value rows beside them (v's
+    gradient as it came): each program one kind, so every load is a whole block of one gradient. Each writes
+    its d(weight) to its own row of [program, {q, k}, HEAD_DIM], zeros on the other kind's half."""
+    half: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, half)
+    all_heads = q_heads + 2 * kv_heads
+    dw1, dw2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
+    program = tl.program_id(0)
+    if program < q_programs:
+        for i in range(BLOCKS):
+            part1, part2 = _norm_rope_rows_backward(
+                program * BLOCKS + i, grad_q_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, cos_ptr, sin_ptr,
+                positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * q_heads, q_heads, 0, all_heads,
+                HEAD_DIM, BLOCK_R)
+            dw1, dw2 = dw1 + part1, dw2 + part2
+        own = grad_w_ptr + program * 2 * HEAD_DIM
+        other = own + HEAD_DIM
+    else:
+        for i in range(BLOCKS):
+            block = (program - q_programs) * BLOCKS + i
+            part1, part2 = _norm_rope_rows_backward(
+                block, grad_k_ptr, qkv_ptr, qkv_row_stride, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
+                rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * kv_heads, kv_heads, q_heads, all_heads,
+                HEAD_DIM, BLOCK_R)
+            dw1, dw2 = dw1 + part1, dw2 + part2
+            rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+            mask = (rows < tokens * kv_heads)[:, None]
+            token, head = rows // kv_heads, rows % kv_heads + q_heads + kv_heads
+            src = grad_v_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+            dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + \
+                tl.arange(0, HEAD_DIM)[None, :]
+            tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
+        own = grad_w_ptr + program * 2 * HEAD_DIM + HEAD_DIM
+        other = grad_w_ptr + program * 2 * HEAD_DIM
+    tl.store(own + cols, dw1)
+    tl.store(own + half + cols, dw2)
+    tl.store(other + cols, tl.zeros([half], dtype=tl.float32))
+    tl.store(other + half + cols, tl.zeros([half], dtype=tl.float32))
 
 
 def qk_norm_rope_forward(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
@@ -157,14 +179,15 @@ def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: to
                           positions: torch.Tensor, rstd: torch.Tensor, q_heads: int, kv_heads: int,
                           tile: tuple[int, int, int] = BACKWARD_TILE) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward kernel: qkv's gradient and the FP32 [2, hd] gradients of the q and k norm weights."""
-    head_dim, rows = q_weight.shape[0], rstd.shape[0]
+    head_dim, tokens = q_weight.shape[0], qkv.shape[0]
     block_rows, blocks, warps = tile
-    programs = triton.cdiv(rows, block_rows * blocks)
+    q_programs = triton.cdiv(tokens * q_heads, block_rows * blocks)
+    programs = q_programs + triton.cdiv(tokens * kv_heads, block_rows * blocks)
     grad_qkv = torch.empty_like(qkv)
     partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qkv.device)
     _qk_norm_rope_backward[(programs,)](
         grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous(), qkv, qkv.stride(0), q_weight, k_weight,
-        cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, rows, q_heads, kv_heads,
+        cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, tokens, q_heads, kv_heads, q_programs,
         HEAD_DIM=head_dim, BLOCK_R=block_rows, BLOCKS=blocks, num_warps=warps)
     return grad_qkv, column_sums(partial.view(programs, 2 * head_dim)).view(2, head_dim)
 

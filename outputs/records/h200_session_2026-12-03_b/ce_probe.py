@@ -18,7 +18,7 @@ found = {}
 for block in (2048, 4096, 8192, 16384, 32768):
     for warps in (4, 8, 16, 32):
         def launch():
-            _weighted_cross_entropy[(rows,)](logits, logits.stride(0), targets, losses, losses, vocab,
+            _weighted_cross_entropy.fn[(rows,)](logits, logits.stride(0), targets, losses, losses, vocab,
                                              HAS_WEIGHTS=False, BLOCK_V=block, num_warps=warps)
         try:
             found[f"{block}x{warps}"] = do_bench_cudagraph(launch, rep=200) * 1e3

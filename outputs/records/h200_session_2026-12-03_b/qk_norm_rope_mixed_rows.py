@@ -1,0 +1,213 @@
+"""QK-norm and RoPE on the fused QKV projection's output, in one kernel each way.
+
+After the QKV GEMM every query and key head is RMS-normalised with its own
+weight (QK-norm) and rotated (RoPE, rotate-half). Done apart that is four
+launches forward (two norms, RoPE, plus the copies that make q and k
+contiguous) and as many backward, each re-reading the heads, and on the
+host the launch overhead of each: at 200M shapes the forward pass was bound by
+the host. One program here takes a block of (token, head) rows straight from
+the QKV output, normalises and rotates the query and key heads in fp32 and
+writes q, k and v in the layout attention reads (v as it is: no separate copy
+runs for it, forward or backward).
+
+The function takes the whole QKV output and hands back v too, so backward
+writes one gradient for it: q, k and v taken as three slices of it would each
+send back a zero-filled QKV-sized gradient to be summed (at 200M that was
+3 ms of every 107 ms step on the H200).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from cflib.ops import interpreter  # noqa: F401
+from cflib.ops.column_sums import column_sums
+
+# Tiles measured on the H200 at the 200M shapes (16 x 2,048 tokens, 14 + 2 + 2 heads of 64; a sweep of rows per
+# block, blocks per backward program and warps, kernel plus the partials' sum): forward 16 rows, 2 warps, 53.9 us
+# (64 rows, 4 warps: 64.2); backward 64 rows, one block per program, 2 warps, 123.5 us (8 blocks a program, 4
+# warps: 165.2). More programs keep more loads in flight than fewer walking several blocks each, and the sum of
+# their weight-gradient partials (one per block) costs less than it saves. `python -m cflib.bench.tiles` sweeps them.
+FORWARD_TILE = (16, 2)  # rows per program, warps
+BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
+
+
+@triton.jit
+def _rows(block, num_rows, q_heads, kv_heads, BLOCK_R: tl.constexpr):
+    """A block of (token, head) rows over q, then k, then v heads: their token, head and kind."""
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < num_rows
+    heads = q_heads + 2 * kv_heads
+    token, head = rows // heads, rows % heads
+    is_q = head < q_heads
+    is_v = head >= q_heads + kv_heads
+    is_k = ~is_q & ~is_v
+    return rows, row_mask, token, head, is_q, is_k, is_v
+
+
+@triton.jit
+def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
+                          q_ptr, k_ptr, v_ptr, rstd_ptr, num_rows, q_heads, kv_heads, eps,
+                          HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    half: tl.constexpr = HEAD_DIM // 2
+    rows, row_mask, token, head, is_q, is_k, is_v = _rows(tl.program_id(0), num_rows, q_heads, kv_heads, BLOCK_R)
+    cols = tl.arange(0, half)
+    src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+    mask = row_mask[:, None]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + cols)[None, :])
+    w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half + cols)[None, :],
+                  tl.load(k_weight_ptr + half + cols)[None, :])
+    n1, n2 = x1 * rstd[:, None] * w1, x2 * rstd[:, None] * w2
+    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    y1, y2 = n1 * cos - n2 * sin, n2 * cos + n1 * sin  # rotate-half: cos and sin repeat across the halves
+    q_dst = q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
+    k_dst = k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
+    v_dst = v_ptr + (token.to(tl.int64) * kv_heads + head - q_heads - kv_heads)[:, None] * HEAD_DIM + cols[None, :]
+    q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
+    tl.store(q_dst, y1.to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_dst + half, y2.to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(k_dst, y1.to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_dst + half, y2.to(k_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(v_dst, x1.to(v_ptr.dtype.element_ty), mask=v_mask)  # v as it is: exact in its own dtype
+    tl.store(v_dst + half, x2.to(v_ptr.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr,
+                           cos_ptr, sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, grad_w_ptr,
+                           num_rows, q_heads, kv_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCKS: tl.constexpr):
+    half: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, half)
+    w1q, w2q = tl.load(q_weight_ptr + cols)[None, :], tl.load(q_weight_ptr + half + cols)[None, :]
+    w1k, w2k = tl.load(k_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + half + cols)[None, :]
+    dwq1, dwq2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
+    dwk1, dwk2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
+    for i in range(BLOCKS):
+        rows, row_mask, token, head, is_q, is_k, is_v = _rows(tl.program_id(0) * BLOCKS + i, num_rows, q_heads,
+                                                              kv_heads, BLOCK_R)
+        mask = row_mask[:, None]
+        q_src = grad_q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
+        k_src = grad_k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
+        v_src = grad_v_ptr + (token.to(tl.int64) * kv_heads + head - q_heads - kv_heads)[:, None] * HEAD_DIM + \
+            cols[None, :]
+        q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
+        g1 = tl.load(q_src, mask=q_mask, other=0.0).to(tl.float32) + \
+            tl.load(k_src, mask=k_mask, other=0.0).to(tl.float32) + \
+            tl.load(v_src, mask=v_mask, other=0.0).to(tl.float32)
+        g2 = tl.load(q_src + half, mask=q_mask, other=0.0).to(tl.float32) + \
+            tl.load(k_src + half, mask=k_mask, other=0.0).to(tl.float32) + \
+            tl.load(v_src + half, mask=v_mask, other=0.0).to(tl.float32)
+        position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+        cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+        sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+        d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
+        src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        xhat1 = tl.load(src, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        xhat2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        s1, s2 = d1 * tl.where(is_q[:, None], w1q, w1k), d2 * tl.where(is_q[:, None], w2q, w2k)
+        mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
+        out1 = tl.where(is_v[:, None], g1, rstd[:, None] * (s1 - xhat1 * mean[:, None]))  # v's gradient as it came
+        out2 = tl.where(is_v[:, None], g2, rstd[:, None] * (s2 - xhat2 * mean[:, None]))
+        dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(dst, out1.to(grad_x_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half, out2.to(grad_x_ptr.dtype.element_ty), mask=mask)
+        qf = tl.where(is_q & row_mask, 1.0, 0.0)[:, None]
+        kf = tl.where(is_k & row_mask, 1.0, 0.0)[:, None]
+        dwq1 += tl.sum(d1 * xhat1 * qf, axis=0)
+        dwq2 += tl.sum(d2 * xhat2 * qf, axis=0)
+        dwk1 += tl.sum(d1 * xhat1 * kf, axis=0)
+        dwk2 += tl.sum(d2 * xhat2 * kf, axis=0)
+    # This program's d(weight), per half, q rows and k rows apart: [program, {q, k}, HEAD_DIM].
+    partial = grad_w_ptr + tl.program_id(0) * 2 * HEAD_DIM
+    tl.store(partial + cols, dwq1)
+    tl.store(partial + half + cols, dwq2)
+    tl.store(partial + HEAD_DIM + cols, dwk1)
+    tl.store(partial + HEAD_DIM + half + cols, dwk2)
+
+
+def qk_norm_rope_forward(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int, eps: float,
+                         tile: tuple[int, int] = FORWARD_TILE) -> tuple[torch.Tensor, ...]:
+    """The forward kernel on a contiguous qkv [N, (Hq + 2 Hkv) * hd]: q, k, v and each (token, head) row's rstd."""
+    head_dim, tokens = q_weight.shape[0], qkv.shape[0]
+    q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k, v = (torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(2))
+    rows = tokens * (q_heads + 2 * kv_heads)
+    rstd = torch.empty(rows, dtype=torch.float32, device=qkv.device)
+    block_rows, warps = tile
+    _qk_norm_rope_forward[(triton.cdiv(rows, block_rows),)](
+        qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, v, rstd, rows, q_heads, kv_heads,
+        float(eps), HEAD_DIM=head_dim, BLOCK_R=block_rows, num_warps=warps)
+    return q, k, v, rstd
+
+
+def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, qkv: torch.Tensor,
+                          q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          positions: torch.Tensor, rstd: torch.Tensor, q_heads: int, kv_heads: int,
+                          tile: tuple[int, int, int] = BACKWARD_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward kernel: qkv's gradient and the FP32 [2, hd] gradients of the q and k norm weights."""
+    head_dim, rows = q_weight.shape[0], rstd.shape[0]
+    block_rows, blocks, warps = tile
+    programs = triton.cdiv(rows, block_rows * blocks)
+    grad_qkv = torch.empty_like(qkv)
+    partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qkv.device)
+    _qk_norm_rope_backward[(programs,)](
+        grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous(), qkv, qkv.stride(0), q_weight, k_weight,
+        cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, rows, q_heads, kv_heads,
+        HEAD_DIM=head_dim, BLOCK_R=block_rows, BLOCKS=blocks, num_warps=warps)
+    return grad_qkv, column_sums(partial.view(programs, 2 * head_dim)).view(2, head_dim)
+
+
+class QKVNormRope(torch.autograd.Function):
+    """qkv [N, (Hq + 2 Hkv) * hd] -> q [N, Hq, hd], k [N, Hkv, hd] normed and rotated, v [N, Hkv, hd] as it is."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = qkv.contiguous()
+        q, k, v, rstd = qk_norm_rope_forward(qkv, q_weight, k_weight, cos, sin, positions, q_heads, kv_heads, eps)
+        ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin, positions, rstd)
+        ctx.heads = (q_heads, kv_heads)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        qkv, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
+        grad_qkv, grad_w = qk_norm_rope_backward(grad_q, grad_k, grad_v, qkv, q_weight, k_weight, cos, sin, positions,
+                                                 rstd, *ctx.heads)
+        return grad_qkv, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype), None, None, None, None, None, None
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(seq, device=device, dtype=torch.int32).repeat(batch)
+
+
+def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, batch: int, seq: int, q_heads: int, kv_heads: int,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, hd], k and v [B, T, Hkv, hd] from qkv [B*T, (Hq + 2 Hkv) * hd].
+
+    cos/sin [T, hd]: positions 0..T-1 in every row; [B, T, hd] (packed windows, positions restarting
+    per example): each token reads its own row of the flattened tables.
+    """
+    if cos.dim() == 3:
+        cos, sin, positions = cos.reshape(batch * seq, -1), sin.reshape(batch * seq, -1), _positions(1, batch * seq,
+                                                                                                       qkv.device)
+    else:
+        positions = _positions(batch, seq, qkv.device)
+    q, k, v = QKVNormRope.apply(qkv, q_weight, k_weight, cos.contiguous(), sin.contiguous(), positions, q_heads,
+                                kv_heads, eps)
+    return q.view(batch, seq, q_heads, -1), k.view(batch, seq, kv_heads, -1), v.view(batch, seq, kv_heads, -1)
