@@ -26,64 +26,70 @@ import triton.language as tl
 from cflib.ops import interpreter  # noqa: F401
 from cflib.ops.column_sums import column_sums
 
-# Tiles measured on the H200 at the 200M shapes (16 x 2,048 tokens, 14 + 2 + 2 heads of 64; a sweep of rows per
-# block, blocks per backward program and warps, kernel plus the partials' sum): forward 16 rows, 2 warps, 53.9 us
-# (64 rows, 4 warps: 64.2). Backward programs each take rows of one kind (query rows, or key rows with the value
-# rows beside), so each load is a block of one gradient; more programs keep more loads in flight than fewer
-# walking several blocks each. `python -m cflib.bench.tiles` sweeps them.
+# Programs each take rows of one kind both ways (query rows, or key rows with the value rows beside), so each load
+# is a block of one kind; more programs keep more loads in flight than fewer walking several blocks each. Tiles
+# measured on the H200 at the 200M shapes (16 x 2,048 tokens, 14 + 2 + 2 heads of 64; a sweep of rows per block,
+# blocks per backward program and warps, backward with the partials' sum); `python -m cflib.bench.tiles` sweeps them.
 FORWARD_TILE = (16, 2)  # rows per program, warps
 BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
 
 
 @triton.jit
-def _rows(block, num_rows, q_heads, kv_heads, BLOCK_R: tl.constexpr):
-    """A block of (token, head) rows over q, then k, then v heads: their token, head and kind."""
+def _norm_rope_rows_forward(block, qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, positions_ptr, out_ptr,
+                            rstd_ptr, num_rows, heads, first_head, normed_heads, eps, HEAD_DIM: tl.constexpr,
+                            BLOCK_R: tl.constexpr):
+    """One block of the (token, head) rows of one kind (query heads, or key heads from first_head on): normed
+    and rotated into out [tokens, heads, hd], each row's rstd at its (token, head) among the normed heads."""
+    half: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, half)
     rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < num_rows
-    heads = q_heads + 2 * kv_heads
-    token, head = rows // heads, rows % heads
-    is_q = head < q_heads
-    is_v = head >= q_heads + kv_heads
-    is_k = ~is_q & ~is_v
-    return rows, row_mask, token, head, is_q, is_k, is_v
+    mask = row_mask[:, None]
+    token, head = rows // heads, rows % heads + first_head
+    src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+    tl.store(rstd_ptr + token.to(tl.int64) * normed_heads + head, rstd, mask=row_mask)
+    n1 = x1 * rstd[:, None] * tl.load(weight_ptr + cols)[None, :]
+    n2 = x2 * rstd[:, None] * tl.load(weight_ptr + half + cols)[None, :]
+    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
+    dst = out_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :]
+    # rotate-half: cos and sin repeat across the halves
+    tl.store(dst, (n1 * cos - n2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half, (n2 * cos + n1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
-                          q_ptr, k_ptr, v_ptr, rstd_ptr, num_rows, q_heads, kv_heads, eps,
+                          q_ptr, k_ptr, v_ptr, rstd_ptr, tokens, q_heads, kv_heads, q_programs, eps,
                           HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
-    half: tl.constexpr = HEAD_DIM // 2
-    rows, row_mask, token, head, is_q, is_k, is_v = _rows(tl.program_id(0), num_rows, q_heads, kv_heads, BLOCK_R)
-    cols = tl.arange(0, half)
-    src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
-    mask = row_mask[:, None]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
-    w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + cols)[None, :])
-    w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half + cols)[None, :],
-                  tl.load(k_weight_ptr + half + cols)[None, :])
-    n1, n2 = x1 * rstd[:, None] * w1, x2 * rstd[:, None] * w2
-    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
-    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-    y1, y2 = n1 * cos - n2 * sin, n2 * cos + n1 * sin  # rotate-half: cos and sin repeat across the halves
-    q_dst = q_ptr + (token.to(tl.int64) * q_heads + head)[:, None] * HEAD_DIM + cols[None, :]
-    k_dst = k_ptr + (token.to(tl.int64) * kv_heads + head - q_heads)[:, None] * HEAD_DIM + cols[None, :]
-    v_dst = v_ptr + (token.to(tl.int64) * kv_heads + head - q_heads - kv_heads)[:, None] * HEAD_DIM + cols[None, :]
-    q_mask, k_mask, v_mask = mask & is_q[:, None], mask & is_k[:, None], mask & is_v[:, None]
-    tl.store(q_dst, y1.to(q_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_dst + half, y2.to(q_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(k_dst, y1.to(k_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(k_dst + half, y2.to(k_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(v_dst, x1.to(v_ptr.dtype.element_ty), mask=v_mask)  # v as it is: exact in its own dtype
-    tl.store(v_dst + half, x2.to(v_ptr.dtype.element_ty), mask=v_mask)
+    """The first q_programs programs take query rows, the rest key rows and the value rows beside them (v
+    copied as it is, exact in its own dtype): each program one kind, so every load is a block of one kind."""
+    normed_heads = q_heads + kv_heads  # each token's rstd: one per query and key head
+    program = tl.program_id(0)
+    if program < q_programs:
+        _norm_rope_rows_forward(program, qkv_ptr, qkv_row_stride, q_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
+                                q_ptr, rstd_ptr, tokens * q_heads, q_heads, 0, normed_heads, eps, HEAD_DIM, BLOCK_R)
+    else:
+        block = program - q_programs
+        _norm_rope_rows_forward(block, qkv_ptr, qkv_row_stride, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
+                                k_ptr, rstd_ptr, tokens * kv_heads, kv_heads, q_heads, normed_heads, eps, HEAD_DIM,
+                                BLOCK_R)
+        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < tokens * kv_heads)[:, None]
+        token, head = rows // kv_heads, rows % kv_heads + q_heads + kv_heads
+        cols = tl.arange(0, HEAD_DIM)
+        src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(v_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :], tl.load(src, mask=mask, other=0.0),
+                 mask=mask)
 
 
 @triton.jit
 def _norm_rope_rows_backward(block, grad_ptr, qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, positions_ptr,
-                             rstd_ptr, grad_x_ptr, grad_x_row_stride, num_rows, heads, first_head, all_heads,
+                             rstd_ptr, grad_x_ptr, grad_x_row_stride, num_rows, heads, first_head, normed_heads,
                              HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
     """One block of the (token, head) rows of one kind (query heads, or key heads from first_head on): their
     gradient through RoPE and the norm, written into qkv's gradient; returns the block's d(weight) halves."""
@@ -101,7 +107,7 @@ def _norm_rope_rows_backward(block, grad_ptr, qkv_ptr, qkv_row_stride, weight_pt
     sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
     d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
     x = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
-    rstd = tl.load(rstd_ptr + token.to(tl.int64) * all_heads + head, mask=row_mask, other=0.0)
+    rstd = tl.load(rstd_ptr + token.to(tl.int64) * normed_heads + head, mask=row_mask, other=0.0)
     xhat1 = tl.load(x, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
     xhat2 = tl.load(x + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
     s1 = d1 * tl.load(weight_ptr + cols)[None, :]
@@ -123,14 +129,14 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_
     its d(weight) to its own row of [program, {q, k}, HEAD_DIM], zeros on the other kind's half."""
     half: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, half)
-    all_heads = q_heads + 2 * kv_heads
+    normed_heads = q_heads + kv_heads  # each token's rstd: one per query and key head
     dw1, dw2 = tl.zeros([half], dtype=tl.float32), tl.zeros([half], dtype=tl.float32)
     program = tl.program_id(0)
     if program < q_programs:
         for i in range(BLOCKS):
             part1, part2 = _norm_rope_rows_backward(
                 program * BLOCKS + i, grad_q_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, cos_ptr, sin_ptr,
-                positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * q_heads, q_heads, 0, all_heads,
+                positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * q_heads, q_heads, 0, normed_heads,
                 HEAD_DIM, BLOCK_R)
             dw1, dw2 = dw1 + part1, dw2 + part2
         own = grad_w_ptr + program * 2 * HEAD_DIM
@@ -140,7 +146,7 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_
             block = (program - q_programs) * BLOCKS + i
             part1, part2 = _norm_rope_rows_backward(
                 block, grad_k_ptr, qkv_ptr, qkv_row_stride, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
-                rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * kv_heads, kv_heads, q_heads, all_heads,
+                rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * kv_heads, kv_heads, q_heads, normed_heads,
                 HEAD_DIM, BLOCK_R)
             dw1, dw2 = dw1 + part1, dw2 + part2
             rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -161,16 +167,18 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_
 def qk_norm_rope_forward(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int, eps: float,
                          tile: tuple[int, int] = FORWARD_TILE) -> tuple[torch.Tensor, ...]:
-    """The forward kernel on a contiguous qkv [N, (Hq + 2 Hkv) * hd]: q, k, v and each (token, head) row's rstd."""
+    """The forward kernel on a contiguous qkv [N, (Hq + 2 Hkv) * hd]: q, k, v and the rstd of each query and key
+    head of each token, [N * (Hq + Hkv)]."""
     head_dim, tokens = q_weight.shape[0], qkv.shape[0]
     q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     k, v = (torch.empty(tokens, kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) for _ in range(2))
-    rows = tokens * (q_heads + 2 * kv_heads)
-    rstd = torch.empty(rows, dtype=torch.float32, device=qkv.device)
+    rstd = torch.empty(tokens * (q_heads + kv_heads), dtype=torch.float32, device=qkv.device)
     block_rows, warps = tile
-    _qk_norm_rope_forward[(triton.cdiv(rows, block_rows),)](
-        qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, v, rstd, rows, q_heads, kv_heads,
-        float(eps), HEAD_DIM=head_dim, BLOCK_R=block_rows, num_warps=warps)
+    q_programs = triton.cdiv(tokens * q_heads, block_rows)
+    programs = q_programs + triton.cdiv(tokens * kv_heads, block_rows)
+    _qk_norm_rope_forward[(programs,)](
+        qkv, qkv.stride(0), q_weight, k_weight, cos, sin, positions, q, k, v, rstd, tokens, q_heads, kv_heads,
+        q_programs, float(eps), HEAD_DIM=head_dim, BLOCK_R=block_rows, num_warps=warps)
     return q, k, v, rstd
 
 
@@ -215,7 +223,9 @@ class QKVNormRope(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=8)
 def _positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(seq, device=device, dtype=torch.int32).repeat(batch)
+    # Made outside inference mode even under it: cached, it is saved for backward by later training steps.
+    with torch.inference_mode(False):
+        return torch.arange(seq, device=device, dtype=torch.int32).repeat(batch)
 
 
 def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,

@@ -73,3 +73,19 @@ def test_matches_the_reference_forward_and_backward(dtype, packed, seq):
     assert got["d_qkv"].dtype == dtype
     assert torch.equal(got["out2"].cpu(), rounded["qkv"].view(BATCH, seq, -1, HEAD_DIM)[:, :, -KV_HEADS:])  # v exact
     assert_matches(got, truth, dtype)
+
+
+def test_a_first_call_under_inference_mode_leaves_training_steps_their_backward():
+    """The kernel's positions are cached per shape: made first under inference mode (an evaluation), they must
+    still be savable for a training step's backward."""
+    from cflib.ops import qk_norm_rope
+
+    qk_norm_rope._positions.cache_clear()
+    raw = {name: value.to(KERNEL_DEVICE) for name, value in inputs(3, False).items()}
+    args = (raw["q_weight"], raw["k_weight"], raw["cos"], raw["sin"], BATCH, SEQ, Q_HEADS, KV_HEADS, EPS)
+    with torch.inference_mode():
+        qkv_norm_rope(raw["qkv"], *args)
+    qkv = raw["qkv"].clone().requires_grad_(True)
+    q, k, v = qkv_norm_rope(qkv, *args)
+    (q.sum() + k.sum() + v.sum()).backward()
+    assert qkv.grad is not None and qkv.grad.shape == qkv.shape
