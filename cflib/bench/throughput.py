@@ -89,12 +89,14 @@ PROJECT_PATHS.update(LORA_PATHS)
 # row, as it does for a loss that reads every position (the SFT loss reads the supervised rows alone, so
 # production computes only those after the last attention); the residual stream in BF16; the FP32 stream with
 # its gradient in BF16 (both need bf16); the tied-head loss in chunks of 4,096 tokens, whatever loss_chunk_tokens
-# the run sets (each chunk's head-gradient GEMM then accumulates 4x the tokens per pass over its FP32 sum).
+# the run sets (each chunk's head-gradient GEMM then accumulates 4x the tokens per pass over its FP32 sum); every
+# plain GEMM on cuBLAS, where production (quack_gemms: auto) takes quack's kernel at the shapes it runs faster.
 VARIANT_PATHS: dict[str, dict[str, Any]] = {
     "production_every_row": PROJECT_PATHS["production"],
     "production_bf16_residual": {**PROJECT_PATHS["production"], "bf16_residual": True},
     "production_bf16_residual_gradient": {**PROJECT_PATHS["production"], "bf16_residual_gradient": True},
     "production_loss_chunk_4096": {**PROJECT_PATHS["production"], "loss_chunk_tokens": 4096},
+    "production_cublas_gemms": {**PROJECT_PATHS["production"], "quack_gemms": "false"},
 }
 EVERY_ROW_PATHS = ("production_every_row",)
 PROJECT_PATHS.update(VARIANT_PATHS)
@@ -225,7 +227,8 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
         def step(windows: np.ndarray, next_windows: np.ndarray | None = None) -> dict:
             return {**trainer.train_step(windows, next_windows),
                     "real_tokens": int(stream.data.lengths[stream.plan.examples_of(windows)].sum())}
-    return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(trainer.optimizer)},
+    return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(trainer.optimizer),
+                                  "gemms": trainer.gemms.describe()},
                    trainer=trainer, facts={
         **counts, "params_active": active,
         "model_flops_per_token": flops_per_token(active, model.config.num_hidden_layers, model.config.hidden_size,

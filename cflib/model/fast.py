@@ -23,6 +23,7 @@ from cflib.model.decoder import EXPERT_TENSORS, Attention, RMSNorm, TRMoEEngine,
 from cflib.model.weight_copies import WeightCopies, columns, reads_half, rows
 from cflib.model.weights import effective_weight, is_adapted
 from cflib.ops.dispatch import KernelPlan
+from cflib.ops.gemm import TORCH_GEMMS, Gemms
 
 
 class LigerRMSNorm(RMSNorm):
@@ -263,7 +264,7 @@ class EpilogueSwiGLUEngine(FusedTRMoEEngine):
         from cflib.ops.trmoe import trmoe_gated_forward
         copies, prefix = self.weight_copies, self.copies_prefix
         return trmoe_gated_forward(self, x, token_ids, (copies.parts(f"{prefix}.gate_up"),
-                                                        copies.parts(f"{prefix}.down")))
+                                                        copies.parts(f"{prefix}.down")), gemms=copies.gemms)
 
     def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         from cflib.ops.trmoe import trmoe_gated_forward
@@ -310,12 +311,13 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
     return model
 
 
-def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16, head: bool = False) -> WeightCopies:
+def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16, head: bool = False,
+                         gemms: Gemms = TORCH_GEMMS) -> WeightCopies:
     """BF16 copies (cflib.model.weight_copies) of the fused GEMMs' weights, which the fused attention and the
     whole-block TR-MoE engine read from now on under autocast in `dtype`; the caller refreshes them after each
-    optimizer step. `head`: also the tied head's
-    ("head", for a loss that computes in `dtype`; the embedding lookup keeps reading the FP32 table)."""
-    copies = WeightCopies(dtype)
+    optimizer step. `head`: also the tied head's ("head", for a loss that computes in `dtype`; the embedding
+    lookup keeps reading the FP32 table). `gemms`: how the GEMMs that read the copies run (cflib.ops.gemm)."""
+    copies = WeightCopies(dtype, gemms)
     if head and type(model.embed_tokens) is nn.Embedding:
         table = model.embed_tokens.weight
         copies.add("head", (table,), (rows(0, table.shape[0]),), tuple(table.shape))

@@ -27,10 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from cflib.ops.gemm import master_gradients, weight_gradient
+from cflib.ops.gemm import TORCH_GEMMS, Gemms, master_gradients
 
 Region = Callable[[torch.Tensor], torch.Tensor]  # a master's place in its copy: a view of the copy shaped like it
 
@@ -69,32 +68,34 @@ class _FromCopy(torch.autograd.Function):
 
 class _CopyLinear(torch.autograd.Function):
     """x @ copy.T, the copy as the GEMM's weight; backward writes the masters' FP32 gradients from one FP32 weight
-    gradient (weight_gradient), where the GEMM of _FromCopy's path would write BF16 for a cast to read back."""
+    gradient (Gemms.weight_gradient), where the GEMM of _FromCopy's path would write BF16 for a cast to read
+    back."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, copy: torch.Tensor, regions: tuple[Region, ...], *masters: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, copy: torch.Tensor, gemms: Gemms, regions: tuple[Region, ...],
+                *masters: torch.Tensor) -> torch.Tensor:
         x = x.to(copy.dtype)
         ctx.save_for_backward(x, copy)
-        ctx.regions = regions
-        return F.linear(x, copy)
+        ctx.regions, ctx.gemms = regions, gemms
+        return gemms.linear(x, copy)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, copy = ctx.saved_tensors
-        grad_out = grad_out.to(copy.dtype)
-        grad_x = grad_out @ copy if ctx.needs_input_grad[0] else None
+        gemms, grad_out = ctx.gemms, grad_out.to(copy.dtype)
+        grad_x = gemms.matmul(grad_out, copy) if ctx.needs_input_grad[0] else None
         grads = master_gradients(
-            lambda: weight_gradient(grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])),
-            ctx.regions, ctx.needs_input_grad[3:])
-        return grad_x, None, None, *grads
+            lambda: gemms.weight_gradient(grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])),
+            ctx.regions, ctx.needs_input_grad[4:])
+        return grad_x, None, None, None, *grads
 
 
 class WeightCopies:
-    """Named BF16 copies, each of one or more FP32 masters (`add`), read by `weight(name)`."""
+    """Named BF16 copies, each of one or more FP32 masters (`add`), read by `weight(name)`; `gemms`: how the
+    GEMMs that read them run (cflib.ops.gemm)."""
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, gemms: Gemms = TORCH_GEMMS) -> None:
+        self.dtype, self.gemms = dtype, gemms
         self.copies: dict[str, _Copy] = {}
         self._targets: dict[nn.Parameter, torch.Tensor] | None = None
 
@@ -125,9 +126,9 @@ class WeightCopies:
         return copy.tensor, copy.regions, copy.masters
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x @ weight(name).T, its masters' gradients written in FP32 by the GEMM (weight_gradient)."""
+        """x @ weight(name).T, its masters' gradients written in FP32 by the GEMM (Gemms.weight_gradient)."""
         copy = self._current(name)
-        return _CopyLinear.apply(x, copy.tensor, copy.regions, *copy.masters)
+        return _CopyLinear.apply(x, copy.tensor, self.gemms, copy.regions, *copy.masters)
 
     def targets(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each master's view of its copy, for the copies written so far: where an optimizer that writes the

@@ -4,7 +4,7 @@ Liger's fused linear CE takes class weights, not token weights (its
 reduction="none" path recomputes the whole head in backward). The weighted SFT
 loss needs sum_i w_i * CE_i at the speed of the unweighted one, so this op
 follows the same plan as cflib.ops.loss's reference: head GEMMs over chunks of
-tokens (cuBLAS), and per chunk one Triton kernel that turns the logits, in
+tokens (cflib.ops.gemm's), and per chunk one Triton kernel that turns the logits, in
 place, into w_i * (softmax - onehot) while writing w_i * CE_i. No fp32 copy of
 a chunk's logits is ever made, and the gradients are done when forward ends.
 """
@@ -14,10 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from cflib.ops.gemm import TORCH_GEMMS, Gemms
 from cflib.ops.interpreter import INTERPRETING
 from cflib.ops.loss import saved_gradients
-
-_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")  # torch 2.8+: addmm(..., out_dtype=)
 
 # Logits per block and warps, tried on the device at first use per vocabulary size (do_bench in triton.autotune,
 # the logits restored between tries: the kernel overwrites them). Each program reads its row twice; with fewer,
@@ -62,15 +61,6 @@ def _weighted_cross_entropy(logits_ptr, row_stride, targets_ptr, weights_ptr, lo
         tl.store(row_ptr + cols, (weight * grad).to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def accumulate_product(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """total (fp32) += a @ b. Half-precision operands on a GPU accumulate straight into total in fp32 (cuBLAS
-    with an fp32 output, torch 2.8+), without a head-sized product in their dtype cast and added per chunk."""
-    if total.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and _ADDMM_OUT_DTYPE:
-        torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
-    else:
-        total += (a @ b).float()
-
-
 def weighted_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor,
                             weights: torch.Tensor | None) -> torch.Tensor:
     """Per-row w_i * CE_i (fp32); overwrites `logits` [n, V] with d(sum)/d(logits)."""
@@ -87,23 +77,24 @@ def weighted_cross_entropy_(logits: torch.Tensor, targets: torch.Tensor,
 class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
     """The summed loss of hidden @ weight.T; its head gradient (FP32, accumulated by the GEMMs) goes to `weight`,
     or, given `master` (the FP32 tensor whose half-precision copy `weight` is), to the master as it is: a
-    gradient handed back to a half-precision input would be rounded to its dtype first."""
+    gradient handed back to a half-precision input would be rounded to its dtype first. `gemms`: how the head's
+    GEMMs run (cflib.ops.gemm)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                token_weights: torch.Tensor | None, chunk_tokens: int, master: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                token_weights: torch.Tensor | None, chunk_tokens: int, master: torch.Tensor | None = None,
+                gemms: Gemms = TORCH_GEMMS) -> torch.Tensor:
         ctx.to_master = master is not None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             h = hidden[start:start + chunk_tokens]
-            logits = h @ weight.t()
+            logits = gemms.linear(h, weight)
             chunk_weights = token_weights[start:start + chunk_tokens] if token_weights is not None else None
             loss_sum += weighted_cross_entropy_(logits, targets[start:start + chunk_tokens], chunk_weights).sum()
-            torch.mm(logits, weight, out=grad_hidden[start:start + chunk_tokens])
-            accumulate_product(grad_weight, logits.t(), h)
+            gemms.matmul(logits, weight, out=grad_hidden[start:start + chunk_tokens])
+            gemms.accumulate(grad_weight, logits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss_sum
 
@@ -111,5 +102,5 @@ class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight = saved_gradients(ctx, grad_output)
         if ctx.to_master:
-            return grad_hidden, None, None, None, None, grad_weight
-        return grad_hidden, grad_weight, None, None, None, None
+            return grad_hidden, None, None, None, None, grad_weight, None
+        return grad_hidden, grad_weight, None, None, None, None, None

@@ -25,10 +25,12 @@ class KernelPlan:
     notes: tuple[str, ...] = ()  # why `auto` left a fast path off
     attention: str = "auto"  # attention_backend, checked here (cflib.ops.attention)
     epilogue_swiglu: bool = False  # the TR-MoE block's SwiGLU in quack's GEMM epilogue (with custom)
+    quack_gemms: bool = False  # the step's other GEMMs on quack's kernel or cuBLAS, the faster (cflib.ops.gemm)
 
     def describe(self) -> str:
         chosen = [name for name, on in (("Liger", self.liger), ("cflib Triton", self.custom),
-                                        ("quack SwiGLU GEMMs", self.epilogue_swiglu)) if on]
+                                        ("quack SwiGLU GEMMs", self.epilogue_swiglu),
+                                        ("quack GEMMs where faster", self.quack_gemms)) if on]
         text = " + ".join(chosen) if chosen else "PyTorch reference"
         return text + "".join(f"; {note}" for note in self.notes)
 
@@ -66,12 +68,12 @@ def liger_problem() -> str | None:
 
 
 def quack_problem(device: torch.device) -> str | None:
-    """Why quack's SwiGLU GEMMs (the shared branch's activation in the GEMM epilogue) cannot run here, or None."""
+    """Why quack's GEMMs (the SwiGLU epilogue's, and the plain ones of quack_gemms) cannot run here, or None."""
     if device.type != "cuda":
         return f"no GPU: the device is {device}"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
-        return f"compute capability {major}.{minor}: quack's SwiGLU GEMMs are measured on Hopper (9.x) only"
+        return f"compute capability {major}.{minor}: quack's GEMMs are measured on Hopper (9.x) only"
     spec = importlib.util.find_spec("quack")
     if spec is None or importlib.util.find_spec("quack.mlp") is None:
         return "quack-kernels is not installed (pip install quack-kernels, or cflib[gpu])"
@@ -84,13 +86,14 @@ def quack_problem(device: torch.device) -> str | None:
 
 def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device,
                  attention_backend: str = "auto", head_dim: int = 64, packed: bool = False,
-                 epilogue_swiglu: str = "false", weight_copies_problem: str | None = None) -> KernelPlan:
+                 epilogue_swiglu: str = "false", weight_copies_problem: str | None = None,
+                 quack_gemms: str = "false") -> KernelPlan:
     """Resolve the flags against this device, or raise KernelUnavailable naming the check.
 
     Shapes need no check here but attention's (head_dim; packed: whether training rows are packed windows):
     every valid ModelConfig (even head_dim) runs on every other path. `weight_copies_problem`: why the run
-    reads no BF16 weight copies, if it reads none; `auto` takes the SwiGLU epilogue only with them, where it
-    was measured faster (`true` runs it without, laying the weights out in every forward)."""
+    reads no BF16 weight copies, if it reads none; `auto` takes quack's GEMMs only with them, where they were
+    measured faster (`true` runs the SwiGLU epilogue without, laying the weights out in every forward)."""
     notes: list[str] = list(plan_attention(attention_backend, device, head_dim, packed))
 
     def decide(flag_name: str, mode: str, problem: str | None) -> bool:
@@ -112,14 +115,21 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
     liger_mode = "true" if require_liger else ("false" if use_custom_kernels == "false" else "auto")
     liger = decide("require_liger" if require_liger else "use_custom_kernels (Liger)", liger_mode,
                    common or liger_problem())
-    if epilogue_swiglu == "true" and not custom:
-        raise KernelUnavailable("epilogue_swiglu: true, but it runs inside cflib's TR-MoE block, which is off here "
-                                "(use_custom_kernels)")
-    # A GPU refinement of cflib's block: auto says nothing of it where the block itself runs interpreted.
-    on = custom and (device.type == "cuda" or epilogue_swiglu == "true")
-    problem = quack_problem(device)
-    if problem is None and epilogue_swiglu == "auto" and weight_copies_problem is not None:
-        problem = f"it reads the BF16 weight copies, off here ({weight_copies_problem})"
-    epilogue = decide("epilogue_swiglu", epilogue_swiglu if on else "false", problem)
+    epilogue = _decide_quack("epilogue_swiglu", epilogue_swiglu, custom, device, weight_copies_problem, decide)
+    gemms = _decide_quack("quack_gemms", quack_gemms, custom, device, weight_copies_problem, decide)
     return KernelPlan(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend,
-                      epilogue_swiglu=epilogue)
+                      epilogue_swiglu=epilogue, quack_gemms=gemms)
+
+
+def _decide_quack(flag_name: str, mode: str, custom: bool, device: torch.device, weight_copies_problem: str | None,
+                  decide) -> bool:
+    """A quack GPU refinement of cflib's path: refused without cflib's kernels where required; auto says nothing
+    of it where those run interpreted, and takes it only with the BF16 weight copies, as measured."""
+    if mode == "true" and not custom:
+        raise KernelUnavailable(f"{flag_name}: true, but it runs inside cflib's fast path, which is off here "
+                                "(use_custom_kernels)")
+    on = custom and (device.type == "cuda" or mode == "true")
+    problem = quack_problem(device)
+    if problem is None and mode == "auto" and weight_copies_problem is not None:
+        problem = f"it reads the BF16 weight copies, off here ({weight_copies_problem})"
+    return decide(flag_name, mode if on else "false", problem)

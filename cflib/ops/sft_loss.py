@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from cflib.ops.dispatch import KernelPlan
+from cflib.ops.gemm import step_gemms
 from cflib.ops.loss import IGNORE_INDEX, chunked_cross_entropy_sum, supervised_rows
 
 
@@ -102,7 +103,7 @@ class SFTLoss:
                 weight, head_master = head_weight.detach().to(dtype), head_weight
             self.last_backend = "cflib_triton_fused_linear_ce" + ("_weighted" if token_weights is not None else "")
             return FusedLinearWeightedCrossEntropy.apply(hidden, weight, targets, weights, loss_chunk_tokens,
-                                                         head_master), count
+                                                         head_master, step_gemms(self.plan.quack_gemms)), count
 
 
 LOSSES: dict[str, Callable[[KernelPlan], Loss]] = {"sft_cross_entropy": SFTLoss}

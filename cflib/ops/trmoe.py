@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from cflib.ops.gemm import gated_gemm, master_gradients, weight_gradient
+from cflib.ops.gemm import TORCH_GEMMS, Gemms, gated_gemm, master_gradients
 from cflib.ops.interpreter import INTERPRETING
 
 # Tried on the device at first use per width (do_bench inside triton.autotune); one config in the interpreter.
@@ -290,19 +290,20 @@ class GatedSwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, layout: tuple, regions: tuple | None, *masters: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, layout: tuple, gemms: Gemms, regions: tuple | None,
+                *masters: torch.Tensor) -> torch.Tensor:
         x, token_ids, route_table = x.to(gate_up.dtype).contiguous(), token_ids.contiguous(), route_table.contiguous()
         preact, hidden = gated_gemm(x, gate_up)
         scale_columns_(hidden, token_ids, route_table, layout)
         ctx.save_for_backward(x, preact, token_ids, route_table, gate_up, down)
-        ctx.layout, ctx.regions = layout, regions
-        return F.linear(hidden, down)
+        ctx.layout, ctx.gemms, ctx.regions = layout, gemms, regions
+        return gemms.linear(hidden, down)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, preact, token_ids, route_table, gate_up, down = ctx.saved_tensors
-        grad_out = grad_out.contiguous().to(down.dtype)
-        hidden = grad_out @ down
+        gemms, grad_out = ctx.gemms, grad_out.contiguous().to(down.dtype)
+        hidden = gemms.matmul(grad_out, down)
         # each (gate, up) pair as one 32-bit word: the kernel reads and writes the pairs as whole words
         scaled_swiglu_backward_(hidden, preact.view(torch.int32), token_ids, route_table, ctx.layout, interleaved=True)
         # preact now holds its gradient and hidden the activation; a second backward must not read either
@@ -310,18 +311,19 @@ class GatedSwiGLUDown(torch.autograd.Function):
         grad_preact, needs = preact, ctx.needs_input_grad
         # The down weight's gradient first, so the [N, C] activation is freed before grad_x is allocated.
         if ctx.regions is None:
-            grad_down = weight_gradient(grad_out, hidden).to(down.dtype) if needs[4] else None
+            grad_down = gemms.weight_gradient(grad_out, hidden).to(down.dtype) if needs[4] else None
             del hidden
-            grad_x = grad_preact @ gate_up if needs[0] else None
-            grad_gate_up = weight_gradient(grad_preact, x).to(gate_up.dtype) if needs[3] else None
-            return grad_x, None, None, grad_gate_up, grad_down, None, None
+            grad_x = gemms.matmul(grad_preact, gate_up) if needs[0] else None
+            grad_gate_up = gemms.weight_gradient(grad_preact, x).to(gate_up.dtype) if needs[3] else None
+            return grad_x, None, None, grad_gate_up, grad_down, None, None, None
         gate_up_regions, down_regions = ctx.regions
-        split = 7 + len(gate_up_regions)
-        grads_down = master_gradients(partial(weight_gradient, grad_out, hidden), down_regions, needs[split:])
+        split = 8 + len(gate_up_regions)
+        grads_down = master_gradients(partial(gemms.weight_gradient, grad_out, hidden), down_regions, needs[split:])
         del hidden
-        grad_x = grad_preact @ gate_up if needs[0] else None
-        grads_gate_up = master_gradients(partial(weight_gradient, grad_preact, x), gate_up_regions, needs[7:split])
-        return grad_x, None, None, None, None, None, None, *grads_gate_up, *grads_down
+        grad_x = gemms.matmul(grad_preact, gate_up) if needs[0] else None
+        grads_gate_up = master_gradients(partial(gemms.weight_gradient, grad_preact, x), gate_up_regions,
+                                         needs[8:split])
+        return grad_x, None, None, None, None, None, None, None, *grads_gate_up, *grads_down
 
 
 def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
@@ -331,17 +333,17 @@ def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
 
 def trmoe_gated_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
                         copies: tuple[tuple, tuple] | None = None,
-                        weights: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                        weights: dict[str, torch.Tensor] | None = None, gemms: Gemms = TORCH_GEMMS) -> torch.Tensor:
     """The TR-MoE block of `engine` through quack's SwiGLU GEMMs (GatedSwiGLUDown), x in a 16-bit dtype or
     under autocast to one. `copies`: the gate|up copy (interleaved) and the down copy, each as (tensor,
     regions, masters) (cflib.model.weight_copies); without, both are laid out from the engine's weights (or
-    `weights`, engine_weights' names)."""
+    `weights`, engine_weights' names). `gemms`: how the block's other GEMMs run (cflib.ops.gemm)."""
     dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.get_autocast_dtype(x.device.type)
     layout = kernel_layout(engine)
     if copies is None:
         gate_up, down = fused_weights(engine, weights)
         return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, interleave_gate_up(gate_up).to(dtype),
-                                     down.to(dtype), layout, None)
+                                     down.to(dtype), layout, gemms, None)
     (gate_up, gate_up_regions, gate_up_masters), (down, down_regions, down_masters) = copies
-    return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, gate_up, down, layout,
+    return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, gate_up, down, layout, gemms,
                                  (gate_up_regions, down_regions), *gate_up_masters, *down_masters)

@@ -150,6 +150,10 @@ class Kernels:
     # where it runs and the run reads the BF16 weight copies, true to require it (with or without them), false for
     # cflib's SwiGLU kernel
     epilogue_swiglu: str = parsed_by(kernel_choice, "auto")
+    # The step's other GEMMs (the projections' forward and both gradients, the head's) each on quack's GEMM or
+    # cuBLAS, whichever was faster at the first call of its size class (Hopper, quack-kernels; cflib.ops.gemm):
+    # auto where it runs and the run reads the BF16 weight copies, true to require it, false for cuBLAS
+    quack_gemms: str = parsed_by(kernel_choice, "auto")
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
@@ -269,7 +273,8 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError("train_tasks must name at least one task, or be None for every example")
         if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
             raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
-        for name in ("use_custom_kernels", "epilogue_swiglu", "cuda_graphs", "bf16_weight_copies", "cflib_adamw"):
+        for name in ("use_custom_kernels", "epilogue_swiglu", "quack_gemms", "cuda_graphs", "bf16_weight_copies",
+                     "cflib_adamw"):
             if getattr(self, name) not in KERNEL_CHOICES:
                 raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
         if self.attention_backend not in backend_names():

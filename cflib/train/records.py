@@ -100,13 +100,13 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         **record_header("train_sft", trainer.device, run.out_dir, device_count=trainer.dist.world_size,
                         params=p),
         # measurement protocol (docs/measuring.md)
-        "world_size": trainer.dist.world_size,
-        "strategy": run.strategy,
+        "world_size": trainer.dist.world_size, "strategy": run.strategy,
         "memory_estimate": run.memory_estimate,
-        "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend},
+        "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend,
+                        "gemms": trainer.gemms.describe()},
         "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
                               "attention_backend": p.attention_backend, "epilogue_swiglu": p.epilogue_swiglu,
-                              "notes": list(run.kernels.notes)},
+                              "quack_gemms": p.quack_gemms, "notes": list(run.kernels.notes)},
         **count_parameters(model),
         "lora": None if run.lora is None else {**describe_lora(model), "base": {
             key: value for key, value in run.lora.base.items() if key != "config"}},

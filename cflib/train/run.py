@@ -258,9 +258,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     model.grad_ckpt = params.grad_ckpt
     model.half_residual = params.bf16_residual
     model.half_residual_gradient = params.bf16_residual_gradient
-    kernels = plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
-                           config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu,
-                           weight_copies_problem=weight_copies_problem(params, True, strategy, device))
+    kernels = _plan(params, config, strategy, device)
     use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
@@ -270,6 +268,13 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if not run.launches_workers:
         model.to(device)
     return run
+
+
+def _plan(params: TrainParams, config: ModelConfig, strategy: str, device: torch.device) -> KernelPlan:
+    return plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
+                        config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu,
+                        weight_copies_problem=weight_copies_problem(params, True, strategy, device),
+                        quack_gemms=params.quack_gemms)
 
 
 def kept_examples(params: TrainParams, train_data: ShardPartition) -> tuple[ShardPartition, dict | None]:

@@ -32,6 +32,7 @@ from cflib.model.lora import lora_kernel_path
 from cflib.model.weight_copies import WeightCopies
 from cflib.ops.attention import capturable, pack_documents
 from cflib.ops.dispatch import refuse_if_required
+from cflib.ops.gemm import step_gemms
 from cflib.ops.sft_loss import SFTLoss, make_loss
 from cflib.ops.loss import supervised_positions
 from cflib.ops.rows import Rows
@@ -99,6 +100,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
         self.loss = make_loss(self.params.loss_type, run.kernels)
+        self.gemms = step_gemms(run.kernels.quack_gemms)  # the loss's GEMMs and those reading the weight copies
         self.loss_rows_only = bool(getattr(self.loss, "reads_supervised_rows_only", False))
         self.weight_copies = self._weight_copies()
         self.graphs, self.eager_reason = self._graphed_micro_steps()
@@ -322,8 +324,8 @@ class Trainer:
         detach_weight_copies(self.model)  # none left by an earlier trainer of this model, which refreshed them
         problem = weight_copies_problem(p, run.kernels.custom, run.strategy, self.device)
         # The head's copy for cflib's loss computing in BF16; an fp32 loss, or another loss, reads the FP32 head.
-        copies = attach_weight_copies(self.model, head=isinstance(self.loss, SFTLoss) and not p.fp32_loss) \
-            if problem is None else None
+        copies = attach_weight_copies(self.model, head=isinstance(self.loss, SFTLoss) and not p.fp32_loss,
+                                      gemms=self.gemms) if problem is None else None
         if copies is not None and not copies.copies:
             problem, copies = "no module of this model reads fused weights", None
         if problem is not None:

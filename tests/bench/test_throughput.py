@@ -272,8 +272,10 @@ def test_project_paths_train_through_the_trainer_and_read_kernels_back(smoke_rec
     reference = [e for e in entries_of(smoke_record, "random_rows") if e["path"] == "reference"]
     assert [e["status"] for e in reference] == ["ok", "ok"]
     model = TRMoEModel(preset("smoke"))
-    assert set(reference[0]["kernel_path"]) == {*model.kernel_path(), "optimizer"}  # the model's and what stepped
+    # the model's, what stepped, and how the plain GEMMs ran
+    assert set(reference[0]["kernel_path"]) == {*model.kernel_path(), "optimizer", "gemms"}
     assert reference[0]["kernel_path"]["optimizer"] in ("torch", "torch_fused")  # cflib_adamw is off
+    assert reference[0]["kernel_path"]["gemms"] == "torch"  # quack_gemms needs cflib's path
     assert reference[0]["kernel_path"]["moe"] != "none"  # set by a forward that ran, not by construction
     assert reference[0]["requested"] == {"use_custom_kernels": "false", "require_liger": False,
                                          "pack_sequences": False}

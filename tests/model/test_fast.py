@@ -97,30 +97,37 @@ def test_no_forward_reads_a_flag_the_swap_wrote():
     assert {name: set(vars(module)) for name, module in model.named_modules()} == before
 
 
-def test_the_epilogue_swiglu_is_checked_before_any_step(monkeypatch):
-    # The custom kernels run on the CPU in Triton's interpreter; the epilogue GEMMs still need a GPU.
+QUACK_FLAGS = ("epilogue_swiglu", "quack_gemms")  # quack's GPU refinements of cflib's path, planned alike
+
+
+@pytest.mark.parametrize("flag", QUACK_FLAGS)
+def test_quacks_gemms_are_checked_before_any_step(monkeypatch, flag):
+    # The custom kernels run on the CPU in Triton's interpreter; quack's GEMMs still need a GPU.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cpu = torch.device("cpu")
-    with pytest.raises(KernelUnavailable, match=r"epilogue_swiglu: true, but .* \(use_custom_kernels\)"):
-        plan_kernels("false", False, cpu, epilogue_swiglu="true")
-    with pytest.raises(KernelUnavailable, match="epilogue_swiglu: true, but no GPU"):
-        plan_kernels("true", False, cpu, epilogue_swiglu="true")
-    plan = plan_kernels("true", False, cpu, epilogue_swiglu="auto")  # auto says nothing of a GPU refinement on the CPU
-    assert plan.custom and not plan.epilogue_swiglu and not any("epilogue" in note for note in plan.notes)
+    with pytest.raises(KernelUnavailable, match=rf"{flag}: true, but .* \(use_custom_kernels\)"):
+        plan_kernels("false", False, cpu, **{flag: "true"})
+    with pytest.raises(KernelUnavailable, match=f"{flag}: true, but no GPU"):
+        plan_kernels("true", False, cpu, **{flag: "true"})
+    plan = plan_kernels("true", False, cpu, **{flag: "auto"})  # auto says nothing of a GPU refinement on the CPU
+    assert plan.custom and not getattr(plan, flag) and not any(flag in note for note in plan.notes)
 
 
-def test_auto_takes_the_epilogue_swiglu_only_with_the_bf16_weight_copies(monkeypatch):
-    """Where quack runs (a Hopper GPU, stood in for here), `auto` takes the epilogue in runs that read the BF16
-    weight copies, as it was measured, and says why it left it off elsewhere; `true` runs it either way."""
+@pytest.mark.parametrize("flag", QUACK_FLAGS)
+def test_auto_takes_quacks_gemms_only_with_the_bf16_weight_copies(monkeypatch, flag):
+    """Where quack runs (a Hopper GPU, stood in for here), `auto` takes its GEMMs in runs that read the BF16
+    weight copies, as they were measured, and says why it left them off elsewhere; `true` runs them either way."""
     import cflib.ops.dispatch as dispatch
 
     monkeypatch.setattr(dispatch, "triton_problem", lambda device, rocm_opt_in: None)
     monkeypatch.setattr(dispatch, "quack_problem", lambda device: None)
     monkeypatch.setattr(dispatch, "plan_attention", lambda *args: ())
     gpu = torch.device("cuda")
-    assert plan_kernels("true", False, gpu, epilogue_swiglu="auto").epilogue_swiglu
-    plan = plan_kernels("true", False, gpu, epilogue_swiglu="auto", weight_copies_problem="2 processes (auto: one)")
-    assert not plan.epilogue_swiglu
-    assert "epilogue_swiglu: it reads the BF16 weight copies, off here (2 processes (auto: one))" in plan.notes
-    assert plan_kernels("true", False, gpu, epilogue_swiglu="true", weight_copies_problem="bf16 is off").epilogue_swiglu
-    assert not plan_kernels("true", False, gpu, epilogue_swiglu="false").epilogue_swiglu
+    assert getattr(plan_kernels("true", False, gpu, **{flag: "auto"}), flag)
+    plan = plan_kernels("true", False, gpu, weight_copies_problem="2 processes (auto: one)", **{flag: "auto"})
+    assert not getattr(plan, flag)
+    assert f"{flag}: it reads the BF16 weight copies, off here (2 processes (auto: one))" in plan.notes
+    assert getattr(plan_kernels("true", False, gpu, weight_copies_problem="bf16 is off", **{flag: "true"}), flag)
+    assert not getattr(plan_kernels("true", False, gpu, **{flag: "false"}), flag)
+    other = next(name for name in QUACK_FLAGS if name != flag)
+    assert not getattr(plan_kernels("true", False, gpu, **{flag: "true"}), other)  # each flag its own

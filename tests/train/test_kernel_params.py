@@ -44,8 +44,10 @@ def test_training_records_the_kernels_that_ran(tmp_path):
     assert record["kernel_path"]["loss"] == "cflib_triton_fused_linear_ce"
     assert record["kernel_path"]["attention"] == "torch_sdpa"
     assert record["kernel_path"]["swiglu"] == "triton_fused"
+    assert record["kernel_path"]["gemms"] == "torch"  # quack_gemms: auto takes quack only with BF16 weight copies
     assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True,
-                                           "attention_backend": "auto", "epilogue_swiglu": "false", "notes": []}
+                                           "attention_backend": "auto", "epilogue_swiglu": "false",
+                                           "quack_gemms": "auto", "notes": []}
 
 
 def test_cudnn_sdpa_with_packed_windows_is_refused_naming_pack_sequences():
