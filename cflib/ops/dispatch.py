@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +123,7 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
 
 
 def _decide_quack(flag_name: str, mode: str, custom: bool, device: torch.device, weight_copies_problem: str | None,
-                  decide) -> bool:
+                  decide: Callable[[str, str, str | None], bool]) -> bool:
     """A quack GPU refinement of cflib's path: refused without cflib's kernels where required; auto says nothing
     of it where those run interpreted, and takes it only with the BF16 weight copies, as measured."""
     if mode == "true" and not custom:
