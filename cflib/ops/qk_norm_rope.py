@@ -35,6 +35,33 @@ BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
 
 
 @triton.jit
+def _rows_of_kind(block, num_rows, heads, first_head, positions_ptr, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    """One block of the (token, head) rows of one kind (query heads, or key heads from first_head on): each row's
+    index among its kind's rows, its token and head in qkv, the mask, and its rotation's cos and sin halves."""
+    cols = tl.arange(0, HEAD_DIM // 2)
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < num_rows
+    token, head = rows // heads, rows % heads + first_head
+    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
+    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=row_mask[:, None], other=0.0)
+    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=row_mask[:, None], other=0.0)
+    return rows, token, head, row_mask, cos, sin
+
+
+@triton.jit
+def _value_rows(block, qkv_row_stride, tokens, q_heads, kv_heads, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One block of value rows: their offsets in v's [tokens, kv_heads, hd] layout and in qkv's rows (of
+    qkv_row_stride), and the mask; v and its gradient are copied between the two as they are."""
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
+    token, head = rows // kv_heads, rows % kv_heads + q_heads + kv_heads
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    packed = rows.to(tl.int64)[:, None] * HEAD_DIM + cols
+    in_qkv = token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols
+    return packed, in_qkv, (rows < tokens * kv_heads)[:, None]
+
+
+@triton.jit
 def _norm_rope_rows_forward(block, qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, positions_ptr, out_ptr,
                             rstd_ptr, num_rows, heads, first_head, normed_heads, eps, HEAD_DIM: tl.constexpr,
                             BLOCK_R: tl.constexpr):
@@ -42,10 +69,9 @@ def _norm_rope_rows_forward(block, qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr,
     and rotated into out [tokens, heads, hd], each row's rstd at its (token, head) among the normed heads."""
     half: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, half)
-    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < num_rows
+    rows, token, head, row_mask, cos, sin = _rows_of_kind(block, num_rows, heads, first_head, positions_ptr, cos_ptr,
+                                                          sin_ptr, HEAD_DIM, BLOCK_R)
     mask = row_mask[:, None]
-    token, head = rows // heads, rows % heads + first_head
     src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
@@ -53,9 +79,6 @@ def _norm_rope_rows_forward(block, qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr,
     tl.store(rstd_ptr + token.to(tl.int64) * normed_heads + head, rstd, mask=row_mask)
     n1 = x1 * rstd[:, None] * tl.load(weight_ptr + cols)[None, :]
     n2 = x2 * rstd[:, None] * tl.load(weight_ptr + half + cols)[None, :]
-    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
-    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
     dst = out_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :]
     # rotate-half: cos and sin repeat across the halves
     tl.store(dst, (n1 * cos - n2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
@@ -78,13 +101,8 @@ def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, c
         _norm_rope_rows_forward(block, qkv_ptr, qkv_row_stride, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
                                 k_ptr, rstd_ptr, tokens * kv_heads, kv_heads, q_heads, normed_heads, eps, HEAD_DIM,
                                 BLOCK_R)
-        rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-        mask = (rows < tokens * kv_heads)[:, None]
-        token, head = rows // kv_heads, rows % kv_heads + q_heads + kv_heads
-        cols = tl.arange(0, HEAD_DIM)
-        src = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
-        tl.store(v_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :], tl.load(src, mask=mask, other=0.0),
-                 mask=mask)
+        packed, in_qkv, mask = _value_rows(block, qkv_row_stride, tokens, q_heads, kv_heads, HEAD_DIM, BLOCK_R)
+        tl.store(v_ptr + packed, tl.load(qkv_ptr + in_qkv, mask=mask, other=0.0), mask=mask)
 
 
 @triton.jit
@@ -95,16 +113,12 @@ def _norm_rope_rows_backward(block, grad_ptr, qkv_ptr, qkv_row_stride, weight_pt
     gradient through RoPE and the norm, written into qkv's gradient; returns the block's d(weight) halves."""
     half: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, half)
-    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_mask = rows < num_rows
+    rows, token, head, row_mask, cos, sin = _rows_of_kind(block, num_rows, heads, first_head, positions_ptr, cos_ptr,
+                                                          sin_ptr, HEAD_DIM, BLOCK_R)
     mask = row_mask[:, None]
-    token, head = rows // heads, rows % heads + first_head
     src = grad_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :]
     g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     g2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-    position = tl.load(positions_ptr + token, mask=row_mask, other=0)
-    cos = tl.load(cos_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + position[:, None] * HEAD_DIM + cols[None, :], mask=mask, other=0.0)
     d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
     x = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
     rstd = tl.load(rstd_ptr + token.to(tl.int64) * normed_heads + head, mask=row_mask, other=0.0)
@@ -149,13 +163,9 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_
                 rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * kv_heads, kv_heads, q_heads, normed_heads,
                 HEAD_DIM, BLOCK_R)
             dw1, dw2 = dw1 + part1, dw2 + part2
-            rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
-            mask = (rows < tokens * kv_heads)[:, None]
-            token, head = rows // kv_heads, rows % kv_heads + q_heads + kv_heads
-            src = grad_v_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-            dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + \
-                tl.arange(0, HEAD_DIM)[None, :]
-            tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
+            packed, in_qkv, mask = _value_rows(block, grad_x_row_stride, tokens, q_heads, kv_heads, HEAD_DIM,
+                                               BLOCK_R)
+            tl.store(grad_x_ptr + in_qkv, tl.load(grad_v_ptr + packed, mask=mask, other=0.0), mask=mask)
         own = grad_w_ptr + program * 2 * HEAD_DIM + HEAD_DIM
         other = grad_w_ptr + program * 2 * HEAD_DIM
     tl.store(own + cols, dw1)
