@@ -168,15 +168,15 @@ class RacedGemms(Gemms):
         # batch (packed windows' supervised rows, the loss's last chunk) reuse one timing
         sides = tuple(side.bit_length() for side in (a.shape[0], a.shape[1], b.shape[1]))
         key = (kind, sides, *(t.stride(-1) == 1 for t in (a, b, out)), a.dtype, out.dtype)
-        aligned = all(map(_quack_aligned, (a, b, out)))  # asked at every call: a start or a stride may move
         if key not in self.chosen:
             if torch.cuda.is_current_stream_capturing():
                 return cublas(out)
             eligible = (a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
-                        and min(*a.shape, b.shape[1]) >= RACE_MIN_DIM and aligned)
+                        and min(*a.shape, b.shape[1]) >= RACE_MIN_DIM and all(map(_quack_aligned, (a, b, out))))
             self.chosen[key] = self._race(kind, a, b, out, cublas) if eligible else None
         tile = self.chosen[key]
-        if tile is None or not aligned:
+        # asked again at every quack call: within a class a start or a stride may move
+        if tile is None or not all(map(_quack_aligned, (a, b, out))):
             cublas(out)
         else:
             _quack_gemm(a, b, out, tile, kind == "accumulate")

@@ -57,6 +57,7 @@ class SFTLoss:
 
     def __init__(self, plan: KernelPlan) -> None:
         self.plan = plan
+        self.gemms = step_gemms(plan.quack_gemms)  # the head's GEMMs (cflib.ops.gemm)
         self.last_backend = "none"
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
@@ -103,7 +104,7 @@ class SFTLoss:
                 weight, head_master = head_weight.detach().to(dtype), head_weight
             self.last_backend = "cflib_triton_fused_linear_ce" + ("_weighted" if token_weights is not None else "")
             return FusedLinearWeightedCrossEntropy.apply(hidden, weight, targets, weights, loss_chunk_tokens,
-                                                         head_master, step_gemms(self.plan.quack_gemms)), count
+                                                         head_master, self.gemms), count
 
 
 LOSSES: dict[str, Callable[[KernelPlan], Loss]] = {"sft_cross_entropy": SFTLoss}
