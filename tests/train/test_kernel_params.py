@@ -12,7 +12,7 @@ import torch
 from tiny_models import KERNEL_DEVICE
 
 from cflib.ops.attention import ATTENTION_BACKENDS
-from cflib.ops.dispatch import KernelUnavailable
+from cflib.ops.dispatch import KernelUnavailable, quack_problem
 from cflib.train import prepare, train
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.run import weight_copies_problem
@@ -45,9 +45,12 @@ def test_training_records_the_kernels_that_ran(tmp_path):
     assert record["kernel_path"]["attention"] == "torch_sdpa"
     assert record["kernel_path"]["swiglu"] == "triton_fused"
     assert record["kernel_path"]["gemms"] == "torch"  # quack_gemms: auto takes quack only with BF16 weight copies
+    # On a GPU the plan says why quack_gemms stayed off; on a CPU (interpreted kernels) auto says nothing of it.
+    why_not = quack_problem(DEVICE) or "it reads the BF16 weight copies, off here (bf16 is off)"
     assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True,
                                            "attention_backend": "auto", "epilogue_swiglu": "false",
-                                           "quack_gemms": "auto", "notes": []}
+                                           "quack_gemms": "auto",
+                                           "notes": [f"quack_gemms: {why_not}"] if DEVICE.type == "cuda" else []}
 
 
 def test_cudnn_sdpa_with_packed_windows_is_refused_naming_pack_sequences():
