@@ -156,9 +156,10 @@ def perf_table(record: dict) -> str:
     for entry in timed:
         io = entry["evaluation_and_checkpoint"]
         lines.append("")
+        first = f" (the first, with its first calls, {io['first_eval_s']:.2f} s)" if "first_eval_s" in io else ""
         lines.append(f"{entry['path']}, outside the figures above: one full evaluation ({io['eval_examples']} "
-                     f"examples) {io['eval_s']:.2f} s; one checkpoint save ({io['checkpoint_bytes'] / 2**20:,.0f} "
-                     f"MiB) {io['checkpoint_save_s']:.2f} s.")
+                     f"examples) {io['eval_s']:.2f} s{first}; one checkpoint save "
+                     f"({io['checkpoint_bytes'] / 2**20:,.0f} MiB) {io['checkpoint_save_s']:.2f} s.")
     return "\n".join(lines)
 
 

@@ -328,8 +328,10 @@ def test_evaluation_and_checkpoint_are_timed_apart_and_the_checkpoint_removed(sm
     assert {(e["batches"], e["path"], e["micro_batch"]) for e in timed} <= {
         ("random_rows", "reference", 2), ("random_rows", "production", 2)}
     io = next(e for e in timed if e["path"] == "reference")["evaluation_and_checkpoint"]
-    assert io["status"] == "ok" and io["eval_examples"] == 8 and io["eval_s"] > 0
+    assert io["status"] == "ok" and io["eval_examples"] == 8 and io["eval_s"] > 0 and io["first_eval_s"] > 0
     assert io["checkpoint_bytes"] > preset("smoke").num_parameters() * 4  # fp32 weights at least
+    shown = f"one full evaluation (8 examples) {io['eval_s']:.2f} s (the first, with its first calls, "
+    assert shown + f"{io['first_eval_s']:.2f} s)" in perf_table(smoke_record)
     assert not list(Path(smoke_record["out_dir"]).rglob("model.safetensors"))
 
 
