@@ -124,6 +124,17 @@ def liger_applied(model: torch.nn.Module, device: torch.device) -> Iterator[None
         modeling_llama.LlamaForCausalLM.forward = saved_forward
 
 
+def function_name(function: Callable) -> str:
+    """module.name of a function, or of a module standing for one: transformers 5.25+ turns its Llama RoPE into a
+    `kernels` function module (it calls the plain function unless a Hub kernel is swapped in), named by its layer
+    name."""
+    name = getattr(function, "__name__", None)
+    if name is not None:
+        return f"{function.__module__}.{name}"
+    kind = type(function)
+    return f"{kind.__module__}.{getattr(kind, 'kernel_layer_name', None) or kind.__name__} (function module)"
+
+
 def peer_kernel_path(model: torch.nn.Module) -> dict[str, str]:
     """What the peer's modules and functions are now, read back (call it while Liger's patches are in place)."""
     from transformers.models.llama import modeling_llama
@@ -134,7 +145,7 @@ def peer_kernel_path(model: torch.nn.Module) -> dict[str, str]:
     path = {
         "attention": str(model.config._attn_implementation),
         "rmsnorm": layer.input_layernorm._get_name(),
-        "rope": f"{rope.__module__}.{rope.__name__}",
+        "rope": function_name(rope),
         "swiglu": layer.mlp._get_name(),
         "loss": "liger_fused_linear_cross_entropy" if liger_loss else "transformers ForCausalLMLoss (full fp32 logits)",
     }
@@ -143,7 +154,7 @@ def peer_kernel_path(model: torch.nn.Module) -> dict[str, str]:
         from transformers import modeling_flash_attention_utils as flash
 
         varlen = getattr(flash, "_flash_varlen_fn", None)
-        path["attention_kernel"] = f"{varlen.__module__}.{varlen.__name__}" if varlen is not None else "not loaded"
+        path["attention_kernel"] = function_name(varlen) if varlen is not None else "not loaded"
     return path
 
 

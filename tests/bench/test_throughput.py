@@ -388,6 +388,19 @@ def test_liger_patches_are_read_back_and_undone_for_the_next_peer(monkeypatch):
                      modeling_llama.LlamaForCausalLM.forward)
     after = peer.peer_kernel_path(peer.build_llama(preset("smoke"), torch.device("cpu"), seed=0))
     assert after["rmsnorm"] == "LlamaRMSNorm" and "ForCausalLMLoss" in after["loss"]
+    assert after["rope"].startswith("transformers.models.llama.modeling_llama.")
+
+
+def test_a_function_is_named_plain_or_as_the_module_standing_for_it():
+    """transformers 5.25+ wraps its Llama RoPE in a `kernels` function module: a module, named by its layer."""
+    from cflib.bench.peer import function_name
+
+    class Func(torch.nn.Module):  # as kernels' _create_func_module makes them
+        kernel_layer_name = "rotary_pos_emb"
+
+    Func.__module__ = "transformers.models.llama.modeling_llama"
+    assert function_name(math.sqrt) == "math.sqrt"
+    assert function_name(Func()) == "transformers.models.llama.modeling_llama.rotary_pos_emb (function module)"
 
 
 def test_peer_loss_matches_the_projects_token_mean(tmp_path):
