@@ -94,6 +94,25 @@ def _ratio_rows(record: dict) -> list[str]:
     return lines
 
 
+def _best_at_edge(record: dict) -> list[str]:
+    """A line for each side of a best-micro-batch ratio whose fastest entry is the largest micro-batch the run
+    measured for that path, none larger having run out of memory: a larger one might be faster still."""
+    notes = []
+    for row in record["comparison"]:
+        if row["micro_batch"] != "best" or row["value"] is None:
+            continue
+        for side, batches in ((row["numerator_entry"], row.get("numerator_batches", "random_rows")),
+                              (row["denominator_entry"], row.get("denominator_batches", "random_rows"))):
+            path, _, micro = side.rpartition(" mb")
+            tried = [e["micro_batch"] for e in record["paths"] if e["path"] == path and _kind(e) == batches]
+            if micro.isdigit() and tried and int(micro) == max(tried):
+                note = (f"{path} was fastest at micro-batch {micro}, the largest this run measured for it: a larger "
+                        "one might be faster still.")
+                if note not in notes:
+                    notes.append(note)
+    return notes
+
+
 def _kernel_rows(record: dict) -> list[str]:
     """One row per distinct kernel path read back, naming every path that ran it; a path on realistic lengths
     that also ran on random rows shows only what differs."""
@@ -151,7 +170,11 @@ def perf_table(record: dict) -> str:
     realistic = [e for e in record["paths"] if _kind(e) == "realistic"]
     if realistic:
         lines += [""] + _realistic_table(record, realistic)
-    lines += [""] + _ratio_rows(record) + [""] + _kernel_rows(record)
+    lines += [""] + _ratio_rows(record)
+    edge = _best_at_edge(record)
+    if edge:
+        lines += [""] + edge
+    lines += [""] + _kernel_rows(record)
     timed = [e for e in record["paths"] if e.get("evaluation_and_checkpoint", {}).get("status") == "ok"]
     for entry in timed:
         io = entry["evaluation_and_checkpoint"]

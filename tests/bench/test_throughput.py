@@ -610,6 +610,22 @@ def test_perf_table_shows_each_paths_median_clock_and_power(smoke_record):
     assert all(line.endswith("| - | - |") for line in rows[1:])
 
 
+def test_perf_table_says_when_a_sides_best_is_the_largest_micro_batch_it_tried(smoke_record):
+    """Each side at its best is only as good as the micro-batches tried: a best at the largest one that ran, with
+    none larger out of memory, might not be the side's best."""
+    record = json.loads(json.dumps(smoke_record))
+    row = next(r for r in record["comparison"] if r["micro_batch"] == "best" and r["denominator"] == "best_peer")
+    tried = [e["micro_batch"] for e in record["paths"]
+             if e["path"] == "production" and e["batches"] == "random_rows"]
+    row["numerator_entry"] = f"production mb{max(tried)}"
+    note = f"production was fastest at micro-batch {max(tried)}, the largest this run measured for it"
+    assert note in perf_table(record)
+    assert "was fastest at micro-batch" not in headline_table(record)
+    record["paths"].append({"path": "production", "batches": "random_rows", "micro_batch": 2 * max(tried),
+                            "status": "oom", "reason": "CUDA out of memory", "peak_memory_gib": None})
+    assert note not in perf_table(record)
+
+
 def test_perf_table_reads_a_record_of_random_rows_only():
     """Records written before realistic lengths (no 'batches' field) still render."""
     record = json.loads((ROOT / "outputs" / "records" / "throughput_200m_h200.json").read_text())
