@@ -96,7 +96,7 @@ def _ratio_rows(record: dict) -> list[str]:
 
 def _best_at_edge(record: dict) -> list[str]:
     """A line for each side of a best-micro-batch ratio whose fastest entry is the largest micro-batch the run
-    measured for that path, none larger having run out of memory: a larger one might be faster still."""
+    tried for that path (none larger ran, ran out of memory or was skipped): a larger one might be faster still."""
     notes = []
     for row in record["comparison"]:
         if row["micro_batch"] != "best" or row["value"] is None:
