@@ -5,7 +5,8 @@ overrides the method whose computation it replaces, so state dicts, adapters and
 with the kernels. `use_kernels(model, plan)` gives every module the class a KernelPlan (cflib.ops.dispatch)
 chooses, as Liger swaps modules: forwards read no flags, and the same model swaps back to the reference.
 
-- norms: Liger's RMSNorm; on the residual stream, cflib's add + RMSNorm kernel (cflib.ops.add_rms_norm);
+- norms: Liger's RMSNorm; on the residual stream, cflib's add + RMSNorm kernel (cflib.ops.add_rms_norm),
+  whose backward reads the norm's output, or keeps the sum where a weight is zero;
 - attention: Liger's RoPE; or one QKV GEMM, with QK-norm and RoPE in one kernel (cflib.ops.qk_norm_rope);
 - the TR-MoE block: Liger's SwiGLU for the shared branch; or the whole block as one wide SwiGLU
   (cflib.ops.trmoe); on Hopper with quack-kernels, its SwiGLU in quack's GEMM epilogues.
@@ -38,17 +39,33 @@ class LigerRMSNorm(RMSNorm):
 
 class AddRMSNorm(RMSNorm):
     """The residual add and the norm in one kernel: the residual stream stays fp32, the norm comes out for
-    the GEMM after it."""
+    the GEMM after it, and backward recovers the normalised sum from that output (cflib.ops.add_rms_norm)."""
 
     kernel = "cflib_add_rmsnorm"
+    normed_from_output = True
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         from cflib.ops.add_rms_norm import add_rms_norm
         self.ran = {"rmsnorm": self.kernel}
-        return add_rms_norm(h, delta, self.weight, self.eps, self.bf16_stream_gradient)
+        return add_rms_norm(h, delta, self.weight, self.eps, self.bf16_stream_gradient, self.normed_from_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_norm(x, None)[1]
+
+
+class AddRMSNormKeptSum(AddRMSNorm):
+    """AddRMSNorm for a weight with a zero, whose output has lost the sum in that column: backward keeps the sum
+    (in the compute dtype) instead."""
+
+    normed_from_output = False
+
+
+def _residual_norm(norm: RMSNorm, fast: type[RMSNorm]) -> type[RMSNorm]:
+    """The class a residual norm takes: AddRMSNormKeptSum where its weight holds a zero (one host read, at the
+    swap)."""
+    if fast is AddRMSNorm and (norm.weight.is_meta or bool((norm.weight == 0).any())):
+        return AddRMSNormKeptSum
+    return fast
 
 
 def fused_linear(x: torch.Tensor, modules: tuple[nn.Module, ...]) -> torch.Tensor:
@@ -300,14 +317,14 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
     else:
         engine = LigerSwiGLUEngine if plan.liger else TRMoEEngine
     for layer in model.layers:
-        swap_class(layer.input_layernorm, residual_norm)
-        swap_class(layer.post_attention_layernorm, residual_norm)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            swap_class(norm, _residual_norm(norm, residual_norm))
         swap_class(layer.self_attn, attention)
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
             if isinstance(norm, RMSNorm):
                 swap_class(norm, head_norm)
         swap_class(layer.mlp["engine"], engine)
-    swap_class(model.norm, residual_norm)
+    swap_class(model.norm, _residual_norm(model.norm, residual_norm))
     return model
 
 

@@ -8,9 +8,17 @@ reads h and delta once and writes s and the BF16 y; one backward kernel
 folds the residual's incoming gradient in. Liger's fused add+RMSNorm needs both
 inputs in one dtype and writes y in it, which is what this avoids.
 
-Backward keeps s in the compute dtype (BF16 under autocast), as every GEMM
-here keeps its BF16 input: the forward is exact in fp32; only the norm's
-gradient sees the rounded s.
+Backward needs the normalised s. It keeps s in the compute dtype (BF16 under
+autocast), as every GEMM here keeps its BF16 input: the forward is exact in
+fp32; only the norm's gradient sees the rounded s. Or, with
+`normed_from_output`, it keeps nothing of its own: it reads the normed output
+y = s * rstd * w, which the GEMM after the norm keeps anyway, and recovers
+s * rstd as y / w (as Apex's memory-efficient norms do), rounded once as the
+kept s is. The forward then writes 12 bytes an element instead of 14, and a
+step keeps one [tokens, hidden] BF16 tensor less per norm. A column whose
+weight is zero has lost s there; its gradients come out NaN (the trainer stops
+on them), so the decoder takes this only for norms with no zero weight
+(cflib.model.fast).
 
 A BF16 stream (bf16_residual) is the rounded sum, normalised as rounded: the
 kernels then read and write BF16 only, backward keeps the stream itself, and
@@ -66,18 +74,21 @@ _BACKWARD_CONFIGS = [triton.Config({"BLOCK_R": 4}, num_warps=8)] if INTERPRETING
     triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8), (16, 16))]
 
 
-@triton.autotune(_BACKWARD_CONFIGS, key=["dim", "HAS_GRAD_SUM", "ONE_GRADIENT", "ROUND"])
+@triton.autotune(_BACKWARD_CONFIGS, key=["dim", "HAS_GRAD_SUM", "ONE_GRADIENT", "ROUND", "FROM_OUTPUT"])
 @triton.jit
 def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weight_ptr, grad_s_ptr, grad_delta_ptr,
                            grad_weight_ptr, num_rows, dim, rows_per_program, HAS_GRAD_SUM: tl.constexpr,
-                           ONE_GRADIENT: tl.constexpr, ROUND: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           ONE_GRADIENT: tl.constexpr, ROUND: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Each program walks rows_per_program rows, accumulating its share of d(weight) in registers. ONE_GRADIENT:
     the stream and the sub-layer's output share a dtype, so their gradient is one tensor, written once. ROUND:
-    the stream's gradient is BF16-valued even where it is stored in FP32 (the embeddings')."""
+    the stream's gradient is BF16-valued even where it is stored in FP32 (the embeddings'). FROM_OUTPUT: saved
+    holds the normed output y, and s * rstd is y / weight."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if FROM_OUTPUT:  # a zero weight gives 0 * inf = NaN: the norm lost s there (cflib.model.fast avoids it)
+        inverse = 1.0 / tl.load(weight_ptr + cols, mask=col_mask, other=1.0).to(tl.float32)
     grad_weight = tl.zeros([BLOCK_D], dtype=tl.float32)
     first = tl.program_id(0) * rows_per_program
     for start in range(first, first + rows_per_program, BLOCK_R):
@@ -87,7 +98,10 @@ def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weig
         offsets = rows.to(tl.int64)[:, None] * dim + cols[None, :]
         grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        normed = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        if FROM_OUTPUT:
+            normed = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * inverse[None, :]
+        else:
+            normed = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
         grad_weight += tl.sum(grad_out * normed, axis=0)
         scaled = grad_out * weight[None, :]
         grad_s = rstd[:, None] * (scaled - normed * (tl.sum(scaled * normed, axis=1) / dim)[:, None])
@@ -113,18 +127,24 @@ def forward_tile(dim: int) -> tuple[int, int]:
 
 
 def add_rms_norm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                         out_dtype: torch.dtype, tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, ...]:
+                         out_dtype: torch.dtype, tile: tuple[int, int] | None = None,
+                         keep_sum: bool = True) -> tuple[torch.Tensor, ...]:
     """The forward kernel on contiguous [rows, dim] h and delta: the sum in h's dtype (the stream: fp32, or a
-    half-precision stream's rounding of the fp32 sum), the normed output, the sum in out_dtype (kept for
-    backward: the stream itself when it is in out_dtype) and each row's rstd."""
+    half-precision stream's rounding of the fp32 sum), the normed output, what backward reads (the stream itself
+    when it is in out_dtype; else the sum in out_dtype, or without keep_sum the normed output) and each row's
+    rstd."""
     num_rows, dim = h.shape
     total = torch.empty(num_rows, dim, dtype=h.dtype, device=h.device)
     out = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
-    saved = total if h.dtype == out_dtype else torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
+    if h.dtype == out_dtype:
+        saved = total
+    else:
+        saved = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device) if keep_sum else out
     rstd = torch.empty(num_rows, dtype=torch.float32, device=h.device)
     block_r, warps = tile or forward_tile(dim)
     _add_rms_norm_forward[(triton.cdiv(num_rows, block_r),)](
-        h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps), SAVE=saved is not total,
+        h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps),
+        SAVE=saved is not total and saved is not out,
         BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(dim), num_warps=warps)
     return total, out, saved, rstd
 
@@ -143,16 +163,19 @@ def is_gradient_split(h: torch.Tensor, delta: torch.Tensor | None) -> bool:
 class AddRMSNorm(torch.autograd.Function):
     """(h, delta, weight) -> (s = h + delta, rmsnorm(s) * weight in out_dtype). h is the fp32 stream, a BF16 one
     (bf16_residual), or the fp32 stream seen through as_gradient_split (bf16_residual_gradient); split: hand s
-    back seen through as_gradient_split, its gradient BF16."""
+    back seen through as_gradient_split, its gradient BF16. from_output: backward reads the normed output, not
+    a kept sum (the module docstring)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                out_dtype: torch.dtype, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                out_dtype: torch.dtype, split: bool, from_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
         shape, dim = delta.shape, delta.shape[-1]
         ctx.split_in = is_gradient_split(h, delta)
         stream = h.view(torch.float32).squeeze(-1) if ctx.split_in else h
         stream, delta = stream.reshape(-1, dim).contiguous(), delta.reshape(-1, dim).contiguous()
-        total, out, saved, rstd = add_rms_norm_forward(stream, delta, weight, eps, out_dtype)
+        total, out, saved, rstd = add_rms_norm_forward(stream, delta, weight, eps, out_dtype,
+                                                       keep_sum=not from_output)
+        ctx.from_output = saved is out
         ctx.save_for_backward(saved, rstd, weight)
         ctx.dtypes, ctx.split_out = (torch.bfloat16 if ctx.split_in else stream.dtype, delta.dtype), split
         total = total.view(shape)
@@ -177,20 +200,23 @@ class AddRMSNorm(torch.autograd.Function):
         _add_rms_norm_backward[(programs,)](
             grad_out, grad_sum if grad_sum is not None else grad_out, saved, rstd, weight, grad_s, grad_delta, partial,
             num_rows, dim, rows_per_program, HAS_GRAD_SUM=grad_sum is not None, ONE_GRADIENT=one_gradient,
-            ROUND=ctx.split_out and not ctx.split_in, BLOCK_D=triton.next_power_of_2(dim))
+            ROUND=ctx.split_out and not ctx.split_in, FROM_OUTPUT=ctx.from_output,
+            BLOCK_D=triton.next_power_of_2(dim))
         grad_h = grad_s.view(shape)
         if ctx.split_in:
             grad_h = grad_h.unsqueeze(-1).expand(*shape, 2)
-        return grad_h, grad_delta.view(shape), column_sums(partial).to(weight.dtype), None, None, None
+        return grad_h, grad_delta.view(shape), column_sums(partial).to(weight.dtype), None, None, None, None
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 bf16_gradient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 bf16_gradient: bool = False, normed_from_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(new residual in h's dtype, normed input of the next GEMM in the autocast dtype). bf16_gradient: under BF16
-    autocast, an fp32 stream comes back seen through as_gradient_split, so its gradient is BF16."""
+    autocast, an fp32 stream comes back seen through as_gradient_split, so its gradient is BF16.
+    normed_from_output: backward recovers the normalised sum from the output (needs no zero in `weight`; the
+    module docstring)."""
     device_type = h.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
     split = bf16_gradient and out_dtype == torch.bfloat16 and (h.dtype == torch.float32 or is_gradient_split(h, delta))
     if delta is None:  # the first layer: nothing to add yet (one cheap zero tensor keeps a single kernel)
         delta = torch.zeros_like(h, dtype=out_dtype)
-    return AddRMSNorm.apply(h, delta, weight, eps, out_dtype, split)
+    return AddRMSNorm.apply(h, delta, weight, eps, out_dtype, split, normed_from_output)

@@ -16,6 +16,8 @@ their outputs were equal bit for bit (docs/kernels.md).
 from __future__ import annotations
 
 import functools
+import math
+import statistics
 from collections.abc import Callable, Sequence
 
 import torch
@@ -100,6 +102,13 @@ QUACK_TILES = {
 }
 RACE_MIN_DIM = 128  # a GEMM with a smaller side stays on cuBLAS, untimed
 RACE_MARGIN = 0.01  # quack must beat cuBLAS by this fraction: a tie keeps cuBLAS
+# The race times its candidates where a step runs them: at the board's power limit, where the clocks follow each
+# kernel's energy, not its cycles. cuBLAS's GEMM first runs RACE_HEAT_MS back to back, then each candidate a window
+# of RACE_WINDOW_MS, the candidates interleaved over RACE_ROUNDS rounds and each one's median kept
+# (docs/kernels.md, the GEMMs on quack or cuBLAS).
+RACE_HEAT_MS = 100.0
+RACE_WINDOW_MS = 20.0
+RACE_ROUNDS = 3
 
 
 def _quack_aligned(t: torch.Tensor) -> bool:
@@ -121,8 +130,9 @@ def _event_time(run: Callable[[], None], calls: int = 5) -> float:
 
 class RacedGemms(Gemms):
     """Each GEMM of a new size class and layout timed through cuBLAS and quack's kernel at QUACK_TILES'
-    configurations (into a scratch output), the fastest kept for every later call of that class. A class first met
-    while a CUDA graph is being captured, and operands quack cannot read, run on cuBLAS."""
+    configurations (into a scratch output) at the power limit, the fastest kept for every later call of that
+    class. A class first met while a CUDA graph is being captured, and operands quack cannot read, run on
+    cuBLAS."""
 
     name = "quack_or_cublas"
 
@@ -187,13 +197,19 @@ class RacedGemms(Gemms):
         runs: dict[tuple | None, Callable[[], None]] = {None: lambda: cublas(scratch)}
         for tile in QUACK_TILES[kind]:
             runs[tile] = functools.partial(_quack_gemm, a, b, scratch, tile, kind == "accumulate")
-        times = {}
+        calls = {}
         for tile, run in runs.items():
             try:
                 run()  # compiles quack's kernel at its first use
             except Exception:  # noqa: BLE001  (a configuration quack refuses for this shape is not a candidate)
                 continue
-            times[tile] = min(_event_time(run) for _ in range(2))
+            calls[tile] = max(2, math.ceil(RACE_WINDOW_MS / max(_event_time(run, 1), 1e-3)))
+        _event_time(runs[None], math.ceil(calls[None] * RACE_HEAT_MS / RACE_WINDOW_MS))
+        rounds = {tile: [] for tile in calls}
+        for _ in range(RACE_ROUNDS):
+            for tile, count in calls.items():
+                rounds[tile].append(_event_time(runs[tile], count))
+        times = {tile: statistics.median(found) for tile, found in rounds.items()}
         best = min(times, key=times.get)
         return best if best is not None and times[best] < (1 - RACE_MARGIN) * times[None] else None
 

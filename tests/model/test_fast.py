@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_checks import norm_rel
 from tiny_models import KERNEL_DEVICE, random_ids, tiny_model
 
 from cflib.errors import KernelUnavailable
 from cflib.model.decoder import Attention, RMSNorm, TRMoEEngine
 from cflib.model.fast import (
     AddRMSNorm,
+    AddRMSNormKeptSum,
     EpilogueSwiGLUEngine,
     FusedAttention,
     FusedQKVAttention,
@@ -49,6 +51,33 @@ def test_the_plan_picks_every_module_s_class_and_the_state_dict_stays(plan, expe
     assert classes(model) == expected
     assert all(classes(model)["engine"] is type(layer.mlp["engine"]) for layer in model.layers)
     assert {name: tuple(t.shape) for name, t in model.state_dict().items()} == names
+
+
+def test_a_residual_norm_with_a_zero_weight_keeps_its_sum_and_trains_exactly():
+    """The residual norms' backward reads their output, which a zero weight zeroes: such a norm keeps the sum
+    instead, so its gradients stay those of the reference."""
+    model = tiny_model().to(KERNEL_DEVICE)
+    with torch.no_grad():
+        model.layers[1].post_attention_layernorm.weight[3] = 0.0
+        model.norm.weight[0] = 0.0
+    ids = random_ids(model.config.vocab_size, 2, 10).to(KERNEL_DEVICE)
+
+    def gradients():  # under BF16 autocast, where the kept sum and the output differ
+        model.zero_grad()
+        with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+            loss = model(ids).float().square().mean()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    before = gradients()
+    use_kernels(model, CUSTOM)
+    kept = [name for name, module in model.named_modules() if type(module) is AddRMSNormKeptSum]
+    assert kept == ["layers.1.post_attention_layernorm", "norm"]
+    assert type(model.layers[1].input_layernorm) is AddRMSNorm
+    fast = gradients()
+    for name, grad in before.items():
+        # Two BF16 paths through the whole model differ by a few percent; a lost sum gives NaN, which fails
+        assert norm_rel(fast[name], grad) < 0.1, name
 
 
 def test_without_qk_norm_the_fused_path_keeps_one_qkv_gemm():

@@ -27,17 +27,18 @@ def inputs(seed: int) -> dict[str, torch.Tensor]:
             "weight": torch.randn(DIM, generator=gen) * 0.1 + 1.0}
 
 
+@pytest.mark.parametrize("from_output", [False, True], ids=["kept_sum", "from_output"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_matches_the_reference_forward_and_backward(dtype, seed):
+def test_matches_the_reference_forward_and_backward(dtype, seed, from_output):
     """As training runs it: the residual h and the weight in fp32, the sub-layer's output delta in the
-    compute dtype, the normed output in the autocast dtype."""
+    compute dtype, the normed output in the autocast dtype; backward from a kept sum or from the output."""
     raw = inputs(seed)
     dtypes = {"h": torch.float32, "delta": dtype, "weight": torch.float32}
     rounded = {name: value.to(dtypes[name]) for name, value in raw.items()}
     grad = ("h", "delta", "weight")
     truth = run(reference, leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), seed + 10)
-    got = run(lambda h, delta, weight: add_rms_norm(h, delta, weight, EPS),
+    got = run(lambda h, delta, weight: add_rms_norm(h, delta, weight, EPS, normed_from_output=from_output),
               leaves(rounded, dtypes, KERNEL_DEVICE, grad), seed + 10,
               autocast_dtype=dtype if dtype != torch.float32 else None)
     assert got["out0"].dtype == torch.float32 and got["out1"].dtype == dtype  # the stream stays fp32
@@ -110,3 +111,46 @@ def test_a_bf16_gradient_applies_under_bf16_autocast_only():
     raw = inputs(3)
     stream, _ = add_rms_norm(raw["h"].to(KERNEL_DEVICE), None, raw["weight"].to(KERNEL_DEVICE), EPS, True)
     assert stream.dtype == torch.float32 and stream.shape == (ROWS, DIM)
+
+
+def _saved_by_the_norm(from_output: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The normed output of one BF16 add + norm, and the tensors its backward keeps."""
+    raw = inputs(4)
+    h, weight = raw["h"].to(KERNEL_DEVICE).requires_grad_(), raw["weight"].to(KERNEL_DEVICE).requires_grad_()
+    delta = raw["delta"].to(KERNEL_DEVICE, torch.bfloat16).requires_grad_()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t), \
+            torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+        _, normed = add_rms_norm(h, delta, weight, EPS, normed_from_output=from_output)
+    return normed, kept
+
+
+def test_from_the_output_backward_keeps_no_tensor_of_its_own():
+    """With normed_from_output the norm keeps the output the next GEMM keeps anyway (the same storage), so a
+    step holds one [tokens, hidden] BF16 tensor less per norm; otherwise it keeps a BF16 copy of the sum."""
+    normed, kept = _saved_by_the_norm(True)
+    wide = [t for t in kept if t.shape == (ROWS, DIM)]
+    assert len(wide) == 1 and wide[0].untyped_storage().data_ptr() == normed.untyped_storage().data_ptr()
+    normed, kept = _saved_by_the_norm(False)
+    wide = [t for t in kept if t.shape == (ROWS, DIM)]
+    assert len(wide) == 1 and wide[0].untyped_storage().data_ptr() != normed.untyped_storage().data_ptr()
+    assert wide[0].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("from_output", [False, True], ids=["kept_sum", "from_output"])
+def test_a_zero_weight_is_exact_from_a_kept_sum_and_nan_from_the_output(from_output):
+    """A zero weight zeroes its column of the output, so the output no longer holds the sum there: backward
+    from the output gives NaN in that column (the trainer stops on it, no weight written), from a kept sum the
+    exact gradients. cflib.model.fast takes the output only for norms without a zero weight."""
+    raw = inputs(5)
+    raw["weight"][7] = 0.0
+    dtypes = {"h": torch.float32, "delta": torch.bfloat16, "weight": torch.float32}
+    rounded = {name: value.to(dtypes[name]) for name, value in raw.items()}
+    grad = ("h", "delta", "weight")
+    got = run(lambda h, delta, weight: add_rms_norm(h, delta, weight, EPS, normed_from_output=from_output),
+              leaves(rounded, dtypes, KERNEL_DEVICE, grad), 15, autocast_dtype=torch.bfloat16)
+    if from_output:
+        assert bool(got["d_weight"][7].isnan()) and bool(got["d_h"][:, 7].isnan().all())
+        return
+    truth = run(reference, leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 15)
+    assert_matches(got, truth, torch.bfloat16)
