@@ -100,7 +100,8 @@ def add_norm_sweep(config: ModelConfig, tokens: int, device: torch.device, small
     rows, warps = ((1, 4), (4, 8)) if small else ((1, 2, 4, 8, 16), (2, 4, 8, 16))
     return Sweep("add_rms_norm_forward", _with(itertools.product(rows, warps), default), default,
                  lambda tile: lambda: add_rms_norm.add_rms_norm_forward(h, delta, weight, config.norm_eps,
-                                                                        torch.bfloat16, tile), (True,) * 4)
+                                                                        torch.bfloat16, tile, keep_sum=False),
+                 (True,) * 4)
 
 
 def adamw_sweep(config: ModelConfig, device: torch.device, small: bool = False) -> Sweep:
