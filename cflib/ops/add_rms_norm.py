@@ -98,10 +98,11 @@ def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weig
         offsets = rows.to(tl.int64)[:, None] * dim + cols[None, :]
         grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        normed = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if FROM_OUTPUT:
-            normed = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * inverse[None, :]
+            normed = normed * inverse[None, :]
         else:
-            normed = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+            normed = normed * rstd[:, None]
         grad_weight += tl.sum(grad_out * normed, axis=0)
         scaled = grad_out * weight[None, :]
         grad_s = rstd[:, None] * (scaled - normed * (tl.sum(scaled * normed, axis=1) / dim)[:, None])
