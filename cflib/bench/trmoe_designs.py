@@ -5,7 +5,11 @@ Designs, side by side in one run (BF16 autocast, fp32 master weights):
 - gather: tokens gathered by expert, one grouped GEMM per projection
   (torch._grouped_mm where this torch has it, else one GEMM per expert), scattered back;
 - fused: cflib.ops.trmoe, one wide SwiGLU over shared + all experts with a Triton
-  column-scale kernel (what cflib runs).
+  column-scale kernel;
+- gated: the same wide block with SwiGLU in quack's gate|up GEMM epilogue (what the step runs in BF16 on
+  Hopper), its weights laid out from the FP32 masters per forward;
+- grouped: cflib.ops.paired_experts, tokens grouped by their experts, each group's GEMMs over the shared
+  columns and its own experts' only (quack's varlen GEMMs), its weights gathered from the masters per forward.
 The gather design lives here only: it lost at these shapes (see the record).
 
     python -m cflib.bench.trmoe_designs --out outputs/records/trmoe_designs_h200.json
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,8 @@ from cflib.model.config import preset
 from cflib.model.decoder import TRMoEEngine
 from cflib.model.fast import FusedTRMoEEngine, swap_class
 from cflib.ops.liger import LigerSiLUMulFunction
+from cflib.ops.paired_experts import grouped_trmoe_forward, route_groups
+from cflib.ops.trmoe import engine_weights, trmoe_gated_forward
 
 
 def _grouped(a: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -51,6 +58,22 @@ def gather_forward(engine: TRMoEEngine, x: torch.Tensor, token_ids: torch.Tensor
     return engine.shared_output_scale * shared + routed
 
 
+def design_forwards(engine: TRMoEEngine, x: torch.Tensor, ids: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each design's forward of the block on x and token ids ids, by name."""
+    groups = route_groups(engine.route_table, engine.route_weights, engine.expert_gate.shape[0],
+                          engine.routed_output_scale)
+
+    def run_engine(backend):
+        swap_class(engine, {"torch_dense": TRMoEEngine, "triton_fused": FusedTRMoEEngine}[backend])
+        return engine(x, ids)
+    return {"reference": lambda: run_engine("torch_dense"),
+            "gather": lambda: gather_forward(engine, x, ids),
+            "fused": lambda: run_engine("triton_fused"),
+            "gated": lambda: trmoe_gated_forward(engine, x, ids),
+            "grouped": lambda: grouped_trmoe_forward(engine_weights(engine), groups, engine.shared_output_scale,
+                                                     x, ids)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=16 * 2048)
@@ -63,23 +86,17 @@ def main() -> None:
     def timed(forward):
         return time_forward_backward(forward, grad, rep_ms=400)
 
-    def run_engine(backend):
-        swap_class(engine, {"torch_dense": TRMoEEngine, "triton_fused": FusedTRMoEEngine}[backend])
-        return engine(x, ids)
-
+    forwards = design_forwards(engine, x, ids)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        reference_out = run_engine("torch_dense").float()
+        reference_out = forwards["reference"]().float()
         errors = {name: ((fn().float() - reference_out).norm() / reference_out.norm()).item()
-                  for name, fn in (("gather", lambda: gather_forward(engine, x, ids)),
-                                   ("fused", lambda: run_engine("triton_fused")))}
-    ms = {"reference": timed(lambda: run_engine("torch_dense")),
-          "gather": timed(lambda: gather_forward(engine, x, ids)),
-          "fused": timed(lambda: run_engine("triton_fused"))}
+                  for name, fn in forwards.items() if name != "reference"}
+    ms = {name: timed(fn) for name, fn in forwards.items()}
     d, s, w, e, k = (config.hidden_size, config.shared_intermediate_size, config.expert_width, config.num_experts,
                      config.num_experts_per_tok)
-    # Forward+backward = 3 x forward GEMM FLOPs; 3 projections of 2*D*width per token.
-    flops = {"reference": 3 * 6 * args.tokens * d * (s + e * w), "gather": 3 * 6 * args.tokens * d * (s + k * w),
-             "fused": 3 * 6 * args.tokens * d * (s + e * w)}
+    # Forward+backward = 3 x forward GEMM FLOPs; 3 projections of 2*D*width per token. Only gather and grouped
+    # skip the experts a token is not routed to.
+    flops = {name: 3 * 6 * args.tokens * d * (s + (k if name in ("gather", "grouped") else e) * w) for name in ms}
     record = {
         **record_header("trmoe_designs", device),
         "shapes": {"tokens": args.tokens, "hidden": d, "shared": s, "experts": e, "expert_width": w, "top_k": k},

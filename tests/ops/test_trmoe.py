@@ -50,6 +50,15 @@ def problem(seed: int, **config):
     return engine, raw, token_ids
 
 
+def routed_twice_problem(seed: int):
+    """Top-3 with primary weight 0.6 (0.2 each for the others), other output scales, and every other token's
+    third route its primary expert again: that expert gets both weights."""
+    engine, raw, token_ids = problem(seed, num_experts_per_tok=3, top_k_primary_weight=0.6,
+                                     shared_output_scale=0.5, routed_output_scale=3.0)
+    engine.route_table[2, ::2] = engine.route_table[0, ::2]
+    return engine, raw, token_ids
+
+
 def check(engine, raw, token_ids, dtype):
     """As training runs it: fp32 weights, x in the compute dtype, the GEMMs under autocast."""
     dtypes = {"x": dtype}
@@ -72,11 +81,8 @@ def test_the_released_routing_matches_the_formula(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_unequal_route_weights_other_scales_and_a_token_routed_twice_to_one_expert(dtype):
-    """Top-3 with primary weight 0.6 (0.2 each for the others), other output scales, and every other token's
-    third route its primary expert again: that expert gets both weights."""
-    engine, raw, token_ids = problem(1, num_experts_per_tok=3, top_k_primary_weight=0.6,
-                                     shared_output_scale=0.5, routed_output_scale=3.0)
-    engine.route_table[2, ::2] = engine.route_table[0, ::2]
+    """routed_twice_problem's routing."""
+    engine, raw, token_ids = routed_twice_problem(1)
     assert engine.route_weights == pytest.approx([0.6, 0.2, 0.2])
     check(engine, raw, token_ids, dtype)
 
@@ -95,9 +101,7 @@ def test_the_block_through_the_swiglu_gemms_matches_the_formula(routing):
     if routing == "released":
         engine, raw, token_ids = problem(3)
     else:
-        engine, raw, token_ids = problem(4, num_experts_per_tok=3, top_k_primary_weight=0.6,
-                                         shared_output_scale=0.5, routed_output_scale=3.0)
-        engine.route_table[2, ::2] = engine.route_table[0, ::2]
+        engine, raw, token_ids = routed_twice_problem(4)
     rounded = {name: value.to(torch.bfloat16 if name == "x" else torch.float32) for name, value in raw.items()}
     grad = ("x", *WEIGHTS)
     truth = run(reference(engine, token_ids), leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad),
