@@ -7,13 +7,15 @@ to a fixed set of experts with fixed weights, so the tokens fall into a few grou
 distinct experts). Sorted by group, each group is one dense problem with its own weights: the shared columns
 and its experts' columns, the route weights and output scales folded into its down weight (exact by linearity,
 as the wide block's column scale is). quack's varlen GEMMs run every group in one launch (rows split by
-`cu_seqlens_m`, the rows gathered in group order by index, weight gradients split along K), with SwiGLU in the
-gate|up GEMM's epilogue forward and its gradient in the down GEMM's epilogue backward.
+`cu_seqlens_m`, weight gradients split along K), with SwiGLU in the gate|up GEMM's epilogue forward and its
+gradient in the down GEMM's epilogue backward.
 
 Each call lays the groups' weights out from the block's (`group_weights`: every group holds the shared
 columns, so they are six times the block's at 200M), and backward sums the groups' FP32 weight gradients back
-into each weight's in one pass (`weight_gradients`). The output and the input's gradient are scattered back to
-token order. Off CUDA each group runs as plain GEMMs in a loop.
+into each weight's in one pass (`weight_gradients`). The block takes and gives its rows in group order
+(`grouped_block`): the residual norms' kernels read and write them so at no cost (cflib.ops.add_rms_norm's
+row orders); `grouped_trmoe_forward` gathers and scatters them around it instead. Off CUDA each group runs as
+plain GEMMs in a loop.
 """
 from __future__ import annotations
 
@@ -108,14 +110,29 @@ def weight_gradients(grad_gate_up_t: torch.Tensor, grad_down: torch.Tensor, grou
             "expert_gate": per_expert[..., 0], "expert_up": per_expert[..., 1], "expert_down": expert_down}
 
 
-def group_order(groups: RouteGroups, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens in group order (a stable sort, no read back to the host) and the groups' row bounds, int32
-    [G + 1]."""
+@dataclass(frozen=True)
+class GroupOrder:
+    """A batch's tokens in group order: order [N] (position i holds token order[i]), position int32 [N] (token r
+    sits at position[r]: the row order cflib.ops.add_rms_norm takes), bounds int32 [G + 1] (group g's rows are
+    bounds[g]:bounds[g + 1])."""
+    order: torch.Tensor
+    position: torch.Tensor
+    bounds: torch.Tensor
+
+
+def group_order(groups: RouteGroups, token_ids: torch.Tensor) -> GroupOrder:
+    """The tokens of token_ids [N] in group order, token order within a group; found on the device, with no
+    read back to the host."""
     group = groups.group_of_token[token_ids]
-    order = torch.argsort(group, stable=True).to(torch.int32)  # quack reads row indices as int32
+    order = torch.argsort(group, stable=True)
+    position = torch.empty_like(order, dtype=torch.int32)
+    position[order] = torch.arange(order.numel(), dtype=torch.int32, device=order.device)
+    # Counted by index_add, not bincount, which reads the largest id back to the host (no CUDA graph then).
+    counts = torch.zeros(groups.count, dtype=torch.int64, device=token_ids.device).index_add_(
+        0, group, torch.ones_like(group))
     bounds = torch.zeros(groups.count + 1, dtype=torch.int32, device=token_ids.device)
-    bounds[1:] = torch.cumsum(torch.bincount(group, minlength=groups.count), 0)
-    return order, bounds
+    bounds[1:] = torch.cumsum(counts, 0)
+    return GroupOrder(order, position, bounds)
 
 
 def _swiglu(preact: torch.Tensor) -> torch.Tensor:
@@ -123,105 +140,100 @@ def _swiglu(preact: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(preact.dtype)
 
 
-def _looped_forward(x: torch.Tensor, order: torch.Tensor, bounds: list[int], gate_up: torch.Tensor,
-                    down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Off CUDA: each group's rows through its own GEMMs; (pre-activation, output), both in group order."""
-    x_sorted = x[order]
-    preact = torch.cat([x_sorted[lo:hi] @ gate_up[g].t() for g, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
+def _looped_forward(x: torch.Tensor, bounds: list[int], gate_up: torch.Tensor, down: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off CUDA: each group's rows through its own GEMMs; (pre-activation, output)."""
+    spans = list(enumerate(zip(bounds, bounds[1:])))
+    preact = torch.cat([x[lo:hi] @ gate_up[g].t() for g, (lo, hi) in spans])
     hidden = _swiglu(preact)
-    out = torch.cat([hidden[lo:hi] @ down[g].t() for g, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
-    return preact, out
+    return preact, torch.cat([hidden[lo:hi] @ down[g].t() for g, (lo, hi) in spans])
 
 
-def _looped_backward(x: torch.Tensor, order: torch.Tensor, bounds: list[int], preact: torch.Tensor,
-                     gate_up: torch.Tensor, down: torch.Tensor, grad_sorted: torch.Tensor):
-    """Off CUDA: (grad x in group order, grad gate_up transposed [G, D, 2C], grad down [G, D, C]), the weights'
-    in FP32."""
-    x_sorted, spans = x[order], list(zip(bounds, bounds[1:]))
+def _looped_backward(x: torch.Tensor, bounds: list[int], preact: torch.Tensor, gate_up: torch.Tensor,
+                     down: torch.Tensor, grad_out: torch.Tensor):
+    """Off CUDA: (grad x, grad gate_up transposed [G, D, 2C], grad down [G, D, C]), the weights' in FP32."""
+    spans = list(zip(bounds, bounds[1:]))
     with torch.enable_grad():
         leaf = preact.detach().float().requires_grad_()
         hidden = _swiglu(leaf)
-        grad_hidden = torch.cat([grad_sorted[lo:hi] @ down[g] for g, (lo, hi) in enumerate(spans)])
+        grad_hidden = torch.cat([grad_out[lo:hi] @ down[g] for g, (lo, hi) in enumerate(spans)])
         (grad_preact,) = torch.autograd.grad(hidden, leaf, grad_hidden.float())
     grad_preact = grad_preact.to(preact.dtype)
-    grad_down = torch.stack([grad_sorted[lo:hi].float().t() @ hidden[lo:hi].detach().float() for lo, hi in spans])
-    grad_gate_up_t = torch.stack([x_sorted[lo:hi].float().t() @ grad_preact[lo:hi].float() for lo, hi in spans])
+    grad_down = torch.stack([grad_out[lo:hi].float().t() @ hidden[lo:hi].detach().float() for lo, hi in spans])
+    grad_gate_up_t = torch.stack([x[lo:hi].float().t() @ grad_preact[lo:hi].float() for lo, hi in spans])
     grad_x = torch.cat([grad_preact[lo:hi] @ gate_up[g] for g, (lo, hi) in enumerate(spans)])
     return grad_x, grad_gate_up_t, grad_down
 
 
-def _quack_forward(x: torch.Tensor, order: torch.Tensor, bounds: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quack_forward(x: torch.Tensor, bounds: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     from quack.gemm_interface import gemm, gemm_gated
-    preact, hidden = gemm_gated(x, gate_up.transpose(1, 2), activation="swiglu", cu_seqlens_m=bounds, A_idx=order,
-                                tuned=False)
+    preact, hidden = gemm_gated(x, gate_up.transpose(1, 2), activation="swiglu", cu_seqlens_m=bounds, tuned=False)
     return preact, gemm(hidden, down.transpose(1, 2), cu_seqlens_m=bounds, tuned=False)
 
 
-def _quack_backward(x: torch.Tensor, order: torch.Tensor, bounds: torch.Tensor, preact: torch.Tensor,
-                    gate_up: torch.Tensor, down: torch.Tensor, grad_out: torch.Tensor):
-    """grad_out in token order; the GEMMs gather its rows (and x's) in group order by index."""
+def _quack_backward(x: torch.Tensor, bounds: torch.Tensor, preact: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, grad_out: torch.Tensor):
     from quack.gemm_interface import gemm, gemm_dgated
-    grad_preact, hidden = gemm_dgated(grad_out, down, preact, activation="swiglu", cu_seqlens_m=bounds, A_idx=order,
-                                      tuned=False)
+    grad_preact, hidden = gemm_dgated(grad_out, down, preact, activation="swiglu", cu_seqlens_m=bounds, tuned=False)
     f32 = torch.float32
-    grad_down = gemm(grad_out.t(), hidden, cu_seqlens_k=bounds, A_idx=order, out_dtype=f32, tuned=False)
+    grad_down = gemm(grad_out.t(), hidden, cu_seqlens_k=bounds, out_dtype=f32, tuned=False)
     del hidden
     grad_x = gemm(grad_preact, gate_up, cu_seqlens_m=bounds, tuned=False)
-    grad_gate_up_t = gemm(x.t(), grad_preact, cu_seqlens_k=bounds, A_idx=order, out_dtype=f32, tuned=False)
+    grad_gate_up_t = gemm(x.t(), grad_preact, cu_seqlens_k=bounds, out_dtype=f32, tuned=False)
     return grad_x, grad_gate_up_t, grad_down
 
 
 class GroupedSwiGLUDown(torch.autograd.Function):
-    """x [N, D] (token order) -> the block's output [N, D] (token order), through each group's weights laid
-    out from the block's (`masters`, WEIGHT_NAMES' order) in x's dtype; each weight's gradient comes back in its
-    own dtype from the groups' FP32 gradients. Backward keeps x, the pre-activation [N, 2C] in group order and
-    the groups' weights."""
+    """x [N, D] in group order -> the block's output [N, D] in group order, each group's rows through its
+    weights, laid out from the block's (`masters`, WEIGHT_NAMES' order) in x's dtype; each weight's gradient
+    comes back in its own dtype from the groups' FP32 gradients. Backward keeps x, the pre-activation [N, 2C]
+    and the groups' weights."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, bounds: torch.Tensor, groups: RouteGroups,
-                shared_output_scale: float, *masters: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, bounds: torch.Tensor, groups: RouteGroups, shared_output_scale: float,
+                *masters: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         gate_up, down = group_weights(dict(zip(WEIGHT_NAMES, masters)), groups, shared_output_scale, x.dtype)
-        on_quack = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-        if on_quack:
-            preact, out_sorted = _quack_forward(x, order, bounds, gate_up, down)
+        ctx.on_quack = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        if ctx.on_quack:
+            preact, out = _quack_forward(x, bounds, gate_up, down)
         else:
             ctx.bounds_list = bounds.tolist()
-            preact, out_sorted = _looped_forward(x, order, ctx.bounds_list, gate_up, down)
-        out = torch.empty_like(out_sorted)
-        out[order] = out_sorted
-        ctx.on_quack, ctx.groups, ctx.shared_output_scale = on_quack, groups, shared_output_scale
+            preact, out = _looped_forward(x, ctx.bounds_list, gate_up, down)
+        ctx.groups, ctx.shared_output_scale = groups, shared_output_scale
         ctx.masters = {name: (master.shape, master.dtype) for name, master in zip(WEIGHT_NAMES, masters)}
-        ctx.save_for_backward(x, order, bounds, preact, gate_up, down)
+        ctx.save_for_backward(x, bounds, preact, gate_up, down)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, order, bounds, preact, gate_up, down = ctx.saved_tensors
+        x, bounds, preact, gate_up, down = ctx.saved_tensors
         grad_out = grad_out.contiguous().to(x.dtype)
         if ctx.on_quack:
-            grad_sorted_x, grad_gate_up_t, grad_down = _quack_backward(x, order, bounds, preact, gate_up, down,
-                                                                       grad_out)
+            grad_x, grad_gate_up_t, grad_down = _quack_backward(x, bounds, preact, gate_up, down, grad_out)
         else:
-            grad_sorted_x, grad_gate_up_t, grad_down = _looped_backward(x, order, ctx.bounds_list, preact, gate_up,
-                                                                        down, grad_out[order])
-        grad_x = torch.empty_like(grad_sorted_x)
-        grad_x[order] = grad_sorted_x
-        needs = ctx.needs_input_grad[5:]
+            grad_x, grad_gate_up_t, grad_down = _looped_backward(x, ctx.bounds_list, preact, gate_up, down, grad_out)
+        needs = ctx.needs_input_grad[4:]
         grads = (weight_gradients(grad_gate_up_t, grad_down, ctx.groups, ctx.shared_output_scale,
                                   {name: shape for name, (shape, _) in ctx.masters.items()}) if any(needs) else {})
-        return grad_x, None, None, None, None, *(
-            grads[name].to(dtype).contiguous() if need else None
-            for (name, (_, dtype)), need in zip(ctx.masters.items(), needs))
+        return grad_x, None, None, None, *(grads[name].to(dtype).contiguous() if need else None
+                                           for (name, (_, dtype)), need in zip(ctx.masters.items(), needs))
+
+
+def grouped_block(weights: dict[str, torch.Tensor], groups: RouteGroups, shared_output_scale: float,
+                  x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """The TR-MoE block on x [N, D] whose rows are in group order (GroupOrder.bounds), its output in that
+    order; `weights`: cflib.ops.trmoe.engine_weights'."""
+    return GroupedSwiGLUDown.apply(x, bounds, groups, shared_output_scale, *(weights[name] for name in WEIGHT_NAMES))
 
 
 def grouped_trmoe_forward(weights: dict[str, torch.Tensor], groups: RouteGroups, shared_output_scale: float,
                           x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """The TR-MoE block on x [N, D] and token ids [N] through its route groups, x in its dtype or under autocast
-    in autocast's; `weights`: cflib.ops.trmoe.engine_weights'."""
+    """The TR-MoE block on x [N, D] and token ids [N] in token order, x in its dtype or under autocast in
+    autocast's: its rows gathered into group order and the output's scattered back."""
     if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
-    order, bounds = group_order(groups, token_ids)
-    return GroupedSwiGLUDown.apply(x, order, bounds, groups, shared_output_scale,
-                                   *(weights[name] for name in WEIGHT_NAMES))
+    rows = group_order(groups, token_ids)
+    out = grouped_block(weights, groups, shared_output_scale, x[rows.order], rows.bounds)
+    return out[rows.position.long()]

@@ -8,10 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
-from test_trmoe import WEIGHTS, problem, reference, routed_twice_problem
+from test_add_rms_norm import EPS
+from test_add_rms_norm import reference as norm_reference
+from test_trmoe import WEIGHTS, TOKENS, problem, reference, routed_twice_problem
 from tiny_models import KERNEL_DEVICE
 
-from cflib.ops.paired_experts import group_order, grouped_trmoe_forward, route_groups
+from cflib.ops.add_rms_norm import add_rms_norm
+from cflib.ops.paired_experts import group_order, grouped_block, grouped_trmoe_forward, route_groups
 
 
 def groups_of(engine):
@@ -45,14 +48,17 @@ def test_a_token_routed_twice_to_one_expert_gets_both_weights_and_a_padding_expe
 def test_group_order_sorts_tokens_stably_and_bounds_each_group():
     engine, _, token_ids = problem(2)
     groups = groups_of(engine)
-    order, bounds = group_order(groups, token_ids)
+    rows = group_order(groups, token_ids)
+    order, bounds = rows.order, rows.bounds
     group = groups.group_of_token[token_ids][order]
     assert torch.all(group[1:] >= group[:-1])
     assert bounds[0] == 0 and bounds[-1] == token_ids.numel() and bounds.dtype == torch.int32
     for g in range(groups.count):
-        rows = order[bounds[g]:bounds[g + 1]]
-        assert torch.all(groups.group_of_token[token_ids[rows]] == g)
-        assert torch.all(rows[1:] > rows[:-1])  # stable: token order within a group
+        members = order[bounds[g]:bounds[g + 1]]
+        assert torch.all(groups.group_of_token[token_ids[members]] == g)
+        assert torch.all(members[1:] > members[:-1])  # stable: token order within a group
+    assert rows.position.dtype == torch.int32
+    assert torch.equal(order[rows.position.long()], torch.arange(token_ids.numel(), device=order.device))
 
 
 @pytest.mark.parametrize("routing", ["released", "top3_other_scales_routed_twice"])
@@ -71,4 +77,36 @@ def test_the_grouped_block_matches_the_formula(dtype, routing):
                 5)
     got = run(lambda x, **weights: grouped_trmoe_forward(weights, groups, engine.shared_output_scale, x, token_ids),
               leaves(rounded, {}, KERNEL_DEVICE, grad), 5, autocast_dtype=dtype if dtype != torch.float32 else None)
+    assert_matches(got, truth, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_between_two_residual_norms_the_block_runs_in_group_order(dtype):
+    """As a decoder layer would run it: the norm before writes the block's input in group order, the block
+    keeps that order, and the norm after reads the block's output in it; the same stream, outputs and
+    gradients as the block in token order between the norms."""
+    engine, raw, token_ids = problem(6)
+    groups = groups_of(engine)
+    gen = torch.Generator().manual_seed(7)
+    hidden = raw["x"].shape[1]
+    raw.update(h=torch.randn(TOKENS, hidden, generator=gen), w_before=torch.randn(hidden, generator=gen) * 0.1 + 1,
+               w_after=torch.randn(hidden, generator=gen) * 0.1 + 1)
+    block = reference(engine, token_ids)
+
+    def in_token_order(h, x, w_before, w_after, **weights):
+        stream, normed = norm_reference(h, x, w_before)
+        return norm_reference(stream, block(normed, **weights), w_after)
+
+    def in_group_order(h, x, w_before, w_after, **weights):
+        rows = group_order(groups, token_ids)
+        stream, normed = add_rms_norm(h, x, w_before, EPS, out_rows=rows.position)
+        out = grouped_block(weights, groups, engine.shared_output_scale, normed, rows.bounds)
+        return add_rms_norm(stream, out, w_after, EPS, delta_rows=rows.position)
+
+    dtypes = {"x": dtype}
+    rounded = {name: value.to(dtypes.get(name, torch.float32)) for name, value in raw.items()}
+    grad = tuple(raw)
+    truth = run(in_token_order, leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 8)
+    got = run(in_group_order, leaves(rounded, {}, KERNEL_DEVICE, grad), 8,
+              autocast_dtype=dtype if dtype != torch.float32 else None)
     assert_matches(got, truth, dtype)
