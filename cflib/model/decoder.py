@@ -275,10 +275,13 @@ class DecoderLayer(nn.Module):
         if rows is not None:
             h, token_ids = gather_rows(h, rows), token_ids.reshape(-1).index_select(0, rows.indices)
         engine = self.mlp["engine"]
-        order = engine.row_order(token_ids)
-        out_rows = order.position if order is not None else None
-        h, x = self.post_attention_layernorm.add_norm(h, attended, out_rows=out_rows)
-        return h, engine(x, token_ids, order), out_rows
+        # An engine wrapped by another library (PEFT's LoRA on the expert tensors) keeps the tokens' order.
+        order = engine.row_order(token_ids) if isinstance(engine, TRMoEEngine) else None
+        if order is None:
+            h, x = self.post_attention_layernorm.add_norm(h, attended)
+            return h, engine(x, token_ids), None
+        h, x = self.post_attention_layernorm.add_norm(h, attended, out_rows=order.position)
+        return h, engine(x, token_ids, order), order.position
 
 
 class TRMoEModel(nn.Module):
