@@ -275,6 +275,11 @@ class EpilogueSwiGLUEngine(FusedTRMoEEngine):
     kernels = {"swiglu": "quack_gemm_swiglu", "moe": "triton_fused"}
     interleaved_gate_up = True
 
+    def adapted(self) -> bool:
+        """Whether an adapter rides on any of the block's weights."""
+        return bool(self.expert_adapters()) or any(is_adapted(getattr(self, name))
+                                                   for name in ("shared_gate", "shared_up", "shared_down"))
+
     def gated(self, x: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (reads_half(x, torch.bfloat16) or reads_half(x, torch.float16))
 
@@ -290,9 +295,7 @@ class EpilogueSwiGLUEngine(FusedTRMoEEngine):
     def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         from cflib.ops.trmoe import trmoe_gated_forward
 
-        adapted = self.expert_adapters() or any(is_adapted(getattr(self, name))
-                                                for name in ("shared_gate", "shared_up", "shared_down"))
-        if not self.gated(x) or adapted:
+        if not self.gated(x) or self.adapted():
             self.ran = dict(FusedTRMoEEngine.kernels)
         elif self.weight_copies is None:
             return trmoe_gated_forward(self, x, token_ids)
@@ -324,9 +327,7 @@ class GroupedTRMoEEngine(EpilogueSwiGLUEngine):
 
     def row_order(self, token_ids: torch.Tensor) -> GroupOrder | None:
         from cflib.ops.paired_experts import group_order
-        adapted = self.expert_adapters() or any(is_adapted(getattr(self, name))
-                                                for name in ("shared_gate", "shared_up", "shared_down"))
-        if not torch.is_grad_enabled() or adapted:
+        if not torch.is_grad_enabled() or self.adapted():
             return None
         return group_order(self.route_groups(), token_ids.reshape(-1))
 

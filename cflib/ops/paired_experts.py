@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from cflib.ops.gemm import interleaved_swiglu
 
 
 @dataclass(frozen=True)
@@ -135,17 +136,12 @@ def group_order(groups: RouteGroups, token_ids: torch.Tensor) -> GroupOrder:
     return GroupOrder(order, position, bounds)
 
 
-def _swiglu(preact: torch.Tensor) -> torch.Tensor:
-    gate, up = preact.float().unflatten(-1, (-1, 2)).unbind(-1)
-    return (F.silu(gate) * up).to(preact.dtype)
-
-
 def _looped_forward(x: torch.Tensor, bounds: list[int], gate_up: torch.Tensor, down: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Off CUDA: each group's rows through its own GEMMs; (pre-activation, output)."""
     spans = list(enumerate(zip(bounds, bounds[1:])))
     preact = torch.cat([x[lo:hi] @ gate_up[g].t() for g, (lo, hi) in spans])
-    hidden = _swiglu(preact)
+    hidden = interleaved_swiglu(preact)
     return preact, torch.cat([hidden[lo:hi] @ down[g].t() for g, (lo, hi) in spans])
 
 
@@ -155,7 +151,7 @@ def _looped_backward(x: torch.Tensor, bounds: list[int], preact: torch.Tensor, g
     spans = list(zip(bounds, bounds[1:]))
     with torch.enable_grad():
         leaf = preact.detach().float().requires_grad_()
-        hidden = _swiglu(leaf)
+        hidden = interleaved_swiglu(leaf)
         grad_hidden = torch.cat([grad_out[lo:hi] @ down[g] for g, (lo, hi) in enumerate(spans)])
         (grad_preact,) = torch.autograd.grad(hidden, leaf, grad_hidden.float())
     grad_preact = grad_preact.to(preact.dtype)
