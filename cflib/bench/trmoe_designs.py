@@ -7,9 +7,7 @@ Designs, side by side in one run (BF16 autocast, fp32 master weights):
 - fused: cflib.ops.trmoe, one wide SwiGLU over shared + all experts with a Triton
   column-scale kernel;
 - gated: the same wide block with SwiGLU in quack's gate|up GEMM epilogue (what the step runs in BF16 on
-  Hopper), its weights laid out from the FP32 masters per forward;
-- grouped: cflib.ops.paired_experts, tokens grouped by their experts, each group's GEMMs over the shared
-  columns and its own experts' only (quack's varlen GEMMs), its weights gathered from the masters per forward.
+  Hopper), its weights laid out from the FP32 masters per forward.
 The gather design lives here only: it lost at these shapes (see the record).
 
     python -m cflib.bench.trmoe_designs --out outputs/records/trmoe_designs_h200.json
@@ -29,8 +27,7 @@ from cflib.model.config import preset
 from cflib.model.decoder import TRMoEEngine
 from cflib.model.fast import FusedTRMoEEngine, swap_class
 from cflib.ops.liger import LigerSiLUMulFunction
-from cflib.ops.paired_experts import grouped_trmoe_forward, route_groups
-from cflib.ops.trmoe import engine_weights, trmoe_gated_forward
+from cflib.ops.trmoe import trmoe_gated_forward
 
 
 def _grouped(a: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -60,18 +57,13 @@ def gather_forward(engine: TRMoEEngine, x: torch.Tensor, token_ids: torch.Tensor
 
 def design_forwards(engine: TRMoEEngine, x: torch.Tensor, ids: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """Each design's forward of the block on x and token ids ids, by name."""
-    groups = route_groups(engine.route_table, engine.route_weights, engine.expert_gate.shape[0],
-                          engine.routed_output_scale)
-
     def run_engine(backend):
         swap_class(engine, {"torch_dense": TRMoEEngine, "triton_fused": FusedTRMoEEngine}[backend])
         return engine(x, ids)
     return {"reference": lambda: run_engine("torch_dense"),
             "gather": lambda: gather_forward(engine, x, ids),
             "fused": lambda: run_engine("triton_fused"),
-            "gated": lambda: trmoe_gated_forward(engine, x, ids),
-            "grouped": lambda: grouped_trmoe_forward(engine_weights(engine), groups, engine.shared_output_scale,
-                                                     x, ids)}
+            "gated": lambda: trmoe_gated_forward(engine, x, ids)}
 
 
 def main() -> None:
@@ -94,9 +86,9 @@ def main() -> None:
     ms = {name: timed(fn) for name, fn in forwards.items()}
     d, s, w, e, k = (config.hidden_size, config.shared_intermediate_size, config.expert_width, config.num_experts,
                      config.num_experts_per_tok)
-    # Forward+backward = 3 x forward GEMM FLOPs; 3 projections of 2*D*width per token. Only gather and grouped
-    # skip the experts a token is not routed to.
-    flops = {name: 3 * 6 * args.tokens * d * (s + (k if name in ("gather", "grouped") else e) * w) for name in ms}
+    # Forward+backward = 3 x forward GEMM FLOPs; 3 projections of 2*D*width per token. Only gather skips the
+    # experts a token is not routed to.
+    flops = {name: 3 * 6 * args.tokens * d * (s + (k if name == "gather" else e) * w) for name in ms}
     record = {
         **record_header("trmoe_designs", device),
         "shapes": {"tokens": args.tokens, "hidden": d, "shared": s, "experts": e, "expert_width": w, "top_k": k},

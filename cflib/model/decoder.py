@@ -19,7 +19,6 @@ from cflib.model.kv_cache import KVCache, LayerCache
 from cflib.model.routing import build_route_table
 from cflib.model.weights import ExpertAdapter, effective_weight
 from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
-from cflib.ops.paired_experts import GroupOrder
 from cflib.ops.rows import Rows, gather_rows
 
 INIT_STD = 0.02
@@ -63,22 +62,12 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
 
-    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, delta_rows: torch.Tensor | None = None,
-                 out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream's add and the norm after it: (h + delta, its norm); delta None adds nothing.
-        delta_rows / out_rows ([rows] permutations): delta, and the norm returned, in another row order than
-        the stream, row r of the stream at delta_rows[r] and out_rows[r] (a TR-MoE engine that works on its
-        rows in route-group order: row_order)."""
-        dim = h.shape[-1]
-        if delta is not None:
-            h = h + (delta if delta_rows is None else delta.reshape(-1, dim)[delta_rows.long()].reshape(h.shape))
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream's add and the norm after it: (h + delta, its norm); delta None adds nothing."""
+        h = h if delta is None else h + delta
         if self.bf16_stream_gradient and h.dtype == torch.float32 and bf16_autocast(h.device.type):
             h = _RoundGradient.apply(h)
-        normed = self(h)
-        if out_rows is not None:
-            rows = normed.reshape(-1, dim)
-            normed = torch.empty_like(rows).index_put((out_rows.long(),), rows).reshape(normed.shape)
-        return h, normed
+        return h, self(h)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -208,21 +197,11 @@ class TRMoEEngine(nn.Module):
             coeff.scatter_add_(1, routes[k][:, None], torch.full_like(coeff[:, :1], weight))
         return coeff
 
-    def row_order(self, token_ids: torch.Tensor) -> GroupOrder | None:
-        """The row order the block takes its input and gives its output in (cflib.ops.paired_experts'
-        GroupOrder, for engines that group rows by route), or None: the tokens' own."""
-        return None
-
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, order: GroupOrder | None = None) -> torch.Tensor:
-        """x and the output in `order` (row_order's for these token ids), or in token order."""
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         self.ran = dict(self.kernels)
         shape = x.shape
-        rows, token_ids = x.reshape(-1, shape[-1]), token_ids.reshape(-1)
-        out = self.block(rows, token_ids) if order is None else self.grouped_block(rows, order)
+        out = self.block(x.reshape(-1, shape[-1]), token_ids.reshape(-1))
         return out.reshape(shape)
-
-    def grouped_block(self, x: torch.Tensor, order: GroupOrder) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} works in token order: its row_order is None")
 
     def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [N, D], token ids [N] -> [N, D]."""
@@ -264,24 +243,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionBatch = DENSE_SDPA, pending: torch.Tensor | None = None,
-                kv: LayerCache | None = None, rows: Rows | None = None,
-                pending_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(h, pending, pending_rows): the MLP's output is returned apart and added by the next norm, which on
-        the fast path does the add and the norm in one kernel; pending_rows: the row order it is in (the
-        engine's row_order: the norm before the MLP writes its input in it), None for the tokens' own. rows:
-        after attention, those token rows alone ([R, D] out)."""
-        h, x = self.input_layernorm.add_norm(h, pending, delta_rows=pending_rows)
+                kv: LayerCache | None = None, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, pending): the MLP's output is returned apart and added by the next norm, which on the fast path
+        does the add and the norm in one kernel. rows: after attention, those token rows alone ([R, D] out)."""
+        h, x = self.input_layernorm.add_norm(h, pending)
         attended = self.self_attn(x, cos, sin, attention, kv, rows)
         if rows is not None:
             h, token_ids = gather_rows(h, rows), token_ids.reshape(-1).index_select(0, rows.indices)
-        engine = self.mlp["engine"]
-        # An engine wrapped by another library (PEFT's LoRA on the expert tensors) keeps the tokens' order.
-        order = engine.row_order(token_ids) if isinstance(engine, TRMoEEngine) else None
-        if order is None:
-            h, x = self.post_attention_layernorm.add_norm(h, attended)
-            return h, engine(x, token_ids), None
-        h, x = self.post_attention_layernorm.add_norm(h, attended, out_rows=order.position)
-        return h, engine(x, token_ids, order), order.position
+        h, x = self.post_attention_layernorm.add_norm(h, attended)
+        return h, self.mlp["engine"](x, token_ids)
 
 
 class TRMoEModel(nn.Module):
@@ -357,7 +327,7 @@ class TRMoEModel(nn.Module):
         attention = attention_batch(self.attention_backend, device, activations, self.config.head_dim, documents)
         positions = kv.positions if kv is not None else documents.positions if documents is not None else None
         cos, sin = self.rope(input_ids.shape[1], device, positions)
-        h, pending, pending_rows = self.embed_tokens(input_ids), None, None
+        h, pending = self.embed_tokens(input_ids), None
         if self.half_residual and torch.is_autocast_enabled(device.type):
             h = h.to(activations)
         self.last_residual = str(h.dtype).removeprefix("torch.")
@@ -368,14 +338,12 @@ class TRMoEModel(nn.Module):
         for index, layer in enumerate(self.layers):
             layer_rows = rows if index == last else None
             if self.grad_ckpt and self.training:
-                h, pending, pending_rows = checkpoint(layer, h, input_ids, cos, sin, attention, pending,
-                                                      rows=layer_rows, pending_rows=pending_rows,
-                                                      use_reentrant=False)
+                h, pending = checkpoint(layer, h, input_ids, cos, sin, attention, pending, rows=layer_rows,
+                                        use_reentrant=False)
             else:
-                h, pending, pending_rows = layer(h, input_ids, cos, sin, attention, pending,
-                                                 kv.layers[index] if kv is not None else None, layer_rows,
-                                                 pending_rows)
-        return self.norm.add_norm(h, pending, delta_rows=pending_rows)[1]
+                h, pending = layer(h, input_ids, cos, sin, attention, pending,
+                                   kv.layers[index] if kv is not None else None, layer_rows)
+        return self.norm.add_norm(h, pending)[1]
 
     def kernel_path(self) -> dict[str, str]:
         """What the last forward ran, read back from every layer's modules ("a+b" where layers differ)."""

@@ -9,8 +9,7 @@ chooses, as Liger swaps modules: forwards read no flags, and the same model swap
   whose backward reads the norm's output, or keeps the sum where a weight is zero;
 - attention: Liger's RoPE; or one QKV GEMM, with QK-norm and RoPE in one kernel (cflib.ops.qk_norm_rope);
 - the TR-MoE block: Liger's SwiGLU for the shared branch; or the whole block as one wide SwiGLU
-  (cflib.ops.trmoe); on Hopper with quack-kernels, its SwiGLU in quack's GEMM epilogues; or, asked for, the
-  block grouped by route (cflib.ops.paired_experts) between norms that hand it its rows in group order.
+  (cflib.ops.trmoe); on Hopper with quack-kernels, its SwiGLU in quack's GEMM epilogues.
 Adapters join the fused GEMMs through the weight protocol (cflib.model.weights): with updates that fold,
 the GEMMs read effective weights; otherwise the base GEMM runs and each adapter adds its branch.
 """
@@ -26,7 +25,6 @@ from cflib.model.weight_copies import WeightCopies, columns, reads_half, rows
 from cflib.model.weights import effective_weight, is_adapted
 from cflib.ops.dispatch import KernelPlan
 from cflib.ops.gemm import TORCH_GEMMS, Gemms
-from cflib.ops.paired_experts import GroupOrder, RouteGroups
 
 
 class LigerRMSNorm(RMSNorm):
@@ -46,12 +44,10 @@ class AddRMSNorm(RMSNorm):
     kernel = "cflib_add_rmsnorm"
     normed_from_output = True
 
-    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, delta_rows: torch.Tensor | None = None,
-                 out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         from cflib.ops.add_rms_norm import add_rms_norm
         self.ran = {"rmsnorm": self.kernel}
-        return add_rms_norm(h, delta, self.weight, self.eps, self.bf16_stream_gradient, self.normed_from_output,
-                            delta_rows, out_rows)
+        return add_rms_norm(h, delta, self.weight, self.eps, self.bf16_stream_gradient, self.normed_from_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_norm(x, None)[1]
@@ -275,11 +271,6 @@ class EpilogueSwiGLUEngine(FusedTRMoEEngine):
     kernels = {"swiglu": "quack_gemm_swiglu", "moe": "triton_fused"}
     interleaved_gate_up = True
 
-    def adapted(self) -> bool:
-        """Whether an adapter rides on any of the block's weights."""
-        return bool(self.expert_adapters()) or any(is_adapted(getattr(self, name))
-                                                   for name in ("shared_gate", "shared_up", "shared_down"))
-
     def gated(self, x: torch.Tensor) -> bool:
         return torch.is_grad_enabled() and (reads_half(x, torch.bfloat16) or reads_half(x, torch.float16))
 
@@ -295,48 +286,13 @@ class EpilogueSwiGLUEngine(FusedTRMoEEngine):
     def block(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         from cflib.ops.trmoe import trmoe_gated_forward
 
-        if not self.gated(x) or self.adapted():
+        adapted = self.expert_adapters() or any(is_adapted(getattr(self, name))
+                                                for name in ("shared_gate", "shared_up", "shared_down"))
+        if not self.gated(x) or adapted:
             self.ran = dict(FusedTRMoEEngine.kernels)
         elif self.weight_copies is None:
             return trmoe_gated_forward(self, x, token_ids)
         return super().block(x, token_ids)
-
-
-class GroupedTRMoEEngine(EpilogueSwiGLUEngine):
-    """Training steps run the block grouped by route (cflib.ops.paired_experts): each token's GEMMs over the
-    shared columns and its own experts' only, the tokens in route-group order, which the norms around the block
-    write its input in and read its output from (row_order); in half precision on CUDA through quack's varlen
-    GEMMs, elsewhere group by group. It reads its FP32 masters (it takes no weight copies). Elsewhere (no
-    gradients: evaluation and decoding; adapters) the block runs as EpilogueSwiGLUEngine's."""
-
-    kernels = {"swiglu": "quack_gemm_swiglu", "moe": "grouped_by_route"}
-    _groups: tuple | None = None  # (the route table's storage and version, its RouteGroups)
-
-    def copy_weights(self, copies: WeightCopies, prefix: str) -> None:
-        """None: each step lays its groups' weights out from the masters."""
-
-    def route_groups(self) -> RouteGroups:
-        """The route table's groups, found again whenever the table has changed (a checkpoint loaded into it)."""
-        from cflib.ops.paired_experts import route_groups
-        table = self.route_table
-        key = (table.data_ptr(), table._version, table.device)
-        if self._groups is None or self._groups[0] != key:
-            self._groups = (key, route_groups(table, self.route_weights, self.expert_gate.shape[0],
-                                              self.routed_output_scale))
-        return self._groups[1]
-
-    def row_order(self, token_ids: torch.Tensor) -> GroupOrder | None:
-        from cflib.ops.paired_experts import group_order
-        if not torch.is_grad_enabled() or self.adapted():
-            return None
-        return group_order(self.route_groups(), token_ids.reshape(-1))
-
-    def grouped_block(self, x: torch.Tensor, order: GroupOrder) -> torch.Tensor:
-        from cflib.ops.paired_experts import grouped_block
-        from cflib.ops.trmoe import engine_weights
-        on_quack = x.is_cuda and (reads_half(x, torch.bfloat16) or reads_half(x, torch.float16))
-        self.ran = {"swiglu": "quack_varlen_swiglu" if on_quack else "torch_grouped", "moe": "grouped_by_route"}
-        return grouped_block(engine_weights(self), self.route_groups(), self.shared_output_scale, x, order.bounds)
 
 
 def swap_class(module: nn.Module, cls: type[nn.Module]) -> None:
@@ -357,8 +313,7 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
     else:
         attention = LigerRopeAttention if plan.liger else Attention
     if plan.custom:
-        engine = (GroupedTRMoEEngine if plan.grouped_experts else EpilogueSwiGLUEngine if plan.epilogue_swiglu
-                  else FusedTRMoEEngine)
+        engine = EpilogueSwiGLUEngine if plan.epilogue_swiglu else FusedTRMoEEngine
     else:
         engine = LigerSwiGLUEngine if plan.liger else TRMoEEngine
     for layer in model.layers:

@@ -20,13 +20,6 @@ weight is zero has lost s there; its gradients come out NaN (the trainer stops
 on them), so the decoder takes this only for norms with no zero weight
 (cflib.model.fast).
 
-The sub-layer's output and the normed output may come in another row order
-than the stream (delta_rows, out_rows): a TR-MoE block grouped by route
-takes its input and gives its output with the tokens in group order
-(cflib.ops.paired_experts), and the kernels read and write those rows where
-they are, so no gather or scatter pass runs around the block. Each gradient
-comes back in its tensor's order.
-
 A BF16 stream (bf16_residual) is the rounded sum, normalised as rounded: the
 kernels then read and write BF16 only, backward keeps the stream itself, and
 one BF16 gradient serves the stream and the sub-layer's output.
@@ -52,40 +45,26 @@ from cflib.ops.interpreter import INTERPRETING
 
 
 @triton.jit
-def _row_offsets(rows_ptr, rows, row_mask, cols, dim, PERMUTED: tl.constexpr):
-    """Offsets of the rows' elements in a tensor whose row order is rows_ptr's (row r at rows_ptr[r]), or in
-    the rows' own order."""
-    if PERMUTED:
-        rows = tl.load(rows_ptr + rows, mask=row_mask, other=0)
-    return rows.to(tl.int64)[:, None] * dim + cols[None, :]
-
-
-@triton.jit
-def _add_rms_norm_forward(h_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, saved_ptr, rstd_ptr, delta_rows_ptr,
-                          out_rows_ptr, num_rows, dim, eps, SAVE: tl.constexpr, DELTA_ROWS: tl.constexpr,
-                          OUT_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _add_rms_norm_forward(h_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, saved_ptr, rstd_ptr, num_rows, dim, eps,
+                          SAVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """SAVE: write s again in the saved dtype for backward; without it (a half-precision stream) the stream is
-    what backward reads, and the norm is taken of s as the stream holds it, rounded. DELTA_ROWS / OUT_ROWS:
-    delta, and the output with what is saved beside it, are in another row order (row r at *_rows_ptr[r])."""
+    what backward reads, and the norm is taken of s as the stream holds it, rounded."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
-    row_mask = rows < num_rows
-    mask = row_mask[:, None] & (cols < dim)[None, :]
+    mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
     offsets = rows.to(tl.int64)[:, None] * dim + cols[None, :]
-    out_offsets = _row_offsets(out_rows_ptr, rows, row_mask, cols, dim, OUT_ROWS)
     s = tl.load(h_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s += tl.load(delta_ptr + _row_offsets(delta_rows_ptr, rows, row_mask, cols, dim, DELTA_ROWS), mask=mask,
-                 other=0.0).to(tl.float32)
+    s += tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     s = s.to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + offsets, s, mask=mask)
     s = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
     weight = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     y = s * rstd[:, None] * weight[None, :]
-    tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
     if SAVE:
-        tl.store(saved_ptr + out_offsets, s.to(saved_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+        tl.store(saved_ptr + offsets, s.to(saved_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=rows < num_rows)
 
 
 # Rows per tile and warps for backward, tried on the device at first use per width (do_bench in triton.autotune).
@@ -95,19 +74,16 @@ _BACKWARD_CONFIGS = [triton.Config({"BLOCK_R": 4}, num_warps=8)] if INTERPRETING
     triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8), (16, 16))]
 
 
-@triton.autotune(_BACKWARD_CONFIGS, key=["dim", "HAS_GRAD_SUM", "ONE_GRADIENT", "ROUND", "FROM_OUTPUT", "DELTA_ROWS",
-                                         "OUT_ROWS"])
+@triton.autotune(_BACKWARD_CONFIGS, key=["dim", "HAS_GRAD_SUM", "ONE_GRADIENT", "ROUND", "FROM_OUTPUT"])
 @triton.jit
 def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weight_ptr, grad_s_ptr, grad_delta_ptr,
-                           grad_weight_ptr, delta_rows_ptr, out_rows_ptr, num_rows, dim, rows_per_program,
-                           HAS_GRAD_SUM: tl.constexpr, ONE_GRADIENT: tl.constexpr, ROUND: tl.constexpr,
-                           FROM_OUTPUT: tl.constexpr, DELTA_ROWS: tl.constexpr, OUT_ROWS: tl.constexpr,
+                           grad_weight_ptr, num_rows, dim, rows_per_program, HAS_GRAD_SUM: tl.constexpr,
+                           ONE_GRADIENT: tl.constexpr, ROUND: tl.constexpr, FROM_OUTPUT: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Each program walks rows_per_program rows, accumulating its share of d(weight) in registers. ONE_GRADIENT:
-    the stream and the sub-layer's output share a dtype and a row order, so their gradient is one tensor,
-    written once. ROUND: the stream's gradient is BF16-valued even where it is stored in FP32 (the
-    embeddings'). FROM_OUTPUT: saved holds the normed output y, and s * rstd is y / weight. DELTA_ROWS /
-    OUT_ROWS: as forward's (the output's gradient and saved in the output's order, delta's in delta's)."""
+    the stream and the sub-layer's output share a dtype, so their gradient is one tensor, written once. ROUND:
+    the stream's gradient is BF16-valued even where it is stored in FP32 (the embeddings'). FROM_OUTPUT: saved
+    holds the normed output y, and s * rstd is y / weight."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -120,10 +96,9 @@ def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weig
         row_mask = (rows < num_rows) & (rows < first + rows_per_program)
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = rows.to(tl.int64)[:, None] * dim + cols[None, :]
-        out_offsets = _row_offsets(out_rows_ptr, rows, row_mask, cols, dim, OUT_ROWS)
-        grad_out = tl.load(grad_out_ptr + out_offsets, mask=mask, other=0.0).to(tl.float32)
+        grad_out = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        normed = tl.load(saved_ptr + out_offsets, mask=mask, other=0.0).to(tl.float32)
+        normed = tl.load(saved_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if FROM_OUTPUT:
             normed = normed * inverse[None, :]
         else:
@@ -137,8 +112,7 @@ def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weig
             grad_s = grad_s.to(tl.bfloat16).to(tl.float32)
         tl.store(grad_s_ptr + offsets, grad_s.to(grad_s_ptr.dtype.element_ty), mask=mask)
         if not ONE_GRADIENT:
-            tl.store(grad_delta_ptr + _row_offsets(delta_rows_ptr, rows, row_mask, cols, dim, DELTA_ROWS),
-                     grad_s.to(grad_delta_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_delta_ptr + offsets, grad_s.to(grad_delta_ptr.dtype.element_ty), mask=mask)
     tl.store(grad_weight_ptr + tl.program_id(0) * dim + cols, grad_weight, mask=col_mask)
 
 
@@ -155,27 +129,24 @@ def forward_tile(dim: int) -> tuple[int, int]:
 
 def add_rms_norm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                          out_dtype: torch.dtype, tile: tuple[int, int] | None = None,
-                         keep_sum: bool = True, delta_rows: torch.Tensor | None = None,
-                         out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                         keep_sum: bool = True) -> tuple[torch.Tensor, ...]:
     """The forward kernel on contiguous [rows, dim] h and delta: the sum in h's dtype (the stream: fp32, or a
     half-precision stream's rounding of the fp32 sum), the normed output, what backward reads (the stream itself
     when it is in out_dtype; else the sum in out_dtype, or without keep_sum the normed output) and each row's
-    rstd. delta_rows / out_rows (int32 [rows]): delta's row of each row, and the output's (with a kept sum
-    beside it), where they are in another order than the stream."""
+    rstd."""
     num_rows, dim = h.shape
     total = torch.empty(num_rows, dim, dtype=h.dtype, device=h.device)
     out = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
-    if h.dtype == out_dtype and out_rows is None:
+    if h.dtype == out_dtype:
         saved = total
     else:
         saved = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device) if keep_sum else out
     rstd = torch.empty(num_rows, dtype=torch.float32, device=h.device)
     block_r, warps = tile or forward_tile(dim)
     _add_rms_norm_forward[(triton.cdiv(num_rows, block_r),)](
-        h, delta, weight, total, out, saved, rstd, delta_rows if delta_rows is not None else rstd,
-        out_rows if out_rows is not None else rstd, num_rows, dim, float(eps),
-        SAVE=saved is not total and saved is not out, DELTA_ROWS=delta_rows is not None,
-        OUT_ROWS=out_rows is not None, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(dim), num_warps=warps)
+        h, delta, weight, total, out, saved, rstd, num_rows, dim, float(eps),
+        SAVE=saved is not total and saved is not out,
+        BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(dim), num_warps=warps)
     return total, out, saved, rstd
 
 
@@ -194,35 +165,33 @@ class AddRMSNorm(torch.autograd.Function):
     """(h, delta, weight) -> (s = h + delta, rmsnorm(s) * weight in out_dtype). h is the fp32 stream, a BF16 one
     (bf16_residual), or the fp32 stream seen through as_gradient_split (bf16_residual_gradient); split: hand s
     back seen through as_gradient_split, its gradient BF16. from_output: backward reads the normed output, not
-    a kept sum (the module docstring). delta_rows / out_rows: add_rms_norm's."""
+    a kept sum (the module docstring)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                out_dtype: torch.dtype, split: bool, from_output: bool, delta_rows: torch.Tensor | None,
-                out_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                out_dtype: torch.dtype, split: bool, from_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
         shape, dim = delta.shape, delta.shape[-1]
         ctx.split_in = is_gradient_split(h, delta)
         stream = h.view(torch.float32).squeeze(-1) if ctx.split_in else h
         stream, delta = stream.reshape(-1, dim).contiguous(), delta.reshape(-1, dim).contiguous()
         total, out, saved, rstd = add_rms_norm_forward(stream, delta, weight, eps, out_dtype,
-                                                       keep_sum=not from_output, delta_rows=delta_rows,
-                                                       out_rows=out_rows)
-        ctx.from_output, ctx.permuted = saved is out, (delta_rows is not None, out_rows is not None)
-        ctx.save_for_backward(saved, rstd, weight, delta_rows, out_rows)
+                                                       keep_sum=not from_output)
+        ctx.from_output = saved is out
+        ctx.save_for_backward(saved, rstd, weight)
         ctx.dtypes, ctx.split_out = (torch.bfloat16 if ctx.split_in else stream.dtype, delta.dtype), split
         total = total.view(shape)
         return as_gradient_split(total) if split else total, out.view(shape)
 
     @staticmethod
     def backward(ctx, grad_sum: torch.Tensor | None, grad_out: torch.Tensor):
-        saved, rstd, weight, delta_rows, out_rows = ctx.saved_tensors
+        saved, rstd, weight = ctx.saved_tensors
         shape, dim = grad_out.shape, grad_out.shape[-1]
         grad_out = grad_out.reshape(-1, dim).contiguous()
         num_rows = grad_out.shape[0]
         if grad_sum is not None:  # None: s unused. Split: the BF16 gradient, expanded over the last axis.
             grad_sum = (grad_sum[..., 0] if ctx.split_out else grad_sum).reshape(-1, dim).contiguous()
         grad_s = torch.empty(num_rows, dim, dtype=ctx.dtypes[0], device=grad_out.device)
-        one_gradient = ctx.dtypes[0] == ctx.dtypes[1] and not ctx.permuted[0]
+        one_gradient = ctx.dtypes[0] == ctx.dtypes[1]
         grad_delta = grad_s if one_gradient else torch.empty(num_rows, dim, dtype=ctx.dtypes[1],
                                                              device=grad_out.device)
         # Enough programs to keep loads in flight on every SM; each sums its rows' d(weight) in registers.
@@ -231,31 +200,24 @@ class AddRMSNorm(torch.autograd.Function):
         partial = torch.empty(programs, dim, dtype=torch.float32, device=grad_out.device)
         _add_rms_norm_backward[(programs,)](
             grad_out, grad_sum if grad_sum is not None else grad_out, saved, rstd, weight, grad_s, grad_delta, partial,
-            delta_rows if delta_rows is not None else rstd, out_rows if out_rows is not None else rstd, num_rows, dim,
-            rows_per_program, HAS_GRAD_SUM=grad_sum is not None, ONE_GRADIENT=one_gradient,
-            ROUND=ctx.split_out and not ctx.split_in, FROM_OUTPUT=ctx.from_output, DELTA_ROWS=ctx.permuted[0],
-            OUT_ROWS=ctx.permuted[1], BLOCK_D=triton.next_power_of_2(dim))
+            num_rows, dim, rows_per_program, HAS_GRAD_SUM=grad_sum is not None, ONE_GRADIENT=one_gradient,
+            ROUND=ctx.split_out and not ctx.split_in, FROM_OUTPUT=ctx.from_output,
+            BLOCK_D=triton.next_power_of_2(dim))
         grad_h = grad_s.view(shape)
         if ctx.split_in:
             grad_h = grad_h.unsqueeze(-1).expand(*shape, 2)
-        return (grad_h, grad_delta.view(shape), column_sums(partial).to(weight.dtype), None, None, None, None, None,
-                None)
+        return grad_h, grad_delta.view(shape), column_sums(partial).to(weight.dtype), None, None, None, None
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 bf16_gradient: bool = False, normed_from_output: bool = False,
-                 delta_rows: torch.Tensor | None = None,
-                 out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 bf16_gradient: bool = False, normed_from_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(new residual in h's dtype, normed input of the next GEMM in the autocast dtype). bf16_gradient: under BF16
     autocast, an fp32 stream comes back seen through as_gradient_split, so its gradient is BF16.
     normed_from_output: backward recovers the normalised sum from the output (needs no zero in `weight`; the
-    module docstring). delta_rows / out_rows (int32 [rows], a permutation): delta and the output in another
-    row order than the stream, row r of the stream at delta_rows[r] and out_rows[r] (e.g. a TR-MoE block that
-    takes and gives its rows grouped by route: cflib.ops.paired_experts); each gradient comes back in its
-    tensor's order."""
+    module docstring)."""
     device_type = h.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
     split = bf16_gradient and out_dtype == torch.bfloat16 and (h.dtype == torch.float32 or is_gradient_split(h, delta))
     if delta is None:  # the first layer: nothing to add yet (one cheap zero tensor keeps a single kernel)
         delta = torch.zeros_like(h, dtype=out_dtype)
-    return AddRMSNorm.apply(h, delta, weight, eps, out_dtype, split, normed_from_output, delta_rows, out_rows)
+    return AddRMSNorm.apply(h, delta, weight, eps, out_dtype, split, normed_from_output)

@@ -27,13 +27,11 @@ class KernelPlan:
     attention: str = "auto"  # attention_backend, checked here (cflib.ops.attention)
     epilogue_swiglu: bool = False  # the TR-MoE block's SwiGLU in quack's GEMM epilogue (with custom)
     quack_gemms: bool = False  # the step's other GEMMs on quack's kernel or cuBLAS, the faster (cflib.ops.gemm)
-    grouped_experts: bool = False  # the TR-MoE block grouped by route in training (cflib.ops.paired_experts)
 
     def describe(self) -> str:
         chosen = [name for name, on in (("Liger", self.liger), ("cflib Triton", self.custom),
                                         ("quack SwiGLU GEMMs", self.epilogue_swiglu),
-                                        ("quack GEMMs where faster", self.quack_gemms),
-                                        ("TR-MoE grouped by route", self.grouped_experts)) if on]
+                                        ("quack GEMMs where faster", self.quack_gemms)) if on]
         text = " + ".join(chosen) if chosen else "PyTorch reference"
         return text + "".join(f"; {note}" for note in self.notes)
 
@@ -90,15 +88,13 @@ def quack_problem(device: torch.device) -> str | None:
 def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device,
                  attention_backend: str = "auto", head_dim: int = 64, packed: bool = False,
                  epilogue_swiglu: str = "false", weight_copies_problem: str | None = None,
-                 quack_gemms: str = "false", grouped_experts: str = "false") -> KernelPlan:
+                 quack_gemms: str = "false") -> KernelPlan:
     """Resolve the flags against this device, or raise KernelUnavailable naming the check.
 
     Shapes need no check here but attention's (head_dim; packed: whether training rows are packed windows):
     every valid ModelConfig (even head_dim) runs on every other path. `weight_copies_problem`: why the run
     reads no BF16 weight copies, if it reads none; `auto` takes quack's GEMMs only with them, where they were
-    measured faster (`true` runs the SwiGLU epilogue without, laying the weights out in every forward).
-    grouped_experts: `true` or `false` only (no `auto` until it is measured faster); in training it runs
-    quack's varlen GEMMs on Hopper, its group-by-group PyTorch form elsewhere."""
+    measured faster (`true` runs the SwiGLU epilogue without, laying the weights out in every forward)."""
     notes: list[str] = list(plan_attention(attention_backend, device, head_dim, packed))
 
     def decide(flag_name: str, mode: str, problem: str | None) -> bool:
@@ -123,21 +119,7 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
     epilogue = _decide_quack("epilogue_swiglu", epilogue_swiglu, custom, device, weight_copies_problem, decide)
     gemms = _decide_quack("quack_gemms", quack_gemms, custom, device, weight_copies_problem, decide)
     return KernelPlan(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend,
-                      epilogue_swiglu=epilogue, quack_gemms=gemms,
-                      grouped_experts=_decide_grouped(grouped_experts, custom, device))
-
-
-def _decide_grouped(mode: str, custom: bool, device: torch.device) -> bool:
-    """grouped_experts: true or false (no auto until it measures faster); true needs cflib's fast path, and on a
-    GPU quack's varlen GEMMs."""
-    if mode not in ("true", "false"):
-        raise KernelUnavailable(f"grouped_experts: {mode!r}, but it takes true or false")
-    if mode == "true" and not custom:
-        raise KernelUnavailable("grouped_experts: true, but it runs inside cflib's fast path, which is off here "
-                                "(use_custom_kernels)")
-    if mode == "true" and device.type == "cuda":
-        refuse_if_required("grouped_experts", mode, quack_problem(device))
-    return mode == "true"
+                      epilogue_swiglu=epilogue, quack_gemms=gemms)
 
 
 def _decide_quack(flag_name: str, mode: str, custom: bool, device: torch.device, weight_copies_problem: str | None,

@@ -61,14 +61,8 @@ def gated_gemm(x: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, to
         from quack.gemm_interface import gemm_gated
         return gemm_gated(x, gate_up.t(), activation="swiglu", tuned=False)
     preact = F.linear(x, gate_up)
-    return preact, interleaved_swiglu(preact)
-
-
-def interleaved_swiglu(preact: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of a pre-activation [N, 2C] whose columns pair each gate with its up, computed in FP32
-    and rounded once to preact's dtype."""
-    gate, up = preact.float().unflatten(-1, (-1, 2)).unbind(-1)
-    return (F.silu(gate) * up).to(preact.dtype)
+    gate, up = preact.float().unflatten(1, (-1, 2)).unbind(2)
+    return preact, (F.silu(gate) * up).to(x.dtype)
 
 
 class Gemms:

@@ -154,10 +154,6 @@ class Kernels:
     # cuBLAS, whichever was faster at the first call of its size class (Hopper, quack-kernels; cflib.ops.gemm):
     # auto where it runs and the run reads the BF16 weight copies, true to require it, false for cuBLAS
     quack_gemms: str = parsed_by(kernel_choice, "auto")
-    # The TR-MoE block grouped by route in training steps (cflib.ops.paired_experts; docs/kernels.md): each
-    # token's GEMMs over the shared columns and its own experts' only, quack's varlen GEMMs on Hopper. true or
-    # false: it is not the default until it measures faster in the step
-    grouped_experts: str = parsed_by(kernel_choice, "false")
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
@@ -281,8 +277,6 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
                      "cflib_adamw"):
             if getattr(self, name) not in KERNEL_CHOICES:
                 raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
-        if self.grouped_experts not in ("true", "false"):
-            raise ParamError(f"grouped_experts must be true or false, got {self.grouped_experts!r}")
         if self.attention_backend not in backend_names():
             raise ParamError(f"attention_backend must be one of {backend_names()}, got {self.attention_backend!r}")
         if self.pack_sequences and (problem := packed_problem(self.attention_backend)):

@@ -12,7 +12,6 @@ from cflib.jobs import record_header
 from cflib.model.lora import describe as describe_lora
 
 if TYPE_CHECKING:  # the trainer builds on this module
-    from cflib.train.params import TrainParams
     from cflib.train.trainer import Trainer
 
 
@@ -88,13 +87,6 @@ def _throughput(trainer: "Trainer") -> dict:
     }
 
 
-def kernels_requested(p: "TrainParams", notes: tuple[str, ...]) -> dict[str, Any]:
-    """The kernel flags a run asked for, and why `auto` left a fast path off."""
-    return {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
-            "attention_backend": p.attention_backend, "epilogue_swiglu": p.epilogue_swiglu,
-            "quack_gemms": p.quack_gemms, "grouped_experts": p.grouped_experts, "notes": list(notes)}
-
-
 def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: float) -> dict:
     """record.json of a finished run: the measurement protocol's fields, then what the run did."""
     run, p, model = trainer.run, trainer.params, trainer.model
@@ -112,7 +104,9 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "memory_estimate": run.memory_estimate,
         "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend,
                         "gemms": trainer.gemms.describe()},
-        "kernels_requested": kernels_requested(p, run.kernels.notes),
+        "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
+                              "attention_backend": p.attention_backend, "epilogue_swiglu": p.epilogue_swiglu,
+                              "quack_gemms": p.quack_gemms, "notes": list(run.kernels.notes)},
         **count_parameters(model),
         "lora": None if run.lora is None else {**describe_lora(model), "base": {
             key: value for key, value in run.lora.base.items() if key != "config"}},

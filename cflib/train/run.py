@@ -274,7 +274,7 @@ def _plan(params: TrainParams, config: ModelConfig, strategy: str, device: torch
     return plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
                         config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu,
                         weight_copies_problem=weight_copies_problem(params, True, strategy, device),
-                        quack_gemms=params.quack_gemms, grouped_experts=params.grouped_experts)
+                        quack_gemms=params.quack_gemms)
 
 
 def kept_examples(params: TrainParams, train_data: ShardPartition) -> tuple[ShardPartition, dict | None]:

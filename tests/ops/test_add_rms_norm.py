@@ -46,31 +46,6 @@ def test_matches_the_reference_forward_and_backward(dtype, seed, from_output):
     assert_matches(got, truth, dtype)
 
 
-@pytest.mark.parametrize("stream", ["fp32", "bf16"])
-@pytest.mark.parametrize("from_output", [False, True], ids=["kept_sum", "from_output"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_delta_and_the_output_in_another_row_order(dtype, from_output, stream):
-    """delta given in another row order, the output written in it (a TR-MoE block grouped by route takes and
-    gives its rows so): the same sums, norms and gradients, each in its tensor's order."""
-    if stream == "bf16" and dtype == torch.float32:
-        pytest.skip("a BF16 stream runs under BF16 autocast")
-    raw = inputs(3)
-    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(4))  # position i holds row order[i]
-    position = torch.argsort(order).to(torch.int32).to(KERNEL_DEVICE)  # row r sits at position[r]
-    dtypes = {"h": torch.bfloat16 if stream == "bf16" else torch.float32, "delta": dtype, "weight": torch.float32}
-    rounded = {name: value.to(dtypes[name]) for name, value in raw.items()}
-    grad = ("h", "delta", "weight")
-    truth = run(reference, leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 11)
-
-    def permuted(h, delta, weight):
-        total, out = add_rms_norm(h, delta[order.to(delta.device)], weight, EPS, normed_from_output=from_output,
-                                  delta_rows=position, out_rows=position)
-        return total, out[position.long()]
-    got = run(permuted, leaves(rounded, dtypes, KERNEL_DEVICE, grad), 11,
-              autocast_dtype=dtype if dtype != torch.float32 else None)
-    assert_matches(got, truth, dtype)
-
-
 def test_nothing_to_add_is_the_norm_of_the_stream():
     """The first layer has no delta: the stream passes unchanged and is normalised."""
     raw = inputs(2)

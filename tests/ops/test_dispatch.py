@@ -42,17 +42,6 @@ def test_require_liger_names_the_missing_package(monkeypatch):
     assert plan.custom and not plan.liger
 
 
-def test_grouped_experts_is_asked_for_inside_cflibs_path_only(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if DEVICE.type == "cpu" else "0")
-    assert not plan_kernels("true", False, DEVICE).grouped_experts  # off unless asked for
-    with pytest.raises(KernelUnavailable, match="grouped_experts: true, but it runs inside cflib's fast path"):
-        plan_kernels("false", False, DEVICE, grouped_experts="true")
-    with pytest.raises(KernelUnavailable, match="grouped_experts: 'auto', but it takes true or false"):
-        plan_kernels("true", False, DEVICE, grouped_experts="auto")
-    if DEVICE.type == "cpu":  # its group-by-group form; on a GPU it needs quack's varlen GEMMs
-        assert plan_kernels("true", False, DEVICE, grouped_experts="true").grouped_experts
-
-
 @pytest.mark.parametrize("plan", [KernelPlan(liger=True, custom=False), KernelPlan(liger=True, custom=True)],
                          ids=["liger", "cflib"])
 def test_fused_losses_take_host_computed_supervised_positions(plan):

@@ -49,19 +49,8 @@ def test_training_records_the_kernels_that_ran(tmp_path):
     why_not = quack_problem(DEVICE) or "it reads the BF16 weight copies, off here (bf16 is off)"
     assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True,
                                            "attention_backend": "auto", "epilogue_swiglu": "false",
-                                           "quack_gemms": "auto", "grouped_experts": "false",
+                                           "quack_gemms": "auto",
                                            "notes": [f"quack_gemms: {why_not}"] if DEVICE.type == "cuda" else []}
-
-
-@pytest.mark.slow
-def test_training_with_the_block_grouped_by_route_records_it(tmp_path):
-    record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 2,
-                    "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False,
-                    "device": DEVICE.type, "out_dir": str(tmp_path / "run"), "use_custom_kernels": "true",
-                    "require_liger": True, "grouped_experts": True}, progress=False)
-    assert record["kernel_path"]["moe"] == "grouped_by_route"
-    assert record["kernels_requested"]["grouped_experts"] == "true"
-    assert math.isfinite(record["eval"]["final"]["loss"])
 
 
 def test_cudnn_sdpa_with_packed_windows_is_refused_naming_pack_sequences():
@@ -132,7 +121,9 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
         assert rows["copies"] == rows["casts"]
     else:  # FlashAttention's backward adds into dQ atomically: the bits vary between runs on a GPU
         assert rows["copies"] == [pytest.approx(row, rel=1e-3) for row in rows["casts"]]
-    assert rows["kernel"] == [pytest.approx(row, rel=1e-3 if DEVICE.type == "cuda" else 1e-4) for row in rows["casts"]]
+    # The kernel's FP32 step scalars against torch's FP64 ones: the third step's gradient norm moves by up to
+    # 2e-4 on some CPUs (the interpreter's float32 math is numpy's); a stale copy would move the loss by percents.
+    assert rows["kernel"] == [pytest.approx(row, rel=1e-3) for row in rows["casts"]]
 
 
 @pytest.mark.parametrize("flags, problem", [
