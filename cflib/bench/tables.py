@@ -30,15 +30,18 @@ def _median(values: list | None) -> float | None:
     return statistics.median(known) if known else None
 
 
-def _clocks(entry: dict) -> str:
-    """The timed steps' median SM clock and board power: under the power limit the clocks say what a step's
-    energy left it (cflib.bench.timing.gpu_clock_and_power)."""
-    return f"{_number(_median(entry.get('gpu_clock_mhz')))} | {_number(_median(entry.get('gpu_power_w')))}"
+def _clocks(entry: dict, per: str = "tokens_per_s") -> str:
+    """The timed steps' median SM clock and board power (cflib.bench.timing.gpu_clock_and_power), and the energy
+    a token costs at that power (millijoules per token of `per`): under the power limit the clocks say what a
+    step's energy left it, and the ratio of two paths' tokens/s is that of their energy per token."""
+    watts = _median(entry.get("gpu_power_w"))
+    energy = None if watts is None or not entry.get(per) else 1e3 * watts / entry[per]
+    return f"{_number(_median(entry.get('gpu_clock_mhz')))} | {_number(watts)} | {_number(energy, 2)}"
 
 
 def _random_rows_table(entries: list[dict]) -> list[str]:
-    lines = ["| path | micro-batch | tokens/s | model TFLOP/s | MFU | peak GiB | MHz | W |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| path | micro-batch | tokens/s | model TFLOP/s | MFU | peak GiB | MHz | W | mJ/token |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for entry in entries:
         if entry["status"] == "ok":
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['tokens_per_s'])} | "
@@ -46,7 +49,7 @@ def _random_rows_table(entries: list[dict]) -> list[str]:
                          f"{_number(entry['peak_memory_gib'], 1)} | {_clocks(entry)} |")
         else:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | "
-                         f"{_number(entry.get('peak_memory_gib'), 1)} | - | - |")
+                         f"{_number(entry.get('peak_memory_gib'), 1)} | - | - | - |")
     return lines
 
 
@@ -62,16 +65,17 @@ def _realistic_table(record: dict, entries: list[dict]) -> list[str]:
     if fed:
         lines[0] += " The peer fed " + "; ".join(f"{path}: {feed}" for path, feed in fed.items()) + "."
     lines += ["", "| path | micro-batch | supervised tokens/s | example tokens/s | tokens fed/s | model TFLOP/s | MFU | "
-              "peak GiB | MHz | W |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "peak GiB | MHz | W | mJ/supervised token |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for entry in entries:
         if entry["status"] == "ok":
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['supervised_tokens_per_s'])} | "
                          f"{_number(entry.get('real_tokens_per_s'))} | {_number(entry['tokens_per_s'])} | "
                          f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
-                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks(entry)} |")
+                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks(entry, 'supervised_tokens_per_s')} |")
         else:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | - | - | "
-                         f"{_number(entry.get('peak_memory_gib'), 1)} | - | - |")
+                         f"{_number(entry.get('peak_memory_gib'), 1)} | - | - | - |")
     return lines
 
 

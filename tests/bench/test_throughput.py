@@ -599,15 +599,23 @@ def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
     assert "issue" not in table.lower()
 
 
-def test_perf_table_shows_each_paths_median_clock_and_power(smoke_record):
-    """Under the board's power limit the clocks tell two paths' energy per step apart; a CPU run has none."""
+def test_perf_table_shows_each_paths_median_clock_power_and_energy_per_token(smoke_record):
+    """Under the board's power limit the clocks tell two paths' energy per step apart, and the energy per token
+    (median watts over tokens/s; over supervised tokens/s on realistic lengths) is what their ratio divides; a
+    CPU run has none."""
     record = json.loads(json.dumps(smoke_record))
     dense = next(e for e in record["paths"] if e["batches"] == "random_rows" and e["status"] == "ok")
     dense["gpu_clock_mhz"], dense["gpu_power_w"] = [1755, None, 1605, 1740], [690.2, 695.0, 640.0]
-    rows = [line for line in perf_table(record).splitlines()
-            if line.startswith(f"| {dense['path']} | {dense['micro_batch']} |")]
-    assert rows[0].endswith("| 1,740 | 690 |")
-    assert all(line.endswith("| - | - |") for line in rows[1:])
+    dense["tokens_per_s"] = 345_100.0
+    packed = next(e for e in record["paths"] if e["batches"] == "realistic" and e["status"] == "ok")
+    packed["gpu_power_w"], packed["supervised_tokens_per_s"] = [600.0], 150_000.0
+    lines = perf_table(record).splitlines()
+    rows = [line for line in lines if line.startswith(f"| {dense['path']} | {dense['micro_batch']} |")]
+    assert rows[0].endswith("| 1,740 | 690 | 2.00 |")  # 690.2 W / 345,100 tokens/s
+    assert all(line.endswith("| - | - | - |") for line in rows[1:])
+    realistic = next(line for line in lines if line.startswith(f"| {packed['path']} | {packed['micro_batch']} |")
+                     and line.count("|") == 12)
+    assert realistic.endswith("| 600 | 4.00 |")
 
 
 def test_perf_table_says_when_a_sides_best_is_the_largest_micro_batch_it_tried(smoke_record):
