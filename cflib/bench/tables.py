@@ -30,10 +30,10 @@ def _median(values: list | None) -> float | None:
     return statistics.median(known) if known else None
 
 
-def _clocks(entry: dict, per: str = "tokens_per_s") -> str:
+def _clocks_and_energy(entry: dict, per: str = "tokens_per_s") -> str:
     """The timed steps' median SM clock and board power (cflib.bench.timing.gpu_clock_and_power), and the energy
     a token costs at that power (millijoules per token of `per`): under the power limit the clocks say what a
-    step's energy left it, and the ratio of two paths' tokens/s is that of their energy per token."""
+    step's energy left it, and two paths' tokens/s stand in the inverse ratio of their energy per token."""
     watts = _median(entry.get("gpu_power_w"))
     energy = None if watts is None or not entry.get(per) else 1e3 * watts / entry[per]
     return f"{_number(_median(entry.get('gpu_clock_mhz')))} | {_number(watts)} | {_number(energy, 2)}"
@@ -46,7 +46,7 @@ def _random_rows_table(entries: list[dict]) -> list[str]:
         if entry["status"] == "ok":
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['tokens_per_s'])} | "
                          f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
-                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks(entry)} |")
+                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks_and_energy(entry)} |")
         else:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | "
                          f"{_number(entry.get('peak_memory_gib'), 1)} | - | - | - |")
@@ -72,7 +72,7 @@ def _realistic_table(record: dict, entries: list[dict]) -> list[str]:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['supervised_tokens_per_s'])} | "
                          f"{_number(entry.get('real_tokens_per_s'))} | {_number(entry['tokens_per_s'])} | "
                          f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
-                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks(entry, 'supervised_tokens_per_s')} |")
+                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks_and_energy(entry, 'supervised_tokens_per_s')} |")
         else:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | - | - | "
                          f"{_number(entry.get('peak_memory_gib'), 1)} | - | - | - |")
