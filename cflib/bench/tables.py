@@ -72,7 +72,8 @@ def _realistic_table(record: dict, entries: list[dict]) -> list[str]:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {_number(entry['supervised_tokens_per_s'])} | "
                          f"{_number(entry.get('real_tokens_per_s'))} | {_number(entry['tokens_per_s'])} | "
                          f"{_number(entry['model_tflops_per_s'], 1)} | {entry['mfu']:.1%} | "
-                         f"{_number(entry['peak_memory_gib'], 1)} | {_clocks_and_energy(entry, 'supervised_tokens_per_s')} |")
+                         f"{_number(entry['peak_memory_gib'], 1)} | "
+                         f"{_clocks_and_energy(entry, 'supervised_tokens_per_s')} |")
         else:
             lines.append(f"| {entry['path']} | {entry['micro_batch']} | {entry['status']} | - | - | - | - | "
                          f"{_number(entry.get('peak_memory_gib'), 1)} | - | - | - |")
