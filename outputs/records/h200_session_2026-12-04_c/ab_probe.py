@@ -14,6 +14,7 @@ VARIANT:
                 plain SwiGLU GEMMs, cflib's backward kernel after the activation's gradient GEMM)
   keep_activation the TR-MoE block's scaled activation kept from forward for the down weight's gradient (A: recomputed
                 by the backward kernel, which then writes it)
+  embedding_index_add the token embedding's backward by index_add_ (A: torch's sort-and-scatter backward)
   none          B is a second baseline (the A/A spread)
 """
 import dataclasses
@@ -75,6 +76,9 @@ def apply_variant():
         from cflib.ops.trmoe import GatedSwiGLUDown
         GatedSwiGLUDown.scale_in_epilogue = True
         return {"GatedSwiGLUDown.scale_in_epilogue": True}
+    if variant == "embedding_index_add":
+        RowAddEmbedding.forward = ROW_ADD_FORWARD
+        return {"RowAddEmbedding.forward": "token_rows"}
     if variant == "keep_activation":
         from cflib.ops.trmoe import GatedSwiGLUDown
         GatedSwiGLUDown.keep_activation = True
@@ -106,6 +110,12 @@ def clocks():
         return {"error": str(err)}
 
 
+if variant == "embedding_index_add":
+    from torch import nn
+
+    from cflib.model.fast import RowAddEmbedding
+    ROW_ADD_FORWARD = RowAddEmbedding.forward
+    RowAddEmbedding.forward = nn.Embedding.forward  # read at capture: A's graphs keep torch's backward
 if variant == "route_scale_epilogue":
     from cflib.ops.trmoe import GatedSwiGLUDown
     GatedSwiGLUDown.scale_in_epilogue = False  # read at capture: A's graphs keep the scale kernel
