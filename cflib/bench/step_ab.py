@@ -7,7 +7,8 @@ steps eagerly once, then captures its CUDA graphs, so A keeps what was captured 
 attribute read at capture, a function replaced in a module) and B runs the change. The two then step in
 alternating blocks (A B, B A, A B, ...) over the same batches, so both meet the same clocks, and the record
 keeps each block's tokens/s (with the board's power and SM clock halfway through it on a GPU), each round's B/A
-ratio and their median.
+ratio and their median, and the median over pairs of rounds (one with A first, one with B first) of their
+ratios' geometric mean, which cancels what a block gains or loses by going second.
 
     python -m cflib.bench.step_ab --change path/to/patch.py:apply --micro-batch 48 --out FILE \\
         [-f params/throughput_200m_h200.yaml] [--before path/to/patch.py:restore] [--rounds 8] [--steps-per-block 8]
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import statistics
 import tempfile
 import time
@@ -94,9 +96,13 @@ def summarize(blocks: list[dict]) -> dict:
     rounds = [blocks[i:i + 2] for i in range(0, len(blocks), 2)]
     ratios = [next(b for b in pair if b["side"] == "b")["tokens_per_s"]
               / next(b for b in pair if b["side"] == "a")["tokens_per_s"] for pair in rounds]
+    # A round where A goes first beside one where B does: their ratios' geometric mean cancels what the second
+    # block of a round gains or loses by its place (the clocks settling, say)
+    balanced = [math.sqrt(ratios[i] * ratios[i + 1]) for i in range(0, len(ratios) - 1, 2)]
     summary.update(b_over_a_per_round=ratios, b_over_a_median=statistics.median(ratios),
                    rounds_b_ahead=sum(r > 1 for r in ratios),
-                   b_over_a_of_means=summary["b"]["mean"] / summary["a"]["mean"])
+                   b_over_a_of_means=summary["b"]["mean"] / summary["a"]["mean"],
+                   b_over_a_balanced=statistics.median(balanced) if balanced else None)
     return summary
 
 
@@ -172,8 +178,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(err))
     write_json_atomic(Path(args.out), {**record_header("step_ab"), **result})
     summary = result["summary"]
+    balanced = "" if summary["b_over_a_balanced"] is None else f", {summary['b_over_a_balanced']:.4f} order-balanced"
     print(f"B/A {summary['b_over_a_median']:.4f} (median of {args.rounds} rounds, B ahead in "
-          f"{summary['rounds_b_ahead']}); A {summary['a']['median']:,.0f}, B {summary['b']['median']:,.0f} tokens/s")
+          f"{summary['rounds_b_ahead']}{balanced}); A {summary['a']['median']:,.0f}, B {summary['b']['median']:,.0f} "
+          "tokens/s")
 
 
 if __name__ == "__main__":

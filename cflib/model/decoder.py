@@ -24,8 +24,7 @@ from cflib.ops.rows import Rows, gather_rows
 INIT_STD = 0.02
 EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
 # The order records list what ran in.
-KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm", "residual", "last_layer_rows",
-                    "embedding")
+KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm", "residual", "last_layer_rows")
 
 
 def bf16_autocast(device_type: str) -> bool:
@@ -358,6 +357,5 @@ class TRMoEModel(nn.Module):
             found.setdefault(key, set()).add(value)
         found["last_layer_rows"] = {self.last_layer_rows}
         found["residual"] = {self.last_residual}
-        found["embedding"] = {getattr(self.embed_tokens, "kernel", "torch")}
         order = {key: index for index, key in enumerate(KERNEL_PATH_KEYS)}
         return {key: "+".join(sorted(found[key])) for key in sorted(found, key=lambda k: order.get(k, len(order)))}

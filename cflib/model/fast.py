@@ -9,8 +9,7 @@ chooses, as Liger swaps modules: forwards read no flags, and the same model swap
   whose backward reads the norm's output, or keeps the sum where a weight is zero;
 - attention: Liger's RoPE; or one QKV GEMM, with QK-norm and RoPE in one kernel (cflib.ops.qk_norm_rope);
 - the TR-MoE block: Liger's SwiGLU for the shared branch; or the whole block as one wide SwiGLU
-  (cflib.ops.trmoe); on Hopper with quack-kernels, its SwiGLU in quack's GEMM epilogues;
-- the token embedding: a backward that adds each row's gradient into the table in one pass (cflib.ops.embedding).
+  (cflib.ops.trmoe); on Hopper with quack-kernels, its SwiGLU in quack's GEMM epilogues.
 Adapters join the fused GEMMs through the weight protocol (cflib.model.weights): with updates that fold,
 the GEMMs read effective weights; otherwise the base GEMM runs and each adapter adds its branch.
 """
@@ -25,7 +24,6 @@ from cflib.model.decoder import EXPERT_TENSORS, Attention, RMSNorm, TRMoEEngine,
 from cflib.model.weight_copies import WeightCopies, columns, reads_half, rows
 from cflib.model.weights import effective_weight, is_adapted
 from cflib.ops.dispatch import KernelPlan
-from cflib.ops.embedding import token_rows
 from cflib.ops.gemm import TORCH_GEMMS, Gemms
 
 
@@ -297,21 +295,9 @@ class EpilogueSwiGLUEngine(FusedTRMoEEngine):
         return super().block(x, token_ids)
 
 
-class RowAddEmbedding(nn.Embedding):
-    """The token embedding whose backward adds each row's gradient into the table (cflib.ops.embedding) instead
-    of torch's sort-and-scatter; lookups with a padding row or a norm bound stay torch's."""
-
-    kernel = "index_add"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (nn.Embedding's name)
-        if self.padding_idx is not None or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
-            return super().forward(input)
-        return token_rows(input, self.weight)
-
-
 def swap_class(module: nn.Module, cls: type[nn.Module]) -> None:
     """Make `module` an instance of `cls`, a fast or reference variant of its own class (same state)."""
-    reference = next((ref for ref in (RMSNorm, Attention, TRMoEEngine, nn.Embedding) if issubclass(cls, ref)), None)
+    reference = next((ref for ref in (RMSNorm, Attention, TRMoEEngine) if issubclass(cls, ref)), None)
     if reference is None or not isinstance(module, reference):
         raise TypeError(f"a {type(module).__name__} cannot become a {cls.__name__}")
     module.__class__ = cls
@@ -339,8 +325,6 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
                 swap_class(norm, head_norm)
         swap_class(layer.mlp["engine"], engine)
     swap_class(model.norm, _residual_norm(model.norm, residual_norm))
-    if type(model.embed_tokens) in (nn.Embedding, RowAddEmbedding):  # an adapter's embedding stays its own
-        swap_class(model.embed_tokens, RowAddEmbedding if plan.custom else nn.Embedding)
     return model
 
 
@@ -351,7 +335,7 @@ def attach_weight_copies(model: TRMoEModel, dtype: torch.dtype = torch.bfloat16,
     optimizer step. `head`: also the tied head's ("head", for a loss that computes in `dtype`; the embedding
     lookup keeps reading the FP32 table). `gemms`: how the GEMMs that read the copies run (cflib.ops.gemm)."""
     copies = WeightCopies(dtype, gemms)
-    if head and type(model.embed_tokens) in (nn.Embedding, RowAddEmbedding):
+    if head and type(model.embed_tokens) is nn.Embedding:
         table = model.embed_tokens.weight
         copies.add("head", (table,), (rows(0, table.shape[0]),), tuple(table.shape))
     for index, layer in enumerate(model.layers):

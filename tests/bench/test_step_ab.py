@@ -81,6 +81,16 @@ def test_a_change_that_names_nothing_is_refused_before_any_build(spec, message, 
     assert not (tmp_path / "x.json").exists()
 
 
+def test_the_balanced_ratio_cancels_what_the_second_block_loses_by_its_place():
+    """B as fast as A, but the second block of every round 2% slower: each round's ratio is 0.98 or 1/0.98, their
+    median wherever the rounds fall; the pairs' geometric means are 1."""
+    blocks = [{"side": side, "tokens_per_s": 100.0 if i % 2 == 0 else 98.0}
+              for i, side in enumerate(step_ab.block_order(4))]
+    summary = step_ab.summarize(blocks)
+    assert summary["b_over_a_per_round"] == pytest.approx([0.98, 1 / 0.98, 0.98, 1 / 0.98])
+    assert summary["b_over_a_balanced"] == pytest.approx(1.0)
+
+
 def test_rounds_alternate_which_side_goes_first():
     assert step_ab.block_order(3) == ["a", "b", "b", "a", "a", "b"]
 

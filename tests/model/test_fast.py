@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_checks import norm_rel
-from torch import nn
 from tiny_models import KERNEL_DEVICE, random_ids, tiny_model
 
 from cflib.errors import KernelUnavailable
@@ -19,7 +18,6 @@ from cflib.model.fast import (
     LigerRMSNorm,
     LigerRopeAttention,
     LigerSwiGLUEngine,
-    RowAddEmbedding,
     swap_class,
     use_kernels,
 )
@@ -85,26 +83,6 @@ def test_a_residual_norm_with_a_zero_weight_keeps_its_sum_and_its_gradients():
 def test_without_qk_norm_the_fused_path_keeps_one_qkv_gemm():
     model = use_kernels(tiny_model(use_qk_norm=False), CUSTOM)
     assert type(model.layers[0].self_attn) is FusedQKVAttention
-
-
-def test_the_fast_plans_add_the_embedding_s_gradient_in_one_pass_and_the_reference_swaps_back():
-    model = tiny_model().to(KERNEL_DEVICE)
-    ids = random_ids(model.config.vocab_size, 2, 10).to(KERNEL_DEVICE)
-
-    def table_gradient():
-        model.zero_grad()
-        model(ids).float().square().mean().backward()
-        return model.embed_tokens.weight.grad.clone()
-
-    before = table_gradient()
-    assert model.kernel_path()["embedding"] == "torch"
-    use_kernels(model, CUSTOM)
-    assert type(model.embed_tokens) is RowAddEmbedding
-    fast = table_gradient()
-    assert model.kernel_path()["embedding"] == "index_add"
-    use_kernels(model, REFERENCE)
-    assert type(model.embed_tokens) is nn.Embedding
-    torch.testing.assert_close(fast, before, rtol=1e-4, atol=1e-6)
 
 
 def test_the_same_model_swaps_back_to_the_reference_and_computes_the_same():
