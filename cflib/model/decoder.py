@@ -24,7 +24,8 @@ from cflib.ops.rows import Rows, gather_rows
 INIT_STD = 0.02
 EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
 # The order records list what ran in.
-KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "qk_norm", "residual", "last_layer_rows")
+KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "swiglu_activation", "qk_norm", "residual",
+                    "last_layer_rows")
 
 
 def bf16_autocast(device_type: str) -> bool:
@@ -157,6 +158,9 @@ class TRMoEEngine(nn.Module):
     """Shared SwiGLU plus routed SwiGLU experts chosen by a fixed token-id table."""
 
     kernels = {"swiglu": "torch", "moe": "torch_dense"}
+    # The fused blocks (cflib.model.fast) keep their activation from forward to backward instead of recomputing it
+    # (TRMoEModel.kept_swiglu_layers); this one's autograd keeps what it keeps.
+    keep_activation = False
 
     def __init__(self, config: ModelConfig, build_routes: bool = True) -> None:
         super().__init__()
@@ -286,6 +290,20 @@ class TRMoEModel(nn.Module):
         for layer in self.layers:
             layer.input_layernorm.bf16_stream_gradient = layer.post_attention_layernorm.bf16_stream_gradient = value
         self.norm.bf16_stream_gradient = value
+
+    @property
+    def kept_swiglu_layers(self) -> int:
+        """How many layers (the first ones) keep the fused TR-MoE block's activation from forward to backward
+        instead of recomputing it in the backward kernel: faster, for 2 bytes x the block's width a token in each.
+        Set by cflib.train.run."""
+        return sum(layer.mlp["engine"].keep_activation for layer in self.layers)
+
+    @kept_swiglu_layers.setter
+    def kept_swiglu_layers(self, count: int) -> None:
+        if not 0 <= count <= len(self.layers):
+            raise ValueError(f"kept_swiglu_layers: {count} layers, the model has {len(self.layers)}")
+        for index, layer in enumerate(self.layers):
+            layer.mlp["engine"].keep_activation = index < count
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

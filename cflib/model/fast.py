@@ -198,6 +198,11 @@ class FusedTRMoEEngine(TRMoEEngine):
     def reads_copies(self, x: torch.Tensor) -> bool:
         return reads_half(x, self.weight_copies.dtype)
 
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x, token_ids)
+        self.ran["swiglu_activation"] = "kept" if self.keep_activation else "recomputed"
+        return out
+
     def from_copies(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         from cflib.ops.trmoe import trmoe_forward
         copies, prefix = self.weight_copies, self.copies_prefix

@@ -97,9 +97,9 @@ def _scaled_swiglu_forward(gate_up_ptr, token_ptr, route_ptr, out_ptr, num_rows,
 def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, num_rows, columns, shared_columns,
                             expert_width, vocab_size, shared_scale, routed_scale, primary_weight, other_weight,
                             TOP_K: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_C: tl.constexpr):
-    """Writes d(gate) and d(up) over gate_up (laid out as it is), and the recomputed activation over
-    grad_hidden, in place: each element is read before it is overwritten, and neither input is needed
+                            BLOCK_C: tl.constexpr, STORE_HIDDEN: tl.constexpr):
+    """Writes d(gate) and d(up) over gate_up (laid out as it is), and (STORE_HIDDEN) the recomputed activation
+    over grad_hidden, in place: each element is read before it is overwritten, and neither input is needed
     afterwards."""
     half = grad_hidden_ptr.dtype.element_ty
     mask, hidden_offsets, gate_offsets, gate, up, scale = _tile(
@@ -108,7 +108,8 @@ def _scaled_swiglu_backward(grad_hidden_ptr, gate_up_ptr, token_ptr, route_ptr, 
     grad = tl.load(grad_hidden_ptr + hidden_offsets, mask=mask, other=0.0).to(tl.float32) * scale
     sig = tl.sigmoid(gate)
     silu = gate * sig
-    tl.store(grad_hidden_ptr + hidden_offsets, (silu * up * scale).to(half), mask=mask)
+    if STORE_HIDDEN:
+        tl.store(grad_hidden_ptr + hidden_offsets, (silu * up * scale).to(half), mask=mask)
     grad_gate = (grad * up * sig * (1.0 + gate * (1.0 - sig))).to(half)
     grad_up = (grad * silu).to(half)
     if INTERLEAVED:
@@ -133,14 +134,15 @@ BACKWARD_TILE = (16, 256, 4)
 
 def scaled_swiglu_backward_(grad_hidden: torch.Tensor, gate_up: torch.Tensor, token_ids: torch.Tensor,
                             route_table: torch.Tensor, layout: tuple, interleaved: bool,
-                            tile: tuple[int, int, int] = BACKWARD_TILE) -> None:
+                            tile: tuple[int, int, int] = BACKWARD_TILE, store_hidden: bool = True) -> None:
     """In place: gate_up ([N, 2C], or interleaved [N, C] 32-bit words) becomes its gradient and grad_hidden [N, C]
-    the scaled activation recomputed (_scaled_swiglu_backward); `tile` is BLOCK_R, BLOCK_C, warps."""
+    the scaled activation recomputed (_scaled_swiglu_backward; unless not `store_hidden`: a caller that kept the
+    activation); `tile` is BLOCK_R, BLOCK_C, warps."""
     num_rows, columns = grad_hidden.shape
     block_r, block_c, warps = tile
     _scaled_swiglu_backward[_grid(num_rows, columns)](
         grad_hidden, gate_up, token_ids, route_table, num_rows, columns, *layout, TOP_K=route_table.shape[0],
-        INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+        INTERLEAVED=interleaved, BLOCK_R=block_r, BLOCK_C=block_c, STORE_HIDDEN=store_hidden, num_warps=warps)
 
 
 class ScaledSwiGLUDown(torch.autograd.Function):
@@ -155,35 +157,38 @@ class ScaledSwiGLUDown(torch.autograd.Function):
     With `return_hidden` the activation is also an output (a caller's own branch
     on the down projection's input, e.g. a LoRA adapter with dropout), and its
     gradient joins the one from the down GEMM; a frozen `down` gets no gradient.
+    With `keep` the activation is held for backward instead (faster, for the
+    memory above), and the backward kernel does not write it.
     """
 
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, down: torch.Tensor,
-                layout: tuple, return_hidden: bool = False):
+                layout: tuple, return_hidden: bool = False, keep: bool = False):
         gate_up, token_ids, route_table = gate_up.contiguous(), token_ids.contiguous(), route_table.contiguous()
         num_rows, columns = gate_up.shape[0], gate_up.shape[1] // 2
         hidden = torch.empty(num_rows, columns, dtype=gate_up.dtype, device=gate_up.device)
         _scaled_swiglu_forward[_grid(num_rows, columns)](gate_up, token_ids, route_table, hidden, num_rows, columns,
                                                          *layout, TOP_K=route_table.shape[0])
-        ctx.save_for_backward(gate_up, token_ids, route_table, down)
-        ctx.layout = layout
+        ctx.save_for_backward(gate_up, token_ids, route_table, down, *((hidden,) if keep else ()))
+        ctx.layout, ctx.keep = layout, keep
         ctx.set_materialize_grads(False)
         out = hidden @ down.t()
         return (out, hidden) if return_hidden else out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, grad_hidden_out: torch.Tensor | None = None):
-        gate_up, token_ids, route_table, down = ctx.saved_tensors
+        gate_up, token_ids, route_table, down, *kept = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros(gate_up.shape[0], down.shape[0], dtype=gate_up.dtype, device=gate_up.device)
         grad_out = grad_out.contiguous().to(gate_up.dtype)
         grad_hidden = grad_out @ down
         if grad_hidden_out is not None:
             grad_hidden += grad_hidden_out.to(grad_hidden.dtype)
-        scaled_swiglu_backward_(grad_hidden, gate_up, token_ids, route_table, ctx.layout, interleaved=False)
-        # grad_hidden now holds the activation
-        grad_down = grad_out.t() @ grad_hidden if ctx.needs_input_grad[3] else None
-        return gate_up, None, None, grad_down, None, None
+        scaled_swiglu_backward_(grad_hidden, gate_up, token_ids, route_table, ctx.layout, interleaved=False,
+                                store_hidden=not ctx.keep)
+        hidden = kept[0] if ctx.keep else grad_hidden  # grad_hidden now holds the activation, unless it was kept
+        grad_down = grad_out.t() @ hidden if ctx.needs_input_grad[3] else None
+        return gate_up, None, None, grad_down, None, None, None
 
 
 def engine_weights(engine: nn.Module) -> dict[str, torch.Tensor]:
@@ -236,7 +241,7 @@ def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
     if gate_up_delta is not None:
         gate_up = gate_up + gate_up_delta.to(gate_up.dtype)
     return ScaledSwiGLUDown.apply(gate_up, token_ids, engine.route_table, down_weight.to(gate_up.dtype), layout,
-                                  return_hidden)
+                                  return_hidden, engine.keep_activation)
 
 
 @triton.jit
@@ -282,7 +287,8 @@ class GatedSwiGLUDown(torch.autograd.Function):
     activation's expert columns after it, which by linearity of the down projection is the block's function.
     Backward is cflib's: grad_out @ down through cuBLAS, then one kernel that turns the pre-activation into its
     gradient in place (interleaved as it is) and that product into the scaled activation recomputed, for the
-    down weight's gradient. Only x and the pre-activation are kept for backward.
+    down weight's gradient. Only x and the pre-activation are kept for backward, and with `keep` the activation
+    (which the backward kernel then does not write).
 
     The weight gradients are computed in FP32 (weight_gradient). With `regions` (the gate|up copy's and the
     down copy's, cflib.model.weight_copies) the trailing inputs are the FP32 masters those regions lay out,
@@ -290,24 +296,28 @@ class GatedSwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, token_ids: torch.Tensor, route_table: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, layout: tuple, gemms: Gemms, regions: tuple | None,
+                down: torch.Tensor, layout: tuple, gemms: Gemms, keep: bool, regions: tuple | None,
                 *masters: torch.Tensor) -> torch.Tensor:
         x, token_ids, route_table = x.to(gate_up.dtype).contiguous(), token_ids.contiguous(), route_table.contiguous()
         preact, hidden = gated_gemm(x, gate_up)
         scale_columns_(hidden, token_ids, route_table, layout)
-        ctx.save_for_backward(x, preact, token_ids, route_table, gate_up, down)
-        ctx.layout, ctx.gemms, ctx.regions = layout, gemms, regions
+        ctx.save_for_backward(x, preact, token_ids, route_table, gate_up, down, *((hidden,) if keep else ()))
+        ctx.layout, ctx.gemms, ctx.keep, ctx.regions = layout, gemms, keep, regions
         return gemms.linear(hidden, down)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, preact, token_ids, route_table, gate_up, down = ctx.saved_tensors
+        x, preact, token_ids, route_table, gate_up, down, *kept = ctx.saved_tensors
         gemms, grad_out = ctx.gemms, grad_out.contiguous().to(down.dtype)
         hidden = gemms.matmul(grad_out, down)
         # each (gate, up) pair as one 32-bit word: the kernel reads and writes the pairs as whole words
-        scaled_swiglu_backward_(hidden, preact.view(torch.int32), token_ids, route_table, ctx.layout, interleaved=True)
-        # preact now holds its gradient and hidden the activation; a second backward must not read either
+        scaled_swiglu_backward_(hidden, preact.view(torch.int32), token_ids, route_table, ctx.layout, interleaved=True,
+                                store_hidden=not ctx.keep)
+        # preact now holds its gradient and hidden the activation (or the kept one is read); a second backward
+        # must not read either
         torch.autograd.graph.increment_version(preact)
+        if ctx.keep:
+            hidden = kept[0]
         grad_preact, needs = preact, ctx.needs_input_grad
         # The down weight's gradient first, so the [N, C] activation is freed before grad_x is allocated.
         if ctx.regions is None:
@@ -315,15 +325,15 @@ class GatedSwiGLUDown(torch.autograd.Function):
             del hidden
             grad_x = gemms.matmul(grad_preact, gate_up) if needs[0] else None
             grad_gate_up = gemms.weight_gradient(grad_preact, x).to(gate_up.dtype) if needs[3] else None
-            return grad_x, None, None, grad_gate_up, grad_down, None, None, None
+            return grad_x, None, None, grad_gate_up, grad_down, None, None, None, None
         gate_up_regions, down_regions = ctx.regions
-        split = 8 + len(gate_up_regions)
+        split = 9 + len(gate_up_regions)
         grads_down = master_gradients(partial(gemms.weight_gradient, grad_out, hidden), down_regions, needs[split:])
         del hidden
         grad_x = gemms.matmul(grad_preact, gate_up) if needs[0] else None
         grads_gate_up = master_gradients(partial(gemms.weight_gradient, grad_preact, x), gate_up_regions,
-                                         needs[8:split])
-        return grad_x, None, None, None, None, None, None, None, *grads_gate_up, *grads_down
+                                         needs[9:split])
+        return grad_x, None, None, None, None, None, None, None, None, *grads_gate_up, *grads_down
 
 
 def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
@@ -343,7 +353,8 @@ def trmoe_gated_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Ten
     if copies is None:
         gate_up, down = fused_weights(engine, weights)
         return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, interleave_gate_up(gate_up).to(dtype),
-                                     down.to(dtype), layout, gemms, None)
+                                     down.to(dtype), layout, gemms, engine.keep_activation, None)
     (gate_up, gate_up_regions, gate_up_masters), (down, down_regions, down_masters) = copies
     return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, gate_up, down, layout, gemms,
-                                 (gate_up_regions, down_regions), *gate_up_masters, *down_masters)
+                                 engine.keep_activation, (gate_up_regions, down_regions), *gate_up_masters,
+                                 *down_masters)

@@ -87,6 +87,11 @@ def _throughput(trainer: "Trainer") -> dict:
     }
 
 
+# The kernel parameters a record repeats beside what ran.
+KERNELS_REQUESTED = ("use_custom_kernels", "require_liger", "attention_backend", "epilogue_swiglu", "quack_gemms",
+                     "kept_swiglu_layers")
+
+
 def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: float) -> dict:
     """record.json of a finished run: the measurement protocol's fields, then what the run did."""
     run, p, model = trainer.run, trainer.params, trainer.model
@@ -104,9 +109,8 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "memory_estimate": run.memory_estimate,
         "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend,
                         "gemms": trainer.gemms.describe()},
-        "kernels_requested": {"use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,
-                              "attention_backend": p.attention_backend, "epilogue_swiglu": p.epilogue_swiglu,
-                              "quack_gemms": p.quack_gemms, "notes": list(run.kernels.notes)},
+        "kernels_requested": {**{name: getattr(p, name) for name in KERNELS_REQUESTED},
+                              "notes": list(run.kernels.notes)},
         **count_parameters(model),
         "lora": None if run.lora is None else {**describe_lora(model), "base": {
             key: value for key, value in run.lora.base.items() if key != "config"}},

@@ -80,6 +80,29 @@ def test_a_residual_norm_with_a_zero_weight_keeps_its_sum_and_its_gradients():
         assert norm_rel(fast[name], grad) < 0.1, name
 
 
+def test_kept_swiglu_layers_keeps_the_first_layers_activation_and_records_say_so():
+    model = use_kernels(tiny_model(num_hidden_layers=3).to(KERNEL_DEVICE), CUSTOM)
+    ids = random_ids(model.config.vocab_size, 2, 10).to(KERNEL_DEVICE)
+
+    def gradients():
+        model.zero_grad()
+        with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+            model(ids).float().square().mean().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    recomputed = gradients()
+    assert model.kernel_path()["swiglu_activation"] == "recomputed"
+    model.kept_swiglu_layers = 2
+    assert [layer.mlp["engine"].keep_activation for layer in model.layers] == [True, True, False]
+    assert model.kept_swiglu_layers == 2
+    kept = gradients()
+    assert model.kernel_path()["swiglu_activation"] == "kept+recomputed"
+    for name, grad in recomputed.items():  # BF16 paths apart by a rounding of the activation at most
+        assert norm_rel(kept[name], grad) < 2e-2, name
+    with pytest.raises(ValueError, match="kept_swiglu_layers: 4 layers, the model has 3"):
+        model.kept_swiglu_layers = 4
+
+
 def test_without_qk_norm_the_fused_path_keeps_one_qkv_gemm():
     model = use_kernels(tiny_model(use_qk_norm=False), CUSTOM)
     assert type(model.layers[0].self_attn) is FusedQKVAttention

@@ -13,7 +13,14 @@ from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
 from tiny_models import KERNEL_DEVICE, tiny_config
 
 from cflib.model.decoder import TRMoEEngine
-from cflib.ops.trmoe import engine_weights, interleave_gate_up, trmoe_forward, trmoe_gated_forward
+from cflib.ops.trmoe import (
+    engine_weights,
+    interleave_gate_up,
+    kernel_layout,
+    scaled_swiglu_backward_,
+    trmoe_forward,
+    trmoe_gated_forward,
+)
 
 TOKENS = 20
 WEIGHTS = ("shared_gate", "shared_up", "shared_down", "expert_gate", "expert_up", "expert_down")
@@ -50,12 +57,12 @@ def problem(seed: int, **config):
     return engine, raw, token_ids
 
 
-def routed_twice_problem(seed: int):
-    """Top-3 with primary weight 0.6 (0.2 each for the others), other output scales, and every other token's
-    third route its primary expert again: that expert gets both weights."""
-    engine, raw, token_ids = problem(seed, num_experts_per_tok=3, top_k_primary_weight=0.6,
+def routed_twice_problem(seed: int, routes: int = 3):
+    """Top-3 (or top-`routes`) with primary weight 0.6 (the rest shared by the others), other output scales, and
+    every other token's last route its primary expert again: that expert gets both weights."""
+    engine, raw, token_ids = problem(seed, num_experts_per_tok=routes, top_k_primary_weight=0.6,
                                      shared_output_scale=0.5, routed_output_scale=3.0)
-    engine.route_table[2, ::2] = engine.route_table[0, ::2]
+    engine.route_table[routes - 1, ::2] = engine.route_table[0, ::2]
     return engine, raw, token_ids
 
 
@@ -109,6 +116,54 @@ def test_the_block_through_the_swiglu_gemms_matches_the_formula(routing):
     got = run(lambda x, **weights: trmoe_gated_forward(engine, x, token_ids, weights=weights),
               leaves(rounded, {}, KERNEL_DEVICE, grad), 5, autocast_dtype=torch.bfloat16)
     assert_matches(got, truth, torch.bfloat16)
+
+
+@pytest.mark.parametrize("block", [trmoe_forward, trmoe_gated_forward], ids=["fused", "swiglu_gemms"])
+def test_a_block_that_keeps_its_activation_matches_the_formula(block):
+    """Kept from forward for the down weight's gradient instead of recomputed in backward: forward and every
+    gradient in BF16, as the recomputing block's."""
+    engine, raw, token_ids = routed_twice_problem(8, routes=2)
+    engine.keep_activation = True
+    rounded = {name: value.to(torch.bfloat16 if name == "x" else torch.float32) for name, value in raw.items()}
+    grad = ("x", *WEIGHTS)
+    truth = run(reference(engine, token_ids), leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad),
+                5)
+    got = run(lambda x, **weights: block(engine, x, token_ids, weights=weights),
+              leaves(rounded, {}, KERNEL_DEVICE, grad), 5, autocast_dtype=torch.bfloat16)
+    assert_matches(got, truth, torch.bfloat16)
+    columns = engine.shared_gate.weight.shape[0] + engine.expert_gate.shape[0] * engine.expert_gate.shape[2]
+    kept = {flag: saved_shapes(engine, block, flag, rounded, token_ids).count((TOKENS, columns)) for flag in (0, 1)}
+    assert kept[1] == kept[0] + 1  # the [N, C] activation, held for backward
+
+
+def saved_shapes(engine, block, keep, tensors, token_ids) -> list[tuple[int, ...]]:
+    """The shapes of the tensors the block's forward saves for backward."""
+    engine.keep_activation = bool(keep)
+    weights = {name: tensors[name].to(KERNEL_DEVICE).requires_grad_() for name in WEIGHTS}
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+            block(engine, tensors["x"].to(KERNEL_DEVICE), token_ids, weights=weights)
+    return shapes
+
+
+def test_the_backward_kernel_leaves_a_kept_activation_s_buffer_alone():
+    """Without store_hidden the kernel writes the pre-activation's gradient as before and nothing over the
+    activation's gradient, which a block that kept its activation no longer reads."""
+    engine, raw, token_ids = problem(9)
+    gen = torch.Generator().manual_seed(9)
+    columns = engine.shared_gate.weight.shape[0] + engine.expert_gate.shape[0] * engine.expert_gate.shape[2]
+    gate_up = torch.randn(TOKENS, 2 * columns, generator=gen).to(KERNEL_DEVICE, torch.bfloat16)
+    grad_hidden = torch.randn(TOKENS, columns, generator=gen).to(KERNEL_DEVICE, torch.bfloat16)
+    results = {}
+    for store in (True, False):
+        pre, grad = gate_up.clone(), grad_hidden.clone()
+        scaled_swiglu_backward_(grad, pre, token_ids, engine.route_table, kernel_layout(engine), interleaved=False,
+                                store_hidden=store)
+        results[store] = pre, grad
+    torch.testing.assert_close(results[False][0], results[True][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[False][1], grad_hidden, rtol=0, atol=0)
+    assert not torch.equal(results[True][1], grad_hidden)
 
 
 def test_interleaving_pairs_each_gate_row_with_its_up_row():
