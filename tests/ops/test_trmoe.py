@@ -109,13 +109,20 @@ def test_the_block_through_the_swiglu_gemms_matches_the_formula(routing):
         engine, raw, token_ids = problem(3)
     else:
         engine, raw, token_ids = routed_twice_problem(4)
+    check_bf16(trmoe_gated_forward, engine, raw, token_ids)
+
+
+def check_bf16(block, engine, raw, token_ids):
+    """`block` on x in BF16 and the FP32 weights under BF16 autocast, against the float64 formula: forward and
+    every gradient."""
     rounded = {name: value.to(torch.bfloat16 if name == "x" else torch.float32) for name, value in raw.items()}
     grad = ("x", *WEIGHTS)
     truth = run(reference(engine, token_ids), leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad),
                 5)
-    got = run(lambda x, **weights: trmoe_gated_forward(engine, x, token_ids, weights=weights),
+    got = run(lambda x, **weights: block(engine, x, token_ids, weights=weights),
               leaves(rounded, {}, KERNEL_DEVICE, grad), 5, autocast_dtype=torch.bfloat16)
     assert_matches(got, truth, torch.bfloat16)
+    return rounded
 
 
 @pytest.mark.parametrize("block", [trmoe_forward, trmoe_gated_forward], ids=["fused", "swiglu_gemms"])
@@ -124,13 +131,7 @@ def test_a_block_that_keeps_its_activation_matches_the_formula(block):
     gradient in BF16, as the recomputing block's."""
     engine, raw, token_ids = routed_twice_problem(8, routes=2)
     engine.keep_activation = True
-    rounded = {name: value.to(torch.bfloat16 if name == "x" else torch.float32) for name, value in raw.items()}
-    grad = ("x", *WEIGHTS)
-    truth = run(reference(engine, token_ids), leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad),
-                5)
-    got = run(lambda x, **weights: block(engine, x, token_ids, weights=weights),
-              leaves(rounded, {}, KERNEL_DEVICE, grad), 5, autocast_dtype=torch.bfloat16)
-    assert_matches(got, truth, torch.bfloat16)
+    rounded = check_bf16(block, engine, raw, token_ids)
     columns = engine.shared_gate.weight.shape[0] + engine.expert_gate.shape[0] * engine.expert_gate.shape[2]
     kept = {flag: saved_shapes(engine, block, flag, rounded, token_ids).count((TOKENS, columns)) for flag in (0, 1)}
     assert kept[1] == kept[0] + 1  # the [N, C] activation, held for backward
