@@ -170,7 +170,7 @@ class ScaledSwiGLUDown(torch.autograd.Function):
         _scaled_swiglu_forward[_grid(num_rows, columns)](gate_up, token_ids, route_table, hidden, num_rows, columns,
                                                          *layout, TOP_K=route_table.shape[0])
         ctx.save_for_backward(gate_up, token_ids, route_table, down, *((hidden,) if keep else ()))
-        ctx.layout, ctx.keep = layout, keep
+        ctx.layout = layout
         ctx.set_materialize_grads(False)
         out = hidden @ down.t()
         return (out, hidden) if return_hidden else out
@@ -185,8 +185,8 @@ class ScaledSwiGLUDown(torch.autograd.Function):
         if grad_hidden_out is not None:
             grad_hidden += grad_hidden_out.to(grad_hidden.dtype)
         scaled_swiglu_backward_(grad_hidden, gate_up, token_ids, route_table, ctx.layout, interleaved=False,
-                                store_hidden=not ctx.keep)
-        hidden = kept[0] if ctx.keep else grad_hidden  # grad_hidden now holds the activation, unless it was kept
+                                store_hidden=not kept)
+        hidden = kept[0] if kept else grad_hidden  # grad_hidden now holds the activation, unless it was kept
         grad_down = grad_out.t() @ hidden if ctx.needs_input_grad[3] else None
         return gate_up, None, None, grad_down, None, None, None
 
@@ -302,7 +302,7 @@ class GatedSwiGLUDown(torch.autograd.Function):
         preact, hidden = gated_gemm(x, gate_up)
         scale_columns_(hidden, token_ids, route_table, layout)
         ctx.save_for_backward(x, preact, token_ids, route_table, gate_up, down, *((hidden,) if keep else ()))
-        ctx.layout, ctx.gemms, ctx.keep, ctx.regions = layout, gemms, keep, regions
+        ctx.layout, ctx.gemms, ctx.regions = layout, gemms, regions
         return gemms.linear(hidden, down)
 
     @staticmethod
@@ -312,11 +312,11 @@ class GatedSwiGLUDown(torch.autograd.Function):
         hidden = gemms.matmul(grad_out, down)
         # each (gate, up) pair as one 32-bit word: the kernel reads and writes the pairs as whole words
         scaled_swiglu_backward_(hidden, preact.view(torch.int32), token_ids, route_table, ctx.layout, interleaved=True,
-                                store_hidden=not ctx.keep)
+                                store_hidden=not kept)
         # preact now holds its gradient and hidden the activation (or the kept one is read); a second backward
         # must not read either
         torch.autograd.graph.increment_version(preact)
-        if ctx.keep:
+        if kept:
             hidden = kept[0]
         grad_preact, needs = preact, ctx.needs_input_grad
         # The down weight's gradient first, so the [N, C] activation is freed before grad_x is allocated.

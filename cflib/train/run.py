@@ -224,10 +224,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         model, lora = TRMoEModel(_preset(params.model)), None
         model_source, model_name = f"preset {params.model}", params.model
     config: ModelConfig = model.config
-    if params.seq_len > config.max_position_embeddings:
-        raise ParamError(f"seq_len {params.seq_len} exceeds the model's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
-    kept_swiglu_layers = kept_layers(params.kept_swiglu_layers, config)
+    fit_model(model, params)
     if params.data == "embedded":
         data_root = ensure_embedded_shard(resolve_path("outputs/data"))
     else:
@@ -259,7 +256,6 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     model.grad_ckpt = params.grad_ckpt
     model.half_residual = params.bf16_residual
     model.half_residual_gradient = params.bf16_residual_gradient
-    model.kept_swiglu_layers = kept_swiglu_layers
     kernels = _plan(params, config, strategy, device)
     use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
@@ -272,14 +268,18 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     return run
 
 
-def kept_layers(requested: int | str, config: ModelConfig) -> int:
-    """kept_swiglu_layers as a count of the model's layers ("all": every one); more than it has is an error."""
-    layers = config.num_hidden_layers
-    if requested == "all":
-        return layers
-    if requested > layers:
-        raise ParamError(f"kept_swiglu_layers: {requested} layers, the model has {layers} (or give all)")
-    return requested
+def fit_model(model: TRMoEModel, params: TrainParams) -> None:
+    """The parameters checked against the model before anything is written: seq_len against its positions,
+    kept_swiglu_layers against its layers (then set)."""
+    config = model.config
+    if params.seq_len > config.max_position_embeddings:
+        raise ParamError(f"seq_len {params.seq_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    kept = params.kept_swiglu_layers
+    try:
+        model.kept_swiglu_layers = config.num_hidden_layers if kept == "all" else kept
+    except ValueError as err:
+        raise ParamError(f"{err} (or give all)") from None
 
 
 def _plan(params: TrainParams, config: ModelConfig, strategy: str, device: torch.device) -> KernelPlan:
