@@ -144,7 +144,8 @@ def _qk_fast(inputs):
     shape, c = inputs["shape"], inputs["shape"].config
     cos, sin = rope_cos_sin(rope_inv_freq(c.head_dim, c.rope_theta), shape.seq_len, inputs["qkv"].device)
     q, k, v = qkv_norm_rope(inputs["qkv"], inputs["q_weight"], inputs["k_weight"], cos, sin, shape.batch,
-                            shape.seq_len, c.num_attention_heads, c.num_key_value_heads, 1e-6)
+                            shape.seq_len, c.num_attention_heads, c.num_key_value_heads, 1e-6,
+                            normed_from_output=True)  # as the decoder runs it (cflib.model.fast.FusedAttention)
     return torch.cat([q.flatten(), k.flatten(), v.flatten()]), "cflib_qk_norm_rope"
 
 

@@ -132,9 +132,12 @@ class FusedQKVAttention(Attention):
 
 
 class FusedAttention(FusedQKVAttention):
-    """The QKV GEMM, then QK-norm and RoPE in one kernel that also splits q, k and v (models with QK-norm)."""
+    """The QKV GEMM, then QK-norm and RoPE in one kernel that also splits q, k and v (models with QK-norm); its
+    backward recovers the normed heads from q and k, which attention keeps anyway, so qkv is freed after
+    forward (cflib.ops.qk_norm_rope.QKVNormRope)."""
 
     kernels = {"qkv": "fused_gemm", "rope": "cflib_qk_norm_rope"}
+    normed_from_output = True
 
     @property
     def qk_norm_kernel(self) -> str:
@@ -146,8 +149,25 @@ class FusedAttention(FusedQKVAttention):
         batch, seq, _ = x.shape
         qkv = self.gemm(x, "qkv", (self.q_proj, self.k_proj, self.v_proj)).view(batch * seq, -1)
         q, k, v = qkv_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, batch, seq,
-                                self.num_heads, self.num_kv_heads, self.q_norm.eps)
+                                self.num_heads, self.num_kv_heads, self.q_norm.eps, self.normed_from_output)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+class FusedAttentionKeptQKV(FusedAttention):
+    """FusedAttention for head-norm weights that q and k cannot give back the normed heads through (a zero, or
+    a rotation pair too far apart: cflib.ops.qk_norm_rope.normed_from_output_fits): backward keeps qkv."""
+
+    normed_from_output = False
+
+
+def _attention(attention: Attention, fast: type[Attention]) -> type[Attention]:
+    """The class an attention takes: FusedAttentionKeptQKV where its head norms' weights do not fit recovery from
+    the output (one host read each, at the swap)."""
+    from cflib.ops.qk_norm_rope import normed_from_output_fits
+    if fast is FusedAttention and not all(normed_from_output_fits(norm.weight)
+                                          for norm in (attention.q_norm, attention.k_norm)):
+        return FusedAttentionKeptQKV
+    return fast
 
 
 class LigerSwiGLUEngine(TRMoEEngine):
@@ -324,7 +344,7 @@ def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
     for layer in model.layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             swap_class(norm, _residual_norm(norm, residual_norm))
-        swap_class(layer.self_attn, attention)
+        swap_class(layer.self_attn, _attention(layer.self_attn, attention))
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
             if isinstance(norm, RMSNorm):
                 swap_class(norm, head_norm)

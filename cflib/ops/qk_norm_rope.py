@@ -32,6 +32,10 @@ from cflib.ops.column_sums import column_sums
 # blocks per backward program and warps, backward with the partials' sum); `python -m cflib.bench.tiles` sweeps them.
 FORWARD_TILE = (16, 2)  # rows per program, warps
 BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
+# Backward may read the rotated q and k instead of a kept qkv where each pair of columns the rotation mixes has
+# weights within this factor of each other: with BF16 heads and pairs 8x apart, the input's gradient measured
+# 1.08x the error of the kept qkv's against float64 (tests/ops/test_qk_norm_rope.py, docs/kernels.md).
+QK_PAIR_RATIO = 8.0
 
 
 @triton.jit
@@ -106,11 +110,12 @@ def _qk_norm_rope_forward(qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr, c
 
 
 @triton.jit
-def _norm_rope_rows_backward(block, grad_ptr, qkv_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, positions_ptr,
+def _norm_rope_rows_backward(block, grad_ptr, saved_ptr, qkv_row_stride, weight_ptr, cos_ptr, sin_ptr, positions_ptr,
                              rstd_ptr, grad_x_ptr, grad_x_row_stride, num_rows, heads, first_head, normed_heads,
-                             HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+                             HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, FROM_OUTPUT: tl.constexpr):
     """One block of the (token, head) rows of one kind (query heads, or key heads from first_head on): their
-    gradient through RoPE and the norm, written into qkv's gradient; returns the block's d(weight) halves."""
+    gradient through RoPE and the norm, written into qkv's gradient; returns the block's d(weight) halves.
+    saved_ptr: the QKV output, or with FROM_OUTPUT this kind's rotated output [tokens, heads, hd]."""
     half: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, half)
     rows, token, head, row_mask, cos, sin = _rows_of_kind(block, num_rows, heads, first_head, positions_ptr, cos_ptr,
@@ -120,12 +125,18 @@ def _norm_rope_rows_backward(block, grad_ptr, qkv_ptr, qkv_row_stride, weight_pt
     g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     g2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
     d1, d2 = g1 * cos + g2 * sin, g2 * cos - g1 * sin  # the rotation's transpose
-    x = qkv_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
     rstd = tl.load(rstd_ptr + token.to(tl.int64) * normed_heads + head, mask=row_mask, other=0.0)
-    xhat1 = tl.load(x, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-    xhat2 = tl.load(x + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
-    s1 = d1 * tl.load(weight_ptr + cols)[None, :]
-    s2 = d2 * tl.load(weight_ptr + half + cols)[None, :]
+    w1, w2 = tl.load(weight_ptr + cols)[None, :], tl.load(weight_ptr + half + cols)[None, :]
+    if FROM_OUTPUT:  # undo the rotation, then the weight: x * rstd
+        y = saved_ptr + rows.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :]
+        y1 = tl.load(y, mask=mask, other=0.0).to(tl.float32)
+        y2 = tl.load(y + half, mask=mask, other=0.0).to(tl.float32)
+        xhat1, xhat2 = (y1 * cos + y2 * sin) / w1, (y2 * cos - y1 * sin) / w2
+    else:
+        x = saved_ptr + token.to(tl.int64)[:, None] * qkv_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
+        xhat1 = tl.load(x, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+        xhat2 = tl.load(x + half, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    s1, s2 = d1 * w1, d2 * w2
     mean = (tl.sum(s1 * xhat1, axis=1) + tl.sum(s2 * xhat2, axis=1)) / HEAD_DIM
     dst = grad_x_ptr + token.to(tl.int64)[:, None] * grad_x_row_stride + head[:, None] * HEAD_DIM + cols[None, :]
     tl.store(dst, (rstd[:, None] * (s1 - xhat1 * mean[:, None])).to(grad_x_ptr.dtype.element_ty), mask=mask)
@@ -134,13 +145,14 @@ def _norm_rope_rows_backward(block, grad_ptr, qkv_ptr, qkv_row_stride, weight_pt
 
 
 @triton.jit
-def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, k_weight_ptr,
-                           cos_ptr, sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, grad_w_ptr,
-                           tokens, q_heads, kv_heads, q_programs, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCKS: tl.constexpr):
+def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, q_saved_ptr, k_saved_ptr, qkv_row_stride, q_weight_ptr,
+                           k_weight_ptr, cos_ptr, sin_ptr, positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride,
+                           grad_w_ptr, tokens, q_heads, kv_heads, q_programs, HEAD_DIM: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr, FROM_OUTPUT: tl.constexpr):
     """The first q_programs programs take query rows, the rest key rows and the value rows beside them (v's
     gradient as it came): each program one kind, so every load is a whole block of one gradient. Each writes
-    its d(weight) to its own row of [program, {q, k}, HEAD_DIM], zeros on the other kind's half."""
+    its d(weight) to its own row of [program, {q, k}, HEAD_DIM], zeros on the other kind's half. The saved
+    pointers: the QKV output twice, or with FROM_OUTPUT the rotated q and k."""
     half: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, half)
     normed_heads = q_heads + kv_heads  # each token's rstd: one per query and key head
@@ -149,9 +161,9 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_
     if program < q_programs:
         for i in range(BLOCKS):
             part1, part2 = _norm_rope_rows_backward(
-                program * BLOCKS + i, grad_q_ptr, qkv_ptr, qkv_row_stride, q_weight_ptr, cos_ptr, sin_ptr,
+                program * BLOCKS + i, grad_q_ptr, q_saved_ptr, qkv_row_stride, q_weight_ptr, cos_ptr, sin_ptr,
                 positions_ptr, rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * q_heads, q_heads, 0, normed_heads,
-                HEAD_DIM, BLOCK_R)
+                HEAD_DIM, BLOCK_R, FROM_OUTPUT)
             dw1, dw2 = dw1 + part1, dw2 + part2
         own = grad_w_ptr + program * 2 * HEAD_DIM
         other = own + HEAD_DIM
@@ -159,9 +171,9 @@ def _qk_norm_rope_backward(grad_q_ptr, grad_k_ptr, grad_v_ptr, qkv_ptr, qkv_row_
         for i in range(BLOCKS):
             block = (program - q_programs) * BLOCKS + i
             part1, part2 = _norm_rope_rows_backward(
-                block, grad_k_ptr, qkv_ptr, qkv_row_stride, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
+                block, grad_k_ptr, k_saved_ptr, qkv_row_stride, k_weight_ptr, cos_ptr, sin_ptr, positions_ptr,
                 rstd_ptr, grad_x_ptr, grad_x_row_stride, tokens * kv_heads, kv_heads, q_heads, normed_heads,
-                HEAD_DIM, BLOCK_R)
+                HEAD_DIM, BLOCK_R, FROM_OUTPUT)
             dw1, dw2 = dw1 + part1, dw2 + part2
             packed, in_qkv, mask = _value_rows(block, grad_x_row_stride, tokens, q_heads, kv_heads, HEAD_DIM,
                                                BLOCK_R)
@@ -192,43 +204,66 @@ def qk_norm_rope_forward(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: to
     return q, k, v, rstd
 
 
-def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, qkv: torch.Tensor,
-                          q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          positions: torch.Tensor, rstd: torch.Tensor, q_heads: int, kv_heads: int,
+def qk_norm_rope_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor,
+                          saved: torch.Tensor | tuple[torch.Tensor, torch.Tensor], q_weight: torch.Tensor,
+                          k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                          rstd: torch.Tensor, q_heads: int, kv_heads: int,
                           tile: tuple[int, int, int] = BACKWARD_TILE) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward kernel: qkv's gradient and the FP32 [2, hd] gradients of the q and k norm weights."""
-    head_dim, tokens = q_weight.shape[0], qkv.shape[0]
+    """The backward kernel: qkv's gradient and the FP32 [2, hd] gradients of the q and k norm weights. saved: the
+    contiguous QKV output the forward read, or the forward's q and k, from which the kernel recovers each
+    head's x * rstd (the rotation undone, divided by the weight: no weight may be zero)."""
+    from_output = isinstance(saved, tuple)
+    q_saved, k_saved = saved if from_output else (saved, saved)
+    head_dim, tokens = q_weight.shape[0], grad_q.shape[0]
     block_rows, blocks, warps = tile
     q_programs = triton.cdiv(tokens * q_heads, block_rows * blocks)
     programs = q_programs + triton.cdiv(tokens * kv_heads, block_rows * blocks)
-    grad_qkv = torch.empty_like(qkv)
-    partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=qkv.device)
+    grad_qkv = torch.empty(tokens, (q_heads + 2 * kv_heads) * head_dim, dtype=grad_q.dtype, device=grad_q.device)
+    partial = torch.empty(programs, 2, head_dim, dtype=torch.float32, device=grad_q.device)
     _qk_norm_rope_backward[(programs,)](
-        grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous(), qkv, qkv.stride(0), q_weight, k_weight,
-        cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, tokens, q_heads, kv_heads, q_programs,
-        HEAD_DIM=head_dim, BLOCK_R=block_rows, BLOCKS=blocks, num_warps=warps)
+        grad_q.contiguous(), grad_k.contiguous(), grad_v.contiguous(), q_saved, k_saved, q_saved.stride(0),
+        q_weight, k_weight, cos, sin, positions, rstd, grad_qkv, grad_qkv.stride(0), partial, tokens, q_heads,
+        kv_heads, q_programs, HEAD_DIM=head_dim, BLOCK_R=block_rows, BLOCKS=blocks, FROM_OUTPUT=from_output,
+        num_warps=warps)
     return grad_qkv, column_sums(partial.view(programs, 2 * head_dim)).view(2, head_dim)
 
 
 class QKVNormRope(torch.autograd.Function):
-    """qkv [N, (Hq + 2 Hkv) * hd] -> q [N, Hq, hd], k [N, Hkv, hd] normed and rotated, v [N, Hkv, hd] as it is."""
+    """qkv [N, (Hq + 2 Hkv) * hd] -> q [N, Hq, hd], k [N, Hkv, hd] normed and rotated, v [N, Hkv, hd] as it is.
+
+    normed_from_output: backward reads q and k, which attention keeps anyway, instead of keeping qkv (at 200M,
+    2 x 1,152 bytes a token a layer freed after forward). Their BF16 rounding then reaches the gradients
+    through the rotation, which mixes each head's columns j and j + hd/2: an error of one part in 2^9 of the
+    pair's size, divided by the weight of the smaller. cflib.model.fast takes it only where every such pair
+    of weights is within QK_PAIR_RATIO of each other."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, positions: torch.Tensor, q_heads: int, kv_heads: int, eps: float,
+                normed_from_output: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = qkv.contiguous()
         q, k, v, rstd = qk_norm_rope_forward(qkv, q_weight, k_weight, cos, sin, positions, q_heads, kv_heads, eps)
-        ctx.save_for_backward(qkv, q_weight, k_weight, cos, sin, positions, rstd)
+        saved = (q, k) if normed_from_output else (qkv,)
+        ctx.save_for_backward(*saved, q_weight, k_weight, cos, sin, positions, rstd)
         ctx.heads = (q_heads, kv_heads)
         return q, k, v
 
     @staticmethod
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor):
-        qkv, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
-        grad_qkv, grad_w = qk_norm_rope_backward(grad_q, grad_k, grad_v, qkv, q_weight, k_weight, cos, sin, positions,
-                                                 rstd, *ctx.heads)
-        return grad_qkv, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype), None, None, None, None, None, None
+        *saved, q_weight, k_weight, cos, sin, positions, rstd = ctx.saved_tensors
+        grad_qkv, grad_w = qk_norm_rope_backward(grad_q, grad_k, grad_v, tuple(saved) if len(saved) == 2 else saved[0],
+                                                 q_weight, k_weight, cos, sin, positions, rstd, *ctx.heads)
+        return (grad_qkv, grad_w[0].to(q_weight.dtype), grad_w[1].to(k_weight.dtype)) + (None,) * 7
+
+
+def normed_from_output_fits(weight: torch.Tensor) -> bool:
+    """Whether backward may recover a head norm's normed heads from its rotated output: no weight zero, and the
+    weights of each pair (j, j + hd/2) within QK_PAIR_RATIO of each other. One host read."""
+    if weight.is_meta:
+        return False
+    first, second = weight.detach().float().abs().chunk(2)
+    smaller, larger = torch.minimum(first, second), torch.maximum(first, second)
+    return bool(((smaller > 0) & (smaller * QK_PAIR_RATIO >= larger)).all())
 
 
 @functools.lru_cache(maxsize=8)
@@ -239,9 +274,10 @@ def _positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
 
 
 def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, batch: int, seq: int, q_heads: int, kv_heads: int,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, T, Hq, hd], k and v [B, T, Hkv, hd] from qkv [B*T, (Hq + 2 Hkv) * hd].
+                  sin: torch.Tensor, batch: int, seq: int, q_heads: int, kv_heads: int, eps: float,
+                  normed_from_output: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, T, Hq, hd], k and v [B, T, Hkv, hd] from qkv [B*T, (Hq + 2 Hkv) * hd]; normed_from_output: see
+    QKVNormRope.
 
     cos/sin [T, hd]: positions 0..T-1 in every row; [B, T, hd] (packed windows, positions restarting
     per example): each token reads its own row of the flattened tables.
@@ -252,5 +288,5 @@ def qkv_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
     else:
         positions = _positions(batch, seq, qkv.device)
     q, k, v = QKVNormRope.apply(qkv, q_weight, k_weight, cos.contiguous(), sin.contiguous(), positions, q_heads,
-                                kv_heads, eps)
+                                kv_heads, eps, normed_from_output)
     return q.view(batch, seq, q_heads, -1), k.view(batch, seq, kv_heads, -1), v.view(batch, seq, kv_heads, -1)

@@ -13,6 +13,7 @@ from cflib.model.fast import (
     AddRMSNormKeptSum,
     EpilogueSwiGLUEngine,
     FusedAttention,
+    FusedAttentionKeptQKV,
     FusedQKVAttention,
     FusedTRMoEEngine,
     LigerRMSNorm,
@@ -22,6 +23,7 @@ from cflib.model.fast import (
     use_kernels,
 )
 from cflib.ops.dispatch import KernelPlan, plan_kernels
+from cflib.ops.qk_norm_rope import QK_PAIR_RATIO
 
 REFERENCE, LIGER, CUSTOM = (KernelPlan(liger=False, custom=False), KernelPlan(liger=True, custom=False),
                             KernelPlan(liger=True, custom=True))
@@ -77,6 +79,33 @@ def test_a_residual_norm_with_a_zero_weight_keeps_its_sum_and_its_gradients():
     fast = gradients()
     for name, grad in before.items():
         # Two BF16 paths through the whole model differ by a few percent; a lost sum gives NaN, which fails
+        assert norm_rel(fast[name], grad) < 0.1, name
+
+
+def test_attention_whose_head_norms_q_and_k_cannot_recover_keeps_qkv_and_its_gradients():
+    """QK-norm's backward recovers the normed heads from q and k; a zero weight, or a pair the rotation mixes
+    too far apart, makes that attention keep qkv instead, its gradients the reference's within BF16's noise."""
+    model = tiny_model(num_hidden_layers=3).to(KERNEL_DEVICE)
+    half = model.config.head_dim // 2
+    with torch.no_grad():
+        model.layers[0].self_attn.q_norm.weight[1] = 0.0
+        model.layers[2].self_attn.k_norm.weight[half + 2] = 1.5 * QK_PAIR_RATIO
+    ids = random_ids(model.config.vocab_size, 2, 10).to(KERNEL_DEVICE)
+    # Not the square's mean: the final norm's output has a fixed mean square, which leaves gradients of noise
+    probe = torch.randn(2, 10, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def gradients():
+        model.zero_grad()
+        with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
+            (model(ids).float() * probe.to(KERNEL_DEVICE)).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    before = gradients()
+    use_kernels(model, CUSTOM)
+    assert [type(layer.self_attn) for layer in model.layers] == [FusedAttentionKeptQKV, FusedAttention,
+                                                                 FusedAttentionKeptQKV]
+    fast = gradients()
+    for name, grad in before.items():
         assert norm_rel(fast[name], grad) < 0.1, name
 
 
