@@ -49,9 +49,9 @@ def test_training_records_the_kernels_that_ran(tmp_path):
     why_not = quack_problem(DEVICE) or "it reads the BF16 weight copies, off here (bf16 is off)"
     assert record["kernels_requested"] == {"use_custom_kernels": "true", "require_liger": True,
                                            "attention_backend": "auto", "epilogue_swiglu": "false",
-                                           "quack_gemms": "auto", "kept_swiglu_layers": 0,
+                                           "quack_gemms": "auto", "kept_swiglu_layers": "all",
                                            "notes": [f"quack_gemms: {why_not}"] if DEVICE.type == "cuda" else []}
-    assert record["kernel_path"]["swiglu_activation"] == "recomputed"
+    assert record["kernel_path"]["swiglu_activation"] == "kept"
 
 
 def test_cudnn_sdpa_with_packed_windows_is_refused_naming_pack_sequences():
