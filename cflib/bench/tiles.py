@@ -6,8 +6,8 @@
 For each kernel, every candidate tile is launched on the same inputs, its outputs checked against the default
 tile's (bitwise, except sums whose order the tile sets: within FP32 rounding), and timed
 (`triton.testing.do_bench` median, µs):
-- qk_norm_rope_forward / qk_norm_rope_backward (cflib.ops.qk_norm_rope; backward with its partials' sum):
-  rows per program (per block backward, and blocks per program), warps;
+- qk_norm_rope_forward / qk_norm_rope_backward (cflib.ops.qk_norm_rope; backward as the decoder runs it, from
+  q and k, with its partials' sum): rows per program (per block backward, and blocks per program), warps;
 - add_rms_norm_forward (cflib.ops.add_rms_norm; its backward tunes itself): rows per program, warps;
 - adamw (cflib.ops.adamw): elements per program, warps, over the model's parameters with BF16 copies of its
   2-D weights;
@@ -70,13 +70,13 @@ def qk_sweeps(config: ModelConfig, tokens: int, device: torch.device, small: boo
     i = _qk_inputs(config, tokens, device)
     heads, eps = (config.num_attention_heads, config.num_key_value_heads), config.norm_eps
     tensors = (i["qkv"], i["q_weight"], i["k_weight"], i["cos"], i["sin"], i["positions"])
-    _, _, _, rstd = qk_norm_rope.qk_norm_rope_forward(*tensors, *heads, eps)
+    q, k, _, rstd = qk_norm_rope.qk_norm_rope_forward(*tensors, *heads, eps)
 
     def forward(tile):
         return lambda: qk_norm_rope.qk_norm_rope_forward(*tensors, *heads, eps, tile=tile)
 
     def backward(tile):
-        return lambda: qk_norm_rope.qk_norm_rope_backward(*i["grads"], *tensors, rstd, *heads, tile=tile)
+        return lambda: qk_norm_rope.qk_norm_rope_backward(*i["grads"], (q, k), *tensors[1:], rstd, *heads, tile=tile)
 
     rows, warps = ((16, 64), (2, 4)) if small else ((16, 32, 64, 128, 256), (1, 2, 4, 8))
     blocks = (1, 8) if small else (1, 2, 4, 8)
