@@ -1,5 +1,6 @@
 # Device side: production (default) and the fastest peer at micro-batches 48 and 96, one repetition: each side's best.
 set -o pipefail
+export CFLIB_COMMIT=ee763d4e07c0e9c772ba84bc766034ac471b12f4
 mkdir -p $OUT/big
 timeout 200 papermill notebooks/measure_throughput.ipynb $OUT/big/measure_throughput.executed.ipynb \
   -f params/throughput_200m_h200.yaml \
