@@ -24,8 +24,8 @@ from cflib.ops.rows import Rows, gather_rows
 INIT_STD = 0.02
 EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
 # The order records list what ran in.
-KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "swiglu_activation", "qk_norm", "residual",
-                    "last_layer_rows")
+KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "swiglu_activation", "qk_norm",
+                    "qk_norm_backward", "residual", "last_layer_rows")
 
 
 def bf16_autocast(device_type: str) -> bool:

@@ -143,6 +143,11 @@ class FusedAttention(FusedQKVAttention):
     def qk_norm_kernel(self) -> str:
         return "cflib_qk_norm_rope"
 
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        out = super().forward(*args, **kwargs)
+        self.ran["qk_norm_backward"] = "from_output" if self.normed_from_output else "kept_qkv"
+        return out
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from cflib.ops.qk_norm_rope import qkv_norm_rope

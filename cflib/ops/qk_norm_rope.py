@@ -34,7 +34,7 @@ FORWARD_TILE = (16, 2)  # rows per program, warps
 BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
 # Backward may read the rotated q and k instead of a kept qkv where each pair of columns the rotation mixes has
 # weights within this factor of each other: with BF16 heads and pairs 8x apart, the input's gradient measured
-# 1.06-1.08x the error of the kept qkv's against float64 (tests/ops/test_qk_norm_rope.py, docs/kernels.md).
+# 1.06x the error of the kept qkv's against float64 (tests/ops/test_qk_norm_rope.py, docs/kernels.md).
 QK_PAIR_RATIO = 8.0
 
 

@@ -159,7 +159,7 @@ class Kernels:
     grad_ckpt: bool = False
     # The TR-MoE block's activation kept from forward to backward in this many layers (the first ones; all: every
     # layer) where cflib's kernels run, instead of recomputed by the backward kernel: 1.0-1.2% faster a step for the
-    # 200M model on an H200, for 2 bytes x the block's width a token in each (3.1 GiB at 16 x 2,048; 0 gives it
+    # 200M model on an H200, for 2 bytes x the block's width a token in each (3.25 GiB at 16 x 2,048; 0 gives it
     # back; docs/kernels.md)
     kept_swiglu_layers: int | str = parsed_by(layer_count, "all")
     # auto: fast paths where every check passes; true: require them; false: PyTorch

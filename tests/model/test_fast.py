@@ -105,6 +105,7 @@ def test_attention_whose_head_norms_q_and_k_cannot_recover_keeps_qkv_and_its_gra
     assert [type(layer.self_attn) for layer in model.layers] == [FusedAttentionKeptQKV, FusedAttention,
                                                                  FusedAttentionKeptQKV]
     fast = gradients()
+    assert model.kernel_path()["qk_norm_backward"] == "from_output+kept_qkv"
     for name, grad in before.items():
         assert norm_rel(fast[name], grad) < 0.1, name
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, norm_rel, run
+from kernel_checks import DTYPE_IDS, DTYPES, TOLERANCES, assert_matches, leaves, norm_rel, run
 from tiny_models import KERNEL_DEVICE
 
 from cflib.ops.qk_norm_rope import QK_PAIR_RATIO, normed_from_output_fits, qkv_norm_rope
@@ -127,14 +127,18 @@ def test_recovery_from_the_output_fits_weights_with_no_zero_and_pairs_within_the
     assert normed_from_output_fits(weight) is fits
 
 
-def test_recovered_gradients_stay_near_the_kept_qkv_s_error_at_the_pair_ratio():
+@pytest.mark.parametrize("ratio, within", [(QK_PAIR_RATIO, True), (4 * QK_PAIR_RATIO, False)],
+                         ids=["at-the-ratio", "past-it"])
+def test_recovered_gradients_stay_near_the_kept_qkv_s_error_up_to_the_pair_ratio(ratio, within):
     """The rotation mixes columns j and j + hd/2, so the rounding of q and k reaches the smaller weight's column
-    scaled by the pair's ratio. At QK_PAIR_RATIO, against float64, qkv's gradient from the output stays within
-    1.2x the kept qkv's error (1.08x measured over 4,096 rows)."""
+    scaled by the pair's ratio. Against float64, at QK_PAIR_RATIO qkv's gradient from the output stays within
+    1.2x the kept qkv's error (1.06x measured with these inputs) and the norm weights' gradients, which sum the
+    recovered values over every row, within BF16's tolerance (6.1e-3 and 4.5e-3 measured, against 2.0e-3 and
+    1.8e-3 kept); at 4x the ratio neither holds (1.35x; 2.3e-2)."""
     raw = inputs(5, False, 300)
     half = HEAD_DIM // 2
-    raw["q_weight"] = torch.cat([torch.full((half,), 1.0 / QK_PAIR_RATIO), torch.ones(half)])
-    raw["k_weight"] = torch.cat([torch.ones(half), torch.full((half,), 1.0 / QK_PAIR_RATIO)])
+    raw["q_weight"] = torch.cat([torch.full((half,), 1.0 / ratio), torch.ones(half)])
+    raw["k_weight"] = torch.cat([torch.ones(half), torch.full((half,), 1.0 / ratio)])
     rounded = dict(raw, qkv=raw["qkv"].to(torch.bfloat16))
     grad = ("qkv", "q_weight", "k_weight")
     truth = run(reference, leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 9)
@@ -143,5 +147,7 @@ def test_recovered_gradients_stay_near_the_kept_qkv_s_error_at_the_pair_ratio():
         got = run(lambda qkv, q_weight, k_weight, cos, sin: qkv_norm_rope(
             qkv, q_weight, k_weight, cos, sin, BATCH, 300, Q_HEADS, KV_HEADS, EPS, from_output),
             leaves(rounded, {}, KERNEL_DEVICE, grad), 9)
-        errors[from_output] = norm_rel(got["d_qkv"], truth["d_qkv"])
-    assert errors[True] < 1.2 * errors[False], errors
+        errors[from_output] = {name: norm_rel(got[name], truth[name]) for name in ("d_qkv", "d_q_weight", "d_k_weight")}
+    holds = (errors[True]["d_qkv"] < 1.2 * errors[False]["d_qkv"]
+             and max(errors[True]["d_q_weight"], errors[True]["d_k_weight"]) < TOLERANCES[torch.bfloat16])
+    assert holds is within, errors
