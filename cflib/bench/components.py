@@ -177,8 +177,9 @@ def _moe_inputs(shape, gen, device):
     return found
 
 
-def _engine(inputs: dict, cls: type[TRMoEEngine] = TRMoEEngine) -> TRMoEEngine:
+def _engine(inputs: dict, cls: type[TRMoEEngine] = TRMoEEngine, keep_activation: bool = False) -> TRMoEEngine:
     engine = cls(inputs["config"], build_routes=False).to(inputs["x"].device)
+    engine.keep_activation = keep_activation
     for name in ENGINE_WEIGHTS:
         module_name, _, attr = name.rpartition(".")
         owner = engine.get_submodule(module_name) if module_name else engine
@@ -191,20 +192,21 @@ def _moe_reference(inputs):
     return _engine(inputs)(inputs["x"], inputs["token_ids"])
 
 
-def _moe_fast(inputs):
-    engine = _engine(inputs, FusedTRMoEEngine)
-    return engine(inputs["x"], inputs["token_ids"]), engine.ran["moe"]
+def _moe_fast(cls: type[FusedTRMoEEngine], kernel: str, keep_activation: bool):
+    """The block as training runs it, the activation kept from forward to backward or recomputed there; the
+    backend read back names the activation's handling when it is kept."""
+    def fast(inputs):
+        engine = _engine(inputs, cls, keep_activation)
+        out = engine(inputs["x"], inputs["token_ids"])
+        ran = engine.ran[kernel]
+        return out, f"{ran}, activation {engine.ran['swiglu_activation']}" if keep_activation else ran
+    return fast
 
 
 def _epilogue_unavailable(device: torch.device, dtype_name: str, shape: Shape) -> str | None:
     if problem := quack_problem(device):
         return problem
     return None if dtype_name == "bfloat16" else "quack's SwiGLU GEMMs write 16-bit outputs: checked in bfloat16"
-
-
-def _moe_epilogue_fast(inputs):
-    engine = _engine(inputs, EpilogueSwiGLUEngine)
-    return engine(inputs["x"], inputs["token_ids"]), engine.ran["swiglu"]
 
 
 def _loss_inputs(shape, gen, device, weighted: bool):
@@ -308,9 +310,16 @@ COMPONENTS = [
     Component("rope", "liger", _rope_inputs, (), _rope_reference, _rope_fast),
     Component("swiglu", "liger", _swiglu_inputs, (), lambda i: F.silu(i["gate"]) * i["up"], _swiglu_fast,
               bf16_arithmetic=True),
-    Component("trmoe", "triton_fused", _moe_inputs, ENGINE_WEIGHTS, _moe_reference, _moe_fast),
+    Component("trmoe", "triton_fused", _moe_inputs, ENGINE_WEIGHTS, _moe_reference,
+              _moe_fast(FusedTRMoEEngine, "moe", False)),
+    Component("trmoe_kept_activation", "triton_fused, activation kept", _moe_inputs, ENGINE_WEIGHTS,
+              _moe_reference, _moe_fast(FusedTRMoEEngine, "moe", True)),
     Component("trmoe_epilogue_swiglu", "quack_gemm_swiglu", _moe_inputs, ENGINE_WEIGHTS, _moe_reference,
-              _moe_epilogue_fast, unavailable=_epilogue_unavailable),
+              _moe_fast(EpilogueSwiGLUEngine, "swiglu", False), unavailable=_epilogue_unavailable),
+    # The default training step's block: quack's SwiGLU GEMMs with the activation kept for backward.
+    Component("trmoe_epilogue_swiglu_kept_activation", "quack_gemm_swiglu, activation kept", _moe_inputs,
+              ENGINE_WEIGHTS, _moe_reference, _moe_fast(EpilogueSwiGLUEngine, "swiglu", True),
+              unavailable=_epilogue_unavailable),
     Component("loss", "liger_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False), ("head_weight",),
               _loss_reference, _loss_fast(KernelPlan(liger=True, custom=False))),
     Component("weighted_loss", "cflib_triton_fused_linear_ce_weighted", lambda s, g, d: _loss_inputs(s, g, d, True),
