@@ -136,17 +136,12 @@ class FusedAttention(FusedQKVAttention):
     backward recovers the normed heads from q and k, which attention keeps anyway, so qkv is freed after
     forward (cflib.ops.qk_norm_rope.QKVNormRope)."""
 
-    kernels = {"qkv": "fused_gemm", "rope": "cflib_qk_norm_rope"}
+    kernels = {"qkv": "fused_gemm", "rope": "cflib_qk_norm_rope", "qk_norm_backward": "from_output"}
     normed_from_output = True
 
     @property
     def qk_norm_kernel(self) -> str:
         return "cflib_qk_norm_rope"
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        out = super().forward(*args, **kwargs)
-        self.ran["qk_norm_backward"] = "from_output" if self.normed_from_output else "kept_qkv"
-        return out
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,6 +157,7 @@ class FusedAttentionKeptQKV(FusedAttention):
     """FusedAttention for head-norm weights that q and k cannot give back the normed heads through (a zero, or
     a rotation pair too far apart: cflib.ops.qk_norm_rope.normed_from_output_fits): backward keeps qkv."""
 
+    kernels = {**FusedAttention.kernels, "qk_norm_backward": "kept_qkv"}
     normed_from_output = False
 
 
