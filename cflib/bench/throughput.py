@@ -87,16 +87,13 @@ LORA_PATHS: dict[str, dict[str, Any]] = {
 PROJECT_PATHS.update(LORA_PATHS)
 # Variants of production measured when named, to take a difference side by side: its last layer computing every
 # row, as it does for a loss that reads every position (the SFT loss reads the supervised rows alone, so
-# production computes only those after the last attention); the residual stream in BF16; the FP32 stream with
-# its gradient in BF16 (both need bf16); the tied-head loss in chunks of 4,096 tokens, whatever loss_chunk_tokens
-# the run sets (each chunk's head-gradient GEMM then accumulates 4x the tokens per pass over its FP32 sum); every
-# plain GEMM on cuBLAS, where production (quack_gemms: auto) takes quack's kernel at the shapes it runs faster; the
-# TR-MoE block's activation recomputed in backward in every layer, where production keeps it from forward (less
-# memory, more traffic).
+# production computes only those after the last attention); the tied-head loss in chunks of 4,096 tokens,
+# whatever loss_chunk_tokens the run sets (each chunk's head-gradient GEMM then accumulates 4x the tokens per pass
+# over its FP32 sum); every plain GEMM on cuBLAS, where production (quack_gemms: auto) takes quack's kernel at the
+# shapes it runs faster; the TR-MoE block's activation recomputed in backward in every layer, where production
+# keeps it from forward (less memory, more traffic).
 VARIANT_PATHS: dict[str, dict[str, Any]] = {
     "production_every_row": PROJECT_PATHS["production"],
-    "production_bf16_residual": {**PROJECT_PATHS["production"], "bf16_residual": True},
-    "production_bf16_residual_gradient": {**PROJECT_PATHS["production"], "bf16_residual_gradient": True},
     "production_loss_chunk_4096": {**PROJECT_PATHS["production"], "loss_chunk_tokens": 4096},
     "production_cublas_gemms": {**PROJECT_PATHS["production"], "quack_gemms": "false"},
     "production_recomputed_activation": {**PROJECT_PATHS["production"], "kept_swiglu_layers": 0},

@@ -28,22 +28,6 @@ KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "swi
                     "qk_norm_backward", "residual", "last_layer_rows")
 
 
-def bf16_autocast(device_type: str) -> bool:
-    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
-
-
-class _RoundGradient(torch.autograd.Function):
-    """The identity, whose backward rounds the gradient to BF16 (and keeps its dtype)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.to(torch.bfloat16).to(grad.dtype)
-
-
 class RMSNorm(nn.Module):
     kernel = "torch"  # what this class runs, as records name it
 
@@ -52,9 +36,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.ran = {"rmsnorm": "none"}
-        # On the residual stream under BF16 autocast: the FP32 stream's gradient rounded to BF16 at every add
-        # (TRMoEModel.half_residual_gradient sets it).
-        self.bf16_stream_gradient = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ran = {"rmsnorm": self.kernel}
@@ -66,8 +47,6 @@ class RMSNorm(nn.Module):
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream's add and the norm after it: (h + delta, its norm); delta None adds nothing."""
         h = h if delta is None else h + delta
-        if self.bf16_stream_gradient and h.dtype == torch.float32 and bf16_autocast(h.device.type):
-            h = _RoundGradient.apply(h)
         return h, self(h)
 
 
@@ -273,23 +252,8 @@ class TRMoEModel(nn.Module):
         # activations' dtype and the kind of rows. Set by cflib.model.fast.use_kernels.
         self.attention_backend = "auto"
         self.last_layer_rows = "none"  # the rows the last forward's last layer computed after attention: all, selected
-        # Under autocast, the residual stream between layers in the autocast dtype (as Megatron-LM and torchtitan
-        # keep it), not in the fp32 of the embeddings: each add rounds the stream. Set by cflib.train.run.
-        self.half_residual = False
         self.last_residual = "none"  # the stream's dtype in the last forward, as records name it
         self.reset_parameters()
-
-    @property
-    def half_residual_gradient(self) -> bool:
-        """Under BF16 autocast, the FP32 residual stream's gradient in BF16 (the forward unchanged): each residual
-        add + norm moves 8 bytes an element backward, not 14. Set by cflib.train.run."""
-        return self.norm.bf16_stream_gradient
-
-    @half_residual_gradient.setter
-    def half_residual_gradient(self, value: bool) -> None:
-        for layer in self.layers:
-            layer.input_layernorm.bf16_stream_gradient = layer.post_attention_layernorm.bf16_stream_gradient = value
-        self.norm.bf16_stream_gradient = value
 
     @property
     def kept_swiglu_layers(self) -> int:
@@ -346,11 +310,7 @@ class TRMoEModel(nn.Module):
         positions = kv.positions if kv is not None else documents.positions if documents is not None else None
         cos, sin = self.rope(input_ids.shape[1], device, positions)
         h, pending = self.embed_tokens(input_ids), None
-        if self.half_residual and torch.is_autocast_enabled(device.type):
-            h = h.to(activations)
         self.last_residual = str(h.dtype).removeprefix("torch.")
-        if self.half_residual_gradient and h.dtype == torch.float32 and bf16_autocast(device.type):
-            self.last_residual += "_bfloat16_gradient"
         last = len(self.layers) - 1
         self.last_layer_rows = "all" if rows is None else "selected"
         for index, layer in enumerate(self.layers):

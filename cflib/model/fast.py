@@ -47,7 +47,7 @@ class AddRMSNorm(RMSNorm):
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         from cflib.ops.add_rms_norm import add_rms_norm
         self.ran = {"rmsnorm": self.kernel}
-        return add_rms_norm(h, delta, self.weight, self.eps, self.bf16_stream_gradient, self.normed_from_output)
+        return add_rms_norm(h, delta, self.weight, self.eps, self.normed_from_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_norm(x, None)[1]

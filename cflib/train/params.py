@@ -127,12 +127,6 @@ class Loss:
     """The training loss and its precision."""
 
     bf16: bool = False
-    # The residual stream between layers in BF16 (as Megatron-LM and torchtitan keep it), not FP32: every add
-    # rounds it, and each residual add + norm moves about 40% fewer bytes; needs bf16
-    bf16_residual: bool = False
-    # The FP32 residual stream's gradient in BF16, its forward unchanged: each residual add + norm moves 8 bytes an
-    # element backward, not 14; needs bf16
-    bf16_residual_gradient: bool = False
     loss_type: str = "sft_cross_entropy"  # a loss of cflib.ops.sft_loss.LOSSES (register_loss adds one)
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
@@ -328,15 +322,6 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
         if self.loss_type not in LOSSES:
             raise ParamError(f"loss_type must be one of {tuple(LOSSES)}, got {self.loss_type!r}")
-        if self.bf16_residual and not self.bf16:
-            raise ParamError("bf16_residual keeps the residual stream in BF16 under BF16 autocast; set bf16: true, "
-                             "or bf16_residual: false")
-        if self.bf16_residual_gradient and not self.bf16:
-            raise ParamError("bf16_residual_gradient keeps the residual stream's gradient in BF16 under BF16 "
-                             "autocast; set bf16: true, or bf16_residual_gradient: false")
-        if self.bf16_residual_gradient and self.bf16_residual:
-            raise ParamError("bf16_residual_gradient rounds the FP32 stream's gradient, and bf16_residual keeps no "
-                             "FP32 stream (its gradient is BF16 already); set one of them")
 
     def _validate_curriculum_controls(self) -> None:
         """What selects and weights the train examples, and the curriculum's own controls."""

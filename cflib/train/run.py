@@ -254,8 +254,6 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     model.grad_ckpt = params.grad_ckpt
-    model.half_residual = params.bf16_residual
-    model.half_residual_gradient = params.bf16_residual_gradient
     kernels = _plan(params, config, strategy, device)
     use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,

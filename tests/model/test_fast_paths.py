@@ -93,45 +93,11 @@ def test_production_path_on_the_supervised_rows_alone_matches_reference():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_bf16_residual_stream_computes_the_reference_s_function_on_the_fast_path():
-    """half_residual (bf16_residual): under BF16 autocast the stream between layers is BF16 on both paths, which
-    round it at the same adds, and the record says so; without autocast it stays fp32."""
+def test_under_bf16_the_supervised_rows_alone_give_the_every_row_gradients_on_the_fast_path():
+    """Under BF16 autocast the FP32 stream's gradient reaches the last layer's gathered rows and is scattered
+    back: the same gradients as the model computing every row, and the record names the stream and the rows."""
     model, ids, labels = _model_and_rows()
-    model.half_residual = True
-    found = {}
-    plans = {"reference": KernelPlan(liger=False, custom=False), "fast": KernelPlan(liger=True, custom=True)}
-    for name, plan in plans.items():
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            found[name] = _loss_and_grads(model, plan, ids, labels)
-        assert model.kernel_path()["residual"] == "bfloat16"
-    assert found["fast"][0] == pytest.approx(found["reference"][0], rel=2e-2)
-    for name, grad in found["reference"][1].items():
-        error = float((found["fast"][1][name] - grad).norm() / grad.norm().clamp_min(1e-12))
-        assert error < 5e-2, (name, error)
-    model(ids)
-    assert model.kernel_path()["residual"] == "float32"
-
-
-def test_a_bf16_stream_gradient_keeps_the_forward_and_rounds_the_same_gradients_on_both_paths():
-    """half_residual_gradient (bf16_residual_gradient): under BF16 autocast the forward is the FP32 stream's, bit
-    for bit on the fast path (whose stream travels as its bytes seen as BF16); both paths round the stream's
-    gradient at the same adds, the last layer's gathered rows included."""
-    model, ids, labels = _model_and_rows()
-    plans = {"reference": KernelPlan(liger=False, custom=False), "fast": KernelPlan(liger=True, custom=True)}
-    found = {}
-    for gradient in (False, True):
-        model.half_residual_gradient = gradient
-        for name, plan in plans.items():
-            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-                found[name, gradient] = _loss_and_grads(model, plan, ids, labels)
-            assert model.kernel_path()["residual"] == "float32" + ("_bfloat16_gradient" if gradient else "")
-    assert found["fast", True][0] == found["fast", False][0]
-    assert found["fast", True][0] == pytest.approx(found["reference", True][0], rel=2e-2)
-    for name, grad in found["reference", True][1].items():
-        error = float((found["fast", True][1][name] - grad).norm() / grad.norm().clamp_min(1e-12))
-        assert error < 5e-2, (name, error)
-    embeddings = found["fast", True][1]["embed_tokens.weight"]
-    assert not torch.equal(embeddings, found["fast", False][1]["embed_tokens.weight"])
+    use_kernels(model, KernelPlan(liger=True, custom=True))
     supervised, grads = supervised_positions(labels), []
     for rows in (None, Rows(supervised)):
         model.zero_grad()
@@ -140,9 +106,6 @@ def test_a_bf16_stream_gradient_keeps_the_forward_and_rounds_the_same_gradients_
         hidden = hidden if rows is not None else hidden.reshape(-1, hidden.shape[-1])[supervised]
         hidden.float().square().sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    assert model.kernel_path()["last_layer_rows"] == "selected"
+    assert model.kernel_path()["last_layer_rows"] == "selected" and model.kernel_path()["residual"] == "float32"
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=2e-2, atol=1e-5, msg=name)
-    model.half_residual_gradient = False
-    model(ids)
-    assert model.kernel_path()["residual"] == "float32"

@@ -5,8 +5,6 @@ Which kernel runs where is tested in tests/ops/ (test_dispatch.py, test_attentio
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from tiny_models import KERNEL_DEVICE
@@ -155,17 +153,3 @@ def test_the_weight_copies_problem_names_why_a_run_reads_none():
     assert problem(device=torch.device("cpu")) == "the device is cpu, not CUDA"
     assert problem(bf16_weight_copies="true", nproc_per_node=2) is None
     assert problem(bf16_weight_copies="false") == "bf16_weight_copies: false"
-
-
-def test_a_bf16_stream_gradient_trains_from_the_fp32_streams_first_loss(tmp_path):
-    """bf16_residual_gradient leaves the forward as it is: the first step's loss is the FP32 stream's, bit for bit,
-    with checkpointed layers; the record names the stream."""
-    from cflib.train.records import read_metrics
-
-    losses = {}
-    for flag in (False, True):
-        record = _copies_run(tmp_path, f"gradient_{flag}", bf16_residual_gradient=flag, grad_ckpt=True)
-        assert record["kernel_path"]["residual"] == "float32" + ("_bfloat16_gradient" if flag else "")
-        losses[flag] = [row["loss"] for row in read_metrics(tmp_path / f"gradient_{flag}" / "metrics.jsonl")]
-    assert losses[True][0] == losses[False][0]
-    assert all(math.isfinite(loss) for loss in losses[True])

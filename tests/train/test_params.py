@@ -221,17 +221,3 @@ def test_use_custom_kernels_accepts_booleans_and_strings(raw, expected):
 def test_use_custom_kernels_rejects_other_words():
     with pytest.raises(ParamError, match="use_custom_kernels must be one of"):
         TrainParams.from_dict({"use_custom_kernels": "fast"})
-
-
-def test_a_bf16_residual_stream_needs_bf16():
-    message = param_error({"bf16_residual": True})
-    assert names(message, "bf16_residual") and names(message, "bf16: true"), message
-    assert TrainParams.from_dict({"bf16_residual": "true", "bf16": "true"}).bf16_residual is True
-
-
-def test_a_bf16_stream_gradient_needs_bf16_and_an_fp32_stream():
-    message = param_error({"bf16_residual_gradient": True})
-    assert names(message, "bf16_residual_gradient") and names(message, "bf16: true"), message
-    message = param_error({"bf16_residual_gradient": True, "bf16_residual": True, "bf16": True})
-    assert names(message, "bf16_residual_gradient") and names(message, "bf16_residual"), message
-    assert TrainParams.from_dict({"bf16_residual_gradient": "true", "bf16": "true"}).bf16_residual_gradient is True

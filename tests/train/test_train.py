@@ -135,12 +135,6 @@ def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path, small_shard):
     assert np.isfinite(record["eval"]["final"]["loss"])
 
 
-def test_a_bf16_residual_stream_trains_and_the_record_says_so(tmp_path, small_shard):
-    record = run(tmp_path, small_shard, max_steps=2, bf16=True, bf16_residual=True, exact_match_limit=0)
-    assert record["kernel_path"]["residual"] == "bfloat16" and record["params"]["bf16_residual"] is True
-    assert np.isfinite(record["eval"]["final"]["loss"])
-
-
 def test_lr_schedule_warms_up_then_follows_one_cosine():
     factors = [lr_factor(step, warmup_steps=4, total_steps=20) for step in range(20)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
