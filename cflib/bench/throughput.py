@@ -69,13 +69,15 @@ PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "production": {"use_custom_kernels": "true", "require_liger": True},
     # production with the TR-MoE block's SwiGLU in cflib's own kernel, where production (epilogue_swiglu: auto)
     # takes quack's GEMM epilogue on Hopper with quack-kernels installed
-    "production_cflib_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "false"},
+    "production_cflib_swiglu": {"use_custom_kernels": "true", "require_liger": True,
+                                "kernel_overrides": {"epilogue_swiglu": "false"}},
     # production with every kernel launched from the host: no CUDA graph replays (cflib.train.graphs)
-    "production_eager": {"use_custom_kernels": "true", "require_liger": True, "cuda_graphs": "false"},
+    "production_eager": {"use_custom_kernels": "true", "require_liger": True,
+                         "kernel_overrides": {"cuda_graphs": "false"}},
     # production as it ran before the BF16 weight copies and cflib's AdamW kernel (both on by default on one GPU):
     # autocast's casts of the FP32 masters in every forward, torch's fused AdamW
-    "production_casts": {"use_custom_kernels": "true", "require_liger": True, "bf16_weight_copies": "false",
-                         "cflib_adamw": "false"},
+    "production_casts": {"use_custom_kernels": "true", "require_liger": True,
+                         "kernel_overrides": {"bf16_weight_copies": "false", "cflib_adamw": "false"}},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
 # measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.
@@ -95,8 +97,8 @@ PROJECT_PATHS.update(LORA_PATHS)
 VARIANT_PATHS: dict[str, dict[str, Any]] = {
     "production_every_row": PROJECT_PATHS["production"],
     "production_loss_chunk_4096": {**PROJECT_PATHS["production"], "loss_chunk_tokens": 4096},
-    "production_cublas_gemms": {**PROJECT_PATHS["production"], "quack_gemms": "false"},
-    "production_recomputed_activation": {**PROJECT_PATHS["production"], "kept_swiglu_layers": 0},
+    "production_cublas_gemms": {**PROJECT_PATHS["production"], "kernel_overrides": {"quack_gemms": "false"}},
+    "production_recomputed_activation": {**PROJECT_PATHS["production"], "kernel_overrides": {"kept_swiglu_layers": 0}},
 }
 EVERY_ROW_PATHS = ("production_every_row",)
 PROJECT_PATHS.update(VARIANT_PATHS)

@@ -19,7 +19,7 @@ from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
-from cflib.params import coerce, composed, is_none_word, parsed_by
+from cflib.params import Params, coerce, composed, is_none_word, parsed_by
 from cflib.train.trackers import check_report_to, resolve_report_to
 from cflib.yamlio import read_yaml
 
@@ -147,41 +147,70 @@ class Lora:
 
 
 @dataclass(frozen=True)
+class KernelOverrides(Params):
+    """The step's speed switches (docs/kernels.md), each `auto` unless a run names it in `kernel_overrides`:
+    auto takes it where every check passes (and where it was measured faster), true requires it (the run stops
+    before step 1 where it cannot run), false leaves it off. The execution plan (cflib.train.execution) resolves
+    them once, with its reasons."""
+
+    # The TR-MoE block's forward SwiGLU in quack's GEMM epilogue (Hopper, quack-kernels): auto where it runs and the
+    # run reads the BF16 weight copies, true with or without them, false for cflib's SwiGLU kernel
+    epilogue_swiglu: str = parsed_by(kernel_choice, "auto")
+    # The step's other GEMMs each on quack's GEMM or cuBLAS, whichever was faster at the first call of its size
+    # class (Hopper, quack-kernels; cflib.ops.gemm): auto where it runs and the run reads the BF16 weight copies
+    quack_gemms: str = parsed_by(kernel_choice, "auto")
+    # Each micro-step's forward, loss and backward replayed from CUDA graphs (cflib.train.graphs): auto where it
+    # runs (one CUDA process, cflib's fused loss, a capturable attention kernel, no grad_ckpt)
+    cuda_graphs: str = parsed_by(kernel_choice, "auto")
+    # BF16 copies of the fused GEMMs' weights written after each optimizer step instead of autocast's casts in every
+    # forward (cflib.model.weight_copies): auto in one process on a GPU (full-parameter BF16 runs on cflib's
+    # kernels, not FSDP), true under DDP too
+    bf16_weight_copies: str = parsed_by(kernel_choice, "auto")
+    # AdamW stepped by cflib's Triton kernel (cflib.ops.adamw) instead of torch's fused one, writing the weight
+    # copies in the same pass: auto in one process on a GPU (not FSDP), true under DDP too
+    cflib_adamw: str = parsed_by(kernel_choice, "auto")
+    # The TR-MoE block's activation kept from forward to backward in this many layers (the first ones; all: every
+    # layer) where cflib's kernels run, instead of recomputed by the backward kernel: faster, for 2 bytes x the
+    # block's width a token in each (docs/kernels.md); 0 gives that memory back
+    kept_swiglu_layers: int | str = parsed_by(layer_count, "all")
+
+    def validate(self) -> None:
+        for name in SWITCHES:
+            if getattr(self, name) not in KERNEL_CHOICES:
+                raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
+
+
+# The tri-state switches of KernelOverrides (kept_swiglu_layers counts layers).
+SWITCHES = ("epilogue_swiglu", "quack_gemms", "cuda_graphs", "bf16_weight_copies", "cflib_adamw")
+
+
+def kernel_overrides(name: str, value: Any) -> dict[str, Any] | None:
+    """The switches a run names, each read as KernelOverrides reads it: a YAML mapping, or its text from papermill
+    ("{cuda_graphs: false}"); a name KernelOverrides does not declare is refused with the likeliest meant."""
+    raw = coerce(name, value, dict | None)
+    if not raw:
+        return None
+    try:
+        given = KernelOverrides.from_dict(raw, source=name)
+    except ParamError as err:  # each message names the switch; the parameter it sits in goes first
+        raise ParamError(str(err) if str(err).startswith(name) else f"{name}: {err}") from None
+    return {key: getattr(given, key) for key in raw}
+
+
+@dataclass(frozen=True)
 class Kernels:
     """Which implementation computes each step (docs/kernels.md)."""
 
     grad_ckpt: bool = False
-    # The TR-MoE block's activation kept from forward to backward in this many layers (the first ones; all: every
-    # layer) where cflib's kernels run, instead of recomputed by the backward kernel: 1.0-1.2% faster a step for the
-    # 200M model on an H200, for 2 bytes x the block's width a token in each (3.25 GiB at 16 x 2,048; 0 gives it
-    # back; docs/kernels.md)
-    kept_swiglu_layers: int | str = parsed_by(layer_count, "all")
     # auto: fast paths where every check passes; true: require them; false: PyTorch
     use_custom_kernels: str = parsed_by(kernel_choice, "auto")
-    # The TR-MoE block's forward SwiGLU in quack's GEMM epilogue (Hopper, quack-kernels; docs/kernels.md): auto
-    # where it runs and the run reads the BF16 weight copies, true to require it (with or without them), false for
-    # cflib's SwiGLU kernel
-    epilogue_swiglu: str = parsed_by(kernel_choice, "auto")
-    # The step's other GEMMs (the projections' forward and both gradients, the head's) each on quack's GEMM or
-    # cuBLAS, whichever was faster at the first call of its size class (Hopper, quack-kernels; cflib.ops.gemm):
-    # auto where it runs and the run reads the BF16 weight copies, true to require it, false for cuBLAS
-    quack_gemms: str = parsed_by(kernel_choice, "auto")
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
     attention_backend: str = "auto"
-    # Each micro-step's forward, loss and backward replayed from CUDA graphs (cflib.train.graphs), the host
-    # freed of launching its kernels: auto where it runs (one CUDA process, cflib's fused loss, a capturable
-    # attention kernel), true to require it, false for eager steps
-    cuda_graphs: str = parsed_by(kernel_choice, "auto")
-    # BF16 copies of the fused GEMMs' weights written after each optimizer step, instead of autocast's casts in
-    # every forward (cflib.model.weight_copies): full-parameter BF16 runs on cflib's kernels, not FSDP; auto where
-    # it applies in one process on a GPU, true to require it (under DDP too), false for the casts
-    bf16_weight_copies: str = parsed_by(kernel_choice, "auto")
-    # AdamW stepped by cflib's Triton kernel (cflib.ops.adamw) instead of torch's fused one: the same update and
-    # state, one launch per parameter group, the weight copies written in the same pass; not FSDP; auto where it
-    # applies in one process on a GPU, true to require it (under DDP too), false for torch's
-    cflib_adamw: str = parsed_by(kernel_choice, "auto")
+    # The speed switches a run overrides, e.g. {cuda_graphs: false, kept_swiglu_layers: 0}; the others stay auto
+    # (KernelOverrides names them all)
+    kernel_overrides: dict | None = parsed_by(kernel_overrides)
 
 
 @dataclass(frozen=True)
@@ -258,6 +287,11 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def overrides(self) -> KernelOverrides:
+        """Every speed switch: auto, or as kernel_overrides names it."""
+        return KernelOverrides(**(self.kernel_overrides or {}))
+
     def validate(self) -> None:
         # Before any range check: `x <= 0` is False for NaN, and inf passes every lower bound.
         for field in dataclasses.fields(self):
@@ -285,10 +319,9 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError("train_tasks must name at least one task, or be None for every example")
         if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
             raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
-        for name in ("use_custom_kernels", "epilogue_swiglu", "quack_gemms", "cuda_graphs", "bf16_weight_copies",
-                     "cflib_adamw"):
-            if getattr(self, name) not in KERNEL_CHOICES:
-                raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
+        if self.use_custom_kernels not in KERNEL_CHOICES:
+            raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), got "
+                             f"{self.use_custom_kernels!r}")
         if self.attention_backend not in backend_names():
             raise ParamError(f"attention_backend must be one of {backend_names()}, got {self.attention_backend!r}")
         if self.pack_sequences and (problem := packed_problem(self.attention_backend)):

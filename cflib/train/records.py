@@ -87,9 +87,9 @@ def _throughput(trainer: "Trainer") -> dict:
     }
 
 
-# The kernel parameters a record repeats beside what ran.
-KERNELS_REQUESTED = ("use_custom_kernels", "require_liger", "attention_backend", "epilogue_swiglu", "quack_gemms",
-                     "kept_swiglu_layers")
+# The kernel parameters a record repeats beside what ran, and the switches of kernel_overrides it names.
+KERNELS_REQUESTED = ("use_custom_kernels", "require_liger", "attention_backend")
+OVERRIDES_REQUESTED = ("epilogue_swiglu", "quack_gemms", "kept_swiglu_layers")
 
 
 def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: float) -> dict:
@@ -110,6 +110,7 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend,
                         "gemms": trainer.gemms.describe()},
         "kernels_requested": {**{name: getattr(p, name) for name in KERNELS_REQUESTED},
+                              **{name: getattr(p.overrides, name) for name in OVERRIDES_REQUESTED},
                               "notes": list(run.kernels.notes)},
         **count_parameters(model),
         "lora": None if run.lora is None else {**describe_lora(model), "base": {

@@ -178,12 +178,13 @@ def one_gpu_process_problem(device: torch.device, world_size: int) -> str | None
 def weight_copies_problem(params: TrainParams, custom: bool, strategy: str, device: torch.device) -> str | None:
     """Why this run reads no BF16 weight copies (cflib.model.weight_copies), or None where bf16_weight_copies
     gives it them; `custom`: whether cflib's kernels run, whose fused GEMMs read the copies."""
-    if params.bf16_weight_copies == "false":
+    choice = params.overrides.bf16_weight_copies
+    if choice == "false":
         return "bf16_weight_copies: false"
     return ("bf16 is off" if not params.bf16 else "cflib's kernels are off" if not custom
             else "LoRA adapts the weights" if not params.full_parameter
             else "FSDP shards the masters" if strategy == "fsdp"
-            else one_gpu_process_problem(device, params.world_size) if params.bf16_weight_copies == "auto"
+            else one_gpu_process_problem(device, params.world_size) if choice == "auto"
             else None)
 
 
@@ -273,7 +274,7 @@ def fit_model(model: TRMoEModel, params: TrainParams) -> None:
     if params.seq_len > config.max_position_embeddings:
         raise ParamError(f"seq_len {params.seq_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
-    kept = params.kept_swiglu_layers
+    kept = params.overrides.kept_swiglu_layers
     try:
         model.kept_swiglu_layers = config.num_hidden_layers if kept == "all" else kept
     except ValueError as err:
@@ -281,10 +282,11 @@ def fit_model(model: TRMoEModel, params: TrainParams) -> None:
 
 
 def _plan(params: TrainParams, config: ModelConfig, strategy: str, device: torch.device) -> KernelPlan:
+    overrides = params.overrides
     return plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
-                        config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu,
+                        config.head_dim, packed=params.pack_sequences, epilogue_swiglu=overrides.epilogue_swiglu,
                         weight_copies_problem=weight_copies_problem(params, True, strategy, device),
-                        quack_gemms=params.quack_gemms)
+                        quack_gemms=overrides.quack_gemms)
 
 
 def kept_examples(params: TrainParams, train_data: ShardPartition) -> tuple[ShardPartition, dict | None]:

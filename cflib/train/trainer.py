@@ -292,7 +292,7 @@ class Trainer:
         """The CUDA-graph replays of the micro-steps (cflib.train.graphs) the run's cuda_graphs asks for, or None
         and why not; KernelUnavailable for cuda_graphs: true where they cannot run."""
         p, run = self.params, self.run
-        if p.cuda_graphs == "false":
+        if p.overrides.cuda_graphs == "false":
             return None, "cuda_graphs: false"
         dtype = torch.bfloat16 if p.bf16 else torch.float32
         attention = self.device.type == "cuda" and capturable(self.model.attention_backend, run.pack_plan is not None,
@@ -300,7 +300,7 @@ class Trainer:
         problem = why_eager(self.device, run.strategy, p.grad_ckpt,
                             isinstance(self.loss, SFTLoss) and self.loss.plan.custom, attention)
         if problem is not None:
-            refuse_if_required("cuda_graphs", p.cuda_graphs, problem)
+            refuse_if_required("cuda_graphs", p.overrides.cuda_graphs, problem)
             return None, problem
         return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device, p.seq_len,
                                  run.train_data.eos_token_id), None
@@ -308,7 +308,7 @@ class Trainer:
     def _make_optimizer(self) -> torch.optim.AdamW:
         """torch's AdamW (fused, but under FSDP), or cflib's kernel where cflib_adamw asks for it and it applies;
         KernelUnavailable for cflib_adamw: true where it does not."""
-        choice, strategy = self.params.cflib_adamw, self.run.strategy
+        choice, strategy = self.params.overrides.cflib_adamw, self.run.strategy
         problem = None if choice == "false" else cflib_adamw_problem(self.model, self.device, strategy)
         if choice == "auto" and problem is None:
             problem = one_gpu_process_problem(self.device, self.params.world_size)
@@ -329,7 +329,7 @@ class Trainer:
         if copies is not None and not copies.copies:
             problem, copies = "no module of this model reads fused weights", None
         if problem is not None:
-            refuse_if_required("bf16_weight_copies", p.bf16_weight_copies, problem)
+            refuse_if_required("bf16_weight_copies", p.overrides.bf16_weight_copies, problem)
             return None
         if isinstance(self.optimizer, TritonAdamW):  # it writes each copy as it updates the copy's masters
             self.optimizer.weight_copies = copies

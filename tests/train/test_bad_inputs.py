@@ -115,7 +115,7 @@ CASES = [
     ("nodes-without-endpoint", lambda t: {"nnodes": 2}, ValueError, ["rdzv_endpoint"]),
     ("model-unknown", lambda t: {"model": "gpt-5"}, ValueError, ["gpt-5"]),
     ("seq-len-past-positions", lambda t: {"seq_len": 100_000}, ValueError, ["seq_len", "max_position_embeddings"]),
-    ("kept-layers-past-the-model", lambda t: {"kept_swiglu_layers": 99}, ValueError,
+    ("kept-layers-past-the-model", lambda t: {"kernel_overrides": {"kept_swiglu_layers": 99}}, ValueError,
      ["kept_swiglu_layers: 99 layers, the model has"]),
     ("max-steps-negative", lambda t: {"max_steps": -1}, ValueError, ["max_steps"]),
     ("out-dir-is-a-file", lambda t: {"out_dir": str(t / "afile")}, ValueError, ["afile", "not a directory"]),

@@ -112,7 +112,7 @@ def test_cuda_graphs_true_without_a_gpu_stops_before_any_step(tmp_path, shard):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(KernelUnavailable, match="cuda_graphs: true, but the device is cpu"):
-        Trainer(prepare(_params(tmp_path, shard, device="cpu", cuda_graphs=True)), progress=False)
+        Trainer(prepare(_params(tmp_path, shard, device="cpu", kernel_overrides={"cuda_graphs": True})), progress=False)
     trainer = Trainer(prepare(_params(tmp_path, shard, device="cpu", out_dir=str(tmp_path / "auto"))),
                       progress=False)
     assert trainer.graphs_summary() == {"cuda_graphs": False, "reason": "the device is cpu, not CUDA"}
@@ -129,7 +129,7 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
     common = {"device": "cuda", "bf16": True, "use_custom_kernels": True, "pack_sequences": pack, "seed": 3}
     trainers = {}
     for graphs in ("true", "false"):
-        params = _params(tmp_path / graphs, shard, cuda_graphs=graphs, **common)
+        params = _params(tmp_path / graphs, shard, kernel_overrides={"cuda_graphs": graphs}, **common)
         try:
             trainers[graphs] = Trainer(prepare(params), progress=False)
         except KernelUnavailable as err:  # packed windows capture only with FlashAttention-4

@@ -36,7 +36,8 @@ def test_training_records_the_kernels_that_ran(tmp_path):
     record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 2,
                     "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False,
                     "device": DEVICE.type, "out_dir": str(tmp_path / "run"),
-                    "use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "false"}, progress=False)
+                    "use_custom_kernels": "true", "require_liger": True,
+                    "kernel_overrides": {"epilogue_swiglu": "false"}}, progress=False)
     assert record["kernel_path"]["moe"] == "triton_fused"
     assert record["kernel_path"]["rmsnorm"] == "cflib_add_rmsnorm" and record["kernel_path"]["qk_norm"] == "cflib_qk_norm_rope"
     assert record["kernel_path"]["loss"] == "cflib_triton_fused_linear_ce"
@@ -106,9 +107,9 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
                         lambda model, params, device, fused=True, triton=False: make_optimizer(
                             model, params, torch.device("cuda") if not triton and device.type == "cpu" and fused
                             else device, fused, triton))
-    copied = _copies_run(tmp_path, "copies", bf16_weight_copies="true", cflib_adamw="false")
-    cast = _copies_run(tmp_path, "casts", bf16_weight_copies="false", cflib_adamw="false")
-    kernel = _copies_run(tmp_path, "kernel", bf16_weight_copies="true", cflib_adamw="true")
+    copied = _copies_run(tmp_path, "copies", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "false"})
+    cast = _copies_run(tmp_path, "casts", kernel_overrides={"bf16_weight_copies": "false", "cflib_adamw": "false"})
+    kernel = _copies_run(tmp_path, "kernel", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "true"})
     assert copied["kernel_path"]["weights"] == "bf16_copies" and "weights" not in cast["kernel_path"]
     assert kernel["kernel_path"]["optimizer"] == "cflib_triton" and copied["kernel_path"]["optimizer"] == "torch_fused"
     if DEVICE.type == "cuda":  # the copies are read by graphs replayed after the optimizer wrote them
@@ -131,7 +132,7 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
 ])
 def test_bf16_weight_copies_true_where_they_do_not_apply_stops_before_any_step(tmp_path, flags, problem):
     with pytest.raises(KernelUnavailable, match=f"bf16_weight_copies: true, but {problem}"):
-        _copies_run(tmp_path, "refused", bf16_weight_copies="true", **flags)
+        _copies_run(tmp_path, "refused", kernel_overrides={"bf16_weight_copies": "true"}, **flags)
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
 
@@ -151,5 +152,5 @@ def test_the_weight_copies_problem_names_why_a_run_reads_none():
     assert problem(strategy="fsdp", nproc_per_node=2) == "FSDP shards the masters"
     assert problem(nproc_per_node=2) == "2 processes (auto: one)"
     assert problem(device=torch.device("cpu")) == "the device is cpu, not CUDA"
-    assert problem(bf16_weight_copies="true", nproc_per_node=2) is None
-    assert problem(bf16_weight_copies="false") == "bf16_weight_copies: false"
+    assert problem(kernel_overrides={"bf16_weight_copies": "true"}, nproc_per_node=2) is None
+    assert problem(kernel_overrides={"bf16_weight_copies": "false"}) == "bf16_weight_copies: false"

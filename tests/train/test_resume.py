@@ -207,8 +207,8 @@ def test_a_run_on_torchs_adamw_resumes_on_cflibs_kernel(tmp_path, shard):
     device = KERNEL_DEVICE.type
     train(params(shard, tmp_path / "whole", epochs=4, save_total_limit=None, device=device), progress=False)
     kept = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-8", tmp_path / "step-8")
-    resumed = train(params(shard, tmp_path / "resumed", epochs=4, resume=str(kept), cflib_adamw="true",
-                           device=device), progress=False)
+    resumed = train(params(shard, tmp_path / "resumed", epochs=4, resume=str(kept), device=device,
+                           kernel_overrides={"cflib_adamw": "true"}), progress=False)
     assert resumed["kernel_path"]["optimizer"] == "cflib_triton"
     weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
     # on a GPU the uninterrupted run steps with torch's fused kernel, which rounds its FP64 scalars differently

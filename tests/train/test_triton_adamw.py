@@ -132,7 +132,8 @@ def test_the_weight_copies_are_written_as_their_masters_move():
 def test_cflib_adamw_true_where_the_kernel_cannot_run_stops_before_any_step(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(KernelUnavailable, match="cflib_adamw: true, but no GPU"):
-        train({"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "refused"), "cflib_adamw": "true"},
+        train({"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "refused"),
+               "kernel_overrides": {"cflib_adamw": "true"}},
               progress=False)
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
@@ -140,5 +141,5 @@ def test_cflib_adamw_true_where_the_kernel_cannot_run_stops_before_any_step(tmp_
 def test_cflib_adamw_auto_stays_on_torchs_off_a_gpu(tmp_path):
     record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 1,
                     "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False, "device": "cpu",
-                    "out_dir": str(tmp_path / "auto"), "cflib_adamw": "auto"}, progress=False)
+                    "out_dir": str(tmp_path / "auto"), "kernel_overrides": {"cflib_adamw": "auto"}}, progress=False)
     assert record["kernel_path"]["optimizer"] == "torch"
