@@ -25,7 +25,7 @@ from cflib.atomic import write_json_atomic
 from cflib.jobs import error_line, record_header
 from cflib.model.config import preset
 from cflib.model.fast import attach_weight_copies, build_model
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 from cflib.train.optim import TritonAdamW, clip_in_fused_step, parameter_groups
 from cflib.train.params import TrainParams
 
@@ -56,7 +56,7 @@ class _Setting:
 
     def __init__(self, device: torch.device) -> None:
         torch.manual_seed(0)
-        self.model = build_model(preset("tr_hash_200m"), KernelPlan(liger=True, custom=True)).to(device)
+        self.model = build_model(preset("tr_hash_200m"), KernelChoice(liger=True, custom=True)).to(device)
         self.copies = attach_weight_copies(self.model, head=True)
         self.copies.refresh()
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -15,7 +15,7 @@ from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
 from cflib.model.fast import AddRMSNorm, EpilogueSwiGLUEngine, FusedTRMoEEngine, LigerRMSNorm
 from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_problem, pack_documents
-from cflib.ops.dispatch import KernelPlan, quack_problem
+from cflib.ops.dispatch import KernelChoice, quack_problem
 from cflib.ops.sft_loss import SFTLoss
 
 # bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3
@@ -231,9 +231,9 @@ def _loss_reference(inputs):
     return (losses * weights if weights is not None else losses).sum()
 
 
-def _loss_fast(plan: KernelPlan):
+def _loss_fast(kernels: KernelChoice):
     def run(inputs):
-        loss = SFTLoss(plan)
+        loss = SFTLoss(kernels)
         out, _ = loss(inputs["hidden"], inputs["head_weight"], inputs["labels"], 1024, False,
                       token_weights=inputs.get("token_weights"))
         return out, loss.last_backend
@@ -321,12 +321,12 @@ COMPONENTS = [
               ENGINE_WEIGHTS, _moe_reference, _moe_fast(EpilogueSwiGLUEngine, "swiglu", True),
               unavailable=_epilogue_unavailable),
     Component("loss", "liger_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False), ("head_weight",),
-              _loss_reference, _loss_fast(KernelPlan(liger=True, custom=False))),
+              _loss_reference, _loss_fast(KernelChoice(liger=True, custom=False))),
     Component("weighted_loss", "cflib_triton_fused_linear_ce_weighted", lambda s, g, d: _loss_inputs(s, g, d, True),
-              ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=False, custom=True))),
+              ("head_weight",), _loss_reference, _loss_fast(KernelChoice(liger=False, custom=True))),
     # The production unweighted loss (cflib.ops.sft_loss.SFTLoss: cflib's kernels take it from Liger's).
     Component("cflib_loss", "cflib_triton_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False),
-              ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=True, custom=True))),
+              ("head_weight",), _loss_reference, _loss_fast(KernelChoice(liger=True, custom=True))),
     *_attention_components(),
 ]
 

@@ -222,7 +222,7 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
     active = model.config.active_parameters()
     step = trainer.train_step
     if stream is not None:  # the release layout: the stream's windows, which are the windows prepare() planned
-        if not np.array_equal(run.pack_plan.members, stream.plan.members):
+        if not np.array_equal(run.packed.members, stream.plan.members):
             raise RuntimeError("the run's pack plan differs from the measured stream's: the paths would not train "
                                "the same examples")
 

@@ -1,7 +1,7 @@
 """The TR-MoE decoder in plain PyTorch: the numerical reference for every fast path.
 
-The fast paths are subclasses of these modules (cflib.model.fast): `use_kernels(model, plan)` swaps each
-module's class for the one a KernelPlan chooses, so no forward reads a flag. Every forward records what it
+The fast paths are subclasses of these modules (cflib.model.fast): `use_kernels(model, kernels)` swaps each
+module's class for the one a KernelChoice chooses, so no forward reads a flag. Every forward records what it
 ran (`ran`), and `TRMoEModel.kernel_path()` reads that back over all layers. Adapters (LoRA) reach the
 computation through the weight protocol of cflib.model.weights; nothing here names them.
 Module and parameter names mirror the public checkpoint layout (docs/formats.md), so a state dict maps one

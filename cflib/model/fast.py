@@ -2,7 +2,7 @@
 
 Each fast module subclasses its reference module (cflib.model.decoder), adds no parameter or buffer, and
 overrides the method whose computation it replaces, so state dicts, adapters and checkpoints do not change
-with the kernels. `use_kernels(model, plan)` gives every module the class a KernelPlan (cflib.ops.dispatch)
+with the kernels. `use_kernels(model, kernels)` gives every module the class a KernelChoice (cflib.ops.dispatch)
 chooses, as Liger swaps modules: forwards read no flags, and the same model swaps back to the reference.
 
 - norms: Liger's RMSNorm; on the residual stream, cflib's add + RMSNorm kernel (cflib.ops.add_rms_norm),
@@ -23,7 +23,7 @@ from cflib.model.config import ModelConfig
 from cflib.model.decoder import EXPERT_TENSORS, Attention, RMSNorm, TRMoEEngine, TRMoEModel
 from cflib.model.weight_copies import WeightCopies, columns, reads_half, rows
 from cflib.model.weights import effective_weight, is_adapted
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 from cflib.ops.gemm import TORCH_GEMMS, Gemms
 
 
@@ -329,19 +329,19 @@ def swap_class(module: nn.Module, cls: type[nn.Module]) -> None:
     module.__class__ = cls
 
 
-def use_kernels(model: TRMoEModel, plan: KernelPlan) -> TRMoEModel:
-    """Give every module of `model` the implementation `plan` chooses (in place; returns the model)."""
-    model.attention_backend = plan.attention
-    residual_norm = AddRMSNorm if plan.custom else LigerRMSNorm if plan.liger else RMSNorm
-    head_norm = LigerRMSNorm if plan.liger else RMSNorm
-    if plan.custom:
+def use_kernels(model: TRMoEModel, kernels: KernelChoice) -> TRMoEModel:
+    """Give every module of `model` the implementation `kernels` chooses (in place; returns the model)."""
+    model.attention_backend = kernels.attention
+    residual_norm = AddRMSNorm if kernels.custom else LigerRMSNorm if kernels.liger else RMSNorm
+    head_norm = LigerRMSNorm if kernels.liger else RMSNorm
+    if kernels.custom:
         attention = FusedAttention if model.config.use_qk_norm else FusedQKVAttention
     else:
-        attention = LigerRopeAttention if plan.liger else Attention
-    if plan.custom:
-        engine = EpilogueSwiGLUEngine if plan.epilogue_swiglu else FusedTRMoEEngine
+        attention = LigerRopeAttention if kernels.liger else Attention
+    if kernels.custom:
+        engine = EpilogueSwiGLUEngine if kernels.epilogue_swiglu else FusedTRMoEEngine
     else:
-        engine = LigerSwiGLUEngine if plan.liger else TRMoEEngine
+        engine = LigerSwiGLUEngine if kernels.liger else TRMoEEngine
     for layer in model.layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             swap_class(norm, _residual_norm(norm, residual_norm))
@@ -380,6 +380,6 @@ def detach_weight_copies(model: TRMoEModel) -> None:
                 module.weight_copies = None
 
 
-def build_model(config: ModelConfig, plan: KernelPlan, build_routes: bool = True) -> TRMoEModel:
-    """A model of `config` whose modules are the implementations `plan` chooses."""
-    return use_kernels(TRMoEModel(config, build_routes), plan)
+def build_model(config: ModelConfig, kernels: KernelChoice, build_routes: bool = True) -> TRMoEModel:
+    """A model of `config` whose modules are the implementations `kernels` chooses."""
+    return use_kernels(TRMoEModel(config, build_routes), kernels)

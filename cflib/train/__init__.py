@@ -6,7 +6,7 @@ the loop (`trainer`), the optimizer and schedule (`optim`), curricula
 a curriculum), data
 parallelism (`distributed`, `launch`; `python -m cflib.train PARAMS.json`
 is a torchrun worker), held-out evaluation, run records and the cluster
-arithmetic (`python -m cflib.train.plan`). Imports model, data, ops, export
+arithmetic (`python -m cflib.train.sizing`). Imports model, data, ops, export
 and the foundation modules; never bench or lab.
 """
 from cflib.errors import ParamError

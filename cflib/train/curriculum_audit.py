@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cflib.data.packing import plan_packs
+from cflib.data.packing import pack_examples
 from cflib.data.shards import ShardError, ShardPartition, open_shard
 from cflib.data.weighting import SHARE_TOLERANCE, audit_table, derive_loss_weights
 from cflib.errors import ParamError
@@ -47,7 +47,7 @@ def audit_stage(stage: Stage, config: ModelConfig, data_root: Path) -> dict:
     train, held_out = (open_shard(data_root, partition, vocab_size=config.vocab_size, seq_len=p.seq_len)
                        for partition in ("train", "eval"))
     kept, counts = kept_examples(p, train)
-    units = len(plan_packs(kept.lengths, p.seq_len)) if p.pack_sequences else len(kept)
+    units = len(pack_examples(kept.lengths, p.seq_len)) if p.pack_sequences else len(kept)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, p)
     weighting = _weighting(stage, kept)
     return {"stage": stage.name, "passed": weighting["weights_within_cap"], "overrides": stage.overrides,

@@ -19,7 +19,7 @@ import torch
 
 from cflib.atomic import check_writable_folder, live_path
 from cflib.data.filters import parse_filters, select
-from cflib.data.packing import PackPlan, plan_packs
+from cflib.data.packing import PackedWindows, pack_examples
 from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
 from cflib.data.tasks import TASKS, ensure_embedded_shard
@@ -30,7 +30,7 @@ from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import use_kernels
 from cflib.model.lora import adapter_parameter_count
-from cflib.ops.dispatch import KernelPlan, plan_kernels
+from cflib.ops.dispatch import KernelChoice, choose_kernels
 from cflib.paths import resolve_path
 from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
@@ -72,9 +72,9 @@ class Run:
     dist: DistContext
     strategy: str
     memory_estimate: dict
-    kernels: KernelPlan
+    kernels: KernelChoice
     resume_state: dict | None = None  # trainer state of the checkpoint this run continues
-    pack_plan: PackPlan | None = None  # pack_sequences: the windows, planned once
+    packed: PackedWindows | None = None  # pack_sequences: the windows, computed once
     loss_weights: LossWeights | None = None  # loss_groups: every cell's coefficient
     preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
     lora: LoraRun | None = None  # full_parameter: false: the adapters' settings and their base
@@ -83,10 +83,10 @@ class Run:
     @property
     def train_units(self) -> int:
         """What an epoch shuffles and a global batch counts: packed windows, or examples."""
-        return len(self.pack_plan) if self.pack_plan is not None else len(self.train_data)
+        return len(self.packed) if self.packed is not None else len(self.train_data)
 
     def examples_of(self, units: np.ndarray) -> np.ndarray:
-        return self.pack_plan.examples_of(units) if self.pack_plan is not None else units
+        return self.packed.examples_of(units) if self.packed is not None else units
 
     @property
     def launches_workers(self) -> bool:
@@ -102,8 +102,8 @@ class Run:
                "trainable"] if self.lora is not None else []),
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
             f"examples, {tokens:,} train tokens",
-            *([self._packing_line()] if self.pack_plan is not None else []),
-            f"batch        global {p.global_batch} {'windows' if self.pack_plan else 'examples'} = micro "
+            *([self._packing_line()] if self.packed is not None else []),
+            f"batch        global {p.global_batch} {'windows' if self.packed else 'examples'} = micro "
             f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {self.grad_accum}",
             f"schedule     {self.steps_per_epoch} steps/epoch, {self.total_steps} optimizer steps, "
             f"{self.warmup_steps} warm-up, lr {p.lr:g} cosine",
@@ -124,9 +124,9 @@ class Run:
                 f"{packing['supervised_fraction']:.1%} supervised tokens per window")
 
     def packing_efficiency(self) -> dict | None:
-        if self.pack_plan is None:
+        if self.packed is None:
             return None
-        return self.pack_plan.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
+        return self.packed.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
 
 
 def never_trained(out_dir: Path) -> bool:
@@ -241,13 +241,13 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
                       require_release_ready=params.require_release_ready) for partition in ("train", "eval"))
         reports = {"train": train_report, "eval": eval_report}
     train_data, filter_counts = kept_examples(params, train_data)
-    pack_plan = plan_packs(train_data.lengths, params.seq_len) if params.pack_sequences else None
+    packed = pack_examples(train_data.lengths, params.seq_len) if params.pack_sequences else None
     # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
     loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, train_data.supervised_counts,
                                         params.max_task_loss_weight) if params.loss_groups is not None else None)
     grad_accum = gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size)
     # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
-    units = len(pack_plan) if pack_plan is not None else len(train_data)
+    units = len(packed) if packed is not None else len(train_data)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
     estimate = memory_figures(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
@@ -259,7 +259,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
               grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
-              pack_plan, loss_weights, reports, lora, filter_counts)
+              packed, loss_weights, reports, lora, filter_counts)
     if resume_state is not None:
         check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
@@ -281,9 +281,9 @@ def fit_model(model: TRMoEModel, params: TrainParams) -> None:
         raise ParamError(f"{err} (or give all)") from None
 
 
-def _plan(params: TrainParams, config: ModelConfig, strategy: str, device: torch.device) -> KernelPlan:
+def _plan(params: TrainParams, config: ModelConfig, strategy: str, device: torch.device) -> KernelChoice:
     overrides = params.overrides
-    return plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
+    return choose_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
                         config.head_dim, packed=params.pack_sequences, epilogue_swiglu=overrides.epilogue_swiglu,
                         weight_copies_problem=weight_copies_problem(params, True, strategy, device),
                         quack_gemms=overrides.quack_gemms)

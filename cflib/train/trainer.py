@@ -257,7 +257,7 @@ class Trainer:
     def host_batch(self, units: np.ndarray) -> MicroBatch:
         """Some units' batch, on the host. Everything the step's kernels need to know of its shape (packed
         documents, supervised positions) is worked out here, so no step reads the device back."""
-        data, plan = self.run.train_data, self.run.pack_plan
+        data, plan = self.run.train_data, self.run.packed
         documents = None
         if plan is None:
             input_ids, labels = collate([data[int(i)] for i in units], data.eos_token_id)
@@ -295,10 +295,10 @@ class Trainer:
         if p.overrides.cuda_graphs == "false":
             return None, "cuda_graphs: false"
         dtype = torch.bfloat16 if p.bf16 else torch.float32
-        attention = self.device.type == "cuda" and capturable(self.model.attention_backend, run.pack_plan is not None,
+        attention = self.device.type == "cuda" and capturable(self.model.attention_backend, run.packed is not None,
                                                               self.device, self.model.config.head_dim, dtype)
         problem = why_eager(self.device, run.strategy, p.grad_ckpt,
-                            isinstance(self.loss, SFTLoss) and self.loss.plan.custom, attention)
+                            isinstance(self.loss, SFTLoss) and self.loss.kernels.custom, attention)
         if problem is not None:
             refuse_if_required("cuda_graphs", p.overrides.cuda_graphs, problem)
             return None, problem

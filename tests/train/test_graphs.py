@@ -15,7 +15,7 @@ from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 from cflib.errors import KernelUnavailable
 from cflib.model.fast import build_model
 from cflib.ops.attention import pack_documents
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 from cflib.ops.loss import supervised_positions
 from cflib.ops.rows import Rows
 from cflib.ops.sft_loss import SFTLoss
@@ -25,7 +25,7 @@ from cflib.train.params import TrainParams
 from cflib.train.run import prepare
 from cflib.train.trainer import Trainer
 
-PRODUCTION = KernelPlan(liger=True, custom=True)
+PRODUCTION = KernelChoice(liger=True, custom=True)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
@@ -137,7 +137,7 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
     start = {name: p.detach().clone() for name, p in trainers["false"].model.named_parameters()}
     rows = {}
     for graphs, trainer in trainers.items():
-        units = len(trainer.run.pack_plan) if pack else len(trainer.run.train_data)
+        units = len(trainer.run.packed) if pack else len(trainer.run.train_data)
         order = np.random.default_rng(0).permutation(units)
         steps = [order[s * 8 % (units - 8):][:8] for s in range(6)] + [None]
         # The graphed run stages each next step (padded, pinned) during the current one, as fit() does.

@@ -330,7 +330,7 @@ def test_a_packed_step_takes_its_documents_and_supervised_positions_from_the_hos
     trainer = Trainer(prepared, progress=False)
     windows = np.arange(2)
     batch = trainer.host_batch(windows)
-    input_ids, labels, document_ids, _ = collate_packed(prepared.train_data, prepared.pack_plan, windows)
+    input_ids, labels, document_ids, _ = collate_packed(prepared.train_data, prepared.packed, windows)
     documents = pack_documents(document_ids)
     assert torch.equal(batch.documents.cu_seqlens, documents.cu_seqlens)
     assert torch.equal(batch.documents.positions, documents.positions)

@@ -13,7 +13,7 @@ import torch
 from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 
 from cflib.model.fast import attach_weight_copies, build_model
-from cflib.ops.dispatch import KernelPlan, KernelUnavailable
+from cflib.ops.dispatch import KernelChoice, KernelUnavailable
 from cflib.train import train
 from cflib.train.optim import TritonAdamW, clip_in_fused_step, optimizer_kernel
 
@@ -108,7 +108,7 @@ def test_the_weight_copies_are_written_as_their_masters_move():
     kernel, transposed expert slices copied after it) and counts as fresh, with no refresh in between; a copy
     first written after a step (the head's, here) is written by the next."""
     torch.manual_seed(0)
-    model = build_model(tiny_config(), KernelPlan(liger=True, custom=True)).to(KERNEL_DEVICE).train()
+    model = build_model(tiny_config(), KernelChoice(liger=True, custom=True)).to(KERNEL_DEVICE).train()
     copies = attach_weight_copies(model, head=True)
     optimizer = TritonAdamW([{"params": list(model.parameters()), "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95))
     optimizer.weight_copies = copies
