@@ -19,7 +19,6 @@ from cflib.data.weighting import SHARE_TOLERANCE, audit_table, derive_loss_weigh
 from cflib.errors import ParamError
 from cflib.model.config import ModelConfig
 from cflib.train.curriculum import Curriculum, Stage
-from cflib.train.params import gradient_accumulation
 from cflib.train.run import kept_examples, memory_figures, resolve_device, schedule_steps
 
 
@@ -54,7 +53,7 @@ def audit_stage(stage: Stage, config: ModelConfig, data_root: Path) -> dict:
             "examples": counts or {"examples": len(kept), "kept": len(kept)},
             "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(held_out), "seq_len": p.seq_len,
             "global_batch": p.global_batch, "micro_batch_per_rank": p.micro_batch_per_rank,
-            "grad_accum": gradient_accumulation(p.global_batch, p.micro_batch_per_rank, p.world_size),
+            "grad_accum": p.grad_accum,
             "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
             "lr": p.lr, "max_task_loss_weight": p.max_task_loss_weight,
             "memory_estimate": memory_figures(config, p, resolve_device(p.device)), **weighting}

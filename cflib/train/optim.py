@@ -179,13 +179,12 @@ def parameter_groups(model: torch.nn.Module, params: TrainParams) -> list[dict]:
 
 def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
                    fused: bool = True, triton: bool = False) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters in named groups: torch's (fused on a GPU unless `fused` is
-    false), or with `triton` cflib's kernel (cflib_adamw_problem says where it runs)."""
+    """AdamW over the model's trainable parameters in named groups: torch's (its fused kernel with `fused`), or
+    with `triton` cflib's kernel (the execution plan says which: cflib.train.execution)."""
     groups = parameter_groups(model, params)
     if triton:
         return TritonAdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2))
-    return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2),
-                             fused=fused and device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2), fused=fused)
 
 
 def describe_groups(optimizer: torch.optim.Optimizer) -> list[dict]:

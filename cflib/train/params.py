@@ -288,6 +288,11 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         return self.nproc_per_node * self.nnodes
 
     @property
+    def grad_accum(self) -> int:
+        """Micro-batches per rank in one optimizer step: global_batch = micro_batch_per_rank x world_size x this."""
+        return gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
+
+    @property
     def overrides(self) -> KernelOverrides:
         """Every speed switch: auto, or as kernel_overrides names it."""
         return KernelOverrides(**(self.kernel_overrides or {}))
@@ -338,7 +343,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         check_report_to(self.report_to, self.mlflow_tracking_uri)
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
-        gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
+        self.grad_accum  # noqa: B018 - a global batch the ranks cannot split stops here, with the options
 
     def _validate_optimisation(self) -> None:
         """The optimizer, its schedule, the loss and the step's precision."""

@@ -92,6 +92,13 @@ KERNELS_REQUESTED = ("use_custom_kernels", "require_liger", "attention_backend")
 OVERRIDES_REQUESTED = ("epilogue_swiglu", "quack_gemms", "kept_swiglu_layers")
 
 
+def kernels_requested(run: Any) -> dict:
+    """The kernel parameters as the run set them, and why auto left a fast path off."""
+    p = run.params
+    return {**{name: getattr(p, name) for name in KERNELS_REQUESTED},
+            **{name: getattr(p.overrides, name) for name in OVERRIDES_REQUESTED}, "notes": list(run.plan.kernels.notes)}
+
+
 def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: float) -> dict:
     """record.json of a finished run: the measurement protocol's fields, then what the run did."""
     run, p, model = trainer.run, trainer.params, trainer.model
@@ -109,9 +116,7 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "memory_estimate": run.memory_estimate,
         "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend,
                         "gemms": trainer.gemms.describe()},
-        "kernels_requested": {**{name: getattr(p, name) for name in KERNELS_REQUESTED},
-                              **{name: getattr(p.overrides, name) for name in OVERRIDES_REQUESTED},
-                              "notes": list(run.kernels.notes)},
+        "kernels_requested": kernels_requested(run), "execution_plan": run.plan.record(),
         **count_parameters(model),
         "lora": None if run.lora is None else {**describe_lora(model), "base": {
             key: value for key, value in run.lora.base.items() if key != "config"}},
@@ -120,7 +125,7 @@ def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: floa
         "seq_len": p.seq_len,
         "micro_batch_per_rank": p.micro_batch_per_rank,
         "global_batch": p.global_batch,
-        "grad_accum": run.grad_accum,
+        "grad_accum": p.grad_accum,
         "precision": "bf16-autocast" if p.bf16 else "fp32",
         "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
         "grad_ckpt": p.grad_ckpt,

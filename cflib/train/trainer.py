@@ -30,21 +30,19 @@ from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.fast import attach_weight_copies, detach_weight_copies
 from cflib.model.lora import lora_kernel_path
 from cflib.model.weight_copies import WeightCopies
-from cflib.ops.attention import capturable, pack_documents
-from cflib.ops.dispatch import refuse_if_required
+from cflib.ops.attention import pack_documents
 from cflib.ops.gemm import step_gemms
-from cflib.ops.sft_loss import SFTLoss, make_loss
+from cflib.ops.sft_loss import make_loss
 from cflib.ops.loss import supervised_positions
 from cflib.ops.rows import Rows
 from cflib.train.distributed import epoch_stream, rank_share, wrap_model
 from cflib.train.evaluate import autocast, eval_loss, exact_match
 from cflib.train.batch import MicroBatch
 from cflib.train.collector import steady_collector
-from cflib.train.graphs import GraphedMicroSteps, why_eager
+from cflib.train.graphs import GraphedMicroSteps
 from cflib.train.lock import RunLock
 from cflib.train.optim import (
     TritonAdamW,
-    cflib_adamw_problem,
     clip_in_fused_step,
     describe_groups,
     lr_factor,
@@ -52,8 +50,7 @@ from cflib.train.optim import (
     optimizer_kernel,
 )
 from cflib.train.records import MetricsLog, train_record
-from cflib.train.run import (RUN_JSON_FILES, Run, one_gpu_process_problem, recheck_out_dir, schedule_signature,
-                             weight_copies_problem)
+from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.trackers import open_trackers
 
 
@@ -99,11 +96,11 @@ class Trainer:
         self.optimizer = self._make_optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
-        self.loss = make_loss(self.params.loss_type, run.kernels)
-        self.gemms = step_gemms(run.kernels.quack_gemms)  # the loss's GEMMs and those reading the weight copies
-        self.loss_rows_only = bool(getattr(self.loss, "reads_supervised_rows_only", False))
+        self.loss = make_loss(self.params.loss_type, run.plan.kernels)
+        self.gemms = step_gemms(run.plan.kernels.quack_gemms)  # the loss's GEMMs and those reading the weight copies
+        self.loss_rows_only = run.plan.supervised_rows_only
         self.weight_copies = self._weight_copies()
-        self.graphs, self.eager_reason = self._graphed_micro_steps()
+        self.graphs = self._graphed_micro_steps()
         self.staged: StagedStep | None = None  # the next step's host work, done during this one (train_step)
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
@@ -288,49 +285,26 @@ class Trainer:
         (loss_sum * scale).backward()
         return loss_sum.detach()
 
-    def _graphed_micro_steps(self) -> tuple[GraphedMicroSteps | None, str | None]:
-        """The CUDA-graph replays of the micro-steps (cflib.train.graphs) the run's cuda_graphs asks for, or None
-        and why not; KernelUnavailable for cuda_graphs: true where they cannot run."""
-        p, run = self.params, self.run
-        if p.overrides.cuda_graphs == "false":
-            return None, "cuda_graphs: false"
-        dtype = torch.bfloat16 if p.bf16 else torch.float32
-        attention = self.device.type == "cuda" and capturable(self.model.attention_backend, run.packed is not None,
-                                                              self.device, self.model.config.head_dim, dtype)
-        problem = why_eager(self.device, run.strategy, p.grad_ckpt,
-                            isinstance(self.loss, SFTLoss) and self.loss.kernels.custom, attention)
-        if problem is not None:
-            refuse_if_required("cuda_graphs", p.overrides.cuda_graphs, problem)
-            return None, problem
-        return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device, p.seq_len,
-                                 run.train_data.eos_token_id), None
+    def _graphed_micro_steps(self) -> GraphedMicroSteps | None:
+        """The CUDA-graph replays of the micro-steps (cflib.train.graphs), where the plan has them."""
+        if not self.run.plan.cuda_graphs:
+            return None
+        return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device,
+                                 self.params.seq_len, self.run.train_data.eos_token_id)
 
     def _make_optimizer(self) -> torch.optim.AdamW:
-        """torch's AdamW (fused, but under FSDP), or cflib's kernel where cflib_adamw asks for it and it applies;
-        KernelUnavailable for cflib_adamw: true where it does not."""
-        choice, strategy = self.params.overrides.cflib_adamw, self.run.strategy
-        problem = None if choice == "false" else cflib_adamw_problem(self.model, self.device, strategy)
-        if choice == "auto" and problem is None:
-            problem = one_gpu_process_problem(self.device, self.params.world_size)
-        refuse_if_required("cflib_adamw", choice, problem)
-        return make_optimizer(self.model, self.params, self.device, fused=strategy != "fsdp",
-                              triton=choice != "false" and problem is None)
+        """The AdamW the plan names: cflib's Triton kernel, or torch's (fused on a GPU)."""
+        optimizer = self.run.plan.optimizer
+        return make_optimizer(self.model, self.params, self.device, fused=optimizer == "torch_fused",
+                              triton=optimizer == "cflib_adamw")
 
     def _weight_copies(self) -> WeightCopies | None:
-        """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, written after every
-        optimizer step (the kernel read-back says where they ran: `weights`); KernelUnavailable for
-        bf16_weight_copies: true where they do not apply."""
-        p, run = self.params, self.run
+        """The BF16 weight copies (cflib.model.weight_copies) the plan has, written after every optimizer step
+        (the kernel read-back says where they ran: `weights`)."""
         detach_weight_copies(self.model)  # none left by an earlier trainer of this model, which refreshed them
-        problem = weight_copies_problem(p, run.kernels.custom, run.strategy, self.device)
-        # The head's copy for cflib's loss computing in BF16; an fp32 loss, or another loss, reads the FP32 head.
-        copies = attach_weight_copies(self.model, head=isinstance(self.loss, SFTLoss) and not p.fp32_loss,
-                                      gemms=self.gemms) if problem is None else None
-        if copies is not None and not copies.copies:
-            problem, copies = "no module of this model reads fused weights", None
-        if problem is not None:
-            refuse_if_required("bf16_weight_copies", p.overrides.bf16_weight_copies, problem)
+        if not self.run.plan.weight_copies:
             return None
+        copies = attach_weight_copies(self.model, head=self.run.plan.head_copy, gemms=self.gemms)
         if isinstance(self.optimizer, TritonAdamW):  # it writes each copy as it updates the copy's masters
             self.optimizer.weight_copies = copies
         else:
@@ -348,7 +322,7 @@ class Trainer:
     def graphs_summary(self) -> dict:
         """How the micro-steps ran: replayed from CUDA graphs (how many, how many shapes), or eagerly and why."""
         if self.graphs is None:
-            return {"cuda_graphs": False, "reason": self.eager_reason}
+            return {"cuda_graphs": False, "reason": self.run.plan.reasons["cuda_graphs"]}
         return self.graphs.summary()
 
     def stage(self, step_units: np.ndarray) -> StagedStep:

@@ -13,7 +13,7 @@ from cflib.ops.attention import ATTENTION_BACKENDS
 from cflib.ops.dispatch import KernelUnavailable, quack_problem
 from cflib.train import prepare, train
 from cflib.train.params import ParamError, TrainParams
-from cflib.train.run import weight_copies_problem
+from cflib.train.execution import weight_copies_problem
 
 DEVICE = KERNEL_DEVICE
 
@@ -79,7 +79,7 @@ def test_a_run_checks_its_backend_where_it_trains(tmp_path):
     trains only on a GPU, is refused before any step."""
     params = {"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "run"), "pack_sequences": True}
     run = prepare(TrainParams.from_dict({**params, "attention_backend": "sdpa_mask"}))
-    assert run.kernels.attention == run.model.attention_backend == "sdpa_mask"
+    assert run.plan.kernels.attention == run.model.attention_backend == "sdpa_mask"
     with pytest.raises(KernelUnavailable, match="attention_backend: flex, but no GPU"):
         prepare(TrainParams.from_dict({**params, "attention_backend": "flex"}))
 
@@ -105,8 +105,7 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
     make_optimizer = cflib.train.trainer.make_optimizer
     monkeypatch.setattr(cflib.train.trainer, "make_optimizer",  # torch's fused AdamW on the CPU too
                         lambda model, params, device, fused=True, triton=False: make_optimizer(
-                            model, params, torch.device("cuda") if not triton and device.type == "cpu" and fused
-                            else device, fused, triton))
+                            model, params, device, fused=not triton, triton=triton))
     copied = _copies_run(tmp_path, "copies", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "false"})
     cast = _copies_run(tmp_path, "casts", kernel_overrides={"bf16_weight_copies": "false", "cflib_adamw": "false"})
     kernel = _copies_run(tmp_path, "kernel", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "true"})

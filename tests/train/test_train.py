@@ -221,7 +221,7 @@ def test_a_run_that_trained_a_step_keeps_its_out_dir(tmp_path):
 def test_prepare_writes_nothing(tmp_path, small_shard):
     params = TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "fresh")})
     prepared = prepare(params)
-    assert prepared.grad_accum == 2 and prepared.total_steps == 30
+    assert prepared.params.grad_accum == 2 and prepared.total_steps == 30
     assert not (tmp_path / "fresh").exists()
 
 
