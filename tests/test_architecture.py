@@ -38,12 +38,10 @@ def cflib_sources() -> dict[str, Path]:
 
 
 def imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """Every cflib module `path` imports, at its top or inside a function, resolved to a module (not a name)."""
+    """Every cflib module `path` imports, at its top, inside a function or for type checkers only (a type names
+    its module as an import does), resolved to a module (not a name)."""
     found = set()
     tree = ast.parse(path.read_text())
-    for block in ast.walk(tree):  # imports for type checkers only never run
-        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING":
-            block.body = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]

@@ -27,6 +27,7 @@ from cflib.model.config import preset
 from cflib.model.fast import attach_weight_copies, build_model
 from cflib.ops.dispatch import KernelChoice
 from cflib.train.optim import TritonAdamW, clip_in_fused_step, parameter_groups
+from cflib.train.step import adamw_settings
 from cflib.train.params import TrainParams
 
 LAUNCHES = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16))
@@ -66,7 +67,7 @@ class _Setting:
 
     def optimizer(self, triton: bool, **launch: int) -> torch.optim.AdamW:
         """The trainer's groups (weight decay on matrices) at the release recipe's settings."""
-        groups = parameter_groups(self.model, RECIPE)
+        groups = parameter_groups(self.model, adamw_settings(RECIPE))
         betas = (RECIPE.beta1, RECIPE.beta2)
         if triton:
             optimizer = TritonAdamW(groups, lr=RECIPE.lr, betas=betas, **launch)

@@ -192,7 +192,7 @@ def time_step(args: argparse.Namespace, kind: str, backend: str, data_root: Path
     found = {"tokens_per_s": timing["tokens_per_s"], "supervised_tokens_per_s": timing["supervised_tokens_per_s"],
              "step_ms": [s * 1e3 for s in timing["step_seconds"]], "losses": timing["losses"],
              "peak_memory_gib": peak_memory_gib(device),
-             "kernel_path": {**trainer.model.kernel_path(), "loss": trainer.loss.last_backend}}
+             "kernel_path": {**trainer.model.kernel_path(), "loss": trainer.training_step.loss.last_backend}}
     if args.profile_steps:
         found["profile"] = guarded(lambda: profile_steps(
             trainer.train_step, batches[timed:], device, args.out / "profiles" / f"{kind}-{backend}.txt"))

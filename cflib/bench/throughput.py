@@ -214,9 +214,10 @@ def train_params(params: ThroughputParams, micro: int, steps: int, data_root: Pa
 
 def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | None = None) -> Session:
     run = prepare(tparams)
+    if name in EVERY_ROW_PATHS:  # as for a loss that reads every position
+        run.plan = dataclasses.replace(run.plan, supervised_rows_only=False)
     trainer = Trainer(run, progress=False)
-    if name in EVERY_ROW_PATHS:
-        trainer.loss_rows_only = False
+    training = trainer.training_step
     model, p = run.model, run.params
     counts = count_parameters(model)
     active = model.config.active_parameters()
@@ -229,8 +230,8 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
         def step(windows: np.ndarray, next_windows: np.ndarray | None = None) -> dict:
             return {**trainer.train_step(windows, next_windows),
                     "real_tokens": int(stream.data.lengths[stream.plan.examples_of(windows)].sum())}
-    return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(trainer.optimizer),
-                                  "gemms": trainer.gemms.describe()},
+    return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(training.optimizer),
+                                  "gemms": training.gemms.describe()},
                    trainer=trainer, facts={
         **counts, "params_active": active,
         "model_flops_per_token": flops_per_token(active, model.config.num_hidden_layers, model.config.hidden_size,
@@ -240,8 +241,8 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
         "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
         "loss_chunk_tokens": p.loss_chunk_tokens,
         "grad_ckpt": bool(model.grad_ckpt),
-        "compiled": compiled(trainer.train_model),
-        "optimizer": describe_optimizer(trainer.optimizer),
+        "compiled": compiled(training.train_model),
+        "optimizer": describe_optimizer(training.optimizer),
     })
 
 
@@ -305,7 +306,7 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
             entry["peak_memory_gib"] = peak_memory_gib(device)
             entry["kernel_path"] = session.kernel_path()  # what the forward passes used, read back
             if session.trainer is not None:
-                entry["step_capture"] = session.trainer.graphs_summary()
+                entry["step_capture"] = session.trainer.training_step.graphs_summary()
         except torch.cuda.OutOfMemoryError as err:
             return {**entry, "status": "oom", "reason": error_line(err), "peak_memory_gib": peak_memory_gib(device)}
         except Exception as err:

@@ -54,6 +54,18 @@ class ExecutionPlan:
         return {**asdict(self), "kernels": {**asdict(self.kernels), "notes": list(self.kernels.notes)}}
 
 
+# The kernel parameters a record repeats beside what ran, and the switches of kernel_overrides it names.
+KERNELS_REQUESTED = ("use_custom_kernels", "require_liger", "attention_backend")
+OVERRIDES_REQUESTED = ("epilogue_swiglu", "quack_gemms", "kept_swiglu_layers")
+
+
+def kernels_requested(params: TrainParams, plan: ExecutionPlan) -> dict:
+    """The kernel parameters as the run set them, and why auto left a kernel off."""
+    return {**{name: getattr(params, name) for name in KERNELS_REQUESTED},
+            **{name: getattr(params.overrides, name) for name in OVERRIDES_REQUESTED},
+            "notes": list(plan.kernels.notes)}
+
+
 def one_gpu_process_problem(device: torch.device, world_size: int) -> str | None:
     """Why `auto` leaves the BF16 weight copies and cflib's AdamW off: they are measured in one process on a
     GPU."""

@@ -9,10 +9,11 @@ them together.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cflib.data.filters import parse_filters
 from cflib.data.weighting import parse_loss_groups
@@ -20,10 +21,15 @@ from cflib.errors import ParamError
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
 from cflib.params import Params, coerce, composed, is_none_word, parsed_by
-from cflib.train.trackers import check_report_to, resolve_report_to
 from cflib.yamlio import read_yaml
 
+if TYPE_CHECKING:
+    from cflib.model.lora import LoraSettings
+
 DEVICES = ("auto", "cpu", "cuda")
+# The experiment trackers report_to names (cflib.train.trackers), each with the package it needs.
+REPORTERS = ("tensorboard", "mlflow")
+_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
 KERNEL_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "ddp", "fsdp")
 
@@ -69,6 +75,33 @@ def resume_choice(name: str, value: Any) -> str | None:
     if isinstance(value, bool) or str(value).lower() in ("true", "false"):
         return "latest" if str(value).lower() == "true" else None
     return coerce(name, value, str | None)
+
+
+def resolve_report_to(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one."""
+    if names is None:
+        return None
+    names = tuple(name.lower() for name in names)
+    if names in ((), ("none",)):
+        return None
+    if "all" in names:
+        return REPORTERS
+    return names
+
+
+def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None) -> None:
+    """ParamError naming an unknown or uninstalled tracker, before anything runs."""
+    for name in report_to or ():
+        if name not in REPORTERS:
+            raise ParamError(f"report_to: unknown tracker {name!r}; choose none, all, or from "
+                             f"{', '.join(REPORTERS)} (a list, or one comma-separated string)")
+        if importlib.util.find_spec(_PACKAGES[name]) is None:
+            raise ParamError(f"report_to: {name} is not installed in this environment: pip install {_PACKAGES[name]}")
+    if report_to and len(set(report_to)) != len(report_to):
+        raise ParamError(f"report_to repeats a tracker: {list(report_to)}")
+    if tracking_uri is not None and "mlflow" not in (report_to or ()):
+        raise ParamError(f"mlflow_tracking_uri is {tracking_uri!r} but report_to has no mlflow: add it "
+                         "(report_to: mlflow), or remove mlflow_tracking_uri")
 
 
 def tracker_names(name: str, value: Any) -> tuple[str, ...] | None:
@@ -406,6 +439,21 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         if self.base_dtype == "bfloat16" and not self.bf16:
             raise ParamError("base_dtype: bfloat16 holds the frozen weights in BF16 for BF16 autocast GEMMs; "
                              "set bf16: true, or keep base_dtype float32")
+
+
+    def lora_settings(self) -> LoraSettings | None:
+        """The LoRA settings this run asks for (defaults filled in), or None for full-parameter training."""
+        from cflib.model.lora import LoraSettings  # the model layer owns what can be adapted
+
+        if self.full_parameter:
+            return None
+        defaults = LoraSettings()
+        rank = self.lora_rank or defaults.rank
+        return LoraSettings(rank=rank, alpha=float(self.lora_alpha or rank),
+                            dropout=self.lora_dropout if self.lora_dropout is not None else defaults.dropout,
+                            targets=self.lora_targets or defaults.targets,
+                            base_dtype=self.base_dtype or defaults.base_dtype,
+                            trainable_tokens=self.lora_trainable_tokens or ())
 
 
 # What `full_parameter: false` reads; any of them with full_parameter: true is a mistake.

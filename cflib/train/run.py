@@ -30,7 +30,7 @@ from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import adapter_parameter_count
 from cflib.paths import resolve_path
-from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
+from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
 from cflib.train.lock import check_not_locked
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
@@ -191,12 +191,12 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
     if params.resume is not None:
         checkpoint_dir = resume_dir(params)
-        model, lora = resumed_model(checkpoint_dir, params)
+        model, lora = resumed_model(checkpoint_dir, params.lora_settings(), params.init_checkpoint)
         resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
     elif params.init_checkpoint is not None:
         checkpoint_dir = resolve_path(params.init_checkpoint)
-        model, lora = initial_model(checkpoint_dir, params)
+        model, lora = initial_model(checkpoint_dir, params.lora_settings())
         model_source, model_name = f"checkpoint {checkpoint_dir}", checkpoint_dir.name
     else:
         model, lora = TRMoEModel(_preset(params.model)), None
@@ -359,7 +359,7 @@ def schedule_signature(run: Run) -> dict:
 
 
 def memory_figures(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
-    settings = lora_settings(params)
+    settings = params.lora_settings()
     lora = None if settings is None else {"trainable_params": adapter_parameter_count(config, settings),
                                           "base_dtype": settings.base_dtype}
     return memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,

@@ -115,7 +115,7 @@ def test_cuda_graphs_true_without_a_gpu_stops_before_any_step(tmp_path, shard):
         Trainer(prepare(_params(tmp_path, shard, device="cpu", kernel_overrides={"cuda_graphs": True})), progress=False)
     trainer = Trainer(prepare(_params(tmp_path, shard, device="cpu", out_dir=str(tmp_path / "auto"))),
                       progress=False)
-    assert trainer.graphs_summary() == {"cuda_graphs": False, "reason": "the device is cpu, not CUDA"}
+    assert trainer.training_step.graphs_summary() == {"cuda_graphs": False, "reason": "the device is cpu, not CUDA"}
 
 
 @CUDA
@@ -142,9 +142,9 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
         steps = [order[s * 8 % (units - 8):][:8] for s in range(6)] + [None]
         # The graphed run stages each next step (padded, pinned) during the current one, as fit() does.
         rows[graphs] = [trainer.train_step(steps[s], steps[s + 1] if graphs == "true" else None) for s in range(6)]
-    summary = trainers["true"].graphs_summary()
+    summary = trainers["true"].training_step.graphs_summary()
     assert summary["replayed"] > 0 and summary["captured"] >= 2 and summary["capture_failure"] is None, summary
-    assert trainers["true"].loss.last_backend == "cflib_triton_fused_linear_ce"
+    assert trainers["true"].training_step.loss.last_backend == "cflib_triton_fused_linear_ce"
     for graphed, eager in zip(rows["true"], rows["false"]):
         assert graphed["loss"] == pytest.approx(eager["loss"], rel=2e-3)
         assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=2e-2)

@@ -99,13 +99,13 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
     step's loss and gradient norm are those of the run that casts its masters in every forward. With cflib's
     AdamW kernel writing the copies instead, the run trains as well (within the rounding of torch's FP64
     scalars), and the record says the kernel stepped."""
-    import cflib.train.trainer
+    import cflib.train.step
     from cflib.train.records import read_metrics
 
-    make_optimizer = cflib.train.trainer.make_optimizer
-    monkeypatch.setattr(cflib.train.trainer, "make_optimizer",  # torch's fused AdamW on the CPU too
-                        lambda model, params, device, fused=True, triton=False: make_optimizer(
-                            model, params, device, fused=not triton, triton=triton))
+    make_optimizer = cflib.train.step.make_optimizer
+    monkeypatch.setattr(cflib.train.step, "make_optimizer",  # torch's fused AdamW on the CPU too
+                        lambda model, settings, fused=False, triton=False: make_optimizer(
+                            model, settings, fused=not triton, triton=triton))
     copied = _copies_run(tmp_path, "copies", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "false"})
     cast = _copies_run(tmp_path, "casts", kernel_overrides={"bf16_weight_copies": "false", "cflib_adamw": "false"})
     kernel = _copies_run(tmp_path, "kernel", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "true"})
