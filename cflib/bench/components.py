@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from cflib.data.shards import IGNORE_INDEX
 from cflib.model.config import ModelConfig, preset
-from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
+from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, kernels_of, rope_cos_sin, rope_inv_freq
 from cflib.model.fast import AddRMSNorm, EpilogueSwiGLUEngine, FusedTRMoEEngine, LigerRMSNorm
 from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_problem, pack_documents
 from cflib.ops.dispatch import KernelChoice, quack_problem
@@ -73,7 +73,7 @@ def _rms_module(inputs: dict, cls: type[RMSNorm] = RMSNorm) -> RMSNorm:
 
 def _rms_fast(inputs):
     norm = _rms_module(inputs, LigerRMSNorm)
-    return norm(inputs["x"]), norm.ran["rmsnorm"]
+    return norm(inputs["x"]), kernels_of(norm)["rmsnorm"]
 
 
 def _add_norm_inputs(shape, gen, device):
@@ -90,7 +90,7 @@ def _add_norm_reference(inputs):
 def _add_norm_fast(inputs):
     norm = _rms_module(inputs, AddRMSNorm)
     total, normed = norm.add_norm(inputs["h"], inputs["delta"])
-    return torch.cat([total.flatten(), normed.flatten().to(total.dtype)]), norm.ran["rmsnorm"]
+    return torch.cat([total.flatten(), normed.flatten().to(total.dtype)]), kernels_of(norm)["rmsnorm"]
 
 
 def _rope_inputs(shape, gen, device):
@@ -198,8 +198,8 @@ def _moe_fast(cls: type[FusedTRMoEEngine], kernel: str, keep_activation: bool):
     def fast(inputs):
         engine = _engine(inputs, cls, keep_activation)
         out = engine(inputs["x"], inputs["token_ids"])
-        ran = engine.ran[kernel]
-        return out, f"{ran}, activation {engine.ran['swiglu_activation']}" if keep_activation else ran
+        ran = kernels_of(engine)
+        return out, f"{ran[kernel]}, activation {ran['swiglu_activation']}" if keep_activation else ran[kernel]
     return fast
 
 

@@ -240,7 +240,7 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
         "precision": "bf16-autocast" if p.bf16 else "fp32",
         "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
         "loss_chunk_tokens": p.loss_chunk_tokens,
-        "grad_ckpt": bool(model.grad_ckpt),
+        "grad_ckpt": run.plan.grad_ckpt,
         "compiled": compiled(training.train_model),
         "optimizer": describe_optimizer(training.optimizer),
     })

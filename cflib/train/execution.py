@@ -17,7 +17,7 @@ import torch
 
 from cflib.errors import ParamError
 from cflib.model.decoder import TRMoEModel
-from cflib.model.fast import use_kernels
+from cflib.model.fast import checkpoint_layers, keep_activations, use_kernels
 from cflib.ops.attention import capturable
 from cflib.ops.dispatch import KernelChoice, choose_kernels, refuse_if_required
 from cflib.ops.sft_loss import LOSSES, SFTLoss
@@ -153,6 +153,5 @@ def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device
 def apply_to_model(model: TRMoEModel, plan: ExecutionPlan) -> TRMoEModel:
     """Every module of `model` as the plan has it: its kernels' classes, checkpointed layers, kept activations."""
     use_kernels(model, plan.kernels)
-    model.grad_ckpt = plan.grad_ckpt
-    model.kept_swiglu_layers = plan.kept_swiglu_layers
-    return model
+    checkpoint_layers(model, plan.grad_ckpt)
+    return keep_activations(model, plan.kept_swiglu_layers)

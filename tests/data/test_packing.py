@@ -9,6 +9,7 @@ from tiny_models import random_ids, tiny_model
 
 from cflib.data.packing import collate_packed, pack_examples
 from cflib.data.shards import IGNORE_INDEX, Example, open_shard
+from cflib.model.fast import checkpoint_layers
 from cflib.ops.attention import attend, attention_batch, document_positions, pack_documents
 from cflib.ops.loss import chunked_cross_entropy_sum
 
@@ -181,8 +182,7 @@ def test_activation_checkpointing_keeps_packed_gradients():
     labels = torch.roll(ids, -1)
     grads = []
     for grad_ckpt in (False, True):
-        model = tiny_model(seed=6).train()
-        model.grad_ckpt = grad_ckpt
+        model = checkpoint_layers(tiny_model(seed=6).train(), grad_ckpt)
         chunked_cross_entropy_sum(model(ids, document_ids), model.head_weight, labels, 16)[0].backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name in grads[0]:
