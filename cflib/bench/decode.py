@@ -23,7 +23,7 @@ and with the static cache compiled. Each path is timed once after a warm-up call
 capture, kernel selection for every cache length, compilation: twice for the compiled static paths, whose CUDA
 graphs record on the second), between
 torch.cuda.synchronize calls, prefill included; tokens/s counts new tokens. Then exact match
-(cflib.train.evaluate.exact_match, with the fast kernels as training evaluates on a GPU) over
+(cflib.train.held_out.exact_match, with the fast kernels as training evaluates on a GPU) over
 held-out prompts at the released data's lengths (cflib.bench.synthetic.write_release_like_eval) is
 timed end to end, graph captures included.
 Every part is guarded: one that fails records its error and the others still run. DIR/record.json.
@@ -54,7 +54,7 @@ from cflib.model.decoder import rope_inv_freq
 from cflib.model.fast import use_kernels
 from cflib.model.generate import Decoder
 from cflib.ops.dispatch import KernelChoice, choose_kernels
-from cflib.train.evaluate import exact_match
+from cflib.train.held_out import exact_match
 from cflib.train.records import count_parameters
 from cflib.train.run import resolve_device
 

@@ -22,7 +22,7 @@ import torch
 
 from cflib.data.shards import IGNORE_INDEX, ShardPartition, collate
 from cflib.model.config import ModelConfig
-from cflib.train.evaluate import autocast
+from cflib.train.held_out import autocast
 from cflib.train.optim import lr_factor, make_optimizer
 from cflib.train.step import adamw_settings
 from cflib.train.params import TrainParams

@@ -56,7 +56,7 @@ from cflib.model.checkpoint import save_checkpoint
 from cflib.model.config import PRESETS, ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.paths import resolve_path
-from cflib.params import Params
+from cflib.schema import Params
 from cflib.train.optim import describe_optimizer, optimizer_kernel
 from cflib.train.params import DEVICES, ParamError, TrainParams
 from cflib.train.records import count_parameters

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
 from cflib.jobs import new_out_dir
-from cflib.params import Params, parsed_by
+from cflib.schema import Params, parsed_by
 from cflib.paths import resolve_path
 from cflib.train.records import read_metrics
 

@@ -13,7 +13,7 @@ from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
 from cflib.train import Run
 from cflib.train.curriculum_run import CurriculumRun
-from cflib.train.evaluate import final_turn
+from cflib.train.held_out import final_turn
 from cflib.train.sizing import format_arithmetic, run_arithmetic
 from cflib.train.records import read_metrics
 

@@ -2,7 +2,7 @@
 
 Every value is checked here, before anything is built or written: unknown
 names, wrong types, impossible ranges and impossible batch arithmetic. The
-fields are declared in sections (`cflib.params` reads them, from papermill's
+fields are declared in sections (`cflib.schema` reads them, from papermill's
 strings and YAML's typed values alike); `TrainParams` joins them and checks
 them together.
 """
@@ -20,7 +20,7 @@ from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
-from cflib.params import Params, coerce, composed, is_none_word, parsed_by
+from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
 from cflib.yamlio import read_yaml
 
 if TYPE_CHECKING:

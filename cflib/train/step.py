@@ -37,7 +37,7 @@ from cflib.ops.rows import Rows
 from cflib.ops.sft_loss import make_loss
 from cflib.train.batch import MicroBatch
 from cflib.train.distributed import rank_share, wrap_model
-from cflib.train.evaluate import autocast
+from cflib.train.held_out import autocast
 from cflib.train.graphs import GraphedMicroSteps
 from cflib.train.optim import (
     AdamWSettings,

@@ -29,7 +29,7 @@ from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.lora import describe as describe_lora
 from cflib.train.collector import steady_collector
 from cflib.train.distributed import epoch_stream
-from cflib.train.evaluate import eval_loss, exact_match
+from cflib.train.held_out import eval_loss, exact_match
 from cflib.train.execution import kernels_requested
 from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups
