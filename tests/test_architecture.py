@@ -3,6 +3,7 @@ thing, and the model's forwards read no flags."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from cflib.paths import project_root
@@ -222,6 +223,58 @@ def test_the_shared_name_list_names_only_shared_names():
     stale = {name: module_names().get(name, []) for name, count in SHARED_NAMES.items()
              if len(module_names().get(name, [])) < count}
     assert not stale, f"no longer shared: take them off SHARED_NAMES: {stale}"
+
+
+ARCHITECTURE_PAGE = project_root() / "docs" / "architecture.md"
+FOUNDATION = ("errors", "atomic", "paths", "yamlio", "jobs", "schema")
+
+
+def layer_table(text: str) -> dict[str, tuple[str, str]]:
+    """The architecture page's table of packages: its first cell (`cflib.ops`, foundation) -> (owns, may import)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[0] not in ("package", "---"):
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    return rows
+
+
+def undocumented_modules(text: str) -> dict[str, list[str]]:
+    """Each package's modules its row of the page does not name (as `module`)."""
+    table = layer_table(text)
+    missing = {}
+    packages = {"foundation": list(FOUNDATION)} | {
+        f"cflib.{path.name}": sorted(p.stem for p in path.glob("*.py") if p.stem not in ("__init__", "__main__"))
+        for path in sorted(PACKAGE.iterdir()) if (path / "__init__.py").is_file()}
+    for package, modules in packages.items():
+        named = set(re.findall(r"`([a-z_]+)(?:/|`)", table.get(package, ("", ""))[0]))
+        if absent := [module for module in modules if module not in named]:
+            missing[package] = absent
+    return missing
+
+
+def test_the_architecture_page_names_every_module_of_every_package():
+    assert not undocumented_modules(ARCHITECTURE_PAGE.read_text()), undocumented_modules(ARCHITECTURE_PAGE.read_text())
+
+
+def test_the_architecture_page_says_what_each_package_may_import_as_the_layers_and_the_imports_do():
+    """What the page lets a package import lies below it, and holds every package it does import."""
+    table, graph = layer_table(ARCHITECTURE_PAGE.read_text()), import_graph()
+    for package, (_, may_import) in table.items():
+        if package == "foundation" or "every layer below" in may_import:
+            continue
+        top, rank = layer(package)
+        below = {name for name, other in LAYERS.items() if other < rank and name not in FOUNDATION} - {top}
+        said = set(re.findall(r"\b[a-z]+\b", may_import)) - {"foundation"}
+        imported = {layer(target)[0] for module, targets in graph.items() if layer(module)[0] == top
+                    for target in targets} - {top, "cflib", *FOUNDATION}
+        assert imported <= said <= below, (f"{package} imports {sorted(imported)} and may import {sorted(below)}; "
+                                           f"the page says {may_import!r}")
+
+
+def test_the_page_check_finds_an_unnamed_module():
+    page = "| package | owns | may import |\n| --- | --- | --- |\n| `cflib.ops` | `loss`, `attention` | foundation |\n"
+    assert "dispatch" in undocumented_modules(page)["cflib.ops"] and "loss" not in undocumented_modules(page)["cflib.ops"]
 
 
 def test_each_package_says_what_it_owns_and_may_import():

@@ -60,33 +60,46 @@ def _loss_and_grads(model, batch: MicroBatch, gathered: bool = False) -> tuple[f
     return loss_sum.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["every-row", "supervised-rows"])
+@pytest.fixture
+def small_multiples(monkeypatch):
+    """The padding's multiples scaled down (the same rules, a fraction of the interpreted work): rows to 64
+    tokens, supervised positions to 128, a packed batch's documents to 8."""
+    import cflib.train.graphs as graphs
+
+    for name, value in (("SEQ_MULTIPLE", 64), ("SUPERVISED_ROWS", 128), ("DOCUMENTS", 8)):
+        monkeypatch.setattr(graphs, name, value)
+    return graphs
+
+
 @pytest.mark.parametrize("packed,weighted", [(False, False), (False, True), (True, False)],
                          ids=["dense", "dense-weighted", "packed"])
-def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, weighted, gathered):
-    """Dense rows padded to the next multiple of 256 tokens, supervised positions to a multiple of 512 (rows
-    of weight 0), a packed batch's documents to a multiple of 64 (empty documents): the same loss and
-    gradients, also where the last layer computes the supervised rows alone (padding entries repeating one,
-    masked out of the gradient). Heads of 64, so that on a GPU packed windows run FlashAttention-4's varlen
-    kernel where it is installed, the kernel whose document table is padded."""
+def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, weighted, small_multiples):
+    """Dense rows padded to the next multiple of SEQ_MULTIPLE tokens, supervised positions to a multiple of
+    SUPERVISED_ROWS (rows of weight 0), a packed batch's documents to a multiple of DOCUMENTS (empty
+    documents): the same loss and gradients, also where the last layer computes the supervised rows alone
+    (padding entries repeating one, masked out of the gradient). Heads of 64, so that on a GPU packed windows
+    run FlashAttention-4's varlen kernel where it is installed, the kernel whose document table is padded."""
     torch.manual_seed(0)
     config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     model = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
     host = _host_batch(config.vocab_size, 3, 40, packed, weighted)
     shape = static_shape(host, seq_len=300)
-    assert shape.supervised == SUPERVISED_ROWS and shape.weighted == weighted
-    assert (shape.seq, shape.documents) == ((40, DOCUMENTS) if packed else (256, None))
+    rows, documents = small_multiples.SUPERVISED_ROWS, small_multiples.DOCUMENTS
+    assert shape.supervised == rows and shape.weighted == weighted
+    assert (shape.seq, shape.documents) == ((40, documents) if packed else (small_multiples.SEQ_MULTIPLE, None))
     wide = padded(host, shape, pad_token_id=0)
-    assert wide.input_ids.shape == (3, shape.seq) and wide.supervised.shape == wide.row_mask.shape == (512,)
+    assert wide.input_ids.shape == (3, shape.seq) and wide.supervised.shape == wide.row_mask.shape == (rows,)
     if packed:
-        assert wide.documents.cu_seqlens.shape == (DOCUMENTS + 1,)
+        assert wide.documents.cu_seqlens.shape == (documents + 1,)
     loss, grads = _loss_and_grads(model, host.to(KERNEL_DEVICE))
-    wide_loss, wide_grads = _loss_and_grads(model, wide.to(KERNEL_DEVICE), gathered)
-    assert wide_loss == pytest.approx(loss, rel=1e-5)
-    for name, grad in grads.items():
-        # The padded GEMMs sum the same terms (and zeros) in another order: entries that cancel to near zero
-        # differ by the rounding of the terms' scale.
-        torch.testing.assert_close(wide_grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
+    for gathered in (False, True):  # every row, or the supervised rows alone
+        wide_loss, wide_grads = _loss_and_grads(model, wide.to(KERNEL_DEVICE), gathered)
+        assert wide_loss == pytest.approx(loss, rel=1e-5), gathered
+        for name, grad in grads.items():
+            # The padded GEMMs sum the same terms (and zeros) in another order: entries that cancel to near zero
+            # differ by the rounding of the terms' scale.
+            torch.testing.assert_close(wide_grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()),
+                                       msg=lambda m, name=name, gathered=gathered: f"{name} (rows {gathered}): {m}")
 
 
 def test_static_shapes_round_up_and_a_batch_without_supervision_has_none():

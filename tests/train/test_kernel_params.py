@@ -153,3 +153,25 @@ def test_the_weight_copies_problem_names_why_a_run_reads_none():
     assert problem(device=torch.device("cpu")) == "the device is cpu, not CUDA"
     assert problem(kernel_overrides={"bf16_weight_copies": "true"}, nproc_per_node=2) is None
     assert problem(kernel_overrides={"bf16_weight_copies": "false"}) == "bf16_weight_copies: false"
+
+
+def test_the_execution_plan_is_resolved_before_step_1_and_the_record_writes_it(tmp_path):
+    """Off a GPU every speed switch's auto stays off, each with its reason; a switch set to false says so; the plan
+    is in the run's description and, whole, in the record."""
+    params = {"model": "smoke", "device": "cpu", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2,
+              "max_steps": 1, "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False}
+    run = prepare(TrainParams.from_dict({**params, "out_dir": str(tmp_path / "auto")}))
+    plan = run.plan
+    assert (plan.optimizer, plan.weight_copies, plan.cuda_graphs, plan.grad_ckpt) == ("torch", False, False, False)
+    assert plan.reasons == {"bf16_weight_copies": "bf16 is off", "cflib_adamw": "the device is cpu, not CUDA",
+                            "cuda_graphs": "the device is cpu, not CUDA"}
+    assert plan.kept_swiglu_layers == run.model.config.num_hidden_layers and plan.supervised_rows_only
+    assert f"plan         {plan.describe()}" in run.describe() and "cuda_graphs: the device is cpu" in plan.describe()
+    overridden = prepare(TrainParams.from_dict({**params, "out_dir": str(tmp_path / "off"),
+                                                "kernel_overrides": {"cuda_graphs": False, "kept_swiglu_layers": 1}}))
+    assert overridden.plan.reasons["cuda_graphs"] == "cuda_graphs: false" and overridden.plan.kept_swiglu_layers == 1
+    record = train({**params, "out_dir": str(tmp_path / "trained"), "grad_ckpt": True}, progress=False)
+    assert record["execution_plan"]["grad_ckpt"] is True and record["execution_plan"]["optimizer"] == "torch"
+    assert record["execution_plan"]["reasons"]["cuda_graphs"].startswith("the device is cpu")
+    assert record["execution_plan"]["kernels"]["attention"] == "auto" and record["kernel_path"]["optimizer"] == "torch"
+    assert record["step_capture"] == {"cuda_graphs": False, "reason": "the device is cpu, not CUDA"}

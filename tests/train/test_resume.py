@@ -201,6 +201,7 @@ def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, 
     assert set(state["optimizer"]["state"]) == set(whole)  # the optimizer holds the adapters alone
 
 
+@pytest.mark.slow  # eight interpreted AdamW steps and a run before them
 def test_a_run_on_torchs_adamw_resumes_on_cflibs_kernel(tmp_path, shard):
     """cflib_adamw keeps torch's optimizer state: a checkpoint of a run stepped by torch's AdamW resumes on cflib's
     kernel (Triton's interpreter on a CPU) and ends where the uninterrupted run ends."""
