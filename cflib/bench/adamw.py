@@ -27,8 +27,8 @@ from cflib.model.config import preset
 from cflib.model.fast import attach_weight_copies, build_model
 from cflib.ops.dispatch import KernelChoice
 from cflib.train.optim import TritonAdamW, clip_in_fused_step, parameter_groups
-from cflib.train.step import adamw_settings
 from cflib.train.params import TrainParams
+from cflib.train.step import adamw_settings
 
 LAUNCHES = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16))
 RECIPE = TrainParams.from_dict({"lr": 2e-5})  # the released lr; AdamW's betas and weight decay as defaulted

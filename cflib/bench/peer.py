@@ -22,11 +22,11 @@ import torch
 
 from cflib.data.shards import IGNORE_INDEX, ShardPartition, collate
 from cflib.model.config import ModelConfig
+from cflib.train.batch import to_device
 from cflib.train.held_out import autocast
 from cflib.train.optim import lr_factor, make_optimizer
-from cflib.train.step import adamw_settings
 from cflib.train.params import TrainParams
-from cflib.train.batch import to_device
+from cflib.train.step import adamw_settings
 
 
 class PathUnavailable(RuntimeError):

@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
 from cflib.jobs import new_out_dir
-from cflib.schema import Params, parsed_by
 from cflib.paths import resolve_path
+from cflib.schema import Params, parsed_by
 from cflib.train.records import read_metrics
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's points and the state of each (cflib.lab.sweep)

@@ -14,8 +14,8 @@ from cflib.model.generate import Decoder
 from cflib.train import Run
 from cflib.train.curriculum_run import CurriculumRun
 from cflib.train.held_out import final_turn
-from cflib.train.sizing import format_arithmetic, run_arithmetic
 from cflib.train.records import read_metrics
+from cflib.train.sizing import format_arithmetic, run_arithmetic
 
 
 def _elsewhere(record: dict) -> str | None:

@@ -30,8 +30,8 @@ from cflib.errors import ParamError
 from cflib.jobs import job_out_dir
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
 from cflib.model.checkpoint import CheckpointError, latest_resumable
-from cflib.schema import Params, is_none_word, parsed_by, reject_unknown
 from cflib.paths import resolve_path
+from cflib.schema import Params, is_none_word, parsed_by, reject_unknown
 from cflib.train.params import TrainParams, load_params_file
 from cflib.train.run import RUN_FILES, batch_arithmetic
 from cflib.yamlio import read_yaml

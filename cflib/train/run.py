@@ -32,8 +32,8 @@ from cflib.model.lora import adapter_parameter_count
 from cflib.paths import resolve_path
 from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
-from cflib.train.lock import check_not_locked
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
+from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity

@@ -37,8 +37,8 @@ from cflib.ops.rows import Rows
 from cflib.ops.sft_loss import make_loss
 from cflib.train.batch import MicroBatch
 from cflib.train.distributed import rank_share, wrap_model
-from cflib.train.held_out import autocast
 from cflib.train.graphs import GraphedMicroSteps
+from cflib.train.held_out import autocast
 from cflib.train.optim import (
     AdamWSettings,
     TritonAdamW,
@@ -51,7 +51,8 @@ from cflib.train.params import TrainParams
 from cflib.train.run import Run
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a timer's boundary); the CPU has none."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -181,7 +182,7 @@ class TrainingStep:
         GPU runs this one's."""
         if self.weight_copies is not None:  # a replayed graph checks no master: rewrite what moved since
             self.weight_copies.refresh(stale_only=True)
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         staged, self.staged = self.staged, None
         if staged is None or not np.array_equal(staged.units, step_units):
@@ -206,7 +207,7 @@ class TrainingStep:
             if finite:
                 self.optimizer.step()
             self._end_step()
-        _sync(self.device)
+        synchronize(self.device)
         return StepResult(loss, lr, grad_norm, int(tokens), staged.supervised, time.perf_counter() - start, finite,
                           staged.examples, cell_mass)
 

@@ -29,19 +29,14 @@ from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.lora import describe as describe_lora
 from cflib.train.collector import steady_collector
 from cflib.train.distributed import epoch_stream
-from cflib.train.held_out import eval_loss, exact_match
 from cflib.train.execution import kernels_requested
+from cflib.train.held_out import eval_loss, exact_match
 from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups
 from cflib.train.records import MetricsLog, RunSummary, count_parameters, train_record
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
-from cflib.train.step import StepResult, TrainingStep
+from cflib.train.step import StepResult, TrainingStep, synchronize
 from cflib.train.trackers import open_trackers
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def evaluations_without_improvement(evals: list[dict]) -> int:
@@ -120,7 +115,7 @@ class Trainer:
 
     def evaluate(self, tag: str, epoch: int, with_exact_match: bool) -> dict:
         p = self.params
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         result = {"tag": tag, "step": self.step, "epoch": epoch}
         result.update(eval_loss(self.model, self.run.eval_data, p.eval_micro_batch or p.micro_batch_per_rank,
@@ -129,7 +124,7 @@ class Trainer:
             matched = exact_match(self.model, self.run.eval_data, p.bf16, p.exact_match_limit)
             result.update(exact_match=matched["exact_match"], exact_match_by_group=matched["exact_match_by_group"],
                           exact_match_samples=matched["samples"])
-        _sync(self.device)
+        synchronize(self.device)
         result["seconds"] = time.perf_counter() - start
         self.timing["eval_s"] += result["seconds"]
         self.evals.append(result)

@@ -12,8 +12,8 @@ from tiny_models import KERNEL_DEVICE
 from cflib.ops.attention import ATTENTION_BACKENDS
 from cflib.ops.dispatch import KernelUnavailable, quack_problem
 from cflib.train import prepare, train
-from cflib.train.params import ParamError, TrainParams
 from cflib.train.execution import weight_copies_problem
+from cflib.train.params import ParamError, TrainParams
 
 DEVICE = KERNEL_DEVICE
 
