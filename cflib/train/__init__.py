@@ -1,7 +1,9 @@
 """train: one SFT job from checked parameters to a finished run folder.
 
 Owns the parameters (`params`), `prepare` (every check, nothing written),
-the loop (`trainer`), the optimizer and schedule (`optim`), curricula
+the execution plan resolved before step 1 (`execution`), one optimizer step
+(`step`) and the loop around it (`trainer`), the optimizer and schedule
+(`optim`), curricula
 (`curriculum`, `curriculum_audit`, `curriculum_run`; `start` picks one run or
 a curriculum), data
 parallelism (`distributed`, `launch`; `python -m cflib.train PARAMS.json`
