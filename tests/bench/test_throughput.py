@@ -38,7 +38,8 @@ SMOKE_PATHS = ["reference", "production", "peer_eager", "peer_liger", "peer_comp
 
 @pytest.fixture(scope="module")
 def smoke_record(tmp_path_factory) -> dict:
-    """One smoke measurement of both kinds of batches: every path the CPU can run, and those it cannot."""
+    """One smoke measurement of both kinds of batches: every path the CPU can run, and those it cannot. About a
+    minute of training on two cores: the tests that read it are in the slow tier."""
     out_dir = tmp_path_factory.mktemp("throughput") / "run"
     params = ThroughputParams.from_dict({**SMOKE, "out_dir": str(out_dir), "paths": SMOKE_PATHS})
     return measure(params, log=lambda line: None)
@@ -59,11 +60,6 @@ def test_parameters_cell_mirrors_throughput_params():
     defaults = {name: getattr(ThroughputParams(), name) for name in ThroughputParams.names()}
     cell = parameters_cell(NOTEBOOK)
     assert {name: tuple(v) if isinstance(v, list) else v for name, v in cell.items()} == defaults
-
-
-@pytest.mark.parametrize("path", sorted((ROOT / "params").glob("throughput_*.yaml")), ids=lambda p: p.name)
-def test_throughput_params_files_validate(path):
-    ThroughputParams.from_dict(load_params_file(path), source=str(path))
 
 
 def test_h200_params_measure_the_products_targets_settings():
@@ -246,6 +242,7 @@ def test_record_carries_the_measurement_protocol(smoke_record):
     assert record["batches"] == ["random_rows", "realistic"] and set(protocol["data"]) == set(BATCHES)
 
 
+@pytest.mark.slow
 def test_every_path_is_measured_on_its_batches(smoke_record):
     dense = ("reference", "production", "peer_eager", "peer_liger", "peer_compile")
     realistic = ("reference", "production", "peer_padded", "peer_packed", "peer_padding_free")
@@ -266,6 +263,7 @@ def test_every_path_is_measured_on_its_batches(smoke_record):
             assert field in entry, (entry["path"], field)
 
 
+@pytest.mark.slow
 def test_project_paths_train_through_the_trainer_and_read_kernels_back(smoke_record):
     from cflib.model.decoder import TRMoEModel
 
@@ -286,6 +284,7 @@ def test_project_paths_train_through_the_trainer_and_read_kernels_back(smoke_rec
     assert all(e["reason"] for e in production if e["status"] == "skipped")
 
 
+@pytest.mark.slow
 def test_realistic_lengths_train_the_release_layout_with_document_masking(smoke_record):
     project = {e["path"]: e for e in entries_of(smoke_record, "realistic") if e["path"] in ("reference", "production")}
     assert project["reference"]["status"] == "ok" and project["reference"]["requested"]["pack_sequences"] is True
@@ -297,6 +296,7 @@ def test_realistic_lengths_train_the_release_layout_with_document_masking(smoke_
     assert dense_reference["kernel_path"]["attention"] == "torch_sdpa"
 
 
+@pytest.mark.slow
 def test_every_realistic_path_trains_the_same_examples(smoke_record):
     """Timed supervised and example tokens are the same for every path: the same examples, however fed."""
     source = smoke_record["realistic"]
@@ -318,11 +318,13 @@ def test_every_realistic_path_trains_the_same_examples(smoke_record):
         by_path["reference"]["tokens_per_s"] * sum(by_path["reference"]["step_seconds"]))
 
 
+@pytest.mark.slow
 def test_padding_free_is_skipped_without_a_varlen_kernel_with_its_reason(smoke_record):
     entry = next(e for e in smoke_record["paths"] if e["path"] == "peer_padding_free")
     assert entry["status"] == "skipped" and "varlen attention kernel" in entry["reason"] and "cpu" in entry["reason"]
 
 
+@pytest.mark.slow
 def test_evaluation_and_checkpoint_are_timed_apart_and_the_checkpoint_removed(smoke_record):
     timed = [e for e in smoke_record["paths"] if "evaluation_and_checkpoint" in e]
     assert {(e["batches"], e["path"], e["micro_batch"]) for e in timed} <= {
@@ -335,6 +337,7 @@ def test_evaluation_and_checkpoint_are_timed_apart_and_the_checkpoint_removed(sm
     assert not list(Path(smoke_record["out_dir"]).rglob("model.safetensors"))
 
 
+@pytest.mark.slow
 def test_profiles_are_taken_after_the_timed_steps_at_the_compared_micro_batch(smoke_record):
     profiled = [e for e in smoke_record["paths"] if "profile" in e]
     assert {(e["batches"], e["path"], e["micro_batch"]) for e in profiled} == {
@@ -346,6 +349,7 @@ def test_profiles_are_taken_after_the_timed_steps_at_the_compared_micro_batch(sm
     assert len(profiled[0]["step_seconds"]) == 2  # the profiled step is not among the timed ones
 
 
+@pytest.mark.slow
 def test_peers_train_and_liger_is_skipped_on_cpu_with_its_reason(smoke_record):
     by_path = {}
     for entry in entries_of(smoke_record, "random_rows"):
@@ -493,6 +497,7 @@ def test_a_run_cut_short_leaves_what_it_measured(tmp_path, monkeypatch):
     assert not (out_dir / "record.json").exists()
 
 
+@pytest.mark.slow
 def test_repetitions_run_round_robin_and_each_entry_is_its_fastest(tmp_path, monkeypatch):
     order = []
     real_measure_path = throughput.measure_path
@@ -581,6 +586,7 @@ def test_compare_says_why_a_ratio_is_missing():
 
 # --- the report -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
     table = perf_table(smoke_record)
     random_rows, realistic = table.split("Realistic lengths (")
@@ -599,6 +605,7 @@ def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
     assert "issue" not in table.lower()
 
 
+@pytest.mark.slow
 def test_perf_table_shows_each_paths_median_clock_power_and_energy_per_token(smoke_record):
     """Under the board's power limit the clocks tell two paths' energy per step apart, and the energy per token
     (median watts over tokens/s; over supervised tokens/s on realistic lengths) is what their ratio divides; a
@@ -618,6 +625,7 @@ def test_perf_table_shows_each_paths_median_clock_power_and_energy_per_token(smo
     assert realistic.endswith("| 600 | 4.00 |")
 
 
+@pytest.mark.slow
 def test_perf_table_says_when_a_sides_best_is_the_largest_micro_batch_it_tried(smoke_record):
     """Each side at its best is only as good as the micro-batches tried: a best at the largest one that ran, with
     none larger out of memory, might not be the side's best."""
@@ -649,6 +657,7 @@ def test_perf_table_reads_a_record_of_random_rows_only():
     assert "Realistic lengths" not in table and "(realistic)" not in table
 
 
+@pytest.mark.slow
 def test_a_generated_block_is_replaced_and_missing_markers_are_named(tmp_path, smoke_record, capsys):
     record_path = tmp_path / "record.json"
     record_path.write_text(json.dumps(smoke_record))
