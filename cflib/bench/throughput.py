@@ -134,7 +134,7 @@ class ThroughputParams(Params):
     batches: tuple[str, ...] = tuple(BATCHES)  # random_rows and/or realistic
     shard: str | None = None  # realistic lengths from this shard root (its train partition); None: generated
     realistic_median_length: int = 10  # generated lengths: log-normal median, capped at seq_len (300 on a GPU run)
-    fed_peers_liger: bool = True  # peer_padded, peer_packed, peer_padding_free with Liger's kernels (CUDA); not the compiled one
+    fed_peers_liger: bool = True  # peer_padded, peer_packed, peer_padding_free with Liger's kernels (CUDA)
     warmup_steps: int = 1  # taken, not timed
     timed_steps: int = 2
     repetitions: int = 1  # > 1: every path that many times, round robin; each entry is its fastest repetition
