@@ -671,7 +671,8 @@ def test_perf_table_lists_every_path_ratio_and_kernel_path(smoke_record):
         part = random_rows if entry["batches"] == "random_rows" else realistic
         assert f"| {entry['path']} | {entry['micro_batch']} |" in part
     assert table.count("| tokens/s: production") == 2 and "| peak memory: production / best_peer |" in table
-    realistic_row = "| supervised tokens/s: production (realistic) / best_peer (realistic) (production mb2 / peer_packed mb2)"
+    realistic_row = ("| supervised tokens/s: production (realistic) / best_peer (realistic) "
+                     "(production mb2 / peer_packed mb2)")
     assert realistic_row in table
     assert "| model TFLOP/s: production / bf16 matmul ceiling" in table and "product's targets" in table
     assert "| peer_liger | skipped: PathUnavailable: Liger's Triton kernels" in table
