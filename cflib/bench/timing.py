@@ -236,8 +236,10 @@ def profile_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches
              "table_by_shape": str(by_shape), "sorted_by": sort_by,
              "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
     if device.type == "cuda":
+        # GPU annotations (a compiled graph's call, an optimizer step) span kernels counted already, and the gaps
+        # between them: they are not kernels.
         spans = [(e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA]
+                 if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         found["timeline"] = kernel_timeline(spans, len(batches), wall_ms)
         # Every kernel by its full name (the tables cut names and rows): what each family of kernels costs a step.
         kernels_path = table_path.with_name(table_path.stem + "-kernels.json")
