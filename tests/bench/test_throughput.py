@@ -343,6 +343,7 @@ def test_padding_free_is_skipped_without_a_varlen_kernel_with_its_reason(smoke_r
         assert "cpu" in entry["reason"]
 
 
+@pytest.mark.slow
 def test_every_path_reports_its_start_up_apart_from_the_steady_state(smoke_record):
     """Set-up, first step, the warm-up beyond steady state and torch.compile's own work, for theirs and ours."""
     ran = [e for e in smoke_record["paths"] if e["status"] == "ok"]
