@@ -42,7 +42,7 @@ INDUCTOR = (
     (("log_softmax", "nll_loss", "softmax"), "loss"),
     (("silu",), "SwiGLU / TR-MoE"),
     (("rsqrt", "pow"), "norms"),
-    (("neg_slice", "cat_mul_neg", "slice_backward"), "RoPE / QK-norm"),
+    (("neg_slice", "cat_mul_neg", "slice_backward", "cos_mul_sin"), "RoPE / QK-norm"),
     (("embedding",), "embedding backward"),
 )
 ANNOTATION = re.compile(r"^## |^[\w.]+#")
