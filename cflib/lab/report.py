@@ -6,7 +6,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from cflib.data import ByteTokenizer, JsonTokenizer, ShardPartition
+from cflib.data import ByteTokenizer, JsonTokenizer, PretrainedTokenizer, ShardPartition, load_tokenizer
 from cflib.export import export_hub
 from cflib.export.peft import is_adapter_checkpoint, load_merged, merge
 from cflib.model import load_checkpoint
@@ -80,19 +80,21 @@ def show_exact_match(record: dict) -> None:
 
 
 def shard_tokenizer_spec(shard: ShardPartition) -> str | None:
-    """The tokenizer a shard was converted with, when its index names one ("byte" or a tokenizer.json path);
-    "byte" for the embedded tasks (no conversion block, its vocabulary); None when unknown."""
+    """The tokenizer a shard was converted with, when its index names one ("byte", a tokenizer.json or a
+    tokenizer folder); "byte" for the embedded tasks (no conversion block, its vocabulary); None when unknown."""
     named = shard.index.get("conversion", {}).get("tokenizer", {})
     if named.get("kind") == "tokenizer.json" and named.get("path") and Path(named["path"]).is_file():
+        return named["path"]
+    if named.get("kind") == "folder" and named.get("path") and Path(named["path"]).is_dir():
         return named["path"]
     if named.get("kind") == "byte" or (not named and shard.vocab_size == ByteTokenizer.vocab_size):
         return "byte"
     return None
 
 
-def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | None:
+def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | PretrainedTokenizer | None:
     spec = shard_tokenizer_spec(shard)
-    return None if spec is None else ByteTokenizer() if spec == "byte" else JsonTokenizer(spec)
+    return None if spec is None else load_tokenizer(spec)
 
 
 def export_run(record: dict, out: str | Path | None = None) -> Path | None:

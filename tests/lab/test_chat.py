@@ -6,7 +6,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from cflib.data import ChatRenderer, ChatTemplate, ConvertError
+from cflib.data import ChatRenderer, ChatTemplate, Conversation, ConvertError
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.lab.chat import (
@@ -170,7 +170,7 @@ def test_render_prompt_reuses_the_converters_turns():
     renderer = ChatRenderer(h.TOKENIZER, template, "final_turn")
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}]
-    full, _ = renderer.render(messages + [{"role": "assistant", "content": "b"}])
+    full, _ = renderer.render(Conversation(messages + [{"role": "assistant", "content": "b"}]))
     assert renderer.render_prompt(messages) == full[:-2]  # all but the answer "b" and its EOS
     assert h.TOKENIZER.decode_template(renderer.render_prompt(messages)) == "S:s|U:q|A:a<|eos|>U:r|A:"
     with pytest.raises(ConvertError, match="no assistant marker"):
