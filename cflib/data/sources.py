@@ -146,7 +146,7 @@ class SourceReader:
                 yield from _numbered(self._file_dataset(file), str(file))
 
     def _file_dataset(self, file: Path):
-        import datasets
+        datasets = _datasets()
 
         options = {}
         if BUILDERS[file.suffix] == "csv":  # every column as text, as written: no numbers, no missing values
@@ -157,7 +157,7 @@ class SourceReader:
 
     @staticmethod
     def _saved_dataset(path: Path):
-        import datasets
+        datasets = _datasets()
 
         try:
             return datasets.load_from_disk(str(path))
@@ -167,7 +167,7 @@ class SourceReader:
     def _hub_dataset(self, source: Source):
         """The Hub data set at the commit its revision names, streamed; fails at once when the Hub is out of
         reach (offline, or HF_HUB_OFFLINE set), naming the source."""
-        import datasets
+        datasets = _datasets()
         from huggingface_hub import HfApi
 
         name, config, split, revision = hub_parts(source.spec)
@@ -183,6 +183,16 @@ class SourceReader:
                                          cache_dir=self._scratch.name)
         except Exception as err:
             raise ConvertError(f"{source.spec}: datasets could not open it ({err})") from None
+
+
+def _datasets():
+    """The `datasets` library (the `data` extra), or ConvertError saying how to install it."""
+    try:
+        import datasets
+    except ModuleNotFoundError:
+        raise ConvertError("reading Parquet, Arrow, CSV, saved datasets and the Hub takes the datasets library: "
+                           "pip install 'cflib[data]'") from None
+    return datasets
 
 
 def _csv_header(file: Path) -> list[str]:

@@ -112,8 +112,11 @@ class PretrainedTokenizer:
     """A tokenizer folder, loaded by `transformers.AutoTokenizer` from its local files; `hf` is that tokenizer."""
 
     def __init__(self, folder: str | Path) -> None:
-        from transformers import AutoTokenizer
-
+        try:
+            from transformers import AutoTokenizer
+        except ModuleNotFoundError:
+            raise ValueError(f"{folder}: a tokenizer folder is read by the transformers library: "
+                             "pip install 'cflib[data]'") from None
         self.path = Path(folder)
         try:
             self.hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True, trust_remote_code=False)

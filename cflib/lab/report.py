@@ -99,14 +99,17 @@ def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | Pr
 
 def export_run(record: dict, out: str | Path | None = None) -> Path | None:
     """The Hub bundle of the run's best (else last) checkpoint in out, by default out_dir/hub, with the tokenizer
-    its data was converted with (where that is unknown, the command that names one). A LoRA run's adapters are
+    its data was converted with (where that is unknown, the command that names one) and, where the data was
+    rendered through the tokenizer's own chat template, that same template. A LoRA run's adapters are
     merged into their base first, in out_dir/merged (cflib.export.peft.merge)."""
     if _elsewhere(record):
         print(_elsewhere(record))
         return None
     run_dir = Path(record["out_dir"])
     out = Path(out) if out is not None else run_dir / "hub"
-    spec = shard_tokenizer_spec(ShardPartition(Path(record["data"]["root"]) / "eval"))
+    shard = ShardPartition(Path(record["data"]["root"]) / "eval")
+    spec = shard_tokenizer_spec(shard)
+    template = shard.index.get("conversion", {}).get("template", {})
     if spec is None:
         print(f"the data's index names no tokenizer: python -m cflib.export hub {run_dir} {out} "
               "--tokenizer path/to/tokenizer.json")
@@ -118,7 +121,8 @@ def export_run(record: dict, out: str | Path | None = None) -> Path | None:
         merge(chosen, merged)
         print(f"merged the adapters of {chosen} into their base: {merged}")
         chosen = merged
-    return export_hub(chosen or run_dir, out, tokenizer=spec)
+    return export_hub(chosen or run_dir, out, tokenizer=spec,
+                      chat_template_sha256=template.get("sha256") if template.get("kind") == "tokenizer" else None)
 
 
 def show_answers(record: dict, n: int = 5) -> None:
