@@ -49,7 +49,7 @@ from cflib.data.marker_template import ChatTemplate
 from cflib.data.reasoning import POLICIES, stripped
 from cflib.data.rendering import TOKENIZER_TEMPLATE, Renderer, make_renderer, tokenizer_record
 from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, write_partition
-from cflib.data.sources import Source, SourceReader, describe, parse_source
+from cflib.data.sources import Source, SourceReader, describe, distinct_names, parse_source
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, PretrainedTokenizer
 from cflib.jobs import one_line_errors
 from cflib.yamlio import read_yaml
@@ -79,7 +79,8 @@ class ConvertSpec:
         """The sources a partition reads: its own, or the train sources split by eval_fraction."""
         given = self.train if partition == "train" or self.eval is None else self.eval
         entries = given if isinstance(given, list) else [given]
-        return [parse_source(entry, partition if self.eval is not None else "train") for entry in entries]
+        return distinct_names([parse_source(entry, partition if self.eval is not None else "train")
+                               for entry in entries])
 
     def validate(self) -> None:
         if self.supervise not in SUPERVISE:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import csv
 import json
 import tempfile
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -45,6 +46,7 @@ class Source:
     spec: str  # as given: a path or hub:NAME[:CONFIG]:SPLIT[@REVISION]
     name: str  # each example's `source` where its row names none
     format: str = "auto"  # auto: detected from the first row (cflib.data.formats)
+    named: bool = False  # the name was given, not taken from the path
 
     @property
     def is_hub(self) -> bool:
@@ -70,7 +72,16 @@ def parse_source(entry: object, role: str) -> Source:
         default = Path(spec).stem if Path(spec).suffix in BUILDERS else Path(spec).name
     if name is not None and (not isinstance(name, str) or not name):
         raise ConvertError(f"{role}: {spec}: a source's name is a non-empty string, got {name!r}")
-    return Source(spec, name or default, fmt)
+    return Source(spec, name or default, fmt, named=name is not None)
+
+
+def distinct_names(sources: list[Source]) -> list[Source]:
+    """The sources, two inputs whose names come from paths that share them (a/train.jsonl, b/train.jsonl) named
+    by their paths (a Hub source by NAME:CONFIG:SPLIT) instead, so each example's `source` tells them apart. Names given stay: sources given one
+    name are one source to the manifest and to each example."""
+    counts = Counter(source.name for source in sources)
+    return [replace(source, name=source.spec[len(HUB):] if source.is_hub else str(Path(source.spec).with_suffix("")))
+            if counts[source.name] > 1 and not source.named else source for source in sources]
 
 
 def hub_parts(spec: str) -> tuple[str, str | None, str, str | None]:
@@ -100,6 +111,7 @@ def local_files(source: Source) -> list[Path]:
     if is_saved_dataset(path):
         return sorted(path.glob("*.arrow")) + [path / name for name in SAVED_MARKERS]
     files = sorted(file for file in path.rglob("*") if file.suffix in BUILDERS and file.is_file()
+                   and file.name not in (*SAVED_MARKERS, SAVED_DICT)  # a saved dataset's own bookkeeping
                    and not any(part.startswith(".") for part in file.relative_to(path).parts))
     if not files:
         raise ConvertError(f"{path}: a folder with no data file in it ({', '.join(BUILDERS)})")

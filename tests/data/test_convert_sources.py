@@ -137,6 +137,18 @@ def test_every_local_kind_of_source_reads_the_same_rows(tmp_path):
         reference = got
 
 
+def test_sources_of_one_name_are_told_apart_by_their_paths(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        write_jsonl(tmp_path / folder / "train.jsonl", [as_messages(SHAREGPT[0 if folder == "a" else 1])])
+    sources = [str(tmp_path / "a" / "train.jsonl"), str(tmp_path / "b" / "train.jsonl")]
+    indexes = run(tmp_path, sources)
+    assert indexes["train"]["conversion"]["stats"]["examples_per_source"] == {
+        str(tmp_path / "a" / "train"): 1, str(tmp_path / "b" / "train"): 1}
+    indexes = run(tmp_path, [{"path": source, "name": "both"} for source in sources], name="named")
+    assert indexes["train"]["conversion"]["stats"]["examples_per_source"] == {"both": 2}
+
+
 def test_a_csv_keeps_every_cell_as_the_text_it_was(tmp_path):
     path = tmp_path / "sums.csv"
     path.write_text('prompt,completion\n12+34=,46\nsay NA,NA\n"a, b",007\n')
