@@ -16,7 +16,7 @@ setup: $(STAMP) $(KERNEL)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[notebook,test]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[notebook,test,data]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

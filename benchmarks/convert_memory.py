@@ -2,12 +2,16 @@
 
     python benchmarks/convert_memory.py                    # 10K and 1M rows
     python benchmarks/convert_memory.py --rows 1000 20000
+    python benchmarks/convert_memory.py --source parquet --rows 10000 100000 \
+        --record outputs/records/convert_memory_parquet_cpu.json   # read through datasets
 
 For each size it writes a synthetic chat JSONL (distinct multi-turn
 conversations, with a few duplicates, empty answers and over-long ones mixed
 in), converts it in a fresh process, and reads that process's peak resident
 set size (getrusage ru_maxrss) after its imports and after the conversion.
-The figures go to outputs/records/convert_memory_cpu.json.
+With `--source parquet` the same rows are written as Parquet first (by a
+process of their own) and the conversion reads them through `datasets`. The figures go to
+outputs/records/convert_memory_cpu.json, or `--record`.
 """
 from __future__ import annotations
 
@@ -63,15 +67,33 @@ def synthetic_chats(path: Path, rows: int, seed: int = 0) -> None:
             previous = row
 
 
-def measure(rows: int, work: Path) -> dict:
+PARQUET_CHILD = r"""
+import sys
+import datasets
+datasets.Dataset.from_json(sys.argv[1], cache_dir=sys.argv[3]).to_parquet(sys.argv[2])
+"""
+
+
+def as_parquet(jsonl: Path, work: Path) -> Path:
+    """The rows of `jsonl` as a Parquet file beside it, written by a process of its own: Linux keeps a process's
+    peak resident size across exec, so the measuring child must come from a parent that stayed small."""
+    parquet = jsonl.with_suffix(".parquet")
+    subprocess.run([sys.executable, "-c", PARQUET_CHILD, str(jsonl), str(parquet), str(work / "cache")],
+                   capture_output=True, text=True, cwd=ROOT, check=True)
+    return parquet
+
+
+def measure(rows: int, work: Path, source: str = "jsonl") -> dict:
     train, eval_ = work / f"train-{rows}.jsonl", work / f"eval-{rows}.jsonl"
     synthetic_chats(train, rows)
     synthetic_chats(eval_, 200, seed=1)
+    if source == "parquet":
+        train = as_parquet(train, work)
     out = work / f"shard-{rows}"
     done = subprocess.run([sys.executable, "-c", CHILD, str(train), str(eval_), str(out)], capture_output=True,
                           text=True, cwd=ROOT, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    result.update(rows=rows, jsonl_bytes=train.stat().st_size,
+    result.update(rows=rows, source=source, source_bytes=train.stat().st_size,
                   shard_bytes=sum(p.stat().st_size for p in (out / "train").iterdir()))
     return result
 
@@ -79,20 +101,21 @@ def measure(rows: int, work: Path) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="benchmarks/convert_memory.py", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 1_000_000])
+    parser.add_argument("--source", choices=("jsonl", "parquet"), default="jsonl", help="the train rows' file")
     parser.add_argument("--record", default=str(ROOT / "outputs" / "records" / "convert_memory_cpu.json"))
     args = parser.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="cflib-convert-memory-") as work:
         for rows in args.rows:
-            result = measure(rows, Path(work))
+            result = measure(rows, Path(work), args.source)
             results.append(result)
-            print(f"{rows:>9,} rows  {result['jsonl_bytes'] / 2**20:8.1f} MiB JSONL  "
+            print(f"{rows:>9,} rows  {result['source_bytes'] / 2**20:8.1f} MiB {args.source}  "
                   f"peak RSS {result['peak_rss_kib'] / 1024:6.1f} MiB (after imports "
                   f"{result['peak_rss_after_imports_kib'] / 1024:.1f})  {result['convert_s']:7.1f} s  "
                   f"{result['train']['examples']:,} examples, rejected {result['rejected']}", flush=True)
     record = {**record_header("convert_memory"),
               "method": "getrusage(RUSAGE_SELF).ru_maxrss of a fresh process running cflib.data.convert.convert "
-                        "(byte tokenizer, supervise all_assistant_turns, max_seq_len 512)",
+                        f"on {args.source} train rows (byte tokenizer, supervise all_assistant_turns, max_seq_len 512)",
               "results": results}
     Path(args.record).parent.mkdir(parents=True, exist_ok=True)
     Path(args.record).write_text(json.dumps(record, indent=2) + "\n")
