@@ -10,13 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import datasets
 import pytest
 
 from cflib.data.conversation import ConvertError
 from cflib.data.convert import ConvertSpec, convert
 from cflib.data.shards import IGNORE_INDEX, open_shard
 from cflib.data.tokenizer import ByteTokenizer
+
+datasets = pytest.importorskip("datasets", reason="the data extra (pip install cflib[data])")
 
 ROOT = Path(__file__).resolve().parents[2]
 BYTES = ByteTokenizer()

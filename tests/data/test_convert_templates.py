@@ -7,7 +7,6 @@ import hashlib
 import json
 from pathlib import Path
 
-import datasets
 import pytest
 from transformers import AutoTokenizer
 
@@ -17,6 +16,8 @@ from cflib.data.marker_template import ChatTemplate
 from cflib.data.reasoning import BLOCK_AND_SPACE
 from cflib.data.shards import IGNORE_INDEX, open_shard
 from cflib.data.tokenizer_template import TemplateRenderer
+
+datasets = pytest.importorskip("datasets", reason="the data extra (pip install cflib[data])")
 
 try:
     from chat_tokenizers import released_like_template, tokenizer_folder, turn

@@ -163,8 +163,10 @@ def test_the_execution_plan_is_resolved_before_step_1_and_the_record_writes_it(t
     run = prepare(TrainParams.from_dict({**params, "out_dir": str(tmp_path / "auto")}))
     plan = run.plan
     assert (plan.optimizer, plan.weight_copies, plan.cuda_graphs, plan.grad_ckpt) == ("torch", False, False, False)
-    assert plan.reasons == {"bf16_weight_copies": "bf16 is off", "cflib_adamw": "the device is cpu, not CUDA",
-                            "cuda_graphs": "the device is cpu, not CUDA"}
+    # cflib's AdamW says why in Triton's words where a GPU machine runs this without the interpreter.
+    assert "the device is cpu" in plan.reasons["cflib_adamw"]
+    assert {name: reason for name, reason in plan.reasons.items() if name != "cflib_adamw"} == {
+        "bf16_weight_copies": "bf16 is off", "cuda_graphs": "the device is cpu, not CUDA"}
     assert plan.kept_swiglu_layers == run.model.config.num_hidden_layers and plan.supervised_rows_only
     assert f"plan         {plan.describe()}" in run.describe() and "cuda_graphs: the device is cpu" in plan.describe()
     overridden = prepare(TrainParams.from_dict({**params, "out_dir": str(tmp_path / "off"),
