@@ -112,7 +112,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 def forward_tile(dim: int) -> tuple[int, int]:
     """Rows per program and warps of the forward kernel for rows of `dim` elements: about 4,096 elements a
-    program (cflib.bench.tiles sweeps the alternatives)."""
+    program (`python benchmarks/tiles.py` sweeps the alternatives)."""
     return max(1, 4096 // triton.next_power_of_2(dim)), 8
 
 

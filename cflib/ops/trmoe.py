@@ -10,7 +10,7 @@ on each expert's columns (zero on experts the token is not routed to), read
 by the kernel from the token ids and the route table. The output scales fold
 into that kernel exactly, by linearity of the down projection. The
 gather/grouped-GEMM/scatter design lost to this one on the H200 at the 200M
-shapes (cflib/bench/trmoe_designs.py, docs/kernels.md).
+shapes (docs/kernels.md, "The TR-MoE block designs").
 """
 from __future__ import annotations
 
