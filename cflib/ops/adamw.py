@@ -28,7 +28,7 @@ from cflib.ops.interpreter import INTERPRETING
 
 # Elements per program and warps, measured on the H200 over the 200M model's parameters with BF16 copies of its
 # 2-D weights (`python benchmarks/tiles.py`): 1,024 and 8 warps 1.54 ms a step (2,048 and 8: 1.66; 4,096 and 8: 1.99).
-BLOCK = 256 if INTERPRETING else 1024
+BLOCK = 2048 if INTERPRETING else 1024  # the interpreter pays per program
 NUM_WARPS = 8
 COPY_DTYPES = (torch.bfloat16, torch.float16)
 

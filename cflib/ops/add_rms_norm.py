@@ -112,8 +112,9 @@ def _multiprocessors(device: torch.device) -> int:
 
 def forward_tile(dim: int) -> tuple[int, int]:
     """Rows per program and warps of the forward kernel for rows of `dim` elements: about 4,096 elements a
-    program (`python benchmarks/tiles.py` sweeps the alternatives)."""
-    return max(1, 4096 // triton.next_power_of_2(dim)), 8
+    program (`python benchmarks/tiles.py` sweeps the alternatives); 16 times that in Triton's interpreter, which
+    pays per program."""
+    return max(1, (65536 if INTERPRETING else 4096) // triton.next_power_of_2(dim)), 8
 
 
 def add_rms_norm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,

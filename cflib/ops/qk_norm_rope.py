@@ -23,14 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from cflib.ops import interpreter  # noqa: F401
 from cflib.ops.column_sums import column_sums
+from cflib.ops.interpreter import INTERPRETING
 
 # Programs each take rows of one kind both ways (query rows, or key rows with the value rows beside), so each load
 # is a block of one kind; more programs keep more loads in flight than fewer walking several blocks each. Tiles
 # measured on the H200 at the 200M shapes (16 x 2,048 tokens, 14 + 2 + 2 heads of 64; a sweep of rows per block,
 # blocks per backward program and warps, backward with the partials' sum); `python benchmarks/tiles.py` sweeps them.
-FORWARD_TILE = (16, 2)  # rows per program, warps
+# Triton's interpreter pays per program, not per element: its forward takes 16 times the rows a program.
+FORWARD_TILE = (256, 2) if INTERPRETING else (16, 2)  # rows per program, warps
 BACKWARD_TILE = (64, 1, 2)  # rows per block, blocks per program, warps
 # Backward may read the rotated q and k instead of a kept qkv where each pair of columns the rotation mixes has
 # weights within this factor of each other: with BF16 heads and pairs 8x apart, the input's gradient measured
