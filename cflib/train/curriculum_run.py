@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cflib.atomic import check_writable_folder, write_json_atomic
-from cflib.data.tasks import ensure_embedded_shard
 from cflib.errors import ParamError
 from cflib.jobs import job_out_dir, utc_now
 from cflib.model.checkpoint import CheckpointError, latest_resumable
@@ -32,6 +31,7 @@ from cflib.train.launch import fit
 from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
 from cflib.train.run import model_config, prepare
+from cflib.train.run_data import data_root
 
 CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 
@@ -186,7 +186,5 @@ def prepare_curriculum(params: TrainParams) -> CurriculumRun:
     if not params.dry_run:
         _check_root(params, out_dir, curriculum)
     config, _ = model_config(replace(params, resume=None))  # every stage trains this architecture
-    data_root = (ensure_embedded_shard(resolve_path("outputs/data")) if params.data == "embedded"
-                 else resolve_path(params.data))
-    rows = audit(curriculum, config, data_root, stop_at_first=not params.dry_run)
-    return CurriculumRun(params, curriculum, out_dir, config, data_root, rows)
+    rows = audit(curriculum, config, stop_at_first=not params.dry_run)  # each stage against its own data
+    return CurriculumRun(params, curriculum, out_dir, config, data_root(params.data), rows)
