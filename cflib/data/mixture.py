@@ -275,7 +275,8 @@ def plan_mixture(names: Sequence[str], roots: Sequence[str], weights: Sequence[f
 def mixture_table(plan: dict, realised: list[dict]) -> str:
     """A plan (MixturePlan.record()) and the shares of the examples and supervised tokens some draw took from each
     source, as a markdown table."""
-    lines = ["| source | weight | share | train examples | per epoch | passes | share of examples | share of supervised tokens |",
+    lines = ["| source | weight | share | train examples | per epoch | passes | share of examples "
+             "| share of supervised tokens |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for source, drawn in zip(plan["sources"], realised):
         lines.append(f"| {source['name']} | {source['weight']:g} | {source['share']:.3f} | "

@@ -107,7 +107,7 @@ def stages_table(rows: list[dict]) -> str:
     lines += [f"\n{row['error']}" for row in rows if "error" in row]
     for row in rows:
         if row.get("mixture"):
-            lines += ["", f"stage {row['stage']}: mixture of {len(row['mixture']['sources'])} sources, "
+            lines += ["", f"stage {row['stage']}: mixture of {len(row['mixture']['sources'])} source(s), "
                           f"{row['mixture']['examples_per_epoch']:,} examples an epoch; shares of the first epoch's "
                           "draw", mixture_table(row["mixture"], row["mixture"]["first_epoch"])]
         if row.get("loss_weighting"):

@@ -24,14 +24,12 @@ from cflib.errors import ParamError
 from cflib.jobs import job_out_dir, utc_now
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.model.config import ModelConfig
-from cflib.paths import resolve_path
 from cflib.train.curriculum import Curriculum, Stage, load_curriculum, one_stage, stage_params
 from cflib.train.curriculum_audit import audit, stages_table
 from cflib.train.launch import fit
 from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
 from cflib.train.run import model_config, prepare
-from cflib.train.run_data import data_root
 
 CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 
@@ -44,7 +42,6 @@ class CurriculumRun:
     curriculum: Curriculum
     out_dir: Path
     config: ModelConfig
-    data_root: Path
     audit: list[dict]
 
     def describe(self) -> str:
@@ -187,4 +184,4 @@ def prepare_curriculum(params: TrainParams) -> CurriculumRun:
         _check_root(params, out_dir, curriculum)
     config, _ = model_config(replace(params, resume=None))  # every stage trains this architecture
     rows = audit(curriculum, config, stop_at_first=not params.dry_run)  # each stage against its own data
-    return CurriculumRun(params, curriculum, out_dir, config, data_root(params.data), rows)
+    return CurriculumRun(params, curriculum, out_dir, config, rows)

@@ -89,8 +89,8 @@ def final_turn(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return input_ids[:start + 1], labels[start:end]
 
 
-def exact_match(model: TRMoEModel, shard: ShardPartition, bf16: bool = False, limit: int | None = None,
-                batch_size: int = 64) -> dict:
+def exact_match(model: TRMoEModel, shard: ShardPartition | MixedPartition, bf16: bool = False,
+                limit: int | None = None, batch_size: int = 64) -> dict:
     """Greedy-decode each held-out prompt; a hit reproduces the answer and its EOS exactly.
 
     Decodes through cflib.model.generate's KV cache (CUDA graphs on a GPU), prompts of all

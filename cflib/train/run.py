@@ -154,7 +154,7 @@ class Run:
 
     def _mixture_lines(self) -> str:
         plan = self.mixture
-        return (f"data         a mixture of {len(plan.names)} sources: {plan.examples_per_epoch:,} examples an epoch, "
+        return (f"data         a mixture of {len(plan.names)} source(s): {plan.examples_per_epoch:,} examples an epoch, "
                 f"{len(self.eval_data):,} eval examples; the first epoch's draw:\n"
                 + mixture_table(plan.record(), plan.realised(plan.epoch(1), self.train_data.supervised_counts)))
 

@@ -45,11 +45,6 @@ def shard_root(path: str) -> Path:
     return ensure_embedded_shard(resolve_path("outputs/data")) if path == "embedded" else resolve_path(path)
 
 
-def data_root(data: str | tuple[dict, ...]) -> Path:
-    """The shard root of `data`: a mixture's first source's."""
-    return shard_root(data if isinstance(data, str) else data[0]["path"])
-
-
 def open_root(root: Path, vocab_size: int, seq_len: int, check: Check, release_ready: bool
               ) -> tuple[ShardPartition, ShardPartition, dict | None]:
     """A shard root's train and eval partitions, with their preflight reports where the preflight ran."""

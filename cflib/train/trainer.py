@@ -134,6 +134,8 @@ class Trainer:
             summary = f"eval {tag} step {self.step}: loss {result['loss']:.4f}"
             if "exact_match" in result:
                 summary += f", exact match {result['exact_match']['overall']:.3f}"
+            if "loss_by_source" in result:  # a mixture's sources
+                summary += f" ({', '.join(f'{name} {loss:.4f}' for name, loss in result['loss_by_source'].items())})"
             tqdm.write(summary)
         return result
 

@@ -126,7 +126,8 @@ def test_sources_read_from_papermill_text_and_named_by_folder_or_path():
                                    "{path: z/up, weight: 1, name: upper}]")
     assert [s["weight"] for s in sources] == [0.7, 0.3, 1.0]
     assert source_names(sources) == ["x/addition", "y/addition", "upper"]  # one folder name twice: the paths
-    assert source_names(data_sources("data", [{"path": "x/a", "weight": 1}, {"path": "x/b", "weight": 1}])) == ["a", "b"]
+    two = data_sources("data", [{"path": "x/a", "weight": 1}, {"path": "x/b", "weight": 1}])
+    assert source_names(two) == ["a", "b"]
     assert data_sources("data", "outputs/data/my-shard") == "outputs/data/my-shard"
 
 

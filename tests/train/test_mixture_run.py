@@ -16,6 +16,7 @@ from mixture_helpers import mixture, task_roots
 from cflib.data.shards import ShardError, open_shard
 from cflib.errors import ParamError
 from cflib.lab.compare import CompareParams, compare, comparison_table
+from cflib.lab.report import summary
 from cflib.model.checkpoint import load_checkpoint
 from cflib.train import train
 from cflib.train.held_out import eval_loss
@@ -71,7 +72,7 @@ def test_held_out_loss_per_source_is_each_source_s_own_loss(trained, roots):
     assert all(set(row["loss_by_source"]) == set(roots) for row in evals)
 
 
-def test_trackers_and_compare_runs_show_each_source(trained):
+def test_trackers_compare_runs_and_the_report_show_each_source(trained):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out_dir, record = trained
@@ -88,6 +89,7 @@ def test_trackers_and_compare_runs_show_each_source(trained):
     assert row["source_loss/uppercase"] == final["loss_by_source"]["uppercase"]
     assert row["source_exact_match/addition"] == final["exact_match_by_source"]["addition"]
     assert "source_loss/addition" in comparison_table(comparison).splitlines()[0]
+    assert f"uppercase: loss {final['loss_by_source']['uppercase']:.4f}" in summary(record)
 
 
 def test_the_dry_run_shows_each_source_s_share_beside_the_loss_shares(roots, tmp_path):
