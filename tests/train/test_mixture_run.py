@@ -107,6 +107,14 @@ def test_the_dry_run_shows_each_source_s_share_beside_the_loss_shares(roots, tmp
     assert row["shares_match_targets"] and sorted(p.name for p in (tmp_path / "dry").iterdir()) == ["dry_run.json"]
 
 
+def test_examples_per_epoch_with_one_root_draws_that_many_from_it(roots, tmp_path):
+    record = train(params(roots, tmp_path / "dry", data=str(roots["uppercase"]), examples_per_epoch=30, dry_run=True),
+                   progress=False)
+    (source,) = record["stages"][0]["mixture"]["sources"]
+    assert (source["name"], source["per_epoch"], source["with_repetition"]) == ("uppercase", 30, True)
+    assert record["stages"][0]["steps_per_epoch"] == 4  # 30 examples, 8 a step
+
+
 def test_a_curriculum_stage_trains_on_its_own_mixture(roots, tmp_path):
     stages = [{"name": "addition", "data": str(roots["addition"]), "examples_per_epoch": None, "max_steps": 2},
               {"name": "mixed", "data": mixture(roots, {"addition": 0.5, "uppercase": 0.5}),
