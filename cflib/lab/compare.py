@@ -30,6 +30,8 @@ from cflib.train.records import read_metrics
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's points and the state of each (cflib.lab.sweep)
 METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "tokens_per_s", "peak_memory_gib", "wall_s")
+# A mixture's held-out figures per source (cflib.train.held_out): `source_loss/<name>`, `source_exact_match/<name>`.
+SOURCE_METRICS = ("source_loss/", "source_exact_match/")
 # Parameters that name where a run lives, not what it trained.
 _NOT_COMPARED = ("out_dir", "resume")
 
@@ -52,9 +54,9 @@ class CompareParams(Params):
     out_dir: str | None = None  # None: a new outputs/comparisons/<time>/
 
     def validate(self) -> None:
-        if self.metric not in METRICS and not self.metric.startswith("exact_match/"):
-            raise ParamError(f"metric {self.metric!r} is not compared; choose from {', '.join(METRICS)} "
-                             "or exact_match/<task>")
+        if self.metric not in METRICS and not self.metric.startswith(("exact_match/", *SOURCE_METRICS)):
+            raise ParamError(f"metric {self.metric!r} is not compared; choose from {', '.join(METRICS)}, "
+                             "exact_match/<task>, or a mixture's source_loss/<source> or source_exact_match/<source>")
 
 
 @dataclass
@@ -179,6 +181,13 @@ def differing_parameters(runs: list[RunView]) -> list[str]:
             and len({json.dumps(run.params.get(name), sort_keys=True, default=str) for run in runs}) > 1]
 
 
+def by_source(evaluation: dict) -> dict:
+    """A mixture's held-out figures per source: `source_loss/<name>`, `source_exact_match/<name>`."""
+    return {**{f"source_loss/{name}": loss for name, loss in (evaluation.get("loss_by_source") or {}).items()},
+            **{f"source_exact_match/{name}": rate
+               for name, rate in (evaluation.get("exact_match_by_source") or {}).items()}}
+
+
 def run_row(run: RunView, differing: list[str]) -> dict:
     """The table's row of one run: its differing parameters, then what it reached."""
     evals = [row for row in run.metrics if row.get("event") == "eval"]
@@ -191,17 +200,20 @@ def run_row(run: RunView, differing: list[str]) -> dict:
         row.update(steps=record["schedule"]["steps_done"], final_eval_loss=final["loss"],
                    best_eval_loss=min(e["loss"] for e in history if e["step"] > 0 or len(history) == 1))
         exact = final.get("exact_match") or {}
-        row.update({f"exact_match/{task}": rate for task, rate in exact.items()})
+        row.update({f"exact_match/{task}": rate for task, rate in exact.items()}, **by_source(final))
         throughput = record["throughput"]
         row.update(tokens_per_s=throughput["steady_state_tokens_per_s"], peak_memory_gib=throughput["peak_memory_gib"],
                    kernel_path=" ".join(f"{k}={v}" for k, v in record["kernel_path"].items()),
                    wall_s=record["timing"]["wall_s"])
     else:  # what metrics.jsonl holds of an incomplete run
         trained = [e for e in evals if e["step"] > 0] or evals
-        exact = next((e["exact_match"] for e in reversed(evals) if e.get("exact_match")), {})
+        decoded = next((e for e in reversed(evals) if e.get("exact_match")), {})
+        exact = decoded.get("exact_match", {})
         row.update(steps=train[-1]["step"] if train else 0, final_eval_loss=evals[-1]["loss"] if evals else None,
                    best_eval_loss=min(e["loss"] for e in trained) if trained else None,
                    **{f"exact_match/{task}": rate for task, rate in exact.items()},
+                   **by_source({"loss_by_source": evals[-1].get("loss_by_source") if evals else None,
+                                "exact_match_by_source": decoded.get("exact_match_by_source")}),
                    tokens_per_s=None, peak_memory_gib=None, kernel_path=None, wall_s=None)
     return row
 
@@ -220,8 +232,8 @@ def compare(params: CompareParams) -> Comparison:
     differing = differing_parameters(runs)
     rows = [run_row(run, differing) for run in runs]
     if not any(params.metric in row for row in rows):
-        raise ParamError(f"metric {params.metric!r}: no run has it; these have "
-                         f"{', '.join(k for k in rows[0] if k in METRICS or k.startswith('exact_match/'))}")
+        have = [key for key in rows[0] if key in METRICS or key.startswith(("exact_match/", *SOURCE_METRICS))]
+        raise ParamError(f"metric {params.metric!r}: no run has it; these have {', '.join(have)}")
     out_dir = resolve_path(params.out_dir) if params.out_dir else new_out_dir("comparisons")
     return Comparison(runs, differing, rows, params.metric, [s for s in swept if s in differing] or swept, skipped,
                       out_dir)
@@ -237,7 +249,7 @@ def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
             return f"{value:g}"  # a parameter as it was set, not rounded
         if column == "tokens_per_s":
             return f"{value:,.0f}"
-        if column.startswith("exact_match/"):
+        if column.startswith(("exact_match/", "source_exact_match/")):
             return f"{value:.3f}"
         return f"{value:.1f}" if column == "wall_s" else f"{value:.4f}"
     return str(value)
@@ -247,6 +259,8 @@ def table_columns(comparison: Comparison) -> list[str]:
     columns = ["run", *comparison.differing, "steps", "final_eval_loss", "best_eval_loss"]
     columns += sorted({key for row in comparison.rows for key in row if key.startswith("exact_match/")},
                       key=lambda key: (key != "exact_match/overall", key))
+    columns += sorted({key for row in comparison.rows for key in row if key.startswith(SOURCE_METRICS)},
+                      key=lambda key: (key.split("/", 1)[1], key))
     columns += ["tokens_per_s", "peak_memory_gib", "kernel_path", "wall_s"]
     if not all(row["complete"] for row in comparison.rows):
         columns.insert(1, "complete")

@@ -174,6 +174,11 @@ def summary(record: dict) -> str:
     ]
     if "exact_match" in final:
         lines.append(f"exact match        {final['exact_match']['overall']:.3f} overall")
+    if "loss_by_source" in final:  # a mixture (docs/data.md#mixing-sources)
+        lines.append("per source         " + ", ".join(
+            f"{name}: loss {loss:.4f}" + (f", exact match {rate:.3f}" if (rate := (final.get(
+                "exact_match_by_source") or {}).get(name)) is not None else "")
+            for name, loss in final["loss_by_source"].items()))
     if throughput:
         lines.append(f"steady tokens/s    {throughput:,.0f} on {record['device']['name']} ({record['precision']})")
     lines.append(f"kernel path        {record['kernel_path']}")
@@ -186,7 +191,9 @@ def size_like_this_run(record: dict, gpus: int = 8, epochs: int = 3) -> str:
     measured = record.get("throughput", {}).get("steady_state_tokens_per_s")
     if not measured:
         return "_no steady-state throughput was measured (no optimizer step ran)_"
-    train_tokens = record["data"]["train_examples"] * record["seq_len"]
+    # An epoch of a mixture is its examples_per_epoch, drawn from the sources.
+    epoch_examples = (record["data"].get("mixture") or {}).get("examples_per_epoch", record["data"]["train_examples"])
+    train_tokens = epoch_examples * record["seq_len"]
     report = run_arithmetic(target_tokens=train_tokens * epochs, gpus=gpus,
                             micro_batch_per_rank=record["micro_batch_per_rank"], seq_len=record["seq_len"],
                             tokens_per_s_per_gpu=measured / record["world_size"], checkpoints=epochs)

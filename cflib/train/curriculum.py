@@ -14,11 +14,12 @@
 
 A stage sets any training parameter (a key it does not set takes the run's),
 `batch_size` (global_batch), `max_examples` (filters' max_examples),
-`loss_task_targets` (per-task shares: one loss_groups group) and `filters`.
+`loss_task_targets` (per-task shares: one loss_groups group), `filters`, and
+its own data: a mixture (`data` as a list of sources, `examples_per_epoch`).
 `compare_one_stage: true` also trains the run's parameters alone for the
 stages' total steps (out_dir/one_stage/), so the record holds both results.
-What a run folder holds once (the model, data, out_dir, resume, processes)
-is the run's alone. Every problem is a ParamError naming the file, the stage
+What a run folder holds once (the model, out_dir, resume, processes) is the
+run's alone. Every problem is a ParamError naming the file, the stage
 and the key, raised before anything trains.
 """
 from __future__ import annotations
@@ -39,8 +40,8 @@ TOP_KEYS = ["version", "seed", "shared", "stages", "compare_one_stage"]
 # The names curriculum files give some parameters, and the training parameter each one sets.
 ALIASES = {"batch_size": "global_batch"}
 STAGE_KEYS = ["name", "loss_task_targets", "max_examples", *ALIASES]
-# One run folder, one model, one data set, one set of processes: a stage cannot change them.
-RUN_ONLY = ("model", "init_checkpoint", "data", "out_dir", "resume", "curriculum", "through_stage", "dry_run",
+# One run folder, one model, one set of processes: a stage cannot change them (it may set its own data or mixture).
+RUN_ONLY = ("model", "init_checkpoint", "out_dir", "resume", "curriculum", "through_stage", "dry_run",
             "device", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "strategy", "allow_world_size_change",
             "allow_resume_changes", "full_parameter", "save_checkpoints", "report_to", "mlflow_tracking_uri",
             "eval_tasks")

@@ -1,6 +1,7 @@
 """Every stage of a curriculum resolved against the actual shard, before anything trains.
 
-Per stage: the filters' counts, the supervised tokens kept, the loss weighting
+Per stage: the filters' counts, the supervised tokens kept, a mixture's plan (each
+source's share of the first epoch's examples and supervised tokens), the loss weighting
 (every cell's visible supervised tokens at the stage's seq_len, its
 coefficient, whether the achieved shares match the targets and which cells
 exceed max_task_loss_weight), the batch arithmetic and the memory estimate,
@@ -11,25 +12,26 @@ Nothing here builds a model or touches a GPU.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
+from cflib.data.mixture import MixturePlan, mixture_table
 from cflib.data.packing import pack_examples
-from cflib.data.shards import ShardError, ShardPartition, open_shard
+from cflib.data.shards import ShardError
 from cflib.data.weighting import SHARE_TOLERANCE, audit_table, derive_loss_weights
 from cflib.errors import ParamError
 from cflib.model.config import ModelConfig
 from cflib.train.curriculum import Curriculum, Stage
-from cflib.train.run import kept_examples, memory_figures, resolve_device, schedule_steps
+from cflib.train.run import check_seq_len, memory_figures, resolve_device, schedule_steps, visible_supervised
+from cflib.train.run_data import Partition, open_data
 
 
-def _weighting(stage: Stage, kept: ShardPartition) -> dict:
+def _weighting(stage: Stage, kept: Partition, mixture: MixturePlan | None) -> dict:
     """The loss policy's audit; an over-cap cell is reported here and is an error of the stage's run."""
     p = stage.params
     if p.loss_groups is None:
         return {"loss_weighting": None, "shares_match_targets": None, "overweight_tasks": [],
                 "weights_within_cap": True}
     # Derived without the cap, so that the audit can show the cells that exceed it.
-    weights = derive_loss_weights(p.loss_groups, kept.rows, kept.supervised_counts, sys.float_info.max)
+    weights = derive_loss_weights(p.loss_groups, kept.rows, visible_supervised(kept, mixture), sys.float_info.max)
     cells = weights.audit()
     over = [row["cell"] for row in cells if row["coefficient"] > p.max_task_loss_weight]
     return {"loss_weighting": cells, "overweight_tasks": over, "weights_within_cap": not over,
@@ -37,21 +39,27 @@ def _weighting(stage: Stage, kept: ShardPartition) -> dict:
                                         for row in cells)}
 
 
-def audit_stage(stage: Stage, config: ModelConfig, data_root: Path) -> dict:
-    """One stage against the shard; ParamError or ShardError for what stops it before training."""
+def _mixture(mixture: MixturePlan | None, kept: Partition) -> dict | None:
+    """A mixture's plan and the shares of examples and supervised tokens its first epoch draws from each source."""
+    if mixture is None:
+        return None
+    return {**mixture.record(), "first_epoch": mixture.realised(mixture.epoch(1), kept.supervised_counts)}
+
+
+def audit_stage(stage: Stage, config: ModelConfig) -> dict:
+    """One stage against its data; ParamError or ShardError for what stops it before training."""
     p = stage.params
-    if p.seq_len > config.max_position_embeddings:
-        raise ParamError(f"seq_len {p.seq_len} exceeds the model's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
-    train, held_out = (open_shard(data_root, partition, vocab_size=config.vocab_size, seq_len=p.seq_len)
-                       for partition in ("train", "eval"))
-    kept, counts = kept_examples(p, train)
+    check_seq_len(config, p.seq_len)
+    data = open_data(p, config.vocab_size, check="tokens")
+    kept, mixture = data.train, data.mixture
     units = len(pack_examples(kept.lengths, p.seq_len)) if p.pack_sequences else len(kept)
-    steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, p)
-    weighting = _weighting(stage, kept)
+    steps_per_epoch, total_steps, warmup_steps = schedule_steps(units if mixture is None else
+                                                                mixture.examples_per_epoch, p)
+    weighting = _weighting(stage, kept, mixture)
     return {"stage": stage.name, "passed": weighting["weights_within_cap"], "overrides": stage.overrides,
-            "examples": counts or {"examples": len(kept), "kept": len(kept)},
-            "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(held_out), "seq_len": p.seq_len,
+            "examples": data.filter_counts or {"examples": len(kept), "kept": len(kept)},
+            "mixture": _mixture(mixture, kept),
+            "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(data.eval), "seq_len": p.seq_len,
             "global_batch": p.global_batch, "micro_batch_per_rank": p.micro_batch_per_rank,
             "grad_accum": p.grad_accum,
             "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
@@ -59,7 +67,7 @@ def audit_stage(stage: Stage, config: ModelConfig, data_root: Path) -> dict:
             "memory_estimate": memory_figures(config, p, resolve_device(p.device)), **weighting}
 
 
-def audit(curriculum: Curriculum, config: ModelConfig, data_root: Path, stop_at_first: bool) -> list[dict]:
+def audit(curriculum: Curriculum, config: ModelConfig, stop_at_first: bool) -> list[dict]:
     """Every stage that runs, audited. stop_at_first: raise the first failure as a ParamError naming the stage
     (a run); otherwise report it in its row (a dry run)."""
     where = f"{curriculum.path}: " if curriculum.path is not None else ""
@@ -67,7 +75,7 @@ def audit(curriculum: Curriculum, config: ModelConfig, data_root: Path, stop_at_
     for stage in curriculum.stages:
         row: dict = {}
         try:
-            row = audit_stage(stage, config, data_root)
+            row = audit_stage(stage, config)
             if not row["passed"]:
                 raise ParamError(f"loss_groups: cell(s) {row['overweight_tasks']} would get a loss coefficient "
                                  f"above max_task_loss_weight {row['max_task_loss_weight']:g}; lower their targets "
@@ -98,6 +106,10 @@ def stages_table(rows: list[dict]) -> str:
                      f"{', '.join(row['overweight_tasks']) or 'none'} |")
     lines += [f"\n{row['error']}" for row in rows if "error" in row]
     for row in rows:
+        if row.get("mixture"):
+            lines += ["", f"stage {row['stage']}: mixture of {len(row['mixture']['sources'])} source(s), "
+                          f"{row['mixture']['examples_per_epoch']:,} examples an epoch; shares of the first epoch's "
+                          "draw", mixture_table(row["mixture"], row["mixture"]["first_epoch"])]
         if row.get("loss_weighting"):
             lines += ["", f"stage {row['stage']}: loss weighting (max_task_loss_weight "
                           f"{row['max_task_loss_weight']:g})", audit_table(row["loss_weighting"])]

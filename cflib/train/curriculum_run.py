@@ -20,12 +20,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cflib.atomic import check_writable_folder, write_json_atomic
-from cflib.data.tasks import ensure_embedded_shard
 from cflib.errors import ParamError
 from cflib.jobs import job_out_dir, utc_now
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.model.config import ModelConfig
-from cflib.paths import resolve_path
 from cflib.train.curriculum import Curriculum, Stage, load_curriculum, one_stage, stage_params
 from cflib.train.curriculum_audit import audit, stages_table
 from cflib.train.launch import fit
@@ -44,7 +42,6 @@ class CurriculumRun:
     curriculum: Curriculum
     out_dir: Path
     config: ModelConfig
-    data_root: Path
     audit: list[dict]
 
     def describe(self) -> str:
@@ -186,7 +183,5 @@ def prepare_curriculum(params: TrainParams) -> CurriculumRun:
     if not params.dry_run:
         _check_root(params, out_dir, curriculum)
     config, _ = model_config(replace(params, resume=None))  # every stage trains this architecture
-    data_root = (ensure_embedded_shard(resolve_path("outputs/data")) if params.data == "embedded"
-                 else resolve_path(params.data))
-    rows = audit(curriculum, config, data_root, stop_at_first=not params.dry_run)
-    return CurriculumRun(params, curriculum, out_dir, config, data_root, rows)
+    rows = audit(curriculum, config, stop_at_first=not params.dry_run)  # each stage against its own data
+    return CurriculumRun(params, curriculum, out_dir, config, rows)

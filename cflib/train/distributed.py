@@ -75,8 +75,12 @@ def init_from_torchrun(device_type: str, timeout_s: int) -> DistContext:
 
 def epoch_stream(num_examples: int, seed: int, epoch: int, global_batch: int) -> tuple[np.ndarray, int]:
     """The epoch's shuffled example order padded to whole global batches, and the fill-in count."""
-    order = np.random.default_rng([seed, epoch]).permutation(num_examples)
-    fill_ins = -num_examples % global_batch
+    return whole_batches(np.random.default_rng([seed, epoch]).permutation(num_examples), global_batch)
+
+
+def whole_batches(order: np.ndarray, global_batch: int) -> tuple[np.ndarray, int]:
+    """An epoch's order padded to whole global batches with units from its own start, and the fill-in count."""
+    fill_ins = -len(order) % global_batch
     if fill_ins:
         order = np.concatenate([order, np.resize(order, fill_ins)])
     return order, fill_ins

@@ -2,7 +2,8 @@
 
 Each example is evaluated on its own: examples are right-padded into batches,
 and under the causal mask no real token attends to a pad, so batching changes
-nothing but speed.
+nothing but speed. A mixture's held-out set is every source's, and both
+figures are also given per source (`loss_by_source`, `exact_match_by_source`).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from cflib.data.mixture import MixedPartition
 from cflib.data.shards import IGNORE_INDEX, ShardPartition, collate
 from cflib.model.decoder import TRMoEModel
 from cflib.model.generate import Decoder
@@ -36,25 +38,44 @@ def _eval_mode(model: torch.nn.Module):
         model.train(was_training)
 
 
+def _sources(shard: ShardPartition | MixedPartition) -> tuple[tuple[str, ...], np.ndarray]:
+    """The sources of a partition's examples (a mixture's, or one) and each example's source."""
+    if isinstance(shard, MixedPartition):
+        return shard.source_names, shard.source_of
+    return ("",), np.zeros(len(shard), dtype=np.int64)
+
+
+def _batches(lengths: np.ndarray, sources: np.ndarray, micro_batch: int) -> list[tuple[int, np.ndarray]]:
+    """(source, examples) of each evaluation batch: one source's examples, of similar lengths (less padding)."""
+    order = np.lexsort((lengths, sources))  # by source, then by length (stable)
+    bounds = np.flatnonzero(np.diff(sources[order])) + 1
+    return [(int(sources[run[0]]), run[start:start + micro_batch]) for run in np.split(order, bounds)
+            for start in range(0, len(run), micro_batch)]
+
+
 @torch.no_grad()
-def eval_loss(model: TRMoEModel, shard: ShardPartition, micro_batch: int, device: str | torch.device,
-              bf16: bool = False, loss_chunk_tokens: int = 1024, fp32_loss: bool = True) -> dict:
-    """Mean cross-entropy over every supervised token of the partition."""
+def eval_loss(model: TRMoEModel, shard: ShardPartition | MixedPartition, micro_batch: int,
+              device: str | torch.device, bf16: bool = False, loss_chunk_tokens: int = 1024,
+              fp32_loss: bool = True) -> dict:
+    """Mean cross-entropy over every supervised token of the partition (and of each source of a mixture)."""
     device = torch.device(device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    supervised = 0
-    order = np.argsort(shard.lengths, kind="stable")  # similar lengths together: less padding
+    names, sources = _sources(shard)
+    loss_sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+    supervised = np.zeros(len(names), dtype=np.int64)
     with _eval_mode(model):
-        for start in range(0, len(order), micro_batch):
-            input_ids, labels = collate([shard[int(i)] for i in order[start:start + micro_batch]],
-                                        shard.eos_token_id)
+        for source, members in _batches(shard.lengths, sources, micro_batch):
+            input_ids, labels = collate([shard[int(i)] for i in members], shard.eos_token_id)
             with autocast(device, bf16):
                 hidden = model(input_ids.to(device))
                 batch_sum, count = chunked_cross_entropy_sum(hidden, model.head_weight, labels.to(device),
                                                              loss_chunk_tokens, fp32_loss)
-            loss_sum += batch_sum.double()
-            supervised += count
-    return {"loss": float(loss_sum) / supervised, "supervised_tokens": supervised, "examples": len(order)}
+            loss_sums[source] += batch_sum.double()
+            supervised[source] += count
+    result = {"loss": float(loss_sums.sum()) / int(supervised.sum()), "supervised_tokens": int(supervised.sum()),
+              "examples": len(shard)}
+    if isinstance(shard, MixedPartition):
+        result["loss_by_source"] = {name: float(loss_sums[s]) / int(supervised[s]) for s, name in enumerate(names)}
+    return result
 
 
 def final_turn(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,8 +89,8 @@ def final_turn(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return input_ids[:start + 1], labels[start:end]
 
 
-def exact_match(model: TRMoEModel, shard: ShardPartition, bf16: bool = False, limit: int | None = None,
-                batch_size: int = 64) -> dict:
+def exact_match(model: TRMoEModel, shard: ShardPartition | MixedPartition, bf16: bool = False,
+                limit: int | None = None, batch_size: int = 64) -> dict:
     """Greedy-decode each held-out prompt; a hit reproduces the answer and its EOS exactly.
 
     Decodes through cflib.model.generate's KV cache (CUDA graphs on a GPU), prompts of all
@@ -80,31 +101,39 @@ def exact_match(model: TRMoEModel, shard: ShardPartition, bf16: bool = False, li
     the first few decoded samples, and how the decoder ran (CUDA graphs, kernels).
     """
     count = len(shard) if limit is None else min(limit, len(shard))
+    # A mixture's limit takes the sources' first prompts in turn, so that every source is scored.
+    chosen = (shard.in_turn() if isinstance(shard, MixedPartition) else np.arange(len(shard)))[:count]
     targets = {}
     prompts = []
-    for index in range(count):
+    for index in chosen.tolist():
         prompt, target = final_turn(*shard[index])
         targets[index] = target.tolist()
         prompts.append(prompt)
     decoder = Decoder(model, max_batch=batch_size, autocast_dtype=torch.bfloat16 if bf16 else None)
-    answers = decoder.generate(prompts, [len(targets[i]) for i in range(count)]) if count else []
-    scores = score_answers(shard, {index: (targets[index], answer) for index, answer in enumerate(answers)})
+    answers = decoder.generate(prompts, [len(targets[i]) for i in targets]) if count else []
+    scores = score_answers(shard, {index: (targets[index], answer) for index, answer in zip(targets, answers)})
     return {**scores, "decoder": decoder.path()}
 
 
-def score_answers(shard: ShardPartition, answers: dict[int, tuple[list[int], list[int]]]) -> dict:
+def score_answers(shard: ShardPartition | MixedPartition, answers: dict[int, tuple[list[int], list[int]]]) -> dict:
     """exact_match's rates from {example index: (target ids, generated ids)}."""
     hits = {index: generated == target for index, (target, generated) in answers.items()}
     per_task: dict[str, list[bool]] = defaultdict(list)
     per_group: dict[str, list[bool]] = defaultdict(list)
+    names, sources = _sources(shard)
+    per_source: dict[str, list[bool]] = {name: [] for name in names}
     for index, hit in hits.items():
         row = shard.rows[index]
         per_task[str(row.get("task", "all"))].append(hit)
         per_group[f"{row.get('task', 'all')}/{row.get('group', 'all')}"].append(hit)
+        per_source[names[sources[index]]].append(hit)
     rates = {task: float(np.mean(values)) for task, values in sorted(per_task.items())}
     rates["overall"] = float(np.mean(list(hits.values()))) if hits else 0.0
     samples = [{"example_id": shard.rows[i].get("example_id"), "task": shard.rows[i].get("task"),
                 "hit": hits[i], "generated_ids": answers[i][1]} for i in sorted(hits)[:8]]
-    return {"exact_match": rates,
-            "exact_match_by_group": {g: float(np.mean(v)) for g, v in sorted(per_group.items())},
-            "examples": len(hits), "samples": samples}
+    scores = {"exact_match": rates,
+              "exact_match_by_group": {g: float(np.mean(v)) for g, v in sorted(per_group.items())},
+              "examples": len(hits), "samples": samples}
+    if isinstance(shard, MixedPartition):
+        scores["exact_match_by_source"] = {name: float(np.mean(v)) if v else None for name, v in per_source.items()}
+    return scores

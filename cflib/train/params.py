@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cflib.data.filters import parse_filters
+from cflib.data.mixture import data_sources
 from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
 from cflib.ops.attention import backend_names, packed_problem
@@ -122,7 +123,9 @@ class Data:
     """The data path: the shard, packing, 2-D loss weighting (cflib.data.weighting), shard preflight
     (cflib.data.preflight)."""
 
-    data: str = "embedded"  # "embedded" or a shard root with train/ and eval/
+    # "embedded", a shard root with train/ and eval/, or a mixture: [{path: ROOT, weight: 0.7, name: NAME}, ...]
+    data: str | tuple[dict, ...] = parsed_by(data_sources, "embedded")
+    examples_per_epoch: int | None = None  # examples an epoch draws from the sources by weight; None: all of them
     train_tasks: tuple[str, ...] | None = None  # train only on examples of these `task`s; eval stays whole
     pack_sequences: bool = False  # whole examples in seq_len windows, each attending only to itself
     loss_groups: dict | None = None  # group -> {target_share, tasks, task_target_shares}; None: unweighted
@@ -346,7 +349,8 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         for name in ("max_steps", "exact_match_limit", "nan_patience"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ParamError(f"{name} must be None or >= 0, got {getattr(self, name)}")
-        for name in ("eval_every_steps", "eval_micro_batch", "save_every_steps", "save_total_limit"):
+        for name in ("examples_per_epoch", "eval_every_steps", "eval_micro_batch", "save_every_steps",
+                     "save_total_limit"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
         self._validate_optimisation()
@@ -364,6 +368,10 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"attention_backend must be one of {backend_names()}, got {self.attention_backend!r}")
         if self.pack_sequences and (problem := packed_problem(self.attention_backend)):
             raise ParamError(f"{problem} (pack_sequences: true)")
+        if self.pack_sequences and (isinstance(self.data, tuple) or self.examples_per_epoch is not None):
+            raise ParamError("pack_sequences: true packs one shard's examples once per run; a mixture (a list of "
+                             "sources in data, or examples_per_epoch) draws new examples every epoch: set "
+                             "pack_sequences: false")
         if self.strategy not in STRATEGIES:
             raise ParamError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not 0 <= self.node_rank < self.nnodes:

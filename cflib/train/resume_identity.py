@@ -2,7 +2,8 @@
 
 A checkpoint's trainer state records the run's identity: the data (the SHA-256
 its shard manifests record for every file, train and eval), the stream
-(seed, global batch, examples, packing, tasks), the schedule and every
+(seed, global batch, examples, packing, tasks, a mixture's weights and
+examples per epoch), the schedule and every
 setting that changes the trajectory (optimizer, clipping, loss numerics,
 precision, model source, LoRA). Resuming compares each with this run's and
 refuses the first difference by name; `allow_resume_changes` names the ones
@@ -18,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cflib.data.mixture import MixedPartition
 from cflib.data.shards import ShardPartition, sha256_file
 from cflib.errors import ParamError
 from cflib.paths import resolve_path
@@ -25,7 +27,7 @@ from cflib.paths import resolve_path
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
 # The learning-rate multipliers too: a resumed optimizer keeps its groups' saved rates, so a change would not apply.
 STREAM = ("seed", "global_batch", "train_examples", "total_steps", "warmup_steps", "pack_sequences", "train_tasks",
-          "filters", "expert_lr_multiplier", "lora_lr_multiplier")
+          "filters", "expert_lr_multiplier", "lora_lr_multiplier", "examples_per_epoch", "mixture")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
              "fp32_loss", "bf16", "seq_len", "loss_groups",
@@ -38,11 +40,16 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
-             "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None}
+             "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None,
+             "examples_per_epoch": None, "mixture": None}
 
 
-def partition_digest(partition: ShardPartition) -> str:
-    """SHA-256 over the file hashes a partition's manifest records (computed when it records none)."""
+def partition_digest(partition: ShardPartition | MixedPartition) -> str:
+    """SHA-256 over the file hashes a partition's manifest records (computed when it records none); a mixture's
+    over its sources' names and digests."""
+    if isinstance(partition, MixedPartition):
+        parts = [[name, partition_digest(part)] for name, part in zip(partition.source_names, partition.parts)]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     recorded = partition.index.get("sha256") or {
         name: sha256_file(partition.directory / name) for name in ("input_ids.bin", "labels.bin", "examples.jsonl")}
     return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
@@ -56,10 +63,12 @@ def run_identity(run: Any) -> dict[str, Any]:
     """The identity of a prepared run (cflib.train.run.Run), as plain data a trainer state keeps."""
     p = run.params
     model = str(resolve_path(p.init_checkpoint).resolve()) if p.init_checkpoint is not None else f"preset {p.model}"
+    mixture = None if run.mixture is None else list(run.mixture.weights)  # the sources' names are the data's
     return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
             "data": {"train": partition_digest(run.train_data), "eval": partition_digest(run.eval_data)},
-            "model": model, **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
-                               if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps")}}
+            "model": model, "mixture": mixture,
+            **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
+               if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture")}}
 
 
 def _model_left_out(params: Any) -> bool:

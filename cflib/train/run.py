@@ -8,21 +8,16 @@ the parameters alone, for the notebook's form. The loop is cflib.train.trainer.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
 
 from cflib.atomic import check_writable_folder, live_path
-from cflib.data.filters import parse_filters, select
+from cflib.data.mixture import MixturePlan, mixture_table
 from cflib.data.packing import PackedWindows, pack_examples
-from cflib.data.preflight import preflight
-from cflib.data.shards import ShardError, ShardPartition, open_shard
-from cflib.data.tasks import TASKS, ensure_embedded_shard
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
 from cflib.jobs import job_out_dir
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
@@ -31,12 +26,20 @@ from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import adapter_parameter_count
 from cflib.paths import resolve_path
 from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, resumed_model
-from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
+from cflib.train.distributed import (
+    DistContext,
+    choose_strategy,
+    device_memory_bytes,
+    epoch_stream,
+    memory_estimate,
+    whole_batches,
+)
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
 from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
+from cflib.train.run_data import Partition, count_train_examples, open_data
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 # What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
@@ -61,8 +64,8 @@ class Run:
     model: TRMoEModel
     model_source: str
     data_root: Path
-    train_data: ShardPartition
-    eval_data: ShardPartition
+    train_data: Partition
+    eval_data: Partition
     out_dir: Path
     steps_per_epoch: int
     total_steps: int
@@ -77,11 +80,45 @@ class Run:
     preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
     lora: LoraRun | None = None  # full_parameter: false: the adapters' settings and their base
     filter_counts: dict | None = None  # filters: the examples each one kept (cflib.data.filters)
+    mixture: MixturePlan | None = None  # several sources (or examples_per_epoch): what each epoch draws
 
     @property
     def train_units(self) -> int:
-        """What an epoch shuffles and a global batch counts: packed windows, or examples."""
+        """What an epoch shuffles and a global batch counts: packed windows, or examples (a mixture's draw)."""
+        if self.mixture is not None:
+            return self.mixture.examples_per_epoch
         return len(self.packed) if self.packed is not None else len(self.train_data)
+
+    def epoch_order(self, epoch: int) -> tuple[np.ndarray, int]:
+        """The epoch's units in order, padded to whole global batches, and the fill-in count: one global order,
+        the same on every rank (each takes its slice of every global batch) and after a resume."""
+        p = self.params
+        if self.mixture is None:
+            return epoch_stream(self.train_units, p.seed, epoch, p.global_batch)
+        return whole_batches(self.mixture.epoch(epoch), p.global_batch)
+
+    def consumed_units(self, steps: int) -> np.ndarray:
+        """The units of the first `steps` optimizer steps, fill-ins included."""
+        batch, taken, epoch = self.params.global_batch, [], 0
+        while steps > 0:
+            epoch += 1
+            order, _ = self.epoch_order(epoch)
+            taken.append(order[:steps * batch])
+            steps -= len(order) // batch
+        return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+
+    def data_record(self, steps_done: int) -> dict:
+        """The record's `data`: the root, the counts, the preflight; a mixture's plan, and the examples and
+        supervised tokens each source gave the steps done."""
+        data = self.train_data
+        block = {"root": str(self.data_root), "train_examples": len(data), "eval_examples": len(self.eval_data),
+                 "vocab_size": data.vocab_size, "eos_token_id": data.eos_token_id, "max_seq_len": data.max_seq_len,
+                 "preflight": self.preflight, "train_supervised_tokens": data.supervised_tokens()}
+        if self.mixture is not None:
+            consumed = self.consumed_units(steps_done)
+            block["mixture"] = {**self.mixture.record(),
+                                "trained": self.mixture.realised(consumed, data.supervised_counts)}
+        return block
 
     def examples_of(self, units: np.ndarray) -> np.ndarray:
         return self.packed.examples_of(units) if self.packed is not None else units
@@ -99,7 +136,7 @@ class Run:
             *([f"lora         {self.lora.describe()}: {count_parameters(self.model)['params_trainable']:,} "
                "trainable"] if self.lora is not None else []),
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
-            f"examples, {tokens:,} train tokens",
+            f"examples, {tokens:,} train tokens" if self.mixture is None else self._mixture_lines(),
             *([self._packing_line()] if self.packed is not None else []),
             f"batch        global {p.global_batch} {'windows' if self.packed else 'examples'} = micro "
             f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {p.grad_accum}",
@@ -114,6 +151,12 @@ class Run:
             *([f"loss weights (max_task_loss_weight {p.max_task_loss_weight:g})\n"
                + audit_table(self.loss_weights.audit())] if self.loss_weights else []),
         ])
+
+    def _mixture_lines(self) -> str:
+        plan = self.mixture
+        return (f"data         a mixture of {len(plan.names)} source(s): {plan.examples_per_epoch:,} examples an epoch, "
+                f"{len(self.eval_data):,} eval examples; the first epoch's draw:\n"
+                + mixture_table(plan.record(), plan.realised(plan.epoch(1), self.train_data.supervised_counts)))
 
     def _packing_line(self) -> str:
         packing = self.packing_efficiency()
@@ -203,27 +246,15 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         model_source, model_name = f"preset {params.model}", params.model
     config: ModelConfig = model.config
     check_seq_len(config, params.seq_len)
-    if params.data == "embedded":
-        data_root = ensure_embedded_shard(resolve_path("outputs/data"))
-    else:
-        data_root = resolve_path(params.data)
-    if dist.active:  # a torchrun worker: its launcher ran the preflight, token checks and hashes included
-        train_data, eval_data = (open_shard(data_root, partition, vocab_size=config.vocab_size,
-                                            seq_len=params.seq_len, check_tokens=False)
-                                 for partition in ("train", "eval"))
-        reports = None
-    else:
-        (train_data, train_report), (eval_data, eval_report) = (
-            preflight(data_root, partition, vocab_size=config.vocab_size, seq_len=params.seq_len,
-                      require_release_ready=params.require_release_ready) for partition in ("train", "eval"))
-        reports = {"train": train_report, "eval": eval_report}
-    train_data, filter_counts = kept_examples(params, train_data)
+    # A torchrun worker counts labels only: its launcher ran the preflight, token checks and hashes included.
+    data = open_data(params, config.vocab_size, check="counts" if dist.active else "preflight")
+    train_data, mixture = data.train, data.mixture
     packed = pack_examples(train_data.lengths, params.seq_len) if params.pack_sequences else None
     # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
-    loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, train_data.supervised_counts,
+    loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, visible_supervised(train_data, mixture),
                                         params.max_task_loss_weight) if params.loss_groups is not None else None)
     # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
-    units = len(packed) if packed is not None else len(train_data)
+    units = len(packed) if packed is not None else len(train_data) if mixture is None else mixture.examples_per_epoch
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
     estimate = memory_figures(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
@@ -232,14 +263,22 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
-    run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
+    run = Run(params, device, model, model_source, data.root, train_data, data.eval, out_dir,
               steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, plan, resume_state,
-              packed, loss_weights, reports, lora, filter_counts)
+              packed, loss_weights, data.preflight, lora, data.filter_counts, mixture)
     if resume_state is not None:
         check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
         model.to(device)
     return run
+
+
+def visible_supervised(train_data: Partition, mixture: MixturePlan | None) -> np.ndarray:
+    """Each example's supervised tokens as the loss weighting counts them: under a mixture, times the draws an epoch
+    makes of it on average, so that the raw shares are those the run trains on."""
+    if mixture is None:
+        return train_data.supervised_counts
+    return train_data.supervised_counts * mixture.multiplicity()
 
 
 def check_seq_len(config: ModelConfig, seq_len: int) -> None:
@@ -249,47 +288,12 @@ def check_seq_len(config: ModelConfig, seq_len: int) -> None:
                          f"{config.max_position_embeddings}")
 
 
-def kept_examples(params: TrainParams, train_data: ShardPartition) -> tuple[ShardPartition, dict | None]:
-    """The train examples of train_tasks and filters, and each filter's count; an empty result is an error."""
-    if params.train_tasks is not None:
-        missing = [task for task in params.train_tasks if task not in train_data.tasks()]
-        if missing:
-            raise ParamError(f"train_tasks: no example of {train_data.directory} has task {missing[0]!r}; its "
-                             f"tasks: {', '.join(train_data.tasks())}")
-        train_data = train_data.only_tasks(params.train_tasks)
-    if params.filters is None:
-        return train_data, None
-    keep, counts = select(train_data.rows, train_data.supervised_counts, parse_filters(params.filters, "filters"),
-                          params.seed)
-    if not len(keep):
-        emptied = next(key for key, count in counts.items() if count == 0)
-        raise ParamError(f"filters: {emptied} keeps no train example of {train_data.directory} ({counts}); "
-                         "loosen it")
-    return train_data.subset(keep), counts
-
-
 def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, int]:
     """Optimizer steps per epoch, in all, and of warm-up."""
     # Fill-ins pad the last global batch of an epoch, so it is always whole.
     steps_per_epoch = math.ceil(train_examples / params.global_batch)
     total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
     return steps_per_epoch, total_steps, math.ceil(params.warmup_ratio * total_steps)
-
-
-def count_train_examples(data: str, tasks: Sequence[str] | None = None) -> int:
-    """Train examples of `data` (of `tasks` only, when named) from its index alone; the embedded set's count
-    is known before it is written, and a shard's per-task counts are in its examples.jsonl."""
-    if data == "embedded":
-        return sum(count for task, (_, count) in TASKS.items() if tasks is None or task in tasks)
-    index = resolve_path(data) / "train" / "sft.idx.json"
-    if not index.is_file():
-        raise ShardError(f"{index}: missing (is {index.parent.parent} a shard root with train/ and eval/?)")
-    if tasks is not None:
-        return len(ShardPartition(index.parent).only_tasks(tasks))
-    try:
-        return int(json.loads(index.read_text())["examples"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise ShardError(f"{index}: no example count ({type(err).__name__}: {err})") from None
 
 
 def resume_dir(params: TrainParams) -> Path:
@@ -314,7 +318,7 @@ def batch_arithmetic(params: TrainParams) -> dict:
     """A run's batch, schedule and memory figures from its parameters, the model's config and the data's
     index alone: nothing is built or loaded (prepare() then checks everything for real)."""
     config, source = model_config(params)
-    train_examples = count_train_examples(params.data, params.train_tasks)
+    train_examples = count_train_examples(params)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params)
     device = resolve_device(params.device)
     estimate = memory_figures(config, params, device)

@@ -47,6 +47,10 @@ def scalars(row: dict) -> dict[str, float]:
         found = {"eval/loss": row.get("loss")}
         for task, rate in (row.get("exact_match") or {}).items():
             found[f"eval/exact_match/{task}"] = rate
+        for source, loss in (row.get("loss_by_source") or {}).items():  # a mixture's sources
+            found[f"eval/source/{source}/loss"] = loss
+        for source, rate in (row.get("exact_match_by_source") or {}).items():
+            found[f"eval/source/{source}/exact_match"] = rate
     else:
         return {}
     return {key: float(value) for key, value in found.items()
@@ -106,9 +110,7 @@ class TensorBoardTracker:
             if record is not None:
                 from torch.utils.tensorboard.summary import hparams
 
-                final = record["eval"]["final"]
-                metrics = {"eval/loss": final["loss"], **{f"eval/exact_match/{task}": rate for task, rate in
-                                                           (final.get("exact_match") or {}).items()}}
+                metrics = scalars({**record["eval"]["final"], "event": "eval"})
                 for summary in hparams(flat_params(record["params"]), metrics):
                     self.writer.file_writer.add_summary(summary)
             self.writer.close()

@@ -28,7 +28,6 @@ from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.lora import describe as describe_lora
 from cflib.train.collector import steady_collector
-from cflib.train.distributed import epoch_stream
 from cflib.train.execution import kernels_requested
 from cflib.train.held_out import eval_loss, exact_match
 from cflib.train.lock import RunLock
@@ -124,6 +123,8 @@ class Trainer:
             matched = exact_match(self.model, self.run.eval_data, p.bf16, p.exact_match_limit)
             result.update(exact_match=matched["exact_match"], exact_match_by_group=matched["exact_match_by_group"],
                           exact_match_samples=matched["samples"])
+            if "exact_match_by_source" in matched:  # a mixture's sources
+                result["exact_match_by_source"] = matched["exact_match_by_source"]
         synchronize(self.device)
         result["seconds"] = time.perf_counter() - start
         self.timing["eval_s"] += result["seconds"]
@@ -133,6 +134,8 @@ class Trainer:
             summary = f"eval {tag} step {self.step}: loss {result['loss']:.4f}"
             if "exact_match" in result:
                 summary += f", exact match {result['exact_match']['overall']:.3f}"
+            if "loss_by_source" in result:  # a mixture's sources
+                summary += f" ({', '.join(f'{name} {loss:.4f}' for name, loss in result['loss_by_source'].items())})"
             tqdm.write(summary)
         return result
 
@@ -259,7 +262,7 @@ class Trainer:
         bar = tqdm(total=run.total_steps, initial=self.step, desc="train", unit="step", disable=not self.progress)
         while self.step < run.total_steps:
             epoch += 1
-            order, fill_ins = epoch_stream(run.train_units, p.seed, epoch, p.global_batch)
+            order, fill_ins = run.epoch_order(epoch)
             if batches_done == 0:
                 self.fill_ins.append(fill_ins)
             for batch_start in range(batches_done * p.global_batch, len(order), p.global_batch):
@@ -343,7 +346,6 @@ class Trainer:
     def summary(self, epochs_done: int, wall_s: float) -> RunSummary:
         """The run so far as plain data (cflib.train.records.RunSummary)."""
         run, p, model, step = self.run, self.params, self.model, self.training_step
-        data = run.train_data
         patience = p.early_stopping_patience
         return RunSummary(
             params=p, device=self.device, out_dir=run.out_dir, world_size=self.dist.world_size,
@@ -356,9 +358,7 @@ class Trainer:
                          "gemms": step.gemms.describe()},
             kernels_requested=kernels_requested(p, run.plan), execution_plan=run.plan.record(),
             step_capture=step.graphs_summary(),
-            data={"root": str(run.data_root), "train_examples": len(data), "eval_examples": len(run.eval_data),
-                  "vocab_size": data.vocab_size, "eos_token_id": data.eos_token_id, "max_seq_len": data.max_seq_len,
-                  "preflight": run.preflight, "train_supervised_tokens": data.supervised_tokens()},
+            data=run.data_record(self.step),
             packing=run.packing_efficiency(), loss_weighting=self.loss_weighting(),
             schedule={"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                       "warmup_steps": run.warmup_steps, "steps_done": self.step, "epochs_started": epochs_done,

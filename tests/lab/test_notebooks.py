@@ -175,6 +175,23 @@ def test_papermill_dry_run_trains_nothing_and_writes_its_audit_alone(tmp_path):
 
 
 @pytest.mark.slow
+def test_papermill_dry_run_of_a_mixture_given_as_text_shows_each_source_s_share(tmp_path):
+    """`-p data "[{path: A, weight: 0.8}, ...]"`: papermill passes the list as text, read as YAML."""
+    from mixture_helpers import task_roots
+
+    roots = task_roots(tmp_path / "roots", {"addition": 30, "uppercase": 12}, held_out=6)
+    out_dir, executed = tmp_path / "run", tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
+        "out_dir": str(out_dir), "dry_run": True, "examples_per_epoch": 40,
+        "data": f"[{{path: {roots['addition']}, weight: 0.8}}, {{path: {roots['uppercase']}, weight: 0.2}}]"},
+        cwd=str(ROOT / "notebooks"), progress_bar=False)
+    shown = stream_text(executed)
+    assert "| addition | 0.8 | 0.800 | 30 | 32 | 1.07 (repeated) | 0.800 |" in shown
+    assert "| uppercase | 0.2 | 0.200 | 12 | 8 | 0.67 | 0.200 |" in shown
+    assert sorted(path.name for path in out_dir.iterdir()) == ["dry_run.json"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("notebook, misspelt, meant", [("train_sft.ipynb", {"lrr": 0.1}, "lr"),
                                                        ("tune_microbatch.ipynb", {"budget": 40}, "budget_gib"),
                                                        ("chat.ipynb", {"max_new_token": 4}, "max_new_tokens"),

@@ -11,14 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mixture_helpers import mixture, task_roots
 from safetensors.torch import load_file
 
+from cflib.data.mixture import plan_mixture
 from cflib.lab.report import summary
 from cflib.model.checkpoint import load_checkpoint
 from cflib.model.config import preset
 from cflib.model.derived import DERIVED_SUFFIXES
 from cflib.train import prepare, train
-from cflib.train.distributed import DistContext, epoch_stream, memory_estimate, rank_share
+from cflib.train.distributed import DistContext, epoch_stream, memory_estimate, rank_share, whole_batches
 from cflib.train.launch import LaunchError, fit
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
@@ -55,6 +57,40 @@ def test_epochs_reshuffle_reproducibly():
     first, _ = epoch_stream(50, seed=1, epoch=1, global_batch=10)
     assert np.array_equal(first, epoch_stream(50, seed=1, epoch=1, global_batch=10)[0])
     assert not np.array_equal(first, epoch_stream(50, seed=1, epoch=2, global_batch=10)[0])
+
+
+def test_ranks_take_disjoint_slices_of_one_mixture_order():
+    """Every rank computes the epoch's global order from (seed, epoch) alone and takes its own slice of each global
+    batch: the slices never overlap, and together they are the epoch's draw, fill-ins counted."""
+    plan = plan_mixture(["addition", "uppercase"], ["a", "b"], [0.8, 0.2], [30, 12], 40, seed=3)
+    world, global_batch = 2, 16
+    for epoch in (1, 2):
+        order, fill_ins = whole_batches(plan.epoch(epoch), global_batch)
+        assert fill_ins == 8
+        slots = np.arange(len(order))  # positions in the global order, which each rank recomputes on its own
+        taken = {rank: [] for rank in range(world)}
+        for start in range(0, len(order), global_batch):
+            for rank in range(world):
+                taken[rank] += rank_share(slots[start:start + global_batch], DistContext(rank, world)).tolist()
+        assert not set(taken[0]) & set(taken[1]) and sorted(taken[0] + taken[1]) == slots.tolist()
+        drawn = np.bincount(order[taken[0] + taken[1]], minlength=42)
+        assert drawn.sum() == 48 and drawn[:30].sum() >= 32 and drawn[30:].sum() >= 8
+
+
+@pytest.mark.slow
+def test_two_processes_draw_one_mixture_like_one_process(tmp_path):
+    """Two gloo workers open the mixture unchecked (their launcher checked it) and train on their slices of one
+    global order: the losses, the draw and the per-source evaluation are those of one process."""
+    roots = task_roots(tmp_path / "roots", {"addition": 30, "uppercase": 12}, held_out=6)
+    mixed = {**BASE, "data": mixture(roots, {"addition": 0.8, "uppercase": 0.2}), "examples_per_epoch": 40,
+             "max_steps": 4}
+    single = train({**mixed, "out_dir": str(tmp_path / "one")}, progress=False)
+    double = train({**mixed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2}, progress=False)
+    assert double["world_size"] == 2 and double["strategy"] == "ddp"
+    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=1e-5)
+    assert double["data"]["mixture"] == single["data"]["mixture"]
+    for source, loss in single["eval"]["final"]["loss_by_source"].items():
+        assert double["eval"]["final"]["loss_by_source"][source] == pytest.approx(loss, abs=1e-5)
 
 
 @pytest.mark.slow

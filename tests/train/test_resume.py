@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mixture_helpers import mixture, task_roots
 from sft_shard_helpers import task_shard
 from tiny_models import KERNEL_DEVICE
 
@@ -76,6 +77,28 @@ def test_killed_single_process_run_resumes_to_the_uninterrupted_weights(tmp_path
     assert steps == list(range(1, 37))  # every step logged once: nothing lost, nothing doubled
     assert resumed["eval"]["final"]["loss"] == pytest.approx(reference["eval"]["final"]["loss"], abs=1e-6)
     assert resumed["schedule"]["fill_ins_per_epoch"] == [8] * 12
+
+
+@pytest.mark.slow
+def test_a_killed_mixture_resumes_to_the_uninterrupted_weights(tmp_path, shard):
+    """The embedded tasks at 0.8/0.2, 40 an epoch: addition draws 32 of its 30 (repeated), uppercase 8 of its 12."""
+    roots = task_roots(tmp_path / "roots", {"addition": 30, "uppercase": 12}, held_out=6)
+
+    def mixed(out_dir: Path, weights: tuple[float, float] = (0.8, 0.2), **overrides) -> dict:
+        data = mixture(roots, dict(zip(("addition", "uppercase"), weights)))
+        return params(shard, out_dir, data=data, examples_per_epoch=40, exact_match_limit=4, **overrides)
+
+    reference = train(mixed(tmp_path / "whole"), progress=False)
+    start_and_kill(mixed(tmp_path / "killed"), tmp_path / "killed", after_checkpoint="step-8")
+    with pytest.raises(ParamError, match=r"written with mixture \[0.8, 0.2\], this run has \[0.7, 0.3\]"):
+        train(mixed(tmp_path / "killed", (0.7, 0.3), resume="latest"), progress=False)
+    resumed = train(mixed(tmp_path / "killed", resume="latest"), progress=False)
+    assert resumed["model_source"].startswith("resumed from") and resumed["schedule"]["steps_done"] == 36
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"), atol=1e-6)
+    assert resumed["data"]["mixture"] == reference["data"]["mixture"]
+    assert sum(s["examples"] for s in resumed["data"]["mixture"]["trained"]) == 36 * 16  # 8 fill-ins an epoch
+    for source, loss in reference["eval"]["final"]["loss_by_source"].items():
+        assert resumed["eval"]["final"]["loss_by_source"][source] == pytest.approx(loss, abs=1e-6)
 
 
 @pytest.mark.slow

@@ -1,0 +1,145 @@
+"""The data a run trains and evaluates on: one shard root, or a mixture of several (cflib.data.mixture), opened and
+checked before any step, with the train examples it keeps and its mixture's plan.
+
+The process that prepares a run checks every partition (cflib.data.preflight: hashes, tokens, labels, caps); a
+torchrun worker opens them unchecked (its launcher checked them). A mixture's sources are checked one by one, each
+error naming its entry of `data`, then against each other (vocabulary, EOS, tokenizer and chat template).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from cflib.data.filters import parse_filters, select
+from cflib.data.mixture import MixedPartition, MixturePlan, as_mixture, check_agreement, plan_mixture, source_names
+from cflib.data.preflight import preflight
+from cflib.data.shards import ShardError, ShardPartition, open_shard
+from cflib.data.tasks import TASKS, ensure_embedded_shard
+from cflib.errors import ParamError
+from cflib.paths import resolve_path
+from cflib.train.params import TrainParams
+
+Partition = ShardPartition | MixedPartition
+# How much opening checks: the preflight (tokens, hashes, the manifest's findings), every token alone, or nothing
+# but the supervised counts (a torchrun worker, whose launcher ran the preflight).
+Check = Literal["preflight", "tokens", "counts"]
+
+
+@dataclass
+class RunData:
+    """A run's partitions, checked; `root` is the shard root (a mixture's first source: every source shares its
+    tokenizer and chat template)."""
+
+    root: Path
+    train: Partition
+    eval: Partition
+    preflight: dict | None  # partition (and source) -> report; None where the launcher checked
+    filter_counts: dict | None
+    mixture: MixturePlan | None
+
+
+def shard_root(path: str) -> Path:
+    """Where `data` (or a source's path) points: the embedded shard, written once, or a shard root."""
+    return ensure_embedded_shard(resolve_path("outputs/data")) if path == "embedded" else resolve_path(path)
+
+
+def open_root(root: Path, vocab_size: int, seq_len: int, check: Check, release_ready: bool
+              ) -> tuple[ShardPartition, ShardPartition, dict | None]:
+    """A shard root's train and eval partitions, with their preflight reports where the preflight ran."""
+    if check != "preflight":
+        train, held_out = (open_shard(root, partition, vocab_size=vocab_size, seq_len=seq_len,
+                                      check_tokens=check == "tokens") for partition in ("train", "eval"))
+        return train, held_out, None
+    (train, train_report), (held_out, eval_report) = (
+        preflight(root, partition, vocab_size=vocab_size, seq_len=seq_len, require_release_ready=release_ready)
+        for partition in ("train", "eval"))
+    return train, held_out, {"train": train_report, "eval": eval_report}
+
+
+def open_mixture(sources: tuple[dict, ...], vocab_size: int, seq_len: int, check: Check, release_ready: bool
+                 ) -> tuple[MixedPartition, MixedPartition, dict | None]:
+    """Every source's partitions read as one, each source checked (errors name its entry of `data`), then the
+    sources against each other."""
+    names = source_names(sources)
+    roots, trains, evals, reports = [], [], [], {}
+    for index, (source, name) in enumerate(zip(sources, names)):
+        root = shard_root(source["path"])
+        twin = next((i for i, seen in enumerate(roots) if root.resolve() == seen.resolve()), None)
+        if twin is not None:
+            raise ParamError(f"data[{index}] ({source['path']}) is the shard root of data[{twin}] "
+                             f"({sources[twin]['path']}); each source appears once")
+        try:
+            train, held_out, report = open_root(root, vocab_size, seq_len, check, release_ready)
+        except ShardError as err:
+            raise ShardError(f"data[{index}] (source {name!r}): {err}") from None
+        roots.append(root)
+        trains.append(train)
+        evals.append(held_out)
+        reports.update({f"{partition} ({name})": value for partition, value in (report or {}).items()})
+    for partitions in (trains, evals):
+        check_agreement(names, roots, partitions)
+    return MixedPartition(trains, names), MixedPartition(evals, names), reports if check == "preflight" else None
+
+
+def kept_examples(params: TrainParams, train_data: Partition) -> tuple[Partition, dict | None]:
+    """The train examples of train_tasks and filters, and each filter's count; an empty result is an error."""
+    if params.train_tasks is not None:
+        missing = [task for task in params.train_tasks if task not in train_data.tasks()]
+        if missing:
+            raise ParamError(f"train_tasks: no example of {train_data.directory} has task {missing[0]!r}; its "
+                             f"tasks: {', '.join(train_data.tasks())}")
+        train_data = train_data.only_tasks(params.train_tasks)
+    if params.filters is None:
+        return train_data, None
+    keep, counts = select(train_data.rows, train_data.supervised_counts, parse_filters(params.filters, "filters"),
+                          params.seed)
+    if not len(keep):
+        emptied = next(key for key, count in counts.items() if count == 0)
+        raise ParamError(f"filters: {emptied} keeps no train example of {train_data.directory} ({counts}); "
+                         "loosen it")
+    return train_data.subset(keep), counts
+
+
+def open_data(params: TrainParams, vocab_size: int, check: Check) -> RunData:
+    """The run's data, checked as `check` says, the train examples kept, a mixture's plan drawn up."""
+    sources = as_mixture(params.data, params.examples_per_epoch)
+    if sources is None:
+        root = shard_root(params.data)
+        train, held_out, reports = open_root(root, vocab_size, params.seq_len, check, params.require_release_ready)
+    else:
+        train, held_out, reports = open_mixture(sources, vocab_size, params.seq_len, check,
+                                                params.require_release_ready)
+        root = train.parts[0].directory.parent
+    train, filter_counts = kept_examples(params, train)
+    mixture = None
+    if sources is not None:
+        mixture = plan_mixture(train.source_names, [part.directory.parent for part in train.parts],
+                               [source["weight"] for source in sources], [len(part) for part in train.parts],
+                               params.examples_per_epoch, params.seed)
+    return RunData(root, train, held_out, reports, filter_counts, mixture)
+
+
+def count_train_examples(params: TrainParams) -> int:
+    """Train examples an epoch takes, from the data's index alone: examples_per_epoch, else every example of the
+    sources (of train_tasks only, when named); the embedded set's count is known before it is written."""
+    if params.examples_per_epoch is not None:
+        return params.examples_per_epoch
+    if isinstance(params.data, tuple):
+        return sum(_root_examples(source["path"], params.train_tasks) for source in params.data)
+    return _root_examples(params.data, params.train_tasks)
+
+
+def _root_examples(data: str, tasks: tuple[str, ...] | None) -> int:
+    if data == "embedded":
+        return sum(count for task, (_, count) in TASKS.items() if tasks is None or task in tasks)
+    index = resolve_path(data) / "train" / "sft.idx.json"
+    if not index.is_file():
+        raise ShardError(f"{index}: missing (is {index.parent.parent} a shard root with train/ and eval/?)")
+    if tasks is not None:
+        return len(ShardPartition(index.parent).only_tasks(tasks))
+    try:
+        return int(json.loads(index.read_text())["examples"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ShardError(f"{index}: no example count ({type(err).__name__}: {err})") from None

@@ -1,0 +1,167 @@
+"""A run on a mixture of shard roots: its draw, its per-source evaluation (metrics, trackers, record, compare_runs),
+its dry run, a curriculum stage with its own mixture, and the refusals, each naming its entry or key.
+
+The sources are the two embedded tasks, each converted to its own shard root (tests/mixture_helpers.py).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from mixture_helpers import mixture, task_roots
+
+from cflib.data.shards import ShardError, open_shard
+from cflib.errors import ParamError
+from cflib.lab.compare import CompareParams, compare, comparison_table
+from cflib.lab.report import summary
+from cflib.model.checkpoint import load_checkpoint
+from cflib.train import train
+from cflib.train.held_out import eval_loss
+from cflib.train.records import read_metrics
+
+# 0.8/0.2 of 40 examples an epoch: addition draws 32 of its 30 (a pass and then some), uppercase 8 of its 12.
+WEIGHTS = {"addition": 0.8, "uppercase": 0.2}
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory) -> dict[str, Path]:
+    return task_roots(tmp_path_factory.mktemp("roots"), {"addition": 30, "uppercase": 12}, held_out=6)
+
+
+def params(roots: dict[str, Path], out_dir: Path, **overrides) -> dict:
+    # 40 examples an epoch, 8 a step: 5 steps an epoch, no fill-in; 2 epochs.
+    return {"model": "smoke", "data": mixture(roots, WEIGHTS), "examples_per_epoch": 40, "out_dir": str(out_dir),
+            "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 8, "epochs": 2, "max_steps": None,
+            "lr": 3e-3, "exact_match_limit": 8, "device": "cpu", **overrides}
+
+
+@pytest.fixture(scope="module")
+def trained(roots, tmp_path_factory) -> tuple[Path, dict]:
+    out_dir = tmp_path_factory.mktemp("run") / "mixed"
+    return out_dir, train(params(roots, out_dir, report_to="tensorboard"), progress=False)
+
+
+def test_the_record_holds_the_plan_and_the_shares_the_steps_trained(trained):
+    _, record = trained
+    plan = record["data"]["mixture"]
+    assert [(s["name"], s["per_epoch"], s["with_repetition"]) for s in plan["sources"]] == [
+        ("addition", 32, True), ("uppercase", 8, False)]
+    assert plan["examples_per_epoch"] == 40 and record["schedule"]["steps_done"] == 10
+    # Two whole epochs: the shares of examples are the weights exactly, the tokens follow the examples' lengths.
+    assert [s["examples"] for s in plan["trained"]] == [64, 16]
+    assert [s["example_share"] for s in plan["trained"]] == [0.8, 0.2]
+    assert sum(s["supervised_tokens"] for s in plan["trained"]) == sum(
+        row["supervised_tokens"] for row in read_metrics(Path(record["out_dir"]) / "metrics.jsonl")
+        if row["event"] == "train")
+
+
+def test_held_out_loss_per_source_is_each_source_s_own_loss(trained, roots):
+    out_dir, record = trained
+    final = record["eval"]["final"]
+    model = load_checkpoint(out_dir / "checkpoints" / "epoch-2")  # the final evaluation's weights
+    for name, root in roots.items():
+        alone = eval_loss(model, open_shard(root, "eval"), micro_batch=4, device="cpu")
+        assert final["loss_by_source"][name] == pytest.approx(alone["loss"], rel=1e-6)
+    assert final["examples"] == 12 and set(final["exact_match_by_source"]) == set(roots)
+    # exact_match_limit 8 takes the sources' prompts in turn: four of each.
+    assert [sample["task"] for sample in final["exact_match_samples"]].count("uppercase") == 4
+    evals = [row for row in read_metrics(out_dir / "metrics.jsonl") if row["event"] == "eval"]
+    assert all(set(row["loss_by_source"]) == set(roots) for row in evals)
+
+
+def test_trackers_compare_runs_and_the_report_show_each_source(trained):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out_dir, record = trained
+    final = record["eval"]["final"]
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    for name in ("addition", "uppercase"):
+        assert events.Scalars(f"eval/source/{name}/loss")[-1].value == pytest.approx(final["loss_by_source"][name])
+        assert events.Scalars(f"eval/source/{name}/exact_match")[-1].value == pytest.approx(
+            final["exact_match_by_source"][name])
+    comparison = compare(CompareParams.from_dict({"runs": [str(out_dir)], "metric": "source_loss/uppercase",
+                                                   "out_dir": str(out_dir.parent / "comparison")}))
+    (row,) = comparison.rows
+    assert row["source_loss/uppercase"] == final["loss_by_source"]["uppercase"]
+    assert row["source_exact_match/addition"] == final["exact_match_by_source"]["addition"]
+    assert "source_loss/addition" in comparison_table(comparison).splitlines()[0]
+    assert f"uppercase: loss {final['loss_by_source']['uppercase']:.4f}" in summary(record)
+
+
+def test_the_dry_run_shows_each_source_s_share_beside_the_loss_shares(roots, tmp_path):
+    groups = {"arithmetic": {"target_share": 0.5, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},
+              "text": {"target_share": 0.5, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
+    record = train(params(roots, tmp_path / "dry", dry_run=True, loss_groups=groups), progress=False)
+    (row,) = record["stages"]
+    first = {source["name"]: source for source in row["mixture"]["first_epoch"]}
+    assert first["addition"]["example_share"] == 0.8 and first["uppercase"]["examples"] == 8
+    assert first["addition"]["supervised_token_share"] + first["uppercase"]["supervised_token_share"] == \
+        pytest.approx(1.0)
+    # The loss weighting counts each example as often as an epoch draws it: its raw shares are the draw's.
+    raw = {cell["cell"]: cell["raw_share"] for cell in row["loss_weighting"]}
+    assert raw["addition"] == pytest.approx(first["addition"]["supervised_token_share"], abs=0.02)
+    assert row["shares_match_targets"] and sorted(p.name for p in (tmp_path / "dry").iterdir()) == ["dry_run.json"]
+
+
+def test_examples_per_epoch_with_one_root_draws_that_many_from_it(roots, tmp_path):
+    record = train(params(roots, tmp_path / "dry", data=str(roots["uppercase"]), examples_per_epoch=30, dry_run=True),
+                   progress=False)
+    (source,) = record["stages"][0]["mixture"]["sources"]
+    assert (source["name"], source["per_epoch"], source["with_repetition"]) == ("uppercase", 30, True)
+    assert record["stages"][0]["steps_per_epoch"] == 4  # 30 examples, 8 a step
+
+
+def test_a_curriculum_stage_trains_on_its_own_mixture(roots, tmp_path):
+    stages = [{"name": "addition", "data": str(roots["addition"]), "examples_per_epoch": None, "max_steps": 2},
+              {"name": "mixed", "data": mixture(roots, {"addition": 0.5, "uppercase": 0.5}),
+               "examples_per_epoch": 16, "max_steps": 2}]
+    curriculum = tmp_path / "c.yaml"
+    curriculum.write_text(yaml.safe_dump({"version": 1, "stages": stages}, sort_keys=False))
+    # The run's own data is a mixture, 40 an epoch: the first stage's single root takes neither.
+    train(params(roots, tmp_path / "run", curriculum=str(curriculum), exact_match_limit=0), progress=False)
+    first, second = (json.loads((tmp_path / "run" / "stages" / name / "record.json").read_text())
+                     for name in ("addition", "mixed"))
+    assert "mixture" not in first["data"] and first["data"]["train_examples"] == 30
+    assert [s["per_epoch"] for s in second["data"]["mixture"]["sources"]] == [8, 8]
+    assert set(second["eval"]["final"]["loss_by_source"]) == {"addition", "uppercase"}
+
+
+def retokenized(root: Path, folder: Path) -> Path:
+    """A copy of `root` whose manifests say it was converted with another tokenizer."""
+    copy = shutil.copytree(root, folder)
+    for partition in ("train", "eval"):
+        index = copy / partition / "sft.idx.json"
+        manifest = json.loads(index.read_text())
+        manifest["conversion"]["tokenizer"] = {"kind": "pretrained", "path": "elsewhere", "sha256": "ab" * 32}
+        index.write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("missing", ShardError, r"data\[1\] \(source 'nowhere'\): .*nowhere: no such shard root"),
+    ("zero", ParamError, r"data\[1\]\.weight \(.*uppercase\) must be a positive finite number, got 0"),
+    ("nan", ParamError, r"data\[0\]\.weight \(.*addition\) must be a positive finite number, got nan"),
+    ("tokenizer", ParamError, r"source 'other' \(.*other\) has tokenizer .*pretrained.*, source 'addition'"),
+])
+def test_a_bad_mixture_stops_before_anything_is_written_naming_the_entry(roots, tmp_path, case, error, message):
+    data = mixture(roots, WEIGHTS)
+    if case == "missing":
+        data[1]["path"] = str(tmp_path / "nowhere")
+    elif case == "zero":
+        data[1]["weight"] = 0
+    elif case == "nan":
+        data[0]["weight"] = float("nan")
+    else:
+        data[1] = {"path": str(retokenized(roots["uppercase"], tmp_path / "other")), "weight": 0.2}
+    with pytest.raises(error, match=message):
+        train(params(roots, tmp_path / "run", data=data), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_packing_is_refused_with_a_mixture(roots, tmp_path):
+    with pytest.raises(ParamError, match="pack_sequences: true .* a mixture"):
+        train(params(roots, tmp_path / "run", pack_sequences=True), progress=False)
