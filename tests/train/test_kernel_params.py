@@ -88,6 +88,7 @@ def _copies_run(tmp_path, name: str, **flags) -> dict:
     return train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 4, "max_steps": 3,
                   "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False, "bf16": True,
                   "fp32_loss": False,  # the head's copy too
+                  "eval_micro_batch": 100,  # the closing evaluation in two passes: the interpreter pays per launch
                   "device": DEVICE.type, "out_dir": str(tmp_path / name), "use_custom_kernels": "true", **flags},
                  progress=False)
 
