@@ -39,7 +39,9 @@ from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
 from cflib.data import loss_metadata
 from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, sha256_file, write_partition
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
+from cflib.errors import shown
 from cflib.jobs import one_line_errors
+from cflib.jsonio import json_lines
 from cflib.yamlio import read_yaml
 
 ROLES = ("system", "user", "assistant")
@@ -93,6 +95,10 @@ class ConvertSpec:
     template: ChatTemplate = field(default_factory=ChatTemplate)
 
     def validate(self) -> None:
+        for name in ("train", "eval", "out", "tokenizer"):
+            if not isinstance(getattr(self, name), (str, Path)):
+                raise ConvertError(f"{name}: one path, got {shown(getattr(self, name))}; a conversion reads one "
+                                   "JSONL file per partition (join several with cat a.jsonl b.jsonl > all.jsonl)")
         if self.supervise not in SUPERVISE:
             raise ConvertError(f"supervise must be one of {SUPERVISE}, got {self.supervise!r}")
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
@@ -235,15 +241,7 @@ class ChatRenderer:
 
 def _read_jsonl(path: Path, digest: "hashlib._Hash") -> Iterator[tuple[int, object]]:
     """(line number, parsed row) of each non-blank line, hashing the bytes read on the way."""
-    with open(path, "rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            digest.update(line)
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ConvertError(f"{path}:{number}: not valid JSON ({err})") from None
+    return json_lines(path, ConvertError, on_line=digest.update)
 
 
 def _examples(path: Path, partition: str, renderer: ChatRenderer, max_seq_len: int, seen: SeenConversations,

@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers, live_path
+from cflib.jsonio import read_json
 from cflib.model.checkpoint import (
     CONFIG_FILE,
     PROGRESS_FILE,
@@ -65,7 +66,7 @@ def describe_base(checkpoint_dir: str | Path) -> dict:
     """What identifies a LoRA run's base: where it is, its weights' hash and its config."""
     path = Path(checkpoint_dir).resolve()
     return {"path": str(path), "sha256": weights_sha256(path),
-            "config": json.loads((path / CONFIG_FILE).read_text())}
+            "config": read_json(path / CONFIG_FILE, CheckpointError, "model config (config.json)")}
 
 
 def _expert_depths(settings: LoraSettings) -> dict[str, int]:
@@ -161,8 +162,8 @@ def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.
         if not needed.is_file():
             raise CheckpointError(f"{needed}: missing; a LoRA checkpoint holds {ADAPTER_CONFIG_FILE}, "
                                   f"{ADAPTER_WEIGHTS_FILE} and {CFLIB_ADAPTER_FILE}")
+    meta = read_json(meta_file, CheckpointError, "adapter description")
     try:
-        meta = json.loads(meta_file.read_text())
         settings, base = LoraSettings.from_dict(meta["lora"]), meta["base"]
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(f"{meta_file}: unreadable ({type(err).__name__}: {err})") from None
@@ -227,8 +228,8 @@ MERGE_MANIFEST, MERGE_FORMAT = "merged_from.json", "cflib-lora-merge-v1"
 def _written_by_merge(out_dir: Path, entry: Path) -> bool:
     """An entry of a folder an earlier merge wrote: recognised by the manifest it leaves."""
     try:
-        manifest = json.loads((out_dir / MERGE_MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = read_json(out_dir / MERGE_MANIFEST, MergeError, "merge manifest")
+    except MergeError:
         return False
     return (isinstance(manifest, dict) and manifest.get("format") == MERGE_FORMAT and entry.is_file()
             and entry.name in (MERGE_MANIFEST, CONFIG_FILE, WEIGHTS_FILE))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import socket
@@ -26,7 +27,7 @@ from typing import Any
 import yaml
 
 from cflib.atomic import write_json_atomic
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
 from cflib.jobs import job_out_dir
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
 from cflib.model.checkpoint import CheckpointError, latest_resumable
@@ -34,12 +35,14 @@ from cflib.params import Params, is_none_word, parsed_by, reject_unknown
 from cflib.paths import resolve_path
 from cflib.train.params import TrainParams, load_params_file
 from cflib.train.run import RUN_FILES, batch_arithmetic
-from cflib.yamlio import read_yaml
+from cflib.yamlio import load_yaml, read_yaml
 
 # The sweep owns where each point runs and how it continues.
 OWNED_BY_SWEEP = ("out_dir", "resume")
 LOCK_FILE = "sweep.lock"
 POINT_FILE = "point.yaml"  # the parameters papermill gives the point's train_sft.ipynb (-f)
+# A sweep's points, seeds included: each is a training run, and the plan checks every one before the first runs.
+MAX_POINTS = 10_000
 
 
 def _mapping_or_file(name: str, value: Any) -> Any:
@@ -50,12 +53,12 @@ def _mapping_or_file(name: str, value: Any) -> Any:
     if path.is_file():
         return read_yaml(path, ParamError, f"{name} file")
     try:
-        parsed = yaml.safe_load(str(value))
-    except yaml.YAMLError:
+        parsed = load_yaml(str(value), name, ParamError)
+    except ParamError:
         parsed = None
     if isinstance(parsed, (dict, list)):
         return parsed
-    raise ParamError(f"{name}: {value!r} is neither a YAML file ({path} does not exist) nor a YAML mapping")
+    raise ParamError(f"{name}: {shown(value)} is neither a YAML file ({path} does not exist) nor a YAML mapping")
 
 
 def _grid(name: str, value: Any) -> dict | None:
@@ -63,7 +66,7 @@ def _grid(name: str, value: Any) -> dict | None:
         return None
     grid = _mapping_or_file(name, value)
     if not isinstance(grid, dict) or not grid:
-        raise ParamError(f"grid must map parameter names to lists of values, got {grid!r}")
+        raise ParamError(f"grid must map parameter names to lists of values, got {shown(grid)}")
     return grid
 
 
@@ -72,24 +75,27 @@ def _points(name: str, value: Any) -> tuple[dict, ...] | None:
         return None
     points = _mapping_or_file(name, value)
     if not isinstance(points, (list, tuple)) or not points or not all(isinstance(p, dict) for p in points):
-        raise ParamError(f"points must be a list of mappings of parameter: value, got {points!r}")
+        raise ParamError(f"points must be a list of mappings of parameter: value, got {shown(points)}")
     return tuple(points)
 
 
 def _repeats(name: str, repeats: Any) -> int | tuple[int, ...]:
-    if isinstance(repeats, str):
-        text = repeats.strip().strip("[]()")
-        repeats = [int(s) for s in text.split(",")] if "," in text else int(text) if text.isdigit() else repeats
+    if isinstance(repeats, str) and len(repeats) <= 20 * MAX_POINTS:
+        items = [item.strip() for item in repeats.strip().strip("[]()").split(",")]
+        if all(item.isdigit() and len(item) <= 20 for item in items):
+            repeats = [int(item) for item in items] if len(items) > 1 else int(items[0])
     if isinstance(repeats, int) and not isinstance(repeats, bool):
-        if repeats < 1:
-            raise ParamError(f"repeats must be at least 1 (or a list of seeds), got {repeats}")
+        if not 1 <= repeats <= MAX_POINTS:
+            raise ParamError(f"repeats must be a number of seeds in [1, {MAX_POINTS:,}] (or a list of seeds), got "
+                             f"{shown(repeats)}")
         return repeats
-    if isinstance(repeats, (list, tuple)) and repeats and all(isinstance(s, int) and not isinstance(s, bool)
-                                                              for s in repeats):
+    if isinstance(repeats, (list, tuple)) and 0 < len(repeats) <= MAX_POINTS and all(
+            isinstance(s, int) and not isinstance(s, bool) for s in repeats):
         if len(set(repeats)) != len(repeats):
-            raise ParamError(f"repeats repeats a seed: {list(repeats)}")
+            raise ParamError(f"repeats repeats a seed: {shown(list(repeats))}")
         return tuple(repeats)
-    raise ParamError(f"repeats must be a number of seeds or a list of seeds, got {repeats!r}")
+    raise ParamError(f"repeats must be a number of seeds or a list of at most {MAX_POINTS:,} seeds, got "
+                     f"{shown(repeats)}")
 
 
 def _gpus(name: str, value: Any) -> tuple[int, ...] | None:
@@ -99,12 +105,12 @@ def _gpus(name: str, value: Any) -> tuple[int, ...] | None:
         try:
             value = [int(item) for item in value.strip().strip("[]()").split(",")]
         except ValueError:
-            raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {value!r}") from None
+            raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {shown(value)}") from None
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, (list, tuple)) or not value or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-        raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {value!r}")
+        raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {shown(value)}")
     if len(set(value)) != len(value):
         raise ParamError(f"gpus names a device twice: {list(value)}")
     return tuple(value)
@@ -147,10 +153,16 @@ class SweepParams(Params):
             _check_overrides(self.grid, "grid")
             for name, options in self.grid.items():
                 if not isinstance(options, list) or not options:
-                    raise ParamError(f"grid: {name} must be a non-empty list of values, got {options!r}")
+                    raise ParamError(f"grid: {name} must be a non-empty list of values, got {shown(options)}")
         for index, point in enumerate(self.points or ()):
             _check_overrides(point, f"points[{index}]")
         swept = set(self.grid or {}) | {name for point in self.points or () for name in point}
+        combinations = math.prod(len(options) for options in self.grid.values()) if self.grid is not None else (
+            len(self.points) if self.points is not None else 1)  # counted, not listed
+        seeds = self.repeats if isinstance(self.repeats, int) else len(self.repeats)
+        if combinations * seeds > MAX_POINTS:
+            raise ParamError(f"the sweep has {combinations:,} point(s) x {seeds:,} seed(s) = {combinations * seeds:,} "
+                             f"runs, more than {MAX_POINTS:,}; sweep fewer values")
         if "seed" in swept and len(self.seeds) > 1:
             raise ParamError("seed is swept and repeats gives several seeds: choose one of them")
         CompareParams.from_dict({"metric": self.metric})

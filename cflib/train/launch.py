@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
 from tqdm.auto import tqdm
 
+from cflib.jsonio import read_json
 from cflib.train.distributed import init_from_torchrun
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.run import Run, prepare
@@ -116,7 +117,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 @record_errors  # a failing rank's traceback reaches torchrun's summary
 def worker(params_file: str) -> None:
-    params = TrainParams.from_dict(json.loads(Path(params_file).read_text()), source=params_file)
+    params = TrainParams.from_dict(read_json(params_file, ParamError, "parameter file"), source=params_file)
     if params.out_dir is None:
         raise ParamError("out_dir must be set when torchrun starts the workers directly")
     device_type = "cuda" if params.device == "cuda" or (params.device == "auto" and torch.cuda.is_available()) else "cpu"

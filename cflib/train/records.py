@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from cflib.jobs import record_header
+from cflib.jsonio import parse_json
 from cflib.model.lora import describe as describe_lora
 
 if TYPE_CHECKING:  # the trainer builds on this module
@@ -52,7 +53,7 @@ def read_metrics(path: str | Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_json(line, "a metrics row", ValueError)
         except ValueError as err:
             if number == len(lines):  # no newline after it: the append a kill interrupted
                 break

@@ -313,7 +313,12 @@ def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, 
     # Fill-ins pad the last global batch of an epoch, so it is always whole.
     steps_per_epoch = math.ceil(train_examples / params.global_batch)
     total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
-    return steps_per_epoch, total_steps, math.ceil(params.warmup_ratio * total_steps)
+    warmup_steps = math.ceil(params.warmup_ratio * total_steps)
+    if warmup_steps >= total_steps > 1:  # the learning rate would rise to its peak at the last step, never decay
+        raise ParamError(f"warmup_ratio {params.warmup_ratio:g} gives {warmup_steps} warm-up steps of the run's "
+                         f"{total_steps}: the whole run would warm up; with {total_steps} steps it must be at most "
+                         f"{math.floor((total_steps - 1) / total_steps * 1e4) / 1e4:g}")
+    return steps_per_epoch, total_steps, warmup_steps
 
 
 def count_train_examples(data: str, tasks: Sequence[str] | None = None) -> int:

@@ -22,9 +22,11 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
+from urllib.parse import urlsplit
 
 from cflib.atomic import write_json_atomic
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
+from cflib.jsonio import read_json
 from cflib.train.records import read_metrics
 
 REPORTERS = ("tensorboard", "mlflow")
@@ -64,6 +66,35 @@ def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None)
     if tracking_uri is not None and "mlflow" not in (report_to or ()):
         raise ParamError(f"mlflow_tracking_uri is {tracking_uri!r} but report_to has no mlflow: add it "
                          "(report_to: mlflow), or remove mlflow_tracking_uri")
+    problem = tracking_uri_problem(tracking_uri) if tracking_uri is not None else None
+    if problem:
+        raise ParamError(f"mlflow_tracking_uri {shown(tracking_uri)}: {problem}; a server is http://host:5000 (or "
+                         "https://), a local store sqlite:////absolute/path/mlflow.db")
+
+
+# The stores MLflow's tracking client opens by scheme (a database's driver may follow a '+': postgresql+psycopg2).
+MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow could not open `uri` as a tracking store, or None; read from the URI alone (nothing is
+    contacted), so a malformed one stops the run before it starts, not as a warning at its first step."""
+    if not uri or len(uri) > 2048 or any(character.isspace() or ord(character) < 32 for character in uri):
+        return "not a URI (empty, longer than 2048 characters, or holding spaces or control characters)"
+    try:
+        parsed = urlsplit(uri)
+        port = parsed.port  # a port that is not a number in [0, 65535] raises here
+    except ValueError as err:
+        return f"not a URI ({err})"
+    scheme = parsed.scheme.split("+")[0] or (uri if uri in ("databricks", "databricks-uc") else "")
+    if scheme not in MLFLOW_SCHEMES:
+        return (f"scheme {parsed.scheme + ':' if parsed.scheme else '(none)'} is none of MLflow's stores "
+                f"({', '.join(MLFLOW_SCHEMES)})")
+    if scheme in ("http", "https") and (not parsed.hostname or port == 0):
+        return "names no host (and port) to reach"
+    if scheme in ("sqlite", "file") and not (uri.startswith(f"{scheme}:///") and parsed.path.strip("/")):
+        return f"a local store is {scheme}:/// followed by an absolute path"
+    return None
 
 
 def scalars(row: dict) -> dict[str, float]:
@@ -339,7 +370,7 @@ class _NoTrackers:
 
 def read_tracking(out_dir: str | Path) -> dict:
     path = Path(out_dir) / TRACKING_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path, ParamError, "tracking file") if path.is_file() else {}
 
 
 def log_artifacts(out_dir: str | Path, *names: str, timeout_s: float = CLOSE_TIMEOUT_S) -> list[str]:

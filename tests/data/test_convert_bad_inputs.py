@@ -94,6 +94,12 @@ CASES = [
      ["train.jsonl:3", "'task' must be a string"]),
     ("truncated-line", with_line('{"messages": [{"role": "user", "content": "a'), ["train.jsonl:3", "not valid JSON"]),
     # --- the output folder: never an input, never anything the command did not write ----------------------
+    ("nested-deep", with_line('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     ["train.jsonl:3", "JSON nested deeper than 64 levels"]),
+    # --- the spec: one file per partition (several sources are joined into one JSONL first) ----------------
+    ("train-a-list-of-files", lambda tmp: (lambda inputs: {"train": [str(inputs["train"]), str(inputs["eval"])],
+                                                           "eval": str(inputs["eval"]), "out": str(tmp / "out")})(
+        write_inputs(tmp / "in")), ["train: one path", "cat a.jsonl b.jsonl"]),
     ("out-holds-the-inputs", folder_case(lambda tmp, inputs: str(tmp / "in")),
      ["contains the train input", "would delete it"]),
     ("out-is-an-input-file", folder_case(lambda tmp, inputs: str(inputs["train"])), ["is the train input itself"]),

@@ -35,7 +35,10 @@ SWEEP = ROOT / "notebooks" / "sweep.ipynb"
     ({"points": [{"resume": "latest"}]}, "points[0]: resume is set by the sweep"),
     ({"gpus": "0,0"}, "gpus names a device twice"),
     ({"gpus": "first"}, "gpus must be 'cpu' or a list of device indices"),
-    ({"repeats": 0}, "repeats must be at least 1"),
+    ({"repeats": 0}, "repeats must be a number of seeds in [1, 10,000]"),
+    ({"repeats": 100_000_000}, "repeats must be a number of seeds in [1, 10,000]"),
+    ({"repeats": "9" * 5000}, "repeats must be a number of seeds or a list of at most 10,000 seeds"),
+    ({"grid": {"lr": [1e-3] * 100, "seed": list(range(101))}}, "10,100 runs, more than 10,000"),
     ({"base": "params/no_such.yaml"}, "no_such.yaml: no such parameter file"),
     ({"grid": "params/no_such_grid.yaml"}, "is neither a YAML file"),
     ({"metric": "loss"}, "metric 'loss' is not compared"),
@@ -160,6 +163,21 @@ def test_compare_refuses_an_incomplete_run_by_name(tmp_path):
         compare(CompareParams.from_dict({"runs": str(tmp_path / "nothing-*")}))
 
 
+@pytest.mark.parametrize("record, message", [
+    ("{not json", r"record.json: not valid JSON"),
+    ("[" * 50_000 + "]" * 50_000, r"record.json: JSON nested deeper than 64 levels"),
+    ("[1, 2]", r"record.json: a run record is a JSON object, got list"),
+], ids=["corrupt", "nested-deep", "a-list"])
+def test_compare_refuses_a_corrupt_record_by_its_file(tmp_path, record, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "record.json").write_text(record)
+    (run / "COMPLETE").write_text("{}")
+    with pytest.raises(ParamError, match=message):
+        compare(CompareParams.from_dict({"runs": str(run), "out_dir": str(tmp_path / "comparison")}))
+    assert not (tmp_path / "comparison").exists()
+
+
 COMPARE = ROOT / "notebooks" / "compare_runs.ipynb"
 COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
 
@@ -216,3 +234,13 @@ def test_points_run_side_by_side_one_per_device_slot(tmp_path):
     assert (first["device"], second["device"]) == ("cuda:0", "cuda:1")
     assert second["started_utc"] <= first["finished_utc"]  # both ran at once
     assert not (tmp_path / "sweep" / "sweep.lock").exists()
+
+
+def test_a_sweep_of_a_hundred_million_repeats_is_refused_before_any_point_is_built():
+    start = time.monotonic()
+    with pytest.raises(ParamError, match="repeats must be a number of seeds in"):
+        plan_sweep(SweepParams.from_dict({"repeats": 100_000_000, "out_dir": None}))
+    with pytest.raises(ParamError, match="more than 10,000"):
+        plan_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3] * 1000, "seed": list(range(1000))}, "out_dir": None}))
+    assert time.monotonic() - start < 10  # generous: the points are counted, not listed
+
