@@ -35,13 +35,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
+from cflib.atomic import check_output_folder
 from cflib.data import loss_metadata
 from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, sha256_file, write_partition
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 from cflib.errors import shown
 from cflib.jobs import one_line_errors
 from cflib.jsonio import json_lines
+from cflib.locks import exclusive_output
 from cflib.yamlio import read_yaml
 
 ROLES = ("system", "user", "assistant")
@@ -287,7 +288,10 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
     out = Path(spec.out)
     inputs = {"train": spec.train, "eval": spec.eval,
               "tokenizer": None if spec.tokenizer == "byte" else spec.tokenizer}
-    check_output_folder(out, inputs, ConvertError, owned=_written_by_convert, overwrite=overwrite, what="out:")
+    def check() -> None:
+        check_output_folder(out, inputs, ConvertError, owned=_written_by_convert, overwrite=overwrite, what="out:")
+
+    check()
     try:
         tokenizer = load_tokenizer(spec.tokenizer)
     except (FileNotFoundError, ValueError) as err:
@@ -297,10 +301,9 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                         "path": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
                         "sha256": None if isinstance(tokenizer, ByteTokenizer) else sha256_file(tokenizer.path)}
     conversion = {"tokenizer": tokenizer_record, "template": asdict(spec.template), "supervise": spec.supervise}
-    clean_leftovers(out.parent, targets=(out.name,))  # an earlier conversion into `out` killed mid-write
     seen = SeenConversations()
-    try:
-        with atomic_directory(out) as staging:
+    try:  # `out` checked again under its lock: a conversion that wrote it meanwhile is never silently replaced
+        with exclusive_output(out, check, ConvertError, what="out:") as staging:
             for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
                 stats: dict = {}
                 examples = _examples(Path(getattr(spec, partition)), partition, renderer, spec.max_seq_len, seen,

@@ -27,8 +27,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers, live_path
+from cflib.atomic import atomic_directory, check_output_folder, live_path
 from cflib.jsonio import read_json
+from cflib.locks import exclusive_output
 from cflib.model.checkpoint import (
     CONFIG_FILE,
     PROGRESS_FILE,
@@ -205,11 +206,13 @@ def merge(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | N
     Returns what was merged, and whether the base's weights are the ones the adapters were trained on.
     `out_dir` is new, or a folder an earlier merge wrote (its MERGE_MANIFEST and checkpoint, nothing else)."""
     recorded_base = read_adapter(adapter_dir)[1]["path"] if base_dir is None else base_dir
-    check_output_folder(out_dir, {"adapter": adapter_dir, "base": recorded_base}, MergeError,
-                        owned=lambda entry: _written_by_merge(Path(out_dir), entry), overwrite=True)
+    def check() -> None:
+        check_output_folder(out_dir, {"adapter": adapter_dir, "base": recorded_base}, MergeError,
+                            owned=lambda entry: _written_by_merge(Path(out_dir), entry), overwrite=True)
+
+    check()
     model, settings, base, base_dir = _merged(adapter_dir, base_dir)
-    clean_leftovers(Path(out_dir).parent, targets=(Path(out_dir).name,))  # a merge into it killed mid-write
-    with atomic_directory(out_dir) as staging:
+    with exclusive_output(out_dir, check, MergeError) as staging:  # `out_dir` checked again under its lock
         # save_checkpoint publishes a folder of its own atomically: it takes the empty staging folder's place.
         save_checkpoint(model, staging)
         (staging / MERGE_MANIFEST).write_text(json.dumps(

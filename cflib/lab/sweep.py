@@ -16,9 +16,7 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import re
-import socket
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -29,7 +27,9 @@ import yaml
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError, shown
 from cflib.jobs import job_out_dir
+from cflib.jsonio import read_json
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
+from cflib.locks import FileLock, check_free
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.params import Params, is_none_word, parsed_by, reject_unknown
 from cflib.paths import resolve_path
@@ -216,6 +216,7 @@ class Sweep:
     out_dir: Path
     points: list[Point]
     swept: list[str]
+    planned_on: str | None = None  # sweep.json's digest when planned: run_sweep runs the plan only on that state
 
     def save(self) -> None:
         """sweep.json: the plan and every point's state, replaced whole at every change."""
@@ -224,6 +225,7 @@ class Sweep:
             "base": p.base, "grid": p.grid, "points_given": list(p.points) if p.points else None,
             "repeats": list(p.seeds), "gpus": list(p.gpus) if p.gpus else "cpu", "swept": self.swept,
             "metric": p.metric, "points": [point.state(self.out_dir) for point in self.points]})
+        self.planned_on = sweep_file_digest(self.out_dir)  # this sweep's own state, which it goes on from
 
     def plan_table(self) -> str:
         """The points and what each overrides (deterministic for given parameters)."""
@@ -265,24 +267,16 @@ def _varying(combos: list[dict]) -> list[str]:
     return [name for name in names if len({json.dumps(c.get(name), sort_keys=True, default=str) for c in combos}) > 1]
 
 
-def _check_lock(out_dir: Path) -> None:
-    """One process runs a sweep folder at a time; a lock left by a killed one is stale."""
-    lock = out_dir / LOCK_FILE
-    if not lock.is_file():
-        return
-    try:
-        held = json.loads(lock.read_text())
-        pid, host = int(held["pid"]), held["host"]
-    except (ValueError, KeyError, TypeError):
-        return
-    if host == socket.gethostname() and pid != os.getpid():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            pass
-        raise ParamError(f"out_dir {out_dir} is being swept by process {pid}: wait for it, or stop it first")
+def sweep_lock(out_dir: Path) -> FileLock:
+    """One process sweeps a folder at a time (cflib.locks): taken before the first write, gone with the process."""
+    return FileLock(out_dir / LOCK_FILE, error=ParamError, remove=True, refusal=lambda holder: ParamError(
+        f"out_dir {out_dir} is being swept by another process ({holder}): wait for it, or stop it first"))
+
+
+def sweep_file_digest(out_dir: Path) -> str | None:
+    """What sweep.json held when the sweep was planned (None: none yet): the plan is run only on that state."""
+    path = out_dir / SWEEP_FILE
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def plan_sweep(params: SweepParams) -> Sweep:
@@ -290,10 +284,11 @@ def plan_sweep(params: SweepParams) -> Sweep:
     base = params.base_values
     # A sweep continues in its own folder (sweep.json), so only a file in its place is refused here.
     out_dir = job_out_dir(params.out_dir or None, "sweeps", (), "a sweep")
-    previous = {}
+    lock = sweep_lock(out_dir)
+    check_free(lock.path, lock.refusal, ParamError)
+    previous, digest = {}, sweep_file_digest(out_dir)
     if (out_dir / SWEEP_FILE).is_file():
-        _check_lock(out_dir)
-        previous = {p["name"]: p for p in json.loads((out_dir / SWEEP_FILE).read_text())["points"]}
+        previous = {p["name"]: p for p in _recorded_points(out_dir / SWEEP_FILE)}
     elif out_dir.is_dir() and any(out_dir.iterdir()):
         raise ParamError(f"out_dir {out_dir} holds files but no {SWEEP_FILE}: choose an empty or new folder")
     points: list[Point] = []
@@ -311,7 +306,16 @@ def plan_sweep(params: SweepParams) -> Sweep:
     swept = list(varying)
     if len(params.seeds) > 1:
         swept.append("seed")
-    return Sweep(params, out_dir, points, swept)
+    return Sweep(params, out_dir, points, swept, digest)
+
+
+def _recorded_points(path: Path) -> list[dict]:
+    """The points a sweep.json records, each with its name."""
+    plan = read_json(path, ParamError, "sweep file")
+    if not isinstance(plan, dict) or not isinstance(plan.get("points"), list) or not all(
+            isinstance(point, dict) and isinstance(point.get("name"), str) for point in plan["points"]):
+        raise ParamError(f"{path}: not a sweep's file (a 'points' list, each with its 'name')")
+    return plan["points"]
 
 
 def _judge(point: Point, before: dict | None, params: SweepParams) -> Point:

@@ -244,3 +244,46 @@ def test_a_sweep_of_a_hundred_million_repeats_is_refused_before_any_point_is_bui
         plan_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3] * 1000, "seed": list(range(1000))}, "out_dir": None}))
     assert time.monotonic() - start < 10  # generous: the points are counted, not listed
 
+
+def test_a_sweep_folder_is_swept_by_one_process_at_a_time(tmp_path):
+    """The lock is taken atomically before the first write: a second sweep is refused naming the first, and a plan
+    made before another sweep changed the folder is not run on it."""
+    from cflib.lab.sweep import sweep_lock
+    from cflib.lab.sweep_run import run_sweep
+
+    out_dir = tmp_path / "sweep"
+    raw = {"grid": {"lr": [1e-3, -1.0]}, "out_dir": str(out_dir)}  # -1.0 fails its checks: nothing to train
+    stale = plan_sweep(SweepParams.from_dict(raw))
+    with sweep_lock(out_dir):
+        with pytest.raises(ParamError, match=f"out_dir {out_dir} is being swept by another process"):
+            plan_sweep(SweepParams.from_dict(raw))
+        with pytest.raises(ParamError, match="is being swept by another process"):
+            run_sweep(stale)
+    sweep = plan_sweep(SweepParams.from_dict({**raw, "grid": {"lr": [-1.0, -2.0]}}))
+    run_sweep(sweep)  # both points failed their checks: it writes sweep.json, runs nothing
+    assert json.loads((out_dir / "sweep.json").read_text())["points"][0]["status"] == "failed"
+    with pytest.raises(ParamError, match="sweep.json changed since this sweep was planned"):
+        run_sweep(stale)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["sweep.json"]
+
+
+@pytest.mark.slow
+def test_two_sweeps_started_together_on_one_folder_one_runs_the_other_is_refused(tmp_path):
+    out_dir = tmp_path / "sweep"
+    go = tmp_path / "go"
+    code = ("import json, sys, time, pathlib\nwhile not pathlib.Path(sys.argv[1]).exists(): time.sleep(0.001)\n"
+            "from cflib.lab.sweep import SweepParams, plan_sweep\nfrom cflib.lab.sweep_run import run_sweep\n"
+            "run_sweep(plan_sweep(SweepParams.from_dict(json.loads(sys.argv[2]))), poll_s=0.1)")
+    raw = {"grid": {"lr": [0.002], "max_steps": [4], "save_every_steps": [None], "eval_every_steps": [None]},
+           "out_dir": str(out_dir)}
+    children = [subprocess.Popen([sys.executable, "-c", code, str(go), json.dumps(raw)], cwd=ROOT, text=True,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    time.sleep(3)  # both interpreters up, cflib imported
+    go.write_text("")
+    results = [(child.wait(timeout=600), child.stderr.read()) for child in children]
+    assert sorted(code for code, _ in results) == [0, 1], results
+    refusal = next(message for code, message in results if code).strip().splitlines()[-1]
+    assert "is being swept by another process" in refusal, refusal
+    state = json.loads((out_dir / "sweep.json").read_text())
+    assert [p["status"] for p in state["points"]] == ["done"] and len(state["points"][0]["attempts"]) == 1
+    assert (out_dir / state["points"][0]["run_dir"] / "COMPLETE").is_file() and not (out_dir / "sweep.lock").exists()
