@@ -157,6 +157,17 @@ def clean_leftovers(folder: str | Path, targets: Collection[str] | None = None) 
     return removed
 
 
+def set_aside(folder: str | Path) -> Path:
+    """A folder that will not be continued, renamed beside itself to `NAME.set-aside-N` (never deleted)."""
+    folder = Path(folder)
+    index = 1
+    while folder.with_name(f"{folder.name}.set-aside-{index}").exists():
+        index += 1
+    target = folder.with_name(f"{folder.name}.set-aside-{index}")
+    folder.rename(target)
+    return target
+
+
 def check_writable_folder(path: str | Path, what: str, error: type[Exception] = ValueError) -> None:
     """`error` naming `what` unless `path` is, or can be created as, a folder this process may write in.
     Reads only: the nearest existing ancestor must be a writable folder on a filesystem mounted read-write."""

@@ -46,6 +46,7 @@ from cflib.train.run import resolve_device
 
 SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
 DEFAULT_TASKS = ("embedded_choice", "embedded_exact")
+from cflib.train.run_folder import read_run_record
 TRAIN_HERE_STEPS = 32  # model None: a quickstart-size model this many steps into training (seconds on a CPU)
 LOGLIKELIHOOD_CHECK_PAIRS = 64  # per task: the first (context, continuation) pairs recomputed by cflib
 BUNDLE_FILES = ("config.json", "model.safetensors", "modeling_tr_hash_moe.py")
@@ -96,7 +97,7 @@ def resolve_bundle(model: str | None, out_dir: Path, device: str) -> tuple[Path,
     if (path / "record.json").is_file() and (path / "checkpoints").is_dir():
         if is_bundle(path / "hub"):
             return path / "hub", f"the run's Hub bundle {path / 'hub'}"
-        exported = export_run(json.loads((path / "record.json").read_text()), target)
+        exported = export_run(read_run_record(path), target)  # a copied run's paths lead into the copy
         if exported is None:
             raise ParamError(f"model {path}: the run's data names no tokenizer; export its bundle with "
                              f"python -m cflib.export hub {path} BUNDLE --tokenizer TOKENIZER and pass model=BUNDLE")

@@ -362,13 +362,3 @@ def _without_resume(values: dict) -> dict:
 def _as_yaml(values: dict) -> dict:
     """Values as they read back from point.yaml (tuples become lists)."""
     return yaml.safe_load(yaml.safe_dump(values))
-
-
-def set_aside(run_dir: Path) -> Path:
-    """A run folder that will not be continued, renamed beside it (never deleted)."""
-    for index in itertools.count(1):
-        target = run_dir.with_name(f"{run_dir.name}.set-aside-{index}")
-        if not target.exists():
-            run_dir.rename(target)
-            return target
-    raise AssertionError("unreachable")

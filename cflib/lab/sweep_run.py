@@ -27,12 +27,13 @@ import nbformat
 import yaml
 from tqdm.auto import tqdm
 
+from cflib.atomic import set_aside
 from cflib.jobs import utc_now
 from cflib.lab.form import frontend_attached
 from cflib.errors import ParamError
 from cflib.jsonio import read_json
 from cflib.lab.compare import SWEEP_FILE
-from cflib.lab.sweep import POINT_FILE, Point, Sweep, set_aside, sweep_file_digest, sweep_lock
+from cflib.lab.sweep import POINT_FILE, Point, Sweep, sweep_file_digest, sweep_lock
 from cflib.paths import resolve_path
 from cflib.train.records import read_metrics
 from cflib.train.run import RUN_FILES

@@ -34,10 +34,10 @@ from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.paths import resolve_path
 from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
-from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams, gradient_accumulation
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
+from cflib.train.run_folder import check_entries_inside, check_run_folder, refuse_mixing, starts_over
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 # What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
@@ -151,10 +151,19 @@ def _out_dir(params: TrainParams, model_name: str) -> Path:
                                              and never_trained(resolve_path(params.out_dir)))
     holds = () if reusable else RUN_FILES
     out_dir = job_out_dir(params.out_dir, "runs", holds, "a run", name=model_name,
-                          hint="choose another out_dir, or continue that run with resume: latest")
+                          hint="choose another out_dir, or continue that run with resume: latest (a run killed "
+                               "before its first resumable checkpoint starts over, its files set aside)")
     if params.out_dir is not None:
         check_writable_folder(out_dir, "out_dir")
+        check_entries_inside(out_dir)
+        refuse_mixing(out_dir, "single run")
     return out_dir
+
+
+def continues(params: TrainParams) -> bool:
+    """Whether the run continues a checkpoint: `resume` names one, or `latest` finds one (a run killed before its
+    first resumable checkpoint starts over instead: cflib.train.run_folder)."""
+    return params.resume is not None and not (params.resume == "latest" and starts_over(resolve_path(params.out_dir)))
 
 
 def recheck_out_dir(run: "Run") -> None:
@@ -207,11 +216,11 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
     torch.manual_seed(params.seed)
     if params.out_dir is not None and dist.is_main:  # first: a live run's checkpoints are still changing
-        check_not_locked(resolve_path(params.out_dir))
+        check_run_folder(resolve_path(params.out_dir))
     resume_state = None
     if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
-    if params.resume is not None:
+    if continues(params):
         checkpoint_dir = resume_dir(params)
         model, lora = resumed_model(checkpoint_dir, params)
         resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
@@ -347,7 +356,7 @@ def resume_dir(params: TrainParams) -> Path:
 
 def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
     """The architecture a run would train, and where it comes from, read without building the model."""
-    if params.resume is not None:
+    if continues(params):
         checkpoint_dir = resume_dir(params)
         return checkpoint_config(checkpoint_dir), f"resumed from {checkpoint_dir}"
     if params.init_checkpoint is not None:
