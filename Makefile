@@ -16,7 +16,7 @@ setup: $(STAMP) $(KERNEL)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[notebook,test]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[notebook,test,data]"
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -27,9 +27,11 @@ train: setup
 	$(VENV)/bin/papermill notebooks/train_sft.ipynb outputs/train_sft.$(notdir $(basename $(PARAMS))).ipynb \
 		-f $(PARAMS) --cwd notebooks --log-output
 
-# One pytest worker per core, at most 4; a test file (a notebook's cells among them) stays on one worker.
+# One pytest worker per core, at most 4; a test file (a notebook's cells among them) stays on one worker. The
+# research probes' quick checks (benchmarks/tests) run here, never in test-fast.
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env tests notebooks
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env \
+		tests benchmarks/tests notebooks
 
 # The unit tests alone, in under two minutes on two cores: no notebooks (nbval), and none of the tests marked slow
 # (torchrun, papermill, JupyterLab, the browser); the DURATIONS slowest are named at the end, to be marked when they

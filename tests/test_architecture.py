@@ -23,6 +23,11 @@ MODEL_PACKAGE = "cflib.model"
 # Copied verbatim into exported bundles and run by transformers there: they import no cflib code.
 NOT_CFLIB_CODE = ("export/hub_modules",)
 TESTS = project_root() / "tests"
+# Research probes beside the package, not in it: they import cflib, cflib never imports them.
+BENCHMARKS = project_root() / "benchmarks"
+# Two modules of one name in the package (cflib/x/name.py and cflib/y/name.py) read as one in a traceback or a
+# search; these do today, may not grow, and leave this list when one of each pair is renamed.
+SHARED_MODULE_NAMES = {"evaluate", "params"}
 # Each op is tested beside its reference alone: what measures or trains with the ops is tested with them.
 NOT_IN_OP_TESTS = ("cflib.bench", "cflib.train")
 
@@ -155,6 +160,13 @@ def test_functions_do_one_thing():
     assert not too_long, f"split these by what they do: {too_long}"
 
 
+def test_benchmark_functions_do_one_thing_too():
+    too_long = {f"{path.relative_to(BENCHMARKS.parent)}:{name}": lines
+                for path in sorted(BENCHMARKS.rglob("*.py"))
+                for name, lines in function_lengths(path, path.stem).items() if lines > MAX_FUNCTION_LINES}
+    assert not too_long, f"split these by what they do: {too_long}"
+
+
 def test_the_long_function_list_names_only_long_functions():
     lengths = {name: lines for module, path in cflib_sources().items()
                for name, lines in function_lengths(path, module).items()}
@@ -196,6 +208,25 @@ def test_the_flag_check_finds_the_old_pattern(tmp_path):
     assert string_flag_branches(source) == ["old.py:3 Norm.forward"]
     source.write_text("class Norm:\n    def forward(self, x):\n        return x if x.dtype == 'x' else -x\n")
     assert string_flag_branches(source) == []
+
+
+def test_cflib_never_imports_the_benchmarks():
+    probes = {"benchmarks", *(path.stem for path in BENCHMARKS.rglob("*.py"))}
+    assert len(probes) > 2, "no probes found under benchmarks/"
+    wrong = {name: sorted(found) for name, path in cflib_sources().items()
+             if (found := {target.split(".")[0] for target in imported_names(path)} & probes)}
+    assert not wrong, f"cflib imports research probes (benchmarks/ imports cflib, never the other way): {wrong}"
+
+
+def test_no_two_modules_of_the_package_share_a_name():
+    names: dict[str, list[str]] = {}
+    for module, path in cflib_sources().items():
+        if path.stem not in ("__init__", "__main__"):  # a package's face and its command share by design
+            names.setdefault(path.stem, []).append(module)
+    shared = {name: modules for name, modules in names.items() if len(modules) > 1}
+    assert set(shared) <= SHARED_MODULE_NAMES, f"rename one of each: {dict(sorted(shared.items()))}"
+    assert SHARED_MODULE_NAMES <= set(shared), (
+        f"no longer shared: take them off SHARED_MODULE_NAMES: {sorted(SHARED_MODULE_NAMES - set(shared))}")
 
 
 def test_each_package_says_what_it_owns_and_may_import():

@@ -13,6 +13,7 @@ from pathlib import Path
 from cflib.paths import project_root
 
 TESTS = project_root() / "tests"
+BENCHMARK_TESTS = project_root() / "benchmarks" / "tests"  # make test runs them, with the same mark
 # What starts one: papermill's kernel, Playwright's browser, a child process (a command line run whole, or one to kill); or a run launched (train,
 # fit) with two or more ranks or nodes, which is torchrun (parameters checked alone start nothing).
 STARTS_SLOW = re.compile(r"papermill\.execute_notebook|sync_playwright|subprocess\.(?:Popen|run|check_output|check_call)")
@@ -51,8 +52,8 @@ def unmarked_slow_tests(path: Path) -> list[str]:
 
 
 def test_every_test_that_starts_something_slow_is_marked_slow():
-    files = sorted(TESTS.rglob("test_*.py"))
-    assert len(files) > 20, "no test files found"
+    files = sorted(TESTS.rglob("test_*.py")) + sorted(BENCHMARK_TESTS.rglob("test_*.py"))
+    assert len(files) > 20 and BENCHMARK_TESTS in {path.parent for path in files}, "no test files found"
     wrong = [found for path in files for found in unmarked_slow_tests(path)]
     assert not wrong, "mark these @pytest.mark.slow (make test-fast leaves them out):\n" + "\n".join(wrong)
 

@@ -5,9 +5,12 @@ Owns steady-state throughput side by side with the peer stack (`throughput`,
 random rows and realistic SFT lengths, the peer fed as users feed it, the
 product's targets), the micro-batch tuner (`tune`,
 `search`, `memory`), kernel validation against float64 truth (`validate`,
-`components`), the TR-MoE design benchmark, and the tables and plots of their
-records (`python -m cflib.bench perf-table RECORD`). Imports train, model,
-data, ops and the foundation modules; never lab.
+`components`), decoding speed (`python -m cflib.bench.decode`), and the tables
+and plots of their records (`python -m cflib.bench perf-table RECORD`): what a
+notebook or a documented command reaches. The research probes that judged the
+kernels' designs live beside the package, in benchmarks/, and import it; it
+never imports them. Imports train, export, model, data, ops and the foundation
+modules; never lab.
 """
 from cflib.bench.plots import plot_error_heatmap, plot_microbatch_memory, plot_throughput
 from cflib.bench.tables import perf_table, tuning_summary

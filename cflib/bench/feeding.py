@@ -20,7 +20,10 @@ examples in the same order, and the warm-up is the same examples for all:
   `position_ids` restarting at each example and the `cu_seq_lens_q/k` and
   `max_length_q/k` of `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`,
   which is what TRL's `packing=True` (default strategy "bfd", which turns on
-  `padding_free`) feeds; transformers runs it with a varlen kernel.
+  `padding_free`) feeds; transformers runs it with a varlen kernel;
+- `peer_compile_padding_free`: those padding-free rows into the model under
+  torch.compile, as HF Trainer's `torch_compile=True` compiles it (the whole
+  model, the loss inside; no Liger, whose kernels do not trace there).
 
 Labels stay the shard's, causally aligned: an example's last position predicts
 nothing, which is the boundary TRL's padding-free collator masks (-100 where
@@ -49,6 +52,7 @@ class Feed:
     unit: str  # "windows" or "examples": what a micro-batch counts
     varlen: bool  # the batch needs a varlen attention kernel
     collate: Callable[[ShardPartition, PackPlan, np.ndarray], dict]
+    compiled: bool = False  # the model runs under torch.compile
 
 
 def padded_batch(data: ShardPartition, plan: PackPlan, examples: np.ndarray) -> dict:
@@ -89,6 +93,8 @@ FEEDS: dict[str, Feed] = {
                         False, packed_batch),
     "peer_padding_free": Feed("the windows' examples in one row with cu_seq_lens, a varlen kernel (TRL "
                               "padding-free)", "windows", True, flattened_batch),
+    "peer_compile_padding_free": Feed("the padding-free rows into the model under torch.compile (HF Trainer's "
+                                      "torch_compile), no Liger", "windows", True, flattened_batch, compiled=True),
 }
 
 

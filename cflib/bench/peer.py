@@ -100,13 +100,21 @@ def check_liger(device: torch.device) -> None:
         raise PathUnavailable(f"liger-kernel is not installed ({err}); pip install -e '.[bench]'") from None
 
 
+# What of Liger a peer takes: every kernel it has for Llama, or its fused linear cross-entropy alone (the loss a
+# torch.compile'd decoder body leaves outside: Liger's loss does not trace under torch.compile).
+LIGER = ("none", "all", "loss")
+
+
 @contextlib.contextmanager
-def liger_applied(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """Liger's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy on `model`, for the block's duration.
+def liger_applied(model: torch.nn.Module, device: torch.device, kernels: str = "all") -> Iterator[None]:
+    """Liger on `model` for the block's duration: its RMSNorm, RoPE, SwiGLU and fused linear cross-entropy
+    (`kernels="all"`), or the fused linear cross-entropy alone (`"loss"`).
 
     Liger also patches transformers' Llama module globals (RoPE, the norm and MLP
     classes); they are put back afterwards so later peers in the same process stay plain.
     """
+    if kernels not in LIGER[1:]:
+        raise ValueError(f"liger_applied: kernels must be one of {LIGER[1:]}, got {kernels!r}")
     check_liger(device)
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     from transformers.models.llama import modeling_llama
@@ -114,8 +122,9 @@ def liger_applied(model: torch.nn.Module, device: torch.device) -> Iterator[None
     names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
     saved = {name: getattr(modeling_llama, name) for name in names}
     saved_forward = modeling_llama.LlamaForCausalLM.forward
+    every = kernels == "all"
     try:
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+        apply_liger_kernel_to_llama(rope=every, rms_norm=every, swiglu=every, cross_entropy=False,
                                     fused_linear_cross_entropy=True, model=model)
         yield
     finally:
@@ -165,13 +174,31 @@ def gradient_checkpointing(model: torch.nn.Module) -> bool:
     return bool(model.is_gradient_checkpointing)
 
 
+# What of the peer torch.compile takes: nothing, the whole model as HF Trainer's `torch_compile=True` does (loss
+# included), or the decoder body (`model.model`), leaving the head and loss to run eagerly (Liger's fused linear
+# cross-entropy, which does not trace).
+COMPILE = ("none", "model", "decoder")
+
+
+def compile_peer(model: torch.nn.Module, target: str, backend: str) -> torch.nn.Module:
+    """The module the peer's steps call: `model`, or it compiled whole, or `model` with its decoder body compiled
+    in place (its parameters and state dict unchanged)."""
+    if target not in COMPILE:
+        raise ValueError(f"compile target must be one of {COMPILE}, got {target!r}")
+    if target == "model":
+        return torch.compile(model, backend=backend)
+    if target == "decoder":
+        model.model.compile(backend=backend)
+    return model
+
+
 class PeerTrainer:
     """One optimizer step of the peer, as `Trainer.train_step` does it for the project's model."""
 
     def __init__(self, model: torch.nn.Module, params: TrainParams, device: torch.device, data: ShardPartition,
-                 total_steps: int, compile_backend: str | None = None) -> None:
+                 total_steps: int, compile_backend: str | None = None, compile_target: str = "model") -> None:
         self.model, self.params, self.device, self.data = model, params, device, data
-        self.train_model = torch.compile(model, backend=compile_backend) if compile_backend else model
+        self.train_model = compile_peer(model, compile_target if compile_backend else "none", compile_backend)
         self.optimizer = make_optimizer(model, params, device)
         warmup = math.ceil(params.warmup_ratio * total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

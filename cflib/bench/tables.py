@@ -143,6 +143,28 @@ def _kernel_rows(record: dict) -> list[str]:
     return lines
 
 
+def _startup_rows(record: dict) -> list[str]:
+    """Each path's cost before its steady state, apart from the figures above (cflib.bench.throughput.startup):
+    empty for a record from before it was measured."""
+    measured = [e for e in record["paths"] if e["status"] == "ok" and "startup" in e]
+    if not measured:
+        return []
+    lines = ["Before the steady state, outside the figures above: building the path, its first step, the warm-up's "
+             "time beyond as many steady-state steps (compiling, CUDA-graph capture, autotuning, JIT), and "
+             "torch.compile's own seconds within it, with the graphs it made and the graph breaks it met:", "",
+             "| path | micro-batch | set-up s | first step s | warm-up beyond steady s | torch.compile s | graphs | "
+             "graph breaks |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for entry in measured:
+        start = entry["startup"]
+        timed = start["compile_s_in_timed_steps"]
+        compiling = _number(start["compile_s"], 1) + (f" ({timed:.1f} in timed steps)" if timed else "")
+        lines.append(f"| {_label(entry['path'], _kind(entry))} | {entry['micro_batch']} | "
+                     f"{_number(start['setup_s'], 1)} | {_number(start['first_step_s'], 1)} | "
+                     f"{_number(start['warmup_beyond_steady_s'], 1)} | {compiling} | {start['graphs']} | "
+                     f"{start['graph_breaks']} |")
+    return lines
+
+
 def _setting(record: dict) -> str:
     device, framework, ceiling = record["device"], record["framework"], record["matmul_ceiling"]
     return (f"{device['name']} x {device['count']}, torch {framework['torch']}, {record['precision']}, "
@@ -180,6 +202,9 @@ def perf_table(record: dict) -> str:
     if edge:
         lines += [""] + edge
     lines += [""] + _kernel_rows(record)
+    startup = _startup_rows(record)
+    if startup:
+        lines += [""] + startup
     timed = [e for e in record["paths"] if e.get("evaluation_and_checkpoint", {}).get("status") == "ok"]
     for entry in timed:
         io = entry["evaluation_and_checkpoint"]

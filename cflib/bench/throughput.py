@@ -42,6 +42,7 @@ from cflib.bench.peer import PathUnavailable
 from cflib.bench.sessions import Session, compiled, fed_peer_session, peer_session
 from cflib.bench.timing import (
     allocated_memory_gib,
+    compile_totals,
     flops_per_token,
     matmul_ceiling,
     peak_memory_gib,
@@ -103,13 +104,17 @@ VARIANT_PATHS: dict[str, dict[str, Any]] = {
 }
 EVERY_ROW_PATHS = ("production_every_row",)
 PROJECT_PATHS.update(VARIANT_PATHS)
-# The peers: Liger applied or not, torch.compile or not, transformers' SDPA attention or FlashAttention-4.
+# The peers as their users run them: Liger's kernels, all or its fused linear cross-entropy alone
+# (cflib.bench.peer.LIGER); torch.compile of nothing, the whole model (HF Trainer's torch_compile) or the decoder
+# body with the loss outside (cflib.bench.peer.COMPILE); transformers' SDPA attention or FlashAttention-4.
 PEER_PATHS: dict[str, dict[str, Any]] = {
-    "peer_eager": {"liger": False, "compiled": False},
-    "peer_liger": {"liger": True, "compiled": False},
-    "peer_liger_fa4": {"liger": True, "compiled": False, "attention": "flash_attention_4"},
-    "peer_compile": {"liger": False, "compiled": True},
-    "peer_liger_compile": {"liger": True, "compiled": True},
+    "peer_eager": {"liger": "none", "compile": "none"},
+    "peer_liger": {"liger": "all", "compile": "none"},
+    "peer_liger_fa4": {"liger": "all", "compile": "none", "attention": "flash_attention_4"},
+    "peer_compile": {"liger": "none", "compile": "model"},
+    "peer_compile_fa4": {"liger": "none", "compile": "model", "attention": "flash_attention_4"},
+    "peer_compile_fa4_flce": {"liger": "loss", "compile": "decoder", "attention": "flash_attention_4"},
+    "peer_liger_compile": {"liger": "all", "compile": "model"},
 }
 # The kinds of batches, and the paths each runs: the project's on both, the peer's as each kind feeds it.
 BATCHES: dict[str, tuple[str, ...]] = {RANDOM_ROWS: (*PROJECT_PATHS, *PEER_PATHS), REALISTIC: (*PROJECT_PATHS, *FEEDS)}
@@ -273,7 +278,8 @@ def _session(name: str, tparams: TrainParams, batches: Batches, steps: int, para
     if name in PEER_PATHS:
         return peer_session(PEER_PATHS[name], tparams, config, device, batches.data, steps, params.compile_backend,
                             stack)
-    return fed_peer_session(name, params.fed_peers_liger, tparams, config, device, batches.stream, steps, stack)
+    return fed_peer_session(name, params.fed_peers_liger, tparams, config, device, batches.stream, steps,
+                            params.compile_backend, stack)
 
 
 def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.device, config: ModelConfig,
@@ -287,6 +293,7 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
     with contextlib.ExitStack() as stack:
         kernels = PROJECT_PATHS.get(name, PROJECT_PATHS["reference"])
         run_dir = out_dir / "runs" / f"{batches.kind}-{name}-mb{micro}"
+        compiled_before, setup_started = compile_totals(), time.perf_counter()
         try:
             if kernels.get("full_parameter") is False:  # LoRA adapts a checkpoint: the preset's, written once
                 kernels = {**kernels, "init_checkpoint": str(_lora_base(out_dir / "lora_base", config, params.seed))}
@@ -301,8 +308,10 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
             return {**entry, "status": "failed", "reason": error_line(err),
                     "traceback_tail": traceback.format_exc(limit=-3)[-2000:]}
         entry.update(session.facts)
+        setup_s = time.perf_counter() - setup_started
         try:
             timing = time_steps(session.step, steps_batches, warmup, device)
+            entry["startup"] = startup(setup_s, timing, compiled_before, compile_totals())
             entry["peak_memory_gib"] = peak_memory_gib(device)
             entry["kernel_path"] = session.kernel_path()  # what the forward passes used, read back
             if session.trainer is not None:
@@ -330,6 +339,21 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
             entry["evaluation_and_checkpoint"] = guarded(
                 lambda: time_evaluation_and_checkpoint(session.trainer, device))
     return entry
+
+
+def startup(setup_s: float, timing: dict, compiled_before: dict, compiled_after: dict) -> dict:
+    """What a path costs before its steady state, apart from it: building it (model, optimizer, kernel choices;
+    torch.compile wraps lazily), its first step, and the time its warm-up steps took beyond as many steady-state
+    steps (compiling, CUDA-graph capture, autotuning, kernels JIT-compiled; the first path of a run also pays for
+    kernels every later one finds compiled), with torch.compile's own seconds, graphs and graph breaks in it."""
+    warmup = timing["warmup_step_seconds"]
+    steady = float(np.median(timing["step_seconds"]))
+    return {"setup_s": setup_s, "first_step_s": warmup[0] if warmup else None,
+            "warmup_beyond_steady_s": sum(warmup) - len(warmup) * steady,
+            "compile_s": timing["warmup_compile_s"] + timing["timed_compile_s"],
+            "compile_s_in_timed_steps": timing["timed_compile_s"],
+            "graphs": compiled_after["graphs"] - compiled_before["graphs"],
+            "graph_breaks": compiled_after["graph_breaks"] - compiled_before["graph_breaks"]}
 
 
 def _lora_base(path: Path, config: ModelConfig, seed: int) -> Path:

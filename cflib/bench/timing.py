@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cflib.atomic import write_json_atomic
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEEngine
 from cflib.model.fast import FusedTRMoEEngine, swap_class
@@ -123,6 +124,20 @@ def gpu_clock_and_power(device: torch.device) -> tuple[int | None, float | None]
         return None, None
 
 
+# torch.compile's own timers (torch._dynamo.utils.compilation_time_metrics): a frame's compile (tracing, and the
+# backend compiling its forward), and the backward's compile, which AOTAutograd puts off until the first backward.
+COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_totals() -> dict:
+    """torch.compile's work in this process so far: seconds spent compiling (COMPILE_TIMERS), graphs made, graph
+    breaks met."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {"seconds": sum(sum(compilation_time_metrics.get(timer, ())) for timer in COMPILE_TIMERS),
+            "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 def with_next(batches: list[np.ndarray]) -> zip:
     """Each batch with the one after it (None after the last), for a step that stages its successor."""
     return zip(batches, [*batches[1:], None])
@@ -132,25 +147,31 @@ def time_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches: l
                device: torch.device) -> dict:
     """Run every batch through `step`, told the next batch (None for the last), whose host work it may do while
     the GPU runs; steady state is the steps after the warm-up ones (at least one). The collector holds what
-    exists before the first step out of its walks, as cflib's trainer does."""
+    exists before the first step out of its walks, as cflib's trainer does. Each step's torch.compile seconds
+    (compile_totals) are kept beside its time: a compile in a timed step shows there."""
     if len(batches) <= warmup_steps:
         raise ValueError(f"{len(batches)} batches leave no step to time after {warmup_steps} warm-up steps")
-    seconds, rows, paused, clocks = [], [], [], []  # clocks: (MHz, W) after each step
+    seconds, rows, paused, clocks, compiling = [], [], [], [], []  # clocks: (MHz, W) after each step
     with steady_collector(), CollectorPauses() as pauses:
         for batch, following in with_next(batches):
             sync(device)
+            compiled_before = compile_totals()["seconds"]
             collections, start = len(pauses.seconds), time.perf_counter()
             rows.append(step(batch, following))
             sync(device)
             seconds.append(time.perf_counter() - start)
             paused.append(sum(pauses.seconds[collections:]))
             clocks.append(gpu_clock_and_power(device))
+            compiling.append(compile_totals()["seconds"] - compiled_before)
     timed, timed_rows = seconds[warmup_steps:], rows[warmup_steps:]
     total = sum(timed)
     result = {
         "tokens_per_s": sum(r["tokens"] for r in timed_rows) / total,
         "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in timed_rows) / total,
         "warmup_s": sum(seconds[:warmup_steps]),
+        "warmup_step_seconds": seconds[:warmup_steps],
+        "warmup_compile_s": sum(compiling[:warmup_steps]),
+        "timed_compile_s": sum(compiling[warmup_steps:]),
         "step_seconds": timed,
         "collector_pause_s": paused[warmup_steps:],
         "gpu_clock_mhz": [mhz for mhz, _ in clocks[warmup_steps:]],
@@ -215,10 +236,27 @@ def profile_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches
              "table_by_shape": str(by_shape), "sorted_by": sort_by,
              "top_ms": {e.key: getattr(e, sort_by) / 1e3 / len(batches) for e in top}}
     if device.type == "cuda":
+        # GPU annotations (a compiled graph's call, an optimizer step) span kernels counted already, and the gaps
+        # between them: they are not kernels.
         spans = [(e.time_range.start, e.time_range.end, e.name) for e in profiler.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA]
+                 if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
         found["timeline"] = kernel_timeline(spans, len(batches), wall_ms)
+        # Every kernel by its full name (the tables cut names and rows): what each family of kernels costs a step.
+        kernels_path = table_path.with_name(table_path.stem + "-kernels.json")
+        write_json_atomic(kernels_path, kernel_totals(spans, len(batches)))
+        found["kernels"] = str(kernels_path)
     return found
+
+
+def kernel_totals(spans: list[tuple[float, float, str]], steps: int) -> list[dict]:
+    """Per kernel name (copies and memsets among them), its device time and launches per step, largest first."""
+    totals: dict[str, list[float]] = {}
+    for start, end, name in spans:
+        total = totals.setdefault(name, [0.0, 0])
+        total[0] += end - start
+        total[1] += 1
+    return [{"name": name, "ms_per_step": us / 1e3 / steps, "calls_per_step": calls / steps}
+            for name, (us, calls) in sorted(totals.items(), key=lambda item: -item[1][0])]
 
 
 def trmoe_bench_inputs(config: ModelConfig, tokens: int, device: torch.device

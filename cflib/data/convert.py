@@ -1,27 +1,33 @@
-"""Chat JSONL to the public shard format, streaming: memory stays flat in the number of rows.
+"""Conversations to the public shard format, streaming: memory stays flat in the number of rows.
 
-Each input line is `{"messages": [{"role": "system"|"user"|"assistant",
-"content": "..."}, ...]}` with optional `task`, `group`, `domain`, `source` and
-`id` fields, and the semantic `domain`, `mode` and `difficulty`, which go to
-each partition's `loss_metadata.jsonl` (cflib.data.loss_metadata). A conversation renders through a chat template:
+Sources (cflib.data.sources: files, folders, saved datasets, the Hub) are read
+through `datasets`; each row becomes a conversation in its format
+(cflib.data.formats: OpenAI messages, ShareGPT, prompt-completion, plain
+text), the reasoning policy applies (cflib.data.reasoning), and it renders
+through a template (cflib.data.rendering: role markers, or the tokenizer's own
+Jinja chat template) into input ids and causally aligned labels. Only
+assistant tokens (content and end of turn) are taught: those of the final
+turn, or of every assistant turn (`supervise`); plain text is taught whole.
 
-    every turn:       <role marker> content
-    system/user turn: ... followed by turn_end
-    assistant turn:   ... followed by eos  (the shard's EOS token)
+Held-out conversations come from `eval` sources, or from the train sources
+with `eval_fraction`: each conversation goes to eval by a hash of its content
+and the seed, so the same conversation always lands on the same side, before
+duplicates are counted. Nothing is truncated or sliced: a conversation longer
+than `max_seq_len` is rejected and counted, as are exact duplicates, eval
+conversations that also occur in train, and empty answers. A row that cannot
+be read stops the conversion, naming source, row and field; nothing is
+written then. Rendered through the tokenizer's template, the first rows of
+each source are checked token for token against `apply_chat_template` before
+they are written. Each example keeps its `source`: its row's own, else its
+input's name. Each partition's sft.idx.json records the counts per source,
+supervised tokens, vocabulary, EOS, cap, the rejections, the tokenizer and
+template (the tokenizer template's SHA-256), every source with the SHA-256 of
+its files, and the SHA-256 of every file written.
 
-Only assistant tokens (content and its EOS) are supervised: those of the final
-turn, or of every assistant turn (`supervise`). Nothing is truncated or
-sliced: a conversation longer than `max_seq_len` is rejected and counted, as
-are exact duplicates (same messages), eval conversations that also occur in
-train, and empty answers. Malformed input stops the conversion, naming file
-and line; nothing is written then. Each partition's sft.idx.json records the
-counts, supervised tokens, vocabulary, EOS, cap, the rejections, the
-tokenizer, template and source with their SHA-256, and the SHA-256 of every
-file written.
-
-    python -m cflib.data convert --train train.jsonl --eval eval.jsonl --out data/my-shard \
-        [--tokenizer byte|path/to/tokenizer.json] [--supervise final_turn|all_assistant_turns] \
-        [--max-seq-len 2048] [--template template.yaml] [--spec convert.yaml] [--overwrite]
+    python -m cflib.data convert --train SOURCE [SOURCE ...] (--eval SOURCE ... | --eval-fraction F) --out DIR \
+        [--format auto|messages|sharegpt|prompt_completion|text] [--tokenizer byte|tokenizer.json|DIR] \
+        [--template tokenizer|template.yaml] [--supervise final_turn|all_assistant_turns] \
+        [--reasoning supervise|mask|strip] [--max-seq-len 2048] [--seed 0] [--spec convert.yaml] [--overwrite]
 """
 from __future__ import annotations
 
@@ -31,82 +37,75 @@ import json
 import sqlite3
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from cflib.atomic import check_output_folder
 from cflib.data import loss_metadata
-from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, sha256_file, write_partition
-from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
-from cflib.errors import shown
+from cflib.data.conversation import SUPERVISE, Conversation, ConvertError, conversation_digest
+from cflib.data.formats import FORMATS, detect, read_row
+from cflib.data.marker_template import ChatTemplate
+from cflib.data.reasoning import POLICIES, stripped
+from cflib.data.rendering import TOKENIZER_TEMPLATE, Renderer, make_renderer, tokenizer_record
+from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, write_partition
+from cflib.data.sources import Source, SourceReader, describe, distinct_names, parse_source
+from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, PretrainedTokenizer
 from cflib.jobs import one_line_errors
-from cflib.jsonio import json_lines
 from cflib.locks import exclusive_output
 from cflib.yamlio import read_yaml
 
-ROLES = ("system", "user", "assistant")
-SUPERVISE = ("final_turn", "all_assistant_turns")
-METADATA = ("task", "group", "source", *loss_metadata.FIELDS)
-
-
-class ConvertError(ValueError):
-    """Input that cannot become a shard; the message names the file, line or setting."""
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    """Role markers and turn ends, as text; special tokens in them are recognised by the tokenizer.
-
-    The default matches the byte tokenizer and the embedded data. ChatML, for a
-    tokenizer.json that has its specials: system "<|im_start|>system\\n", user
-    "<|im_start|>user\\n", assistant "<|im_start|>assistant\\n", turn_end
-    "<|im_end|>\\n", eos "<|im_end|>".
-    """
-
-    system: str = "<|system|>"
-    user: str = "<|user|>"
-    assistant: str = "<|assistant|>"
-    turn_end: str = ""  # after each system and user turn
-    eos: str = "<|eos|>"  # one token, after each assistant turn; the shard's EOS
-
-    @classmethod
-    def from_dict(cls, raw: dict, source: str = "template") -> "ChatTemplate":
-        known = [f.name for f in fields(cls)]
-        if not isinstance(raw, dict):
-            raise ConvertError(f"{source}: a template is a mapping of {', '.join(known)}")
-        unknown = sorted(set(raw) - set(known))
-        if unknown:
-            raise ConvertError(f"{source}: unknown template key(s) {unknown}; known: {known}")
-        if not all(isinstance(value, str) for value in raw.values()):
-            raise ConvertError(f"{source}: template values are strings")
-        return cls(**raw)
+REJECTIONS = ("too_long", "duplicate", "duplicate_of_train", "empty_answer")
+# Rendered through the tokenizer's template, the first rows of each source are compared with apply_chat_template.
+IDENTITY_SAMPLE = 16
 
 
 @dataclass
 class ConvertSpec:
     """What to convert and how; recorded in each partition's sft.idx.json."""
 
-    train: str
-    eval: str
-    out: str
-    tokenizer: str = "byte"  # "byte" or the path of a local tokenizer.json
+    train: str | list  # one source or several (cflib.data.sources)
+    eval: str | list | None = None  # held-out sources; None: eval_fraction of the train sources
+    out: str = ""
+    tokenizer: str = "byte"  # "byte", a local tokenizer.json, or a tokenizer folder
     supervise: str = "final_turn"
     max_seq_len: int = 2048
-    template: ChatTemplate = field(default_factory=ChatTemplate)
+    template: ChatTemplate | str = field(default_factory=ChatTemplate)  # or "tokenizer": the tokenizer's own
+    format: str = "auto"  # each source's, unless the source names its own
+    reasoning: str = "supervise"
+    eval_fraction: float | None = None
+    seed: int = 0  # of the eval_fraction split
+
+    def sources(self, partition: str) -> list[Source]:
+        """The sources a partition reads: its own, or the train sources split by eval_fraction."""
+        given = self.train if partition == "train" or self.eval is None else self.eval
+        entries = given if isinstance(given, list) else [given]
+        return distinct_names([parse_source(entry, partition if self.eval is not None else "train")
+                               for entry in entries])
 
     def validate(self) -> None:
-        for name in ("train", "eval", "out", "tokenizer"):
-            if not isinstance(getattr(self, name), (str, Path)):
-                raise ConvertError(f"{name}: one path, got {shown(getattr(self, name))}; a conversion reads one "
-                                   "JSONL file per partition (join several with cat a.jsonl b.jsonl > all.jsonl)")
         if self.supervise not in SUPERVISE:
             raise ConvertError(f"supervise must be one of {SUPERVISE}, got {self.supervise!r}")
-        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+        if self.reasoning not in POLICIES:
+            raise ConvertError(f"reasoning must be one of {POLICIES}, got {self.reasoning!r}")
+        if self.format not in ("auto", *FORMATS):
+            raise ConvertError(f"format must be auto or one of {FORMATS}, got {self.format!r}")
+        if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ConvertError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
-        for name in ("train", "eval"):
-            if not Path(getattr(self, name)).is_file():
-                raise ConvertError(f"{name}: {getattr(self, name)} is not a file")
+        if not self.out:
+            raise ConvertError("out: the shard root to write is missing")
+        if (self.eval is None) == (self.eval_fraction is None):
+            raise ConvertError("give held-out data either as eval sources or as eval_fraction of the train "
+                               f"sources, not {'both' if self.eval is not None else 'neither'}")
+        if self.eval_fraction is not None and not (isinstance(self.eval_fraction, (int, float))
+                                                   and 0 < self.eval_fraction < 1):
+            raise ConvertError(f"eval_fraction must be a number in (0, 1), got {self.eval_fraction!r}")
+        if not isinstance(self.template, ChatTemplate) and self.template != TOKENIZER_TEMPLATE:
+            raise ConvertError(f"template must be a marker template or {TOKENIZER_TEMPLATE!r}, got {self.template!r}")
+        for partition in PARTITIONS:
+            for source in self.sources(partition):
+                if source.format not in ("auto", *FORMATS):
+                    raise ConvertError(f"{source.spec}: format must be auto or one of {FORMATS}")
 
 
 class SeenConversations:
@@ -137,185 +136,151 @@ class SeenConversations:
         self._folder.cleanup()
 
 
-def conversation_digest(messages: list[dict]) -> int:
-    """64 bits of BLAKE2b over roles and contents: a signed SQLite integer."""
-    canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
-    return int.from_bytes(hashlib.blake2b(canonical.encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+def held_out(digest: int, seed: int, fraction: float) -> bool:
+    """Whether eval_fraction sends this conversation to eval: a uniform draw from its content and the seed."""
+    draw = hashlib.blake2b(f"{seed}:{digest}".encode(), digest_size=8).digest()
+    return int.from_bytes(draw, "little") / 2 ** 64 < fraction
 
 
-def _check_row(row: object, where: str, to_answer: bool = False) -> list[dict]:
-    """The row's messages, or ConvertError naming the line. A conversation to convert ends with the
-    assistant turn it teaches; one `to_answer` ends before the assistant's turn."""
-    if not isinstance(row, dict):
-        raise ConvertError(f"{where}: not a JSON object")
-    messages = row.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ConvertError(f"{where}: needs a non-empty list 'messages'")
-    for turn, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(
-                message.get("content"), str):
-            raise ConvertError(f"{where}: message {turn} needs a role in {ROLES} and a string content, "
-                               f"got {str(message)[:80]}")
-    for turn, message in enumerate(messages):
-        try:
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError as err:  # a lone surrogate escape ("\ud800") is valid JSON but no text
-            raise ConvertError(f"{where}: message {turn} content is not encodable text (character "
-                               f"{message['content'][err.start]!r} at {err.start}: {err.reason})") from None
-    _check_turn_order(messages, where)
-    if to_answer and messages[-1]["role"] == "assistant":
-        raise ConvertError(f"{where}: the last message is the assistant's; a conversation to answer ends with "
-                           "a user (or system) turn")
-    if not to_answer and messages[-1]["role"] != "assistant":
-        raise ConvertError(f"{where}: the last message is {messages[-1]['role']!r}; a conversation ends with "
-                           "the assistant turn it teaches")
-    for key in METADATA:
-        if key in row and not isinstance(row[key], str):
-            raise ConvertError(f"{where}: {key!r} must be a string, got {row[key]!r}")
-    return messages
+def read_conversations(source: Source, reader: SourceReader, fmt: str) -> Iterator[tuple[str, Conversation]]:
+    """(where, conversation) of each row of a source, its format named or taken from its first row."""
+    fmt = source.format if source.format != "auto" else fmt
+    for where, row in reader.rows(source):
+        fmt = detect(row, where) if fmt == "auto" else fmt
+        yield where, read_row(row, fmt, where)
 
 
-def _check_turn_order(messages: list[dict], where: str) -> None:
-    """An optional system turn first, then user and assistant in turn, the user first: an answer with no
-    question before it, or two questions in a row, would teach the template a conversation it never sees."""
-    turns = messages[1:] if messages[0]["role"] == "system" else messages
-    for turn, message in enumerate(turns, start=len(messages) - len(turns)):
-        expected = "user" if (turn - (len(messages) - len(turns))) % 2 == 0 else "assistant"
-        if message["role"] != expected:
-            what = ("a system turn after the first message" if message["role"] == "system" else
-                    f"{message['role']!r} where the {expected!r} turn belongs")
-            raise ConvertError(f"{where}: message {turn} is {what}; a conversation is an optional system turn, "
-                               "then user and assistant turns in turn, starting with the user")
+class PartitionReader:
+    """The accepted examples of one partition, its counts filled in as they go by."""
+
+    def __init__(self, partition: str, spec: ConvertSpec, renderer: Renderer, reader: SourceReader,
+                 seen: SeenConversations) -> None:
+        self.partition, self.spec, self.renderer, self.reader, self.seen = partition, spec, renderer, reader, seen
+        self.rejected: Counter = Counter()
+        self.per_task: Counter = Counter()
+        self.per_source: Counter = Counter()
+        self.supervised_per_source: Counter = Counter()
+        self.rows_read = 0
+        self.sources: list[dict] = []
+
+    def examples(self) -> Iterator[Example]:
+        for source in self.spec.sources(self.partition):
+            rows_before, checked = self.rows_read, 0
+            for where, conversation in read_conversations(source, self.reader, self.spec.format):
+                example = self._accept(where, conversation, source, checked < IDENTITY_SAMPLE)
+                checked += example is not None
+                if example is not None:
+                    yield example
+            self.sources.append({**describe(source, self.reader.hub_commits.get(source.spec)),
+                                 "rows_read": self.rows_read - rows_before})
+        if not sum(self.per_source.values()):
+            raise ConvertError(f"{self.partition}: no conversation was accepted from "
+                               f"{', '.join(s.spec for s in self.spec.sources(self.partition))} ({self.rows_read} "
+                               f"read, rejected: {dict(self.rejected)})")
+
+    def _accept(self, where: str, conversation: Conversation, source: Source, check_identity: bool
+                ) -> Example | None:
+        """The example of one conversation, or None where it goes to the other partition or is rejected."""
+        if self.spec.reasoning == "strip":
+            conversation = stripped(conversation)
+        digest = conversation_digest(conversation)
+        if self.spec.eval_fraction is not None and held_out(digest, self.spec.seed, self.spec.eval_fraction) != (
+                self.partition == "eval"):
+            return None
+        self.rows_read += 1
+        reason = self._rejection(digest, conversation)
+        if reason is None:
+            try:
+                input_ids, labels = self.renderer.render(conversation)
+                if check_identity and conversation.text is None:
+                    _check_identity(self.renderer, conversation, input_ids)
+            except ConvertError as err:
+                raise ConvertError(f"{where}: {err}") from None
+            reason = "too_long" if len(input_ids) > self.spec.max_seq_len else None
+        if reason is not None:
+            self.rejected[reason] += 1
+            return None
+        meta = {"example_id": f"{self.partition}-{self.rows_read:08d}", "source": source.name, "origin": where,
+                **conversation.meta}
+        self.per_task[meta.get("task", "")] += 1
+        self.per_source[meta["source"]] += 1
+        self.supervised_per_source[meta["source"]] += sum(label != IGNORE_INDEX for label in labels)
+        return Example(input_ids, labels, meta)
+
+    def _rejection(self, digest: int, conversation: Conversation) -> str | None:
+        if not self.seen.add(self.partition, digest):
+            return "duplicate"
+        if self.partition == "eval" and self.seen.has("train", digest):
+            return "duplicate_of_train"
+        if conversation.has_empty_answer(self.spec.supervise) or conversation.text == "":
+            return "empty_answer"
+        return None
+
+    def stats(self) -> dict:
+        return {"rows_read": self.rows_read, "rejected": {k: self.rejected[k] for k in REJECTIONS},
+                "truncated_examples": 0, "examples_per_task": dict(sorted(self.per_task.items())),
+                "examples_per_source": dict(sorted(self.per_source.items())),
+                "supervised_tokens_per_source": dict(sorted(self.supervised_per_source.items())),
+                "sources": self.sources}
 
 
-def conversation_to_answer(row: object, where: str) -> list[dict]:
-    """The messages of {"messages": [...]} ending with a user or system turn, or ConvertError naming `where`."""
-    return _check_row(row, where, to_answer=True)
-
-
-class ChatRenderer:
-    """Messages to (input_ids, labels) under a template, supervising assistant turns."""
-
-    def __init__(self, tokenizer: ByteTokenizer | JsonTokenizer, template: ChatTemplate, supervise: str) -> None:
-        eos = tokenizer.token_id(template.eos)
-        if eos is None:
-            raise ConvertError(f"tokenizer {tokenizer.description} has no token {template.eos!r} (the template's "
-                               "eos); add it as a special token or set the template's eos to the tokenizer's")
-        self.tokenizer, self.template, self.supervise, self.eos_token_id = tokenizer, template, supervise, eos
-        self.markers = {role: tokenizer.encode_template(getattr(template, role)) for role in ROLES}
-        self.turn_end = tokenizer.encode_template(template.turn_end)
-
-    def _turn(self, role: str, content: str) -> tuple[list[int], list[int]]:
-        """A turn's marker ids, then its content and end ids (EOS after the assistant's)."""
-        end = [self.eos_token_id] if role == "assistant" else self.turn_end
-        return self.markers[role], self.tokenizer.encode(content) + end
-
-    def render(self, messages: list[dict]) -> tuple[list[int], list[int]] | None:
-        """Causally aligned ids and labels; None when a supervised answer is empty."""
-        ids: list[int] = []
-        supervised: list[bool] = []
-        last = len(messages) - 1
-        for turn, message in enumerate(messages):
-            role = message["role"]
-            taught = role == "assistant" and (self.supervise == "all_assistant_turns" or turn == last)
-            if taught and not message["content"].strip():
-                return None
-            marker, body = self._turn(role, message["content"])
-            ids += marker + body
-            supervised += [False] * len(marker) + [taught] * len(body)
-        # labels[j] is the target of position j: the next token when that token is supervised.
-        labels = [ids[j + 1] if supervised[j + 1] else IGNORE_INDEX for j in range(len(ids) - 1)]
-        return ids, labels + [IGNORE_INDEX]
-
-    def render_prompt(self, messages: list[dict]) -> list[int]:
-        """What a model trained on this template sees before it answers `messages` (see
-        conversation_to_answer): every turn as in training, then the assistant marker."""
-        if not self.markers["assistant"]:
-            raise ConvertError(f"the template names no assistant marker (assistant: "
-                               f"{self.template.assistant!r}): nothing tells the model that its turn begins")
-        ids: list[int] = []
-        for message in messages:
-            marker, body = self._turn(message["role"], message["content"])
-            ids += marker + body
-        return ids + self.markers["assistant"]
-
-
-def _read_jsonl(path: Path, digest: "hashlib._Hash") -> Iterator[tuple[int, object]]:
-    """(line number, parsed row) of each non-blank line, hashing the bytes read on the way."""
-    return json_lines(path, ConvertError, on_line=digest.update)
-
-
-def _examples(path: Path, partition: str, renderer: ChatRenderer, max_seq_len: int, seen: SeenConversations,
-              stats: dict) -> Iterator[Example]:
-    """The accepted examples of one JSONL file; `stats` is filled as rows are read."""
-    source_digest = hashlib.sha256()
-    rejected: Counter = Counter()
-    per_task: Counter = Counter()
-    read = 0
-    for number, row in _read_jsonl(path, source_digest):
-        read += 1
-        messages = _check_row(row, f"{path}:{number}")
-        digest = conversation_digest(messages)
-        if not seen.add(partition, digest):
-            rejected["duplicate"] += 1
-            continue
-        if partition == "eval" and seen.has("train", digest):
-            rejected["duplicate_of_train"] += 1
-            continue
-        rendered = renderer.render(messages)
-        if rendered is None:
-            rejected["empty_answer"] += 1
-            continue
-        input_ids, labels = rendered
-        if len(input_ids) > max_seq_len:
-            rejected["too_long"] += 1
-            continue
-        example_id = row.get("id") if isinstance(row.get("id"), str) else f"{partition}-{number:08d}"
-        meta = {"example_id": example_id, "line": number, **{k: row[k] for k in METADATA if k in row}}
-        per_task[meta.get("task", "")] += 1
-        yield Example(input_ids, labels, meta)
-    if read - sum(rejected.values()) == 0:
-        raise ConvertError(f"{path}: no conversation was accepted ({read} read, rejected: {dict(rejected)})")
-    stats.update({"rows_read": read, "rejected": {k: rejected[k] for k in
-                                                 ("too_long", "duplicate", "duplicate_of_train", "empty_answer")},
-                  "truncated_examples": 0, "examples_per_task": dict(sorted(per_task.items())),
-                  "source": {"path": str(path), "sha256": source_digest.hexdigest()}})
+def _check_identity(renderer: Renderer, conversation: Conversation, input_ids: list[int]) -> None:
+    """The rendered ids must be apply_chat_template's, token for token (a renderer that has a reference)."""
+    reference = getattr(renderer, "reference_ids", None)
+    if reference is None:
+        return
+    expected = reference(conversation)
+    if expected != input_ids:
+        at = next((i for i, (a, b) in enumerate(zip(expected, input_ids)) if a != b), min(len(expected),
+                                                                                          len(input_ids)))
+        raise ConvertError(f"the rendered ids differ from apply_chat_template's at token {at} ({len(input_ids)} "
+                           f"against {len(expected)} tokens)")
 
 
 def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
     """Write spec.out/{train,eval}; returns each partition's sft.idx.json. All or nothing."""
     spec.validate()
     out = Path(spec.out)
-    inputs = {"train": spec.train, "eval": spec.eval,
-              "tokenizer": None if spec.tokenizer == "byte" else spec.tokenizer}
+    inputs = {"tokenizer": None if spec.tokenizer == "byte" else spec.tokenizer, **_local_inputs(spec)}
     def check() -> None:
         check_output_folder(out, inputs, ConvertError, owned=_written_by_convert, overwrite=overwrite, what="out:")
 
     check()
-    try:
-        tokenizer = load_tokenizer(spec.tokenizer)
-    except (FileNotFoundError, ValueError) as err:
-        raise ConvertError(f"tokenizer: {err}") from None
-    renderer = ChatRenderer(tokenizer, spec.template, spec.supervise)
-    tokenizer_record = {"kind": "byte" if isinstance(tokenizer, ByteTokenizer) else "tokenizer.json",
-                        "path": None if isinstance(tokenizer, ByteTokenizer) else str(tokenizer.path),
-                        "sha256": None if isinstance(tokenizer, ByteTokenizer) else sha256_file(tokenizer.path)}
-    conversion = {"tokenizer": tokenizer_record, "template": asdict(spec.template), "supervise": spec.supervise}
-    seen = SeenConversations()
+    renderer = make_renderer(spec.tokenizer, spec.template, spec.supervise, spec.reasoning)
+    conversion = {"tokenizer": tokenizer_record(renderer.tokenizer), "template": renderer.record(),
+                  "supervise": spec.supervise, "reasoning": spec.reasoning, "format": spec.format,
+                  "split": None if spec.eval_fraction is None else {"eval_fraction": spec.eval_fraction,
+                                                                     "seed": spec.seed}}
+    seen, reader = SeenConversations(), SourceReader()
     try:  # `out` checked again under its lock: a conversion that wrote it meanwhile is never silently replaced
         with exclusive_output(out, check, ConvertError, what="out:") as staging:
             for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
+                rows = PartitionReader(partition, spec, renderer, reader, seen)
                 stats: dict = {}
-                examples = _examples(Path(getattr(spec, partition)), partition, renderer, spec.max_seq_len, seen,
-                                     stats)
                 # The generator fills `stats` as it ends, before write_partition reads index_extra.
-                write_partition(staging / partition, examples, vocab_size=tokenizer.vocab_size,
+                write_partition(staging / partition, _filling(rows, stats), vocab_size=renderer.tokenizer.vocab_size,
                                 eos_token_id=renderer.eos_token_id, max_seq_len=spec.max_seq_len,
                                 index_extra={"conversion": {**conversion, "stats": stats}},
                                 sidecar_fields=loss_metadata.FIELDS)
     finally:
         seen.close()
+        reader.close()
     return {p: json.loads((out / p / "sft.idx.json").read_text()) for p in ("train", "eval")}
+
+
+def _filling(rows: PartitionReader, stats: dict) -> Iterator[Example]:
+    yield from rows.examples()
+    stats.update(rows.stats())
+
+
+def _local_inputs(spec: ConvertSpec) -> dict[str, str]:
+    """Each local source by the name an error about the output folder gives it."""
+    named = {}
+    for partition in PARTITIONS:
+        sources = [source for source in spec.sources(partition) if not source.is_hub]
+        for source in sources:
+            named[partition if len(sources) == 1 else f"{partition} ({source.name})"] = source.spec
+    return named
 
 
 _PARTITION_FILES = {"input_ids.bin", "labels.bin", "examples.jsonl", "sft.idx.json", loss_metadata.SIDECAR}
@@ -333,21 +298,34 @@ def _written_by_convert(entry: Path) -> bool:
         return False
 
 
-def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cflib.data convert",
-                                     description="Chat JSONL to an SFT token shard (train/ and eval/).")
-    parser.add_argument("--spec", help="YAML with any of: train, eval, out, tokenizer, supervise, max_seq_len, "
-                                       "template (a mapping); flags win")
-    parser.add_argument("--train")
-    parser.add_argument("--eval")
+                                     description="Conversations (files, folders, saved datasets, the Hub) to an SFT "
+                                                 "token shard (train/ and eval/).")
+    parser.add_argument("--spec", help="YAML with any of: " + ", ".join(f.name for f in fields(ConvertSpec))
+                        + "; flags win")
+    parser.add_argument("--train", nargs="+", help="sources: files (.jsonl .json .parquet .arrow .csv), folders, "
+                                                   "saved datasets, hub:NAME[:CONFIG]:SPLIT[@REVISION]")
+    parser.add_argument("--eval", nargs="+", help="held-out sources (or --eval-fraction)")
+    parser.add_argument("--eval-fraction", type=float, dest="eval_fraction",
+                        help="hold out this fraction of the train sources' conversations instead")
+    parser.add_argument("--seed", type=int, help="of the --eval-fraction split (default 0)")
     parser.add_argument("--out")
-    parser.add_argument("--tokenizer", help='"byte" (default) or a local tokenizer.json')
+    parser.add_argument("--format", choices=("auto", *FORMATS), help="the rows' format (default: auto, per source)")
+    parser.add_argument("--tokenizer", help='"byte" (default), a local tokenizer.json, or a tokenizer folder')
+    parser.add_argument("--template", help='"tokenizer" (the tokenizer folder\'s chat template), or a YAML/JSON '
+                                           "file of role markers (default: the byte tokenizer's markers)")
     parser.add_argument("--supervise", choices=SUPERVISE)
+    parser.add_argument("--reasoning", choices=POLICIES, help="what the loss does with reasoning (default: "
+                                                              "supervise)")
     parser.add_argument("--max-seq-len", type=int, dest="max_seq_len")
-    parser.add_argument("--template", help="YAML or JSON file with the template's keys")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an out folder this command wrote (nothing else in it)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
+    args = _parser().parse_args(argv)
     raw: dict = {}
     if args.spec:
         raw = read_yaml(args.spec, ConvertError, "conversion spec") or {}
@@ -357,13 +335,24 @@ def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConvertError(f"{args.spec}: unknown key(s) {unknown}; known: {known}")
-    raw.update({k: v for k, v in vars(args).items() if k in known and v is not None})
-    if args.template:
-        raw["template"] = read_yaml(args.template, ConvertError, "template file")
-    missing = [name for name in ("train", "eval", "out") if not raw.get(name)]
+    raw.update({k: v for k, v in vars(args).items() if k in known and v is not None and k != "template"})
+    if args.eval_fraction is not None:
+        raw.pop("eval", None)  # the flag chooses the split over the spec's eval sources
+    where = "template"
+    if args.template == TOKENIZER_TEMPLATE:
+        raw["template"] = TOKENIZER_TEMPLATE
+    elif args.template:
+        raw["template"], where = read_yaml(args.template, ConvertError, "template file"), args.template
+    elif args.spec:
+        where = args.spec
+    missing = [name for name in ("train", "eval", "out") if not raw.get(name)
+               and not (name == "eval" and raw.get("eval_fraction") is not None)]
     if missing:
-        raise ConvertError(f"missing {', '.join(missing)} (flags --{' --'.join(missing)} or the spec file)")
-    template = ChatTemplate.from_dict(raw.pop("template", None) or {}, args.template or args.spec or "template")
+        raise ConvertError(f"missing {', '.join(missing)} (flags --{' --'.join(missing)} or the spec file"
+                           + ("; --eval-fraction F instead of eval sources)" if "eval" in missing else ")"))
+    template = raw.pop("template", None) or {}
+    if template != TOKENIZER_TEMPLATE:
+        template = ChatTemplate.from_dict(template, where)
     return ConvertSpec(**{**raw, "template": template}), args.overwrite
 
 
@@ -376,13 +365,21 @@ def summary(indexes: dict[str, dict]) -> str:
         lines.append(f"{partition:5s} {index['examples']:,} examples of {stats['rows_read']:,} rows, "
                      f"{index['num_tokens']:,} tokens, {index['supervised_tokens']:,} supervised; "
                      f"rejected: {rejected}")
+        if len(stats["examples_per_source"]) > 1:
+            lines += [f"      {name}: {count:,} examples, {stats['supervised_tokens_per_source'][name]:,} supervised"
+                      for name, count in stats["examples_per_source"].items()]
     any_index = next(iter(indexes.values()))
+    conversion = any_index["conversion"]
+    template = conversion["template"]
     lines.append(f"vocab_size {any_index['vocab_size']}, eos_token_id {any_index['eos_token_id']}, "
-                 f"max_seq_len {any_index['max_seq_len']}, tokenizer {any_index['conversion']['tokenizer']['kind']}")
+                 f"max_seq_len {any_index['max_seq_len']}, tokenizer {conversion['tokenizer']['kind']}, template "
+                 + (f"tokenizer (sha256 {template['sha256'][:12]}...)" if template["kind"] == "tokenizer"
+                    else "markers"))
     return "\n".join(lines)
 
 
-def show_example(shard: ShardPartition, index: int, tokenizer: ByteTokenizer | JsonTokenizer) -> str:
+def show_example(shard: ShardPartition, index: int, tokenizer: ByteTokenizer | JsonTokenizer | PretrainedTokenizer
+                 ) -> str:
     """One example as text, its supervised tokens (what the loss teaches) between [[ and ]]."""
     ids, labels = shard[index]
     # labels[j] supervises token j + 1, so token t is supervised when labels[t - 1] is not -100.

@@ -1,10 +1,14 @@
-"""Tokenizers: a built-in byte-level one with chat specials, and local Hugging Face `tokenizer.json` files.
+"""Tokenizers: a built-in byte-level one with chat specials, local Hugging Face `tokenizer.json` files, and
+tokenizer folders as `transformers` loads them.
 
-Real data brings its own `tokenizer.json` (the `tokenizers` library reads it;
-nothing is downloaded); the byte tokenizer exists so the default job needs no
-file at all: every UTF-8 string encodes, ids are stable.
+Real data brings its own `tokenizer.json` (the `tokenizers` library reads it),
+or a folder `AutoTokenizer.from_pretrained` loads (tokenizer.json,
+tokenizer_config.json, and the chat template there or in
+chat_template.jinja): local files only, nothing downloaded, no code run. The
+byte tokenizer exists so the default job needs no file at all: every UTF-8
+string encodes, ids are stable.
 
-Both offer the same encodings: `encode` for message content, where text that
+All offer the same encodings: `encode` for message content, where text that
 looks like a special token stays plain text (a user cannot forge a turn
 marker); `encode_template` for chat-template text, where special tokens are
 recognised, and its inverse `decode_template`; and `token_id` for one special
@@ -104,6 +108,42 @@ class JsonTokenizer:
     decode_template = decode  # special tokens are always written out
 
 
-def load_tokenizer(spec: str | Path) -> ByteTokenizer | JsonTokenizer:
-    """"byte" for the built-in tokenizer, or the path of a tokenizer.json."""
-    return ByteTokenizer() if str(spec) == "byte" else JsonTokenizer(spec)
+class PretrainedTokenizer:
+    """A tokenizer folder, loaded by `transformers.AutoTokenizer` from its local files; `hf` is that tokenizer."""
+
+    def __init__(self, folder: str | Path) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ModuleNotFoundError:
+            raise ValueError(f"{folder}: a tokenizer folder is read by the transformers library: "
+                             "pip install 'cflib[data]'") from None
+        self.path = Path(folder)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True, trust_remote_code=False)
+        except Exception as err:  # transformers raises many kinds for a folder it cannot load
+            raise ValueError(f"{self.path}: not a tokenizer folder AutoTokenizer loads ({type(err).__name__}: "
+                             f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        self._vocab = self.hf.get_vocab()
+        self.vocab_size = len(self.hf)
+        self.description = str(self.path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def encode_template(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._vocab.get(token)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    decode_template = decode  # special tokens are always written out
+
+
+def load_tokenizer(spec: str | Path) -> ByteTokenizer | JsonTokenizer | PretrainedTokenizer:
+    """"byte" for the built-in tokenizer, a tokenizer folder, or the path of a tokenizer.json."""
+    if str(spec) == "byte":
+        return ByteTokenizer()
+    return PretrainedTokenizer(spec) if Path(spec).is_dir() else JsonTokenizer(spec)

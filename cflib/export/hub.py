@@ -90,12 +90,14 @@ def check_fused_buffers_defined(model: TRMoEModel) -> None:
 
 
 def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None,
-               echo: Callable[[str], None] | None = print) -> Path:
+               echo: Callable[[str], None] | None = print, chat_template_sha256: str | None = None) -> Path:
     """Write the Hub bundle of `checkpoint` (a checkpoint or a run folder) to the new folder `out`.
 
     `tokenizer`: "byte", a tokenizer.json, or a folder holding one; None takes
-    the byte tokenizer for a model of its vocabulary size. Every check runs
-    before anything is written; `out` must not exist.
+    the byte tokenizer for a model of its vocabulary size. `chat_template_sha256`:
+    the template the training data was rendered through (its shard's
+    manifest), which the bundle's must be. Every check runs before anything is
+    written; `out` must not exist.
     """
     out = Path(out)
     if out.exists() or out.is_symlink():
@@ -110,6 +112,9 @@ def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | 
     check_fused_buffers_defined(model)
     config = model.config
     tok = tokenizer_files(tokenizer, config.vocab_size, config.max_position_embeddings)
+    if chat_template_sha256 is not None and tok.chat_template_sha256 != chat_template_sha256:
+        raise ExportError(f"{tok.description}: its chat template (sha256 {tok.chat_template_sha256}) is not the one "
+                          f"the training data was rendered through (sha256 {chat_template_sha256})")
     modules = resources.files("cflib.export.hub_modules")
     with exclusive_output(out, check, ExportError) as staging:  # `out` checked again under its lock
         # save_checkpoint publishes a folder of its own atomically: it takes the empty staging folder's place.
@@ -124,6 +129,8 @@ def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | 
     if echo is not None:
         echo(f"exported {choice}")
         echo(f"tokenizer: {tok.description} (eos id {tok.ids['eos']}, pad id {tok.ids['pad']})")
+        if tok.chat_template_sha256 is not None:
+            echo(f"chat template: sha256 {tok.chat_template_sha256}")
         for note in tok.notes:
             echo(f"note: {note}")
         echo(f"wrote {out}: load with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")

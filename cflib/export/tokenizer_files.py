@@ -3,7 +3,10 @@
 The built-in byte tokenizer gets a `tokenizer.json` of its own, built with the
 `tokenizers` library to encode and decode exactly as cflib.data's
 ByteTokenizer does. A local `tokenizer.json` (or a folder holding one) is
-copied, with the two JSON companions written when it has none.
+copied, with the two JSON companions written when it has none; its chat
+template (`chat_template.jinja`, else `chat_template` in
+tokenizer_config.json, as transformers reads them) goes along unchanged, and
+its SHA-256 is what a shard converted through that template recorded.
 """
 from __future__ import annotations
 
@@ -11,14 +14,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cflib.data import ByteTokenizer
+from cflib.data import ByteTokenizer, chat_template_sha256
 from cflib.jsonio import read_json
 
 BYTE = "byte"
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
-COMPANIONS = (CONFIG_FILE, SPECIAL_MAP_FILE, "chat_template.jinja")
+TEMPLATE_FILE = "chat_template.jinja"
+COMPANIONS = (CONFIG_FILE, SPECIAL_MAP_FILE, TEMPLATE_FILE)
 ROLES = ("bos", "eos", "pad", "unk")
 # Tried in order when a tokenizer.json comes without a tokenizer_config.json saying which token is which.
 USUAL_NAMES = {
@@ -46,6 +50,14 @@ class TokenizerFiles:
     num_ids: int  # one past the largest id it can produce
     description: str
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def chat_template_sha256(self) -> str | None:
+        """SHA-256 of the chat template the bundle's tokenizer renders with (None: it has none)."""
+        if TEMPLATE_FILE in self.files:
+            return chat_template_sha256(self.files[TEMPLATE_FILE].decode("utf-8"))
+        template = json.loads(self.files[CONFIG_FILE]).get("chat_template") if CONFIG_FILE in self.files else None
+        return chat_template_sha256(template) if template else None
 
 
 def _json(document: dict) -> bytes:

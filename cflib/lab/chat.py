@@ -1,9 +1,10 @@
 """Answers from a checkpoint: every prompt of a list (papermill), and a chat box in JupyterLab.
 
-Prompts are rendered by the chat converter's own template code
-(cflib.data.ChatRenderer.render_prompt), so the model sees a conversation
-exactly as it saw its training data; answers come from cflib.model.generate's
-KV-cache decoder. Everything is checked before anything is generated: the
+Prompts are rendered by the chat converter's own template code (its
+renderer's render_prompt: the role markers, or with `template: tokenizer` the
+tokenizer folder's Jinja chat template through apply_chat_template and its
+generation prompt), so the model sees a conversation exactly as it saw its
+training data; answers come from cflib.model.generate's KV-cache decoder. Everything is checked before anything is generated: the
 parameters, the checkpoint, a tokenizer whose vocabulary the model covers, a
 template that names the assistant's marker, and every prompt's length.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,7 +20,15 @@ import torch
 from tqdm.auto import tqdm
 
 from cflib.atomic import live_path, write_json_atomic
-from cflib.data import ByteTokenizer, ChatRenderer, ChatTemplate, ConvertError, conversation_to_answer, load_tokenizer
+from cflib.data import (
+    TOKENIZER_TEMPLATE,
+    ChatTemplate,
+    ConvertError,
+    Renderer,
+    conversation_to_answer,
+    make_renderer,
+)
+from cflib.data.rendering import tokenizer_record
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export.peft import is_adapter_checkpoint
@@ -27,7 +36,7 @@ from cflib.jobs import job_out_dir, record_header
 from cflib.jsonio import json_lines
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
-from cflib.params import Params, as_given, parsed_by
+from cflib.params import Params, as_given, coerce, parsed_by
 from cflib.paths import resolve_path
 from cflib.train import TrainParams, fit, prepare
 from cflib.train.records import count_parameters
@@ -36,13 +45,19 @@ from cflib.train.run import resolve_device
 WEIGHTS = "model.safetensors"
 
 
+def read_template(name: str, value: object) -> dict | str | None:
+    """The template parameter: None, "tokenizer", or a mapping of markers (from YAML, a notebook or -p)."""
+    return value if value == TOKENIZER_TEMPLATE else coerce(name, value, dict | None)
+
+
 @dataclass(frozen=True)
 class ChatParams(Params):
     """chat.ipynb's parameters. Defaults: a quickstart-size model trained here for a few steps, on the CPU."""
 
     checkpoint: str | None = None  # a checkpoint folder, a run folder (its checkpoints/best); None: train one here
-    tokenizer: str = "byte"  # "byte" or the tokenizer.json the data was converted with
-    template: dict | None = None  # cflib.data.ChatTemplate keys; None: the default (byte tokenizer's specials)
+    tokenizer: str = "byte"  # "byte", or the tokenizer.json or tokenizer folder the data was converted with
+    # cflib.data.ChatTemplate keys; None: the default (byte tokenizer's specials); "tokenizer": the folder's own
+    template: dict | str | None = parsed_by(read_template, None)
     # a JSONL path of {"messages": [...]}, or a list of those or of plain user texts
     prompts: list | tuple | str = parsed_by(as_given, ())
     max_new_tokens: int = 32
@@ -111,24 +126,25 @@ def read_conversations(prompts: list | tuple | str) -> list[list[dict]]:
     return [conversation_to_answer(row, where) for row, where in rows]
 
 
-def chat_renderer(tokenizer: str, template: dict | None) -> ChatRenderer:
+def chat_renderer(tokenizer: str, template: dict | str | None) -> Renderer:
     """The converter's renderer for this tokenizer and template, refusing one with no assistant marker."""
+    markers = template if template == TOKENIZER_TEMPLATE else ChatTemplate.from_dict(template or {}, "template")
     try:
-        loaded = load_tokenizer(tokenizer)
-    except (FileNotFoundError, ValueError) as err:
-        raise ParamError(f"tokenizer: {err}") from None
-    renderer = ChatRenderer(loaded, ChatTemplate.from_dict(template or {}, "template"), "final_turn")
-    renderer.render_prompt([])  # a template without an assistant marker stops here
+        renderer = make_renderer(tokenizer, markers, "final_turn")
+    except ConvertError as err:
+        raise ParamError(str(err)) from None
+    if markers != TOKENIZER_TEMPLATE:
+        renderer.render_prompt([])  # a template without an assistant marker stops here
     return renderer
 
 
 class ChatSession:
     """A checkpoint, its tokenizer and template, and a decoder that keeps its caches between turns."""
 
-    def __init__(self, checkpoint: str | Path, tokenizer: str = "byte", template: dict | None = None,
+    def __init__(self, checkpoint: str | Path, tokenizer: str = "byte", template: dict | str | None = None,
                  device: str = "auto", bf16: bool = False) -> None:
         self.renderer = chat_renderer(tokenizer, template)
-        self.tokenizer, self.template = self.renderer.tokenizer, self.renderer.template
+        self.tokenizer = self.renderer.tokenizer
         self.checkpoint = find_checkpoint(checkpoint)
         self.device = resolve_device(device)
         self.model = load_checkpoint(self.checkpoint, self.device)
@@ -184,13 +200,10 @@ class ChatSession:
         return self.answer_text(answer[0])
 
     def describe(self) -> dict[str, Any]:
-        tokenizer = {"kind": "byte" if isinstance(self.tokenizer, ByteTokenizer) else "tokenizer.json",
-                     "vocab_size": self.tokenizer.vocab_size}
-        if not isinstance(self.tokenizer, ByteTokenizer):
-            tokenizer.update(path=str(self.tokenizer.path), sha256=sha256_file(self.tokenizer.path))
+        tokenizer = {**tokenizer_record(self.tokenizer), "vocab_size": self.tokenizer.vocab_size}
         return {"checkpoint": {"path": str(self.checkpoint), "sha256": sha256_file(self.checkpoint / WEIGHTS),
                                "config": self.model.config.to_dict(), **count_parameters(self.model)},
-                "tokenizer": tokenizer, "template": asdict(self.template), "eos_token_id": self.renderer.eos_token_id}
+                "tokenizer": tokenizer, "template": self.renderer.record(), "eos_token_id": self.renderer.eos_token_id}
 
 
 @dataclass
@@ -213,7 +226,7 @@ def prepare_chat(params: ChatParams) -> Chat:
         renderer.render_prompt(messages)
     checkpoint = params.checkpoint
     if checkpoint is None:
-        if params.tokenizer != "byte" or renderer.template != ChatTemplate():
+        if params.tokenizer != "byte" or getattr(renderer, "template", None) != ChatTemplate():
             raise ParamError("checkpoint None trains a model here on the embedded tasks, which use the byte "
                              "tokenizer and the default template: name a checkpoint for another tokenizer or template")
         checkpoint, _ = train_here(out_dir / "trained-here", params.train_steps, params.device, params.seed or 0)

@@ -1,5 +1,4 @@
-"""`python -m cflib.bench ...`, `cflib.bench.attention`, `cflib.bench.decode` and `cflib.bench.adamw` (on a machine
-without a GPU) given bad arguments or files:
+"""`python -m cflib.bench ...` and `cflib.bench.decode` (on a machine without a GPU) given bad arguments or files:
 each ends in one line naming the culprit and a non-zero status, never a traceback."""
 from __future__ import annotations
 
@@ -25,8 +24,6 @@ def world(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("entry_points")
     (root / "list.json").write_text("[1, 2]\n")
     (root / "afile").write_text("a file, not a folder")
-    (root / "measured").mkdir()
-    (root / "measured" / "record.json").write_text("{}\n")
     return root
 
 
@@ -37,14 +34,8 @@ CASES = [
      ["nowhere.json", "No such file"]),
     ("table-into-a-missing-page", lambda w: ["cflib.bench", "perf-table", str(RECORD), "--into", str(w / "no.md")],
      ["no.md", "No such file"]),
-    ("attention-over-a-record", lambda w: ["cflib.bench.attention", "--out", str(w / "measured"), "--device", "cpu"],
-     ["--out", "already holds a record (record.json)"]),
-    ("attention-under-a-file", lambda w: ["cflib.bench.attention", "--out", str(w / "afile" / "x"),
-                                          "--device", "cpu"], ["afile is a file"]),
     ("decode-on-no-such-device", lambda w: ["cflib.bench.decode", "--out", str(w / "d"), "--device", "tpu"],
      ["--device", "invalid choice: 'tpu'"]),
-    ("adamw-without-a-gpu", lambda w: ["cflib.bench.adamw", "--out", str(w / "adamw.json")],
-     ["measures a GPU; none is available"]),
     ("decode-under-a-file", lambda w: ["cflib.bench.decode", "--out", str(w / "afile" / "x"), "--smoke"],
      ["afile/x", "Not a directory"]),
 ]

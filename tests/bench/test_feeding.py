@@ -137,7 +137,11 @@ def test_the_three_feeds_supervise_the_same_tokens(shard):
     for batch in (padded, packed, flat):
         assert int((batch["labels"] != IGNORE_INDEX).sum()) == supervised
     assert {name: feed.unit for name, feed in FEEDS.items()} == {
-        "peer_padded": "examples", "peer_packed": "windows", "peer_padding_free": "windows"}
+        "peer_padded": "examples", "peer_packed": "windows", "peer_padding_free": "windows",
+        "peer_compile_padding_free": "windows"}
+    compiled = FEEDS["peer_compile_padding_free"]  # the same rows as padding-free, into the compiled model
+    assert compiled.collate is flattened_batch and compiled.varlen and compiled.compiled
+    assert not any(feed.compiled for name, feed in FEEDS.items() if name != "peer_compile_padding_free")
 
 
 def test_padding_free_positions_keep_each_example_alone_and_the_packed_feed_does_not(shard):

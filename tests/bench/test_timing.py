@@ -1,7 +1,7 @@
 """The kernel timeline a profile reports: busy time as the union of kernel intervals, and the gaps between."""
 import pytest
 
-from cflib.bench.timing import kernel_timeline
+from cflib.bench.timing import kernel_timeline, kernel_totals
 
 
 def test_timeline_unions_overlaps_and_splits_gaps_by_length():
@@ -22,3 +22,12 @@ def test_timeline_divides_by_steps_and_takes_a_threshold():
     assert found["long_gaps_per_step"] == 1 and found["long_gap_ms_per_step"] == pytest.approx(0.02)
     assert found["short_gap_ms_per_step"] == 0 and found["gpu_busy_ms_per_step"] == pytest.approx(0.015)
     assert kernel_timeline([], steps=1, wall_ms=1.0)["gpu_idle_ms_per_step"] == 1.0
+
+
+def test_kernel_totals_sum_each_name_per_step_largest_first():
+    spans = [(0.0, 100.0, "gemm"), (100.0, 130.0, "triton_poi_fused_add_0"), (200.0, 300.0, "gemm"),
+             (300.0, 310.0, "Memcpy DtoD (Device -> Device)")]
+    assert kernel_totals(spans, steps=2) == [
+        {"name": "gemm", "ms_per_step": 0.1, "calls_per_step": 1.0},
+        {"name": "triton_poi_fused_add_0", "ms_per_step": 0.015, "calls_per_step": 0.5},
+        {"name": "Memcpy DtoD (Device -> Device)", "ms_per_step": 0.005, "calls_per_step": 0.5}]

@@ -184,11 +184,6 @@ def test_notebook_parameters_are_the_smoke_profile_over_the_defaults():
     assert parameters_cell(TUNE_NB) == {**defaults, **SMOKE}
 
 
-@pytest.mark.parametrize("name", ["tune_smoke.yaml", "tune_200m_h200.yaml"])
-def test_tuning_params_files_validate(name):
-    TuneParams.from_dict(load_params_file(ROOT / "params" / name), source=name)
-
-
 @pytest.mark.slow
 def test_papermill_tunes_on_cpu_and_train_sft_accepts_the_result(tmp_path):
     out_dir = tmp_path / "tune"

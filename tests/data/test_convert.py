@@ -10,15 +10,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from cflib.data.convert import (
-    ChatTemplate,
-    ConvertError,
-    ConvertSpec,
-    SeenConversations,
-    conversation_digest,
-    convert,
-    show_example,
-)
+from cflib.data.conversation import Conversation, ConvertError, conversation_digest
+from cflib.data.convert import ConvertSpec, SeenConversations, convert, show_example
+from cflib.data.marker_template import ChatTemplate
 from cflib.data.packing import collate_packed, plan_packs
 from cflib.data.shards import IGNORE_INDEX, ShardError, collate, open_shard, sha256_file
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer
@@ -105,8 +99,11 @@ def test_rejections_are_counted_and_the_manifest_records_everything(tmp_path):
         assert index["sha256"] == {name: sha256_file(folder / name)
                                    for name in ("input_ids.bin", "labels.bin", "examples.jsonl", "loss_metadata.jsonl")}
         source = tmp_path / f"shard-{partition}.jsonl"
-        assert index["conversion"]["stats"]["source"] == {"path": str(source), "sha256": sha256_file(source)}
-        assert index["conversion"]["template"] == vars(ChatTemplate())
+        assert index["conversion"]["stats"]["sources"] == [
+            {"name": f"shard-{partition}", "spec": str(source), "format": "auto", "rows_read": 7 if partition == "train"
+             else 3, "files": [{"path": str(source), "sha256": sha256_file(source)}]}]
+        assert index["conversion"]["template"] == {"kind": "markers", **vars(ChatTemplate())}
+    assert indexes["train"]["conversion"]["stats"]["examples_per_source"] == {"shard-train": 2, "unit": 1}
 
 
 def test_round_trip_jsonl_to_shard_to_batches_to_text(tmp_path):
@@ -178,9 +175,10 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_training(tmp_path):
 
 
 @pytest.mark.parametrize("row, message", [
-    ("{not json", "shard-train.jsonl:4: not valid JSON"),
-    ('["a list"]', "shard-train.jsonl:4: not a JSON object"),
-    ({"messages": []}, "shard-train.jsonl:4: needs a non-empty list 'messages'"),
+    ("{not json", "shard-train.jsonl row 4: not valid JSON"),
+    ('["a list"]', "shard-train.jsonl row 4: not a JSON object"),
+    ({"messages": []}, "shard-train.jsonl row 4: messages: needs a non-empty list"),
+    ({"text": "hi"}, "shard-train.jsonl row 4: no 'messages' field, which the messages format needs"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "message 0 needs a role in"),
     ({"messages": [{"role": "user", "content": 3}]}, "message 0 needs a role in"),
     (chat("hi", "hello", "and?"), "the last message is 'user'"),
@@ -221,7 +219,7 @@ def test_bad_settings_are_refused(tmp_path):
 def test_seen_conversations_are_remembered_per_partition_and_their_file_removed():
     seen = SeenConversations()
     folder = Path(seen._folder.name)
-    digests = [conversation_digest([{"role": "user", "content": str(i)}]) for i in range(200)]
+    digests = [conversation_digest(Conversation([{"role": "user", "content": str(i)}])) for i in range(200)]
     assert all(seen.add("train", d) for d in digests) and not any(seen.add("train", d) for d in digests)
     assert seen.has("train", digests[7]) and not seen.has("eval", digests[7]) and seen.add("eval", digests[7])
     assert len(set(digests)) == 200 and all(-2**63 <= d < 2**63 for d in digests)

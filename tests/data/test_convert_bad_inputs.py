@@ -41,7 +41,7 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 def with_line(line: str) -> Callable[[Path], dict]:
-    """A train file whose third line is `line`: the error must name train.jsonl:3."""
+    """A train file whose third line is `line`: the error must name train.jsonl row 3."""
     def build(tmp: Path) -> dict:
         inputs = write_inputs(tmp / "in", GOOD[:2] + [line] + GOOD[2:8])
         if line.startswith("@@"):  # bytes that are no UTF-8: written as Latin-1
@@ -73,33 +73,29 @@ def previous_output_with(extra: str) -> Callable[[Path, dict], str]:
 CASES = [
     # --- conversations out of turn order: no user turn before the answer, two questions in a row ----------
     ("assistant-first", with_line(row(turn("assistant", "hello"), turn("user", "hi"), turn("assistant", "yo"))),
-     ["train.jsonl:3", "message 0", "'assistant' where the 'user' turn belongs"]),
-    ("assistant-only", with_line(row(turn("assistant", "42"))), ["train.jsonl:3", "message 0", "'user' turn"]),
+     ["train.jsonl row 3", "message 0", "'assistant' where the 'user' turn belongs"]),
+    ("assistant-only", with_line(row(turn("assistant", "42"))), ["train.jsonl row 3", "message 0", "'user' turn"]),
     ("user-after-user", with_line(row(turn("user", "a"), turn("user", "b"), turn("assistant", "c"))),
-     ["train.jsonl:3", "message 1", "'user' where the 'assistant' turn belongs"]),
+     ["train.jsonl row 3", "message 1", "'user' where the 'assistant' turn belongs"]),
     ("system-in-the-middle", with_line(row(turn("user", "a"), turn("system", "b"), turn("assistant", "c"))),
-     ["train.jsonl:3", "message 1", "system turn after the first message"]),
+     ["train.jsonl row 3", "message 1", "system turn after the first message"]),
     ("system-then-assistant", with_line(row(turn("system", "s"), turn("assistant", "c"))),
-     ["train.jsonl:3", "message 1", "'user' turn belongs"]),
+     ["train.jsonl row 3", "message 1", "'user' turn belongs"]),
     # --- odd text -------------------------------------------------------------------------------------------
     ("lone-surrogate", with_line('{"messages": [{"role": "user", "content": "\\ud800"}, '
                                  '{"role": "assistant", "content": "x"}]}'),
-     ["train.jsonl:3", "message 0", "not encodable text"]),
-    ("not-utf8", with_line("@@latin-1: caf\xe9@@"), ["train.jsonl:3", "not valid JSON"]),
-    ("a-json-list", with_line("[1, 2]"), ["train.jsonl:3", "not a JSON object"]),
-    ("nan-literal", with_line("NaN"), ["train.jsonl:3", "not a JSON object"]),
+     ["train.jsonl row 3", "message 0", "not encodable text"]),
+    ("not-utf8", with_line("@@latin-1: caf\xe9@@"), ["train.jsonl row 3", "not valid JSON"]),
+    ("a-json-list", with_line("[1, 2]"), ["train.jsonl row 3", "not a JSON object"]),
+    ("nan-literal", with_line("NaN"), ["train.jsonl row 3", "not a JSON object"]),
     ("content-a-number", with_line(row(turn("user", "a"), {"role": "assistant", "content": 5})),
-     ["train.jsonl:3", "message 1", "string content"]),
-    ("role-unknown", with_line(row(turn("user", "a"), turn("bot", "b"))), ["train.jsonl:3", "message 1", "role"]),
+     ["train.jsonl row 3", "message 1", "string content"]),
+    ("role-unknown", with_line(row(turn("user", "a"), turn("bot", "b"))), ["train.jsonl row 3", "message 1", "role"]),
     ("task-a-mapping", with_line(row(turn("user", "a"), turn("assistant", "b"), task={"a": 1})),
-     ["train.jsonl:3", "'task' must be a string"]),
-    ("truncated-line", with_line('{"messages": [{"role": "user", "content": "a'), ["train.jsonl:3", "not valid JSON"]),
+     ["train.jsonl row 3", "'task' must be a string"]),
+    ("truncated-line", with_line('{"messages": [{"role": "user", "content": "a'), ["train.jsonl row 3", "not valid JSON"]),
     ("nested-deep", with_line('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"),
-     ["train.jsonl:3", "JSON nested deeper than 64 levels"]),
-    # --- the spec: one file per partition (several sources are joined into one JSONL first) ----------------
-    ("train-a-list-of-files", lambda tmp: (lambda inputs: {"train": [str(inputs["train"]), str(inputs["eval"])],
-                                                           "eval": str(inputs["eval"]), "out": str(tmp / "out")})(
-        write_inputs(tmp / "in")), ["train: one path", "cat a.jsonl b.jsonl"]),
+     ["train.jsonl row 3", "JSON nested deeper than 64 levels"]),
     # --- the output folder: never an input, never anything the command did not write ----------------------
     ("out-holds-the-inputs", folder_case(lambda tmp, inputs: str(tmp / "in")),
      ["contains the train input", "would delete it"]),
@@ -238,5 +234,5 @@ def test_two_conversions_into_one_folder_at_once_one_wins_the_other_is_refused(t
     assert "Traceback" not in message and ("is being written by another command" in message
                                            or "already exists" in message), message
     index = json.loads((tmp_path / "shard" / "train" / "sft.idx.json").read_text())
-    assert index["conversion"]["stats"]["source"]["path"] == str(runs[winners[0]]["train"])
+    assert index["conversion"]["stats"]["sources"][0]["spec"] == str(runs[winners[0]]["train"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "go", "shard"]

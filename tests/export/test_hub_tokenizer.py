@@ -1,6 +1,7 @@
 """The tokenizer files of a Hub bundle: the byte tokenizer rebuilt for `tokenizers`, and local tokenizer.json copies."""
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -8,14 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers  # the test extra: the bundle is for it; cflib never imports it
+import transformers  # the bundle is for it; cflib imports it only to read tokenizer folders
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from cflib.data import ByteTokenizer, JsonTokenizer
-from cflib.export import TokenizerExportError, export_hub
+from cflib.data import ByteTokenizer, ConvertSpec, JsonTokenizer, convert
+from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.tokenizer_files import byte_alphabet
 from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
 
+
+try:
+    from chat_tokenizers import tokenizer_folder, turn
+except ImportError:  # pragma: no cover - depends on how pytest is invoked
+    from tests.chat_tokenizers import tokenizer_folder, turn
 
 BYTE = ByteTokenizer()
 TEXTS = ["hello world", "  two  spaces\n\ttab\r\n", "12+34=46", "naïve café, 漢字, emoji 🙂🚀", "",
@@ -174,3 +180,30 @@ def test_a_model_of_another_vocabulary_needs_its_tokenizer_named(tmp_path: Path)
     # A smaller tokenizer is fine: its ids all have rows.
     export_hub(checkpoint, tmp_path / "out", tokenizer="byte", echo=None)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 320
+
+
+@pytest.mark.parametrize("template_file", [False, True])
+def test_the_bundle_renders_with_the_template_its_data_was_converted_through(tmp_path, template_file):
+    folder = tokenizer_folder(tmp_path / "tokenizer", generation=template_file, template_file=template_file)
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text(json.dumps({"messages": [turn("user", " Hello "), turn("assistant", "Hi")]}) + "\n")
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"messages": [turn("user", "Bye"), turn("assistant", "Bye")]}) + "\n")
+    manifest = convert(ConvertSpec(train=str(rows), eval=str(held), out=str(tmp_path / "shard"),
+                                   tokenizer=str(folder), template="tokenizer"))["train"]
+    sha = manifest["conversion"]["template"]["sha256"]
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    torch.manual_seed(0)
+    config = ModelConfig(**{**preset("smoke").to_dict(), "vocab_size": manifest["vocab_size"]})
+    checkpoint = save_checkpoint(TRMoEModel(config), tmp_path / "ckpt")
+    lines: list[str] = []
+    bundle = export_hub(checkpoint, tmp_path / "bundle", tokenizer=folder, chat_template_sha256=sha, echo=lines.append)
+    assert f"chat template: sha256 {sha}" in lines
+    exported = transformers.AutoTokenizer.from_pretrained(str(bundle))
+    assert hashlib.sha256(exported.chat_template.encode()).hexdigest() == sha
+    conversation = [turn("system", " Be brief. "), turn("user", "What is 2 plus 2?")]
+    assert exported.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"] == \
+        hf.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"]
+    with pytest.raises(ExportError, match="its chat template .* is not the one the training data was rendered"):
+        export_hub(checkpoint, tmp_path / "other", tokenizer="byte", chat_template_sha256=sha, echo=None)
+    assert not (tmp_path / "other").exists()

@@ -6,7 +6,7 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from cflib.data import ChatRenderer, ChatTemplate, ConvertError
+from cflib.data import ChatRenderer, ChatTemplate, Conversation, ConvertError, chat_template_sha256
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.lab.chat import (
@@ -25,10 +25,12 @@ from cflib.model.generate import Decoder, GenerationError, Sampling
 
 try:
     import sft_shard_helpers as h
-    from tiny_models import trained_model
+    from chat_tokenizers import tokenizer_folder, turn
+    from tiny_models import tiny_model, trained_model
 except ImportError:  # pragma: no cover - depends on how pytest is invoked
     from tests import sft_shard_helpers as h
-    from tests.tiny_models import trained_model
+    from tests.chat_tokenizers import tokenizer_folder, turn
+    from tests.tiny_models import tiny_model, trained_model
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +177,7 @@ def test_render_prompt_reuses_the_converters_turns():
     renderer = ChatRenderer(h.TOKENIZER, template, "final_turn")
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "r"}]
-    full, _ = renderer.render(messages + [{"role": "assistant", "content": "b"}])
+    full, _ = renderer.render(Conversation(messages + [{"role": "assistant", "content": "b"}]))
     assert renderer.render_prompt(messages) == full[:-2]  # all but the answer "b" and its EOS
     assert h.TOKENIZER.decode_template(renderer.render_prompt(messages)) == "S:s|U:q|A:a<|eos|>U:r|A:"
     with pytest.raises(ConvertError, match="no assistant marker"):
@@ -195,3 +197,28 @@ def test_prompts_from_a_jsonl_file(tmp_path):
     path.write_text(json.dumps(nested) + "\n" + json.dumps(nested).replace("0}", "[" * 50_000 + "]" * 50_000 + "}"))
     with pytest.raises(ConvertError, match="prompts.jsonl:2: JSON nested deeper than 64 levels"):
         read_conversations(str(path))
+
+
+def test_a_tokenizer_folder_renders_prompts_through_its_own_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folder(tmp_path / "tokenizer", generation=True)
+    hf = AutoTokenizer.from_pretrained(folder)
+    save_checkpoint(tiny_model(vocab_size=len(hf)), tmp_path / "checkpoint")
+    session = ChatSession(tmp_path / "checkpoint", tokenizer=str(folder), template="tokenizer", device="cpu")
+    conversation = [turn("system", " Be brief. "), turn("user", "Hello"), turn("assistant", "Hi"),
+                    turn("user", "  What is 2 plus 2? ")]
+    expected = hf.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"]
+    assert session.prompt_ids([conversation], 4) == [expected]
+    assert hf.decode(expected).endswith("<|user|>\nWhat is 2 plus 2?</s>\n<|assistant|>\n")
+    rows, _ = session.answer([conversation], ChatParams(prompts=["x"], max_new_tokens=4).generation(), progress=False)
+    ids = rows[0]["answer_ids"]
+    assert ids == Decoder(session.model).generate([expected], 4, eos_token_id=hf.eos_token_id)[0]
+    assert rows[0]["answer"] == hf.decode(ids[:-1] if ids[-1] == hf.eos_token_id else ids)
+    described = session.describe()
+    assert described["template"]["sha256"] == chat_template_sha256(hf.chat_template)
+    assert described["tokenizer"]["kind"] == "folder" and described["eos_token_id"] == hf.eos_token_id
+    params = ChatParams.from_dict({"checkpoint": str(tmp_path / "checkpoint"), "prompts": ["a"], "template": "tokenizer"})
+    assert params.template == "tokenizer"
+    with pytest.raises(ParamError, match="template: tokenizer renders through a tokenizer folder's chat template"):
+        ChatSession(tmp_path / "checkpoint", tokenizer="byte", template="tokenizer", device="cpu")

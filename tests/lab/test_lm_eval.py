@@ -39,6 +39,7 @@ def bundle(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def evaluated(bundle: Path, tmp_path_factory) -> tuple[dict, Path]:
+    """A real lm-eval run, seconds of training and scoring: the tests that read it are in the slow tier."""
     out = tmp_path_factory.mktemp("eval") / "out"
     return evaluate(EvalParams(model=str(bundle), tasks="embedded_choice, embedded_exact", device="cpu",
                                out_dir=str(out)), progress=False), out
@@ -73,6 +74,7 @@ def test_lm_eval_scores_the_bundle_and_the_files_are_written(evaluated, bundle: 
     assert headline(record).endswith("64 log-likelihoods checked against cflib, agreeing to 1e-4")
 
 
+@pytest.mark.slow
 def test_exact_match_is_what_the_answers_say(evaluated):
     """lm-eval's answers are compared with the expected ones here, and the hits counted again."""
     record, out = evaluated
@@ -83,6 +85,7 @@ def test_exact_match_is_what_the_answers_say(evaluated):
     assert len(hits) == 40 and sum(hits) / 40 == value
 
 
+@pytest.mark.slow
 def test_lm_evals_log_likelihoods_are_cflibs(evaluated, bundle: Path):
     """Every choice's log-likelihood lm-eval reports, recomputed here with cflib's decoder from the byte
     tokenizer's ids of the prompt's chat layout and the choice."""
@@ -128,7 +131,8 @@ def load_checkpoint_dir(bundle: Path, root: Path) -> Path:
 
 # --- bad inputs: a clear error naming the culprit, before any model is scored or trained --------
 @pytest.mark.parametrize("raw, message", [
-    ({"tasks": "embedded_choice,no_such_task"}, "tasks: 'no_such_task' is neither a task of this project"),
+    pytest.param({"tasks": "embedded_choice,no_such_task"}, "tasks: 'no_such_task' is neither a task of this project",
+                 marks=pytest.mark.slow),  # lm-eval indexes every task it has to look one up: seconds
     ({"tasks": " , "}, "tasks: one or more task names"),
     ({"limit": 0}, "limit must be None"),
     ({"batch_size": 0}, "batch_size must be a positive integer"),
@@ -152,6 +156,7 @@ def test_a_folder_that_is_no_model_is_refused(tmp_path: Path):
         prepare_evaluation(EvalParams(model=str(tmp_path), device="cpu", out_dir=str(tmp_path / "b")))
 
 
+@pytest.mark.slow
 def test_an_out_dir_that_holds_an_evaluation_is_refused(evaluated):
     _, out = evaluated
     with pytest.raises(ParamError, match="already holds an evaluation"):

@@ -90,12 +90,6 @@ def test_lab_without_the_registered_kernel_says_how_to_register_it(monkeypatch):
         lab_command()
 
 
-@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "params").glob("*.yaml")
-                                         if not p.name.startswith(("throughput_", "tune_", "sweep_"))), ids=lambda p: p.name)
-def test_params_files_validate(path):  # throughput_*, tune_*, sweep_*: tests/bench/, tests/lab/test_sweep.py
-    TrainParams.from_dict(load_params_file(path), source=str(path))
-
-
 def test_release_profile_without_its_inputs_names_the_missing_checkpoint():
     params = TrainParams.from_dict({**load_params_file(ROOT / "params" / "sft_200m_release.yaml"), "device": "cpu"})
     with pytest.raises(ValueError, match="tr-hash-200m-refinement"):

@@ -1,0 +1,118 @@
+"""The row formats the converter reads, each to a `Conversation` (cflib.data.conversation).
+
+    messages           {"messages": [{"role": "user", "content": "..."}, ...]}            OpenAI chat
+    sharegpt           {"conversations": [{"from": "human", "value": "..."}, ...]}        ShareGPT
+    prompt_completion  {"prompt": "..." or [messages], "completion": "..." or [messages]}
+    text               {"text": "..."}                                                    every token taught
+
+`auto` takes a source's format from its first row's fields, in that order;
+every later row of the source must have the same. ShareGPT's roles: `human`
+is the user, `gpt` the assistant, `system` the system; `tool`, `function` and
+`observation` are tool results, and `function_call` an assistant's tool call
+(its value the call's JSON). A string prompt is one user turn, a string
+completion one assistant turn; only the completion is taught. Any row may
+carry `tools` (a list of JSON schemas, or that list as a JSON string) and the
+metadata `task`, `group`, `source`, `domain`, `mode`, `difficulty` (strings)
+and `id`. A field of messages given as a JSON string (a CSV cell) is decoded.
+A row that does not fit is refused, naming where it stands and the field.
+"""
+from __future__ import annotations
+
+from cflib.data.conversation import Conversation, ConvertError, check_messages, check_metadata, check_text, without_nulls
+from cflib.jsonio import parse_json
+
+FORMATS = ("messages", "sharegpt", "prompt_completion", "text")
+FIELDS = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
+          "text": ("text",)}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "function": "tool", "observation": "tool", "function_call": "assistant"}
+
+
+def detect(row: object, where: str) -> str:
+    """The format whose fields the row has."""
+    if isinstance(row, dict):
+        for name in FORMATS:
+            if all(row.get(key) is not None for key in FIELDS[name]):
+                return name
+    keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+    raise ConvertError(f"{where}: no format's fields ({'; '.join('+'.join(f) for f in FIELDS.values())}) in this "
+                       f"row (it has {keys}); name the format with --format if the fields are elsewhere")
+
+
+def read_row(row: object, fmt: str, where: str) -> Conversation:
+    """The row as a Conversation, or ConvertError naming `where` and the field."""
+    if not isinstance(row, dict):
+        raise ConvertError(f"{where}: not a JSON object")
+    missing = [key for key in FIELDS[fmt] if row.get(key) is None]
+    if missing:
+        raise ConvertError(f"{where}: no {missing[0]!r} field, which the {fmt} format needs (the source's "
+                           f"first row was {fmt})")
+    meta = check_metadata(row, where)
+    if isinstance(row.get("id"), str):
+        meta["example_id"] = row["id"]
+    if fmt == "text":
+        return Conversation(text=check_text(row["text"], f"{where}: text"), meta=meta)
+    tools = _tools(row.get("tools"), where)
+    if fmt == "messages":
+        messages = without_nulls(_decoded(row["messages"], where, "messages"))
+        return Conversation(check_messages(messages, f"{where}: messages"), tools, meta=meta)
+    if fmt == "sharegpt":
+        return Conversation(_sharegpt(row, where), tools, meta=meta)
+    prompt = _side(row["prompt"], "user", where, "prompt")
+    messages = prompt + _side(row["completion"], "assistant", where, "completion")
+    return Conversation(check_messages(messages, f"{where}: prompt + completion"), tools, len(prompt), meta)
+
+
+def _decoded(value: object, where: str, key: str) -> object:
+    if not isinstance(value, str):
+        return value
+    return parse_json(value, f"{where}: {key}: a string here must be JSON, and is", ConvertError)
+
+
+def _tools(value: object, where: str) -> list | None:
+    if value is None:
+        return None
+    tools = without_nulls(_decoded(value, where, "tools"))
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise ConvertError(f"{where}: tools: a list of JSON schemas (objects), got {str(tools)[:80]}")
+    return tools or None
+
+
+def _side(value: object, role: str, where: str, key: str) -> list[dict]:
+    """A prompt or completion: a string is one turn of `role`, a list is messages."""
+    if isinstance(value, str):
+        return [{"role": role, "content": check_text(value, f"{where}: {key}")}]
+    value = without_nulls(value)
+    if not isinstance(value, list) or not value:
+        raise ConvertError(f"{where}: {key}: a string or a non-empty list of messages, got {str(value)[:80]}")
+    return value
+
+
+def _sharegpt(row: dict, where: str) -> list[dict]:
+    turns = without_nulls(_decoded(row["conversations"], where, "conversations"))
+    if not isinstance(turns, list) or not turns:
+        raise ConvertError(f"{where}: conversations: needs a non-empty list of turns")
+    messages = []
+    if isinstance(row.get("system"), str) and row["system"]:
+        messages.append({"role": "system", "content": row["system"]})
+    for index, turn in enumerate(turns):
+        at = f"{where}: conversations {index}"
+        if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES or not isinstance(
+                turn.get("value"), str):
+            raise ConvertError(f"{at} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value', "
+                               f"got {str(turn)[:80]}")
+        if turn["from"] == "function_call":
+            messages.append({"role": "assistant", "tool_calls": _calls(turn["value"], at)})
+        else:
+            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+    return check_messages(messages, f"{where}: conversations")
+
+
+def _calls(value: str, where: str) -> list[dict]:
+    """A ShareGPT function_call's value ({"name", "arguments"}, or a list of them) as OpenAI tool_calls."""
+    calls = _decoded(value, where, "value")
+    calls = calls if isinstance(calls, list) else [calls]
+    if not all(isinstance(call, dict) and isinstance(call.get("name"), str) for call in calls):
+        raise ConvertError(f"{where} value: a function call is JSON with a 'name' (and 'arguments'), "
+                           f"got {value[:80]!r}")
+    return [{"type": "function", "function": call} for call in calls]

@@ -1,0 +1,247 @@
+"""Where conversations come from: local files, folders of them, saved datasets, and the Hugging Face Hub.
+
+A source is one of
+
+    data/chat.jsonl, data/chat.json, data/chat.parquet, data/chat.arrow, data/chat.csv   a file
+    data/chats/                          a folder: every such file in it and below, in name order
+    data/saved/                          a folder written by `datasets`' save_to_disk (one split)
+    hub:NAME[:CONFIG]:SPLIT[@REVISION]   a data set on the Hub (needs network access)
+
+and is read streaming, one row at a time, so memory stays flat in the number of
+rows. Parquet, Arrow, CSV, saved datasets and the Hub are read through the
+`datasets` library (memory-mapped Arrow, or files read in blocks), a CSV with
+every column as text (so "46" stays the string it was, and "NA" too). JSON
+Lines are read line by line with Python's json, every row exactly as written:
+`datasets`' JSON loader unifies each field's type over the rows and, where
+they differ, falls back to pandas, which turned one row's "46" into the
+number 46 and so blamed the wrong row; read as written, a row that is not
+valid names itself. A `.json` file holding one array is read whole. What
+`datasets` keeps while it reads (its lock files) goes to a temporary folder
+removed when reading ends, never to the user's cache. A Hub source is resolved to the commit it names (or the
+newest) before any row is read, and fails at once, naming it, when the Hub
+cannot be reached. Each source is recorded with the SHA-256 of every file
+read, or the Hub commit.
+"""
+from __future__ import annotations
+
+import csv
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator
+
+from cflib.data.conversation import ConvertError
+from cflib.data.shards import sha256_file
+from cflib.jsonio import json_lines, read_json
+
+HUB = "hub:"
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+SAVED_MARKERS = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its Arrow files
+SAVED_DICT = "dataset_dict.json"  # save_to_disk of several splits
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str  # as given: a path or hub:NAME[:CONFIG]:SPLIT[@REVISION]
+    name: str  # each example's `source` where its row names none
+    format: str = "auto"  # auto: detected from the first row (cflib.data.formats)
+    named: bool = False  # the name was given, not taken from the path
+
+    @property
+    def is_hub(self) -> bool:
+        return self.spec.startswith(HUB)
+
+
+def parse_source(entry: object, role: str) -> Source:
+    """A source from a path or hub string, or a mapping {path, name, format}; ConvertError naming `role`."""
+    if isinstance(entry, dict):
+        unknown = sorted(set(entry) - {"path", "name", "format"})
+        if unknown or not isinstance(entry.get("path"), str):
+            raise ConvertError(f"{role}: a source is a path, hub:NAME[:CONFIG]:SPLIT[@REVISION], or a mapping of "
+                               f"path (and optional name, format); got {entry!r}")
+        spec, name, fmt = entry["path"], entry.get("name"), entry.get("format", "auto")
+    elif isinstance(entry, str) and entry:
+        spec, name, fmt = entry, None, "auto"
+    else:
+        raise ConvertError(f"{role}: a source is a path or hub:NAME[:CONFIG]:SPLIT[@REVISION], got {entry!r}")
+    if spec.startswith(HUB):
+        hub_parts(spec)  # refuses a malformed one now
+        default = hub_parts(spec)[0]
+    else:
+        default = Path(spec).stem if Path(spec).suffix in BUILDERS else Path(spec).name
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ConvertError(f"{role}: {spec}: a source's name is a non-empty string, got {name!r}")
+    return Source(spec, name or default, fmt, named=name is not None)
+
+
+def distinct_names(sources: list[Source]) -> list[Source]:
+    """The sources, two inputs whose names come from paths that share them (a/train.jsonl, b/train.jsonl) named
+    by their paths (a Hub source by NAME:CONFIG:SPLIT) instead, so each example's `source` tells them apart. Names given stay: sources given one
+    name are one source to the manifest and to each example."""
+    counts = Counter(source.name for source in sources)
+    return [replace(source, name=source.spec[len(HUB):] if source.is_hub else str(Path(source.spec).with_suffix("")))
+            if counts[source.name] > 1 and not source.named else source for source in sources]
+
+
+def hub_parts(spec: str) -> tuple[str, str | None, str, str | None]:
+    """(name, config, split, revision) of hub:NAME[:CONFIG]:SPLIT[@REVISION]."""
+    body, _, revision = spec[len(HUB):].partition("@")
+    parts = body.split(":")
+    if len(parts) not in (2, 3) or not all(parts) or (spec.count("@") and not revision):
+        raise ConvertError(f"{spec}: a Hub source is hub:NAME[:CONFIG]:SPLIT[@REVISION], e.g. "
+                           "hub:HuggingFaceH4/ultrachat_200k:train_sft")
+    name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
+    return name, config, split, revision or None
+
+
+def local_files(source: Source) -> list[Path]:
+    """The files a local source reads: itself, a saved dataset's Arrow files, or a folder's data files."""
+    path = Path(source.spec)
+    if path.is_file():
+        if path.suffix not in BUILDERS:
+            raise ConvertError(f"{path}: not a data file this reads ({', '.join(BUILDERS)})")
+        return [path]
+    if not path.is_dir():
+        raise ConvertError(f"{path}: no such file or folder (a source is a data file, a folder of them, a saved "
+                           "dataset, or hub:NAME[:CONFIG]:SPLIT[@REVISION])")
+    if (path / SAVED_DICT).is_file():
+        index = read_json(path / SAVED_DICT, ConvertError, "saved dataset's index")
+        splits = index.get("splits", []) if isinstance(index, dict) else []
+        raise ConvertError(f"{path}: a saved DatasetDict; name one split's folder ({', '.join(map(str, splits))})")
+    if is_saved_dataset(path):
+        return sorted(path.glob("*.arrow")) + [path / name for name in SAVED_MARKERS]
+    files = sorted(file for file in path.rglob("*") if file.suffix in BUILDERS and file.is_file()
+                   and file.name not in (*SAVED_MARKERS, SAVED_DICT)  # a saved dataset's own bookkeeping
+                   and not any(part.startswith(".") for part in file.relative_to(path).parts))
+    if not files:
+        raise ConvertError(f"{path}: a folder with no data file in it ({', '.join(BUILDERS)})")
+    return files
+
+
+def is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and all((path / name).is_file() for name in SAVED_MARKERS)
+
+
+def describe(source: Source, hub_commit: str | None = None) -> dict:
+    """What the manifest records of a source: its files with their SHA-256, or the Hub commit read."""
+    record = {"name": source.name, "spec": source.spec, "format": source.format}
+    if source.is_hub:
+        name, config, split, revision = hub_parts(source.spec)
+        return {**record, "hub": {"name": name, "config": config, "split": split, "revision": revision,
+                                  "commit": hub_commit}}
+    return {**record, "files": [{"path": str(file), "sha256": sha256_file(file)} for file in local_files(source)]}
+
+
+class SourceReader:
+    """Rows of sources through `datasets`, its scratch files in a temporary folder removed by close()."""
+
+    def __init__(self) -> None:
+        self._scratch = tempfile.TemporaryDirectory(prefix="cflib-sources-")
+        self.hub_commits: dict[str, str] = {}
+
+    def close(self) -> None:
+        self._scratch.cleanup()
+
+    def rows(self, source: Source) -> Iterator[tuple[str, dict]]:
+        """(where, row) of each row, `where` naming the file (or source) and the row number from 1."""
+        if source.is_hub:
+            yield from _numbered(self._hub_dataset(source), source.spec)
+            return
+        path = Path(source.spec)
+        if is_saved_dataset(path):
+            yield from _numbered(self._saved_dataset(path), str(path))
+            return
+        for file in local_files(source):
+            if BUILDERS[file.suffix] == "json":
+                yield from json_rows(file)
+            else:
+                yield from _numbered(self._file_dataset(file), str(file))
+
+    def _file_dataset(self, file: Path):
+        datasets = _datasets()
+
+        options = {}
+        if BUILDERS[file.suffix] == "csv":  # every column as text, as written: no numbers, no missing values
+            options = {"features": datasets.Features({name: datasets.Value("string") for name in _csv_header(file)}),
+                       "na_filter": False}
+        return datasets.load_dataset(BUILDERS[file.suffix], data_files=str(file), split="train", streaming=True,
+                                     cache_dir=self._scratch.name, **options)
+
+    @staticmethod
+    def _saved_dataset(path: Path):
+        datasets = _datasets()
+
+        try:
+            return datasets.load_from_disk(str(path))
+        except Exception as err:  # datasets raises many kinds
+            raise ConvertError(f"{path}: not a readable saved dataset ({err})") from None
+
+    def _hub_dataset(self, source: Source):
+        """The Hub data set at the commit its revision names, streamed; fails at once when the Hub is out of
+        reach (offline, or HF_HUB_OFFLINE set), naming the source."""
+        datasets = _datasets()
+        from huggingface_hub import HfApi
+
+        name, config, split, revision = hub_parts(source.spec)
+        try:
+            commit = HfApi().dataset_info(name, revision=revision, timeout=10).sha
+        except Exception as err:  # no network, offline mode, no such data set or revision
+            raise ConvertError(f"{source.spec}: cannot reach it on the Hugging Face Hub ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''}); a hub: source needs network "
+                               "access: without it, name the files or a saved dataset folder") from None
+        self.hub_commits[source.spec] = commit
+        try:
+            return datasets.load_dataset(name, config, split=split, revision=commit, streaming=True,
+                                         cache_dir=self._scratch.name)
+        except Exception as err:
+            raise ConvertError(f"{source.spec}: datasets could not open it ({err})") from None
+
+
+def _datasets():
+    """The `datasets` library (the `data` extra), or ConvertError saying how to install it."""
+    try:
+        import datasets
+    except ModuleNotFoundError:
+        raise ConvertError("reading Parquet, Arrow, CSV, saved datasets and the Hub takes the datasets library: "
+                           "pip install 'cflib[data]'") from None
+    return datasets
+
+
+def _csv_header(file: Path) -> list[str]:
+    with open(file, newline="", encoding="utf-8", errors="replace") as handle:
+        header = next(csv.reader(handle), None)
+    if not header:
+        raise ConvertError(f"{file}: a CSV file starts with a header naming its columns")
+    return header
+
+
+def _numbered(dataset, label: str) -> Iterator[tuple[str, dict]]:
+    """Each row with where it stands; a row `datasets` cannot read stops here, naming the file."""
+    rows = iter(dataset)
+    number = 0
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as err:  # Arrow's and pandas' parse errors, a schema that changes between rows
+            raise ConvertError(f"{label}: datasets could not read row {number + 1} or after "
+                               f"({type(err).__name__}: {err})") from None
+        number += 1
+        yield f"{label} row {number}", row
+
+
+def json_rows(file: Path) -> Iterator[tuple[str, object]]:
+    """The rows of a JSON Lines file, one line at a time (or of a .json file holding one array), each as
+    written; a line that is not valid JSON names itself."""
+    with open(file, "rb") as handle:
+        first = handle.read(1).lstrip()
+    if file.suffix == ".json" and first == b"[":
+        rows = read_json(file, ConvertError, "JSON file")  # bounded in size and depth (cflib.jsonio)
+        yield from ((f"{file} row {n}", row) for n, row in enumerate(rows, start=1))
+        return
+    number = 0  # rows, not lines: a blank line is no row
+    for _, row in json_lines(file, ConvertError, where=lambda line: f"{file} row {number + 1}"):
+        number += 1
+        yield f"{file} row {number}", row

@@ -1,0 +1,275 @@
+"""Sources and formats of `python -m cflib.data convert`: Parquet, Arrow, CSV, JSON, folders, saved datasets and
+the Hub; OpenAI messages, ShareGPT, prompt-completion and plain text; the eval split; bad rows refused naming
+source, row and field with nothing written."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+
+from cflib.data.conversation import ConvertError
+from cflib.data.convert import ConvertSpec, convert
+from cflib.data.shards import IGNORE_INDEX, open_shard
+from cflib.data.tokenizer import ByteTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+BYTES = ByteTokenizer()
+
+
+def sharegpt(index: int) -> dict:
+    turns = [{"from": "human", "value": f"{index}+{index}="}, {"from": "gpt", "value": str(2 * index)}]
+    if index % 3 == 0:
+        turns = [{"from": "system", "value": "be brief"}] + turns + [{"from": "human", "value": "and twice?"},
+                                                                     {"from": "gpt", "value": str(4 * index)}]
+    return {"conversations": turns, "task": "double", "id": f"sg-{index}"}
+
+
+def prompt_completion(index: int, conversational: bool = True) -> dict:
+    """A string prompt and completion, or (conversational) each a list of messages."""
+    if not conversational:
+        return {"prompt": f"upper w{index}", "completion": f"W{index}", "task": "upper"}
+    prompt = [{"role": "user", "content": f"upper x{index}"}]
+    if index % 4 == 0:
+        prompt = [{"role": "system", "content": "answer in capitals"}] + prompt
+    return {"prompt": prompt, "completion": [{"role": "assistant", "content": f"X{index}"}], "task": "upper"}
+
+
+def as_messages(row: dict) -> dict:
+    """The same conversation in OpenAI's messages format."""
+    if "conversations" in row:
+        roles = {"human": "user", "gpt": "assistant", "system": "system"}
+        messages = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]]
+    else:
+        side = {"prompt": "user", "completion": "assistant"}
+        messages = [m for key in ("prompt", "completion") for m in (
+            row[key] if isinstance(row[key], list) else [{"role": side[key], "content": row[key]}])]
+    return {"messages": messages, "task": row["task"]}
+
+
+SHAREGPT = [sharegpt(i) for i in range(10, 22)]
+PROMPT_COMPLETION = [prompt_completion(i) for i in range(12)]
+STRING_COMPLETIONS = [prompt_completion(i, conversational=False) for i in range(6)]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+def to_parquet(path: Path, rows: list[dict]) -> Path:
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return path
+
+
+def saved(path: Path, rows: list[dict]) -> Path:
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def run(tmp_path: Path, train, eval_=None, name: str = "shard", **spec) -> dict:
+    eval_ = eval_ if eval_ is not None or "eval_fraction" in spec else str(
+        write_jsonl(tmp_path / "held.jsonl", [{"messages": [{"role": "user", "content": "9+9="},
+                                                            {"role": "assistant", "content": "18"}]}]))
+    return convert(ConvertSpec(train=train, eval=eval_, out=str(tmp_path / name), **{"max_seq_len": 64, **spec}))
+
+
+def examples(root: Path, partition: str = "train") -> list[tuple[list[int], list[int]]]:
+    shard = open_shard(root, partition, verify_hashes=True)
+    return [(ids.tolist(), labels.tolist()) for ids, labels in (shard[i] for i in range(len(shard)))]
+
+
+def test_parquet_and_saved_datasets_in_sharegpt_and_prompt_completion_form_equal_the_same_messages(tmp_path):
+    """Each format, from a Parquet file and from a saved dataset, gives the tokens its messages form gives."""
+    sources = [to_parquet(tmp_path / "sharegpt.parquet", SHAREGPT[:6]), saved(tmp_path / "sharegpt-saved", SHAREGPT[6:]),
+               to_parquet(tmp_path / "completions.parquet", PROMPT_COMPLETION[:6]),
+               saved(tmp_path / "completions-saved", PROMPT_COMPLETION[6:])]
+    indexes = run(tmp_path, [str(source) for source in sources], supervise="all_assistant_turns")
+    messages = write_jsonl(tmp_path / "messages.jsonl", [as_messages(r) for r in SHAREGPT + PROMPT_COMPLETION])
+    run(tmp_path, str(messages), name="reference", supervise="all_assistant_turns")
+    assert examples(tmp_path / "shard") == examples(tmp_path / "reference")
+    assert len(examples(tmp_path / "shard")) == 24
+    shard = open_shard(tmp_path / "shard", "train")
+    names = ["sharegpt", "sharegpt-saved", "completions", "completions-saved"]
+    assert [row["source"] for row in shard.rows] == [name for name in names for _ in range(6)]
+    assert shard.rows[0]["example_id"] == "sg-10" and shard.rows[12]["example_id"] == "train-00000013"
+    assert shard.rows[19]["origin"] == f"{sources[3]} row 2"
+    stats = indexes["train"]["conversion"]["stats"]
+    assert stats["examples_per_source"] == dict.fromkeys(sorted(names), 6)
+    assert sum(stats["supervised_tokens_per_source"].values()) == indexes["train"]["supervised_tokens"]
+    recorded = {source["name"]: source for source in stats["sources"]}
+    assert recorded["sharegpt"]["files"] == [{"path": str(sources[0]), "sha256": hashlib.sha256(
+        sources[0].read_bytes()).hexdigest()}]
+    assert {Path(f["path"]).name for f in recorded["completions-saved"]["files"]} >= {"state.json",
+                                                                                      "dataset_info.json"}
+    # The three-turn ShareGPT rows teach both answers: "24<|eos|>" then "48<|eos|>" (row 12, index 2).
+    ids, labels = examples(tmp_path / "shard")[2]
+    assert BYTES.decode_template([t for t in labels if t != IGNORE_INDEX]) == "24<|eos|>48<|eos|>"
+    # A prompt-completion row teaches its completion only, after its system and user turns.
+    ids, labels = examples(tmp_path / "shard")[12]
+    assert BYTES.decode_template(ids) == "<|system|>answer in capitals<|user|>upper x0<|assistant|>X0<|eos|>"
+    assert BYTES.decode_template([t for t in labels if t != IGNORE_INDEX]) == "X0<|eos|>"
+
+
+def test_every_local_kind_of_source_reads_the_same_rows(tmp_path):
+    rows = STRING_COMPLETIONS  # string prompts and completions: CSV holds them as they are
+    jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    arrow_folder = saved(tmp_path / "saved", rows)
+    shutil.copy(next(arrow_folder.glob("*.arrow")), tmp_path / "rows.arrow")
+    datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "rows.csv"), index=False)
+    folder = tmp_path / "folder"
+    (folder / "part").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl", rows[:3])
+    to_parquet(folder / "part" / "b.parquet", rows[3:])
+    (folder / "notes.txt").write_text("not data")
+    reference = None
+    for name, source in [("jsonl", jsonl), ("json", tmp_path / "array.json"), ("arrow", tmp_path / "rows.arrow"),
+                         ("csv", tmp_path / "rows.csv"), ("saved", arrow_folder), ("folder", folder)]:
+        run(tmp_path, str(source), name=f"from-{name}")
+        got = examples(tmp_path / f"from-{name}")
+        assert len(got) == len(rows) and got == (reference or got), name
+        reference = got
+
+
+def test_sources_of_one_name_are_told_apart_by_their_paths(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        write_jsonl(tmp_path / folder / "train.jsonl", [as_messages(SHAREGPT[0 if folder == "a" else 1])])
+    sources = [str(tmp_path / "a" / "train.jsonl"), str(tmp_path / "b" / "train.jsonl")]
+    indexes = run(tmp_path, sources)
+    assert indexes["train"]["conversion"]["stats"]["examples_per_source"] == {
+        str(tmp_path / "a" / "train"): 1, str(tmp_path / "b" / "train"): 1}
+    indexes = run(tmp_path, [{"path": source, "name": "both"} for source in sources], name="named")
+    assert indexes["train"]["conversion"]["stats"]["examples_per_source"] == {"both": 2}
+
+
+def test_a_csv_keeps_every_cell_as_the_text_it_was(tmp_path):
+    path = tmp_path / "sums.csv"
+    path.write_text('prompt,completion\n12+34=,46\nsay NA,NA\n"a, b",007\n')
+    run(tmp_path, str(path))
+    taught = [BYTES.decode_template([t for t in labels if t != IGNORE_INDEX]) for _, labels in examples(tmp_path / "shard")]
+    assert taught == ["46<|eos|>", "NA<|eos|>", "007<|eos|>"]
+
+
+def test_plain_text_is_taught_whole(tmp_path):
+    run(tmp_path, str(write_jsonl(tmp_path / "text.jsonl", [{"text": "hello world"}, {"text": "abc"}])))
+    ids, labels = examples(tmp_path / "shard")[0]
+    assert ids == BYTES.encode("hello world") + [0]
+    assert labels == ids[1:] + [IGNORE_INDEX]
+
+
+def test_tool_turns_need_the_tokenizers_template(tmp_path):
+    row = {"messages": [{"role": "user", "content": "weather?"},
+                        {"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": "{}"}}]},
+                        {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "sunny"}]}
+    with pytest.raises(ConvertError, match="tools.jsonl row 1: the marker template has no place for tools"):
+        run(tmp_path, str(write_jsonl(tmp_path / "tools.jsonl", [row])))
+
+
+@pytest.mark.parametrize("reasoning, taught", [("supervise", "<think>add</think>4<|eos|>"),
+                                               ("mask", "4<|eos|>"), ("strip", "4<|eos|>")])
+def test_reasoning_is_taught_masked_or_stripped(tmp_path, reasoning, taught):
+    rows = [{"messages": [{"role": "user", "content": "2+2="},
+                          {"role": "assistant", "content": "<think>add</think>4"}]},
+            {"messages": [{"role": "user", "content": "1+3="},
+                          {"role": "assistant", "content": "4", "reasoning_content": "add"}]}]
+    run(tmp_path, str(write_jsonl(tmp_path / "think.jsonl", rows)), reasoning=reasoning)
+    for ids, labels in examples(tmp_path / "shard"):
+        assert BYTES.decode_template([t for t in labels if t != IGNORE_INDEX]) == taught
+        assert ("<think>add</think>" in BYTES.decode_template(ids)) == (reasoning != "strip")
+
+
+def test_eval_fraction_splits_by_content_so_no_conversation_is_in_both(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(60)]
+    source = str(write_jsonl(tmp_path / "all.jsonl", rows + rows[:20]))  # 20 conversations twice
+    first = run(tmp_path, source, eval_fraction=0.25, seed=3, name="a")
+    run(tmp_path, source, eval_fraction=0.25, seed=3, name="again")
+    run(tmp_path, source, eval_fraction=0.25, seed=4, name="other")
+    train, held = examples(tmp_path / "a", "train"), examples(tmp_path / "a", "eval")
+    assert not {tuple(ids) for ids, _ in train} & {tuple(ids) for ids, _ in held}
+    assert len(train) + len(held) == 60 and 5 <= len(held) <= 30
+    stats = {p: first[p]["conversion"]["stats"] for p in ("train", "eval")}
+    assert stats["train"]["rows_read"] + stats["eval"]["rows_read"] == 80
+    assert stats["train"]["rejected"]["duplicate"] + stats["eval"]["rejected"]["duplicate"] == 20
+    assert stats["eval"]["rejected"]["duplicate_of_train"] == 0
+    assert first["eval"]["conversion"]["split"] == {"eval_fraction": 0.25, "seed": 3}
+    assert examples(tmp_path / "again", "eval") == held and examples(tmp_path / "other", "eval") != held
+
+
+def test_a_hub_source_offline_fails_at_once_naming_it(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConvertError, match="hub:someone/chats:default:train@v1: cannot reach it on the Hugging "
+                                           "Face Hub .*needs network access"):
+        run(tmp_path, "hub:someone/chats:default:train@v1")
+    assert not (tmp_path / "shard").exists()
+    with pytest.raises(ConvertError, match="a Hub source is hub:NAME"):
+        run(tmp_path, "hub:just-a-name")
+
+
+def bad_parquet(tmp_path: Path) -> str:
+    rows = [sharegpt(i) for i in range(6)]
+    rows[4]["conversations"][1]["from"] = "robot"
+    return str(to_parquet(tmp_path / "bad.parquet", rows))
+
+
+def bad_saved(tmp_path: Path) -> str:
+    return str(saved(tmp_path / "bad-saved", [{"prompt": "p", "completion": "c"}, {"prompt": "q", "completion": None}]))
+
+
+@pytest.mark.parametrize("build, words", [
+    (bad_parquet, ["bad.parquet row 5", "conversations 1", "'from'"]),
+    (bad_saved, ["bad-saved row 2", "no 'completion' field"]),
+    (lambda tmp: str(write_jsonl(tmp / "mixed.jsonl", [as_messages(SHAREGPT[0]), SHAREGPT[1]])),
+     ["mixed.jsonl row 2", "no 'messages' field", "the source's first row was messages"]),
+    (lambda tmp: str(write_jsonl(tmp / "odd.jsonl", [{"question": "a", "answer": "b"}])),
+     ["odd.jsonl row 1", "no format's fields", "question"]),
+    (lambda tmp: str(write_jsonl(tmp / "calls.jsonl", [{"conversations": [
+        {"from": "human", "value": "w?"}, {"from": "function_call", "value": "{\"args\": 1}"}]}])),
+     ["calls.jsonl row 1", "conversations 1 value", "'name'"]),
+    (lambda tmp: str(write_jsonl(tmp / "tools.jsonl", [{**as_messages(SHAREGPT[0]), "tools": "[1, 2]"}])),
+     ["tools.jsonl row 1", "tools: a list of JSON schemas"]),
+    (lambda tmp: str(tmp / "missing.parquet"), ["missing.parquet: no such file or folder"]),
+    (lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"), ["empty: a folder with no data file"]),
+])
+def test_a_row_that_cannot_be_read_is_refused_naming_source_row_and_field(tmp_path, build, words):
+    source = build(tmp_path)
+    with pytest.raises(ConvertError) as caught:
+        run(tmp_path, [str(write_jsonl(tmp_path / "good.jsonl", [as_messages(SHAREGPT[2])])), source])
+    for word in words:
+        assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+    assert not (tmp_path / "shard").exists() and not list(tmp_path.glob(".shard*"))
+
+
+def test_settings_are_checked_before_anything_is_read(tmp_path):
+    source = str(write_jsonl(tmp_path / "a.jsonl", [as_messages(SHAREGPT[0])]))
+    for change, message in [({"eval_fraction": 0.2}, "not both"), ({"eval": None}, "not neither"),
+                            ({"eval": None, "eval_fraction": 1.5}, "eval_fraction must be a number in"),
+                            ({"format": "alpaca"}, "format must be auto or one of"),
+                            ({"reasoning": "hide"}, "reasoning must be one of"),
+                            ({"template": "tokenizer"}, "is not a folder")]:
+        with pytest.raises(ConvertError, match=message):
+            convert(ConvertSpec(**{"train": source, "eval": source, "out": str(tmp_path / "out"), **change}))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_command_line_takes_several_sources_and_a_fraction(tmp_path):
+    sharegpt_parquet = to_parquet(tmp_path / "sharegpt.parquet", SHAREGPT)
+    completions = saved(tmp_path / "completions", PROMPT_COMPLETION)
+    done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--train", str(sharegpt_parquet),
+                           str(completions), "--eval-fraction", "0.2", "--seed", "1", "--out", str(tmp_path / "cli"),
+                           "--max-seq-len", "64"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "sharegpt:" in done.stdout and "completions:" in done.stdout
+    index = json.loads((tmp_path / "cli" / "eval" / "sft.idx.json").read_text())
+    assert index["conversion"]["split"] == {"eval_fraction": 0.2, "seed": 1}

@@ -1,0 +1,198 @@
+"""`template: tokenizer`: every example is apply_chat_template's tokens, token for token, and teaches exactly the
+assistant's part and its end token; tools, tool calls and reasoning pass through the template; the manifest
+records the template's SHA-256."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+from cflib.data.conversation import ConvertError
+from cflib.data.convert import IDENTITY_SAMPLE, ConvertSpec, convert
+from cflib.data.marker_template import ChatTemplate
+from cflib.data.reasoning import BLOCK_AND_SPACE
+from cflib.data.shards import IGNORE_INDEX, open_shard
+from cflib.data.tokenizer_template import TemplateRenderer
+
+try:
+    from chat_tokenizers import released_like_template, tokenizer_folder, turn
+except ImportError:  # pragma: no cover - depends on how pytest is invoked
+    from tests.chat_tokenizers import released_like_template, tokenizer_folder, turn
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """The released-like template in tokenizer_config.json (taught spans by rendered prefixes), and with
+    {% generation %} blocks in chat_template.jinja."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {"prefixes": tokenizer_folder(root / "prefixes"),
+            "generation": tokenizer_folder(root / "generation", generation=True, template_file=True)}
+
+
+# Content with spaces around it: the template trims it, so the taught text is the stripped content.
+SHAREGPT = [{"conversations": [{"from": "human", "value": f" What is {i} plus {i}? "},
+                               {"from": "gpt", "value": f" It is {2 * i}. "}]
+             + ([{"from": "human", "value": "And twice that?"}, {"from": "gpt", "value": f"{4 * i}"}] if i % 2 else []),
+             "system": "Be brief." if i % 3 == 0 else None, "task": "sums"} for i in range(12)]
+COMPLETIONS = [{"prompt": [{"role": "user", "content": f"Translate bonjour {i}"}],
+                "completion": [{"role": "assistant", "content": f"hello {i}"}], "task": "translate"}
+               for i in range(12)]
+
+
+def sharegpt_messages(row: dict) -> list[dict]:
+    roles = {"human": "user", "gpt": "assistant"}
+    system = [turn("system", row["system"])] if row["system"] else []
+    return system + [turn(roles[t["from"]], t["value"]) for t in row["conversations"]]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def run(tmp_path: Path, folder: Path, train: list[str], name: str = "shard", **spec) -> dict:
+    held = write_jsonl(tmp_path / "held.jsonl", [{"messages": [turn("user", "Hello"), turn("assistant", "Hi")]}])
+    return convert(ConvertSpec(train=train, eval=str(held), out=str(tmp_path / name), tokenizer=str(folder),
+                               template="tokenizer", **{"max_seq_len": 256, **spec}))
+
+
+def taught_text(hf, labels: list[int]) -> str:
+    return hf.decode([t for t in labels if t != IGNORE_INDEX])
+
+
+@pytest.mark.parametrize("kind", ["prefixes", "generation"])
+def test_every_row_is_apply_chat_templates_tokens_and_teaches_exactly_the_answers(tmp_path, folders, kind):
+    parquet = tmp_path / "sharegpt.parquet"
+    datasets.Dataset.from_list(SHAREGPT).to_parquet(str(parquet))
+    saved = tmp_path / "completions"
+    datasets.Dataset.from_list(COMPLETIONS).save_to_disk(str(saved))
+    indexes = run(tmp_path, folders[kind], [str(parquet), str(saved)], supervise="all_assistant_turns")
+    hf = AutoTokenizer.from_pretrained(folders[kind])
+    conversations = [sharegpt_messages(row) for row in SHAREGPT] + [r["prompt"] + r["completion"] for r in COMPLETIONS]
+    shard = open_shard(tmp_path / "shard", "train", verify_hashes=True)
+    assert len(shard) == len(conversations) == 24
+    for index, messages in enumerate(conversations):
+        ids, labels = (tensor.tolist() for tensor in shard[index])
+        assert ids == hf.apply_chat_template(messages, tokenize=True)["input_ids"], index
+        assert taught_text(hf, labels) == "".join(m["content"].strip() + "</s>" for m in messages
+                                                  if m["role"] == "assistant"), index
+    assert indexes["train"]["eos_token_id"] == hf.convert_tokens_to_ids("</s>")
+    assert indexes["train"]["vocab_size"] == len(hf)
+    assert indexes["train"]["conversion"]["stats"]["examples_per_source"] == {"completions": 12, "sharegpt": 12}
+
+
+def test_the_final_turn_alone_is_taught_when_asked(tmp_path, folders):
+    rows = [{"messages": sharegpt_messages(SHAREGPT[1])}]
+    run(tmp_path, folders["prefixes"], [str(write_jsonl(tmp_path / "a.jsonl", rows))], supervise="final_turn")
+    hf = AutoTokenizer.from_pretrained(folders["prefixes"])
+    assert taught_text(hf, open_shard(tmp_path / "shard", "train")[0][1].tolist()) == "4</s>"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+AGENT = [turn("user", "What is the weather in Paris?"), {"role": "assistant", "tool_calls": [CALL]},
+         turn("tool", "sunny", tool_call_id="call-1"),
+         turn("assistant", "It is sunny in Paris.", reasoning_content="The tool says sunny.")]
+THINKER = [turn("user", "What is 12+34?"), turn("assistant", "<think>12 and 34 make 46</think>\n46")]
+
+
+@pytest.mark.parametrize("kind", ["prefixes", "generation"])
+@pytest.mark.parametrize("reasoning, taught", [
+    ("supervise", ['<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call></s>'
+                   "<think>The tool says sunny.</think>It is sunny in Paris.</s>",
+                   "<think>12 and 34 make 46</think>\n46</s>"]),
+    ("mask", ['<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call></s>'
+              "It is sunny in Paris.</s>", "\n46</s>"]),
+    ("strip", ['<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call></s>'
+               "It is sunny in Paris.</s>", "46</s>"]),
+])
+def test_tool_calls_and_reasoning_pass_through_the_template(tmp_path, folders, kind, reasoning, taught):
+    rows = [{"messages": AGENT, "tools": TOOLS}, {"messages": THINKER}]
+    run(tmp_path, folders[kind], [str(write_jsonl(tmp_path / "agent.jsonl", rows))], reasoning=reasoning,
+        supervise="all_assistant_turns")
+    hf = AutoTokenizer.from_pretrained(folders[kind])
+    shard = open_shard(tmp_path / "shard", "train")
+    for index, (messages, tools) in enumerate([(AGENT, TOOLS), (THINKER, None)]):
+        if reasoning == "strip":
+            messages = [{k: (BLOCK_AND_SPACE.sub("", v) if k == "content" else v) for k, v in m.items()
+                         if k != "reasoning_content"} for m in messages]
+        ids, labels = (tensor.tolist() for tensor in shard[index])
+        assert ids == hf.apply_chat_template(messages, tools=tools, tokenize=True)["input_ids"]
+        assert taught_text(hf, labels) == taught[index]
+    assert '"description": "the weather in a city"' in hf.decode(shard[0][0].tolist())
+
+
+def test_the_manifest_records_the_template_and_tokenizer_files(tmp_path, folders):
+    indexes = run(tmp_path, folders["generation"], [str(write_jsonl(tmp_path / "a.jsonl", [{"messages": THINKER}]))])
+    conversion = indexes["train"]["conversion"]
+    template = (folders["generation"] / "chat_template.jinja").read_text()
+    assert conversion["template"] == {"kind": "tokenizer", "file": "chat_template.jinja",
+                                      "sha256": hashlib.sha256(template.encode()).hexdigest(),
+                                      "taught_spans": "generation blocks"}
+    assert conversion["tokenizer"]["kind"] == "folder"
+    assert set(conversion["tokenizer"]["sha256"]) == {"tokenizer.json", "tokenizer_config.json",
+                                                      "chat_template.jinja"}
+
+
+def test_a_template_that_renders_turns_unlike_its_prefixes_needs_generation_blocks(tmp_path):
+    # The generation prompt says "<|assistant|>\n" but an assistant turn begins "<|assistant|> ".
+    odd = released_like_template().replace("{{- '<|assistant|>\\n' -}}{%- if message.reasoning",
+                                           "{{- '<|assistant|> ' -}}{%- if message.reasoning")
+    folder = tokenizer_folder(tmp_path / "odd", template=odd)
+    source = str(write_jsonl(tmp_path / "a.jsonl", [{"messages": THINKER}]))
+    with pytest.raises(ConvertError, match=r"a.jsonl row 1: message 1: the template renders this conversation's "
+                                           r"turns differently from its prefixes.*\{% generation %\}"):
+        run(tmp_path, folder, [source])
+    assert not (tmp_path / "shard").exists()
+
+
+def test_the_first_rows_of_each_source_are_checked_against_apply_chat_template(tmp_path, folders, monkeypatch):
+    rows = [{"messages": [turn("user", f"Hello {i}"), turn("assistant", f"Hi {i}")]} for i in range(40)]
+    source = str(write_jsonl(tmp_path / "a.jsonl", rows))
+    checked = []
+    original = TemplateRenderer.reference_ids
+
+    def counted(self, conversation):
+        checked.append(conversation.messages[0]["content"])
+        return original(self, conversation)
+
+    monkeypatch.setattr(TemplateRenderer, "reference_ids", counted)
+    run(tmp_path, folders["prefixes"], [source])
+    assert checked == [f"Hello {i}" for i in range(IDENTITY_SAMPLE)] + ["Hello"]  # train's sample, then eval's
+    monkeypatch.setattr(TemplateRenderer, "reference_ids", lambda self, conversation: original(
+        self, conversation)[:-1])  # a renderer that drifts from apply_chat_template
+    with pytest.raises(ConvertError, match="a.jsonl row 1: the rendered ids differ from apply_chat_template's"):
+        run(tmp_path, folders["prefixes"], [source], name="drifted")
+    assert not (tmp_path / "drifted").exists()
+
+
+def test_plain_text_through_a_tokenizer_folder_is_taught_whole(tmp_path, folders):
+    run(tmp_path, folders["prefixes"], [str(write_jsonl(tmp_path / "t.jsonl", [{"text": "Hello </s> world"}]))])
+    hf = AutoTokenizer.from_pretrained(folders["prefixes"])
+    ids, labels = (tensor.tolist() for tensor in open_shard(tmp_path / "shard", "train")[0])
+    assert ids == hf.encode("Hello </s> world", add_special_tokens=False, split_special_tokens=True) + [hf.eos_token_id]
+    assert labels == ids[1:] + [IGNORE_INDEX]
+
+
+def test_the_marker_template_keeps_the_spaces_the_released_template_trims(tmp_path, folders):
+    """The same conversation, the same tokenizer: role markers write content as it is, the released template
+    trims it, so they differ exactly where a message has leading or trailing spaces."""
+    messages = [turn("user", "  What is 2 plus 2?  "), turn("assistant", " It is 4. ")]
+    source = str(write_jsonl(tmp_path / "a.jsonl", [{"messages": messages}]))
+    markers = ChatTemplate(system="<|system|>\n", user="<|user|>\n", assistant="<|assistant|>\n", turn_end="</s>\n",
+                           eos="</s>")
+    run(tmp_path, folders["prefixes"], [source], name="template")  # writes held.jsonl too
+    convert(ConvertSpec(train=source, eval=str(tmp_path / "held.jsonl"), out=str(tmp_path / "markers"),
+                        tokenizer=str(folders["prefixes"]), template=markers, max_seq_len=256))
+    hf = AutoTokenizer.from_pretrained(folders["prefixes"])
+    marked = open_shard(tmp_path / "markers", "train")[0][0].tolist()
+    templated = open_shard(tmp_path / "template", "train")[0][0].tolist()
+    assert hf.decode(marked) == "<|user|>\n  What is 2 plus 2?  </s>\n<|assistant|>\n It is 4. </s>"
+    assert hf.decode(templated) == "<|user|>\nWhat is 2 plus 2?</s>\n<|assistant|>\nIt is 4.</s>\n"
+    assert len(marked) > len(templated)
