@@ -36,8 +36,8 @@ from cflib.jobs import job_out_dir, record_header
 from cflib.jsonio import json_lines
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
-from cflib.params import Params, as_given, coerce, parsed_by
 from cflib.paths import resolve_path
+from cflib.schema import Params, as_given, coerce, parsed_by
 from cflib.train import TrainParams, fit, prepare
 from cflib.train.records import count_parameters
 from cflib.train.run import resolve_device

@@ -36,15 +36,15 @@ from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.hub import is_checkpoint
+from cflib.export.bundle import check_bundle_code, register_own_classes
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.jobs import job_out_dir, record_header
 from cflib.lab.chat import train_here
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
-from cflib.export.bundle import check_bundle_code, register_own_classes
 from cflib.model import CheckpointError, ConfigError, TRMoEModel, load_checkpoint
-from cflib.params import Params, as_given, parsed_by
 from cflib.paths import resolve_path
+from cflib.schema import Params, as_given, parsed_by
 from cflib.train.run import resolve_device
 from cflib.train.run_folder import read_run_record
 

@@ -1,12 +1,12 @@
 """A grid of train_sft runs: the sweep's parameters, its points, and what a re-run does with each.
 
-`plan_sweep(SweepParams)` expands `grid` (the full product) or `points`
+`expand_sweep(SweepParams)` expands `grid` (the full product) or `points`
 over `repeats` seeds, checks every point with TrainParams and the batch
 arithmetic before any of them runs, and reads what `out_dir` already holds:
 a finished point is skipped, a killed one resumes from its latest resumable
 checkpoint (train_sft's `resume: latest`), a failed one stays failed unless
 `rerun_failed`. A point that fails its checks is failed from the start; the
-others still run. `cflib.lab.sweep_run.run_sweep` then runs the plan, one
+others still run. `cflib.lab.sweep_run.run_sweep` then runs the points, one
 papermill run of train_sft.ipynb per point, and the sweep ends with
 `cflib.lab.compare` over its points.
 """
@@ -31,8 +31,8 @@ from cflib.jsonio import read_json
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
 from cflib.locks import FileLock, check_free
 from cflib.model.checkpoint import CheckpointError, latest_resumable
-from cflib.params import Params, is_none_word, parsed_by, reject_unknown
 from cflib.paths import resolve_path
+from cflib.schema import Params, is_none_word, parsed_by, reject_unknown
 from cflib.train.params import TrainParams, load_params_file
 from cflib.train.run import RUN_FILES, batch_arithmetic
 from cflib.yamlio import load_yaml, read_yaml
@@ -219,7 +219,7 @@ class Sweep:
     planned_on: str | None = None  # sweep.json's digest when planned: run_sweep runs the plan only on that state
 
     def save(self) -> None:
-        """sweep.json: the plan and every point's state, replaced whole at every change."""
+        """sweep.json: the points and every point's state, replaced whole at every change."""
         p = self.params
         write_json_atomic(self.out_dir / SWEEP_FILE, {
             "base": p.base, "grid": p.grid, "points_given": list(p.points) if p.points else None,
@@ -227,7 +227,7 @@ class Sweep:
             "metric": p.metric, "points": [point.state(self.out_dir) for point in self.points]})
         self.planned_on = sweep_file_digest(self.out_dir)  # this sweep's own state, which it goes on from
 
-    def plan_table(self) -> str:
+    def points_table(self) -> str:
         """The points and what each overrides (deterministic for given parameters)."""
         width = max(len(point.name) for point in self.points)
         return "\n".join(f"{point.name:<{width}}  " + ", ".join(f"{k}={v}" for k, v in point.overrides.items())
@@ -279,7 +279,7 @@ def sweep_file_digest(out_dir: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def plan_sweep(params: SweepParams) -> Sweep:
+def expand_sweep(params: SweepParams) -> Sweep:
     """Every point checked and its action chosen from what out_dir holds; nothing runs, nothing is written."""
     base = params.base_values
     # A sweep continues in its own folder (sweep.json), so only a file in its place is refused here.

@@ -34,7 +34,7 @@ from cflib.train.params import TrainParams
 from cflib.train.run import model_config, prepare
 from cflib.train.run_folder import check_entries_inside, read_run_record, refuse_mixing
 
-PLAN_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
+CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 
 
 @dataclass
@@ -73,10 +73,11 @@ class CurriculumRun:
             lock.release()
 
     def _fit_stages(self, progress: bool) -> dict:
-        plan = {"curriculum": str(self.curriculum.path), "stages": [
+        stages = {"curriculum": str(self.curriculum.path), "stages": [
             {"name": stage.name, "overrides": stage.overrides} for stage in self.curriculum.stages]}
-        if not (self.out_dir / PLAN_FILE).is_file():
-            write_json_atomic(self.out_dir / PLAN_FILE, {**plan, "created_utc": utc_now(), "audit": self.audit})
+        if not (self.out_dir / CURRICULUM_FILE).is_file():
+            write_json_atomic(self.out_dir / CURRICULUM_FILE,
+                              {**stages, "created_utc": utc_now(), "audit": self.audit})
         start_from, records = self.params.init_checkpoint, []
         for stage in self.curriculum.stages:
             record = self._fit_stage(stage, start_from, progress)
@@ -162,7 +163,7 @@ def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> N
     """A curriculum folder is continued (resume: latest, the same stages) or left alone."""
     check_entries_inside(out_dir)
     refuse_mixing(out_dir, "curriculum")
-    started = (out_dir / PLAN_FILE).is_file() or (out_dir / "stages").exists()
+    started = (out_dir / CURRICULUM_FILE).is_file() or (out_dir / "stages").exists()
     if params.resume not in (None, "latest"):
         raise ParamError(f"resume: a curriculum resumes with resume: latest (its stages know their checkpoints), "
                          f"got {params.resume!r}")
@@ -174,12 +175,13 @@ def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> N
                          "it with resume: latest")
     if params.resume is not None and not started:
         raise ParamError(f"out_dir {out_dir} holds no curriculum run to resume")
-    if (out_dir / PLAN_FILE).is_file():
-        plan = read_json(out_dir / PLAN_FILE, ParamError, "curriculum plan")
-        if not isinstance(plan, dict) or not isinstance(plan.get("stages"), list) or not all(
-                isinstance(stage, dict) and "name" in stage and "overrides" in stage for stage in plan["stages"]):
-            raise ParamError(f"{out_dir / PLAN_FILE}: not a curriculum plan (stages, each with name and overrides)")
-        before = {stage["name"]: stage["overrides"] for stage in plan["stages"]}
+    if (out_dir / CURRICULUM_FILE).is_file():
+        written = read_json(out_dir / CURRICULUM_FILE, ParamError, "curriculum file")
+        if not isinstance(written, dict) or not isinstance(written.get("stages"), list) or not all(
+                isinstance(stage, dict) and "name" in stage and "overrides" in stage for stage in written["stages"]):
+            raise ParamError(f"{out_dir / CURRICULUM_FILE}: not a curriculum's file (stages, each with name and "
+                             "overrides)")
+        before = {stage["name"]: stage["overrides"] for stage in written["stages"]}
         for stage in curriculum.stages:
             if stage.name in before and before[stage.name] != json.loads(json.dumps(stage.overrides)):
                 raise ParamError(f"stage {stage.name!r} of {curriculum.path} differs from the stage this run "

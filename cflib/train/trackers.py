@@ -13,7 +13,6 @@ MLflow run and `log_artifacts` can add the notebook's plots to it.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
@@ -22,15 +21,12 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
-from urllib.parse import urlsplit
 
 from cflib.atomic import write_json_atomic
-from cflib.errors import ParamError, shown
+from cflib.errors import ParamError
 from cflib.jsonio import read_json
 from cflib.train.records import read_metrics
 
-REPORTERS = ("tensorboard", "mlflow")
-_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
 TRACKING_FILE = "trackers.json"
 # How long the end of a run waits for MLflow to take the last metrics and the record; then it goes on without.
 CLOSE_TIMEOUT_S = 30.0
@@ -39,62 +35,6 @@ DEFAULT_EXPERIMENT = "cflib"
 # A vanished server should be noticed in seconds, not after MLflow's default minutes of retries.
 _MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-
-
-def resolve_report_to(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
-    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one."""
-    if names is None:
-        return None
-    names = tuple(name.lower() for name in names)
-    if names in ((), ("none",)):
-        return None
-    if "all" in names:
-        return REPORTERS
-    return names
-
-
-def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None) -> None:
-    """ParamError naming an unknown or uninstalled tracker, before anything runs."""
-    for name in report_to or ():
-        if name not in REPORTERS:
-            raise ParamError(f"report_to: unknown tracker {name!r}; choose none, all, or from "
-                             f"{', '.join(REPORTERS)} (a list, or one comma-separated string)")
-        if importlib.util.find_spec(_PACKAGES[name]) is None:
-            raise ParamError(f"report_to: {name} is not installed in this environment: pip install {_PACKAGES[name]}")
-    if report_to and len(set(report_to)) != len(report_to):
-        raise ParamError(f"report_to repeats a tracker: {list(report_to)}")
-    if tracking_uri is not None and "mlflow" not in (report_to or ()):
-        raise ParamError(f"mlflow_tracking_uri is {tracking_uri!r} but report_to has no mlflow: add it "
-                         "(report_to: mlflow), or remove mlflow_tracking_uri")
-    problem = tracking_uri_problem(tracking_uri) if tracking_uri is not None else None
-    if problem:
-        raise ParamError(f"mlflow_tracking_uri {shown(tracking_uri)}: {problem}; a server is http://host:5000 (or "
-                         "https://), a local store sqlite:////absolute/path/mlflow.db")
-
-
-# The stores MLflow's tracking client opens by scheme (a database's driver may follow a '+': postgresql+psycopg2).
-MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
-
-
-def tracking_uri_problem(uri: str) -> str | None:
-    """Why MLflow could not open `uri` as a tracking store, or None; read from the URI alone (nothing is
-    contacted), so a malformed one stops the run before it starts, not as a warning at its first step."""
-    if not uri or len(uri) > 2048 or any(character.isspace() or ord(character) < 32 for character in uri):
-        return "not a URI (empty, longer than 2048 characters, or holding spaces or control characters)"
-    try:
-        parsed = urlsplit(uri)
-        port = parsed.port  # a port that is not a number in [0, 65535] raises here
-    except ValueError as err:
-        return f"not a URI ({err})"
-    scheme = parsed.scheme.split("+")[0] or (uri if uri in ("databricks", "databricks-uc") else "")
-    if scheme not in MLFLOW_SCHEMES:
-        return (f"scheme {parsed.scheme + ':' if parsed.scheme else '(none)'} is none of MLflow's stores "
-                f"({', '.join(MLFLOW_SCHEMES)})")
-    if scheme in ("http", "https") and (not parsed.hostname or port == 0):
-        return "names no host (and port) to reach"
-    if scheme in ("sqlite", "file") and not (uri.startswith(f"{scheme}:///") and parsed.path.strip("/")):
-        return f"a local store is {scheme}:/// followed by an absolute path"
-    return None
 
 
 def scalars(row: dict) -> dict[str, float]:

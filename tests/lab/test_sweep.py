@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from cflib.lab.compare import CompareParams, compare
-from cflib.lab.sweep import SweepParams, plan_sweep
+from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.train.params import ParamError, load_params_file
 from cflib.train.records import read_metrics
 
@@ -52,7 +52,7 @@ def test_a_bad_sweep_is_refused_naming_the_culprit(raw, message):
 
 def test_every_point_is_checked_before_any_runs_and_a_bad_one_fails_alone(tmp_path):
     out_dir = tmp_path / "sweep"
-    sweep = plan_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3, -1.0], "max_steps": [4]}, "repeats": [3, 4],
+    sweep = expand_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3, -1.0], "max_steps": [4]}, "repeats": [3, 4],
                                               "out_dir": str(out_dir)}))
     assert [p.name for p in sweep.points] == ["lr-0.001_seed-3", "lr-0.001_seed-4", "lr--1_seed-3", "lr--1_seed-4"]
     assert [p.status for p in sweep.points] == ["queued", "queued", "failed", "failed"]
@@ -66,10 +66,10 @@ def test_every_point_is_checked_before_any_runs_and_a_bad_one_fails_alone(tmp_pa
 def test_grid_from_a_yaml_file_and_points(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text("lr: [0.001, 0.002]\nseq_len: [64, 96]\n")
-    sweep = plan_sweep(SweepParams.from_dict({"grid": str(grid), "out_dir": str(tmp_path / "a")}))
+    sweep = expand_sweep(SweepParams.from_dict({"grid": str(grid), "out_dir": str(tmp_path / "a")}))
     assert [p.name for p in sweep.points] == ["lr-0.001_seq_len-64", "lr-0.001_seq_len-96", "lr-0.002_seq_len-64",
                                               "lr-0.002_seq_len-96"]
-    listed = plan_sweep(SweepParams.from_dict({"points": [{"lr": 0.001}, {"lr": 0.001, "warmup_ratio": 0.1}],
+    listed = expand_sweep(SweepParams.from_dict({"points": [{"lr": 0.001}, {"lr": 0.001, "warmup_ratio": 0.1}],
                                                "out_dir": str(tmp_path / "b")}))
     assert [p.name for p in listed.points] == ["base", "warmup_ratio-0.1"]
 
@@ -81,7 +81,7 @@ SWEEP_FILES = [path for path in sorted((ROOT / "params").glob("sweep_*.yaml"))
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.name)
 def test_params_files_for_the_sweep_notebook_plan_their_points(path):
-    sweep = plan_sweep(SweepParams.from_dict({**load_params_file(path), "out_dir": None}, source=str(path)))
+    sweep = expand_sweep(SweepParams.from_dict({**load_params_file(path), "out_dir": None}, source=str(path)))
     assert sweep.points and all(point.status == "queued" for point in sweep.points)
 
 
@@ -143,7 +143,7 @@ def test_a_sweep_killed_in_its_second_point_resumes_to_the_end(tmp_path):
     assert {"comparison.csv", "loss_curves.png", "exact_match.png", "sweep.png"} <= {
         p.name for p in (out_dir / "comparison").iterdir()}
     # A third run finds nothing to do.
-    again = plan_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": {
+    again = expand_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": {
         "lr": [0.001, 0.002, 0.003], "max_steps": [40], "save_every_steps": [4], "eval_every_steps": [20],
         "exact_match_limit": [16]}}))
     assert [p.action for p in again.points] == ["skip: finished before"] * 3
@@ -226,7 +226,7 @@ def test_points_run_side_by_side_one_per_device_slot(tmp_path):
     the base's device: cpu trains them on the CPU)."""
     from cflib.lab.sweep_run import run_sweep
 
-    sweep = plan_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.002], "max_steps": [4]}, "gpus": [0, 1],
+    sweep = expand_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.002], "max_steps": [4]}, "gpus": [0, 1],
                                               "out_dir": str(tmp_path / "sweep")}))
     run_sweep(sweep, poll_s=0.2)
     state = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
@@ -240,9 +240,9 @@ def test_points_run_side_by_side_one_per_device_slot(tmp_path):
 def test_a_sweep_of_a_hundred_million_repeats_is_refused_before_any_point_is_built():
     start = time.monotonic()
     with pytest.raises(ParamError, match="repeats must be a number of seeds in"):
-        plan_sweep(SweepParams.from_dict({"repeats": 100_000_000, "out_dir": None}))
+        expand_sweep(SweepParams.from_dict({"repeats": 100_000_000, "out_dir": None}))
     with pytest.raises(ParamError, match="more than 10,000"):
-        plan_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3] * 1000, "seed": list(range(1000))}, "out_dir": None}))
+        expand_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3] * 1000, "seed": list(range(1000))}, "out_dir": None}))
     assert time.monotonic() - start < 10  # generous: the points are counted, not listed
 
 
@@ -254,13 +254,13 @@ def test_a_sweep_folder_is_swept_by_one_process_at_a_time(tmp_path):
 
     out_dir = tmp_path / "sweep"
     raw = {"grid": {"lr": [1e-3, -1.0]}, "out_dir": str(out_dir)}  # -1.0 fails its checks: nothing to train
-    stale = plan_sweep(SweepParams.from_dict(raw))
+    stale = expand_sweep(SweepParams.from_dict(raw))
     with sweep_lock(out_dir):
         with pytest.raises(ParamError, match=f"out_dir {out_dir} is being swept by another process"):
-            plan_sweep(SweepParams.from_dict(raw))
+            expand_sweep(SweepParams.from_dict(raw))
         with pytest.raises(ParamError, match="is being swept by another process"):
             run_sweep(stale)
-    sweep = plan_sweep(SweepParams.from_dict({**raw, "grid": {"lr": [-1.0, -2.0]}}))
+    sweep = expand_sweep(SweepParams.from_dict({**raw, "grid": {"lr": [-1.0, -2.0]}}))
     run_sweep(sweep)  # both points failed their checks: it writes sweep.json, runs nothing
     assert json.loads((out_dir / "sweep.json").read_text())["points"][0]["status"] == "failed"
     with pytest.raises(ParamError, match="sweep.json changed since this sweep was planned"):
@@ -273,8 +273,8 @@ def test_two_sweeps_started_together_on_one_folder_one_runs_the_other_is_refused
     out_dir = tmp_path / "sweep"
     go = tmp_path / "go"
     code = ("import json, sys, time, pathlib\nwhile not pathlib.Path(sys.argv[1]).exists(): time.sleep(0.001)\n"
-            "from cflib.lab.sweep import SweepParams, plan_sweep\nfrom cflib.lab.sweep_run import run_sweep\n"
-            "run_sweep(plan_sweep(SweepParams.from_dict(json.loads(sys.argv[2]))), poll_s=0.1)")
+            "from cflib.lab.sweep import SweepParams, expand_sweep\nfrom cflib.lab.sweep_run import run_sweep\n"
+            "run_sweep(expand_sweep(SweepParams.from_dict(json.loads(sys.argv[2]))), poll_s=0.1)")
     raw = {"grid": {"lr": [0.002], "max_steps": [4], "save_every_steps": [None], "eval_every_steps": [None]},
            "out_dir": str(out_dir)}
     children = [subprocess.Popen([sys.executable, "-c", code, str(go), json.dumps(raw)], cwd=ROOT, text=True,
