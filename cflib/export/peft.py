@@ -35,6 +35,7 @@ from cflib.model.checkpoint import (
     PROGRESS_FILE,
     TRAINER_STATE_FILE,
     WEIGHTS_FILE,
+    WEIGHT_DTYPES,
     CheckpointError,
     load_checkpoint,
     non_finite_tensor,
@@ -106,6 +107,7 @@ def from_peft(tensors: dict[str, torch.Tensor], settings: LoraSettings, source: 
     for key, tensor in tensors.items():
         if not key.startswith(PEFT_PREFIX):
             raise CheckpointError(f"{source}: tensor {key!r} lacks PEFT's {PEFT_PREFIX!r} prefix")
+        _check_factor(key, tensor, source)
         name = key[len(PEFT_PREFIX):]
         if ".mlp.engine." in name and ".mlp.engine." + nested + "shared_" not in name:
             owner, rest = name.split(".mlp.engine.")
@@ -113,6 +115,11 @@ def from_peft(tensors: dict[str, torch.Tensor], settings: LoraSettings, source: 
             if depth not in by_depth or rest != "base_layer." * depth + rest.rsplit(".", 2)[-2] + ".weight":
                 raise CheckpointError(f"{source}: tensor {key!r} is no adapter of the targets {settings.targets}")
             prefix, rank = f"{owner}.mlp.engine.expert_lora.{by_depth[depth]}", settings.rank
+            stacked = tensor.shape[1] if rest.endswith("lora_B.weight") else tensor.shape[0]
+            if stacked % rank:
+                raise CheckpointError(f"{source}: tensor {key!r} has shape {list(tensor.shape)}: an expert adapter "
+                                      f"stacks one rank-{rank} factor per expert, so {stacked} must be a multiple "
+                                      f"of {rank}")
             if rest.endswith("lora_B.weight"):  # PEFT's [in, r * E] -> ours [E, r, in]
                 experts = tensor.shape[1] // rank
                 out[prefix + ".lora_A.weight"] = tensor.reshape(tensor.shape[0], rank, experts).permute(2, 1, 0)
@@ -122,6 +129,16 @@ def from_peft(tensors: dict[str, torch.Tensor], settings: LoraSettings, source: 
         else:
             out[name.replace(".mlp.engine." + nested + "shared_", ".mlp.engine.shared_")] = tensor
     return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def _check_factor(key: str, tensor: torch.Tensor, source: str) -> None:
+    """A LoRA factor is a matrix of weights: float32 or bfloat16 (an integer or FP16 one would be cast
+    silently), two dimensions (anything else could not be laid out as the model's)."""
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise CheckpointError(f"{source}: tensor {key!r} is stored as {tensor.dtype}; cflib reads adapters in "
+                              "float32 or bfloat16")
+    if tensor.dim() != 2:
+        raise CheckpointError(f"{source}: tensor {key!r} has shape {list(tensor.shape)}; a LoRA factor is a matrix")
 
 
 def peft_config(settings: LoraSettings, base_path: str) -> dict:
