@@ -170,6 +170,12 @@ def recheck_out_dir(run: "Run") -> None:
         return
     if run.resume_state is not None and (run.out_dir / "COMPLETE").is_file():
         raise ParamError(f"out_dir {run.out_dir} holds a completed run: another run finished it meanwhile")
+    if run.params.resume == "latest" and run.resume_state is None and starts_over(run.out_dir):
+        # fit() sets such a run's files aside first; a trainer started without it (a torchrun worker run by hand)
+        # would write over them
+        raise ParamError(f"out_dir {run.out_dir} holds a run killed before its first resumable checkpoint: "
+                         "resume: latest starts it over through cflib.train.train or train_sft.ipynb, which keep "
+                         "its files in out_dir/set-aside-N/ first")
     if run.resume_state is None:
         _out_dir(run.params, "")
 

@@ -23,6 +23,7 @@ from sft_shard_helpers import task_shard
 
 from cflib.errors import ParamError
 from cflib.export import export_hub
+from cflib.lab.evaluate import resolve_bundle
 from cflib.lab.report import export_run
 from cflib.model import load_checkpoint, save_checkpoint
 from cflib.model.checkpoint import WEIGHTS_FILE
@@ -120,6 +121,40 @@ def test_a_run_killed_before_its_first_resumable_checkpoint_starts_over_with_its
     assert digest(kept) == {name: value for name, value in before.items() if name != LOCK_FILE}  # as it was
     assert sorted(p.name for p in killed.iterdir() if not p.name.startswith(".")) == sorted(
         ["set-aside-1", "params.json", "metrics.jsonl", "checkpoints", "record.json", "COMPLETE"])
+
+
+@pytest.mark.slow
+def test_a_torchrun_worker_never_writes_over_a_run_killed_before_its_first_resumable_checkpoint(shard, finished,
+                                                                                                tmp_path):
+    """`resume: latest` handed straight to torchrun's worker (python -m cflib.train PARAMS.json), without the
+    launcher that sets the killed run's files aside: refused by name, every file left as it was."""
+    killed = killed_copy(finished, tmp_path / "killed")
+    params_file = tmp_path / "params.json"
+    params_file.write_text(json.dumps(params(shard, killed, resume="latest")))
+    before = digest(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                           "-m", "cflib.train", str(params_file)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode != 0
+    assert f"out_dir {killed} holds a run killed before its first resumable checkpoint" in done.stdout + done.stderr
+    lock = str((killed / LOCK_FILE).relative_to(tmp_path))  # the worker's own lock names it as the last holder
+    assert {k: v for k, v in digest(tmp_path).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
+
+
+def test_evaluate_scores_a_copied_run_s_own_best_checkpoint(finished, tmp_path):
+    """evaluate on a `cp -a` copy without hub/: the bundle it scores is exported from the copy's best weights into
+    its own out_dir, though the original's best has moved on; nothing around the copy changes."""
+    copy = tmp_path / "runs" / "copy"
+    shutil.copytree(finished, copy, symlinks=True)
+    save_checkpoint(load_checkpoint(finished / "checkpoints" / "epoch-1"), finished / "checkpoints" / "best")
+    copied_best = load_checkpoint(copy / "checkpoints" / "best").state_dict()
+    original, copied = digest(finished), digest(copy)
+    bundle, source = resolve_bundle(str(copy), tmp_path / "eval", "cpu")
+    assert bundle == tmp_path / "eval" / "bundle" and str(copy) in source
+    scored = load_checkpoint(bundle).state_dict()
+    assert all(torch.equal(scored[name], copied_best[name]) for name in copied_best)
+    assert digest(finished) == original and digest(copy) == copied
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "runs"]
 
 
 STAGES = [{"name": "a", "max_steps": 2}, {"name": "b", "max_steps": 2}]
