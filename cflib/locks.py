@@ -3,11 +3,13 @@
 The kernel drops a flock with its holder's last descriptor, so a killed holder
 leaves no stale lock, only a file the next writer takes. The descriptor is not
 inherited by child processes, started or forked. A lock file is opened
-without following a symbolic link and must be a plain file: a lock file that
-someone replaced by a link to a file of theirs is refused, never truncated or
-written. `FileLock` is the primitive (cflib.train.lock holds run folders with
-it, cflib.lab.sweep sweep folders); `exclusive_output` makes a command the one
-writer of the output folder it was given (convert, export, merge).
+without following a symbolic link and must be a plain file, empty or holding
+a holder's note: a lock file that someone replaced by a link to a file of
+theirs, or a file of theirs that bears its name, is refused, never truncated,
+written or removed. `FileLock` is the primitive (cflib.train.lock holds run
+folders with it, cflib.lab.sweep sweep folders); `exclusive_output` makes a
+command the one writer of the output folder it was given (convert, export,
+merge).
 """
 from __future__ import annotations
 
@@ -138,6 +140,10 @@ class FileLock:
                 raise self.refusal(holder(self.path))
             self.path.parent.mkdir(parents=True, exist_ok=True)
             descriptor = self._locked_descriptor()
+            if not _holds_a_note(descriptor):
+                os.close(descriptor)
+                raise self.error(f"{self.path} holds something other than a lock holder's note: it may be someone's "
+                                 "file, which taking the lock would overwrite; move it, or write elsewhere")
             info = {"pid": os.getpid(), "host": socket.gethostname(),
                     "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             os.ftruncate(descriptor, 0)
@@ -183,6 +189,19 @@ class FileLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _holds_a_note(descriptor: int) -> bool:
+    """Whether the lock file is empty or holds a holder's note (what acquire writes): anything else is a file of
+    someone's that happens to bear the lock's name."""
+    content = os.pread(descriptor, HOLDER_BYTES + 1, 0)
+    if not content:
+        return True
+    try:
+        info = json.loads(content) if len(content) <= HOLDER_BYTES else None
+    except ValueError:
+        return False
+    return isinstance(info, dict) and "pid" in info
 
 
 def _same_file(descriptor: int, path: Path) -> bool:

@@ -186,6 +186,18 @@ def test_a_conversion_touches_nothing_beside_its_output_but_its_own_leftovers(tm
     assert not (tmp_path / ".shard.lock").exists()  # the writer's lock goes with it
 
 
+
+def test_a_file_of_the_user_s_bearing_the_lock_s_name_is_refused_never_overwritten_or_removed(tmp_path):
+    """`.shard.lock` is the name of the lock a conversion into `shard` holds; a file of someone's by that name
+    (not empty, not a holder's note) is named and left as it was, and nothing is written."""
+    inputs = write_inputs(tmp_path / "in")
+    (tmp_path / ".shard.lock").write_text("my notes on the lock-in period")
+    before = digest(tmp_path)
+    with pytest.raises(ConvertError, match=rf"{tmp_path / '.shard.lock'} holds something other than a lock "
+                                           "holder's note: it may be someone's file"):
+        convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "shard")))
+    assert digest(tmp_path) == before
+
 def test_a_full_disk_names_the_output_and_leaves_nothing(tmp_path, monkeypatch):
     try:
         from small_disk import fill, small_disk

@@ -172,3 +172,13 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_never_written_through(tmp_
         RunLock(out_dir).acquire()  # the lock itself, should anything get past the early check
     assert victim.read_text() == "a file of the user's"
     assert sorted(p.name for p in out_dir.iterdir()) == [LOCK_FILE]
+
+
+def test_a_lock_file_holding_someone_s_text_is_refused_and_kept(tmp_path):
+    """A run folder handed over with a `.cflib-run.lock` that is a file of theirs: neither truncated nor written."""
+    (tmp_path / LOCK_FILE).write_text("not a lock note")
+    with pytest.raises(ParamError, match=rf"{tmp_path / LOCK_FILE} holds something other than a lock holder's note"):
+        RunLock(tmp_path).acquire()
+    assert (tmp_path / LOCK_FILE).read_text() == "not a lock note"
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "?"}) + "\n")
+    RunLock(tmp_path).acquire().release()  # a note a killed holder left: taken
