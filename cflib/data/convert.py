@@ -52,6 +52,7 @@ from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition,
 from cflib.data.sources import Source, SourceReader, describe, distinct_names, parse_source
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, PretrainedTokenizer
 from cflib.jobs import one_line_errors
+from cflib.jsonio import read_json
 from cflib.locks import exclusive_output
 from cflib.yamlio import read_yaml
 
@@ -293,9 +294,10 @@ def _written_by_convert(entry: Path) -> bool:
     if {item.name for item in entry.iterdir()} - _PARTITION_FILES:
         return False
     try:
-        return isinstance(json.loads((entry / "sft.idx.json").read_text()).get("conversion"), dict)
-    except (OSError, ValueError, AttributeError):
+        index = read_json(entry / "sft.idx.json", ConvertError, "shard index")
+    except ConvertError:  # unreadable, too large or too deep: not this command's
         return False
+    return isinstance(index, dict) and isinstance(index.get("conversion"), dict)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -8,7 +8,6 @@ the parameters alone, for the notebook's form. The loop is cflib.train.trainer.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +20,12 @@ from cflib.atomic import check_writable_folder, live_path
 from cflib.data.filters import parse_filters, select
 from cflib.data.packing import PackedWindows, pack_examples
 from cflib.data.preflight import preflight
-from cflib.data.shards import ShardError, ShardPartition, open_shard
+from cflib.data.shards import MAX_COUNT, ShardError, ShardPartition, open_shard
 from cflib.data.tasks import TASKS, ensure_embedded_shard
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
+from cflib.errors import shown
 from cflib.jobs import job_out_dir
+from cflib.jsonio import read_json
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
@@ -306,10 +307,11 @@ def count_train_examples(data: str, tasks: Sequence[str] | None = None) -> int:
         raise ShardError(f"{index}: missing (is {index.parent.parent} a shard root with train/ and eval/?)")
     if tasks is not None:
         return len(ShardPartition(index.parent).only_tasks(tasks))
-    try:
-        return int(json.loads(index.read_text())["examples"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise ShardError(f"{index}: no example count ({type(err).__name__}: {err})") from None
+    document = read_json(index, ShardError, "shard index")
+    examples = document.get("examples") if isinstance(document, dict) else None
+    if isinstance(examples, bool) or not isinstance(examples, int) or not 0 <= examples <= MAX_COUNT:
+        raise ShardError(f"{index}: 'examples' must be an integer in [0, 2**48], got {shown(examples)}")
+    return examples
 
 
 def resume_dir(params: TrainParams) -> Path:

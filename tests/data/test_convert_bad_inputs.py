@@ -109,6 +109,10 @@ CASES = [
     ("out-is-someone-elses-folder", folder_case(lambda tmp, inputs: (
         (tmp / "mine").mkdir(), (tmp / "mine" / "train").mkdir(), (tmp / "mine" / "train" / "a.txt").write_text("x"),
         str(tmp / "mine"))[-1]), ["'train'", "did not write"]),
+    ("out-partition-index-nested-deep", folder_case(lambda tmp, inputs: (
+        (tmp / "mine" / "train").mkdir(parents=True),
+        (tmp / "mine" / "train" / "sft.idx.json").write_text('{"conversion": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        str(tmp / "mine"))[-1]), ["'train'", "did not write"]),
     ("out-exists-without-overwrite", folder_case(previous_output_with("notes.txt"), overwrite=False),
      ["already exists", "--overwrite"]),
     ("out-under-a-file", folder_case(lambda tmp, inputs: (
