@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cflib.atomic import atomic_directory, check_output_folder, live_path
+from cflib.errors import shown
 from cflib.jsonio import read_json
 from cflib.locks import exclusive_output
 from cflib.model.checkpoint import (
@@ -42,7 +44,7 @@ from cflib.model.checkpoint import (
     save_checkpoint,
 )
 from cflib.model.decoder import TRMoEModel
-from cflib.model.lora import EXPERT_TARGETS, LINEAR_TARGETS, LoraSettings, merge_adapters
+from cflib.model.lora import BASE_DTYPES, EXPERT_TARGETS, LINEAR_TARGETS, TARGETS, LoraSettings, merge_adapters
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -131,6 +133,35 @@ def from_peft(tensors: dict[str, torch.Tensor], settings: LoraSettings, source: 
     return {name: tensor.contiguous() for name, tensor in out.items()}
 
 
+def _is_int(value: object, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and low <= value < 2**31
+
+
+def _is_real(value: object, low: float, high: float) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and low <= value < high
+
+
+# Each setting a LoRA checkpoint records, and what it must be (as the run's parameters are checked).
+_SETTING_CHECKS = {
+    "rank": (lambda v: _is_int(v, 1), "a positive integer"),
+    "alpha": (lambda v: _is_real(v, 0, math.inf) and v > 0, "a positive finite number"),
+    "dropout": (lambda v: _is_real(v, 0, 1), "a number in [0, 1)"),
+    "targets": (lambda v: isinstance(v, list) and v and all(t in TARGETS for t in v),
+                f"a list of targets among {tuple(TARGETS)}"),
+    "base_dtype": (lambda v: v in BASE_DTYPES, f"one of {tuple(BASE_DTYPES)}"),
+    "trainable_tokens": (lambda v: isinstance(v, list) and all(_is_int(t, 0) for t in v), "a list of token ids"),
+}
+
+
+def _checked_settings(raw: dict, meta_file: Path) -> LoraSettings:
+    """The LoRA settings a checkpoint records, each checked: a description edited or damaged by hand is refused
+    by key, never turned into NaN weights or a raw error."""
+    for key, (fits, what) in _SETTING_CHECKS.items():
+        if key in raw and not fits(raw[key]):
+            raise CheckpointError(f"{meta_file}: lora.{key} must be {what}, got {shown(raw[key])}")
+    return LoraSettings.from_dict(raw)
+
+
 def _check_factor(key: str, tensor: torch.Tensor, source: str) -> None:
     """A LoRA factor is a matrix of weights: float32 or bfloat16 (an integer or FP16 one would be cast
     silently), two dimensions (anything else could not be laid out as the model's)."""
@@ -181,13 +212,12 @@ def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.
             raise CheckpointError(f"{needed}: missing; a LoRA checkpoint holds {ADAPTER_CONFIG_FILE}, "
                                   f"{ADAPTER_WEIGHTS_FILE} and {CFLIB_ADAPTER_FILE}")
     meta = read_json(meta_file, CheckpointError, "adapter description")
-    try:
-        settings, base = LoraSettings.from_dict(meta["lora"]), meta["base"]
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{meta_file}: unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("lora"), dict):
+        raise CheckpointError(f"{meta_file}: 'lora' must be an object of LoRA settings")
+    settings, base = _checked_settings(meta["lora"], meta_file), meta.get("base")
     if not isinstance(base, dict) or not isinstance(base.get("path"), str):
         raise CheckpointError(f"{meta_file}: 'base' must be an object with the base checkpoint's 'path', "
-                              f"got {str(base)[:80]}")
+                              f"got {shown(base)}")
     try:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as err:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from cflib.export.peft import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
+    CFLIB_ADAPTER_FILE,
     describe_base,
     load_merged,
     peft_config,
@@ -140,3 +141,27 @@ def test_an_adapter_file_of_malformed_factors_is_refused_naming_the_file_and_ten
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"rank": 0}, "lora.rank must be a positive integer, got 0"),
+    ({"rank": "2"}, "lora.rank must be a positive integer, got '2'"),
+    ({"alpha": float("nan")}, "lora.alpha must be a positive finite number, got nan"),
+    ({"dropout": 2}, "lora.dropout must be a number in [0, 1), got 2"),
+    ({"targets": "q_proj"}, "lora.targets must be a list of targets among"),
+    ({"base_dtype": "int8"}, "lora.base_dtype must be one of ('float32', 'bfloat16'), got 'int8'"),
+    ({"trainable_tokens": "0-1000000000"}, "lora.trainable_tokens must be a list of token ids"),
+], ids=["rank-0", "rank-a-string", "alpha-nan", "dropout-2", "targets-a-string", "base-dtype-int8", "tokens-a-range"])
+def test_an_adapter_description_of_bad_settings_is_refused_by_key(tmp_path, change, words):
+    """cflib_adapter.json's settings, edited or damaged: refused naming the file and key, never a division by zero
+    or a NaN scale merged into the weights."""
+    adapter, _ = saved_adapter(tmp_path, LoraSettings(rank=2, alpha=4, targets=("q_proj", "expert_up")))
+    description = adapter / CFLIB_ADAPTER_FILE
+    meta = json.loads(description.read_text())
+    description.write_text(json.dumps({**meta, "lora": {**meta["lora"], **change}}))
+    before = folder_bytes(tmp_path)
+    for load in (read_adapter, load_merged):
+        with pytest.raises(CheckpointError) as caught:
+            load(adapter)
+        assert str(caught.value).startswith(f"{description}: ") and words in str(caught.value), str(caught.value)
+    assert folder_bytes(tmp_path) == before
