@@ -7,6 +7,7 @@ import errno
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -34,6 +35,11 @@ def _fsync_tree(folder: Path) -> None:
 
 
 STAGING, RETIRED = "staging", "old"  # hidden names beside a target: `.{target}.{kind}-{suffix}`
+
+
+# What this module leaves beside a target, and nothing else: `.{target}.staging-{tempfile's 8 random letters}` and
+# `.{target}.old-{pid}`. A user's `.{target}.keep/` or an editor's `.{target}.swp` is never taken for a leftover.
+LEFTOVER = re.compile(rf"\.(?P<target>.+)\.(?P<suffix>{STAGING}-[a-z0-9_]{{8}}|{RETIRED}-[0-9]+)")
 
 
 def _hidden(path: Path, kind: str) -> str:
@@ -127,7 +133,8 @@ def live_path(path: str | Path) -> Path:
 def clean_leftovers(folder: str | Path, targets: Collection[str] | None = None) -> list[str]:
     """Finish what interrupted replacements in `folder` left: a retired folder whose target is missing goes
     back; staging folders and files, and retired copies whose target exists, are removed. Returns their names.
-    `targets`: only leftovers of these names (None: every hidden `.{name}.{suffix}` entry).
+    Only this module's own hidden names (LEFTOVER) are touched. `targets`: only leftovers of these names (None:
+    of any).
 
     Only for a folder its caller alone writes (a run's, under its lock): a live writer's staging would go too.
     """
@@ -136,9 +143,10 @@ def clean_leftovers(folder: str | Path, targets: Collection[str] | None = None) 
     if not folder.is_dir():
         return removed
     for entry in sorted(folder.iterdir()):
-        target, dot, suffix = entry.name[1:].rpartition(".")
-        if not entry.name.startswith(".") or not dot or not target or entry.is_symlink():
+        match = LEFTOVER.fullmatch(entry.name)
+        if match is None or entry.is_symlink():  # anything else beside the target is someone else's
             continue
+        target, suffix = match["target"], match["suffix"]
         if targets is not None and target not in targets:
             continue
         if suffix.startswith(RETIRED + "-") and not (folder / target).exists():
@@ -147,6 +155,17 @@ def clean_leftovers(folder: str | Path, targets: Collection[str] | None = None) 
         shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
         removed.append(entry.name)
     return removed
+
+
+def set_aside(folder: str | Path) -> Path:
+    """A folder that will not be continued, renamed beside itself to `NAME.set-aside-N` (never deleted)."""
+    folder = Path(folder)
+    index = 1
+    while folder.with_name(f"{folder.name}.set-aside-{index}").exists():
+        index += 1
+    target = folder.with_name(f"{folder.name}.set-aside-{index}")
+    folder.rename(target)
+    return target
 
 
 def check_writable_folder(path: str | Path, what: str, error: type[Exception] = ValueError) -> None:

@@ -18,20 +18,22 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-import yaml
-
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
+from cflib.yamlio import load_yaml
 
 NONE_WORDS = frozenset({"none", "null", "~", ""})
 TRUE_WORDS = frozenset({"true", "yes", "1", "on"})
 FALSE_WORDS = frozenset({"false", "no", "0", "off"})
 # The first line of the cell papermill (2.x, papermill.translators) injects for `-p`/`-f`/`-y` in a Python kernel.
 INJECTED_HEADER = "# Parameters"
+# A number written out in more characters than this is no parameter (and int() of a long string costs its square).
+MAX_NUMBER_CHARS = 100
 
 Parse = Callable[[str, Any], Any]
 P = TypeVar("P", bound="Params")
@@ -102,9 +104,10 @@ def reject_unknown(raw: dict[str, Any], known: list[str], source: str) -> None:
     for name in raw:
         if name not in known:
             # A known name that extends the unknown one ("micro_batch") beats spelling distance.
-            close = [k for k in known if k.startswith(name)] or difflib.get_close_matches(name, known, n=1)
+            text = name if isinstance(name, str) and len(name) <= 100 else ""  # matching costs length x length
+            close = text and ([k for k in known if k.startswith(text)] or difflib.get_close_matches(text, known, n=1))
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ParamError(f"{source}: unknown parameter {name!r}{hint}; known: {', '.join(known)}")
+            raise ParamError(f"{source}: unknown parameter {shown(name)}{hint}; known: {', '.join(known)}")
 
 
 def injected_names(namespace: dict[str, Any]) -> list[str]:
@@ -135,13 +138,13 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
             return value
         if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
             return value.strip().lower() in TRUE_WORDS
-        raise ParamError(f"{name} must be true or false, got {value!r}")
+        raise ParamError(f"{name} must be true or false, got {shown(value)}")
     if target in (int, float):
         return _number(name, value, target, nullable)
     if target is str:
         if isinstance(value, (str, Path)):
             return str(value)
-        raise ParamError(f"{name} must be a string, got {value!r}")
+        raise ParamError(f"{name} must be a string, got {shown(value)}")
     if typing.get_origin(target) is tuple:
         return _coerce_items(name, value, typing.get_args(target)[0])
     if target is dict:
@@ -152,27 +155,36 @@ def coerce(name: str, value: Any, hint: Any) -> Any:
 def _number(name: str, value: Any, kind: type, nullable: bool) -> int | float:
     # An int parameter takes a whole float (YAML's 5.0); a float parameter takes any number.
     if isinstance(value, (int, float)) and not isinstance(value, bool) and (
-            kind is float or isinstance(value, int) or value.is_integer()):
-        return kind(value)
-    if isinstance(value, str):
+            kind is float or isinstance(value, int) or (math.isfinite(value) and value.is_integer())):
+        return _bounded(name, kind(value))
+    if isinstance(value, str) and len(value) <= MAX_NUMBER_CHARS:
         try:
-            return kind(value.strip())
+            number = kind(value.strip())
         except ValueError:
-            pass
+            number = None
+        if number is not None:
+            return _bounded(name, number)
     what = f"an integer{' or None' if nullable else ''}" if kind is int else "a number"
-    raise ParamError(f"{name} must be {what}, got {value!r}")
+    raise ParamError(f"{name} must be {what}, got {shown(value)}")
+
+
+def _bounded(name: str, number: int | float) -> int | float:
+    """Every number a parameter takes is finite, and every integer fits 64 bits: NaN passes every `x <= 0`, inf
+    every lower bound, and an integer past int64 overflows the first tensor or array it sizes."""
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ParamError(f"{name} must be a finite number, got {number}")
+    if isinstance(number, int) and not -2**63 <= number < 2**63:
+        raise ParamError(f"{name} must be an integer in [-2**63, 2**63), got {shown(number)}")
+    return number
 
 
 def _mapping(name: str, value: Any, nullable: bool) -> dict:
     # From YAML (-f) or a notebook dict, or -p as a YAML/JSON string.
     if isinstance(value, str):
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as err:
-            raise ParamError(f"{name}: not a YAML/JSON mapping ({err})") from None
+        value = load_yaml(value, f"{name}: a YAML/JSON mapping", ParamError)
     if isinstance(value, dict):
         return value
-    raise ParamError(f"{name} must be a mapping{' or None' if nullable else ''}, got {value!r}")
+    raise ParamError(f"{name} must be a mapping{' or None' if nullable else ''}, got {shown(value)}")
 
 
 def _coerce_items(name: str, value: Any, item: type) -> tuple:
@@ -183,9 +195,9 @@ def _coerce_items(name: str, value: Any, item: type) -> tuple:
         value = [value]
     if item is str:
         if not isinstance(value, (list, tuple)) or not all(isinstance(entry, str) for entry in value):
-            raise ParamError(f"{name} must be a list of names or one comma-separated string, got {value!r}")
+            raise ParamError(f"{name} must be a list of names or one comma-separated string, got {shown(value)}")
         return tuple(entry.strip().strip("'\"") for entry in value if entry.strip())
     if not isinstance(value, (list, tuple)):
-        raise ParamError(f"{name} must be a list, got {value!r}")
+        raise ParamError(f"{name} must be a list, got {shown(value)}")
     return tuple(coerce(name, entry.strip() if isinstance(entry, str) else entry, item) for entry in value
                  if not (isinstance(entry, str) and not entry.strip()))

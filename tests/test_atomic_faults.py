@@ -117,11 +117,11 @@ def test_a_checkpoint_killed_mid_replacement_still_loads_and_resumes(tmp_path, m
 
 
 def test_leftovers_of_other_names_are_left_alone(tmp_path):
-    (tmp_path / ".record.json.staging-abc").write_text("{")
+    (tmp_path / ".record.json.staging-abc12_yz").write_text("{")
     (tmp_path / ".ipynb_checkpoints").mkdir()
     (tmp_path / ".notes.txt").write_text("mine")
     removed = clean_leftovers(tmp_path, targets=("record.json",))
-    assert removed == [".record.json.staging-abc"]
+    assert removed == [".record.json.staging-abc12_yz"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ipynb_checkpoints", ".notes.txt"]
 
 

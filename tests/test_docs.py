@@ -190,6 +190,39 @@ def test_code_citing_the_manual_names_pages_and_headings_that_exist():
     assert not problems, f"{broken} citation(s) of the manual lead nowhere: {problems}"
 
 
+RELIABILITY = ROOT / "docs" / "reliability.md"
+# A test file as the reliability page names it (relative to tests/), and a case or test name beside it.
+TEST_FILE = re.compile(r"`((?:[\w-]+/)*test_\w+\.py)`")
+CASE_NAME = re.compile(r"`([\w*-]+)`")
+
+
+def unnamed_tests(page: Path, tests: Path) -> list[str]:
+    """Each table row of `page` whose last cell names no test file, or a file or case (`name`, `*` standing for
+    any characters) that `tests` lacks; and each test file the prose cites that does not exist."""
+    problems = [f"{name}: no such test file" for name in sorted(set(TEST_FILE.findall(page.read_text())))
+                if not (tests / name).is_file()]
+    rows = [line for line in page.read_text().splitlines() if line.startswith("|")]
+    for row in rows:
+        cell = row.strip().strip("|").split("|")[-1].strip()
+        if cell == "test" or set(cell) <= set("- "):  # a header or its rule
+            continue
+        files = [tests / name for name in TEST_FILE.findall(cell) if (tests / name).is_file()]
+        if not TEST_FILE.search(cell):
+            problems.append(f"{row[:60]}...: names no test")
+        text = "\n".join(path.read_text() for path in files)
+        for case in CASE_NAME.findall(TEST_FILE.sub("", cell)):
+            pattern = r"(?<![\w-])" + re.escape(case).replace(r"\*", r"[\w-]*") + r"(?![\w-])"
+            if files and not re.search(pattern, text):
+                problems.append(f"{case}: in none of {[path.relative_to(tests).as_posix() for path in files]}")
+    return problems
+
+
+def test_every_reliability_row_names_a_test_that_exists():
+    assert TEST_FILE.search(RELIABILITY.read_text()), "no test named on the page (is TEST_FILE still right?)"
+    problems = unnamed_tests(RELIABILITY, ROOT / "tests")
+    assert not problems, "docs/reliability.md:\n" + "\n".join(problems)
+
+
 # --- the checks themselves ---------------------------------------------------------------
 
 def test_a_broken_link_image_or_anchor_is_caught(tmp_path):
@@ -245,3 +278,18 @@ def test_a_citation_of_a_missing_page_or_heading_is_caught(tmp_path):
     text = ("see docs/" "page.md#derived-buffers, docs/" "page.md, docs/" "page.md#gone and docs/" "none.md#x")
     assert broken_doc_citations(text, tmp_path) == ["docs/" "page.md#gone: no heading with that anchor",
                                                     "docs/" "none.md: no such page"]
+
+
+def test_a_reliability_row_naming_a_missing_test_or_case_is_caught(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "test_x.py").write_text('CASES = [("lr-inf", 1), ("config-nan-norm-eps", 2)]\n'
+                                                  "def test_held(): pass\n")
+    page = tmp_path / "page.md"
+    page.write_text("| refused | test |\n| --- | --- |\n"
+                    "| fine | `train/test_x.py` (`lr-inf`, `config-nan-*`, `test_held`) |\n"
+                    "| a case gone | `train/test_x.py` (`lr-nan`) |\n| a file gone | `train/test_gone.py` |\n"
+                    "| nothing named | the suite |\n\nProse citing `test_absent.py`.\n")
+    assert unnamed_tests(page, tmp_path) == ["test_absent.py: no such test file",
+                                             "train/test_gone.py: no such test file",
+                                             "lr-nan: in none of ['train/test_x.py']",
+                                             "| nothing named | the suite |...: names no test"]

@@ -47,6 +47,7 @@ from cflib.bench.peer import build_llama
 from cflib.bench.synthetic import write_release_like_eval
 from cflib.bench.timing import release_memory, sync
 from cflib.data.shards import ShardPartition
+from cflib.export.bundle import load_bundle_model
 from cflib.export.hub import export_hub
 from cflib.jobs import guarded, one_line_errors, record_header
 from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
@@ -167,12 +168,11 @@ def hf_generate_path(hf_model: torch.nn.Module, prompts: list[list[int]], settin
 
 
 def hub_bundle_model(model: TRMoEModel, work: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The model as transformers loads it: saved, exported as a Hub bundle (its own modeling code), loaded."""
-    from transformers import AutoModelForCausalLM
-
+    """The model as transformers loads it: saved, exported as a Hub bundle, loaded with the bundle's modeling code
+    (cflib's own classes: cflib.export.bundle)."""
     checkpoint = save_checkpoint(model, work / "checkpoint")
     export_hub(checkpoint, work / "bundle", tokenizer="byte", echo=None)  # the prompts are ids: any tokenizer
-    hf_model = AutoModelForCausalLM.from_pretrained(str(work / "bundle"), trust_remote_code=True, dtype=dtype)
+    hf_model = load_bundle_model(work / "bundle", dtype=dtype)
     return hf_model.to(device).eval()
 
 

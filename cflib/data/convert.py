@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers
+from cflib.atomic import check_output_folder
 from cflib.data import loss_metadata
 from cflib.data.conversation import SUPERVISE, Conversation, ConvertError, conversation_digest
 from cflib.data.formats import FORMATS, detect, read_row
@@ -52,6 +52,8 @@ from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition,
 from cflib.data.sources import Source, SourceReader, describe, distinct_names, parse_source
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, PretrainedTokenizer
 from cflib.jobs import one_line_errors
+from cflib.jsonio import read_json
+from cflib.locks import exclusive_output
 from cflib.yamlio import read_yaml
 
 REJECTIONS = ("too_long", "duplicate", "duplicate_of_train", "empty_answer")
@@ -241,16 +243,18 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
     spec.validate()
     out = Path(spec.out)
     inputs = {"tokenizer": None if spec.tokenizer == "byte" else spec.tokenizer, **_local_inputs(spec)}
-    check_output_folder(out, inputs, ConvertError, owned=_written_by_convert, overwrite=overwrite, what="out:")
+    def check() -> None:
+        check_output_folder(out, inputs, ConvertError, owned=_written_by_convert, overwrite=overwrite, what="out:")
+
+    check()
     renderer = make_renderer(spec.tokenizer, spec.template, spec.supervise, spec.reasoning)
     conversion = {"tokenizer": tokenizer_record(renderer.tokenizer), "template": renderer.record(),
                   "supervise": spec.supervise, "reasoning": spec.reasoning, "format": spec.format,
                   "split": None if spec.eval_fraction is None else {"eval_fraction": spec.eval_fraction,
                                                                      "seed": spec.seed}}
-    clean_leftovers(out.parent, targets=(out.name,))  # an earlier conversion into `out` killed mid-write
     seen, reader = SeenConversations(), SourceReader()
-    try:
-        with atomic_directory(out) as staging:
+    try:  # `out` checked again under its lock: a conversion that wrote it meanwhile is never silently replaced
+        with exclusive_output(out, check, ConvertError, what="out:") as staging:
             for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
                 rows = PartitionReader(partition, spec, renderer, reader, seen)
                 stats: dict = {}
@@ -290,9 +294,10 @@ def _written_by_convert(entry: Path) -> bool:
     if {item.name for item in entry.iterdir()} - _PARTITION_FILES:
         return False
     try:
-        return isinstance(json.loads((entry / "sft.idx.json").read_text()).get("conversion"), dict)
-    except (OSError, ValueError, AttributeError):
+        index = read_json(entry / "sft.idx.json", ConvertError, "shard index")
+    except ConvertError:  # unreadable, too large or too deep: not this command's
         return False
+    return isinstance(index, dict) and isinstance(index.get("conversion"), dict)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,9 +18,8 @@ A row that does not fit is refused, naming where it stands and the field.
 """
 from __future__ import annotations
 
-import json
-
 from cflib.data.conversation import Conversation, ConvertError, check_messages, check_metadata, check_text, without_nulls
+from cflib.jsonio import parse_json
 
 FORMATS = ("messages", "sharegpt", "prompt_completion", "text")
 FIELDS = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
@@ -67,10 +66,7 @@ def read_row(row: object, fmt: str, where: str) -> Conversation:
 def _decoded(value: object, where: str, key: str) -> object:
     if not isinstance(value, str):
         return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as err:
-        raise ConvertError(f"{where}: {key}: a string here must be JSON ({err})") from None
+    return parse_json(value, f"{where}: {key}: a string here must be JSON, and is", ConvertError)
 
 
 def _tools(value: object, where: str) -> list | None:

@@ -13,6 +13,9 @@ import json
 from pathlib import Path
 from typing import Iterable, TextIO
 
+from cflib.errors import shown
+from cflib.jsonio import json_lines
+
 SIDECAR = "loss_metadata.jsonl"
 # What the converter copies from a chat row into the sidecar.
 FIELDS = ("domain", "mode", "difficulty")
@@ -32,24 +35,19 @@ def write_row(handle: TextIO, example_id: str, meta: dict, fields: Iterable[str]
 
 def _read(path: Path) -> dict[str, dict]:
     found: dict[str, dict] = {}
-    with open(path, "rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            try:
-                row = json.loads(line)
-            except ValueError as err:
-                raise LossMetadataError(f"{path}: line {number} is not JSON ({err})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("example_id"), str):
-                raise LossMetadataError(f"{path}: line {number} is not a JSON object with a string 'example_id'")
-            moved = [key for key in INDEX_KEYS if key in row]
-            if moved:
-                raise LossMetadataError(f"{path}: line {number} sets {moved[0]!r}, which only examples.jsonl holds")
-            named = next((key for key in FIELDS if key in row and not isinstance(row[key], str)), None)
-            if named is not None:  # grouped and filtered by name: strings only
-                raise LossMetadataError(f"{path}: line {number}: {named!r} must be a string, got {row[named]!r}")
-            example_id = row.pop("example_id")
-            if example_id in found:
-                raise LossMetadataError(f"{path}: line {number}: example_id {example_id!r} appears twice")
-            found[example_id] = row
+    for number, row in json_lines(path, LossMetadataError, where=lambda number: f"{path}: line {number}"):
+        if not isinstance(row, dict) or not isinstance(row.get("example_id"), str):
+            raise LossMetadataError(f"{path}: line {number} is not a JSON object with a string 'example_id'")
+        moved = [key for key in INDEX_KEYS if key in row]
+        if moved:
+            raise LossMetadataError(f"{path}: line {number} sets {moved[0]!r}, which only examples.jsonl holds")
+        named = next((key for key in FIELDS if key in row and not isinstance(row[key], str)), None)
+        if named is not None:  # grouped and filtered by name: strings only
+            raise LossMetadataError(f"{path}: line {number}: {named!r} must be a string, got {shown(row[named])}")
+        example_id = row.pop("example_id")
+        if example_id in found:
+            raise LossMetadataError(f"{path}: line {number}: example_id {shown(example_id)} appears twice")
+        found[example_id] = row
     return found
 
 

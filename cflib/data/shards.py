@@ -25,12 +25,16 @@ import torch
 
 from cflib.atomic import atomic_directory
 from cflib.data import loss_metadata
+from cflib.errors import shown
+from cflib.jsonio import json_lines, read_json
 
 SHARD_FORMAT = "complexity-sft-token-shard-v2"
 IGNORE_INDEX = -100
 PARTITIONS = ("train", "eval")
 # Token checks hold ~40 bytes per token of one chunk at a time: ~40 MiB, whatever the shard's size.
 VALIDATION_CHUNK_TOKENS = 1 << 20
+# The largest count or offset an index may hold: 2**48 tokens is far past any shard, and far inside int64.
+MAX_COUNT = 2**48
 # Writers differ on the name of the sequence cap; the first is what we write.
 _CAP_KEYS = ("max_seq_len", "max_sequence_length", "sequence_length_cap", "seq_len_cap", "max_seq_length")
 
@@ -44,6 +48,11 @@ class Example:
     input_ids: Sequence[int]
     labels: Sequence[int]
     meta: dict
+
+
+def _plain_file_name(name: str) -> bool:
+    """A name of a file directly in the partition: no folder separator, not `.` or `..`, not empty."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 def sha256_file(path: Path) -> str:
@@ -108,10 +117,7 @@ class ShardPartition(torch.utils.data.Dataset):
         if not index_path.is_file():
             raise ShardError(f"{index_path}: missing (is {self.directory.parent} a shard root with "
                              f"train/ and eval/ partitions?)")
-        try:
-            self.index = json.loads(index_path.read_text())
-        except ValueError as err:  # bad JSON, or bytes that are not UTF-8
-            raise ShardError(f"{index_path}: not valid JSON ({err})") from None
+        self.index = read_json(index_path, ShardError, "shard index")
         if not isinstance(self.index, dict):
             raise ShardError(f"{index_path}: a shard index is a JSON object, got {type(self.index).__name__}")
         for key in ("format", "num_tokens", "examples", "eos_token_id", "vocab_size"):
@@ -119,13 +125,13 @@ class ShardPartition(torch.utils.data.Dataset):
                 raise ShardError(f"{index_path}: missing key {key!r}")
         for key in ("num_tokens", "examples", "eos_token_id", "vocab_size", *_CAP_KEYS):
             value = self.index.get(key, 0)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ShardError(f"{index_path}: {key!r} must be a non-negative integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+                raise ShardError(f"{index_path}: {key!r} must be an integer in [0, 2**48], got {shown(value)}")
         hashes = self.index.get("sha256")
         if hashes is not None and not (isinstance(hashes, dict) and all(
-                isinstance(k, str) and "/" not in k and isinstance(v, str) for k, v in hashes.items())):
-            raise ShardError(f"{index_path}: 'sha256' must map each file name of the partition to its hex digest, "
-                             f"got {str(hashes)[:80]}")
+                isinstance(k, str) and _plain_file_name(k) and isinstance(v, str) for k, v in hashes.items())):
+            raise ShardError(f"{index_path}: 'sha256' must map each file name of the partition (no folder, no '.' "
+                             f"or '..') to its hex digest, got {shown(hashes)}")
         if self.index["format"] != SHARD_FORMAT:
             raise ShardError(f"{index_path}: format {self.index['format']!r}, expected {SHARD_FORMAT!r}")
         self.vocab_size = int(self.index["vocab_size"])
@@ -172,23 +178,22 @@ class ShardPartition(torch.utils.data.Dataset):
         if not path.is_file():
             raise ShardError(f"{path}: missing")
         rows = []
-        with open(path, "rb") as handle:  # decoded per line, so bad bytes name their line
-            for line_number, line in enumerate(handle, start=1):
-                try:
-                    row = json.loads(line)
-                except ValueError as err:  # bad JSON, or bytes that are not UTF-8
-                    raise ShardError(f"{path}: row {line_number - 1} (line {line_number}) is not JSON ({err})") from None
-                if not isinstance(row, dict):
-                    raise ShardError(f"{path}: row {line_number - 1} (line {line_number}) is not a JSON object")
-                for key in ("offset", "num_tokens"):
-                    if isinstance(row.get(key), bool) or not isinstance(row.get(key), int):
-                        raise ShardError(f"{path}: row {line_number - 1} (line {line_number}) lacks an integer "
-                                         f"{key!r}, got {row.get(key)!r}")
-                for key in ("task", "group", "domain"):  # grouped and sorted by name: strings only
-                    if key in row and not isinstance(row[key], str):
-                        raise ShardError(f"{path}: row {line_number - 1} (line {line_number}): {key!r} must be a "
-                                         f"string, got {row[key]!r}")
-                rows.append(row)
+        # Decoded per line, so bad bytes name their line.
+        def where(number: int) -> str:
+            return f"{path}: row {number - 1} (line {number})"
+
+        for line_number, row in json_lines(path, ShardError, where=where):
+            where_row = where(line_number)
+            if not isinstance(row, dict):
+                raise ShardError(f"{where_row} is not a JSON object")
+            for key in ("offset", "num_tokens"):
+                value = row.get(key)
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+                    raise ShardError(f"{where_row} lacks an integer {key!r} in [0, 2**48], got {shown(value)}")
+            for key in ("task", "group", "domain"):  # grouped and sorted by name: strings only
+                if key in row and not isinstance(row[key], str):
+                    raise ShardError(f"{where_row}: {key!r} must be a string, got {shown(row[key])}")
+            rows.append(row)
         if len(rows) != self.index["examples"]:
             raise ShardError(f"{path}: {len(rows)} rows but sft.idx.json says examples={self.index['examples']}")
         if not rows:
@@ -209,6 +214,9 @@ class ShardPartition(torch.utils.data.Dataset):
         """Every file whose SHA-256 sft.idx.json records must match it; returns the names checked."""
         recorded = self.index.get("sha256") or {}
         for name, expected in recorded.items():
+            if not (self.directory / name).is_file():
+                raise ShardError(f"{self.directory / name}: recorded in sft.idx.json's sha256 but missing (or not a "
+                                 "file): the partition is incomplete")
             actual = sha256_file(self.directory / name)
             if actual != expected:
                 raise ShardError(f"{self.directory / name}: sha256 {actual[:12]}... does not match "

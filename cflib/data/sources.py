@@ -25,7 +25,6 @@ read, or the Hub commit.
 from __future__ import annotations
 
 import csv
-import json
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -34,6 +33,7 @@ from typing import Iterator
 
 from cflib.data.conversation import ConvertError
 from cflib.data.shards import sha256_file
+from cflib.jsonio import json_lines, read_json
 
 HUB = "hub:"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
@@ -106,7 +106,8 @@ def local_files(source: Source) -> list[Path]:
         raise ConvertError(f"{path}: no such file or folder (a source is a data file, a folder of them, a saved "
                            "dataset, or hub:NAME[:CONFIG]:SPLIT[@REVISION])")
     if (path / SAVED_DICT).is_file():
-        splits = json.loads((path / SAVED_DICT).read_text()).get("splits", [])
+        index = read_json(path / SAVED_DICT, ConvertError, "saved dataset's index")
+        splits = index.get("splits", []) if isinstance(index, dict) else []
         raise ConvertError(f"{path}: a saved DatasetDict; name one split's folder ({', '.join(map(str, splits))})")
     if is_saved_dataset(path):
         return sorted(path.glob("*.arrow")) + [path / name for name in SAVED_MARKERS]
@@ -237,19 +238,10 @@ def json_rows(file: Path) -> Iterator[tuple[str, object]]:
     with open(file, "rb") as handle:
         first = handle.read(1).lstrip()
     if file.suffix == ".json" and first == b"[":
-        try:
-            rows = json.loads(file.read_bytes())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConvertError(f"{file}: not valid JSON ({err})") from None
+        rows = read_json(file, ConvertError, "JSON file")  # bounded in size and depth (cflib.jsonio)
         yield from ((f"{file} row {n}", row) for n, row in enumerate(rows, start=1))
         return
-    number = 0
-    with open(file, "rb") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            number += 1
-            try:
-                yield f"{file} row {number}", json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ConvertError(f"{file} row {number}: not valid JSON ({err})") from None
+    number = 0  # rows, not lines: a blank line is no row
+    for _, row in json_lines(file, ConvertError, where=lambda line: f"{file} row {number + 1}"):
+        number += 1
+        yield f"{file} row {number}", row

@@ -3,7 +3,8 @@
 Owns the Hugging Face Hub bundle (`python -m cflib.export hub CHECKPOINT OUT`,
 `export_hub` in Python), its tokenizer files and the modules it carries
 (`hub_modules/`, copied verbatim into the bundle and importing no cflib code),
-and LoRA adapters in PEFT's format with their merge into the base (`peft`;
+loading a bundle into transformers with those modules and none of its own
+(`bundle`), and LoRA adapters in PEFT's format with their merge into the base (`peft`;
 `python -m cflib.export merge ADAPTER OUT`). Imports model, data and the
 foundation modules; never train, bench or lab.
 """

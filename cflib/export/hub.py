@@ -16,9 +16,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers, live_path
+from cflib.atomic import check_output_folder, live_path
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.export.tokenizer_files import tokenizer_files
+from cflib.locks import exclusive_output
 from cflib.model import TRMoEModel, fused_route_buffers, load_checkpoint, save_checkpoint
 
 MODEL_TYPE = "tr_hash_moe"
@@ -103,7 +104,10 @@ def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | 
         raise ExportError(f"{out} already exists; export to a new folder (nothing was changed)")
     source, choice = resolve_checkpoint(checkpoint)
     tokenizer_path = tokenizer if tokenizer not in (None, "byte") else None
-    check_output_folder(out, {"checkpoint": source, "tokenizer": tokenizer_path}, ExportError)
+    def check() -> None:
+        check_output_folder(out, {"checkpoint": source, "tokenizer": tokenizer_path}, ExportError)
+
+    check()
     model = load_checkpoint(source)  # also checks any derived buffers it carries against its route tables
     check_fused_buffers_defined(model)
     config = model.config
@@ -112,8 +116,7 @@ def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | 
         raise ExportError(f"{tok.description}: its chat template (sha256 {tok.chat_template_sha256}) is not the one "
                           f"the training data was rendered through (sha256 {chat_template_sha256})")
     modules = resources.files("cflib.export.hub_modules")
-    clean_leftovers(out.parent, targets=(out.name,))  # an export into `out` killed mid-write
-    with atomic_directory(out) as staging:
+    with exclusive_output(out, check, ExportError) as staging:  # `out` checked again under its lock
         # save_checkpoint publishes a folder of its own atomically: it takes the empty staging folder's place.
         save_checkpoint(model, staging, config_extra=hub_config_keys(tok.ids))
         generation = {key: value for key, value in (("bos_token_id", tok.ids["bos"]), ("eos_token_id", tok.ids["eos"]),

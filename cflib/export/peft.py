@@ -21,25 +21,30 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cflib.atomic import atomic_directory, check_output_folder, clean_leftovers, live_path
+from cflib.atomic import atomic_directory, check_output_folder, live_path
+from cflib.errors import shown
+from cflib.jsonio import read_json
+from cflib.locks import exclusive_output
 from cflib.model.checkpoint import (
     CONFIG_FILE,
     PROGRESS_FILE,
     TRAINER_STATE_FILE,
     WEIGHTS_FILE,
+    WEIGHT_DTYPES,
     CheckpointError,
     load_checkpoint,
     non_finite_tensor,
     save_checkpoint,
 )
 from cflib.model.decoder import TRMoEModel
-from cflib.model.lora import EXPERT_TARGETS, LINEAR_TARGETS, LoraSettings, merge_adapters
+from cflib.model.lora import BASE_DTYPES, EXPERT_TARGETS, LINEAR_TARGETS, TARGETS, LoraSettings, merge_adapters
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -65,7 +70,7 @@ def describe_base(checkpoint_dir: str | Path) -> dict:
     """What identifies a LoRA run's base: where it is, its weights' hash and its config."""
     path = Path(checkpoint_dir).resolve()
     return {"path": str(path), "sha256": weights_sha256(path),
-            "config": json.loads((path / CONFIG_FILE).read_text())}
+            "config": read_json(path / CONFIG_FILE, CheckpointError, "model config (config.json)")}
 
 
 def _expert_depths(settings: LoraSettings) -> dict[str, int]:
@@ -104,6 +109,7 @@ def from_peft(tensors: dict[str, torch.Tensor], settings: LoraSettings, source: 
     for key, tensor in tensors.items():
         if not key.startswith(PEFT_PREFIX):
             raise CheckpointError(f"{source}: tensor {key!r} lacks PEFT's {PEFT_PREFIX!r} prefix")
+        _check_factor(key, tensor, source)
         name = key[len(PEFT_PREFIX):]
         if ".mlp.engine." in name and ".mlp.engine." + nested + "shared_" not in name:
             owner, rest = name.split(".mlp.engine.")
@@ -111,6 +117,11 @@ def from_peft(tensors: dict[str, torch.Tensor], settings: LoraSettings, source: 
             if depth not in by_depth or rest != "base_layer." * depth + rest.rsplit(".", 2)[-2] + ".weight":
                 raise CheckpointError(f"{source}: tensor {key!r} is no adapter of the targets {settings.targets}")
             prefix, rank = f"{owner}.mlp.engine.expert_lora.{by_depth[depth]}", settings.rank
+            stacked = tensor.shape[1] if rest.endswith("lora_B.weight") else tensor.shape[0]
+            if stacked % rank:
+                raise CheckpointError(f"{source}: tensor {key!r} has shape {list(tensor.shape)}: an expert adapter "
+                                      f"stacks one rank-{rank} factor per expert, so {stacked} must be a multiple "
+                                      f"of {rank}")
             if rest.endswith("lora_B.weight"):  # PEFT's [in, r * E] -> ours [E, r, in]
                 experts = tensor.shape[1] // rank
                 out[prefix + ".lora_A.weight"] = tensor.reshape(tensor.shape[0], rank, experts).permute(2, 1, 0)
@@ -120,6 +131,45 @@ def from_peft(tensors: dict[str, torch.Tensor], settings: LoraSettings, source: 
         else:
             out[name.replace(".mlp.engine." + nested + "shared_", ".mlp.engine.shared_")] = tensor
     return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def _is_int(value: object, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and low <= value < 2**31
+
+
+def _is_real(value: object, low: float, high: float) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and low <= value < high
+
+
+# Each setting a LoRA checkpoint records, and what it must be (as the run's parameters are checked).
+_SETTING_CHECKS = {
+    "rank": (lambda v: _is_int(v, 1), "a positive integer"),
+    "alpha": (lambda v: _is_real(v, 0, math.inf) and v > 0, "a positive finite number"),
+    "dropout": (lambda v: _is_real(v, 0, 1), "a number in [0, 1)"),
+    "targets": (lambda v: isinstance(v, list) and v and all(t in TARGETS for t in v),
+                f"a list of targets among {tuple(TARGETS)}"),
+    "base_dtype": (lambda v: v in BASE_DTYPES, f"one of {tuple(BASE_DTYPES)}"),
+    "trainable_tokens": (lambda v: isinstance(v, list) and all(_is_int(t, 0) for t in v), "a list of token ids"),
+}
+
+
+def _checked_settings(raw: dict, meta_file: Path) -> LoraSettings:
+    """The LoRA settings a checkpoint records, each checked: a description edited or damaged by hand is refused
+    by key, never turned into NaN weights or a raw error."""
+    for key, (fits, what) in _SETTING_CHECKS.items():
+        if key in raw and not fits(raw[key]):
+            raise CheckpointError(f"{meta_file}: lora.{key} must be {what}, got {shown(raw[key])}")
+    return LoraSettings.from_dict(raw)
+
+
+def _check_factor(key: str, tensor: torch.Tensor, source: str) -> None:
+    """A LoRA factor is a matrix of weights: float32 or bfloat16 (an integer or FP16 one would be cast
+    silently), two dimensions (anything else could not be laid out as the model's)."""
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise CheckpointError(f"{source}: tensor {key!r} is stored as {tensor.dtype}; cflib reads adapters in "
+                              "float32 or bfloat16")
+    if tensor.dim() != 2:
+        raise CheckpointError(f"{source}: tensor {key!r} has shape {list(tensor.shape)}; a LoRA factor is a matrix")
 
 
 def peft_config(settings: LoraSettings, base_path: str) -> dict:
@@ -161,14 +211,13 @@ def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.
         if not needed.is_file():
             raise CheckpointError(f"{needed}: missing; a LoRA checkpoint holds {ADAPTER_CONFIG_FILE}, "
                                   f"{ADAPTER_WEIGHTS_FILE} and {CFLIB_ADAPTER_FILE}")
-    try:
-        meta = json.loads(meta_file.read_text())
-        settings, base = LoraSettings.from_dict(meta["lora"]), meta["base"]
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{meta_file}: unreadable ({type(err).__name__}: {err})") from None
+    meta = read_json(meta_file, CheckpointError, "adapter description")
+    if not isinstance(meta, dict) or not isinstance(meta.get("lora"), dict):
+        raise CheckpointError(f"{meta_file}: 'lora' must be an object of LoRA settings")
+    settings, base = _checked_settings(meta["lora"], meta_file), meta.get("base")
     if not isinstance(base, dict) or not isinstance(base.get("path"), str):
         raise CheckpointError(f"{meta_file}: 'base' must be an object with the base checkpoint's 'path', "
-                              f"got {str(base)[:80]}")
+                              f"got {shown(base)}")
     try:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as err:
@@ -204,11 +253,13 @@ def merge(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | N
     Returns what was merged, and whether the base's weights are the ones the adapters were trained on.
     `out_dir` is new, or a folder an earlier merge wrote (its MERGE_MANIFEST and checkpoint, nothing else)."""
     recorded_base = read_adapter(adapter_dir)[1]["path"] if base_dir is None else base_dir
-    check_output_folder(out_dir, {"adapter": adapter_dir, "base": recorded_base}, MergeError,
-                        owned=lambda entry: _written_by_merge(Path(out_dir), entry), overwrite=True)
+    def check() -> None:
+        check_output_folder(out_dir, {"adapter": adapter_dir, "base": recorded_base}, MergeError,
+                            owned=lambda entry: _written_by_merge(Path(out_dir), entry), overwrite=True)
+
+    check()
     model, settings, base, base_dir = _merged(adapter_dir, base_dir)
-    clean_leftovers(Path(out_dir).parent, targets=(Path(out_dir).name,))  # a merge into it killed mid-write
-    with atomic_directory(out_dir) as staging:
+    with exclusive_output(out_dir, check, MergeError) as staging:  # `out_dir` checked again under its lock
         # save_checkpoint publishes a folder of its own atomically: it takes the empty staging folder's place.
         save_checkpoint(model, staging)
         (staging / MERGE_MANIFEST).write_text(json.dumps(
@@ -227,8 +278,8 @@ MERGE_MANIFEST, MERGE_FORMAT = "merged_from.json", "cflib-lora-merge-v1"
 def _written_by_merge(out_dir: Path, entry: Path) -> bool:
     """An entry of a folder an earlier merge wrote: recognised by the manifest it leaves."""
     try:
-        manifest = json.loads((out_dir / MERGE_MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = read_json(out_dir / MERGE_MANIFEST, MergeError, "merge manifest")
+    except MergeError:
         return False
     return (isinstance(manifest, dict) and manifest.get("format") == MERGE_FORMAT and entry.is_file()
             and entry.name in (MERGE_MANIFEST, CONFIG_FILE, WEIGHTS_FILE))

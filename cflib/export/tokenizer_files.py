@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cflib.data import ByteTokenizer, chat_template_sha256
+from cflib.jsonio import read_json
 
 BYTE = "byte"
 TOKENIZER_FILE = "tokenizer.json"
@@ -115,10 +116,7 @@ def _token_text(value: object) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        document = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise TokenizerExportError(f"{path}: not readable JSON ({err})") from None
+    document = read_json(path, TokenizerExportError, "tokenizer file")
     if not isinstance(document, dict):
         raise TokenizerExportError(f"{path}: expected a JSON object")
     return document
@@ -150,7 +148,7 @@ def json_tokenizer_files(path: str | Path, model_max_length: int) -> TokenizerFi
         named = {**(special_map or {}), **(config or {})}
         tokens = {role: _token_text(named.get(f"{role}_token")) for role in ROLES}
     else:
-        tokens = _guess_special_tokens(tokenizer, json.loads(tokenizer_file.read_text()))
+        tokens = _guess_special_tokens(tokenizer, _read_json(tokenizer_file))
         notes.append("no tokenizer_config.json beside the tokenizer: special tokens taken by their usual names ("
                      + ", ".join(f"{role} {token!r}" for role, token in tokens.items() if token) + ")")
     if tokens["eos"] is None:

@@ -33,6 +33,7 @@ from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.jobs import job_out_dir, record_header
+from cflib.jsonio import json_lines
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.paths import resolve_path
@@ -116,13 +117,7 @@ def read_conversations(prompts: list | tuple | str) -> list[list[dict]]:
         path = resolve_path(prompts)
         if not path.is_file():
             raise ParamError(f"prompts: {path} is not a file (a JSONL of {{\"messages\": [...]}} rows, or a list)")
-        rows = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append((json.loads(line), f"{path}:{number}"))
-                except json.JSONDecodeError as err:
-                    raise ConvertError(f"{path}:{number}: not valid JSON ({err})") from None
+        rows = [(row, f"{path}:{number}") for number, row in json_lines(path, ConvertError)]
     else:
         rows = [({"messages": [{"role": "user", "content": item}]} if isinstance(item, str) else item,
                  f"prompts[{index}]") for index, item in enumerate(prompts)]

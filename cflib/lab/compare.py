@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
 from cflib.jobs import new_out_dir
+from cflib.jsonio import read_json
 from cflib.paths import resolve_path
 from cflib.schema import Params, parsed_by
 from cflib.train.records import read_metrics
@@ -102,7 +103,10 @@ def _is_run_folder(path: Path) -> bool:
 
 def _sweep_points(folder: Path) -> tuple[list[Path], list[str], list[str]]:
     """A sweep folder's finished points (and any other with a run folder), its swept parameters, the rest."""
-    plan = json.loads((folder / SWEEP_FILE).read_text())
+    plan = read_json(folder / SWEEP_FILE, ParamError, "sweep file")
+    if not isinstance(plan, dict) or not isinstance(plan.get("points"), list) or not all(
+            isinstance(point, dict) and isinstance(point.get("run_dir"), str) for point in plan["points"]):
+        raise ParamError(f"{folder / SWEEP_FILE}: not a sweep's file (a 'points' list, each with its 'run_dir')")
     found, skipped = [], []
     for point in plan["points"]:
         run_dir = folder / point["run_dir"]
@@ -158,11 +162,22 @@ def _incomplete(path: Path, record: dict | None) -> str | None:
 
 
 def load_run(path: Path, name: str) -> RunView:
-    record = json.loads((path / "record.json").read_text()) if (path / "record.json").is_file() else None
-    metrics = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+    record = _document(path / "record.json", "run record") if (path / "record.json").is_file() else None
+    try:
+        metrics = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+    except ValueError as err:
+        raise ParamError(f"runs: {err}") from None
     params = record["params"] if record and "params" in record else (
-        json.loads((path / "params.json").read_text()) if (path / "params.json").is_file() else {})
+        _document(path / "params.json", "run's parameters") if (path / "params.json").is_file() else {})
     return RunView(name, path, params, record, metrics, _incomplete(path, record))
+
+
+def _document(path: Path, what: str) -> dict:
+    """A run's record or parameters: a JSON object, or ParamError naming the file."""
+    document = read_json(path, ParamError, what)
+    if not isinstance(document, dict):
+        raise ParamError(f"{path}: a {what} is a JSON object, got {type(document).__name__}")
+    return document
 
 
 def _names(paths: list[Path]) -> list[str]:

@@ -2,8 +2,10 @@
 
 The model is what transformers loads (`python -m cflib.export hub`, made here
 when a run folder or checkpoint is named), scored by lm-eval's Python API
-(`lm_eval.simple_evaluate` with an `HFLM` of the bundle, `trust_remote_code`),
-so the numbers are the ones anyone gets with lm-eval. The project ships two
+(`lm_eval.simple_evaluate` with an `HFLM` of the bundle), so the numbers are
+the ones anyone gets with lm-eval. The bundle loads with cflib's own modeling
+code (cflib.export.bundle): none of its Python files runs, and one whose
+modules differ from cflib's is refused unless `trust_bundle_code`. The project ships two
 small local tasks (examples/eval: multiple choice and exact match over the
 embedded tasks); any task of lm-eval's registry (`piqa`, `arc_easy`, ...) runs
 where its data can be downloaded. Every log-likelihood lm-eval reports for a
@@ -34,15 +36,17 @@ from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.hub import is_checkpoint
+from cflib.export.bundle import check_bundle_code, register_own_classes
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.jobs import job_out_dir, record_header
 from cflib.lab.chat import train_here
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
-from cflib.model import CheckpointError, load_checkpoint
+from cflib.model import CheckpointError, ConfigError, TRMoEModel, load_checkpoint
 from cflib.paths import resolve_path
 from cflib.schema import Params, as_given, parsed_by
 from cflib.train.run import resolve_device
+from cflib.train.run_folder import read_run_record
 
 SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
 DEFAULT_TASKS = ("embedded_choice", "embedded_exact")
@@ -61,6 +65,9 @@ class EvalParams(Params):
     batch_size: int = 8
     device: str = "auto"  # auto | cpu | cuda
     out_dir: str | None = None  # None: a new outputs/eval/<time>/
+    # false: the bundle loads with cflib's own modeling code, and one whose Python files differ is refused; true:
+    # its own modules run (transformers' trust_remote_code), only for a bundle whose author you trust
+    trust_bundle_code: bool = False
 
     def task_names(self) -> list[str]:
         items = self.tasks.split(",") if isinstance(self.tasks, str) else list(self.tasks)
@@ -96,7 +103,7 @@ def resolve_bundle(model: str | None, out_dir: Path, device: str) -> tuple[Path,
     if (path / "record.json").is_file() and (path / "checkpoints").is_dir():
         if is_bundle(path / "hub"):
             return path / "hub", f"the run's Hub bundle {path / 'hub'}"
-        exported = export_run(json.loads((path / "record.json").read_text()), target)
+        exported = export_run(read_run_record(path), target)  # a copied run's paths lead into the copy
         if exported is None:
             raise ParamError(f"model {path}: the run's data names no tokenizer; export its bundle with "
                              f"python -m cflib.export hub {path} BUNDLE --tokenizer TOKENIZER and pass model=BUNDLE")
@@ -156,6 +163,8 @@ class Evaluation:
     task_dir: Path  # the shipped tasks' YAMLs with resolved data paths, copied to out_dir/tasks by the run
     device: torch.device
     out_dir: Path
+    checked_model: TRMoEModel  # the bundle as cflib loads it, checked before lm-eval scores anything
+    trust_remote_code: bool  # whether transformers runs the bundle's own modules (trust_bundle_code)
 
 
 def prepare_evaluation(params: EvalParams) -> Evaluation:
@@ -176,14 +185,17 @@ def prepare_evaluation(params: EvalParams) -> Evaluation:
                                  "nor one lm-eval knows (lm-eval --tasks list shows them)")
             tasks.setdefault(name, {"source": "lm-eval registry"})
         bundle, source = resolve_bundle(params.model, out_dir, params.device)
-    except (ExportError, CheckpointError) as err:
+        trust = check_bundle_code(bundle, params.trust_bundle_code, lambda why: ParamError(f"model {params.model}: "
+                                                                                           f"{why}"))
+        model = load_checkpoint(bundle, device).eval()  # cflib's checks of its config and weights come first
+    except (ExportError, CheckpointError, ConfigError) as err:
         shutil.rmtree(staging, ignore_errors=True)
         raise ParamError(f"model {params.model}: {err}") from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Evaluation(params, bundle, source, {name: tasks[name] for name in names}, manager, staging, device,
-                      out_dir)
+                      out_dir, model, trust)
 
 
 def score_rows(results: dict) -> list[dict]:
@@ -201,11 +213,10 @@ def score_rows(results: dict) -> list[dict]:
     return rows
 
 
-def loglikelihood_check(samples: dict[str, list[dict]], lm: Any, bundle: Path, device: torch.device,
+def loglikelihood_check(samples: dict[str, list[dict]], lm: Any, model: TRMoEModel, device: torch.device,
                         pairs_per_task: int = LOGLIKELIHOOD_CHECK_PAIRS) -> dict:
-    """lm-eval's log-likelihood of each (context, continuation) against cflib's decoder on the same tokens
-    (lm-eval's own encoding of the pair), for the first pairs of every log-likelihood task."""
-    model = load_checkpoint(bundle, device).eval()
+    """lm-eval's log-likelihood of each (context, continuation) against cflib's decoder (`model`) on the same
+    tokens (lm-eval's own encoding of the pair), for the first pairs of every log-likelihood task."""
     worst, checked, tasks = 0.0, 0, []
     for task, rows in samples.items():
         pairs = [(argument, response[0][0]) for row in rows if all(isinstance(a, tuple) and len(a) == 2 and
@@ -269,8 +280,10 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
 
     params, out_dir = job.params, job.out_dir
     dtype = "float32"  # log-likelihoods comparable with cflib's to float32 precision
-    lm = HFLM(pretrained=str(job.bundle), trust_remote_code=True, batch_size=params.batch_size,
-              device=str(job.device), dtype=dtype)
+    if not job.trust_remote_code:
+        register_own_classes()  # the bundle loads with cflib's own modeling code; none of its files run
+    lm = HFLM(pretrained=str(job.bundle), trust_remote_code=job.trust_remote_code, backend="causal",
+              batch_size=params.batch_size, device=str(job.device), dtype=dtype)
     merged: dict[str, Any] = {}
     samples: dict[str, list[dict]] = {}
     start = time.perf_counter()
@@ -293,7 +306,7 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
         with open(out_dir / f"samples_{task}.jsonl", "w") as out:
             out.writelines(json.dumps(row, default=handle_non_serializable) + "\n" for row in rows)
     rows = score_rows(merged)
-    check = loglikelihood_check(samples, lm, job.bundle, job.device)
+    check = loglikelihood_check(samples, lm, job.checked_model, job.device)
     plt.close(plot_scores(rows, save_to=out_dir / "scores.png"))  # saved; the notebook shows its own
     record = {
         **record_header("evaluate", job.device, out_dir, packages=("lm_eval", "transformers")), "precision": dtype,
@@ -302,7 +315,8 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
                   "config": json.loads((job.bundle / "config.json").read_text())},
         "tasks": job.tasks,
         "settings": {"limit": params.limit, "batch_size": params.batch_size, "num_fewshot": 0,
-                     "lm_eval_model": "hf (HFLM, trust_remote_code)"},
+                     "lm_eval_model": "hf (HFLM, " + ("the bundle's own modules: trust_bundle_code)"
+                                                      if job.trust_remote_code else "cflib's own modeling code)")},
         "scores": rows, "loglikelihood_check": check,
         "timing": {"seconds": seconds, "includes": "lm-eval's data loading, requests and metrics, every task"},
         "files": {"results": "lm_eval_results.json", "chart": "scores.png",

@@ -15,9 +15,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
+import math
 import re
-import socket
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -26,20 +25,24 @@ from typing import Any
 import yaml
 
 from cflib.atomic import write_json_atomic
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
 from cflib.jobs import job_out_dir
+from cflib.jsonio import read_json
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
+from cflib.locks import FileLock, check_free
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.paths import resolve_path
 from cflib.schema import Params, is_none_word, parsed_by, reject_unknown
 from cflib.train.params import TrainParams, load_params_file
 from cflib.train.run import RUN_FILES, batch_arithmetic
-from cflib.yamlio import read_yaml
+from cflib.yamlio import load_yaml, read_yaml
 
 # The sweep owns where each point runs and how it continues.
 OWNED_BY_SWEEP = ("out_dir", "resume")
 LOCK_FILE = "sweep.lock"
 POINT_FILE = "point.yaml"  # the parameters papermill gives the point's train_sft.ipynb (-f)
+# A sweep's points, seeds included: each is a training run, and the plan checks every one before the first runs.
+MAX_POINTS = 10_000
 
 
 def _mapping_or_file(name: str, value: Any) -> Any:
@@ -50,12 +53,12 @@ def _mapping_or_file(name: str, value: Any) -> Any:
     if path.is_file():
         return read_yaml(path, ParamError, f"{name} file")
     try:
-        parsed = yaml.safe_load(str(value))
-    except yaml.YAMLError:
+        parsed = load_yaml(str(value), name, ParamError)
+    except ParamError:
         parsed = None
     if isinstance(parsed, (dict, list)):
         return parsed
-    raise ParamError(f"{name}: {value!r} is neither a YAML file ({path} does not exist) nor a YAML mapping")
+    raise ParamError(f"{name}: {shown(value)} is neither a YAML file ({path} does not exist) nor a YAML mapping")
 
 
 def _grid(name: str, value: Any) -> dict | None:
@@ -63,7 +66,7 @@ def _grid(name: str, value: Any) -> dict | None:
         return None
     grid = _mapping_or_file(name, value)
     if not isinstance(grid, dict) or not grid:
-        raise ParamError(f"grid must map parameter names to lists of values, got {grid!r}")
+        raise ParamError(f"grid must map parameter names to lists of values, got {shown(grid)}")
     return grid
 
 
@@ -72,24 +75,27 @@ def _points(name: str, value: Any) -> tuple[dict, ...] | None:
         return None
     points = _mapping_or_file(name, value)
     if not isinstance(points, (list, tuple)) or not points or not all(isinstance(p, dict) for p in points):
-        raise ParamError(f"points must be a list of mappings of parameter: value, got {points!r}")
+        raise ParamError(f"points must be a list of mappings of parameter: value, got {shown(points)}")
     return tuple(points)
 
 
 def _repeats(name: str, repeats: Any) -> int | tuple[int, ...]:
-    if isinstance(repeats, str):
-        text = repeats.strip().strip("[]()")
-        repeats = [int(s) for s in text.split(",")] if "," in text else int(text) if text.isdigit() else repeats
+    if isinstance(repeats, str) and len(repeats) <= 20 * MAX_POINTS:
+        items = [item.strip() for item in repeats.strip().strip("[]()").split(",")]
+        if all(item.isdigit() and len(item) <= 20 for item in items):
+            repeats = [int(item) for item in items] if len(items) > 1 else int(items[0])
     if isinstance(repeats, int) and not isinstance(repeats, bool):
-        if repeats < 1:
-            raise ParamError(f"repeats must be at least 1 (or a list of seeds), got {repeats}")
+        if not 1 <= repeats <= MAX_POINTS:
+            raise ParamError(f"repeats must be a number of seeds in [1, {MAX_POINTS:,}] (or a list of seeds), got "
+                             f"{shown(repeats)}")
         return repeats
-    if isinstance(repeats, (list, tuple)) and repeats and all(isinstance(s, int) and not isinstance(s, bool)
-                                                              for s in repeats):
+    if isinstance(repeats, (list, tuple)) and 0 < len(repeats) <= MAX_POINTS and all(
+            isinstance(s, int) and not isinstance(s, bool) for s in repeats):
         if len(set(repeats)) != len(repeats):
-            raise ParamError(f"repeats repeats a seed: {list(repeats)}")
+            raise ParamError(f"repeats repeats a seed: {shown(list(repeats))}")
         return tuple(repeats)
-    raise ParamError(f"repeats must be a number of seeds or a list of seeds, got {repeats!r}")
+    raise ParamError(f"repeats must be a number of seeds or a list of at most {MAX_POINTS:,} seeds, got "
+                     f"{shown(repeats)}")
 
 
 def _gpus(name: str, value: Any) -> tuple[int, ...] | None:
@@ -99,12 +105,12 @@ def _gpus(name: str, value: Any) -> tuple[int, ...] | None:
         try:
             value = [int(item) for item in value.strip().strip("[]()").split(",")]
         except ValueError:
-            raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {value!r}") from None
+            raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {shown(value)}") from None
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, (list, tuple)) or not value or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-        raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {value!r}")
+        raise ParamError(f"gpus must be 'cpu' or a list of device indices, got {shown(value)}")
     if len(set(value)) != len(value):
         raise ParamError(f"gpus names a device twice: {list(value)}")
     return tuple(value)
@@ -147,10 +153,16 @@ class SweepParams(Params):
             _check_overrides(self.grid, "grid")
             for name, options in self.grid.items():
                 if not isinstance(options, list) or not options:
-                    raise ParamError(f"grid: {name} must be a non-empty list of values, got {options!r}")
+                    raise ParamError(f"grid: {name} must be a non-empty list of values, got {shown(options)}")
         for index, point in enumerate(self.points or ()):
             _check_overrides(point, f"points[{index}]")
         swept = set(self.grid or {}) | {name for point in self.points or () for name in point}
+        combinations = math.prod(len(options) for options in self.grid.values()) if self.grid is not None else (
+            len(self.points) if self.points is not None else 1)  # counted, not listed
+        seeds = self.repeats if isinstance(self.repeats, int) else len(self.repeats)
+        if combinations * seeds > MAX_POINTS:
+            raise ParamError(f"the sweep has {combinations:,} point(s) x {seeds:,} seed(s) = {combinations * seeds:,} "
+                             f"runs, more than {MAX_POINTS:,}; sweep fewer values")
         if "seed" in swept and len(self.seeds) > 1:
             raise ParamError("seed is swept and repeats gives several seeds: choose one of them")
         CompareParams.from_dict({"metric": self.metric})
@@ -204,6 +216,7 @@ class Sweep:
     out_dir: Path
     points: list[Point]
     swept: list[str]
+    planned_on: str | None = None  # sweep.json's digest when planned: run_sweep runs the plan only on that state
 
     def save(self) -> None:
         """sweep.json: the points and every point's state, replaced whole at every change."""
@@ -212,6 +225,7 @@ class Sweep:
             "base": p.base, "grid": p.grid, "points_given": list(p.points) if p.points else None,
             "repeats": list(p.seeds), "gpus": list(p.gpus) if p.gpus else "cpu", "swept": self.swept,
             "metric": p.metric, "points": [point.state(self.out_dir) for point in self.points]})
+        self.planned_on = sweep_file_digest(self.out_dir)  # this sweep's own state, which it goes on from
 
     def points_table(self) -> str:
         """The points and what each overrides (deterministic for given parameters)."""
@@ -253,24 +267,16 @@ def _varying(combos: list[dict]) -> list[str]:
     return [name for name in names if len({json.dumps(c.get(name), sort_keys=True, default=str) for c in combos}) > 1]
 
 
-def _check_lock(out_dir: Path) -> None:
-    """One process runs a sweep folder at a time; a lock left by a killed one is stale."""
-    lock = out_dir / LOCK_FILE
-    if not lock.is_file():
-        return
-    try:
-        held = json.loads(lock.read_text())
-        pid, host = int(held["pid"]), held["host"]
-    except (ValueError, KeyError, TypeError):
-        return
-    if host == socket.gethostname() and pid != os.getpid():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        except PermissionError:
-            pass
-        raise ParamError(f"out_dir {out_dir} is being swept by process {pid}: wait for it, or stop it first")
+def sweep_lock(out_dir: Path) -> FileLock:
+    """One process sweeps a folder at a time (cflib.locks): taken before the first write, gone with the process."""
+    return FileLock(out_dir / LOCK_FILE, error=ParamError, remove=True, refusal=lambda holder: ParamError(
+        f"out_dir {out_dir} is being swept by another process ({holder}): wait for it, or stop it first"))
+
+
+def sweep_file_digest(out_dir: Path) -> str | None:
+    """What sweep.json held when the sweep was planned (None: none yet): the plan is run only on that state."""
+    path = out_dir / SWEEP_FILE
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def expand_sweep(params: SweepParams) -> Sweep:
@@ -278,10 +284,11 @@ def expand_sweep(params: SweepParams) -> Sweep:
     base = params.base_values
     # A sweep continues in its own folder (sweep.json), so only a file in its place is refused here.
     out_dir = job_out_dir(params.out_dir or None, "sweeps", (), "a sweep")
-    previous = {}
+    lock = sweep_lock(out_dir)
+    check_free(lock.path, lock.refusal, ParamError)
+    previous, digest = {}, sweep_file_digest(out_dir)
     if (out_dir / SWEEP_FILE).is_file():
-        _check_lock(out_dir)
-        previous = {p["name"]: p for p in json.loads((out_dir / SWEEP_FILE).read_text())["points"]}
+        previous = {p["name"]: p for p in _recorded_points(out_dir / SWEEP_FILE)}
     elif out_dir.is_dir() and any(out_dir.iterdir()):
         raise ParamError(f"out_dir {out_dir} holds files but no {SWEEP_FILE}: choose an empty or new folder")
     points: list[Point] = []
@@ -299,7 +306,16 @@ def expand_sweep(params: SweepParams) -> Sweep:
     swept = list(varying)
     if len(params.seeds) > 1:
         swept.append("seed")
-    return Sweep(params, out_dir, points, swept)
+    return Sweep(params, out_dir, points, swept, digest)
+
+
+def _recorded_points(path: Path) -> list[dict]:
+    """The points a sweep.json records, each with its name."""
+    plan = read_json(path, ParamError, "sweep file")
+    if not isinstance(plan, dict) or not isinstance(plan.get("points"), list) or not all(
+            isinstance(point, dict) and isinstance(point.get("name"), str) for point in plan["points"]):
+        raise ParamError(f"{path}: not a sweep's file (a 'points' list, each with its 'name')")
+    return plan["points"]
 
 
 def _judge(point: Point, before: dict | None, params: SweepParams) -> Point:
@@ -346,13 +362,3 @@ def _without_resume(values: dict) -> dict:
 def _as_yaml(values: dict) -> dict:
     """Values as they read back from point.yaml (tuples become lists)."""
     return yaml.safe_load(yaml.safe_dump(values))
-
-
-def set_aside(run_dir: Path) -> Path:
-    """A run folder that will not be continued, renamed beside it (never deleted)."""
-    for index in itertools.count(1):
-        target = run_dir.with_name(f"{run_dir.name}.set-aside-{index}")
-        if not target.exists():
-            run_dir.rename(target)
-            return target
-    raise AssertionError("unreachable")

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import html
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,10 +27,13 @@ import nbformat
 import yaml
 from tqdm.auto import tqdm
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import set_aside
 from cflib.jobs import utc_now
 from cflib.lab.form import frontend_attached
-from cflib.lab.sweep import LOCK_FILE, POINT_FILE, Point, Sweep, set_aside
+from cflib.errors import ParamError
+from cflib.jsonio import read_json
+from cflib.lab.compare import SWEEP_FILE
+from cflib.lab.sweep import POINT_FILE, Point, Sweep, sweep_file_digest, sweep_lock
 from cflib.paths import resolve_path
 from cflib.train.records import read_metrics
 from cflib.train.run import RUN_FILES
@@ -197,7 +198,14 @@ def run_sweep(sweep: Sweep, poll_s: float = POLL_S) -> Sweep:
     """Run every queued point (one per slot at a time), showing the table; returns the sweep, its states final.
     An interrupt (the kernel's stop button) stops the running points; the next run resumes them."""
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(sweep.out_dir / LOCK_FILE, {"pid": os.getpid(), "host": socket.gethostname()})
+    with sweep_lock(sweep.out_dir):  # taken atomically; a second sweep of the folder is refused, naming this one
+        if sweep_file_digest(sweep.out_dir) != sweep.planned_on:
+            raise ParamError(f"out_dir {sweep.out_dir}: {SWEEP_FILE} changed since this sweep was planned (another "
+                             "sweep ran there meanwhile); plan it again")
+        return _run_locked(sweep, poll_s)
+
+
+def _run_locked(sweep: Sweep, poll_s: float) -> Sweep:
     sweep.save()
     queue = [point for point in sweep.points if point.status == "queued"]
     slots = ["cpu"] if sweep.params.gpus is None else [str(index) for index in sweep.params.gpus]
@@ -234,7 +242,6 @@ def run_sweep(sweep: Sweep, poll_s: float = POLL_S) -> Sweep:
         raise
     finally:
         bar.close()
-        (sweep.out_dir / LOCK_FILE).unlink(missing_ok=True)
     view.update({})
     if view.widget is None:  # in JupyterLab the table above is already final
         print(text_table(sweep))
@@ -248,4 +255,4 @@ def sweep_summary(sweep: Sweep) -> str:
 
 
 def read_sweep(out_dir: str | Path) -> dict:
-    return json.loads((resolve_path(out_dir) / "sweep.json").read_text())
+    return read_json(resolve_path(out_dir) / SWEEP_FILE, ParamError, "sweep file")

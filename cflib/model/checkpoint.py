@@ -9,6 +9,7 @@ as tensors and plain data, loaded with `weights_only=True`: never pickled code.
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cflib.atomic import atomic_directory, live_path
+from cflib.jsonio import read_json
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
-from cflib.model.derived import DERIVED_SUFFIXES, derived_buffers, derived_disagreement
+from cflib.model.derived import DERIVED_SUFFIXES, INV_FREQ, derived_buffers, derived_disagreement
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -32,9 +34,10 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the public layout; the message names the tensor."""
 
 
-# FP16's 10-bit mantissa cannot hold the rope frequencies nor the weights' range: refused by name, before the
-# derived-buffer check would blame rope_theta for the rounding.
-REFUSED_DTYPES = (torch.float16,)
+# Weights are stored in float32 or bfloat16. FP16's 10-bit mantissa cannot hold the rope frequencies nor the weights'
+# range, and an integer tensor where a weight belongs is no weight: each is refused by name, before the
+# derived-buffer check would blame rope_theta for the rounding or a cast would hide it.
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def non_finite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
@@ -103,11 +106,20 @@ def checked_derived_buffers(config: ModelConfig, tensors: dict[str, torch.Tensor
     return derived
 
 
-def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Copy tensors by name, checking every name and shape against the model, and any derived buffer
-    against its route table; nothing is copied unless everything passes."""
-    expected = model.state_dict()
-    derived = derived_names(model.config)
+def check_layer_count(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """config.json may not name more layers than the weights hold (counted from the tensor names alone): a config
+    of a million layers is refused here, before a model of it, or its skeleton, is built."""
+    held = {name.split(".", 2)[1] for name in tensors if name.startswith("layers.")}
+    if config.num_hidden_layers > len(held):
+        raise CheckpointError(f"{source}: config.json says num_hidden_layers {config.num_hidden_layers}, but the "
+                              f"weights hold {len(held)} layer(s)")
+
+
+def check_tensors(expected: dict[str, torch.Tensor], config: ModelConfig, tensors: dict[str, torch.Tensor],
+                  source: str) -> None:
+    """Every name, dtype and shape of `tensors` against `expected` (a model's state dict, on the meta device
+    or not), and any derived buffer against its route table."""
+    derived = derived_names(config)
     unknown = sorted(name for name in tensors if name not in expected and name not in derived)
     if unknown:
         raise CheckpointError(f"{source}: unexpected tensor {unknown[0]!r}"
@@ -117,7 +129,8 @@ def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source:
         raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     for name, tensor in sorted(tensors.items()):
-        if tensor.dtype in REFUSED_DTYPES:
+        wanted = expected[name].dtype if name in expected else torch.float32 if name.endswith(INV_FREQ) else None
+        if wanted is not None and wanted.is_floating_point and tensor.dtype not in WEIGHT_DTYPES:
             raise CheckpointError(f"{source}: tensor {name!r} is stored as {tensor.dtype}; cflib reads float32 or "
                                   "bfloat16 checkpoints (convert the weights, e.g. tensor.float(), and save again)")
     bad = non_finite_tensor(tensors)
@@ -131,19 +144,18 @@ def load_state_into(model: TRMoEModel, tensors: dict[str, torch.Tensor], source:
         if name.endswith("route_table"):
             if tensor.dtype.is_floating_point:
                 raise CheckpointError(f"{source}: tensor {name!r} must be integer, got {tensor.dtype}")
-            num_experts = model.config.num_experts
+            num_experts = config.num_experts
             if tensor.numel() and (tensor.min() < 0 or tensor.max() >= num_experts):
                 raise CheckpointError(f"{source}: tensor {name!r} routes to experts outside "
                                       f"[0, {num_experts})")
-    checked_derived_buffers(model.config, tensors, source)
-    with torch.no_grad():
-        for name, target in expected.items():
-            target.copy_(tensors[name].to(target.dtype))
+    checked_derived_buffers(config, tensors, source)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32) -> TRMoEModel:
-    """Build the model from config.json and load its weights; the loaded route tables are kept."""
+    """Build the model from config.json and load its weights; the loaded route tables are kept. The weights are
+    checked against the config (layer count, then every name and shape on a skeleton that holds no memory)
+    before a model is built, so memory and time follow the checkpoint's size, not what its config claims."""
     path = live_path(path)  # a replacement killed between its renames left the previous folder aside
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -155,8 +167,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu",
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{weights}: not a readable safetensors file ({err})") from None
+    check_layer_count(config, tensors, str(weights))
+    with torch.device("meta"):
+        skeleton = TRMoEModel(config, build_routes=False)
+    check_tensors(skeleton.state_dict(), config, tensors, str(weights))
     model = TRMoEModel(config, build_routes=False)
-    load_state_into(model, tensors, str(weights))
+    with torch.no_grad():  # everything passed: copied by name, each into its own dtype
+        for name, target in model.state_dict().items():
+            target.copy_(tensors[name].to(target.dtype))
     return model.to(device=device, dtype=dtype)
 
 
@@ -168,9 +186,14 @@ def load_trainer_state(path: str | Path, required: tuple[str, ...] = ()) -> dict
                               "(save_every_steps, or save_optimizer_state: true) can be resumed")
     try:
         state = torch.load(state_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's own message would suggest loading it with code: never
+        raise CheckpointError(f"{state_file}: refused: it holds Python objects other than tensors and plain data, "
+                              "which cflib never loads (they can run code); resume from a checkpoint cflib wrote "
+                              "(resume: PATH)") from None
     except (RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError) as err:
+        detail = str(err).split("\n")[0][:160] if "weights_only" not in str(err) else "not tensors and plain data"
         raise CheckpointError(f"{state_file}: not a readable trainer state (truncated or corrupt: "
-                              f"{type(err).__name__}: {str(err)[:160]}); resume from another checkpoint "
+                              f"{type(err).__name__}: {detail}); resume from another checkpoint "
                               "(resume: PATH)") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{state_file}: a trainer state is a mapping, got {type(state).__name__}")
@@ -194,10 +217,10 @@ def latest_resumable(checkpoints_dir: str | Path) -> Path:
         progress = folder / PROGRESS_FILE
         if not (progress.is_file() and (folder / TRAINER_STATE_FILE).is_file()):
             continue
-        try:
-            candidates.append((int(json.loads(progress.read_text())["step"]), folder.name, folder))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{progress}: unreadable progress file ({err})") from None
+        step = read_json(progress, CheckpointError, "progress file")
+        if not isinstance(step, dict) or isinstance(step.get("step"), bool) or not isinstance(step.get("step"), int):
+            raise CheckpointError(f"{progress}: unreadable progress file (no integer 'step')")
+        candidates.append((step["step"], folder.name, folder))
     if not candidates:
         raise CheckpointError(f"{checkpoints_dir}: no checkpoint with optimizer state to resume from "
                               "(save_every_steps, or save_optimizer_state: true, makes them)")

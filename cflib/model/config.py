@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cflib.jsonio import read_json
 
 # Keys that published config.json files carry for other loaders (HF adapters);
 # they say nothing about the architecture, so they are accepted and dropped.
@@ -19,6 +20,11 @@ IGNORED_CONFIG_KEYS = frozenset({
 })
 # Keys this model can honour only at one value: anything else would change the maths.
 FIXED_CONFIG_KEYS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
+
+
+# Bounds on the config's scales (the released model: norm_eps 1e-6, shared_output_scale 1.0, routed_output_scale 2.0).
+MAX_NORM_EPS = 1e-2
+MAX_OUTPUT_SCALE = 1e4
 
 
 class ConfigError(ValueError):
@@ -104,11 +110,24 @@ class ModelConfig:
                               f"(got {self.top_k_primary_weight})")
         if not isinstance(self.routing_strategy, str):
             raise ConfigError(f"routing_strategy must be a string, got {self.routing_strategy!r}")
-        for name in ("norm_eps", "rope_theta"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        self._validate_scales()
         if not self.tie_word_embeddings:
             raise ConfigError("tie_word_embeddings must be true: TR-MoE checkpoints have no separate lm_head")
+
+    def _validate_scales(self) -> None:
+        """The numbers that set the forward's scale, bounded where a finite value still reaches step 1 as NaN."""
+        if not 0 < self.norm_eps <= MAX_NORM_EPS:
+            why = ("a larger one drowns the activations' own scale (outputs near 0, gradients zero)"
+                   if self.norm_eps > 0 else "the norm of an all-zero row would divide by zero")
+            raise ConfigError(f"norm_eps must be in (0, {MAX_NORM_EPS:g}], got {self.norm_eps!r}: {why}")
+        if not 1 <= self.rope_theta:
+            raise ConfigError(f"rope_theta must be at least 1, got {self.rope_theta!r}: RoPE's frequencies are "
+                              "rope_theta ** (-2i / head_dim), and below 1 they grow without bound")
+        for name in ("shared_output_scale", "routed_output_scale"):
+            if not abs(getattr(self, name)) <= MAX_OUTPUT_SCALE:
+                raise ConfigError(f"{name} must be within [-{MAX_OUTPUT_SCALE:g}, {MAX_OUTPUT_SCALE:g}], got "
+                                  f"{getattr(self, name)!r}: the residual stream it scales overflows to inf, then "
+                                  "NaN, at the first step")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,13 +160,7 @@ class ModelConfig:
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json there") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"{path}: not valid JSON ({err})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json(path, ConfigError, "model config (config.json)"), source=str(path))
 
     def num_parameters(self) -> int:
         """Trainable parameters (route tables are buffers, the head is tied)."""

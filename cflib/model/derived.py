@@ -90,7 +90,8 @@ def derived_disagreement(config: ModelConfig, name: str, given: torch.Tensor, te
         return f"{name} has shape {list(given.shape)}, but {source} gives {list(want.shape)}"
     if given.dtype.is_floating_point != want.dtype.is_floating_point or given.dtype == torch.bool:
         return f"{name} has dtype {given.dtype}, expected {want.dtype}"
-    if suffix == INV_FREQ:
+    if suffix == INV_FREQ:  # compared at the precision it is stored in: a BF16 checkpoint rounds it to BF16
+        want = want.to(given.dtype) if given.dtype.is_floating_point else want
         wrong = ~torch.isclose(given.double(), want.double(), rtol=INV_FREQ_RTOL, atol=0.0)
     else:
         wrong = given.long() != want.long()

@@ -25,6 +25,7 @@ casting or re-pointing the model at other kernels (TRMoEModel.use_kernels).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -55,8 +56,8 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
-                self.temperature < 0:
-            raise GenerationError(f"temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
+                not 0 <= self.temperature < math.inf:  # NaN and inf would make every answer's scores NaN
+            raise GenerationError(f"temperature must be a finite number >= 0 (0: greedy), got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise GenerationError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:

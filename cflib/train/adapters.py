@@ -6,7 +6,6 @@ refuses to turn a LoRA run into a full one or the other way round.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from cflib.atomic import live_path
 from cflib.errors import ParamError
+from cflib.jsonio import read_json
 from cflib.export.peft import (
     CFLIB_ADAPTER_FILE,
     check_fits,
@@ -23,7 +23,7 @@ from cflib.export.peft import (
     save_adapter,
     weights_sha256,
 )
-from cflib.model.checkpoint import WEIGHTS_FILE, load_checkpoint, load_config
+from cflib.model.checkpoint import WEIGHTS_FILE, CheckpointError, load_checkpoint, load_config
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora, is_adapter_name
@@ -134,4 +134,8 @@ def checkpoint_config(checkpoint_dir: Path) -> ModelConfig:
 
 def adapter_base(checkpoint_dir: Path) -> dict:
     """A LoRA checkpoint's description of its base (path, SHA-256, config), without reading its tensors."""
-    return json.loads((live_path(checkpoint_dir) / CFLIB_ADAPTER_FILE).read_text())["base"]
+    path = live_path(checkpoint_dir) / CFLIB_ADAPTER_FILE
+    description = read_json(path, CheckpointError, "adapter description")
+    if not isinstance(description, dict) or not isinstance(description.get("base"), dict):
+        raise CheckpointError(f"{path}: 'base' must describe the base checkpoint (path, sha256, config)")
+    return description["base"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
 from cflib.paths import resolve_path
 from cflib.schema import reject_unknown
 from cflib.train.params import TrainParams
@@ -67,7 +67,7 @@ class Curriculum:
 def _stage_overrides(raw: Any, where: str) -> dict:
     """A stage's keys as training parameters."""
     if not isinstance(raw, dict):
-        raise ParamError(f"{where}: a stage is a mapping with a name, got {raw!r}")
+        raise ParamError(f"{where}: a stage is a mapping with a name, got {shown(raw)}")
     run_only = [key for key in raw if key in RUN_ONLY]
     if run_only:
         raise ParamError(f"{where}: {run_only[0]!r} is the run's, the same for every stage; set it as a parameter "
@@ -90,7 +90,7 @@ def _task_targets(targets: Any, overrides: dict, where: str) -> dict:
     if "loss_groups" in overrides:
         raise ParamError(f"{where}: loss_task_targets and loss_groups both set the loss policy; keep one")
     if not isinstance(targets, dict) or not targets:
-        raise ParamError(f"{where}: loss_task_targets must map each task to its share of the loss, got {targets!r}")
+        raise ParamError(f"{where}: loss_task_targets must map each task to its share of the loss, got {shown(targets)}")
     shares = [share for share in targets.values() if isinstance(share, (int, float)) and not isinstance(share, bool)]
     if len(shares) == len(targets) and abs(sum(shares) - 1.0) > 1e-6:
         raise ParamError(f"{where}: loss_task_targets sum to {sum(shares):g}, not 1")
@@ -117,7 +117,7 @@ def load_curriculum(params: TrainParams, out_dir: Path) -> Curriculum:
         raise ParamError(f"{path}: a curriculum file is a mapping with version and stages")
     reject_unknown(raw, TOP_KEYS, str(path))
     if raw.get("version") != VERSION:
-        raise ParamError(f"{path}: version must be {VERSION}, got {raw.get('version')!r}")
+        raise ParamError(f"{path}: version must be {VERSION}, got {shown(raw.get('version'))}")
     stages_raw = raw.get("stages")
     if not isinstance(stages_raw, list) or not stages_raw:
         raise ParamError(f"{path}: stages must be a non-empty list of stages")
@@ -127,7 +127,7 @@ def load_curriculum(params: TrainParams, out_dir: Path) -> Curriculum:
         name = stage_raw.get("name") if isinstance(stage_raw, dict) else None
         if not isinstance(name, str) or not STAGE_NAME.match(name):
             raise ParamError(f"{path}: stage {index + 1} needs a name of letters, digits, '_', '.' or '-' "
-                             f"(its folder's name), got {name!r}")
+                             f"(its folder's name), got {shown(name)}")
         where = f"{path}: stage {name!r}"
         if any(stage.name == name for stage in stages):
             raise ParamError(f"{where}: the name is used by an earlier stage; every stage has its own name")
@@ -140,7 +140,7 @@ def load_curriculum(params: TrainParams, out_dir: Path) -> Curriculum:
     end = names.index(through) + 1 if through is not None else len(stages)
     compare = raw.get("compare_one_stage", False)
     if not isinstance(compare, bool):
-        raise ParamError(f"{path}: compare_one_stage must be true or false, got {compare!r}")
+        raise ParamError(f"{path}: compare_one_stage must be true or false, got {shown(compare)}")
     return Curriculum(path, stages[:end], names[end:], run, compare)
 
 

@@ -15,13 +15,13 @@ the audit (out_dir/dry_run.json).
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cflib.atomic import check_writable_folder, write_json_atomic
+from cflib.atomic import check_writable_folder, set_aside, write_json_atomic
 from cflib.errors import ParamError
 from cflib.jobs import job_out_dir, utc_now
+from cflib.jsonio import read_json
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.model.config import ModelConfig
 from cflib.train.curriculum import Curriculum, Stage, load_curriculum, one_stage, stage_params
@@ -30,6 +30,7 @@ from cflib.train.launch import fit
 from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
 from cflib.train.run import model_config, prepare
+from cflib.train.run_folder import check_entries_inside, read_run_record, refuse_mixing
 
 CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 
@@ -63,6 +64,7 @@ class CurriculumRun:
             return record
         lock = RunLock(self.out_dir).acquire()
         try:
+            _check_root(self.params, self.out_dir, self.curriculum)  # again, under the lock: no second writer
             return self._fit_stages(progress)
         finally:
             lock.release()
@@ -99,14 +101,15 @@ class CurriculumRun:
     def _fit_stage(self, stage: Stage, start_from: str | None, progress: bool) -> dict:
         stage_dir = Path(stage.params.out_dir)
         if (stage_dir / "COMPLETE").is_file():  # finished before a kill: not re-run
-            return json.loads((stage_dir / "record.json").read_text())
+            return read_run_record(stage_dir, "stage")
         resume = None
         if stage_dir.exists():
             try:
                 latest_resumable(stage_dir / "checkpoints")
                 resume = "latest"
-            except CheckpointError:  # killed before its first resumable checkpoint: nothing to continue
-                shutil.rmtree(stage_dir)
+            except CheckpointError:  # killed before its first resumable checkpoint: it starts again, kept aside
+                print(f"stage {stage.name}: killed before its first resumable checkpoint; it starts again, what "
+                      f"it left kept in {set_aside(stage_dir)}")
         params = replace(stage.params, init_checkpoint=start_from, resume=resume)
         params.validate()
         run = prepare(params)
@@ -155,6 +158,8 @@ def _root(params: TrainParams) -> Path:
 
 def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> None:
     """A curriculum folder is continued (resume: latest, the same stages) or left alone."""
+    check_entries_inside(out_dir)
+    refuse_mixing(out_dir, "curriculum")
     started = (out_dir / CURRICULUM_FILE).is_file() or (out_dir / "stages").exists()
     if params.resume not in (None, "latest"):
         raise ParamError(f"resume: a curriculum resumes with resume: latest (its stages know their checkpoints), "
@@ -168,8 +173,12 @@ def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> N
     if params.resume is not None and not started:
         raise ParamError(f"out_dir {out_dir} holds no curriculum run to resume")
     if (out_dir / CURRICULUM_FILE).is_file():
-        written = json.loads((out_dir / CURRICULUM_FILE).read_text())["stages"]
-        before = {stage["name"]: stage["overrides"] for stage in written}
+        written = read_json(out_dir / CURRICULUM_FILE, ParamError, "curriculum file")
+        if not isinstance(written, dict) or not isinstance(written.get("stages"), list) or not all(
+                isinstance(stage, dict) and "name" in stage and "overrides" in stage for stage in written["stages"]):
+            raise ParamError(f"{out_dir / CURRICULUM_FILE}: not a curriculum's file (stages, each with name and "
+                             "overrides)")
+        before = {stage["name"]: stage["overrides"] for stage in written["stages"]}
         for stage in curriculum.stages:
             if stage.name in before and before[stage.name] != json.loads(json.dumps(stage.overrides)):
                 raise ParamError(f"stage {stage.name!r} of {curriculum.path} differs from the stage this run "

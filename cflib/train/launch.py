@@ -28,9 +28,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
 from tqdm.auto import tqdm
 
+from cflib.jsonio import read_json
 from cflib.train.distributed import init_from_torchrun
+from cflib.train.lock import RunLock
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.run import Run, prepare
+from cflib.train.run_folder import set_aside_run, starts_over
 from cflib.train.trainer import Trainer
 
 PROGRESS = re.compile(r"^\[rank 0\] step (\d+)/(\d+) ")
@@ -44,9 +47,23 @@ def fit(run: Run, progress: bool = True) -> dict:
     """Train a prepared run and return its record."""
     if not isinstance(run, Run):  # a curriculum or a dry run (cflib.train.curriculum_run) runs its own stages
         return run.fit(progress=progress)
+    if run.params.resume == "latest" and run.resume_state is None:
+        run = start_over(run)
     if not run.launches_workers:
         return Trainer(run, progress=progress).fit()
     return torchrun(run, progress=progress)
+
+
+def start_over(run: Run) -> Run:
+    """`resume: latest` on a run killed before its first resumable checkpoint: under the folder's lock, its files
+    go to out_dir/set-aside-N/ (kept, never deleted) and the run starts from step 0 (cflib.train.run_folder)."""
+    with RunLock(run.out_dir):
+        if not starts_over(run.out_dir):  # another run wrote the folder since it was checked
+            raise ParamError(f"out_dir {run.out_dir} changed since it was checked; prepare the run again")
+        moved = set_aside_run(run.out_dir)
+    print(f"out_dir {run.out_dir}: the run there was killed before its first resumable checkpoint; it starts "
+          f"over, and what it left is kept in {moved}")
+    return replace(run, params=replace(run.params, resume=None))
 
 
 def torchrun_command(params: TrainParams, params_file: Path) -> list[str]:
@@ -116,7 +133,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 @record_errors  # a failing rank's traceback reaches torchrun's summary
 def worker(params_file: str) -> None:
-    params = TrainParams.from_dict(json.loads(Path(params_file).read_text()), source=params_file)
+    params = TrainParams.from_dict(read_json(params_file, ParamError, "parameter file"), source=params_file)
     if params.out_dir is None:
         raise ParamError("out_dir must be set when torchrun starts the workers directly")
     device_type = "cuda" if params.device == "cuda" or (params.device == "auto" and torch.cuda.is_available()) else "cpu"

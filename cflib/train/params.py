@@ -14,11 +14,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from cflib.data.filters import parse_filters
 from cflib.data.mixture import data_sources
 from cflib.data.weighting import parse_loss_groups
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
 from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
@@ -53,21 +54,33 @@ def layer_count(name: str, value: Any) -> int | str:
     return count
 
 
+# Token ids: a vocabulary of 2**24 entries is far past any model's; a row of trainable embeddings per id named.
+MAX_TOKEN_ID = 2**24 - 1
+MAX_TRAINABLE_TOKENS = 2**20
+
+
 def token_ids(name: str, value: Any) -> tuple[int, ...] | None:
     """Token ids: a YAML list of ids and "a-b" ranges, or one such string ("69-94,101-126")."""
     if value is None or is_none_word(value):
         return None
     items = value.strip().strip("[]()").split(",") if isinstance(value, str) else value
-    ids: list[int] = []
+    ranges: list[range] = []
     for item in items if isinstance(items, (list, tuple)) else [items]:
-        text = str(item).strip()
+        text = str(item).strip() if isinstance(item, (str, int)) and not isinstance(item, bool) else "?"
         low, _, high = text.partition("-") if "-" in text[1:] else (text, "", text)
         try:
-            ids.extend(range(int(low), int(high) + 1))
+            ranges.append(range(int(low), int(high) + 1) if max(len(low), len(high)) <= 20 else range(-1))
         except ValueError:
-            raise ParamError(f"{name}: {text!r} is not a token id or an a-b range of them") from None
-    if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
-        raise ParamError(f"{name}: token ids must be distinct and >= 0, got {value!r}")
+            raise ParamError(f"{name}: {shown(item)} is not a token id or an a-b range of them") from None
+        if not 0 <= ranges[-1].start < ranges[-1].stop <= MAX_TOKEN_ID + 1:
+            raise ParamError(f"{name}: {shown(text)} is not a token id in [0, {MAX_TOKEN_ID}] or an a-b range of "
+                             "them (a <= b)")
+    # Counted before any id is listed: a range of a billion ids is refused, not built.
+    if sum(len(ids) for ids in ranges) > MAX_TRAINABLE_TOKENS:
+        raise ParamError(f"{name}: {sum(len(ids) for ids in ranges):,} token ids, more than {MAX_TRAINABLE_TOKENS:,}")
+    ids = [token for ids in ranges for token in ids]
+    if len(set(ids)) != len(ids):
+        raise ParamError(f"{name}: token ids must be distinct, got {shown(value)}")
     return tuple(ids)
 
 
@@ -103,6 +116,35 @@ def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None)
     if tracking_uri is not None and "mlflow" not in (report_to or ()):
         raise ParamError(f"mlflow_tracking_uri is {tracking_uri!r} but report_to has no mlflow: add it "
                          "(report_to: mlflow), or remove mlflow_tracking_uri")
+    problem = tracking_uri_problem(tracking_uri) if tracking_uri is not None else None
+    if problem:
+        raise ParamError(f"mlflow_tracking_uri {shown(tracking_uri)}: {problem}; a server is http://host:5000 (or "
+                         "https://), a local store sqlite:////absolute/path/mlflow.db")
+
+
+# The stores MLflow's tracking client opens by scheme (a database's driver may follow a '+': postgresql+psycopg2).
+MLFLOW_SCHEMES = ("http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow could not open `uri` as a tracking store, or None; read from the URI alone (nothing is
+    contacted), so a malformed one stops the run before it starts, not as a warning at its first step."""
+    if not uri or len(uri) > 2048 or any(character.isspace() or ord(character) < 32 for character in uri):
+        return "not a URI (empty, longer than 2048 characters, or holding spaces or control characters)"
+    try:
+        parsed = urlsplit(uri)
+        port = parsed.port  # a port that is not a number in [0, 65535] raises here
+    except ValueError as err:
+        return f"not a URI ({err})"
+    scheme = parsed.scheme.split("+")[0] or (uri if uri in ("databricks", "databricks-uc") else "")
+    if scheme not in MLFLOW_SCHEMES:
+        return (f"scheme {parsed.scheme + ':' if parsed.scheme else '(none)'} is none of MLflow's stores "
+                f"({', '.join(MLFLOW_SCHEMES)})")
+    if scheme in ("http", "https") and (not parsed.hostname or port == 0):
+        return "names no host (and port) to reach"
+    if scheme in ("sqlite", "file") and not (uri.startswith(f"{scheme}:///") and parsed.path.strip("/")):
+        return f"a local store is {scheme}:/// followed by an absolute path"
+    return None
 
 
 def tracker_names(name: str, value: Any) -> tuple[str, ...] | None:
@@ -475,12 +517,29 @@ def gradient_accumulation(global_batch: int, micro_batch_per_rank: int, world_si
         return global_batch // per_step
     lower, upper = global_batch // per_step * per_step, (global_batch // per_step + 1) * per_step
     batch_options = " or ".join(str(b) for b in (lower, upper) if b > 0)
-    micro_options = [m for m in range(1, global_batch + 1) if global_batch % (m * world_size) == 0]
-    near = sorted(micro_options, key=lambda m: abs(m - micro_batch_per_rank))[:3]
+    near = _nearest_micro_batches(global_batch, micro_batch_per_rank, world_size)
+    micro = f", or micro_batch_per_rank in {near}" if near else (
+        f"; no micro_batch_per_rank within {SUGGESTION_WINDOW} of {micro_batch_per_rank} divides it" if
+        global_batch % world_size == 0 else f"; global_batch is not a multiple of world_size {world_size}")
     raise ParamError(
         f"global_batch {global_batch} is not a multiple of micro_batch_per_rank {micro_batch_per_rank} x "
-        f"world_size {world_size} = {per_step}; nearest valid: global_batch {batch_options}, "
-        f"or micro_batch_per_rank in {sorted(near)}")
+        f"world_size {world_size} = {per_step}; nearest valid: global_batch {batch_options}{micro}")
+
+
+# The micro-batches a refusal suggests are looked for this far either side of the one given: the search costs the
+# same whatever the numbers (a global batch of 10**12 has no list of divisors to walk).
+SUGGESTION_WINDOW = 4096
+
+
+def _nearest_micro_batches(global_batch: int, micro_batch_per_rank: int, world_size: int) -> list[int]:
+    """Up to three micro-batches near the one given for which global_batch is a whole number of steps."""
+    if global_batch % world_size:
+        return []
+    per_rank = global_batch // world_size
+    low = max(1, micro_batch_per_rank - SUGGESTION_WINDOW)
+    high = min(per_rank, micro_batch_per_rank + SUGGESTION_WINDOW)
+    found = [m for m in range(low, high + 1) if per_rank % m == 0]
+    return sorted(sorted(found, key=lambda m: abs(m - micro_batch_per_rank))[:3])
 
 
 def load_params_file(path: str | Path) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from cflib.jobs import record_header
+from cflib.jsonio import parse_json
 
 
 class MetricsLog:
@@ -53,7 +54,7 @@ def read_metrics(path: str | Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_json(line, "a metrics row", ValueError)
         except ValueError as err:
             if number == len(lines):  # no newline after it: the append a kill interrupted
                 break

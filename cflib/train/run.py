@@ -19,7 +19,9 @@ from cflib.atomic import check_writable_folder, live_path
 from cflib.data.mixture import MixturePlan, mixture_table
 from cflib.data.packing import PackedWindows, pack_examples
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
+from cflib.errors import shown
 from cflib.jobs import job_out_dir
+from cflib.jsonio import read_json
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
@@ -35,11 +37,11 @@ from cflib.train.distributed import (
     whole_batches,
 )
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
-from cflib.train.lock import check_not_locked
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
 from cflib.train.run_data import Partition, count_train_examples, open_data
+from cflib.train.run_folder import check_entries_inside, check_run_folder, refuse_mixing, starts_over
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 # What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
@@ -192,10 +194,19 @@ def _out_dir(params: TrainParams, model_name: str) -> Path:
                                              and never_trained(resolve_path(params.out_dir)))
     holds = () if reusable else RUN_FILES
     out_dir = job_out_dir(params.out_dir, "runs", holds, "a run", name=model_name,
-                          hint="choose another out_dir, or continue that run with resume: latest")
+                          hint="choose another out_dir, or continue that run with resume: latest (a run killed "
+                               "before its first resumable checkpoint starts over, its files set aside)")
     if params.out_dir is not None:
         check_writable_folder(out_dir, "out_dir")
+        check_entries_inside(out_dir)
+        refuse_mixing(out_dir, "single run")
     return out_dir
+
+
+def continues(params: TrainParams) -> bool:
+    """Whether the run continues a checkpoint: `resume` names one, or `latest` finds one (a run killed before its
+    first resumable checkpoint starts over instead: cflib.train.run_folder)."""
+    return params.resume is not None and not (params.resume == "latest" and starts_over(resolve_path(params.out_dir)))
 
 
 def recheck_out_dir(run: "Run") -> None:
@@ -204,6 +215,12 @@ def recheck_out_dir(run: "Run") -> None:
         return
     if run.resume_state is not None and (run.out_dir / "COMPLETE").is_file():
         raise ParamError(f"out_dir {run.out_dir} holds a completed run: another run finished it meanwhile")
+    if run.params.resume == "latest" and run.resume_state is None and starts_over(run.out_dir):
+        # fit() sets such a run's files aside first; a trainer started without it (a torchrun worker run by hand)
+        # would write over them
+        raise ParamError(f"out_dir {run.out_dir} holds a run killed before its first resumable checkpoint: "
+                         "resume: latest starts it over through cflib.train.train or train_sft.ipynb, which keep "
+                         "its files in out_dir/set-aside-N/ first")
     if run.resume_state is None:
         _out_dir(run.params, "")
 
@@ -228,11 +245,11 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
     torch.manual_seed(params.seed)
     if params.out_dir is not None and dist.is_main:  # first: a live run's checkpoints are still changing
-        check_not_locked(resolve_path(params.out_dir))
+        check_run_folder(resolve_path(params.out_dir))
     resume_state = None
     if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
-    if params.resume is not None:
+    if continues(params):
         checkpoint_dir = resume_dir(params)
         model, lora = resumed_model(checkpoint_dir, params.lora_settings(), params.init_checkpoint)
         resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
@@ -293,7 +310,12 @@ def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, 
     # Fill-ins pad the last global batch of an epoch, so it is always whole.
     steps_per_epoch = math.ceil(train_examples / params.global_batch)
     total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
-    return steps_per_epoch, total_steps, math.ceil(params.warmup_ratio * total_steps)
+    warmup_steps = math.ceil(params.warmup_ratio * total_steps)
+    if warmup_steps >= total_steps > 1:  # the learning rate would rise to its peak at the last step, never decay
+        raise ParamError(f"warmup_ratio {params.warmup_ratio:g} gives {warmup_steps} warm-up steps of the run's "
+                         f"{total_steps}: the whole run would warm up; with {total_steps} steps it must be at most "
+                         f"{math.floor((total_steps - 1) / total_steps * 1e4) / 1e4:g}")
+    return steps_per_epoch, total_steps, warmup_steps
 
 
 def resume_dir(params: TrainParams) -> Path:
@@ -306,7 +328,7 @@ def resume_dir(params: TrainParams) -> Path:
 
 def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
     """The architecture a run would train, and where it comes from, read without building the model."""
-    if params.resume is not None:
+    if continues(params):
         checkpoint_dir = resume_dir(params)
         return checkpoint_config(checkpoint_dir), f"resumed from {checkpoint_dir}"
     if params.init_checkpoint is not None:

@@ -7,7 +7,6 @@ error naming its entry of `data`, then against each other (vocabulary, EOS, toke
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -15,9 +14,10 @@ from typing import Literal
 from cflib.data.filters import parse_filters, select
 from cflib.data.mixture import MixedPartition, MixturePlan, as_mixture, check_agreement, plan_mixture, source_names
 from cflib.data.preflight import preflight
-from cflib.data.shards import ShardError, ShardPartition, open_shard
+from cflib.data.shards import MAX_COUNT, ShardError, ShardPartition, open_shard
 from cflib.data.tasks import TASKS, ensure_embedded_shard
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
+from cflib.jsonio import read_json
 from cflib.paths import resolve_path
 from cflib.train.params import TrainParams
 
@@ -139,7 +139,8 @@ def _root_examples(data: str, tasks: tuple[str, ...] | None) -> int:
         raise ShardError(f"{index}: missing (is {index.parent.parent} a shard root with train/ and eval/?)")
     if tasks is not None:
         return len(ShardPartition(index.parent).only_tasks(tasks))
-    try:
-        return int(json.loads(index.read_text())["examples"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise ShardError(f"{index}: no example count ({type(err).__name__}: {err})") from None
+    document = read_json(index, ShardError, "shard index")
+    examples = document.get("examples") if isinstance(document, dict) else None
+    if isinstance(examples, bool) or not isinstance(examples, int) or not 0 <= examples <= MAX_COUNT:
+        raise ShardError(f"{index}: 'examples' must be an integer in [0, 2**48], got {shown(examples)}")
+    return examples

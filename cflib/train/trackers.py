@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from cflib.atomic import write_json_atomic
+from cflib.errors import ParamError
+from cflib.jsonio import read_json
 from cflib.train.records import read_metrics
 
 TRACKING_FILE = "trackers.json"
@@ -310,7 +312,7 @@ class _NoTrackers:
 
 def read_tracking(out_dir: str | Path) -> dict:
     path = Path(out_dir) / TRACKING_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
+    return read_json(path, ParamError, "tracking file") if path.is_file() else {}
 
 
 def log_artifacts(out_dir: str | Path, *names: str, timeout_s: float = CLOSE_TIMEOUT_S) -> list[str]:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -93,6 +94,8 @@ CASES = [
     ("task-a-mapping", with_line(row(turn("user", "a"), turn("assistant", "b"), task={"a": 1})),
      ["train.jsonl row 3", "'task' must be a string"]),
     ("truncated-line", with_line('{"messages": [{"role": "user", "content": "a'), ["train.jsonl row 3", "not valid JSON"]),
+    ("nested-deep", with_line('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     ["train.jsonl row 3", "JSON nested deeper than 64 levels"]),
     # --- the output folder: never an input, never anything the command did not write ----------------------
     ("out-holds-the-inputs", folder_case(lambda tmp, inputs: str(tmp / "in")),
      ["contains the train input", "would delete it"]),
@@ -105,6 +108,10 @@ CASES = [
      ["'train'", "did not write"]),
     ("out-is-someone-elses-folder", folder_case(lambda tmp, inputs: (
         (tmp / "mine").mkdir(), (tmp / "mine" / "train").mkdir(), (tmp / "mine" / "train" / "a.txt").write_text("x"),
+        str(tmp / "mine"))[-1]), ["'train'", "did not write"]),
+    ("out-partition-index-nested-deep", folder_case(lambda tmp, inputs: (
+        (tmp / "mine" / "train").mkdir(parents=True),
+        (tmp / "mine" / "train" / "sft.idx.json").write_text('{"conversion": ' + "[" * 100_000 + "]" * 100_000 + "}"),
         str(tmp / "mine"))[-1]), ["'train'", "did not write"]),
     ("out-exists-without-overwrite", folder_case(previous_output_with("notes.txt"), overwrite=False),
      ["already exists", "--overwrite"]),
@@ -154,8 +161,94 @@ def test_the_battery_is_large():
 
 def test_a_conversion_killed_mid_write_leaves_nothing_the_next_one_keeps(tmp_path):
     inputs = write_inputs(tmp_path / "in")
-    leftover = tmp_path / ".shard.staging-k1ll3d"  # what a kill during the write leaves beside the target
+    leftover = tmp_path / ".shard.staging-k1ll3d_x"  # what a kill during the write leaves beside the target
     (leftover / "train").mkdir(parents=True)
     (leftover / "train" / "input_ids.bin").write_bytes(b"\0" * 1024)
     convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "shard")))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "shard"]
+
+
+def beside(tmp: Path) -> dict[str, str]:
+    """Entries a user keeps beside an output called `shard`, with its name in theirs: never the command's."""
+    (tmp / ".shard.keep").mkdir()
+    (tmp / ".shard.keep" / "notes.txt").write_text("the user's")
+    (tmp / ".shard.bak").write_text("a backup")
+    (tmp / ".shard.swp").write_text("an editor's swap file")
+    (tmp / ".shard.staging-notes").mkdir()  # a user's name in the command's own pattern: but a file of theirs
+    return digest(tmp)
+
+
+def test_a_conversion_touches_nothing_beside_its_output_but_its_own_leftovers(tmp_path):
+    inputs = write_inputs(tmp_path / "in")
+    before = beside(tmp_path)
+    leftover = tmp_path / ".shard.staging-k1ll3d_x"  # what a conversion killed mid-write left: the command's own
+    (leftover / "train").mkdir(parents=True)
+    convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "shard")))
+    after = digest(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("shard/")} == before
+    assert not leftover.exists() and (tmp_path / ".shard.staging-notes").is_dir()
+    assert not (tmp_path / ".shard.lock").exists()  # the writer's lock goes with it
+
+
+
+def test_a_file_of_the_user_s_bearing_the_lock_s_name_is_refused_never_overwritten_or_removed(tmp_path):
+    """`.shard.lock` is the name of the lock a conversion into `shard` holds; a file of someone's by that name
+    (not empty, not a holder's note) is named and left as it was, and nothing is written."""
+    inputs = write_inputs(tmp_path / "in")
+    (tmp_path / ".shard.lock").write_text("my notes on the lock-in period")
+    before = digest(tmp_path)
+    with pytest.raises(ConvertError, match=rf"{tmp_path / '.shard.lock'} holds something other than a lock "
+                                           "holder's note: it may be someone's file"):
+        convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "shard")))
+    assert digest(tmp_path) == before
+
+def test_a_full_disk_names_the_output_and_leaves_nothing(tmp_path, monkeypatch):
+    try:
+        from small_disk import fill, small_disk
+    except ImportError:  # run from the repository root as a package
+        from tests.small_disk import fill, small_disk
+    inputs = write_inputs(tmp_path / "in", [row(turn("user", f"{a} " * 100), turn("assistant", "x" * 1000))
+                                            for a in range(40)])
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        if disk is None:  # no tmpfs here: the write fails as a full disk makes it fail
+            disk = tmp_path / "disk"
+            disk.mkdir(exist_ok=True)
+
+            def full(*args, **kwargs):
+                raise OSError(28, "No space left on device")
+            monkeypatch.setattr("cflib.data.convert.write_partition", full)
+        else:
+            fill(disk, leave=16 * 1024)
+        before = digest(disk)
+        with pytest.raises(ConvertError) as caught:
+            convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(disk / "shard")))
+        assert str(caught.value).startswith(f"out of disk space writing {disk / 'shard'}")
+        assert digest(disk) == before and sorted(p.name for p in disk.iterdir()) == sorted(before)
+
+
+@pytest.mark.slow
+def test_two_conversions_into_one_folder_at_once_one_wins_the_other_is_refused(tmp_path):
+    """Started together in two processes: one writes the folder, the other is refused by name (while the first
+    writes, or because the folder it found missing now exists); never a silent replacement."""
+    runs = {}
+    for name, answer in (("a", "A"), ("b", "B")):
+        lines = [row(turn("user", f"{i} {name} " * 40), turn("assistant", answer * 200)) for i in range(6000)]
+        runs[name] = write_inputs(tmp_path / name, lines)
+    go = tmp_path / "go"
+    wait_then_convert = ("import sys, time, pathlib\nwhile not pathlib.Path(sys.argv[1]).exists(): time.sleep(0.001)\n"
+                         "from cflib.data.__main__ import main\nmain(sys.argv[2:])")
+    children = {name: subprocess.Popen(
+        [sys.executable, "-c", wait_then_convert, str(go), "convert", "--train", str(inputs["train"]), "--eval",
+         str(inputs["eval"]), "--out", str(tmp_path / "shard")], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for name, inputs in runs.items()}
+    time.sleep(2)  # both interpreters up, cflib imported
+    go.write_text("")
+    results = {name: (child.wait(timeout=300), child.stderr.read()) for name, child in children.items()}
+    winners = [name for name, (code, _) in results.items() if code == 0]
+    assert len(winners) == 1, results
+    code, message = results["b" if winners == ["a"] else "a"]
+    assert "Traceback" not in message and ("is being written by another command" in message
+                                           or "already exists" in message), message
+    index = json.loads((tmp_path / "shard" / "train" / "sft.idx.json").read_text())
+    assert index["conversion"]["stats"]["sources"][0]["spec"] == str(runs[winners[0]]["train"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "go", "shard"]

@@ -126,3 +126,41 @@ def test_the_hub_bundle_may_go_inside_the_run_folder(world, tmp_path):
     shutil.copytree(world / "run", run)
     main(["hub", str(run), str(run / "hub")])
     assert (run / "hub" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("command", ["hub", "merge"])
+def test_an_export_touches_nothing_beside_its_output_but_its_own_leftovers(world, tmp_path, command):
+    """A user's `.{OUT}.keep/`, backup and an editor's swap file beside the target stay; only what a killed export
+    of this target left (its hidden staging folder) goes."""
+    (tmp_path / ".out.keep").mkdir()
+    (tmp_path / ".out.keep" / "notes.txt").write_text("the user's")
+    (tmp_path / ".out.bak").write_text("a backup")
+    (tmp_path / ".out.swp").write_text("an editor's swap file")
+    before = digest(tmp_path)
+    (tmp_path / ".out.staging-k1ll3d_x").mkdir()  # an export into `out` killed mid-write
+    source = world / "adapter" if command == "merge" else world / "base"
+    main([command, str(source), str(tmp_path / "out")])
+    after = digest(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("out/")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.bak", ".out.keep", ".out.swp", "out"]
+
+
+def test_a_full_disk_names_the_bundle_and_leaves_nothing(world, tmp_path, monkeypatch):
+    try:
+        from small_disk import fill, small_disk
+    except ImportError:  # run from the repository root as a package
+        from tests.small_disk import fill, small_disk
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        if disk is None:  # no tmpfs here: the weights' write fails as a full disk makes it fail
+            disk = tmp_path / "disk"
+            disk.mkdir(exist_ok=True)
+
+            def full(*args, **kwargs):
+                raise OSError(28, "No space left on device")
+            monkeypatch.setattr("cflib.model.checkpoint.save_file", full)
+        else:
+            fill(disk, leave=16 * 1024)
+        before = digest(disk)
+        message = refused("hub", str(world / "base"), str(disk / "bundle"))
+        assert message.startswith(f"export: out of disk space writing {disk / 'bundle'}"), message
+        assert digest(disk) == before and sorted(p.name for p in disk.iterdir()) == sorted(before)

@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from cflib.export.peft import ADAPTER_CONFIG_FILE, describe_base, peft_config, read_adapter
-from cflib.model.checkpoint import load_checkpoint, save_checkpoint
+from cflib.export.peft import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    CFLIB_ADAPTER_FILE,
+    describe_base,
+    load_merged,
+    peft_config,
+    read_adapter,
+)
+from cflib.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cflib.model.config import preset
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import LINEAR_TARGETS, TARGETS, LoraSettings, adapter_state_dict, attach_lora
@@ -102,3 +111,57 @@ def test_merge_cli_writes_an_ordinary_checkpoint_and_refuses_another_shape(tmp_p
     assert not (tmp_path / "no").exists()
     _, base, _ = read_adapter(adapter)
     assert base["path"] == str((tmp_path / "base").resolve())
+
+
+EXPERT_B = "base_model.model.layers.0.mlp.engine.lora_B.weight"  # expert_up's [in, r * E], expert_down beneath
+LINEAR_A = "base_model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+@pytest.mark.parametrize("key, tensor, words", [
+    (EXPERT_B, lambda t: torch.zeros(t.shape[0], 7), "an expert adapter stacks one rank-2 factor per expert, so 7"),
+    (EXPERT_B, lambda t: torch.zeros(5), "has shape [5]; a LoRA factor is a matrix"),
+    (LINEAR_A, lambda t: torch.tensor(1.0), "has shape []; a LoRA factor is a matrix"),
+    (LINEAR_A, lambda t: t.to(torch.int32), "is stored as torch.int32; cflib reads adapters in float32 or bfloat16"),
+    (LINEAR_A, lambda t: t.half(), "is stored as torch.float16"),
+], ids=["expert-factor-not-a-multiple-of-the-rank", "expert-factor-1d", "linear-factor-0d", "integer", "fp16"])
+def test_an_adapter_file_of_malformed_factors_is_refused_naming_the_file_and_tensor(tmp_path, key, tensor, words):
+    """What PEFT's layout cannot hold, or a weight that would be cast silently, is refused by name: never a raw
+    reshape or index error, never an integer adapter trained on or merged."""
+    adapter, _ = saved_adapter(tmp_path, LoraSettings(rank=2, alpha=4, targets=("q_proj", "expert_up", "expert_down")))
+    weights = adapter / ADAPTER_WEIGHTS_FILE
+    tensors = load_file(str(weights))
+    save_file({**tensors, key: tensor(tensors[key]).contiguous()}, str(weights))
+    before = folder_bytes(tmp_path)
+    for load in (read_adapter, load_merged):
+        with pytest.raises(CheckpointError) as caught:
+            load(adapter)
+        assert str(caught.value).startswith(f"{weights}: tensor {key!r} ") and words in str(caught.value)
+    assert folder_bytes(tmp_path) == before  # the adapter, its base and everything around them as they were
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"rank": 0}, "lora.rank must be a positive integer, got 0"),
+    ({"rank": "2"}, "lora.rank must be a positive integer, got '2'"),
+    ({"alpha": float("nan")}, "lora.alpha must be a positive finite number, got nan"),
+    ({"dropout": 2}, "lora.dropout must be a number in [0, 1), got 2"),
+    ({"targets": "q_proj"}, "lora.targets must be a list of targets among"),
+    ({"base_dtype": "int8"}, "lora.base_dtype must be one of ('float32', 'bfloat16'), got 'int8'"),
+    ({"trainable_tokens": "0-1000000000"}, "lora.trainable_tokens must be a list of token ids"),
+], ids=["rank-0", "rank-a-string", "alpha-nan", "dropout-2", "targets-a-string", "base-dtype-int8", "tokens-a-range"])
+def test_an_adapter_description_of_bad_settings_is_refused_by_key(tmp_path, change, words):
+    """cflib_adapter.json's settings, edited or damaged: refused naming the file and key, never a division by zero
+    or a NaN scale merged into the weights."""
+    adapter, _ = saved_adapter(tmp_path, LoraSettings(rank=2, alpha=4, targets=("q_proj", "expert_up")))
+    description = adapter / CFLIB_ADAPTER_FILE
+    meta = json.loads(description.read_text())
+    description.write_text(json.dumps({**meta, "lora": {**meta["lora"], **change}}))
+    before = folder_bytes(tmp_path)
+    for load in (read_adapter, load_merged):
+        with pytest.raises(CheckpointError) as caught:
+            load(adapter)
+        assert str(caught.value).startswith(f"{description}: ") and words in str(caught.value), str(caught.value)
+    assert folder_bytes(tmp_path) == before

@@ -21,7 +21,7 @@ from cflib.lab.chat import (
 )
 from cflib.lab.chat_box import ChatBox
 from cflib.model import CheckpointError, save_checkpoint
-from cflib.model.generate import Decoder, GenerationError
+from cflib.model.generate import Decoder, GenerationError, Sampling
 
 try:
     import sft_shard_helpers as h
@@ -130,6 +130,11 @@ def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_na
         ChatParams.from_dict({"prompts": []})
     with pytest.raises(ParamError, match="top_p must be in"):
         ChatParams.from_dict({"checkpoint": None, "prompts": ["a"], "top_p": 1.5})
+    for temperature in ("nan", float("nan"), "inf"):  # NaN scores would make every answer empty
+        with pytest.raises(ParamError, match="temperature must be a finite number"):
+            ChatParams.from_dict({"checkpoint": None, "prompts": ["a"], "temperature": temperature})
+    with pytest.raises(GenerationError, match="temperature must be a finite number >= 0"):
+        Sampling(float("nan"))
 
 
 @pytest.mark.parametrize("change, error, message", [
@@ -188,6 +193,10 @@ def test_prompts_from_a_jsonl_file(tmp_path):
     assert read_conversations(str(path)) == [[{"role": "user", "content": "hi"}]]
     with pytest.raises(ParamError, match="is not a file"):
         read_conversations(str(tmp_path / "none.jsonl"))
+    nested = {"messages": [{"role": "user", "content": "hi"}], "meta": 0}
+    path.write_text(json.dumps(nested) + "\n" + json.dumps(nested).replace("0}", "[" * 50_000 + "]" * 50_000 + "}"))
+    with pytest.raises(ConvertError, match="prompts.jsonl:2: JSON nested deeper than 64 levels"):
+        read_conversations(str(path))
 
 
 def test_a_tokenizer_folder_renders_prompts_through_its_own_chat_template(tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -114,6 +115,13 @@ def test_a_shard_counts_from_its_index_and_a_missing_one_is_named(tmp_path):
     assert only["train_examples"] == sum(e.meta["task"] == "uppercase" for e in train[:50])
     with pytest.raises(ShardError, match=r"nowhere/train/sft.idx.json: missing"):
         batch_arithmetic(TrainParams(data=str(tmp_path / "nowhere")))
+    index = tmp_path / "shard" / "train" / "sft.idx.json"
+    for document, words in (('{"examples": ' + "[" * 100_000 + "]" * 100_000 + "}", "JSON nested deeper than 64"),
+                            ('{"examples": ' + "9" * 30 + "}", "'examples' must be an integer in [0, 2**48]"),
+                            ('{"examples": true}', "'examples' must be an integer")):
+        index.write_text(document)
+        with pytest.raises(ShardError, match=rf"{index}: .*{re.escape(words)}"):
+            batch_arithmetic(TrainParams(data=str(tmp_path / "shard"), max_steps=None))
 
 
 def test_any_notebook_parameters(attached, tmp_path):

@@ -35,7 +35,10 @@ SWEEP = ROOT / "notebooks" / "sweep.ipynb"
     ({"points": [{"resume": "latest"}]}, "points[0]: resume is set by the sweep"),
     ({"gpus": "0,0"}, "gpus names a device twice"),
     ({"gpus": "first"}, "gpus must be 'cpu' or a list of device indices"),
-    ({"repeats": 0}, "repeats must be at least 1"),
+    ({"repeats": 0}, "repeats must be a number of seeds in [1, 10,000]"),
+    ({"repeats": 100_000_000}, "repeats must be a number of seeds in [1, 10,000]"),
+    ({"repeats": "9" * 5000}, "repeats must be a number of seeds or a list of at most 10,000 seeds"),
+    ({"grid": {"lr": [1e-3] * 100, "seed": list(range(101))}}, "10,100 runs, more than 10,000"),
     ({"base": "params/no_such.yaml"}, "no_such.yaml: no such parameter file"),
     ({"grid": "params/no_such_grid.yaml"}, "is neither a YAML file"),
     ({"metric": "loss"}, "metric 'loss' is not compared"),
@@ -161,6 +164,21 @@ def test_compare_refuses_an_incomplete_run_by_name(tmp_path):
         compare(CompareParams.from_dict({"runs": str(tmp_path / "nothing-*")}))
 
 
+@pytest.mark.parametrize("record, message", [
+    ("{not json", r"record.json: not valid JSON"),
+    ("[" * 50_000 + "]" * 50_000, r"record.json: JSON nested deeper than 64 levels"),
+    ("[1, 2]", r"record.json: a run record is a JSON object, got list"),
+], ids=["corrupt", "nested-deep", "a-list"])
+def test_compare_refuses_a_corrupt_record_by_its_file(tmp_path, record, message):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "record.json").write_text(record)
+    (run / "COMPLETE").write_text("{}")
+    with pytest.raises(ParamError, match=message):
+        compare(CompareParams.from_dict({"runs": str(run), "out_dir": str(tmp_path / "comparison")}))
+    assert not (tmp_path / "comparison").exists()
+
+
 COMPARE = ROOT / "notebooks" / "compare_runs.ipynb"
 COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
 
@@ -217,3 +235,56 @@ def test_points_run_side_by_side_one_per_device_slot(tmp_path):
     assert (first["device"], second["device"]) == ("cuda:0", "cuda:1")
     assert second["started_utc"] <= first["finished_utc"]  # both ran at once
     assert not (tmp_path / "sweep" / "sweep.lock").exists()
+
+
+def test_a_sweep_of_a_hundred_million_repeats_is_refused_before_any_point_is_built():
+    start = time.monotonic()
+    with pytest.raises(ParamError, match="repeats must be a number of seeds in"):
+        expand_sweep(SweepParams.from_dict({"repeats": 100_000_000, "out_dir": None}))
+    with pytest.raises(ParamError, match="more than 10,000"):
+        expand_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3] * 1000, "seed": list(range(1000))}, "out_dir": None}))
+    assert time.monotonic() - start < 10  # generous: the points are counted, not listed
+
+
+def test_a_sweep_folder_is_swept_by_one_process_at_a_time(tmp_path):
+    """The lock is taken atomically before the first write: a second sweep is refused naming the first, and a plan
+    made before another sweep changed the folder is not run on it."""
+    from cflib.lab.sweep import sweep_lock
+    from cflib.lab.sweep_run import run_sweep
+
+    out_dir = tmp_path / "sweep"
+    raw = {"grid": {"lr": [1e-3, -1.0]}, "out_dir": str(out_dir)}  # -1.0 fails its checks: nothing to train
+    stale = expand_sweep(SweepParams.from_dict(raw))
+    with sweep_lock(out_dir):
+        with pytest.raises(ParamError, match=f"out_dir {out_dir} is being swept by another process"):
+            expand_sweep(SweepParams.from_dict(raw))
+        with pytest.raises(ParamError, match="is being swept by another process"):
+            run_sweep(stale)
+    sweep = expand_sweep(SweepParams.from_dict({**raw, "grid": {"lr": [-1.0, -2.0]}}))
+    run_sweep(sweep)  # both points failed their checks: it writes sweep.json, runs nothing
+    assert json.loads((out_dir / "sweep.json").read_text())["points"][0]["status"] == "failed"
+    with pytest.raises(ParamError, match="sweep.json changed since this sweep was planned"):
+        run_sweep(stale)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["sweep.json"]
+
+
+@pytest.mark.slow
+def test_two_sweeps_started_together_on_one_folder_one_runs_the_other_is_refused(tmp_path):
+    out_dir = tmp_path / "sweep"
+    go = tmp_path / "go"
+    code = ("import json, sys, time, pathlib\nwhile not pathlib.Path(sys.argv[1]).exists(): time.sleep(0.001)\n"
+            "from cflib.lab.sweep import SweepParams, expand_sweep\nfrom cflib.lab.sweep_run import run_sweep\n"
+            "run_sweep(expand_sweep(SweepParams.from_dict(json.loads(sys.argv[2]))), poll_s=0.1)")
+    raw = {"grid": {"lr": [0.002], "max_steps": [4], "save_every_steps": [None], "eval_every_steps": [None]},
+           "out_dir": str(out_dir)}
+    children = [subprocess.Popen([sys.executable, "-c", code, str(go), json.dumps(raw)], cwd=ROOT, text=True,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
+    time.sleep(3)  # both interpreters up, cflib imported
+    go.write_text("")
+    results = [(child.wait(timeout=600), child.stderr.read()) for child in children]
+    assert sorted(code for code, _ in results) == [0, 1], results
+    refusal = next(message for code, message in results if code).strip().splitlines()[-1]
+    assert "is being swept by another process" in refusal, refusal
+    state = json.loads((out_dir / "sweep.json").read_text())
+    assert [p["status"] for p in state["points"]] == ["done"] and len(state["points"][0]["attempts"]) == 1
+    assert (out_dir / state["points"][0]["run_dir"] / "COMPLETE").is_file() and not (out_dir / "sweep.lock").exists()

@@ -120,7 +120,12 @@ def test_route_weights(top_k: int, primary: float, expected: list[float]) -> Non
     (dict(top_k_primary_weight=1.5), "top_k_primary_weight must be in (0, 1], got 1.5"),
     (dict(num_experts_per_tok=1), "top_k_primary_weight must be 1.0 when num_experts_per_tok is 1"),
     (dict(tie_word_embeddings=False), "tie_word_embeddings must be true"),
-    (dict(norm_eps=0.0), "norm_eps must be positive, got 0.0"),
+    (dict(norm_eps=0.0), "norm_eps must be in (0, 0.01], got 0.0"),
+    # Finite, yet NaN by step 1: each is refused by its bound.
+    (dict(norm_eps=1e300), "norm_eps must be in (0, 0.01], got 1e+300"),
+    (dict(rope_theta=1e-300), "rope_theta must be at least 1, got 1e-300"),
+    (dict(shared_output_scale=1e308), "shared_output_scale must be within [-10000, 10000], got 1e+308"),
+    (dict(routed_output_scale=-1e308), "routed_output_scale must be within [-10000, 10000], got -1e+308"),
 ])
 def test_invalid_config_is_refused_with_a_clear_message(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):

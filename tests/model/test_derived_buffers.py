@@ -164,6 +164,21 @@ def test_saving_disagreeing_buffers_writes_nothing(saved: tuple[TRMoEModel, Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_bf16_checkpoint_whose_inv_freq_is_bf16_too_loads(saved: tuple[TRMoEModel, Path]):
+    """Its frequencies are compared at the precision they are stored in; one that is wrong in BF16 is still
+    refused."""
+    model, path = saved
+    tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t
+               for name, t in load_file(str(path / WEIGHTS)).items()}
+    save_file(tensors, str(path / WEIGHTS))
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded.norm.weight, model.norm.weight.to(torch.bfloat16).float())
+    name = "layers.1.self_attn.rotary_emb.inv_freq"
+    save_file({**tensors, name: tensors[name] * 1.1}, str(path / WEIGHTS))
+    with pytest.raises(CheckpointError, match=f"{name} disagrees with rope_theta"):
+        load_checkpoint(path)
+
+
 def test_a_checkpoint_without_them_still_loads(saved: tuple[TRMoEModel, Path]):
     model, path = saved
     tensors = {name: t for name, t in load_file(str(path / WEIGHTS)).items()

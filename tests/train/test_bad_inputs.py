@@ -6,6 +6,7 @@ optimizer step, and leave every file already in out_dir untouched.
 from __future__ import annotations
 
 import hashlib
+import time
 import json
 from pathlib import Path
 from typing import Callable
@@ -117,6 +118,12 @@ CASES = [
     ("seq-len-past-positions", lambda t: {"seq_len": 100_000}, ValueError, ["seq_len", "max_position_embeddings"]),
     ("kept-layers-past-the-model", lambda t: {"kernel_overrides": {"kept_swiglu_layers": 99}}, ValueError,
      ["kept_swiglu_layers: 99 layers, the model has"]),
+    ("warmup-over-the-whole-short-run", lambda t: {"warmup_ratio": 0.99, "max_steps": 6}, ValueError,
+     ["warmup_ratio 0.99", "6 warm-up steps", "6"]),
+    ("global-batch-of-a-trillion", lambda t: {"global_batch": 10**12 + 1}, ValueError,
+     ["global_batch 1000000000001", "micro_batch_per_rank in [1, 73, 137]"]),
+    ("lora-tokens-of-a-billion", lambda t: {"lora_trainable_tokens": "0-1000000000"}, ValueError,
+     ["lora_trainable_tokens", "'0-1000000000'"]),
     ("max-steps-negative", lambda t: {"max_steps": -1}, ValueError, ["max_steps"]),
     ("out-dir-is-a-file", lambda t: {"out_dir": str(t / "afile")}, ValueError, ["afile", "not a directory"]),
     ("out-dir-under-a-file", lambda t: {"out_dir": str(t / "afile" / "run")}, ValueError,
@@ -184,6 +191,24 @@ CASES = [
     ("rows-not-utf8", lambda t: {"data": str(shard(t / "s", lambda p: (p / "examples.jsonl").write_bytes(
         (p / "examples.jsonl").read_bytes().replace(b'"example_id"', b'"ex\xffmple_id"', 1))))},
      ValueError, ["examples.jsonl", "line 1"]),
+    ("index-nested-deep", lambda t: {"data": str(shard(t / "s", lambda p: (p / "sft.idx.json").write_text(
+        "[" * 100_000 + "]" * 100_000)))}, ValueError, ["sft.idx.json", "nested deeper"]),
+    ("row-nested-deep", lambda t: {"data": str(shard(t / "s", lambda p: (p / "examples.jsonl").write_text(
+        '{"offset": 0, "num_tokens": 3, "meta": ' + "[" * 100_000 + "]" * 100_000 + "}\n")))}, ValueError,
+     ["examples.jsonl", "line 1", "nested deeper"]),
+    ("row-offset-past-int64", lambda t: {"data": str(shard(t / "s", lambda p: edit_rows(
+        p, lambda rows: rows[:1] + [{**rows[1], "offset": 2**70}] + rows[2:])))}, ValueError,
+     ["examples.jsonl", "row 1", "'offset'"]),
+    ("index-tokens-past-int64", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "num_tokens": 2**70})))}, ValueError, ["sft.idx.json", "'num_tokens'"]),
+    ("index-hash-of-dot", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "sha256": {**d["sha256"], ".": "0" * 64}})))}, ValueError,
+     ["sft.idx.json", "'sha256'", "'.'"]),
+    ("index-hash-of-dot-dot", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "sha256": {"..": "0" * 64}})))}, ValueError, ["sft.idx.json", "'sha256'"]),
+    ("index-hashed-file-missing", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
+        p / "sft.idx.json", lambda d: {**d, "sha256": {**d["sha256"], "extra.bin": "0" * 64}})))}, ValueError,
+     ["extra.bin", "recorded in sft.idx.json", "missing"]),
     ("label-on-the-last-position", lambda t: {"data": str(shard(t / "s", label_past_the_end))},
      ValueError, ["labels.bin", "row 0", "last position", "past the example's end"]),
     # --- 2-D loss weighting --------------------------------------------------------------------------------
@@ -239,6 +264,27 @@ CASES = [
     ("weights-fp16", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
         p, lambda d: {k: v.half() if v.is_floating_point() else v for k, v in d.items()})))},
      ValueError, ["float16", "tensor"]),
+    # --- finite values that would reach step 1 as NaN, and weights that are no weights ----------------------
+    ("config-norm-eps-huge", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "norm_eps": 1e300})))}, ValueError, ["config.json", "norm_eps"]),
+    ("config-shared-output-scale-huge", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "shared_output_scale": 1e308})))}, ValueError,
+     ["config.json", "shared_output_scale"]),
+    ("config-routed-output-scale-huge", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "routed_output_scale": -1e308})))}, ValueError,
+     ["config.json", "routed_output_scale"]),
+    ("config-rope-theta-tiny-without-derived-buffers", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: (
+        edit_json(p / "config.json", lambda d: {**d, "rope_theta": 1e-300}),
+        edit_tensors(p, lambda d: {k: v for k, v in d.items() if "rotary_emb" not in k and "fused_" not in k}))))},
+     ValueError, ["config.json", "rope_theta"]),
+    ("config-million-layers", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_json(
+        p / "config.json", lambda d: {**d, "num_hidden_layers": 1_000_000})))}, ValueError,
+     ["num_hidden_layers 1000000", "2 layer(s)"]),
+    ("config-nested-deep", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: (
+        p / "config.json").write_text("[" * 100_000 + "]" * 100_000)))}, ValueError, ["config.json", "nested deeper"]),
+    ("weights-integer", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
+        p, lambda d: {**d, "norm.weight": d["norm.weight"].to(torch.int32)})))}, ValueError,
+     ["'norm.weight'", "torch.int32", "float32 or bfloat16"]),
     ("route-table-out-of-range", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
         p, lambda d: {**d, "layers.0.mlp.engine.route_table": torch.full_like(d["layers.0.mlp.engine.route_table"], 9)})))},
      ValueError, ["layers.0.mlp.engine.route_table"]),
@@ -308,3 +354,20 @@ def test_a_seed_out_of_range_fails_before_params_json_blocks_the_out_dir(tmp_pat
     assert not out_dir.exists()
     train({**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(out_dir), "seed": 2**32 - 1},
           progress=False)  # the largest seed trains, into the same folder
+
+
+BOUNDED = ["global-batch-of-a-trillion", "lora-tokens-of-a-billion", "config-million-layers", "config-nested-deep",
+           "row-nested-deep", "index-nested-deep", "row-offset-past-int64"]
+
+
+@pytest.mark.parametrize("case", BOUNDED)
+def test_one_huge_number_is_refused_at_once_not_walked(tmp_path, case):
+    """Each check costs what the input's size costs, not what its value is: a divisor list of 10**12, a billion
+    token ids or a million layers are refused before they are built. The bound is generous: it says "no hang"."""
+    _, build, error, words = next(c for c in CASES if c[0] == case)
+    params = {**GOOD, "data": str(shard(tmp_path / "good")), "out_dir": str(tmp_path / "run"), **build(tmp_path)}
+    start = time.monotonic()
+    with pytest.raises(error):
+        train(params, progress=False)
+    assert time.monotonic() - start < 10, f"{case} took {time.monotonic() - start:.1f} s"
+    assert not (tmp_path / "run").exists()

@@ -215,6 +215,27 @@ def test_a_bad_curriculum_fails_before_anything_is_written_naming_stage_and_key(
     assert not (tmp_path / "run").exists()
 
 
+# Nine aliases of nine aliases (9**8 stages once expanded) in a few hundred bytes, a nesting past any stack, a folder.
+LAUGHS = "version: 1\nl0: &l0 [{name: a}, {name: a}, {name: a}, {name: a}, {name: a}, {name: a}, {name: a}]\n" + "".join(
+    f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 8)) + "stages: *l7\n"
+
+
+@pytest.mark.parametrize("document, message", [
+    (LAUGHS, "stands for more than 100,000 values once its aliases"),
+    ("version: 1\nstages: " + "[" * 50_000 + "]" * 50_000 + "\n", "YAML nested deeper than 64 levels"),
+    (None, "a folder, not a curriculum file"),
+], ids=["billion-laughs", "nested-deep", "a-folder"])
+def test_a_hostile_curriculum_file_is_refused_at_once_naming_it(tmp_path, shard, document, message):
+    path = tmp_path / "c.yaml"
+    path.mkdir() if document is None else path.write_text(document)
+    start = time.monotonic()
+    with pytest.raises(ParamError) as caught:
+        train(params(shard, tmp_path / "run", path), progress=False)
+    assert time.monotonic() - start < 10, "the file was expanded or walked"  # a generous bound: no hang
+    assert str(caught.value).startswith(f"{path}: ") and message in str(caught.value)
+    assert len(str(caught.value)) < 400 and not (tmp_path / "run").exists()
+
+
 def test_through_stage_must_name_a_stage(tmp_path, shard):
     curriculum = write_curriculum(tmp_path / "c.yaml", STAGES)
     with pytest.raises(ParamError, match="through_stage 'hard' names no stage .*: easy, medium, all"):

@@ -16,6 +16,7 @@ from sft_shard_helpers import task_shard
 
 import cflib.train.trainer
 from cflib.train import TrainParams, prepare, train
+from cflib.errors import ParamError
 from cflib.train.lock import LOCK_FILE, RunLock, RunLockedError, check_not_locked
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,3 +155,30 @@ def test_the_lock_is_not_kept_by_a_forked_child(tmp_path):
         os.waitpid(child, 0)
         os.close(ready)
         os.close(started)
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_never_written_through(tmp_path, shard):
+    """A run folder handed over with `.cflib-run.lock -> ~/victim.txt`: neither a run nor a resume into it writes
+    the victim, and each is refused naming the link, before anything is written."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a file of the user's")
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    (out_dir / LOCK_FILE).symlink_to(victim)
+    for resume in (None, "latest"):
+        with pytest.raises(ParamError, match=rf"{LOCK_FILE} is a symbolic link \(to {victim}\)"):
+            train(params(shard, out_dir, resume=resume), progress=False)
+    with pytest.raises(ParamError, match="is a symbolic link"):
+        RunLock(out_dir).acquire()  # the lock itself, should anything get past the early check
+    assert victim.read_text() == "a file of the user's"
+    assert sorted(p.name for p in out_dir.iterdir()) == [LOCK_FILE]
+
+
+def test_a_lock_file_holding_someone_s_text_is_refused_and_kept(tmp_path):
+    """A run folder handed over with a `.cflib-run.lock` that is a file of theirs: neither truncated nor written."""
+    (tmp_path / LOCK_FILE).write_text("not a lock note")
+    with pytest.raises(ParamError, match=rf"{tmp_path / LOCK_FILE} holds something other than a lock holder's note"):
+        RunLock(tmp_path).acquire()
+    assert (tmp_path / LOCK_FILE).read_text() == "not a lock note"
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "?"}) + "\n")
+    RunLock(tmp_path).acquire().release()  # a note a killed holder left: taken

@@ -157,10 +157,11 @@ def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
     with pytest.raises(ParamError, match="holds a completed run"):
         train(params(shard, tmp_path / "run", resume="latest"), progress=False)
     (tmp_path / "run" / "COMPLETE").unlink()  # as if it had been killed before its end
-    with pytest.raises(CheckpointError, match="no checkpoint with optimizer state"):
-        train(params(shard, tmp_path / "run", resume="latest"), progress=False)
+    with pytest.raises(CheckpointError, match="best/trainer_state.pt: missing; only checkpoints saved with optimizer"):
+        train(params(shard, tmp_path / "run", resume=str(tmp_path / "run" / "checkpoints" / "best")), progress=False)
     with pytest.raises(ParamError, match="already holds a run .* resume: latest"):
         train(params(shard, tmp_path / "run"), progress=False)
+    # resume: latest finds nothing to continue there: it starts over (tests/train/test_run_folders.py)
     train(params(shard, tmp_path / "again", max_steps=5), progress=False)
     (tmp_path / "again" / "COMPLETE").unlink()  # killed before its end, with step-4 saved
     with pytest.raises(ParamError, match="written with global_batch 16, this run has 32"):

@@ -4,10 +4,12 @@ nothing in the folder it was copied from; a truncated trainer state is named."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from sft_shard_helpers import write_shard
 
 from cflib.data.tasks import generate
@@ -101,6 +103,26 @@ def test_a_truncated_trainer_state_is_named(killed, shards, tmp_path):
     with pytest.raises(CheckpointError, match=r"step-4/trainer_state.pt: not a readable trainer state \(truncated"):
         train(params(shards["a"], copy, resume="latest"), progress=False)
     assert digest(copy) == before
+
+
+class RunsCode:
+    """What a hostile trainer_state.pt holds: an object whose unpickling would run a command."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/cflib-trainer-state-ran",))
+
+
+def test_a_trainer_state_holding_code_is_refused_without_advice_to_load_it_anyway(killed, shards, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    state = copy / "checkpoints" / "step-4" / "trainer_state.pt"
+    torch.save({**torch.load(state, weights_only=True), "payload": RunsCode()}, state)
+    before = digest(copy)
+    with pytest.raises(CheckpointError) as caught:
+        train(params(shards["a"], copy, resume="latest"), progress=False)
+    assert "step-4/trainer_state.pt: refused: it holds Python objects other than tensors" in str(caught.value)
+    assert "weights_only" not in str(caught.value) and caught.value.__cause__ is None
+    assert digest(copy) == before and not Path("/tmp/cflib-trainer-state-ran").exists()
 
 
 def test_a_metrics_line_cut_off_by_the_kill_is_dropped_on_resume(killed, shards, tmp_path):

@@ -46,6 +46,26 @@ def test_report_to_is_checked_before_anything_runs():
         TrainParams.from_dict({"report_to": "tensorboard", "mlflow_tracking_uri": "http://127.0.0.1:1"})
 
 
+@pytest.mark.parametrize("uri, words", [
+    ("http//localhost:5000", "scheme (none) is none of MLflow's stores"),
+    ("htp://localhost:5000", "scheme htp: is none of MLflow's stores"),
+    ("http://localhost:99999", "Port out of range"),
+    ("http://:5000", "names no host"),
+    ("http://[::1", "not a URI"),
+    ("sqlite://mlflow.db", "a local store is sqlite:/// followed by an absolute path"),
+    ("http://host:5000/ x", "holding spaces"),
+])
+def test_a_malformed_tracking_uri_is_refused_before_anything_runs(tmp_path, uri, words):
+    pytest.importorskip("mlflow")
+    with pytest.raises(ParamError) as caught:
+        TrainParams.from_dict({"report_to": "mlflow", "mlflow_tracking_uri": uri, "out_dir": str(tmp_path / "run")})
+    assert str(caught.value).startswith("mlflow_tracking_uri ") and words in str(caught.value)
+    assert not (tmp_path / "run").exists()
+    for good in ("http://127.0.0.1:5000", "https://mlflow.example.org", "sqlite:////tmp/mlflow.db", "databricks",
+                 "postgresql+psycopg2://user@host/db"):
+        TrainParams.from_dict({"report_to": "mlflow", "mlflow_tracking_uri": good})
+
+
 def test_tensorboard_reads_back_every_scalar_and_the_hparams(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2

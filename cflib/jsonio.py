@@ -1,0 +1,80 @@
+"""JSON read with bounds, with errors that name the file (and line) and say what is wrong.
+
+Every JSON document cflib reads from a user's disk (a shard's index and rows, a
+checkpoint's config.json, a run's record, chat JSONL, a bundle's tokenizer
+files) goes through here: a document past MAX_BYTES or nested deeper than
+MAX_DEPTH is refused by name before any caller walks it, so no input makes a
+reader recurse out of the stack or hold more than its size.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+MAX_BYTES = 64 * 2**20  # one document: a file, or one line of a JSONL file
+MAX_DEPTH = 64  # lists and objects inside each other; cflib's own documents nest a few levels
+
+
+def too_deep(value: Any, limit: int) -> bool:
+    """Whether `value` nests lists and dicts more than `limit` levels (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def parse_json(text: str | bytes, where: str, error: type[Exception]) -> Any:
+    """The JSON value of `text`, or `error` naming `where` (a file, a file:line)."""
+    if len(text) > MAX_BYTES:
+        raise error(f"{where}: {len(text):,} bytes of JSON, more than the {MAX_BYTES:,} cflib reads in one document")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise error(f"{where}: JSON nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as err:  # bad JSON, or bytes that are not UTF-8
+        raise error(f"{where}: not valid JSON ({err})") from None
+    if too_deep(value, MAX_DEPTH):
+        raise error(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
+    return value
+
+
+def read_json(path: str | Path, error: type[Exception], what: str = "JSON file") -> Any:
+    """The JSON document in the file `path`, or `error` naming it: missing, a folder, too large, invalid."""
+    path = Path(path)
+    if path.is_dir():
+        raise error(f"{path}: a folder, not a {what}")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise error(f"{path}: no such {what}") from None
+    except OSError as err:
+        raise error(f"{path}: cannot read the {what} ({err.strerror or err})") from None
+    return parse_json(data, str(path), error)
+
+
+def json_lines(path: str | Path, error: type[Exception], where: Callable[[int], str] | None = None,
+               on_line: Callable[[bytes], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of a JSONL file, read a line at a time (each at most
+    MAX_BYTES); `where(number)` names a line in errors (default `path:number`), `on_line` sees every line's bytes
+    (a digest)."""
+    path = Path(path)
+    name = where or (lambda number: f"{path}:{number}")
+    if path.is_dir():
+        raise error(f"{path}: a folder, not a JSONL file")
+    with open(path, "rb") as handle:
+        number = 0
+        while line := handle.readline(MAX_BYTES + 1):
+            number += 1
+            if len(line) > MAX_BYTES:
+                raise error(f"{name(number)}: a line longer than the {MAX_BYTES:,} bytes cflib reads in one row")
+            if on_line is not None:
+                on_line(line)
+            if line.strip():
+                yield number, parse_json(line, name(number), error)

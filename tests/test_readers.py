@@ -1,0 +1,92 @@
+"""The foundation's readers: YAML and JSON read with bounds, a value shown in an error without its whole size.
+
+Each hostile document below must end in the reader's error naming the file, and at once: the bound in
+`returns_at_once` is generous (a hang lasts hours), it only says the reader did not expand, walk or recurse
+through what the input stands for.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from cflib.errors import ParamError, shown
+from cflib.jsonio import MAX_DEPTH, json_lines, parse_json, read_json
+from cflib.yamlio import MAX_NODES, load_yaml, read_yaml
+
+# Under 500 bytes: nine aliases of nine aliases, nine levels deep, stand for 9**9 (387 million) strings.
+LAUGHS = "".join(f"l{level}: &l{level} [" + ", ".join([f"*l{level - 1}"] * 9) + "]\n" if level else
+                 "l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" for level in range(9))
+
+
+def returns_at_once(call: Callable[[], Any], seconds: float = 5.0) -> Any:
+    """call()'s error (it must raise one), checked to come well inside `seconds`."""
+    start = time.monotonic()
+    with pytest.raises(ParamError) as caught:
+        call()
+    assert time.monotonic() - start < seconds, "the reader walked what the input stands for"
+    return caught.value
+
+
+def test_a_billion_laughs_is_refused_before_it_is_expanded(tmp_path):
+    assert len(LAUGHS.encode()) < 500
+    path = tmp_path / "curriculum.yaml"
+    path.write_text(LAUGHS)
+    error = returns_at_once(lambda: read_yaml(path, ParamError, "curriculum file"))
+    assert str(path) in str(error) and f"more than {MAX_NODES:,} values" in str(error)
+    assert len(str(error)) < 400  # the message names the file, it does not repeat the document
+
+
+def test_aliases_that_stay_small_still_read(tmp_path):
+    document = "shared: &common {lr: 0.003}\nstages:\n  - {name: a, <<: *common}\n  - {name: b, <<: *common}\n"
+    assert load_yaml(document, "c.yaml", ParamError)["stages"][1] == {"name": "b", "lr": 0.003}
+
+
+@pytest.mark.parametrize("document, words", [
+    ("[" * 100_000 + "]" * 100_000, f"nested deeper than {MAX_DEPTH} levels"),
+    ("- " * 100_000 + "x", f"nested deeper than {MAX_DEPTH} levels"),
+    ("a: &a [*a]", "refers to a node that contains it"),
+    ("a: 1\n---\nb: 2\n", "not valid YAML"),
+], ids=["deep-flow", "deep-block", "recursive-alias", "two-documents"])
+def test_hostile_yaml_is_refused_naming_the_file(document, words):
+    error = returns_at_once(lambda: load_yaml(document, "stages.yaml", ParamError))
+    assert str(error).startswith("stages.yaml: ") and words in str(error)
+
+
+def test_a_folder_or_a_missing_file_is_named_for_what_it_was_meant_to_be(tmp_path):
+    with pytest.raises(ParamError, match=f"{tmp_path}: a folder, not a curriculum file"):
+        read_yaml(tmp_path, ParamError, "curriculum file")
+    with pytest.raises(ParamError, match="nowhere.yaml: no such curriculum file"):
+        read_yaml(tmp_path / "nowhere.yaml", ParamError, "curriculum file")
+    with pytest.raises(ParamError, match=f"{tmp_path}: a folder, not a run record"):
+        read_json(tmp_path, ParamError, "run record")
+
+
+def test_deep_json_is_refused_where_python_would_recurse_out_of_its_stack():
+    error = returns_at_once(lambda: parse_json("[" * 200_000 + "]" * 200_000, "config.json", ParamError))
+    assert str(error) == f"config.json: JSON nested deeper than {MAX_DEPTH} levels"
+    # Past the bound but within Python's own limit: refused by the bound, before any caller walks it.
+    with pytest.raises(ParamError, match="nested deeper"):
+        parse_json("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "config.json", ParamError)
+    assert parse_json("[" * MAX_DEPTH + "]" * MAX_DEPTH, "config.json", ParamError) is not None
+
+
+def test_a_jsonl_line_names_its_number(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"a": 1}\n\n' + "[" * 5000 + "]" * 5000 + "\n")
+    rows = json_lines(path, ParamError)
+    assert next(rows) == (1, {"a": 1})
+    with pytest.raises(ParamError, match=f"{path}:3: JSON nested deeper"):
+        next(rows)
+
+
+def test_a_value_in_a_message_is_shown_in_bounded_size():
+    nested: list = ["lol"] * 9
+    for _ in range(9):  # nine levels of nine references: 387 million strings if walked
+        nested = [nested] * 9
+    start = time.monotonic()
+    text = shown(nested)
+    assert time.monotonic() - start < 5.0 and len(text) <= 200
+    assert shown("x" * 10_000).count("x") < 100 and shown(3) == "3"
