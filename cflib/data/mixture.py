@@ -26,12 +26,12 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-import yaml
-
 from cflib.data.shards import ShardPartition
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
+from cflib.yamlio import load_yaml
 
 SOURCE_KEYS = ("path", "weight", "name")
+MAX_SOURCES = 1024  # a mixture names at most this many shard roots: each is opened and checked before step 1
 # Keeps the sources' shuffles apart from the epochs' (np.random.default_rng([seed, epoch])).
 _SOURCE_STREAM = 0x6D6978
 
@@ -39,17 +39,17 @@ _SOURCE_STREAM = 0x6D6978
 def _source(entry: Any, where: str) -> dict:
     """One source of a mixture, checked: {path, weight, name}."""
     if not isinstance(entry, dict):
-        raise ParamError(f"{where} must be a mapping {{path: ROOT, weight: W}} (name optional), got {entry!r}")
+        raise ParamError(f"{where} must be a mapping {{path: ROOT, weight: W}} (name optional), got {shown(entry)}")
     unknown = [key for key in entry if key not in SOURCE_KEYS]
     if unknown:
-        raise ParamError(f"{where}: unknown key {unknown[0]!r}; a source has {', '.join(SOURCE_KEYS)}")
+        raise ParamError(f"{where}: unknown key {shown(unknown[0])}; a source has {', '.join(SOURCE_KEYS)}")
     path, weight, name = entry.get("path"), entry.get("weight"), entry.get("name")
     if not isinstance(path, (str, Path)) or not str(path).strip():
-        raise ParamError(f"{where}.path must name a shard root holding train/ and eval/, got {path!r}")
+        raise ParamError(f"{where}.path must name a shard root holding train/ and eval/, got {shown(path)}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-        raise ParamError(f"{where}.weight ({path}) must be a positive finite number, got {weight!r}")
+        raise ParamError(f"{where}.weight ({path}) must be a positive finite number, got {shown(weight)}")
     if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise ParamError(f"{where}.name ({path}) must be a non-empty string or left out, got {name!r}")
+        raise ParamError(f"{where}.name ({path}) must be a non-empty string or left out, got {shown(name)}")
     return {"path": str(path), "weight": float(weight), "name": name}
 
 
@@ -57,17 +57,16 @@ def data_sources(name: str, value: Any) -> str | tuple[dict, ...]:
     """`data`: "embedded" or one shard root (a string), or a mixture: a list of {path, weight, name} (from YAML, a
     notebook, or papermill's text of the list)."""
     if isinstance(value, str) and value.strip()[:1] in ("[", "-"):
-        try:
-            value = yaml.safe_load(value)
-        except yaml.YAMLError as err:
-            raise ParamError(f"{name}: not a YAML list of sources ({err})") from None
+        value = load_yaml(value, name, ParamError)
     if isinstance(value, (str, Path)):
         if not str(value).strip():
             raise ParamError(f"{name} must be \"embedded\", a shard root, or a list of sources")
         return str(value)
     if not isinstance(value, (list, tuple)) or not value:
         raise ParamError(f"{name} must be \"embedded\", a shard root, or a non-empty list of sources "
-                         f"{{path, weight, name}}, got {value!r}")
+                         f"{{path, weight, name}}, got {shown(value)}")
+    if len(value) > MAX_SOURCES:
+        raise ParamError(f"{name}: {len(value):,} sources, more than the {MAX_SOURCES:,} a mixture may name")
     sources = tuple(_source(entry, f"{name}[{index}]") for index, entry in enumerate(value))
     seen: dict[str, int] = {}
     for index, source in enumerate(sources):

@@ -115,6 +115,11 @@ def test_an_empty_source_or_one_that_draws_nothing_is_named():
      r"data\[1\] \(y/b\) and data\[0\] \(x/a\) are both named 'a'"),
     ([], r"data must be \"embedded\", a shard root, or a non-empty list"),
     (["a", "b"], r"data\[0\] must be a mapping"),
+    ([{"path": f"r{index}", "weight": 1} for index in range(1025)], r"data: 1,025 sources, more than the 1,024"),
+    ("[" + "[" * 200 + "]" * 200 + "]", r"data: .*nest"),  # papermill's text, bounded before it is read
+    ("- &a [x, x, x, x, x, x, x, x, x]\n" + "".join(f"- &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, "
+                                                  f"*{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(12)),
+     r"data: .*alias"),
 ])
 def test_bad_sources_are_refused_naming_the_entry(value, message):
     with pytest.raises(ParamError, match=message):
