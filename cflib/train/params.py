@@ -236,7 +236,7 @@ class Trackers:
     """Experiment trackers, named as transformers names them (cflib.train.trackers): rank 0 reports, never
     blocks."""
 
-    # None or "none"; "tensorboard", "mlflow", "all", or a list
+    # None or "none"; "tensorboard", "mlflow", "wandb", "all", or a list
     report_to: tuple[str, ...] | None = parsed_by(tracker_names)
     mlflow_tracking_uri: str | None = None  # None: an SQLite store in out_dir/mlruns
 

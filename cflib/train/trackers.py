@@ -1,15 +1,16 @@
-"""Experiment trackers beside metrics.jsonl: TensorBoard event files and MLflow runs (`report_to`).
+"""Experiment trackers beside metrics.jsonl: TensorBoard event files, MLflow and W&B runs (`report_to`).
 
 The trainer hands every row it appends to metrics.jsonl to the trackers
 (rank 0 only) and, at the end, the record. No tracker may stop or slow a run:
 TensorBoard's writer queues events for a thread of its own, and every MLflow
-call runs on a worker thread fed by a queue, so a slow or vanished server
-costs the training loop one `put`. A tracker that fails warns once, goes
-quiet, and the run carries on; metrics.jsonl still holds every row.
+and W&B call runs on a worker thread fed by a queue, so a slow or vanished
+server costs the training loop one `put`. A tracker that fails warns once,
+goes quiet, and the run carries on; metrics.jsonl still holds every row.
 
 `out_dir/trackers.json` names where the run went (the TensorBoard folder,
-the MLflow tracking URI and run id), so a resumed run continues the same
-MLflow run and `log_artifacts` can add the notebook's plots to it.
+the MLflow tracking URI and run id, the W&B project and run id), so a
+resumed run continues the same MLflow and W&B run, and `log_artifacts` can
+add the notebook's plots to the MLflow run.
 """
 from __future__ import annotations
 
@@ -27,27 +28,29 @@ from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
 from cflib.train.records import read_metrics
 
-REPORTERS = ("tensorboard", "mlflow")
-_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+REPORTERS = ("tensorboard", "mlflow", "wandb")
+_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 TRACKING_FILE = "trackers.json"
-# How long the end of a run waits for MLflow to take the last metrics and the record; then it goes on without.
+# How long the end of a run waits for MLflow or W&B to take the last metrics and the record; then it goes on without.
 CLOSE_TIMEOUT_S = 30.0
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  # as transformers' MLflow callback reads it
 DEFAULT_EXPERIMENT = "cflib"
+WANDB_PROJECT_ENV = "WANDB_PROJECT"  # as transformers' W&B callback reads it; the W&B project defaults to cflib
 # A vanished server should be noticed in seconds, not after MLflow's default minutes of retries.
 _MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 def resolve_report_to(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
-    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one."""
+    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one
+    installed."""
     if names is None:
         return None
     names = tuple(name.lower() for name in names)
     if names in ((), ("none",)):
         return None
     if "all" in names:
-        return REPORTERS
+        return tuple(name for name in REPORTERS if importlib.util.find_spec(_PACKAGES[name]) is not None) or None
     return names
 
 
@@ -67,7 +70,7 @@ def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None)
 
 
 def scalars(row: dict) -> dict[str, float]:
-    """The tracked scalars of one metrics.jsonl row, under the names both trackers use."""
+    """The tracked scalars of one metrics.jsonl row, under the names every tracker uses."""
     if row.get("event") == "train":
         found = {"train/loss": row.get("loss"), "train/learning_rate": row.get("lr"),
                  "train/grad_norm": row.get("grad_norm")}
@@ -84,8 +87,13 @@ def scalars(row: dict) -> dict[str, float]:
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
+def final_metrics(record: dict) -> dict[str, float]:
+    """The run's last evaluation, under the names its rows had."""
+    return scalars({**record["eval"]["final"], "event": "eval"})
+
+
 def flat_params(params: dict[str, Any]) -> dict[str, str | int | float | bool]:
-    """Parameters as both trackers store them: scalars as they are, None, lists and mappings as text."""
+    """Parameters as the trackers store them: scalars as they are, None, lists and mappings as text."""
     out: dict[str, str | int | float | bool] = {}
     for name, value in params.items():
         if isinstance(value, (bool, int, float, str)):
@@ -137,10 +145,7 @@ class TensorBoardTracker:
             if record is not None:
                 from torch.utils.tensorboard.summary import hparams
 
-                final = record["eval"]["final"]
-                metrics = {"eval/loss": final["loss"], **{f"eval/exact_match/{task}": rate for task, rate in
-                                                           (final.get("exact_match") or {}).items()}}
-                for summary in hparams(flat_params(record["params"]), metrics):
+                for summary in hparams(flat_params(record["params"]), final_metrics(record)):
                     self.writer.file_writer.add_summary(summary)
             self.writer.close()
         except Exception as err:
@@ -153,22 +158,20 @@ class TensorBoardTracker:
 _STOP = object()
 
 
-class MlflowTracker:
-    """One MLflow run per training run; every call to the tracking server runs on this tracker's own thread."""
+class QueuedTracker:
+    """A tracker whose every call to its service runs on a thread of its own, fed by a queue: the training loop
+    pays one `put` per row. A subclass starts its run (`_start`), sends rows (`_send`) and ends it (`_finish`)."""
 
-    name = "mlflow"
+    name = "queued"
+    where = "its service"  # named in the warning a failure gives
 
-    def __init__(self, out_dir: Path, params: dict, tracking_uri: str | None, run_id: str | None,
-                 on_started: Callable[[], None]) -> None:
-        self.out_dir = out_dir
-        self.tracking_uri = tracking_uri or default_tracking_uri(out_dir)
-        self.experiment = os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
-        self.run_id = run_id
+    def __init__(self, out_dir: Path, params: dict, run_id: str | None, on_started: Callable[[], None]) -> None:
+        self.out_dir, self.run_id = out_dir, run_id
         self.error: str | None = None
         self._params, self._on_started = params, on_started
         self._queue: queue.Queue = queue.Queue()
         self._held: Any = None  # an end-of-run item met while batching metrics
-        self._thread = threading.Thread(target=self._work, name="cflib-mlflow", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=f"cflib-{self.name}", daemon=True)
         self._thread.start()
 
     def log(self, values: dict[str, float], step: int) -> None:
@@ -182,16 +185,12 @@ class MlflowTracker:
         if self._thread.is_alive() and not self.error:
             self.error = _warn_once(self.name, "closing", f"the server took no answer within {CLOSE_TIMEOUT_S:g} s")
 
-    def describe(self) -> dict:
-        return {"tracking_uri": self.tracking_uri, "experiment": self.experiment, "run_id": self.run_id,
-                "error": self.error}
-
     # --- on the tracker's thread ------------------------------------------------------
     def _work(self) -> None:
         try:
             self._start()
         except Exception as err:
-            self.error = _warn_once(self.name, f"starting a run at {self.tracking_uri}", err)
+            self.error = _warn_once(self.name, f"starting a run at {self.where}", err)
         while True:
             item, self._held = (self._held, None) if self._held is not None else (self._queue.get(), None)
             if item is _STOP:
@@ -204,7 +203,7 @@ class MlflowTracker:
                 else:
                     self._send([item] + self._more())
             except Exception as err:
-                self.error = _warn_once(self.name, f"sending to {self.tracking_uri}", err)
+                self.error = _warn_once(self.name, f"sending to {self.where}", err)
 
     def _more(self) -> list:
         """The metric updates already queued behind the first, up to one batch: one request for them all."""
@@ -219,6 +218,35 @@ class MlflowTracker:
                 break
             items.append(item)
         return items
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, items: list) -> None:
+        raise NotImplementedError
+
+    def _finish(self, record: dict | None, status: str) -> None:
+        raise NotImplementedError
+
+
+# What the end of a run hands MLflow and W&B beside the metrics.
+RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "loss_weighting.json")
+
+
+class MlflowTracker(QueuedTracker):
+    """One MLflow run per training run."""
+
+    name = "mlflow"
+
+    def __init__(self, out_dir: Path, params: dict, tracking_uri: str | None, run_id: str | None,
+                 on_started: Callable[[], None]) -> None:
+        self.tracking_uri = self.where = tracking_uri or default_tracking_uri(out_dir)
+        self.experiment = os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
+        super().__init__(out_dir, params, run_id, on_started)
+
+    def describe(self) -> dict:
+        return {"tracking_uri": self.tracking_uri, "experiment": self.experiment, "run_id": self.run_id,
+                "error": self.error}
 
     def _start(self) -> None:
         for name, value in _MLFLOW_HTTP_DEFAULTS.items():
@@ -249,10 +277,49 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
     def _finish(self, record: dict | None, status: str) -> None:
-        for name in ("record.json", "metrics.jsonl", "params.json", "loss_weighting.json"):
+        for name in RUN_FILES:
             if (self.out_dir / name).is_file():
                 self.client.log_artifact(self.run_id, str(self.out_dir / name))
         self.client.set_terminated(self.run_id, status=status)
+
+
+class WandbTracker(QueuedTracker):
+    """One W&B run per training run, in the project WANDB_PROJECT names (cflib by default); its local files in
+    out_dir/wandb unless WANDB_DIR says otherwise. WANDB_MODE=offline keeps it on disk for `wandb sync`."""
+
+    name = "wandb"
+
+    def __init__(self, out_dir: Path, params: dict, run_id: str | None, on_started: Callable[[], None]) -> None:
+        self.project = os.environ.get(WANDB_PROJECT_ENV) or DEFAULT_EXPERIMENT
+        self.where = f"W&B project {self.project}"
+        self.mode: str | None = None
+        super().__init__(out_dir, params, run_id, on_started)
+
+    def describe(self) -> dict:
+        return {"project": self.project, "run_id": self.run_id, "mode": self.mode, "error": self.error}
+
+    def _start(self) -> None:
+        import wandb
+
+        folder = Path(os.environ.get("WANDB_DIR") or self.out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        # create_new: a W&B run the user has open in the notebook is left alone; a resumed run continues its own.
+        self.run = wandb.init(project=self.project, name=self.out_dir.name, dir=str(folder), config=self._params,
+                              id=self.run_id, resume="allow" if self.run_id else None, reinit="create_new")
+        self.run_id, self.mode = self.run.id, self.run.settings.mode
+        self._on_started()
+
+    def _send(self, items: list) -> None:
+        for values, step, _ in items:
+            self.run.log(values, step=step)
+
+    def _finish(self, record: dict | None, status: str) -> None:
+        if record is not None:
+            self.run.summary.update(final_metrics(record))
+        for name in RUN_FILES:
+            if (self.out_dir / name).is_file():
+                self.run.save(str(self.out_dir / name), base_path=str(self.out_dir), policy="now")
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 def default_tracking_uri(out_dir: Path) -> str:
@@ -283,6 +350,9 @@ class Trackers:
                 run_id = previous.get("mlflow", {}).get("run_id")
                 uri = previous.get("mlflow", {}).get("tracking_uri") if run_id else tracking_uri
                 self.trackers.append(MlflowTracker(out_dir, params, uri, run_id, on_started=self.save))
+            elif name == "wandb":
+                self.trackers.append(WandbTracker(out_dir, params, previous.get("wandb", {}).get("run_id"),
+                                                  on_started=self.save))
         self._lock = threading.Lock()
         self.save()
 
