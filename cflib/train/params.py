@@ -17,6 +17,7 @@ from typing import Any
 from cflib.data.filters import parse_filters
 from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError
+from cflib.export.push import repo_id_problem
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
 from cflib.params import coerce, composed, is_none_word, parsed_by
@@ -216,6 +217,9 @@ class Checkpoints:
     resume: str | None = parsed_by(resume_choice)
     allow_world_size_change: bool = False  # resume on another number of processes
     allow_resume_changes: tuple[str, ...] | None = None  # changed on purpose by a resume: "data,max_grad_norm"
+    # None; or ORG/NAME: at the end of the run its model (the Hub bundle, or a LoRA run's adapters, with a model card)
+    # pushed to this Hugging Face Hub repository, created private when missing (cflib.export.publish)
+    push_to_hub: str | None = None
 
 
 @dataclass(frozen=True)
@@ -309,6 +313,8 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"max_task_loss_weight must be positive, got {self.max_task_loss_weight}")
         self._validate_curriculum_controls()
         check_report_to(self.report_to, self.mlflow_tracking_uri)
+        if self.push_to_hub is not None and (problem := repo_id_problem(self.push_to_hub)):
+            raise ParamError(f"push_to_hub: {problem}")
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
