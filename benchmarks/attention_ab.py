@@ -53,7 +53,7 @@ from cflib.ops.attention import (
     kernels_of,
     pack_documents,
 )
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 from cflib.ops.sft_loss import SFTLoss
 from cflib.ops.loss import supervised_positions
 from cflib.train.params import TrainParams
@@ -154,8 +154,9 @@ def time_losses(config: ModelConfig, micro: int, seq_len: int, device: torch.dev
     labels[:, :seq_len // 3] = IGNORE_INDEX
     supervised = supervised_positions(labels.cpu()).to(device)
     rows = []
-    for name, plan in (("liger", KernelPlan(liger=True, custom=False)), ("cflib", KernelPlan(liger=True, custom=True))):
-        loss = SFTLoss(plan)
+    for name, kernels in (("liger", KernelChoice(liger=True, custom=False)),
+                          ("cflib", KernelChoice(liger=True, custom=True))):
+        loss = SFTLoss(kernels)
 
         def step(loss=loss):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
@@ -191,7 +192,7 @@ def time_step(args: argparse.Namespace, kind: str, backend: str, data_root: Path
     found = {"tokens_per_s": timing["tokens_per_s"], "supervised_tokens_per_s": timing["supervised_tokens_per_s"],
              "step_ms": [s * 1e3 for s in timing["step_seconds"]], "losses": timing["losses"],
              "peak_memory_gib": peak_memory_gib(device),
-             "kernel_path": {**trainer.model.kernel_path(), "loss": trainer.loss.last_backend}}
+             "kernel_path": {**trainer.model.kernel_path(), "loss": trainer.training_step.loss.last_backend}}
     if args.profile_steps:
         found["profile"] = guarded(lambda: profile_steps(
             trainer.train_step, batches[timed:], device, args.out / "profiles" / f"{kind}-{backend}.txt"))

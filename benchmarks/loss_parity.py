@@ -13,7 +13,7 @@ repeat is exact, and a variant that rounds one operation differently still diffe
 
     python benchmarks/loss_parity.py -f params/sft_200m_release.yaml --steps 50 \\
         --set "init_checkpoint=null,data=embedded,require_release_ready=false,lr=1e-3" \\
-        --variant cflib_adamw=false --variant "bf16_weight_copies=false,cflib_adamw=false" --out FILE
+        --variant "kernel_overrides={cflib_adamw: false}" --variant lr=2e-3 --out FILE
 """
 from __future__ import annotations
 

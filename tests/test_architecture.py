@@ -3,15 +3,16 @@ thing, and the model's forwards read no flags."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from cflib.paths import project_root
 
 PACKAGE = project_root() / "cflib"
 # Higher may import lower, never the other way; model and data share a rank and import neither each other.
-# jobs, the skeleton every job shares, and params, the parameter schema, are foundation too, built on errors
+# jobs, the skeleton every job shares, and schema, the parameter schema, are foundation too, built on errors
 # (and paths).
-LAYERS = {"errors": 0, "atomic": 0, "paths": 0, "yamlio": 0, "jobs": 0.5, "params": 0.5, "ops": 1, "model": 2,
+LAYERS = {"errors": 0, "atomic": 0, "paths": 0, "yamlio": 0, "jobs": 0.5, "schema": 0.5, "ops": 1, "model": 2,
           "data": 2, "export": 3, "train": 4, "bench": 5, "lab": 6}
 # A function longer than this does more than one thing: split it. The few that are longer today may not grow,
 # and leave this list when they are split.
@@ -26,8 +27,8 @@ TESTS = project_root() / "tests"
 # Research probes beside the package, not in it: they import cflib, cflib never imports them.
 BENCHMARKS = project_root() / "benchmarks"
 # Two modules of one name in the package (cflib/x/name.py and cflib/y/name.py) read as one in a traceback or a
-# search; these do today, may not grow, and leave this list when one of each pair is renamed.
-SHARED_MODULE_NAMES = {"evaluate", "params"}
+# search; none may.
+SHARED_MODULE_NAMES: set[str] = set()
 # Each op is tested beside its reference alone: what measures or trains with the ops is tested with them.
 NOT_IN_OP_TESTS = ("cflib.bench", "cflib.train")
 
@@ -43,12 +44,10 @@ def cflib_sources() -> dict[str, Path]:
 
 
 def imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """Every cflib module `path` imports, at its top or inside a function, resolved to a module (not a name)."""
+    """Every cflib module `path` imports, at its top, inside a function or for type checkers only (a type names
+    its module as an import does), resolved to a module (not a name)."""
     found = set()
     tree = ast.parse(path.read_text())
-    for block in ast.walk(tree):  # imports for type checkers only never run
-        if isinstance(block, ast.If) and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING":
-            block.body = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -227,6 +226,58 @@ def test_no_two_modules_of_the_package_share_a_name():
     assert set(shared) <= SHARED_MODULE_NAMES, f"rename one of each: {dict(sorted(shared.items()))}"
     assert SHARED_MODULE_NAMES <= set(shared), (
         f"no longer shared: take them off SHARED_MODULE_NAMES: {sorted(SHARED_MODULE_NAMES - set(shared))}")
+
+
+ARCHITECTURE_PAGE = project_root() / "docs" / "architecture.md"
+FOUNDATION = ("errors", "atomic", "paths", "yamlio", "jobs", "schema")
+
+
+def layer_table(text: str) -> dict[str, tuple[str, str]]:
+    """The architecture page's table of packages: its first cell (`cflib.ops`, foundation) -> (owns, may import)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and cells[0] not in ("package", "---"):
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    return rows
+
+
+def undocumented_modules(text: str) -> dict[str, list[str]]:
+    """Each package's modules its row of the page does not name (as `module`)."""
+    table = layer_table(text)
+    missing = {}
+    packages = {"foundation": list(FOUNDATION)} | {
+        f"cflib.{path.name}": sorted(p.stem for p in path.glob("*.py") if p.stem not in ("__init__", "__main__"))
+        for path in sorted(PACKAGE.iterdir()) if (path / "__init__.py").is_file()}
+    for package, modules in packages.items():
+        named = set(re.findall(r"`([a-z_]+)(?:/|`)", table.get(package, ("", ""))[0]))
+        if absent := [module for module in modules if module not in named]:
+            missing[package] = absent
+    return missing
+
+
+def test_the_architecture_page_names_every_module_of_every_package():
+    assert not undocumented_modules(ARCHITECTURE_PAGE.read_text()), undocumented_modules(ARCHITECTURE_PAGE.read_text())
+
+
+def test_the_architecture_page_says_what_each_package_may_import_as_the_layers_and_the_imports_do():
+    """What the page lets a package import lies below it, and holds every package it does import."""
+    table, graph = layer_table(ARCHITECTURE_PAGE.read_text()), import_graph()
+    for package, (_, may_import) in table.items():
+        if package == "foundation" or "every layer below" in may_import:
+            continue
+        top, rank = layer(package)
+        below = {name for name, other in LAYERS.items() if other < rank and name not in FOUNDATION} - {top}
+        said = set(re.findall(r"\b[a-z]+\b", may_import)) - {"foundation"}
+        imported = {layer(target)[0] for module, targets in graph.items() if layer(module)[0] == top
+                    for target in targets} - {top, "cflib", *FOUNDATION}
+        assert imported <= said <= below, (f"{package} imports {sorted(imported)} and may import {sorted(below)}; "
+                                           f"the page says {may_import!r}")
+
+
+def test_the_page_check_finds_an_unnamed_module():
+    page = "| package | owns | may import |\n| --- | --- | --- |\n| `cflib.ops` | `loss`, `attention` | foundation |\n"
+    assert "dispatch" in undocumented_modules(page)["cflib.ops"] and "loss" not in undocumented_modules(page)["cflib.ops"]
 
 
 def test_each_package_says_what_it_owns_and_may_import():

@@ -1,6 +1,7 @@
 """The README and docs/: a front page of bounded size, links that lead somewhere, pages about the product."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -117,6 +118,33 @@ def test_readme_is_a_front_page():
     size = len(README.read_text())
     assert size <= README_MAX_CHARS, (f"README.md has {size:,} characters (at most {README_MAX_CHARS:,}): "
                                       "move the detail into docs/")
+
+
+QUICKSTART_RECORD = ROOT / "outputs" / "records" / "train_sft_quickstart_cpu.json"
+
+
+def quickstart_account(record: dict) -> str:
+    """What `make train` did, in the README's words, from the quickstart's record."""
+    final, start = record["eval"]["final"], record["eval"]["at_start"]
+    by_task = final["exact_match"]
+    minutes, seconds = divmod(round(record["timing"]["wall_s"]), 60)
+    return (f"a {record['params_total'] / 1e6:.1f}M-parameter TR-MoE from scratch on two embedded synthetic tasks "
+            f"(three-digit addition, upper-casing a word). On a 2-core CPU the run took {minutes} min {seconds} s "
+            f"(commit {record['framework']['cflib_commit'][:7]}; set-up and data generation apart) and lifted "
+            f"held-out exact match from {start['exact_match']['overall']:.3f} to {by_task['overall']:.3f} "
+            f"(addition {by_task['addition']:.2f}, upper-casing {by_task['uppercase']:.2f}) in "
+            f"{record['schedule']['steps_done']:,} optimizer steps over {record['schedule']['epochs_started']} epochs, "
+            f"held-out loss {start['loss']:.3f} -> {final['loss']:.3f}")
+
+
+def test_the_readme_s_quickstart_figures_are_its_record_s():
+    """The figures README.md and params/quickstart.yaml give for `make train` are its committed record's."""
+    record = json.loads(QUICKSTART_RECORD.read_text())
+    assert quickstart_account(record) in " ".join(README.read_text().split())
+    size = f"a {record['params_total'] / 1e6:.1f}M-parameter TR-MoE"
+    comment = " ".join(line.lstrip("# ") for line in (ROOT / "params" / "quickstart.yaml").read_text().splitlines()
+                       if line.startswith("#"))
+    assert size in comment and not re.search(r"\b\d+(\.\d+)?\b(?!M-parameter)", comment.replace(size, "")), comment
 
 
 def test_the_manual_is_in_docs_and_the_readme_links_to_every_page():

@@ -33,8 +33,8 @@ class SmoothedLoss:
     """Cross-entropy plus a small penalty on the hidden states' scale."""
     last_backend = "none"
 
-    def __init__(self, plan):
-        self.plan = plan
+    def __init__(self, kernels):
+        self.kernels = kernels
 
     def __call__(self, hidden, head_weight, labels, loss_chunk_tokens, fp32_loss, token_weights=None,
                  supervised=None):

@@ -1,4 +1,4 @@
-"""cflib.params: fields declared once, read from papermill strings, YAML values and a notebook's namespace."""
+"""cflib.schema: fields declared once, read from papermill strings, YAML values and a notebook's namespace."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +7,7 @@ import pytest
 from papermill.translators import translate_parameters
 
 from cflib.errors import ParamError
-from cflib.params import Params, coerce, composed, injected_names, parsed_by
+from cflib.schema import Params, coerce, composed, injected_names, parsed_by
 
 
 def doubled(name: str, value: object) -> int:

@@ -17,7 +17,7 @@ SMOKE = project_root() / "params" / "smoke.yaml"
 def test_the_same_function_is_within_the_noise_and_another_is_not(tmp_path):
     """cflib's AdamW kernel (the interpreter here) against torch's: within; a tenfold learning rate: outside."""
     out = tmp_path / "records" / "parity.json"  # its folder is made
-    main(["-f", str(SMOKE), "--set", "lr=2e-3", "--steps", "3", "--variant", "cflib_adamw=true",
+    main(["-f", str(SMOKE), "--set", "lr=2e-3", "--steps", "3", "--variant", "kernel_overrides={cflib_adamw: true}",
           "--variant", "lr=1e-2", "--out", str(out)])
     record = json.loads(out.read_text())
     assert record["job"] == "loss_parity" and record["steps"] == 3 and record["params"]["lr"] == 2e-3

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from cflib.data.shards import IGNORE_INDEX
 from cflib.model.config import ModelConfig, preset
-from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, rope_cos_sin, rope_inv_freq
+from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, kernels_of, rope_cos_sin, rope_inv_freq
 from cflib.model.fast import AddRMSNorm, EpilogueSwiGLUEngine, FusedTRMoEEngine, LigerRMSNorm
 from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_problem, pack_documents
-from cflib.ops.dispatch import KernelPlan, quack_problem
+from cflib.ops.dispatch import KernelChoice, quack_problem
 from cflib.ops.sft_loss import SFTLoss
 
 # bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3
@@ -73,7 +73,7 @@ def _rms_module(inputs: dict, cls: type[RMSNorm] = RMSNorm) -> RMSNorm:
 
 def _rms_fast(inputs):
     norm = _rms_module(inputs, LigerRMSNorm)
-    return norm(inputs["x"]), norm.ran["rmsnorm"]
+    return norm(inputs["x"]), kernels_of(norm)["rmsnorm"]
 
 
 def _add_norm_inputs(shape, gen, device):
@@ -90,7 +90,7 @@ def _add_norm_reference(inputs):
 def _add_norm_fast(inputs):
     norm = _rms_module(inputs, AddRMSNorm)
     total, normed = norm.add_norm(inputs["h"], inputs["delta"])
-    return torch.cat([total.flatten(), normed.flatten().to(total.dtype)]), norm.ran["rmsnorm"]
+    return torch.cat([total.flatten(), normed.flatten().to(total.dtype)]), kernels_of(norm)["rmsnorm"]
 
 
 def _rope_inputs(shape, gen, device):
@@ -198,8 +198,8 @@ def _moe_fast(cls: type[FusedTRMoEEngine], kernel: str, keep_activation: bool):
     def fast(inputs):
         engine = _engine(inputs, cls, keep_activation)
         out = engine(inputs["x"], inputs["token_ids"])
-        ran = engine.ran[kernel]
-        return out, f"{ran}, activation {engine.ran['swiglu_activation']}" if keep_activation else ran
+        ran = kernels_of(engine)
+        return out, f"{ran[kernel]}, activation {ran['swiglu_activation']}" if keep_activation else ran[kernel]
     return fast
 
 
@@ -231,9 +231,9 @@ def _loss_reference(inputs):
     return (losses * weights if weights is not None else losses).sum()
 
 
-def _loss_fast(plan: KernelPlan):
+def _loss_fast(kernels: KernelChoice):
     def run(inputs):
-        loss = SFTLoss(plan)
+        loss = SFTLoss(kernels)
         out, _ = loss(inputs["hidden"], inputs["head_weight"], inputs["labels"], 1024, False,
                       token_weights=inputs.get("token_weights"))
         return out, loss.last_backend
@@ -321,12 +321,12 @@ COMPONENTS = [
               ENGINE_WEIGHTS, _moe_reference, _moe_fast(EpilogueSwiGLUEngine, "swiglu", True),
               unavailable=_epilogue_unavailable),
     Component("loss", "liger_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False), ("head_weight",),
-              _loss_reference, _loss_fast(KernelPlan(liger=True, custom=False))),
+              _loss_reference, _loss_fast(KernelChoice(liger=True, custom=False))),
     Component("weighted_loss", "cflib_triton_fused_linear_ce_weighted", lambda s, g, d: _loss_inputs(s, g, d, True),
-              ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=False, custom=True))),
+              ("head_weight",), _loss_reference, _loss_fast(KernelChoice(liger=False, custom=True))),
     # The production unweighted loss (cflib.ops.sft_loss.SFTLoss: cflib's kernels take it from Liger's).
     Component("cflib_loss", "cflib_triton_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False),
-              ("head_weight",), _loss_reference, _loss_fast(KernelPlan(liger=True, custom=True))),
+              ("head_weight",), _loss_reference, _loss_fast(KernelChoice(liger=True, custom=True))),
     *_attention_components(),
 ]
 

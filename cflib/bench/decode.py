@@ -7,7 +7,7 @@ a GPU (fp32 with --smoke, a tiny model on the CPU in seconds):
   decoder          cflib.model.generate.Decoder: static KV cache, each decode step replayed as a CUDA graph
   decoder_eager    the same decoder launching every kernel from the host (what the graph saves)
   decoder_compiled the decoder with its decode step compiled by torch.compile (inductor) before the capture
-  decoder_kernels  the decoder with the fast kernels of plan_kernels("auto") (Triton TR-MoE, fused QKV
+  decoder_kernels  the decoder with the fast kernels of choose_kernels("auto") (Triton TR-MoE, fused QKV
                    norm+RoPE, add+RMSNorm, Liger): the path read back is recorded
                    (decoder_compiled runs last: its compile takes the longest)
   no_cache         one full forward per new token (how exact match decoded before the cache)
@@ -23,7 +23,7 @@ and with the static cache compiled. Each path is timed once after a warm-up call
 capture, kernel selection for every cache length, compilation: twice for the compiled static paths, whose CUDA
 graphs record on the second), between
 torch.cuda.synchronize calls, prefill included; tokens/s counts new tokens. Then exact match
-(cflib.train.evaluate.exact_match, with the fast kernels as training evaluates on a GPU) over
+(cflib.train.held_out.exact_match, with the fast kernels as training evaluates on a GPU) over
 held-out prompts at the released data's lengths (cflib.bench.synthetic.write_release_like_eval) is
 timed end to end, graph captures included.
 Every part is guarded: one that fails records its error and the others still run. DIR/record.json.
@@ -53,8 +53,8 @@ from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
 from cflib.model.decoder import rope_inv_freq
 from cflib.model.fast import use_kernels
 from cflib.model.generate import Decoder
-from cflib.ops.dispatch import KernelPlan, plan_kernels
-from cflib.train.evaluate import exact_match
+from cflib.ops.dispatch import KernelChoice, choose_kernels
+from cflib.train.held_out import exact_match
 from cflib.train.records import count_parameters
 from cflib.train.run import resolve_device
 
@@ -265,17 +265,17 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
             for name, other in (("no_cache", no_cache), *transformers_paths.items()):
                 if other and name != "hf_llama" and name != "hf_llama_static":
                     record[name]["agreement_with_decoder"] = agreement(other["tokens"], reference["tokens"])
-        plan = plan_kernels("auto", require_liger=False, device=device)
-        use_kernels(model, plan)  # from here on: the fast kernels, as training evaluates on a GPU
+        choice = choose_kernels("auto", require_liger=False, device=device)
+        use_kernels(model, choice)  # from here on: the fast kernels, as training evaluates on a GPU
         kernels = section(record, "decoder_kernels",
                           lambda: decoder_path(model, prompts, settings, device, graph), out)
-        record["decoder_kernels"]["plan"] = plan.describe()
+        record["decoder_kernels"]["plan"] = choice.describe()
         if reference and kernels:
             record["decoder_kernels"]["agreement_with_decoder"] = agreement(kernels["tokens"], reference["tokens"])
         release_memory(device)
         section(record, "exact_match_pass", lambda: exact_match_pass(model, settings, device, work), out)
         if graph:  # last: inductor's compile takes the longest, and the figures above do not wait for it
-            use_kernels(model, KernelPlan(liger=False, custom=False))
+            use_kernels(model, KernelChoice(liger=False, custom=False))
             release_memory(device)
             compiled = section(record, "decoder_compiled", lambda: decoder_path(
                 model, prompts, settings, device, cuda_graph=True, compile_step=True), out)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from cflib.bench.synthetic import LENGTH_SIGMA, realistic_lengths
-from cflib.data.packing import PackPlan, collate_packed, plan_packs
+from cflib.data.packing import PackedWindows, collate_packed, pack_examples
 from cflib.data.shards import ShardPartition, collate
 from cflib.errors import ParamError
 
@@ -51,11 +51,11 @@ class Feed:
     description: str
     unit: str  # "windows" or "examples": what a micro-batch counts
     varlen: bool  # the batch needs a varlen attention kernel
-    collate: Callable[[ShardPartition, PackPlan, np.ndarray], dict]
+    collate: Callable[[ShardPartition, PackedWindows, np.ndarray], dict]
     compiled: bool = False  # the model runs under torch.compile
 
 
-def padded_batch(data: ShardPartition, plan: PackPlan, examples: np.ndarray) -> dict:
+def padded_batch(data: ShardPartition, plan: PackedWindows, examples: np.ndarray) -> dict:
     """Examples right-padded to the longest (pad id EOS, label -100) with the attention mask of the real tokens."""
     input_ids, labels = collate([data[int(i)] for i in examples], data.eos_token_id)
     lengths = torch.as_tensor(data.lengths[np.asarray(examples)])
@@ -63,13 +63,13 @@ def padded_batch(data: ShardPartition, plan: PackPlan, examples: np.ndarray) -> 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def packed_batch(data: ShardPartition, plan: PackPlan, windows: np.ndarray) -> dict:
+def packed_batch(data: ShardPartition, plan: PackedWindows, windows: np.ndarray) -> dict:
     """The project's windows without their document ids: one causal sequence each, an all-ones attention mask."""
     input_ids, labels, _documents, _rows = collate_packed(data, plan, windows)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
 
 
-def flattened_batch(data: ShardPartition, plan: PackPlan, windows: np.ndarray) -> dict:
+def flattened_batch(data: ShardPartition, plan: PackedWindows, windows: np.ndarray) -> dict:
     """The windows' examples in one row: no separators and no padding, positions restarting at each example."""
     examples = plan.examples_of(windows)
     lengths = data.lengths[examples]
@@ -103,7 +103,7 @@ class RealisticStream:
     """The windows one realistic-length measurement trains, warm-up first."""
 
     data: ShardPartition
-    plan: PackPlan
+    plan: PackedWindows
     order: np.ndarray  # window indices, in the order trained
     micro: int
     warmup_steps: int
@@ -154,7 +154,7 @@ def _chunks(examples: np.ndarray, size: int) -> list[np.ndarray]:
 def realistic_stream(data: ShardPartition, seq_len: int, micro: int, warmup_steps: int, timed_steps: int,
                      seed: int) -> RealisticStream:
     """The first micro x (warm-up + timed) windows of the shard's pack plan in a seeded order, or ParamError."""
-    plan = plan_packs(data.lengths, seq_len)
+    plan = pack_examples(data.lengths, seq_len)
     needed = micro * (warmup_steps + timed_steps)
     if len(plan) < needed:
         raise ParamError(f"shard {data.directory}: its {len(data):,} examples pack into {len(plan):,} windows of "
@@ -168,6 +168,6 @@ def examples_to_fill(windows: int, seq_len: int, median: int, seed: int) -> int:
     """How many generated examples (synthetic.realistic_lengths, this seed) pack into at least `windows` windows."""
     mean = median * math.exp(LENGTH_SIGMA ** 2 / 2)
     count = math.ceil(1.1 * windows * seq_len / (min(mean, seq_len) + 1)) + 8
-    while len(plan_packs(realistic_lengths(count, median, seq_len, seed), seq_len)) < windows:
+    while len(pack_examples(realistic_lengths(count, median, seq_len, seed), seq_len)) < windows:
         count = math.ceil(count * 1.25)
     return count

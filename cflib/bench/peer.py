@@ -22,10 +22,11 @@ import torch
 
 from cflib.data.shards import IGNORE_INDEX, ShardPartition, collate
 from cflib.model.config import ModelConfig
-from cflib.train.evaluate import autocast
+from cflib.train.batch import to_device
+from cflib.train.held_out import autocast
 from cflib.train.optim import lr_factor, make_optimizer
 from cflib.train.params import TrainParams
-from cflib.train.batch import to_device
+from cflib.train.step import adamw_settings
 
 
 class PathUnavailable(RuntimeError):
@@ -199,7 +200,7 @@ class PeerTrainer:
                  total_steps: int, compile_backend: str | None = None, compile_target: str = "model") -> None:
         self.model, self.params, self.device, self.data = model, params, device, data
         self.train_model = compile_peer(model, compile_target if compile_backend else "none", compile_backend)
-        self.optimizer = make_optimizer(model, params, device)
+        self.optimizer = make_optimizer(model, adamw_settings(params), fused=device.type == "cuda")
         warmup = math.ceil(params.warmup_ratio * total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, warmup, total_steps))

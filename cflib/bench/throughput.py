@@ -57,7 +57,7 @@ from cflib.model.checkpoint import save_checkpoint
 from cflib.model.config import PRESETS, ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.paths import resolve_path
-from cflib.params import Params
+from cflib.schema import Params
 from cflib.train.optim import describe_optimizer, optimizer_kernel
 from cflib.train.params import DEVICES, ParamError, TrainParams
 from cflib.train.records import count_parameters
@@ -70,13 +70,15 @@ PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "production": {"use_custom_kernels": "true", "require_liger": True},
     # production with the TR-MoE block's SwiGLU in cflib's own kernel, where production (epilogue_swiglu: auto)
     # takes quack's GEMM epilogue on Hopper with quack-kernels installed
-    "production_cflib_swiglu": {"use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "false"},
+    "production_cflib_swiglu": {"use_custom_kernels": "true", "require_liger": True,
+                                "kernel_overrides": {"epilogue_swiglu": "false"}},
     # production with every kernel launched from the host: no CUDA graph replays (cflib.train.graphs)
-    "production_eager": {"use_custom_kernels": "true", "require_liger": True, "cuda_graphs": "false"},
+    "production_eager": {"use_custom_kernels": "true", "require_liger": True,
+                         "kernel_overrides": {"cuda_graphs": "false"}},
     # production as it ran before the BF16 weight copies and cflib's AdamW kernel (both on by default on one GPU):
     # autocast's casts of the FP32 masters in every forward, torch's fused AdamW
-    "production_casts": {"use_custom_kernels": "true", "require_liger": True, "bf16_weight_copies": "false",
-                         "cflib_adamw": "false"},
+    "production_casts": {"use_custom_kernels": "true", "require_liger": True,
+                         "kernel_overrides": {"bf16_weight_copies": "false", "cflib_adamw": "false"}},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
 # measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.
@@ -88,19 +90,16 @@ LORA_PATHS: dict[str, dict[str, Any]] = {
 PROJECT_PATHS.update(LORA_PATHS)
 # Variants of production measured when named, to take a difference side by side: its last layer computing every
 # row, as it does for a loss that reads every position (the SFT loss reads the supervised rows alone, so
-# production computes only those after the last attention); the residual stream in BF16; the FP32 stream with
-# its gradient in BF16 (both need bf16); the tied-head loss in chunks of 4,096 tokens, whatever loss_chunk_tokens
-# the run sets (each chunk's head-gradient GEMM then accumulates 4x the tokens per pass over its FP32 sum); every
-# plain GEMM on cuBLAS, where production (quack_gemms: auto) takes quack's kernel at the shapes it runs faster; the
-# TR-MoE block's activation recomputed in backward in every layer, where production keeps it from forward (less
-# memory, more traffic).
+# production computes only those after the last attention); the tied-head loss in chunks of 4,096 tokens,
+# whatever loss_chunk_tokens the run sets (each chunk's head-gradient GEMM then accumulates 4x the tokens per pass
+# over its FP32 sum); every plain GEMM on cuBLAS, where production (quack_gemms: auto) takes quack's kernel at the
+# shapes it runs faster; the TR-MoE block's activation recomputed in backward in every layer, where production
+# keeps it from forward (less memory, more traffic).
 VARIANT_PATHS: dict[str, dict[str, Any]] = {
     "production_every_row": PROJECT_PATHS["production"],
-    "production_bf16_residual": {**PROJECT_PATHS["production"], "bf16_residual": True},
-    "production_bf16_residual_gradient": {**PROJECT_PATHS["production"], "bf16_residual_gradient": True},
     "production_loss_chunk_4096": {**PROJECT_PATHS["production"], "loss_chunk_tokens": 4096},
-    "production_cublas_gemms": {**PROJECT_PATHS["production"], "quack_gemms": "false"},
-    "production_recomputed_activation": {**PROJECT_PATHS["production"], "kept_swiglu_layers": 0},
+    "production_cublas_gemms": {**PROJECT_PATHS["production"], "kernel_overrides": {"quack_gemms": "false"}},
+    "production_recomputed_activation": {**PROJECT_PATHS["production"], "kernel_overrides": {"kept_swiglu_layers": 0}},
 }
 EVERY_ROW_PATHS = ("production_every_row",)
 PROJECT_PATHS.update(VARIANT_PATHS)
@@ -220,23 +219,24 @@ def train_params(params: ThroughputParams, micro: int, steps: int, data_root: Pa
 
 def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | None = None) -> Session:
     run = prepare(tparams)
+    if name in EVERY_ROW_PATHS:  # as for a loss that reads every position
+        run.plan = dataclasses.replace(run.plan, supervised_rows_only=False)
     trainer = Trainer(run, progress=False)
-    if name in EVERY_ROW_PATHS:
-        trainer.loss_rows_only = False
+    training = trainer.training_step
     model, p = run.model, run.params
     counts = count_parameters(model)
     active = model.config.active_parameters()
     step = trainer.train_step
     if stream is not None:  # the release layout: the stream's windows, which are the windows prepare() planned
-        if not np.array_equal(run.pack_plan.members, stream.plan.members):
+        if not np.array_equal(run.packed.members, stream.plan.members):
             raise RuntimeError("the run's pack plan differs from the measured stream's: the paths would not train "
                                "the same examples")
 
         def step(windows: np.ndarray, next_windows: np.ndarray | None = None) -> dict:
             return {**trainer.train_step(windows, next_windows),
                     "real_tokens": int(stream.data.lengths[stream.plan.examples_of(windows)].sum())}
-    return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(trainer.optimizer),
-                                  "gemms": trainer.gemms.describe()},
+    return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(training.optimizer),
+                                  "gemms": training.gemms.describe()},
                    trainer=trainer, facts={
         **counts, "params_active": active,
         "model_flops_per_token": flops_per_token(active, model.config.num_hidden_layers, model.config.hidden_size,
@@ -245,9 +245,9 @@ def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | 
         "precision": "bf16-autocast" if p.bf16 else "fp32",
         "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
         "loss_chunk_tokens": p.loss_chunk_tokens,
-        "grad_ckpt": bool(model.grad_ckpt),
-        "compiled": compiled(trainer.train_model),
-        "optimizer": describe_optimizer(trainer.optimizer),
+        "grad_ckpt": run.plan.grad_ckpt,
+        "compiled": compiled(training.train_model),
+        "optimizer": describe_optimizer(training.optimizer),
     })
 
 
@@ -315,7 +315,7 @@ def measure_path(name: str, micro: int, params: ThroughputParams, device: torch.
             entry["peak_memory_gib"] = peak_memory_gib(device)
             entry["kernel_path"] = session.kernel_path()  # what the forward passes used, read back
             if session.trainer is not None:
-                entry["step_capture"] = session.trainer.graphs_summary()
+                entry["step_capture"] = session.trainer.training_step.graphs_summary()
         except torch.cuda.OutOfMemoryError as err:
             return {**entry, "status": "oom", "reason": error_line(err), "peak_memory_gib": peak_memory_gib(device)}
         except Exception as err:

@@ -35,8 +35,8 @@ from cflib.bench.search import GIB, Probe, Search, search, sweep
 from cflib.data.shards import Example, write_partition
 from cflib.jobs import ANYTHING, job_out_dir, record_header
 from cflib.model.config import ConfigError, ModelConfig, preset
-from cflib.params import composed, parsed_by
 from cflib.paths import resolve_path
+from cflib.schema import composed, parsed_by
 from cflib.train.params import DEVICES, Model, ParamError, TrainParams, gradient_accumulation, kernel_choice
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer

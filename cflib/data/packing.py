@@ -1,6 +1,6 @@
 """Packing whole examples into fixed `seq_len` windows, never splitting one.
 
-The plan is computed once per run (best-fit decreasing: each example, longest
+The windows are computed once per run (best-fit decreasing: each example, longest
 first, goes into the open window it fills most tightly) and the windows are
 then shuffled per epoch like examples. Consecutive examples in a window are
 separated by one EOS token whose label is -100; the tail is padded with EOS,
@@ -19,7 +19,7 @@ from cflib.data.shards import IGNORE_INDEX, ShardPartition
 
 
 @dataclass
-class PackPlan:
+class PackedWindows:
     """Windows of whole examples: window w holds members[offsets[w]:offsets[w + 1]], in order."""
 
     seq_len: int
@@ -37,7 +37,7 @@ class PackPlan:
         return np.concatenate([self.window(int(w)) for w in windows])
 
     def efficiency(self, lengths: np.ndarray, supervised_counts: np.ndarray) -> dict:
-        """Real and supervised tokens per window, over the whole plan (separators count as real)."""
+        """Real and supervised tokens per window, over every window (separators count as real)."""
         windows = len(self)
         real = int(lengths.sum()) + len(self.members) - windows  # one separator between neighbours
         supervised = int(supervised_counts.sum())
@@ -49,7 +49,7 @@ class PackPlan:
                 "supervised_fraction": supervised / (windows * self.seq_len)}
 
 
-def plan_packs(lengths: np.ndarray, seq_len: int) -> PackPlan:
+def pack_examples(lengths: np.ndarray, seq_len: int) -> PackedWindows:
     """Best-fit decreasing over example lengths; an example joining a window costs its length plus a separator."""
     lengths = np.asarray(lengths, dtype=np.int64)
     too_long = np.flatnonzero(lengths > seq_len)
@@ -76,7 +76,7 @@ def plan_packs(lengths: np.ndarray, seq_len: int) -> PackPlan:
     sizes = np.array([len(w) for w in windows], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     members = np.array([e for w in windows for e in w], dtype=np.int64)
-    return PackPlan(seq_len, members, offsets)
+    return PackedWindows(seq_len, members, offsets)
 
 
 def pack_window(data: ShardPartition, members: np.ndarray, seq_len: int) -> tuple[torch.Tensor, ...]:
@@ -110,7 +110,7 @@ def pack_window(data: ShardPartition, members: np.ndarray, seq_len: int) -> tupl
     return tuple(torch.from_numpy(column) for column in (input_ids, labels, document_ids, example_index))
 
 
-def collate_packed(data: ShardPartition, plan: PackPlan, windows: Sequence[int]) -> tuple[torch.Tensor, ...]:
+def collate_packed(data: ShardPartition, packed: PackedWindows, windows: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """Stacked windows: input_ids, labels, document_ids, example_index, each [B, seq_len]."""
-    parts = [pack_window(data, plan.window(int(w)), plan.seq_len) for w in windows]
+    parts = [pack_window(data, packed.window(int(w)), packed.seq_len) for w in windows]
     return tuple(torch.stack(column) for column in zip(*parts))

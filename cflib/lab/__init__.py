@@ -14,16 +14,16 @@ from cflib.lab.form import compare_form, sweep_form, throughput_form, train_form
 from cflib.lab.report import (
     export_run,
     headline,
-    plan_like_this_run,
+    size_like_this_run,
     plot_loss_curves,
     plot_loss_weighting,
     show_answers,
-    show_data_plan,
+    show_data,
     show_exact_match,
     summary,
 )
 
-__all__ = ["compare_form", "sweep_form", "export_run", "headline", "plan_like_this_run", "plot_loss_curves",
+__all__ = ["compare_form", "sweep_form", "export_run", "headline", "size_like_this_run", "plot_loss_curves",
            "plot_loss_weighting", "plot_run_curves", "plot_stage_curves", "show_answers", "stage_table",
-           "show_data_plan", "show_exact_match", "summary", "throughput_form", "train_form", "tune_form",
+           "show_data", "show_exact_match", "summary", "throughput_form", "train_form", "tune_form",
            "validate_form"]

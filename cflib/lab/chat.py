@@ -35,8 +35,8 @@ from cflib.export.peft import is_adapter_checkpoint
 from cflib.jobs import job_out_dir, record_header
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
-from cflib.params import Params, as_given, coerce, parsed_by
 from cflib.paths import resolve_path
+from cflib.schema import Params, as_given, coerce, parsed_by
 from cflib.train import TrainParams, fit, prepare
 from cflib.train.records import count_parameters
 from cflib.train.run import resolve_device

@@ -24,11 +24,11 @@ from tqdm.auto import tqdm
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
 from cflib.jobs import new_out_dir
-from cflib.params import Params, parsed_by
 from cflib.paths import resolve_path
+from cflib.schema import Params, parsed_by
 from cflib.train.records import read_metrics
 
-SWEEP_FILE = "sweep.json"  # a sweep folder's plan and the state of each point (cflib.lab.sweep)
+SWEEP_FILE = "sweep.json"  # a sweep folder's points and the state of each (cflib.lab.sweep)
 METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "tokens_per_s", "peak_memory_gib", "wall_s")
 # Parameters that name where a run lives, not what it trained.
 _NOT_COMPARED = ("out_dir", "resume")

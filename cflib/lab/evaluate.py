@@ -40,8 +40,8 @@ from cflib.lab.chat import train_here
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
 from cflib.model import CheckpointError, load_checkpoint
-from cflib.params import Params, as_given, parsed_by
 from cflib.paths import resolve_path
+from cflib.schema import Params, as_given, parsed_by
 from cflib.train.run import resolve_device
 
 SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data

@@ -29,7 +29,7 @@ from cflib.bench.throughput import BATCHES, ThroughputParams
 from cflib.bench.tune import TuneParams
 from cflib.bench.validate import resolve_grid
 from cflib.lab.compare import CompareParams
-from cflib.lab.sweep import SweepParams, plan_sweep
+from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.paths import project_root, resolve_path
 from cflib.train.params import ParamError, TrainParams, load_params_file
 from cflib.train.run import batch_arithmetic, describe_arithmetic
@@ -131,7 +131,7 @@ def throughput_form(namespace: dict[str, Any]) -> "ParameterForm | None":
 def sweep_form(namespace: dict[str, Any]) -> "ParameterForm | None":
     """sweep.ipynb's form: SweepParams checks the values; every point and what this sweep does with it below."""
     return parameter_form(namespace, SweepParams.names(), check=lambda values: SweepParams.from_dict(values, "form"),
-                          derived=lambda params: plan_sweep(params).describe())
+                          derived=lambda params: expand_sweep(params).describe())
 
 
 def compare_form(namespace: dict[str, Any]) -> "ParameterForm | None":

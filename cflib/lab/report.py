@@ -15,9 +15,9 @@ from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
 from cflib.train import Run
 from cflib.train.curriculum_run import CurriculumRun
-from cflib.train.evaluate import final_turn
-from cflib.train.plan import format_arithmetic, run_arithmetic
+from cflib.train.held_out import final_turn
 from cflib.train.records import read_metrics
+from cflib.train.sizing import format_arithmetic, run_arithmetic
 
 
 def _elsewhere(record: dict) -> str | None:
@@ -171,8 +171,8 @@ def summary(record: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_like_this_run(record: dict, gpus: int = 8, epochs: int = 3) -> str:
-    """The planner's arithmetic for `epochs` passes over this run's data on `gpus` data-parallel
+def size_like_this_run(record: dict, gpus: int = 8, epochs: int = 3) -> str:
+    """The sizing arithmetic for `epochs` passes over this run's data on `gpus` data-parallel
     ranks, at this run's measured steady throughput per rank."""
     measured = record.get("throughput", {}).get("steady_state_tokens_per_s")
     if not measured:
@@ -207,8 +207,8 @@ def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) ->
     return fig
 
 
-def show_data_plan(run: Run | CurriculumRun) -> None:
-    """Before training: the shard preflight, the packing plan and the loss-weighting plot
+def show_data(run: Run | CurriculumRun) -> None:
+    """Before training: the shard preflight, the packed windows and the loss-weighting plot
     (its table is part of run.describe()); a curriculum's audit of every stage is its describe()."""
     if isinstance(run, CurriculumRun):
         print("every stage's data, weights and batch arithmetic: the table above (dry_run: true writes it alone)")

@@ -1,12 +1,12 @@
 """A grid of train_sft runs: the sweep's parameters, its points, and what a re-run does with each.
 
-`plan_sweep(SweepParams)` expands `grid` (the full product) or `points`
+`expand_sweep(SweepParams)` expands `grid` (the full product) or `points`
 over `repeats` seeds, checks every point with TrainParams and the batch
 arithmetic before any of them runs, and reads what `out_dir` already holds:
 a finished point is skipped, a killed one resumes from its latest resumable
 checkpoint (train_sft's `resume: latest`), a failed one stays failed unless
 `rerun_failed`. A point that fails its checks is failed from the start; the
-others still run. `cflib.lab.sweep_run.run_sweep` then runs the plan, one
+others still run. `cflib.lab.sweep_run.run_sweep` then runs the points, one
 papermill run of train_sft.ipynb per point, and the sweep ends with
 `cflib.lab.compare` over its points.
 """
@@ -30,8 +30,8 @@ from cflib.errors import ParamError
 from cflib.jobs import job_out_dir
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
 from cflib.model.checkpoint import CheckpointError, latest_resumable
-from cflib.params import Params, is_none_word, parsed_by, reject_unknown
 from cflib.paths import resolve_path
+from cflib.schema import Params, is_none_word, parsed_by, reject_unknown
 from cflib.train.params import TrainParams, load_params_file
 from cflib.train.run import RUN_FILES, batch_arithmetic
 from cflib.yamlio import read_yaml
@@ -206,14 +206,14 @@ class Sweep:
     swept: list[str]
 
     def save(self) -> None:
-        """sweep.json: the plan and every point's state, replaced whole at every change."""
+        """sweep.json: the points and every point's state, replaced whole at every change."""
         p = self.params
         write_json_atomic(self.out_dir / SWEEP_FILE, {
             "base": p.base, "grid": p.grid, "points_given": list(p.points) if p.points else None,
             "repeats": list(p.seeds), "gpus": list(p.gpus) if p.gpus else "cpu", "swept": self.swept,
             "metric": p.metric, "points": [point.state(self.out_dir) for point in self.points]})
 
-    def plan_table(self) -> str:
+    def points_table(self) -> str:
         """The points and what each overrides (deterministic for given parameters)."""
         width = max(len(point.name) for point in self.points)
         return "\n".join(f"{point.name:<{width}}  " + ", ".join(f"{k}={v}" for k, v in point.overrides.items())
@@ -273,7 +273,7 @@ def _check_lock(out_dir: Path) -> None:
         raise ParamError(f"out_dir {out_dir} is being swept by process {pid}: wait for it, or stop it first")
 
 
-def plan_sweep(params: SweepParams) -> Sweep:
+def expand_sweep(params: SweepParams) -> Sweep:
     """Every point checked and its action chosen from what out_dir holds; nothing runs, nothing is written."""
     base = params.base_values
     # A sweep continues in its own folder (sweep.json), so only a file in its place is refused here.

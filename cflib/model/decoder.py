@@ -1,18 +1,22 @@
 """The TR-MoE decoder in plain PyTorch: the numerical reference for every fast path.
 
-The fast paths are subclasses of these modules (cflib.model.fast): `use_kernels(model, plan)` swaps each
-module's class for the one a KernelPlan chooses, so no forward reads a flag. Every forward records what it
-ran (`ran`), and `TRMoEModel.kernel_path()` reads that back over all layers. Adapters (LoRA) reach the
-computation through the weight protocol of cflib.model.weights; nothing here names them.
-Module and parameter names mirror the public checkpoint layout (docs/formats.md), so a state dict maps one
-to one onto `model.safetensors`.
+A pre-norm decoder: each block is two residual lines, h + attention(norm(h)), then h + the TR-MoE block(norm(h))
+(a shared SwiGLU plus routed SwiGLU experts chosen by a fixed token-id table), and a final norm; the tied head
+belongs to the loss. Module and parameter names mirror the public checkpoint layout (docs/formats.md), so a
+state dict maps one to one onto `model.safetensors`.
+
+The fast paths are subclasses of these modules (cflib.model.fast): `use_kernels(model, kernels)` swaps each
+module's class for the one a KernelChoice names, so the state dict, checkpoints and adapters do not change
+with the kernels. Each class names what it runs (`kernels`), and `TRMoEModel.kernel_path()` reads that back
+over every layer, with what the last forward chose for its rows (the attention kernel, the rows the last layer
+computed) and what the fast modules record of their own forwards. Adapters (LoRA) reach the computation
+through the weight protocol of cflib.model.weights; nothing here imports them.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from cflib.model.config import ModelConfig
 from cflib.model.kv_cache import KVCache, LayerCache
@@ -28,47 +32,19 @@ KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "swi
                     "qk_norm_backward", "residual", "last_layer_rows")
 
 
-def bf16_autocast(device_type: str) -> bool:
-    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.bfloat16
-
-
-class _RoundGradient(torch.autograd.Function):
-    """The identity, whose backward rounds the gradient to BF16 (and keeps its dtype)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.to(torch.bfloat16).to(grad.dtype)
-
-
 class RMSNorm(nn.Module):
-    kernel = "torch"  # what this class runs, as records name it
+    kernels = {"rmsnorm": "torch"}  # what this class runs, as records name it
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.ran = {"rmsnorm": "none"}
-        # On the residual stream under BF16 autocast: the FP32 stream's gradient rounded to BF16 at every add
-        # (TRMoEModel.half_residual_gradient sets it).
-        self.bf16_stream_gradient = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.ran = {"rmsnorm": self.kernel}
         # Normalise in fp32 whatever the activation dtype: bf16 sums of squares drift.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
-
-    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream's add and the norm after it: (h + delta, its norm); delta None adds nothing."""
-        h = h if delta is None else h + delta
-        if self.bf16_stream_gradient and h.dtype == torch.float32 and bf16_autocast(h.device.type):
-            h = _RoundGradient.apply(h)
-        return h, self(h)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -93,6 +69,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x32 * cos[..., None, :] + rotate_half(x32) * sin[..., None, :]).to(x.dtype)
 
 
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention: AttentionBatch,
+                kv: LayerCache | None = None, rows: Rows | None = None) -> torch.Tensor:
+    """Heads [B, H, T, hd] attended, as token rows [B, T, H x hd]: with this forward's attention kernel (and, packed,
+    its documents: each example attends to itself), or over the layer's KV cache while decoding. rows: those
+    token rows alone, [R, H x hd] (every position still attends and is attended to)."""
+    batch, _, seq, _ = q.shape
+    out = kv.attend(q, k, v) if kv is not None else attend(q, k, v, attention)
+    out = out.transpose(1, 2).reshape(batch, seq, -1)
+    return out if rows is None else gather_rows(out, rows)
+
+
 class Attention(nn.Module):
     """GQA with QK-norm and RoPE: three projections, the norms and RoPE in PyTorch, the attention kernel of
     this forward's rows (cflib.ops.attention)."""
@@ -109,58 +96,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if config.use_qk_norm else nn.Identity()
-        self.ran = {key: "none" for key in ("attention", *self.kernels, *(("qk_norm",) if config.use_qk_norm else ()))}
-
-    @property
-    def qk_norm_kernel(self) -> str | None:
-        return self.q_norm.kernel if isinstance(self.q_norm, RMSNorm) else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionBatch = DENSE_SDPA, kv: LayerCache | None = None,
                 rows: Rows | None = None) -> torch.Tensor:
-        """attention: the kernel of this forward's rows and, packed, their documents (cflib.ops.attention);
-        kv: decoding, the layer's cache keeps k and v and attends over every cached position; rows: the output
-        projection of those token rows only, [R, D] (every position still attends and is attended to)."""
-        batch, seq, _ = x.shape
-        q, k, v = self.project(x, cos, sin)  # [B, H, T, hd] each
-        if kv is not None:
-            out, kernel = kv.attend(q, k, v), kv.cache.backend
-        else:
-            out, kernel = attend(q, k, v, attention), attention.kernel  # packed: each example attends to itself
-        self.ran = {**self.kernels, "attention": kernel}
-        if self.qk_norm_kernel is not None:
-            self.ran["qk_norm"] = self.qk_norm_kernel
-        out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
-        return self.output(out if rows is None else gather_rows(out, rows))
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v as [B, H, T, hd], normed and rotated."""
-        return self.norm_and_rotate(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
-
-    def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v [B, T, H x hd] -> [B, H, T, hd], with QK-norm and RoPE on q and k."""
-        shape = (*q.shape[:2], -1, self.head_dim)
-        q, k = self.rope(self.q_norm(q.reshape(shape)), self.k_norm(k.reshape(shape)), cos, sin)
-        return q, k, v.reshape(shape).transpose(1, 2)
-
-    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T, H, hd] in, [B, H, T, hd] out."""
-        return apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
-
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(out)
+        """x [B, T, D] -> [B, T, D], or [R, D] for `rows` (attend_rows); kv: decoding, the layer's cache."""
+        heads = (*x.shape[:2], -1, self.head_dim)
+        q = apply_rope(self.q_norm(self.q_proj(x).reshape(heads)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(heads)), cos, sin)
+        v = self.v_proj(x).reshape(heads)
+        return self.o_proj(attend_rows(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention, kv, rows))
 
 
 class TRMoEEngine(nn.Module):
     """Shared SwiGLU plus routed SwiGLU experts chosen by a fixed token-id table."""
 
     kernels = {"swiglu": "torch", "moe": "torch_dense"}
-    # The fused blocks (cflib.model.fast) keep their activation from forward to backward instead of recomputing it
-    # (TRMoEModel.kept_swiglu_layers); this one's autograd keeps what it keeps.
-    keep_activation = False
 
     def __init__(self, config: ModelConfig, build_routes: bool = True) -> None:
         super().__init__()
@@ -179,7 +130,6 @@ class TRMoEEngine(nn.Module):
         self.shared_output_scale = config.shared_output_scale
         self.routed_output_scale = config.routed_output_scale
         self.expert_adapter_slot: str | None = None
-        self.ran = {key: "none" for key in self.kernels}
 
     def attach_expert_adapter(self, name: str, adapter: ExpertAdapter, slot: str) -> None:
         """Adapt expert tensor `name` ("expert_gate", "expert_up" or "expert_down"); the adapters live in a
@@ -202,7 +152,6 @@ class TRMoEEngine(nn.Module):
         return coeff
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        self.ran = dict(self.kernels)
         shape = x.shape
         out = self.block(x.reshape(-1, shape[-1]), token_ids.reshape(-1))
         return out.reshape(shape)
@@ -219,7 +168,6 @@ class TRMoEEngine(nn.Module):
         hidden = F.silu(gate) * up * coeff[:, :, None]
         routed = torch.einsum("new,ewd->nd", hidden, self.expert_down)
         if (down := adapters.get("expert_down")) is not None:
-            down.last_form = "branch"
             routed = routed + down.branch_out(hidden)
         return self.shared_output_scale * shared + self.routed_output_scale * routed
 
@@ -230,10 +178,7 @@ class TRMoEEngine(nn.Module):
     def experts_in(x: torch.Tensor, weight: torch.Tensor, adapter: ExpertAdapter | None) -> torch.Tensor:
         """[N, D] -> [N, E, W] through every expert's gate or up projection, its adapter's branch added."""
         out = torch.einsum("nd,edw->new", x, weight)
-        if adapter is None:
-            return out
-        adapter.last_form = "branch"
-        return out + adapter.branch_in(x)
+        return out if adapter is None else out + adapter.branch_in(x)
 
 
 class DecoderLayer(nn.Module):
@@ -246,16 +191,15 @@ class DecoderLayer(nn.Module):
         self.mlp = nn.ModuleDict({"engine": TRMoEEngine(config, build_routes)})
 
     def forward(self, h: torch.Tensor, token_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionBatch = DENSE_SDPA, pending: torch.Tensor | None = None,
-                kv: LayerCache | None = None, rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, pending): the MLP's output is returned apart and added by the next norm, which on the fast path
-        does the add and the norm in one kernel. rows: after attention, those token rows alone ([R, D] out)."""
-        h, x = self.input_layernorm.add_norm(h, pending)
-        attended = self.self_attn(x, cos, sin, attention, kv, rows)
+                attention: AttentionBatch = DENSE_SDPA, kv: LayerCache | None = None,
+                rows: Rows | None = None) -> torch.Tensor:
+        """The residual stream h [B, T, D] through one block. rows: after attention, those token rows alone go
+        on ([R, D] out): everything after it works token by token."""
+        attended = self.self_attn(self.input_layernorm(h), cos, sin, attention, kv, rows)
         if rows is not None:
             h, token_ids = gather_rows(h, rows), token_ids.reshape(-1).index_select(0, rows.indices)
-        h, x = self.post_attention_layernorm.add_norm(h, attended)
-        return h, self.mlp["engine"](x, token_ids)
+        h = h + attended
+        return h + self.mlp["engine"](self.post_attention_layernorm(h), token_ids)
 
 
 class TRMoEModel(nn.Module):
@@ -268,42 +212,12 @@ class TRMoEModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, build_routes) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
-        self.grad_ckpt = False
         # The backend asked for (cflib.ops.attention.BACKENDS, or auto); each forward picks its kernel for the
         # activations' dtype and the kind of rows. Set by cflib.model.fast.use_kernels.
         self.attention_backend = "auto"
-        self.last_layer_rows = "none"  # the rows the last forward's last layer computed after attention: all, selected
-        # Under autocast, the residual stream between layers in the autocast dtype (as Megatron-LM and torchtitan
-        # keep it), not in the fp32 of the embeddings: each add rounds the stream. Set by cflib.train.run.
-        self.half_residual = False
-        self.last_residual = "none"  # the stream's dtype in the last forward, as records name it
+        # What the last forward chose for its rows: the attention kernel, the last layer's rows, the stream's dtype.
+        self.last_forward: dict[str, str] = {}
         self.reset_parameters()
-
-    @property
-    def half_residual_gradient(self) -> bool:
-        """Under BF16 autocast, the FP32 residual stream's gradient in BF16 (the forward unchanged): each residual
-        add + norm moves 8 bytes an element backward, not 14. Set by cflib.train.run."""
-        return self.norm.bf16_stream_gradient
-
-    @half_residual_gradient.setter
-    def half_residual_gradient(self, value: bool) -> None:
-        for layer in self.layers:
-            layer.input_layernorm.bf16_stream_gradient = layer.post_attention_layernorm.bf16_stream_gradient = value
-        self.norm.bf16_stream_gradient = value
-
-    @property
-    def kept_swiglu_layers(self) -> int:
-        """How many layers (the first ones) keep the fused TR-MoE block's activation from forward to backward
-        instead of recomputing it in the backward kernel: faster, for 2 bytes x the block's width a token in each.
-        Set by cflib.train.run."""
-        return sum(layer.mlp["engine"].keep_activation for layer in self.layers)
-
-    @kept_swiglu_layers.setter
-    def kept_swiglu_layers(self, count: int) -> None:
-        if not 0 <= count <= len(self.layers):
-            raise ValueError(f"kept_swiglu_layers: {count} layers, the model has {len(self.layers)}")
-        for index, layer in enumerate(self.layers):
-            layer.mlp["engine"].keep_activation = index < count
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -338,6 +252,17 @@ class TRMoEModel(nn.Module):
         hidden states of those flat positions alone, [R, D]: everything after the last layer's attention works
         token by token, so the last layer computes no other row (a third less of its work when a third of the
         tokens is unsupervised)."""
+        h, cos, sin, attention = self.embed(input_ids, document_ids, kv, rows)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            h = layer(h, input_ids, cos, sin, attention, layer_cache(kv, index), rows if index == last else None)
+        return self.norm(h)
+
+    def embed(self, input_ids: torch.Tensor, document_ids: torch.Tensor | PackedDocuments | None,
+              kv: KVCache | None, rows: Rows | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch]:
+        """The residual stream's start (the token embeddings), RoPE's tables for the rows' positions and the
+        attention kernel for these rows; noted in `last_forward` for kernel_path()."""
         documents = pack_documents(document_ids) if isinstance(document_ids, torch.Tensor) else document_ids
         device = input_ids.device
         activations = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
@@ -345,35 +270,37 @@ class TRMoEModel(nn.Module):
         attention = attention_batch(self.attention_backend, device, activations, self.config.head_dim, documents)
         positions = kv.positions if kv is not None else documents.positions if documents is not None else None
         cos, sin = self.rope(input_ids.shape[1], device, positions)
-        h, pending = self.embed_tokens(input_ids), None
-        if self.half_residual and torch.is_autocast_enabled(device.type):
-            h = h.to(activations)
-        self.last_residual = str(h.dtype).removeprefix("torch.")
-        if self.half_residual_gradient and h.dtype == torch.float32 and bf16_autocast(device.type):
-            self.last_residual += "_bfloat16_gradient"
-        last = len(self.layers) - 1
-        self.last_layer_rows = "all" if rows is None else "selected"
-        for index, layer in enumerate(self.layers):
-            layer_rows = rows if index == last else None
-            if self.grad_ckpt and self.training:
-                h, pending = checkpoint(layer, h, input_ids, cos, sin, attention, pending, rows=layer_rows,
-                                        use_reentrant=False)
-            else:
-                h, pending = layer(h, input_ids, cos, sin, attention, pending,
-                                   kv.layers[index] if kv is not None else None, layer_rows)
-        return self.norm.add_norm(h, pending)[1]
+        h = self.embed_tokens(input_ids)
+        self.last_forward = {"attention": kv.backend if kv is not None else attention.kernel,
+                             "residual": str(h.dtype).removeprefix("torch."),
+                             "last_layer_rows": "all" if rows is None else "selected"}
+        return h, cos, sin, attention
 
     def kernel_path(self) -> dict[str, str]:
-        """What the last forward ran, read back from every layer's modules ("a+b" where layers differ)."""
+        """What the last forward ran, read back from every layer's modules ("a+b" where layers differ); {} before
+        any forward."""
+        if not self.last_forward:
+            return {}
         found: dict[str, set[str]] = {}
         for layer in self.layers:
             for module in (layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
                            layer.mlp["engine"]):
-                for key, value in module.ran.items():
+                for key, value in kernels_of(module).items():
                     found.setdefault(key, set()).add(value)
-        for key, value in self.norm.ran.items():
+        for key, value in {**kernels_of(self.norm), **self.last_forward}.items():
             found.setdefault(key, set()).add(value)
-        found["last_layer_rows"] = {self.last_layer_rows}
-        found["residual"] = {self.last_residual}
         order = {key: index for index, key in enumerate(KERNEL_PATH_KEYS)}
         return {key: "+".join(sorted(found[key])) for key in sorted(found, key=lambda k: order.get(k, len(order)))}
+
+
+def layer_cache(kv: KVCache | None, index: int) -> LayerCache | None:
+    return kv.layers[index] if kv is not None else None
+
+
+def kernels_of(module: nn.Module) -> dict[str, str]:
+    """What a module runs: its class's kernels (an attention's QK-norm named by its norms' class), and what a fast
+    module chose in its last forward (`ran`: cflib.model.fast)."""
+    found = dict(type(module).kernels)
+    if isinstance(module, Attention) and isinstance(module.q_norm, RMSNorm):
+        found.setdefault("qk_norm", type(module.q_norm).kernels["rmsnorm"])
+    return {**found, **getattr(module, "ran", {})}

@@ -154,11 +154,13 @@ class ExpertLora(nn.Module):
 
     def branch_in(self, x: torch.Tensor) -> torch.Tensor:
         """[N, in] -> [N, E, out]: every expert's update on every token (dense, as the engine is)."""
+        self.last_form = "branch"
         low = torch.einsum("ni,eri->ner", dropout_input(x, self.dropout, self.training), self.lora_A.weight)
         return torch.einsum("ner,eor->neo", low, self.lora_B.weight) * self.scale
 
     def branch_out(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, E, in] per-expert inputs -> [N, out], summed over experts."""
+        self.last_form = "branch"
         low = torch.einsum("nei,eri->ner", dropout_input(hidden, self.dropout, self.training), self.lora_A.weight)
         return torch.einsum("ner,eor->no", low, self.lora_B.weight) * self.scale
 

@@ -7,12 +7,12 @@ its effective weight. Each adapter offers:
 - `folds() -> bool`: whether its update may join the weight (false when each token sees its own dropout mask);
 - `delta() -> Tensor`: the update in the adapted weight's layout (linear [out, in]; experts [E, in, out]);
 - `branch(x)` (linear) or `branch_in(x)` / `branch_out(hidden)` (experts): the update applied to an input;
-- `last_form`: set by whoever computes with it, for the run record ("branch", "effective_weight",
-  "separate_branch").
+- `last_form`, for the run record: "branch" where its forward or branch ran, "effective_weight" or
+  "separate_branch" as the fused path that computed with it last says.
 
 The reference modules call the adapted module (or add an expert adapter's branch); the fused paths
 (cflib.model.fast) read `effective_weight` or add branches where an update cannot fold. cflib.model.lora
-implements the protocol; nothing in the decoder imports it.
+implements the protocol; the decoder imports only this module's protocol, never the adapters.
 """
 from __future__ import annotations
 

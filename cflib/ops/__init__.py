@@ -3,7 +3,7 @@
 Owns the Triton kernels (cflib's own and Liger's through `liger`), the PyTorch
 reference each one is tested against (`loss` for the chunked cross-entropy;
 the model's modules for the rest), the attention backends, and `dispatch`,
-which decides what may run on this machine. Imports nothing else of cflib but
+which decides which kernels may run on this machine (the `KernelChoice`). Imports nothing else of cflib but
 `cflib.errors`. Importing it under TRITON_INTERPRET=1 makes Liger's kernels
 runnable by Triton's interpreter.
 """

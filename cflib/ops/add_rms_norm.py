@@ -20,17 +20,9 @@ weight is zero has lost s there; its gradients come out NaN (the trainer stops
 on them), so the decoder takes this only for norms with no zero weight
 (cflib.model.fast).
 
-A BF16 stream (bf16_residual) is the rounded sum, normalised as rounded: the
-kernels then read and write BF16 only, backward keeps the stream itself, and
-one BF16 gradient serves the stream and the sub-layer's output.
-
-A BF16 gradient of the FP32 stream (bf16_residual_gradient) keeps the forward
-exact and halves the stream's bytes in backward. Autograd hands a tensor a
-gradient of its own dtype, so the stream travels as its FP32 bytes seen as a
-BF16 [..., D, 2] tensor (`as_gradient_split`): its gradient is one BF16
-[..., D] tensor expanded over the last axis, read back with no copy. Each
-backward rounds the stream's gradient to BF16 once (the gradient of delta is
-that rounding already), the embeddings' FP32 gradient included.
+A stream already in the compute dtype (an fp32 run's, or a half-precision
+embedding's) is the sum backward keeps; its gradient and the sub-layer's are then
+one tensor, written once.
 """
 from __future__ import annotations
 
@@ -47,8 +39,8 @@ from cflib.ops.interpreter import INTERPRETING
 @triton.jit
 def _add_rms_norm_forward(h_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, saved_ptr, rstd_ptr, num_rows, dim, eps,
                           SAVE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """SAVE: write s again in the saved dtype for backward; without it (a half-precision stream) the stream is
-    what backward reads, and the norm is taken of s as the stream holds it, rounded."""
+    """SAVE: write s again in the saved dtype for backward; without it (a stream in the compute dtype) the stream
+    is what backward reads, and the norm is taken of s as the stream holds it."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < num_rows)[:, None] & (cols < dim)[None, :]
@@ -74,16 +66,15 @@ _BACKWARD_CONFIGS = [triton.Config({"BLOCK_R": 4}, num_warps=8)] if INTERPRETING
     triton.Config({"BLOCK_R": r}, num_warps=w) for r, w in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8), (8, 8), (16, 16))]
 
 
-@triton.autotune(_BACKWARD_CONFIGS, key=["dim", "HAS_GRAD_SUM", "ONE_GRADIENT", "ROUND", "FROM_OUTPUT"])
+@triton.autotune(_BACKWARD_CONFIGS, key=["dim", "HAS_GRAD_SUM", "ONE_GRADIENT", "FROM_OUTPUT"])
 @triton.jit
 def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weight_ptr, grad_s_ptr, grad_delta_ptr,
                            grad_weight_ptr, num_rows, dim, rows_per_program, HAS_GRAD_SUM: tl.constexpr,
-                           ONE_GRADIENT: tl.constexpr, ROUND: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+                           ONE_GRADIENT: tl.constexpr, FROM_OUTPUT: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Each program walks rows_per_program rows, accumulating its share of d(weight) in registers. ONE_GRADIENT:
-    the stream and the sub-layer's output share a dtype, so their gradient is one tensor, written once. ROUND:
-    the stream's gradient is BF16-valued even where it is stored in FP32 (the embeddings'). FROM_OUTPUT: saved
-    holds the normed output y, and s * rstd is y / weight."""
+    the stream and the sub-layer's output share a dtype, so their gradient is one tensor, written once.
+    FROM_OUTPUT: saved holds the normed output y, and s * rstd is y / weight."""
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
     weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -108,8 +99,6 @@ def _add_rms_norm_backward(grad_out_ptr, grad_sum_ptr, saved_ptr, rstd_ptr, weig
         grad_s = rstd[:, None] * (scaled - normed * (tl.sum(scaled * normed, axis=1) / dim)[:, None])
         if HAS_GRAD_SUM:
             grad_s += tl.load(grad_sum_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        if ROUND:
-            grad_s = grad_s.to(tl.bfloat16).to(tl.float32)
         tl.store(grad_s_ptr + offsets, grad_s.to(grad_s_ptr.dtype.element_ty), mask=mask)
         if not ONE_GRADIENT:
             tl.store(grad_delta_ptr + offsets, grad_s.to(grad_delta_ptr.dtype.element_ty), mask=mask)
@@ -130,10 +119,9 @@ def forward_tile(dim: int) -> tuple[int, int]:
 def add_rms_norm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                          out_dtype: torch.dtype, tile: tuple[int, int] | None = None,
                          keep_sum: bool = True) -> tuple[torch.Tensor, ...]:
-    """The forward kernel on contiguous [rows, dim] h and delta: the sum in h's dtype (the stream: fp32, or a
-    half-precision stream's rounding of the fp32 sum), the normed output, what backward reads (the stream itself
-    when it is in out_dtype; else the sum in out_dtype, or without keep_sum the normed output) and each row's
-    rstd."""
+    """The forward kernel on contiguous [rows, dim] h and delta: the sum in h's dtype (the stream), the normed
+    output, what backward reads (the stream itself when it is in out_dtype; else the sum in out_dtype, or without
+    keep_sum the normed output) and each row's rstd."""
     num_rows, dim = h.shape
     total = torch.empty(num_rows, dim, dtype=h.dtype, device=h.device)
     out = torch.empty(num_rows, dim, dtype=out_dtype, device=h.device)
@@ -150,37 +138,21 @@ def add_rms_norm_forward(h: torch.Tensor, delta: torch.Tensor, weight: torch.Ten
     return total, out, saved, rstd
 
 
-def as_gradient_split(stream: torch.Tensor) -> torch.Tensor:
-    """An FP32 stream [..., D] seen as the BF16 [..., D, 2] tensor autograd carries (its bytes unchanged)."""
-    return stream.unsqueeze(-1).view(torch.bfloat16)
-
-
-def is_gradient_split(h: torch.Tensor, delta: torch.Tensor | None) -> bool:
-    """Whether h is a stream seen through as_gradient_split, beside the sub-layer output delta [..., D]."""
-    return (delta is not None and h.dtype == torch.bfloat16 and h.dim() == delta.dim() + 1
-            and h.shape[-2:] == (delta.shape[-1], 2))
-
-
 class AddRMSNorm(torch.autograd.Function):
-    """(h, delta, weight) -> (s = h + delta, rmsnorm(s) * weight in out_dtype). h is the fp32 stream, a BF16 one
-    (bf16_residual), or the fp32 stream seen through as_gradient_split (bf16_residual_gradient); split: hand s
-    back seen through as_gradient_split, its gradient BF16. from_output: backward reads the normed output, not
-    a kept sum (the module docstring)."""
+    """(h, delta, weight) -> (s = h + delta, rmsnorm(s) * weight in out_dtype), h the residual stream.
+    from_output: backward reads the normed output, not a kept sum (the module docstring)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                out_dtype: torch.dtype, split: bool, from_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                out_dtype: torch.dtype, from_output: bool) -> tuple[torch.Tensor, torch.Tensor]:
         shape, dim = delta.shape, delta.shape[-1]
-        ctx.split_in = is_gradient_split(h, delta)
-        stream = h.view(torch.float32).squeeze(-1) if ctx.split_in else h
-        stream, delta = stream.reshape(-1, dim).contiguous(), delta.reshape(-1, dim).contiguous()
+        stream, delta = h.reshape(-1, dim).contiguous(), delta.reshape(-1, dim).contiguous()
         total, out, saved, rstd = add_rms_norm_forward(stream, delta, weight, eps, out_dtype,
                                                        keep_sum=not from_output)
         ctx.from_output = saved is out
         ctx.save_for_backward(saved, rstd, weight)
-        ctx.dtypes, ctx.split_out = (torch.bfloat16 if ctx.split_in else stream.dtype, delta.dtype), split
-        total = total.view(shape)
-        return as_gradient_split(total) if split else total, out.view(shape)
+        ctx.dtypes = (stream.dtype, delta.dtype)
+        return total.view(shape), out.view(shape)
 
     @staticmethod
     def backward(ctx, grad_sum: torch.Tensor | None, grad_out: torch.Tensor):
@@ -188,8 +160,8 @@ class AddRMSNorm(torch.autograd.Function):
         shape, dim = grad_out.shape, grad_out.shape[-1]
         grad_out = grad_out.reshape(-1, dim).contiguous()
         num_rows = grad_out.shape[0]
-        if grad_sum is not None:  # None: s unused. Split: the BF16 gradient, expanded over the last axis.
-            grad_sum = (grad_sum[..., 0] if ctx.split_out else grad_sum).reshape(-1, dim).contiguous()
+        if grad_sum is not None:  # None: s unused
+            grad_sum = grad_sum.reshape(-1, dim).contiguous()
         grad_s = torch.empty(num_rows, dim, dtype=ctx.dtypes[0], device=grad_out.device)
         one_gradient = ctx.dtypes[0] == ctx.dtypes[1]
         grad_delta = grad_s if one_gradient else torch.empty(num_rows, dim, dtype=ctx.dtypes[1],
@@ -201,23 +173,16 @@ class AddRMSNorm(torch.autograd.Function):
         _add_rms_norm_backward[(programs,)](
             grad_out, grad_sum if grad_sum is not None else grad_out, saved, rstd, weight, grad_s, grad_delta, partial,
             num_rows, dim, rows_per_program, HAS_GRAD_SUM=grad_sum is not None, ONE_GRADIENT=one_gradient,
-            ROUND=ctx.split_out and not ctx.split_in, FROM_OUTPUT=ctx.from_output,
-            BLOCK_D=triton.next_power_of_2(dim))
-        grad_h = grad_s.view(shape)
-        if ctx.split_in:
-            grad_h = grad_h.unsqueeze(-1).expand(*shape, 2)
-        return grad_h, grad_delta.view(shape), column_sums(partial).to(weight.dtype), None, None, None, None
+            FROM_OUTPUT=ctx.from_output, BLOCK_D=triton.next_power_of_2(dim))
+        return grad_s.view(shape), grad_delta.view(shape), column_sums(partial).to(weight.dtype), None, None, None
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 bf16_gradient: bool = False, normed_from_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new residual in h's dtype, normed input of the next GEMM in the autocast dtype). bf16_gradient: under BF16
-    autocast, an fp32 stream comes back seen through as_gradient_split, so its gradient is BF16.
-    normed_from_output: backward recovers the normalised sum from the output (needs no zero in `weight`; the
-    module docstring)."""
+                 normed_from_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new residual in h's dtype, normed input of the next GEMM in the autocast dtype). normed_from_output:
+    backward recovers the normalised sum from the output (needs no zero in `weight`; the module docstring)."""
     device_type = h.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
-    split = bf16_gradient and out_dtype == torch.bfloat16 and (h.dtype == torch.float32 or is_gradient_split(h, delta))
     if delta is None:  # the first layer: nothing to add yet (one cheap zero tensor keeps a single kernel)
         delta = torch.zeros_like(h, dtype=out_dtype)
-    return AddRMSNorm.apply(h, delta, weight, eps, out_dtype, split, normed_from_output)
+    return AddRMSNorm.apply(h, delta, weight, eps, out_dtype, normed_from_output)

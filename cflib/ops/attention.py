@@ -256,7 +256,7 @@ def _choose(requested: str, packed: bool, device: torch.device, head_dim: int, d
     return kernel
 
 
-def plan_attention(requested: str, device: torch.device, head_dim: int, packed: bool) -> tuple[str, ...]:
+def check_attention(requested: str, device: torch.device, head_dim: int, packed: bool) -> tuple[str, ...]:
     """A run's attention_backend checked before any step: KernelUnavailable naming the failed check, or, for
     auto, notes on the fast kernel it leaves off on this GPU (the activations' dtype is judged at each forward)."""
     if requested == "auto":

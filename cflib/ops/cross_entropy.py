@@ -3,7 +3,7 @@
 Liger's fused linear CE takes class weights, not token weights (its
 reduction="none" path recomputes the whole head in backward). The weighted SFT
 loss needs sum_i w_i * CE_i at the speed of the unweighted one, so this op
-follows the same plan as cflib.ops.loss's reference: head GEMMs over chunks of
+follows the same design as cflib.ops.loss's reference: head GEMMs over chunks of
 tokens (cflib.ops.gemm's), and per chunk one Triton kernel that turns the logits, in
 place, into w_i * (softmax - onehot) while writing w_i * CE_i. No fp32 copy of
 a chunk's logits is ever made, and the gradients are done when forward ends.

@@ -1,4 +1,4 @@
-"""Which kernels run: the checks behind `use_custom_kernels` / `require_liger`, planned before any step.
+"""Which kernels run: the checks behind `use_custom_kernels` / `require_liger`, decided before any step.
 
 `auto` takes a fast path only where every check passes and otherwise stays on
 PyTorch; `true` (and `require_liger: true`) stops before any training step with
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from cflib.errors import KernelUnavailable
-from cflib.ops.attention import plan_attention
+from cflib.ops.attention import check_attention
 
 
 @dataclass(frozen=True)
-class KernelPlan:
+class KernelChoice:
     liger: bool  # Liger's RMSNorm, RoPE, SwiGLU and fused linear CE
     custom: bool  # cflib's Triton TR-MoE block, QKV/norm kernels and fused linear CE
     notes: tuple[str, ...] = ()  # why `auto` left a fast path off
@@ -85,17 +85,17 @@ def quack_problem(device: torch.device) -> str | None:
     return None
 
 
-def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device,
+def choose_kernels(use_custom_kernels: str, require_liger: bool, device: torch.device,
                  attention_backend: str = "auto", head_dim: int = 64, packed: bool = False,
                  epilogue_swiglu: str = "false", weight_copies_problem: str | None = None,
-                 quack_gemms: str = "false") -> KernelPlan:
+                 quack_gemms: str = "false") -> KernelChoice:
     """Resolve the flags against this device, or raise KernelUnavailable naming the check.
 
     Shapes need no check here but attention's (head_dim; packed: whether training rows are packed windows):
     every valid ModelConfig (even head_dim) runs on every other path. `weight_copies_problem`: why the run
     reads no BF16 weight copies, if it reads none; `auto` takes quack's GEMMs only with them, where they were
     measured faster (`true` runs the SwiGLU epilogue without, laying the weights out in every forward)."""
-    notes: list[str] = list(plan_attention(attention_backend, device, head_dim, packed))
+    notes: list[str] = list(check_attention(attention_backend, device, head_dim, packed))
 
     def decide(flag_name: str, mode: str, problem: str | None) -> bool:
         if mode == "false":
@@ -118,7 +118,7 @@ def plan_kernels(use_custom_kernels: str, require_liger: bool, device: torch.dev
                    common or liger_problem())
     epilogue = _decide_quack("epilogue_swiglu", epilogue_swiglu, custom, device, weight_copies_problem, decide)
     gemms = _decide_quack("quack_gemms", quack_gemms, custom, device, weight_copies_problem, decide)
-    return KernelPlan(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend,
+    return KernelChoice(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend,
                       epilogue_swiglu=epilogue, quack_gemms=gemms)
 
 

@@ -78,13 +78,9 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # A gradient expanded over its last axis (an FP32 stream seen as BF16 pairs: cflib.ops.add_rms_norm) is
-        # scattered once and handed back expanded: the pairs' second halves are never written.
-        expanded = grad.dim() > 2 and grad.stride(-1) == 0
-        one = grad[..., :1] if expanded else grad
         scatter = scatter_rows if grad.is_cuda else scatter_rows_reference
-        out = scatter(one.reshape(one.shape[0], -1), ctx.rows, ctx.num_rows).view(ctx.num_rows, *one.shape[1:])
-        return (out.expand(ctx.num_rows, *grad.shape[1:]) if expanded else out), None
+        out = scatter(grad.reshape(grad.shape[0], -1), ctx.rows, ctx.num_rows)
+        return out.view(ctx.num_rows, *grad.shape[1:]), None
 
 
 def gather_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 from cflib.ops.gemm import step_gemms
 from cflib.ops.loss import IGNORE_INDEX, chunked_cross_entropy_sum, supervised_rows
 
@@ -34,9 +34,9 @@ class Loss(Protocol):
 
 
 class SFTLoss:
-    """Summed token cross-entropy through the tied head, on the fastest path the plan allows.
+    """Summed token cross-entropy through the tied head, on the fastest path its kernel choice allows.
 
-    With cflib's kernels (plan.custom), weighted or not, cflib's fused op
+    With cflib's kernels (kernels.custom), weighted or not, cflib's fused op
     (cflib.ops.cross_entropy); with Liger's alone, Liger's fused linear CE for
     the unweighted loss. Both return (sum, count) like
     cflib.ops.loss.chunked_cross_entropy_sum, the reference they are tested against.
@@ -49,15 +49,15 @@ class SFTLoss:
     mid-step; it also accumulates the head's gradient in the head's dtype
     (bf16 here). cflib's op has no host read (the count is the index tensor's
     length, known on the host: `supervised` below), accumulates that gradient
-    in fp32, and follows the same plan: head GEMMs over chunks of tokens, one
+    in fp32, and follows the same design: head GEMMs over chunks of tokens, one
     Triton kernel per chunk turning logits into their gradient in place.
     """
 
     reads_supervised_rows_only = True
 
-    def __init__(self, plan: KernelPlan) -> None:
-        self.plan = plan
-        self.gemms = step_gemms(plan.quack_gemms)  # the head's GEMMs (cflib.ops.gemm)
+    def __init__(self, kernels: KernelChoice) -> None:
+        self.kernels = kernels
+        self.gemms = step_gemms(kernels.quack_gemms)  # the head's GEMMs (cflib.ops.gemm)
         self.last_backend = "none"
 
     def __call__(self, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
@@ -72,10 +72,10 @@ class SFTLoss:
         half-precision copy of, outside autograd (cflib.model.weight_copies): cflib's fused loss writes its FP32
         gradient there, as it does into an FP32 head_weight it computes on in half precision; the other losses
         compute on the master itself."""
-        fused = torch.is_grad_enabled() and (self.plan.custom or (self.plan.liger and token_weights is None))
-        if row_mask is not None and not (fused and self.plan.custom):
+        fused = torch.is_grad_enabled() and (self.kernels.custom or (self.kernels.liger and token_weights is None))
+        if row_mask is not None and not (fused and self.kernels.custom):
             raise ValueError("row_mask needs cflib's fused loss (use_custom_kernels) and gradients")
-        if head_master is not None and not (fused and self.plan.custom):
+        if head_master is not None and not (fused and self.kernels.custom):
             head_weight, head_master = head_master, None
         if not fused:
             self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
@@ -91,7 +91,7 @@ class SFTLoss:
         with torch.autocast(device_type, enabled=False):
             dtype = torch.float32 if fp32_loss else run_dtype
             hidden, weight = hidden.to(dtype), head_weight.to(dtype)
-            if not self.plan.custom:  # Liger's alone, unweighted
+            if not self.kernels.custom:  # Liger's alone, unweighted
                 from cflib.ops.liger import LigerFusedLinearCrossEntropyFunction
                 self.last_backend = "liger_fused_linear_ce"
                 out = LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, targets, None, None, IGNORE_INDEX,
@@ -107,15 +107,15 @@ class SFTLoss:
                                                          head_master, self.gemms), count
 
 
-LOSSES: dict[str, Callable[[KernelPlan], Loss]] = {"sft_cross_entropy": SFTLoss}
+LOSSES: dict[str, Callable[[KernelChoice], Loss]] = {"sft_cross_entropy": SFTLoss}
 
 
-def register_loss(name: str, build: Callable[[KernelPlan], Loss]) -> None:
-    """Make `loss: NAME` a run's loss: `build(plan)` is called once per run with its kernel plan."""
+def register_loss(name: str, build: Callable[[KernelChoice], Loss]) -> None:
+    """Make `loss: NAME` a run's loss: `build(kernels)` is called once per run with its KernelChoice."""
     LOSSES[name] = build
 
 
-def make_loss(name: str, plan: KernelPlan) -> Loss:
+def make_loss(name: str, kernels: KernelChoice) -> Loss:
     if name not in LOSSES:
         raise KeyError(f"loss {name!r}: expected one of {tuple(LOSSES)}")
-    return LOSSES[name](plan)
+    return LOSSES[name](kernels)

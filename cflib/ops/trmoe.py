@@ -226,7 +226,7 @@ def kernel_layout(engine: nn.Module) -> tuple:
 def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
                   weights: dict[str, torch.Tensor] | None = None, gate_up_delta: torch.Tensor | None = None,
                   return_hidden: bool = False, fused: tuple[torch.Tensor | None, torch.Tensor] | None = None,
-                  gate_up_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
+                  gate_up_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None, keep_activation: bool = False
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The TR-MoE block of `engine` (a cflib.model.TRMoEEngine) on x [N, D] and token ids [N].
 
@@ -234,14 +234,15 @@ def trmoe_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
     `gate_up_delta` [N, 2C] is added to the gate|up GEMM's output, and `return_hidden` also returns the
     scaled activation [N, C] the down projection reads, differentiably. `fused`: the gate|up and down weights
     already laid out as fused_weights lays them (cflib.model.weight_copies); `gate_up_gemm` computes the gate|up
-    GEMM in place of F.linear with fused's first weight (None then), e.g. one whose backward writes FP32."""
+    GEMM in place of F.linear with fused's first weight (None then), e.g. one whose backward writes FP32.
+    keep_activation: the activation kept from forward for backward instead of recomputed there."""
     gate_up_weight, down_weight = fused if fused is not None else fused_weights(engine, weights)
     layout = kernel_layout(engine)
     gate_up = gate_up_gemm(x) if gate_up_gemm is not None else F.linear(x, gate_up_weight)
     if gate_up_delta is not None:
         gate_up = gate_up + gate_up_delta.to(gate_up.dtype)
     return ScaledSwiGLUDown.apply(gate_up, token_ids, engine.route_table, down_weight.to(gate_up.dtype), layout,
-                                  return_hidden, engine.keep_activation)
+                                  return_hidden, keep_activation)
 
 
 @triton.jit
@@ -343,18 +344,20 @@ def interleave_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
 
 def trmoe_gated_forward(engine: nn.Module, x: torch.Tensor, token_ids: torch.Tensor,
                         copies: tuple[tuple, tuple] | None = None,
-                        weights: dict[str, torch.Tensor] | None = None, gemms: Gemms = TORCH_GEMMS) -> torch.Tensor:
+                        weights: dict[str, torch.Tensor] | None = None, gemms: Gemms = TORCH_GEMMS,
+                        keep_activation: bool = False) -> torch.Tensor:
     """The TR-MoE block of `engine` through quack's SwiGLU GEMMs (GatedSwiGLUDown), x in a 16-bit dtype or
     under autocast to one. `copies`: the gate|up copy (interleaved) and the down copy, each as (tensor,
     regions, masters) (cflib.model.weight_copies); without, both are laid out from the engine's weights (or
-    `weights`, engine_weights' names). `gemms`: how the block's other GEMMs run (cflib.ops.gemm)."""
+    `weights`, engine_weights' names). `gemms`: how the block's other GEMMs run (cflib.ops.gemm).
+    keep_activation: the activation kept from forward for backward instead of recomputed there."""
     dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.get_autocast_dtype(x.device.type)
     layout = kernel_layout(engine)
     if copies is None:
         gate_up, down = fused_weights(engine, weights)
         return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, interleave_gate_up(gate_up).to(dtype),
-                                     down.to(dtype), layout, gemms, engine.keep_activation, None)
+                                     down.to(dtype), layout, gemms, keep_activation, None)
     (gate_up, gate_up_regions, gate_up_masters), (down, down_regions, down_masters) = copies
     return GatedSwiGLUDown.apply(x, token_ids, engine.route_table, gate_up, down, layout, gemms,
-                                 engine.keep_activation, (gate_up_regions, down_regions), *gate_up_masters,
+                                 keep_activation, (gate_up_regions, down_regions), *gate_up_masters,
                                  *down_masters)

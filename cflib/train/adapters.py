@@ -28,7 +28,6 @@ from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora, is_adapter_name
 from cflib.paths import resolve_path
-from cflib.train.params import TrainParams
 
 SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
                       "targets": "lora_targets", "base_dtype": "base_dtype",
@@ -56,29 +55,16 @@ class LoraRun:
                 f"{s.base_dtype}, on {', '.join(s.targets)}{tokens}; base {self.base['path']}")
 
 
-def lora_settings(params: TrainParams) -> LoraSettings | None:
-    """The LoRA settings a parameter set asks for (defaults filled in), or None for full-parameter training."""
-    if params.full_parameter:
-        return None
-    defaults = LoraSettings()
-    rank = params.lora_rank or defaults.rank
-    return LoraSettings(rank=rank, alpha=float(params.lora_alpha or rank),
-                        dropout=params.lora_dropout if params.lora_dropout is not None else defaults.dropout,
-                        targets=params.lora_targets or defaults.targets,
-                        base_dtype=params.base_dtype or defaults.base_dtype,
-                        trainable_tokens=params.lora_trainable_tokens or ())
-
-
-def initial_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel, LoraRun | None]:
-    """init_checkpoint's model, with fresh adapters on it when the run is a LoRA run; a LoRA run started from
-    adapters trains them on (their base, their settings), as a curriculum's later stage does."""
+def initial_model(checkpoint_dir: Path, settings: LoraSettings | None) -> tuple[TRMoEModel, LoraRun | None]:
+    """init_checkpoint's model, with fresh adapters of `settings` on it for a LoRA run (None: full-parameter); a
+    LoRA run started from adapters trains them on (their base, their settings), as a curriculum's later stage
+    does."""
     if is_adapter_checkpoint(checkpoint_dir):
-        if params.full_parameter:
+        if settings is None:
             raise ParamError(f"init_checkpoint {checkpoint_dir} holds LoRA adapters, not a model: merge them into "
                              "their base first (python -m cflib.export merge), or continue that run with resume")
-        return adapted_model(checkpoint_dir, params, read_adapter(checkpoint_dir))
+        return adapted_model(checkpoint_dir, settings, read_adapter(checkpoint_dir))
     model = load_checkpoint(checkpoint_dir)
-    settings = lora_settings(params)
     if settings is None:
         return model, None
     outside = [t for t in settings.trainable_tokens if t >= model.config.vocab_size]
@@ -88,36 +74,37 @@ def initial_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel
     return attach_lora(model, settings), LoraRun(settings, describe_base(checkpoint_dir))
 
 
-def resumed_model(checkpoint_dir: Path, params: TrainParams) -> tuple[TRMoEModel, LoraRun | None]:
-    """The model of a resumable checkpoint; a LoRA checkpoint's adapters on their (unchanged) base."""
+def resumed_model(checkpoint_dir: Path, settings: LoraSettings | None, init_checkpoint: str | None
+                  ) -> tuple[TRMoEModel, LoraRun | None]:
+    """The model of a resumable checkpoint; a LoRA checkpoint's adapters on their (unchanged) base. settings: the
+    run's LoRA settings (None: full-parameter); init_checkpoint: where the run started, if it names it."""
     adapter = is_adapter_checkpoint(checkpoint_dir)
-    if adapter and params.full_parameter:
+    if adapter and settings is None:
         raise ParamError(f"{checkpoint_dir} is a checkpoint of a LoRA run: it resumes with full_parameter: false "
                          "(and its LoRA settings); to train every weight from it, merge it (python -m cflib.export "
                          "merge) and start a new run with init_checkpoint")
-    if not adapter and not params.full_parameter:
+    if not adapter and settings is not None:
         raise ParamError(f"{checkpoint_dir} is a checkpoint of a full-parameter run: it resumes with "
                          "full_parameter: true; for LoRA, start a new run with init_checkpoint")
     if not adapter:
         return load_checkpoint(checkpoint_dir), None
     adapter = read_adapter(checkpoint_dir)
     base = adapter[1]
-    if params.init_checkpoint is not None:
-        start = resolve_path(params.init_checkpoint)
+    if init_checkpoint is not None:
+        start = resolve_path(init_checkpoint)
         # The run started from the base, or from adapters on that base (a curriculum's later LoRA stage)
         start_base = Path(adapter_base(start)["path"]) if is_adapter_checkpoint(start) else start
         if start_base.resolve() != Path(base["path"]).resolve():
-            raise ParamError(f"init_checkpoint {params.init_checkpoint} is not the base {base['path']} that "
+            raise ParamError(f"init_checkpoint {init_checkpoint} is not the base {base['path']} that "
                              f"{checkpoint_dir} adapts")
-    return adapted_model(checkpoint_dir, params, adapter)
+    return adapted_model(checkpoint_dir, settings, adapter)
 
 
-def adapted_model(checkpoint_dir: Path, params: TrainParams,
+def adapted_model(checkpoint_dir: Path, wanted: LoraSettings,
                   adapter: tuple[LoraSettings, dict, dict[str, torch.Tensor]]) -> tuple[TRMoEModel, LoraRun]:
-    """A LoRA checkpoint's adapters (read_adapter's) on their base, checked: the run's LoRA settings and the base
-    unchanged."""
+    """A LoRA checkpoint's adapters (read_adapter's) on their base, checked: the run's LoRA settings (`wanted`)
+    and the base unchanged."""
     saved, base, adapters = adapter
-    wanted = lora_settings(params)
     for name, parameter in SETTING_PARAMETERS.items():
         if getattr(saved, name) != getattr(wanted, name):
             raise ParamError(f"{checkpoint_dir} was trained with {parameter} {getattr(saved, name)}, this run has "

@@ -30,7 +30,7 @@ from typing import Any
 
 from cflib.errors import ParamError
 from cflib.paths import resolve_path
-from cflib.params import reject_unknown
+from cflib.schema import reject_unknown
 from cflib.train.params import TrainParams
 from cflib.yamlio import read_yaml
 

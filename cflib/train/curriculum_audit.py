@@ -13,13 +13,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from cflib.data.packing import plan_packs
+from cflib.data.packing import pack_examples
 from cflib.data.shards import ShardError, ShardPartition, open_shard
 from cflib.data.weighting import SHARE_TOLERANCE, audit_table, derive_loss_weights
 from cflib.errors import ParamError
 from cflib.model.config import ModelConfig
 from cflib.train.curriculum import Curriculum, Stage
-from cflib.train.params import gradient_accumulation
 from cflib.train.run import kept_examples, memory_figures, resolve_device, schedule_steps
 
 
@@ -47,14 +46,14 @@ def audit_stage(stage: Stage, config: ModelConfig, data_root: Path) -> dict:
     train, held_out = (open_shard(data_root, partition, vocab_size=config.vocab_size, seq_len=p.seq_len)
                        for partition in ("train", "eval"))
     kept, counts = kept_examples(p, train)
-    units = len(plan_packs(kept.lengths, p.seq_len)) if p.pack_sequences else len(kept)
+    units = len(pack_examples(kept.lengths, p.seq_len)) if p.pack_sequences else len(kept)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, p)
     weighting = _weighting(stage, kept)
     return {"stage": stage.name, "passed": weighting["weights_within_cap"], "overrides": stage.overrides,
             "examples": counts or {"examples": len(kept), "kept": len(kept)},
             "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(held_out), "seq_len": p.seq_len,
             "global_batch": p.global_batch, "micro_batch_per_rank": p.micro_batch_per_rank,
-            "grad_accum": gradient_accumulation(p.global_batch, p.micro_batch_per_rank, p.world_size),
+            "grad_accum": p.grad_accum,
             "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
             "lr": p.lr, "max_task_loss_weight": p.max_task_loss_weight,
             "memory_estimate": memory_figures(config, p, resolve_device(p.device)), **weighting}

@@ -33,7 +33,7 @@ from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
 from cflib.train.run import model_config, prepare
 
-PLAN_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
+CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 
 
 @dataclass
@@ -71,10 +71,11 @@ class CurriculumRun:
             lock.release()
 
     def _fit_stages(self, progress: bool) -> dict:
-        plan = {"curriculum": str(self.curriculum.path), "stages": [
+        stages = {"curriculum": str(self.curriculum.path), "stages": [
             {"name": stage.name, "overrides": stage.overrides} for stage in self.curriculum.stages]}
-        if not (self.out_dir / PLAN_FILE).is_file():
-            write_json_atomic(self.out_dir / PLAN_FILE, {**plan, "created_utc": utc_now(), "audit": self.audit})
+        if not (self.out_dir / CURRICULUM_FILE).is_file():
+            write_json_atomic(self.out_dir / CURRICULUM_FILE,
+                              {**stages, "created_utc": utc_now(), "audit": self.audit})
         start_from, records = self.params.init_checkpoint, []
         for stage in self.curriculum.stages:
             record = self._fit_stage(stage, start_from, progress)
@@ -157,7 +158,7 @@ def _root(params: TrainParams) -> Path:
 
 def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> None:
     """A curriculum folder is continued (resume: latest, the same stages) or left alone."""
-    started = (out_dir / PLAN_FILE).is_file() or (out_dir / "stages").exists()
+    started = (out_dir / CURRICULUM_FILE).is_file() or (out_dir / "stages").exists()
     if params.resume not in (None, "latest"):
         raise ParamError(f"resume: a curriculum resumes with resume: latest (its stages know their checkpoints), "
                          f"got {params.resume!r}")
@@ -169,8 +170,9 @@ def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> N
                          "it with resume: latest")
     if params.resume is not None and not started:
         raise ParamError(f"out_dir {out_dir} holds no curriculum run to resume")
-    if (out_dir / PLAN_FILE).is_file():
-        before = {stage["name"]: stage["overrides"] for stage in json.loads((out_dir / PLAN_FILE).read_text())["stages"]}
+    if (out_dir / CURRICULUM_FILE).is_file():
+        written = json.loads((out_dir / CURRICULUM_FILE).read_text())["stages"]
+        before = {stage["name"]: stage["overrides"] for stage in written}
         for stage in curriculum.stages:
             if stage.name in before and before[stage.name] != json.loads(json.dumps(stage.overrides)):
                 raise ParamError(f"stage {stage.name!r} of {curriculum.path} differs from the stage this run "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +27,6 @@ from cflib.ops.adamw import (
     writes_rows,
 )
 from cflib.ops.dispatch import triton_problem
-from cflib.train.params import TrainParams
 
 TABLES_KEPT = 32  # address tables cached per optimizer: one per group and set of gradient tensors (graph shapes)
 
@@ -39,17 +39,28 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup_steps, decay_steps) / decay_steps))
 
 
-def _group_of(name: str, parameter: torch.nn.Parameter, params: TrainParams) -> tuple[str, float]:
+@dataclass(frozen=True)
+class AdamWSettings:
+    """AdamW's hyperparameters, and the rates of the routed experts and the LoRA adapters as multiples of lr."""
+
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    expert_lr_multiplier: float = 1.0
+    lora_lr_multiplier: float = 1.0
+
+
+def _group_of(name: str, parameter: torch.nn.Parameter, settings: AdamWSettings) -> tuple[str, float]:
     """The parameter's group name and learning-rate multiplier."""
     # Norm gains are scale parameters; decaying them toward 0 fights the normalisation.
     parts = ["decay" if parameter.dim() >= 2 else "no_decay"]
     multiplier = 1.0
-    if ".expert_" in name and params.expert_lr_multiplier != 1.0:
+    if ".expert_" in name and settings.expert_lr_multiplier != 1.0:
         parts.append("experts")
-        multiplier *= params.expert_lr_multiplier
-    if "lora_" in name and params.lora_lr_multiplier != 1.0:
+        multiplier *= settings.expert_lr_multiplier
+    if "lora_" in name and settings.lora_lr_multiplier != 1.0:
         parts.append("lora")
-        multiplier *= params.lora_lr_multiplier
+        multiplier *= settings.lora_lr_multiplier
     return "+".join(parts), multiplier
 
 
@@ -164,28 +175,27 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     return f"AdamW fused={optimizer.defaults.get('fused')}"
 
 
-def parameter_groups(model: torch.nn.Module, params: TrainParams) -> list[dict]:
+def parameter_groups(model: torch.nn.Module, settings: AdamWSettings) -> list[dict]:
     """The model's trainable parameters in named groups, each with its learning rate and weight decay."""
     groups: dict[str, dict] = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        group, multiplier = _group_of(name, parameter, params)
-        groups.setdefault(group, {"name": group, "params": [], "lr": params.lr * multiplier,
-                                  "weight_decay": params.weight_decay if group.startswith("decay") else 0.0})
+        group, multiplier = _group_of(name, parameter, settings)
+        groups.setdefault(group, {"name": group, "params": [], "lr": settings.lr * multiplier,
+                                  "weight_decay": settings.weight_decay if group.startswith("decay") else 0.0})
         groups[group]["params"].append(parameter)
     return list(groups.values())
 
 
-def make_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
-                   fused: bool = True, triton: bool = False) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters in named groups: torch's (fused on a GPU unless `fused` is
-    false), or with `triton` cflib's kernel (cflib_adamw_problem says where it runs)."""
-    groups = parameter_groups(model, params)
+def make_optimizer(model: torch.nn.Module, settings: AdamWSettings, fused: bool = False,
+                   triton: bool = False) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters in named groups: torch's (its fused kernel with `fused`), or
+    with `triton` cflib's kernel (the execution plan says which: cflib.train.execution)."""
+    groups = parameter_groups(model, settings)
     if triton:
-        return TritonAdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2))
-    return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2),
-                             fused=fused and device.type == "cuda")
+        return TritonAdamW(groups, lr=settings.lr, betas=settings.betas)
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, fused=fused)
 
 
 def describe_groups(optimizer: torch.optim.Optimizer) -> list[dict]:

@@ -2,17 +2,18 @@
 
 Every value is checked here, before anything is built or written: unknown
 names, wrong types, impossible ranges and impossible batch arithmetic. The
-fields are declared in sections (`cflib.params` reads them, from papermill's
+fields are declared in sections (`cflib.schema` reads them, from papermill's
 strings and YAML's typed values alike); `TrainParams` joins them and checks
 them together.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cflib.data.filters import parse_filters
 from cflib.data.weighting import parse_loss_groups
@@ -20,11 +21,16 @@ from cflib.errors import ParamError
 from cflib.export.push import repo_id_problem
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
-from cflib.params import coerce, composed, is_none_word, parsed_by
-from cflib.train.trackers import check_report_to, resolve_report_to
+from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
 from cflib.yamlio import read_yaml
 
+if TYPE_CHECKING:
+    from cflib.model.lora import LoraSettings
+
 DEVICES = ("auto", "cpu", "cuda")
+# The experiment trackers report_to names (cflib.train.trackers), each with the package it needs.
+REPORTERS = ("tensorboard", "mlflow", "wandb")
+_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 KERNEL_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "ddp", "fsdp")
 
@@ -70,6 +76,34 @@ def resume_choice(name: str, value: Any) -> str | None:
     if isinstance(value, bool) or str(value).lower() in ("true", "false"):
         return "latest" if str(value).lower() == "true" else None
     return coerce(name, value, str | None)
+
+
+def resolve_report_to(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one
+    installed."""
+    if names is None:
+        return None
+    names = tuple(name.lower() for name in names)
+    if names in ((), ("none",)):
+        return None
+    if "all" in names:
+        return tuple(name for name in REPORTERS if importlib.util.find_spec(_PACKAGES[name]) is not None) or None
+    return names
+
+
+def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None) -> None:
+    """ParamError naming an unknown or uninstalled tracker, before anything runs."""
+    for name in report_to or ():
+        if name not in REPORTERS:
+            raise ParamError(f"report_to: unknown tracker {name!r}; choose none, all, or from "
+                             f"{', '.join(REPORTERS)} (a list, or one comma-separated string)")
+        if importlib.util.find_spec(_PACKAGES[name]) is None:
+            raise ParamError(f"report_to: {name} is not installed in this environment: pip install {_PACKAGES[name]}")
+    if report_to and len(set(report_to)) != len(report_to):
+        raise ParamError(f"report_to repeats a tracker: {list(report_to)}")
+    if tracking_uri is not None and "mlflow" not in (report_to or ()):
+        raise ParamError(f"mlflow_tracking_uri is {tracking_uri!r} but report_to has no mlflow: add it "
+                         "(report_to: mlflow), or remove mlflow_tracking_uri")
 
 
 def tracker_names(name: str, value: Any) -> tuple[str, ...] | None:
@@ -128,12 +162,6 @@ class Loss:
     """The training loss and its precision."""
 
     bf16: bool = False
-    # The residual stream between layers in BF16 (as Megatron-LM and torchtitan keep it), not FP32: every add
-    # rounds it, and each residual add + norm moves about 40% fewer bytes; needs bf16
-    bf16_residual: bool = False
-    # The FP32 residual stream's gradient in BF16, its forward unchanged: each residual add + norm moves 8 bytes an
-    # element backward, not 14; needs bf16
-    bf16_residual_gradient: bool = False
     loss_type: str = "sft_cross_entropy"  # a loss of cflib.ops.sft_loss.LOSSES (register_loss adds one)
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
@@ -154,41 +182,70 @@ class Lora:
 
 
 @dataclass(frozen=True)
+class KernelOverrides(Params):
+    """The step's speed switches (docs/kernels.md), each `auto` unless a run names it in `kernel_overrides`:
+    auto takes it where every check passes (and where it was measured faster), true requires it (the run stops
+    before step 1 where it cannot run), false leaves it off. The execution plan (cflib.train.execution) resolves
+    them once, with its reasons."""
+
+    # The TR-MoE block's forward SwiGLU in quack's GEMM epilogue (Hopper, quack-kernels): auto where it runs and the
+    # run reads the BF16 weight copies, true with or without them, false for cflib's SwiGLU kernel
+    epilogue_swiglu: str = parsed_by(kernel_choice, "auto")
+    # The step's other GEMMs each on quack's GEMM or cuBLAS, whichever was faster at the first call of its size
+    # class (Hopper, quack-kernels; cflib.ops.gemm): auto where it runs and the run reads the BF16 weight copies
+    quack_gemms: str = parsed_by(kernel_choice, "auto")
+    # Each micro-step's forward, loss and backward replayed from CUDA graphs (cflib.train.graphs): auto where it
+    # runs (one CUDA process, cflib's fused loss, a capturable attention kernel, no grad_ckpt)
+    cuda_graphs: str = parsed_by(kernel_choice, "auto")
+    # BF16 copies of the fused GEMMs' weights written after each optimizer step instead of autocast's casts in every
+    # forward (cflib.model.weight_copies): auto in one process on a GPU (full-parameter BF16 runs on cflib's
+    # kernels, not FSDP), true under DDP too
+    bf16_weight_copies: str = parsed_by(kernel_choice, "auto")
+    # AdamW stepped by cflib's Triton kernel (cflib.ops.adamw) instead of torch's fused one, writing the weight
+    # copies in the same pass: auto in one process on a GPU (not FSDP), true under DDP too
+    cflib_adamw: str = parsed_by(kernel_choice, "auto")
+    # The TR-MoE block's activation kept from forward to backward in this many layers (the first ones; all: every
+    # layer) where cflib's kernels run, instead of recomputed by the backward kernel: faster, for 2 bytes x the
+    # block's width a token in each (docs/kernels.md); 0 gives that memory back
+    kept_swiglu_layers: int | str = parsed_by(layer_count, "all")
+
+    def validate(self) -> None:
+        for name in SWITCHES:
+            if getattr(self, name) not in KERNEL_CHOICES:
+                raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
+
+
+# The tri-state switches of KernelOverrides (kept_swiglu_layers counts layers).
+SWITCHES = ("epilogue_swiglu", "quack_gemms", "cuda_graphs", "bf16_weight_copies", "cflib_adamw")
+
+
+def kernel_overrides(name: str, value: Any) -> dict[str, Any] | None:
+    """The switches a run names, each read as KernelOverrides reads it: a YAML mapping, or its text from papermill
+    ("{cuda_graphs: false}"); a name KernelOverrides does not declare is refused with the likeliest meant."""
+    raw = coerce(name, value, dict | None)
+    if not raw:
+        return None
+    try:
+        given = KernelOverrides.from_dict(raw, source=name)
+    except ParamError as err:  # each message names the switch; the parameter it sits in goes first
+        raise ParamError(str(err) if str(err).startswith(name) else f"{name}: {err}") from None
+    return {key: getattr(given, key) for key in raw}
+
+
+@dataclass(frozen=True)
 class Kernels:
     """Which implementation computes each step (docs/kernels.md)."""
 
     grad_ckpt: bool = False
-    # The TR-MoE block's activation kept from forward to backward in this many layers (the first ones; all: every
-    # layer) where cflib's kernels run, instead of recomputed by the backward kernel: 1.0-1.2% faster a step for the
-    # 200M model on an H200, for 2 bytes x the block's width a token in each (3.25 GiB at 16 x 2,048; 0 gives it
-    # back; docs/kernels.md)
-    kept_swiglu_layers: int | str = parsed_by(layer_count, "all")
     # auto: fast paths where every check passes; true: require them; false: PyTorch
     use_custom_kernels: str = parsed_by(kernel_choice, "auto")
-    # The TR-MoE block's forward SwiGLU in quack's GEMM epilogue (Hopper, quack-kernels; docs/kernels.md): auto
-    # where it runs and the run reads the BF16 weight copies, true to require it (with or without them), false for
-    # cflib's SwiGLU kernel
-    epilogue_swiglu: str = parsed_by(kernel_choice, "auto")
-    # The step's other GEMMs (the projections' forward and both gradients, the head's) each on quack's GEMM or
-    # cuBLAS, whichever was faster at the first call of its size class (Hopper, quack-kernels; cflib.ops.gemm):
-    # auto where it runs and the run reads the BF16 weight copies, true to require it, false for cuBLAS
-    quack_gemms: str = parsed_by(kernel_choice, "auto")
     require_liger: bool = False  # fail before training unless Liger's kernels run
     # auto: FlashAttention-4 where it runs (Hopper+, bf16), else the next fastest; or one of ATTENTION_BACKENDS,
     # required (fa4 and cudnn_sdpa compute in bf16 even in an fp32 run; cudnn_sdpa cannot attend packed windows)
     attention_backend: str = "auto"
-    # Each micro-step's forward, loss and backward replayed from CUDA graphs (cflib.train.graphs), the host
-    # freed of launching its kernels: auto where it runs (one CUDA process, cflib's fused loss, a capturable
-    # attention kernel), true to require it, false for eager steps
-    cuda_graphs: str = parsed_by(kernel_choice, "auto")
-    # BF16 copies of the fused GEMMs' weights written after each optimizer step, instead of autocast's casts in
-    # every forward (cflib.model.weight_copies): full-parameter BF16 runs on cflib's kernels, not FSDP; auto where
-    # it applies in one process on a GPU, true to require it (under DDP too), false for the casts
-    bf16_weight_copies: str = parsed_by(kernel_choice, "auto")
-    # AdamW stepped by cflib's Triton kernel (cflib.ops.adamw) instead of torch's fused one: the same update and
-    # state, one launch per parameter group, the weight copies written in the same pass; not FSDP; auto where it
-    # applies in one process on a GPU, true to require it (under DDP too), false for torch's
-    cflib_adamw: str = parsed_by(kernel_choice, "auto")
+    # The speed switches a run overrides, e.g. {cuda_graphs: false, kept_swiglu_layers: 0}; the others stay auto
+    # (KernelOverrides names them all)
+    kernel_overrides: dict | None = parsed_by(kernel_overrides)
 
 
 @dataclass(frozen=True)
@@ -268,6 +325,16 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per rank in one optimizer step: global_batch = micro_batch_per_rank x world_size x this."""
+        return gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
+
+    @property
+    def overrides(self) -> KernelOverrides:
+        """Every speed switch: auto, or as kernel_overrides names it."""
+        return KernelOverrides(**(self.kernel_overrides or {}))
+
     def validate(self) -> None:
         # Before any range check: `x <= 0` is False for NaN, and inf passes every lower bound.
         for field in dataclasses.fields(self):
@@ -295,10 +362,9 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError("train_tasks must name at least one task, or be None for every example")
         if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
             raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
-        for name in ("use_custom_kernels", "epilogue_swiglu", "quack_gemms", "cuda_graphs", "bf16_weight_copies",
-                     "cflib_adamw"):
-            if getattr(self, name) not in KERNEL_CHOICES:
-                raise ParamError(f"{name} must be one of {KERNEL_CHOICES} (or a boolean), got {getattr(self, name)!r}")
+        if self.use_custom_kernels not in KERNEL_CHOICES:
+            raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), got "
+                             f"{self.use_custom_kernels!r}")
         if self.attention_backend not in backend_names():
             raise ParamError(f"attention_backend must be one of {backend_names()}, got {self.attention_backend!r}")
         if self.pack_sequences and (problem := packed_problem(self.attention_backend)):
@@ -317,7 +383,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"push_to_hub: {problem}")
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
-        gradient_accumulation(self.global_batch, self.micro_batch_per_rank, self.world_size)
+        self.grad_accum  # noqa: B018 - a global batch the ranks cannot split stops here, with the options
 
     def _validate_optimisation(self) -> None:
         """The optimizer, its schedule, the loss and the step's precision."""
@@ -334,15 +400,6 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
         if self.loss_type not in LOSSES:
             raise ParamError(f"loss_type must be one of {tuple(LOSSES)}, got {self.loss_type!r}")
-        if self.bf16_residual and not self.bf16:
-            raise ParamError("bf16_residual keeps the residual stream in BF16 under BF16 autocast; set bf16: true, "
-                             "or bf16_residual: false")
-        if self.bf16_residual_gradient and not self.bf16:
-            raise ParamError("bf16_residual_gradient keeps the residual stream's gradient in BF16 under BF16 "
-                             "autocast; set bf16: true, or bf16_residual_gradient: false")
-        if self.bf16_residual_gradient and self.bf16_residual:
-            raise ParamError("bf16_residual_gradient rounds the FP32 stream's gradient, and bf16_residual keeps no "
-                             "FP32 stream (its gradient is BF16 already); set one of them")
 
     def _validate_curriculum_controls(self) -> None:
         """What selects and weights the train examples, and the curriculum's own controls."""
@@ -389,6 +446,21 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         if self.base_dtype == "bfloat16" and not self.bf16:
             raise ParamError("base_dtype: bfloat16 holds the frozen weights in BF16 for BF16 autocast GEMMs; "
                              "set bf16: true, or keep base_dtype float32")
+
+
+    def lora_settings(self) -> LoraSettings | None:
+        """The LoRA settings this run asks for (defaults filled in), or None for full-parameter training."""
+        from cflib.model.lora import LoraSettings  # the model layer owns what can be adapted
+
+        if self.full_parameter:
+            return None
+        defaults = LoraSettings()
+        rank = self.lora_rank or defaults.rank
+        return LoraSettings(rank=rank, alpha=float(self.lora_alpha or rank),
+                            dropout=self.lora_dropout if self.lora_dropout is not None else defaults.dropout,
+                            targets=self.lora_targets or defaults.targets,
+                            base_dtype=self.base_dtype or defaults.base_dtype,
+                            trainable_tokens=self.lora_trainable_tokens or ())
 
 
 # What `full_parameter: false` reads; any of them with full_parameter: true is a mistake.

@@ -1,18 +1,19 @@
-"""Run records and metrics: what ran, on what, with which kernels, and what came out."""
+"""Run records and metrics: what ran, on what, with which kernels, and what came out.
+
+`train_record(summary)` writes record.json from a `RunSummary`, the plain data the training loop
+(cflib.train.trainer) gathers at the end of a run; `MetricsLog` appends metrics.jsonl as it goes.
+"""
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from cflib.jobs import record_header
-from cflib.model.lora import describe as describe_lora
-
-if TYPE_CHECKING:  # the trainer builds on this module
-    from cflib.train.trainer import Trainer
 
 
 class MetricsLog:
@@ -69,85 +70,98 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
     return {"params_total": total, "params_trainable": trainable}
 
 
-def _throughput(trainer: "Trainer") -> dict:
+@dataclass(frozen=True)
+class RunSummary:
+    """A finished run as plain data: what it was set to run (the prepared run's facts and execution plan) and
+    what it did (steps, evaluations, checkpoints, timings, the kernels read back)."""
+
+    params: Any  # the run's TrainParams
+    device: torch.device
+    out_dir: Path
+    world_size: int
+    strategy: str
+    memory_estimate: dict
+    model_source: str
+    model_config: dict
+    params_active: int
+    parameter_counts: dict[str, int]
+    lora: dict | None
+    kernel_path: dict[str, str]  # read back from the modules that ran a training step
+    kernels_requested: dict
+    execution_plan: dict
+    step_capture: dict
+    data: dict
+    packing: dict | None
+    loss_weighting: dict | None
+    schedule: dict
+    evals: list[dict]
+    checkpoints: dict[str, str]
+    timing: dict[str, float]
+    steady: dict  # the steps after warm-up: tokens, supervised tokens, seconds, steps
+    warmup_steps_excluded: int
+    peak_memory_gib: float | None
+    optimizer_groups: list[dict]
+    filters: dict | None
+    early_stopping: dict | None
+
+
+def _throughput(summary: RunSummary) -> dict:
     """The steady state's rates, its model FLOPs and the run's peak memory."""
-    config, steady = trainer.model.config, trainer.steady
+    config, steady = summary.model_config, summary.steady
     steady_s = steady["seconds"]
     tokens_per_s = steady["tokens"] / steady_s if steady_s else None
-    flops_per_token = (6 * config.active_parameters()
-                       + 6 * config.num_hidden_layers * config.hidden_size * trainer.params.seq_len)
+    flops_per_token = (6 * summary.params_active
+                       + 6 * config["num_hidden_layers"] * config["hidden_size"] * summary.params.seq_len)
     return {
         "steady_state_tokens_per_s": tokens_per_s,
         "steady_state_supervised_tokens_per_s": steady["supervised_tokens"] / steady_s if steady_s else None,
         "timed_steps": steady["steps"],
         "model_flops_per_token": flops_per_token,
         "model_tflops_per_s": tokens_per_s * flops_per_token / 1e12 if tokens_per_s else None,
-        "peak_memory_gib": (torch.cuda.max_memory_allocated(trainer.device) / 2**30
-                            if trainer.device.type == "cuda" else None),
+        "peak_memory_gib": summary.peak_memory_gib,
     }
 
 
-# The kernel parameters a record repeats beside what ran.
-KERNELS_REQUESTED = ("use_custom_kernels", "require_liger", "attention_backend", "epilogue_swiglu", "quack_gemms",
-                     "kept_swiglu_layers")
-
-
-def train_record(trainer: "Trainer", final: dict, epochs_done: int, wall_s: float) -> dict:
-    """record.json of a finished run: the measurement protocol's fields, then what the run did."""
-    run, p, model = trainer.run, trainer.params, trainer.model
-    config = model.config
-    eval_block: dict[str, Any] = {"final": final, "history": trainer.evals}
-    at_start = next((e for e in trainer.evals if e["tag"] == "start"), None)
+def _eval_block(evals: list[dict]) -> dict:
+    block: dict[str, Any] = {"final": dict(evals[-1]), "history": evals}
+    at_start = next((e for e in evals if e["tag"] == "start"), None)
     if at_start is not None:
-        eval_block["at_start"] = at_start
-    eval_block["epochs"] = [e for e in trainer.evals if e["tag"].startswith("epoch-")]
+        block["at_start"] = at_start
+    block["epochs"] = [e for e in evals if e["tag"].startswith("epoch-")]
+    return block
+
+
+def _timing_protocol(summary: RunSummary) -> dict:
+    cuda = summary.device.type == "cuda"
+    return {"warmup_steps_excluded": summary.warmup_steps_excluded,
+            "sync_boundaries": "torch.cuda.synchronize before and after each timed optimizer step" if cuda
+            else "host timers around each optimizer step (CPU: synchronous)",
+            "includes_eval": False, "includes_checkpoint_io": False, "tokens_counted": "padded tokens fed to the model"}
+
+
+def train_record(summary: RunSummary) -> dict:
+    """record.json of a finished run: the measurement protocol's fields, then what the run did."""
+    p, config = summary.params, summary.model_config
     return {
-        **record_header("train_sft", trainer.device, run.out_dir, device_count=trainer.dist.world_size,
-                        params=p),
+        **record_header("train_sft", summary.device, summary.out_dir, device_count=summary.world_size, params=p),
         # measurement protocol (docs/measuring.md)
-        "world_size": trainer.dist.world_size, "strategy": run.strategy,
-        "memory_estimate": run.memory_estimate,
-        "kernel_path": {**(trainer.train_kernel_path or model.kernel_path()), "loss": trainer.loss.last_backend,
-                        "gemms": trainer.gemms.describe()},
-        "kernels_requested": {**{name: getattr(p, name) for name in KERNELS_REQUESTED},
-                              "notes": list(run.kernels.notes)},
-        **count_parameters(model),
-        "lora": None if run.lora is None else {**describe_lora(model), "base": {
-            key: value for key, value in run.lora.base.items() if key != "config"}},
-        "params_active": config.active_parameters(),
-        "vocab_size": config.vocab_size,
-        "seq_len": p.seq_len,
-        "micro_batch_per_rank": p.micro_batch_per_rank,
-        "global_batch": p.global_batch,
-        "grad_accum": run.grad_accum,
+        "world_size": summary.world_size, "strategy": summary.strategy, "memory_estimate": summary.memory_estimate,
+        "kernel_path": summary.kernel_path, "kernels_requested": summary.kernels_requested,
+        "execution_plan": summary.execution_plan, **summary.parameter_counts, "lora": summary.lora,
+        "params_active": summary.params_active, "vocab_size": config["vocab_size"], "seq_len": p.seq_len,
+        "micro_batch_per_rank": p.micro_batch_per_rank, "global_batch": p.global_batch, "grad_accum": p.grad_accum,
         "precision": "bf16-autocast" if p.bf16 else "fp32",
         "loss_precision": "fp32" if p.fp32_loss else ("bf16" if p.bf16 else "fp32"),
-        "grad_ckpt": p.grad_ckpt,
-        "loss_chunk_tokens": p.loss_chunk_tokens,
+        "grad_ckpt": p.grad_ckpt, "loss_chunk_tokens": p.loss_chunk_tokens,
         "telemetry": "tqdm progress + metrics.jsonl per step (host sync once per step)",
-        "compiled": False, "step_capture": trainer.graphs_summary(),  # CUDA-graph replays (cflib.train.graphs)
-        "timing_protocol": {
-            "warmup_steps_excluded": trainer.warmup_exclude,
-            "sync_boundaries": "torch.cuda.synchronize before and after each timed optimizer step"
-            if trainer.device.type == "cuda" else "host timers around each optimizer step (CPU: synchronous)",
-            "includes_eval": False,
-            "includes_checkpoint_io": False,
-            "tokens_counted": "padded tokens fed to the model",
-        },
-        "throughput": _throughput(trainer),
-        "timing": {**trainer.timing, "wall_s": wall_s},
+        "compiled": False, "step_capture": summary.step_capture,  # CUDA-graph replays (cflib.train.graphs)
+        "timing_protocol": _timing_protocol(summary),
+        "throughput": _throughput(summary),
+        "timing": summary.timing,
         # the run
-        "model_source": run.model_source,
-        "model_config": config.to_dict(),
-        "data": {"root": str(run.data_root), "train_examples": len(run.train_data),
-                 "eval_examples": len(run.eval_data), "vocab_size": run.train_data.vocab_size,
-                 "eos_token_id": run.train_data.eos_token_id, "max_seq_len": run.train_data.max_seq_len,
-                 "preflight": run.preflight},
-        "packing": run.packing_efficiency(),
-        "loss_weighting": trainer.loss_weighting(),
-        "schedule": {"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
-                     "warmup_steps": run.warmup_steps, "steps_done": trainer.step, "epochs_started": epochs_done,
-                     "fill_ins_per_epoch": trainer.fill_ins},
-        "eval": eval_block,
-        "checkpoints": trainer.checkpoints,
+        "model_source": summary.model_source, "model_config": config, "data": summary.data,
+        "packing": summary.packing, "loss_weighting": summary.loss_weighting, "schedule": summary.schedule,
+        "eval": _eval_block(summary.evals), "checkpoints": summary.checkpoints,
+        "optimizer_groups": summary.optimizer_groups, "filters": summary.filters,
+        "early_stopping": summary.early_stopping,
     }

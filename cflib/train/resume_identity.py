@@ -28,7 +28,7 @@ STREAM = ("seed", "global_batch", "train_examples", "total_steps", "warmup_steps
           "filters", "expert_lr_multiplier", "lora_lr_multiplier")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
-             "fp32_loss", "bf16", "bf16_residual", "bf16_residual_gradient", "seq_len", "loss_groups",
+             "fp32_loss", "bf16", "seq_len", "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
              "base_dtype", "lora_trainable_tokens", "loss_type", "early_stopping_patience")
 
@@ -38,8 +38,7 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
-             "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None,
-             "bf16_residual": False, "bf16_residual_gradient": False}
+             "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None}
 
 
 def partition_digest(partition: ShardPartition) -> str:

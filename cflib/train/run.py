@@ -2,7 +2,7 @@
 
 `prepare` resolves the device, the model (preset, init checkpoint or resumed
 checkpoint), the data (preflight, packing plan, loss weights), the batch
-arithmetic and the kernels, and fails with a message naming the culprit
+arithmetic and the execution plan, and fails with a message naming the culprit
 before `out_dir` is touched. `batch_arithmetic` gives the same figures from
 the parameters alone, for the notebook's form. The loop is cflib.train.trainer.
 """
@@ -19,7 +19,7 @@ import torch
 
 from cflib.atomic import check_writable_folder, live_path
 from cflib.data.filters import parse_filters, select
-from cflib.data.packing import PackPlan, plan_packs
+from cflib.data.packing import PackedWindows, pack_examples
 from cflib.data.preflight import preflight
 from cflib.data.shards import ShardError, ShardPartition, open_shard
 from cflib.data.tasks import TASKS, ensure_embedded_shard
@@ -28,14 +28,13 @@ from cflib.jobs import job_out_dir
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
-from cflib.model.fast import use_kernels
 from cflib.model.lora import adapter_parameter_count
-from cflib.ops.dispatch import KernelPlan, plan_kernels
 from cflib.paths import resolve_path
-from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, lora_settings, resumed_model
+from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, resumed_model
 from cflib.train.distributed import DistContext, choose_strategy, device_memory_bytes, memory_estimate
+from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
 from cflib.train.lock import check_not_locked
-from cflib.train.params import ParamError, TrainParams, gradient_accumulation
+from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
 
@@ -65,16 +64,15 @@ class Run:
     train_data: ShardPartition
     eval_data: ShardPartition
     out_dir: Path
-    grad_accum: int
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
     dist: DistContext
     strategy: str
     memory_estimate: dict
-    kernels: KernelPlan
+    plan: ExecutionPlan
     resume_state: dict | None = None  # trainer state of the checkpoint this run continues
-    pack_plan: PackPlan | None = None  # pack_sequences: the windows, planned once
+    packed: PackedWindows | None = None  # pack_sequences: the windows, computed once
     loss_weights: LossWeights | None = None  # loss_groups: every cell's coefficient
     preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
     lora: LoraRun | None = None  # full_parameter: false: the adapters' settings and their base
@@ -83,10 +81,10 @@ class Run:
     @property
     def train_units(self) -> int:
         """What an epoch shuffles and a global batch counts: packed windows, or examples."""
-        return len(self.pack_plan) if self.pack_plan is not None else len(self.train_data)
+        return len(self.packed) if self.packed is not None else len(self.train_data)
 
     def examples_of(self, units: np.ndarray) -> np.ndarray:
-        return self.pack_plan.examples_of(units) if self.pack_plan is not None else units
+        return self.packed.examples_of(units) if self.packed is not None else units
 
     @property
     def launches_workers(self) -> bool:
@@ -102,16 +100,16 @@ class Run:
                "trainable"] if self.lora is not None else []),
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
             f"examples, {tokens:,} train tokens",
-            *([self._packing_line()] if self.pack_plan is not None else []),
-            f"batch        global {p.global_batch} {'windows' if self.pack_plan else 'examples'} = micro "
-            f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {self.grad_accum}",
+            *([self._packing_line()] if self.packed is not None else []),
+            f"batch        global {p.global_batch} {'windows' if self.packed else 'examples'} = micro "
+            f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {p.grad_accum}",
             f"schedule     {self.steps_per_epoch} steps/epoch, {self.total_steps} optimizer steps, "
             f"{self.warmup_steps} warm-up, lr {p.lr:g} cosine",
             f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'}), "
             f"{p.nnodes} node(s) x {p.nproc_per_node} process(es), strategy {self.strategy} "
             f"(estimated {self.memory_estimate['total_bytes'] / 2**30:.1f} GiB of "
             f"{self.memory_estimate['device_bytes'] / 2**30:.0f} per device)",
-            f"kernels      {self.kernels.describe()}",
+            f"plan         {self.plan.describe()}",
             f"out_dir      {self.out_dir}",
             *([f"loss weights (max_task_loss_weight {p.max_task_loss_weight:g})\n"
                + audit_table(self.loss_weights.audit())] if self.loss_weights else []),
@@ -124,9 +122,9 @@ class Run:
                 f"{packing['supervised_fraction']:.1%} supervised tokens per window")
 
     def packing_efficiency(self) -> dict | None:
-        if self.pack_plan is None:
+        if self.packed is None:
             return None
-        return self.pack_plan.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
+        return self.packed.efficiency(self.train_data.lengths, self.train_data.supervised_counts)
 
 
 def never_trained(out_dir: Path) -> bool:
@@ -167,26 +165,6 @@ def recheck_out_dir(run: "Run") -> None:
         _out_dir(run.params, "")
 
 
-def one_gpu_process_problem(device: torch.device, world_size: int) -> str | None:
-    """Why `auto` leaves the BF16 weight copies and cflib's AdamW off: they are measured in one process on a
-    GPU."""
-    if device.type != "cuda":
-        return f"the device is {device.type}, not CUDA"
-    return f"{world_size} processes (auto: one)" if world_size > 1 else None
-
-
-def weight_copies_problem(params: TrainParams, custom: bool, strategy: str, device: torch.device) -> str | None:
-    """Why this run reads no BF16 weight copies (cflib.model.weight_copies), or None where bf16_weight_copies
-    gives it them; `custom`: whether cflib's kernels run, whose fused GEMMs read the copies."""
-    if params.bf16_weight_copies == "false":
-        return "bf16_weight_copies: false"
-    return ("bf16 is off" if not params.bf16 else "cflib's kernels are off" if not custom
-            else "LoRA adapts the weights" if not params.full_parameter
-            else "FSDP shards the masters" if strategy == "fsdp"
-            else one_gpu_process_problem(device, params.world_size) if params.bf16_weight_copies == "auto"
-            else None)
-
-
 def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     """Resolve and check everything a run needs without writing to out_dir.
 
@@ -213,18 +191,18 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
     if params.resume is not None:
         checkpoint_dir = resume_dir(params)
-        model, lora = resumed_model(checkpoint_dir, params)
+        model, lora = resumed_model(checkpoint_dir, params.lora_settings(), params.init_checkpoint)
         resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
     elif params.init_checkpoint is not None:
         checkpoint_dir = resolve_path(params.init_checkpoint)
-        model, lora = initial_model(checkpoint_dir, params)
+        model, lora = initial_model(checkpoint_dir, params.lora_settings())
         model_source, model_name = f"checkpoint {checkpoint_dir}", checkpoint_dir.name
     else:
         model, lora = TRMoEModel(_preset(params.model)), None
         model_source, model_name = f"preset {params.model}", params.model
     config: ModelConfig = model.config
-    fit_model(model, params)
+    check_seq_len(config, params.seq_len)
     if params.data == "embedded":
         data_root = ensure_embedded_shard(resolve_path("outputs/data"))
     else:
@@ -240,27 +218,23 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
                       require_release_ready=params.require_release_ready) for partition in ("train", "eval"))
         reports = {"train": train_report, "eval": eval_report}
     train_data, filter_counts = kept_examples(params, train_data)
-    pack_plan = plan_packs(train_data.lengths, params.seq_len) if params.pack_sequences else None
+    packed = pack_examples(train_data.lengths, params.seq_len) if params.pack_sequences else None
     # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
     loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, train_data.supervised_counts,
                                         params.max_task_loss_weight) if params.loss_groups is not None else None)
-    grad_accum = gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size)
     # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
-    units = len(pack_plan) if pack_plan is not None else len(train_data)
+    units = len(packed) if packed is not None else len(train_data)
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
     estimate = memory_figures(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
+    plan = plan_execution(params, model, strategy, device)
+    apply_to_model(model, plan)
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
-    model.grad_ckpt = params.grad_ckpt
-    model.half_residual = params.bf16_residual
-    model.half_residual_gradient = params.bf16_residual_gradient
-    kernels = _plan(params, config, strategy, device)
-    use_kernels(model, kernels)
     run = Run(params, device, model, model_source, data_root, train_data, eval_data, out_dir,
-              grad_accum, steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, kernels, resume_state,
-              pack_plan, loss_weights, reports, lora, filter_counts)
+              steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, plan, resume_state,
+              packed, loss_weights, reports, lora, filter_counts)
     if resume_state is not None:
         check_resumable(resume_state, run, checkpoint_dir)
     if not run.launches_workers:
@@ -268,25 +242,11 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     return run
 
 
-def fit_model(model: TRMoEModel, params: TrainParams) -> None:
-    """The parameters checked against the model before anything is written: seq_len against its positions,
-    kept_swiglu_layers against its layers (then set)."""
-    config = model.config
-    if params.seq_len > config.max_position_embeddings:
-        raise ParamError(f"seq_len {params.seq_len} exceeds the model's max_position_embeddings "
+def check_seq_len(config: ModelConfig, seq_len: int) -> None:
+    """seq_len against the model's positions, before anything is written."""
+    if seq_len > config.max_position_embeddings:
+        raise ParamError(f"seq_len {seq_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
-    kept = params.kept_swiglu_layers
-    try:
-        model.kept_swiglu_layers = config.num_hidden_layers if kept == "all" else kept
-    except ValueError as err:
-        raise ParamError(f"{err} (or give all)") from None
-
-
-def _plan(params: TrainParams, config: ModelConfig, strategy: str, device: torch.device) -> KernelPlan:
-    return plan_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
-                        config.head_dim, packed=params.pack_sequences, epilogue_swiglu=params.epilogue_swiglu,
-                        weight_copies_problem=weight_copies_problem(params, True, strategy, device),
-                        quack_gemms=params.quack_gemms)
 
 
 def kept_examples(params: TrainParams, train_data: ShardPartition) -> tuple[ShardPartition, dict | None]:
@@ -359,7 +319,7 @@ def batch_arithmetic(params: TrainParams) -> dict:
     device = resolve_device(params.device)
     estimate = memory_figures(config, params, device)
     return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,
-            "grad_accum": gradient_accumulation(params.global_batch, params.micro_batch_per_rank, params.world_size),
+            "grad_accum": params.grad_accum,
             "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
             "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
             "device": str(device), "memory_estimate": estimate,
@@ -399,7 +359,7 @@ def schedule_signature(run: Run) -> dict:
 
 
 def memory_figures(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
-    settings = lora_settings(params)
+    settings = params.lora_settings()
     lora = None if settings is None else {"trainable_params": adapter_parameter_count(config, settings),
                                           "base_dtype": settings.base_dtype}
     return memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,

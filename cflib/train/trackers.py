@@ -14,7 +14,6 @@ add the notebook's plots to the MLflow run.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import queue
@@ -25,11 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from cflib.atomic import write_json_atomic
-from cflib.errors import ParamError
 from cflib.train.records import read_metrics
 
-REPORTERS = ("tensorboard", "mlflow", "wandb")
-_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 TRACKING_FILE = "trackers.json"
 # How long the end of a run waits for MLflow or W&B to take the last metrics and the record; then it goes on without.
 CLOSE_TIMEOUT_S = 30.0
@@ -39,34 +35,6 @@ WANDB_PROJECT_ENV = "WANDB_PROJECT"  # as transformers' W&B callback reads it; t
 # A vanished server should be noticed in seconds, not after MLflow's default minutes of retries.
 _MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-
-
-def resolve_report_to(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
-    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one
-    installed."""
-    if names is None:
-        return None
-    names = tuple(name.lower() for name in names)
-    if names in ((), ("none",)):
-        return None
-    if "all" in names:
-        return tuple(name for name in REPORTERS if importlib.util.find_spec(_PACKAGES[name]) is not None) or None
-    return names
-
-
-def check_report_to(report_to: tuple[str, ...] | None, tracking_uri: str | None) -> None:
-    """ParamError naming an unknown or uninstalled tracker, before anything runs."""
-    for name in report_to or ():
-        if name not in REPORTERS:
-            raise ParamError(f"report_to: unknown tracker {name!r}; choose none, all, or from "
-                             f"{', '.join(REPORTERS)} (a list, or one comma-separated string)")
-        if importlib.util.find_spec(_PACKAGES[name]) is None:
-            raise ParamError(f"report_to: {name} is not installed in this environment: pip install {_PACKAGES[name]}")
-    if report_to and len(set(report_to)) != len(report_to):
-        raise ParamError(f"report_to repeats a tracker: {list(report_to)}")
-    if tracking_uri is not None and "mlflow" not in (report_to or ()):
-        raise ParamError(f"mlflow_tracking_uri is {tracking_uri!r} but report_to has no mlflow: add it "
-                         "(report_to: mlflow), or remove mlflow_tracking_uri")
 
 
 def scalars(row: dict) -> dict[str, float]:

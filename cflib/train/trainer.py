@@ -1,16 +1,17 @@
-"""The training loop: optimizer steps with accumulation, evaluation and checkpoints on schedule, the record.
+"""The training loop: epochs of optimizer steps, evaluation and checkpoints on schedule, early stopping,
+trackers, the record.
 
-`Trainer(run).fit()` trains a prepared `Run` (cflib.train.run) in this process;
-under torchrun each worker builds its own. One optimizer step is `train_step`.
+`Trainer(run).fit()` trains a prepared `Run` (cflib.train.run) in this process; under torchrun each worker
+builds its own. Each optimizer step is its `TrainingStep` (cflib.train.step); the loop keeps the run's books
+(steps, evaluations, checkpoints, timings, non-finite steps in a row) and writes them into record.json through a
+plain `RunSummary` (cflib.train.records).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 import time
-import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -23,55 +24,19 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm.auto import tqdm
 
 from cflib.atomic import clean_leftovers, is_out_of_space, write_json_atomic
-from cflib.data.packing import collate_packed
-from cflib.data.shards import collate
 from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
-from cflib.model.fast import attach_weight_copies, detach_weight_copies
-from cflib.model.lora import lora_kernel_path
-from cflib.model.weight_copies import WeightCopies
-from cflib.ops.attention import capturable, pack_documents
-from cflib.ops.dispatch import refuse_if_required
-from cflib.ops.gemm import step_gemms
-from cflib.ops.sft_loss import SFTLoss, make_loss
-from cflib.ops.loss import supervised_positions
-from cflib.ops.rows import Rows
-from cflib.train.distributed import epoch_stream, rank_share, wrap_model
-from cflib.train.evaluate import autocast, eval_loss, exact_match
-from cflib.train.batch import MicroBatch
+from cflib.model.lora import describe as describe_lora
 from cflib.train.collector import steady_collector
-from cflib.train.graphs import GraphedMicroSteps, why_eager
+from cflib.train.distributed import epoch_stream
+from cflib.train.execution import kernels_requested
+from cflib.train.held_out import eval_loss, exact_match
 from cflib.train.lock import RunLock
-from cflib.train.optim import (
-    TritonAdamW,
-    cflib_adamw_problem,
-    clip_in_fused_step,
-    describe_groups,
-    lr_factor,
-    make_optimizer,
-    optimizer_kernel,
-)
-from cflib.train.records import MetricsLog, train_record
-from cflib.train.run import (RUN_JSON_FILES, Run, one_gpu_process_problem, recheck_out_dir, schedule_signature,
-                             weight_copies_problem)
+from cflib.train.optim import describe_groups
+from cflib.train.records import MetricsLog, RunSummary, count_parameters, train_record
+from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
+from cflib.train.step import StepResult, TrainingStep, synchronize
 from cflib.train.trackers import open_trackers
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass
-class StagedStep:
-    """One optimizer step's host work, done ahead: its examples, their supervised tokens, and this rank's
-    micro-batches collated and pinned (at their CUDA graphs' static shape where one replays)."""
-
-    units: np.ndarray
-    examples: np.ndarray
-    supervised: int
-    tokens: int  # the micro-batches' label positions before any static-shape padding
-    micro_batches: list[MicroBatch]
 
 
 def evaluations_without_improvement(evals: list[dict]) -> int:
@@ -94,17 +59,7 @@ class Trainer:
         self.progress = progress and self.dist.is_main
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the record's peak is this run's alone
-        # FSDP shards the model in place, so the optimizer is built after wrapping.
-        self.train_model = wrap_model(self.model, run.strategy, self.dist, self.device)
-        self.optimizer = self._make_optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
-        self.loss = make_loss(self.params.loss_type, run.kernels)
-        self.gemms = step_gemms(run.kernels.quack_gemms)  # the loss's GEMMs and those reading the weight copies
-        self.loss_rows_only = bool(getattr(self.loss, "reads_supervised_rows_only", False))
-        self.weight_copies = self._weight_copies()
-        self.graphs, self.eager_reason = self._graphed_micro_steps()
-        self.staged: StagedStep | None = None  # the next step's host work, done during this one (train_step)
+        self.training_step = TrainingStep(run)
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl")  # appends only once fit() writes
         self.step = 0
         self.evals: list[dict] = []
@@ -116,22 +71,20 @@ class Trainer:
         self.bad_steps = 0  # consecutive non-finite steps
         self.position = (0, 0)  # (epoch, global batches done in it)
         weights = run.loss_weights
-        self.example_weights = torch.from_numpy(weights.example_weights()).float() if weights else None
         self.trained_mass = np.zeros(len(weights.cells)) if weights else None  # weighted tokens per cell, consumed
-        self.train_kernel_path: dict | None = None  # read back after a training step: evaluation runs unpacked
         if run.resume_state is not None:
             self._restore(run.resume_state)
         # The first steps pay for allocator growth and kernel selection: not steady state.
         self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
 
     def _restore(self, state: dict) -> None:
-        saved = state["optimizer"]
+        saved, optimizer = state["optimizer"], self.training_step.optimizer
         if saved["param_groups"] and saved["param_groups"][0]["params"] and isinstance(
                 saved["param_groups"][0]["params"][0], int):
-            self.optimizer.load_state_dict(saved)  # written before optimizer state was keyed by parameter name
+            optimizer.load_state_dict(saved)  # written before optimizer state was keyed by parameter name
         else:  # keyed by parameter name, whole: any strategy (single, DDP, FSDP shards) takes its part
-            set_optimizer_state_dict(self.model, self.optimizer, saved, options=StateDictOptions(full_state_dict=True))
-        self.scheduler.load_state_dict(state["scheduler"])
+            set_optimizer_state_dict(self.model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
+        self.training_step.scheduler.load_state_dict(state["scheduler"])
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
         self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
         self.checkpoints, self.timing = self._rooted(state["checkpoints"]), state["timing"]
@@ -146,7 +99,7 @@ class Trainer:
 
     def _trainer_state(self, optimizer_state: dict) -> dict:
         epoch, batch_in_epoch = self.position
-        return {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(),
+        return {"optimizer": optimizer_state, "scheduler": self.training_step.scheduler.state_dict(),
                 "step": self.step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                 "world_size": self.dist.world_size, "global_batch": self.params.global_batch,
                 "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
@@ -162,7 +115,7 @@ class Trainer:
 
     def evaluate(self, tag: str, epoch: int, with_exact_match: bool) -> dict:
         p = self.params
-        _sync(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
         result = {"tag": tag, "step": self.step, "epoch": epoch}
         result.update(eval_loss(self.model, self.run.eval_data, p.eval_micro_batch or p.micro_batch_per_rank,
@@ -171,7 +124,7 @@ class Trainer:
             matched = exact_match(self.model, self.run.eval_data, p.bf16, p.exact_match_limit)
             result.update(exact_match=matched["exact_match"], exact_match_by_group=matched["exact_match_by_group"],
                           exact_match_samples=matched["samples"])
-        _sync(self.device)
+        synchronize(self.device)
         result["seconds"] = time.perf_counter() - start
         self.timing["eval_s"] += result["seconds"]
         self.evals.append(result)
@@ -196,7 +149,7 @@ class Trainer:
                 full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.run.lora is not None))
         if resumable and (fsdp or self.dist.is_main):
             # Keyed by parameter name and whole, so a run on another strategy or world size can resume it.
-            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
+            optimizer_state = get_optimizer_state_dict(self.model, self.training_step.optimizer, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=fsdp))
         if self.dist.is_main:
             state = self._trainer_state(optimizer_state) if resumable else None
@@ -246,224 +199,32 @@ class Trainer:
         self.dist.barrier()
 
     # --- training -------------------------------------------------------------------
-    def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """Only the last microbatch of a step all-reduces gradients."""
-        if self.run.strategy == "ddp":
-            return contextlib.nullcontext() if enabled else self.train_model.no_sync()
-        if self.run.strategy == "fsdp":
-            self.train_model.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
-
-    def host_batch(self, units: np.ndarray) -> MicroBatch:
-        """Some units' batch, on the host. Everything the step's kernels need to know of its shape (packed
-        documents, supervised positions) is worked out here, so no step reads the device back."""
-        data, plan = self.run.train_data, self.run.pack_plan
-        documents = None
-        if plan is None:
-            input_ids, labels = collate([data[int(i)] for i in units], data.eos_token_id)
-            example_index = torch.as_tensor(np.asarray(units, dtype=np.int64))[:, None].expand_as(labels)
-        else:
-            input_ids, labels, document_ids, example_index = collate_packed(data, plan, units)
-            documents = pack_documents(document_ids)
-        token_weights = None
-        if self.example_weights is not None:  # padding (-1) takes any weight: its label is -100
-            token_weights = self.example_weights[example_index.clamp(min=0)]
-        return MicroBatch(input_ids, labels, documents, token_weights, supervised_positions(labels))
-
-    def forward_backward(self, batch: MicroBatch, scale: torch.Tensor | float, capturing: bool = False
-                         ) -> torch.Tensor:
-        """One micro-batch's forward, loss and backward (gradients added to .grad); its summed loss, detached.
-        capturing: inside a CUDA graph's capture, where autocast must not cache casts across replays."""
-        p = self.params
-        extra = {} if batch.row_mask is None else {"row_mask": batch.row_mask}
-        # A loss that reads the supervised rows alone gets just those, and the last layer computes no other.
-        rows = Rows(batch.supervised, batch.row_mask) if self.loss_rows_only and batch.supervised.numel() else None
-        if rows is not None:
-            extra["gathered"] = True
-        with autocast(self.device, p.bf16, cache=not capturing):
-            hidden = self.train_model(batch.input_ids, batch.documents, rows=rows)
-            head_weight, head = self._head()
-            loss_sum, _ = self.loss(hidden, head_weight, batch.labels, p.loss_chunk_tokens, p.fp32_loss,
-                                    token_weights=batch.token_weights, supervised=batch.supervised, **extra, **head)
-        (loss_sum * scale).backward()
-        return loss_sum.detach()
-
-    def _graphed_micro_steps(self) -> tuple[GraphedMicroSteps | None, str | None]:
-        """The CUDA-graph replays of the micro-steps (cflib.train.graphs) the run's cuda_graphs asks for, or None
-        and why not; KernelUnavailable for cuda_graphs: true where they cannot run."""
-        p, run = self.params, self.run
-        if p.cuda_graphs == "false":
-            return None, "cuda_graphs: false"
-        dtype = torch.bfloat16 if p.bf16 else torch.float32
-        attention = self.device.type == "cuda" and capturable(self.model.attention_backend, run.pack_plan is not None,
-                                                              self.device, self.model.config.head_dim, dtype)
-        problem = why_eager(self.device, run.strategy, p.grad_ckpt,
-                            isinstance(self.loss, SFTLoss) and self.loss.plan.custom, attention)
-        if problem is not None:
-            refuse_if_required("cuda_graphs", p.cuda_graphs, problem)
-            return None, problem
-        return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device, p.seq_len,
-                                 run.train_data.eos_token_id), None
-
-    def _make_optimizer(self) -> torch.optim.AdamW:
-        """torch's AdamW (fused, but under FSDP), or cflib's kernel where cflib_adamw asks for it and it applies;
-        KernelUnavailable for cflib_adamw: true where it does not."""
-        choice, strategy = self.params.cflib_adamw, self.run.strategy
-        problem = None if choice == "false" else cflib_adamw_problem(self.model, self.device, strategy)
-        if choice == "auto" and problem is None:
-            problem = one_gpu_process_problem(self.device, self.params.world_size)
-        refuse_if_required("cflib_adamw", choice, problem)
-        return make_optimizer(self.model, self.params, self.device, fused=strategy != "fsdp",
-                              triton=choice != "false" and problem is None)
-
-    def _weight_copies(self) -> WeightCopies | None:
-        """The BF16 weight copies (cflib.model.weight_copies) bf16_weight_copies asks for, written after every
-        optimizer step (the kernel read-back says where they ran: `weights`); KernelUnavailable for
-        bf16_weight_copies: true where they do not apply."""
-        p, run = self.params, self.run
-        detach_weight_copies(self.model)  # none left by an earlier trainer of this model, which refreshed them
-        problem = weight_copies_problem(p, run.kernels.custom, run.strategy, self.device)
-        # The head's copy for cflib's loss computing in BF16; an fp32 loss, or another loss, reads the FP32 head.
-        copies = attach_weight_copies(self.model, head=isinstance(self.loss, SFTLoss) and not p.fp32_loss,
-                                      gemms=self.gemms) if problem is None else None
-        if copies is not None and not copies.copies:
-            problem, copies = "no module of this model reads fused weights", None
-        if problem is not None:
-            refuse_if_required("bf16_weight_copies", p.bf16_weight_copies, problem)
-            return None
-        if isinstance(self.optimizer, TritonAdamW):  # it writes each copy as it updates the copy's masters
-            self.optimizer.weight_copies = copies
-        else:
-            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: copies.refresh())
-        return copies
-
-    def _head(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The head the loss reads: the FP32 head, or (cflib's loss in BF16) its BF16 copy, with the master the
-        loss writes the FP32 gradient into."""
-        copies = self.weight_copies
-        if copies is not None and "head" in copies.copies:
-            return copies.tensor("head"), {"head_master": copies.copies["head"].masters[0]}
-        return self.model.head_weight, {}
-
-    def graphs_summary(self) -> dict:
-        """How the micro-steps ran: replayed from CUDA graphs (how many, how many shapes), or eagerly and why."""
-        if self.graphs is None:
-            return {"cuda_graphs": False, "reason": self.eager_reason}
-        return self.graphs.summary()
-
-    def stage(self, step_units: np.ndarray) -> StagedStep:
-        """The step's host work (collation, padding, pinning), which needs nothing from the GPU: train_step
-        does it for the next step while the GPU runs the current one."""
-        p, data = self.params, self.run.train_data
-        step_examples = self.run.examples_of(step_units)
-        mine = rank_share(step_units, self.dist)
-        micro_batches, tokens = [], 0
-        for micro_start in range(0, len(mine), p.micro_batch_per_rank):
-            host = self.host_batch(mine[micro_start:micro_start + p.micro_batch_per_rank])
-            tokens += host.labels.numel()
-            micro_batches.append(self.graphs.stage(host) if self.graphs is not None else
-                                 host.pinned() if self.device.type == "cuda" else host)
-        return StagedStep(np.array(step_units), step_examples, data.supervised_tokens(step_examples), tokens,
-                          micro_batches)
-
     def train_step(self, step_units: np.ndarray, next_units: np.ndarray | None = None) -> dict:
-        """One optimizer step on these units; with `next_units`, the next step's host work is staged while the
-        GPU runs this one's."""
-        p, data = self.params, self.run.train_data
-        if self.weight_copies is not None:  # a replayed graph checks no master: rewrite what moved since
-            self.weight_copies.refresh(stale_only=True)
-        _sync(self.device)
-        start = time.perf_counter()
-        staged, self.staged = self.staged, None
-        if staged is None or not np.array_equal(staged.units, step_units):
-            staged = self.stage(step_units)
-        step_examples, step_supervised = staged.examples, staged.supervised
-        # Every rank knows the whole step's examples, so every rank divides by the same count (or mass).
-        step_mass = step_supervised
-        if self.example_weights is not None:
-            cell_mass = self.run.loss_weights.cell_mass(step_examples, data.supervised_counts)
-            self.trained_mass += cell_mass
-            step_mass = float(cell_mass.sum())
-        totals = torch.tensor([0.0, staged.tokens], dtype=torch.float64, device=self.device)  # loss sum, tokens
-        # The step's (weighted) token mean, times world size: data parallelism averages gradients.
-        scale = self.dist.world_size / step_mass
-        for index, host in enumerate(staged.micro_batches):
-            last = index == len(staged.micro_batches) - 1
-            with self._gradient_sync(last):
-                loss_sum = self._micro_step(host, scale, accumulate=index > 0)
-            totals[0] += loss_sum.double()
-        totals = self.dist.sum(totals)  # every rank sees the global loss and agrees
-        lr = self.scheduler.get_last_lr()[0]
-        norm, on_device = self._queue_update(totals[0])
-        # Host work the GPU's results do not change, done while the GPU still runs this step.
-        self.train_kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model),
-                                  "optimizer": optimizer_kernel(self.optimizer)}
-        if next_units is not None:
-            self.staged = self.stage(next_units)
-        loss_total, tokens, grad_norm = torch.stack([totals[0], totals[1], norm.double()]).tolist()
-        tokens = int(tokens)
-        loss = loss_total / step_mass
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)  # global values: every rank agrees
-        self.bad_steps = 0 if finite else self.bad_steps + 1
-        if self.bad_steps > p.nan_patience:
-            self._stop_non_finite(loss, grad_norm, step_examples)
-        if not on_device:
-            if finite:
-                self.optimizer.step()
-            self._end_step()
-        _sync(self.device)
-        seconds = time.perf_counter() - start
+        """One optimizer step (TrainingStep), and the run's books: its metrics row; more than nan_patience
+        non-finite steps in a row stop the run."""
+        result = self.training_step(step_units, next_units)
+        if result.cell_mass is not None:
+            self.trained_mass += result.cell_mass
+        self.bad_steps = 0 if result.finite else self.bad_steps + 1
+        if self.bad_steps > self.params.nan_patience:
+            self._stop_non_finite(result)
         self.step += 1
-        self.timing["train_s"] += seconds
+        self.timing["train_s"] += result.seconds
         if self.step > self.warmup_exclude:
-            self.steady["tokens"] += tokens
-            self.steady["supervised_tokens"] += step_supervised
-            self.steady["seconds"] += seconds
-            self.steady["steps"] += 1
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "supervised_tokens": step_supervised, "seconds": seconds, "skipped": not finite}
+            for key, value in (("tokens", result.tokens), ("supervised_tokens", result.supervised_tokens),
+                               ("seconds", result.seconds), ("steps", 1)):
+                self.steady[key] += value
+        return {"step": self.step, **result.row()}
 
-    def _queue_update(self, loss_total: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """The gradients' norm, and whether the update is queued already: the fused AdamW skips a non-finite
-        step on the device (found_inf, as under GradScaler), so the host queues it while the backward still
-        runs instead of waiting to read the norm; another optimizer steps after the host has read it."""
-        on_device = all(group.get("fused") for group in self.optimizer.param_groups)
-        norm = self._clip(on_device)
-        if on_device:
-            self.optimizer.found_inf = (~torch.isfinite(loss_total + norm.double())).float()
-            self.optimizer.step()
-            self._end_step()
-        return norm, on_device
-
-    def _micro_step(self, host: MicroBatch, scale: float, accumulate: bool) -> torch.Tensor:
-        """One micro-batch's forward, loss and backward: replayed from its CUDA graph where one runs."""
-        if self.graphs is not None:
-            return self.graphs(host, scale, accumulate=accumulate)
-        return self.forward_backward(host.to(self.device), scale)
-
-    def _clip(self, fused: bool) -> torch.Tensor:
-        """The gradients' total norm, measured even unclipped (max_norm None) so a non-finite gradient is
-        caught; clipped by the fused AdamW's next step, or here."""
-        if fused:
-            return clip_in_fused_step(self.optimizer, list(self.model.parameters()), self.params.max_grad_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm or math.inf)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor
-
-    def _end_step(self) -> None:
-        with warnings.catch_warnings():  # torch warns when the schedule moves without an optimizer step
-            warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.step()  # a skipped step still consumes its data and its place in the schedule
-        self.optimizer.zero_grad(set_to_none=True)  # stream-ordered: the update queued before still reads them
-
-    def _stop_non_finite(self, loss: float, grad_norm: float, step_examples: np.ndarray) -> None:
+    def _stop_non_finite(self, result: StepResult) -> None:
         rows = self.run.train_data.rows
-        ids = [rows[int(i)].get("example_id", int(i)) for i in step_examples[:8]]
+        ids = [rows[int(i)].get("example_id", int(i)) for i in result.examples[:8]]
         saved = [path for name, path in self.checkpoints.items() if name != "best_step"]
         last_good = saved[-1] if saved else "none yet"
         raise FloatingPointError(
-            f"step {self.step + 1}: loss {loss}, gradient norm {grad_norm}, after {self.bad_steps} non-finite "
-            f"step(s) in a row (nan_patience {self.params.nan_patience}); the optimizer skipped the step, so "
-            f"no non-finite weight was written. Batch examples (first 8): {ids}. Last checkpoint: {last_good}")
+            f"step {self.step + 1}: loss {result.loss}, gradient norm {result.grad_norm}, after {self.bad_steps} "
+            f"non-finite step(s) in a row (nan_patience {self.params.nan_patience}); the optimizer skipped the step, "
+            f"so no non-finite weight was written. Batch examples (first 8): {ids}. Last checkpoint: {last_good}")
 
     def fit(self) -> dict:
         """Train to the end and return the record, under the run folder's lock (rank 0 writes, so rank 0 holds
@@ -576,13 +337,39 @@ class Trainer:
 
     # --- the record -----------------------------------------------------------------
     def record(self, epochs_done: int, wall_s: float) -> dict:
-        """record.json: train_record's fields, with the optimizer's groups, the filters and early stopping."""
-        record = train_record(self, dict(self.evals[-1]), epochs_done, wall_s)
-        patience = self.params.early_stopping_patience
-        record["data"]["train_supervised_tokens"] = self.run.train_data.supervised_tokens()  # after the filters
-        return {**record, "optimizer_groups": describe_groups(self.optimizer), "filters": self.run.filter_counts,
-                "early_stopping": None if patience is None else {
-                    "patience": patience, "stopped_at_step": self.step if self.step < self.run.total_steps else None}}
+        """record.json: train_record of the run's summary."""
+        return train_record(self.summary(epochs_done, wall_s))
+
+    def summary(self, epochs_done: int, wall_s: float) -> RunSummary:
+        """The run so far as plain data (cflib.train.records.RunSummary)."""
+        run, p, model, step = self.run, self.params, self.model, self.training_step
+        data = run.train_data
+        patience = p.early_stopping_patience
+        return RunSummary(
+            params=p, device=self.device, out_dir=run.out_dir, world_size=self.dist.world_size,
+            strategy=run.strategy, memory_estimate=run.memory_estimate, model_source=run.model_source,
+            model_config=model.config.to_dict(), params_active=model.config.active_parameters(),
+            parameter_counts=count_parameters(model),
+            lora=None if run.lora is None else {**describe_lora(model), "base": {
+                key: value for key, value in run.lora.base.items() if key != "config"}},
+            kernel_path={**(step.kernel_path or model.kernel_path()), "loss": step.loss.last_backend,
+                         "gemms": step.gemms.describe()},
+            kernels_requested=kernels_requested(p, run.plan), execution_plan=run.plan.record(),
+            step_capture=step.graphs_summary(),
+            data={"root": str(run.data_root), "train_examples": len(data), "eval_examples": len(run.eval_data),
+                  "vocab_size": data.vocab_size, "eos_token_id": data.eos_token_id, "max_seq_len": data.max_seq_len,
+                  "preflight": run.preflight, "train_supervised_tokens": data.supervised_tokens()},
+            packing=run.packing_efficiency(), loss_weighting=self.loss_weighting(),
+            schedule={"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
+                      "warmup_steps": run.warmup_steps, "steps_done": self.step, "epochs_started": epochs_done,
+                      "fill_ins_per_epoch": self.fill_ins},
+            evals=self.evals, checkpoints=self.checkpoints, timing={**self.timing, "wall_s": wall_s},
+            steady=self.steady, warmup_steps_excluded=self.warmup_exclude,
+            peak_memory_gib=(torch.cuda.max_memory_allocated(self.device) / 2**30
+                             if self.device.type == "cuda" else None),
+            optimizer_groups=describe_groups(step.optimizer), filters=run.filter_counts,
+            early_stopping=None if patience is None else {
+                "patience": patience, "stopped_at_step": self.step if self.step < run.total_steps else None})
 
     def loss_weighting(self) -> dict | None:
         """The audit: raw shares, targets, coefficients, the achieved shares, and those trained so far."""

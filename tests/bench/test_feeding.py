@@ -63,9 +63,9 @@ def test_generated_examples_end_in_eos_with_the_first_third_unsupervised(shard, 
 
 def test_enough_examples_are_generated_for_the_windows_asked():
     count = examples_to_fill(40, SEQ_LEN, median=10, seed=3)
-    from cflib.data.packing import plan_packs
+    from cflib.data.packing import pack_examples
 
-    assert len(plan_packs(realistic_lengths(count, 10, SEQ_LEN, 3), SEQ_LEN)) >= 40
+    assert len(pack_examples(realistic_lengths(count, 10, SEQ_LEN, 3), SEQ_LEN)) >= 40
 
 
 # --- the stream ---------------------------------------------------------------------------

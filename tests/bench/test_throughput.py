@@ -287,6 +287,7 @@ def test_project_paths_train_through_the_trainer_and_read_kernels_back(smoke_rec
     reference = [e for e in entries_of(smoke_record, "random_rows") if e["path"] == "reference"]
     assert [e["status"] for e in reference] == ["ok", "ok"]
     model = TRMoEModel(preset("smoke"))
+    model(torch.zeros(1, 2, dtype=torch.long))  # the keys a forward reads back
     # the model's, what stepped, and how the plain GEMMs ran
     assert set(reference[0]["kernel_path"]) == {*model.kernel_path(), "optimizer", "gemms"}
     assert reference[0]["kernel_path"]["optimizer"] in ("torch", "torch_fused")  # cflib_adamw is off

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from cflib.data.conversation import Conversation, ConvertError, conversation_digest
 from cflib.data.convert import ConvertSpec, SeenConversations, convert, show_example
 from cflib.data.marker_template import ChatTemplate
-from cflib.data.packing import collate_packed, plan_packs
+from cflib.data.packing import collate_packed, pack_examples
 from cflib.data.shards import IGNORE_INDEX, ShardError, collate, open_shard, sha256_file
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer
 
@@ -122,7 +122,7 @@ def test_round_trip_jsonl_to_shard_to_batches_to_text(tmp_path):
         "46<|eos|>", "cba<|eos|>", "hello<|eos|>god<|eos|>"]
     assert show_example(shard, 2, BYTES) == ("<|system|>be brief<|user|>hi<|assistant|>[[hello<|eos|>]]"
                                              "<|user|>reverse dog<|assistant|>[[god<|eos|>]]")
-    plan = plan_packs(shard.lengths, 64)
+    plan = pack_examples(shard.lengths, 64)
     packed_ids, packed_labels, document_ids, example_index = collate_packed(shard, plan, range(len(plan)))
     for example, want in enumerate(rendered):
         assert text(packed_ids[example_index == example][:shard.lengths[example]]) == want

@@ -7,8 +7,9 @@ import torch
 from sft_shard_helpers import EOS, write_shard
 from tiny_models import random_ids, tiny_model
 
-from cflib.data.packing import collate_packed, plan_packs
+from cflib.data.packing import collate_packed, pack_examples
 from cflib.data.shards import IGNORE_INDEX, Example, open_shard
+from cflib.model.fast import checkpoint_layers
 from cflib.ops.attention import attend, attention_batch, document_positions, pack_documents
 from cflib.ops.loss import chunked_cross_entropy_sum
 
@@ -38,23 +39,23 @@ def shard(tmp_path_factory):
 
 def test_plan_places_every_example_once_whole_and_within_the_window():
     lengths = np.random.default_rng(1).integers(1, 33, 500)
-    plan = plan_packs(lengths, 32)
+    plan = pack_examples(lengths, 32)
     assert sorted(plan.members.tolist()) == list(range(500))
     for w in range(len(plan)):
         members = plan.window(w)
         assert lengths[members].sum() + len(members) - 1 <= 32  # one separator between neighbours
     # best fit: far fewer windows than examples, and no two windows that could have been one
     assert len(plan) < 500 * 0.6
-    np.testing.assert_array_equal(plan_packs(lengths, 32).members, plan.members)  # computed deterministically
+    np.testing.assert_array_equal(pack_examples(lengths, 32).members, plan.members)  # computed deterministically
 
 
 def test_plan_refuses_an_example_longer_than_the_window():
     with pytest.raises(ValueError, match="example 2 has 9 tokens, more than seq_len 8"):
-        plan_packs(np.array([3, 4, 9]), 8)
+        pack_examples(np.array([3, 4, 9]), 8)
 
 
 def test_windows_hold_whole_examples_with_unsupervised_eos_separators(shard):
-    plan = plan_packs(shard.lengths, 32)
+    plan = pack_examples(shard.lengths, 32)
     input_ids, labels, document_ids, example_index = collate_packed(shard, plan, range(len(plan)))
     assert input_ids.shape == (len(plan), 32)
     for w in range(len(plan)):
@@ -90,7 +91,7 @@ def test_packed_documents_give_each_document_its_start_length_and_positions():
 def test_packed_documents_of_collated_windows_are_their_examples_and_padding(shard):
     """cu_seqlens from the windows' document ids: each example with the separator after it is one document,
     the tail padding one more, row after row; built on the host from what the pack plan knows."""
-    plan = plan_packs(shard.lengths, 32)
+    plan = pack_examples(shard.lengths, 32)
     _, _, document_ids, _ = collate_packed(shard, plan, range(len(plan)))
     expected = []
     for w in range(len(plan)):
@@ -142,7 +143,7 @@ def per_example_losses(model, shard, examples) -> dict[int, float]:
 @torch.no_grad()
 def test_packed_batch_gives_each_example_its_unpacked_loss(shard):
     model = tiny_model(seed=2)
-    plan = plan_packs(shard.lengths, 48)
+    plan = pack_examples(shard.lengths, 48)
     input_ids, labels, document_ids, example_index = collate_packed(shard, plan, range(len(plan)))
     hidden = model(input_ids, document_ids)
     assert model.kernel_path()["attention"] == "sdpa_mask"
@@ -161,7 +162,7 @@ def test_packed_batch_gives_each_example_its_unpacked_loss(shard):
 
 def test_packed_gradients_equal_the_sum_of_unpacked_gradients(shard):
     model = tiny_model(seed=3)
-    plan = plan_packs(shard.lengths, 48)
+    plan = pack_examples(shard.lengths, 48)
     windows = range(min(len(plan), 3))
     input_ids, labels, document_ids, _ = collate_packed(shard, plan, windows)
     loss, _ = chunked_cross_entropy_sum(model(input_ids, document_ids), model.head_weight, labels, 7)
@@ -181,8 +182,7 @@ def test_activation_checkpointing_keeps_packed_gradients():
     labels = torch.roll(ids, -1)
     grads = []
     for grad_ckpt in (False, True):
-        model = tiny_model(seed=6).train()
-        model.grad_ckpt = grad_ckpt
+        model = checkpoint_layers(tiny_model(seed=6).train(), grad_ckpt)
         chunked_cross_entropy_sum(model(ids, document_ids), model.head_weight, labels, 16)[0].backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name in grads[0]:

@@ -91,7 +91,7 @@ def test_arithmetic_agrees_with_prepare(train_tasks):
     params = TrainParams(micro_batch_per_rank=8, max_steps=None, epochs=2, device="cpu", train_tasks=train_tasks)
     figures, run = batch_arithmetic(params), prepare(params)
     assert (figures["steps_per_epoch"], figures["total_steps"], figures["warmup_steps"], figures["grad_accum"]) == \
-           (run.steps_per_epoch, run.total_steps, run.warmup_steps, run.grad_accum)
+           (run.steps_per_epoch, run.total_steps, run.warmup_steps, run.params.grad_accum)
     assert figures["memory_estimate"] == run.memory_estimate
     assert figures["params_total"] == count_parameters(run.model)["params_total"]
     assert figures["train_examples"] == len(run.train_data)

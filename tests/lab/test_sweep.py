@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from cflib.lab.compare import CompareParams, compare
-from cflib.lab.sweep import SweepParams, plan_sweep
+from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.train.params import ParamError, load_params_file
 from cflib.train.records import read_metrics
 
@@ -49,7 +49,7 @@ def test_a_bad_sweep_is_refused_naming_the_culprit(raw, message):
 
 def test_every_point_is_checked_before_any_runs_and_a_bad_one_fails_alone(tmp_path):
     out_dir = tmp_path / "sweep"
-    sweep = plan_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3, -1.0], "max_steps": [4]}, "repeats": [3, 4],
+    sweep = expand_sweep(SweepParams.from_dict({"grid": {"lr": [1e-3, -1.0], "max_steps": [4]}, "repeats": [3, 4],
                                               "out_dir": str(out_dir)}))
     assert [p.name for p in sweep.points] == ["lr-0.001_seed-3", "lr-0.001_seed-4", "lr--1_seed-3", "lr--1_seed-4"]
     assert [p.status for p in sweep.points] == ["queued", "queued", "failed", "failed"]
@@ -63,10 +63,10 @@ def test_every_point_is_checked_before_any_runs_and_a_bad_one_fails_alone(tmp_pa
 def test_grid_from_a_yaml_file_and_points(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text("lr: [0.001, 0.002]\nseq_len: [64, 96]\n")
-    sweep = plan_sweep(SweepParams.from_dict({"grid": str(grid), "out_dir": str(tmp_path / "a")}))
+    sweep = expand_sweep(SweepParams.from_dict({"grid": str(grid), "out_dir": str(tmp_path / "a")}))
     assert [p.name for p in sweep.points] == ["lr-0.001_seq_len-64", "lr-0.001_seq_len-96", "lr-0.002_seq_len-64",
                                               "lr-0.002_seq_len-96"]
-    listed = plan_sweep(SweepParams.from_dict({"points": [{"lr": 0.001}, {"lr": 0.001, "warmup_ratio": 0.1}],
+    listed = expand_sweep(SweepParams.from_dict({"points": [{"lr": 0.001}, {"lr": 0.001, "warmup_ratio": 0.1}],
                                                "out_dir": str(tmp_path / "b")}))
     assert [p.name for p in listed.points] == ["base", "warmup_ratio-0.1"]
 
@@ -78,7 +78,7 @@ SWEEP_FILES = [path for path in sorted((ROOT / "params").glob("sweep_*.yaml"))
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.name)
 def test_params_files_for_the_sweep_notebook_plan_their_points(path):
-    sweep = plan_sweep(SweepParams.from_dict({**load_params_file(path), "out_dir": None}, source=str(path)))
+    sweep = expand_sweep(SweepParams.from_dict({**load_params_file(path), "out_dir": None}, source=str(path)))
     assert sweep.points and all(point.status == "queued" for point in sweep.points)
 
 
@@ -140,7 +140,7 @@ def test_a_sweep_killed_in_its_second_point_resumes_to_the_end(tmp_path):
     assert {"comparison.csv", "loss_curves.png", "exact_match.png", "sweep.png"} <= {
         p.name for p in (out_dir / "comparison").iterdir()}
     # A third run finds nothing to do.
-    again = plan_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": {
+    again = expand_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": {
         "lr": [0.001, 0.002, 0.003], "max_steps": [40], "save_every_steps": [4], "eval_every_steps": [20],
         "exact_match_limit": [16]}}))
     assert [p.action for p in again.points] == ["skip: finished before"] * 3
@@ -208,7 +208,7 @@ def test_points_run_side_by_side_one_per_device_slot(tmp_path):
     the base's device: cpu trains them on the CPU)."""
     from cflib.lab.sweep_run import run_sweep
 
-    sweep = plan_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.002], "max_steps": [4]}, "gpus": [0, 1],
+    sweep = expand_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.002], "max_steps": [4]}, "gpus": [0, 1],
                                               "out_dir": str(tmp_path / "sweep")}))
     run_sweep(sweep, poll_s=0.2)
     state = json.loads((tmp_path / "sweep" / "sweep.json").read_text())

@@ -1,4 +1,4 @@
-"""The kernel plan picks each module's class: the swap, its way back, what the records read, and the checks."""
+"""The kernel choice picks each module's class: the swap, its way back, what the records read, and the checks."""
 from __future__ import annotations
 
 import pytest
@@ -19,14 +19,15 @@ from cflib.model.fast import (
     LigerRMSNorm,
     LigerRopeAttention,
     LigerSwiGLUEngine,
+    keep_activations,
     swap_class,
     use_kernels,
 )
-from cflib.ops.dispatch import KernelPlan, plan_kernels
+from cflib.ops.dispatch import KernelChoice, choose_kernels
 from cflib.ops.qk_norm_rope import QK_PAIR_RATIO
 
-REFERENCE, LIGER, CUSTOM = (KernelPlan(liger=False, custom=False), KernelPlan(liger=True, custom=False),
-                            KernelPlan(liger=True, custom=True))
+REFERENCE, LIGER, CUSTOM = (KernelChoice(liger=False, custom=False), KernelChoice(liger=True, custom=False),
+                            KernelChoice(liger=True, custom=True))
 
 
 def classes(model) -> dict[str, type]:
@@ -35,21 +36,21 @@ def classes(model) -> dict[str, type]:
             "qk_norm": type(layer.self_attn.q_norm), "engine": type(layer.mlp["engine"]), "final": type(model.norm)}
 
 
-@pytest.mark.parametrize("plan, expected", [
+@pytest.mark.parametrize("kernels, expected", [
     (REFERENCE, {"norm": RMSNorm, "attention": Attention, "qk_norm": RMSNorm, "engine": TRMoEEngine,
                  "final": RMSNorm}),
     (LIGER, {"norm": LigerRMSNorm, "attention": LigerRopeAttention, "qk_norm": LigerRMSNorm,
              "engine": LigerSwiGLUEngine, "final": LigerRMSNorm}),
     (CUSTOM, {"norm": AddRMSNorm, "attention": FusedAttention, "qk_norm": LigerRMSNorm, "engine": FusedTRMoEEngine,
               "final": AddRMSNorm}),
-    (KernelPlan(liger=True, custom=True, epilogue_swiglu=True), {
+    (KernelChoice(liger=True, custom=True, epilogue_swiglu=True), {
         "norm": AddRMSNorm, "attention": FusedAttention, "qk_norm": LigerRMSNorm, "engine": EpilogueSwiGLUEngine,
         "final": AddRMSNorm}),
 ], ids=["reference", "liger", "custom", "epilogue"])
-def test_the_plan_picks_every_module_s_class_and_the_state_dict_stays(plan, expected):
+def test_the_kernel_choice_picks_every_module_s_class_and_the_state_dict_stays(kernels, expected):
     model = tiny_model()
     names = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    use_kernels(model, plan)
+    use_kernels(model, kernels)
     assert classes(model) == expected
     assert all(classes(model)["engine"] is type(layer.mlp["engine"]) for layer in model.layers)
     assert {name: tuple(t.shape) for name, t in model.state_dict().items()} == names
@@ -122,15 +123,14 @@ def test_kept_swiglu_layers_keeps_the_first_layers_activation_and_records_say_so
 
     recomputed = gradients()
     assert model.kernel_path()["swiglu_activation"] == "recomputed"
-    model.kept_swiglu_layers = 2
+    keep_activations(model, 2)
     assert [layer.mlp["engine"].keep_activation for layer in model.layers] == [True, True, False]
-    assert model.kept_swiglu_layers == 2
     kept = gradients()
     assert model.kernel_path()["swiglu_activation"] == "kept+recomputed"
     for name, grad in recomputed.items():  # BF16 paths apart by a rounding of the activation at most
         assert norm_rel(kept[name], grad) < 2e-2, name
     with pytest.raises(ValueError, match="kept_swiglu_layers: 4 layers, the model has 3"):
-        model.kept_swiglu_layers = 4
+        keep_activations(model, 4)
 
 
 def test_without_qk_norm_the_fused_path_keeps_one_qkv_gemm():
@@ -188,11 +188,11 @@ def test_quacks_gemms_are_checked_before_any_step(monkeypatch, flag):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cpu = torch.device("cpu")
     with pytest.raises(KernelUnavailable, match=rf"{flag}: true, but .* \(use_custom_kernels\)"):
-        plan_kernels("false", False, cpu, **{flag: "true"})
+        choose_kernels("false", False, cpu, **{flag: "true"})
     with pytest.raises(KernelUnavailable, match=f"{flag}: true, but no GPU"):
-        plan_kernels("true", False, cpu, **{flag: "true"})
-    plan = plan_kernels("true", False, cpu, **{flag: "auto"})  # auto says nothing of a GPU refinement on the CPU
-    assert plan.custom and not getattr(plan, flag) and not any(flag in note for note in plan.notes)
+        choose_kernels("true", False, cpu, **{flag: "true"})
+    kernels = choose_kernels("true", False, cpu, **{flag: "auto"})  # auto says nothing of a GPU refinement on the CPU
+    assert kernels.custom and not getattr(kernels, flag) and not any(flag in note for note in kernels.notes)
 
 
 @pytest.mark.parametrize("flag", QUACK_FLAGS)
@@ -203,13 +203,13 @@ def test_auto_takes_quacks_gemms_only_with_the_bf16_weight_copies(monkeypatch, f
 
     monkeypatch.setattr(dispatch, "triton_problem", lambda device, rocm_opt_in: None)
     monkeypatch.setattr(dispatch, "quack_problem", lambda device: None)
-    monkeypatch.setattr(dispatch, "plan_attention", lambda *args: ())
+    monkeypatch.setattr(dispatch, "check_attention", lambda *args: ())
     gpu = torch.device("cuda")
-    assert getattr(plan_kernels("true", False, gpu, **{flag: "auto"}), flag)
-    plan = plan_kernels("true", False, gpu, weight_copies_problem="2 processes (auto: one)", **{flag: "auto"})
-    assert not getattr(plan, flag)
-    assert f"{flag}: it reads the BF16 weight copies, off here (2 processes (auto: one))" in plan.notes
-    assert getattr(plan_kernels("true", False, gpu, weight_copies_problem="bf16 is off", **{flag: "true"}), flag)
-    assert not getattr(plan_kernels("true", False, gpu, **{flag: "false"}), flag)
+    assert getattr(choose_kernels("true", False, gpu, **{flag: "auto"}), flag)
+    kernels = choose_kernels("true", False, gpu, weight_copies_problem="2 processes (auto: one)", **{flag: "auto"})
+    assert not getattr(kernels, flag)
+    assert f"{flag}: it reads the BF16 weight copies, off here (2 processes (auto: one))" in kernels.notes
+    assert getattr(choose_kernels("true", False, gpu, weight_copies_problem="bf16 is off", **{flag: "true"}), flag)
+    assert not getattr(choose_kernels("true", False, gpu, **{flag: "false"}), flag)
     other = next(name for name in QUACK_FLAGS if name != flag)
-    assert not getattr(plan_kernels("true", False, gpu, **{flag: "true"}), other)  # each flag its own
+    assert not getattr(choose_kernels("true", False, gpu, **{flag: "true"}), other)  # each flag its own

@@ -12,7 +12,7 @@ from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 
 from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import use_kernels
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 from cflib.ops.loss import supervised_positions
 from cflib.ops.rows import Rows
 from cflib.ops.sft_loss import SFTLoss
@@ -20,9 +20,9 @@ from cflib.ops.sft_loss import SFTLoss
 DEVICE = KERNEL_DEVICE
 
 
-def _loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids, labels, document_ids=None, token_weights=None):
-    loss_fn = SFTLoss(plan)
-    use_kernels(model, plan)
+def _loss_and_grads(model: TRMoEModel, kernels: KernelChoice, ids, labels, document_ids=None, token_weights=None):
+    loss_fn = SFTLoss(kernels)
+    use_kernels(model, kernels)
     loss, count = loss_fn(model(ids, document_ids), model.head_weight, labels, 8, True, token_weights=token_weights)
     model.zero_grad()
     (loss / count).backward()
@@ -41,8 +41,8 @@ def _model_and_rows() -> tuple[TRMoEModel, torch.Tensor, torch.Tensor]:
 
 def test_whole_model_production_path_matches_reference():
     model, ids, labels = _model_and_rows()
-    ref_loss, ref_grads, ref_backend = _loss_and_grads(model, KernelPlan(liger=False, custom=False), ids, labels)
-    fast_loss, fast_grads, fast_backend = _loss_and_grads(model, KernelPlan(liger=True, custom=True), ids, labels)
+    ref_loss, ref_grads, ref_backend = _loss_and_grads(model, KernelChoice(liger=False, custom=False), ids, labels)
+    fast_loss, fast_grads, fast_backend = _loss_and_grads(model, KernelChoice(liger=True, custom=True), ids, labels)
     path = model.kernel_path()
     assert path["moe"] == "triton_fused" and path["rmsnorm"] == "cflib_add_rmsnorm"
     assert path["rope"] == path["qk_norm"] == "cflib_qk_norm_rope"
@@ -61,8 +61,8 @@ def test_packed_and_weighted_production_path_matches_reference():
     labels = random_ids(model.config.vocab_size, 2, 12, seed=1).to(DEVICE)
     document_ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 4 + [2] * 5], device=DEVICE)
     weights = torch.rand(2, 12, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 3
-    ref = _loss_and_grads(model, KernelPlan(liger=False, custom=False), ids, labels, document_ids, weights)
-    fast = _loss_and_grads(model, KernelPlan(liger=True, custom=True), ids, labels, document_ids, weights)
+    ref = _loss_and_grads(model, KernelChoice(liger=False, custom=False), ids, labels, document_ids, weights)
+    fast = _loss_and_grads(model, KernelChoice(liger=True, custom=True), ids, labels, document_ids, weights)
     assert (ref[2], fast[2]) == ("torch_chunked_linear_ce_weighted", "cflib_triton_fused_linear_ce_weighted")
     assert model.kernel_path()["rope"] == "cflib_qk_norm_rope"
     assert fast[0] == pytest.approx(ref[0], rel=1e-5)
@@ -75,16 +75,16 @@ def test_production_path_on_the_supervised_rows_alone_matches_reference():
     pads them (entries repeating a position, weight and mask 0), and the fused loss takes them gathered: the
     reference's loss and gradients over every row."""
     model, ids, labels = _model_and_rows()
-    ref_loss, ref_grads, _ = _loss_and_grads(model, KernelPlan(liger=False, custom=False), ids, labels)
-    plan = KernelPlan(liger=True, custom=True)
-    use_kernels(model, plan)
+    ref_loss, ref_grads, _ = _loss_and_grads(model, KernelChoice(liger=False, custom=False), ids, labels)
+    kernels = KernelChoice(liger=True, custom=True)
+    use_kernels(model, kernels)
     supervised = supervised_positions(labels)
     count = supervised.numel()
     padded = torch.cat([supervised, supervised[:1].expand(5)])
     row_mask = torch.cat([torch.ones(count), torch.zeros(5)]).to(DEVICE)
     hidden = model(ids, rows=Rows(padded, row_mask))
     assert hidden.shape == (count + 5, model.config.hidden_size)
-    loss, _ = SFTLoss(plan)(hidden, model.head_weight, labels, 8, True, supervised=padded, row_mask=row_mask,
+    loss, _ = SFTLoss(kernels)(hidden, model.head_weight, labels, 8, True, supervised=padded, row_mask=row_mask,
                             gathered=True)
     model.zero_grad()
     (loss / count).backward()
@@ -93,45 +93,11 @@ def test_production_path_on_the_supervised_rows_alone_matches_reference():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_a_bf16_residual_stream_computes_the_reference_s_function_on_the_fast_path():
-    """half_residual (bf16_residual): under BF16 autocast the stream between layers is BF16 on both paths, which
-    round it at the same adds, and the record says so; without autocast it stays fp32."""
+def test_under_bf16_the_supervised_rows_alone_give_the_every_row_gradients_on_the_fast_path():
+    """Under BF16 autocast the FP32 stream's gradient reaches the last layer's gathered rows and is scattered
+    back: the same gradients as the model computing every row, and the record names the stream and the rows."""
     model, ids, labels = _model_and_rows()
-    model.half_residual = True
-    found = {}
-    plans = {"reference": KernelPlan(liger=False, custom=False), "fast": KernelPlan(liger=True, custom=True)}
-    for name, plan in plans.items():
-        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-            found[name] = _loss_and_grads(model, plan, ids, labels)
-        assert model.kernel_path()["residual"] == "bfloat16"
-    assert found["fast"][0] == pytest.approx(found["reference"][0], rel=2e-2)
-    for name, grad in found["reference"][1].items():
-        error = float((found["fast"][1][name] - grad).norm() / grad.norm().clamp_min(1e-12))
-        assert error < 5e-2, (name, error)
-    model(ids)
-    assert model.kernel_path()["residual"] == "float32"
-
-
-def test_a_bf16_stream_gradient_keeps_the_forward_and_rounds_the_same_gradients_on_both_paths():
-    """half_residual_gradient (bf16_residual_gradient): under BF16 autocast the forward is the FP32 stream's, bit
-    for bit on the fast path (whose stream travels as its bytes seen as BF16); both paths round the stream's
-    gradient at the same adds, the last layer's gathered rows included."""
-    model, ids, labels = _model_and_rows()
-    plans = {"reference": KernelPlan(liger=False, custom=False), "fast": KernelPlan(liger=True, custom=True)}
-    found = {}
-    for gradient in (False, True):
-        model.half_residual_gradient = gradient
-        for name, plan in plans.items():
-            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-                found[name, gradient] = _loss_and_grads(model, plan, ids, labels)
-            assert model.kernel_path()["residual"] == "float32" + ("_bfloat16_gradient" if gradient else "")
-    assert found["fast", True][0] == found["fast", False][0]
-    assert found["fast", True][0] == pytest.approx(found["reference", True][0], rel=2e-2)
-    for name, grad in found["reference", True][1].items():
-        error = float((found["fast", True][1][name] - grad).norm() / grad.norm().clamp_min(1e-12))
-        assert error < 5e-2, (name, error)
-    embeddings = found["fast", True][1]["embed_tokens.weight"]
-    assert not torch.equal(embeddings, found["fast", False][1]["embed_tokens.weight"])
+    use_kernels(model, KernelChoice(liger=True, custom=True))
     supervised, grads = supervised_positions(labels), []
     for rows in (None, Rows(supervised)):
         model.zero_grad()
@@ -140,9 +106,6 @@ def test_a_bf16_stream_gradient_keeps_the_forward_and_rounds_the_same_gradients_
         hidden = hidden if rows is not None else hidden.reshape(-1, hidden.shape[-1])[supervised]
         hidden.float().square().sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    assert model.kernel_path()["last_layer_rows"] == "selected"
+    assert model.kernel_path()["last_layer_rows"] == "selected" and model.kernel_path()["residual"] == "float32"
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=2e-2, atol=1e-5, msg=name)
-    model.half_residual_gradient = False
-    model(ids)
-    assert model.kernel_path()["residual"] == "float32"

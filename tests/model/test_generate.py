@@ -8,7 +8,7 @@ import torch
 
 from cflib.model.fast import use_kernels
 from cflib.model.generate import Decoder, GenerationError, Sampling, generate
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 
 try:
     import sft_shard_helpers as h
@@ -108,21 +108,21 @@ def test_sampler_draws_from_the_filtered_distribution():
     assert kept == 3 and torch.allclose(frequencies(Sampling(temperature=0.7, top_p=0.9)), nucleus, atol=0.01)
 
 
-@pytest.mark.parametrize("plan", [KernelPlan(liger=True, custom=False), KernelPlan(liger=True, custom=True)],
+@pytest.mark.parametrize("kernels", [KernelChoice(liger=True, custom=False), KernelChoice(liger=True, custom=True)],
                          ids=["liger", "cflib_triton"])
-def test_fast_kernels_take_decode_shapes(model, plan):
+def test_fast_kernels_take_decode_shapes(model, kernels):
     """Liger's RMSNorm/RoPE/SwiGLU and cflib's fused QKV norm+RoPE, add+RMSNorm and TR-MoE block accept one
     token per row at per-row positions, and decode as full forwards through the same kernels do."""
     fast = copy.deepcopy(model).to("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: Triton's interpreter
-    use_kernels(fast, plan)
+    use_kernels(fast, kernels)
     ragged = [prompts()[1], prompts()[-1]]
     expected = [without_cache(fast, p, 3, h.EOS) for p in ragged]
     decoder = Decoder(fast)
     assert decoder.generate(ragged, 3, h.EOS) == expected
     path = decoder.path()["kernel_path"]
     assert path["attention"] == "sdpa_kv_cache"
-    assert path["moe"] == ("triton_fused" if plan.custom else "torch_dense")
-    assert path["rope"] == ("cflib_qk_norm_rope" if plan.custom else "liger")
+    assert path["moe"] == ("triton_fused" if kernels.custom else "torch_dense")
+    assert path["rope"] == ("cflib_qk_norm_rope" if kernels.custom else "liger")
 
 
 def test_bf16_autocast_decodes(model):

@@ -24,10 +24,10 @@ from cflib.model.lora import (
     lora_kernel_path,
     merge_adapters,
 )
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 from cflib.ops.sft_loss import SFTLoss
 
-REFERENCE, PRODUCTION = KernelPlan(liger=False, custom=False), KernelPlan(liger=True, custom=True)
+REFERENCE, PRODUCTION = KernelChoice(liger=False, custom=False), KernelChoice(liger=True, custom=True)
 
 
 def adapted(settings: LoraSettings, seed: int = 0, trained: bool = True) -> TRMoEModel:
@@ -44,10 +44,10 @@ def adapted(settings: LoraSettings, seed: int = 0, trained: bool = True) -> TRMo
     return model
 
 
-def loss_and_grads(model: TRMoEModel, plan: KernelPlan, ids: torch.Tensor, labels: torch.Tensor):
-    use_kernels(model, plan)
+def loss_and_grads(model: TRMoEModel, kernels: KernelChoice, ids: torch.Tensor, labels: torch.Tensor):
+    use_kernels(model, kernels)
     model.zero_grad()
-    loss, count = SFTLoss(plan)(model(ids), model.head_weight, labels, 8, True)
+    loss, count = SFTLoss(kernels)(model(ids), model.head_weight, labels, 8, True)
     (loss / count).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
     return loss.item(), grads
@@ -83,14 +83,14 @@ def test_a_second_attach_is_refused():
         attach_lora(model, LoraSettings())
 
 
-@pytest.mark.parametrize("plan", [REFERENCE, PRODUCTION], ids=["reference", "production"])
-def test_a_fresh_adapter_is_exactly_the_base_model(plan):
+@pytest.mark.parametrize("kernels", [REFERENCE, PRODUCTION], ids=["reference", "production"])
+def test_a_fresh_adapter_is_exactly_the_base_model(kernels):
     torch.manual_seed(0)
     base = TRMoEModel(tiny_config()).to(KERNEL_DEVICE)
     model = attach_lora(copy.deepcopy(base), LoraSettings(rank=4, alpha=16))
     ids, _ = batch(base)
-    use_kernels(base, plan)
-    use_kernels(model, plan)
+    use_kernels(base, kernels)
+    use_kernels(model, kernels)
     with torch.no_grad():
         assert torch.equal(model(ids), base(ids))
 
@@ -145,22 +145,22 @@ def test_production_path_matches_reference_with_dropout(monkeypatch):
 def test_the_frozen_base_gets_no_gradient_on_either_path():
     model = adapted(LoraSettings(rank=2, dropout=0.1))
     ids, labels = batch(model)
-    for plan in (REFERENCE, PRODUCTION):
-        loss_and_grads(model, plan, ids, labels)
+    for kernels in (REFERENCE, PRODUCTION):
+        loss_and_grads(model, kernels, ids, labels)
         assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
 
 
-@pytest.mark.parametrize("plan", [REFERENCE, PRODUCTION], ids=["reference", "production"])
-def test_merged_weights_give_the_adapted_model_s_logits(plan):
+@pytest.mark.parametrize("kernels", [REFERENCE, PRODUCTION], ids=["reference", "production"])
+def test_merged_weights_give_the_adapted_model_s_logits(kernels):
     model = adapted(LoraSettings(rank=4, alpha=12)).eval()
     ids, _ = batch(model, seed=3)
-    use_kernels(model, plan)
+    use_kernels(model, kernels)
     with torch.no_grad():
         expected = logits(model, ids)
     torch.manual_seed(0)
     plain = TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval()  # the same base weights: the same seed, nothing attached
     merge_adapters(plain, {k: v.detach() for k, v in adapter_state_dict(model).items()}, model.lora_settings)
-    use_kernels(plain, plan)
+    use_kernels(plain, kernels)
     with torch.no_grad():
         torch.testing.assert_close(logits(plain, ids), expected, rtol=0, atol=1e-5)
         assert (logits(plain, ids) - logits(TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval(), ids)).abs().max() > 1e-3
@@ -174,9 +174,9 @@ def test_base_dtype_bfloat16_holds_the_frozen_matrices_in_bf16_and_runs_under_au
     assert dtypes["embed_tokens.weight"] == dtypes["norm.weight"] == torch.float32
     assert all(p.dtype == torch.float32 for p in adapter_state_dict(model).values())
     ids, labels = batch(model)
-    for plan in (REFERENCE, PRODUCTION):
+    for kernels in (REFERENCE, PRODUCTION):
         with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
-            loss, grads = loss_and_grads(model, plan, ids, labels)
+            loss, grads = loss_and_grads(model, kernels, ids, labels)
         assert torch.isfinite(torch.tensor(loss)) and all(g.dtype == torch.float32 for g in grads.values())
 
 

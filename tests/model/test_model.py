@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cflib.model.decoder
+import cflib.model.fast
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEEngine, TRMoEModel
+from cflib.model.fast import checkpoint_layers
 from cflib.ops.rows import Rows
 
 try:
@@ -102,15 +103,15 @@ def test_grad_checkpointing_matches_plain_backward(monkeypatch: pytest.MonkeyPat
     plain_grads = gradients(model)
 
     calls: list[int] = []
-    real_checkpoint = cflib.model.decoder.checkpoint
+    real_checkpoint = cflib.model.fast.checkpoint
 
     def counting_checkpoint(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         return real_checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(cflib.model.decoder, "checkpoint", counting_checkpoint)
+    monkeypatch.setattr(cflib.model.fast, "checkpoint", counting_checkpoint)
     model.zero_grad(set_to_none=True)
-    model.grad_ckpt = True
+    checkpoint_layers(model)
     ckpt_loss = lm_loss(model, ids)
     ckpt_loss.backward()
 
@@ -126,8 +127,7 @@ def test_chosen_rows_are_the_full_forward_s_rows_with_its_gradients(grad_ckpt: b
     and every parameter's gradient are the full forward's, packed documents included. Float64, so only the
     order of sums differs (the norms compute in fp32 whatever the input, so their weights' gradients differ
     by fp32 rounding)."""
-    model = tiny_model().double().train()
-    model.grad_ckpt = grad_ckpt
+    model = checkpoint_layers(tiny_model().double().train(), grad_ckpt)
     ids = random_ids(VOCAB, 3, 10)
     documents = torch.tensor([[0] * 4 + [1] * 6, [0] * 10, [0] * 2 + [1] * 3 + [2] * 5])
     chosen = torch.tensor([17, 3, 4, 9, 25, 29, 12])
@@ -157,9 +157,8 @@ def test_only_the_last_layer_computes_just_the_chosen_rows() -> None:
 
 
 def test_grad_checkpointing_is_off_in_eval(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cflib.model.decoder, "checkpoint", lambda *a, **k: pytest.fail("checkpoint called in eval"))
-    model = tiny_model()
-    model.grad_ckpt = True
+    monkeypatch.setattr(cflib.model.fast, "checkpoint", lambda *a, **k: pytest.fail("checkpoint called in eval"))
+    model = checkpoint_layers(tiny_model()).eval()
     model(random_ids(VOCAB, 1, 4))
 
 
@@ -188,7 +187,7 @@ def test_bf16_autocast_is_close_to_fp32() -> None:
 
 def test_kernel_path_is_read_back_after_forward() -> None:
     model = tiny_model()
-    assert model.kernel_path()["moe"] != "torch_dense"  # nothing ran yet
+    assert model.kernel_path() == {}  # nothing ran yet
     model(random_ids(VOCAB, 1, 3))
     path = model.kernel_path()
     assert path["moe"] == "torch_dense"

@@ -188,7 +188,7 @@ def test_route_table_is_loaded_not_rebuilt(case: Case) -> None:
 def test_eval_loss_matches_reference(case: Case) -> None:
     from cflib.data.shards import open_shard
     from cflib.model.checkpoint import load_checkpoint
-    from cflib.train.evaluate import eval_loss
+    from cflib.train.held_out import eval_loss
 
     model = load_checkpoint(case.ckpt)
     shard = open_shard(case.shard_root, "eval")

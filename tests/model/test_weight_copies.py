@@ -8,17 +8,17 @@ import torch
 from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 
 from cflib.model.fast import attach_weight_copies, build_model, detach_weight_copies
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 
-PRODUCTION = KernelPlan(liger=True, custom=True)
+PRODUCTION = KernelChoice(liger=True, custom=True)
 
 
-def _models(use_qk_norm: bool = True, plan: KernelPlan = PRODUCTION):
+def _models(use_qk_norm: bool = True, kernels: KernelChoice = PRODUCTION):
     """The production model twice, the same weights; the second reads weight copies."""
     torch.manual_seed(0)
     config = tiny_config(use_qk_norm=use_qk_norm)
-    plain = build_model(config, plan).to(KERNEL_DEVICE).train()
-    copied = build_model(config, plan).to(KERNEL_DEVICE).train()
+    plain = build_model(config, kernels).to(KERNEL_DEVICE).train()
+    copied = build_model(config, kernels).to(KERNEL_DEVICE).train()
     copied.load_state_dict(plain.state_dict())
     return plain, copied, attach_weight_copies(copied)
 
@@ -64,7 +64,7 @@ def test_the_fused_gemms_read_the_copies_and_compute_autocasts_numbers(use_qk_no
 
 def test_the_swiglu_gemms_read_interleaved_copies_and_compute_their_numbers_over_the_masters():
     """The TR-MoE block through the SwiGLU GEMMs (quack's on a GPU) reads gate|up interleaved row by row."""
-    plain, copied, copies = _models(plan=KernelPlan(liger=True, custom=True, epilogue_swiglu=True))
+    plain, copied, copies = _models(kernels=KernelChoice(liger=True, custom=True, epilogue_swiglu=True))
     ids = random_ids(50, 2, 12).to(KERNEL_DEVICE)
     _assert_same(plain, copied, ids)
     assert copied.kernel_path()["swiglu"] == "quack_gemm_swiglu" and copied.kernel_path()["weights"] == "bf16_copies"

@@ -59,9 +59,9 @@ def test_nothing_to_add_is_the_norm_of_the_stream():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_bf16_stream_is_the_rounded_sum_and_its_gradient_is_written_once(seed):
-    """The residual stream in BF16 (bf16_residual): s = h + delta rounded to BF16, normalised as rounded; one
-    BF16 gradient serves h and delta."""
+def test_a_stream_in_the_compute_dtype_is_the_rounded_sum_and_its_gradient_is_written_once(seed):
+    """A stream already in the compute dtype (here BF16): s = h + delta rounded to it, normalised as rounded;
+    one gradient serves h and delta."""
     raw = inputs(seed)
     dtypes = {"h": torch.bfloat16, "delta": torch.bfloat16, "weight": torch.float32}
     rounded = {name: value.to(dtypes[name]) for name, value in raw.items()}
@@ -75,42 +75,6 @@ def test_a_bf16_stream_is_the_rounded_sum_and_its_gradient_is_written_once(seed)
     assert bool(((got["out0"].float() - total).abs() <= total.abs() * 2 ** -7).all())
     assert torch.equal(got["d_h"], got["d_delta"])
     assert_matches(got, truth, torch.bfloat16)
-
-
-def _three_norms(h, delta, weight, bf16_gradient):
-    """The stream as the decoder carries it: the first norm (no delta), an add + norm, and the final one."""
-    stream, first = add_rms_norm(h, None, weight, EPS, bf16_gradient)
-    stream, second = add_rms_norm(stream, delta, weight * 0.5, EPS, bf16_gradient)
-    return first, second, add_rms_norm(stream, delta * 0.25, weight, EPS, bf16_gradient)[1]
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_bf16_gradient_leaves_the_fp32_stream_exact_and_rounds_its_gradient(seed):
-    """bf16_residual_gradient: the stream travels as its FP32 bytes seen as BF16 [..., D, 2], so the forward is
-    the FP32 path's, bit for bit; backward hands the stream (and delta) one gradient rounded to BF16, the
-    embeddings' FP32 gradient included."""
-    raw = inputs(seed)
-    dtypes = {"h": torch.float32, "delta": torch.bfloat16, "weight": torch.float32}
-    rounded = {name: value.to(dtypes[name]) for name, value in raw.items()}
-    grad = ("h", "delta", "weight")
-    runs = {split: run(lambda h, delta, weight: _three_norms(h, delta, weight, split),
-                       leaves(rounded, dtypes, KERNEL_DEVICE, grad), seed + 10, autocast_dtype=torch.bfloat16)
-            for split in (False, True)}
-    exact, split = runs[False], runs[True]
-    for name in ("out0", "out1", "out2"):
-        assert torch.equal(split[name], exact[name]), name
-    assert split["d_h"].dtype == torch.float32 and split["d_delta"].dtype == torch.bfloat16
-    assert torch.equal(split["d_h"], split["d_h"].bfloat16().float())  # BF16 values in an FP32 tensor
-    assert not torch.equal(exact["d_h"], exact["d_h"].bfloat16().float())
-    truth = run(lambda h, delta, weight: _three_norms(h, delta, weight, False),
-                leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), seed + 10)
-    assert_matches(split, truth, torch.bfloat16)
-
-
-def test_a_bf16_gradient_applies_under_bf16_autocast_only():
-    raw = inputs(3)
-    stream, _ = add_rms_norm(raw["h"].to(KERNEL_DEVICE), None, raw["weight"].to(KERNEL_DEVICE), EPS, True)
-    assert stream.dtype == torch.float32 and stream.shape == (ROWS, DIM)
 
 
 def _saved_by_the_norm(from_output: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -18,8 +18,8 @@ from tiny_models import KERNEL_DEVICE
 
 from cflib.ops import attention
 from cflib.ops.attention import (BACKENDS, attend, attention_batch, backend_problem,
-                                 choose_kernel, pack_documents, plan_attention)
-from cflib.ops.dispatch import KernelUnavailable, plan_kernels
+                                 choose_kernel, pack_documents, check_attention)
+from cflib.ops.dispatch import KernelUnavailable, choose_kernels
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -48,13 +48,13 @@ def gpu(monkeypatch):
 def test_auto_on_cpu_runs_sdpa_dense_and_the_sdpa_mask_packed():
     assert choose_kernel("auto", False, CPU, 64, FP32) == "torch_sdpa"
     assert choose_kernel("auto", True, CPU, 64, BF16) == "sdpa_mask"
-    assert plan_attention("auto", CPU, 64, packed=True) == ()  # no note: no GPU kernel was expected on a CPU
+    assert check_attention("auto", CPU, 64, packed=True) == ()  # no note: no GPU kernel was expected on a CPU
 
 
 def test_auto_on_hopper_with_flash_attn_4_takes_it_dense_and_packed(gpu):
     assert choose_kernel("auto", False, GPU, 64, BF16) == "fa4"
     assert choose_kernel("auto", True, GPU, 64, BF16) == "fa4_varlen"
-    assert plan_kernels("auto", False, GPU, "auto", 64, packed=True).attention == "auto"
+    assert choose_kernels("auto", False, GPU, "auto", 64, packed=True).attention == "auto"
 
 
 def test_auto_in_an_fp32_run_keeps_attention_in_fp32(gpu):
@@ -69,10 +69,10 @@ def test_auto_falls_back_in_order_without_flash_attn_4(gpu):
     assert choose_kernel("auto", False, GPU, 64, BF16) == "cudnn_sdpa"
     assert choose_kernel("auto", True, GPU, 64, BF16) == "flex_attention"
     assert choose_kernel("auto", True, GPU, 8, BF16) == "torch_varlen"  # heads too narrow for flex
-    plan = plan_kernels("auto", False, GPU, "auto", 64, packed=True)
-    assert any("attention_backend (fa4): flash-attn-4 is not installed" in note for note in plan.notes)
+    kernels = choose_kernels("auto", False, GPU, "auto", 64, packed=True)
+    assert any("attention_backend (fa4): flash-attn-4 is not installed" in note for note in kernels.notes)
     with pytest.raises(KernelUnavailable, match="attention_backend: fa4, but flash-attn-4 is not installed"):
-        plan_attention("fa4", GPU, 64, packed=False)
+        check_attention("fa4", GPU, 64, packed=False)
 
 
 def test_before_hopper_auto_takes_the_ampere_kernels_and_fa4_is_refused(gpu):
@@ -82,14 +82,14 @@ def test_before_hopper_auto_takes_the_ampere_kernels_and_fa4_is_refused(gpu):
     assert choose_kernel("auto", True, GPU, 8, BF16) == "torch_varlen"
     with pytest.raises(KernelUnavailable, match=r"fa4, but compute capability 8.0 < 9.0 \(FlashAttention-4 needs "
                                                 r"Hopper or newer\)"):
-        plan_attention("fa4", GPU, 64, packed=True)
+        check_attention("fa4", GPU, 64, packed=True)
 
 
 def test_flex_on_a_gpu_needs_wide_heads_and_fa4_a_multiple_of_8(gpu):
     with pytest.raises(KernelUnavailable, match="head_dim 8 < 16"):
-        plan_attention("flex", GPU, 8, packed=True)
+        check_attention("flex", GPU, 8, packed=True)
     with pytest.raises(KernelUnavailable, match="head_dim 60: FlashAttention-4 takes multiples of 8 up to 256"):
-        plan_attention("fa4", GPU, 60, packed=False)
+        check_attention("fa4", GPU, 60, packed=False)
     assert choose_kernel("auto", True, GPU, 60, BF16) == "flex_attention"
 
 
@@ -100,8 +100,8 @@ def test_fa4_packs_no_heads_narrower_than_its_varlen_backward_computes_right(gpu
     assert choose_kernel("auto", False, GPU, 16, BF16) == "fa4"
     assert choose_kernel("auto", True, GPU, 32, BF16) == "fa4_varlen"
     with pytest.raises(KernelUnavailable, match="fa4, but head_dim 16 < 32: FlashAttention-4's varlen backward"):
-        plan_attention("fa4", GPU, 16, packed=True)
-    assert plan_attention("fa4", GPU, 16, packed=False) == ()
+        check_attention("fa4", GPU, 16, packed=True)
+    assert check_attention("fa4", GPU, 16, packed=False) == ()
 
 
 def test_a_named_backend_runs_its_kernel_and_dense_rows_need_no_mask(gpu):
@@ -114,7 +114,7 @@ def test_a_named_backend_runs_its_kernel_and_dense_rows_need_no_mask(gpu):
 
 def test_cudnn_sdpa_cannot_attend_packed_windows(gpu):
     with pytest.raises(KernelUnavailable, match="cudnn_sdpa attends dense rows only"):
-        plan_attention("cudnn_sdpa", GPU, 64, packed=True)
+        check_attention("cudnn_sdpa", GPU, 64, packed=True)
     with pytest.raises(KernelUnavailable, match="cudnn_sdpa attends dense rows only"):
         choose_kernel("cudnn_sdpa", True, GPU, 64, BF16)
 
@@ -122,7 +122,7 @@ def test_cudnn_sdpa_cannot_attend_packed_windows(gpu):
 @pytest.mark.parametrize("name", ["fa4", "cudnn_sdpa", "torch_varlen", "flex"])
 def test_a_gpu_backend_asked_for_on_cpu_names_the_failed_check(name):
     with pytest.raises(KernelUnavailable, match=f"attention_backend: {name}, but no GPU: the device is cpu"):
-        plan_kernels("false", False, CPU, name, 64)
+        choose_kernels("false", False, CPU, name, 64)
 
 
 # --- the varlen and FlashAttention-4 calls, through stand-ins of the GPU kernels' signatures --------------------

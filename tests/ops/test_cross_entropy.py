@@ -63,13 +63,13 @@ def test_a_master_takes_the_head_gradient_in_fp32_unrounded():
 
 
 def test_sft_loss_in_bf16_gives_an_fp32_head_its_gradient_unrounded():
-    from cflib.ops.dispatch import KernelPlan
+    from cflib.ops.dispatch import KernelChoice
     from cflib.ops.sft_loss import SFTLoss
 
     raw, targets = inputs(4, False)
     head = raw["head"].to(KERNEL_DEVICE).requires_grad_()
     hidden = raw["hidden"].to(KERNEL_DEVICE)[None]
-    loss, count = SFTLoss(KernelPlan(liger=True, custom=True))(hidden.bfloat16(), head, targets[None], 8, False)
+    loss, count = SFTLoss(KernelChoice(liger=True, custom=True))(hidden.bfloat16(), head, targets[None], 8, False)
     loss.backward()
     assert count == ROWS and head.grad.dtype == torch.float32
     assert not torch.equal(head.grad, head.grad.bfloat16().float())

@@ -1,5 +1,5 @@
-"""What may run on this machine (cflib.ops.dispatch.plan_kernels) and the loss it dispatches (SFTLoss): each
-plan's loss beside the full-logit reference, forward and backward.
+"""What may run on this machine (cflib.ops.dispatch.choose_kernels) and the loss it dispatches (SFTLoss): each
+choice's loss beside the full-logit reference, forward and backward.
 
 Without a GPU the Triton kernels run in Triton's interpreter (tests/conftest.py).
 """
@@ -13,23 +13,23 @@ import torch.nn.functional as F
 from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
 from tiny_models import KERNEL_DEVICE
 
-from cflib.ops.dispatch import KernelPlan, KernelUnavailable, plan_kernels
+from cflib.ops.dispatch import KernelChoice, KernelUnavailable, choose_kernels
 from cflib.ops.sft_loss import SFTLoss
 from cflib.ops.loss import IGNORE_INDEX, supervised_positions
 
 CPU = torch.device("cpu")
 DEVICE = KERNEL_DEVICE
-PLANS = {"reference": KernelPlan(liger=False, custom=False), "liger": KernelPlan(liger=True, custom=False),
-         "cflib": KernelPlan(liger=True, custom=True)}
+PLANS = {"reference": KernelChoice(liger=False, custom=False), "liger": KernelChoice(liger=True, custom=False),
+         "cflib": KernelChoice(liger=True, custom=True)}
 
 
 @pytest.mark.parametrize("interpret", ["0", "1"])
 def test_auto_falls_back_on_cpu(monkeypatch, interpret):
     monkeypatch.setenv("TRITON_INTERPRET", interpret)  # the interpreter runs only when a fast path is required
-    plan = plan_kernels("auto", False, CPU)
-    assert not plan.liger and not plan.custom
-    assert any("no GPU" in note for note in plan.notes)
-    assert plan_kernels("false", False, CPU) == KernelPlan(False, False)
+    kernels = choose_kernels("auto", False, CPU)
+    assert not kernels.liger and not kernels.custom
+    assert any("no GPU" in note for note in kernels.notes)
+    assert choose_kernels("false", False, CPU) == KernelChoice(False, False)
 
 
 def test_require_liger_names_the_missing_package(monkeypatch):
@@ -37,14 +37,14 @@ def test_require_liger_names_the_missing_package(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "liger_kernel" else real_find_spec(name, *a))
     with pytest.raises(KernelUnavailable, match="liger-kernel is not installed"):
-        plan_kernels("false", True, DEVICE)
-    plan = plan_kernels("true", False, DEVICE)  # cflib's kernels alone still run
-    assert plan.custom and not plan.liger
+        choose_kernels("false", True, DEVICE)
+    kernels = choose_kernels("true", False, DEVICE)  # cflib's kernels alone still run
+    assert kernels.custom and not kernels.liger
 
 
-@pytest.mark.parametrize("plan", [KernelPlan(liger=True, custom=False), KernelPlan(liger=True, custom=True)],
+@pytest.mark.parametrize("kernels", [KernelChoice(liger=True, custom=False), KernelChoice(liger=True, custom=True)],
                          ids=["liger", "cflib"])
-def test_fused_losses_take_host_computed_supervised_positions(plan):
+def test_fused_losses_take_host_computed_supervised_positions(kernels):
     """The loss as the trainer calls it (supervised positions computed where the batch is collated) equals the
     loss finding them itself, bit for bit, on Liger's and cflib's fused paths."""
     gen = torch.Generator().manual_seed(5)
@@ -55,7 +55,7 @@ def test_fused_losses_take_host_computed_supervised_positions(plan):
     results = []
     for supervised in (None, supervised_positions(labels).to(DEVICE)):
         h, w = hidden.clone().requires_grad_(), head.clone().requires_grad_()
-        loss_fn = SFTLoss(plan)
+        loss_fn = SFTLoss(kernels)
         loss, count = loss_fn(h, w, labels.to(DEVICE), 8, True, supervised=supervised)
         loss.backward()
         results.append({"loss": loss.detach(), "count": count, "d_hidden": h.grad, "d_head": w.grad,
@@ -72,19 +72,19 @@ BACKENDS = {("reference", False): "torch_chunked_linear_ce", ("reference", True)
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("kernels", PLANS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_each_plans_loss_matches_the_full_logit_loss(dtype, plan, weighted):
+def test_each_plans_loss_matches_the_full_logit_loss(dtype, kernels, weighted):
     """fp32 final hidden states and head, the head GEMM in the autocast dtype (fp32_loss off), a third of the
     labels unsupervised; Liger's fused loss takes no token weights, so weighted it leaves them to the reference."""
-    gen = torch.Generator().manual_seed(len(plan) + weighted)
+    gen = torch.Generator().manual_seed(len(kernels) + weighted)
     labels = torch.randint(0, 300, (2, 10), generator=gen)
     labels[torch.rand(2, 10, generator=gen) < 1 / 3] = IGNORE_INDEX
     labels = labels.to(DEVICE)
     raw = {"hidden": torch.randn(2, 10, 16, generator=gen), "head": torch.randn(300, 16, generator=gen) * 0.4}
     if weighted:
         raw["token_weights"] = torch.rand(2, 10, generator=gen) * 3
-    loss_fn = SFTLoss(PLANS[plan])
+    loss_fn = SFTLoss(PLANS[kernels])
 
     def truth(hidden, head, token_weights=None):
         if dtype != torch.float32:  # the operands the head GEMM sees (their gradients passed straight through)
@@ -97,5 +97,5 @@ def test_each_plans_loss_matches_the_full_logit_loss(dtype, plan, weighted):
     want = run(truth, leaves(raw, dict.fromkeys(raw, torch.float64), DEVICE, grad), 6)
     got = run(lambda **t: loss_fn(t["hidden"], t["head"], labels, 4, False, token_weights=t.get("token_weights"))[0],
               leaves(raw, {}, DEVICE, grad), 6, autocast_dtype=dtype if dtype != torch.float32 else None)
-    assert loss_fn.last_backend == BACKENDS[plan, weighted]
+    assert loss_fn.last_backend == BACKENDS[kernels, weighted]
     assert_matches(got, want, dtype)

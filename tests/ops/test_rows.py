@@ -58,22 +58,6 @@ def test_gather_picks_the_rows_and_its_backward_is_the_scatter():
     assert torch.equal(x.grad.reshape(-1, DIM), scatter_rows_reference(grad, rows, NUM_ROWS))
 
 
-def test_a_gradient_expanded_over_its_last_axis_comes_back_expanded():
-    """An FP32 stream seen as BF16 pairs [B, T, D, 2] takes one BF16 gradient expanded over the pairs: the gather's
-    backward scatters it once and hands it back expanded, the values those of scattering the whole tensor."""
-    rows = _rows(4)
-    x = torch.randn(4, NUM_ROWS // 4, DIM, 2, generator=torch.Generator().manual_seed(8)).to(KERNEL_DEVICE,
-                                                                                             torch.bfloat16)
-    x.requires_grad_(True)
-    picked = gather_rows(x, rows)
-    assert picked.shape == (rows.indices.numel(), DIM, 2)
-    one = torch.randn(picked.shape[:-1], generator=torch.Generator().manual_seed(9)).to(KERNEL_DEVICE, torch.bfloat16)
-    (grad,) = torch.autograd.grad(picked, x, one.unsqueeze(-1).expand(picked.shape))
-    assert grad.shape == x.shape and grad.stride(-1) == 0
-    want = scatter_rows_reference(one.unsqueeze(-1).expand(picked.shape).reshape(-1, 2 * DIM), rows, NUM_ROWS)
-    assert torch.equal(grad.reshape(-1, 2 * DIM), want)
-
-
 def test_rows_refuse_a_mask_of_another_shape():
     with pytest.raises(ValueError, match="Rows.keep has shape"):
         Rows(torch.arange(3), torch.ones(4))

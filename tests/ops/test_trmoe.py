@@ -6,6 +6,8 @@ time; the kernel runs every expert on every token with zero coefficients off its
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -130,8 +132,7 @@ def test_a_block_that_keeps_its_activation_matches_the_formula(block):
     """Kept from forward for the down weight's gradient instead of recomputed in backward: forward and every
     gradient in BF16, as the recomputing block's."""
     engine, raw, token_ids = routed_twice_problem(8, routes=2)
-    engine.keep_activation = True
-    rounded = check_bf16(block, engine, raw, token_ids)
+    rounded = check_bf16(functools.partial(block, keep_activation=True), engine, raw, token_ids)
     columns = engine.shared_gate.weight.shape[0] + engine.expert_gate.shape[0] * engine.expert_gate.shape[2]
     kept = {flag: saved_shapes(engine, block, flag, rounded, token_ids).count((TOKENS, columns)) for flag in (0, 1)}
     assert kept[1] == kept[0] + 1  # the [N, C] activation, held for backward
@@ -139,12 +140,11 @@ def test_a_block_that_keeps_its_activation_matches_the_formula(block):
 
 def saved_shapes(engine, block, keep, tensors, token_ids) -> list[tuple[int, ...]]:
     """The shapes of the tensors the block's forward saves for backward."""
-    engine.keep_activation = bool(keep)
     weights = {name: tensors[name].to(KERNEL_DEVICE).requires_grad_() for name in WEIGHTS}
     shapes = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
         with torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16):
-            block(engine, tensors["x"].to(KERNEL_DEVICE), token_ids, weights=weights)
+            block(engine, tensors["x"].to(KERNEL_DEVICE), token_ids, weights=weights, keep_activation=bool(keep))
     return shapes
 
 

@@ -22,7 +22,7 @@ from cflib.model.checkpoint import save_checkpoint
 from cflib.model.config import preset
 from cflib.model.decoder import TRMoEModel
 from cflib.train import train
-from cflib.train.plan import PlanError, validate_cluster_plan
+from cflib.train.sizing import SizingError, validate_cluster_layout
 
 TOKENIZER = ByteTokenizer()
 GOOD = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 8, "max_steps": 2,
@@ -115,7 +115,7 @@ CASES = [
     ("nodes-without-endpoint", lambda t: {"nnodes": 2}, ValueError, ["rdzv_endpoint"]),
     ("model-unknown", lambda t: {"model": "gpt-5"}, ValueError, ["gpt-5"]),
     ("seq-len-past-positions", lambda t: {"seq_len": 100_000}, ValueError, ["seq_len", "max_position_embeddings"]),
-    ("kept-layers-past-the-model", lambda t: {"kept_swiglu_layers": 99}, ValueError,
+    ("kept-layers-past-the-model", lambda t: {"kernel_overrides": {"kept_swiglu_layers": 99}}, ValueError,
      ["kept_swiglu_layers: 99 layers, the model has"]),
     ("max-steps-negative", lambda t: {"max_steps": -1}, ValueError, ["max_steps"]),
     ("out-dir-is-a-file", lambda t: {"out_dir": str(t / "afile")}, ValueError, ["afile", "not a directory"]),
@@ -272,7 +272,7 @@ def test_the_battery_is_large():
     assert len(CASES) >= 30
 
 
-@pytest.mark.parametrize("plan, words", [
+@pytest.mark.parametrize("layout, words", [
     ({"model": {"preset": "tr_hash_200m"}, "parallel": {"tp": 1, "pp": 1, "dp": 8, "micro_batch_per_rank": 16,
       "global_batch": 100}, "run": {"seq_len": 2048, "target_tokens": 1e9}}, ["parallel.global_batch"]),
     ({"model": {"preset": "tr_hash_200m"}, "parallel": {"tp": 4, "pp": 1, "dp": 2, "micro_batch_per_rank": 16,
@@ -280,9 +280,9 @@ def test_the_battery_is_large():
     ({"model": {"preset": "tr_hash_200m"}, "parallel": {"tp": 1, "pp": 1, "dp": 8, "micro_batch_per_rank": 16,
       "global_batch": 128}, "run": {"seq_len": 2048, "target_tokens": 1e9, "world_size": 16}}, ["world_size"]),
 ])
-def test_the_planner_refuses_broken_plans(plan, words):
-    with pytest.raises(PlanError) as caught:
-        validate_cluster_plan(plan)
+def test_the_sizing_refuses_broken_layouts(layout, words):
+    with pytest.raises(SizingError) as caught:
+        validate_cluster_layout(layout)
     for word in words:
         assert word in str(caught.value)
 

@@ -15,7 +15,7 @@ from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 from cflib.errors import KernelUnavailable
 from cflib.model.fast import build_model
 from cflib.ops.attention import pack_documents
-from cflib.ops.dispatch import KernelPlan
+from cflib.ops.dispatch import KernelChoice
 from cflib.ops.loss import supervised_positions
 from cflib.ops.rows import Rows
 from cflib.ops.sft_loss import SFTLoss
@@ -25,7 +25,7 @@ from cflib.train.params import TrainParams
 from cflib.train.run import prepare
 from cflib.train.trainer import Trainer
 
-PRODUCTION = KernelPlan(liger=True, custom=True)
+PRODUCTION = KernelChoice(liger=True, custom=True)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
@@ -60,33 +60,46 @@ def _loss_and_grads(model, batch: MicroBatch, gathered: bool = False) -> tuple[f
     return loss_sum.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["every-row", "supervised-rows"])
+@pytest.fixture
+def small_multiples(monkeypatch):
+    """The padding's multiples scaled down (the same rules, a fraction of the interpreted work): rows to 64
+    tokens, supervised positions to 128, a packed batch's documents to 8."""
+    import cflib.train.graphs as graphs
+
+    for name, value in (("SEQ_MULTIPLE", 64), ("SUPERVISED_ROWS", 128), ("DOCUMENTS", 8)):
+        monkeypatch.setattr(graphs, name, value)
+    return graphs
+
+
 @pytest.mark.parametrize("packed,weighted", [(False, False), (False, True), (True, False)],
                          ids=["dense", "dense-weighted", "packed"])
-def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, weighted, gathered):
-    """Dense rows padded to the next multiple of 256 tokens, supervised positions to a multiple of 512 (rows
-    of weight 0), a packed batch's documents to a multiple of 64 (empty documents): the same loss and
-    gradients, also where the last layer computes the supervised rows alone (padding entries repeating one,
-    masked out of the gradient). Heads of 64, so that on a GPU packed windows run FlashAttention-4's varlen
-    kernel where it is installed, the kernel whose document table is padded."""
+def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, weighted, small_multiples):
+    """Dense rows padded to the next multiple of SEQ_MULTIPLE tokens, supervised positions to a multiple of
+    SUPERVISED_ROWS (rows of weight 0), a packed batch's documents to a multiple of DOCUMENTS (empty
+    documents): the same loss and gradients, also where the last layer computes the supervised rows alone
+    (padding entries repeating one, masked out of the gradient). Heads of 64, so that on a GPU packed windows
+    run FlashAttention-4's varlen kernel where it is installed, the kernel whose document table is padded."""
     torch.manual_seed(0)
     config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     model = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
     host = _host_batch(config.vocab_size, 3, 40, packed, weighted)
     shape = static_shape(host, seq_len=300)
-    assert shape.supervised == SUPERVISED_ROWS and shape.weighted == weighted
-    assert (shape.seq, shape.documents) == ((40, DOCUMENTS) if packed else (256, None))
+    rows, documents = small_multiples.SUPERVISED_ROWS, small_multiples.DOCUMENTS
+    assert shape.supervised == rows and shape.weighted == weighted
+    assert (shape.seq, shape.documents) == ((40, documents) if packed else (small_multiples.SEQ_MULTIPLE, None))
     wide = padded(host, shape, pad_token_id=0)
-    assert wide.input_ids.shape == (3, shape.seq) and wide.supervised.shape == wide.row_mask.shape == (512,)
+    assert wide.input_ids.shape == (3, shape.seq) and wide.supervised.shape == wide.row_mask.shape == (rows,)
     if packed:
-        assert wide.documents.cu_seqlens.shape == (DOCUMENTS + 1,)
+        assert wide.documents.cu_seqlens.shape == (documents + 1,)
     loss, grads = _loss_and_grads(model, host.to(KERNEL_DEVICE))
-    wide_loss, wide_grads = _loss_and_grads(model, wide.to(KERNEL_DEVICE), gathered)
-    assert wide_loss == pytest.approx(loss, rel=1e-5)
-    for name, grad in grads.items():
-        # The padded GEMMs sum the same terms (and zeros) in another order: entries that cancel to near zero
-        # differ by the rounding of the terms' scale.
-        torch.testing.assert_close(wide_grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
+    for gathered in (False, True):  # every row, or the supervised rows alone
+        wide_loss, wide_grads = _loss_and_grads(model, wide.to(KERNEL_DEVICE), gathered)
+        assert wide_loss == pytest.approx(loss, rel=1e-5), gathered
+        for name, grad in grads.items():
+            # The padded GEMMs sum the same terms (and zeros) in another order: entries that cancel to near zero
+            # differ by the rounding of the terms' scale.
+            torch.testing.assert_close(wide_grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()),
+                                       msg=lambda m, name=name, gathered=gathered: f"{name} (rows {gathered}): {m}")
 
 
 def test_static_shapes_round_up_and_a_batch_without_supervision_has_none():
@@ -112,10 +125,10 @@ def test_cuda_graphs_true_without_a_gpu_stops_before_any_step(tmp_path, shard):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(KernelUnavailable, match="cuda_graphs: true, but the device is cpu"):
-        Trainer(prepare(_params(tmp_path, shard, device="cpu", cuda_graphs=True)), progress=False)
+        Trainer(prepare(_params(tmp_path, shard, device="cpu", kernel_overrides={"cuda_graphs": True})), progress=False)
     trainer = Trainer(prepare(_params(tmp_path, shard, device="cpu", out_dir=str(tmp_path / "auto"))),
                       progress=False)
-    assert trainer.graphs_summary() == {"cuda_graphs": False, "reason": "the device is cpu, not CUDA"}
+    assert trainer.training_step.graphs_summary() == {"cuda_graphs": False, "reason": "the device is cpu, not CUDA"}
 
 
 @CUDA
@@ -129,7 +142,7 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
     common = {"device": "cuda", "bf16": True, "use_custom_kernels": True, "pack_sequences": pack, "seed": 3}
     trainers = {}
     for graphs in ("true", "false"):
-        params = _params(tmp_path / graphs, shard, cuda_graphs=graphs, **common)
+        params = _params(tmp_path / graphs, shard, kernel_overrides={"cuda_graphs": graphs}, **common)
         try:
             trainers[graphs] = Trainer(prepare(params), progress=False)
         except KernelUnavailable as err:  # packed windows capture only with FlashAttention-4
@@ -137,14 +150,14 @@ def test_graphed_steps_train_as_the_eager_steps(tmp_path, shard, pack):
     start = {name: p.detach().clone() for name, p in trainers["false"].model.named_parameters()}
     rows = {}
     for graphs, trainer in trainers.items():
-        units = len(trainer.run.pack_plan) if pack else len(trainer.run.train_data)
+        units = len(trainer.run.packed) if pack else len(trainer.run.train_data)
         order = np.random.default_rng(0).permutation(units)
         steps = [order[s * 8 % (units - 8):][:8] for s in range(6)] + [None]
         # The graphed run stages each next step (padded, pinned) during the current one, as fit() does.
         rows[graphs] = [trainer.train_step(steps[s], steps[s + 1] if graphs == "true" else None) for s in range(6)]
-    summary = trainers["true"].graphs_summary()
+    summary = trainers["true"].training_step.graphs_summary()
     assert summary["replayed"] > 0 and summary["captured"] >= 2 and summary["capture_failure"] is None, summary
-    assert trainers["true"].loss.last_backend == "cflib_triton_fused_linear_ce"
+    assert trainers["true"].training_step.loss.last_backend == "cflib_triton_fused_linear_ce"
     for graphed, eager in zip(rows["true"], rows["false"]):
         assert graphed["loss"] == pytest.approx(eager["loss"], rel=2e-3)
         assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=2e-2)

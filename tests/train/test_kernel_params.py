@@ -5,8 +5,6 @@ Which kernel runs where is tested in tests/ops/ (test_dispatch.py, test_attentio
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from tiny_models import KERNEL_DEVICE
@@ -14,8 +12,8 @@ from tiny_models import KERNEL_DEVICE
 from cflib.ops.attention import ATTENTION_BACKENDS
 from cflib.ops.dispatch import KernelUnavailable, quack_problem
 from cflib.train import prepare, train
+from cflib.train.execution import weight_copies_problem
 from cflib.train.params import ParamError, TrainParams
-from cflib.train.run import weight_copies_problem
 
 DEVICE = KERNEL_DEVICE
 
@@ -38,7 +36,8 @@ def test_training_records_the_kernels_that_ran(tmp_path):
     record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 2,
                     "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False,
                     "device": DEVICE.type, "out_dir": str(tmp_path / "run"),
-                    "use_custom_kernels": "true", "require_liger": True, "epilogue_swiglu": "false"}, progress=False)
+                    "use_custom_kernels": "true", "require_liger": True,
+                    "kernel_overrides": {"epilogue_swiglu": "false"}}, progress=False)
     assert record["kernel_path"]["moe"] == "triton_fused"
     assert record["kernel_path"]["rmsnorm"] == "cflib_add_rmsnorm" and record["kernel_path"]["qk_norm"] == "cflib_qk_norm_rope"
     assert record["kernel_path"]["loss"] == "cflib_triton_fused_linear_ce"
@@ -80,7 +79,7 @@ def test_a_run_checks_its_backend_where_it_trains(tmp_path):
     trains only on a GPU, is refused before any step."""
     params = {"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "run"), "pack_sequences": True}
     run = prepare(TrainParams.from_dict({**params, "attention_backend": "sdpa_mask"}))
-    assert run.kernels.attention == run.model.attention_backend == "sdpa_mask"
+    assert run.plan.kernels.attention == run.model.attention_backend == "sdpa_mask"
     with pytest.raises(KernelUnavailable, match="attention_backend: flex, but no GPU"):
         prepare(TrainParams.from_dict({**params, "attention_backend": "flex"}))
 
@@ -100,17 +99,16 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
     step's loss and gradient norm are those of the run that casts its masters in every forward. With cflib's
     AdamW kernel writing the copies instead, the run trains as well (within the rounding of torch's FP64
     scalars), and the record says the kernel stepped."""
-    import cflib.train.trainer
+    import cflib.train.step
     from cflib.train.records import read_metrics
 
-    make_optimizer = cflib.train.trainer.make_optimizer
-    monkeypatch.setattr(cflib.train.trainer, "make_optimizer",  # torch's fused AdamW on the CPU too
-                        lambda model, params, device, fused=True, triton=False: make_optimizer(
-                            model, params, torch.device("cuda") if not triton and device.type == "cpu" and fused
-                            else device, fused, triton))
-    copied = _copies_run(tmp_path, "copies", bf16_weight_copies="true", cflib_adamw="false")
-    cast = _copies_run(tmp_path, "casts", bf16_weight_copies="false", cflib_adamw="false")
-    kernel = _copies_run(tmp_path, "kernel", bf16_weight_copies="true", cflib_adamw="true")
+    make_optimizer = cflib.train.step.make_optimizer
+    monkeypatch.setattr(cflib.train.step, "make_optimizer",  # torch's fused AdamW on the CPU too
+                        lambda model, settings, fused=False, triton=False: make_optimizer(
+                            model, settings, fused=not triton, triton=triton))
+    copied = _copies_run(tmp_path, "copies", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "false"})
+    cast = _copies_run(tmp_path, "casts", kernel_overrides={"bf16_weight_copies": "false", "cflib_adamw": "false"})
+    kernel = _copies_run(tmp_path, "kernel", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "true"})
     assert copied["kernel_path"]["weights"] == "bf16_copies" and "weights" not in cast["kernel_path"]
     assert kernel["kernel_path"]["optimizer"] == "cflib_triton" and copied["kernel_path"]["optimizer"] == "torch_fused"
     if DEVICE.type == "cuda":  # the copies are read by graphs replayed after the optimizer wrote them
@@ -133,7 +131,7 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
 ])
 def test_bf16_weight_copies_true_where_they_do_not_apply_stops_before_any_step(tmp_path, flags, problem):
     with pytest.raises(KernelUnavailable, match=f"bf16_weight_copies: true, but {problem}"):
-        _copies_run(tmp_path, "refused", bf16_weight_copies="true", **flags)
+        _copies_run(tmp_path, "refused", kernel_overrides={"bf16_weight_copies": "true"}, **flags)
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
 
@@ -153,19 +151,27 @@ def test_the_weight_copies_problem_names_why_a_run_reads_none():
     assert problem(strategy="fsdp", nproc_per_node=2) == "FSDP shards the masters"
     assert problem(nproc_per_node=2) == "2 processes (auto: one)"
     assert problem(device=torch.device("cpu")) == "the device is cpu, not CUDA"
-    assert problem(bf16_weight_copies="true", nproc_per_node=2) is None
-    assert problem(bf16_weight_copies="false") == "bf16_weight_copies: false"
+    assert problem(kernel_overrides={"bf16_weight_copies": "true"}, nproc_per_node=2) is None
+    assert problem(kernel_overrides={"bf16_weight_copies": "false"}) == "bf16_weight_copies: false"
 
 
-def test_a_bf16_stream_gradient_trains_from_the_fp32_streams_first_loss(tmp_path):
-    """bf16_residual_gradient leaves the forward as it is: the first step's loss is the FP32 stream's, bit for bit,
-    with checkpointed layers; the record names the stream."""
-    from cflib.train.records import read_metrics
-
-    losses = {}
-    for flag in (False, True):
-        record = _copies_run(tmp_path, f"gradient_{flag}", bf16_residual_gradient=flag, grad_ckpt=True)
-        assert record["kernel_path"]["residual"] == "float32" + ("_bfloat16_gradient" if flag else "")
-        losses[flag] = [row["loss"] for row in read_metrics(tmp_path / f"gradient_{flag}" / "metrics.jsonl")]
-    assert losses[True][0] == losses[False][0]
-    assert all(math.isfinite(loss) for loss in losses[True])
+def test_the_execution_plan_is_resolved_before_step_1_and_the_record_writes_it(tmp_path):
+    """Off a GPU every speed switch's auto stays off, each with its reason; a switch set to false says so; the plan
+    is in the run's description and, whole, in the record."""
+    params = {"model": "smoke", "device": "cpu", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2,
+              "max_steps": 1, "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False}
+    run = prepare(TrainParams.from_dict({**params, "out_dir": str(tmp_path / "auto")}))
+    plan = run.plan
+    assert (plan.optimizer, plan.weight_copies, plan.cuda_graphs, plan.grad_ckpt) == ("torch", False, False, False)
+    assert plan.reasons == {"bf16_weight_copies": "bf16 is off", "cflib_adamw": "the device is cpu, not CUDA",
+                            "cuda_graphs": "the device is cpu, not CUDA"}
+    assert plan.kept_swiglu_layers == run.model.config.num_hidden_layers and plan.supervised_rows_only
+    assert f"plan         {plan.describe()}" in run.describe() and "cuda_graphs: the device is cpu" in plan.describe()
+    overridden = prepare(TrainParams.from_dict({**params, "out_dir": str(tmp_path / "off"),
+                                                "kernel_overrides": {"cuda_graphs": False, "kept_swiglu_layers": 1}}))
+    assert overridden.plan.reasons["cuda_graphs"] == "cuda_graphs: false" and overridden.plan.kept_swiglu_layers == 1
+    record = train({**params, "out_dir": str(tmp_path / "trained"), "grad_ckpt": True}, progress=False)
+    assert record["execution_plan"]["grad_ckpt"] is True and record["execution_plan"]["optimizer"] == "torch"
+    assert record["execution_plan"]["reasons"]["cuda_graphs"].startswith("the device is cpu")
+    assert record["execution_plan"]["kernels"]["attention"] == "auto" and record["kernel_path"]["optimizer"] == "torch"
+    assert record["step_capture"] == {"cuda_graphs": False, "reason": "the device is cpu, not CUDA"}

@@ -92,7 +92,8 @@ def test_merged_checkpoint_gives_the_adapted_model_s_logits(tmp_path, shard, bas
     adapter = tmp_path / "run" / "checkpoints" / "last"
     summary = merge(adapter, tmp_path / "merged")
     assert summary["base_matches_training"] is True and summary["base"] == str(base.resolve())
-    adapted, _ = resumed_model(adapter, TrainParams.from_dict(lora_params(shard, base, tmp_path / "x", resume="x")))
+    params = TrainParams.from_dict(lora_params(shard, base, tmp_path / "x", resume="x"))
+    adapted, _ = resumed_model(adapter, params.lora_settings(), params.init_checkpoint)
     merged = load_checkpoint(tmp_path / "merged")
     ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -50,8 +50,13 @@ def test_papermill_strings_are_coerced():
     assert params.seq_len == 12 and type(params.seq_len) is int
     assert params.seed == 7
     assert params.weight_decay == 0.0 and isinstance(params.weight_decay, float)
-    assert TrainParams.from_dict({"kept_swiglu_layers": "ALL"}).kept_swiglu_layers == "all"
-    assert TrainParams.from_dict({"kept_swiglu_layers": "12"}).kept_swiglu_layers == 12
+    def overrides(value):
+        return TrainParams.from_dict({"kernel_overrides": value})
+
+    assert overrides({"kept_swiglu_layers": "ALL"}).overrides.kept_swiglu_layers == "all"
+    assert overrides("{kept_swiglu_layers: '12'}").overrides.kept_swiglu_layers == 12
+    assert overrides({"cuda_graphs": False}).kernel_overrides == {"cuda_graphs": "false"}
+    assert TrainParams().overrides.cuda_graphs == "auto" and TrainParams().kernel_overrides is None
 
 
 def test_yaml_typed_values_are_accepted():
@@ -64,7 +69,8 @@ def test_yaml_typed_values_are_accepted():
 @pytest.mark.parametrize("name, value", [
     ("seq_len", "twelve"), ("seq_len", 1.5), ("seq_len", True), ("lr", "fast"), ("lr", False),
     ("grad_ckpt", "maybe"), ("grad_ckpt", 2), ("data", 3), ("model", None), ("epochs", "None"),
-    ("kept_swiglu_layers", "some"), ("kept_swiglu_layers", 1.5),
+    ("kernel_overrides", {"kept_swiglu_layers": "some"}), ("kernel_overrides", {"kept_swiglu_layers": 1.5}),
+    ("kernel_overrides", ["cuda_graphs"]),
 ])
 def test_wrong_types_name_the_parameter(name, value):
     message = param_error({name: value})
@@ -75,7 +81,8 @@ def test_wrong_types_name_the_parameter(name, value):
     ("lr", -1e-3), ("lr", 0.0), ("beta1", 1.0), ("beta2", 1.5), ("beta1", -0.1), ("warmup_ratio", 1.0),
     ("warmup_ratio", -0.5), ("device", "tpu"), ("max_steps", -1), ("seq_len", 0), ("epochs", -2),
     ("weight_decay", -0.1), ("max_grad_norm", 0.0), ("eval_every_steps", 0), ("exact_match_limit", -3),
-    ("loss_chunk_tokens", 0), ("kept_swiglu_layers", -1),
+    ("loss_chunk_tokens", 0), ("kernel_overrides", {"kept_swiglu_layers": -1}),
+    ("kernel_overrides", {"cflib_adamw": "maybe"}),
 ])
 def test_out_of_range_values_name_the_parameter(name, value):
     message = param_error({name: value})
@@ -221,17 +228,3 @@ def test_use_custom_kernels_accepts_booleans_and_strings(raw, expected):
 def test_use_custom_kernels_rejects_other_words():
     with pytest.raises(ParamError, match="use_custom_kernels must be one of"):
         TrainParams.from_dict({"use_custom_kernels": "fast"})
-
-
-def test_a_bf16_residual_stream_needs_bf16():
-    message = param_error({"bf16_residual": True})
-    assert names(message, "bf16_residual") and names(message, "bf16: true"), message
-    assert TrainParams.from_dict({"bf16_residual": "true", "bf16": "true"}).bf16_residual is True
-
-
-def test_a_bf16_stream_gradient_needs_bf16_and_an_fp32_stream():
-    message = param_error({"bf16_residual_gradient": True})
-    assert names(message, "bf16_residual_gradient") and names(message, "bf16: true"), message
-    message = param_error({"bf16_residual_gradient": True, "bf16_residual": True, "bf16": True})
-    assert names(message, "bf16_residual_gradient") and names(message, "bf16_residual"), message
-    assert TrainParams.from_dict({"bf16_residual_gradient": "true", "bf16": "true"}).bf16_residual_gradient is True

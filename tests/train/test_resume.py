@@ -201,14 +201,15 @@ def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, 
     assert set(state["optimizer"]["state"]) == set(whole)  # the optimizer holds the adapters alone
 
 
+@pytest.mark.slow  # eight interpreted AdamW steps and a run before them
 def test_a_run_on_torchs_adamw_resumes_on_cflibs_kernel(tmp_path, shard):
     """cflib_adamw keeps torch's optimizer state: a checkpoint of a run stepped by torch's AdamW resumes on cflib's
     kernel (Triton's interpreter on a CPU) and ends where the uninterrupted run ends."""
     device = KERNEL_DEVICE.type
     train(params(shard, tmp_path / "whole", epochs=4, save_total_limit=None, device=device), progress=False)
     kept = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-8", tmp_path / "step-8")
-    resumed = train(params(shard, tmp_path / "resumed", epochs=4, resume=str(kept), cflib_adamw="true",
-                           device=device), progress=False)
+    resumed = train(params(shard, tmp_path / "resumed", epochs=4, resume=str(kept), device=device,
+                           kernel_overrides={"cflib_adamw": "true"}), progress=False)
     assert resumed["kernel_path"]["optimizer"] == "cflib_triton"
     weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
     # on a GPU the uninterrupted run steps with torch's fused kernel, which rounds its FP64 scalars differently

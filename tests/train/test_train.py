@@ -1,6 +1,7 @@
 """The training loop end to end on CPU: records, schedule, accumulation, bad input."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -22,6 +23,7 @@ from cflib.train.optim import lr_factor
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
 from cflib.train.run import never_trained
+from cflib.train.step import TrainingStep
 from cflib.train.trainer import Trainer
 
 FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 3e-3,
@@ -105,7 +107,7 @@ def test_a_step_staged_during_the_one_before_trains_as_one_collated_in_its_own(t
     steps = [order[0:16], order[16:32], order[8:24]]
     staged = [trainers[0].train_step(steps[0], steps[1]), trainers[0].train_step(steps[1], order[24:40]),
               trainers[0].train_step(steps[2])]  # staged order[24:40], then asked for other units
-    assert trainers[0].staged is None
+    assert trainers[0].training_step.staged is None
     unstaged = [trainers[1].train_step(units) for units in steps]
     for ahead, own in zip(staged, unstaged):
         assert (ahead["loss"], ahead["grad_norm"], ahead["tokens"]) == (own["loss"], own["grad_norm"], own["tokens"])
@@ -132,12 +134,6 @@ def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path, small_shard):
     record = run(tmp_path, small_shard, max_steps=2, bf16=True, grad_ckpt=True, fp32_loss=False)
     assert record["precision"] == "bf16-autocast" and record["grad_ckpt"] is True
     assert record["kernel_path"]["residual"] == "float32"
-    assert np.isfinite(record["eval"]["final"]["loss"])
-
-
-def test_a_bf16_residual_stream_trains_and_the_record_says_so(tmp_path, small_shard):
-    record = run(tmp_path, small_shard, max_steps=2, bf16=True, bf16_residual=True, exact_match_limit=0)
-    assert record["kernel_path"]["residual"] == "bfloat16" and record["params"]["bf16_residual"] is True
     assert np.isfinite(record["eval"]["final"]["loss"])
 
 
@@ -227,14 +223,18 @@ def test_a_run_that_trained_a_step_keeps_its_out_dir(tmp_path):
 def test_prepare_writes_nothing(tmp_path, small_shard):
     params = TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "fresh")})
     prepared = prepare(params)
-    assert prepared.grad_accum == 2 and prepared.total_steps == 30
+    assert prepared.params.grad_accum == 2 and prepared.total_steps == 30
     assert not (tmp_path / "fresh").exists()
 
 
-def poisoned(tmp_path: Path, shard: Path, name: str = "run", **overrides) -> "Trainer":
-    """A prepared run whose weights turned non-finite (a checkpoint holding them is refused at load)."""
+def poisoned(tmp_path: Path, shard: Path, name: str = "run", optimizer: str | None = None,
+             **overrides) -> "Trainer":
+    """A prepared run whose weights turned non-finite (a checkpoint holding them is refused at load); `optimizer`:
+    the plan's, where given."""
     prepared = prepare(TrainParams.from_dict({**FAST, "data": str(shard), "out_dir": str(tmp_path / name),
                                               **overrides}))
+    if optimizer is not None:
+        prepared.plan = dataclasses.replace(prepared.plan, optimizer=optimizer)
     with torch.no_grad():
         prepared.model.layers[0].mlp["engine"].expert_up.fill_(float("inf"))
     return Trainer(prepared, progress=False)
@@ -263,29 +263,21 @@ def test_no_checkpoint_holds_a_non_finite_tensor_whatever_nan_patience_says(tmp_
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["host_skip", "device_skip"])
-def test_a_non_finite_step_moves_no_weight_and_no_optimizer_state(tmp_path, small_shard, monkeypatch, fused):
+def test_a_non_finite_step_moves_no_weight_and_no_optimizer_state(tmp_path, small_shard, fused):
     """The foreach AdamW is skipped on the host; the fused one (CUDA's) skips on the device through found_inf.
 
-    CPU AdamW has a fused kernel too, so the device-side skip runs here."""
-    import cflib.train.trainer
-
-    real_make_optimizer = cflib.train.trainer.make_optimizer
-    def make_optimizer(model, params, device, **_):
-        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
-                  for g in real_make_optimizer(model, params, device).param_groups]
-        return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2), fused=fused)
-
-    monkeypatch.setattr(cflib.train.trainer, "make_optimizer", make_optimizer)
-    trainer = poisoned(tmp_path, small_shard, nan_patience=5)
-    assert all(bool(group["fused"]) == fused for group in trainer.optimizer.param_groups)
+    CPU AdamW has a fused kernel too, so the device-side skip runs here, with a plan naming it."""
+    trainer = poisoned(tmp_path, small_shard, optimizer="torch_fused" if fused else "torch", nan_patience=5)
+    optimizer = trainer.training_step.optimizer
+    assert all(bool(group["fused"]) == fused for group in optimizer.param_groups)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     rows = [trainer.train_step(np.arange(i * 16, (i + 1) * 16) % 40) for i in range(2)]
     assert [r["skipped"] for r in rows] == [True, True]
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param, before[name]), name  # the broken weights' inf compare equal; a NaN would not
-    steps = [state["step"] for state in trainer.optimizer.state.values()]
+    steps = [state["step"] for state in optimizer.state.values()]
     assert all(float(step) == 0 for step in steps)  # a skipped step does not count in Adam's bias correction
-    assert trainer.scheduler.last_epoch == 2  # but it consumes its place in the schedule
+    assert trainer.training_step.scheduler.last_epoch == 2  # but it consumes its place in the schedule
 
 
 def test_a_finished_run_is_marked_complete_last(tmp_path, small_shard):
@@ -335,8 +327,8 @@ def test_a_packed_step_takes_its_documents_and_supervised_positions_from_the_hos
     prepared = prepare(params)
     trainer = Trainer(prepared, progress=False)
     windows = np.arange(2)
-    batch = trainer.host_batch(windows)
-    input_ids, labels, document_ids, _ = collate_packed(prepared.train_data, prepared.pack_plan, windows)
+    batch = trainer.training_step.host_batch(windows)
+    input_ids, labels, document_ids, _ = collate_packed(prepared.train_data, prepared.packed, windows)
     documents = pack_documents(document_ids)
     assert torch.equal(batch.documents.cu_seqlens, documents.cu_seqlens)
     assert torch.equal(batch.documents.positions, documents.positions)
@@ -348,7 +340,7 @@ def test_a_packed_step_takes_its_documents_and_supervised_positions_from_the_hos
                                                 params.loss_chunk_tokens)
     row = trainer.train_step(windows)
     assert row["loss"] == pytest.approx(loss.item() / count, rel=1e-6)
-    assert trainer.train_kernel_path["attention"] == "sdpa_mask"
+    assert trainer.training_step.kernel_path["attention"] == "sdpa_mask"
 
 
 def test_the_sft_step_computes_its_last_layer_on_the_supervised_rows_alone(tmp_path, small_shard):
@@ -357,17 +349,17 @@ def test_the_sft_step_computes_its_last_layer_on_the_supervised_rows_alone(tmp_p
     every row, which a loss reading every position gets."""
     params = TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "run"),
                                     "micro_batch_per_rank": 4, "global_batch": 4})
-    trainer = Trainer(prepare(params), progress=False)
-    batch = trainer.host_batch(np.arange(4))
+    step = TrainingStep(prepare(params))
+    batch = step.host_batch(np.arange(4))
     seen: list[int] = []
-    trainer.model.layers[-1].mlp["engine"].register_forward_hook(
+    step.model.layers[-1].mlp["engine"].register_forward_hook(
         lambda m, args, out: seen.append(args[0].numel() // args[0].shape[-1]))
     steps = []
     for rows_only in (True, False):
-        trainer.loss_rows_only = rows_only  # False: as for a loss without reads_supervised_rows_only
-        trainer.model.zero_grad(set_to_none=True)
-        loss = trainer.forward_backward(batch, 1.0)
-        steps.append((loss.item(), {name: p.grad.clone() for name, p in trainer.model.named_parameters()}))
+        step.supervised_rows_only = rows_only  # False: as for a loss without reads_supervised_rows_only
+        step.model.zero_grad(set_to_none=True)
+        loss = step.forward_backward(batch, 1.0)
+        steps.append((loss.item(), {name: p.grad.clone() for name, p in step.model.named_parameters()}))
     assert seen == [batch.supervised.numel(), batch.input_ids.numel()]
     assert steps[0][0] == pytest.approx(steps[1][0], rel=1e-6)
     for name, grad in steps[1][1].items():

@@ -13,7 +13,7 @@ import torch
 from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
 
 from cflib.model.fast import attach_weight_copies, build_model
-from cflib.ops.dispatch import KernelPlan, KernelUnavailable
+from cflib.ops.dispatch import KernelChoice, KernelUnavailable
 from cflib.train import train
 from cflib.train.optim import TritonAdamW, clip_in_fused_step, optimizer_kernel
 
@@ -108,7 +108,7 @@ def test_the_weight_copies_are_written_as_their_masters_move():
     kernel, transposed expert slices copied after it) and counts as fresh, with no refresh in between; a copy
     first written after a step (the head's, here) is written by the next."""
     torch.manual_seed(0)
-    model = build_model(tiny_config(), KernelPlan(liger=True, custom=True)).to(KERNEL_DEVICE).train()
+    model = build_model(tiny_config(), KernelChoice(liger=True, custom=True)).to(KERNEL_DEVICE).train()
     copies = attach_weight_copies(model, head=True)
     optimizer = TritonAdamW([{"params": list(model.parameters()), "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95))
     optimizer.weight_copies = copies
@@ -132,7 +132,8 @@ def test_the_weight_copies_are_written_as_their_masters_move():
 def test_cflib_adamw_true_where_the_kernel_cannot_run_stops_before_any_step(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(KernelUnavailable, match="cflib_adamw: true, but no GPU"):
-        train({"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "refused"), "cflib_adamw": "true"},
+        train({"model": "smoke", "device": "cpu", "out_dir": str(tmp_path / "refused"),
+               "kernel_overrides": {"cflib_adamw": "true"}},
               progress=False)
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
@@ -140,5 +141,5 @@ def test_cflib_adamw_true_where_the_kernel_cannot_run_stops_before_any_step(tmp_
 def test_cflib_adamw_auto_stays_on_torchs_off_a_gpu(tmp_path):
     record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 1,
                     "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False, "device": "cpu",
-                    "out_dir": str(tmp_path / "auto"), "cflib_adamw": "auto"}, progress=False)
+                    "out_dir": str(tmp_path / "auto"), "kernel_overrides": {"cflib_adamw": "auto"}}, progress=False)
     assert record["kernel_path"]["optimizer"] == "torch"

@@ -1,4 +1,4 @@
-"""cflib.train.plan: run arithmetic on hand-computed numbers, cluster-plan validation, the CLI."""
+"""cflib.train.sizing: run arithmetic on hand-computed numbers, cluster-layout validation, the CLI."""
 from __future__ import annotations
 
 import subprocess
@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-import cflib.train.plan
-from cflib.train.plan import PlanError, load_cluster_plan, run_arithmetic, validate_cluster_plan
-from cflib.train.plan import main as plan_main
+import cflib.train.sizing
+from cflib.train.sizing import SizingError, load_cluster_layout, run_arithmetic, validate_cluster_layout
+from cflib.train.sizing import main as sizing_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The 200M release recipe on one 8-GPU node, as a plan author would write it. PyYAML
+# The 200M release recipe on one 8-GPU node, as a layout author would write it. PyYAML
 # reads 2.0e9 as a string (YAML 1.1), which the validator must still take as a number.
 GOOD_PLAN_YAML = """\
 model:
@@ -35,7 +35,7 @@ OVERSHOOT = 158_720
 WALL_S = 1_785.856
 
 
-def good_plan() -> dict:
+def good_layout() -> dict:
     return {
         "model": {"preset": "tr_hash_200m"},
         "parallel": {"tp": 1, "pp": 1, "dp": 8, "micro_batch_per_rank": 16, "global_batch": 128},
@@ -44,15 +44,15 @@ def good_plan() -> dict:
 
 
 def with_changes(**sections: dict) -> dict:
-    plan = good_plan()
+    layout = good_layout()
     for name, changes in sections.items():
-        plan[name].update(changes)
-    return plan
+        layout[name].update(changes)
+    return layout
 
 
-def rejected(plan: dict) -> str:
-    with pytest.raises(PlanError) as info:
-        validate_cluster_plan(plan)
+def rejected(layout: dict) -> str:
+    with pytest.raises(SizingError) as info:
+        validate_cluster_layout(layout)
     return str(info.value)
 
 
@@ -105,23 +105,23 @@ def test_checkpoint_cadence_from_minutes() -> None:
 def test_arithmetic_refuses_bad_inputs_by_name(field: str, bad: object) -> None:
     args = dict(target_tokens=2e9, gpus=8, micro_batch_per_rank=16, seq_len=2048, tokens_per_s_per_gpu=140_000)
     args[field] = bad
-    with pytest.raises(PlanError, match=rf"^{field} must be a positive"):
+    with pytest.raises(SizingError, match=rf"^{field} must be a positive"):
         run_arithmetic(**args)
 
 
 def test_arithmetic_refuses_fractions_and_double_cadence() -> None:
-    with pytest.raises(PlanError, match="gpus must be a positive integer, got 2.5"):
+    with pytest.raises(SizingError, match="gpus must be a positive integer, got 2.5"):
         run_arithmetic(2e9, 2.5, 16, 2048, 140_000)
-    with pytest.raises(PlanError, match="checkpoints and checkpoint_every_minutes"):
+    with pytest.raises(SizingError, match="checkpoints and checkpoint_every_minutes"):
         run_arithmetic(2e9, 8, 16, 2048, 140_000, checkpoints=10, checkpoint_every_minutes=5)
 
 
-# --- cluster plans ---------------------------------------------------------------------------
+# --- cluster layouts ---------------------------------------------------------------------------
 
-def test_good_plan_report(tmp_path: Path) -> None:
-    path = tmp_path / "plan.yaml"
+def test_good_layout_report(tmp_path: Path) -> None:
+    path = tmp_path / "layout.yaml"
     path.write_text(GOOD_PLAN_YAML)
-    r = load_cluster_plan(path)
+    r = load_cluster_layout(path)
     assert r["source"] == str(path)
     assert (r["world_size"], r["grad_accum"], r["tokens_per_step"], r["steps"]) == (8, 1, TOKENS_PER_STEP, STEPS)
     assert (r["tokens_processed"], r["overshoot_tokens"]) == (PROCESSED, OVERSHOOT)
@@ -130,18 +130,18 @@ def test_good_plan_report(tmp_path: Path) -> None:
     assert r["params"] == r["params_per_shard"] == 201_194_368
 
 
-def test_docstring_example_plan_validates(tmp_path: Path) -> None:
-    doc = cflib.train.plan.__doc__
-    example = doc[doc.index("    model:"):doc.index("\nA bad plan")]
-    path = tmp_path / "plan.yaml"
+def test_docstring_example_layout_validates(tmp_path: Path) -> None:
+    doc = cflib.train.sizing.__doc__
+    example = doc[doc.index("    model:"):doc.index("\nA bad layout")]
+    path = tmp_path / "layout.yaml"
     path.write_text("\n".join(line[4:] for line in example.splitlines()))
-    assert load_cluster_plan(path)["steps"] == STEPS
+    assert load_cluster_layout(path)["steps"] == STEPS
 
 
-def test_plan_with_tp_pp_and_accumulation() -> None:
-    plan = with_changes(parallel={"tp": 2, "pp": 2, "dp": 2})
-    del plan["run"]["world_size"]  # optional: tp x pp x dp
-    r = validate_cluster_plan(plan)
+def test_layout_with_tp_pp_and_accumulation() -> None:
+    layout = with_changes(parallel={"tp": 2, "pp": 2, "dp": 2})
+    del layout["run"]["world_size"]  # optional: tp x pp x dp
+    r = validate_cluster_layout(layout)
     assert r["world_size"] == 8
     assert r["grad_accum"] == 4  # 128 / (16 x dp 2)
     assert r["params_per_shard"] == 201_194_368 // 4
@@ -149,25 +149,25 @@ def test_plan_with_tp_pp_and_accumulation() -> None:
     assert (r["steps"], r["wall_seconds"]) == (STEPS, pytest.approx(WALL_S))
 
 
-def test_plan_by_parameter_count_without_throughput() -> None:
-    plan = good_plan()
-    plan["model"] = {"params": 201194368}
-    del plan["run"]["tokens_per_s_per_gpu"]
-    r = validate_cluster_plan(plan)
+def test_layout_by_parameter_count_without_throughput() -> None:
+    layout = good_layout()
+    layout["model"] = {"params": 201194368}
+    del layout["run"]["tokens_per_s_per_gpu"]
+    r = validate_cluster_layout(layout)
     assert r["preset"] is None and r["params"] == 201_194_368
     assert r["steps"] == STEPS and "wall_seconds" not in r
     # Heads are unknown without a preset, so tp is not checked against them.
-    assert validate_cluster_plan(with_changes(parallel={"tp": 4, "dp": 2}) | {"model": {"params": 1e6}})["tp"] == 4
+    assert validate_cluster_layout(with_changes(parallel={"tp": 4, "dp": 2}) | {"model": {"params": 1e6}})["tp"] == 4
 
 
 def test_world_size_must_equal_tp_pp_dp() -> None:
     message = rejected(with_changes(run={"world_size": 16}))
-    assert message == "plan: run.world_size 16 != parallel.tp 1 x pp 1 x dp 8 = 8"
+    assert message == "layout: run.world_size 16 != parallel.tp 1 x pp 1 x dp 8 = 8"
 
 
 def test_global_batch_must_divide_by_micro_times_dp() -> None:
     message = rejected(with_changes(parallel={"global_batch": 100}))
-    assert message == "plan: parallel.global_batch 100 is not divisible by micro_batch_per_rank 16 x dp 8 = 128"
+    assert message == "layout: parallel.global_batch 100 is not divisible by micro_batch_per_rank 16 x dp 8 = 128"
 
 
 def test_tp_must_divide_heads_and_kv_heads() -> None:
@@ -190,33 +190,33 @@ def test_pp_and_seq_len_bounded_by_the_preset() -> None:
     ("model", "preset_name", "preset"),
 ])
 def test_unknown_key_suggests_the_known_one(section: str, key: str, suggestion: str) -> None:
-    plan = good_plan()
-    plan[section][key] = 1
-    assert f"unknown key {section}.{key} (did you mean '{suggestion}'?)" in rejected(plan)
+    layout = good_layout()
+    layout[section][key] = 1
+    assert f"unknown key {section}.{key} (did you mean '{suggestion}'?)" in rejected(layout)
 
 
 def test_unknown_section_and_preset_suggest() -> None:
-    plan = good_plan()
-    plan["paralel"] = plan.pop("parallel")
-    assert "unknown section 'paralel' (did you mean 'parallel'?)" in rejected(plan)
+    layout = good_layout()
+    layout["paralel"] = layout.pop("parallel")
+    assert "unknown section 'paralel' (did you mean 'parallel'?)" in rejected(layout)
     assert "model.preset 'tr_hash_200' is not a preset (did you mean 'tr_hash_200m'?)" in rejected(
         with_changes(model={"preset": "tr_hash_200"}))
 
 
 @pytest.mark.parametrize("section", ["model", "parallel", "run"])
 def test_missing_section(section: str) -> None:
-    plan = good_plan()
-    del plan[section]
-    assert f"missing section '{section}'" in rejected(plan)
+    layout = good_layout()
+    del layout[section]
+    assert f"missing section '{section}'" in rejected(layout)
 
 
 def test_missing_key_and_model_choice() -> None:
-    plan = good_plan()
-    del plan["parallel"]["dp"]
-    assert rejected(plan) == "plan: missing key parallel.dp"
+    layout = good_layout()
+    del layout["parallel"]["dp"]
+    assert rejected(layout) == "layout: missing key parallel.dp"
     assert "exactly one of model.preset or model.params" in rejected(with_changes(model={"params": 1000}))
-    assert "exactly one of model.preset or model.params" in rejected(good_plan() | {"model": {}})
-    assert "a plan is a mapping" in rejected([1, 2])  # type: ignore[arg-type]
+    assert "exactly one of model.preset or model.params" in rejected(good_layout() | {"model": {}})
+    assert "a layout is a mapping" in rejected([1, 2])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("section, key, value", [
@@ -225,39 +225,39 @@ def test_missing_key_and_model_choice() -> None:
     ("model", "preset", None),
 ])
 def test_bad_numbers_name_the_field(section: str, key: str, value: object) -> None:
-    plan = with_changes(**{section: {key: value}})
-    assert f"{section}.{key}" in rejected(plan)
+    layout = with_changes(**{section: {key: value}})
+    assert f"{section}.{key}" in rejected(layout)
 
 
 def test_load_reports_missing_file_and_bad_yaml(tmp_path: Path) -> None:
-    with pytest.raises(PlanError, match="no such plan file"):
-        load_cluster_plan(tmp_path / "nope.yaml")
+    with pytest.raises(SizingError, match="no such layout file"):
+        load_cluster_layout(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed\n")
-    with pytest.raises(PlanError, match="not valid YAML"):
-        load_cluster_plan(bad)
+    with pytest.raises(SizingError, match="not valid YAML"):
+        load_cluster_layout(bad)
 
 
 # --- CLI -------------------------------------------------------------------------------------
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cflib.train.plan", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "cflib.train.sizing", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=30)
 
 
 @pytest.fixture
 def run_cli(capsys):
-    """`python -m cflib.train.plan` in this process (a subprocess would spend seconds importing torch)."""
+    """`python -m cflib.train.sizing` in this process (a subprocess would spend seconds importing torch)."""
     def run(*args: str) -> subprocess.CompletedProcess:
-        returncode = plan_main(list(args))
+        returncode = sizing_main(list(args))
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, returncode, out, err)
     return run
 
 
 @pytest.mark.slow
-def test_cli_check_good_plan(tmp_path: Path) -> None:
-    path = tmp_path / "plan.yaml"
+def test_cli_check_good_layout(tmp_path: Path) -> None:
+    path = tmp_path / "layout.yaml"
     path.write_text(GOOD_PLAN_YAML)
     done = cli("check", str(path))
     assert done.returncode == 0, done.stderr
@@ -265,8 +265,8 @@ def test_cli_check_good_plan(tmp_path: Path) -> None:
     assert "158,720" in done.stdout
 
 
-def test_cli_check_bad_plan(tmp_path: Path, run_cli) -> None:
-    path = tmp_path / "plan.yaml"
+def test_cli_check_bad_layout(tmp_path: Path, run_cli) -> None:
+    path = tmp_path / "layout.yaml"
     path.write_text(GOOD_PLAN_YAML.replace("global_batch: 128", "global_batch: 100"))
     done = run_cli("check", str(path))
     assert done.returncode == 2

@@ -1,12 +1,12 @@
-"""Run planning: steps, overshoot, wall time and checkpoint cadence, before any GPU is booked.
+"""Sizing a run: steps, overshoot, wall time and checkpoint cadence, before any GPU is booked.
 
 Pure arithmetic: nothing is launched or built. Two entry points:
 
-    python -m cflib.train.plan arithmetic --target-tokens 2e9 --gpus 8 --micro-batch-per-rank 16 \\
+    python -m cflib.train.sizing arithmetic --target-tokens 2e9 --gpus 8 --micro-batch-per-rank 16 \\
         --seq-len 2048 --tokens-per-s-per-gpu 140000 [--grad-accum N] [--checkpoints N]
-    python -m cflib.train.plan check path/to/plan.yaml
+    python -m cflib.train.sizing check path/to/cluster.yaml
 
-A cluster plan (the 200M release recipe on one 8-GPU node, 2B tokens):
+A cluster layout (the 200M release recipe on one 8-GPU node, 2B tokens):
 
     model:
       preset: tr_hash_200m          # or params: 201194368 (exactly one of the two)
@@ -22,7 +22,7 @@ A cluster plan (the 200M release recipe on one 8-GPU node, 2B tokens):
       world_size: 8                 # optional: defaults to tp x pp x dp
       tokens_per_s_per_gpu: 140000  # optional: gives the wall time
 
-A bad plan stops with a PlanError naming the `section.key` at fault; the CLI
+A bad layout stops with a SizingError naming the `section.key` at fault; the CLI
 prints it on stderr and exits 2.
 """
 from __future__ import annotations
@@ -50,19 +50,19 @@ OPTIONAL_KEYS = {
     "run": ("world_size", "tokens_per_s_per_gpu"),
 }
 # PyYAML reads YAML 1.1, where 2e9 and 2.0e9 (no exponent sign) are strings, not
-# numbers; a plan author writing target_tokens: 2.0e9 means a number.
+# numbers; a layout author writing target_tokens: 2.0e9 means a number.
 _EXPONENT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
-class PlanError(ValueError):
-    """A run plan that cannot be carried out; the message names the field at fault."""
+class SizingError(ValueError):
+    """A run or cluster layout that cannot be carried out; the message names the field at fault."""
 
 
 def _unquote_exponent(value: Any) -> Any:
     return float(value) if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()) else value
 
 
-# Past these a plan describes no cluster, and the float arithmetic of wall time would overflow.
+# Past these a layout describes no cluster, and the float arithmetic of wall time would overflow.
 LARGEST = 10**15
 LONGEST_SECONDS = 1e12  # about 31,700 years
 
@@ -73,12 +73,12 @@ def _shown(value: Any) -> str:
 
 
 def _number(value: Any, name: str) -> float:
-    """A positive finite number (int or float) up to LARGEST, else a PlanError naming `name`."""
+    """A positive finite number (int or float) up to LARGEST, else a SizingError naming `name`."""
     number = _unquote_exponent(value)
     if isinstance(number, bool) or not isinstance(number, (int, float)) or number != number or number <= 0:
-        raise PlanError(f"{name} must be a positive number, got {_shown(value)}")
+        raise SizingError(f"{name} must be a positive number, got {_shown(value)}")
     if number > LARGEST:  # before any float arithmetic: an int past 1e308 has no float
-        raise PlanError(f"{name} {_shown(value)} is past {LARGEST:.0e}: no plan needs it; check the units")
+        raise SizingError(f"{name} {_shown(value)} is past {LARGEST:.0e}: no run needs it; check the units")
     return number
 
 
@@ -88,9 +88,9 @@ def _integer(value: Any, name: str) -> int:
     if isinstance(number, float) and number.is_integer():
         number = int(number)
     if isinstance(number, bool) or not isinstance(number, int) or number <= 0:
-        raise PlanError(f"{name} must be a positive integer, got {_shown(value)}")
+        raise SizingError(f"{name} must be a positive integer, got {_shown(value)}")
     if number > LARGEST:
-        raise PlanError(f"{name} {_shown(value)} is past {LARGEST:.0e}: no plan needs it; check the units")
+        raise SizingError(f"{name} {_shown(value)} is past {LARGEST:.0e}: no run needs it; check the units")
     return number
 
 
@@ -110,7 +110,7 @@ def _token_steps(target_tokens: int, tokens_per_step: int) -> dict[str, Any]:
 def _timing(tokens_processed: int, tokens_per_step: int, tokens_per_s: float, name: str) -> dict[str, Any]:
     wall = tokens_processed / tokens_per_s
     if not wall <= LONGEST_SECONDS:
-        raise PlanError(f"{name} gives a wall time of {wall:.3g} s (over {LONGEST_SECONDS / 3.156e7:,.0f} years): "
+        raise SizingError(f"{name} gives a wall time of {wall:.3g} s (over {LONGEST_SECONDS / 3.156e7:,.0f} years): "
                         "check the units (tokens per second per GPU)")
     return {
         "tokens_per_s": tokens_per_s,
@@ -137,7 +137,7 @@ def run_arithmetic(target_tokens: int, gpus: int, micro_batch_per_rank: int, seq
     tokens_per_s_per_gpu = _number(tokens_per_s_per_gpu, "tokens_per_s_per_gpu")
     grad_accum = _integer(grad_accum, "grad_accum")
     if checkpoints is not None and checkpoint_every_minutes is not None:
-        raise PlanError("checkpoints and checkpoint_every_minutes both set: give the cadence one way")
+        raise SizingError("checkpoints and checkpoint_every_minutes both set: give the cadence one way")
 
     global_batch = micro_batch_per_rank * gpus * grad_accum
     tokens_per_step = global_batch * seq_len
@@ -166,19 +166,19 @@ def run_arithmetic(target_tokens: int, gpus: int, micro_batch_per_rank: int, seq
     return report
 
 
-def _section(plan: dict[str, Any], name: str) -> dict[str, Any]:
-    if name not in plan:
-        raise PlanError(f"missing section {name!r} (a plan needs {', '.join(SECTIONS)})")
-    section = plan[name]
+def _section(layout: dict[str, Any], name: str) -> dict[str, Any]:
+    if name not in layout:
+        raise SizingError(f"missing section {name!r} (a layout needs {', '.join(SECTIONS)})")
+    section = layout[name]
     if not isinstance(section, dict):
-        raise PlanError(f"section {name!r} must be a mapping of keys, got {section!r}")
+        raise SizingError(f"section {name!r} must be a mapping of keys, got {section!r}")
     known = REQUIRED_KEYS[name] + OPTIONAL_KEYS[name]
     for key in section:
         if key not in known:
-            raise PlanError(f"unknown key {name}.{key}{_did_you_mean(key, known)}; {name} takes {', '.join(known)}")
+            raise SizingError(f"unknown key {name}.{key}{_did_you_mean(key, known)}; {name} takes {', '.join(known)}")
     for key in REQUIRED_KEYS[name]:
         if key not in section:
-            raise PlanError(f"missing key {name}.{key}")
+            raise SizingError(f"missing key {name}.{key}")
     return section
 
 
@@ -189,35 +189,35 @@ def _did_you_mean(name: Any, known: Any) -> str:
 
 def _model(section: dict[str, Any]) -> tuple[str | None, int, ModelConfig | None]:
     if ("preset" in section) == ("params" in section):
-        raise PlanError(f"model needs exactly one of model.preset or model.params, got {sorted(section) or 'neither'}")
+        raise SizingError(f"model needs exactly one of model.preset or model.params, got {sorted(section) or 'neither'}")
     if "params" in section:
         return None, _integer(section["params"], "model.params"), None
     name = section["preset"]
     if not isinstance(name, str) or name not in PRESETS:
-        raise PlanError(f"model.preset {name!r} is not a preset{_did_you_mean(name, PRESETS)}; "
+        raise SizingError(f"model.preset {name!r} is not a preset{_did_you_mean(name, PRESETS)}; "
                         f"presets: {', '.join(PRESETS)}")
     return name, PRESETS[name].num_parameters(), PRESETS[name]
 
 
-def validate_cluster_plan(plan: dict[str, Any], source: str = "plan") -> dict[str, Any]:
-    """Check a cluster plan (module docstring) and return its arithmetic.
+def validate_cluster_layout(layout: dict[str, Any], source: str = "layout") -> dict[str, Any]:
+    """Check a cluster layout (module docstring) and return its arithmetic.
 
-    A plan that cannot run raises PlanError "<source>: <section.key> ..." naming the first fault.
+    A layout that cannot run raises SizingError "<source>: <section.key> ..." naming the first fault.
     """
     try:
-        return _validate(plan, source)
-    except PlanError as err:
-        raise PlanError(f"{source}: {err}") from None
+        return _validate(layout, source)
+    except SizingError as err:
+        raise SizingError(f"{source}: {err}") from None
 
 
-def _validate(plan: dict[str, Any], source: str) -> dict[str, Any]:
-    if not isinstance(plan, dict):
-        raise PlanError(f"a plan is a mapping with sections {', '.join(SECTIONS)}, got {plan!r}")
-    for name in plan:
+def _validate(layout: dict[str, Any], source: str) -> dict[str, Any]:
+    if not isinstance(layout, dict):
+        raise SizingError(f"a layout is a mapping with sections {', '.join(SECTIONS)}, got {layout!r}")
+    for name in layout:
         if name not in SECTIONS:
-            raise PlanError(f"unknown section {name!r}{_did_you_mean(name, SECTIONS)}; "
-                            f"a plan has {', '.join(SECTIONS)}")
-    model, parallel, run = (_section(plan, name) for name in SECTIONS)
+            raise SizingError(f"unknown section {name!r}{_did_you_mean(name, SECTIONS)}; "
+                            f"a layout has {', '.join(SECTIONS)}")
+    model, parallel, run = (_section(layout, name) for name in SECTIONS)
 
     preset_name, params, config = _model(model)
     tp, pp, dp, micro, global_batch = (_integer(parallel[key], f"parallel.{key}") for key in REQUIRED_KEYS["parallel"])
@@ -226,22 +226,22 @@ def _validate(plan: dict[str, Any], source: str) -> dict[str, Any]:
 
     world_size = tp * pp * dp
     if "world_size" in run and _integer(run["world_size"], "run.world_size") != world_size:
-        raise PlanError(f"run.world_size {run['world_size']} != parallel.tp {tp} x pp {pp} x dp {dp} = {world_size}")
+        raise SizingError(f"run.world_size {run['world_size']} != parallel.tp {tp} x pp {pp} x dp {dp} = {world_size}")
     if global_batch % (micro * dp):
-        raise PlanError(f"parallel.global_batch {global_batch} is not divisible by micro_batch_per_rank "
+        raise SizingError(f"parallel.global_batch {global_batch} is not divisible by micro_batch_per_rank "
                         f"{micro} x dp {dp} = {micro * dp}")
     if config is not None:
         # Tensor parallelism splits attention by whole heads, query and key/value alike.
         for heads_key in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, heads_key)
             if heads % tp:
-                raise PlanError(f"parallel.tp {tp} does not divide {heads_key} {heads} of preset {preset_name}")
+                raise SizingError(f"parallel.tp {tp} does not divide {heads_key} {heads} of preset {preset_name}")
         if pp > config.num_hidden_layers:
-            raise PlanError(f"parallel.pp {pp} exceeds num_hidden_layers {config.num_hidden_layers} "
+            raise SizingError(f"parallel.pp {pp} exceeds num_hidden_layers {config.num_hidden_layers} "
                             f"of preset {preset_name}: a pipeline stage needs at least one layer")
         # cflib.train refuses this too; better to learn it before booking the cluster.
         if seq_len > config.max_position_embeddings:
-            raise PlanError(f"run.seq_len {seq_len} exceeds max_position_embeddings "
+            raise SizingError(f"run.seq_len {seq_len} exceeds max_position_embeddings "
                             f"{config.max_position_embeddings} of preset {preset_name}")
 
     tokens_per_step = global_batch * seq_len
@@ -263,9 +263,9 @@ def _validate(plan: dict[str, Any], source: str) -> dict[str, Any]:
     return report
 
 
-def load_cluster_plan(path: str | Path) -> dict[str, Any]:
-    """Read a cluster-plan YAML file and validate it (validate_cluster_plan's report)."""
-    return validate_cluster_plan(read_yaml(path, PlanError, "plan file"), source=str(path))
+def load_cluster_layout(path: str | Path) -> dict[str, Any]:
+    """Read a cluster-layout YAML file and validate it (validate_cluster_layout's report)."""
+    return validate_cluster_layout(read_yaml(path, SizingError, "layout file"), source=str(path))
 
 
 def _duration(seconds: float) -> str:
@@ -306,10 +306,10 @@ def format_arithmetic(report: dict[str, Any]) -> str:
     return _table(rows)
 
 
-def format_cluster_plan(report: dict[str, Any]) -> str:
+def format_cluster_layout(report: dict[str, Any]) -> str:
     model = report["preset"] or "(by parameter count)"
     rows = [
-        ("plan", report["source"]),
+        ("layout", report["source"]),
         ("model", f"{model}, {report['params']:,} parameters"),
         ("layout", f"tp {report['tp']} x pp {report['pp']} x dp {report['dp']} = world {report['world_size']}"),
         ("params per tp x pp shard", f"{report['params_per_shard']:,} (even split)"),
@@ -332,7 +332,7 @@ def _cli_number(text: str) -> int | float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cflib.train.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m cflib.train.sizing", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     arith = commands.add_parser("arithmetic", help="steps, overshoot, wall time of a data-parallel run")
     for flag in ("--target-tokens", "--gpus", "--micro-batch-per-rank", "--seq-len", "--tokens-per-s-per-gpu"):
@@ -341,19 +341,19 @@ def main(argv: list[str] | None = None) -> int:
     cadence = arith.add_mutually_exclusive_group()
     cadence.add_argument("--checkpoints", type=_cli_number, help="number of checkpoints over the run")
     cadence.add_argument("--checkpoint-every-minutes", type=_cli_number)
-    check = commands.add_parser("check", help="validate a cluster-plan YAML and print its arithmetic")
-    check.add_argument("plan", help="path to the plan YAML")
+    check = commands.add_parser("check", help="validate a cluster-layout YAML and print its arithmetic")
+    check.add_argument("layout", help="path to the cluster layout YAML")
     args = parser.parse_args(argv)
 
     try:
         if args.command == "check":
-            print(format_cluster_plan(load_cluster_plan(args.plan)))
+            print(format_cluster_layout(load_cluster_layout(args.layout)))
         else:
             print(format_arithmetic(run_arithmetic(
                 args.target_tokens, args.gpus, args.micro_batch_per_rank, args.seq_len,
                 args.tokens_per_s_per_gpu, grad_accum=args.grad_accum, checkpoints=args.checkpoints,
                 checkpoint_every_minutes=args.checkpoint_every_minutes)))
-    except PlanError as err:
+    except SizingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

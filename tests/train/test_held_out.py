@@ -1,4 +1,4 @@
-"""cflib.train.evaluate: final-turn split, token-mean eval loss, greedy exact match and its scores."""
+"""cflib.train.held_out: final-turn split, token-mean eval loss, greedy exact match and its scores."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cflib.data.shards import open_shard
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
-from cflib.train.evaluate import eval_loss, exact_match, final_turn, score_answers
+from cflib.train.held_out import eval_loss, exact_match, final_turn, score_answers
 
 try:
     import sft_shard_helpers as h
