@@ -22,6 +22,7 @@ from cflib.export.push import repo_id_problem
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
 from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
+from cflib.train.best_metric import BestMetric, resolve_best_metric
 from cflib.yamlio import read_yaml
 
 if TYPE_CHECKING:
@@ -69,6 +70,21 @@ def token_ids(name: str, value: Any) -> tuple[int, ...] | None:
     if len(set(ids)) != len(ids) or any(i < 0 for i in ids):
         raise ParamError(f"{name}: token ids must be distinct and >= 0, got {value!r}")
     return tuple(ids)
+
+
+def every_choice(name: str, value: Any) -> str | int | None:
+    """eval_tasks_every: None, "epoch", or a number of steps (papermill gives strings)."""
+    if value is None or is_none_word(value):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "epoch":
+        return "epoch"
+    try:
+        steps = coerce(name, value, int)
+    except ParamError:
+        steps = 0
+    if steps <= 0:
+        raise ParamError(f"{name} must be None, epoch or a positive number of steps, got {value!r}")
+    return steps
 
 
 def resume_choice(name: str, value: Any) -> str | None:
@@ -256,9 +272,18 @@ class Evaluation:
     eval_every_steps: int | None = None
     eval_micro_batch: int | None = None  # None: micro_batch_per_rank
     exact_match_limit: int | None = None  # None: every eval prompt; 0: skip exact match
-    # After training: lm-evaluation-harness on the run's Hub bundle (cflib.lab.evaluate, train_sft's last cell),
+    # lm-evaluation-harness on the run's Hub bundle after training (cflib.lab.evaluate, train_sft's last cell),
     # task names as "embedded_choice,embedded_exact" (shipped) or "piqa,arc_easy" (lm-eval's, needs network)
     eval_tasks: str | None = None
+    # None: eval_tasks after training only; "epoch": also on every epoch's checkpoint; N: every N steps, on a
+    # step-N checkpoint written for it (cflib.train.task_scores)
+    eval_tasks_every: str | int | None = parsed_by(every_choice)
+    eval_tasks_limit: int | None = None  # examples per task during training; None: all
+    # What chooses best/, a curriculum stage's hand-off and early stopping: eval_loss, exact_match,
+    # exact_match/<task>, lm_eval/<task>/<metric>, or a name register_metric added (cflib.train.best_metric)
+    best_metric: str = "eval_loss"
+    greater_is_better: bool | None = None  # None: inferred from best_metric
+    log_samples: int = 0  # held-out prompts written with their greedy answers at each evaluation (out_dir/samples)
 
 
 @dataclass(frozen=True)
@@ -360,8 +385,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         self._validate_lora()
         if self.train_tasks is not None and not self.train_tasks:
             raise ParamError("train_tasks must name at least one task, or be None for every example")
-        if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
-            raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
+        self._validate_evaluation()
         if self.use_custom_kernels not in KERNEL_CHOICES:
             raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), got "
                              f"{self.use_custom_kernels!r}")
@@ -384,6 +408,33 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         self.grad_accum  # noqa: B018 - a global batch the ranks cannot split stops here, with the options
+
+    def _validate_evaluation(self) -> None:
+        """lm-eval's tasks, when they run, and the metric that chooses the best checkpoint."""
+        if self.eval_tasks is not None and not self.eval_task_names():
+            raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
+        if self.eval_tasks_every is not None and self.eval_tasks is None:
+            raise ParamError(f"eval_tasks_every is {self.eval_tasks_every!r} but eval_tasks names no task: name "
+                             "some (e.g. embedded_exact), or remove eval_tasks_every")
+        if self.eval_tasks_every is not None and not self.save_checkpoints:
+            raise ParamError("eval_tasks_every scores saved checkpoints, but save_checkpoints is false")
+        for name in ("eval_tasks_limit",):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
+        if self.log_samples < 0:
+            raise ParamError(f"log_samples must be >= 0, got {self.log_samples}")
+        metric = self.best()
+        if metric.lm_eval_task is not None and self.eval_tasks_every is None:
+            raise ParamError(f"best_metric {metric.name!r} is an lm-eval score: set eval_tasks_every (epoch or N)")
+        if metric.needs_answers and self.exact_match_limit == 0:
+            raise ParamError(f"best_metric {metric.name!r} scores generated answers, but exact_match_limit is 0")
+
+    def eval_task_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in (self.eval_tasks or "").split(",") if name.strip())
+
+    def best(self) -> BestMetric:
+        """best_metric resolved (cflib.train.best_metric)."""
+        return resolve_best_metric(self.best_metric, self.greater_is_better, self.eval_task_names())
 
     def _validate_optimisation(self) -> None:
         """The optimizer, its schedule, the loss and the step's precision."""

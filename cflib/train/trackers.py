@@ -49,6 +49,11 @@ def scalars(row: dict) -> dict[str, float]:
         found = {"eval/loss": row.get("loss")}
         for task, rate in (row.get("exact_match") or {}).items():
             found[f"eval/exact_match/{task}"] = rate
+        for name, value in (row.get("metrics") or {}).items():  # register_metric's (cflib.train.best_metric)
+            found[f"eval/{name}"] = value
+        for task, scores in (row.get("lm_eval") or {}).items():  # eval_tasks_every (cflib.train.task_scores)
+            for metric, value in scores.items():
+                found[f"lm_eval/{task}/{metric}"] = value
     else:
         return {}
     return {key: float(value) for key, value in found.items()
@@ -106,6 +111,15 @@ class TensorBoardTracker:
         except Exception as err:  # a full disk, say: the run matters more than its event file
             self.error = _warn_once(self.name, "writing events", err)
 
+    def log_samples(self, path: Path, step: int) -> None:
+        """log_samples' prompts and answers as a Markdown table under the text tag eval/samples."""
+        if self.error:
+            return
+        try:
+            self.writer.add_text("eval/samples", samples_markdown(path), step)
+        except Exception as err:
+            self.error = _warn_once(self.name, "writing samples", err)
+
     def close(self, record: dict | None, status: str) -> None:
         if self.error:
             return
@@ -146,6 +160,11 @@ class QueuedTracker:
         if not self.error:
             self._queue.put((values, step, int(time.time() * 1000)))
 
+    def log_samples(self, path: Path, step: int) -> None:
+        """A file of log_samples, sent as an artifact of the run."""
+        if not self.error:
+            self._queue.put(("file", path, step))
+
     def close(self, record: dict | None, status: str) -> None:
         self._queue.put(("close", record, status))
         self._queue.put(_STOP)
@@ -168,6 +187,8 @@ class QueuedTracker:
             try:
                 if isinstance(item, tuple) and item[0] == "close":
                     self._finish(item[1], item[2])
+                elif isinstance(item, tuple) and item[0] == "file":
+                    self._send_file(item[1], item[2])
                 else:
                     self._send([item] + self._more())
             except Exception as err:
@@ -181,7 +202,7 @@ class QueuedTracker:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is _STOP or (isinstance(item, tuple) and item[0] == "close"):
+            if item is _STOP or (isinstance(item, tuple) and item[0] in ("close", "file")):
                 self._held = item  # handled next, after this batch
                 break
             items.append(item)
@@ -191,6 +212,9 @@ class QueuedTracker:
         raise NotImplementedError
 
     def _send(self, items: list) -> None:
+        raise NotImplementedError
+
+    def _send_file(self, path: Path, step: int) -> None:
         raise NotImplementedError
 
     def _finish(self, record: dict | None, status: str) -> None:
@@ -244,6 +268,9 @@ class MlflowTracker(QueuedTracker):
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
+    def _send_file(self, path: Path, step: int) -> None:
+        self.client.log_artifact(self.run_id, str(path), str(path.parent.relative_to(self.out_dir)))
+
     def _finish(self, record: dict | None, status: str) -> None:
         for name in RUN_FILES:
             if (self.out_dir / name).is_file():
@@ -281,6 +308,18 @@ class WandbTracker(QueuedTracker):
         for values, step, _ in items:
             self.run.log(values, step=step)
 
+    def _send_file(self, path: Path, step: int) -> None:
+        """An artifact of type samples, and a table of them at the step."""
+        import wandb
+
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        columns = ["example_id", "task", "prompt", "answer", "reference", "hit"]
+        self.run.log({"eval/samples": wandb.Table(columns=columns, data=[[row.get(c) for c in columns]
+                                                                         for row in rows])}, step=step)
+        artifact = wandb.Artifact(f"samples-{self.run.id}", type="samples")
+        artifact.add_file(str(path))
+        self.run.log_artifact(artifact, aliases=[path.stem])
+
     def _finish(self, record: dict | None, status: str) -> None:
         if record is not None:
             self.run.summary.update(final_metrics(record))
@@ -288,6 +327,17 @@ class WandbTracker(QueuedTracker):
             if (self.out_dir / name).is_file():
                 self.run.save(str(self.out_dir / name), base_path=str(self.out_dir), policy="now")
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def samples_markdown(path: Path) -> str:
+    """A file of log_samples as a Markdown table: prompt, answer, reference, hit."""
+    lines = ["| prompt | answer | reference | hit |", "| --- | --- | --- | --- |"]
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            cells = [str(row[key]).replace("|", "\\|").replace("\n", " ") for key in ("prompt", "answer", "reference")]
+            lines.append(f"| {' | '.join(cells)} | {'yes' if row['hit'] else 'no'} |")
+    return "\n".join(lines)
 
 
 def default_tracking_uri(out_dir: Path) -> str:
@@ -329,6 +379,9 @@ class Trackers:
         if values:
             for tracker in self.trackers:
                 tracker.log(values, int(row.get("step", 0)))
+        if row.get("samples_file"):
+            for tracker in self.trackers:
+                tracker.log_samples(self.out_dir / row["samples_file"], int(row.get("step", 0)))
 
     def finished(self, record: dict) -> dict:
         self.record = record
