@@ -29,7 +29,9 @@ from cflib.schema import Params, parsed_by
 from cflib.train.records import read_metrics
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's points and the state of each (cflib.lab.sweep)
-METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "tokens_per_s", "peak_memory_gib", "wall_s")
+METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "best_value", "tokens_per_s", "peak_memory_gib",
+           "wall_s")
+SCORES = ("exact_match/", "lm_eval/")  # the per-task columns
 # Parameters that name where a run lives, not what it trained.
 _NOT_COMPARED = ("out_dir", "resume")
 
@@ -52,9 +54,9 @@ class CompareParams(Params):
     out_dir: str | None = None  # None: a new outputs/comparisons/<time>/
 
     def validate(self) -> None:
-        if self.metric not in METRICS and not self.metric.startswith("exact_match/"):
-            raise ParamError(f"metric {self.metric!r} is not compared; choose from {', '.join(METRICS)} "
-                             "or exact_match/<task>")
+        if self.metric not in METRICS and not self.metric.startswith(SCORES):
+            raise ParamError(f"metric {self.metric!r} is not compared; choose from {', '.join(METRICS)}, "
+                             "exact_match/<task> or lm_eval/<task>/<metric>")
 
 
 @dataclass
@@ -192,6 +194,7 @@ def run_row(run: RunView, differing: list[str]) -> dict:
                    best_eval_loss=min(e["loss"] for e in history if e["step"] > 0 or len(history) == 1))
         exact = final.get("exact_match") or {}
         row.update({f"exact_match/{task}": rate for task, rate in exact.items()})
+        row.update(best_scores(record))
         throughput = record["throughput"]
         row.update(tokens_per_s=throughput["steady_state_tokens_per_s"], peak_memory_gib=throughput["peak_memory_gib"],
                    kernel_path=" ".join(f"{k}={v}" for k, v in record["kernel_path"].items()),
@@ -204,6 +207,16 @@ def run_row(run: RunView, differing: list[str]) -> dict:
                    **{f"exact_match/{task}": rate for task, rate in exact.items()},
                    tokens_per_s=None, peak_memory_gib=None, kernel_path=None, wall_s=None)
     return row
+
+
+def best_scores(record: dict) -> dict:
+    """What chose best/ (best_metric: its name, value and step) and the last lm-eval scores of the run
+    (eval_tasks_every), as lm_eval/<task>/<metric>."""
+    best = record.get("best_metric") or {"name": "eval_loss"}
+    scored = next((e["lm_eval"] for e in reversed(record["eval"]["history"]) if e.get("lm_eval")), {})
+    return {"best_metric": best["name"], "best_value": best.get("value"), "best_step": best.get("step"),
+            **{f"lm_eval/{task}/{metric}": value for task, scores in scored.items()
+               for metric, value in scores.items()}}
 
 
 def compare(params: CompareParams) -> Comparison:
@@ -221,7 +234,7 @@ def compare(params: CompareParams) -> Comparison:
     rows = [run_row(run, differing) for run in runs]
     if not any(params.metric in row for row in rows):
         raise ParamError(f"metric {params.metric!r}: no run has it; these have "
-                         f"{', '.join(k for k in rows[0] if k in METRICS or k.startswith('exact_match/'))}")
+                         f"{', '.join(k for k in rows[0] if k in METRICS or k.startswith(SCORES))}")
     out_dir = resolve_path(params.out_dir) if params.out_dir else new_out_dir("comparisons")
     return Comparison(runs, differing, rows, params.metric, [s for s in swept if s in differing] or swept, skipped,
                       out_dir)
@@ -237,7 +250,7 @@ def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
             return f"{value:g}"  # a parameter as it was set, not rounded
         if column == "tokens_per_s":
             return f"{value:,.0f}"
-        if column.startswith("exact_match/"):
+        if column.startswith(SCORES):
             return f"{value:.3f}"
         return f"{value:.1f}" if column == "wall_s" else f"{value:.4f}"
     return str(value)
@@ -245,8 +258,10 @@ def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
 
 def table_columns(comparison: Comparison) -> list[str]:
     columns = ["run", *comparison.differing, "steps", "final_eval_loss", "best_eval_loss"]
-    columns += sorted({key for row in comparison.rows for key in row if key.startswith("exact_match/")},
+    columns += sorted({key for row in comparison.rows for key in row if key.startswith(SCORES)},
                       key=lambda key: (key != "exact_match/overall", key))
+    if any(row.get("best_metric") not in (None, "eval_loss") for row in comparison.rows):
+        columns += ["best_metric", "best_value", "best_step"]
     columns += ["tokens_per_s", "peak_memory_gib", "kernel_path", "wall_s"]
     if not all(row["complete"] for row in comparison.rows):
         columns.insert(1, "complete")

@@ -18,6 +18,7 @@ from cflib.train.curriculum_run import CurriculumRun
 from cflib.train.held_out import final_turn
 from cflib.train.records import read_metrics
 from cflib.train.sizing import format_arithmetic, run_arithmetic
+from cflib.train.trackers import samples_markdown
 
 
 def _elsewhere(record: dict) -> str | None:
@@ -78,6 +79,25 @@ def show_exact_match(record: dict) -> None:
     from IPython.display import display
 
     table = exact_match_table(record)
+    display({"text/markdown": table, "text/plain": table}, raw=True)
+
+
+def samples_table(record: dict) -> str:
+    """Markdown: the prompts and greedy answers log_samples wrote at the run's last evaluation."""
+    if _elsewhere(record):
+        return _elsewhere(record)
+    final = record["eval"]["final"]
+    if not final.get("samples_file"):
+        return "_no samples were written (log_samples: N writes N prompts with their answers at each evaluation)_"
+    return (f"{final['tag']}, step {final['step']} ({final['samples_file']}):\n\n"
+            + samples_markdown(Path(record["out_dir"]) / final["samples_file"]))
+
+
+def show_samples(record: dict) -> None:
+    """The last evaluation's samples, as markdown in JupyterLab and as text under papermill."""
+    from IPython.display import display
+
+    table = samples_table(record)
     display({"text/markdown": table, "text/plain": table}, raw=True)
 
 
@@ -165,6 +185,10 @@ def summary(record: dict) -> str:
     ]
     if "exact_match" in final:
         lines.append(f"exact match        {final['exact_match']['overall']:.3f} overall")
+    best = record.get("best_metric") or {}
+    if best.get("step") is not None:
+        lines.append(f"best checkpoint    step {best['step']} by {best['name']} ({best['value']:.4g}, "
+                     f"{'higher' if best['greater_is_better'] else 'lower'} is better)")
     if throughput:
         lines.append(f"steady tokens/s    {throughput:,.0f} on {record['device']['name']} ({record['precision']})")
     lines.append(f"kernel path        {record['kernel_path']}")

@@ -42,8 +42,8 @@ ANSWER_METRICS: dict[str, AnswerMetric] = {}
 
 def register_metric(name: str, score: Callable[[str, str], float], greater_is_better: bool = True) -> None:
     """Make `best_metric: NAME` (and `NAME/<task>`) a run's choice: `score(answer, reference)` of each held-out
-    prompt's greedy answer, as text, averaged. Registered in the process that trains (a notebook's cell, or a
-    module a torchrun worker imports)."""
+    prompt's greedy answer, as text, averaged. Registered in the process that trains (a notebook's cell before
+    fit); torchrun's workers are processes of their own, where only the built-in metrics exist."""
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", name) or name in ("eval_loss", "exact_match", "lm_eval"):
         raise ValueError(f"register_metric: {name!r} must be a word of letters, digits, _ . - that is not "
                          "eval_loss, exact_match or lm_eval")

@@ -162,6 +162,21 @@ def test_mlflow_server_receives_params_metrics_and_the_record(tmp_path, mlflow_s
 
 
 @pytest.mark.slow
+def test_log_samples_reach_mlflow_as_artifacts(tmp_path, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    out_dir = tmp_path / "run"
+    train(run_params(out_dir, report_to="mlflow", mlflow_tracking_uri=mlflow_server.url, log_samples=2),
+          progress=False)
+    client = MlflowClient(mlflow_server.url)
+    run_id = read_tracking(out_dir)["mlflow"]["run_id"]
+    sent = sorted(item.path for item in client.list_artifacts(run_id, "samples"))
+    written = sorted(f"samples/{path.name}" for path in (out_dir / "samples").glob("*.jsonl"))
+    assert sent == written == [row["samples_file"] for row in rows(out_dir, "eval")] and len(sent) == 3
+    downloaded = Path(client.download_artifacts(run_id, sent[-1], str(tmp_path)))
+    assert downloaded.read_text() == (out_dir / sent[-1]).read_text()
+
+
 def test_a_server_killed_mid_run_only_warns(tmp_path, mlflow_server):
     """The server dies after a few steps: one warning, every step trained, every row in metrics.jsonl."""
     from mlflow.tracking import MlflowClient

@@ -89,6 +89,20 @@ def test_an_offline_wandb_run_holds_every_row_the_parameters_and_the_record(tmp_
 
 
 @pytest.mark.slow
+def test_log_samples_reach_wandb_as_tables_and_artifacts(tmp_path, offline):
+    out_dir = tmp_path / "run"
+    train(run_params(out_dir, log_samples=2), progress=False)
+    [records] = offline_runs(offline)
+    tables = history(records, "eval/samples")
+    assert [step for step, _ in tables] == [0, 3, 6]  # log_samples decodes at every evaluation
+    assert all(table["_type"] == "table-file" and table["nrows"] == 2 for _, table in tables)
+    artifacts = [r["artifact"] for r in records if r["type"] == "artifact"]
+    assert [a["type"] for a in artifacts] == ["samples"] * 3
+    assert sorted(alias for a in artifacts for alias in a["aliases"] if alias.startswith("step-")) == sorted(
+        path.stem for path in (out_dir / "samples").glob("*.jsonl"))
+
+
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, offline):
     out_dir = tmp_path / "run"
     params = run_params(out_dir, eval_every_steps=None, exact_match_limit=0, save_every_steps=3)
