@@ -261,7 +261,7 @@ def table_columns(comparison: Comparison) -> list[str]:
     columns += sorted({key for row in comparison.rows for key in row if key.startswith(SCORES)},
                       key=lambda key: (key != "exact_match/overall", key))
     if any(row.get("best_metric") not in (None, "eval_loss") for row in comparison.rows):
-        columns += ["best_metric", "best_value", "best_step"]
+        columns += [c for c in ("best_metric", "best_value", "best_step") if c not in columns]  # maybe a parameter
     columns += ["tokens_per_s", "peak_memory_gib", "kernel_path", "wall_s"]
     if not all(row["complete"] for row in comparison.rows):
         columns.insert(1, "complete")

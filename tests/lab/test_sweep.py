@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from cflib.lab.compare import CompareParams, compare
+from cflib.lab.compare import CompareParams, compare, comparison_table
 from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.train.params import ParamError, load_params_file
 from cflib.train.records import read_metrics
@@ -217,3 +217,28 @@ def test_points_run_side_by_side_one_per_device_slot(tmp_path):
     assert (first["device"], second["device"]) == ("cuda:0", "cuda:1")
     assert second["started_utc"] <= first["finished_utc"]  # both ran at once
     assert not (tmp_path / "sweep" / "sweep.lock").exists()
+
+
+BEST_METRIC_RUNS = ROOT / "outputs" / "records" / "best_metric_quickstart_cpu" / "runs"
+
+
+def test_the_committed_quickstart_keeps_the_checkpoint_with_the_highest_addition_exact_match():
+    """The committed quickstart runs: best/ chosen by exact_match/addition (lm-eval scoring every epoch's checkpoint)
+    beside the same run choosing by held-out loss; the comparison shows both."""
+    comparison = compare(CompareParams.from_dict({"runs": str(BEST_METRIC_RUNS / "*")}))
+    rows = {row["run"]: row for row in comparison.rows}
+    records = {run.name: run.record for run in comparison.runs}
+    by_addition, by_loss = records["best-addition"], records["best-loss"]
+    trained = [e for e in by_addition["eval"]["history"] if e["step"] > 0]
+    highest = max(trained, key=lambda e: e["exact_match"]["addition"])  # the first of equals, as the run keeps it
+    assert by_addition["best_metric"] == {"name": "exact_match/addition", "greater_is_better": True,
+                                          "value": highest["exact_match"]["addition"], "step": highest["step"]}
+    assert by_addition["checkpoints"]["best_step"] == str(highest["step"])
+    lowest = min((e for e in by_loss["eval"]["history"] if e["step"] > 0), key=lambda e: e["loss"])
+    assert by_loss["best_metric"]["name"] == "eval_loss" and by_loss["best_metric"]["step"] == lowest["step"]
+    assert highest["step"] != lowest["step"]  # where the two choices differ, best/ followed the metric
+    assert [e["tag"] for e in trained if "lm_eval" in e] == ["epoch-1", "epoch-2", "epoch-3"]
+    assert rows["best-addition"]["best_step"] == highest["step"] and rows["best-loss"]["best_step"] == lowest["step"]
+    columns = comparison_table(comparison).splitlines()[0]
+    for column in ("best_metric", "best_step", "exact_match/addition", "lm_eval/embedded_exact/exact_match"):
+        assert f" {column} " in columns
