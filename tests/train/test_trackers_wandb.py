@@ -93,13 +93,17 @@ def test_log_samples_reach_wandb_as_tables_and_artifacts(tmp_path, offline):
     out_dir = tmp_path / "run"
     train(run_params(out_dir, log_samples=2), progress=False)
     [records] = offline_runs(offline)
-    tables = history(records, "eval/samples")
-    assert [step for step, _ in tables] == [0, 3, 6]  # log_samples decodes at every evaluation
-    assert all(table["_type"] == "table-file" and table["nrows"] == 2 for _, table in tables)
-    artifacts = [r["artifact"] for r in records if r["type"] == "artifact"]
-    assert [a["type"] for a in artifacts] == ["samples"] * 3
-    assert sorted(alias for a in artifacts for alias in a["aliases"] if alias.startswith("step-")) == sorted(
-        path.stem for path in (out_dir / "samples").glob("*.jsonl"))
+    assert history(records, "eval/samples._type") == [(step, "table-file") for step in (0, 3, 6)]  # every evaluation
+    assert [rows for _, rows in history(records, "eval/samples.nrows")] == [2, 2, 2]
+    written = sorted((out_dir / "samples").glob("*.jsonl"))
+    [run_dir] = (offline / "wandb").glob("offline-run-*")
+    table = json.loads((run_dir / "files" / history(records, "eval/samples.path")[-1][1]).read_text())
+    columns = table["columns"]
+    assert [dict(zip(columns, row)) for row in table["data"]] == [
+        json.loads(line) for line in written[-1].read_text().splitlines()]
+    artifacts = [r["artifact"] for r in records if r["type"] == "artifact" and r["artifact"]["type"] == "samples"]
+    assert sorted(alias for a in artifacts for alias in a["aliases"] if alias.startswith("step-")) == [
+        path.stem for path in written]
 
 
 @pytest.mark.slow
