@@ -4,6 +4,7 @@ declared and read from papermill's strings and a notebook's namespace."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from cflib.ops import attention, sft_loss
 from cflib.ops.attention import Backend, Kernel, attend, attention_batch, register_backend
 from cflib.ops.loss import chunked_cross_entropy_sum
 from cflib.ops.sft_loss import register_loss
-from cflib.train import train
+from cflib.train import best_metric, train
+from cflib.train.best_metric import regex_metric, register_metric
 from cflib.train.params import ParamError, TrainParams
 
 
@@ -128,3 +130,31 @@ def test_a_misspelt_new_parameter_is_refused_with_the_name_meant():
     assert AveragedTrainParams.from_namespace(namespace).ema_decay == 0.9
     with pytest.raises(ParamError, match=meant):  # -p ema_decy 0.9, as papermill injects it
         AveragedTrainParams.from_namespace({**namespace, "ema_decy": 0.9, "In": ["# Parameters\nema_decy = 0.9\n"]})
+
+
+def first_number_right(answer: str, reference: str) -> float:  # the page's metric, as it shows it
+    found = re.search(r"-?\d+", answer)
+    return float(found is not None and int(found.group(0)) == int(reference))
+
+
+@pytest.fixture
+def sum_right():
+    register_metric("sum_right", first_number_right)
+    yield
+    best_metric.ANSWER_METRICS.pop("sum_right")
+
+
+def test_a_registered_metric_chooses_best_and_reads_the_answers_as_text(sum_right, tmp_path):
+    assert first_number_right("1090 and more", "1090") == 1.0 and first_number_right("109", "1090") == 0.0
+    assert regex_metric(r"-?\d+")("1090.0", "1090") == 1.0  # the ready-made one the page names
+    train_examples, eval_examples = generate(seed=1)
+    shard = write_shard(tmp_path / "shard", train_examples[:16], eval_examples[:8], max_seq_len=64)
+    record = train({"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 8, "max_steps": 4,
+                    "eval_every_steps": 2, "device": "cpu", "data": str(shard), "out_dir": str(tmp_path / "run"),
+                    "best_metric": "sum_right/addition", "log_samples": 8}, progress=False)
+    for evaluation in record["eval"]["history"]:
+        answers = [json.loads(line) for line in (tmp_path / "run" / evaluation["samples_file"]).read_text().splitlines()]
+        addition = [a for a in answers if a["task"] == "addition"]
+        expected = sum(first_number_right(a["answer"], a["reference"]) for a in addition) / len(addition)
+        assert evaluation["metrics"]["sum_right/addition"] == pytest.approx(expected)
+    assert record["best_metric"]["name"] == "sum_right/addition" and record["best_metric"]["greater_is_better"]

@@ -12,11 +12,12 @@ from cflib.data.convert import summary as conversion_summary
 from cflib.data.marker_template import ChatRenderer, ChatTemplate
 from cflib.data.rendering import TOKENIZER_TEMPLATE, Renderer, make_renderer
 from cflib.data.shards import IGNORE_INDEX, Example, ShardError, ShardPartition, collate, open_shard, write_partition
-from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, PretrainedTokenizer, load_tokenizer
+from cflib.data.tokenizer import (ByteTokenizer, JsonTokenizer, PretrainedTokenizer, load_tokenizer,
+                                  shard_chat_template_sha256, shard_tokenizer_spec)
 from cflib.data.tokenizer_template import TemplateRenderer, chat_template_sha256
 
 __all__ = ["IGNORE_INDEX", "TOKENIZER_TEMPLATE", "ByteTokenizer", "ChatRenderer", "ChatTemplate", "Conversation",
            "ConvertError", "ConvertSpec", "Example", "JsonTokenizer", "PretrainedTokenizer", "Renderer", "ShardError",
            "ShardPartition", "TemplateRenderer", "chat_template_sha256", "collate", "conversation_to_answer",
-           "conversion_summary", "convert", "load_tokenizer", "make_renderer", "open_shard", "show_example",
-           "write_partition"]
+           "conversion_summary", "convert", "load_tokenizer", "make_renderer", "open_shard",
+           "shard_chat_template_sha256", "shard_tokenizer_spec", "show_example", "write_partition"]

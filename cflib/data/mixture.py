@@ -147,6 +147,8 @@ class MixedPartition:
         self.supervised_counts = np.concatenate([part.supervised_counts for part in self.parts])
         first = self.parts[0]
         self.vocab_size, self.eos_token_id = first.vocab_size, first.eos_token_id  # the same in every source
+        # The conversion every source shares (check_agreement): its tokenizer and chat template name the mixture's.
+        self.index = {"conversion": first.index.get("conversion", {})}
         caps = [part.max_seq_len for part in self.parts]
         self.max_seq_len = None if None in caps else max(caps)
         self.directory = ", ".join(str(part.directory) for part in self.parts)  # what messages name

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from cflib.data.shards import IGNORE_INDEX
+from cflib.data.shards import IGNORE_INDEX, ShardPartition
 
 
 class ByteTokenizer:
@@ -147,3 +147,23 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | JsonTokenizer | Pretrain
     if str(spec) == "byte":
         return ByteTokenizer()
     return PretrainedTokenizer(spec) if Path(spec).is_dir() else JsonTokenizer(spec)
+
+
+def shard_tokenizer_spec(shard: ShardPartition) -> str | None:
+    """The tokenizer a shard was converted with, when its index names one ("byte", a tokenizer.json or a
+    tokenizer folder); "byte" for the embedded tasks (no conversion block, its vocabulary); None when unknown."""
+    named = shard.index.get("conversion", {}).get("tokenizer", {})
+    if named.get("kind") == "tokenizer.json" and named.get("path") and Path(named["path"]).is_file():
+        return named["path"]
+    if named.get("kind") == "folder" and named.get("path") and Path(named["path"]).is_dir():
+        return named["path"]
+    if named.get("kind") == "byte" or (not named and shard.vocab_size == ByteTokenizer.vocab_size):
+        return "byte"
+    return None
+
+
+def shard_chat_template_sha256(shard: ShardPartition) -> str | None:
+    """The SHA-256 of the tokenizer's own chat template the shard was rendered through; None for the marker
+    template (or a shard that names none)."""
+    template = shard.index.get("conversion", {}).get("template", {})
+    return template.get("sha256") if template.get("kind") == "tokenizer" else None

@@ -1,5 +1,7 @@
-"""`python -m cflib.export hub CHECKPOINT OUT [--tokenizer PATH]`: a Hugging Face Hub bundle of a trained model.
+"""`python -m cflib.export hub CHECKPOINT OUT [--tokenizer PATH] [--push ORG/NAME]`: a Hugging Face Hub bundle of a
+trained model, with its model card, and optionally on the Hub.
 
+`python -m cflib.export adapters ADAPTER OUT [--push ORG/NAME]`: a LoRA checkpoint's adapters with their card.
 `python -m cflib.export merge ADAPTER OUT [--base BASE]`: a LoRA checkpoint merged into its base.
 """
 from __future__ import annotations
@@ -8,16 +10,37 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from cflib.export.hub import ExportError, export_hub
+from cflib.export.hub import ExportError, export_hub, resolve_checkpoint
 from cflib.export.peft import MergeError, merge
+from cflib.export.publish import export_adapters, publish, resolve_adapters
+from cflib.export.push import PushError
 from cflib.export.tokenizer_files import TokenizerExportError
 from cflib.jobs import one_line_errors
 from cflib.model import CheckpointError, ConfigError
 
 
 def _hub(args: argparse.Namespace) -> None:
-    export_hub(args.checkpoint, args.out, args.tokenizer)
+    source = resolve_checkpoint(args.checkpoint)[0] if args.push else None
+    publish(source, Path(args.out), "bundle", lambda: export_hub(args.checkpoint, args.out, args.tokenizer,
+                                                                 repo_id=args.push),
+            args.push, private=args.private or None, revision=args.revision)
+
+
+def _adapters(args: argparse.Namespace) -> None:
+    source = resolve_adapters(args.checkpoint)
+    publish(source, Path(args.out), "adapters", lambda: export_adapters(source, args.out, repo_id=args.push),
+            args.push, private=args.private or None, revision=args.revision)
+
+
+def _push_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--push", metavar="ORG/NAME", help="then upload OUT to this Hugging Face Hub repository "
+                                                            "(created when missing; an OUT already written from the "
+                                                            "same checkpoint is uploaded as it is: the same command "
+                                                            "resumes an interrupted push)")
+    command.add_argument("--private", action="store_true", help="with --push: create the repository private")
+    command.add_argument("--revision", help="with --push: the branch to commit to (created from main when missing)")
 
 
 def _merge(args: argparse.Namespace) -> None:
@@ -39,7 +62,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     hub.add_argument("out", help="the bundle folder to create (must not exist)")
     hub.add_argument("--tokenizer", help="'byte' (the default for a model of the byte vocabulary), a "
                                          "tokenizer.json, or a folder holding one")
+    _push_options(hub)
     hub.set_defaults(run=_hub)
+    adapters = commands.add_parser("adapters", help="a LoRA checkpoint's adapters in PEFT's format with their "
+                                                    "model card, for peft.PeftModel.from_pretrained")
+    adapters.add_argument("checkpoint", help="a LoRA checkpoint folder, or a LoRA run's out_dir (its best "
+                                             "checkpoint, else its last)")
+    adapters.add_argument("out", help="the folder to create (must not exist)")
+    _push_options(adapters)
+    adapters.set_defaults(run=_adapters)
     merging = commands.add_parser("merge", help="a LoRA checkpoint's base + scale * B @ A, written (fp32) as an "
                                                 "ordinary checkpoint")
     merging.add_argument("adapter", help="a LoRA checkpoint folder (adapter_config.json, adapter_model.safetensors)")
@@ -47,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     merging.add_argument("--base", default=None, help="the base checkpoint; default: the one the adapters name")
     merging.set_defaults(run=_merge)
     args = parser.parse_args(argv)
-    with one_line_errors("export", ExportError, MergeError, TokenizerExportError, CheckpointError, ConfigError):
+    with one_line_errors("export", ExportError, MergeError, TokenizerExportError, CheckpointError, ConfigError,
+                         PushError):
         args.run(args)
 
 

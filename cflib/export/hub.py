@@ -4,9 +4,10 @@
 
 or `export_hub(checkpoint, out, tokenizer)` from Python. OUT holds config.json
 (the model's keys plus the Hub's), model.safetensors (every published tensor,
-derived buffers included), generation_config.json, the tokenizer files and
-the two modules of cflib/export/hub_modules. It is written atomically and
-never over an existing folder.
+derived buffers included), generation_config.json, the tokenizer files, the
+two modules of cflib/export/hub_modules and the model card, README.md
+(cflib.export.model_card). It is written atomically and never over an
+existing folder.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from cflib.atomic import check_output_folder, live_path
+from cflib.export.model_card import CARD_FILE, model_card
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.export.tokenizer_files import tokenizer_files
 from cflib.locks import exclusive_output
@@ -90,14 +92,16 @@ def check_fused_buffers_defined(model: TRMoEModel) -> None:
 
 
 def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | None = None,
-               echo: Callable[[str], None] | None = print, chat_template_sha256: str | None = None) -> Path:
+               echo: Callable[[str], None] | None = print, chat_template_sha256: str | None = None,
+               repo_id: str | None = None) -> Path:
     """Write the Hub bundle of `checkpoint` (a checkpoint or a run folder) to the new folder `out`.
 
     `tokenizer`: "byte", a tokenizer.json, or a folder holding one; None takes
     the byte tokenizer for a model of its vocabulary size. `chat_template_sha256`:
     the template the training data was rendered through (its shard's
-    manifest), which the bundle's must be. Every check runs before anything is
-    written; `out` must not exist.
+    manifest), which the bundle's must be. `repo_id`: the Hub repository the
+    model card's loading lines name (default: `out`). Every check runs before
+    anything is written; `out` must not exist.
     """
     out = Path(out)
     if out.exists() or out.is_symlink():
@@ -126,6 +130,7 @@ def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | 
             (staging / name).write_bytes(content)
         for name in HUB_MODULES:
             (staging / name).write_bytes(modules.joinpath(name).read_bytes())
+        (staging / CARD_FILE).write_text(model_card(source, "bundle", repo_id or str(out), config.to_dict()))
     if echo is not None:
         echo(f"exported {choice}")
         echo(f"tokenizer: {tok.description} (eos id {tok.ids['eos']}, pad id {tok.ids['pad']})")

@@ -20,10 +20,11 @@ from cflib.lab.report import (
     show_answers,
     show_data,
     show_exact_match,
+    show_samples,
     summary,
 )
 
 __all__ = ["compare_form", "sweep_form", "export_run", "headline", "size_like_this_run", "plot_loss_curves",
            "plot_loss_weighting", "plot_run_curves", "plot_stage_curves", "show_answers", "stage_table",
-           "show_data", "show_exact_match", "summary", "throughput_form", "train_form", "tune_form",
+           "show_data", "show_exact_match", "show_samples", "summary", "throughput_form", "train_form", "tune_form",
            "validate_form"]

@@ -30,9 +30,11 @@ from cflib.schema import Params, parsed_by
 from cflib.train.records import read_metrics
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's points and the state of each (cflib.lab.sweep)
-METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "tokens_per_s", "peak_memory_gib", "wall_s")
+METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "best_value", "tokens_per_s", "peak_memory_gib",
+           "wall_s")
 # A mixture's held-out figures per source (cflib.train.held_out): `source_loss/<name>`, `source_exact_match/<name>`.
 SOURCE_METRICS = ("source_loss/", "source_exact_match/")
+SCORES = ("exact_match/", "lm_eval/", *SOURCE_METRICS)  # the per-task and per-source columns
 # Parameters that name where a run lives, not what it trained.
 _NOT_COMPARED = ("out_dir", "resume")
 
@@ -55,9 +57,10 @@ class CompareParams(Params):
     out_dir: str | None = None  # None: a new outputs/comparisons/<time>/
 
     def validate(self) -> None:
-        if self.metric not in METRICS and not self.metric.startswith(("exact_match/", *SOURCE_METRICS)):
+        if self.metric not in METRICS and not self.metric.startswith(SCORES):
             raise ParamError(f"metric {self.metric!r} is not compared; choose from {', '.join(METRICS)}, "
-                             "exact_match/<task>, or a mixture's source_loss/<source> or source_exact_match/<source>")
+                             "exact_match/<task>, lm_eval/<task>/<metric>, or a mixture's source_loss/<source> or "
+                             "source_exact_match/<source>")
 
 
 @dataclass
@@ -216,6 +219,7 @@ def run_row(run: RunView, differing: list[str]) -> dict:
                    best_eval_loss=min(e["loss"] for e in history if e["step"] > 0 or len(history) == 1))
         exact = final.get("exact_match") or {}
         row.update({f"exact_match/{task}": rate for task, rate in exact.items()}, **by_source(final))
+        row.update(best_scores(record))
         throughput = record["throughput"]
         row.update(tokens_per_s=throughput["steady_state_tokens_per_s"], peak_memory_gib=throughput["peak_memory_gib"],
                    kernel_path=" ".join(f"{k}={v}" for k, v in record["kernel_path"].items()),
@@ -233,6 +237,16 @@ def run_row(run: RunView, differing: list[str]) -> dict:
     return row
 
 
+def best_scores(record: dict) -> dict:
+    """What chose best/ (best_metric: its name, value and step) and the last lm-eval scores of the run
+    (eval_tasks_every), as lm_eval/<task>/<metric>."""
+    best = record.get("best_metric") or {"name": "eval_loss"}
+    scored = next((e["lm_eval"] for e in reversed(record["eval"]["history"]) if e.get("lm_eval")), {})
+    return {"best_metric": best["name"], "best_value": best.get("value"), "best_step": best.get("step"),
+            **{f"lm_eval/{task}/{metric}": value for task, scores in scored.items()
+               for metric, value in scores.items()}}
+
+
 def compare(params: CompareParams) -> Comparison:
     """Read the runs params names; an incomplete record stops here, naming the run, unless include_incomplete."""
     paths, swept, skipped = resolve_runs(params.runs)
@@ -247,7 +261,7 @@ def compare(params: CompareParams) -> Comparison:
     differing = differing_parameters(runs)
     rows = [run_row(run, differing) for run in runs]
     if not any(params.metric in row for row in rows):
-        have = [key for key in rows[0] if key in METRICS or key.startswith(("exact_match/", *SOURCE_METRICS))]
+        have = [key for key in rows[0] if key in METRICS or key.startswith(SCORES)]
         raise ParamError(f"metric {params.metric!r}: no run has it; these have {', '.join(have)}")
     out_dir = resolve_path(params.out_dir) if params.out_dir else new_out_dir("comparisons")
     return Comparison(runs, differing, rows, params.metric, [s for s in swept if s in differing] or swept, skipped,
@@ -264,7 +278,7 @@ def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
             return f"{value:g}"  # a parameter as it was set, not rounded
         if column == "tokens_per_s":
             return f"{value:,.0f}"
-        if column.startswith(("exact_match/", "source_exact_match/")):
+        if column.startswith(("exact_match/", "source_exact_match/", "lm_eval/")):
             return f"{value:.3f}"
         return f"{value:.1f}" if column == "wall_s" else f"{value:.4f}"
     return str(value)
@@ -272,10 +286,12 @@ def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
 
 def table_columns(comparison: Comparison) -> list[str]:
     columns = ["run", *comparison.differing, "steps", "final_eval_loss", "best_eval_loss"]
-    columns += sorted({key for row in comparison.rows for key in row if key.startswith("exact_match/")},
+    columns += sorted({key for row in comparison.rows for key in row if key.startswith(SCORES)},
                       key=lambda key: (key != "exact_match/overall", key))
     columns += sorted({key for row in comparison.rows for key in row if key.startswith(SOURCE_METRICS)},
                       key=lambda key: (key.split("/", 1)[1], key))
+    if any(row.get("best_metric") not in (None, "eval_loss") for row in comparison.rows):
+        columns += [c for c in ("best_metric", "best_value", "best_step") if c not in columns]  # maybe a parameter
     columns += ["tokens_per_s", "peak_memory_gib", "kernel_path", "wall_s"]
     if not all(row["complete"] for row in comparison.rows):
         columns.insert(1, "complete")

@@ -15,20 +15,17 @@ chart; everything is checked before any model is scored.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import math
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import matplotlib.pyplot as plt
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from cflib.atomic import write_json_atomic
@@ -47,8 +44,8 @@ from cflib.paths import resolve_path
 from cflib.schema import Params, as_given, parsed_by
 from cflib.train.run import resolve_device
 from cflib.train.run_folder import read_run_record
+from cflib.train.task_scores import quiet_lm_eval, score_rows, task_manager
 
-SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
 DEFAULT_TASKS = ("embedded_choice", "embedded_exact")
 TRAIN_HERE_STEPS = 32  # model None: a quickstart-size model this many steps into training (seconds on a CPU)
 LOGLIKELIHOOD_CHECK_PAIRS = 64  # per task: the first (context, continuation) pairs recomputed by cflib
@@ -122,33 +119,8 @@ def resolve_bundle(model: str | None, out_dir: Path, device: str) -> tuple[Path,
                      "(record.json, checkpoints/) nor a checkpoint (config.json, model.safetensors)")
 
 
-def shipped_tasks() -> dict[str, Path]:
-    """The project's tasks: name -> YAML."""
-    found = {}
-    for path in sorted(resolve_path(SHIPPED_TASKS).glob("*.yaml")):
-        found[yaml.safe_load(path.read_text())["task"]] = path
-    return found
 
 
-def materialize_tasks(names: list[str], folder: Path) -> dict[str, dict]:
-    """Copies of the named shipped tasks in folder, their data files resolved to absolute paths (lm-eval reads
-    them relative to the working directory); name -> {yaml, sha256 of YAML and data}."""
-    folder.mkdir(parents=True, exist_ok=True)
-    described = {}
-    for name, path in shipped_tasks().items():
-        if name not in names:
-            continue
-        config = yaml.safe_load(path.read_text())
-        files = config["dataset_kwargs"]["data_files"]
-        resolved = {split: (path.parent / file).resolve() for split, file in files.items()}
-        for split, file in resolved.items():
-            if not file.is_file():
-                raise ParamError(f"task {name} ({path}): its {split} data {file} is missing")
-        config["dataset_kwargs"]["data_files"] = {split: str(file) for split, file in resolved.items()}
-        (folder / path.name).write_text(yaml.safe_dump(config, sort_keys=False))
-        described[name] = {"source": "shipped", "yaml": str(path), "yaml_sha256": sha256_file(path),
-                           "data_sha256": {split: sha256_file(file) for split, file in resolved.items()}}
-    return described
 
 
 @dataclass
@@ -170,20 +142,12 @@ class Evaluation:
 def prepare_evaluation(params: EvalParams) -> Evaluation:
     """Check the parameters, out_dir and every task name against the shipped tasks and lm-eval's registry,
     then find (or export, or train) the bundle: a bad input stops here, before any model is scored."""
-    from lm_eval.tasks import TaskManager
-
     out_dir = job_out_dir(params.out_dir, "eval", ("record.json",), "an evaluation")
     device = resolve_device(params.device)
     names = params.task_names()
     staging = Path(tempfile.mkdtemp(prefix="cflib-eval-tasks-"))  # out_dir stays untouched until all is checked
     try:
-        tasks = materialize_tasks(names, staging)
-        manager = TaskManager(include_path=str(staging))
-        for name in names:
-            if name not in manager.all_tasks:
-                raise ParamError(f"tasks: {name!r} is neither a task of this project ({', '.join(shipped_tasks())}) "
-                                 "nor one lm-eval knows (lm-eval --tasks list shows them)")
-            tasks.setdefault(name, {"source": "lm-eval registry"})
+        manager, tasks = task_manager(names, staging)
         bundle, source = resolve_bundle(params.model, out_dir, params.device)
         trust = check_bundle_code(bundle, params.trust_bundle_code, lambda why: ParamError(f"model {params.model}: "
                                                                                            f"{why}"))
@@ -194,23 +158,9 @@ def prepare_evaluation(params: EvalParams) -> Evaluation:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return Evaluation(params, bundle, source, {name: tasks[name] for name in names}, manager, staging, device,
-                      out_dir, model, trust)
+    return Evaluation(params, bundle, source, tasks, manager, staging, device, out_dir, model, trust)
 
 
-def score_rows(results: dict) -> list[dict]:
-    """One row per task and metric: value and standard error, as lm-eval reports them."""
-    rows = []
-    for task, metrics in results["results"].items():
-        for key, value in metrics.items():
-            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
-                continue
-            metric, filtering = key.split(",", 1)
-            stderr = metrics.get(f"{metric}_stderr,{filtering}")
-            rows.append({"task": task, "metric": metric, "filter": filtering, "value": float(value),
-                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
-                         "samples": results.get("n-samples", {}).get(task, {}).get("effective")})
-    return rows
 
 
 def loglikelihood_check(samples: dict[str, list[dict]], lm: Any, model: TRMoEModel, device: torch.device,
@@ -258,17 +208,6 @@ def plot_scores(rows: list[dict], save_to: Path | None = None) -> plt.Figure:
     return fig
 
 
-@contextlib.contextmanager
-def quiet_lm_eval() -> Iterator[None]:
-    """lm-eval's log at errors only: its notes (0-shot asked of a task with no default, --limit is for
-    testing) would read as warnings in every notebook run; the record holds the settings instead."""
-    logger = logging.getLogger("lm_eval")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def run_evaluation(job: Evaluation, progress: bool = True) -> dict:

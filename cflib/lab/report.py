@@ -6,8 +6,10 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
-from cflib.data import ByteTokenizer, JsonTokenizer, PretrainedTokenizer, ShardPartition, load_tokenizer
+from cflib.data import (ByteTokenizer, JsonTokenizer, PretrainedTokenizer, ShardPartition, load_tokenizer,
+                        shard_chat_template_sha256, shard_tokenizer_spec)
 from cflib.export import export_hub
+from cflib.export.publish import holds_publication
 from cflib.export.peft import is_adapter_checkpoint, load_merged, merge
 from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
@@ -16,6 +18,7 @@ from cflib.train.curriculum_run import CurriculumRun
 from cflib.train.held_out import final_turn
 from cflib.train.records import read_metrics
 from cflib.train.sizing import format_arithmetic, run_arithmetic
+from cflib.train.trackers import samples_markdown
 
 
 def _elsewhere(record: dict) -> str | None:
@@ -79,17 +82,23 @@ def show_exact_match(record: dict) -> None:
     display({"text/markdown": table, "text/plain": table}, raw=True)
 
 
-def shard_tokenizer_spec(shard: ShardPartition) -> str | None:
-    """The tokenizer a shard was converted with, when its index names one ("byte", a tokenizer.json or a
-    tokenizer folder); "byte" for the embedded tasks (no conversion block, its vocabulary); None when unknown."""
-    named = shard.index.get("conversion", {}).get("tokenizer", {})
-    if named.get("kind") == "tokenizer.json" and named.get("path") and Path(named["path"]).is_file():
-        return named["path"]
-    if named.get("kind") == "folder" and named.get("path") and Path(named["path"]).is_dir():
-        return named["path"]
-    if named.get("kind") == "byte" or (not named and shard.vocab_size == ByteTokenizer.vocab_size):
-        return "byte"
-    return None
+def samples_table(record: dict) -> str:
+    """Markdown: the prompts and greedy answers log_samples wrote at the run's last evaluation."""
+    if _elsewhere(record):
+        return _elsewhere(record)
+    final = record["eval"]["final"]
+    if not final.get("samples_file"):
+        return "_no samples were written (log_samples: N writes N prompts with their answers at each evaluation)_"
+    return (f"{final['tag']}, step {final['step']} ({final['samples_file']}):\n\n"
+            + samples_markdown(Path(record["out_dir"]) / final["samples_file"]))
+
+
+def show_samples(record: dict) -> None:
+    """The last evaluation's samples, as markdown in JupyterLab and as text under papermill."""
+    from IPython.display import display
+
+    table = samples_table(record)
+    display({"text/markdown": table, "text/plain": table}, raw=True)
 
 
 def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | PretrainedTokenizer | None:
@@ -101,7 +110,8 @@ def export_run(record: dict, out: str | Path | None = None) -> Path | None:
     """The Hub bundle of the run's best (else last) checkpoint in out, by default out_dir/hub, with the tokenizer
     its data was converted with (where that is unknown, the command that names one) and, where the data was
     rendered through the tokenizer's own chat template, that same template. A LoRA run's adapters are
-    merged into their base first, in out_dir/merged (cflib.export.peft.merge)."""
+    merged into their base first, in out_dir/merged (cflib.export.peft.merge). A bundle push_to_hub wrote there at
+    the end of the run is kept."""
     if _elsewhere(record):
         print(_elsewhere(record))
         return None
@@ -109,20 +119,21 @@ def export_run(record: dict, out: str | Path | None = None) -> Path | None:
     out = Path(out) if out is not None else run_dir / "hub"
     shard = ShardPartition(Path(record["data"]["root"]) / "eval")
     spec = shard_tokenizer_spec(shard)
-    template = shard.index.get("conversion", {}).get("template", {})
     if spec is None:
         print(f"the data's index names no tokenizer: python -m cflib.export hub {run_dir} {out} "
               "--tokenizer path/to/tokenizer.json")
         return None
     checkpoints = record.get("checkpoints", {})
     chosen = checkpoints.get("best") or checkpoints.get("last")
+    if chosen is not None and not is_adapter_checkpoint(chosen) and holds_publication(out, Path(chosen), "bundle"):
+        print(f"{out}: the bundle of {chosen}, pushed to the Hub at the end of the run")
+        return out
     if chosen is not None and is_adapter_checkpoint(chosen):
         merged = run_dir / "merged"
         merge(chosen, merged)
         print(f"merged the adapters of {chosen} into their base: {merged}")
         chosen = merged
-    return export_hub(chosen or run_dir, out, tokenizer=spec,
-                      chat_template_sha256=template.get("sha256") if template.get("kind") == "tokenizer" else None)
+    return export_hub(chosen or run_dir, out, tokenizer=spec, chat_template_sha256=shard_chat_template_sha256(shard))
 
 
 def show_answers(record: dict, n: int = 5) -> None:
@@ -179,6 +190,10 @@ def summary(record: dict) -> str:
             f"{name}: loss {loss:.4f}" + (f", exact match {rate:.3f}" if (rate := (final.get(
                 "exact_match_by_source") or {}).get(name)) is not None else "")
             for name, loss in final["loss_by_source"].items()))
+    best = record.get("best_metric") or {}
+    if best.get("step") is not None:
+        lines.append(f"best checkpoint    step {best['step']} by {best['name']} ({best['value']:.4g}, "
+                     f"{'higher' if best['greater_is_better'] else 'lower'} is better)")
     if throughput:
         lines.append(f"steady tokens/s    {throughput:,.0f} on {record['device']['name']} ({record['precision']})")
     lines.append(f"kernel path        {record['kernel_path']}")

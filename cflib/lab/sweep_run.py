@@ -70,6 +70,7 @@ def _start(point: Point, slot: str, sweep: Sweep) -> Running:
                "--cwd", str(resolve_path("notebooks")), "--log-output", "--no-progress-bar"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if slot == "cpu" else slot, "PYTHONUNBUFFERED": "1"}
     env.setdefault("MLFLOW_EXPERIMENT_NAME", sweep.out_dir.name)  # report_to mlflow: one experiment per sweep
+    env.setdefault("WANDB_RUN_GROUP", sweep.out_dir.name)  # report_to wandb: one group per sweep
     log = open(point.run_dir / "papermill.log", "a")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                preexec_fn=_die_with_parent)

@@ -44,7 +44,7 @@ STAGE_KEYS = ["name", "loss_task_targets", "max_examples", *ALIASES]
 RUN_ONLY = ("model", "init_checkpoint", "out_dir", "resume", "curriculum", "through_stage", "dry_run",
             "device", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "strategy", "allow_world_size_change",
             "allow_resume_changes", "full_parameter", "save_checkpoints", "report_to", "mlflow_tracking_uri",
-            "eval_tasks")
+            "eval_tasks", "push_to_hub")
 STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -101,7 +101,9 @@ def stage_params(run: TrainParams, overrides: dict, out_dir: Path, where: str) -
     """The run's parameters with the stage's, checked; the stage trains into its own folder."""
     values = {name: getattr(run, name) for name in TrainParams.names()}
     # Where a stage starts (and whether it resumes) is decided when it runs (cflib.train.curriculum_run).
-    values.update(overrides, out_dir=str(out_dir), curriculum=None, through_stage=None, dry_run=False, resume=None)
+    # The curriculum pushes its last stage's model once, at its end (cflib.train.launch.fit), not each stage's.
+    values.update(overrides, out_dir=str(out_dir), curriculum=None, through_stage=None, dry_run=False, resume=None,
+                  push_to_hub=None)
     try:
         return TrainParams.from_dict(values, source=where)
     except ParamError as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from typing import Callable
 
 import numpy as np
 import torch
@@ -112,7 +113,27 @@ def exact_match(model: TRMoEModel, shard: ShardPartition | MixedPartition, bf16:
     decoder = Decoder(model, max_batch=batch_size, autocast_dtype=torch.bfloat16 if bf16 else None)
     answers = decoder.generate(prompts, [len(targets[i]) for i in targets]) if count else []
     scores = score_answers(shard, {index: (targets[index], answer) for index, answer in zip(targets, answers)})
-    return {**scores, "decoder": decoder.path()}
+    generated = {index: (prompt.tolist(), targets[index], answer)
+                 for index, prompt, answer in zip(targets, prompts, answers)}
+    return {**scores, "decoder": decoder.path(), "answers": generated}
+
+
+def answer_texts(shard: ShardPartition | MixedPartition, answers: dict[int, tuple[list[int], list[int], list[int]]],
+                 decode: Callable[[list[int]], str]) -> list[dict]:
+    """exact_match's answers as text, in held-out order: {example_id, task, prompt, answer, reference, hit}
+    (an answer's EOS and what follows it left out)."""
+    eos = shard.eos_token_id
+
+    def answer(ids: list[int]) -> str:
+        return decode(ids[:ids.index(eos)] if eos in ids else ids)
+
+    texts = []
+    for index, (prompt, target, generated) in sorted(answers.items()):
+        row = shard.rows[index]
+        texts.append({"example_id": row.get("example_id"), "task": str(row.get("task", "all")),
+                      "prompt": decode(prompt), "answer": answer(generated), "reference": answer(target),
+                      "hit": generated == target})
+    return texts
 
 
 def score_answers(shard: ShardPartition | MixedPartition, answers: dict[int, tuple[list[int], list[int]]]) -> dict:

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
 from tqdm.auto import tqdm
 
+from cflib.export.publish import publish_run
+from cflib.export.push import check_push
 from cflib.jsonio import read_json
 from cflib.train.distributed import init_from_torchrun
 from cflib.train.lock import RunLock
@@ -44,14 +46,16 @@ class LaunchError(RuntimeError):
 
 
 def fit(run: Run, progress: bool = True) -> dict:
-    """Train a prepared run and return its record."""
+    """Train a prepared run and return its record; with push_to_hub, its model is then on the Hub."""
+    if run.params.push_to_hub is not None:
+        check_push(run.params.push_to_hub)  # no token to push with: said before the first step, not after the last
     if not isinstance(run, Run):  # a curriculum or a dry run (cflib.train.curriculum_run) runs its own stages
-        return run.fit(progress=progress)
-    if run.params.resume == "latest" and run.resume_state is None:
-        run = start_over(run)
-    if not run.launches_workers:
-        return Trainer(run, progress=progress).fit()
-    return torchrun(run, progress=progress)
+        record = run.fit(progress=progress)
+    else:
+        if run.params.resume == "latest" and run.resume_state is None:
+            run = start_over(run)
+        record = Trainer(run, progress=progress).fit() if not run.launches_workers else torchrun(run, progress=progress)
+    return publish_run(record, run.params.push_to_hub)
 
 
 def start_over(run: Run) -> Run:

@@ -20,9 +20,11 @@ from cflib.data.filters import parse_filters
 from cflib.data.mixture import data_sources
 from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError, shown
+from cflib.export.push import repo_id_problem
 from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
 from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
+from cflib.train.best_metric import BestMetric, resolve_best_metric
 from cflib.yamlio import read_yaml
 
 if TYPE_CHECKING:
@@ -30,8 +32,8 @@ if TYPE_CHECKING:
 
 DEVICES = ("auto", "cpu", "cuda")
 # The experiment trackers report_to names (cflib.train.trackers), each with the package it needs.
-REPORTERS = ("tensorboard", "mlflow")
-_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}
+REPORTERS = ("tensorboard", "mlflow", "wandb")
+_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 KERNEL_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "ddp", "fsdp")
 
@@ -84,6 +86,21 @@ def token_ids(name: str, value: Any) -> tuple[int, ...] | None:
     return tuple(ids)
 
 
+def every_choice(name: str, value: Any) -> str | int | None:
+    """eval_tasks_every: None, "epoch", or a number of steps (papermill gives strings)."""
+    if value is None or is_none_word(value):
+        return None
+    if isinstance(value, str) and value.strip().lower() == "epoch":
+        return "epoch"
+    try:
+        steps = coerce(name, value, int)
+    except ParamError:
+        steps = 0
+    if steps <= 0:
+        raise ParamError(f"{name} must be None, epoch or a positive number of steps, got {value!r}")
+    return steps
+
+
 def resume_choice(name: str, value: Any) -> str | None:
     """resume: true means "latest", false None (YAML gives booleans, papermill strings)."""
     if isinstance(value, bool) or str(value).lower() in ("true", "false"):
@@ -92,14 +109,15 @@ def resume_choice(name: str, value: Any) -> str | None:
 
 
 def resolve_report_to(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
-    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one."""
+    """report_to as transformers takes it: "none" (or None, or ["none"]) is no tracker; "all" is every one
+    installed."""
     if names is None:
         return None
     names = tuple(name.lower() for name in names)
     if names in ((), ("none",)):
         return None
     if "all" in names:
-        return REPORTERS
+        return tuple(name for name in REPORTERS if importlib.util.find_spec(_PACKAGES[name]) is not None) or None
     return names
 
 
@@ -299,9 +317,18 @@ class Evaluation:
     eval_every_steps: int | None = None
     eval_micro_batch: int | None = None  # None: micro_batch_per_rank
     exact_match_limit: int | None = None  # None: every eval prompt; 0: skip exact match
-    # After training: lm-evaluation-harness on the run's Hub bundle (cflib.lab.evaluate, train_sft's last cell),
+    # lm-evaluation-harness on the run's Hub bundle after training (cflib.lab.evaluate, train_sft's last cell),
     # task names as "embedded_choice,embedded_exact" (shipped) or "piqa,arc_easy" (lm-eval's, needs network)
     eval_tasks: str | None = None
+    # None: eval_tasks after training only; "epoch": also on every epoch's checkpoint; N: every N steps, on a
+    # step-N checkpoint written for it (cflib.train.task_scores)
+    eval_tasks_every: str | int | None = parsed_by(every_choice)
+    eval_tasks_limit: int | None = None  # examples per task during training; None: all
+    # What chooses best/, a curriculum stage's hand-off and early stopping: eval_loss, exact_match,
+    # exact_match/<task>, lm_eval/<task>/<metric>, or a name register_metric added (cflib.train.best_metric)
+    best_metric: str = "eval_loss"
+    greater_is_better: bool | None = None  # None: inferred from best_metric
+    log_samples: int = 0  # held-out prompts written with their greedy answers at each evaluation (out_dir/samples)
 
 
 @dataclass(frozen=True)
@@ -317,6 +344,9 @@ class Checkpoints:
     resume: str | None = parsed_by(resume_choice)
     allow_world_size_change: bool = False  # resume on another number of processes
     allow_resume_changes: tuple[str, ...] | None = None  # changed on purpose by a resume: "data,max_grad_norm"
+    # None; or ORG/NAME: at the end of the run its model (the Hub bundle, or a LoRA run's adapters, with a model card)
+    # pushed to this Hugging Face Hub repository, created private when missing (cflib.export.publish)
+    push_to_hub: str | None = None
 
 
 @dataclass(frozen=True)
@@ -337,7 +367,7 @@ class Trackers:
     """Experiment trackers, named as transformers names them (cflib.train.trackers): rank 0 reports, never
     blocks."""
 
-    # None or "none"; "tensorboard", "mlflow", "all", or a list
+    # None or "none"; "tensorboard", "mlflow", "wandb", "all", or a list
     report_to: tuple[str, ...] | None = parsed_by(tracker_names)
     mlflow_tracking_uri: str | None = None  # None: an SQLite store in out_dir/mlruns
 
@@ -401,8 +431,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         self._validate_lora()
         if self.train_tasks is not None and not self.train_tasks:
             raise ParamError("train_tasks must name at least one task, or be None for every example")
-        if self.eval_tasks is not None and not [name for name in self.eval_tasks.split(",") if name.strip()]:
-            raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
+        self._validate_evaluation()
         if self.use_custom_kernels not in KERNEL_CHOICES:
             raise ParamError(f"use_custom_kernels must be one of {KERNEL_CHOICES} (or a boolean), got "
                              f"{self.use_custom_kernels!r}")
@@ -424,9 +453,38 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"max_task_loss_weight must be positive, got {self.max_task_loss_weight}")
         self._validate_curriculum_controls()
         check_report_to(self.report_to, self.mlflow_tracking_uri)
+        if self.push_to_hub is not None and (problem := repo_id_problem(self.push_to_hub)):
+            raise ParamError(f"push_to_hub: {problem}")
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         self.grad_accum  # noqa: B018 - a global batch the ranks cannot split stops here, with the options
+
+    def _validate_evaluation(self) -> None:
+        """lm-eval's tasks, when they run, and the metric that chooses the best checkpoint."""
+        if self.eval_tasks is not None and not self.eval_task_names():
+            raise ParamError(f"eval_tasks must name at least one lm-eval task, or be None (off), got {self.eval_tasks!r}")
+        if self.eval_tasks_every is not None and self.eval_tasks is None:
+            raise ParamError(f"eval_tasks_every is {self.eval_tasks_every!r} but eval_tasks names no task: name "
+                             "some (e.g. embedded_exact), or remove eval_tasks_every")
+        if self.eval_tasks_every is not None and not self.save_checkpoints:
+            raise ParamError("eval_tasks_every scores saved checkpoints, but save_checkpoints is false")
+        for name in ("eval_tasks_limit",):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
+        if self.log_samples < 0:
+            raise ParamError(f"log_samples must be >= 0, got {self.log_samples}")
+        metric = self.best()
+        if metric.lm_eval_task is not None and self.eval_tasks_every is None:
+            raise ParamError(f"best_metric {metric.name!r} is an lm-eval score: set eval_tasks_every (epoch or N)")
+        if metric.needs_answers and self.exact_match_limit == 0:
+            raise ParamError(f"best_metric {metric.name!r} scores generated answers, but exact_match_limit is 0")
+
+    def eval_task_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in (self.eval_tasks or "").split(",") if name.strip())
+
+    def best(self) -> BestMetric:
+        """best_metric resolved (cflib.train.best_metric)."""
+        return resolve_best_metric(self.best_metric, self.greater_is_better, self.eval_task_names())
 
     def _validate_optimisation(self) -> None:
         """The optimizer, its schedule, the loss and the step's precision."""

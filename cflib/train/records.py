@@ -104,6 +104,7 @@ class RunSummary:
     optimizer_groups: list[dict]
     filters: dict | None
     early_stopping: dict | None
+    best_metric: dict  # its name, which way is better, the value best/ holds and its step
 
 
 def _throughput(summary: RunSummary) -> dict:
@@ -164,5 +165,5 @@ def train_record(summary: RunSummary) -> dict:
         "packing": summary.packing, "loss_weighting": summary.loss_weighting, "schedule": summary.schedule,
         "eval": _eval_block(summary.evals), "checkpoints": summary.checkpoints,
         "optimizer_groups": summary.optimizer_groups, "filters": summary.filters,
-        "early_stopping": summary.early_stopping,
+        "early_stopping": summary.early_stopping, "best_metric": summary.best_metric,
     }

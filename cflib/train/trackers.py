@@ -1,15 +1,16 @@
-"""Experiment trackers beside metrics.jsonl: TensorBoard event files and MLflow runs (`report_to`).
+"""Experiment trackers beside metrics.jsonl: TensorBoard event files, MLflow and W&B runs (`report_to`).
 
 The trainer hands every row it appends to metrics.jsonl to the trackers
 (rank 0 only) and, at the end, the record. No tracker may stop or slow a run:
 TensorBoard's writer queues events for a thread of its own, and every MLflow
-call runs on a worker thread fed by a queue, so a slow or vanished server
-costs the training loop one `put`. A tracker that fails warns once, goes
-quiet, and the run carries on; metrics.jsonl still holds every row.
+and W&B call runs on a worker thread fed by a queue, so a slow or vanished
+server costs the training loop one `put`. A tracker that fails warns once,
+goes quiet, and the run carries on; metrics.jsonl still holds every row.
 
 `out_dir/trackers.json` names where the run went (the TensorBoard folder,
-the MLflow tracking URI and run id), so a resumed run continues the same
-MLflow run and `log_artifacts` can add the notebook's plots to it.
+the MLflow tracking URI and run id, the W&B project and run id), so a
+resumed run continues the same MLflow and W&B run, and `log_artifacts` can
+add the notebook's plots to the MLflow run.
 """
 from __future__ import annotations
 
@@ -28,17 +29,18 @@ from cflib.jsonio import read_json
 from cflib.train.records import read_metrics
 
 TRACKING_FILE = "trackers.json"
-# How long the end of a run waits for MLflow to take the last metrics and the record; then it goes on without.
+# How long the end of a run waits for MLflow or W&B to take the last metrics and the record; then it goes on without.
 CLOSE_TIMEOUT_S = 30.0
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  # as transformers' MLflow callback reads it
 DEFAULT_EXPERIMENT = "cflib"
+WANDB_PROJECT_ENV = "WANDB_PROJECT"  # as transformers' W&B callback reads it; the W&B project defaults to cflib
 # A vanished server should be noticed in seconds, not after MLflow's default minutes of retries.
 _MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 def scalars(row: dict) -> dict[str, float]:
-    """The tracked scalars of one metrics.jsonl row, under the names both trackers use."""
+    """The tracked scalars of one metrics.jsonl row, under the names every tracker uses."""
     if row.get("event") == "train":
         found = {"train/loss": row.get("loss"), "train/learning_rate": row.get("lr"),
                  "train/grad_norm": row.get("grad_norm")}
@@ -53,14 +55,24 @@ def scalars(row: dict) -> dict[str, float]:
             found[f"eval/source/{source}/loss"] = loss
         for source, rate in (row.get("exact_match_by_source") or {}).items():
             found[f"eval/source/{source}/exact_match"] = rate
+        for name, value in (row.get("metrics") or {}).items():  # register_metric's (cflib.train.best_metric)
+            found[f"eval/{name}"] = value
+        for task, scores in (row.get("lm_eval") or {}).items():  # eval_tasks_every (cflib.train.task_scores)
+            for metric, value in scores.items():
+                found[f"lm_eval/{task}/{metric}"] = value
     else:
         return {}
     return {key: float(value) for key, value in found.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
+def final_metrics(record: dict) -> dict[str, float]:
+    """The run's last evaluation, under the names its rows had."""
+    return scalars({**record["eval"]["final"], "event": "eval"})
+
+
 def flat_params(params: dict[str, Any]) -> dict[str, str | int | float | bool]:
-    """Parameters as both trackers store them: scalars as they are, None, lists and mappings as text."""
+    """Parameters as the trackers store them: scalars as they are, None, lists and mappings as text."""
     out: dict[str, str | int | float | bool] = {}
     for name, value in params.items():
         if isinstance(value, (bool, int, float, str)):
@@ -105,6 +117,15 @@ class TensorBoardTracker:
         except Exception as err:  # a full disk, say: the run matters more than its event file
             self.error = _warn_once(self.name, "writing events", err)
 
+    def log_samples(self, path: Path, step: int) -> None:
+        """log_samples' prompts and answers as a Markdown table under the text tag eval/samples."""
+        if self.error:
+            return
+        try:
+            self.writer.add_text("eval/samples", samples_markdown(path), step)
+        except Exception as err:
+            self.error = _warn_once(self.name, "writing samples", err)
+
     def close(self, record: dict | None, status: str) -> None:
         if self.error:
             return
@@ -112,8 +133,7 @@ class TensorBoardTracker:
             if record is not None:
                 from torch.utils.tensorboard.summary import hparams
 
-                metrics = scalars({**record["eval"]["final"], "event": "eval"})
-                for summary in hparams(flat_params(record["params"]), metrics):
+                for summary in hparams(flat_params(record["params"]), final_metrics(record)):
                     self.writer.file_writer.add_summary(summary)
             self.writer.close()
         except Exception as err:
@@ -126,27 +146,30 @@ class TensorBoardTracker:
 _STOP = object()
 
 
-class MlflowTracker:
-    """One MLflow run per training run; every call to the tracking server runs on this tracker's own thread."""
+class QueuedTracker:
+    """A tracker whose every call to its service runs on a thread of its own, fed by a queue: the training loop
+    pays one `put` per row. A subclass starts its run (`_start`), sends rows (`_send`) and ends it (`_finish`)."""
 
-    name = "mlflow"
+    name = "queued"
+    where = "its service"  # named in the warning a failure gives
 
-    def __init__(self, out_dir: Path, params: dict, tracking_uri: str | None, run_id: str | None,
-                 on_started: Callable[[], None]) -> None:
-        self.out_dir = out_dir
-        self.tracking_uri = tracking_uri or default_tracking_uri(out_dir)
-        self.experiment = os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
-        self.run_id = run_id
+    def __init__(self, out_dir: Path, params: dict, run_id: str | None, on_started: Callable[[], None]) -> None:
+        self.out_dir, self.run_id = out_dir, run_id
         self.error: str | None = None
         self._params, self._on_started = params, on_started
         self._queue: queue.Queue = queue.Queue()
         self._held: Any = None  # an end-of-run item met while batching metrics
-        self._thread = threading.Thread(target=self._work, name="cflib-mlflow", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=f"cflib-{self.name}", daemon=True)
         self._thread.start()
 
     def log(self, values: dict[str, float], step: int) -> None:
         if not self.error:
             self._queue.put((values, step, int(time.time() * 1000)))
+
+    def log_samples(self, path: Path, step: int) -> None:
+        """A file of log_samples, sent as an artifact of the run."""
+        if not self.error:
+            self._queue.put(("file", path, step))
 
     def close(self, record: dict | None, status: str) -> None:
         self._queue.put(("close", record, status))
@@ -155,16 +178,12 @@ class MlflowTracker:
         if self._thread.is_alive() and not self.error:
             self.error = _warn_once(self.name, "closing", f"the server took no answer within {CLOSE_TIMEOUT_S:g} s")
 
-    def describe(self) -> dict:
-        return {"tracking_uri": self.tracking_uri, "experiment": self.experiment, "run_id": self.run_id,
-                "error": self.error}
-
     # --- on the tracker's thread ------------------------------------------------------
     def _work(self) -> None:
         try:
             self._start()
         except Exception as err:
-            self.error = _warn_once(self.name, f"starting a run at {self.tracking_uri}", err)
+            self.error = _warn_once(self.name, f"starting a run at {self.where}", err)
         while True:
             item, self._held = (self._held, None) if self._held is not None else (self._queue.get(), None)
             if item is _STOP:
@@ -174,10 +193,12 @@ class MlflowTracker:
             try:
                 if isinstance(item, tuple) and item[0] == "close":
                     self._finish(item[1], item[2])
+                elif isinstance(item, tuple) and item[0] == "file":
+                    self._send_file(item[1], item[2])
                 else:
                     self._send([item] + self._more())
             except Exception as err:
-                self.error = _warn_once(self.name, f"sending to {self.tracking_uri}", err)
+                self.error = _warn_once(self.name, f"sending to {self.where}", err)
 
     def _more(self) -> list:
         """The metric updates already queued behind the first, up to one batch: one request for them all."""
@@ -187,11 +208,43 @@ class MlflowTracker:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is _STOP or (isinstance(item, tuple) and item[0] == "close"):
+            if item is _STOP or (isinstance(item, tuple) and item[0] in ("close", "file")):
                 self._held = item  # handled next, after this batch
                 break
             items.append(item)
         return items
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, items: list) -> None:
+        raise NotImplementedError
+
+    def _send_file(self, path: Path, step: int) -> None:
+        raise NotImplementedError
+
+    def _finish(self, record: dict | None, status: str) -> None:
+        raise NotImplementedError
+
+
+# What the end of a run hands MLflow and W&B beside the metrics.
+RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "loss_weighting.json")
+
+
+class MlflowTracker(QueuedTracker):
+    """One MLflow run per training run."""
+
+    name = "mlflow"
+
+    def __init__(self, out_dir: Path, params: dict, tracking_uri: str | None, run_id: str | None,
+                 on_started: Callable[[], None]) -> None:
+        self.tracking_uri = self.where = tracking_uri or default_tracking_uri(out_dir)
+        self.experiment = os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
+        super().__init__(out_dir, params, run_id, on_started)
+
+    def describe(self) -> dict:
+        return {"tracking_uri": self.tracking_uri, "experiment": self.experiment, "run_id": self.run_id,
+                "error": self.error}
 
     def _start(self) -> None:
         for name, value in _MLFLOW_HTTP_DEFAULTS.items():
@@ -221,11 +274,76 @@ class MlflowTracker:
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
+    def _send_file(self, path: Path, step: int) -> None:
+        self.client.log_artifact(self.run_id, str(path), str(path.parent.relative_to(self.out_dir)))
+
     def _finish(self, record: dict | None, status: str) -> None:
-        for name in ("record.json", "metrics.jsonl", "params.json", "loss_weighting.json"):
+        for name in RUN_FILES:
             if (self.out_dir / name).is_file():
                 self.client.log_artifact(self.run_id, str(self.out_dir / name))
         self.client.set_terminated(self.run_id, status=status)
+
+
+class WandbTracker(QueuedTracker):
+    """One W&B run per training run, in the project WANDB_PROJECT names (cflib by default); its local files in
+    out_dir/wandb unless WANDB_DIR says otherwise. WANDB_MODE=offline keeps it on disk for `wandb sync`."""
+
+    name = "wandb"
+
+    def __init__(self, out_dir: Path, params: dict, run_id: str | None, on_started: Callable[[], None]) -> None:
+        self.project = os.environ.get(WANDB_PROJECT_ENV) or DEFAULT_EXPERIMENT
+        self.where = f"W&B project {self.project}"
+        self.mode: str | None = None
+        super().__init__(out_dir, params, run_id, on_started)
+
+    def describe(self) -> dict:
+        return {"project": self.project, "run_id": self.run_id, "mode": self.mode, "error": self.error}
+
+    def _start(self) -> None:
+        import wandb
+
+        folder = Path(os.environ.get("WANDB_DIR") or self.out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        # create_new: a W&B run the user has open in the notebook is left alone; a resumed run continues its own.
+        self.run = wandb.init(project=self.project, name=self.out_dir.name, dir=str(folder), config=self._params,
+                              id=self.run_id, resume="allow" if self.run_id else None, reinit="create_new")
+        self.run_id, self.mode = self.run.id, self.run.settings.mode
+        self._on_started()
+
+    def _send(self, items: list) -> None:
+        for values, step, _ in items:
+            self.run.log(values, step=step)
+
+    def _send_file(self, path: Path, step: int) -> None:
+        """An artifact of type samples, and a table of them at the step."""
+        import wandb
+
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        columns = ["example_id", "task", "prompt", "answer", "reference", "hit"]
+        self.run.log({"eval/samples": wandb.Table(columns=columns, data=[[row.get(c) for c in columns]
+                                                                         for row in rows])}, step=step)
+        artifact = wandb.Artifact(f"samples-{self.run.id}", type="samples")
+        artifact.add_file(str(path))
+        self.run.log_artifact(artifact, aliases=[path.stem])
+
+    def _finish(self, record: dict | None, status: str) -> None:
+        if record is not None:
+            self.run.summary.update(final_metrics(record))
+        for name in RUN_FILES:
+            if (self.out_dir / name).is_file():
+                self.run.save(str(self.out_dir / name), base_path=str(self.out_dir), policy="now")
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+def samples_markdown(path: Path) -> str:
+    """A file of log_samples as a Markdown table: prompt, answer, reference, hit."""
+    lines = ["| prompt | answer | reference | hit |", "| --- | --- | --- | --- |"]
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            cells = [str(row[key]).replace("|", "\\|").replace("\n", " ") for key in ("prompt", "answer", "reference")]
+            lines.append(f"| {' | '.join(cells)} | {'yes' if row['hit'] else 'no'} |")
+    return "\n".join(lines)
 
 
 def default_tracking_uri(out_dir: Path) -> str:
@@ -256,6 +374,9 @@ class Trackers:
                 run_id = previous.get("mlflow", {}).get("run_id")
                 uri = previous.get("mlflow", {}).get("tracking_uri") if run_id else tracking_uri
                 self.trackers.append(MlflowTracker(out_dir, params, uri, run_id, on_started=self.save))
+            elif name == "wandb":
+                self.trackers.append(WandbTracker(out_dir, params, previous.get("wandb", {}).get("run_id"),
+                                                  on_started=self.save))
         self._lock = threading.Lock()
         self.save()
 
@@ -264,6 +385,9 @@ class Trackers:
         if values:
             for tracker in self.trackers:
                 tracker.log(values, int(row.get("step", 0)))
+        if row.get("samples_file"):
+            for tracker in self.trackers:
+                tracker.log_samples(self.out_dir / row["samples_file"], int(row.get("step", 0)))
 
     def finished(self, record: dict) -> dict:
         self.record = record

@@ -8,10 +8,12 @@ plain `RunSummary` (cflib.train.records).
 """
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,28 +26,21 @@ from torch.distributed.checkpoint.state_dict import (
 from tqdm.auto import tqdm
 
 from cflib.atomic import clean_leftovers, is_out_of_space, write_json_atomic
+from cflib.data import load_tokenizer, shard_chat_template_sha256, shard_tokenizer_spec
 from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, save_checkpoint
 from cflib.model.lora import describe as describe_lora
 from cflib.train.collector import steady_collector
 from cflib.train.execution import kernels_requested
-from cflib.train.held_out import eval_loss, exact_match
+from cflib.train.best_metric import ANSWER_METRICS, answer_scores, evaluations_without_improvement
+from cflib.train.held_out import answer_texts, eval_loss, exact_match
 from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups
 from cflib.train.records import MetricsLog, RunSummary, count_parameters, train_record
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.step import StepResult, TrainingStep, synchronize
+from cflib.train.task_scores import TaskScorer
 from cflib.train.trackers import open_trackers
-
-
-def evaluations_without_improvement(evals: list[dict]) -> int:
-    """Trailing evaluations after training began whose held-out loss did not beat the best before them."""
-    best, since = math.inf, 0
-    for result in evals:
-        if result["step"] == 0:
-            continue
-        best, since = (result["loss"], 0) if result["loss"] < best else (best, since + 1)
-    return since
 
 
 class Trainer:
@@ -63,7 +58,9 @@ class Trainer:
         self.step = 0
         self.evals: list[dict] = []
         self.checkpoints: dict[str, str] = {}
-        self.best_loss = math.inf
+        self.best_loss = math.inf  # the lowest held-out loss after step 0
+        self.best_metric = self.params.best()
+        self.best_value: float | None = None  # the best_metric of the evaluation best/ holds
         self.timing = {"train_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
         self.steady = {"tokens": 0, "supervised_tokens": 0, "seconds": 0.0, "steps": 0}
         self.fill_ins: list[int] = []
@@ -73,6 +70,7 @@ class Trainer:
         self.trained_mass = np.zeros(len(weights.cells)) if weights else None  # weighted tokens per cell, consumed
         if run.resume_state is not None:
             self._restore(run.resume_state)
+        self.decode, self.scorer = self._answers_and_tasks()
         # The first steps pay for allocator growth and kernel selection: not steady state.
         self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
 
@@ -86,6 +84,10 @@ class Trainer:
         self.training_step.scheduler.load_state_dict(state["scheduler"])
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
         self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
+        for result in self.evals:  # best_metric's best so far, as the evaluations chose it
+            value = self.best_metric.value(result)
+            if result["step"] > 0 and self.best_metric.improves(value, self.best_value):
+                self.best_value = value
         self.checkpoints, self.timing = self._rooted(state["checkpoints"]), state["timing"]
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
@@ -106,6 +108,21 @@ class Trainer:
                 "trained_mass": None if self.trained_mass is None else self.trained_mass.tolist(),
                 "timing": self.timing, **schedule_signature(self.run)}
 
+    def _answers_and_tasks(self):
+        """What turns generated ids into text (answer metrics, log_samples) and the lm-eval scorer
+        (eval_tasks_every, rank 0), both checked before step 1."""
+        p, shard = self.params, self.run.eval_data
+        spec = shard_tokenizer_spec(shard)
+        if spec is None and (p.log_samples or self.best_metric.name.split("/")[0] in ANSWER_METRICS):
+            raise ParamError(f"{'log_samples' if p.log_samples else 'best_metric'}: the data's index names no "
+                             "tokenizer to turn answers into text; convert the data with --tokenizer")
+        decode = load_tokenizer(spec).decode if spec is not None else None
+        scorer = None
+        if p.eval_tasks_every is not None and self.dist.is_main:
+            scorer = TaskScorer(p.eval_task_names(), p.eval_tasks_limit, spec, shard_chat_template_sha256(shard),
+                                str(self.device))
+        return decode, scorer
+
     # --- evaluation and checkpoints -------------------------------------------------
     @property
     def evaluates(self) -> bool:
@@ -113,31 +130,54 @@ class Trainer:
         return self.dist.is_main or self.run.strategy == "fsdp"
 
     def evaluate(self, tag: str, epoch: int, with_exact_match: bool) -> dict:
+        """Held-out loss; exact match, the registered answer metrics and log_samples' file where asked (or
+        best_metric needs them). Logged by `log_evaluation`, once lm-eval's scores may have joined it."""
         p = self.params
         synchronize(self.device)
         start = time.perf_counter()
         result = {"tag": tag, "step": self.step, "epoch": epoch}
         result.update(eval_loss(self.model, self.run.eval_data, p.eval_micro_batch or p.micro_batch_per_rank,
                                 self.device, p.bf16, p.loss_chunk_tokens, p.fp32_loss))
-        if with_exact_match and p.exact_match_limit != 0:
+        if (with_exact_match or self.best_metric.needs_answers or p.log_samples) and p.exact_match_limit != 0:
             matched = exact_match(self.model, self.run.eval_data, p.bf16, p.exact_match_limit)
             result.update(exact_match=matched["exact_match"], exact_match_by_group=matched["exact_match_by_group"],
                           exact_match_samples=matched["samples"])
             if "exact_match_by_source" in matched:  # a mixture's sources
                 result["exact_match_by_source"] = matched["exact_match_by_source"]
+            if self.decode is not None and (ANSWER_METRICS or p.log_samples):
+                texts = answer_texts(self.run.eval_data, matched["answers"], self.decode)
+                if ANSWER_METRICS:
+                    result["metrics"] = answer_scores([(t["task"], t["answer"], t["reference"]) for t in texts])
+                if p.log_samples and self.dist.is_main:
+                    result["samples_file"] = self._write_samples(tag, texts[:p.log_samples])
         synchronize(self.device)
         result["seconds"] = time.perf_counter() - start
         self.timing["eval_s"] += result["seconds"]
         self.evals.append(result)
-        if self.dist.is_main:
-            self.metrics.write(event="eval", **{k: v for k, v in result.items() if k != "exact_match_samples"})
-            summary = f"eval {tag} step {self.step}: loss {result['loss']:.4f}"
-            if "exact_match" in result:
-                summary += f", exact match {result['exact_match']['overall']:.3f}"
-            if "loss_by_source" in result:  # a mixture's sources
-                summary += f" ({', '.join(f'{name} {loss:.4f}' for name, loss in result['loss_by_source'].items())})"
-            tqdm.write(summary)
         return result
+
+    def _write_samples(self, tag: str, texts: list[dict]) -> str:
+        """log_samples' prompts and greedy answers: out_dir/samples/step-<step>-<tag>.jsonl, its path in the
+        run folder."""
+        name = f"samples/step-{self.step:06d}-{tag}.jsonl"
+        path = self.run.out_dir / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps(text) + "\n" for text in texts))
+        return name
+
+    def log_evaluation(self, result: dict) -> None:
+        """The evaluation's metrics row (trackers see it) and its line in the output."""
+        if not self.dist.is_main:
+            return
+        self.metrics.write(event="eval", **{k: v for k, v in result.items() if k != "exact_match_samples"})
+        summary = f"eval {result['tag']} step {self.step}: loss {result['loss']:.4f}"
+        if "exact_match" in result:
+            summary += f", exact match {result['exact_match']['overall']:.3f}"
+        if "loss_by_source" in result:  # a mixture's sources
+            summary += f" ({', '.join(f'{name} {loss:.4f}' for name, loss in result['loss_by_source'].items())})"
+        for task, scores in result.get("lm_eval", {}).items():
+            summary += "".join(f", {task} {metric} {value:.3f}" for metric, value in scores.items())
+        tqdm.write(summary)
 
     def save(self, name: str, epoch: int, resumable: bool | None = None) -> None:
         """Rank 0 writes; under FSDP every rank first joins in gathering the full weights."""
@@ -185,20 +225,32 @@ class Trainer:
             if folder.resolve().parent == (self.run.out_dir / "checkpoints").resolve():
                 shutil.rmtree(folder, ignore_errors=True)
 
-    def evaluation_point(self, tag: str, epoch: int, with_exact_match: bool, checkpoint: str | None = None) -> None:
-        """Evaluate, keep the best weights, write the scheduled checkpoint; then every rank goes on together."""
-        if self.evaluates:
-            result = self.evaluate(tag, epoch, with_exact_match)
-            improved = result["loss"] < self.best_loss and self.step > 0
-            if self.run.strategy == "fsdp":  # every rank evaluated, and the save gathers: rank 0 decides
-                improved = self.dist.agree(improved)
-            if improved:
-                self.best_loss = result["loss"]
-                self.save("best", epoch)
-                if "best" in self.checkpoints:
-                    self.checkpoints["best_step"] = str(self.step)
+    def evaluation_point(self, tag: str, epoch: int, with_exact_match: bool, checkpoint: str | None = None,
+                         score_tasks: bool = False) -> None:
+        """Evaluate, write the scheduled checkpoint and score eval_tasks on it (score_tasks), keep the best
+        weights by best_metric; then every rank goes on together."""
+        result = self.evaluate(tag, epoch, with_exact_match) if self.evaluates else None
         if checkpoint is not None:
             self.save(checkpoint, epoch)
+        if result is None:
+            self.dist.barrier()
+            return
+        if score_tasks and self.scorer is not None and checkpoint in self.checkpoints:
+            scores = self.scorer.score(Path(self.checkpoints[checkpoint]), self.run.out_dir / "eval_tasks" / checkpoint)
+            result.update(scores)
+            self.timing["eval_s"] += scores["lm_eval_seconds"]
+        self.log_evaluation(result)
+        if self.step > 0:
+            self.best_loss = min(self.best_loss, result["loss"])
+        value = self.best_metric.value(result)
+        improved = self.step > 0 and self.best_metric.improves(value, self.best_value)
+        if self.run.strategy == "fsdp":  # every rank evaluated, and the save gathers: rank 0 decides
+            improved = self.dist.agree(improved)
+        if improved:
+            self.best_value = value
+            self.save("best", epoch)
+            if "best" in self.checkpoints:
+                self.checkpoints["best_step"] = str(self.step)
         self.dist.barrier()
 
     # --- training -------------------------------------------------------------------
@@ -240,6 +292,8 @@ class Trainer:
                     steady_collector():
                 return trackers.finished(self._fit())
         finally:
+            if self.scorer is not None:
+                self.scorer.close()
             if lock is not None:
                 lock.release()
 
@@ -287,7 +341,8 @@ class Trainer:
                 break
         bar.close()
         if last_eval_step != self.step:
-            self.evaluation_point("end", epoch, with_exact_match=True, checkpoint="last" if self.step > 0 else None)
+            self.evaluation_point("end", epoch, with_exact_match=True, checkpoint="last" if self.step > 0 else None,
+                                  score_tasks=p.eval_tasks_every is not None)
         if not self.dist.is_main:
             return {}
         record = self.record(epoch, time.perf_counter() - started)
@@ -301,8 +356,14 @@ class Trainer:
         """The evaluation and checkpoints due after this step; True when it evaluated."""
         p, total = self.params, self.run.total_steps
         evaluated = True
+        every = p.eval_tasks_every
+        tasks_due = every == "epoch" and epoch_ended or isinstance(every, int) and self.step % every == 0
         if epoch_ended:
-            self.evaluation_point(f"epoch-{epoch}", epoch, with_exact_match=True, checkpoint=f"epoch-{epoch}")
+            self.evaluation_point(f"epoch-{epoch}", epoch, with_exact_match=True, checkpoint=f"epoch-{epoch}",
+                                  score_tasks=tasks_due)
+        elif tasks_due and self.step < total:  # eval_tasks_every: N scores a checkpoint written for it
+            self.evaluation_point("periodic", epoch, with_exact_match=True, checkpoint=f"step-{self.step}",
+                                  score_tasks=True)
         elif p.eval_every_steps and self.step % p.eval_every_steps == 0 and self.step < total:
             self.evaluation_point("periodic", epoch, with_exact_match=False)
         else:
@@ -314,13 +375,13 @@ class Trainer:
 
     @property
     def stopped_early(self) -> bool:
-        """early_stopping_patience evaluations in a row without a lower held-out loss (as transformers'
+        """early_stopping_patience evaluations in a row without a better best_metric (as transformers'
         EarlyStoppingCallback counts them: the first evaluation after training sets the best). Derived from the
         evaluations, which a resumed run restores; rank 0's verdict on every rank, since only it may evaluate."""
         patience = self.params.early_stopping_patience
         if patience is None:
             return False
-        return self.dist.agree(evaluations_without_improvement(self.evals) >= patience)
+        return self.dist.agree(evaluations_without_improvement(self.evals, self.best_metric) >= patience)
 
     def _open_run_folder(self) -> None:
         """The run folder ready for step 1: what an interrupted run left put right, the parameters written."""
@@ -368,6 +429,8 @@ class Trainer:
             peak_memory_gib=(torch.cuda.max_memory_allocated(self.device) / 2**30
                              if self.device.type == "cuda" else None),
             optimizer_groups=describe_groups(step.optimizer), filters=run.filter_counts,
+            best_metric={**self.best_metric.describe(), "value": self.best_value,
+                         "step": int(self.checkpoints["best_step"]) if "best_step" in self.checkpoints else None},
             early_stopping=None if patience is None else {
                 "patience": patience, "stopped_at_step": self.step if self.step < run.total_steps else None})
 

@@ -26,8 +26,9 @@ try:
 except ImportError:
     cflib_generate = None
 
-BUNDLE_FILES = ["config.json", "configuration_tr_hash_moe.py", "generation_config.json", "model.safetensors",
-                "modeling_tr_hash_moe.py", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+BUNDLE_FILES = ["README.md", "config.json", "configuration_tr_hash_moe.py", "generation_config.json",
+                "model.safetensors", "modeling_tr_hash_moe.py", "special_tokens_map.json", "tokenizer.json",
+                "tokenizer_config.json"]
 DERIVED = ("self_attn.rotary_emb.inv_freq", "mlp.engine.fused_route_codes", "mlp.engine.fused_expert_pairs")
 TOKENIZER = ByteTokenizer()
 

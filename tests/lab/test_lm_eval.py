@@ -11,7 +11,8 @@ from cflib.data import ByteTokenizer
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import export_hub
-from cflib.lab.evaluate import EvalParams, evaluate, headline, prepare_evaluation, scores_table, shipped_tasks
+from cflib.lab.evaluate import EvalParams, evaluate, headline, prepare_evaluation, scores_table
+from cflib.train.task_scores import shipped_tasks
 from cflib.model import load_checkpoint, save_checkpoint
 
 try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from cflib.lab.compare import CompareParams, compare
+from cflib.lab.compare import CompareParams, compare, comparison_table
 from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.train.params import ParamError, load_params_file
 from cflib.train.records import read_metrics
@@ -288,3 +288,28 @@ def test_two_sweeps_started_together_on_one_folder_one_runs_the_other_is_refused
     state = json.loads((out_dir / "sweep.json").read_text())
     assert [p["status"] for p in state["points"]] == ["done"] and len(state["points"][0]["attempts"]) == 1
     assert (out_dir / state["points"][0]["run_dir"] / "COMPLETE").is_file() and not (out_dir / "sweep.lock").exists()
+
+
+BEST_METRIC_RUNS = ROOT / "outputs" / "records" / "best_metric_quickstart_cpu" / "runs"
+
+
+def test_the_committed_quickstart_keeps_the_checkpoint_with_the_highest_addition_exact_match():
+    """The committed quickstart runs: best/ chosen by exact_match/addition (lm-eval scoring every epoch's checkpoint)
+    beside the same run choosing by held-out loss; the comparison shows both."""
+    comparison = compare(CompareParams.from_dict({"runs": str(BEST_METRIC_RUNS / "*")}))
+    rows = {row["run"]: row for row in comparison.rows}
+    records = {run.name: run.record for run in comparison.runs}
+    by_addition, by_loss = records["best-addition"], records["best-loss"]
+    trained = [e for e in by_addition["eval"]["history"] if e["step"] > 0]
+    highest = max(trained, key=lambda e: e["exact_match"]["addition"])  # the first of equals, as the run keeps it
+    assert by_addition["best_metric"] == {"name": "exact_match/addition", "greater_is_better": True,
+                                          "value": highest["exact_match"]["addition"], "step": highest["step"]}
+    assert by_addition["checkpoints"]["best_step"] == str(highest["step"])
+    lowest = min((e for e in by_loss["eval"]["history"] if e["step"] > 0), key=lambda e: e["loss"])
+    assert by_loss["best_metric"]["name"] == "eval_loss" and by_loss["best_metric"]["step"] == lowest["step"]
+    assert highest["step"] != lowest["step"]  # where the two choices differ, best/ followed the metric
+    assert [e["tag"] for e in trained if "lm_eval" in e] == ["epoch-1", "epoch-2", "epoch-3"]
+    assert rows["best-addition"]["best_step"] == highest["step"] and rows["best-loss"]["best_step"] == lowest["step"]
+    columns = comparison_table(comparison).splitlines()[0]
+    for column in ("best_metric", "best_step", "exact_match/addition", "lm_eval/embedded_exact/exact_match"):
+        assert f" {column} " in columns

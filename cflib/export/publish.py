@@ -1,0 +1,130 @@
+"""What a run publishes on the Hugging Face Hub: its model as a Hub bundle, or a LoRA run's adapters.
+
+    python -m cflib.export hub RUN OUT --push ORG/NAME [--private] [--revision BRANCH]
+    python -m cflib.export adapters RUN OUT --push ORG/NAME [--private] [--revision BRANCH]
+
+`export_adapters` writes a LoRA checkpoint's adapters in PEFT's format with
+their model card (atomically, never over an existing folder); `export_hub`
+(cflib.export.hub) writes a bundle with its card. Either folder then goes to
+the Hub through cflib.export.push. A folder that already holds the
+publication of the same checkpoint (its card names the same weights) is
+pushed as it is, so the same command run again after an interrupted push
+resumes it. `publish_run` does it all at the end of a run with
+`push_to_hub`.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from cflib.atomic import check_output_folder, live_path
+from cflib.data import ShardPartition, shard_chat_template_sha256, shard_tokenizer_spec
+from cflib.data.shards import sha256_file
+from cflib.export.hub import ExportError, export_hub
+from cflib.export.model_card import CARD_FILE, WEIGHT_FILES, model_card, published_checkpoint
+from cflib.export.peft import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    CFLIB_ADAPTER_FILE,
+    is_adapter_checkpoint,
+    read_adapter,
+)
+from cflib.export.push import PushError, check_push, push_folder
+from cflib.jsonio import read_json
+from cflib.locks import exclusive_output
+
+def resolve_adapters(path: str | Path) -> Path:
+    """A LoRA checkpoint itself, or a LoRA run folder's best checkpoint, else its last."""
+    path = live_path(Path(path))
+    for candidate in (path, path / "checkpoints" / "best", path / "checkpoints" / "last"):
+        if is_adapter_checkpoint(candidate):
+            return live_path(candidate)
+    raise ExportError(f"{path}: neither LoRA adapters (adapter_config.json) nor a LoRA run folder with a best or "
+                      "last checkpoint; a full model's bundle is `python -m cflib.export hub`")
+
+
+def export_adapters(checkpoint: str | Path, out: str | Path, repo_id: str | None = None,
+                    echo: Callable[[str], None] | None = print) -> Path:
+    """Write the adapters of `checkpoint` (a LoRA checkpoint or run folder) with their model card to the new folder
+    `out`: what `peft.PeftModel.from_pretrained(base, out)` loads, without the optimizer state. The base is named by
+    its folder's name, not its path on this machine."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise ExportError(f"{out} already exists; export to a new folder (nothing was changed)")
+    source = resolve_adapters(checkpoint)
+
+    def check() -> None:
+        check_output_folder(out, {"checkpoint": source}, ExportError)
+
+    check()
+    read_adapter(source)  # settings, base and tensors checked before anything is written
+    peft_config = read_json(source / ADAPTER_CONFIG_FILE, ExportError, "PEFT adapter config")
+    if not isinstance(peft_config, dict):
+        raise ExportError(f"{source / ADAPTER_CONFIG_FILE}: must be a JSON object (PEFT's LoraConfig)")
+    cflib_adapter = read_json(source / CFLIB_ADAPTER_FILE, ExportError, "adapter description")
+    base = Path(cflib_adapter["base"]["path"]).name
+    with exclusive_output(out, check, ExportError) as staging:  # `out` checked again under its lock
+        shutil.copyfile(source / ADAPTER_WEIGHTS_FILE, staging / ADAPTER_WEIGHTS_FILE)
+        for name, document in ((ADAPTER_CONFIG_FILE, {**peft_config, "base_model_name_or_path": base}),
+                               (CFLIB_ADAPTER_FILE, {**cflib_adapter, "base": {**cflib_adapter["base"], "path": base}})):
+            (staging / name).write_text(json.dumps(document, indent=2) + "\n")
+        (staging / CARD_FILE).write_text(model_card(source, "adapters", repo_id or str(out),
+                                                    cflib_adapter["base"].get("config", {})))
+    if echo is not None:
+        echo(f"wrote {out}: the adapters of {source}, for peft.PeftModel.from_pretrained(base, {str(out)!r})")
+    return out
+
+
+def holds_publication(folder: Path, checkpoint: Path, kind: str) -> bool:
+    """Whether `folder` already holds the publication of `checkpoint`: its card names a checkpoint of that name
+    with the weights `checkpoint` has now."""
+    named = published_checkpoint(folder) if folder.is_dir() else None
+    return (named is not None and named.get("name") == checkpoint.name
+            and named.get("sha256") == sha256_file(checkpoint / WEIGHT_FILES[kind]))
+
+
+def publish(source: Path, out: Path, kind: str, write: Callable[[], object], repo_id: str | None,
+            private: bool | None = None, revision: str | None = None,
+            echo: Callable[[str], None] | None = print) -> Path:
+    """`write()` the publication of `source` (kind "bundle" or "adapters") to `out`, then push it to `repo_id`.
+    An `out` that already holds it (an earlier push, interrupted or not) is pushed as it is."""
+    if repo_id is not None:
+        check_push(repo_id)  # before anything is written
+    if repo_id is not None and holds_publication(out, source, kind):
+        if echo is not None:
+            echo(f"{out} already holds the {kind} of {source}: pushing it as it is")
+    else:
+        write()
+    if repo_id is not None:
+        push_folder(out, repo_id, private=private, revision=revision, echo=echo)
+    return out
+
+
+def publish_run(record: dict, repo_id: str | None, echo: Callable[[str], None] | None = print) -> dict:
+    """push_to_hub at the end of a run: the best (else last) checkpoint's bundle in out_dir/hub, or a LoRA run's
+    adapters in out_dir/adapters, pushed to `repo_id` (created private when it does not exist). The record,
+    unchanged; nothing without repo_id, or where this process holds no record (a dry run, another node)."""
+    if repo_id is None or "checkpoints" not in record:
+        return record
+    checkpoints = record["checkpoints"]
+    chosen = checkpoints.get("best") or checkpoints.get("last")
+    if chosen is None:
+        raise PushError(f"push_to_hub {repo_id}: the run saved no checkpoint to push (save_checkpoints: false?)")
+    chosen, run_dir = Path(chosen), Path(record["out_dir"])
+    if is_adapter_checkpoint(chosen):
+        publish(chosen, run_dir / "adapters", "adapters",
+                lambda: export_adapters(chosen, run_dir / "adapters", repo_id=repo_id, echo=echo),
+                repo_id, private=True, echo=echo)
+        return record
+    shard = ShardPartition(Path(record["data"]["root"]) / "eval")
+    spec = shard_tokenizer_spec(shard)
+    if spec is None:
+        raise PushError(f"push_to_hub {repo_id}: the data's index names no tokenizer; push with python -m "
+                        f"cflib.export hub {run_dir} {run_dir / 'hub'} --tokenizer TOKENIZER --push {repo_id}")
+    publish(chosen, run_dir / "hub", "bundle",
+            lambda: export_hub(chosen, run_dir / "hub", tokenizer=spec, repo_id=repo_id, echo=echo,
+                               chat_template_sha256=shard_chat_template_sha256(shard)),
+            repo_id, private=True, echo=echo)
+    return record

@@ -1,0 +1,155 @@
+"""lm-evaluation-harness tasks on a checkpoint: the shipped tasks and lm-eval's registry, scored through the
+checkpoint's Hub bundle as anyone scores it (`lm_eval.simple_evaluate` with an `HFLM`, `trust_remote_code`).
+
+`TaskScorer` is what a run with `eval_tasks_every` keeps (cflib.train.trainer): the task names are checked
+when it is built, before step 1; each saved checkpoint it scores is exported to a bundle beside its results
+(out_dir/eval_tasks/<checkpoint>/), scored, and the bundle removed again. cflib.lab.evaluate scores a finished
+model with the same pieces.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from cflib.errors import ParamError
+from cflib.export import export_hub
+from cflib.export.peft import is_adapter_checkpoint, merge
+from cflib.paths import resolve_path
+
+SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
+
+
+def shipped_tasks() -> dict[str, Path]:
+    """The project's tasks: name -> YAML."""
+    found = {}
+    for path in sorted(resolve_path(SHIPPED_TASKS).glob("*.yaml")):
+        found[yaml.safe_load(path.read_text())["task"]] = path
+    return found
+
+
+def materialize_tasks(names: list[str], folder: Path) -> dict[str, dict]:
+    """Copies of the named shipped tasks in folder, their data files resolved to absolute paths (lm-eval reads
+    them relative to the working directory); name -> {yaml, sha256 of YAML and data}."""
+    from cflib.data.shards import sha256_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    described = {}
+    for name, path in shipped_tasks().items():
+        if name not in names:
+            continue
+        config = yaml.safe_load(path.read_text())
+        files = config["dataset_kwargs"]["data_files"]
+        resolved = {split: (path.parent / file).resolve() for split, file in files.items()}
+        for split, file in resolved.items():
+            if not file.is_file():
+                raise ParamError(f"task {name} ({path}): its {split} data {file} is missing")
+        config["dataset_kwargs"]["data_files"] = {split: str(file) for split, file in resolved.items()}
+        (folder / path.name).write_text(yaml.safe_dump(config, sort_keys=False))
+        described[name] = {"source": "shipped", "yaml": str(path), "yaml_sha256": sha256_file(path),
+                           "data_sha256": {split: sha256_file(file) for split, file in resolved.items()}}
+    return described
+
+
+def task_manager(names: list[str], folder: Path, what: str = "tasks") -> tuple[Any, dict[str, dict]]:
+    """lm-eval's TaskManager over the shipped tasks (materialized in folder) and its registry, every name
+    checked: a ParamError naming one neither knows."""
+    from lm_eval.tasks import TaskManager
+
+    tasks = materialize_tasks(names, folder)
+    manager = TaskManager(include_path=str(folder))
+    for name in names:
+        if name not in manager.all_tasks:
+            raise ParamError(f"{what}: {name!r} is neither a task of this project ({', '.join(shipped_tasks())}) "
+                             "nor one lm-eval knows (lm-eval --tasks list shows them)")
+        tasks.setdefault(name, {"source": "lm-eval registry"})
+    return manager, {name: tasks[name] for name in names}
+
+
+def score_rows(results: dict) -> list[dict]:
+    """One row per task and metric: value and standard error, as lm-eval reports them."""
+    rows = []
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+                continue
+            metric, filtering = key.split(",", 1)
+            stderr = metrics.get(f"{metric}_stderr,{filtering}")
+            rows.append({"task": task, "metric": metric, "filter": filtering, "value": float(value),
+                         "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                         "samples": results.get("n-samples", {}).get(task, {}).get("effective")})
+    return rows
+
+
+@contextlib.contextmanager
+def quiet_lm_eval() -> Iterator[None]:
+    """lm-eval's log at errors only: its notes (0-shot asked of a task with no default, --limit is for
+    testing) would read as warnings in every notebook run; the record holds the settings instead."""
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class TaskScorer:
+    """eval_tasks scored on a run's saved checkpoints; the tasks checked when it is built."""
+
+    def __init__(self, names: tuple[str, ...], limit: int | None, tokenizer: str | None,
+                 chat_template_sha256: str | None, device: str) -> None:
+        if tokenizer is None:
+            raise ParamError("eval_tasks_every: the data's index names no tokenizer to export the checkpoints' "
+                             "bundles with; convert the data with --tokenizer, or remove eval_tasks_every")
+        self.names, self.limit, self.device = list(names), limit, device
+        self.tokenizer, self.chat_template_sha256 = tokenizer, chat_template_sha256
+        self.staging = Path(tempfile.mkdtemp(prefix="cflib-eval-tasks-"))
+        try:
+            self.manager, self.tasks = task_manager(self.names, self.staging, "eval_tasks")
+        except BaseException:
+            self.close()
+            raise
+
+    def score(self, checkpoint: Path, folder: Path) -> dict:
+        """Every task on checkpoint's bundle; folder/lm_eval_results.json. {task: {metric: value}}, lm-eval's
+        higher_is_better, the seconds it took (exporting the bundle included)."""
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM
+        from lm_eval.utils import handle_non_serializable
+
+        start = time.perf_counter()
+        if folder.exists():  # a resumed run scores the checkpoint again
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        model = checkpoint
+        if is_adapter_checkpoint(checkpoint):  # a LoRA run: its adapters merged into their base first
+            merge(checkpoint, folder / "merged")
+            model = folder / "merged"
+        bundle = export_hub(model, folder / "bundle", tokenizer=self.tokenizer, echo=None,
+                            chat_template_sha256=self.chat_template_sha256)
+        try:
+            lm = HFLM(pretrained=str(bundle), trust_remote_code=True, batch_size=8, device=self.device,
+                      dtype="float32")
+            with quiet_lm_eval():
+                results = lm_eval.simple_evaluate(model=lm, tasks=self.names, limit=self.limit,
+                                                  task_manager=self.manager, num_fewshot=0)
+        finally:
+            for scratch in ("bundle", "merged"):
+                shutil.rmtree(folder / scratch, ignore_errors=True)
+        (folder / "lm_eval_results.json").write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+        scores: dict[str, dict[str, float]] = {}
+        for row in score_rows(results):
+            scores.setdefault(row["task"], {})[row["metric"]] = row["value"]
+        return {"lm_eval": scores, "lm_eval_higher_is_better": results.get("higher_is_better", {}),
+                "lm_eval_seconds": time.perf_counter() - start}
+
+    def close(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
