@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.parametrize("name, content, words", [
     (None, None, ["usage: python -m cflib.train PARAMS.json"]),
-    ("missing.json", None, ["missing.json", "No such file"]),
-    ("broken.json", "{", ["broken.json", "not a JSON parameter file"]),
+    ("missing.json", None, ["missing.json", "no such JSON parameter file"]),
+    ("broken.json", "{", ["broken.json", "not valid JSON"]),
 ], ids=["no-argument", "missing-file", "not-json"])
 def test_bad_worker_input_ends_in_one_line(tmp_path, name, content, words):
     arguments = [] if name is None else [str(tmp_path / name)]
