@@ -36,8 +36,8 @@ from cflib.atomic import write_json_atomic
 from cflib.bench.throughput import (
     PROJECT_PATHS,
     ThroughputParams,
-    _batches,
-    _project_session,
+    batches_of_kind,
+    project_session,
     train_params,
 )
 from cflib.bench.timing import sync
@@ -117,12 +117,12 @@ def compare_step(params_file: str, change: str, before: str | None, micro: int, 
         "timed_steps": timed, "out_dir": str(work)})
     device = resolve_device(params.device)
     config = preset(params.model)
-    batches = _batches("random_rows", params, config, work)
+    batches = batches_of_kind("random_rows", params, config, work)
     steps, _ = batches.steps_of("production", micro, EAGER_AND_CAPTURE_STEPS, timed)
 
     def build(side: str):
         tparams = train_params(params, micro, 100_000, batches.root, work / f"run-{side}", PROJECT_PATHS["production"])
-        session = _project_session("production", tparams)
+        session = project_session("production", tparams)
         for i in range(EAGER_AND_CAPTURE_STEPS):
             session.step(steps[i], steps[i + 1])
         sync(device)

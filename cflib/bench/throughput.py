@@ -217,7 +217,8 @@ def train_params(params: ThroughputParams, micro: int, steps: int, data_root: Pa
         "device": params.device, "pack_sequences": packed, **kernels})
 
 
-def _project_session(name: str, tparams: TrainParams, stream: RealisticStream | None = None) -> Session:
+def project_session(name: str, tparams: TrainParams, stream: RealisticStream | None = None) -> Session:
+    """One of the project's paths ready to step: the run `tparams` prepares, its trainer's step, its counts."""
     run = prepare(tparams)
     if name in EVERY_ROW_PATHS:  # as for a loss that reads every position
         run.plan = dataclasses.replace(run.plan, supervised_rows_only=False)
@@ -274,7 +275,7 @@ def time_evaluation_and_checkpoint(trainer: Trainer, device: torch.device) -> di
 def _session(name: str, tparams: TrainParams, batches: Batches, steps: int, params: ThroughputParams,
              config: ModelConfig, device: torch.device, stack: contextlib.ExitStack) -> Session:
     if name in PROJECT_PATHS:
-        return _project_session(name, tparams, batches.stream)
+        return project_session(name, tparams, batches.stream)
     if name in PEER_PATHS:
         return peer_session(PEER_PATHS[name], tparams, config, device, batches.data, steps, params.compile_backend,
                             stack)
@@ -365,7 +366,8 @@ def _lora_base(path: Path, config: ModelConfig, seed: int) -> Path:
 
 # --- the run ----------------------------------------------------------------------------
 
-def _batches(kind: str, params: ThroughputParams, config: ModelConfig, out_dir: Path) -> Batches:
+def batches_of_kind(kind: str, params: ThroughputParams, config: ModelConfig, out_dir: Path) -> Batches:
+    """Random rows or realistic lengths, as `params` sizes them, written under out_dir."""
     if kind == RANDOM_ROWS:
         return random_rows(out_dir / "random_tokens", config.vocab_size, params.seq_len,
                            max(params.micro_batches) * (params.warmup_steps + params.timed_steps),
@@ -449,7 +451,7 @@ def measure(params: ThroughputParams, log: Callable[[str], None] = print) -> dic
     device = resolve_device(params.device)
     out_dir = job_out_dir(params.out_dir, "runs", ("record.json",), "a throughput record", name="throughput")
     config = PRESETS[params.model]
-    kinds = [_batches(kind, params, config, out_dir) for kind in params.batches]  # a bad shard fails here
+    kinds = [batches_of_kind(kind, params, config, out_dir) for kind in params.batches]  # a bad shard fails here
     started = time.perf_counter()
     release_memory(device)
     ceiling, sustained = _ceilings(params, device, log)

@@ -52,7 +52,10 @@ SMOKE_RUNS = {
     "train_sft.ipynb": ("params/smoke.yaml", {"out_dir": "{tmp}/train_sft-run"}),
     "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run"}),
     "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run"}),
-    "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run"}),
+    # Four paths, a project's and a peer's on each kind of batches, are enough for the page (nbval and
+    # tests/bench run every path).
+    "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run",
+                                        "paths": ["reference", "production", "peer_liger", "peer_packed"]}),
     "chat.ipynb": (None, {"out_dir": "{tmp}/chat-run"}),
     "sweep.ipynb": (None, {"out_dir": "{tmp}/sweep-run"}),
     "compare_runs.ipynb": (None, {"out_dir": "{tmp}/compare-run"}),
