@@ -148,6 +148,7 @@ def test_register_metric_refuses_reserved_names():
         register_metric("exact_match", contains_metric)
 
 
+@pytest.mark.slow  # lm-eval's task registry and scoring
 def test_lm_eval_scores_every_epoch_checkpoint_and_choose_best(tmp_path, shard):
     record = run(tmp_path, shard, epochs=2, eval_tasks="embedded_exact", eval_tasks_every="epoch",
                  eval_tasks_limit=4, best_metric="lm_eval/embedded_exact/exact_match", report_to="tensorboard")
@@ -172,6 +173,7 @@ def test_lm_eval_scores_every_epoch_checkpoint_and_choose_best(tmp_path, shard):
     assert [s.step for s in events.Scalars("lm_eval/embedded_exact/exact_match")] == [e["step"] for e in scored]
 
 
+@pytest.mark.slow  # lm-eval's task registry and scoring
 def test_unknown_eval_tasks_stop_the_run_before_step_1(tmp_path, shard):
     with pytest.raises(ParamError, match="eval_tasks: 'no_such_task'"):
         run(tmp_path, shard, eval_tasks="no_such_task", eval_tasks_every="epoch")

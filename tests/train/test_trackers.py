@@ -197,6 +197,7 @@ def test_log_samples_reach_mlflow_as_artifacts(tmp_path, mlflow_server):
     assert downloaded.read_text() == (out_dir / sent[-1]).read_text()
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_only_warns(tmp_path, mlflow_server):
     """The server dies after a few steps: one warning, every step trained, every row in metrics.jsonl."""
     from mlflow.tracking import MlflowClient
