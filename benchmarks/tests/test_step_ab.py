@@ -27,13 +27,13 @@ def test_the_change_runs_between_the_builds_and_the_blocks_alternate(tmp_path, m
     patch = tmp_path / "patch.py"
     patch.write_text(CHANGE)
     built = []
-    real_session = step_ab._project_session
+    real_session = step_ab.project_session
 
     def session(name, tparams, stream=None):
         built.append(tparams.out_dir)
         return real_session(name, tparams, stream)
 
-    monkeypatch.setattr(step_ab, "_project_session", session)
+    monkeypatch.setattr(step_ab, "project_session", session)
     out = tmp_path / "ab.json"
     step_ab.main(["-f", "params/throughput_smoke.yaml", "--change", f"{patch}:apply", "--before", f"{patch}:before",
                   "--micro-batch", "2", "--rounds", "2", "--steps-per-block", "2", "--out", str(out)])
@@ -55,7 +55,7 @@ def test_before_runs_first_and_the_change_after_a_is_built(tmp_path, monkeypatch
         order.append(f"build {tparams.out_dir.rsplit('/', 1)[-1]}")
         return _Session()
 
-    monkeypatch.setattr(step_ab, "_project_session", session)
+    monkeypatch.setattr(step_ab, "project_session", session)
     monkeypatch.setattr(step_ab, "load_change", lambda spec: lambda: order.append(spec))
     step_ab.compare_step("params/throughput_smoke.yaml", "change", "before", 1, 1, 1, tmp_path)
     assert order == ["before", "build run-a", "change", "build run-b"]

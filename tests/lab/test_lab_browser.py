@@ -349,3 +349,41 @@ def test_train_form_follows_typing_and_reruns_the_notebook(lab):
     _run_until_idle(page, lab, name)
     record = json.loads((rerun / "record.json").read_text())
     assert record["schedule"]["steps_done"] == 2 and record["micro_batch_per_rank"] == 16
+
+
+MODEL_CARD = ROOT / "outputs" / "records" / "model_card_quickstart.md"
+
+
+def test_the_model_card_renders_as_the_hub_shows_it(lab):
+    """The committed card of a quickstart run, its metadata as huggingface_hub parses it over the body rendered
+    from Markdown (tables on, as the Hub renders cards), in Chromium: the evaluation table and the loading lines
+    show, and a screenshot of it lands beside the notebooks' (outputs/screenshots/model_card.png)."""
+    import html
+
+    from huggingface_hub import ModelCard
+    from markdown_it import MarkdownIt
+
+    card = ModelCard.load(MODEL_CARD)
+    meta = card.data.to_dict()
+    page = lab.browser.new_page(viewport={"width": 1000, "height": 800})
+    try:
+        metadata = html.escape("\n".join(card.data.to_yaml().splitlines()[:16]))  # its first lines, folded
+        body_html = MarkdownIt("commonmark").enable("table").render(card.text)
+        page.set_content("<html><body style='font-family: sans-serif; max-width: 900px; margin: 24px'>"
+                         f"<pre id='metadata' style='background: #f6f8fa; padding: 8px'>{metadata}\n...</pre>"
+                         f"<article id='card'>{body_html}</article></body></html>")
+        body = page.locator("#card")
+        expect(body.locator("h1, h2, h3, h4").first).to_be_visible()
+        evaluation = body.locator("table").first
+        expect(evaluation).to_be_visible()
+        assert "eval/loss" in evaluation.inner_text()
+        assert "from_pretrained" in "".join(body.locator("pre code").all_inner_texts())
+        assert meta["library_name"] == "transformers" and meta["cflib"]["checkpoint"]["name"] == "best"
+        height = page.evaluate("() => document.body.scrollHeight")
+        page.set_viewport_size({"width": 1000, "height": min(height + 48, 16_000)})
+        path = SCREENSHOTS / "model_card.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=path)
+        assert path.stat().st_size > 10_000, f"{path}: suspiciously small screenshot"
+    finally:
+        page.close()
