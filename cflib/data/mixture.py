@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+
 from cflib.data.shards import ShardPartition
 from cflib.errors import ParamError, shown
 from cflib.yamlio import load_yaml

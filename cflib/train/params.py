@@ -170,6 +170,10 @@ def tracker_names(name: str, value: Any) -> tuple[str, ...] | None:
     return resolve_report_to(coerce(name, value, tuple[str, ...] | None))
 
 
+# An epoch's order of examples is an array in memory (cflib.data.mixture): 8 GB of int64 at this bound.
+MAX_EXAMPLES_PER_EPOCH = 10**9
+
+
 @dataclass(frozen=True)
 class Model:
     """The model a run starts from."""
@@ -425,6 +429,9 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
                      "save_total_limit"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")
+        if self.examples_per_epoch is not None and self.examples_per_epoch > MAX_EXAMPLES_PER_EPOCH:
+            raise ParamError(f"examples_per_epoch {self.examples_per_epoch:,} is more than the "
+                             f"{MAX_EXAMPLES_PER_EPOCH:,} an epoch may draw (each epoch's order is held in memory)")
         self._validate_optimisation()
         if self.device not in DEVICES:
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")

@@ -122,6 +122,8 @@ CASES = [
      ["warmup_ratio 0.99", "6 warm-up steps", "6"]),
     ("global-batch-of-a-trillion", lambda t: {"global_batch": 10**12 + 1}, ValueError,
      ["global_batch 1000000000001", "micro_batch_per_rank in [1, 73, 137]"]),
+    ("examples-per-epoch-of-a-trillion", lambda t: {"examples_per_epoch": 10**12}, ValueError,
+     ["examples_per_epoch 1,000,000,000,000", "1,000,000,000 an epoch may draw"]),
     ("lora-tokens-of-a-billion", lambda t: {"lora_trainable_tokens": "0-1000000000"}, ValueError,
      ["lora_trainable_tokens", "'0-1000000000'"]),
     ("max-steps-negative", lambda t: {"max_steps": -1}, ValueError, ["max_steps"]),
@@ -356,8 +358,8 @@ def test_a_seed_out_of_range_fails_before_params_json_blocks_the_out_dir(tmp_pat
           progress=False)  # the largest seed trains, into the same folder
 
 
-BOUNDED = ["global-batch-of-a-trillion", "lora-tokens-of-a-billion", "config-million-layers", "config-nested-deep",
-           "row-nested-deep", "index-nested-deep", "row-offset-past-int64"]
+BOUNDED = ["global-batch-of-a-trillion", "examples-per-epoch-of-a-trillion", "lora-tokens-of-a-billion",
+           "config-million-layers", "config-nested-deep", "row-nested-deep", "index-nested-deep", "row-offset-past-int64"]
 
 
 @pytest.mark.parametrize("case", BOUNDED)
