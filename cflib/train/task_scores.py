@@ -60,8 +60,11 @@ def materialize_tasks(names: list[str], folder: Path) -> dict[str, dict]:
 
 def task_manager(names: list[str], folder: Path, what: str = "tasks") -> tuple[Any, dict[str, dict]]:
     """lm-eval's TaskManager over the shipped tasks (materialized in folder) and its registry, every name
-    checked: a ParamError naming one neither knows."""
-    from lm_eval.tasks import TaskManager
+    checked: a ParamError naming one neither knows, or saying lm-eval is not installed."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        raise ParamError(f"{what}: lm-eval is not installed ({err}); pip install -e '.[eval]'") from None
 
     tasks = materialize_tasks(names, folder)
     manager = TaskManager(include_path=str(folder))

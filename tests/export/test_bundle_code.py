@@ -10,6 +10,8 @@ import json
 import shutil
 from pathlib import Path
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -20,6 +22,9 @@ from cflib.export.hub import HUB_MODULES
 from cflib.lab.chat import ChatSession
 from cflib.lab.evaluate import EvalParams, prepare_evaluation
 from cflib.model import TRMoEModel, load_checkpoint, preset, save_checkpoint
+
+needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                   reason="lm-eval is not installed (the eval extra)")
 
 MODELING = "modeling_tr_hash_moe.py"
 
@@ -70,6 +75,7 @@ def test_a_tampered_bundle_is_refused_by_every_loader_and_its_code_never_runs(bu
 
 
 @pytest.mark.slow  # lm-eval's task registry is read first: seconds
+@needs_lm_eval
 def test_a_tampered_bundle_is_refused_under_evaluate_before_anything_is_written(bundle, tmp_path):
     copy, marker = tampered(bundle, tmp_path)
     out_dir = tmp_path / "eval"
@@ -107,6 +113,7 @@ def test_exporting_a_tampered_bundle_writes_cflibs_modules_and_runs_none(bundle,
 
 
 @pytest.mark.slow  # lm-eval's task registry is read first: seconds
+@needs_lm_eval
 def test_a_bundle_whose_config_cflib_refuses_is_refused_before_lm_eval_scores_it(bundle, tmp_path, monkeypatch):
     import lm_eval
 

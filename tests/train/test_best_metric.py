@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import importlib.util
+import sys
+
 import pytest
 import torch
 from sft_shard_helpers import write_shard
@@ -17,6 +20,9 @@ from cflib.train.best_metric import (ANSWER_METRICS, BestMetric, contains_metric
                                      regex_metric, register_metric)
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
+
+needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                                   reason="lm-eval is not installed (the eval extra)")
 
 FAST = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 16, "lr": 3e-3,
         "exact_match_limit": 24, "device": "cpu", "epochs": 3, "max_steps": None}
@@ -149,6 +155,7 @@ def test_register_metric_refuses_reserved_names():
 
 
 @pytest.mark.slow  # lm-eval's task registry and scoring
+@needs_lm_eval
 def test_lm_eval_scores_every_epoch_checkpoint_and_choose_best(tmp_path, shard):
     record = run(tmp_path, shard, epochs=2, eval_tasks="embedded_exact", eval_tasks_every="epoch",
                  eval_tasks_limit=4, best_metric="lm_eval/embedded_exact/exact_match", report_to="tensorboard")
@@ -174,7 +181,16 @@ def test_lm_eval_scores_every_epoch_checkpoint_and_choose_best(tmp_path, shard):
 
 
 @pytest.mark.slow  # lm-eval's task registry and scoring
+@needs_lm_eval
 def test_unknown_eval_tasks_stop_the_run_before_step_1(tmp_path, shard):
     with pytest.raises(ParamError, match="eval_tasks: 'no_such_task'"):
         run(tmp_path, shard, eval_tasks="no_such_task", eval_tasks_every="epoch")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_eval_tasks_without_lm_eval_installed_stop_the_run_saying_so(tmp_path, shard, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)
+    with pytest.raises(ParamError, match=r"eval_tasks: lm-eval is not installed .*pip install -e '\.\[eval\]'"):
+        run(tmp_path, shard, eval_tasks="embedded_exact", eval_tasks_every="epoch")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
