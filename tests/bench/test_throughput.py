@@ -62,22 +62,12 @@ def test_parameters_cell_mirrors_throughput_params():
     assert {name: tuple(v) if isinstance(v, list) else v for name, v in cell.items()} == defaults
 
 
-def test_h200_params_measure_the_products_targets_settings():
-    params = ThroughputParams.from_dict(load_params_file(ROOT / "params" / "throughput_200m_h200.yaml"))
-    assert (params.model, params.seq_len, params.bf16, params.device) == ("tr_hash_200m", 2048, True, "cuda")
-    assert 16 in params.micro_batches and len(params.micro_batches) > 1 and params.compare_micro_batch == 16
-    assert set(params.batches) == set(BATCHES) and params.shard is None and params.realistic_median_length == 300
-    named = {side.path for target in TARGETS for side in (target.numerator, target.denominator)}
-    assert named - {"best_peer", "ceiling"} <= set(params.paths)  # every target's sides are measured
-    assert {"peer_padded", "peer_packed", "peer_padding_free"} <= set(params.paths) and params.fed_peers_liger
-    assert params.ceiling_size == 8192 and params.warmup_steps >= 3 and params.timed_steps >= 8
-
-
-def test_h100_params_measure_every_floor_against_the_fastest_peers():
-    """The H100 run's peers are the fastest a user of transformers has: Liger on FlashAttention-4, torch.compile of
-    the whole model and of the decoder body with Liger's loss, and on realistic lengths the compiled model fed
-    padding-free; its set-up and compilation are reported apart, its profile taken at the compared micro-batch."""
-    params = ThroughputParams.from_dict(load_params_file(ROOT / "params" / "throughput_200m_h100.yaml"))
+@pytest.mark.parametrize("card", ["h100", "h200"])
+def test_gpu_params_measure_every_floor_against_the_fastest_peers(card):
+    """Each card's run: its peers are the fastest a user of transformers has: Liger on FlashAttention-4,
+    torch.compile of the whole model and of the decoder body with Liger's loss, and on realistic lengths the compiled
+    model fed padding-free; its set-up and compilation are reported apart, its profile taken at the compared micro-batch."""
+    params = ThroughputParams.from_dict(load_params_file(ROOT / "params" / f"throughput_200m_{card}.yaml"))
     assert (params.model, params.seq_len, params.bf16, params.device) == ("tr_hash_200m", 2048, True, "cuda")
     assert params.micro_batches == (16, 48) and params.compare_micro_batch == 16
     assert set(params.batches) == set(BATCHES) and params.shard is None and params.realistic_median_length == 300
