@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device side, on the warm machine after call_tests.sh: params/throughput_200m_<card>.yaml as it is (card: the
 # first argument, h100 by default, or h200), from cold Triton and Inductor caches (every path's first step and
-# compilation as a fresh machine pays them), through the notebook under papermill. Brings back the record, the executed notebook, the plot and the profiles in one archive.
+# compilation as a fresh machine pays them), through the notebook under papermill. Brings back the record, the
+# executed notebook, the plot and the profiles in one archive.
 set -o pipefail
 nvidia-smi --query-gpu=name,memory.total,power.limit,clocks.max.sm,temperature.gpu --format=csv > "$OUT/smi_record.txt"
 card=${1:-h100}
