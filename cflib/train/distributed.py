@@ -115,6 +115,44 @@ def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int
                     "checkpointing, measured on the reference path); DDP when it fits 90% of one device"}
 
 
+# DDP's gradient buckets: a flat fp32 copy of every trainable gradient, all-reduced bucket by bucket.
+DDP_BUCKET_BYTES_PER_PARAM = 4
+# FSDP gathers weights as they are stored (fp32 here: no mixed-precision policy) and reduce-scatters fp32 gradients.
+GATHERED_BYTES_PER_PARAM = 4
+
+
+def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, lora: dict | None = None) -> dict:
+    """What one rank holds and sends per optimizer step under DDP and under FSDP, computed, not measured.
+
+    Ring collectives: a rank sends (W-1)/W of the buffer in an all-gather or a reduce-scatter, twice that in an
+    all-reduce. DDP all-reduces the trainable gradients once a step (the micro-steps before the last skip the
+    sync) and holds the whole state plus its buckets. FSDP (`fully_shard` per layer, then the root) holds 1/W of
+    the state; every micro-step gathers each layer's weights twice (forward, and again in backward: they are
+    resharded after forward) and the root's (embedding, final norm) once, and the last one reduce-scatters the
+    gradients; at a time it holds the root and about two layers gathered (the one running and the one prefetched).
+    `lora` ({trainable_params, base_dtype}) as memory_estimate's: the base is gathered in its dtype and carries
+    no gradient."""
+    params = config.num_parameters()
+    root = config.vocab_size * config.hidden_size + config.hidden_size
+    per_layer = (params - root) // config.num_hidden_layers
+    trainable = params if lora is None else lora["trainable_params"]
+    stored = GATHERED_BYTES_PER_PARAM if lora is None else (2 if lora["base_dtype"] == "bfloat16" else 4)
+    state = TRAINING_BYTES_PER_PARAM * params if lora is None else stored * params + TRAINING_BYTES_PER_PARAM * trainable
+    share = (world_size - 1) / world_size
+    gathered_per_micro_step = stored * (2 * (params - root) + root)
+    return {
+        "world_size": world_size, "micro_steps": micro_steps,
+        "ddp": {"state_bytes": state + DDP_BUCKET_BYTES_PER_PARAM * trainable,
+                "sent_bytes_per_step": round(2 * share * GATHERED_BYTES_PER_PARAM * trainable)},
+        "fsdp": {"state_bytes": round(state / world_size + stored * (root + 2 * per_layer)),
+                 "sent_bytes_per_step": round(share * (micro_steps * gathered_per_micro_step
+                                                       + GATHERED_BYTES_PER_PARAM * trainable))},
+        "rule": "ring collectives; DDP: the state + 4 B/param of buckets, an fp32 all-reduce of the trainable "
+                "gradients a step; FSDP: the state / world_size + the root and two layers gathered, each "
+                "micro-step gathering the layers twice and the root once, one fp32 reduce-scatter a step",
+    }
+
+
 def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory

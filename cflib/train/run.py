@@ -34,6 +34,7 @@ from cflib.train.distributed import (
     device_memory_bytes,
     epoch_stream,
     memory_estimate,
+    strategy_costs,
     whole_batches,
 )
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
@@ -372,7 +373,14 @@ def describe_arithmetic(figures: dict, params: TrainParams) -> str:
         f"{_size(memory['activation_bytes'])}); "
         + ("fits one device" if memory["fits_one_device"] else "does not fit one device")
         + (f", strategy {figures['strategy']}" if figures["world_size"] > 1 else ""),
+        *([_strategy_line(memory["per_strategy"])] if "per_strategy" in memory else []),
     ])
+
+
+def _strategy_line(costs: dict) -> str:
+    return "per rank         " + "; ".join(
+        f"{name} holds {_size(costs[name]['state_bytes'])} of weights and optimizer state, sends "
+        f"{_size(costs[name]['sent_bytes_per_step'])} a step" for name in ("ddp", "fsdp"))
 
 
 def _size(num_bytes: int) -> str:
@@ -388,8 +396,11 @@ def memory_figures(config: ModelConfig, params: TrainParams, device: torch.devic
     settings = params.lora_settings()
     lora = None if settings is None else {"trainable_params": adapter_parameter_count(config, settings),
                                           "base_dtype": settings.base_dtype}
-    return memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
-                           device_memory_bytes(device), lora=lora)
+    estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
+                               device_memory_bytes(device), lora=lora)
+    if params.world_size > 1:
+        estimate["per_strategy"] = strategy_costs(config, params.world_size, params.grad_accum, lora)
+    return estimate
 
 
 def _preset(name: str) -> ModelConfig:
