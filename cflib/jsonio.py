@@ -44,19 +44,27 @@ def parse_json(text: str | bytes, where: str, error: type[Exception]) -> Any:
     return value
 
 
-def read_json(path: str | Path, error: type[Exception], what: str = "JSON file") -> Any:
-    """The JSON document in the file `path`, or `error` naming it: missing, a folder, too large, invalid."""
+def read_bounded(path: str | Path, limit: int, error: type[Exception], what: str) -> bytes:
+    """The bytes of the file `path`, at most `limit` of them, or `error` naming it and what it was meant to be (a
+    `what`): missing, a folder, unreadable or larger. Only limit + 1 bytes are ever read."""
     path = Path(path)
     if path.is_dir():
         raise error(f"{path}: a folder, not a {what}")
     try:
         with open(path, "rb") as handle:
-            data = handle.read(MAX_BYTES + 1)
+            data = handle.read(limit + 1)
     except FileNotFoundError:
         raise error(f"{path}: no such {what}") from None
     except OSError as err:
         raise error(f"{path}: cannot read the {what} ({err.strerror or err})") from None
-    return parse_json(data, str(path), error)
+    if len(data) > limit:
+        raise error(f"{path}: larger than the {limit:,} bytes cflib reads in a {what}")
+    return data
+
+
+def read_json(path: str | Path, error: type[Exception], what: str = "JSON file") -> Any:
+    """The JSON document in the file `path`, or `error` naming it: missing, a folder, too large, invalid."""
+    return parse_json(read_bounded(path, MAX_BYTES, error, what), str(path), error)
 
 
 def json_lines(path: str | Path, error: type[Exception], where: Callable[[int], str] | None = None,

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from cflib.jsonio import read_bounded
+
 MAX_BYTES = 4 * 2**20  # a parameter, curriculum, plan, spec or template file
 MAX_DEPTH = 64  # sequences and mappings inside each other, aliases expanded
 MAX_NODES = 100_000  # scalars, sequences and mappings, every alias counted as the nodes it stands for
@@ -91,18 +93,7 @@ def load_yaml(text: str, where: str, error: type[Exception]) -> Any:
 
 def read_yaml(path: str | Path, error: type[Exception], what: str) -> Any:
     """A YAML document (safe loader, bounded), or `error` naming the file."""
-    path = Path(path)
-    if path.is_dir():
-        raise error(f"{path}: a folder, not a {what}")
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise error(f"{path}: no such {what}") from None
-    except OSError as err:
-        raise error(f"{path}: cannot read the {what} ({err.strerror or err})") from None
-    if len(data) > MAX_BYTES:
-        raise error(f"{path}: larger than the {MAX_BYTES:,} bytes cflib reads in a {what}")
+    data = read_bounded(path, MAX_BYTES, error, what)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -11,8 +11,9 @@ from cflib.paths import project_root
 PACKAGE = project_root() / "cflib"
 # Higher may import lower, never the other way; model and data share a rank and import neither each other.
 # jobs, the skeleton every job shares, and schema, the parameter schema, are foundation too, built on errors
-# (and paths, yamlio); locks, one writer per folder, builds on atomic.
-LAYERS = {"errors": 0, "atomic": 0, "paths": 0, "yamlio": 0, "jsonio": 0, "locks": 0.25, "jobs": 0.5, "schema": 0.5,
+# (and paths, yamlio); locks, one writer per folder, builds on atomic; yamlio reads its files through jsonio's
+# bounded file reader.
+LAYERS = {"errors": 0, "atomic": 0, "paths": 0, "yamlio": 0.25, "jsonio": 0, "locks": 0.25, "jobs": 0.5, "schema": 0.5,
           "ops": 1, "model": 2, "data": 2, "export": 3, "train": 4, "bench": 5, "lab": 6}
 # A function longer than this does more than one thing: split it. The few that are longer today may not grow,
 # and leave this list when they are split.

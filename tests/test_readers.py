@@ -12,8 +12,10 @@ from typing import Any, Callable
 
 import pytest
 
+import cflib.jsonio
+import cflib.yamlio
 from cflib.errors import ParamError, shown
-from cflib.jsonio import MAX_DEPTH, json_lines, parse_json, read_json
+from cflib.jsonio import MAX_DEPTH, json_lines, parse_json, read_bounded, read_json
 from cflib.yamlio import MAX_NODES, load_yaml, read_yaml
 
 # Under 500 bytes: nine aliases of nine aliases, nine levels deep, stand for 9**9 (387 million) strings.
@@ -62,6 +64,22 @@ def test_a_folder_or_a_missing_file_is_named_for_what_it_was_meant_to_be(tmp_pat
         read_yaml(tmp_path / "nowhere.yaml", ParamError, "curriculum file")
     with pytest.raises(ParamError, match=f"{tmp_path}: a folder, not a run record"):
         read_json(tmp_path, ParamError, "run record")
+
+
+def test_a_file_past_its_bound_is_refused_naming_it(tmp_path, monkeypatch):
+    """One reader bounds every file, JSON and YAML alike: a byte past the bound and the file is named, never read
+    further."""
+    path = tmp_path / "params.yaml"
+    path.write_text("[" + "1, " * 40 + "1]")
+    with pytest.raises(ParamError, match=f"{path}: larger than the 64 bytes cflib reads in a parameter file"):
+        read_bounded(path, 64, ParamError, "parameter file")
+    assert read_bounded(path, path.stat().st_size, ParamError, "parameter file") == path.read_bytes()
+    monkeypatch.setattr(cflib.yamlio, "MAX_BYTES", 64)
+    monkeypatch.setattr(cflib.jsonio, "MAX_BYTES", 64)
+    with pytest.raises(ParamError, match=f"{path}: larger than the 64 bytes cflib reads in a parameter file"):
+        read_yaml(path, ParamError, "parameter file")
+    with pytest.raises(ParamError, match=f"{path}: larger than the 64 bytes cflib reads in a run record"):
+        read_json(path, ParamError, "run record")
 
 
 def test_deep_json_is_refused_where_python_would_recurse_out_of_its_stack():

@@ -3,10 +3,11 @@ path and target; headline-table, the targets), printed or written into FILE's ge
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from cflib.bench.tables import TABLES, update_block
+from cflib.errors import ParamError
+from cflib.jsonio import read_json
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,12 +16,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("record", help="a record.json written by cflib.bench.throughput (e.g. outputs/records/...json)")
     parser.add_argument("--into", help="rewrite this file's generated block for the record instead of printing")
     args = parser.parse_args(argv)
+    try:  # bounded: size and nesting (cflib.jsonio), the error naming the file
+        record = read_json(args.record, ParamError, "throughput record")
+    except ParamError as err:
+        parser.error(str(err))
     try:
-        record = json.loads(Path(args.record).read_text())
         if not isinstance(record, dict):
             raise ValueError(f"a record is a JSON object, not a {type(record).__name__}")
         markdown = TABLES[args.kind](record)
-    except (OSError, ValueError, KeyError, TypeError) as err:  # TypeError: a field of another shape
+    except (ValueError, KeyError, TypeError) as err:  # TypeError: a field of another shape
         parser.error(f"{args.record}: {type(err).__name__}: {err}")
     if not args.into:
         print(markdown)

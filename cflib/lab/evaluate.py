@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +42,7 @@ from cflib.paths import resolve_path
 from cflib.schema import Params, as_given, parsed_by
 from cflib.train.run import resolve_device
 from cflib.train.run_folder import read_run_record
-from cflib.train.task_scores import quiet_lm_eval, score_rows, task_manager
+from cflib.train.task_scores import CheckedTasks, check_tasks, quiet_lm_eval, score_rows
 
 DEFAULT_TASKS = ("embedded_choice", "embedded_exact")
 TRAIN_HERE_STEPS = 32  # model None: a quickstart-size model this many steps into training (seconds on a CPU)
@@ -130,35 +128,33 @@ class Evaluation:
     params: EvalParams
     bundle: Path
     model_source: str
-    tasks: dict[str, dict]
-    task_manager: Any
-    task_dir: Path  # the shipped tasks' YAMLs with resolved data paths, copied to out_dir/tasks by the run
+    checked_tasks: CheckedTasks  # lm-eval's task manager and the shipped tasks' configs (out_dir/tasks by the run)
     device: torch.device
     out_dir: Path
     checked_model: TRMoEModel  # the bundle as cflib loads it, checked before lm-eval scores anything
     trust_remote_code: bool  # whether transformers runs the bundle's own modules (trust_bundle_code)
 
+    @property
+    def tasks(self) -> dict[str, dict]:
+        """Task name -> how the record describes it, in the order named."""
+        return self.checked_tasks.described
+
 
 def prepare_evaluation(params: EvalParams) -> Evaluation:
-    """Check the parameters, out_dir and every task name against the shipped tasks and lm-eval's registry,
-    then find (or export, or train) the bundle: a bad input stops here, before any model is scored."""
+    """Check the parameters, out_dir and every task name against the shipped tasks and lm-eval's registry (out_dir
+    untouched, nothing written anywhere), then find (or export, or train) the bundle: a bad input stops here,
+    before any model is scored."""
     out_dir = job_out_dir(params.out_dir, "eval", ("record.json",), "an evaluation")
     device = resolve_device(params.device)
-    names = params.task_names()
-    staging = Path(tempfile.mkdtemp(prefix="cflib-eval-tasks-"))  # out_dir stays untouched until all is checked
+    tasks = check_tasks(params.task_names())
     try:
-        manager, tasks = task_manager(names, staging)
         bundle, source = resolve_bundle(params.model, out_dir, params.device)
         trust = check_bundle_code(bundle, params.trust_bundle_code, lambda why: ParamError(f"model {params.model}: "
                                                                                            f"{why}"))
         model = load_checkpoint(bundle, device).eval()  # cflib's checks of its config and weights come first
     except (ExportError, CheckpointError, ConfigError) as err:
-        shutil.rmtree(staging, ignore_errors=True)
         raise ParamError(f"model {params.model}: {err}") from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return Evaluation(params, bundle, source, tasks, manager, staging, device, out_dir, model, trust)
+    return Evaluation(params, bundle, source, tasks, device, out_dir, model, trust)
 
 
 
@@ -228,8 +224,9 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
     start = time.perf_counter()
     for name in tqdm(list(job.tasks), desc="tasks", unit="task", disable=not progress):
         with quiet_lm_eval():
-            result = lm_eval.simple_evaluate(model=lm, tasks=[name], limit=params.limit,
-                                             task_manager=job.task_manager, log_samples=True, num_fewshot=0)
+            result = lm_eval.simple_evaluate(model=lm, tasks=job.checked_tasks.specs([name]), limit=params.limit,
+                                             task_manager=job.checked_tasks.manager, log_samples=True,
+                                             num_fewshot=0)
         samples.update(result.pop("samples"))
         for key, value in result.items():
             if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -238,8 +235,7 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
                 merged[key] = value
     seconds = time.perf_counter() - start
     out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(job.task_dir, out_dir / "tasks", dirs_exist_ok=True)
-    shutil.rmtree(job.task_dir, ignore_errors=True)
+    job.checked_tasks.write_configs(out_dir / "tasks")
     (out_dir / "lm_eval_results.json").write_text(json.dumps(merged, indent=2, default=handle_non_serializable))
     for task, rows in samples.items():
         with open(out_dir / f"samples_{task}.jsonl", "w") as out:

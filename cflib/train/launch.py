@@ -10,15 +10,16 @@ stops the whole job when any rank fails, and returns rank 0's record.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections import deque
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
 from tqdm.auto import tqdm
 
+from cflib.atomic import write_json_atomic
 from cflib.export.publish import publish_run
 from cflib.export.push import check_push
 from cflib.jsonio import read_json
@@ -39,6 +41,7 @@ from cflib.train.run_folder import set_aside_run, starts_over
 from cflib.train.trainer import Trainer
 
 PROGRESS = re.compile(r"^\[rank 0\] step (\d+)/(\d+) ")
+LAUNCH_DIR = ".torchrun"  # out_dir/.torchrun-node<N>: what the launcher hands torchrun, while the job runs
 
 
 class LaunchError(RuntimeError):
@@ -70,31 +73,46 @@ def start_over(run: Run) -> Run:
     return replace(run, params=replace(run.params, resume=None))
 
 
-def torchrun_command(params: TrainParams, params_file: Path) -> list[str]:
+def torchrun_command(params: TrainParams, launch_dir: Path) -> list[str]:
+    """torchrun on the workers' parameters (launch_dir/params.json), its logs in launch_dir/logs: without a
+    log folder torchrun makes one in the system's temporary folder and never removes it."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={params.nproc_per_node}",
-               "--max-restarts=0", "--monitor-interval=0.5"]
+               "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={launch_dir / 'logs'}"]
     if params.nnodes == 1 and not params.rdzv_endpoint:
         command.append("--standalone")
     else:
         command += [f"--nnodes={params.nnodes}", f"--node-rank={params.node_rank}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint={params.rdzv_endpoint}"]
-    return command + ["-m", "cflib.train", str(params_file)]
+    return command + ["-m", "cflib.train", str(launch_dir / "params.json")]
 
 
 def torchrun(run: Run, progress: bool = True) -> dict:
-    """Start torchrun, relay its output line by line, and collect the record rank 0 wrote."""
-    worker_params = replace(run.params, out_dir=str(run.out_dir))
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="cflib-params-", delete=False) as handle:
-        json.dump(asdict(worker_params), handle)
-    params_file = Path(handle.name)
+    """Start torchrun, relay its output line by line, and collect the record rank 0 wrote. What it hands torchrun
+    lives in the run folder while the job runs (open_launch_dir), and goes when it ends, however it ends."""
+    created = not run.out_dir.exists()
+    launch_dir = open_launch_dir(run.out_dir, run.params.node_rank)
+    try:
+        write_json_atomic(launch_dir / "params.json", asdict(replace(run.params, out_dir=str(run.out_dir))))
+        returncode, tail = relay(torchrun_command(run.params, launch_dir), run, progress)
+    finally:
+        close_launch_dir(launch_dir, created)
+    if returncode != 0:
+        raise LaunchError(f"torchrun exited with code {returncode}; its last lines:\n" + "".join(tail))
+    if run.params.node_rank != 0:  # rank 0 lives on node 0, and so does the record
+        return {"node_rank": run.params.node_rank, "world_size": run.params.world_size}
+    return json.loads((run.out_dir / "record.json").read_text())
+
+
+def relay(command: list[str], run: Run, progress: bool) -> tuple[int, deque[str]]:
+    """Run torchrun's command, every line of its output relayed (rank 0's progress drives the bar); its exit
+    status and last lines. Whatever ends the relay ends torchrun's whole process group too."""
     bar = tqdm(total=run.total_steps, desc=f"train x{run.params.world_size}", unit="step", disable=not progress)
     tail: deque[str] = deque(maxlen=60)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // run.params.nproc_per_node)))
     # Its own session: on any exit path the whole process group can be ended, no orphans.
-    process = subprocess.Popen(torchrun_command(run.params, params_file), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
-                               preexec_fn=_terminate_with_parent)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True, preexec_fn=_terminate_with_parent)
     try:
         for line in process.stdout:
             tail.append(line)
@@ -103,17 +121,32 @@ def torchrun(run: Run, progress: bool = True) -> dict:
                 bar.n = int(found.group(1))
                 bar.refresh()
             tqdm.write(line.rstrip("\n"))
-        returncode = process.wait()
+        return process.wait(), tail
     finally:
         if process.poll() is None:
             _stop(process)
         bar.close()
-        params_file.unlink(missing_ok=True)
-    if returncode != 0:
-        raise LaunchError(f"torchrun exited with code {returncode}; its last lines:\n" + "".join(tail))
-    if run.params.node_rank != 0:  # rank 0 lives on node 0, and so does the record
-        return {"node_rank": run.params.node_rank, "world_size": run.params.world_size}
-    return json.loads((run.out_dir / "record.json").read_text())
+
+
+def open_launch_dir(out_dir: Path, node_rank: int) -> Path:
+    """The launcher's folder in the run folder, `out_dir/.torchrun-node<N>` (the node's, in case nodes share out_dir):
+    the workers' parameters and torchrun's logs, never the system's temporary folder. A killed launcher's is
+    replaced here (a link in its place is removed, never followed)."""
+    folder = out_dir / f"{LAUNCH_DIR}-node{node_rank}"
+    if folder.is_symlink() or folder.is_file():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    return folder
+
+
+def close_launch_dir(folder: Path, created_out_dir: bool) -> None:
+    """The launcher's folder removed; out_dir too when the launcher made it and no worker wrote in it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if created_out_dir:
+        with contextlib.suppress(OSError):  # not empty: the run's own files
+            folder.parent.rmdir()
 
 
 def _terminate_with_parent() -> None:

@@ -5,15 +5,20 @@ checkpoint's Hub bundle as anyone scores it (`lm_eval.simple_evaluate` with an `
 when it is built, before step 1; each saved checkpoint it scores is exported to a bundle beside its results
 (out_dir/eval_tasks/<checkpoint>/), scored, and the bundle removed again. cflib.lab.evaluate scores a finished
 model with the same pieces.
+
+The shipped tasks reach lm-eval as configs in memory (their data files resolved), never as files: checking and
+scoring them writes nothing outside the run's or the evaluation's own folder, so a process killed at any point
+leaves nothing behind in the system's temporary folder.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import shutil
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -35,13 +40,12 @@ def shipped_tasks() -> dict[str, Path]:
     return found
 
 
-def materialize_tasks(names: list[str], folder: Path) -> dict[str, dict]:
-    """Copies of the named shipped tasks in folder, their data files resolved to absolute paths (lm-eval reads
-    them relative to the working directory); name -> {yaml, sha256 of YAML and data}."""
+def shipped_configs(names: list[str]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """The named shipped tasks: (name -> its lm-eval config, its data files resolved to absolute paths, since
+    lm-eval reads them relative to the working directory; name -> {yaml, sha256 of YAML and data})."""
     from cflib.data.shards import sha256_file
 
-    folder.mkdir(parents=True, exist_ok=True)
-    described = {}
+    configs, described = {}, {}
     for name, path in shipped_tasks().items():
         if name not in names:
             continue
@@ -52,28 +56,49 @@ def materialize_tasks(names: list[str], folder: Path) -> dict[str, dict]:
             if not file.is_file():
                 raise ParamError(f"task {name} ({path}): its {split} data {file} is missing")
         config["dataset_kwargs"]["data_files"] = {split: str(file) for split, file in resolved.items()}
-        (folder / path.name).write_text(yaml.safe_dump(config, sort_keys=False))
+        configs[name] = config
         described[name] = {"source": "shipped", "yaml": str(path), "yaml_sha256": sha256_file(path),
                            "data_sha256": {split: sha256_file(file) for split, file in resolved.items()}}
-    return described
+    return configs, described
 
 
-def task_manager(names: list[str], folder: Path, what: str = "tasks") -> tuple[Any, dict[str, dict]]:
-    """lm-eval's TaskManager over the shipped tasks (materialized in folder) and its registry, every name
-    checked: a ParamError naming one neither knows, or saying lm-eval is not installed."""
+@dataclass(frozen=True)
+class CheckedTasks:
+    """Task names every one of which lm-eval can score: its TaskManager (its registry), the shipped tasks'
+    configs and each task described for the record (in the order named)."""
+
+    manager: Any
+    configs: dict[str, dict]  # the shipped tasks named, given to lm-eval as configs: no file is written for them
+    described: dict[str, dict]
+
+    def specs(self, names: list[str]) -> list[str | dict]:
+        """simple_evaluate's `tasks` for names: a shipped task's config (a copy: lm-eval builds on what it is
+        given), a registry task's name."""
+        return [copy.deepcopy(self.configs[name]) if name in self.configs else name for name in names]
+
+    def write_configs(self, folder: Path) -> None:
+        """The shipped tasks' configs as they were scored, a YAML each, in folder (an evaluation's tasks/)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, config in self.configs.items():
+            (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def check_tasks(names: list[str], what: str = "tasks") -> CheckedTasks:
+    """Every name a shipped task or one of lm-eval's registry: a ParamError naming one neither knows, or saying
+    lm-eval is not installed. Writes nothing."""
     try:
         from lm_eval.tasks import TaskManager
     except ImportError as err:
         raise ParamError(f"{what}: lm-eval is not installed ({err}); pip install -e '.[eval]'") from None
 
-    tasks = materialize_tasks(names, folder)
-    manager = TaskManager(include_path=str(folder))
+    configs, described = shipped_configs(names)
+    manager = TaskManager()
     for name in names:
-        if name not in manager.all_tasks:
+        if name not in configs and name not in manager.all_tasks:
             raise ParamError(f"{what}: {name!r} is neither a task of this project ({', '.join(shipped_tasks())}) "
                              "nor one lm-eval knows (lm-eval --tasks list shows them)")
-        tasks.setdefault(name, {"source": "lm-eval registry"})
-    return manager, {name: tasks[name] for name in names}
+        described.setdefault(name, {"source": "lm-eval registry"})
+    return CheckedTasks(manager, configs, {name: described[name] for name in names})
 
 
 def score_rows(results: dict) -> list[dict]:
@@ -114,16 +139,13 @@ class TaskScorer:
                              "bundles with; convert the data with --tokenizer, or remove eval_tasks_every")
         self.names, self.limit, self.device = list(names), limit, device
         self.tokenizer, self.chat_template_sha256 = tokenizer, chat_template_sha256
-        self.staging = Path(tempfile.mkdtemp(prefix="cflib-eval-tasks-"))
-        try:
-            self.manager, self.tasks = task_manager(self.names, self.staging, "eval_tasks")
-        except BaseException:
-            self.close()
-            raise
+        self.tasks = check_tasks(self.names, "eval_tasks")
 
     def score(self, checkpoint: Path, folder: Path) -> dict:
         """Every task on checkpoint's bundle; folder/lm_eval_results.json. {task: {metric: value}}, lm-eval's
-        higher_is_better, the seconds it took (exporting the bundle included)."""
+        higher_is_better, the seconds it took (exporting the bundle included). The bundle (and a LoRA run's merged
+        model) live in folder while it is scored, and go whatever happens; a killed run's are replaced when the
+        checkpoint is scored again."""
         import lm_eval
         from lm_eval.models.huggingface import HFLM
         from lm_eval.utils import handle_non_serializable
@@ -132,18 +154,18 @@ class TaskScorer:
         if folder.exists():  # a resumed run scores the checkpoint again
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
-        model = checkpoint
-        if is_adapter_checkpoint(checkpoint):  # a LoRA run: its adapters merged into their base first
-            merge(checkpoint, folder / "merged")
-            model = folder / "merged"
-        bundle = export_hub(model, folder / "bundle", tokenizer=self.tokenizer, echo=None,
-                            chat_template_sha256=self.chat_template_sha256)
         try:
+            model = checkpoint
+            if is_adapter_checkpoint(checkpoint):  # a LoRA run: its adapters merged into their base first
+                merge(checkpoint, folder / "merged")
+                model = folder / "merged"
+            bundle = export_hub(model, folder / "bundle", tokenizer=self.tokenizer, echo=None,
+                                chat_template_sha256=self.chat_template_sha256)
             lm = HFLM(pretrained=str(bundle), trust_remote_code=True, batch_size=8, device=self.device,
                       dtype="float32")
             with quiet_lm_eval():
-                results = lm_eval.simple_evaluate(model=lm, tasks=self.names, limit=self.limit,
-                                                  task_manager=self.manager, num_fewshot=0)
+                results = lm_eval.simple_evaluate(model=lm, tasks=self.tasks.specs(self.names), limit=self.limit,
+                                                  task_manager=self.tasks.manager, num_fewshot=0)
         finally:
             for scratch in ("bundle", "merged"):
                 shutil.rmtree(folder / scratch, ignore_errors=True)
@@ -153,6 +175,3 @@ class TaskScorer:
             scores.setdefault(row["task"], {})[row["metric"]] = row["value"]
         return {"lm_eval": scores, "lm_eval_higher_is_better": results.get("higher_is_better", {}),
                 "lm_eval_seconds": time.perf_counter() - start}
-
-    def close(self) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)

@@ -292,8 +292,6 @@ class Trainer:
                     steady_collector():
                 return trackers.finished(self._fit())
         finally:
-            if self.scorer is not None:
-                self.scorer.close()
             if lock is not None:
                 lock.release()
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from cflib.jsonio import MAX_BYTES, MAX_DEPTH
+
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "outputs" / "records" / "throughput_200m_h200.json"
 
@@ -24,6 +26,10 @@ def world(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("entry_points")
     (root / "list.json").write_text("[1, 2]\n")
     (root / "afile").write_text("a file, not a folder")
+    (root / "broken.json").write_text('{"kind": "throughput", ')
+    (root / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # json.loads alone recurses out of the stack
+    with open(root / "huge.json", "wb") as huge:  # one byte past the bound, sparse: nothing written but the size
+        huge.truncate(MAX_BYTES + 1)
     return root
 
 
@@ -31,7 +37,13 @@ CASES = [
     ("table-of-a-list", lambda w: ["cflib.bench", "perf-table", str(w / "list.json")],
      ["list.json", "a record is a JSON object"]),
     ("table-of-a-missing-record", lambda w: ["cflib.bench", "headline-table", str(w / "nowhere.json")],
-     ["nowhere.json", "No such file"]),
+     ["nowhere.json", "no such throughput record"]),
+    ("table-of-malformed-json", lambda w: ["cflib.bench", "perf-table", str(w / "broken.json")],
+     ["broken.json", "not valid JSON"]),
+    ("table-of-too-deep-json", lambda w: ["cflib.bench", "perf-table", str(w / "deep.json")],
+     ["deep.json", f"JSON nested deeper than {MAX_DEPTH} levels"]),
+    ("table-of-an-oversize-record", lambda w: ["cflib.bench", "headline-table", str(w / "huge.json")],
+     ["huge.json", f"larger than the {MAX_BYTES:,} bytes cflib reads in a throughput record"]),
     ("table-into-a-missing-page", lambda w: ["cflib.bench", "perf-table", str(RECORD), "--into", str(w / "no.md")],
      ["no.md", "No such file"]),
     ("decode-on-no-such-device", lambda w: ["cflib.bench.decode", "--out", str(w / "d"), "--device", "tpu"],

@@ -1,21 +1,25 @@
 """best_metric chooses best/ (and what early stopping watches); register_metric adds a metric over generated
-answers; eval_tasks_every scores lm-eval tasks on every epoch's checkpoint; log_samples writes prompts and answers
-at each evaluation. Tiny runs on CPU."""
+answers; eval_tasks_every scores lm-eval tasks on every epoch's (or every N steps') checkpoint, a LoRA run's merged
+into its base first; log_samples writes prompts and answers at each evaluation. Tiny runs on CPU."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import importlib.util
+import json
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from sft_shard_helpers import write_shard
 
 from cflib.data.tasks import generate
-from cflib.model.checkpoint import load_checkpoint
-from cflib.train import train
+from cflib.model.checkpoint import load_checkpoint, save_checkpoint
+from cflib.model.config import preset
+from cflib.model.decoder import TRMoEModel
+from cflib.train import task_scores, train
+from cflib.train.adapters import resumed_model
 from cflib.train.best_metric import (ANSWER_METRICS, BestMetric, contains_metric, evaluations_without_improvement,
                                      regex_metric, register_metric)
 from cflib.train.params import ParamError, TrainParams
@@ -186,6 +190,68 @@ def test_unknown_eval_tasks_stop_the_run_before_step_1(tmp_path, shard):
     with pytest.raises(ParamError, match="eval_tasks: 'no_such_task'"):
         run(tmp_path, shard, eval_tasks="no_such_task", eval_tasks_every="epoch")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow  # lm-eval's task registry and scoring
+@needs_lm_eval
+def test_a_lora_run_scores_its_merged_step_checkpoints_and_chooses_best_by_lm_eval(tmp_path, shard, monkeypatch):
+    """eval_tasks_every: 2 on a LoRA run of 4 steps: the step-2 checkpoint and the last one (adapters) are merged
+    into their base and scored through the merged model's bundle, which gives the adapted model's logits; best/
+    holds the adapters of the evaluation with the highest lm-eval accuracy."""
+    torch.manual_seed(3)
+    base = save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "base")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    bundles: dict[str, dict] = {}  # checkpoint -> the bundle lm-eval is handed: its files, config and logits on ids
+    export_hub = task_scores.export_hub
+
+    def export_and_look(model, target, **kwargs):  # the real export, its bundle looked at before lm-eval loads it
+        bundle = export_hub(model, target, **kwargs)
+        loaded = load_checkpoint(bundle, "cpu").eval()
+        with torch.no_grad():
+            logits = loaded(ids) @ loaded.head_weight.t()
+        bundles[Path(target).parent.name] = {"files": sorted(p.name for p in bundle.iterdir()), "logits": logits,
+                                             "config": json.loads((bundle / "config.json").read_text())}
+        return bundle
+
+    monkeypatch.setattr(task_scores, "export_hub", export_and_look)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    params = {**{k: v for k, v in FAST.items() if k != "model"}, "data": str(shard), "out_dir": str(tmp_path / "run"),
+              "init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lora_alpha": 8, "lr": 1e-2,
+              "max_steps": 4, "exact_match_limit": 0, "eval_tasks": "embedded_choice", "eval_tasks_every": 2,
+              "eval_tasks_limit": 4, "best_metric": "lm_eval/embedded_choice/acc"}
+    record = train(params, progress=False)
+    out = tmp_path / "run"
+
+    scored = [e for e in record["eval"]["history"] if "lm_eval" in e]
+    assert [(e["tag"], e["step"]) for e in scored] == [("periodic", 2), ("end", 4)]
+    names = {2: "step-2", 4: "last"}  # the checkpoint each scored evaluation wrote
+    assert sorted(p.name for p in (out / "eval_tasks").iterdir()) == sorted(names.values())
+    settings = TrainParams.from_dict(params).lora_settings()
+    plain = load_checkpoint(base, "cpu").eval()
+    for e in scored:
+        name = names[e["step"]]
+        folder = out / "eval_tasks" / name
+        assert [p.name for p in folder.iterdir()] == ["lm_eval_results.json"]  # merged model and bundle removed
+        results = json.loads((folder / "lm_eval_results.json").read_text())
+        assert results["results"]["embedded_choice"]["acc,none"] == e["lm_eval"]["embedded_choice"]["acc"]
+        assert results["n-samples"]["embedded_choice"]["effective"] == 4
+        # what lm-eval scored is a plain model, the adapters merged in: the adapted model's logits
+        bundle = bundles[name]
+        assert not any("adapter" in f for f in bundle["files"]) and "lora" not in json.dumps(bundle["config"]).lower()
+        adapted, _ = resumed_model(out / "checkpoints" / name, settings, str(base))
+        with torch.no_grad():
+            expected = adapted.eval()(ids) @ adapted.head_weight.t()
+            unadapted = plain(ids) @ plain.head_weight.t()
+        torch.testing.assert_close(bundle["logits"], expected, rtol=0, atol=1e-5)
+        assert (unadapted - expected).abs().max() > 1e-4  # the adapters had changed the model
+    best = max(scored, key=lambda e: e["lm_eval"]["embedded_choice"]["acc"])  # the first of equals stays best
+    assert record["checkpoints"]["best_step"] == str(best["step"])
+    chosen, kept = (load_file(out / "checkpoints" / name / "adapter_model.safetensors")
+                    for name in (names[best["step"]], "best"))
+    assert chosen.keys() == kept.keys() and all(torch.equal(chosen[k], kept[k]) for k in chosen)
+    assert list(temporary.iterdir()) == []  # scoring wrote only inside the run's folder
 
 
 def test_eval_tasks_without_lm_eval_installed_stop_the_run_saying_so(tmp_path, shard, monkeypatch):
