@@ -6,6 +6,9 @@ notebook of SMOKE_RUNS is copied with its smoke parameters injected as
 papermill would inject them, opened, run with Run > Run All Cells, and checked
 once the kernel is idle: every code cell ran, a progress widget rendered, a plot
 image exists, no cell shows an error (on the page and in the saved notebook).
+Each run is as small as still shows all of that (nbval runs every notebook at
+its defaults); compare_runs' files and evaluate's record are read back after
+their runs, in place of papermill runs of their own.
 A screenshot of the whole notebook lands in outputs/lab/ (`make screenshots`
 copies them to outputs/screenshots/, which the README shows). JupyterLab is
 shut down through its API, and no process it or the browser started may be

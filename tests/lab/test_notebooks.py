@@ -171,16 +171,15 @@ def test_papermill_dry_run_of_a_mixture_given_as_text_shows_each_source_s_share(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("notebook, misspelt, meant", [("train_sft.ipynb", {"lrr": 0.1}, "lr"),
-                                                       ("tune_microbatch.ipynb", {"budget": 40}, "budget_gib"),
-                                                       ("chat.ipynb", {"max_new_token": 4}, "max_new_tokens"),
-                                                       ("evaluate.ipynb", {"task": "piqa"}, "tasks")])
-def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, notebook, misspelt, meant):
+def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path):
+    """train_sft's run; every other notebook reads its parameters the same way, before anything else (the test
+    below), through Params.from_namespace, which refuses a name papermill injected that its class does not declare
+    (tests/test_param_schema.py, and ChatParams in tests/lab/test_chat.py)."""
     out_dir = tmp_path / "run"
-    refused = re.escape(f"notebook parameters: unknown parameter '{next(iter(misspelt))}' (did you mean '{meant}'?)")
+    refused = re.escape("notebook parameters: unknown parameter 'lrr' (did you mean 'lr'?)")
     with pytest.raises(papermill.PapermillExecutionError, match=refused):
-        papermill.execute_notebook(str(ROOT / "notebooks" / notebook), str(tmp_path / "executed.ipynb"),
-                                   parameters={**misspelt, "out_dir": str(out_dir)},
+        papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "executed.ipynb"),
+                                   parameters={"lrr": 0.1, "out_dir": str(out_dir)},
                                    cwd=str(ROOT / "notebooks"), progress_bar=False)
     assert not out_dir.exists()
 
@@ -286,6 +285,19 @@ def test_no_later_cell_binds_a_parameter_name(notebook):
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id in declared:
                 bound[node.id] = f"cell {index}"
     assert not bound, bound
+
+
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOK_PARAMETERS))
+def test_each_notebook_reads_its_parameters_through_its_class_before_anything_else(notebook):
+    """The first cell after the parameters (and the form JupyterLab shows) that does anything starts by reading
+    them through the notebook's parameter class: a misspelt papermill parameter stops there, nothing written."""
+    name = parameter_class(notebook).__name__
+    code = [c for c in nbformat.read(ROOT / "notebooks" / notebook, as_version=4).cells if c.cell_type == "code"]
+    start = next(i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", [])) + 1
+    working = next(c for c in code[start:] if not re.fullmatch(r"\w+_form\(globals\(\)\)", c.source.splitlines()[-1]))
+    first = next(node for node in ast.parse(working.source).body if not isinstance(node, (ast.Import, ast.ImportFrom)))
+    reads = rf"\w+ = (\w+\()?{name}\.from_namespace\(globals\(\)\)(?(1)\))"
+    assert re.fullmatch(reads, ast.unparse(first)), ast.unparse(first)
 
 
 def rerun_notebook(tmp_path: Path) -> Path:
