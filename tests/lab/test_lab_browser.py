@@ -6,6 +6,9 @@ notebook of SMOKE_RUNS is copied with its smoke parameters injected as
 papermill would inject them, opened, run with Run > Run All Cells, and checked
 once the kernel is idle: every code cell ran, a progress widget rendered, a plot
 image exists, no cell shows an error (on the page and in the saved notebook).
+Each run is as small as still shows all of that (nbval runs every notebook at
+its defaults); compare_runs' files and evaluate's record are read back after
+their runs, in place of papermill runs of their own.
 A screenshot of the whole notebook lands in outputs/lab/ (`make screenshots`
 copies them to outputs/screenshots/, which the README shows). JupyterLab is
 shut down through its API, and no process it or the browser started may be
@@ -36,9 +39,13 @@ from cflib.lab.jupyter import lab_command
 from cflib.train.params import load_params_file
 
 try:
+    import sft_shard_helpers as h
     from processes import descendants, still_running
+    from tiny_models import trained_model
 except ImportError:
+    from tests import sft_shard_helpers as h
     from tests.processes import descendants, still_running
+    from tests.tiny_models import trained_model
 
 pytestmark = pytest.mark.slow  # JupyterLab and a browser: make test runs it, make test-fast leaves it out
 
@@ -47,19 +54,31 @@ CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = ROOT / "outputs" / "lab"
 
 # Adding a notebook is one line: its smoke parameters (a params file or None for the notebook's
-# defaults, then values over it; "{tmp}" is this test's own folder, so runs write nothing into outputs/).
+# defaults, then values over it; "{tmp}" is this test's own folder, so runs write nothing into outputs/, and
+# "{checkpoint}" a small model trained by this test). The page is what is checked here: every cell runs on the
+# cflib kernel and renders its widgets, progress and plots. So each run is as small as still shows all of that;
+# the notebooks' numbers at their defaults are nbval's (every notebook), papermill's (tests/lab) and tests/bench's.
 SMOKE_RUNS = {
-    "train_sft.ipynb": ("params/smoke.yaml", {"out_dir": "{tmp}/train_sft-run"}),
-    "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run"}),
-    "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run"}),
-    # Four paths, a project's and a peer's on each kind of batches, are enough for the page (nbval and
-    # tests/bench run every path).
-    "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run",
-                                        "paths": ["reference", "production", "peer_liger", "peer_packed"]}),
-    "chat.ipynb": (None, {"out_dir": "{tmp}/chat-run"}),
-    "sweep.ipynb": (None, {"out_dir": "{tmp}/sweep-run"}),
-    "compare_runs.ipynb": (None, {"out_dir": "{tmp}/compare-run"}),
-    "evaluate.ipynb": (None, {"out_dir": "{tmp}/evaluate-run"}),
+    "train_sft.ipynb": ("params/smoke.yaml", {"out_dir": "{tmp}/train_sft-run", "max_steps": 6,
+                                              "exact_match_limit": 8}),
+    "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run", "dtypes": "float32"}),
+    "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run", "exhaustive_sweep": False, "probe_steps": 1}),
+    # A project's path and a peer's, on each kind of batches, at one micro-batch.
+    "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run", "paths": ["reference", "peer_packed"],
+                                        "micro_batches": [2]}),
+    # Trains its model here (the loss plot), a few steps.
+    "chat.ipynb": (None, {"out_dir": "{tmp}/chat-run", "train_steps": 4, "max_new_tokens": 8,
+                          "prompts": ["123+456=", "upper python"]}),
+    # One real point of two steps (each point is a papermill run of train_sft): the live table, then the
+    # comparison's plots.
+    "sweep.ipynb": (None, {"out_dir": "{tmp}/sweep-run",
+                           "grid": {"lr": [0.003], "max_steps": [2], "eval_every_steps": [2],
+                                    "save_every_steps": [None], "exact_match_limit": [4]}}),
+    # The committed sweep against another metric than the default (the files it writes: test_compare_runs_...).
+    "compare_runs.ipynb": (None, {"out_dir": "{tmp}/compare-run", "metric": "exact_match/overall"}),
+    # A checkpoint exported to a bundle here, one shipped task, a few examples (its record: test_evaluate_...).
+    "evaluate.ipynb": (None, {"out_dir": "{tmp}/evaluate-run", "model": "{checkpoint}", "tasks": "embedded_choice",
+                              "limit": 6}),
 }
 
 # Bounds for a loaded 2-core CI machine; each names what it waited for when it runs out.
@@ -194,11 +213,21 @@ def _smoke_notebook(lab: Lab, name: str) -> Path:
     """The notebook with its smoke parameters injected as papermill injects them, in JupyterLab's root."""
     params_file, overrides = SMOKE_RUNS[name]
     parameters = {**(load_params_file(ROOT / params_file) if params_file else {}),
-                  **{key: value.format(tmp=lab.tmp) if isinstance(value, str) else value
-                     for key, value in overrides.items()}}
+                  **{key: value.format(tmp=lab.tmp, checkpoint=_checkpoint(lab) if "{checkpoint}" in value else "")
+                     if isinstance(value, str) else value for key, value in overrides.items()}}
     notebook = parameterize_notebook(load_notebook_node(str(ROOT / "notebooks" / name)), parameters)
     path = lab.root / name
     nbformat.write(notebook, path)
+    return path
+
+
+def _checkpoint(lab: Lab) -> Path:
+    """A small model trained on chat examples for a few seconds, for the notebooks given a model."""
+    from cflib.model import save_checkpoint
+
+    path = lab.tmp / "small-model" / "best"
+    if not path.is_dir():
+        save_checkpoint(trained_model([e.input_ids for e in h.chat_examples()], h.VOCAB, steps=25), path)
     return path
 
 
@@ -349,6 +378,41 @@ def test_train_form_follows_typing_and_reruns_the_notebook(lab):
     _run_until_idle(page, lab, name)
     record = json.loads((rerun / "record.json").read_text())
     assert record["schedule"]["steps_done"] == 2 and record["micro_batch_per_rank"] == 16
+
+
+COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
+
+
+def test_compare_runs_writes_the_comparison_of_the_committed_sweep(lab):
+    """compare_runs' run above, its files read back: a row per run, its numbers those of the runs' records."""
+    run_notebook(lab, "compare_runs.ipynb")
+    out_dir = lab.tmp / "compare-run"
+    saved = json.loads((out_dir / "comparison.json").read_text())
+    assert [row["run"] for row in saved["rows"]] == ["lr-0.003_seed-0", "lr-0.003_seed-1", "lr-0.01_seed-0",
+                                                     "lr-0.01_seed-1"]
+    assert saved["differing"] == ["seed", "lr"] and saved["metric"] == "exact_match/overall"
+    for row in saved["rows"]:
+        record = json.loads((COMMITTED_SWEEP / "runs" / row["run"] / "record.json").read_text())
+        assert row["final_eval_loss"] == record["eval"]["final"]["loss"]
+        assert row["exact_match/uppercase"] == record["eval"]["final"]["exact_match"]["uppercase"]
+        assert row["tokens_per_s"] == record["throughput"]["steady_state_tokens_per_s"]
+    header = (out_dir / "comparison.csv").read_text().splitlines()[0].split(",")
+    assert header[:3] == ["run", "seed", "lr"] and "kernel_path" in header
+    assert {"loss_curves.png", "exact_match.png", "sweep.png"} <= {p.name for p in out_dir.iterdir()}
+
+
+def test_evaluate_scores_the_bundle_of_the_checkpoint_it_was_given(lab):
+    """evaluate's run above, its record read back: the checkpoint exported to a bundle, scored by lm-eval on
+    `limit` examples of one shipped task, each choice's log-likelihood checked against cflib's; nothing trained."""
+    run_notebook(lab, "evaluate.ipynb")
+    out_dir = lab.tmp / "evaluate-run"
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["model"]["source"] == f"the Hub bundle of checkpoint {_checkpoint(lab)}, exported here"
+    assert [row["metric"] for row in record["scores"]] == ["acc", "acc_norm"]
+    assert record["scores"][0]["samples"] == 6 and record["settings"]["limit"] == 6
+    assert record["loglikelihood_check"]["pairs"] == 24 and record["loglikelihood_check"]["max_abs_diff"] < 1e-4
+    assert (out_dir / "lm_eval_results.json").is_file() and (out_dir / "scores.png").is_file()
+    assert not (out_dir / "trained-here").exists()  # a model was named: nothing trained
 
 
 MODEL_CARD = ROOT / "outputs" / "records" / "model_card_quickstart.md"

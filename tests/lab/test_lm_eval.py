@@ -11,7 +11,7 @@ from cflib.data import ByteTokenizer
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import export_hub
-from cflib.lab.evaluate import EvalParams, evaluate, headline, prepare_evaluation, scores_table
+from cflib.lab.evaluate import EvalParams, evaluate, headline, prepare_evaluation, resolve_bundle, scores_table
 from cflib.train.task_scores import shipped_tasks
 from cflib.model import load_checkpoint, save_checkpoint
 
@@ -108,18 +108,18 @@ def test_lm_evals_log_likelihoods_are_cflibs(evaluated, bundle: Path):
 
 @pytest.mark.slow
 def test_a_run_folder_is_scored_through_its_bundle(bundle: Path, tmp_path: Path):
+    """Where prepare_evaluation finds the bundle to score (resolve_bundle; the papermill, nbval and browser runs of
+    evaluate.ipynb go through prepare_evaluation): a run's own, or one exported into out_dir from a checkpoint."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "record.json").write_text(json.dumps({"out_dir": str(run)}))
-    export_hub(load_checkpoint_dir(bundle, tmp_path), run / "hub", echo=None)
-    job = prepare_evaluation(EvalParams(model=str(run), tasks=["embedded_choice"], device="cpu",
-                                        out_dir=str(tmp_path / "out")))
-    assert job.bundle == run / "hub" and "the run's Hub bundle" in job.model_source
-    checkpoint_job = prepare_evaluation(EvalParams(model=str(load_checkpoint_dir(bundle, tmp_path)),
-                                                   tasks=["embedded_choice"], device="cpu",
-                                                   out_dir=str(tmp_path / "out2")))
-    assert checkpoint_job.bundle == tmp_path / "out2" / "bundle"
-    assert sha256_file(checkpoint_job.bundle / "model.safetensors") == sha256_file(bundle / "model.safetensors")
+    checkpoint = load_checkpoint_dir(bundle, tmp_path)
+    export_hub(checkpoint, run / "hub", echo=None)
+    found, source = resolve_bundle(str(run), tmp_path / "out", "cpu")
+    assert found == run / "hub" and source == f"the run's Hub bundle {run / 'hub'}"
+    exported, source = resolve_bundle(str(checkpoint), tmp_path / "out2", "cpu")
+    assert exported == tmp_path / "out2" / "bundle" and source == f"the Hub bundle of checkpoint {checkpoint}, exported here"
+    assert sha256_file(exported / "model.safetensors") == sha256_file(bundle / "model.safetensors")
 
 
 def load_checkpoint_dir(bundle: Path, root: Path) -> Path:
@@ -147,14 +147,14 @@ def test_bad_parameters_are_refused_before_anything_runs(tmp_path: Path, raw: di
     assert not out.exists()  # nothing written, nothing trained
 
 
-@pytest.mark.slow
 def test_a_folder_that_is_no_model_is_refused(tmp_path: Path):
     (tmp_path / "adapters").mkdir()
     (tmp_path / "adapters" / "adapter_config.json").write_text("{}")
     with pytest.raises(ParamError, match="holds LoRA adapters: merge them into their base first"):
-        prepare_evaluation(EvalParams(model=str(tmp_path / "adapters"), device="cpu", out_dir=str(tmp_path / "a")))
+        resolve_bundle(str(tmp_path / "adapters"), tmp_path / "a", "cpu")  # as prepare_evaluation finds a model
     with pytest.raises(ParamError, match="neither a Hub bundle .* a run folder .* nor a checkpoint"):
-        prepare_evaluation(EvalParams(model=str(tmp_path), device="cpu", out_dir=str(tmp_path / "b")))
+        resolve_bundle(str(tmp_path), tmp_path / "b", "cpu")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 @pytest.mark.slow

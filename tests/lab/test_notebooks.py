@@ -97,27 +97,6 @@ def test_release_profile_without_its_inputs_names_the_missing_checkpoint():
 
 
 @pytest.mark.slow
-def test_papermill_runs_the_smoke_profile(tmp_path):
-    out_dir = tmp_path / "run"
-    executed = tmp_path / "executed.ipynb"
-    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
-        **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "max_steps": 6},
-        cwd=str(ROOT / "notebooks"), progress_bar=False)
-    notebook = nbformat.read(executed, as_version=4)
-    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "step 6/6" in text  # the text trace papermill keeps
-    assert "greedy, 5 held-out prompts" in text and text.count("expected ") == 5  # the best checkpoint's answers
-    assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot
-    form_cell = next(c for c in notebook.cells if "train_form(globals())" in c.source)
-    assert form_cell.outputs == []  # no form under papermill
-    record = json.loads((out_dir / "record.json").read_text())
-    assert record["grad_accum"] == 2 and record["schedule"]["steps_done"] == 6
-    assert (out_dir / "loss_curves.png").is_file()
-
-
-@pytest.mark.slow
 def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(tmp_path):
     """loss_groups, a nested mapping, reaches the notebook from the params YAML (-f)."""
     out_dir = tmp_path / "run"
@@ -192,16 +171,15 @@ def test_papermill_dry_run_of_a_mixture_given_as_text_shows_each_source_s_share(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("notebook, misspelt, meant", [("train_sft.ipynb", {"lrr": 0.1}, "lr"),
-                                                       ("tune_microbatch.ipynb", {"budget": 40}, "budget_gib"),
-                                                       ("chat.ipynb", {"max_new_token": 4}, "max_new_tokens"),
-                                                       ("evaluate.ipynb", {"task": "piqa"}, "tasks")])
-def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path, notebook, misspelt, meant):
+def test_papermill_unknown_parameter_fails_before_anything_is_written(tmp_path):
+    """train_sft's run; every other notebook reads its parameters the same way, before anything else (the test
+    below), through Params.from_namespace, which refuses a name papermill injected that its class does not declare
+    (tests/test_param_schema.py, and ChatParams in tests/lab/test_chat.py)."""
     out_dir = tmp_path / "run"
-    refused = re.escape(f"unknown parameter '{next(iter(misspelt))}' (did you mean '{meant}'?)")
+    refused = re.escape("notebook parameters: unknown parameter 'lrr' (did you mean 'lr'?)")
     with pytest.raises(papermill.PapermillExecutionError, match=refused):
-        papermill.execute_notebook(str(ROOT / "notebooks" / notebook), str(tmp_path / "executed.ipynb"),
-                                   parameters={**misspelt, "out_dir": str(out_dir)},
+        papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "executed.ipynb"),
+                                   parameters={"lrr": 0.1, "out_dir": str(out_dir)},
                                    cwd=str(ROOT / "notebooks"), progress_bar=False)
     assert not out_dir.exists()
 
@@ -259,40 +237,23 @@ def test_papermill_chat_answers_every_prompt_of_a_jsonl_file(tmp_path, tiny_chec
 
 
 @pytest.mark.slow
-def test_papermill_chat_refuses_a_template_without_an_assistant_marker(tmp_path, tiny_checkpoint):
-    out_dir = tmp_path / "chat"
-    with pytest.raises(papermill.PapermillExecutionError, match="the template names no assistant marker"):
-        papermill.execute_notebook(str(CHAT), str(tmp_path / "executed.ipynb"), parameters={
-            "checkpoint": str(tiny_checkpoint), "template": {"assistant": ""}, "out_dir": str(out_dir)},
-            cwd=str(ROOT / "notebooks"), progress_bar=False)
-    assert not out_dir.exists()
-
-
-@pytest.mark.slow
-def test_papermill_evaluate_scores_a_bundle_with_lm_eval(tmp_path, tiny_checkpoint):
-    """A checkpoint is exported to a bundle here and scored on one shipped task, a few examples."""
-    out_dir = tmp_path / "eval"
-    papermill.execute_notebook(str(EVALUATE), str(tmp_path / "executed.ipynb"), parameters={
-        "model": str(tiny_checkpoint), "tasks": "embedded_choice", "limit": 6, "out_dir": str(out_dir),
-        "device": "cpu"}, cwd=str(ROOT / "notebooks"), progress_bar=False)
-    notebook = nbformat.read(tmp_path / "executed.ipynb", as_version=4)
-    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
-    assert any("image/png" in o.get("data", {}) for o in outputs)  # the chart
-    record = json.loads((out_dir / "record.json").read_text())
-    assert record["model"]["source"] == f"the Hub bundle of checkpoint {tiny_checkpoint}, exported here"
-    assert [row["metric"] for row in record["scores"]] == ["acc", "acc_norm"]
-    assert record["scores"][0]["samples"] == 6 and record["settings"]["limit"] == 6
-    assert record["loglikelihood_check"]["pairs"] == 24 and record["loglikelihood_check"]["max_abs_diff"] < 1e-4
-    assert (out_dir / "lm_eval_results.json").is_file() and (out_dir / "scores.png").is_file()
-    assert not (out_dir / "trained-here").exists()  # a model was named: nothing trained
-
-
-@pytest.mark.slow
-def test_papermill_train_sft_ends_with_an_lm_eval_evaluation_of_its_bundle(tmp_path):
-    out_dir = tmp_path / "run"
-    papermill.execute_notebook(str(TRAIN_SFT), str(tmp_path / "executed.ipynb"), parameters={
+def test_papermill_runs_the_smoke_profile_and_ends_with_an_lm_eval_evaluation_of_its_bundle(tmp_path):
+    out_dir, executed = tmp_path / "run", tmp_path / "executed.ipynb"
+    papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
         **load_params_file(ROOT / "params" / "smoke.yaml"), "out_dir": str(out_dir), "max_steps": 2,
         "eval_tasks": "embedded_choice"}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    notebook = nbformat.read(executed, as_version=4)
+    outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = stream_text(executed)
+    assert "step 2/2" in text  # the text trace papermill keeps
+    assert "greedy, 5 held-out prompts" in text and text.count("expected ") == 5  # the best checkpoint's answers
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the loss plot
+    form_cell = next(c for c in notebook.cells if "train_form(globals())" in c.source)
+    assert form_cell.outputs == []  # no form under papermill
+    run = json.loads((out_dir / "record.json").read_text())
+    assert run["grad_accum"] == 2 and run["schedule"]["steps_done"] == 2
+    assert (out_dir / "loss_curves.png").is_file()
     record = json.loads((out_dir / "eval" / "record.json").read_text())
     assert record["model"]["bundle"] == str(out_dir / "hub") and list(record["tasks"]) == ["embedded_choice"]
     assert record["model"]["sha256"] == sha256_file(out_dir / "hub" / "model.safetensors")
@@ -326,6 +287,19 @@ def test_no_later_cell_binds_a_parameter_name(notebook):
     assert not bound, bound
 
 
+@pytest.mark.parametrize("notebook", sorted(NOTEBOOK_PARAMETERS))
+def test_each_notebook_reads_its_parameters_through_its_class_before_anything_else(notebook):
+    """The first cell after the parameters (and the form JupyterLab shows) that does anything starts by reading
+    them through the notebook's parameter class: a misspelt papermill parameter stops there, nothing written."""
+    name = parameter_class(notebook).__name__
+    code = [c for c in nbformat.read(ROOT / "notebooks" / notebook, as_version=4).cells if c.cell_type == "code"]
+    start = next(i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", [])) + 1
+    working = next(c for c in code[start:] if not re.fullmatch(r"\w+_form\(globals\(\)\)", c.source.splitlines()[-1]))
+    first = next(node for node in ast.parse(working.source).body if not isinstance(node, (ast.Import, ast.ImportFrom)))
+    reads = rf"\w+ = (\w+\()?{name}\.from_namespace\(globals\(\)\)(?(1)\))"
+    assert re.fullmatch(reads, ast.unparse(first)), ast.unparse(first)
+
+
 def rerun_notebook(tmp_path: Path) -> Path:
     """train_sft's parameters cell, a later cell binding scalars, then its checks' first line run again."""
     notebook = nbformat.read(TRAIN_SFT, as_version=4)
@@ -345,6 +319,3 @@ def test_papermill_parameters_are_the_declared_names_whatever_later_cells_bound(
     text = "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells
                    if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
     assert "lr 0.002" in text
-    with pytest.raises(papermill.PapermillExecutionError,
-                       match=re.escape("notebook parameters: unknown parameter 'lrr' (did you mean 'lr'?)")):
-        papermill.execute_notebook(str(source), str(executed), parameters={"lrr": 0.1}, progress_bar=False)

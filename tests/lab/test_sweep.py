@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - depends on how pytest is invoked
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "notebooks" / "sweep.ipynb"
+COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -85,12 +86,16 @@ def test_params_files_for_the_sweep_notebook_plan_their_points(path):
     assert sweep.points and all(point.status == "queued" for point in sweep.points)
 
 
+# Three points of 24 steps, a resumable checkpoint every 4 (the second point is killed once it has saved step 8);
+# exact match over 4 prompts.
+KILLED_SWEEP_STEPS = 24
+KILLED_SWEEP_GRID = {"lr": [0.001, 0.002, 0.003], "max_steps": [KILLED_SWEEP_STEPS], "save_every_steps": [4],
+                     "eval_every_steps": [12], "exact_match_limit": [4]}
+
+
 def _papermill(out_dir: Path, executed: Path, log: Path) -> subprocess.Popen:
-    # Three points of 40 steps, a resumable checkpoint every 4; exact match over 16 prompts.
     command = [sys.executable, "-m", "papermill", str(SWEEP), str(executed), "-p", "out_dir", str(out_dir),
-               "-y", "grid: {lr: [0.001, 0.002, 0.003], max_steps: [40], save_every_steps: [4], "
-                     "eval_every_steps: [20], exact_match_limit: [16]}",
-               "--cwd", str(ROOT / "notebooks"), "--no-progress-bar"]
+               "-y", json.dumps({"grid": KILLED_SWEEP_GRID}), "--cwd", str(ROOT / "notebooks"), "--no-progress-bar"]
     with open(log, "w") as handle:
         return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -121,7 +126,7 @@ def test_a_sweep_killed_in_its_second_point_resumes_to_the_end(tmp_path):
     assert (out_dir / "runs" / "lr-0.001" / "COMPLETE").is_file() and not (second / "COMPLETE").exists()
     assert not (out_dir / "runs" / "lr-0.003").exists()
     killed_at = max(r["step"] for r in read_metrics(second / "metrics.jsonl") if r["event"] == "train")
-    assert 8 <= killed_at < 40
+    assert 8 <= killed_at < KILLED_SWEEP_STEPS
     first_record = (out_dir / "runs" / "lr-0.001" / "record.json").read_text()
 
     resumed = _papermill(out_dir, tmp_path / "resumed.ipynb", tmp_path / "resumed.log")
@@ -133,7 +138,7 @@ def test_a_sweep_killed_in_its_second_point_resumes_to_the_end(tmp_path):
     record = json.loads((second / "record.json").read_text())
     assert record["model_source"].startswith(f"resumed from {second / 'checkpoints' / 'step-'}")
     steps = [r["step"] for r in read_metrics(second / "metrics.jsonl") if r["event"] == "train"]
-    assert steps == list(range(1, 41))  # every step once: nothing lost, nothing doubled
+    assert steps == list(range(1, KILLED_SWEEP_STEPS + 1))  # every step once: nothing lost, nothing doubled
     state = json.loads((out_dir / "sweep.json").read_text())
     assert [p["status"] for p in state["points"]] == ["done"] * 3
     assert [a["resumed"] for a in state["points"][1]["attempts"]] == [False, True]
@@ -143,9 +148,7 @@ def test_a_sweep_killed_in_its_second_point_resumes_to_the_end(tmp_path):
     assert {"comparison.csv", "loss_curves.png", "exact_match.png", "sweep.png"} <= {
         p.name for p in (out_dir / "comparison").iterdir()}
     # A third run finds nothing to do.
-    again = expand_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": {
-        "lr": [0.001, 0.002, 0.003], "max_steps": [40], "save_every_steps": [4], "eval_every_steps": [20],
-        "exact_match_limit": [16]}}))
+    again = expand_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": KILLED_SWEEP_GRID}))
     assert [p.action for p in again.points] == ["skip: finished before"] * 3
 
 
@@ -155,8 +158,11 @@ def test_compare_refuses_an_incomplete_run_by_name(tmp_path):
     (run / "params.json").write_text(json.dumps({"lr": 0.001}))
     (run / "metrics.jsonl").write_text(json.dumps({"event": "train", "step": 1, "loss": 5.0, "tokens": 10}) + "\n"
                                        + json.dumps({"event": "eval", "step": 0, "loss": 5.5}) + "\n")
+    out_dir = tmp_path / "comparison"
     with pytest.raises(ParamError, match="run killed-run .* has no complete record: no COMPLETE marker"):
-        compare(CompareParams.from_dict({"runs": str(run)}))
+        compare(CompareParams.from_dict({"runs": [str(COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"), str(run)],
+                                         "out_dir": str(out_dir)}))
+    assert not out_dir.exists()
     shown = compare(CompareParams.from_dict({"runs": [str(run)], "include_incomplete": "true"}))
     assert shown.rows[0]["complete"] is False and shown.rows[0]["final_eval_loss"] == 5.5
     assert shown.rows[0]["steps"] == 1 and shown.rows[0]["tokens_per_s"] is None
@@ -177,64 +183,6 @@ def test_compare_refuses_a_corrupt_record_by_its_file(tmp_path, record, message)
     with pytest.raises(ParamError, match=message):
         compare(CompareParams.from_dict({"runs": str(run), "out_dir": str(tmp_path / "comparison")}))
     assert not (tmp_path / "comparison").exists()
-
-
-COMPARE = ROOT / "notebooks" / "compare_runs.ipynb"
-COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
-
-
-@pytest.mark.slow
-def test_papermill_compares_the_committed_sweep_and_writes_its_files(tmp_path):
-    import papermill
-
-    out_dir = tmp_path / "comparison"
-    papermill.execute_notebook(str(COMPARE), str(tmp_path / "executed.ipynb"), parameters={
-        "runs": str(COMMITTED_SWEEP), "out_dir": str(out_dir), "metric": "exact_match/overall"},
-        cwd=str(ROOT / "notebooks"), progress_bar=False)
-    saved = json.loads((out_dir / "comparison.json").read_text())
-    assert [row["run"] for row in saved["rows"]] == ["lr-0.003_seed-0", "lr-0.003_seed-1", "lr-0.01_seed-0",
-                                                     "lr-0.01_seed-1"]
-    assert saved["differing"] == ["seed", "lr"] and saved["metric"] == "exact_match/overall"
-    for row in saved["rows"]:
-        record = json.loads((COMMITTED_SWEEP / "runs" / row["run"] / "record.json").read_text())
-        assert row["final_eval_loss"] == record["eval"]["final"]["loss"]
-        assert row["exact_match/uppercase"] == record["eval"]["final"]["exact_match"]["uppercase"]
-        assert row["tokens_per_s"] == record["throughput"]["steady_state_tokens_per_s"]
-    header = (out_dir / "comparison.csv").read_text().splitlines()[0].split(",")
-    assert header[:3] == ["run", "seed", "lr"] and "kernel_path" in header
-    assert {"loss_curves.png", "exact_match.png", "sweep.png"} <= {p.name for p in out_dir.iterdir()}
-
-
-@pytest.mark.slow
-def test_papermill_refuses_an_incomplete_run_before_writing_anything(tmp_path):
-    import papermill
-
-    killed = tmp_path / "killed"
-    killed.mkdir()
-    (killed / "params.json").write_text(json.dumps({"lr": 0.001}))
-    out_dir = tmp_path / "comparison"
-    with pytest.raises(papermill.PapermillExecutionError, match="run killed .* has no complete record"):
-        papermill.execute_notebook(str(COMPARE), str(tmp_path / "executed.ipynb"), parameters={
-            "runs": [str(COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"), str(killed)], "out_dir": str(out_dir)},
-            cwd=str(ROOT / "notebooks"), progress_bar=False)
-    assert not out_dir.exists()
-
-
-@pytest.mark.slow
-def test_points_run_side_by_side_one_per_device_slot(tmp_path):
-    """gpus: [0, 1] starts two points at once, each with its own CUDA_VISIBLE_DEVICES (on this CPU-only machine
-    the base's device: cpu trains them on the CPU)."""
-    from cflib.lab.sweep_run import run_sweep
-
-    sweep = expand_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.002], "max_steps": [4]}, "gpus": [0, 1],
-                                              "out_dir": str(tmp_path / "sweep")}))
-    run_sweep(sweep, poll_s=0.2)
-    state = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
-    assert [p["status"] for p in state["points"]] == ["done", "done"]
-    first, second = (p["attempts"][0] for p in state["points"])
-    assert (first["device"], second["device"]) == ("cuda:0", "cuda:1")
-    assert second["started_utc"] <= first["finished_utc"]  # both ran at once
-    assert not (tmp_path / "sweep" / "sweep.lock").exists()
 
 
 def test_a_sweep_of_a_hundred_million_repeats_is_refused_before_any_point_is_built():
@@ -269,25 +217,46 @@ def test_a_sweep_folder_is_swept_by_one_process_at_a_time(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_sweeps_started_together_on_one_folder_one_runs_the_other_is_refused(tmp_path):
-    out_dir = tmp_path / "sweep"
-    go = tmp_path / "go"
-    code = ("import json, sys, time, pathlib\nwhile not pathlib.Path(sys.argv[1]).exists(): time.sleep(0.001)\n"
+def test_two_sweeps_started_together_on_one_folder_one_runs_its_points_side_by_side_the_other_is_refused(tmp_path):
+    """One sweep in a process of its own, one in this one, released at the same moment: whichever takes the
+    folder's lock runs both points at once, one per device slot (gpus: [0, 1], each point with its own
+    CUDA_VISIBLE_DEVICES; on this CPU-only machine the base's device: cpu trains them on the CPU); the other is
+    refused naming the folder."""
+    from cflib.lab.sweep_run import run_sweep
+
+    out_dir, ready, go = tmp_path / "sweep", tmp_path / "ready", tmp_path / "go"
+    code = ("import json, sys, time, pathlib\n"
             "from cflib.lab.sweep import SweepParams, expand_sweep\nfrom cflib.lab.sweep_run import run_sweep\n"
-            "run_sweep(expand_sweep(SweepParams.from_dict(json.loads(sys.argv[2]))), poll_s=0.1)")
-    raw = {"grid": {"lr": [0.002], "max_steps": [4], "save_every_steps": [None], "eval_every_steps": [None]},
-           "out_dir": str(out_dir)}
-    children = [subprocess.Popen([sys.executable, "-c", code, str(go), json.dumps(raw)], cwd=ROOT, text=True,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for _ in range(2)]
-    time.sleep(3)  # both interpreters up, cflib imported
+            "pathlib.Path(sys.argv[1]).write_text('')\n"
+            "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.001)\n"
+            "run_sweep(expand_sweep(SweepParams.from_dict(json.loads(sys.argv[3]))), poll_s=0.1)")
+    raw = {"grid": {"lr": [0.001, 0.002], "max_steps": [4], "save_every_steps": [None], "eval_every_steps": [None]},
+           "gpus": [0, 1], "out_dir": str(out_dir)}
+    child = subprocess.Popen([sys.executable, "-c", code, str(ready), str(go), json.dumps(raw)], cwd=ROOT, text=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not ready.exists():  # its interpreter up, cflib imported
+        assert child.poll() is None, child.stderr.read()
+        assert time.monotonic() < deadline, "the other sweep's process never got ready"
+        time.sleep(0.01)
     go.write_text("")
-    results = [(child.wait(timeout=600), child.stderr.read()) for child in children]
-    assert sorted(code for code, _ in results) == [0, 1], results
-    refusal = next(message for code, message in results if code).strip().splitlines()[-1]
-    assert "is being swept by another process" in refusal, refusal
+    try:
+        run_sweep(expand_sweep(SweepParams.from_dict(raw)), poll_s=0.1)
+        refused_here = None
+    except ParamError as err:
+        refused_here = str(err)
+    code, stderr = child.wait(timeout=600), child.stderr.read()
+    refusals = [line for line in (refused_here, stderr.strip().splitlines()[-1] if code else None) if line]
+    assert len(refusals) == 1 and code in (0, 1), (refused_here, code, stderr)
+    assert "is being swept by another process" in refusals[0], refusals
     state = json.loads((out_dir / "sweep.json").read_text())
-    assert [p["status"] for p in state["points"]] == ["done"] and len(state["points"][0]["attempts"]) == 1
-    assert (out_dir / state["points"][0]["run_dir"] / "COMPLETE").is_file() and not (out_dir / "sweep.lock").exists()
+    assert [p["status"] for p in state["points"]] == ["done", "done"]
+    assert [len(p["attempts"]) for p in state["points"]] == [1, 1]
+    first, second = (p["attempts"][0] for p in state["points"])
+    assert (first["device"], second["device"]) == ("cuda:0", "cuda:1")
+    assert second["started_utc"] <= first["finished_utc"]  # both ran at once
+    assert all((out_dir / p["run_dir"] / "COMPLETE").is_file() for p in state["points"])
+    assert not (out_dir / "sweep.lock").exists()
 
 
 BEST_METRIC_RUNS = ROOT / "outputs" / "records" / "best_metric_quickstart_cpu" / "runs"
