@@ -149,6 +149,28 @@ def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path
     assert_best_remembered(resumed, reference, out_dir, four_epochs)
 
 
+def test_a_run_killed_before_saving_an_improved_best_resumes_with_the_best_its_best_folder_holds(tmp_path, shard):
+    """An evaluation writes its epoch checkpoint, then best/ when it improved: a kill between the two leaves a
+    resumable checkpoint whose evaluations hold an improvement best/ never received. The resumed run's best is the
+    evaluation best/ holds, in the record as on disk."""
+    out_dir = tmp_path / "run"
+    two_epochs = params(shard, out_dir, epochs=2, save_every_steps=None, save_optimizer_state=True)
+    whole = train(two_epochs, progress=False)
+    evals = {e["step"]: e["loss"] for e in whole["eval"]["history"]}
+    assert whole["best_metric"]["step"] == 6 and evals[6] < evals[3]  # the second epoch improved on the first
+    # The folder as that kill leaves it: epoch-2 written, best/ still the first epoch's, no record.
+    for name in ("COMPLETE", "record.json"):
+        (out_dir / name).unlink()
+    shutil.rmtree(out_dir / "checkpoints" / "best")
+    shutil.copytree(out_dir / "checkpoints" / "epoch-1", out_dir / "checkpoints" / "best")
+    resumed = train({**two_epochs, "resume": "latest"}, progress=False)
+    assert "checkpoints/epoch-2 at step 6" in resumed["model_source"]
+    assert resumed["best_metric"] == {"name": "eval_loss", "greater_is_better": False, "step": 3,
+                                      "value": evals[3]}
+    best = load_checkpoint(out_dir / "checkpoints" / "best").state_dict()
+    assert_same_weights(load_checkpoint(out_dir / "checkpoints" / "epoch-1").state_dict(), best, atol=0)
+
+
 def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_path, shard, four_epochs):
     """Checkpoints written before optimizer state was keyed by parameter name hold torch's positional form."""
     old = shutil.copytree(four_epochs / "checkpoints" / "step-8", tmp_path / "step-8")
