@@ -84,11 +84,11 @@ class Trainer:
         self.training_step.scheduler.load_state_dict(state["scheduler"])
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
         self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
-        for result in self.evals:  # best_metric's best so far, as the evaluations chose it
-            value = self.best_metric.value(result)
-            if result["step"] > 0 and self.best_metric.improves(value, self.best_value):
-                self.best_value = value
         self.checkpoints, self.timing = self._rooted(state["checkpoints"]), state["timing"]
+        # The best so far is the evaluation best/ holds: a kill between a checkpoint and best/'s save leaves a
+        # later evaluation that improved on it, which best/ never received.
+        best_step = int(self.checkpoints["best_step"]) if "best_step" in self.checkpoints else None
+        self.best_value = next((self.best_metric.value(r) for r in self.evals if r["step"] == best_step), None)
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
         torch.set_rng_state(state["torch_rng"])

@@ -583,16 +583,16 @@ def test_repetitions_run_round_robin_and_each_entry_is_its_fastest(tmp_path, mon
 
     monkeypatch.setattr(throughput, "measure_path", measure_path)
     record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
-                                                 "batches": "random_rows", "paths": ["reference", "production"],
+                                                 "batches": "random_rows", "paths": ["reference", "peer_eager"],
                                                  "repetitions": 2}), log=lambda line: None)
-    assert order == [("reference", 0), ("production", 0), ("reference", 1), ("production", 1)]
+    assert order == [("reference", 0), ("peer_eager", 0), ("reference", 1), ("peer_eager", 1)]
     assert record["timing_protocol"]["repetitions"].startswith("2: ")
     for entry in record["paths"]:
         tried = entry["repetitions"]
         assert [r["repetition"] for r in tried] == [0, 1] and entry["repetition"] == 1
         assert entry["tokens_per_s"] == max(r["tokens_per_s"] for r in tried)
         assert all(r["status"] == "ok" and len(r["step_seconds"]) == 2 for r in tried)
-    timed_apart = [e for e in record["paths"] if e["path"] == "production"][0]
+    timed_apart = [e for e in record["paths"] if e["path"] == "reference"][0]
     assert "checkpoint_save_s" in json.dumps(timed_apart["evaluation_and_checkpoint"])  # the first repetition's
 
 

@@ -5,6 +5,7 @@ optimizer step, and leave every file already in out_dir untouched.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import json
@@ -26,13 +27,15 @@ from cflib.train import train
 from cflib.train.sizing import SizingError, validate_cluster_layout
 
 TOKENIZER = ByteTokenizer()
+# The embedded tasks, generated once for the whole battery (the cases slice them, never change them).
+embedded = functools.cache(generate)
 GOOD = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 8, "max_steps": 2,
         "exact_match_limit": 0, "device": "cpu"}
 
 
 def shard(root: Path, edit: Callable[[Path], None] | None = None, examples: list[Example] | None = None,
           vocab_size: int = TOKENIZER.vocab_size) -> Path:
-    train_examples, eval_examples = generate(seed=3)
+    train_examples, eval_examples = embedded(seed=3)
     for name, chosen in (("train", examples or train_examples[:16]), ("eval", eval_examples[:4])):
         write_partition(root / name, chosen, vocab_size=vocab_size, eos_token_id=0, max_seq_len=64)
     if edit is not None:
@@ -78,7 +81,7 @@ def unshifted(partition: Path) -> None:
 def unended(partition: Path) -> None:
     """Rewrite the partition with each example's final EOS cut off: it looks truncated."""
     examples = []
-    for example in generate(seed=3)[0][:16]:
+    for example in embedded(seed=3)[0][:16]:
         labels = list(example.labels[:-1])
         labels[-1] = -100
         examples.append(Example(example.input_ids[:-1], labels, example.meta))
@@ -87,7 +90,7 @@ def unended(partition: Path) -> None:
 
 def label_past_the_end(partition: Path) -> None:
     """Supervise each example's last position, whose target (the next token) lies beyond the example."""
-    examples = [Example(e.input_ids, list(e.labels[:-1]) + [0], e.meta) for e in generate(seed=3)[0][:16]]
+    examples = [Example(e.input_ids, list(e.labels[:-1]) + [0], e.meta) for e in embedded(seed=3)[0][:16]]
     write_partition(partition, examples, vocab_size=TOKENIZER.vocab_size, eos_token_id=0, max_seq_len=64)
 
 

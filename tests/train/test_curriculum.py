@@ -146,25 +146,28 @@ def train_losses(out_dir: Path, stage: str) -> list[float]:
 
 @pytest.mark.slow
 def test_a_two_process_curriculum_trains_like_one_process(tmp_path, shard):
-    curriculum = write_curriculum(tmp_path / "c.yaml", STAGES)
+    """Two stages, each a torchrun launch; the second from the first's best, on another filter, learning rate,
+    loss weighting and global batch."""
+    stages = [STAGES[0], {**STAGES[1], "max_steps": 3, "batch_size": 8}]
+    curriculum = write_curriculum(tmp_path / "c.yaml", stages)
     single = train(params(shard, tmp_path / "one", curriculum), progress=False)
     double = train(params(shard, tmp_path / "two", curriculum, nproc_per_node=2, strategy="ddp"), progress=False)
     assert single["world_size"] == 1 and double["world_size"] == 2
-    # Later stages start from weights that already differ by reduction order (see below): a looser bound.
-    for stage, atol in (("easy", 1e-5), ("medium", 1e-4), ("all", 1e-4)):
+    # The second stage starts from weights that already differ by reduction order (see below): a looser bound.
+    for stage, atol in (("easy", 1e-5), ("medium", 1e-4)):
         np.testing.assert_allclose(train_losses(tmp_path / "two", stage), train_losses(tmp_path / "one", stage),
                                    rtol=0, atol=atol)
     assert_same_weights(stage_weights(tmp_path / "one", "easy", "best"),
                         stage_weights(tmp_path / "two", "easy", "best"), atol=1e-5)
-    # AdamW's normalised steps carry the difference on: it stays a tiny fraction of how far each stage moves.
-    for previous, stage in (("easy", "medium"), ("medium", "all")):
-        start, one, two = (stage_weights(tmp_path / run, name, "best")
-                           for run, name in (("one", previous), ("one", stage), ("two", stage)))
-        apart = torch.sqrt(sum(((one[k] - two[k]) ** 2).sum() for k in one))
-        moved = torch.sqrt(sum(((one[k] - start[k]) ** 2).sum() for k in one))
-        assert apart < 1e-2 * moved, (stage, float(apart), float(moved))
+    # AdamW's normalised steps carry the difference on: it stays a tiny fraction of how far the stage moves.
+    start, one, two = (stage_weights(tmp_path / run, name, "best")
+                       for run, name in (("one", "easy"), ("one", "medium"), ("two", "medium")))
+    apart = torch.sqrt(sum(((one[k] - two[k]) ** 2).sum() for k in one))
+    moved = torch.sqrt(sum(((one[k] - start[k]) ** 2).sum() for k in one))
+    assert apart < 1e-2 * moved, (float(apart), float(moved))
     assert [s["started_from"].replace("/two/", "/one/") for s in double["curriculum"]["stages"][1:]] == [
         s["started_from"] for s in single["curriculum"]["stages"][1:]]
+    assert [s["name"] for s in double["curriculum"]["stages"]] == ["easy", "medium"]
 
 
 def test_the_dry_run_of_the_quickstart_curriculum_writes_its_audit_alone(tmp_path, capsys):

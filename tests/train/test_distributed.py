@@ -77,77 +77,112 @@ def test_ranks_take_disjoint_slices_of_one_mixture_order():
         assert drawn.sum() == 48 and drawn[:30].sum() >= 32 and drawn[30:].sum() >= 8
 
 
+# Every evaluation's held-out loss, and the highest chooses best/: the first evaluation after step 0, not the last
+# weights, so a best/ that followed the last checkpoint (or a rank that decided otherwise) shows.
+BEST = {"eval_every_steps": 1, "best_metric": "eval_loss", "greater_is_better": True, "collective_timeout_s": 120}
+
+
+def assert_trained_like_one(one: Path, two: Path, single: dict, double: dict, strategy: str) -> None:
+    """The two-process run's losses, last and best weights and best_metric entry are the one-process run's."""
+    assert single["world_size"] == 1 and double["world_size"] == 2 and double["strategy"] == strategy
+    assert double["device"]["count"] == 2
+    assert double["grad_accum"] == 2 and single["grad_accum"] == 4
+    np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=0, atol=1e-5)
+    for checkpoint in ("last", "best"):
+        a = load_checkpoint(one / "checkpoints" / checkpoint).state_dict()
+        b = load_checkpoint(two / "checkpoints" / checkpoint).state_dict()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5, msg=f"{checkpoint}: {name}")
+    # Gathered weights (FSDP) are written with the derived buffers too, and load_checkpoint found them agreeing.
+    for checkpoint in ("last", "best"):
+        written = load_file(str(two / "checkpoints" / checkpoint / "model.safetensors"))
+        assert {f"layers.{i}.{suffix}" for i in range(2) for suffix in DERIVED_SUFFIXES} <= written.keys()
+    # best/: rank 0's choice (every rank joined its save under FSDP), as the one-process run chose it
+    evals = [r for r in read_metrics(two / "metrics.jsonl") if r["event"] == "eval"]
+    chosen = max(evals, key=lambda r: r["loss"])
+    assert [r["step"] for r in evals] == list(range(1, double["schedule"]["steps_done"] + 1))
+    assert chosen["step"] == 1
+    assert double["best_metric"] == {"name": "eval_loss", "greater_is_better": True, "step": 1,
+                                     "value": pytest.approx(chosen["loss"], abs=0)}
+    assert single["best_metric"] == {**double["best_metric"], "value": pytest.approx(chosen["loss"], abs=1e-5)}
+    assert double["checkpoints"]["best_step"] == "1"
+    last = load_checkpoint(two / "checkpoints" / "last").state_dict()
+    best = load_checkpoint(two / "checkpoints" / "best").state_dict()
+    assert any(not torch.equal(best[name], last[name]) for name in best)
+
+
 @pytest.mark.slow
-def test_two_processes_draw_one_mixture_like_one_process(tmp_path):
+def test_two_ddp_processes_pack_weigh_and_report_like_one(tmp_path):
+    """Workers skip the preflight their launcher ran, plan the same windows and weigh the same tokens; rank 0
+    alone reports to the trackers."""
+    groups = {"arithmetic": {"target_share": 0.4, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},
+              "text": {"target_share": 0.6, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
+    packed = {**BASE, **BEST, "pack_sequences": True, "loss_groups": groups}
+    single = train({**packed, "out_dir": str(tmp_path / "one")}, progress=False)
+    double = train({**packed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": "ddp",
+                    "report_to": "tensorboard"}, progress=False)
+    assert_trained_like_one(tmp_path / "one", tmp_path / "two", single, double, "ddp")
+    assert double["kernel_path"]["attention"] == "sdpa_mask"
+    assert double["packing"] == single["packing"] and double["loss_weighting"] == single["loss_weighting"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list((tmp_path / "two" / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 1 wrote none
+    events = EventAccumulator(str(tmp_path / "two" / "tensorboard")).Reload()
+    assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6))
+        for r in read_metrics(tmp_path / "two" / "metrics.jsonl") if r["event"] == "train"]
+
+
+@pytest.mark.slow
+def test_two_fsdp_processes_draw_one_mixture_like_one_process(tmp_path):
     """Two gloo workers open the mixture unchecked (their launcher checked it) and train on their slices of one
-    global order: the losses, the draw and the per-source evaluation are those of one process."""
+    global order: the losses, the draw and the per-source evaluation are those of one process. Under FSDP every
+    rank evaluates; rank 0 decides whether best/ improved and every rank joins in gathering it."""
     roots = task_roots(tmp_path / "roots", {"addition": 30, "uppercase": 12}, held_out=6)
-    mixed = {**BASE, "data": mixture(roots, {"addition": 0.8, "uppercase": 0.2}), "examples_per_epoch": 40,
-             "max_steps": 4}
+    mixed = {**BASE, **BEST, "data": mixture(roots, {"addition": 0.8, "uppercase": 0.2}), "examples_per_epoch": 40,
+             "max_steps": 4}  # into a second epoch, drawn anew
     single = train({**mixed, "out_dir": str(tmp_path / "one")}, progress=False)
-    double = train({**mixed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2}, progress=False)
-    assert double["world_size"] == 2 and double["strategy"] == "ddp"
-    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=1e-5)
+    double = train({**mixed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": "fsdp"},
+                   progress=False)
+    assert_trained_like_one(tmp_path / "one", tmp_path / "two", single, double, "fsdp")
     assert double["data"]["mixture"] == single["data"]["mixture"]
     for source, loss in single["eval"]["final"]["loss_by_source"].items():
         assert double["eval"]["final"]["loss_by_source"][source] == pytest.approx(loss, abs=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_give_the_losses_of_one(tmp_path, strategy):
-    single = train({**BASE, "out_dir": str(tmp_path / "one")}, progress=False)
-    double = train({**BASE, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": strategy},
-                   progress=False)
-    assert single["world_size"] == 1 and double["world_size"] == 2 and double["strategy"] == strategy
-    assert double["device"]["count"] == 2
-    assert double["grad_accum"] == 2 and single["grad_accum"] == 4
-    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=1e-5)
-    a = load_checkpoint(tmp_path / "one" / "checkpoints" / "last").state_dict()
-    b = load_checkpoint(tmp_path / "two" / "checkpoints" / "last").state_dict()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-5, msg=name)
-    # Gathered weights (FSDP) are written with the derived buffers too, and load_checkpoint found them agreeing.
-    written = load_file(str(tmp_path / "two" / "checkpoints" / "last" / "model.safetensors"))
-    assert {f"layers.{i}.{suffix}" for i in range(2) for suffix in DERIVED_SUFFIXES} <= written.keys()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_train_lora_adapters_like_one(tmp_path, strategy):
-    """Frozen base, trainable adapters (BF16 base under FSDP: mixed dtypes in one shard group)."""
-    from cflib.export.peft import read_adapter
+def lora_base(folder: Path) -> Path:
     from cflib.model.checkpoint import save_checkpoint
     from cflib.model.decoder import TRMoEModel
 
     torch.manual_seed(1)
-    base = save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "base")
-    lora = {**BASE, "init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lr": 1e-2,
-            **({"base_dtype": "bfloat16", "bf16": True} if strategy == "fsdp" else {})}
-    train({**lora, "out_dir": str(tmp_path / "one")}, progress=False)
-    double = train({**lora, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": strategy},
-                   progress=False)
-    assert double["strategy"] == strategy and double["params_trainable"] == double["lora"]["adapter_parameters"]
-    tolerance = 2e-2 if strategy == "fsdp" else 1e-5  # BF16 autocast: the two runs round differently
-    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=tolerance)
-    one = read_adapter(tmp_path / "one" / "checkpoints" / "last")[2]
-    two = read_adapter(tmp_path / "two" / "checkpoints" / "last")[2]
-    assert set(one) == set(two)
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5 if strategy == "ddp" else 5e-3, msg=name)
+    return save_checkpoint(TRMoEModel(preset("smoke")), folder)
+
+
+def lora_params(base: Path, **overrides) -> dict:
+    return {**BASE, "init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lr": 1e-2, **overrides}
+
+
+def assert_adapters_like_one(one: Path, two: Path, loss_atol: float, weight_atol: float) -> None:
+    from cflib.export.peft import read_adapter
+
+    np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=0, atol=loss_atol)
+    first = read_adapter(one / "checkpoints" / "last")[2]
+    second = read_adapter(two / "checkpoints" / "last")[2]
+    assert set(first) == set(second)
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], rtol=0, atol=weight_atol, msg=name)
 
 
 @pytest.mark.slow
-def test_two_processes_pack_and_weight_like_one(tmp_path):
-    """Workers skip the preflight their launcher ran, plan the same windows and weigh the same tokens."""
-    groups = {"arithmetic": {"target_share": 0.4, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},
-              "text": {"target_share": 0.6, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
-    packed = {**BASE, "pack_sequences": True, "loss_groups": groups}
-    single = train({**packed, "out_dir": str(tmp_path / "one")}, progress=False)
-    double = train({**packed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2}, progress=False)
-    assert double["world_size"] == 2 and double["kernel_path"]["attention"] == "sdpa_mask"
-    assert double["packing"] == single["packing"] and double["loss_weighting"] == single["loss_weighting"]
-    np.testing.assert_allclose(train_losses(tmp_path / "two"), train_losses(tmp_path / "one"), rtol=0, atol=1e-5)
+def test_two_fsdp_processes_train_lora_adapters_like_one(tmp_path):
+    """Frozen BF16 base, trainable adapters: mixed dtypes in one shard group. (DDP's LoRA run: the two nodes'.)"""
+    lora = lora_params(lora_base(tmp_path / "base"), base_dtype="bfloat16", bf16=True)
+    train({**lora, "out_dir": str(tmp_path / "one")}, progress=False)
+    double = train({**lora, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": "fsdp"},
+                   progress=False)
+    assert double["strategy"] == "fsdp" and double["params_trainable"] == double["lora"]["adapter_parameters"]
+    # BF16 autocast: the two runs round differently
+    assert_adapters_like_one(tmp_path / "one", tmp_path / "two", loss_atol=2e-2, weight_atol=5e-3)
 
 
 def free_port() -> int:
@@ -157,9 +192,13 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_nodes_rendezvous_on_localhost(tmp_path):
+def test_two_nodes_rendezvous_on_localhost_and_train_lora_adapters_like_one(tmp_path):
+    """Two launchers of one process each meet at a rendezvous: DDP across nodes, here on a frozen base with
+    trainable adapters, which train as in one process."""
+    lora = lora_params(lora_base(tmp_path / "base"))
+    train({**lora, "out_dir": str(tmp_path / "one")}, progress=False)
     endpoint = f"127.0.0.1:{free_port()}"
-    common = {**BASE, "out_dir": str(tmp_path / "run"), "nnodes": 2, "rdzv_endpoint": endpoint}
+    common = {**lora, "out_dir": str(tmp_path / "run"), "nnodes": 2, "rdzv_endpoint": endpoint}
     results: dict[int, object] = {}
 
     def node(rank: int) -> None:
@@ -173,10 +212,12 @@ def test_two_nodes_rendezvous_on_localhost(tmp_path):
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-    assert results[0]["world_size"] == 2, results
+    assert results[0]["world_size"] == 2 and results[0]["strategy"] == "ddp", results
+    assert results[0]["params_trainable"] == results[0]["lora"]["adapter_parameters"]
     assert results[1] == {"node_rank": 1, "world_size": 2}, results
     assert "rank 0 writes the record" in summary(results[1])  # the notebook's later cells on node 1
     assert len(train_losses(tmp_path / "run")) == 3
+    assert_adapters_like_one(tmp_path / "one", tmp_path / "run", loss_atol=1e-5, weight_atol=1e-5)
 
 
 @pytest.mark.slow

@@ -80,7 +80,7 @@ def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, wei
     (padding entries repeating one, masked out of the gradient). Heads of 64, so that on a GPU packed windows
     run FlashAttention-4's varlen kernel where it is installed, the kernel whose document table is padded."""
     torch.manual_seed(0)
-    config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    config = tiny_config(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=512)
     model = build_model(config, PRODUCTION).to(KERNEL_DEVICE).train()
     host = _host_batch(config.vocab_size, 3, 40, packed, weighted)
     shape = static_shape(host, seq_len=300)
@@ -178,7 +178,7 @@ def test_steps_mixing_shapes_accumulate_the_eager_gradients(monkeypatch, max_sha
 
     monkeypatch.setattr(graphs_module, "MAX_SHAPES", max_shapes)
     torch.manual_seed(0)
-    config = tiny_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    config = tiny_config(hidden_size=64, num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=512)
     model = build_model(config, PRODUCTION).cuda().train()
     loss = SFTLoss(PRODUCTION)
 

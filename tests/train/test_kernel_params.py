@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sft_shard_helpers import task_shard
 from tiny_models import KERNEL_DEVICE
 
 from cflib.ops.attention import ATTENTION_BACKENDS
@@ -16,6 +17,12 @@ from cflib.train.execution import weight_copies_problem
 from cflib.train.params import ParamError, TrainParams
 
 DEVICE = KERNEL_DEVICE
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    """16 train and 4 held-out examples: the closing evaluation of an interpreted run is one short pass."""
+    return task_shard(tmp_path_factory.mktemp("shard"), 16, 4)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -32,8 +39,8 @@ def test_required_fast_path_stops_before_training(monkeypatch, tmp_path, flags, 
 
 
 @pytest.mark.slow
-def test_training_records_the_kernels_that_ran(tmp_path):
-    record = train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 2,
+def test_training_records_the_kernels_that_ran(tmp_path, shard):
+    record = train({"model": "smoke", "data": str(shard), "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2, "max_steps": 2,
                     "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False,
                     "device": DEVICE.type, "out_dir": str(tmp_path / "run"),
                     "use_custom_kernels": "true", "require_liger": True,
@@ -84,17 +91,17 @@ def test_a_run_checks_its_backend_where_it_trains(tmp_path):
         prepare(TrainParams.from_dict({**params, "attention_backend": "flex"}))
 
 
-def _copies_run(tmp_path, name: str, **flags) -> dict:
-    return train({"model": "smoke", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 4, "max_steps": 3,
+def _copies_run(tmp_path, shard, name: str, **flags) -> dict:
+    return train({"model": "smoke", "data": str(shard), "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 4, "max_steps": 3,
                   "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False, "bf16": True,
                   "fp32_loss": False,  # the head's copy too
-                  "eval_micro_batch": 100,  # the closing evaluation in two passes: the interpreter pays per launch
+                  "eval_micro_batch": 4,  # the closing evaluation in one pass: the interpreter pays per launch
                   "device": DEVICE.type, "out_dir": str(tmp_path / name), "use_custom_kernels": "true", **flags},
                  progress=False)
 
 
 @pytest.mark.slow
-def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypatch):
+def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, shard, monkeypatch):
     """Three steps of two micro-batches under the fused AdamW (on the CPU too: it moves the masters without
     bumping their version counters, as on a GPU): the copies are refreshed after each optimizer step, so every
     step's loss and gradient norm are those of the run that casts its masters in every forward. With cflib's
@@ -107,9 +114,9 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
     monkeypatch.setattr(cflib.train.step, "make_optimizer",  # torch's fused AdamW on the CPU too
                         lambda model, settings, fused=False, triton=False: make_optimizer(
                             model, settings, fused=not triton, triton=triton))
-    copied = _copies_run(tmp_path, "copies", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "false"})
-    cast = _copies_run(tmp_path, "casts", kernel_overrides={"bf16_weight_copies": "false", "cflib_adamw": "false"})
-    kernel = _copies_run(tmp_path, "kernel", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "true"})
+    copied = _copies_run(tmp_path, shard, "copies", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "false"})
+    cast = _copies_run(tmp_path, shard, "casts", kernel_overrides={"bf16_weight_copies": "false", "cflib_adamw": "false"})
+    kernel = _copies_run(tmp_path, shard, "kernel", kernel_overrides={"bf16_weight_copies": "true", "cflib_adamw": "true"})
     assert copied["kernel_path"]["weights"] == "bf16_copies" and "weights" not in cast["kernel_path"]
     assert kernel["kernel_path"]["optimizer"] == "cflib_triton" and copied["kernel_path"]["optimizer"] == "torch_fused"
     if DEVICE.type == "cuda":  # the copies are read by graphs replayed after the optimizer wrote them
@@ -130,9 +137,9 @@ def test_bf16_weight_copies_train_exactly_as_autocasts_casts(tmp_path, monkeypat
     ({"bf16": False}, "bf16 is off"),
     ({"use_custom_kernels": "false"}, "cflib's kernels are off"),
 ])
-def test_bf16_weight_copies_true_where_they_do_not_apply_stops_before_any_step(tmp_path, flags, problem):
+def test_bf16_weight_copies_true_where_they_do_not_apply_stops_before_any_step(tmp_path, shard, flags, problem):
     with pytest.raises(KernelUnavailable, match=f"bf16_weight_copies: true, but {problem}"):
-        _copies_run(tmp_path, "refused", kernel_overrides={"bf16_weight_copies": "true"}, **flags)
+        _copies_run(tmp_path, shard, "refused", kernel_overrides={"bf16_weight_copies": "true"}, **flags)
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
 
 
@@ -156,11 +163,11 @@ def test_the_weight_copies_problem_names_why_a_run_reads_none():
     assert problem(kernel_overrides={"bf16_weight_copies": "false"}) == "bf16_weight_copies: false"
 
 
-def test_the_execution_plan_is_resolved_before_step_1_and_the_record_writes_it(tmp_path):
+def test_the_execution_plan_is_resolved_before_step_1_and_the_record_writes_it(tmp_path, shard):
     """Off a GPU every speed switch's auto stays off, each with its reason; a switch set to false says so; the plan
     is in the run's description and, whole, in the record."""
-    params = {"model": "smoke", "device": "cpu", "seq_len": 32, "micro_batch_per_rank": 2, "global_batch": 2,
-              "max_steps": 1, "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False}
+    params = {"model": "smoke", "data": str(shard), "device": "cpu", "seq_len": 32, "micro_batch_per_rank": 2,
+              "global_batch": 2, "max_steps": 1, "eval_at_start": False, "exact_match_limit": 0, "save_checkpoints": False}
     run = prepare(TrainParams.from_dict({**params, "out_dir": str(tmp_path / "auto")}))
     plan = run.plan
     assert (plan.optimizer, plan.weight_copies, plan.cuda_graphs, plan.grad_ckpt) == ("torch", False, False, False)

@@ -41,6 +41,29 @@ def params(shard: Path, out_dir: Path, **overrides) -> dict:
             "device": "cpu", "save_every_steps": 4, **overrides}
 
 
+# The highest held-out loss chooses best/: the first epoch's, before the kill, which the resumed run must remember
+# (a run that forgot it would take the first evaluation after the resume).
+BEST_FIRST = {"best_metric": "eval_loss", "greater_is_better": True}
+
+
+@pytest.fixture(scope="module")
+def four_epochs(shard, tmp_path_factory) -> Path:
+    """An uninterrupted 12-step run in one process, every checkpoint kept: what the 4-epoch resumes end at."""
+    out_dir = tmp_path_factory.mktemp("four_epochs") / "whole"
+    train(params(shard, out_dir, epochs=4, save_total_limit=None, **BEST_FIRST), progress=False)
+    return out_dir
+
+
+def assert_best_remembered(resumed: dict, reference: dict, out_dir: Path, reference_dir: Path) -> None:
+    """best/ and the record's best_metric are the uninterrupted run's, chosen before the kill."""
+    assert reference["best_metric"]["step"] == 3  # the first epoch's evaluation: before the kill
+    assert resumed["best_metric"] == {**reference["best_metric"],
+                                      "value": pytest.approx(reference["best_metric"]["value"], abs=1e-6)}
+    assert resumed["checkpoints"]["best_step"] == "3"
+    best = lambda d: load_checkpoint(d / "checkpoints" / "best").state_dict()  # noqa: E731
+    assert_same_weights(best(reference_dir), best(out_dir), atol=1e-6)
+
+
 def start_and_kill(run_params: dict, out_dir: Path, after_checkpoint: str) -> None:
     """Run training in a child process and SIGKILL its whole process group once a checkpoint exists."""
     code = "import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
@@ -68,15 +91,16 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 @pytest.mark.slow
 def test_killed_single_process_run_resumes_to_the_uninterrupted_weights(tmp_path, shard):
-    reference = train(params(shard, tmp_path / "whole"), progress=False)
-    start_and_kill(params(shard, tmp_path / "killed"), tmp_path / "killed", after_checkpoint="step-8")
-    resumed = train(params(shard, tmp_path / "killed", resume="latest"), progress=False)
+    reference = train(params(shard, tmp_path / "whole", **BEST_FIRST), progress=False)
+    start_and_kill(params(shard, tmp_path / "killed", **BEST_FIRST), tmp_path / "killed", after_checkpoint="step-8")
+    resumed = train(params(shard, tmp_path / "killed", resume="latest", **BEST_FIRST), progress=False)
     assert resumed["model_source"].startswith("resumed from") and resumed["schedule"]["steps_done"] == 36
     assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"), atol=1e-6)
     steps = [r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if r["event"] == "train"]
     assert steps == list(range(1, 37))  # every step logged once: nothing lost, nothing doubled
     assert resumed["eval"]["final"]["loss"] == pytest.approx(reference["eval"]["final"]["loss"], abs=1e-6)
     assert resumed["schedule"]["fill_ins_per_epoch"] == [8] * 12
+    assert_best_remembered(resumed, reference, tmp_path / "killed", tmp_path / "whole")
 
 
 @pytest.mark.slow
@@ -102,44 +126,54 @@ def test_a_killed_mixture_resumes_to_the_uninterrupted_weights(tmp_path, shard):
 
 
 @pytest.mark.slow
-def test_killed_two_process_run_resumes_and_refuses_another_world_size(tmp_path, shard):
+def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path, shard, four_epochs):
+    """FSDP gathers the whole optimizer state, keyed by parameter name: FSDP resumes it, and so would DDP; one
+    process may not, unless told to."""
     out_dir = tmp_path / "killed"
-    two = params(shard, out_dir, nproc_per_node=2, epochs=4)
-    start_and_kill(two, out_dir, after_checkpoint="step-8")
-    with pytest.raises(ParamError, match="written by 2 process.*allow_world_size_change"):
-        train(params(shard, out_dir, epochs=4, resume="latest"), progress=False)
-    train({**two, "resume": "latest"}, progress=False)
-    single = train(params(shard, tmp_path / "single", epochs=4), progress=False)
-    assert single["schedule"]["steps_done"] == 12
-    weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
-    assert_same_weights(weights(tmp_path / "single"), weights(out_dir), atol=1e-5)
-
-
-@pytest.mark.slow
-def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path, shard):
-    """FSDP gathers the whole optimizer state, keyed by parameter name: FSDP resumes it, and so would DDP."""
-    out_dir = tmp_path / "killed"
-    fsdp = params(shard, out_dir, nproc_per_node=2, epochs=4, strategy="fsdp")
+    fsdp = params(shard, out_dir, nproc_per_node=2, epochs=4, strategy="fsdp", **BEST_FIRST)
     start_and_kill(fsdp, out_dir, after_checkpoint="step-8")
     state = torch.load(out_dir / "checkpoints" / "step-8" / "trainer_state.pt", weights_only=True)
     assert "layers.0.mlp.engine.expert_up" in state["optimizer"]["state"]
     kept = shutil.copytree(out_dir / "checkpoints" / "step-8", tmp_path / "step-8")
+    with pytest.raises(ParamError, match="written by 2 process.*allow_world_size_change"):
+        train(params(shard, out_dir, epochs=4, resume="latest", **BEST_FIRST), progress=False)
     resumed = train({**fsdp, "resume": "latest"}, progress=False)
     assert resumed["strategy"] == "fsdp" and resumed["schedule"]["steps_done"] == 12
     ddp = train(params(shard, tmp_path / "ddp", nproc_per_node=2, epochs=4, strategy="ddp", resume=str(kept)),
                 progress=False)
     assert ddp["strategy"] == "ddp" and ddp["model_source"].startswith("resumed from")
-    train(params(shard, tmp_path / "single", epochs=4), progress=False)
     weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
-    assert_same_weights(weights(tmp_path / "single"), weights(out_dir), atol=1e-5)
-    assert_same_weights(weights(tmp_path / "single"), weights(tmp_path / "ddp"), atol=1e-5)
+    assert_same_weights(weights(four_epochs), weights(out_dir), atol=1e-5)
+    assert_same_weights(weights(four_epochs), weights(tmp_path / "ddp"), atol=1e-5)
+    reference = json.loads((four_epochs / "record.json").read_text())
+    assert_best_remembered(resumed, reference, out_dir, four_epochs)
 
 
-def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_path, shard):
+def test_a_run_killed_before_saving_an_improved_best_resumes_with_the_best_its_best_folder_holds(tmp_path, shard):
+    """An evaluation writes its epoch checkpoint, then best/ when it improved: a kill between the two leaves a
+    resumable checkpoint whose evaluations hold an improvement best/ never received. The resumed run's best is the
+    evaluation best/ holds, in the record as on disk."""
+    out_dir = tmp_path / "run"
+    two_epochs = params(shard, out_dir, epochs=2, save_every_steps=None, save_optimizer_state=True)
+    whole = train(two_epochs, progress=False)
+    evals = {e["step"]: e["loss"] for e in whole["eval"]["history"]}
+    assert whole["best_metric"]["step"] == 6 and evals[6] < evals[3]  # the second epoch improved on the first
+    # The folder as that kill leaves it: epoch-2 written, best/ still the first epoch's, no record.
+    for name in ("COMPLETE", "record.json"):
+        (out_dir / name).unlink()
+    shutil.rmtree(out_dir / "checkpoints" / "best")
+    shutil.copytree(out_dir / "checkpoints" / "epoch-1", out_dir / "checkpoints" / "best")
+    resumed = train({**two_epochs, "resume": "latest"}, progress=False)
+    assert "checkpoints/epoch-2 at step 6" in resumed["model_source"]
+    assert resumed["best_metric"] == {"name": "eval_loss", "greater_is_better": False, "step": 3,
+                                      "value": evals[3]}
+    best = load_checkpoint(out_dir / "checkpoints" / "best").state_dict()
+    assert_same_weights(load_checkpoint(out_dir / "checkpoints" / "epoch-1").state_dict(), best, atol=0)
+
+
+def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_path, shard, four_epochs):
     """Checkpoints written before optimizer state was keyed by parameter name hold torch's positional form."""
-    whole = params(shard, tmp_path / "whole", epochs=4, save_total_limit=None)
-    train(whole, progress=False)
-    old = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-8", tmp_path / "step-8")
+    old = shutil.copytree(four_epochs / "checkpoints" / "step-8", tmp_path / "step-8")
     state = torch.load(old / "trainer_state.pt", weights_only=True)
     named = state["optimizer"]
     position = {name: i for i, name in enumerate(n for group in named["param_groups"] for n in group["params"])}
@@ -149,7 +183,7 @@ def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_p
     torch.save(state, old / "trainer_state.pt")
     train(params(shard, tmp_path / "resumed", epochs=4, resume=str(old)), progress=False)
     weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
-    assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "resumed"), atol=1e-6)
+    assert_same_weights(weights(four_epochs), weights(tmp_path / "resumed"), atol=1e-6)
 
 
 def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):

@@ -152,11 +152,12 @@ def experiment_name(monkeypatch):
 
 
 @pytest.mark.slow
-def test_mlflow_server_receives_params_metrics_and_the_record(tmp_path, mlflow_server):
+def test_mlflow_server_receives_params_metrics_samples_and_the_record(tmp_path, mlflow_server):
     from mlflow.tracking import MlflowClient
 
     out_dir = tmp_path / "run"
-    train(run_params(out_dir, report_to="mlflow", mlflow_tracking_uri=mlflow_server.url), progress=False)
+    train(run_params(out_dir, report_to="mlflow", mlflow_tracking_uri=mlflow_server.url, log_samples=2),
+          progress=False)
     tracked = read_tracking(out_dir)["mlflow"]
     assert tracked["tracking_uri"] == mlflow_server.url and tracked["error"] is None
     (out_dir / "loss_curves.png").write_bytes(b"\x89PNG a plot")
@@ -174,26 +175,18 @@ def test_mlflow_server_receives_params_metrics_and_the_record(tmp_path, mlflow_s
     evals = sorted(client.get_metric_history(run.info.run_id, "eval/loss"), key=lambda m: m.step)
     assert [(m.step, m.value) for m in evals] == [(r["step"], pytest.approx(r["loss"])) for r in rows(out_dir, "eval")]
     assert len(client.get_metric_history(run.info.run_id, "train/learning_rate")) == 6
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/exact_match/overall")] in ([0, 6], [6, 0])
+    # log_samples generates answers at every evaluation, so exact match is scored at each
+    matched = client.get_metric_history(run.info.run_id, "eval/exact_match/overall")
+    assert sorted(m.step for m in matched) == [0, 3, 6]
     artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
-    assert {"record.json", "metrics.jsonl", "params.json", "loss_curves.png"} <= artifacts
+    assert {"record.json", "metrics.jsonl", "params.json", "loss_curves.png", "samples"} <= artifacts
     downloaded = Path(client.download_artifacts(run.info.run_id, "record.json", str(tmp_path)))
     assert json.loads(downloaded.read_text()) == json.loads((out_dir / "record.json").read_text())
-
-
-@pytest.mark.slow
-def test_log_samples_reach_mlflow_as_artifacts(tmp_path, mlflow_server):
-    from mlflow.tracking import MlflowClient
-
-    out_dir = tmp_path / "run"
-    train(run_params(out_dir, report_to="mlflow", mlflow_tracking_uri=mlflow_server.url, log_samples=2),
-          progress=False)
-    client = MlflowClient(mlflow_server.url)
-    run_id = read_tracking(out_dir)["mlflow"]["run_id"]
-    sent = sorted(item.path for item in client.list_artifacts(run_id, "samples"))
+    # log_samples' files reach the server as artifacts
+    sent = sorted(item.path for item in client.list_artifacts(run.info.run_id, "samples"))
     written = sorted(f"samples/{path.name}" for path in (out_dir / "samples").glob("*.jsonl"))
     assert sent == written == [row["samples_file"] for row in rows(out_dir, "eval")] and len(sent) == 3
-    downloaded = Path(client.download_artifacts(run_id, sent[-1], str(tmp_path)))
+    downloaded = Path(client.download_artifacts(run.info.run_id, sent[-1], str(tmp_path / "samples")))
     assert downloaded.read_text() == (out_dir / sent[-1]).read_text()
 
 
@@ -203,7 +196,7 @@ def test_a_server_killed_mid_run_only_warns(tmp_path, mlflow_server):
     from mlflow.tracking import MlflowClient
 
     out_dir = tmp_path / "run"
-    steps = 300  # about ten seconds: the server dies early in the run
+    steps = 100  # about three seconds: the server dies early in the run
     killed_at: list[int] = []
 
     def kill_after_three_steps() -> None:
@@ -278,11 +271,4 @@ def test_a_run_killed_and_resumed_shows_each_step_once_in_tensorboard(tmp_path):
     assert [step for step, _ in _tensorboard_series(out_dir / "tensorboard", "eval/loss")] == [0, 80]
 
 
-@pytest.mark.slow
-def test_only_rank_zero_reports_under_ddp(tmp_path):
-    out_dir = tmp_path / "run"
-    train(run_params(out_dir, max_steps=4, eval_every_steps=None, exact_match_limit=0, nproc_per_node=2,
-                     micro_batch_per_rank=8, report_to="tensorboard"), progress=False)
-    assert len(list((out_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 1 wrote none
-    assert _tensorboard_series(out_dir / "tensorboard", "train/loss") == [
-        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows(out_dir, "train")]
+# Under DDP rank 0 alone reports: tests/train/test_distributed.py's two-process run reads its TensorBoard events.
