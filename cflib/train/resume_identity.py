@@ -32,7 +32,8 @@ STREAM = ("seed", "global_batch", "train_examples", "total_steps", "warmup_steps
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
              "fp32_loss", "bf16", "seq_len", "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-             "base_dtype", "lora_trainable_tokens", "loss_type", "early_stopping_patience")
+             "base_dtype", "lora_trainable_tokens", "loss_type", "early_stopping_patience",
+             "best_metric", "greater_is_better")  # which checkpoint best/ holds and early stopping watches
 
 # What resuming reads from a trainer state: checked before any of it is used.
 TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "global_batch",
@@ -41,7 +42,7 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None,
-             "examples_per_epoch": None, "mixture": None}
+             "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None}
 
 
 def partition_digest(partition: ShardPartition | MixedPartition) -> str:

@@ -56,10 +56,11 @@ def killed(shards, tmp_path_factory) -> Path:
     ({"fp32_loss": False}, ["fp32_loss True", "has False"]),
     ({"lr": 1e-3}, ["lr 0.003", "has 0.001"]),
     ({"seed": 1}, ["seed 0", "has 1", "same stream and schedule"]),
+    ({"greater_is_better": True}, ["greater_is_better None", "has True", "allow_resume_changes: greater_is_better"]),
     ({"allow_resume_changes": "bogus"}, ["allow_resume_changes", "'bogus'"]),
     ({"allow_resume_changes": "seed", "seed": 1}, ["allow_resume_changes", "'seed' cannot be allowed"]),
 ], ids=["other-shard-same-count", "model", "max-grad-norm", "loss-chunk-tokens", "fp32-loss", "lr", "seed",
-        "unknown-allowance", "stream-not-allowable"])
+        "greater-is-better", "unknown-allowance", "stream-not-allowable"])
 def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, shards, change, words):
     before = digest(killed)
     change = {**change, "data": str(shards[change["data"]])} if "data" in change else change
