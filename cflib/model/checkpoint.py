@@ -204,6 +204,17 @@ def load_trainer_state(path: str | Path, required: tuple[str, ...] = ()) -> dict
     return state
 
 
+def checkpoint_step(folder: Path) -> int | None:
+    """The optimizer step a training run saved `folder` at (its progress file), or None where it has none."""
+    progress = folder / PROGRESS_FILE
+    if not progress.is_file():
+        return None
+    saved = read_json(progress, CheckpointError, "progress file")
+    if not isinstance(saved, dict) or isinstance(saved.get("step"), bool) or not isinstance(saved.get("step"), int):
+        raise CheckpointError(f"{progress}: unreadable progress file (no integer 'step')")
+    return saved["step"]
+
+
 def latest_resumable(checkpoints_dir: str | Path) -> Path:
     """The checkpoint of the furthest step that carries optimizer state."""
     checkpoints_dir = Path(checkpoints_dir)
@@ -214,13 +225,10 @@ def latest_resumable(checkpoints_dir: str | Path) -> Path:
     names = {f.name for f in entries if not f.name.startswith(".")}
     names |= {f.name[1:].rsplit(".old-", 1)[0] for f in entries if f.name.startswith(".") and ".old-" in f.name}
     for folder in (live_path(checkpoints_dir / name) for name in sorted(names)):
-        progress = folder / PROGRESS_FILE
-        if not (progress.is_file() and (folder / TRAINER_STATE_FILE).is_file()):
+        step = checkpoint_step(folder)
+        if step is None or not (folder / TRAINER_STATE_FILE).is_file():
             continue
-        step = read_json(progress, CheckpointError, "progress file")
-        if not isinstance(step, dict) or isinstance(step.get("step"), bool) or not isinstance(step.get("step"), int):
-            raise CheckpointError(f"{progress}: unreadable progress file (no integer 'step')")
-        candidates.append((step["step"], folder.name, folder))
+        candidates.append((step, folder.name, folder))
     if not candidates:
         raise CheckpointError(f"{checkpoints_dir}: no checkpoint with optimizer state to resume from "
                               "(save_every_steps, or save_optimizer_state: true, makes them)")

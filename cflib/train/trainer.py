@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from tqdm.auto import tqdm
 
-from cflib.atomic import clean_leftovers, is_out_of_space, write_json_atomic
+from cflib.atomic import clean_leftovers, is_out_of_space, live_path, write_json_atomic
 from cflib.data import load_tokenizer, shard_chat_template_sha256, shard_tokenizer_spec
 from cflib.errors import ParamError
-from cflib.model.checkpoint import CheckpointError, save_checkpoint
+from cflib.model.checkpoint import CheckpointError, checkpoint_step, save_checkpoint
 from cflib.model.lora import describe as describe_lora
 from cflib.train.collector import steady_collector
 from cflib.train.execution import kernels_requested
@@ -85,13 +85,22 @@ class Trainer:
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
         self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
         self.checkpoints, self.timing = self._rooted(state["checkpoints"]), state["timing"]
-        # The best so far is the evaluation best/ holds: a kill between a checkpoint and best/'s save leaves a
-        # later evaluation that improved on it, which best/ never received.
-        best_step = int(self.checkpoints["best_step"]) if "best_step" in self.checkpoints else None
-        self.best_value = next((self.best_metric.value(r) for r in self.evals if r["step"] == best_step), None)
+        self._restore_best()
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
         torch.set_rng_state(state["torch_rng"])
+
+    def _restore_best(self) -> None:
+        """The best so far is the evaluation whose weights best/ holds. An evaluation writes its checkpoint, then
+        best/ when it improved, so the resumed checkpoint's books can be a save behind best/ (a kill after best/
+        was written) or ahead of it (a kill between the two saves): the step best/ was saved at decides."""
+        best = live_path(self.run.out_dir / "checkpoints" / "best")
+        on_disk = checkpoint_step(best) if self.dist.is_main and best.is_dir() else None
+        evaluated = {result["step"] for result in self.evals}
+        if on_disk in evaluated:
+            self.checkpoints["best"], self.checkpoints["best_step"] = str(best), str(on_disk)
+        best_step = int(self.checkpoints["best_step"]) if "best_step" in self.checkpoints else None
+        self.best_value = next((self.best_metric.value(r) for r in self.evals if r["step"] == best_step), None)
 
     def _rooted(self, saved: dict[str, str]) -> dict[str, str]:
         """Saved checkpoint paths re-rooted in this run's out_dir (the run folder may have been copied or moved)."""
@@ -199,10 +208,13 @@ class Trainer:
             progress = {"step": self.step, "epoch": self.position[0], "batch_in_epoch": self.position[1]}
             target = self.run.out_dir / "checkpoints" / name
             try:
+                # best/ names its step (progress) even when it is not resumable: a resume reads which evaluation
+                # it holds.
+                progress = progress if resumable or name == "best" else None
                 if self.run.lora is not None:  # the adapters, in PEFT's format, naming their base
-                    path = self.run.lora.save(self.model, target, weights, state, progress if resumable else None)
+                    path = self.run.lora.save(self.model, target, weights, state, progress)
                 else:
-                    path = save_checkpoint(self.model, target, state, weights, progress if resumable else None)
+                    path = save_checkpoint(self.model, target, state, weights, progress)
             except Exception as err:  # safetensors and torch wrap the OS error in their own types
                 if not is_out_of_space(err):
                     raise

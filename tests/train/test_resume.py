@@ -139,8 +139,8 @@ def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path
         train(params(shard, out_dir, epochs=4, resume="latest", **BEST_FIRST), progress=False)
     resumed = train({**fsdp, "resume": "latest"}, progress=False)
     assert resumed["strategy"] == "fsdp" and resumed["schedule"]["steps_done"] == 12
-    ddp = train(params(shard, tmp_path / "ddp", nproc_per_node=2, epochs=4, strategy="ddp", resume=str(kept)),
-                progress=False)
+    ddp = train(params(shard, tmp_path / "ddp", nproc_per_node=2, epochs=4, strategy="ddp", resume=str(kept),
+                       **BEST_FIRST), progress=False)
     assert ddp["strategy"] == "ddp" and ddp["model_source"].startswith("resumed from")
     weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
     assert_same_weights(weights(four_epochs), weights(out_dir), atol=1e-5)
@@ -149,26 +149,32 @@ def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path
     assert_best_remembered(resumed, reference, out_dir, four_epochs)
 
 
-def test_a_run_killed_before_saving_an_improved_best_resumes_with_the_best_its_best_folder_holds(tmp_path, shard):
-    """An evaluation writes its epoch checkpoint, then best/ when it improved: a kill between the two leaves a
-    resumable checkpoint whose evaluations hold an improvement best/ never received. The resumed run's best is the
-    evaluation best/ holds, in the record as on disk."""
+@pytest.mark.parametrize("best_saved", [False, True], ids=["before-best-saved", "after-best-saved"])
+def test_a_run_killed_around_saving_an_improved_best_resumes_with_the_best_its_best_folder_holds(tmp_path, shard,
+                                                                                               best_saved):
+    """An evaluation writes its epoch checkpoint, then best/ when it improved. A kill between the two leaves a
+    resumable checkpoint whose evaluations hold an improvement best/ never received; a kill after both, one whose
+    books were written before best/ took the improvement. Either way the resumed run's best is the evaluation
+    best/ holds, in the record as on disk."""
     out_dir = tmp_path / "run"
     two_epochs = params(shard, out_dir, epochs=2, save_every_steps=None, save_optimizer_state=True)
     whole = train(two_epochs, progress=False)
     evals = {e["step"]: e["loss"] for e in whole["eval"]["history"]}
     assert whole["best_metric"]["step"] == 6 and evals[6] < evals[3]  # the second epoch improved on the first
-    # The folder as that kill leaves it: epoch-2 written, best/ still the first epoch's, no record.
+    # The folder as the kill leaves it: epoch-2 written, best/ the second epoch's or still the first's, no record.
     for name in ("COMPLETE", "record.json"):
         (out_dir / name).unlink()
-    shutil.rmtree(out_dir / "checkpoints" / "best")
-    shutil.copytree(out_dir / "checkpoints" / "epoch-1", out_dir / "checkpoints" / "best")
+    if not best_saved:
+        shutil.rmtree(out_dir / "checkpoints" / "best")
+        shutil.copytree(out_dir / "checkpoints" / "epoch-1", out_dir / "checkpoints" / "best")
+    best_step = 6 if best_saved else 3
     resumed = train({**two_epochs, "resume": "latest"}, progress=False)
     assert "checkpoints/epoch-2 at step 6" in resumed["model_source"]
-    assert resumed["best_metric"] == {"name": "eval_loss", "greater_is_better": False, "step": 3,
-                                      "value": evals[3]}
+    assert resumed["best_metric"] == {"name": "eval_loss", "greater_is_better": False, "step": best_step,
+                                      "value": evals[best_step]}
     best = load_checkpoint(out_dir / "checkpoints" / "best").state_dict()
-    assert_same_weights(load_checkpoint(out_dir / "checkpoints" / "epoch-1").state_dict(), best, atol=0)
+    held = load_checkpoint(out_dir / "checkpoints" / f"epoch-{best_step // 3}").state_dict()
+    assert_same_weights(held, best, atol=0)
 
 
 def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_path, shard, four_epochs):
@@ -181,7 +187,7 @@ def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_p
                           "param_groups": [{**group, "params": [position[n] for n in group["params"]]}
                                            for group in named["param_groups"]]}
     torch.save(state, old / "trainer_state.pt")
-    train(params(shard, tmp_path / "resumed", epochs=4, resume=str(old)), progress=False)
+    train(params(shard, tmp_path / "resumed", epochs=4, resume=str(old), **BEST_FIRST), progress=False)
     weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-4").state_dict()  # noqa: E731
     assert_same_weights(weights(four_epochs), weights(tmp_path / "resumed"), atol=1e-6)
 
