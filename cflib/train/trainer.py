@@ -94,10 +94,10 @@ class Trainer:
         """The best so far is the evaluation whose weights best/ holds. An evaluation writes its checkpoint, then
         best/ when it improved, so the resumed checkpoint's books can be a save behind best/ (a kill after best/
         was written) or ahead of it (a kill between the two saves): the step best/ was saved at decides."""
-        best = live_path(self.run.out_dir / "checkpoints" / "best")
-        on_disk = checkpoint_step(best) if self.dist.is_main and best.is_dir() else None
-        evaluated = {result["step"] for result in self.evals}
-        if on_disk in evaluated:
+        best = self.run.out_dir / "checkpoints" / "best"
+        held = live_path(best)  # an interrupted replacement leaves the previous best/ aside (cflib.atomic)
+        on_disk = checkpoint_step(held) if self.dist.is_main and held.is_dir() else None
+        if on_disk in {result["step"] for result in self.evals}:
             self.checkpoints["best"], self.checkpoints["best_step"] = str(best), str(on_disk)
         best_step = int(self.checkpoints["best_step"]) if "best_step" in self.checkpoints else None
         self.best_value = next((self.best_metric.value(r) for r in self.evals if r["step"] == best_step), None)
