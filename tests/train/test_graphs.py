@@ -71,6 +71,7 @@ def small_multiples(monkeypatch):
     return graphs
 
 
+@pytest.mark.slow  # the model's forward and backward in Triton's interpreter, twice a case: ~6 s each on two cores
 @pytest.mark.parametrize("packed,weighted", [(False, False), (False, True), (True, False)],
                          ids=["dense", "dense-weighted", "packed"])
 def test_padding_to_a_static_shape_keeps_the_loss_and_every_gradient(packed, weighted, small_multiples):
