@@ -4,13 +4,19 @@ A plain helper module (not a conftest): the test files import it directly.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
+from cflib.ops.dispatch import quack_problem
 
 # Where tests run the fast kernels: the GPU where there is one, else the CPU in Triton's interpreter (conftest.py).
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The SwiGLU GEMMs run quack's epilogues on a GPU and their PyTorch form on a CPU: on a GPU without quack (an
+# image without the gpu extra) the tests that call them directly are skipped, naming why.
+_QUACK = quack_problem(KERNEL_DEVICE) if KERNEL_DEVICE.type == "cuda" else None
+needs_quack_on_gpu = pytest.mark.skipif(_QUACK is not None, reason=f"quack's GEMMs cannot run here: {_QUACK}")
 
 TINY_FIELDS: dict[str, object] = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

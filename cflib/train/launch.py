@@ -41,7 +41,7 @@ from cflib.train.run_folder import set_aside_run, starts_over
 from cflib.train.trainer import Trainer
 
 PROGRESS = re.compile(r"^\[rank 0\] step (\d+)/(\d+) ")
-LAUNCH_DIR = ".torchrun"  # out_dir/.torchrun-node<N>: what the launcher hands torchrun, while the job runs
+LAUNCH_DIR = ".torchrun"  # out_dir/.torchrun-node<N>-<host>-<pid>: what a launcher hands torchrun, while the job runs
 
 
 class LaunchError(RuntimeError):
@@ -129,16 +129,28 @@ def relay(command: list[str], run: Run, progress: bool) -> tuple[int, deque[str]
 
 
 def open_launch_dir(out_dir: Path, node_rank: int) -> Path:
-    """The launcher's folder in the run folder, `out_dir/.torchrun-node<N>` (the node's, in case nodes share out_dir):
-    the workers' parameters and torchrun's logs, never the system's temporary folder. A killed launcher's is
-    replaced here (a link in its place is removed, never followed)."""
-    folder = out_dir / f"{LAUNCH_DIR}-node{node_rank}"
-    if folder.is_symlink() or folder.is_file():
-        folder.unlink()
-    elif folder.exists():
-        shutil.rmtree(folder)
+    """The launcher's folder in the run folder, `out_dir/.torchrun-node<N>-<host>-<pid>`: the workers' parameters
+    and torchrun's logs, never the system's temporary folder. Its own name per launcher, so a second launch into
+    the folder (which rank 0's lock then refuses) never touches a running one's; a killed launcher's folder, its
+    process gone from this host, is removed here (a link in its place is unlinked, never followed)."""
+    prefix = f"{LAUNCH_DIR}-node{node_rank}-{socket.gethostname()}-"
+    for left in out_dir.glob(f"{prefix}*") if out_dir.is_dir() else []:
+        pid = left.name[len(prefix):]
+        if pid.isdigit() and not _alive(int(pid)):
+            left.unlink() if left.is_symlink() or left.is_file() else shutil.rmtree(left, ignore_errors=True)
+    folder = out_dir / f"{prefix}{os.getpid()}"
     folder.mkdir(parents=True)
     return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def close_launch_dir(folder: Path, created_out_dir: bool) -> None:

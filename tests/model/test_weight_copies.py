@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import KERNEL_DEVICE, random_ids, tiny_config
+from tiny_models import KERNEL_DEVICE, needs_quack_on_gpu, random_ids, tiny_config
 
 from cflib.model.fast import attach_weight_copies, build_model, detach_weight_copies
 from cflib.ops.dispatch import KernelChoice
@@ -62,6 +62,7 @@ def test_the_fused_gemms_read_the_copies_and_compute_autocasts_numbers(use_qk_no
     assert all(copy.tensor.dtype == torch.bfloat16 for copy in copies.copies.values())
 
 
+@needs_quack_on_gpu
 def test_the_swiglu_gemms_read_interleaved_copies_and_compute_their_numbers_over_the_masters():
     """The TR-MoE block through the SwiGLU GEMMs (quack's on a GPU) reads gate|up interleaved row by row."""
     plain, copied, copies = _models(kernels=KernelChoice(liger=True, custom=True, epilogue_swiglu=True))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
-from tiny_models import KERNEL_DEVICE, tiny_config
+from tiny_models import KERNEL_DEVICE, needs_quack_on_gpu, tiny_config
 
 from cflib.model.decoder import TRMoEEngine
 from cflib.ops.trmoe import (
@@ -103,6 +103,7 @@ def test_route_weights_other_than_a_primary_and_equal_others_are_refused():
         trmoe_forward(engine, raw["x"].to(KERNEL_DEVICE), token_ids)
 
 
+@needs_quack_on_gpu
 @pytest.mark.parametrize("routing", ["released", "top3_other_scales"])
 def test_the_block_through_the_swiglu_gemms_matches_the_formula(routing):
     """The SwiGLU GEMMs' block (quack's epilogues on a GPU, their PyTorch form elsewhere) with the experts'
@@ -127,7 +128,8 @@ def check_bf16(block, engine, raw, token_ids):
     return rounded
 
 
-@pytest.mark.parametrize("block", [trmoe_forward, trmoe_gated_forward], ids=["fused", "swiglu_gemms"])
+@pytest.mark.parametrize("block", [trmoe_forward, pytest.param(trmoe_gated_forward, marks=needs_quack_on_gpu)],
+                         ids=["fused", "swiglu_gemms"])
 def test_a_block_that_keeps_its_activation_matches_the_formula(block):
     """Kept from forward for the down weight's gradient instead of recomputed in backward: forward and every
     gradient in BF16, as the recomputing block's."""
@@ -172,6 +174,7 @@ def test_interleaving_pairs_each_gate_row_with_its_up_row():
     assert interleave_gate_up(gate_up).tolist() == [[0, 1], [6, 7], [2, 3], [8, 9], [4, 5], [10, 11]]
 
 
+@needs_quack_on_gpu
 def test_the_swiglu_gemms_block_refuses_a_second_backward():
     """Backward writes the pre-activation's gradient over the saved pre-activation, so a second backward through
     the same graph must fail loudly instead of reading a gradient as a pre-activation."""

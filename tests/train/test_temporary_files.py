@@ -92,11 +92,12 @@ def test_a_killed_launcher_leaves_nothing_in_the_temporary_folder_and_the_next_l
     params = {**FAST, "out_dir": str(out_dir), "nproc_per_node": 2, "max_steps": 100_000, "save_checkpoints": False}
     launch_and_kill(params, out_dir)
     assert list(temporary.iterdir()) == []  # neither the workers' parameters nor torchrun's logs
-    left = out_dir / ".torchrun-node0"
+    [left] = out_dir.glob(".torchrun-node0-*")  # the killed launcher's, named by its host and pid
     assert json.loads((left / "params.json").read_text())["out_dir"] == str(out_dir)  # in the run's folder
     (left / "stale").write_text("what the killed launch left")
 
     record = train({**params, "max_steps": 2, "resume": "latest"}, progress=False)  # starts the killed run over
     assert record["schedule"]["steps_done"] == 2
     assert list(temporary.iterdir()) == []
-    assert not left.exists()  # replaced by the launch, removed when it ended
+    assert not left.exists() and not list(out_dir.glob(".torchrun-*"))  # removed by the next launch, which
+    # removed its own when it ended
