@@ -86,7 +86,7 @@ def _holder_exiting(path: Path) -> bool:
     if info.get("host") != socket.gethostname() or pid == os.getpid():
         return False
     if not Path("/proc/self").is_dir():  # no procfs (macOS): only a pid that no longer exists tells
-        return _pid_gone(pid)
+        return pid_gone(pid)
     proc = Path(f"/proc/{pid}")
     if not proc.is_dir():  # gone, yet the lock is held: by another process sharing its descriptor
         return False
@@ -96,7 +96,8 @@ def _holder_exiting(path: Path) -> bool:
         return True
 
 
-def _pid_gone(pid: int) -> bool:
+def pid_gone(pid: int) -> bool:
+    """Whether no process of this host has `pid` (one of another user's still counts as there)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -33,6 +33,7 @@ from cflib.atomic import write_json_atomic
 from cflib.export.publish import publish_run
 from cflib.export.push import check_push
 from cflib.jsonio import read_json
+from cflib.locks import pid_gone
 from cflib.train.distributed import init_from_torchrun
 from cflib.train.lock import RunLock
 from cflib.train.params import ParamError, TrainParams
@@ -136,21 +137,11 @@ def open_launch_dir(out_dir: Path, node_rank: int) -> Path:
     prefix = f"{LAUNCH_DIR}-node{node_rank}-{socket.gethostname()}-"
     for left in out_dir.glob(f"{prefix}*") if out_dir.is_dir() else []:
         pid = left.name[len(prefix):]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and pid_gone(int(pid)):
             left.unlink() if left.is_symlink() or left.is_file() else shutil.rmtree(left, ignore_errors=True)
     folder = out_dir / f"{prefix}{os.getpid()}"
     folder.mkdir(parents=True)
     return folder
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def close_launch_dir(folder: Path, created_out_dir: bool) -> None:
