@@ -25,6 +25,10 @@ TRAINING_BYTES_PER_PARAM = 16
 # H200 (outputs/records/train_sft_200m_1gpu_h200.json) less 3.0 GiB of state
 # gives ~70; fp32 doubles it; checkpointing keeps each layer's input and one layer.
 ACTIVATION_BYTES = {"bf16": 72, "fp32": 144, "grad_ckpt": 8}
+# DDP's gradient buckets: a flat fp32 copy of every trainable gradient, all-reduced bucket by bucket.
+DDP_BUCKET_BYTES_PER_PARAM = 4
+# FSDP gathers weights as they are stored (fp32 here: no mixed-precision policy) and reduce-scatters fp32 gradients.
+GATHERED_BYTES_PER_PARAM = 4
 
 
 @dataclass(frozen=True)
@@ -92,19 +96,28 @@ def rank_share(step_examples: np.ndarray, ctx: DistContext) -> np.ndarray:
     return step_examples[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
 
 
+def training_state_bytes(config: ModelConfig, lora: dict | None = None) -> tuple[int, int]:
+    """The bytes of the whole model's weights and optimizer state, and the bytes each weight is stored in: 16 B
+    per trainable parameter (fp32 weights, grads, AdamW moments); a LoRA run's frozen base (lora:
+    {trainable_params, base_dtype}) 4 or 2 B per parameter beside its adapters' 16."""
+    params = config.num_parameters()
+    if lora is None:
+        return TRAINING_BYTES_PER_PARAM * params, GATHERED_BYTES_PER_PARAM
+    stored = 2 if lora["base_dtype"] == "bfloat16" else 4
+    return stored * params + TRAINING_BYTES_PER_PARAM * lora["trainable_params"], stored
+
+
 def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int, bf16: bool, grad_ckpt: bool,
                     device_memory_bytes: int, lora: dict | None = None) -> dict:
     """Bytes one rank needs to hold a whole model and its optimizer state (the DDP condition).
 
     `lora` ({trainable_params, base_dtype}): the base is frozen (4 or 2 B/param, no gradient, no moments)
     and only the adapters take the 16 B/param of training."""
-    params = config.num_parameters()
+    state, stored = training_state_bytes(config, lora)
     if lora is None:
-        state, rule = TRAINING_BYTES_PER_PARAM * params, "16 B/param (fp32 weights, grads, AdamW moments)"
+        rule = "16 B/param (fp32 weights, grads, AdamW moments)"
     else:
-        frozen = 2 if lora["base_dtype"] == "bfloat16" else 4
-        state = frozen * params + TRAINING_BYTES_PER_PARAM * lora["trainable_params"]
-        rule = (f"LoRA: {frozen} B/param of frozen base ({lora['base_dtype']}) + 16 B per adapter parameter "
+        rule = (f"LoRA: {stored} B/param of frozen base ({lora['base_dtype']}) + 16 B per adapter parameter "
                 "(fp32 weights, grads, AdamW moments)")
     per_unit = ACTIVATION_BYTES["grad_ckpt" if grad_ckpt else ("bf16" if bf16 else "fp32")]
     activations = per_unit * micro_batch_per_rank * seq_len * config.num_hidden_layers * config.hidden_size
@@ -113,12 +126,6 @@ def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int
             "device_bytes": device_memory_bytes, "fits_one_device": need <= 0.9 * device_memory_bytes,
             "rule": rule + " + activations (72 B per token x layer x hidden in BF16, 144 in fp32, 8 with "
                     "checkpointing, measured on the reference path); DDP when it fits 90% of one device"}
-
-
-# DDP's gradient buckets: a flat fp32 copy of every trainable gradient, all-reduced bucket by bucket.
-DDP_BUCKET_BYTES_PER_PARAM = 4
-# FSDP gathers weights as they are stored (fp32 here: no mixed-precision policy) and reduce-scatters fp32 gradients.
-GATHERED_BYTES_PER_PARAM = 4
 
 
 def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, lora: dict | None = None) -> dict:
@@ -136,8 +143,7 @@ def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, lora:
     root = config.vocab_size * config.hidden_size + config.hidden_size
     per_layer = (params - root) // config.num_hidden_layers
     trainable = params if lora is None else lora["trainable_params"]
-    stored = GATHERED_BYTES_PER_PARAM if lora is None else (2 if lora["base_dtype"] == "bfloat16" else 4)
-    state = TRAINING_BYTES_PER_PARAM * params if lora is None else stored * params + TRAINING_BYTES_PER_PARAM * trainable
+    state, stored = training_state_bytes(config, lora)
     share = (world_size - 1) / world_size
     gathered_per_micro_step = stored * (2 * (params - root) + root)
     return {
