@@ -68,17 +68,6 @@ from cflib.train.trainer import Trainer
 PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "reference": {"use_custom_kernels": "false", "require_liger": False},
     "production": {"use_custom_kernels": "true", "require_liger": True},
-    # production with the TR-MoE block's SwiGLU in cflib's own kernel, where production (epilogue_swiglu: auto)
-    # takes quack's GEMM epilogue on Hopper with quack-kernels installed
-    "production_cflib_swiglu": {"use_custom_kernels": "true", "require_liger": True,
-                                "kernel_overrides": {"epilogue_swiglu": "false"}},
-    # production with every kernel launched from the host: no CUDA graph replays (cflib.train.graphs)
-    "production_eager": {"use_custom_kernels": "true", "require_liger": True,
-                         "kernel_overrides": {"cuda_graphs": "false"}},
-    # production as it ran before the BF16 weight copies and cflib's AdamW kernel (both on by default on one GPU):
-    # autocast's casts of the FP32 masters in every forward, torch's fused AdamW
-    "production_casts": {"use_custom_kernels": "true", "require_liger": True,
-                         "kernel_overrides": {"bf16_weight_copies": "false", "cflib_adamw": "false"}},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
 # measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.
@@ -88,18 +77,31 @@ LORA_PATHS: dict[str, dict[str, Any]] = {
                                   "lora_alpha": 32, "base_dtype": "bfloat16"},
 }
 PROJECT_PATHS.update(LORA_PATHS)
+
+
+def _production_with(**kernel_overrides: Any) -> dict[str, Any]:
+    return {**PROJECT_PATHS["production"], "kernel_overrides": kernel_overrides}
+
+
 # Variants of production measured when named, to take a difference side by side: its last layer computing every
 # row, as it does for a loss that reads every position (the SFT loss reads the supervised rows alone, so
 # production computes only those after the last attention); the tied-head loss in chunks of 4,096 tokens,
 # whatever loss_chunk_tokens the run sets (each chunk's head-gradient GEMM then accumulates 4x the tokens per pass
 # over its FP32 sum); every plain GEMM on cuBLAS, where production (quack_gemms: auto) takes quack's kernel at the
 # shapes it runs faster; the TR-MoE block's activation recomputed in backward in every layer, where production
-# keeps it from forward (less memory, more traffic).
+# keeps it from forward (less memory, more traffic); the block's SwiGLU in cflib's own kernel, where production
+# (epilogue_swiglu: auto) takes quack's GEMM epilogue on Hopper with quack-kernels installed; every kernel launched
+# from the host, no CUDA graph replays (cflib.train.graphs); production as it ran before the BF16 weight copies
+# and cflib's AdamW kernel (both on by default in one process on a GPU): autocast's casts of the FP32 masters in
+# every forward, torch's fused AdamW.
 VARIANT_PATHS: dict[str, dict[str, Any]] = {
     "production_every_row": PROJECT_PATHS["production"],
     "production_loss_chunk_4096": {**PROJECT_PATHS["production"], "loss_chunk_tokens": 4096},
-    "production_cublas_gemms": {**PROJECT_PATHS["production"], "kernel_overrides": {"quack_gemms": "false"}},
-    "production_recomputed_activation": {**PROJECT_PATHS["production"], "kernel_overrides": {"kept_swiglu_layers": 0}},
+    "production_cublas_gemms": _production_with(quack_gemms="false"),
+    "production_recomputed_activation": _production_with(kept_swiglu_layers=0),
+    "production_cflib_swiglu": _production_with(epilogue_swiglu="false"),
+    "production_eager": _production_with(cuda_graphs="false"),
+    "production_casts": _production_with(bf16_weight_copies="false", cflib_adamw="false"),
 }
 EVERY_ROW_PATHS = ("production_every_row",)
 PROJECT_PATHS.update(VARIANT_PATHS)

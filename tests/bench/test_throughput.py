@@ -122,6 +122,24 @@ def test_out_dir_holding_a_record_is_refused_before_anything_runs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
 
 
+
+@pytest.mark.parametrize("name", sorted(throughput.VARIANT_PATHS))
+def test_each_variant_is_production_with_its_switches_and_they_are_valid(name, tmp_path):
+    """A variant is measured only when named (no default run trains it): its settings must still validate, and
+    differ from production's by the switches its name says."""
+    def settings(kernels: dict) -> dict:
+        run = throughput.train_params(ThroughputParams(), 2, 1, tmp_path, tmp_path / "run", kernels)
+        return {field: getattr(run, field) for field in run.names()}
+
+    production = settings(throughput.PROJECT_PATHS["production"])
+    changed = {k: v for k, v in settings(throughput.VARIANT_PATHS[name]).items() if v != production[k]}
+    expected = {"production_every_row": set(), "production_loss_chunk_4096": {"loss_chunk_tokens"}}
+    assert set(changed) == expected.get(name, {"kernel_overrides"})
+    if "kernel_overrides" in changed:
+        switches = changed["kernel_overrides"]
+        assert switches and all(value in ("false", 0) for value in switches.values())
+    assert name not in throughput.DEFAULT_PATHS
+
 # --- the measured quantities ------------------------------------------------------------
 
 def test_flops_per_token_is_the_documented_count_for_both_sides():
