@@ -3,6 +3,7 @@ each ends in one line naming the culprit and a non-zero status, never a tracebac
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -53,9 +54,39 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
+def run_in_process(module: str, arguments: list[str], capsys) -> tuple[int, str]:
+    """The module run as `python -m` runs it, in this process: its exit status and what it wrote to stderr. Any
+    exception but SystemExit propagates, failing the test as a traceback would."""
+    argv = sys.argv
+    sys.argv = [module, *arguments]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        status = 0
+    except SystemExit as stop:  # a message instead of a status: Python prints it to stderr and exits with 1
+        status = stop.code if isinstance(stop.code, int) else 1
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+    finally:
+        sys.argv = argv
+    return status, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("arguments, words", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
-def test_bad_input_ends_in_one_line_naming_the_culprit(world, arguments, words):
+def test_bad_input_ends_in_one_line_naming_the_culprit(world, arguments, words, capsys):
+    module, *rest = arguments(world)
+    status, stderr = run_in_process(module, rest, capsys)
+    assert status != 0 and "Traceback" not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    for word in words:
+        assert word in last, last
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["table-of-too-deep-json", "decode-under-a-file"])
+def test_each_entry_point_as_its_own_process_ends_in_one_line(world, case):
+    """The same, through `python -m` in a process of its own, once per entry point: what the process prints as it
+    starts and ends is the user's too."""
+    arguments, words = next(c[1:] for c in CASES if c[0] == case)
     done = cli(*arguments(world))
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]

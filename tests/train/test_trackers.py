@@ -136,10 +136,11 @@ class MlflowServer:
         self.process.wait()
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """One server for the module (it takes seconds to start): the test that kills it is the last to use it."""
     pytest.importorskip("mlflow")
-    server = MlflowServer(tmp_path / "server")
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow") / "server")
     try:
         yield server
     finally:
@@ -192,7 +193,8 @@ def test_mlflow_server_receives_params_metrics_samples_and_the_record(tmp_path, 
 
 @pytest.mark.slow
 def test_a_server_killed_mid_run_only_warns(tmp_path, mlflow_server):
-    """The server dies after a few steps: one warning, every step trained, every row in metrics.jsonl."""
+    """The server dies after a few steps: one warning, every step trained, every row in metrics.jsonl. (The
+    module's server: no test after this one uses it.)"""
     from mlflow.tracking import MlflowClient
 
     out_dir = tmp_path / "run"
