@@ -17,12 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from tqdm.auto import tqdm
 
 from cflib.atomic import clean_leftovers, is_out_of_space, live_path, write_json_atomic
@@ -80,6 +74,8 @@ class Trainer:
                 saved["param_groups"][0]["params"][0], int):
             optimizer.load_state_dict(saved)  # written before optimizer state was keyed by parameter name
         else:  # keyed by parameter name, whole: any strategy (single, DDP, FSDP shards) takes its part
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
             set_optimizer_state_dict(self.model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
         self.training_step.scheduler.load_state_dict(state["scheduler"])
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
@@ -192,6 +188,13 @@ class Trainer:
         """Rank 0 writes; under FSDP every rank first joins in gathering the full weights."""
         if not self.params.save_checkpoints:
             return
+        # torch's distributed checkpointing takes half a second to import: a process that saves nothing skips it
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
         resumable = self.params.save_optimizer_state if resumable is None else resumable
         start = time.perf_counter()
         weights = optimizer_state = None
