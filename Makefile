@@ -27,11 +27,12 @@ train: setup
 	$(VENV)/bin/papermill notebooks/train_sft.ipynb outputs/train_sft.$(notdir $(basename $(PARAMS))).ipynb \
 		-f $(PARAMS) --cwd notebooks --log-output
 
-# One pytest worker per core, at most 4; a test file (a notebook's cells among them) stays on one worker. The
-# research probes' quick checks (benchmarks/tests) run here, never in test-fast.
+# One pytest worker per core, at most 4; a test file (a notebook's cells among them) stays on one worker, and the
+# files are handed out in this order: the notebooks' long runs first, so that the last files to finish are short.
+# The research probes' quick checks (benchmarks/tests) run here, never in test-fast.
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env \
-		tests benchmarks/tests notebooks
+		notebooks tests benchmarks/tests
 
 # The unit tests alone, in under two minutes on two cores: no notebooks (nbval), and none of the tests marked slow
 # (torchrun, papermill, JupyterLab, the browser); the DURATIONS slowest are named at the end, to be marked when they
