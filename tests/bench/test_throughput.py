@@ -122,7 +122,6 @@ def test_out_dir_holding_a_record_is_refused_before_anything_runs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]
 
 
-
 @pytest.mark.parametrize("name", sorted(throughput.VARIANT_PATHS))
 def test_each_variant_is_production_with_its_switches_and_they_are_valid(name, tmp_path):
     """A variant is measured only when named (no default run trains it): its settings must still validate, and
@@ -139,6 +138,7 @@ def test_each_variant_is_production_with_its_switches_and_they_are_valid(name, t
         switches = changed["kernel_overrides"]
         assert switches and all(value in ("false", 0) for value in switches.values())
     assert name not in throughput.DEFAULT_PATHS
+
 
 # --- the measured quantities ------------------------------------------------------------
 
