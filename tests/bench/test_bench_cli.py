@@ -62,9 +62,11 @@ def run_in_process(module: str, arguments: list[str], capsys) -> tuple[int, str]
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         status = 0
-    except SystemExit as stop:  # a message instead of a status: Python prints it to stderr and exits with 1
-        status = stop.code if isinstance(stop.code, int) else 1
-        if stop.code is not None and not isinstance(stop.code, int):
+    except SystemExit as stop:  # as the interpreter ends: None is 0, a message goes to stderr with status 1
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:
+            status = 1
             print(stop.code, file=sys.stderr)
     finally:
         sys.argv = argv
