@@ -27,11 +27,13 @@ train: setup
 	$(VENV)/bin/papermill notebooks/train_sft.ipynb outputs/train_sft.$(notdir $(basename $(PARAMS))).ipynb \
 		-f $(PARAMS) --cwd notebooks --log-output
 
-# One pytest worker per core, at most 4; a test file (a notebook's cells among them) stays on one worker, and the
-# files are handed out in this order: the notebooks' long runs first, so that the last files to finish are short.
-# The research probes' quick checks (benchmarks/tests) run here, never in test-fast.
+# One pytest worker per core and one more, at most 4: many tests wait on processes they started (torchrun, notebook
+# kernels, JupyterLab), and the extra worker uses the cores meanwhile. A test file (a notebook's cells among them)
+# stays on one worker, and the files are handed out in this order: the notebooks' long runs first, so that the last
+# files to finish are short. The research probes' quick checks (benchmarks/tests) run here, never in test-fast.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min((os.cpu_count() or 1) + 1, 4))")
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 --dist loadfile --nbval-lax --nbval-current-env \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env \
 		notebooks tests benchmarks/tests
 
 # The unit tests alone, in under two minutes on two cores: no notebooks (nbval), and none of the tests marked slow
