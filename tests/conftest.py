@@ -4,9 +4,9 @@ Set before anything imports Triton: the interpreter is chosen when a kernel is d
 Notebooks started by these tests inherit it through the environment.
 
 Under pytest-xdist (`make test` runs a worker per core and one more) the cores
-are shared out: each worker's OpenMP threads would otherwise spin on cores another worker
-needs, and the suite ran no faster with two workers than with one. The kernels,
-notebooks and torchrun jobs a test starts inherit the share.
+are shared out: each worker's OpenMP threads would otherwise spin on cores
+another worker needs, and the suite ran no faster with two workers than with
+one. The kernels, notebooks and torchrun jobs a test starts inherit the share.
 """
 import os
 
