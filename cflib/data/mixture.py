@@ -161,10 +161,6 @@ class MixedPartition:
         source = int(self.source_of[index])
         return self.parts[source][int(index - self.starts[source])]
 
-    def sources_of(self, examples: np.ndarray) -> np.ndarray:
-        """The source of each example index."""
-        return self.source_of[np.asarray(examples, dtype=np.int64)]
-
     def tasks(self) -> list[str]:
         return sorted({str(row.get("task")) for row in self.rows})
 

@@ -31,7 +31,6 @@ from cflib.atomic import set_aside
 from cflib.jobs import utc_now
 from cflib.lab.form import frontend_attached
 from cflib.errors import ParamError
-from cflib.jsonio import read_json
 from cflib.lab.compare import SWEEP_FILE
 from cflib.lab.sweep import POINT_FILE, Point, Sweep, sweep_file_digest, sweep_lock
 from cflib.paths import resolve_path
@@ -253,7 +252,3 @@ def sweep_summary(sweep: Sweep) -> str:
     counts = {status: sum(p.status == status for p in sweep.points) for status in ("done", "failed", "queued")}
     return (f"{counts['done']} of {len(sweep.points)} points done, {counts['failed']} failed"
             + (f", {counts['queued']} not run" if counts["queued"] else "") + f"; sweep.json in {sweep.out_dir}")
-
-
-def read_sweep(out_dir: str | Path) -> dict:
-    return read_json(resolve_path(out_dir) / SWEEP_FILE, ParamError, "sweep file")

@@ -22,18 +22,6 @@ import torch
 from torch import nn
 
 
-class LinearAdapter(Protocol):
-    last_form: str
-
-    def folds(self) -> bool: ...
-
-    def delta(self) -> torch.Tensor: ...
-
-    def branch(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def effective_weight(self) -> torch.Tensor: ...
-
-
 class ExpertAdapter(Protocol):
     last_form: str
 

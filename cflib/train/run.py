@@ -19,9 +19,7 @@ from cflib.atomic import check_writable_folder, live_path
 from cflib.data.mixture import MixturePlan, mixture_table
 from cflib.data.packing import PackedWindows, pack_examples
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
-from cflib.errors import shown
 from cflib.jobs import job_out_dir
-from cflib.jsonio import read_json
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
