@@ -202,7 +202,7 @@ def test_time_steps_tells_each_step_the_next_batch():
     assert told == [(0, 1), (1, 2), (2, None)]
 
 
-def test_time_steps_records_each_steps_collector_pauses_with_the_setup_frozen():
+def test_time_steps_records_each_steps_collector_pauses_with_the_setup_frozen(collector_unfrozen):
     frozen = []
 
     def step(batch: np.ndarray, following: np.ndarray | None) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 from sft_shard_helpers import write_shard
 
@@ -11,10 +12,11 @@ from cflib.train import train
 from cflib.train.collector import steady_collector
 
 
-def test_steady_collector_freezes_once_for_nested_holders_and_unfreezes_on_exit():
+def test_steady_collector_freezes_once_for_nested_holders_and_unfreezes_on_exit(collector_unfrozen):
     """Frozen objects that die meanwhile (a frame, another thread's garbage) leave the count, so the inner holder
     is told apart by what it would add or remove: the 1,000 lists made after the outer freeze, or everything."""
-    before = gc.get_freeze_count()  # a library or plugin may have frozen a few objects already
+    before = gc.get_freeze_count()
+    assert before == 0
     alive = [[] for _ in range(1000)]  # lists: objects the collector tracks
     with steady_collector():
         outer = gc.get_freeze_count()
@@ -26,7 +28,25 @@ def test_steady_collector_freezes_once_for_nested_holders_and_unfreezes_on_exit(
     assert gc.get_freeze_count() == 0  # every frozen object is collectable again
 
 
-def test_a_cycle_made_by_a_step_is_still_collected():
+def test_a_process_that_froze_objects_itself_keeps_them_frozen(collector_unfrozen):
+    class Node:
+        pass
+
+    garbage = Node()
+    garbage.self = garbage  # a cycle: only a collection frees it, and none frees it while frozen
+    still_there = weakref.ref(garbage)
+    del garbage
+    gc.freeze()  # the process's own freeze, the cycle in it
+    mine = gc.get_freeze_count()
+    with steady_collector():
+        newer = [[] for _ in range(1000)]
+        assert mine - len(newer) // 2 < gc.get_freeze_count() <= mine  # nothing more frozen
+    gc.collect()
+    assert still_there() is not None  # nor unfrozen on exit
+    assert mine - len(newer) // 2 < gc.get_freeze_count() <= mine
+
+
+def test_a_cycle_made_by_a_step_is_still_collected(collector_unfrozen):
     class Node:
         pass
 
@@ -38,7 +58,7 @@ def test_a_cycle_made_by_a_step_is_still_collected():
     assert not any(type(o) is Node for o in gc.get_objects())
 
 
-def test_every_training_step_runs_with_the_setup_frozen(tmp_path, monkeypatch):
+def test_every_training_step_runs_with_the_setup_frozen(tmp_path, monkeypatch, collector_unfrozen):
     train_examples, eval_examples = generate(seed=1)
     shard = write_shard(tmp_path / "shard", train_examples[:40], eval_examples[:12], max_seq_len=64)
     frozen = []

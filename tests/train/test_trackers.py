@@ -118,7 +118,10 @@ class MlflowServer:
                 [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
                  "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",
                  "--port", str(self.port), "--workers", "1"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder)
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=folder,
+                # No job runner: its eight consumer processes serve MLflow's GenAI jobs, which no run here uses,
+                # and cost a loaded CI machine some 20 s of CPU to start.
+                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         deadline = time.monotonic() + SERVER_START_S
         while True:
             try:
