@@ -1,6 +1,10 @@
 """What every job shares: the folder it writes, the refusal of another job's output there, its record's header
 (the measurement protocol's fields), sections whose failure becomes their result instead of the job's end, and a
-command line's bad input ending in one line."""
+command line's bad input ending in one line.
+
+torch is imported where a record or a section needs it, not on import: a command line that only reads its
+arguments and files (`python -m cflib.lab.nbclean`, a table of a record) starts without it.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -13,13 +17,14 @@ import traceback
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
 from cflib import __version__
 from cflib.errors import KernelUnavailable, ParamError
 from cflib.paths import project_root, resolve_path
+
+if TYPE_CHECKING:
+    import torch
 
 FOLDER_STAMP = "%Y%m%d-%H%M%S-%f"  # local time: a person finds today's folders by the clock on the wall
 ANYTHING = None  # `holds=ANYTHING`: the job writes only into an empty or new folder
@@ -77,6 +82,8 @@ def _git(*args: str) -> str | None:
 
 
 def framework_versions() -> dict[str, Any]:
+    import torch
+
     # A copied working tree (a GPU box's) names its commit in CFLIB_COMMIT: its .git, if any, may be stale.
     named = os.environ.get("CFLIB_COMMIT")
     status = None if named else _git("status", "--porcelain", "--untracked-files=no")
@@ -96,6 +103,8 @@ def framework_versions() -> dict[str, Any]:
 
 def device_info(device: torch.device, count: int = 1) -> dict[str, Any]:
     """The device model, and how many of them the job used (one per rank)."""
+    import torch
+
     if device.type == "cuda":
         return {"type": "cuda", "name": torch.cuda.get_device_name(device), "count": count,
                 "capability": list(torch.cuda.get_device_capability(device)),
@@ -129,6 +138,8 @@ def error_line(err: BaseException) -> str:
 def guarded(part: Callable[[], dict]) -> dict:
     """`part()` under `status: ok`, or what stopped it (`skipped`: a kernel this machine cannot run, `oom`,
     `failed`): one section's failure is its result, and the job goes on with the next."""
+    import torch
+
     try:
         return {"status": "ok", **part()}
     except KernelUnavailable as err:

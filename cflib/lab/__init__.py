@@ -8,23 +8,31 @@ model's Hub bundle (`evaluate`), starting JupyterLab with the
 project's kernel (`python -m cflib.lab`) and cleaning notebooks before a
 commit (`python -m cflib.lab.nbclean`). The top layer: it may import every
 other part of cflib; nothing imports it.
-"""
-from cflib.lab.curricula import plot_run_curves, plot_stage_curves, stage_table
-from cflib.lab.form import compare_form, sweep_form, throughput_form, train_form, tune_form, validate_form
-from cflib.lab.report import (
-    export_run,
-    headline,
-    size_like_this_run,
-    plot_loss_curves,
-    plot_loss_weighting,
-    show_answers,
-    show_data,
-    show_exact_match,
-    show_samples,
-    summary,
-)
 
-__all__ = ["compare_form", "sweep_form", "export_run", "headline", "size_like_this_run", "plot_loss_curves",
-           "plot_loss_weighting", "plot_run_curves", "plot_stage_curves", "show_answers", "stage_table",
-           "show_data", "show_exact_match", "show_samples", "summary", "throughput_form", "train_form", "tune_form",
-           "validate_form"]
+Its names load on first use (PEP 562): `python -m cflib.lab.nbclean`, a commit hook, starts without torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_MODULE_OF = {
+    **dict.fromkeys(["plot_run_curves", "plot_stage_curves", "stage_table"], "cflib.lab.curricula"),
+    **dict.fromkeys(["compare_form", "sweep_form", "throughput_form", "train_form", "tune_form", "validate_form"],
+                    "cflib.lab.form"),
+    **dict.fromkeys(["export_run", "headline", "plot_loss_curves", "plot_loss_weighting", "show_answers", "show_data",
+                     "show_exact_match", "show_samples", "size_like_this_run", "summary"], "cflib.lab.report"),
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # the next lookup finds it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})

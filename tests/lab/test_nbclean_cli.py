@@ -1,5 +1,5 @@
 """`python -m cflib.lab.nbclean` given a missing file or one that is not a notebook: one line naming it and a
-non-zero status, never a traceback."""
+non-zero status, never a traceback. A commit hook, it starts without torch: the lab's names load on first use."""
 from __future__ import annotations
 
 import subprocess
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import cflib.lab
 from cflib.lab import nbclean
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,3 +30,20 @@ def test_nbclean_names_the_notebook_that_is_not_json(tmp_path):
         nbclean.main(["--check", str(tmp_path / "notes.ipynb")])
     line = str(exited.value)
     assert "\n" not in line and "notes.ipynb" in line and "not appear to be JSON" in line, line
+
+
+@pytest.mark.slow
+def test_nbclean_starts_without_torch():
+    done = subprocess.run([sys.executable, "-c", "import sys, cflib.lab.nbclean; print(sorted(m for m in sys.modules "
+                           "if m.split('.')[0] in ('torch', 'matplotlib', 'transformers')))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout[:500] + done.stderr[-2000:]
+
+
+def test_every_name_of_the_lab_loads_from_its_module():
+    for name in cflib.lab.__all__:
+        value = getattr(cflib.lab, name)
+        assert value.__name__ == name and value.__module__.startswith("cflib.lab."), name
+    assert set(cflib.lab.__all__) <= set(dir(cflib.lab))
+    with pytest.raises(AttributeError, match="no attribute 'plot_everything'"):
+        cflib.lab.plot_everything
