@@ -3,7 +3,7 @@
 command line's bad input ending in one line.
 
 torch is imported where a record or a section needs it, not on import: a command line that only reads its
-arguments and files (`python -m cflib.lab.nbclean`, a table of a record) starts without it.
+arguments and files (`python -m cflib.lab.nbclean`) starts without it.
 """
 from __future__ import annotations
 
