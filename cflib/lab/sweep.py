@@ -289,7 +289,9 @@ def expand_sweep(params: SweepParams) -> Sweep:
     previous, digest = {}, sweep_file_digest(out_dir)
     if (out_dir / SWEEP_FILE).is_file():
         previous = {p["name"]: p for p in _recorded_points(out_dir / SWEEP_FILE)}
-    elif out_dir.is_dir() and any(out_dir.iterdir()):
+    # The lock file alone is no one's output: a sweep starting at this moment has taken it, and writes sweep.json
+    # next; its lock, not this check, refuses the second sweep when it starts.
+    elif out_dir.is_dir() and any(path.name != LOCK_FILE for path in out_dir.iterdir()):
         raise ParamError(f"out_dir {out_dir} holds files but no {SWEEP_FILE}: choose an empty or new folder")
     points: list[Point] = []
     seen: dict[str, int] = {}
