@@ -17,7 +17,6 @@ import gc
 from collections.abc import Iterator
 
 _depth = 0  # nested holders: only the outermost freezes and unfreezes
-_holding = False  # whether the outermost holder froze (False: the process had frozen objects of its own)
 
 
 @contextlib.contextmanager
@@ -26,16 +25,15 @@ def steady_collector() -> Iterator[None]:
     object is collectable again (gc.unfreeze), so a notebook that trained frees the run's objects as usual. Where
     objects were frozen before the outermost entry, by the process itself, nothing is collected, frozen or
     unfrozen."""
-    global _depth, _holding
-    if _depth == 0:
-        _holding = gc.get_freeze_count() == 0
-        if _holding:
-            gc.collect()  # what is garbage now is not frozen with the rest
-            gc.freeze()
+    global _depth
+    froze = _depth == 0 and gc.get_freeze_count() == 0
+    if froze:
+        gc.collect()  # what is garbage now is not frozen with the rest
+        gc.freeze()
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
-        if _depth == 0 and _holding:
+        if froze:
             gc.unfreeze()
