@@ -32,9 +32,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
-def pytest_collection_finish(session) -> None:
-    gc.collect()
+def _freeze_what_exists() -> None:
+    gc.collect()  # garbage is collected, not frozen
     gc.freeze()
+
+
+def pytest_collection_finish(session) -> None:
+    _freeze_what_exists()
 
 
 def pytest_sessionfinish(session) -> None:
@@ -46,5 +50,4 @@ def collector_unfrozen():
     """No object frozen while the test runs, as in a process that never froze any; the freeze back after it."""
     gc.unfreeze()
     yield
-    gc.collect()
-    gc.freeze()
+    _freeze_what_exists()
