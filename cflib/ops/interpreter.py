@@ -36,12 +36,19 @@ if INTERPRETING and importlib.util.find_spec("triton") is not None:
         return tl.rsqrt(x)
 
     interpreter._implicit_cvt = _implicit_cvt_with_floats
-    if importlib.util.find_spec("liger_kernel") is not None:
-        import liger_kernel.ops.fused_add_rms_norm
-        import liger_kernel.ops.rms_norm
 
-        liger_kernel.ops.rms_norm.rsqrt = _rsqrt
-        liger_kernel.ops.fused_add_rms_norm.rsqrt = _rsqrt
+
+def close_liger_gaps() -> None:
+    """Gap 2 closed in Liger's modules, under the interpreter only. cflib.ops.liger calls it when it imports Liger,
+    not this module: importing Liger imports peft and transformers (3 s of CPU), which a process that never runs
+    Liger's kernels (a torchrun worker, a notebook's kernel) would otherwise pay whenever it imports cflib.ops."""
+    if not INTERPRETING or importlib.util.find_spec("triton") is None:
+        return
+    import liger_kernel.ops.fused_add_rms_norm
+    import liger_kernel.ops.rms_norm
+
+    liger_kernel.ops.rms_norm.rsqrt = _rsqrt
+    liger_kernel.ops.fused_add_rms_norm.rsqrt = _rsqrt
 
 
 def bf16_arithmetic_broken() -> bool:

@@ -6,6 +6,8 @@ from liger_kernel.ops.rms_norm import LigerRMSNormFunction  # noqa: E402
 from liger_kernel.ops.rope import LigerRopeFunction  # noqa: E402
 from liger_kernel.ops.swiglu import LigerSiLUMulFunction  # noqa: E402
 
-from cflib.ops import interpreter  # noqa: F401  (before Liger's kernels first run under TRITON_INTERPRET=1)
+from cflib.ops.interpreter import close_liger_gaps
+
+close_liger_gaps()  # before Liger's kernels first run under TRITON_INTERPRET=1
 
 __all__ = ["LigerFusedLinearCrossEntropyFunction", "LigerRMSNormFunction", "LigerRopeFunction", "LigerSiLUMulFunction"]

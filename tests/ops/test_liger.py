@@ -88,3 +88,19 @@ def test_fused_linear_cross_entropy(dtype):
     def reference(hidden, head):
         return F.cross_entropy(hidden @ head.t(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
     check(fast, reference, raw, {"hidden": dtype, "head": dtype}, ("hidden", "head"), dtype)
+
+
+@pytest.mark.slow  # a process of its own
+def test_a_process_that_never_runs_liger_never_imports_it_even_under_the_interpreter():
+    """Liger's modules import peft and transformers (3 s of CPU); a torchrun worker or a notebook's kernel that
+    trains on PyTorch's path pays none of it, with TRITON_INTERPRET=1 (as every test process runs) too."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-c", "import sys, cflib.train, cflib.model.fast; print(sorted(m for m in "
+                           "sys.modules if m.split('.')[0] in ('liger_kernel', 'peft', 'transformers')))"],
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout[:500] + done.stderr[-2000:]
