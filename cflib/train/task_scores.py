@@ -64,8 +64,9 @@ def shipped_configs(names: list[str]) -> tuple[dict[str, dict], dict[str, dict]]
 
 @dataclass(frozen=True)
 class CheckedTasks:
-    """Task names every one of which lm-eval can score: its TaskManager (its registry), the shipped tasks'
-    configs and each task described for the record (in the order named)."""
+    """Task names every one of which lm-eval can score: its TaskManager (holding its registry's index where a
+    registry task is named), the shipped tasks' configs and each task described for the record (in the order
+    named)."""
 
     manager: Any
     configs: dict[str, dict]  # the shipped tasks named, given to lm-eval as configs: no file is written for them
@@ -92,12 +93,15 @@ def check_tasks(names: list[str], what: str = "tasks") -> CheckedTasks:
         raise ParamError(f"{what}: lm-eval is not installed ({err}); pip install -e '.[eval]'") from None
 
     configs, described = shipped_configs(names)
-    manager = TaskManager()
-    for name in names:
-        if name not in configs and name not in manager.all_tasks:
+    registry = [name for name in names if name not in configs]
+    # lm-eval indexes its whole registry (some 15,000 YAML files: seconds) only when a name is not a shipped task;
+    # the shipped ones reach it as configs, which need no index.
+    manager = TaskManager(include_defaults=bool(registry))
+    for name in registry:
+        if name not in manager.all_tasks:
             raise ParamError(f"{what}: {name!r} is neither a task of this project ({', '.join(shipped_tasks())}) "
                              "nor one lm-eval knows (lm-eval --tasks list shows them)")
-        described.setdefault(name, {"source": "lm-eval registry"})
+        described[name] = {"source": "lm-eval registry"}
     return CheckedTasks(manager, configs, {name: described[name] for name in names})
 
 

@@ -12,7 +12,7 @@ from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import export_hub
 from cflib.lab.evaluate import EvalParams, evaluate, headline, prepare_evaluation, resolve_bundle, scores_table
-from cflib.train.task_scores import shipped_tasks
+from cflib.train.task_scores import check_tasks, shipped_tasks
 from cflib.model import load_checkpoint, save_checkpoint
 
 try:
@@ -48,6 +48,20 @@ def evaluated(bundle: Path, tmp_path_factory) -> tuple[dict, Path]:
 
 def test_the_shipped_tasks_are_found():
     assert set(shipped_tasks()) == {"embedded_choice", "embedded_exact"}
+
+
+def test_shipped_tasks_alone_are_checked_without_indexing_lm_evals_registry():
+    checked = check_tasks(["embedded_exact", "embedded_choice"])
+    assert checked.manager.all_tasks == []  # lm-eval's ~15,000 task files left unread: seconds saved
+    assert [d["source"] for d in checked.described.values()] == ["shipped", "shipped"]
+
+
+@pytest.mark.slow  # lm-eval indexes its registry: seconds
+def test_a_registry_task_beside_a_shipped_one_is_looked_up_in_lm_evals_index():
+    checked = check_tasks(["embedded_exact", "arc_easy"])
+    assert "arc_easy" in checked.manager.all_tasks
+    assert checked.described["arc_easy"] == {"source": "lm-eval registry"}
+    assert checked.specs(["embedded_exact", "arc_easy"])[1] == "arc_easy"
 
 
 @pytest.mark.slow
