@@ -107,6 +107,22 @@ def write_partition(directory: str | Path, examples: Iterable[Example], *, vocab
     return directory
 
 
+def unchanged_since_written(directory: str | Path) -> bool:
+    """Whether a partition that write_partition wrote is there as written: its index of this format, and every
+    file the index hashes (the rows and both token files at least) matching its digest. Parses no row: for a
+    shard cflib writes and checks itself (the embedded tasks); a run still opens and checks it as any other."""
+    directory = Path(directory)
+    try:
+        index = read_json(directory / "sft.idx.json", ShardError, "shard index")
+    except ShardError:
+        return False
+    hashes = index.get("sha256") if isinstance(index, dict) and index.get("format") == SHARD_FORMAT else None
+    if not isinstance(hashes, dict) or not {"input_ids.bin", "labels.bin", "examples.jsonl"} <= set(hashes):
+        return False
+    return all(_plain_file_name(name) and (directory / name).is_file() and sha256_file(directory / name) == digest
+               for name, digest in hashes.items())
+
+
 class ShardPartition(torch.utils.data.Dataset):
     """One validated, memory-mapped partition; item i is (input_ids, labels) of example i."""
 

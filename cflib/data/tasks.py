@@ -13,7 +13,7 @@ import random
 import string
 from pathlib import Path
 
-from cflib.data.shards import Example, ShardError, ShardPartition, write_partition
+from cflib.data.shards import Example, unchanged_since_written, write_partition
 from cflib.data.tokenizer import ByteTokenizer
 
 EMBEDDED_VERSION = "embedded-v5"
@@ -82,12 +82,9 @@ def generate(seed: int = 0) -> tuple[list[Example], list[Example]]:
 def ensure_embedded_shard(data_root: str | Path) -> Path:
     """Write the embedded shard under data_root once; later calls reuse it."""
     root = Path(data_root) / EMBEDDED_VERSION
-    try:
-        for partition in ("train", "eval"):
-            ShardPartition(root / partition, verify_hashes=True)
+    if all(unchanged_since_written(root / partition) for partition in ("train", "eval")):
         return root
-    except ShardError:
-        pass  # absent or damaged: (re)write it
+    # absent or damaged: (re)write it
     train, held_out = generate()
     tokenizer = ByteTokenizer()
     for partition, examples in (("train", train), ("eval", held_out)):

@@ -136,5 +136,9 @@ def test_ensure_embedded_shard_writes_once_and_repairs(tmp_path):
     assert tasks.ensure_embedded_shard(tmp_path) == root
     assert labels.read_bytes() == good  # rewritten
     open_shard(root, "eval", verify_hashes=True)
+    for damaged, text in (("sft.idx.json", "{not json"), ("examples.jsonl", "")):  # an index, the rows
+        (root / "train" / damaged).write_text(text)
+        assert tasks.ensure_embedded_shard(tmp_path) == root
+        assert len(open_shard(root, "train", verify_hashes=True)) == len(train)  # rewritten
     assert sorted(p.name for p in tmp_path.iterdir()) == [tasks.EMBEDDED_VERSION]
     assert sorted(p.name for p in root.iterdir()) == ["eval", "train"]  # no staging leftovers
