@@ -42,6 +42,12 @@ STAGING, RETIRED = "staging", "old"  # hidden names beside a target: `.{target}.
 LEFTOVER = re.compile(rf"\.(?P<target>.+)\.(?P<suffix>{STAGING}-[a-z0-9_]{{8}}|{RETIRED}-[0-9]+)")
 
 
+def copy_beside(name: str) -> str | None:
+    """The target whose staging or retired copy is called `name` (LEFTOVER), None for any other name."""
+    match = LEFTOVER.fullmatch(name)
+    return None if match is None else match["target"]
+
+
 def _hidden(path: Path, kind: str) -> str:
     return f".{path.name}.{kind}-"
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import copy_beside, write_json_atomic
 from cflib.errors import ParamError, shown
 from cflib.jobs import job_out_dir
 from cflib.jsonio import read_json
@@ -286,12 +286,16 @@ def expand_sweep(params: SweepParams) -> Sweep:
     out_dir = job_out_dir(params.out_dir or None, "sweeps", (), "a sweep")
     lock = sweep_lock(out_dir)
     check_free(lock.path, lock.refusal, ParamError)
-    previous, digest = {}, sweep_file_digest(out_dir)
-    if (out_dir / SWEEP_FILE).is_file():
+    # One look at the folder. A sweep starting at this moment takes its lock, then writes sweep.json (through a
+    # staging copy beside it), and only then anything else: those files alone are no one's output (its lock, not
+    # this check, refuses the second sweep when it starts), and whatever else one listing shows, sweep.json was
+    # already there.
+    names = {path.name for path in out_dir.iterdir()} if out_dir.is_dir() else set()
+    previous, digest = {}, None
+    if SWEEP_FILE in names:
+        digest = sweep_file_digest(out_dir)
         previous = {p["name"]: p for p in _recorded_points(out_dir / SWEEP_FILE)}
-    # The lock file alone is no one's output: a sweep starting at this moment has taken it, and writes sweep.json
-    # next; its lock, not this check, refuses the second sweep when it starts.
-    elif out_dir.is_dir() and any(path.name != LOCK_FILE for path in out_dir.iterdir()):
+    elif any(name != LOCK_FILE and copy_beside(name) != SWEEP_FILE for name in names):
         raise ParamError(f"out_dir {out_dir} holds files but no {SWEEP_FILE}: choose an empty or new folder")
     points: list[Point] = []
     seen: dict[str, int] = {}

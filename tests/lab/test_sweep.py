@@ -195,13 +195,15 @@ def test_a_sweep_of_a_hundred_million_repeats_is_refused_before_any_point_is_bui
 
 
 def test_a_folder_holding_only_the_lock_file_is_planned_as_empty_and_another_file_is_refused(tmp_path):
-    """A sweep starting beside this one has taken its lock and not yet written sweep.json: the plan goes ahead, and
-    the lock refuses it when it runs (below). Any other file is someone's output."""
+    """A sweep starting beside this one has taken its lock and is writing sweep.json (its staging copy, not yet
+    renamed): the plan goes ahead, and the lock refuses it when it runs (below). Any other file is someone's
+    output."""
     from cflib.lab.sweep import LOCK_FILE
 
     out_dir = tmp_path / "sweep"
     out_dir.mkdir()
     (out_dir / LOCK_FILE).write_text("")
+    (out_dir / ".sweep.json.staging-k3x9a_2q").write_text("{")
     sweep = expand_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": {"lr": [0.001]}}))
     assert [p.action for p in sweep.points] == ["run"]
     (out_dir / "notes.txt").write_text("mine")
