@@ -29,18 +29,29 @@ def too_deep(value: Any, limit: int) -> bool:
     return False
 
 
-def parse_json(text: str | bytes, where: str, error: type[Exception]) -> Any:
-    """The JSON value of `text`, or `error` naming `where` (a file, a file:line)."""
+def _openings(text: str | bytes) -> int:
+    """An upper bound of the nesting of the JSON in `text`: every list and object opens with a bracket."""
+    return text.count(b"[") + text.count(b"{") if isinstance(text, bytes) else text.count("[") + text.count("{")
+
+
+def parse_json(text: str | bytes, where: str | Callable[[], str], error: type[Exception]) -> Any:
+    """The JSON value of `text`, or `error` naming `where` (a file, a file:line; or a function that says it, called
+    only for an error: a reader of many rows names none of them until one is wrong)."""
+    def place() -> str:
+        return where() if callable(where) else where
+
     if len(text) > MAX_BYTES:
-        raise error(f"{where}: {len(text):,} bytes of JSON, more than the {MAX_BYTES:,} cflib reads in one document")
+        raise error(f"{place()}: {len(text):,} bytes of JSON, more than the {MAX_BYTES:,} cflib reads in one "
+                    "document")
     try:
         value = json.loads(text)
     except RecursionError:
-        raise error(f"{where}: JSON nested deeper than {MAX_DEPTH} levels") from None
+        raise error(f"{place()}: JSON nested deeper than {MAX_DEPTH} levels") from None
     except ValueError as err:  # bad JSON, or bytes that are not UTF-8
-        raise error(f"{where}: not valid JSON ({err})") from None
-    if too_deep(value, MAX_DEPTH):
-        raise error(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
+        raise error(f"{place()}: not valid JSON ({err})") from None
+    # The walk only where the brackets could nest that deep: a row of a JSONL file has one or two.
+    if _openings(text) > MAX_DEPTH and too_deep(value, MAX_DEPTH):
+        raise error(f"{place()}: JSON nested deeper than {MAX_DEPTH} levels")
     return value
 
 
@@ -85,4 +96,4 @@ def json_lines(path: str | Path, error: type[Exception], where: Callable[[int], 
             if on_line is not None:
                 on_line(line)
             if line.strip():
-                yield number, parse_json(line, name(number), error)
+                yield number, parse_json(line, lambda: name(number), error)

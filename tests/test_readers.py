@@ -89,6 +89,11 @@ def test_deep_json_is_refused_where_python_would_recurse_out_of_its_stack():
     with pytest.raises(ParamError, match="nested deeper"):
         parse_json("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "config.json", ParamError)
     assert parse_json("[" * MAX_DEPTH + "]" * MAX_DEPTH, "config.json", ParamError) is not None
+    # Many brackets side by side are wide, not deep; as bytes (a JSONL row) the same bound holds.
+    assert len(parse_json("[" + ",".join(["{}", "[]"] * MAX_DEPTH) + "]", "config.json", ParamError)) == 2 * MAX_DEPTH
+    with pytest.raises(ParamError, match="row.jsonl:1: JSON nested deeper"):
+        parse_json(b"{\"a\": " + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}", lambda: "row.jsonl:1",
+                   ParamError)
 
 
 def test_a_jsonl_line_names_its_number(tmp_path):

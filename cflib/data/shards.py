@@ -199,16 +199,16 @@ class ShardPartition(torch.utils.data.Dataset):
             return f"{path}: row {number - 1} (line {number})"
 
         for line_number, row in json_lines(path, ShardError, where=where):
-            where_row = where(line_number)
             if not isinstance(row, dict):
-                raise ShardError(f"{where_row} is not a JSON object")
+                raise ShardError(f"{where(line_number)} is not a JSON object")
             for key in ("offset", "num_tokens"):
                 value = row.get(key)
                 if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
-                    raise ShardError(f"{where_row} lacks an integer {key!r} in [0, 2**48], got {shown(value)}")
+                    raise ShardError(f"{where(line_number)} lacks an integer {key!r} in [0, 2**48], got "
+                                     f"{shown(value)}")
             for key in ("task", "group", "domain"):  # grouped and sorted by name: strings only
                 if key in row and not isinstance(row[key], str):
-                    raise ShardError(f"{where_row}: {key!r} must be a string, got {shown(row[key])}")
+                    raise ShardError(f"{where(line_number)}: {key!r} must be a string, got {shown(row[key])}")
             rows.append(row)
         if len(rows) != self.index["examples"]:
             raise ShardError(f"{path}: {len(rows)} rows but sft.idx.json says examples={self.index['examples']}")
