@@ -10,13 +10,20 @@ and plots of their records (`python -m cflib.bench perf-table RECORD`): what a
 notebook or a documented command reaches. The research probes that judged the
 kernels' designs live beside the package, in benchmarks/, and import it; it
 never imports them. Imports train, export, model, data, ops and the foundation
-modules; never lab.
+modules; never lab. Its names load on first use (cflib.lazy): `python -m cflib.bench perf-table`
+starts without torch.
 """
-from cflib.bench.plots import plot_error_heatmap, plot_microbatch_memory, plot_throughput
-from cflib.bench.tables import perf_table, tuning_summary
-from cflib.bench.throughput import ThroughputParams, measure
-from cflib.bench.tune import TuneParams, prepare_tuning, tune
-from cflib.bench.validate import check, error_table, run_job
+from __future__ import annotations
 
-__all__ = ["ThroughputParams", "TuneParams", "check", "error_table", "measure", "perf_table", "plot_error_heatmap",
-           "plot_microbatch_memory", "plot_throughput", "prepare_tuning", "run_job", "tune", "tuning_summary"]
+from cflib.lazy import lazy_names
+
+_MODULE_OF = {
+    **dict.fromkeys(["plot_error_heatmap", "plot_microbatch_memory", "plot_throughput"], "cflib.bench.plots"),
+    **dict.fromkeys(["perf_table", "tuning_summary"], "cflib.bench.tables"),
+    **dict.fromkeys(["ThroughputParams", "measure"], "cflib.bench.throughput"),
+    # Not `tune`: once its module is imported, the package's attribute of that name is the module.
+    **dict.fromkeys(["TuneParams", "prepare_tuning"], "cflib.bench.tune"),
+    **dict.fromkeys(["check", "error_table", "run_job"], "cflib.bench.validate"),
+}
+__all__ = sorted(_MODULE_OF)
+__getattr__, __dir__ = lazy_names(__name__, _MODULE_OF)

@@ -9,12 +9,11 @@ project's kernel (`python -m cflib.lab`) and cleaning notebooks before a
 commit (`python -m cflib.lab.nbclean`). The top layer: it may import every
 other part of cflib; nothing imports it.
 
-Its names load on first use (PEP 562): `python -m cflib.lab.nbclean`, a commit hook, starts without torch.
+Its names load on first use (cflib.lazy): `python -m cflib.lab.nbclean`, a commit hook, starts without torch.
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from cflib.lazy import lazy_names
 
 _MODULE_OF = {
     **dict.fromkeys(["plot_run_curves", "plot_stage_curves", "stage_table"], "cflib.lab.curricula"),
@@ -24,15 +23,4 @@ _MODULE_OF = {
                      "show_exact_match", "show_samples", "size_like_this_run", "summary"], "cflib.lab.report"),
 }
 __all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    globals()[name] = value  # the next lookup finds it without this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+__getattr__, __dir__ = lazy_names(__name__, _MODULE_OF)
