@@ -9,7 +9,7 @@ The package in layers; each imports only from the layers below it
     export  the trained model leaving the project: the Hugging Face Hub bundle
     model   the TR-MoE decoder, its route tables and checkpoints  |  data   shards, conversion, packing, weighting
     ops     Triton and Liger kernels, attention backends, their references and dispatch
-    errors, atomic, paths, yamlio: the foundation every layer may use; jobs (the job skeleton) and schema (the
-    parameter schema) build on them
+    errors, atomic, paths, yamlio, jsonio, locks, lazy: the foundation every layer may use; jobs (the job
+    skeleton) and schema (the parameter schema) build on them
 """
 __version__ = "0.1.0"
