@@ -10,8 +10,8 @@ and plots of their records (`python -m cflib.bench perf-table RECORD`): what a
 notebook or a documented command reaches. The research probes that judged the
 kernels' designs live beside the package, in benchmarks/, and import it; it
 never imports them. Imports train, export, model, data, ops and the foundation
-modules; never lab. Its names load on first use (cflib.lazy): `python -m cflib.bench perf-table`
-starts without torch.
+modules; never lab. Its names load on first use (cflib.lazy): `python -m
+cflib.bench perf-table` starts without torch.
 """
 from __future__ import annotations
 
