@@ -119,8 +119,20 @@ def unchanged_since_written(directory: str | Path) -> bool:
     hashes = index.get("sha256") if isinstance(index, dict) and index.get("format") == SHARD_FORMAT else None
     if not isinstance(hashes, dict) or not {"input_ids.bin", "labels.bin", "examples.jsonl"} <= set(hashes):
         return False
-    return all(_plain_file_name(name) and (directory / name).is_file() and sha256_file(directory / name) == digest
-               for name, digest in hashes.items())
+    return all(_plain_file_name(name) for name in hashes) and _hash_problem(directory, hashes) is None
+
+
+def _hash_problem(directory: Path, recorded: dict[str, str]) -> str | None:
+    """The first file of `recorded` (name -> SHA-256) missing from `directory` or not matching, said; None: none."""
+    for name, expected in recorded.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path}: recorded in sft.idx.json's sha256 but missing (or not a file): the partition is incomplete"
+        actual = sha256_file(path)
+        if actual != expected:
+            return (f"{path}: sha256 {actual[:12]}... does not match sft.idx.json ({expected[:12]}...): the file "
+                    "changed after it was written")
+    return None
 
 
 class ShardPartition(torch.utils.data.Dataset):
@@ -229,14 +241,8 @@ class ShardPartition(torch.utils.data.Dataset):
     def check_hashes(self) -> list[str]:
         """Every file whose SHA-256 sft.idx.json records must match it; returns the names checked."""
         recorded = self.index.get("sha256") or {}
-        for name, expected in recorded.items():
-            if not (self.directory / name).is_file():
-                raise ShardError(f"{self.directory / name}: recorded in sft.idx.json's sha256 but missing (or not a "
-                                 "file): the partition is incomplete")
-            actual = sha256_file(self.directory / name)
-            if actual != expected:
-                raise ShardError(f"{self.directory / name}: sha256 {actual[:12]}... does not match "
-                                 f"sft.idx.json ({expected[:12]}...): the file changed after it was written")
+        if problem := _hash_problem(self.directory, recorded):
+            raise ShardError(problem)
         return sorted(recorded)
 
     def _fail(self, file: str, row: int, what: str) -> None:
