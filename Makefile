@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell echo '$(TORCH_SPEC)' | tr -c 'A-Za-z0-9.\n' 
 KERNEL := $(VENV)/share/jupyter/kernels/cflib/kernel.json
 PARAMS ?= params/quickstart.yaml
 
-.PHONY: setup train test test-fast test-gpu lab strip screenshots clean
+.PHONY: setup train test test-fast test-gpu lab strip screenshots
 
 setup: $(STAMP) $(KERNEL)
 
@@ -66,6 +66,3 @@ screenshots: setup
 	rm -rf outputs/lab
 	$(PY) -m pytest -q -p no:cacheprovider tests/lab/test_lab_browser.py
 	mkdir -p outputs/screenshots && cp outputs/lab/*.png outputs/screenshots/
-
-clean:
-	rm -rf outputs/runs outputs/data outputs/lab outputs/*.ipynb

@@ -7,7 +7,7 @@
 Prompts of different lengths share a batch right-padded, each row at its own
 positions (RoPE sees exactly the unpadded prompt) with its own stop: EOS or
 its `max_new_tokens`. The model's own modules (and whichever fast kernels
-TRMoEModel.use_kernels chose) run every step through a static KV cache
+cflib.model.fast.use_kernels chose) run every step through a static KV cache
 (cflib.model.kv_cache). At the 200M size a decode step is hundreds of small
 kernels (over a thousand on the reference modules), so the host's launch
 time, not the GPU, bounds an eager loop; on CUDA each decode step is
@@ -20,7 +20,7 @@ it (argmax of p / noise is a draw from p), so a seed repeats a run and the
 graph and eager paths choose alike.
 
 A Decoder holds the model's tensors by address: build a new one after moving,
-casting or re-pointing the model at other kernels (TRMoEModel.use_kernels).
+casting or re-pointing the model at other kernels (cflib.model.fast.use_kernels).
 """
 from __future__ import annotations
 

@@ -107,15 +107,18 @@ def choose_kernels(use_custom_kernels: str, require_liger: bool, device: torch.d
         return False
 
     common = triton_problem(device, rocm_opt_in=use_custom_kernels == "true")
-    if common is None and device.type == "cpu" and not require_liger and use_custom_kernels != "true":
-        # The interpreter proves kernels correct at a snail's pace: only an explicit request runs it.
-        common = "no GPU: Triton's interpreter runs only when a fast path is required (true)"
-    custom = decide("use_custom_kernels", use_custom_kernels, common)
+    # The interpreter proves kernels correct at a snail's pace: on a CPU it runs only what a flag requires, cflib's
+    # kernels with use_custom_kernels: true (Liger's beside them, as on a GPU), Liger's alone with require_liger.
+    interpreted = "no GPU: Triton's interpreter runs only when a fast path is required (true)" \
+        if common is None and device.type == "cpu" else None
+    custom = decide("use_custom_kernels", use_custom_kernels,
+                    common or (None if use_custom_kernels == "true" else interpreted))
     # use_custom_kernels: true requires cflib's kernels; Liger is required only by require_liger.
     # The reference path (use_custom_kernels: false) is plain PyTorch unless Liger is required.
     liger_mode = "true" if require_liger else ("false" if use_custom_kernels == "false" else "auto")
+    liger_required = require_liger or use_custom_kernels == "true"
     liger = decide("require_liger" if require_liger else "use_custom_kernels (Liger)", liger_mode,
-                   common or liger_problem())
+                   common or (None if liger_required else interpreted) or liger_problem())
     epilogue = _decide_quack("epilogue_swiglu", epilogue_swiglu, custom, device, weight_copies_problem, decide)
     gemms = _decide_quack("quack_gemms", quack_gemms, custom, device, weight_copies_problem, decide)
     return KernelChoice(liger=liger, custom=custom, notes=tuple(notes), attention=attention_backend,

@@ -385,7 +385,7 @@ class Curricula:
     through_stage: str | None = None  # run the curriculum up to and including this stage
     dry_run: bool = False  # resolve every stage against the data, write the audit, train nothing
     filters: dict | None = None  # train examples kept: difficulties, tasks, domains, max_supervised_tokens, ...
-    early_stopping_patience: int | None = None  # evaluations without a lower held-out loss before stopping
+    early_stopping_patience: int | None = None  # evaluations without a better best_metric before stopping
     expert_lr_multiplier: float = 1.0  # the routed experts' learning rate: lr x this
     lora_lr_multiplier: float = 1.0  # the LoRA adapters' learning rate: lr x this
 

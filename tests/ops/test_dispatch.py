@@ -32,6 +32,15 @@ def test_auto_falls_back_on_cpu(monkeypatch, interpret):
     assert choose_kernels("false", False, CPU) == KernelChoice(False, False)
 
 
+def test_on_cpu_each_kernel_family_is_interpreted_only_when_it_is_required(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    liger_only = choose_kernels("auto", True, CPU)  # Liger required: cflib's own kernels stay on PyTorch
+    assert liger_only.liger and not liger_only.custom
+    assert any(note.startswith("use_custom_kernels: no GPU") for note in liger_only.notes)
+    custom_only = choose_kernels("true", False, CPU)
+    assert custom_only.custom and custom_only.liger  # Liger's kernels are part of the fast path when it runs
+
+
 def test_require_liger_names_the_missing_package(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
