@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from cflib.errors import shown
 from cflib.jsonio import read_bounded
 
 MAX_BYTES = 4 * 2**20  # a parameter, curriculum, plan, spec or template file
@@ -72,13 +73,26 @@ def _nesting(text: str, where: str, error: type[Exception]) -> None:
             level -= 1
 
 
+class _Loader(yaml.SafeLoader):
+    """The safe loader, whose value constructors' own errors become YAML errors at the value's line: a date
+    such as 2001-13-45, an int past Python's 4,300 digits or `!!timestamp "x"` raise ValueError or
+    AttributeError from inside PyYAML, which would escape as a traceback naming no file."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, TypeError, AttributeError, OverflowError) as err:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read {shown(node.value)} as {node.tag} ({err})", node.start_mark) from None
+
+
 def load_yaml(text: str, where: str, error: type[Exception]) -> Any:
     """The plain data of one YAML document, bounded, or `error` naming `where`."""
     if len(text) > MAX_BYTES:
         raise error(f"{where}: {len(text):,} characters of YAML, more than the {MAX_BYTES:,} cflib reads")
     try:
         _nesting(text, where, error)
-        loader = yaml.SafeLoader(text)
+        loader = _Loader(text)
         try:
             node = loader.get_single_node()
             if node is None:

@@ -57,6 +57,20 @@ def test_hostile_yaml_is_refused_naming_the_file(document, words):
     assert str(error).startswith("stages.yaml: ") and words in str(error)
 
 
+@pytest.mark.parametrize("document, words", [
+    ("data:\n  max_seq_len: 2001-13-45\n", "month must be in 1..12"),
+    ("max_seq_len: " + "1" * 5000 + "\n", "Exceeds the limit"),
+    ('lr: !!timestamp "x"\n', "timestamp"),
+], ids=["bad-date", "huge-int", "bad-timestamp"])
+def test_a_value_pyyaml_cannot_build_is_refused_naming_the_file_and_line(tmp_path, document, words):
+    path = tmp_path / "spec.yaml"
+    path.write_text(document)
+    with pytest.raises(ParamError) as caught:
+        read_yaml(path, ParamError, "data spec")
+    assert str(caught.value).startswith(f"{path}: not valid YAML") and words in str(caught.value)
+    assert f"line {document.count(chr(10))}" in str(caught.value)
+
+
 def test_a_folder_or_a_missing_file_is_named_for_what_it_was_meant_to_be(tmp_path):
     with pytest.raises(ParamError, match=f"{tmp_path}: a folder, not a curriculum file"):
         read_yaml(tmp_path, ParamError, "curriculum file")

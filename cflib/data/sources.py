@@ -24,6 +24,7 @@ read, or the Hub commit.
 """
 from __future__ import annotations
 
+import codecs
 import csv
 import tempfile
 from collections import Counter
@@ -39,6 +40,7 @@ HUB = "hub:"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 SAVED_MARKERS = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its Arrow files
 SAVED_DICT = "dataset_dict.json"  # save_to_disk of several splits
+JSON_WHITESPACE = b" \t\r\n"
 
 
 @dataclass(frozen=True)
@@ -209,8 +211,15 @@ def _datasets():
 
 
 def _csv_header(file: Path) -> list[str]:
+    """The column names of a CSV file's first row, read by Python's csv (the rows after it are read by
+    `datasets`, without csv's field limit)."""
     with open(file, newline="", encoding="utf-8", errors="replace") as handle:
-        header = next(csv.reader(handle), None)
+        reader = csv.reader(handle)
+        try:
+            header = next(reader, None)
+        except csv.Error as err:  # a field past csv.field_size_limit(), mostly a quote left open
+            raise ConvertError(f"{file} header row: not readable as CSV ({err}, by line {reader.line_num}); a "
+                               "column name is never that long: is a quote left open?") from None
     if not header:
         raise ConvertError(f"{file}: a CSV file starts with a header naming its columns")
     return header
@@ -235,9 +244,7 @@ def _numbered(dataset, label: str) -> Iterator[tuple[str, dict]]:
 def json_rows(file: Path) -> Iterator[tuple[str, object]]:
     """The rows of a JSON Lines file, one line at a time (or of a .json file holding one array), each as
     written; a line that is not valid JSON names itself."""
-    with open(file, "rb") as handle:
-        first = handle.read(1).lstrip()
-    if file.suffix == ".json" and first == b"[":
+    if file.suffix == ".json" and _first_byte(file) == b"[":
         rows = read_json(file, ConvertError, "JSON file")  # bounded in size and depth (cflib.jsonio)
         yield from ((f"{file} row {n}", row) for n, row in enumerate(rows, start=1))
         return
@@ -245,3 +252,15 @@ def json_rows(file: Path) -> Iterator[tuple[str, object]]:
     for _, row in json_lines(file, ConvertError, where=lambda line: f"{file} row {number + 1}"):
         number += 1
         yield f"{file} row {number}", row
+
+
+def _first_byte(file: Path) -> bytes:
+    """The file's first byte past a UTF-8 byte order mark and JSON's whitespace (b"" when there is none): an array
+    pretty-printed after a newline, or saved by an editor that writes a BOM, is still an array."""
+    with open(file, "rb") as handle:
+        if handle.read(len(codecs.BOM_UTF8)) != codecs.BOM_UTF8:
+            handle.seek(0)
+        while chunk := handle.read(2**16):
+            if text := chunk.lstrip(JSON_WHITESPACE):
+                return text[:1]
+    return b""

@@ -140,8 +140,9 @@ class LossWeights:
 
 
 def derive_loss_weights(loss_groups: dict, rows: Sequence[dict], visible_tokens: np.ndarray,
-                        max_task_loss_weight: float) -> LossWeights:
-    """Coefficients from the train partition's rows and the visible supervised labels of each example."""
+                        max_task_loss_weight: float, data: str = "the train data") -> LossWeights:
+    """Coefficients from the train partition's rows and the visible supervised labels of each example; `data`
+    says in errors which examples these are (those filters kept, say)."""
     cells = parse_loss_groups(loss_groups)
     index_of = {cell.cell: index for index, cell in enumerate(cells)}
     example_cell = np.empty(len(rows), dtype=np.int64)
@@ -162,7 +163,7 @@ def derive_loss_weights(loss_groups: dict, rows: Sequence[dict], visible_tokens:
     tokens = np.bincount(example_cell, weights=visible_tokens, minlength=len(cells))
     empty = [cells[i].cell for i in np.flatnonzero(tokens == 0)]
     if empty:
-        raise ParamError(f"loss_groups: cell(s) {empty} have no visible supervised token in the train data; "
+        raise ParamError(f"loss_groups: cell(s) {empty} have no visible supervised token in {data}; "
                          "they cannot reach a target share (remove them or fix their task names)")
     raw = tokens / tokens.sum()
     coefficients = np.array([cell.target for cell in cells]) / raw

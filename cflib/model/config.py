@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cflib.errors import shown
 from cflib.jsonio import read_json
 
 # Keys that published config.json files carry for other loaders (HF adapters);
@@ -25,6 +26,13 @@ FIXED_CONFIG_KEYS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": 
 # Bounds on the config's scales (the released model: norm_eps 1e-6, shared_output_scale 1.0, routed_output_scale 2.0).
 MAX_NORM_EPS = 1e-2
 MAX_OUTPUT_SCALE = 1e4
+# Bounds on the sizes, generous (the released model: hidden_size 896, 201M weights) yet below what torch can
+# allocate: past them torch.empty fails with a C++ frame dump, or tries to allocate terabytes, naming no key.
+MAX_SIZE = 2**31 - 1  # any one size
+MAX_ELEMENTS = 2**40  # the weights and route tables those sizes ask for, all layers together
+# The sizes whose product sets the element count (the head counts divide hidden_size, num_experts intermediate_size).
+ELEMENT_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "shared_intermediate_size", "intermediate_size",
+                 "num_experts_per_tok")
 
 
 class ConfigError(ValueError):
@@ -80,6 +88,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            if value > MAX_SIZE:
+                raise ConfigError(f"{name} {shown(value)} is more than {MAX_SIZE:,} (2**31 - 1), the largest size "
+                                  "cflib builds; is it mistyped?")
         for name in ("norm_eps", "rope_theta", "top_k_primary_weight", "shared_output_scale", "routed_output_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -110,9 +121,18 @@ class ModelConfig:
                               f"(got {self.top_k_primary_weight})")
         if not isinstance(self.routing_strategy, str):
             raise ConfigError(f"routing_strategy must be a string, got {self.routing_strategy!r}")
+        self._validate_element_count()
         self._validate_scales()
         if not self.tie_word_embeddings:
             raise ConfigError("tie_word_embeddings must be true: TR-MoE checkpoints have no separate lm_head")
+
+    def _validate_element_count(self) -> None:
+        """Sizes each within MAX_SIZE may still multiply to more weights than any machine holds."""
+        elements = self.num_parameters() + self.num_hidden_layers * self.num_experts_per_tok * self.vocab_size
+        if elements > MAX_ELEMENTS:
+            sizes = ", ".join(f"{name} {getattr(self, name):,}" for name in ELEMENT_SIZES)
+            raise ConfigError(f"{sizes} ask for {elements:,} weights and route-table entries, more than the "
+                              f"{MAX_ELEMENTS:,} (2**40) cflib builds; is one of them mistyped?")
 
     def _validate_scales(self) -> None:
         """The numbers that set the forward's scale, bounded where a finite value still reaches step 1 as NaN."""

@@ -21,7 +21,7 @@ from cflib.errors import ParamError
 from cflib.model.config import ModelConfig
 from cflib.train.curriculum import Curriculum, Stage
 from cflib.train.run import check_seq_len, memory_figures, resolve_device, schedule_steps, visible_supervised
-from cflib.train.run_data import Partition, open_data
+from cflib.train.run_data import Partition, kept_data, open_data
 
 
 def _weighting(stage: Stage, kept: Partition, mixture: MixturePlan | None) -> dict:
@@ -31,7 +31,8 @@ def _weighting(stage: Stage, kept: Partition, mixture: MixturePlan | None) -> di
         return {"loss_weighting": None, "shares_match_targets": None, "overweight_tasks": [],
                 "weights_within_cap": True}
     # Derived without the cap, so that the audit can show the cells that exceed it.
-    weights = derive_loss_weights(p.loss_groups, kept.rows, visible_supervised(kept, mixture), sys.float_info.max)
+    weights = derive_loss_weights(p.loss_groups, kept.rows, visible_supervised(kept, mixture), sys.float_info.max,
+                                  kept_data(p))
     cells = weights.audit()
     over = [row["cell"] for row in cells if row["coefficient"] > p.max_task_loss_weight]
     return {"loss_weighting": cells, "overweight_tasks": over, "weights_within_cap": not over,

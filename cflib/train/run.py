@@ -39,7 +39,7 @@ from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
-from cflib.train.run_data import Partition, count_train_examples, open_data
+from cflib.train.run_data import Partition, count_train_examples, kept_data, open_data
 from cflib.train.run_folder import check_entries_inside, check_run_folder, refuse_mixing, starts_over
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
@@ -268,7 +268,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     packed = pack_examples(train_data.lengths, params.seq_len) if params.pack_sequences else None
     # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
     loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, visible_supervised(train_data, mixture),
-                                        params.max_task_loss_weight) if params.loss_groups is not None else None)
+                                        params.max_task_loss_weight, kept_data(params, data.filter_counts))
+                    if params.loss_groups is not None else None)
     # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
     units = len(packed) if packed is not None else len(train_data) if mixture is None else mixture.examples_per_epoch
     steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
@@ -304,10 +305,12 @@ def check_seq_len(config: ModelConfig, seq_len: int) -> None:
                          f"{config.max_position_embeddings}")
 
 
-def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, int]:
-    """Optimizer steps per epoch, in all, and of warm-up."""
+def schedule_steps(units: int, params: TrainParams, unit: str | None = None) -> tuple[int, int, int]:
+    """Optimizer steps per epoch, in all, and of warm-up. `units` are what an epoch shuffles and a global batch
+    counts, named `unit` in an error (by default as `params` decide: packed windows, a mixture's draw, examples)."""
+    check_global_batch(units, params, unit or unit_name(params))
     # Fill-ins pad the last global batch of an epoch, so it is always whole.
-    steps_per_epoch = math.ceil(train_examples / params.global_batch)
+    steps_per_epoch = math.ceil(units / params.global_batch)
     total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
     warmup_steps = math.ceil(params.warmup_ratio * total_steps)
     if warmup_steps >= total_steps > 1:  # the learning rate would rise to its peak at the last step, never decay
@@ -315,6 +318,24 @@ def schedule_steps(train_examples: int, params: TrainParams) -> tuple[int, int, 
                          f"{total_steps}: the whole run would warm up; with {total_steps} steps it must be at most "
                          f"{math.floor((total_steps - 1) / total_steps * 1e4) / 1e4:g}")
     return steps_per_epoch, total_steps, warmup_steps
+
+
+def check_global_batch(units: int, params: TrainParams, unit: str) -> None:
+    """One global batch takes at most an epoch's units: past them, its fill-ins would repeat the epoch within a
+    single step (and a batch of 2**40 would be built in memory before the first step)."""
+    if params.global_batch > units:
+        raise ParamError(f"global_batch {params.global_batch:,} is more than the {units:,} {unit}: one optimizer "
+                         f"step would take each of them more than once; set global_batch to at most {units:,} "
+                         "(a multiple of micro_batch_per_rank x world_size), or train on more data")
+
+
+def unit_name(params: TrainParams) -> str:
+    """What a global batch counts, as an error names it."""
+    if params.pack_sequences:
+        return "seq_len windows the train examples pack into"
+    if params.examples_per_epoch is not None:
+        return "examples an epoch draws (examples_per_epoch)"
+    return "train examples"
 
 
 def resume_dir(params: TrainParams) -> Path:
@@ -340,7 +361,8 @@ def batch_arithmetic(params: TrainParams) -> dict:
     index alone: nothing is built or loaded (prepare() then checks everything for real)."""
     config, source = model_config(params)
     train_examples = count_train_examples(params)
-    steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params)
+    # Packed, the windows are fewer than the examples: prepare() checks the batch against them.
+    steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params, "train examples")
     device = resolve_device(params.device)
     estimate = memory_figures(config, params, device)
     return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,

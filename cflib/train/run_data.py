@@ -102,6 +102,14 @@ def kept_examples(params: TrainParams, train_data: Partition) -> tuple[Partition
     return train_data.subset(keep), counts
 
 
+def kept_data(params: TrainParams, filter_counts: dict | None = None) -> str:
+    """The train examples a run keeps, as an error about them names them."""
+    chosen = [name for name in ("train_tasks", "filters") if getattr(params, name) is not None]
+    if not chosen:
+        return "the train data"
+    return f"the train examples {' and '.join(chosen)} keep" + (f" ({filter_counts})" if filter_counts else "")
+
+
 def open_data(params: TrainParams, vocab_size: int, check: Check) -> RunData:
     """The run's data, checked as `check` says, the train examples kept, a mixture's plan drawn up."""
     sources = as_mixture(params.data, params.examples_per_epoch)

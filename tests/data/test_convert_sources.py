@@ -63,6 +63,11 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+def write_text(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
 def to_parquet(path: Path, rows: list[dict]) -> Path:
     datasets.Dataset.from_list(rows).to_parquet(str(path))
     return path
@@ -136,6 +141,16 @@ def test_every_local_kind_of_source_reads_the_same_rows(tmp_path):
         got = examples(tmp_path / f"from-{name}")
         assert len(got) == len(rows) and got == (reference or got), name
         reference = got
+
+
+@pytest.mark.parametrize("start", [b"\n  ", b"\xef\xbb\xbf", b"\xef\xbb\xbf\r\n\t"],
+                         ids=["newline", "bom", "bom-newline"])
+def test_a_json_array_after_whitespace_or_a_byte_order_mark_is_read_as_an_array(tmp_path, start):
+    rows = STRING_COMPLETIONS
+    (tmp_path / "array.json").write_bytes(start + json.dumps(rows, indent=2).encode())
+    run(tmp_path, str(write_jsonl(tmp_path / "rows.jsonl", rows)), name="from-jsonl")
+    run(tmp_path, str(tmp_path / "array.json"), name="from-array")
+    assert examples(tmp_path / "from-array") == examples(tmp_path / "from-jsonl")
 
 
 def test_sources_of_one_name_are_told_apart_by_their_paths(tmp_path):
@@ -239,6 +254,10 @@ def bad_saved(tmp_path: Path) -> str:
      ["calls.jsonl row 1", "conversations 1 value", "'name'"]),
     (lambda tmp: str(write_jsonl(tmp / "tools.jsonl", [{**as_messages(SHAREGPT[0]), "tools": "[1, 2]"}])),
      ["tools.jsonl row 1", "tools: a list of JSON schemas"]),
+    (lambda tmp: write_text(tmp / "wide.csv", "prompt,completion" + "x" * 200_000 + "\nq,a\n"),
+     ["wide.csv header row", "field larger than field limit", "by line 1"]),
+    (lambda tmp: write_text(tmp / "open.csv", '"prompt,completion\nq,a\n' + "x" * 200_000 + "\n"),
+     ["open.csv header row", "field larger than field limit", "by line 3", "quote left open"]),
     (lambda tmp: str(tmp / "missing.parquet"), ["missing.parquet: no such file or folder"]),
     (lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"), ["empty: a folder with no data file"]),
 ])

@@ -13,7 +13,7 @@ from cflib.data.shards import ShardError, write_partition
 from cflib.data.tasks import generate
 from cflib.lab.form import ParameterForm, frontend_attached, parameter_form, read_value, show_value, train_form
 from cflib.train import batch_arithmetic, describe_arithmetic, prepare
-from cflib.train.params import TrainParams, load_params_file
+from cflib.train.params import ParamError, TrainParams, load_params_file
 from cflib.train.records import count_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,8 +111,12 @@ def test_a_shard_counts_from_its_index_and_a_missing_one_is_named(tmp_path):
         write_partition(tmp_path / "shard" / partition, examples, vocab_size=260, eos_token_id=0, max_seq_len=64)
     figures = batch_arithmetic(TrainParams(data=str(tmp_path / "shard"), max_steps=None))
     assert figures["train_examples"] == 50 and figures["steps_per_epoch"] == 2
-    only = batch_arithmetic(TrainParams(data=str(tmp_path / "shard"), max_steps=None, train_tasks=("uppercase",)))
-    assert only["train_examples"] == sum(e.meta["task"] == "uppercase" for e in train[:50])
+    uppercase = sum(e.meta["task"] == "uppercase" for e in train[:50])
+    only = batch_arithmetic(TrainParams(data=str(tmp_path / "shard"), max_steps=None, train_tasks=("uppercase",),
+                                        global_batch=16))
+    assert only["train_examples"] == uppercase
+    with pytest.raises(ParamError, match=rf"global_batch 32 is more than the {uppercase} train examples"):
+        batch_arithmetic(TrainParams(data=str(tmp_path / "shard"), max_steps=None, train_tasks=("uppercase",)))
     with pytest.raises(ShardError, match=r"nowhere/train/sft.idx.json: missing"):
         batch_arithmetic(TrainParams(data=str(tmp_path / "nowhere")))
     index = tmp_path / "shard" / "train" / "sft.idx.json"

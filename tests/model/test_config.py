@@ -126,6 +126,13 @@ def test_route_weights(top_k: int, primary: float, expected: list[float]) -> Non
     (dict(rope_theta=1e-300), "rope_theta must be at least 1, got 1e-300"),
     (dict(shared_output_scale=1e308), "shared_output_scale must be within [-10000, 10000], got 1e+308"),
     (dict(routed_output_scale=-1e308), "routed_output_scale must be within [-10000, 10000], got -1e+308"),
+    # Past what torch can allocate: refused naming the key, not by torch.empty's C++ frame dump.
+    (dict(hidden_size=10**30), f"hidden_size {10**30} is more than 2,147,483,647 (2**31 - 1)"),
+    (dict(max_position_embeddings=2**31), "max_position_embeddings 2147483648 is more than 2,147,483,647"),
+    (dict(hidden_size=2**20), "hidden_size 1,048,576, num_hidden_layers"),
+    (dict(num_hidden_layers=2**30), "num_hidden_layers 1,073,741,824, vocab_size 50, shared_intermediate_size 48, "
+                                    "intermediate_size 32, num_experts_per_tok 2 ask for 11,738,145,621,600 weights "
+                                    "and route-table entries, more than the 1,099,511,627,776 (2**40)"),
 ])
 def test_invalid_config_is_refused_with_a_clear_message(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -137,6 +144,7 @@ def test_invalid_config_is_refused_with_a_clear_message(overrides: dict[str, obj
     dict(num_experts_per_tok=1, top_k_primary_weight=1.0),
     dict(num_key_value_heads=4),  # plain MHA
     dict(num_key_value_heads=1),  # MQA
+    dict(vocab_size=2**31 - 1),  # the largest size, its weights within 2**40
 ])
 def test_boundary_configs_are_accepted(overrides: dict[str, object]) -> None:
     tiny_config(**overrides)
@@ -241,6 +249,12 @@ def test_from_json_file_unknown_key_names_path_and_key(tmp_path: Path) -> None:
 def test_from_json_file_invalid_value_names_the_path(tmp_path: Path) -> None:
     path = write_config(tmp_path / "config.json", json.dumps({**TINY_FIELDS, "intermediate_size": 30}))
     with pytest.raises(ConfigError, match=re.escape(f"{path}: intermediate_size 30")):
+        ModelConfig.from_json_file(path)
+
+
+def test_from_json_file_size_past_torch_names_the_path_and_key(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "config.json", json.dumps({**TINY_FIELDS, "hidden_size": 10**30}))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: hidden_size {10**30} is more than 2,147,483,647")):
         ModelConfig.from_json_file(path)
 
 

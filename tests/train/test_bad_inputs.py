@@ -125,6 +125,12 @@ CASES = [
      ["warmup_ratio 0.99", "6 warm-up steps", "6"]),
     ("global-batch-of-a-trillion", lambda t: {"global_batch": 10**12 + 1}, ValueError,
      ["global_batch 1000000000001", "micro_batch_per_rank in [1, 73, 137]"]),
+    ("global-batch-past-the-train-set", lambda t: {"micro_batch_per_rank": 2**40, "global_batch": 2**40}, ValueError,
+     ["global_batch 1,099,511,627,776 is more than the 16 train examples"]),
+    ("global-batch-past-the-packed-windows", lambda t: {"pack_sequences": True}, ValueError,
+     ["global_batch 8 is more than the 5 seq_len windows"]),
+    ("global-batch-past-an-epoch-draw", lambda t: {"examples_per_epoch": 4}, ValueError,
+     ["global_batch 8 is more than the 4 examples an epoch draws (examples_per_epoch)"]),
     ("examples-per-epoch-of-a-trillion", lambda t: {"examples_per_epoch": 10**12}, ValueError,
      ["examples_per_epoch 1,000,000,000,000", "1,000,000,000 an epoch may draw"]),
     ("lora-tokens-of-a-billion", lambda t: {"lora_trainable_tokens": "0-1000000000"}, ValueError,
@@ -234,6 +240,8 @@ CASES = [
         "target_share": 0.5, "tasks": ["uppercase", "poetry"],
         "task_target_shares": {"uppercase": 0.5, "poetry": 0.5}}}},
      ValueError, ["'poetry'", "no visible supervised token"]),
+    ("loss-cell-emptied-by-filters", lambda t: {"loss_groups": loss_groups(), "filters": {"tasks": ["addition"]}},
+     ValueError, ["'uppercase'", "no visible supervised token in the train examples filters keep ({"]),
     ("loss-weight-over-cap", lambda t: {"loss_groups": loss_groups(0.05, 0.95), "max_task_loss_weight": 1.5},
      ValueError, ["'uppercase'", "max_task_loss_weight 1.5"]),
     # --- the checkpoint loader ---------------------------------------------------------------------------
@@ -361,8 +369,9 @@ def test_a_seed_out_of_range_fails_before_params_json_blocks_the_out_dir(tmp_pat
           progress=False)  # the largest seed trains, into the same folder
 
 
-BOUNDED = ["global-batch-of-a-trillion", "examples-per-epoch-of-a-trillion", "lora-tokens-of-a-billion",
-           "config-million-layers", "config-nested-deep", "row-nested-deep", "index-nested-deep", "row-offset-past-int64"]
+BOUNDED = ["global-batch-of-a-trillion", "global-batch-past-the-train-set", "examples-per-epoch-of-a-trillion",
+           "lora-tokens-of-a-billion", "config-million-layers", "config-nested-deep", "row-nested-deep",
+           "index-nested-deep", "row-offset-past-int64"]
 
 
 @pytest.mark.parametrize("case", BOUNDED)

@@ -202,18 +202,20 @@ def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
     with pytest.raises(ParamError, match="already holds a run .* resume: latest"):
         train(params(shard, tmp_path / "run"), progress=False)
     # resume: latest finds nothing to continue there: it starts over (tests/train/test_run_folders.py)
-    train(params(shard, tmp_path / "again", max_steps=5), progress=False)
+    # A global batch of 8: packed, the 40 examples fill 12 windows, enough for one.
+    again = {"global_batch": 8, "max_steps": 5}
+    train(params(shard, tmp_path / "again", **again), progress=False)
     (tmp_path / "again" / "COMPLETE").unlink()  # killed before its end, with step-4 saved
-    with pytest.raises(ParamError, match="written with global_batch 16, this run has 32"):
-        train(params(shard, tmp_path / "again", resume="latest", global_batch=32), progress=False)
+    with pytest.raises(ParamError, match="written with global_batch 8, this run has 16"):
+        train(params(shard, tmp_path / "again", resume="latest", **{**again, "global_batch": 16}), progress=False)
     with pytest.raises(ParamError, match="written with total_steps 5, this run has 6"):
-        train(params(shard, tmp_path / "again", resume="latest", max_steps=6), progress=False)
+        train(params(shard, tmp_path / "again", resume="latest", **{**again, "max_steps": 6}), progress=False)
     with pytest.raises(ParamError, match="written with pack_sequences False, this run has True"):
-        train(params(shard, tmp_path / "again", resume="latest", max_steps=5, pack_sequences=True), progress=False)
+        train(params(shard, tmp_path / "again", resume="latest", pack_sequences=True, **again), progress=False)
     groups = {"all": {"target_share": 1.0, "tasks": ["addition", "uppercase"],
                       "task_target_shares": {"addition": 0.5, "uppercase": 0.5}}}
     with pytest.raises(ParamError, match="written with loss_groups None, this run has"):
-        train(params(shard, tmp_path / "again", resume="latest", max_steps=5, loss_groups=groups), progress=False)
+        train(params(shard, tmp_path / "again", resume="latest", loss_groups=groups, **again), progress=False)
 
 
 def test_resume_ignores_a_save_that_a_kill_left_half_done(tmp_path, shard):
