@@ -12,7 +12,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator, TextIO
 
 
 def _default_mode(is_dir: bool) -> int:
@@ -245,20 +245,65 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
         link = link.__cause__ or link.__context__
 
 
-def write_json_atomic(path: str | Path, document: Any) -> Path:
-    """Write `document` as JSON to a staging file, flushed, then renamed over `path`."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path, replace: bool = True) -> Iterator[Path]:
+    """Yield a staging file beside `path` for the block to write; when the block succeeds it becomes `path`.
+
+    A reader sees the old file or the new one; a failed or out-of-space write leaves the old one and removes
+    the staging file. What is at `path` is replaced, never written through: a symbolic link there is itself
+    replaced, so nothing outside the folder changes. `replace=False` publishes only where nothing is at `path`
+    yet (FileExistsError otherwise, a dangling link included): a second writer never silently replaces the first.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=_hidden(path, STAGING), dir=path.parent)
+    handle, name = tempfile.mkstemp(prefix=_hidden(path, STAGING), dir=path.parent)
+    os.close(handle)
+    staging = Path(name)
     try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(document, out, indent=2, default=str)
-            out.write("\n")
-            out.flush()
-            os.fsync(out.fileno())
+        yield staging
+        with open(staging, "rb") as written:  # on disk before the rename makes it visible
+            os.fsync(written.fileno())
         os.chmod(staging, _default_mode(is_dir=False))
-        os.replace(staging, path)
+        if replace:
+            os.replace(staging, path)
+        else:
+            try:
+                os.link(staging, path, follow_symlinks=False)  # EEXIST for anything at `path`, a link too
+            except FileExistsError:
+                raise FileExistsError(errno.EEXIST, f"{path} already exists; it was left as it was") from None
+            staging.unlink()
     except BaseException:
-        Path(staging).unlink(missing_ok=True)
+        staging.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: str | Path, text: str, replace: bool = True) -> Path:
+    """`text` written to `path` through `atomic_file`."""
+    with atomic_file(path, replace) as staging:
+        staging.write_text(text)
+    return Path(path)
+
+
+def save_figure(figure: Any, path: str | Path, dpi: int = 120) -> Path:
+    """A matplotlib figure saved to `path` through `atomic_file`, in the format its suffix names."""
+    path = Path(path)
+    with atomic_file(path) as staging:
+        figure.savefig(staging, dpi=dpi, format=path.suffix.lstrip(".") or None)
     return path
+
+
+def write_json_atomic(path: str | Path, document: Any) -> Path:
+    """`document` as indented JSON, written to `path` through `atomic_file`."""
+    return write_text_atomic(path, json.dumps(document, indent=2, default=str) + "\n")
+
+
+def open_append(path: str | Path) -> TextIO:
+    """`path` opened to append text, created if missing; a symbolic link there is refused (an OSError naming
+    it), never followed out of the folder."""
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symbolic link; nothing is written through it") from None
+        raise
+    return os.fdopen(descriptor, "a")

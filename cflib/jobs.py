@@ -50,10 +50,21 @@ def refuse_existing(folder: Path, holds: Collection[str] | None, what: str,
     if not folder.is_dir():
         return
     found = sorted(entry.name for entry in folder.iterdir()) if holds is ANYTHING else [
-        name for name in holds if (folder / name).exists()]
+        name for name in holds if os.path.lexists(folder / name)]  # a dangling link would be written through
     if found:
         named = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ParamError(f"{label} {folder} already holds {what} ({named}); {hint}")
+
+
+def refuse_links(folder: Path, names: Collection[str], label: str = "out_dir") -> None:
+    """ParamError naming the first of `names` in `folder` that is a symbolic link: a job writes and deletes only
+    inside its own folder, and through such an entry it would change files outside it."""
+    for name in names:
+        entry = folder / name
+        if entry.is_symlink():
+            raise ParamError(f"{label} {folder}: {name} is a symbolic link (to {os.readlink(entry)}); a job writes "
+                             "and deletes only inside its own folder: replace the link by a copy of what it points "
+                             f"to, or choose another {label}")
 
 
 def job_out_dir(out_dir: str | Path | None, kind: str, holds: Collection[str] | None, what: str,

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from cflib.atomic import atomic_directory, write_json_atomic
+from cflib.atomic import atomic_directory, atomic_file, open_append, save_figure, write_json_atomic, write_text_atomic
 
 
 @pytest.fixture
@@ -44,3 +44,62 @@ def test_a_failing_block_leaves_the_previous_folder(tmp_path):
             raise RuntimeError("interrupted")
     assert (tmp_path / "out" / "v").read_text() == "1"
     assert os.listdir(tmp_path) == ["out"]
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A file outside the folder the tests write in, and that folder."""
+    victim = tmp_path / "outside" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_text("keep me")
+    (tmp_path / "job").mkdir()
+    return victim, tmp_path / "job"
+
+
+def test_a_link_where_a_file_is_published_is_replaced_never_written_through(outside):
+    victim, folder = outside
+    for name in ("record.json", "notes.txt", "plot.png"):
+        (folder / name).symlink_to(victim)
+    write_json_atomic(folder / "record.json", {"a": 1})
+    write_text_atomic(folder / "notes.txt", "new")
+    import matplotlib.pyplot as plt
+    figure = plt.figure()
+    save_figure(figure, folder / "plot.png")
+    plt.close(figure)
+    assert victim.read_text() == "keep me"
+    assert not any(p.is_symlink() for p in folder.iterdir())
+    assert (folder / "notes.txt").read_text() == "new" and (folder / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_publishing_only_where_nothing_is_refuses_a_file_or_any_link_and_leaves_them(outside):
+    victim, folder = outside
+    (folder / "dangling.jsonl").symlink_to(folder / "nowhere")
+    (folder / "kept.jsonl").write_text("first\n")
+    for name in ("dangling.jsonl", "kept.jsonl"):
+        with pytest.raises(FileExistsError, match=f"{name} already exists; it was left as it was"):
+            write_text_atomic(folder / name, "second\n", replace=False)
+    assert (folder / "kept.jsonl").read_text() == "first\n" and not (folder / "nowhere").exists()
+    assert sorted(os.listdir(folder)) == ["dangling.jsonl", "kept.jsonl"]  # no staging file left
+    write_text_atomic(folder / "new.jsonl", "x\n", replace=False)
+    assert (folder / "new.jsonl").read_text() == "x\n"
+
+
+def test_a_failing_block_leaves_the_old_file_and_no_staging(tmp_path):
+    write_text_atomic(tmp_path / "table.csv", "old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_file(tmp_path / "table.csv") as staging:
+            staging.write_text("half")
+            raise RuntimeError("interrupted")
+    assert (tmp_path / "table.csv").read_text() == "old\n" and os.listdir(tmp_path) == ["table.csv"]
+
+
+def test_appending_never_follows_a_link(outside):
+    victim, folder = outside
+    (folder / "papermill.log").symlink_to(victim)
+    with pytest.raises(OSError, match="papermill.log is a symbolic link; nothing is written through it"):
+        open_append(folder / "papermill.log")
+    with open_append(folder / "run.log") as log:
+        log.write("one\n")
+    with open_append(folder / "run.log") as log:
+        log.write("two\n")
+    assert victim.read_text() == "keep me" and (folder / "run.log").read_text() == "one\ntwo\n"

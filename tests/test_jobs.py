@@ -16,6 +16,7 @@ from cflib.jobs import (
     one_line_errors,
     record_header,
     refuse_existing,
+    refuse_links,
     utc_now,
 )
 from cflib.paths import project_root
@@ -82,3 +83,19 @@ def test_a_command_lines_bad_input_is_one_line():
     with pytest.raises(ZeroDivisionError):  # a bug stays a traceback
         with one_line_errors("prog"):
             1 / 0
+
+
+def test_a_dangling_link_in_place_of_the_jobs_output_counts_as_output(tmp_path):
+    (tmp_path / "answers.jsonl").symlink_to(tmp_path.parent / "created-through-the-link.jsonl")
+    with pytest.raises(ParamError, match=r"already holds answers \(answers.jsonl\)"):
+        job_out_dir(tmp_path, "chat", ("answers.jsonl",), "answers")
+
+
+def test_a_folder_the_job_writes_in_that_links_out_is_refused_naming_it(tmp_path):
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "tasks").symlink_to(tmp_path / "outside")
+    refuse_links(tmp_path / "job", ("bundle",))  # no such entry: nothing to refuse
+    with pytest.raises(ParamError, match=rf"out_dir {tmp_path / 'job'}: tasks is a symbolic link \(to "
+                                         rf"{tmp_path / 'outside'}\); a job writes and deletes only inside"):
+        refuse_links(tmp_path / "job", ("bundle", "tasks"))

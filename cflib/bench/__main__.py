@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cflib.atomic import write_text_atomic
 from cflib.bench.tables import TABLES, update_block
 from cflib.errors import ParamError
-from cflib.jsonio import read_json
+from cflib.jsonio import read_bounded, read_json
+
+DOC_BYTES = 4 * 2**20  # a Markdown page of the manual is some 100 KB
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,7 +34,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     target = Path(args.into)
     try:
-        target.write_text(update_block(target.read_text(), args.kind, args.record, markdown))
+        page = read_bounded(target, DOC_BYTES, ParamError, "Markdown page")
+    except ParamError as err:
+        parser.error(str(err))
+    try:
+        write_text_atomic(target, update_block(page.decode(), args.kind, args.record, markdown))  # replaced whole
     except (OSError, ValueError) as err:
         parser.error(f"{args.into}: {type(err).__name__}: {err}")
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from cflib.atomic import save_figure
 from cflib.bench.validate import error_grid
 
 
@@ -48,7 +49,7 @@ def plot_throughput(record: dict, save_to: str | Path | None = None) -> plt.Figu
     fig.suptitle(f"{record['model']}, seq {record['seq_len']}, {record['precision']}, {record['device']['name']}")
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=120)
+        save_figure(fig, save_to)
     return fig
 
 
@@ -89,7 +90,7 @@ def plot_microbatch_memory(record: dict, save_to: str | Path | None = None) -> p
     ax.legend(fontsize=7)
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=120)
+        save_figure(fig, save_to)
     return fig
 
 
@@ -104,5 +105,5 @@ def plot_error_heatmap(rows: list[dict], save_to: str | Path | None = None) -> p
     ax.set_title("fast paths vs float64 truth (> 0 fails)")
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=110)
+        save_figure(fig, save_to, dpi=110)
     return fig

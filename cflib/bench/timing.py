@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import write_json_atomic, write_text_atomic
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEEngine
 from cflib.model.fast import FusedTRMoEEngine, swap_class
@@ -227,10 +227,11 @@ def profile_steps(step: Callable[[np.ndarray, np.ndarray | None], dict], batches
     sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = profiler.key_averages()
     table_path.parent.mkdir(parents=True, exist_ok=True)
-    table_path.write_text(events.table(sort_by=sort_by, row_limit=40) + "\n")
+    write_text_atomic(table_path, events.table(sort_by=sort_by, row_limit=40) + "\n")
     # The operators again, one row per input shape: which copy, cast or reduction each small kernel is.
     by_shape = table_path.with_name(table_path.stem + "-by-shape.txt")
-    by_shape.write_text(profiler.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=80) + "\n")
+    write_text_atomic(by_shape, profiler.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=80)
+                      + "\n")
     top = sorted(events, key=lambda e: getattr(e, sort_by), reverse=True)[:10]
     found = {"steps": len(batches), "wall_ms_per_step": wall_ms, "table": str(table_path),
              "table_by_shape": str(by_shape), "sorted_by": sort_by,

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import EngFormatter
 from tqdm.auto import tqdm
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import atomic_file, save_figure, write_json_atomic
 from cflib.errors import ParamError
 from cflib.jobs import new_out_dir
 from cflib.jsonio import read_json
@@ -359,7 +359,7 @@ def plot_curves(comparison: Comparison, save_to: str | Path | None = None) -> pl
     fig.suptitle("loss curves, overlaid")
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=120)
+        save_figure(fig, save_to)
     return fig
 
 
@@ -381,7 +381,7 @@ def plot_exact_match(comparison: Comparison, save_to: str | Path | None = None) 
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=120)
+        save_figure(fig, save_to)
     return fig
 
 
@@ -413,7 +413,7 @@ def plot_sweep(comparison: Comparison, save_to: str | Path | None = None) -> plt
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=120)
+        save_figure(fig, save_to)
     return fig
 
 
@@ -427,7 +427,7 @@ def save_comparison(comparison: Comparison) -> list[Path]:
         "differing": comparison.differing, "swept": comparison.swept, "metric": comparison.metric,
         "skipped": comparison.skipped, "rows": comparison.rows})]
     columns = table_columns(comparison)
-    with open(out / "comparison.csv", "w", newline="") as handle:
+    with atomic_file(out / "comparison.csv") as staging, open(staging, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(comparison.rows)

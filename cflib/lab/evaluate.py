@@ -26,14 +26,14 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import atomic_file, save_figure, write_json_atomic, write_text_atomic
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.hub import is_checkpoint
 from cflib.export.bundle import check_bundle_code, register_own_classes
 from cflib.export.peft import is_adapter_checkpoint
-from cflib.jobs import job_out_dir, record_header
+from cflib.jobs import job_out_dir, record_header, refuse_links
 from cflib.lab.chat import train_here
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
@@ -45,6 +45,8 @@ from cflib.train.run_folder import read_run_record
 from cflib.train.task_scores import CheckedTasks, check_tasks, quiet_lm_eval, score_rows
 
 DEFAULT_TASKS = ("embedded_choice", "embedded_exact")
+# The folders an evaluation writes in its out_dir: the bundle it exports, the model it trains, the tasks' configs.
+EVAL_FOLDERS = ("bundle", "trained-here", "tasks")
 TRAIN_HERE_STEPS = 32  # model None: a quickstart-size model this many steps into training (seconds on a CPU)
 LOGLIKELIHOOD_CHECK_PAIRS = 64  # per task: the first (context, continuation) pairs recomputed by cflib
 BUNDLE_FILES = ("config.json", "model.safetensors", "modeling_tr_hash_moe.py")
@@ -145,6 +147,7 @@ def prepare_evaluation(params: EvalParams) -> Evaluation:
     untouched, nothing written anywhere), then find (or export, or train) the bundle: a bad input stops here,
     before any model is scored."""
     out_dir = job_out_dir(params.out_dir, "eval", ("record.json",), "an evaluation")
+    refuse_links(out_dir, EVAL_FOLDERS)  # its files are replaced whole (cflib.atomic), never written through
     device = resolve_device(params.device)
     tasks = check_tasks(params.task_names())
     try:
@@ -200,7 +203,7 @@ def plot_scores(rows: list[dict], save_to: Path | None = None) -> plt.Figure:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=120)
+        save_figure(fig, save_to)
     return fig
 
 
@@ -236,9 +239,9 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
     seconds = time.perf_counter() - start
     out_dir.mkdir(parents=True, exist_ok=True)
     job.checked_tasks.write_configs(out_dir / "tasks")
-    (out_dir / "lm_eval_results.json").write_text(json.dumps(merged, indent=2, default=handle_non_serializable))
+    write_text_atomic(out_dir / "lm_eval_results.json", json.dumps(merged, indent=2, default=handle_non_serializable))
     for task, rows in samples.items():
-        with open(out_dir / f"samples_{task}.jsonl", "w") as out:
+        with atomic_file(out_dir / f"samples_{task}.jsonl") as staging, open(staging, "w") as out:
             out.writelines(json.dumps(row, default=handle_non_serializable) + "\n" for row in rows)
     rows = score_rows(merged)
     check = loglikelihood_check(samples, lm, job.checked_model, job.device)

@@ -26,7 +26,7 @@ import yaml
 
 from cflib.atomic import copy_beside, write_json_atomic
 from cflib.errors import ParamError, shown
-from cflib.jobs import job_out_dir
+from cflib.jobs import job_out_dir, refuse_links
 from cflib.jsonio import read_json
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
 from cflib.locks import FileLock, check_free
@@ -41,6 +41,7 @@ from cflib.yamlio import load_yaml, read_yaml
 OWNED_BY_SWEEP = ("out_dir", "resume")
 LOCK_FILE = "sweep.lock"
 POINT_FILE = "point.yaml"  # the parameters papermill gives the point's train_sft.ipynb (-f)
+POINT_LOG, POINT_NOTEBOOK = "papermill.log", "train_sft.ipynb"  # what the sweep writes beside the point's run
 # A sweep's points, seeds included: each is a training run, and the plan checks every one before the first runs.
 MAX_POINTS = 10_000
 
@@ -297,6 +298,7 @@ def expand_sweep(params: SweepParams) -> Sweep:
         previous = {p["name"]: p for p in _recorded_points(out_dir / SWEEP_FILE)}
     elif any(name != LOCK_FILE and copy_beside(name) != SWEEP_FILE for name in names):
         raise ParamError(f"out_dir {out_dir} holds files but no {SWEEP_FILE}: choose an empty or new folder")
+    refuse_links(out_dir, ("runs",))
     points: list[Point] = []
     seen: dict[str, int] = {}
     expanded = _expand(params, base)
@@ -307,6 +309,8 @@ def expand_sweep(params: SweepParams) -> Sweep:
         name = name if seen[name] == 1 else f"{name}-{seen[name]}"
         shown = {**overrides, **({"seed": seed} if seed is not None else {})}
         run_dir = out_dir / "runs" / name
+        refuse_links(run_dir.parent, (name,))  # the sweep writes in a point's folder, papermill and the run too
+        refuse_links(run_dir, (POINT_FILE, POINT_LOG, POINT_NOTEBOOK))
         values = {**base, **overrides, **({"seed": seed} if seed is not None else {}), "out_dir": str(run_dir)}
         points.append(_judge(Point(name, shown, values, run_dir), previous.get(name), params))
     swept = list(varying)

@@ -27,12 +27,12 @@ import nbformat
 import yaml
 from tqdm.auto import tqdm
 
-from cflib.atomic import set_aside
+from cflib.atomic import open_append, set_aside, write_text_atomic
 from cflib.jobs import utc_now
 from cflib.lab.form import frontend_attached
 from cflib.errors import ParamError
 from cflib.lab.compare import SWEEP_FILE
-from cflib.lab.sweep import POINT_FILE, Point, Sweep, sweep_file_digest, sweep_lock
+from cflib.lab.sweep import POINT_FILE, POINT_LOG, POINT_NOTEBOOK, Point, Sweep, sweep_file_digest, sweep_lock
 from cflib.paths import resolve_path
 from cflib.train.records import read_metrics
 from cflib.train.run import RUN_FILES
@@ -63,14 +63,14 @@ def _start(point: Point, slot: str, sweep: Sweep) -> Running:
         moved = set_aside(point.run_dir)
         point.action += f" ({moved.name})"
     point.run_dir.mkdir(parents=True, exist_ok=True)
-    (point.run_dir / POINT_FILE).write_text(yaml.safe_dump(point.params, sort_keys=False))
+    write_text_atomic(point.run_dir / POINT_FILE, yaml.safe_dump(point.params, sort_keys=False))
     command = [sys.executable, "-m", "papermill", str(resolve_path(TRAIN_NOTEBOOK)),
-               str(point.run_dir / "train_sft.ipynb"), "-f", str(point.run_dir / POINT_FILE),
+               str(point.run_dir / POINT_NOTEBOOK), "-f", str(point.run_dir / POINT_FILE),
                "--cwd", str(resolve_path("notebooks")), "--log-output", "--no-progress-bar"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if slot == "cpu" else slot, "PYTHONUNBUFFERED": "1"}
     env.setdefault("MLFLOW_EXPERIMENT_NAME", sweep.out_dir.name)  # report_to mlflow: one experiment per sweep
     env.setdefault("WANDB_RUN_GROUP", sweep.out_dir.name)  # report_to wandb: one group per sweep
-    log = open(point.run_dir / "papermill.log", "a")
+    log = open_append(point.run_dir / POINT_LOG)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                preexec_fn=_die_with_parent)
     point.status, point.error = "running", None
@@ -101,9 +101,9 @@ def _finish(running: Running, sweep: Sweep) -> None:
     if code == 0 and (point.run_dir / "COMPLETE").is_file():
         point.status, point.error = "done", None
     else:
-        tail = (point.run_dir / "papermill.log").read_text(errors="replace").strip().splitlines()[-3:]
+        tail = (point.run_dir / POINT_LOG).read_text(errors="replace").strip().splitlines()[-3:]
         point.status = "failed"
-        point.error = notebook_error(point.run_dir / "train_sft.ipynb") or f"exit code {code}: " + " | ".join(tail)
+        point.error = notebook_error(point.run_dir / POINT_NOTEBOOK) or f"exit code {code}: " + " | ".join(tail)
     sweep.save()
 
 

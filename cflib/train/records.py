@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from cflib.atomic import open_append
 from cflib.jobs import record_header
 from cflib.jsonio import parse_json
 
@@ -37,7 +38,7 @@ class MetricsLog:
             os.replace(staging, self.path)
 
     def write(self, **row: Any) -> dict:
-        with open(self.path, "a") as out:
+        with open_append(self.path) as out:
             out.write(json.dumps(row, default=str) + "\n")
         for listener in self.listeners:
             listener(row)

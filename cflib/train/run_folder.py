@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cflib.errors import ParamError
+from cflib.jobs import refuse_links
 from cflib.jsonio import read_json
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.train.lock import check_not_locked
@@ -26,19 +27,17 @@ from cflib.train.lock import check_not_locked
 SINGLE_RUN_FILES = ("params.json", "metrics.jsonl", "checkpoints", "loss_weighting.json", "trackers.json",
                     "tensorboard", "mlruns")
 CURRICULUM_FILES = ("curriculum.json", "stages", "one_stage", "dry_run.json")
-RUN_ENTRIES = (*SINGLE_RUN_FILES, *CURRICULUM_FILES, "record.json", "COMPLETE", "hub", "merged", "eval")
+# What a run writes in its out_dir besides: its record, the notebook's bundle, merge and evaluation, lm-eval's
+# scores of each checkpoint (eval_tasks), log_samples' answers, and W&B's own folder.
+RUN_ENTRIES = (*SINGLE_RUN_FILES, *CURRICULUM_FILES, "record.json", "COMPLETE", "hub", "merged", "eval",
+               "eval_tasks", "samples", "wandb")
 SET_ASIDE = "set-aside"
 
 
 def check_entries_inside(out_dir: Path) -> None:
     """ParamError naming the first entry a run would write through that is a symbolic link: written or pruned
     through it, a run would change files outside its own folder (a copy's checkpoints/ linking to the original's)."""
-    for name in RUN_ENTRIES:
-        entry = out_dir / name
-        if entry.is_symlink():
-            raise ParamError(f"out_dir {out_dir}: {name} is a symbolic link (to {os.readlink(entry)}); a run writes "
-                             "and prunes only inside its own folder: replace the link by a copy of what it points "
-                             "to, or choose another out_dir")
+    refuse_links(out_dir, RUN_ENTRIES)
 
 
 def check_run_folder(out_dir: Path, kind: str = "single run") -> None:

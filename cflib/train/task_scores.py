@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from cflib.atomic import write_text_atomic
 from cflib.errors import ParamError
 from cflib.export import export_hub
 from cflib.export.peft import is_adapter_checkpoint, merge
@@ -81,7 +82,7 @@ class CheckedTasks:
         """The shipped tasks' configs as they were scored, a YAML each, in folder (an evaluation's tasks/)."""
         folder.mkdir(parents=True, exist_ok=True)
         for name, config in self.configs.items():
-            (folder / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+            write_text_atomic(folder / f"{name}.yaml", yaml.safe_dump(config, sort_keys=False))
 
 
 def check_tasks(names: list[str], what: str = "tasks") -> CheckedTasks:
@@ -155,7 +156,9 @@ class TaskScorer:
         from lm_eval.utils import handle_non_serializable
 
         start = time.perf_counter()
-        if folder.exists():  # a resumed run scores the checkpoint again
+        if folder.is_symlink() or folder.is_file():  # never followed: only the entry in the run folder goes
+            folder.unlink()
+        elif folder.exists():  # a resumed run scores the checkpoint again
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         try:
@@ -173,7 +176,8 @@ class TaskScorer:
         finally:
             for scratch in ("bundle", "merged"):
                 shutil.rmtree(folder / scratch, ignore_errors=True)
-        (folder / "lm_eval_results.json").write_text(json.dumps(results, indent=2, default=handle_non_serializable))
+        write_text_atomic(folder / "lm_eval_results.json",
+                          json.dumps(results, indent=2, default=handle_non_serializable))
         scores: dict[str, dict[str, float]] = {}
         for row in score_rows(results):
             scores.setdefault(row["task"], {})[row["metric"]] = row["value"]

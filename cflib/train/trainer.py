@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from cflib.atomic import clean_leftovers, is_out_of_space, live_path, write_json_atomic
+from cflib.atomic import clean_leftovers, is_out_of_space, live_path, write_json_atomic, write_text_atomic
 from cflib.data import load_tokenizer, shard_chat_template_sha256, shard_tokenizer_spec
 from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, checkpoint_step, save_checkpoint
@@ -167,7 +167,7 @@ class Trainer:
         name = f"samples/step-{self.step:06d}-{tag}.jsonl"
         path = self.run.out_dir / name
         path.parent.mkdir(exist_ok=True)
-        path.write_text("".join(json.dumps(text) + "\n" for text in texts))
+        write_text_atomic(path, "".join(json.dumps(text) + "\n" for text in texts))
         return name
 
     def log_evaluation(self, result: dict) -> None:

@@ -46,7 +46,7 @@ CASES = [
     ("table-of-an-oversize-record", lambda w: ["cflib.bench", "headline-table", str(w / "huge.json")],
      ["huge.json", f"larger than the {MAX_BYTES:,} bytes cflib reads in a throughput record"]),
     ("table-into-a-missing-page", lambda w: ["cflib.bench", "perf-table", str(RECORD), "--into", str(w / "no.md")],
-     ["no.md", "No such file"]),
+     ["no.md", "no such Markdown page"]),
     ("decode-on-no-such-device", lambda w: ["cflib.bench.decode", "--out", str(w / "d"), "--device", "tpu"],
      ["--device", "invalid choice: 'tpu'"]),
     ("decode-under-a-file", lambda w: ["cflib.bench.decode", "--out", str(w / "afile" / "x"), "--smoke"],
@@ -94,3 +94,26 @@ def test_each_entry_point_as_its_own_process_ends_in_one_line(world, case):
     last = done.stderr.strip().splitlines()[-1]
     for word in words:
         assert word in last, last
+
+
+def test_a_page_rewritten_on_a_full_disk_is_left_whole(tmp_path, monkeypatch, capsys):
+    try:
+        from small_disk import fill, small_disk
+    except ImportError:  # run from the repository root as a package
+        from tests.small_disk import fill, small_disk
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        page = (disk or tmp_path) / "page.md"
+        page.write_text(f"intro\n<!-- perf-table {RECORD} -->\nold\n<!-- /perf-table -->\n" + "outro\n" * 500)
+        if disk is None:  # no tmpfs here: the write fails part-way as a full disk makes it fail
+            def full(path, text, *args, **kwargs):
+                with open(path, "w") as out:
+                    out.write(text[:100])
+                raise OSError(28, "No space left on device")
+            monkeypatch.setattr(Path, "write_text", full)
+        else:
+            fill(disk)
+        before = page.read_bytes()
+        status, stderr = run_in_process("cflib.bench", ["perf-table", str(RECORD), "--into", str(page)], capsys)
+        assert status != 0 and "No space left on device" in stderr.strip().splitlines()[-1], stderr
+        assert page.read_bytes() == before
+        assert sorted(p.name for p in page.parent.iterdir()) == (["ballast", "page.md"] if disk else ["page.md"])

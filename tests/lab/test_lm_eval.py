@@ -11,7 +11,7 @@ from cflib.data import ByteTokenizer
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import export_hub
-from cflib.lab.evaluate import EvalParams, evaluate, headline, prepare_evaluation, resolve_bundle, scores_table
+from cflib.lab.evaluate import EVAL_FOLDERS, EvalParams, evaluate, headline, prepare_evaluation, resolve_bundle, scores_table
 from cflib.train.task_scores import check_tasks, shipped_tasks
 from cflib.model import load_checkpoint, save_checkpoint
 
@@ -40,8 +40,13 @@ def bundle(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def evaluated(bundle: Path, tmp_path_factory) -> tuple[dict, Path]:
-    """A real lm-eval run, seconds of training and scoring: the tests that read it are in the slow tier."""
+    """A real lm-eval run, seconds of training and scoring: the tests that read it are in the slow tier. Its out_dir
+    holds links in place of two of its files, to a file outside: they are replaced, never written through."""
     out = tmp_path_factory.mktemp("eval") / "out"
+    out.mkdir()
+    (out.parent / "precious.txt").write_text("keep me")
+    for name in ("lm_eval_results.json", "scores.png"):
+        (out / name).symlink_to(out.parent / "precious.txt")
     return evaluate(EvalParams(model=str(bundle), tasks="embedded_choice, embedded_exact", device="cpu",
                                out_dir=str(out)), progress=False), out
 
@@ -70,6 +75,8 @@ def test_lm_eval_scores_the_bundle_and_the_files_are_written(evaluated, bundle: 
     assert sorted(p.name for p in out.iterdir()) == ["lm_eval_results.json", "record.json",
                                                      "samples_embedded_choice.jsonl", "samples_embedded_exact.jsonl",
                                                      "scores.png", "tasks"]
+    assert (out.parent / "precious.txt").read_text() == "keep me"
+    assert not any(p.is_symlink() for p in out.iterdir())
     results = json.loads((out / "lm_eval_results.json").read_text())
     assert set(results["results"]) == {"embedded_choice", "embedded_exact"}
     scores = {(row["task"], row["metric"]): row for row in record["scores"]}
@@ -159,6 +166,16 @@ def test_bad_parameters_are_refused_before_anything_runs(tmp_path: Path, raw: di
     with pytest.raises(ParamError, match=message):
         prepare_evaluation(EvalParams.from_dict({"out_dir": str(out), "device": "cpu", **raw}))
     assert not out.exists()  # nothing written, nothing trained
+
+
+@pytest.mark.parametrize("folder", EVAL_FOLDERS)
+def test_a_folder_of_the_evaluation_linking_outside_is_refused_before_anything_runs(tmp_path: Path, folder: str):
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / folder).symlink_to(tmp_path / "outside")
+    with pytest.raises(ParamError, match=rf"out_dir {tmp_path / 'out'}: {folder} is a symbolic link"):
+        prepare_evaluation(EvalParams.from_dict({"out_dir": str(tmp_path / "out"), "device": "cpu"}))
+    assert list((tmp_path / "outside").iterdir()) == []
 
 
 def test_a_folder_that_is_no_model_is_refused(tmp_path: Path):

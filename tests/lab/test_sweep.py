@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from cflib.lab.compare import CompareParams, compare, comparison_table
+from cflib.lab.compare import CompareParams, compare, comparison_table, save_comparison
 from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.train.params import ParamError, load_params_file
 from cflib.train.records import read_metrics
@@ -170,6 +170,19 @@ def test_compare_refuses_an_incomplete_run_by_name(tmp_path):
         compare(CompareParams.from_dict({"runs": str(tmp_path / "nothing-*")}))
 
 
+def test_a_comparison_replaces_links_in_its_folder_never_writing_through_them(tmp_path):
+    out_dir, victim = tmp_path / "comparison", tmp_path / "precious.csv"
+    victim.write_text("keep me")
+    out_dir.mkdir()
+    for name in ("comparison.csv", "comparison.json", "loss_curves.png"):
+        (out_dir / name).symlink_to(victim)
+    runs = [str(COMMITTED_SWEEP / "runs" / name) for name in ("lr-0.01_seed-0", "lr-0.01_seed-1")]
+    written = save_comparison(compare(CompareParams.from_dict({"runs": runs, "out_dir": str(out_dir)})))
+    assert victim.read_text() == "keep me"
+    assert {p.name for p in written} >= {"comparison.csv", "comparison.json", "loss_curves.png"}
+    assert not any(p.is_symlink() for p in out_dir.iterdir())
+
+
 @pytest.mark.parametrize("record, message", [
     ("{not json", r"record.json: not valid JSON"),
     ("[" * 50_000 + "]" * 50_000, r"record.json: JSON nested deeper than 64 levels"),
@@ -209,6 +222,29 @@ def test_a_folder_holding_only_the_lock_file_is_planned_as_empty_and_another_fil
     (out_dir / "notes.txt").write_text("mine")
     with pytest.raises(ParamError, match="holds files but no sweep.json"):
         expand_sweep(SweepParams.from_dict({"out_dir": str(out_dir), "grid": {"lr": [0.001]}}))
+
+
+@pytest.mark.parametrize("planted", ["runs", "point-folder", "point.yaml", "papermill.log", "train_sft.ipynb"])
+def test_a_sweep_folder_whose_entries_link_outside_is_refused_before_anything_runs(tmp_path, planted):
+    """The sweep writes each point's parameters and log, papermill its notebook, the run its files: a link among
+    them would carry those writes out of the sweep's folder."""
+    out_dir, outside = tmp_path / "sweep", tmp_path / "outside"
+    outside.mkdir()
+    params = SweepParams.from_dict({"out_dir": str(out_dir), "grid": {"lr": [0.001]}})
+    first = expand_sweep(params)
+    first.save()
+    point = out_dir / "runs" / first.points[0].name
+    if planted == "runs":
+        (out_dir / "runs").symlink_to(outside)
+    elif planted == "point-folder":
+        point.parent.mkdir()
+        point.symlink_to(outside)
+    else:
+        point.mkdir(parents=True)
+        (point / planted).symlink_to(outside / planted)  # dangling: a plain open() would create it out there
+    with pytest.raises(ParamError, match=r"is a symbolic link \(to .*outside"):
+        expand_sweep(params)
+    assert list(outside.iterdir()) == []
 
 
 def test_a_sweep_folder_is_swept_by_one_process_at_a_time(tmp_path):

@@ -24,6 +24,7 @@ from cflib.train.best_metric import (ANSWER_METRICS, BestMetric, contains_metric
                                      regex_metric, register_metric)
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
+from cflib.train.run_folder import RUN_ENTRIES
 
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
                                    reason="lm-eval is not installed (the eval extra)")
@@ -162,8 +163,11 @@ def test_register_metric_refuses_reserved_names():
 @needs_lm_eval
 def test_lm_eval_scores_every_epoch_checkpoint_and_choose_best(tmp_path, shard):
     record = run(tmp_path, shard, epochs=2, eval_tasks="embedded_exact", eval_tasks_every="epoch",
-                 eval_tasks_limit=4, best_metric="lm_eval/embedded_exact/exact_match", report_to="tensorboard")
+                 eval_tasks_limit=4, best_metric="lm_eval/embedded_exact/exact_match", report_to="tensorboard",
+                 log_samples=1)
     out = tmp_path / "run"
+    # Every entry the run wrote is one a run checks for a link out of its folder before it starts.
+    assert {p.name for p in out.iterdir() if not p.name.startswith(".")} <= set(RUN_ENTRIES)
     scored = [e for e in record["eval"]["history"] if "lm_eval" in e]
     assert [e["tag"] for e in scored] == ["epoch-1", "epoch-2"]
     for e in scored:

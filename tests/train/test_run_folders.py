@@ -103,9 +103,26 @@ def test_a_copy_whose_checkpoints_link_into_the_original_is_refused(shard, finis
     (copy / "checkpoints").symlink_to(finished / "checkpoints")
     before, copied = digest(finished), digest(copy)
     with pytest.raises(ParamError, match=rf"out_dir {copy}: checkpoints is a symbolic link \(to "
-                                         rf"{finished / 'checkpoints'}\); a run writes and prunes only inside"):
+                                         rf"{finished / 'checkpoints'}\); a job writes and deletes only inside"):
         train(params(shard, copy, resume=resume, save_total_limit=1), progress=False)
     assert digest(finished) == before and digest(copy) == copied
+
+
+@pytest.mark.parametrize("entry", ["eval_tasks", "samples"])
+def test_a_run_folder_whose_scores_or_samples_link_outside_is_refused(shard, tmp_path, entry):
+    """lm-eval's scores of each checkpoint are replaced (the old folder deleted) and log_samples' files written:
+    through a link they would delete and write outside the run folder."""
+    outside = tmp_path / "outside"
+    (outside / "epoch-1").mkdir(parents=True)
+    (outside / "epoch-1" / "precious.txt").write_text("keep me")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / entry).symlink_to(outside)
+    before = digest(outside)
+    with pytest.raises(ParamError, match=rf"out_dir {run_dir}: {entry} is a symbolic link \(to {outside}\)"):
+        train(params(shard, run_dir, eval_tasks="embedded_exact", eval_tasks_every="epoch", log_samples=1),
+              progress=False)
+    assert digest(outside) == before
 
 
 def test_a_run_killed_before_its_first_resumable_checkpoint_starts_over_with_its_files_kept(shard, finished,
