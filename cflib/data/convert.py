@@ -39,22 +39,25 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from cflib.atomic import check_output_folder
 from cflib.data import loss_metadata
 from cflib.data.conversation import SUPERVISE, Conversation, ConvertError, conversation_digest
-from cflib.data.formats import FORMATS, detect, read_row
+from cflib.data.formats import FIELDS, FORMATS, detect, read_row
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.reasoning import POLICIES, stripped
 from cflib.data.rendering import TOKENIZER_TEMPLATE, Renderer, make_renderer, tokenizer_record
 from cflib.data.shards import IGNORE_INDEX, PARTITIONS, Example, ShardPartition, write_partition
 from cflib.data.sources import Source, SourceReader, describe, distinct_names, parse_source
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, PretrainedTokenizer
+from cflib.errors import ParamError, shown
 from cflib.jobs import one_line_errors
 from cflib.jsonio import read_json
 from cflib.locks import exclusive_output
-from cflib.yamlio import read_yaml
+from cflib.paths import resolve_path
+from cflib.schema import Params, coerce, is_none_word, parsed_by
+from cflib.yamlio import load_yaml, read_yaml
 
 REJECTIONS = ("too_long", "duplicate", "duplicate_of_train", "empty_answer")
 # Rendered through the tokenizer's template, the first rows of each source are compared with apply_chat_template.
@@ -109,6 +112,69 @@ class ConvertSpec:
                     raise ConvertError(f"{source.spec}: format must be auto or one of {FORMATS}")
 
 
+def read_sources(name: str, value: Any) -> str | list | None:
+    """train_sources / eval_sources: one source or a list of them, as YAML or a notebook gives it, or as papermill's
+    `-p` text of a YAML list ("[a.jsonl, b]"), which train_sft's `data` takes too."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "-"):
+        value = load_yaml(value, name, ParamError)
+    if value is None or is_none_word(value):
+        return None
+    several = isinstance(value, (list, tuple))
+    entries = [str(entry) if isinstance(entry, Path) else entry for entry in (value if several else [value])]
+    if not entries or not all(isinstance(entry, (str, dict)) for entry in entries):
+        raise ParamError(f"{name}: a source (a file, a folder, a saved dataset, hub:NAME[:CONFIG]:SPLIT) or a "
+                         f"non-empty list of them, got {shown(value)}")
+    return entries if several else entries[0]
+
+
+def read_template(name: str, value: Any) -> dict | str | None:
+    """template: None (the default markers), "tokenizer", or a mapping of markers (YAML, a notebook, or -p text)."""
+    return value if value == TOKENIZER_TEMPLATE else coerce(name, value, dict | None)
+
+
+def located(sources: str | list | dict | None) -> str | list | dict | None:
+    """Sources with their local paths taken from the project root, as a notebook's are; Hub sources as they are."""
+    if isinstance(sources, list):
+        return [located(source) for source in sources]
+    if isinstance(sources, dict):
+        return {**sources, "path": located(sources["path"])} if isinstance(sources.get("path"), str) else sources
+    return sources if sources is None or sources.startswith("hub:") else str(resolve_path(sources))
+
+
+@dataclass(frozen=True)
+class ConvertParams(Params):
+    """convert_chat.ipynb's parameters: ConvertSpec's keys under the notebook's names, its paths from the project
+    root. Defaults: the small sample in examples/chat through the byte tokenizer."""
+
+    train_sources: str | list = parsed_by(read_sources, "examples/chat/train.jsonl")
+    eval_sources: str | list | None = parsed_by(read_sources, "examples/chat/eval.jsonl")  # None: eval_fraction
+    eval_fraction: float | None = None
+    seed: int = 0
+    out: str = "outputs/data/chat-sample"
+    data_format: str = "auto"
+    tokenizer: str = "byte"
+    template: dict | str | None = parsed_by(read_template, None)
+    supervise: str = "all_assistant_turns"
+    reasoning: str = "supervise"
+    max_seq_len: int = 256
+    overwrite: bool = True
+
+    def validate(self) -> None:
+        if self.train_sources is None:
+            raise ParamError("train_sources: a source or a list of them is needed")
+        if self.data_format not in ("auto", *FORMATS):
+            raise ParamError(f"data_format must be auto or one of {', '.join(FORMATS)}, got {shown(self.data_format)}")
+
+    def spec(self) -> ConvertSpec:
+        """The conversion these parameters ask for (ConvertSpec checks it as convert() starts)."""
+        template = self.template if self.template == TOKENIZER_TEMPLATE else ChatTemplate.from_dict(self.template or {})
+        return ConvertSpec(train=located(self.train_sources), eval=located(self.eval_sources),
+                           out=str(resolve_path(self.out)), eval_fraction=self.eval_fraction, seed=self.seed,
+                           format=self.data_format, template=template, supervise=self.supervise,
+                           tokenizer=self.tokenizer if self.tokenizer == "byte" else str(resolve_path(self.tokenizer)),
+                           reasoning=self.reasoning, max_seq_len=self.max_seq_len)
+
+
 class SeenConversations:
     """Digests of the conversations read so far, per partition, in a temporary SQLite file.
 
@@ -145,10 +211,30 @@ def held_out(digest: int, seed: int, fraction: float) -> bool:
 
 def read_conversations(source: Source, reader: SourceReader, fmt: str) -> Iterator[tuple[str, Conversation]]:
     """(where, conversation) of each row of a source, its format named or taken from its first row."""
-    fmt = source.format if source.format != "auto" else fmt
+    if source.format != "auto":
+        fmt, named_by = source.format, f"the source's 'format: {source.format}'"
+    else:
+        named_by = f"--format {fmt}"
+    named = fmt != "auto"
     for where, row in reader.rows(source):
         fmt = detect(row, where) if fmt == "auto" else fmt
+        if named:
+            check_named_format(row, fmt, where, named_by)
         yield where, read_row(row, fmt, where)
+
+
+def check_named_format(row: object, fmt: str, where: str, named_by: str) -> None:
+    """A row without the fields of the format named for its source: the error says who named the format (not
+    detected, so no first row chose it) and what the row looks like."""
+    missing = [key for key in FIELDS[fmt] if isinstance(row, dict) and row.get(key) is None]
+    if not missing:
+        return
+    try:
+        looks = f"; this row is {detect(row, where)}"
+    except ConvertError:
+        looks = ""
+    raise ConvertError(f"{where}: no {missing[0]!r} field, which the {fmt} format needs (the format was given by "
+                       f"{named_by}{looks}); name the rows' format, or auto to take it from each source's first row")
 
 
 class PartitionReader:
@@ -317,10 +403,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help='"byte" (default), a local tokenizer.json, or a tokenizer folder')
     parser.add_argument("--template", help='"tokenizer" (the tokenizer folder\'s chat template), or a YAML/JSON '
                                            "file of role markers (default: the byte tokenizer's markers)")
-    parser.add_argument("--supervise", choices=SUPERVISE)
+    parser.add_argument("--supervise", choices=SUPERVISE, help=f"which assistant turns are taught (default "
+                                                                f"{ConvertSpec.supervise})")
     parser.add_argument("--reasoning", choices=POLICIES, help="what the loss does with reasoning (default: "
                                                               "supervise)")
-    parser.add_argument("--max-seq-len", type=int, dest="max_seq_len")
+    parser.add_argument("--max-seq-len", type=int, dest="max_seq_len",
+                        help=f"longer conversations are rejected and counted, never truncated (default "
+                             f"{ConvertSpec.max_seq_len})")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an out folder this command wrote (nothing else in it)")
     return parser
@@ -337,9 +426,14 @@ def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConvertError(f"{args.spec}: unknown key(s) {unknown}; known: {known}")
+    if args.eval is not None and args.eval_fraction is not None:
+        raise ConvertError("--eval and --eval-fraction both give held-out data: keep --eval SOURCE ... for "
+                           "held-out sources, or --eval-fraction F to hold out part of the train sources")
     raw.update({k: v for k, v in vars(args).items() if k in known and v is not None and k != "template"})
     if args.eval_fraction is not None:
         raw.pop("eval", None)  # the flag chooses the split over the spec's eval sources
+    elif args.eval is not None:
+        raw.pop("eval_fraction", None)  # and held-out sources over the spec's split
     where = "template"
     if args.template == TOKENIZER_TEMPLATE:
         raw["template"] = TOKENIZER_TEMPLATE

@@ -249,6 +249,17 @@ class ShardPartition(torch.utils.data.Dataset):
         example_id = self.rows[row].get("example_id", "?")
         raise ShardError(f"{self.directory / file}: row {row} (example_id {example_id!r}): {what}")
 
+    def _too_long(self, over: np.ndarray, name: str, cap: int) -> None:
+        """The rows `over` exceed `cap`: how many, and where the longest stands, in examples.jsonl (its row from 0
+        and its line from 1) and in the data it was converted from (rows from 1, as the converter numbers them)."""
+        row = int(over[np.argmax(self.lengths[over])])
+        origin = self.rows[row].get("origin")
+        where = f"line {row + 1}, example_id {self.rows[row].get('example_id', '?')!r}" + (
+            f", from {origin}" if origin else "")
+        raise ShardError(f"{self.directory / 'examples.jsonl'}: {len(over):,} example(s) exceed {name} {cap}, the "
+                         f"longest row {row} ({where}) with {self.lengths[row]} tokens; examples are never "
+                         f"truncated: raise {name} to {self.lengths[row]} or drop them")
+
     def _validate_rows(self, seq_len: int | None) -> None:
         """Offsets, lengths and caps of every row, from examples.jsonl alone."""
         starts, lengths, total = self.offsets, self.lengths, int(self.index["num_tokens"])
@@ -261,10 +272,9 @@ class ShardPartition(torch.utils.data.Dataset):
         if overlap.size:
             self._fail("examples.jsonl", int(overlap[0]) + 1, "overlaps the previous example")
         for cap, source in ((self.max_seq_len, "the shard's sequence cap"), (seq_len, "seq_len")):
-            if cap is not None and (lengths > cap).any():
-                row = int(np.flatnonzero(lengths > cap)[0])
-                self._fail("examples.jsonl", row, f"{lengths[row]} tokens exceed {source} {cap}; "
-                           "examples are never truncated, raise the cap or drop the example")
+            over = np.flatnonzero(lengths > cap) if cap is not None else []
+            if len(over):
+                self._too_long(over, source, cap)
 
     def _count_supervised(self, start: int, stop: int) -> np.ndarray:
         flat = _ranges(self.offsets[start:stop], self.lengths[start:stop])

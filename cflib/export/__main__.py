@@ -37,10 +37,20 @@ def _adapters(args: argparse.Namespace) -> None:
 def _push_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--push", metavar="ORG/NAME", help="then upload OUT to this Hugging Face Hub repository "
                                                             "(created when missing; an OUT already written from the "
-                                                            "same checkpoint is uploaded as it is: the same command "
-                                                            "resumes an interrupted push)")
+                                                            "same checkpoint is uploaded as it is, its model card "
+                                                            "naming ORG/NAME: the same command resumes an "
+                                                            "interrupted push)")
     command.add_argument("--private", action="store_true", help="with --push: create the repository private")
     command.add_argument("--revision", help="with --push: the branch to commit to (created from main when missing)")
+
+
+def _check_push_options(args: argparse.Namespace, command: argparse.ArgumentParser) -> None:
+    """--private and --revision say how to push: without --push nothing is pushed, so they are refused, not
+    ignored."""
+    given = [flag for flag, value in (("--private", args.private), ("--revision", args.revision)) if value]
+    if given and args.push is None:
+        command.error(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --push ORG/NAME: without it "
+                      "nothing is uploaded")
 
 
 def _merge(args: argparse.Namespace) -> None:
@@ -78,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     merging.add_argument("--base", default=None, help="the base checkpoint; default: the one the adapters name")
     merging.set_defaults(run=_merge)
     args = parser.parse_args(argv)
+    if args.command in ("hub", "adapters"):
+        _check_push_options(args, commands.choices[args.command])
     with one_line_errors("export", ExportError, MergeError, TokenizerExportError, CheckpointError, ConfigError,
                          PushError):
         args.run(args)

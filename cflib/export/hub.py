@@ -100,8 +100,9 @@ def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | 
     the byte tokenizer for a model of its vocabulary size. `chat_template_sha256`:
     the template the training data was rendered through (its shard's
     manifest), which the bundle's must be. `repo_id`: the Hub repository the
-    model card's loading lines name (default: `out`). Every check runs before
-    anything is written; `out` must not exist.
+    model card's loading lines name (default: `out` by its folder's name,
+    never a path of this machine). Every check runs before anything is
+    written; `out` must not exist.
     """
     out = Path(out)
     if out.exists() or out.is_symlink():
@@ -130,7 +131,7 @@ def export_hub(checkpoint: str | Path, out: str | Path, tokenizer: str | Path | 
             (staging / name).write_bytes(content)
         for name in HUB_MODULES:
             (staging / name).write_bytes(modules.joinpath(name).read_bytes())
-        (staging / CARD_FILE).write_text(model_card(source, "bundle", repo_id or str(out), config.to_dict()))
+        (staging / CARD_FILE).write_text(model_card(source, "bundle", out, config.to_dict(), repo_id))
     if echo is not None:
         echo(f"exported {choice}")
         echo(f"tokenizer: {tok.description} (eos id {tok.ids['eos']}, pad id {tok.ids['pad']})")

@@ -9,7 +9,8 @@ The body says the same for a reader, and how to load the model. The licence
 is left for the user: a commented `license:` line in the metadata.
 
 A card goes public with its model, so it names files by their folder's name,
-never by a path of the machine that wrote it.
+never by a path of the machine that wrote it; its loading lines name the Hub
+repository it was written for (`cflib.repo_id`), else the folder by its name.
 
 The card reads the run the checkpoint belongs to (its `record.json`, the
 shard manifests it names, and `eval/record.json` where lm-evaluation-harness
@@ -148,10 +149,11 @@ def portable(params: dict) -> dict:
 WEIGHT_FILES = {"bundle": "model.safetensors", "adapters": "adapter_model.safetensors"}
 
 
-def card_metadata(checkpoint: Path, kind: str) -> dict:
-    """The `cflib` block of the card's metadata: the checkpoint, and what its run says of it."""
+def card_metadata(checkpoint: Path, kind: str, repo_id: str | None) -> dict:
+    """The `cflib` block of the card's metadata: the checkpoint, the repository it is for, and what its run says
+    of it."""
     run_dir, record = run_of(checkpoint)
-    meta: dict[str, Any] = {"kind": kind, "checkpoint": {
+    meta: dict[str, Any] = {"kind": kind, "repo_id": repo_id, "checkpoint": {
         "name": checkpoint.name, "run": run_dir.name if run_dir else None,
         "sha256": sha256_file(checkpoint / WEIGHT_FILES[kind])}}
     if record is None:
@@ -164,21 +166,29 @@ def card_metadata(checkpoint: Path, kind: str) -> dict:
     return meta
 
 
-def published_checkpoint(folder: Path) -> dict | None:
-    """The checkpoint a folder's card says it was exported from ({name, run, sha256}); None without a card."""
+def published(folder: Path) -> dict:
+    """The `cflib` block of a folder's card; empty without a card or one cflib wrote."""
     text = (folder / CARD_FILE).read_text() if (folder / CARD_FILE).is_file() else ""
     match = re.match(r"---\n(.*?)\n---\n", text, re.S)
     try:
         metadata = yaml.safe_load(match.group(1)) if match else None
     except yaml.YAMLError:
-        return None
-    return metadata.get("cflib", {}).get("checkpoint") if isinstance(metadata, dict) else None
+        return {}
+    block = metadata.get("cflib") if isinstance(metadata, dict) else None
+    return block if isinstance(block, dict) else {}
 
 
-def model_card(checkpoint: Path, kind: str, where: str, config: dict) -> str:
-    """README.md for the bundle of `checkpoint` (kind "bundle") or for its LoRA adapters ("adapters"). `where` is
-    what the loading lines hand from_pretrained: the Hub repository, or the folder."""
-    meta = card_metadata(checkpoint, kind)
+def published_checkpoint(folder: Path) -> dict | None:
+    """The checkpoint a folder's card says it was exported from ({name, run, sha256}); None without a card."""
+    return published(folder).get("checkpoint")
+
+
+def model_card(checkpoint: Path, kind: str, out: Path, config: dict, repo_id: str | None = None) -> str:
+    """README.md for the bundle of `checkpoint` (kind "bundle") or for its LoRA adapters ("adapters"), written to
+    the folder `out` for the Hub repository `repo_id`. The loading lines hand from_pretrained the repository, else
+    the folder by its name: never a path of this machine."""
+    meta = card_metadata(checkpoint, kind, repo_id)
+    where = repo_id or out.name
     tags = ["cflib", "tr-moe", "mixture-of-experts", "custom_code"] + (["lora"] if kind == "adapters" else [])
     header = {"library_name": "peft" if kind == "adapters" else "transformers", "pipeline_tag": "text-generation",
               "tags": tags, "cflib": meta}

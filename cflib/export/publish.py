@@ -19,11 +19,11 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from cflib.atomic import check_output_folder, live_path
+from cflib.atomic import check_output_folder, live_path, write_text_atomic
 from cflib.data import ShardPartition, shard_chat_template_sha256, shard_tokenizer_spec
 from cflib.data.shards import sha256_file
 from cflib.export.hub import ExportError, export_hub
-from cflib.export.model_card import CARD_FILE, WEIGHT_FILES, model_card, published_checkpoint
+from cflib.export.model_card import CARD_FILE, WEIGHT_FILES, model_card, published, published_checkpoint
 from cflib.export.peft import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
@@ -70,8 +70,8 @@ def export_adapters(checkpoint: str | Path, out: str | Path, repo_id: str | None
         for name, document in ((ADAPTER_CONFIG_FILE, {**peft_config, "base_model_name_or_path": base}),
                                (CFLIB_ADAPTER_FILE, {**cflib_adapter, "base": {**cflib_adapter["base"], "path": base}})):
             (staging / name).write_text(json.dumps(document, indent=2) + "\n")
-        (staging / CARD_FILE).write_text(model_card(source, "adapters", repo_id or str(out),
-                                                    cflib_adapter["base"].get("config", {})))
+        (staging / CARD_FILE).write_text(model_card(source, "adapters", out, cflib_adapter["base"].get("config", {}),
+                                                    repo_id))
     if echo is not None:
         echo(f"wrote {out}: the adapters of {source}, for peft.PeftModel.from_pretrained(base, {str(out)!r})")
     return out
@@ -85,16 +85,31 @@ def holds_publication(folder: Path, checkpoint: Path, kind: str) -> bool:
             and named.get("sha256") == sha256_file(checkpoint / WEIGHT_FILES[kind]))
 
 
+def retarget_card(out: Path, source: Path, kind: str, repo_id: str) -> None:
+    """Write the card of the publication in `out` again for `repo_id`, whose readers load it by that name: a card
+    written without --push names the folder in its loading lines, one pushed before names that repository."""
+    if kind == "bundle":
+        config = read_json(out / "config.json", ExportError, "bundle config")
+    else:
+        config = read_json(out / CFLIB_ADAPTER_FILE, ExportError, "adapter description")["base"].get("config", {})
+    write_text_atomic(out / CARD_FILE, model_card(source, kind, out, config, repo_id))
+
+
 def publish(source: Path, out: Path, kind: str, write: Callable[[], object], repo_id: str | None,
             private: bool | None = None, revision: str | None = None,
             echo: Callable[[str], None] | None = print) -> Path:
     """`write()` the publication of `source` (kind "bundle" or "adapters") to `out`, then push it to `repo_id`.
-    An `out` that already holds it (an earlier push, interrupted or not) is pushed as it is."""
+    An `out` that already holds it (an earlier push, interrupted or not) is pushed as it is, its card written
+    again first where it names no repository or another."""
     if repo_id is not None:
         check_push(repo_id)  # before anything is written
     if repo_id is not None and holds_publication(out, source, kind):
+        retargeted = published(out).get("repo_id") != repo_id
+        if retargeted:
+            retarget_card(out, source, kind, repo_id)
         if echo is not None:
-            echo(f"{out} already holds the {kind} of {source}: pushing it as it is")
+            echo(f"{out} already holds the {kind} of {source}: pushing it as it is"
+                 + (f", its model card written again for {repo_id}" if retargeted else ""))
     else:
         write()
     if repo_id is not None:

@@ -31,11 +31,14 @@ USUAL_NAMES = {
     "pad": ("<pad>", "<|pad|>"),
     "unk": ("<unk>", "<|unk|>"),
 }
-# The byte tokenizer's chat layout, as cflib.data.convert renders conversations: a role marker before each
-# turn, the end-of-sequence token after each assistant turn.
-BYTE_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] }}"
-                      "{% if message['role'] == 'assistant' %}{{ '<|eos|>' }}{% endif %}{% endfor %}"
-                      "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+# The byte tokenizer's chat layout, as cflib.data.convert renders conversations through its default markers
+# (cflib.data.marker_template): a role marker before each turn, an assistant's reasoning_content as a
+# <think>...</think> block right before its content, the end-of-sequence token after each assistant turn.
+BYTE_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+                      "{% if message['reasoning_content'] is string %}"
+                      "{{ '<think>' + message['reasoning_content'] + '</think>' }}{% endif %}"
+                      "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ '<|eos|>' }}{% endif %}"
+                      "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
 class TokenizerExportError(ValueError):

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from cflib.atomic import live_path, write_json_atomic
+from cflib.atomic import atomic_file, live_path, write_json_atomic
 from cflib.data import (
     TOKENIZER_TEMPLATE,
     ChatTemplate,
@@ -28,26 +28,22 @@ from cflib.data import (
     conversation_to_answer,
     make_renderer,
 )
+from cflib.data.convert import read_template
 from cflib.data.rendering import tokenizer_record
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export.peft import is_adapter_checkpoint
-from cflib.jobs import job_out_dir, record_header
+from cflib.jobs import job_out_dir, record_header, refuse_links
 from cflib.jsonio import json_lines
 from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.paths import resolve_path
-from cflib.schema import Params, as_given, coerce, parsed_by
+from cflib.schema import Params, as_given, parsed_by
 from cflib.train import TrainParams, fit, prepare
 from cflib.train.records import count_parameters
 from cflib.train.run import resolve_device
 
 WEIGHTS = "model.safetensors"
-
-
-def read_template(name: str, value: object) -> dict | str | None:
-    """The template parameter: None, "tokenizer", or a mapping of markers (from YAML, a notebook or -p)."""
-    return value if value == TOKENIZER_TEMPLATE else coerce(name, value, dict | None)
 
 
 @dataclass(frozen=True)
@@ -220,6 +216,7 @@ def prepare_chat(params: ChatParams) -> Chat:
     """Check the prompts, tokenizer, template and out_dir, then load the checkpoint (or train one under
     out_dir when none is named) and check every prompt against it: a bad input stops here, before any answer."""
     out_dir = job_out_dir(params.out_dir, "chat", ("answers.jsonl",), "answers")
+    refuse_links(out_dir, ("trained-here",))
     conversations = read_conversations(params.prompts)
     renderer = chat_renderer(params.tokenizer, params.template)
     for messages in conversations:
@@ -240,8 +237,12 @@ def answer_prompts(chat: Chat, params: ChatParams) -> dict:
     session, out_dir = chat.session, chat.out_dir
     rows, timing = session.answer(chat.conversations, params.generation())
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "answers.jsonl", "w") as out:
-        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    try:  # published only where no answers are yet: a second chat into out_dir never replaces the first's
+        with atomic_file(out_dir / "answers.jsonl", replace=False) as staging, open(staging, "w") as out:
+            out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    except FileExistsError as err:
+        raise ParamError(f"out_dir {out_dir}: {err}: another chat wrote its answers there meanwhile; nothing of "
+                         "this one was written") from None
     record = {**record_header("chat", session.device, out_dir),
               **session.describe(), "generation": params.generation(),
               "precision": "bf16-autocast" if params.bf16 else "fp32", "decoder": session.decoder.path(),

@@ -6,6 +6,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import torch
 
+from cflib.atomic import save_figure
 from cflib.data import (ByteTokenizer, JsonTokenizer, PretrainedTokenizer, ShardPartition, load_tokenizer,
                         shard_chat_template_sha256, shard_tokenizer_spec)
 from cflib.export import export_hub
@@ -55,7 +56,7 @@ def finish_loss_plot(fig: plt.Figure, ax: plt.Axes, xlabel: str, save_to: str | 
     ax.legend(fontsize=legend_size)
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=120)
+        save_figure(fig, save_to)
     return fig
 
 
@@ -212,7 +213,11 @@ def size_like_this_run(record: dict, gpus: int = 8, epochs: int = 3) -> str:
     report = run_arithmetic(target_tokens=train_tokens * epochs, gpus=gpus,
                             micro_batch_per_rank=record["micro_batch_per_rank"], seq_len=record["seq_len"],
                             tokens_per_s_per_gpu=measured / record["world_size"], checkpoints=epochs)
-    return format_arithmetic(report)
+    device = record["device"]
+    basis = (f"A projection, not this run: {epochs} passes over its {epoch_examples:,} examples on {gpus} "
+             f"data-parallel ranks, each at the tokens/s per process this run measured on {device['type']} "
+             f"({device['name']})")
+    return basis + "\n" + format_arithmetic(report)
 
 
 def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) -> plt.Figure:
@@ -234,7 +239,7 @@ def plot_loss_weighting(cells: list[dict], save_to: str | Path | None = None) ->
     ax.legend(fontsize=8)
     fig.tight_layout()
     if save_to is not None:
-        fig.savefig(save_to, dpi=120)
+        save_figure(fig, save_to)
     return fig
 
 

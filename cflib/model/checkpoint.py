@@ -85,7 +85,20 @@ def save_trainer_state(state: dict[str, Any], file: Path) -> None:
 
 
 def load_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_json_file(live_path(path) / CONFIG_FILE)
+    path = live_path(path)
+    if not (path / CONFIG_FILE).exists() and (path / "checkpoints").is_dir():
+        raise CheckpointError(f"{path}: a run folder, not a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE}): name one "
+                              f"of its checkpoints, e.g. {_example_checkpoint(path / 'checkpoints')}")
+    return ModelConfig.from_json_file(path / CONFIG_FILE)
+
+
+def _example_checkpoint(checkpoints: Path) -> Path:
+    """The checkpoint of a run folder to suggest: its best, else its last, else the first it holds."""
+    held = sorted(folder for folder in checkpoints.iterdir() if (folder / CONFIG_FILE).is_file())
+    for name in ("best", "last"):
+        if checkpoints / name in held:
+            return checkpoints / name
+    return held[0] if held else checkpoints / "best"
 
 
 def derived_names(config: ModelConfig) -> set[str]:

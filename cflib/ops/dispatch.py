@@ -53,7 +53,8 @@ def triton_problem(device: torch.device, rocm_opt_in: bool) -> str | None:
     if triton_interpreting():
         return None if device.type == "cpu" else f"TRITON_INTERPRET=1 runs kernels on the CPU, not on {device}"
     if device.type != "cuda":
-        return f"no GPU: the device is {device} (set TRITON_INTERPRET=1 to run the kernels in Triton's interpreter)"
+        return (f"no GPU: the device is {device} (TRITON_INTERPRET=1 runs the kernels in Triton's interpreter, to "
+                "test them: far slower than PyTorch)")
     if torch.version.hip is not None and not rocm_opt_in:
         return "ROCm device: the kernels are tuned and validated on CUDA; use true to opt in"
     major, minor = torch.cuda.get_device_capability(device)

@@ -1,6 +1,7 @@
 """Chat JSONL -> shard: templates, supervision, rejections, manifest, tokenizers, failures, round trip."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -10,12 +11,14 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from cflib.data.__main__ import main as data_main
 from cflib.data.conversation import Conversation, ConvertError, conversation_digest
-from cflib.data.convert import ConvertSpec, SeenConversations, convert, show_example
+from cflib.data.convert import ConvertParams, ConvertSpec, SeenConversations, convert, show_example, spec_from_args
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.packing import collate_packed, pack_examples
 from cflib.data.shards import IGNORE_INDEX, ShardError, collate, open_shard, sha256_file
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer
+from cflib.errors import ParamError
 
 ROOT = Path(__file__).resolve().parents[2]
 BYTES = ByteTokenizer()
@@ -244,3 +247,63 @@ def test_command_line_with_a_spec_file(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--train", "a.jsonl"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and "missing eval, out" in done.stderr
+
+
+def test_a_format_given_by_flag_is_named_as_such_when_a_row_lacks_its_fields(tmp_path):
+    completions = [{"prompt": "12+34=", "completion": "46"}]
+    with pytest.raises(ConvertError) as caught:
+        run_convert(tmp_path, completions, format="messages")
+    message = str(caught.value)
+    assert "shard-train.jsonl row 1: no 'messages' field, which the messages format needs" in message
+    assert "the format was given by --format messages; this row is prompt_completion" in message
+    assert "first row was" not in message  # no first row chose a format that was named
+
+
+def test_held_out_sources_and_a_held_out_fraction_given_together_are_refused(tmp_path):
+    source = str(write_jsonl(tmp_path / "a.jsonl", TRAIN))
+    with pytest.raises(ConvertError, match="--eval and --eval-fraction both give held-out data"):
+        spec_from_args(["--train", source, "--eval", source, "--eval-fraction", "0.2", "--out", str(tmp_path / "x")])
+    spec_file = tmp_path / "split.yaml"
+    spec_file.write_text(f"train: {source}\neval_fraction: 0.2\nout: {tmp_path / 'x'}\n")
+    spec, _ = spec_from_args(["--spec", str(spec_file), "--eval", source])  # flags win over the spec's keys
+    assert (spec.eval, spec.eval_fraction) == ([source], None)
+    spec_file.write_text(f"train: {source}\neval: {source}\nout: {tmp_path / 'x'}\n")
+    spec, _ = spec_from_args(["--spec", str(spec_file), "--eval-fraction", "0.2"])
+    assert (spec.eval, spec.eval_fraction) == (None, 0.2)
+
+
+def test_the_command_s_help_goes_to_stdout_and_an_unknown_command_is_named(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        data_main(["--help"])
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 0 and err == ""
+    assert "convert" in out and "prompt-completion" in out and "chat JSONL" not in out
+    with pytest.raises(SystemExit) as stopped:
+        data_main(["covnert", "--train", "a.jsonl"])
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 2 and out == "" and "invalid choice: 'covnert'" in err
+    with pytest.raises(SystemExit) as stopped:
+        data_main(["convert", "--help"])
+    assert stopped.value.code == 0 and "--max-seq-len" in capsys.readouterr().out
+
+
+def test_the_notebook_s_parameters_refuse_an_undeclared_name_and_take_a_list_as_text():
+    injected = "# Parameters\nformat = \"messages\"\n"
+    with pytest.raises(ParamError, match=r"unknown parameter 'format' \(did you mean 'data_format'\?\)"):
+        ConvertParams.from_namespace({"In": [injected], "format": "messages"})
+    params = ConvertParams.from_dict({"train_sources": "[a.jsonl, hub:org/chats:train]", "eval_sources": "None",
+                                      "eval_fraction": "0.2", "template": "{user: 'U:'}"})
+    spec = params.spec()
+    assert spec.train == [str(ROOT / "a.jsonl"), "hub:org/chats:train"] and spec.eval is None
+    assert spec.eval_fraction == 0.2 and spec.template == ChatTemplate(user="U:")
+    assert ConvertParams.from_dict({"train_sources": "b.jsonl"}).spec().train == str(ROOT / "b.jsonl")
+    with pytest.raises(ParamError, match="data_format must be auto or one of"):
+        ConvertParams.from_dict({"data_format": "alpaca"})
+
+
+def test_the_notebook_s_parameters_cell_mirrors_its_parameter_class():
+    notebook = json.loads((ROOT / "notebooks" / "convert_chat.ipynb").read_text())
+    cell = next(c for c in notebook["cells"] if "parameters" in c["metadata"].get("tags", []))
+    declared = {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse("".join(cell["source"])).body
+                if isinstance(node, ast.Assign)}
+    assert declared == {name: getattr(ConvertParams(), name) for name in ConvertParams.names()}

@@ -65,7 +65,7 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_the_model_card_names_the_checkpoint_its_data_evaluation_kernels_and_throughput(run, tmp_path):
+def test_the_model_card_names_the_checkpoint_its_data_evaluation_kernels_and_throughput(run, tmp_path, monkeypatch):
     record = json.loads((run / "record.json").read_text())
     bundle = export_hub(run, tmp_path / "bundle", echo=None)
     card = huggingface_hub.ModelCard.load(bundle / "README.md")
@@ -85,11 +85,15 @@ def test_the_model_card_names_the_checkpoint_its_data_evaluation_kernels_and_thr
     assert cflib["evaluation"]["eval/exact_match/overall"] == evaluated["exact_match"]["overall"]
     assert cflib["training_parameters"] == {**record["params"], "out_dir": "run", "data": "embedded"}
     assert cflib["kernel_path"] == record["kernel_path"]
-    assert str(run.parent) not in (bundle / "README.md").read_text()  # no path of this machine goes public
+    for folder in (run.parent, tmp_path):  # no path of this machine goes public
+        assert str(folder) not in (bundle / "README.md").read_text()
+    assert cflib["repo_id"] is None and card.text.startswith("\n# bundle\n")
     assert cflib["throughput"]["steady_state_tokens_per_s"] == record["throughput"]["steady_state_tokens_per_s"]
     assert f"| `eval/loss` | {evaluated['loss']:.4g} |" in card.text
-    # The card's loading lines run as written, on the folder they name.
+    # The card's loading lines run as written, on the folder they name (by its name: run beside it).
     code = re.search(r"## How to load it\n\n```python\n(.*?)```", card.text, re.S).group(1)
+    assert 'from_pretrained("bundle", trust_remote_code=True)' in code
+    monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
 
 
@@ -132,6 +136,23 @@ def test_an_interrupted_push_resumes_without_sending_again_what_landed(run, tmp_
     assert hub.lfs_uploads == {sha256(out / "model.safetensors"): 1}  # not sent twice
     export_main(command)  # nothing left to send: no empty commit
     assert len(hub.repos["cflib-org/resumed"].commits) == 1
+
+
+def test_a_folder_written_for_no_repository_is_pushed_with_its_card_naming_the_repository(run, tmp_path, hub, capsys):
+    """The resume command after train_sft wrote out_dir/hub itself: the bundle goes as it is, but its card, whose
+    loading lines named the folder, is written again for the repository first."""
+    out = export_hub(run, tmp_path / "hub", echo=None)
+    assert 'from_pretrained("hub", trust_remote_code=True)' in (out / "README.md").read_text()
+    weights = (out / "model.safetensors").read_bytes()
+    export_main(["hub", str(run), str(out), "--push", "cflib-org/later"])
+    assert "already holds the bundle" in capsys.readouterr().out
+    card = (out / "README.md").read_text()
+    assert 'from_pretrained("cflib-org/later", trust_remote_code=True)' in card and "\n# later\n" in card
+    assert huggingface_hub.ModelCard.load(out / "README.md").data.to_dict()["cflib"]["repo_id"] == "cflib-org/later"
+    assert (out / "model.safetensors").read_bytes() == weights  # the bundle itself untouched
+    assert hub.files("cflib-org/later") == written(out)
+    export_main(["hub", str(run), str(out), "--push", "cflib-org/later"])  # the card already names it: unchanged
+    assert (out / "README.md").read_text() == card and len(hub.repos["cflib-org/later"].commits) == 1
 
 
 def test_push_to_a_branch_creates_it_from_main(run, tmp_path, hub):
@@ -180,10 +201,15 @@ def test_a_lora_run_pushes_its_adapters_with_their_card(tmp_path, hub, shard):
     assert math.isfinite(meta["cflib"]["evaluation"]["eval/loss"])
 
 
-def test_bad_pushes_are_refused_naming_the_culprit(run, tmp_path, hub, monkeypatch):
+def test_bad_pushes_are_refused_naming_the_culprit(run, tmp_path, hub, monkeypatch, capsys):
     assert "--push: 'no-owner' is not a Hub repository name" in refused(["hub", str(run), str(tmp_path / "a"),
                                                                          "--push", "no-owner"])
     assert not (tmp_path / "a").exists()  # refused before anything was written
+    for command, options in (("hub", ["--private"]), ("adapters", ["--revision", "candidate"])):
+        with pytest.raises(SystemExit) as stopped:  # a push's options without --push: nothing would use them
+            export_main([command, str(run), str(tmp_path / "a"), *options])
+        assert stopped.value.code == 2 and f"{options[0]} needs --push ORG/NAME" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
     with pytest.raises(ParamError, match="push_to_hub: 'a/b/c' is not a Hub repository name"):
         TrainParams.from_dict({"push_to_hub": "a/b/c"})
     with pytest.raises(ParamError, match="'push_to_hub' is the run's"):

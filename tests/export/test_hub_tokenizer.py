@@ -12,7 +12,7 @@ import torch
 import transformers  # the bundle is for it; cflib imports it only to read tokenizer folders
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from cflib.data import ByteTokenizer, ConvertSpec, JsonTokenizer, convert
+from cflib.data import ByteTokenizer, ConvertSpec, JsonTokenizer, convert, open_shard
 from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.tokenizer_files import byte_alphabet
 from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
@@ -101,6 +101,28 @@ def test_the_chat_template_renders_as_training_did(hub_tokenizer):
     chat = hub_tokenizer.apply_chat_template([{"role": "user", "content": "12+34="},
                                               {"role": "assistant", "content": "46"}], tokenize=False)
     assert hub_tokenizer(chat)["input_ids"] == BYTE.encode_chat("12+34=", "46")[0]
+
+
+@pytest.mark.parametrize("reasoning", ["supervise", "mask"])
+def test_converting_through_the_bundle_s_template_gives_the_marker_converter_s_tokens(bundle, tmp_path, reasoning):
+    """Reasoning included: `--tokenizer BUNDLE --template tokenizer` writes the shard the default markers write."""
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("\n".join(json.dumps({"messages": messages}) for messages in [
+        [turn("user", "12+34="), turn("assistant", "46", reasoning_content="4+2=6, 1+3=4")],
+        [turn("user", "up abc"), turn("assistant", "<think>upper case</think>ABC"), turn("user", "and xy"),
+         turn("assistant", "XY", reasoning_content="again")]]) + "\n")
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"messages": [turn("user", "1+1="), turn("assistant", "2", reasoning_content="")]}))
+    shards = {}
+    for name, how in (("markers", {}), ("bundle", {"tokenizer": str(bundle), "template": "tokenizer"})):
+        convert(ConvertSpec(train=str(rows), eval=str(held), out=str(tmp_path / name), supervise="all_assistant_turns",
+                            reasoning=reasoning, **how))
+        shards[name] = open_shard(tmp_path / name, "train")
+    assert len(shards["markers"]) == len(shards["bundle"]) == 2
+    for index in range(2):
+        (ids, labels), (bundle_ids, bundle_labels) = shards["markers"][index], shards["bundle"][index]
+        assert ids.tolist() == bundle_ids.tolist() and labels.tolist() == bundle_labels.tolist()
+    assert "<think>4+2=6, 1+3=4</think>46" in BYTE.decode(shards["bundle"][0][0].tolist())
 
 
 def test_a_padded_batch_is_left_padded_with_eos(hub_tokenizer):

@@ -162,6 +162,31 @@ def test_an_out_dir_with_answers_is_refused(run_dir, tmp_path):
         prepare_chat(ChatParams.from_dict({"checkpoint": str(run_dir), "prompts": ["a"], "out_dir": str(tmp_path)}))
 
 
+def test_a_link_in_place_of_the_answers_or_the_trained_model_is_refused(run_dir, tmp_path):
+    outside = tmp_path / "outside"
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "answers.jsonl").symlink_to(outside / "answers.jsonl")  # dangling: open() would create it
+    params = {"checkpoint": str(run_dir), "prompts": ["a"], "out_dir": str(tmp_path / "out")}
+    with pytest.raises(ParamError, match=r"already holds answers \(answers.jsonl\)"):
+        prepare_chat(ChatParams.from_dict(params))
+    (tmp_path / "out" / "answers.jsonl").unlink()
+    (tmp_path / "out" / "trained-here").symlink_to(outside)
+    with pytest.raises(ParamError, match="trained-here is a symbolic link"):
+        prepare_chat(ChatParams.from_dict({**params, "checkpoint": None}))
+    assert not outside.exists()
+
+
+def test_a_second_chat_into_the_same_folder_never_replaces_the_firsts_answers(session, tmp_path):
+    params = ChatParams.from_dict({"prompts": ["12+34="], "max_new_tokens": 2, "device": "cpu"})
+    first, second = (Chat(session, read_conversations(params.prompts), tmp_path, trained_here=False)
+                     for _ in range(2))  # both prepared before either answered
+    answer_prompts(first, params)
+    written = (tmp_path / "answers.jsonl").read_text()
+    with pytest.raises(ParamError, match="answers.jsonl already exists; it was left as it was: another chat"):
+        answer_prompts(second, params)
+    assert (tmp_path / "answers.jsonl").read_text() == written
+
+
 def test_a_tokenizer_larger_than_the_model_is_refused(run_dir, tmp_path):
     path = word_tokenizer(tmp_path / "tokenizer.json", words=300)
     with pytest.raises(ParamError, match=f"has 305 tokens, more than the model's vocab_size {h.VOCAB}"):

@@ -263,6 +263,7 @@ def test_papermill_runs_the_smoke_profile_and_ends_with_an_lm_eval_evaluation_of
 NOTEBOOK_PARAMETERS = {"train_sft.ipynb": "cflib.train.params:TrainParams", "chat.ipynb": "cflib.lab.chat:ChatParams",
                        "evaluate.ipynb": "cflib.lab.evaluate:EvalParams", "sweep.ipynb": "cflib.lab.sweep:SweepParams",
                        "compare_runs.ipynb": "cflib.lab.compare:CompareParams",
+                       "convert_chat.ipynb": "cflib.data.convert:ConvertParams",
                        "tune_microbatch.ipynb": "cflib.bench.tune:TuneParams",
                        "measure_throughput.ipynb": "cflib.bench.throughput:ThroughputParams"}
 

@@ -265,6 +265,18 @@ def test_missing_config_is_named(saved: tuple[TRMoEModel, Path]) -> None:
         load_checkpoint(path)
 
 
+def test_a_run_folder_is_named_as_one_with_the_checkpoint_to_give(tmp_path: Path) -> None:
+    """A run folder given where a checkpoint is wanted (init_checkpoint: RUN): the message says what it is and
+    names its best checkpoint, else its last, else the first it holds."""
+    run = tmp_path / "run"
+    for name in ("epoch-1", "last", "best"):
+        save_checkpoint(tiny_model(), run / "checkpoints" / name)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"{run}: a run folder, not a checkpoint (config.json + model.safetensors): name one of its "
+                f"checkpoints, e.g. {run / 'checkpoints' / name}")):
+            load_checkpoint(run)
+
+
 def test_missing_weights_are_named(saved: tuple[TRMoEModel, Path]) -> None:
     _, path = saved
     (path / WEIGHTS).unlink()
