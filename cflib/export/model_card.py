@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from cflib.data.shards import sha256_file
+from cflib.export.peft import MERGE_FORMAT, MERGE_MANIFEST
 from cflib.jsonio import read_json
 
 CARD_FILE = "README.md"
@@ -149,17 +150,28 @@ def portable(params: dict) -> dict:
 WEIGHT_FILES = {"bundle": "model.safetensors", "adapters": "adapter_model.safetensors"}
 
 
+def trained_checkpoint(checkpoint: Path) -> Path:
+    """The checkpoint a run trained that `checkpoint` holds: itself, or the LoRA adapters' checkpoint that a merge
+    (its manifest beside the weights) folded into their base."""
+    manifest = _json(checkpoint / MERGE_MANIFEST) or {}
+    adapters = manifest.get("adapter") if manifest.get("format") == MERGE_FORMAT else None
+    return Path(adapters) if isinstance(adapters, str) else checkpoint
+
+
 def card_metadata(checkpoint: Path, kind: str, repo_id: str | None) -> dict:
     """The `cflib` block of the card's metadata: the checkpoint, the repository it is for, and what its run says
-    of it."""
-    run_dir, record = run_of(checkpoint)
+    of it (for merged adapters, the run that trained them)."""
+    trained = trained_checkpoint(checkpoint)
+    run_dir, record = run_of(trained)
     meta: dict[str, Any] = {"kind": kind, "repo_id": repo_id, "checkpoint": {
-        "name": checkpoint.name, "run": run_dir.name if run_dir else None,
+        "name": trained.name, "run": run_dir.name if run_dir else None,
         "sha256": sha256_file(checkpoint / WEIGHT_FILES[kind])}}
+    if trained != checkpoint:
+        meta["checkpoint"]["merged_adapters"] = True
     if record is None:
         return meta
     meta.update(base=base_checkpoint(record), data=data_manifests(record),
-                evaluation=evaluation(record, run_dir, checkpoint.name), kernel_path=record.get("kernel_path"),
+                evaluation=evaluation(record, run_dir, trained.name), kernel_path=record.get("kernel_path"),
                 throughput={**(record.get("throughput") or {}), "device": record.get("device"),
                             "world_size": record.get("world_size"), "precision": record.get("precision")},
                 framework=record.get("framework"), training_parameters=portable(record.get("params") or {}))
@@ -248,7 +260,8 @@ def _evaluation(meta: dict) -> str:
 def _training(meta: dict) -> str:
     checkpoint = meta["checkpoint"]
     of_run = f" of the run {checkpoint['run']}" if checkpoint.get("run") else ""
-    lines = [f"| checkpoint | `{checkpoint['name']}`{of_run}, weights SHA-256 `{checkpoint['sha256']}` |"]
+    merged = ", its LoRA adapters merged into their base" if checkpoint.get("merged_adapters") else ""
+    lines = [f"| checkpoint | `{checkpoint['name']}`{of_run}{merged}, weights SHA-256 `{checkpoint['sha256']}` |"]
     if "base" not in meta:
         return ("## Training\n\n| | |\n| --- | --- |\n" + lines[0] + "\n\nExported from a checkpoint outside a run "
                 "folder: no run record describes its training.")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
+import huggingface_hub.constants  # noqa: E402  (its lazy face lacks the submodule until something imports it)
 from hub_server import TOKEN, LoopbackHub  # noqa: E402
 from sft_shard_helpers import write_shard  # noqa: E402
 
@@ -19,6 +20,7 @@ from cflib.data.tasks import generate  # noqa: E402
 from cflib.export import PushError, export_hub, push_folder  # noqa: E402
 from cflib.export.__main__ import main as export_main  # noqa: E402
 from cflib.export.model_card import evaluation  # noqa: E402
+from cflib.export.peft import merge  # noqa: E402
 from cflib.model import TRMoEModel, preset, save_checkpoint  # noqa: E402
 from cflib.train import train  # noqa: E402
 from cflib.train.params import ParamError, TrainParams  # noqa: E402
@@ -199,6 +201,14 @@ def test_a_lora_run_pushes_its_adapters_with_their_card(tmp_path, hub, shard):
     assert meta["library_name"] == "peft" and "lora" in meta["tags"]
     assert meta["cflib"]["base"] == {"source": "checkpoint base", "sha256": sha256(base / "model.safetensors")}
     assert math.isfinite(meta["cflib"]["evaluation"]["eval/loss"])
+    # Merged into their base (as train_sft's last cells do), the bundle's card still tells the run that trained them.
+    merge(best, out_dir / "merged")
+    card = (export_hub(out_dir / "merged", tmp_path / "bundle", echo=None) / "README.md").read_text()
+    merged = huggingface_hub.ModelCard.load(tmp_path / "bundle" / "README.md").data.to_dict()["cflib"]
+    assert merged["checkpoint"] == {"name": "best", "run": "lora", "merged_adapters": True,
+                                    "sha256": sha256(out_dir / "merged" / "model.safetensors")}
+    assert merged["evaluation"] == meta["cflib"]["evaluation"] and merged["base"] == meta["cflib"]["base"]
+    assert "`best` of the run lora, its LoRA adapters merged into their base" in card
 
 
 def test_bad_pushes_are_refused_naming_the_culprit(run, tmp_path, hub, monkeypatch, capsys):
