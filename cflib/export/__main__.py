@@ -54,7 +54,7 @@ def _check_push_options(args: argparse.Namespace, command: argparse.ArgumentPars
 
 
 def _merge(args: argparse.Namespace) -> None:
-    summary = merge(args.adapter, args.out, base_dir=args.base)
+    summary = merge(resolve_adapters(args.adapter), args.out, base_dir=args.base)
     print(json.dumps(summary))
     if not summary["base_matches_training"]:
         print(f"note: {summary['base']} is not the base these adapters were trained on (its weights differ); "
@@ -83,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     adapters.set_defaults(run=_adapters)
     merging = commands.add_parser("merge", help="a LoRA checkpoint's base + scale * B @ A, written (fp32) as an "
                                                 "ordinary checkpoint")
-    merging.add_argument("adapter", help="a LoRA checkpoint folder (adapter_config.json, adapter_model.safetensors)")
+    merging.add_argument("adapter", help="a LoRA checkpoint folder (adapter_config.json, adapter_model.safetensors), "
+                                         "or a LoRA run's out_dir (its best checkpoint, else its last)")
     merging.add_argument("out", help="the merged checkpoint folder to write (config.json + model.safetensors)")
     merging.add_argument("--base", default=None, help="the base checkpoint; default: the one the adapters name")
     merging.set_defaults(run=_merge)

@@ -32,7 +32,7 @@ from cflib.data.convert import read_template
 from cflib.data.rendering import tokenizer_record
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
-from cflib.export.peft import is_adapter_checkpoint
+from cflib.export.peft import ADAPTER_WEIGHTS_FILE, is_adapter_checkpoint, load_merged
 from cflib.jobs import job_out_dir, record_header, refuse_links
 from cflib.jsonio import json_lines
 from cflib.model import CheckpointError, load_checkpoint
@@ -50,7 +50,8 @@ WEIGHTS = "model.safetensors"
 class ChatParams(Params):
     """chat.ipynb's parameters. Defaults: a quickstart-size model trained here for a few steps, on the CPU."""
 
-    checkpoint: str | None = None  # a checkpoint folder, a run folder (its checkpoints/best); None: train one here
+    # a checkpoint folder (a LoRA one merged into its base), a run folder (its checkpoints/best); None: train one
+    checkpoint: str | None = None
     tokenizer: str = "byte"  # "byte", or the tokenizer.json or tokenizer folder the data was converted with
     # cflib.data.ChatTemplate keys; None: the default (byte tokenizer's specials); "tokenizer": the folder's own
     template: dict | str | None = parsed_by(read_template, None)
@@ -84,16 +85,15 @@ class ChatParams(Params):
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder's checkpoints/best (or its retired copy: cflib.atomic.live_path)."""
+    """A checkpoint folder (a model's, or LoRA adapters'), or a run folder's checkpoints/best (or its retired copy:
+    cflib.atomic.live_path)."""
     folder = resolve_path(path)
     for candidate in (live_path(folder), live_path(folder / "checkpoints" / "best")):
-        if (candidate / WEIGHTS).is_file() and (candidate / "config.json").is_file():
+        if ((candidate / WEIGHTS).is_file() and (candidate / "config.json").is_file()) or is_adapter_checkpoint(
+                candidate):
             return candidate
-        if is_adapter_checkpoint(candidate):
-            raise CheckpointError(f"checkpoint {candidate} holds LoRA adapters, not a model: merge them into their "
-                                  f"base first (python -m cflib.export merge {candidate} MERGED) and chat with MERGED")
-    raise CheckpointError(f"checkpoint {folder}: neither a checkpoint folder (config.json + {WEIGHTS}) nor a "
-                          "run folder with checkpoints/best")
+    raise CheckpointError(f"checkpoint {folder}: neither a checkpoint folder (config.json + {WEIGHTS}, or LoRA "
+                          "adapters) nor a run folder with checkpoints/best")
 
 
 def train_here(out_dir: Path, steps: int, device: str, seed: int = 0) -> tuple[Path, dict]:
@@ -143,7 +143,9 @@ class ChatSession:
         self.tokenizer = self.renderer.tokenizer
         self.checkpoint = find_checkpoint(checkpoint)
         self.device = resolve_device(device)
-        self.model = load_checkpoint(self.checkpoint, self.device)
+        self.adapters = is_adapter_checkpoint(self.checkpoint)  # merged into their recorded base, in memory
+        self.model = (load_merged(self.checkpoint).to(self.device) if self.adapters
+                      else load_checkpoint(self.checkpoint, self.device))
         vocab = self.model.config.vocab_size
         if self.tokenizer.vocab_size > vocab:
             raise ParamError(f"tokenizer {self.tokenizer.description} has {self.tokenizer.vocab_size:,} tokens, "
@@ -197,7 +199,9 @@ class ChatSession:
 
     def describe(self) -> dict[str, Any]:
         tokenizer = {**tokenizer_record(self.tokenizer), "vocab_size": self.tokenizer.vocab_size}
-        return {"checkpoint": {"path": str(self.checkpoint), "sha256": sha256_file(self.checkpoint / WEIGHTS),
+        weights = self.checkpoint / (ADAPTER_WEIGHTS_FILE if self.adapters else WEIGHTS)
+        return {"checkpoint": {"path": str(self.checkpoint), "sha256": sha256_file(weights),
+                               "lora_adapters_merged": self.adapters,
                                "config": self.model.config.to_dict(), **count_parameters(self.model)},
                 "tokenizer": tokenizer, "template": self.renderer.record(), "eos_token_id": self.renderer.eos_token_id}
 

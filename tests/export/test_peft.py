@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cflib.export.__main__ import main as export_main
 from cflib.export.peft import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
@@ -111,6 +113,10 @@ def test_merge_cli_writes_an_ordinary_checkpoint_and_refuses_another_shape(tmp_p
     assert not (tmp_path / "no").exists()
     _, base, _ = read_adapter(adapter)
     assert base["path"] == str((tmp_path / "base").resolve())
+    run = tmp_path / "run"  # a LoRA run's folder stands for its best checkpoint, as in `export hub` and `adapters`
+    shutil.copytree(adapter, run / "checkpoints" / "best")
+    export_main(["merge", str(run), str(tmp_path / "merged-from-run")])
+    assert (tmp_path / "merged-from-run" / "model.safetensors").read_bytes() == (merged / "model.safetensors").read_bytes()
 
 
 EXPERT_B = "base_model.model.layers.0.mlp.engine.lora_B.weight"  # expert_up's [in, r * E], expert_down beneath

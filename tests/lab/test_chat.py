@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from cflib.data import ChatRenderer, ChatTemplate, Conversation, ConvertError, chat_template_sha256
@@ -20,8 +21,11 @@ from cflib.lab.chat import (
     read_conversations,
 )
 from cflib.lab.chat_box import ChatBox
-from cflib.model import CheckpointError, save_checkpoint
+from cflib.export.peft import describe_base, load_merged
+from cflib.model import CheckpointError, load_checkpoint, save_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
+from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora
+from cflib.train.adapters import LoraRun
 
 try:
     import sft_shard_helpers as h
@@ -115,8 +119,24 @@ def test_find_checkpoint_takes_a_checkpoint_or_a_run_folder(run_dir, tmp_path):
     adapters = tmp_path / "lora-run" / "checkpoints" / "best"
     adapters.mkdir(parents=True)
     (adapters / "adapter_config.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="holds LoRA adapters, not a model: .*python -m cflib.export merge"):
-        find_checkpoint(tmp_path / "lora-run")
+    assert find_checkpoint(tmp_path / "lora-run") == adapters
+
+
+def test_a_lora_run_answers_with_its_adapters_merged_into_their_base(run_dir, session, tmp_path):
+    settings = LoraSettings(rank=2, alpha=4)
+    model = attach_lora(load_checkpoint(run_dir / "checkpoints" / "best"), settings)
+    with torch.no_grad():
+        for param in adapter_state_dict(model).values():
+            param.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(0))
+    LoraRun(settings, describe_base(run_dir / "checkpoints" / "best")).save(model, tmp_path / "run" / "checkpoints"
+                                                                          / "best")
+    lora = ChatSession(tmp_path / "run", device="cpu")
+    prompts = session.prompt_ids([[{"role": "user", "content": "12+34="}]], 8)
+    assert lora.decoder.generate(prompts, 8) == Decoder(load_merged(tmp_path / "run" / "checkpoints" / "best")
+                                                        ).generate(prompts, 8)
+    described = lora.describe()["checkpoint"]
+    assert described["lora_adapters_merged"] is True and described["sha256"] == sha256_file(
+        tmp_path / "run" / "checkpoints" / "best" / "adapter_model.safetensors")
 
 
 def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_names():
