@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from cflib.atomic import open_append
+from cflib.errors import shown
 from cflib.jobs import record_header
 from cflib.jsonio import parse_json
 
@@ -45,9 +46,14 @@ class MetricsLog:
         return row
 
 
+# What readers of a metrics.jsonl (resume, compare_runs, the curves) take from every row of these events.
+ROW_FIELDS = {"train": {"step": int, "tokens": int, "loss": (int, float)}, "eval": {"step": int, "loss": (int, float)}}
+
+
 def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a metrics.jsonl; a last line cut off by a kill mid-append is dropped, any other bad line
-    is a ValueError naming file and line."""
+    """The rows of a metrics.jsonl; a last line cut off by a kill mid-append is dropped, any other bad line (not
+    JSON, not an object, a train or eval row without its step, tokens or loss) is a ValueError naming file, line
+    and key."""
     rows = []
     with open(path, "rb") as handle:
         lines = handle.read().split(b"\n")
@@ -62,6 +68,10 @@ def read_metrics(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{number}: not a JSON row ({err})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{number}: not a JSON object")
+        for key, kind in ROW_FIELDS.get(row.get("event"), {}).items():
+            if isinstance(row.get(key), bool) or not isinstance(row.get(key), kind):
+                raise ValueError(f"{path}:{number}: this {row['event']} row's {key!r} must be a number, got "
+                                 f"{shown(row.get(key))}")
         rows.append(row)
     return rows
 

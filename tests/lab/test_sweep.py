@@ -183,6 +183,22 @@ def test_a_comparison_replaces_links_in_its_folder_never_writing_through_them(tm
     assert not any(p.is_symlink() for p in out_dir.iterdir())
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"event": "train", "loss": 5.0, "tokens": 10}, r"metrics.jsonl:2: this train row's 'step' must be a number, got None"),
+    ({"event": "train", "step": 2, "loss": 5.0}, r"metrics.jsonl:2: this train row's 'tokens' must be a number"),
+    ({"event": "eval", "step": 2, "loss": "low"}, r"metrics.jsonl:2: this eval row's 'loss' must be a number, got 'low'"),
+    ({"event": "eval", "step": True, "loss": 1.0}, r"metrics.jsonl:2: this eval row's 'step' must be a number, got True"),
+], ids=["train-without-step", "train-without-tokens", "eval-loss-text", "eval-step-bool"])
+def test_compare_refuses_a_metrics_row_without_what_it_reads_naming_file_line_and_key(tmp_path, row, message):
+    run = tmp_path / "killed-run"
+    run.mkdir()
+    (run / "params.json").write_text(json.dumps({"lr": 0.001}))
+    (run / "metrics.jsonl").write_text(json.dumps({"event": "train", "step": 1, "loss": 5.0, "tokens": 10}) + "\n"
+                                       + json.dumps(row) + "\n")
+    with pytest.raises(ParamError, match=f"runs: {run / message}"):
+        compare(CompareParams.from_dict({"runs": [str(run)], "include_incomplete": "true"}))
+
+
 @pytest.mark.parametrize("record, message", [
     ("{not json", r"record.json: not valid JSON"),
     ("[" * 50_000 + "]" * 50_000, r"record.json: JSON nested deeper than 64 levels"),
