@@ -278,9 +278,9 @@ def atomic_file(path: str | Path, replace: bool = True) -> Iterator[Path]:
 
 
 def write_text_atomic(path: str | Path, text: str, replace: bool = True) -> Path:
-    """`text` written to `path` through `atomic_file`."""
+    """`text` written to `path` in UTF-8 through `atomic_file`."""
     with atomic_file(path, replace) as staging:
-        staging.write_text(text)
+        staging.write_text(text, encoding="utf-8")
     return Path(path)
 
 

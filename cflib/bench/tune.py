@@ -47,6 +47,14 @@ FIXED_BYTES_PER_PARAM = 16
 PERSISTENT_BYTES_PER_PARAM = 12
 # DDP keeps a flat copy of the fp32 gradients in its all-reduce buckets on every rank.
 DDP_BUCKET_BYTES_PER_PARAM = 4
+# Above any one device's memory: a larger budget (a typo such as 1e30) would let every microbatch "fit".
+MAX_BUDGET_GIB = 4096
+# Far beyond what a real model's microbatch reaches on one device; the probe shard holds this many rows.
+MAX_MICRO_BATCH = 65_536
+# The probe shard (max_micro_batch rows of seq_len tokens, uint32 ids + int32 labels) is written to the
+# temporary folder before the first probe: bound it so a large setting cannot fill the disk.
+PROBE_SHARD_BYTES_PER_TOKEN = 8
+PROBE_SHARD_MAX_BYTES = 4 * GIB
 
 
 @dataclass(frozen=True)
@@ -81,12 +89,19 @@ class TuneParams(composed(Model, Tuning)):
     def validate(self) -> None:
         if not 0.0 <= self.headroom < 1.0:  # written so that NaN fails too
             raise ParamError(f"headroom must be in [0, 1): the fraction of budget_gib kept free, got {self.headroom}")
-        if self.budget_gib is not None and not 0.0 < self.budget_gib < math.inf:
-            raise ParamError(f"budget_gib must be a positive number of GiB (or None: the device's memory), "
-                             f"got {self.budget_gib}")
+        if self.budget_gib is not None and not 0.0 < self.budget_gib <= MAX_BUDGET_GIB:
+            raise ParamError(f"budget_gib must be a positive number of GiB up to {MAX_BUDGET_GIB} (or None: the "
+                             f"device's memory), got {self.budget_gib}")
         for name in ("world_size", "global_batch", "max_micro_batch", "probe_steps"):
             if getattr(self, name) < 1:
                 raise ParamError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_micro_batch > MAX_MICRO_BATCH:
+            raise ParamError(f"max_micro_batch must be at most {MAX_MICRO_BATCH:,}, got {self.max_micro_batch:,}")
+        shard_bytes = self.max_micro_batch * self.seq_len * PROBE_SHARD_BYTES_PER_TOKEN
+        if shard_bytes > PROBE_SHARD_MAX_BYTES:
+            raise ParamError(f"max_micro_batch {self.max_micro_batch:,} x seq_len {self.seq_len:,} needs a probe "
+                             f"shard of {shard_bytes / GIB:.1f} GiB (limit {PROBE_SHARD_MAX_BYTES / GIB:.0f} "
+                             "GiB): lower max_micro_batch")
         if self.max_probes < 2:
             raise ParamError(f"max_probes must be at least 2 (microbatch 1, then a prediction), got {self.max_probes}")
         if self.global_batch % self.world_size:

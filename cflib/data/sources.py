@@ -186,6 +186,7 @@ class SourceReader:
         from huggingface_hub import HfApi
 
         name, config, split, revision = hub_parts(source.spec)
+        _refuse_local_shadow(source.spec, name)
         try:
             commit = HfApi().dataset_info(name, revision=revision, timeout=10).sha
         except Exception as err:  # no network, offline mode, no such data set or revision
@@ -198,6 +199,16 @@ class SourceReader:
                                          cache_dir=self._scratch.name)
         except Exception as err:
             raise ConvertError(f"{source.spec}: datasets could not open it ({err})") from None
+
+
+def _refuse_local_shadow(spec: str, name: str) -> None:
+    """`datasets.load_dataset(name)` reads a local folder or file `name` (relative to the working directory) in
+    preference to the Hub, while the manifest would record the Hub commit: refuse such a source, never guess."""
+    local = Path(name)
+    if local.exists():
+        raise ConvertError(f"{spec}: {local.resolve()} exists, and datasets would read it instead of the Hub data "
+                           f"set {name}; to read that folder, give it as a local source ({name}), not hub:; to read "
+                           "the Hub, run from another working directory or rename the folder")
 
 
 def _datasets():

@@ -13,6 +13,7 @@ or the token `hf auth login` saved.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Callable
@@ -42,6 +43,16 @@ def check_push(repo_id: str, what: str = "--push") -> None:
         raise PushError(f"pushing to {repo_id} needs a Hugging Face token: run `hf auth login`, or set HF_TOKEN")
 
 
+def first_link(folder: Path) -> Path | None:
+    """The first symbolic link under `folder`, nested entries included (in sorted order), or None."""
+    for root, folders, files in os.walk(folder):  # links to folders are listed in `folders`, never walked into
+        folders.sort()
+        for name in sorted(folders + files):
+            if (Path(root) / name).is_symlink():
+                return Path(root) / name
+    return None
+
+
 def push_folder(folder: str | Path, repo_id: str, private: bool | None = None, revision: str | None = None,
                 echo: Callable[[str], None] | None = print) -> str:
     """Upload every file of `folder` to the Hub repository `repo_id` (on branch `revision`, default main) and
@@ -52,6 +63,10 @@ def push_folder(folder: str | Path, repo_id: str, private: bool | None = None, r
     check_push(repo_id)
     if not folder.is_dir():
         raise PushError(f"{folder}: no such folder to push to {repo_id}")
+    # upload_folder sends a link's target: a file outside the folder would be published under the link's name.
+    if (link := first_link(folder)) is not None:
+        raise PushError(f"{link}: a symbolic link (to {os.readlink(link)}) in the folder to push to {repo_id}; "
+                        "nothing was sent: replace it with the file itself or remove it")
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)

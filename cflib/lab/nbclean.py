@@ -11,15 +11,77 @@ their output: it is what nbval compares a fresh run against.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import nbformat
 
-from cflib.jobs import one_line_errors
+from cflib.atomic import atomic_file
+from cflib.errors import shown
+from cflib.jsonio import MAX_DEPTH, read_bounded, too_deep
+
+# A notebook saved with its outputs (plots, widget state) outgrows the 64 MiB cflib reads in other JSON documents;
+# this bounds what one file can make nbclean hold.
+MAX_NOTEBOOK_BYTES = 256 * 2**20
 
 PORTABLE_KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 NBVAL_MARK = "NBVAL_CHECK_OUTPUT"
+
+
+class NotebookError(ValueError):
+    """A file nbclean cannot read or write as a notebook; the message names the file and what is wrong."""
+
+
+def _parse(path: Path, data: bytes) -> Any:
+    """The JSON in `data`, bounded in nesting: nbformat's conversion and schema check recurse through it."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise NotebookError(f"{path}: JSON nested deeper than {MAX_DEPTH} levels, not a notebook") from None
+    except ValueError as err:  # bad JSON, or bytes that are not UTF-8
+        raise NotebookError(f"{path}: does not appear to be JSON ({err}), not a notebook") from None
+    if too_deep(value, MAX_DEPTH):
+        raise NotebookError(f"{path}: JSON nested deeper than {MAX_DEPTH} levels, not a notebook")
+    return value
+
+
+def read_notebook(path: Path) -> nbformat.NotebookNode:
+    """The notebook in `path` as nbformat 4, checked against its schema, or NotebookError naming the file. A
+    symbolic link is refused: cleaning rewrites the file in place, which must never reach outside the folder."""
+    if path.is_symlink():
+        raise NotebookError(f"{path}: a symbolic link (to {os.readlink(path)}); nbclean reads and rewrites "
+                            "notebooks in place, never through a link")
+    value = _parse(path, read_bounded(path, MAX_NOTEBOOK_BYTES, NotebookError, "notebook"))
+    version = value.get("nbformat") if isinstance(value, dict) else None
+    if type(version) is not int or version not in nbformat.versions:
+        raise NotebookError(f"{path}: no nbformat version ({shown(version)}), not a notebook")
+    try:
+        # What nbformat.reads does after parsing: a cell's source stored as a list of lines becomes one string.
+        read = nbformat.versions[version].to_notebook_json(value, minor=value.get("nbformat_minor", 0))
+        notebook = nbformat.convert(read, 4)
+        nbformat.validate(notebook)
+    except nbformat.ValidationError as err:  # schema errors carry the offending value: shown() keeps the line short
+        where = "/".join(str(key) for key in err.absolute_path) or "the document"
+        raise NotebookError(f"{path}: not a valid notebook at {where}: {shown(err.message)}") from None
+    except (AttributeError, KeyError, TypeError, ValueError) as err:  # reading or converting what is no notebook
+        raise NotebookError(f"{path}: cannot be read as an nbformat {version} notebook ({shown(err)})") from None
+    return notebook
+
+
+def write_notebook(notebook: nbformat.NotebookNode, path: Path) -> None:
+    """`notebook` written over `path` whole or not at all: encoded before anything is written (text that is not
+    UTF-8, such as a lone surrogate, would otherwise leave an empty file), then renamed over it."""
+    try:
+        text = nbformat.writes(notebook)
+        data = (text if text.endswith("\n") else text + "\n").encode("utf-8")
+    except UnicodeError as err:
+        raise NotebookError(f"{path}: holds text that cannot be written as UTF-8 ({err}); the file was left as it "
+                            "was") from None
+    with atomic_file(path) as staging:
+        staging.write_bytes(data)
 
 
 def problems(notebook: nbformat.NotebookNode) -> list[str]:
@@ -60,19 +122,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook needs cleaning")
     parser.add_argument("notebooks", nargs="+", type=Path)
     args = parser.parse_args(argv)
-    dirty = 0
+    failed = 0
     for path in args.notebooks:
-        with one_line_errors(f"nbclean: {path}", ValueError):  # ValueError: nbformat's "not a notebook"
-            notebook = nbformat.read(path, as_version=4)
-        found = problems(notebook)
-        if args.check:
-            dirty += bool(found)
-            for line in found:
-                print(f"{path}: {line}")
-        elif found:
-            nbformat.write(clean(notebook), path)
-            print(f"{path}: cleaned ({len(found)} problem(s))")
-    return 1 if dirty else 0
+        try:
+            failed += _one(path, args.check)
+        except (NotebookError, OSError) as err:  # one bad file is named; the others are still checked or cleaned
+            print(f"nbclean: {err}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
+def _one(path: Path, check: bool) -> bool:
+    """Check (print its problems) or clean one notebook; whether it counts against the exit status."""
+    notebook = read_notebook(path)
+    found = problems(notebook)
+    if check:
+        for line in found:
+            print(f"{path}: {line}")
+        return bool(found)
+    if found:
+        write_notebook(clean(notebook), path)
+        print(f"{path}: cleaned ({len(found)} problem(s))")
+    return False
 
 
 if __name__ == "__main__":

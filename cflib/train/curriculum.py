@@ -45,7 +45,10 @@ RUN_ONLY = ("model", "init_checkpoint", "out_dir", "resume", "curriculum", "thro
             "device", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "strategy", "allow_world_size_change",
             "allow_resume_changes", "full_parameter", "save_checkpoints", "report_to", "mlflow_tracking_uri",
             "eval_tasks", "push_to_hub")
-STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# A stage's name is its folder's (stages/NAME/, whose checkpoints nest deeper): matched whole (fullmatch: `$` would
+# let a trailing newline through) and short enough for any file system's name limit.
+STAGE_NAME_MAX_CHARS = 100
+STAGE_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{STAGE_NAME_MAX_CHARS - 1}}}")
 
 
 @dataclass(frozen=True)
@@ -127,9 +130,9 @@ def load_curriculum(params: TrainParams, out_dir: Path) -> Curriculum:
     stages: list[Stage] = []
     for index, stage_raw in enumerate(stages_raw):
         name = stage_raw.get("name") if isinstance(stage_raw, dict) else None
-        if not isinstance(name, str) or not STAGE_NAME.match(name):
-            raise ParamError(f"{path}: stage {index + 1} needs a name of letters, digits, '_', '.' or '-' "
-                             f"(its folder's name), got {shown(name)}")
+        if not isinstance(name, str) or not STAGE_NAME.fullmatch(name):
+            raise ParamError(f"{path}: stage {index + 1} needs a name of 1 to {STAGE_NAME_MAX_CHARS} letters, digits, "
+                             f"'_', '.' or '-' (its folder's name), got {shown(name)}")
         where = f"{path}: stage {name!r}"
         if any(stage.name == name for stage in stages):
             raise ParamError(f"{where}: the name is used by an earlier stage; every stage has its own name")

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -230,6 +231,21 @@ def test_a_hub_source_offline_fails_at_once_naming_it(tmp_path, monkeypatch):
     assert not (tmp_path / "shard").exists()
     with pytest.raises(ConvertError, match="a Hub source is hub:NAME"):
         run(tmp_path, "hub:just-a-name")
+
+
+def test_a_hub_source_is_never_read_from_a_local_folder_of_its_name(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    # The Hub answers (mocked: no network here), so only the local folder could be read.
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, *args, **kwargs: SimpleNamespace(
+        sha="0" * 40))
+    (tmp_path / "someone" / "chats").mkdir(parents=True)
+    write_jsonl(tmp_path / "someone" / "chats" / "train.jsonl", [as_messages(row) for row in SHAREGPT])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConvertError, match="hub:someone/chats:train: .*someone/chats exists, and datasets would "
+                                           "read it instead of the Hub data set someone/chats; .*local source"):
+        run(tmp_path, "hub:someone/chats:train")
+    assert not (tmp_path / "shard").exists()
 
 
 def bad_parquet(tmp_path: Path) -> str:

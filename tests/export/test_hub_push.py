@@ -236,3 +236,15 @@ def test_bad_pushes_are_refused_naming_the_culprit(run, tmp_path, hub, monkeypat
         train({**FAST, "out_dir": str(tmp_path / "d"), "push_to_hub": "cflib-org/x"}, progress=False)
     assert not (tmp_path / "d").exists()
     assert hub.requests == [] and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_a_symbolic_link_in_the_folder_is_refused_before_anything_is_sent(tmp_path, hub):
+    """upload_folder would send the link's target, a file outside the folder, under the link's name."""
+    (tmp_path / "secret.txt").write_text("not for the Hub\n")
+    folder = tmp_path / "bundle"
+    (folder / "nested" / "deeper").mkdir(parents=True)
+    (folder / "config.json").write_text("{}\n")
+    (folder / "nested" / "deeper" / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(PushError, match=r"nested/deeper/notes.txt: a symbolic link \(to .*secret.txt\)"):
+        push_folder(folder, "cflib-org/links", echo=None)
+    assert hub.requests == []  # not even the repository's creation

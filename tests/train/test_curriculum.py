@@ -204,6 +204,8 @@ BAD = [
     ({"stages": [{"name": "a", "seq_len": 8}]}, "stage 'a': .*exceed seq_len 8"),
     ({"stages": [{"name": "a", "lr": -1}]}, "stage 'a': lr must be positive"),
     ({"version": 2, "stages": [{"name": "a"}]}, "version must be 1"),
+    ({"stages": [{"name": "a"}, {"name": "easy\n"}]}, r"stage 2 needs a name .* got 'easy\\n'"),
+    ({"stages": [{"name": "a"}, {"name": "x" * 101}]}, "stage 2 needs a name of 1 to 100 letters"),
     ({"stages": [{"name": "a"}], "stagse": []}, r"unknown parameter 'stagse' \(did you mean 'stages'\?\)"),
 ]
 
