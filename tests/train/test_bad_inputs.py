@@ -315,7 +315,7 @@ def test_bad_input_fails_clearly_before_training_and_keeps_out_dir(tmp_path, bui
     (out_dir / "checkpoints" / "epoch-1").mkdir(parents=True)
     (out_dir / "checkpoints" / "epoch-1" / "model.safetensors").write_bytes(b"weights worth keeping")
     (out_dir / "record.json").write_text('{"earlier": true}')
-    (out_dir / "metrics.jsonl").write_text('{"event": "train", "step": 1}\n')
+    (out_dir / "metrics.jsonl").write_text('{"event": "train", "step": 1, "loss": 5.0, "tokens": 64}\n')
     (tmp_path / "afile").write_text("a file, not a folder")
     before = digest(out_dir)
     overrides = build(tmp_path)

@@ -211,9 +211,10 @@ def test_a_run_that_trained_a_step_keeps_its_out_dir(tmp_path):
     out.mkdir()
     (out / "params.json").write_text("{}")
     assert never_trained(out)
-    (out / "metrics.jsonl").write_text('{"event": "eval", "step": 0}\n')
+    evaluated = '{"event": "eval", "step": 0, "loss": 5.5}\n'
+    (out / "metrics.jsonl").write_text(evaluated)
     assert never_trained(out)
-    (out / "metrics.jsonl").write_text('{"event": "eval", "step": 0}\n{"event": "train", "step": 1}\n')
+    (out / "metrics.jsonl").write_text(evaluated + '{"event": "train", "step": 1, "loss": 5.0, "tokens": 64}\n')
     assert not never_trained(out)
     (out / "metrics.jsonl").unlink()
     (out / "checkpoints" / "epoch-1").mkdir(parents=True)
