@@ -34,15 +34,15 @@ def _openings(text: str | bytes) -> int:
     return text.count(b"[") + text.count(b"{") if isinstance(text, bytes) else text.count("[") + text.count("{")
 
 
-def parse_json(text: str | bytes, where: str | Callable[[], str], error: type[Exception]) -> Any:
+def parse_json(text: str | bytes, where: str | Callable[[], str], error: type[Exception],
+               limit: int = MAX_BYTES) -> Any:
     """The JSON value of `text`, or `error` naming `where` (a file, a file:line; or a function that says it, called
-    only for an error: a reader of many rows names none of them until one is wrong)."""
+    only for an error: a reader of many rows names none of them until one is wrong); at most `limit` bytes."""
     def place() -> str:
         return where() if callable(where) else where
 
-    if len(text) > MAX_BYTES:
-        raise error(f"{place()}: {len(text):,} bytes of JSON, more than the {MAX_BYTES:,} cflib reads in one "
-                    "document")
+    if len(text) > limit:
+        raise error(f"{place()}: {len(text):,} bytes of JSON, more than the {limit:,} cflib reads in one document")
     try:
         value = json.loads(text)
     except RecursionError:

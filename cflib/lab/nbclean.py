@@ -11,17 +11,15 @@ their output: it is what nbval compares a fresh run against.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import nbformat
 
 from cflib.atomic import atomic_file
 from cflib.errors import shown
-from cflib.jsonio import MAX_DEPTH, read_bounded, too_deep
+from cflib.jsonio import parse_json, read_bounded
 
 # A notebook saved with its outputs (plots, widget state) outgrows the 64 MiB cflib reads in other JSON documents;
 # this bounds what one file can make nbclean hold.
@@ -35,26 +33,15 @@ class NotebookError(ValueError):
     """A file nbclean cannot read or write as a notebook; the message names the file and what is wrong."""
 
 
-def _parse(path: Path, data: bytes) -> Any:
-    """The JSON in `data`, bounded in nesting: nbformat's conversion and schema check recurse through it."""
-    try:
-        value = json.loads(data)
-    except RecursionError:
-        raise NotebookError(f"{path}: JSON nested deeper than {MAX_DEPTH} levels, not a notebook") from None
-    except ValueError as err:  # bad JSON, or bytes that are not UTF-8
-        raise NotebookError(f"{path}: does not appear to be JSON ({err}), not a notebook") from None
-    if too_deep(value, MAX_DEPTH):
-        raise NotebookError(f"{path}: JSON nested deeper than {MAX_DEPTH} levels, not a notebook")
-    return value
-
-
 def read_notebook(path: Path) -> nbformat.NotebookNode:
     """The notebook in `path` as nbformat 4, checked against its schema, or NotebookError naming the file. A
     symbolic link is refused: cleaning rewrites the file in place, which must never reach outside the folder."""
     if path.is_symlink():
         raise NotebookError(f"{path}: a symbolic link (to {os.readlink(path)}); nbclean reads and rewrites "
                             "notebooks in place, never through a link")
-    value = _parse(path, read_bounded(path, MAX_NOTEBOOK_BYTES, NotebookError, "notebook"))
+    # Bounded in nesting too: nbformat's conversion and schema check recurse through it.
+    value = parse_json(read_bounded(path, MAX_NOTEBOOK_BYTES, NotebookError, "notebook"), str(path), NotebookError,
+                       MAX_NOTEBOOK_BYTES)
     version = value.get("nbformat") if isinstance(value, dict) else None
     if type(version) is not int or version not in nbformat.versions:
         raise NotebookError(f"{path}: no nbformat version ({shown(version)}), not a notebook")

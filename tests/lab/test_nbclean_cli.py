@@ -28,7 +28,7 @@ def test_nbclean_names_the_notebook_that_is_not_json(tmp_path, capsys):
     (tmp_path / "notes.ipynb").write_text("not json\n")
     assert nbclean.main(["--check", str(tmp_path / "notes.ipynb")]) == 1
     line = capsys.readouterr().err.strip()
-    assert "\n" not in line and "notes.ipynb" in line and "not appear to be JSON" in line, line
+    assert "\n" not in line and "notes.ipynb" in line and "not valid JSON" in line, line
 
 
 @pytest.mark.slow
