@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from cflib.atomic import open_append
+from cflib.atomic import open_append, write_text_atomic
 from cflib.errors import shown
 from cflib.jobs import record_header
 from cflib.jsonio import parse_json
@@ -31,12 +30,7 @@ class MetricsLog:
         if self.path.is_file():
             kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
             # Replaced whole: a kill while rewriting must not lose the rows kept.
-            staging = self.path.with_name(f".{self.path.name}.staging-{os.getpid()}")
-            with open(staging, "w") as out:
-                out.writelines(json.dumps(row, default=str) + "\n" for row in kept)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(staging, self.path)
+            write_text_atomic(self.path, "".join(json.dumps(row, default=str) + "\n" for row in kept))
 
     def write(self, **row: Any) -> dict:
         with open_append(self.path) as out:
