@@ -12,7 +12,6 @@ existing folder.
 from __future__ import annotations
 
 import json
-import re
 from importlib import resources
 from pathlib import Path
 from typing import Callable
@@ -23,21 +22,17 @@ from cflib.export.peft import is_adapter_checkpoint
 from cflib.export.tokenizer_files import tokenizer_files
 from cflib.locks import exclusive_output
 from cflib.model import TRMoEModel, fused_route_buffers, load_checkpoint, save_checkpoint
+from cflib.model.checkpoint import holds_model, run_checkpoint
 
 MODEL_TYPE = "tr_hash_moe"
 ARCHITECTURE = "TRHashForCausalLM"
 HUB_MODULES = ("configuration_tr_hash_moe.py", "modeling_tr_hash_moe.py")
 AUTO_MAP = {"AutoConfig": "configuration_tr_hash_moe.TRHashConfig",
             "AutoModelForCausalLM": "modeling_tr_hash_moe.TRHashForCausalLM"}
-CHECKPOINT_FILES = ("config.json", "model.safetensors")
 
 
 class ExportError(ValueError):
     """An export that cannot be made; the message names the input at fault. Nothing was written."""
-
-
-def is_checkpoint(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in CHECKPOINT_FILES)
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
@@ -45,27 +40,19 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     else its newest of `last`, `epoch-N`, `step-N` (in that order of preference). A folder whose replacement a
     kill cut between its two renames is found under its retired name (cflib.atomic.live_path)."""
     path = live_path(Path(path))
-    if is_checkpoint(path):
+    if holds_model(path):
         return path, f"checkpoint {path}"
     checkpoints = path / "checkpoints"
-    best, last = live_path(checkpoints / "best"), live_path(checkpoints / "last")
-    for adapters in (path, best):
+    for adapters in (path, live_path(checkpoints / "best")):
         if is_adapter_checkpoint(adapters):
             raise ExportError(f"{adapters} holds LoRA adapters, not a model: merge them into their base first "
                               f"(python -m cflib.export merge {adapters} MERGED), then export MERGED")
     if not checkpoints.is_dir():
         raise ExportError(f"{path}: neither a checkpoint (config.json and model.safetensors) nor a run folder "
                           "(one with checkpoints/)")
-    if is_checkpoint(best):
-        return best, f"{best}: the run's best evaluation loss"
-    if is_checkpoint(last):
-        return last, f"{last}: no best checkpoint; the run's final weights"
-    for kind in ("epoch", "step"):
-        numbered = [(int(match.group(1)), folder) for folder in checkpoints.iterdir()
-                    if (match := re.fullmatch(rf"{kind}-(\d+)", folder.name)) and is_checkpoint(folder)]
-        if numbered:
-            newest = max(numbered)[1]
-            return newest, f"{newest}: no best or last checkpoint; the newest {kind} checkpoint"
+    chosen = run_checkpoint(checkpoints)
+    if chosen is not None:
+        return chosen[0], f"{chosen[0]}: {chosen[1]}"
     raise ExportError(f"{checkpoints}: no checkpoint in it (best, last, epoch-N or step-N with config.json and "
                       "model.safetensors)")
 

@@ -30,7 +30,6 @@ from cflib.atomic import atomic_file, save_figure, write_json_atomic, write_text
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import ExportError, TokenizerExportError, export_hub
-from cflib.export.hub import is_checkpoint
 from cflib.export.bundle import check_bundle_code, register_own_classes
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.jobs import job_out_dir, record_header, refuse_links
@@ -38,6 +37,7 @@ from cflib.lab.chat import train_here
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
 from cflib.model import CheckpointError, ConfigError, TRMoEModel, load_checkpoint
+from cflib.model.checkpoint import holds_model
 from cflib.paths import resolve_path
 from cflib.schema import Params, as_given, parsed_by
 from cflib.train.run import resolve_device
@@ -108,12 +108,12 @@ def resolve_bundle(model: str | None, out_dir: Path, device: str) -> tuple[Path,
     if is_adapter_checkpoint(path):
         raise ParamError(f"model {path} holds LoRA adapters: merge them into their base first "
                          f"(python -m cflib.export merge {path} MERGED) and pass model=MERGED")
-    if is_checkpoint(path) or (path / "checkpoints").is_dir():  # a run folder without its record: its newest
+    if holds_model(path) or (path / "checkpoints").is_dir():  # a run folder without its record: its newest
         try:
             export_hub(path, target, echo=None)
         except TokenizerExportError as err:
             raise ParamError(f"model {path}: {err}; export its bundle with --tokenizer and pass the bundle") from None
-        what = "checkpoint" if is_checkpoint(path) else "the newest checkpoint of"
+        what = "checkpoint" if holds_model(path) else "the newest checkpoint of"
         return target, f"the Hub bundle of {what} {path}, exported here"
     raise ParamError(f"model {path}: neither a Hub bundle ({', '.join(BUNDLE_FILES)}), a run folder "
                      "(record.json, checkpoints/) nor a checkpoint (config.json, model.safetensors)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +88,32 @@ def save_trainer_state(state: dict[str, Any], file: Path) -> None:
 def load_config(path: str | Path) -> ModelConfig:
     path = live_path(path)
     if not (path / CONFIG_FILE).exists() and (path / "checkpoints").is_dir():
+        chosen = run_checkpoint(path / "checkpoints")
         raise CheckpointError(f"{path}: a run folder, not a checkpoint ({CONFIG_FILE} + {WEIGHTS_FILE}): name one "
-                              f"of its checkpoints, e.g. {_example_checkpoint(path / 'checkpoints')}")
+                              f"of its checkpoints, e.g. {chosen[0] if chosen else path / 'checkpoints' / 'best'}")
     return ModelConfig.from_json_file(path / CONFIG_FILE)
 
 
-def _example_checkpoint(checkpoints: Path) -> Path:
-    """The checkpoint of a run folder to suggest: its best, else its last, else the first it holds."""
-    held = sorted(folder for folder in checkpoints.iterdir() if (folder / CONFIG_FILE).is_file())
-    for name in ("best", "last"):
-        if checkpoints / name in held:
-            return checkpoints / name
-    return held[0] if held else checkpoints / "best"
+def holds_model(folder: Path) -> bool:
+    """Whether `folder` is a full model's checkpoint (its config and weights)."""
+    return (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file()
+
+
+def run_checkpoint(checkpoints: Path) -> tuple[Path, str] | None:
+    """The model a run's checkpoints/ folder stands for, and why: its best, else its last, else its newest
+    epoch-N, else its newest step-N (each found under its retired name where a kill cut its replacement
+    between two renames: cflib.atomic.live_path); None when it holds none."""
+    best, last = live_path(checkpoints / "best"), live_path(checkpoints / "last")
+    if holds_model(best):
+        return best, "the run's best evaluation loss"
+    if holds_model(last):
+        return last, "no best checkpoint; the run's final weights"
+    for kind in ("epoch", "step"):
+        numbered = [(int(match.group(1)), folder) for folder in checkpoints.iterdir()
+                    if (match := re.fullmatch(rf"{kind}-(\d+)", folder.name)) and holds_model(folder)]
+        if numbered:
+            return max(numbered)[1], f"no best or last checkpoint; the newest {kind} checkpoint"
+    return None
 
 
 def derived_names(config: ModelConfig) -> set[str]:

@@ -267,7 +267,7 @@ def test_missing_config_is_named(saved: tuple[TRMoEModel, Path]) -> None:
 
 def test_a_run_folder_is_named_as_one_with_the_checkpoint_to_give(tmp_path: Path) -> None:
     """A run folder given where a checkpoint is wanted (init_checkpoint: RUN): the message says what it is and
-    names its best checkpoint, else its last, else the first it holds."""
+    names its best checkpoint, else its last, else its newest numbered one."""
     run = tmp_path / "run"
     for name in ("epoch-1", "last", "best"):
         save_checkpoint(tiny_model(), run / "checkpoints" / name)
