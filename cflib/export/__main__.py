@@ -77,14 +77,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     adapters = commands.add_parser("adapters", help="a LoRA checkpoint's adapters in PEFT's format with their "
                                                     "model card, for peft.PeftModel.from_pretrained")
     adapters.add_argument("checkpoint", help="a LoRA checkpoint folder, or a LoRA run's out_dir (its best "
-                                             "checkpoint, else its last)")
+                                             "checkpoint, else its last, else its newest epoch-N or step-N)")
     adapters.add_argument("out", help="the folder to create (must not exist)")
     _push_options(adapters)
     adapters.set_defaults(run=_adapters)
     merging = commands.add_parser("merge", help="a LoRA checkpoint's base + scale * B @ A, written (fp32) as an "
                                                 "ordinary checkpoint")
     merging.add_argument("adapter", help="a LoRA checkpoint folder (adapter_config.json, adapter_model.safetensors), "
-                                         "or a LoRA run's out_dir (its best checkpoint, else its last)")
+                                         "or a LoRA run's out_dir (its best checkpoint, else its last, else its newest "
+                                         "epoch-N or step-N)")
     merging.add_argument("out", help="the merged checkpoint folder to write (config.json + model.safetensors)")
     merging.add_argument("--base", default=None, help="the base checkpoint; default: the one the adapters name")
     merging.set_defaults(run=_merge)

@@ -39,6 +39,7 @@ from cflib.model.checkpoint import (
     WEIGHTS_FILE,
     WEIGHT_DTYPES,
     CheckpointError,
+    holds_model,
     load_checkpoint,
     non_finite_tensor,
     save_checkpoint,
@@ -56,6 +57,11 @@ _SHARED = "mlp.engine.shared_"
 
 def is_adapter_checkpoint(path: str | Path) -> bool:
     return (live_path(path) / ADAPTER_CONFIG_FILE).is_file()
+
+
+def holds_weights(folder: Path) -> bool:
+    """Whether `folder` is a checkpoint of either kind: a full model's, or LoRA adapters'."""
+    return holds_model(folder) or is_adapter_checkpoint(folder)
 
 
 def weights_sha256(checkpoint_dir: str | Path) -> str:

@@ -34,15 +34,18 @@ from cflib.export.peft import (
 from cflib.export.push import PushError, check_push, push_folder
 from cflib.jsonio import read_json
 from cflib.locks import exclusive_output
+from cflib.model.checkpoint import run_checkpoint
 
 def resolve_adapters(path: str | Path) -> Path:
-    """A LoRA checkpoint itself, or a LoRA run folder's best checkpoint, else its last."""
+    """A LoRA checkpoint itself, or the one a LoRA run folder stands for (cflib.model.checkpoint.run_checkpoint)."""
     path = live_path(Path(path))
-    for candidate in (path, path / "checkpoints" / "best", path / "checkpoints" / "last"):
-        if is_adapter_checkpoint(candidate):
-            return live_path(candidate)
-    raise ExportError(f"{path}: neither LoRA adapters (adapter_config.json) nor a LoRA run folder with a best or "
-                      "last checkpoint; a full model's bundle is `python -m cflib.export hub`")
+    if is_adapter_checkpoint(path):
+        return path
+    chosen = run_checkpoint(path / "checkpoints", is_adapter_checkpoint)
+    if chosen is not None:
+        return chosen[0]
+    raise ExportError(f"{path}: neither LoRA adapters (adapter_config.json) nor a LoRA run folder with a checkpoint "
+                      "(best, last, epoch-N or step-N); a full model's bundle is `python -m cflib.export hub`")
 
 
 def export_adapters(checkpoint: str | Path, out: str | Path, repo_id: str | None = None,

@@ -32,10 +32,11 @@ from cflib.data.convert import read_template
 from cflib.data.rendering import tokenizer_record
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
-from cflib.export.peft import ADAPTER_WEIGHTS_FILE, is_adapter_checkpoint, load_merged
+from cflib.export.peft import ADAPTER_WEIGHTS_FILE, holds_weights, is_adapter_checkpoint, load_merged
 from cflib.jobs import job_out_dir, record_header, refuse_links
 from cflib.jsonio import json_lines
 from cflib.model import CheckpointError, load_checkpoint
+from cflib.model.checkpoint import WEIGHTS_FILE, run_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.paths import resolve_path
 from cflib.schema import Params, as_given, parsed_by
@@ -43,14 +44,13 @@ from cflib.train import TrainParams, fit, prepare
 from cflib.train.records import count_parameters
 from cflib.train.run import resolve_device
 
-WEIGHTS = "model.safetensors"
 
 
 @dataclass(frozen=True)
 class ChatParams(Params):
     """chat.ipynb's parameters. Defaults: a quickstart-size model trained here for a few steps, on the CPU."""
 
-    # a checkpoint folder (a LoRA one merged into its base), a run folder (its checkpoints/best); None: train one
+    # a checkpoint folder (LoRA adapters merged into their base), a run folder (its best, else last...); None: train one
     checkpoint: str | None = None
     tokenizer: str = "byte"  # "byte", or the tokenizer.json or tokenizer folder the data was converted with
     # cflib.data.ChatTemplate keys; None: the default (byte tokenizer's specials); "tokenizer": the folder's own
@@ -85,15 +85,16 @@ class ChatParams(Params):
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder (a model's, or LoRA adapters'), or a run folder's checkpoints/best (or its retired copy:
-    cflib.atomic.live_path)."""
-    folder = resolve_path(path)
-    for candidate in (live_path(folder), live_path(folder / "checkpoints" / "best")):
-        if ((candidate / WEIGHTS).is_file() and (candidate / "config.json").is_file()) or is_adapter_checkpoint(
-                candidate):
-            return candidate
-    raise CheckpointError(f"checkpoint {folder}: neither a checkpoint folder (config.json + {WEIGHTS}, or LoRA "
-                          "adapters) nor a run folder with checkpoints/best")
+    """A checkpoint folder (a model's, or LoRA adapters'), or the one a run folder stands for: its best, else its
+    last, else its newest epoch-N or step-N (cflib.model.checkpoint.run_checkpoint)."""
+    folder = live_path(resolve_path(path))
+    if holds_weights(folder):
+        return folder
+    chosen = run_checkpoint(folder / "checkpoints", holds_weights)
+    if chosen is not None:
+        return chosen[0]
+    raise CheckpointError(f"checkpoint {folder}: neither a checkpoint folder (config.json + {WEIGHTS_FILE}, or LoRA "
+                          "adapters) nor a run folder with a checkpoint (best, last, epoch-N or step-N)")
 
 
 def train_here(out_dir: Path, steps: int, device: str, seed: int = 0) -> tuple[Path, dict]:
@@ -199,7 +200,7 @@ class ChatSession:
 
     def describe(self) -> dict[str, Any]:
         tokenizer = {**tokenizer_record(self.tokenizer), "vocab_size": self.tokenizer.vocab_size}
-        weights = self.checkpoint / (ADAPTER_WEIGHTS_FILE if self.adapters else WEIGHTS)
+        weights = self.checkpoint / (ADAPTER_WEIGHTS_FILE if self.adapters else WEIGHTS_FILE)
         return {"checkpoint": {"path": str(self.checkpoint), "sha256": sha256_file(weights),
                                "lora_adapters_merged": self.adapters,
                                "config": self.model.config.to_dict(), **count_parameters(self.model)},

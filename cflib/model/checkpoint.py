@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,18 +100,21 @@ def holds_model(folder: Path) -> bool:
     return (folder / CONFIG_FILE).is_file() and (folder / WEIGHTS_FILE).is_file()
 
 
-def run_checkpoint(checkpoints: Path) -> tuple[Path, str] | None:
-    """The model a run's checkpoints/ folder stands for, and why: its best, else its last, else its newest
+def run_checkpoint(checkpoints: Path, holds: Callable[[Path], bool] = holds_model) -> tuple[Path, str] | None:
+    """The checkpoint a run's checkpoints/ folder stands for, and why: its best, else its last, else its newest
     epoch-N, else its newest step-N (each found under its retired name where a kill cut its replacement
-    between two renames: cflib.atomic.live_path); None when it holds none."""
+    between two renames: cflib.atomic.live_path); None when none `holds` what is asked (a full model by
+    default; a LoRA run's checkpoints hold adapters: cflib.export.peft)."""
+    if not checkpoints.is_dir():
+        return None
     best, last = live_path(checkpoints / "best"), live_path(checkpoints / "last")
-    if holds_model(best):
+    if holds(best):
         return best, "the run's best evaluation loss"
-    if holds_model(last):
+    if holds(last):
         return last, "no best checkpoint; the run's final weights"
     for kind in ("epoch", "step"):
         numbered = [(int(match.group(1)), folder) for folder in checkpoints.iterdir()
-                    if (match := re.fullmatch(rf"{kind}-(\d+)", folder.name)) and holds_model(folder)]
+                    if (match := re.fullmatch(rf"{kind}-(\d+)", folder.name)) and holds(folder)]
         if numbered:
             return max(numbered)[1], f"no best or last checkpoint; the newest {kind} checkpoint"
     return None

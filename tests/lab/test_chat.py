@@ -22,7 +22,7 @@ from cflib.lab.chat import (
 )
 from cflib.lab.chat_box import ChatBox
 from cflib.export.peft import describe_base, load_merged
-from cflib.model import CheckpointError, load_checkpoint, save_checkpoint
+from cflib.model import CheckpointError, TRMoEModel, load_checkpoint, preset, save_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora
 from cflib.train.adapters import LoraRun
@@ -120,6 +120,22 @@ def test_find_checkpoint_takes_a_checkpoint_or_a_run_folder(run_dir, tmp_path):
     adapters.mkdir(parents=True)
     (adapters / "adapter_config.json").write_text("{}")
     assert find_checkpoint(tmp_path / "lora-run") == adapters
+
+
+def test_a_run_without_a_best_checkpoint_answers_with_its_last_else_its_newest_numbered_one(tmp_path):
+    """The rule export and evaluate follow (run_checkpoint), for models and for LoRA adapters alike."""
+    from cflib.export.publish import resolve_adapters
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for name in ("step-9", "step-12", "epoch-1"):
+        (checkpoints / name).mkdir(parents=True)
+        (checkpoints / name / "adapter_config.json").write_text("{}")
+    assert find_checkpoint(tmp_path / "run") == resolve_adapters(tmp_path / "run") == checkpoints / "epoch-1"
+    (checkpoints / "epoch-1" / "adapter_config.json").unlink()
+    assert find_checkpoint(tmp_path / "run") == resolve_adapters(tmp_path / "run") == checkpoints / "step-12"
+    save_checkpoint(TRMoEModel(preset("smoke")), checkpoints / "last")
+    assert find_checkpoint(tmp_path / "run") == checkpoints / "last"
+    assert resolve_adapters(tmp_path / "run") == checkpoints / "step-12"  # last/ holds a model, not adapters
 
 
 def test_a_lora_run_answers_with_its_adapters_merged_into_their_base(run_dir, session, tmp_path):
