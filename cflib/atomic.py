@@ -115,6 +115,20 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def scratch_folder(path: str | Path) -> Iterator[Path]:
+    """A private folder for a command's scratch files, removed when the block ends: hidden beside `path`, named as
+    its staging copy, so it stays inside the folder the command writes and what a kill leaves is a leftover
+    `clean_leftovers` removes (never the system's temporary folder, which may be small or in memory)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=_hidden(path, STAGING), dir=path.parent))
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _fsync_dir(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY)
     try:

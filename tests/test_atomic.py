@@ -7,7 +7,17 @@ import stat
 
 import pytest
 
-from cflib.atomic import atomic_directory, atomic_file, open_append, save_figure, write_json_atomic, write_text_atomic
+from cflib.atomic import (
+    atomic_directory,
+    atomic_file,
+    clean_leftovers,
+    copy_beside,
+    open_append,
+    save_figure,
+    scratch_folder,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 @pytest.fixture
@@ -103,3 +113,15 @@ def test_appending_never_follows_a_link(outside):
     with open_append(folder / "run.log") as log:
         log.write("two\n")
     assert victim.read_text() == "keep me" and (folder / "run.log").read_text() == "one\ntwo\n"
+
+
+def test_scratch_files_stay_beside_their_target_and_go_with_the_block_or_as_a_leftover(tmp_path):
+    with pytest.raises(RuntimeError):
+        with scratch_folder(tmp_path / "out" / "work") as scratch:
+            (scratch / "seen.sqlite").write_bytes(b"x")
+            assert scratch.parent == tmp_path / "out" and copy_beside(scratch.name) == "work"
+            raise RuntimeError("interrupted")
+    assert os.listdir(tmp_path / "out") == []
+    killed = tmp_path / "out" / ".work.staging-abcd1234"  # what a kill inside the block leaves
+    killed.mkdir()
+    assert clean_leftovers(tmp_path / "out") == [killed.name] and os.listdir(tmp_path / "out") == []

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from cflib.atomic import write_json_atomic
+from cflib.atomic import scratch_folder, write_json_atomic
 from cflib.bench.peer import build_llama
 from cflib.bench.synthetic import write_release_like_eval
 from cflib.bench.timing import release_memory, sync
@@ -246,8 +245,7 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
                             if device.type == "cuda" else "host timer (CPU: synchronous)",
                             "includes_prefill": True, "runs": 1, "tokens_counted": "new tokens"},
     }
-    with tempfile.TemporaryDirectory(prefix="cflib-decode-") as scratch:
-        work = Path(scratch)
+    with scratch_folder(out / "work") as work:  # the bundles and eval shard the paths load, hidden in `out`
         graph = device.type == "cuda"
         reference = section(record, "decoder", lambda: decoder_path(model, prompts, settings, device, graph), out)
         release_memory(device)

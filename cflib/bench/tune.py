@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import tempfile
 import time
 import warnings
 import weakref
@@ -28,12 +27,13 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from cflib.atomic import atomic_directory
+from cflib.atomic import scratch_folder
 from cflib.bench.memory import PeakMemory, free_device_memory, measure_name
 from cflib.bench.plots import plot_microbatch_memory
 from cflib.bench.search import GIB, Probe, Search, search, sweep
 from cflib.data.shards import Example, write_partition
-from cflib.jobs import ANYTHING, job_out_dir, record_header
+from cflib.jobs import ANYTHING, job_out_dir, record_header, refuse_existing
+from cflib.locks import exclusive_output
 from cflib.model.config import ConfigError, ModelConfig, preset
 from cflib.paths import resolve_path
 from cflib.schema import composed, parsed_by
@@ -222,12 +222,12 @@ def prepare_tuning(params: TuneParams) -> Tuning:
 
 
 @contextlib.contextmanager
-def probe_shard(config: ModelConfig, seq_len: int, rows: int, seed: int) -> Iterator[Path]:
-    """A temporary shard of `rows` full-length rows of random tokens ending in EOS, every position supervised but
-    the last (whose next token lies past the example)."""
+def probe_shard(config: ModelConfig, seq_len: int, rows: int, seed: int, beside: Path) -> Iterator[Path]:
+    """A scratch shard of `rows` full-length rows of random tokens ending in EOS, every position supervised but
+    the last (whose next token lies past the example), hidden beside `beside` and removed after the block."""
     rng = np.random.default_rng(seed)
     eos = 0
-    with tempfile.TemporaryDirectory(prefix="cflib-tune-") as root:
+    with scratch_folder(beside) as root:
         def examples(count: int) -> Iterator[Example]:
             for _ in range(count):
                 ids = np.append(rng.integers(1, config.vocab_size, size=seq_len - 1), eos)
@@ -279,11 +279,18 @@ def measure_probe(tuning: Tuning, shard_root: Path, micro: int) -> Probe:
 
 
 def tune(tuning: Tuning, progress: Callable[[str], None] = print) -> dict:
-    """Search (and optionally sweep), then write record.json, the train_sft params file and the plot."""
+    """Search (and optionally sweep), then write record.json, the train_sft params file and the plot: all at once,
+    as out_dir's only writer (a second tune into it is refused while this one runs)."""
+    with exclusive_output(tuning.out_dir, lambda: refuse_existing(tuning.out_dir, ANYTHING, "files"), ParamError,
+                          what="out_dir") as staging:  # the probe shard in it: gone before it is published
+        return _tune(tuning, staging, progress)
+
+
+def _tune(tuning: Tuning, staging: Path, progress: Callable[[str], None]) -> dict:
     p = tuning.params
     persistent = PERSISTENT_BYTES_PER_PARAM * tuning.trainable_parameters
     started = time.perf_counter()
-    with probe_shard(tuning.config, p.seq_len, p.max_micro_batch, p.seed) as shard:
+    with probe_shard(tuning.config, p.seq_len, p.max_micro_batch, p.seed, beside=staging / "probe") as shard:
         bar = tqdm(total=p.max_probes, desc="search", unit="probe")  # a widget in JupyterLab
 
         def measure(micro: int) -> Probe:
@@ -306,7 +313,7 @@ def tune(tuning: Tuning, progress: Callable[[str], None] = print) -> dict:
     if batch["note"]:
         progress(batch["note"])
     record = _record(tuning, found, swept, batch, search_s, time.perf_counter() - started)
-    _write_outputs(tuning, record)
+    _write_outputs(tuning, record, staging)
     return record
 
 
@@ -383,7 +390,7 @@ def train_sft_params(tuning: Tuning, batch: dict) -> dict:
             "device": tuning.device.type}
 
 
-def _write_outputs(tuning: Tuning, record: dict) -> None:
+def _write_outputs(tuning: Tuning, record: dict, staging: Path) -> None:
     batch = record["batch"]
     header = [
         f"# Tuned by notebooks/tune_microbatch.ipynb on {record['device']['name']} ({record['created_utc']}):",
@@ -395,8 +402,7 @@ def _write_outputs(tuning: Tuning, record: dict) -> None:
         "# Layer it over a recipe: papermill notebooks/train_sft.ipynb OUT.ipynb -f RECIPE.yaml -f THIS.yaml",
     ]
     body = yaml.safe_dump(train_sft_params(tuning, batch), sort_keys=False)
-    with atomic_directory(tuning.out_dir) as staging:
-        (staging / "record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-        (staging / "train_sft_params.yaml").write_text("\n".join(header) + "\n" + body)
-        figure = plot_microbatch_memory(record, save_to=staging / "memory_vs_microbatch.png")
-        plt.close(figure)
+    (staging / "record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (staging / "train_sft_params.yaml").write_text("\n".join(header) + "\n" + body)
+    figure = plot_microbatch_memory(record, save_to=staging / "memory_vs_microbatch.png")
+    plt.close(figure)

@@ -35,13 +35,12 @@ import argparse
 import hashlib
 import json
 import sqlite3
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from cflib.atomic import check_output_folder
+from cflib.atomic import check_output_folder, scratch_folder
 from cflib.data import loss_metadata
 from cflib.data.conversation import SUPERVISE, Conversation, ConvertError, conversation_digest
 from cflib.data.formats import FIELDS, FORMATS, detect, read_row
@@ -176,16 +175,16 @@ class ConvertParams(Params):
 
 
 class SeenConversations:
-    """Digests of the conversations read so far, per partition, in a temporary SQLite file.
+    """Digests of the conversations read so far, per partition, in an SQLite file in `scratch`.
 
     Exact duplicates can only be found by remembering every conversation; on
     disk (SQLite's B-tree, with its bounded page cache) that memory stays flat
-    however many rows go by. The file goes when the conversion ends.
+    however many rows go by. `convert` keeps the file in its staging output,
+    so it goes when the conversion ends, or with the staging a kill left.
     """
 
-    def __init__(self) -> None:
-        self._folder = tempfile.TemporaryDirectory(prefix="cflib-convert-")
-        self._db = sqlite3.connect(Path(self._folder.name) / "seen.sqlite")
+    def __init__(self, scratch: Path) -> None:
+        self._db = sqlite3.connect(scratch / "seen.sqlite")
         self._db.execute("PRAGMA journal_mode = OFF")  # a scratch file: nothing to recover
         self._db.execute("PRAGMA synchronous = OFF")
         for partition in PARTITIONS:
@@ -200,7 +199,6 @@ class SeenConversations:
 
     def close(self) -> None:
         self._db.close()
-        self._folder.cleanup()
 
 
 def held_out(digest: int, seed: int, fraction: float) -> bool:
@@ -338,9 +336,12 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                   "supervise": spec.supervise, "reasoning": spec.reasoning, "format": spec.format,
                   "split": None if spec.eval_fraction is None else {"eval_fraction": spec.eval_fraction,
                                                                      "seed": spec.seed}}
-    seen, reader = SeenConversations(), SourceReader()
-    try:  # `out` checked again under its lock: a conversion that wrote it meanwhile is never silently replaced
-        with exclusive_output(out, check, ConvertError, what="out:") as staging:
+    # `out` checked again under its lock: a conversion that wrote it meanwhile is never silently replaced. The
+    # scratch files (seen digests, `datasets`' cache) live in the staging folder, gone before it is published.
+    with exclusive_output(out, check, ConvertError, what="out:") as staging, \
+            scratch_folder(staging / "scratch") as scratch:
+        seen, reader = SeenConversations(scratch), SourceReader(scratch)
+        try:
             for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
                 rows = PartitionReader(partition, spec, renderer, reader, seen)
                 stats: dict = {}
@@ -349,9 +350,8 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                                 eos_token_id=renderer.eos_token_id, max_seq_len=spec.max_seq_len,
                                 index_extra={"conversion": {**conversion, "stats": stats}},
                                 sidecar_fields=loss_metadata.FIELDS)
-    finally:
-        seen.close()
-        reader.close()
+        finally:
+            seen.close()
     return {p: json.loads((out / p / "sft.idx.json").read_text()) for p in ("train", "eval")}
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import codecs
 import csv
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -136,14 +135,11 @@ def describe(source: Source, hub_commit: str | None = None) -> dict:
 
 
 class SourceReader:
-    """Rows of sources through `datasets`, its scratch files in a temporary folder removed by close()."""
+    """Rows of sources through `datasets`, its cache files in `scratch` (a folder its caller removes)."""
 
-    def __init__(self) -> None:
-        self._scratch = tempfile.TemporaryDirectory(prefix="cflib-sources-")
+    def __init__(self, scratch: Path) -> None:
+        self._scratch = scratch
         self.hub_commits: dict[str, str] = {}
-
-    def close(self) -> None:
-        self._scratch.cleanup()
 
     def rows(self, source: Source) -> Iterator[tuple[str, dict]]:
         """(where, row) of each row, `where` naming the file (or source) and the row number from 1."""
@@ -168,7 +164,7 @@ class SourceReader:
             options = {"features": datasets.Features({name: datasets.Value("string") for name in _csv_header(file)}),
                        "na_filter": False}
         return datasets.load_dataset(BUILDERS[file.suffix], data_files=str(file), split="train", streaming=True,
-                                     cache_dir=self._scratch.name, **options)
+                                     cache_dir=str(self._scratch), **options)
 
     @staticmethod
     def _saved_dataset(path: Path):
@@ -196,7 +192,7 @@ class SourceReader:
         self.hub_commits[source.spec] = commit
         try:
             return datasets.load_dataset(name, config, split=split, revision=commit, streaming=True,
-                                         cache_dir=self._scratch.name)
+                                         cache_dir=str(self._scratch))
         except Exception as err:
             raise ConvertError(f"{source.spec}: datasets could not open it ({err})") from None
 

@@ -36,5 +36,6 @@ def test_smoke_run_writes_a_complete_record(tmp_path, capsys):
     assert passed["new_tokens"] == passed["data"]["answer_tokens"]["total"]
     assert passed["data"]["prompt_tokens"]["max"] < passed["data"]["length"]["cap"]
     assert not any("tokens" in part for part in record.values() if isinstance(part, dict))
+    assert [entry.name for entry in tmp_path.iterdir()] == ["record.json"]  # its scratch bundles gone
     printed = capsys.readouterr().out
     assert "new tokens/s" in printed and "bundle / llama, static_compiled cache:" in printed

@@ -156,10 +156,12 @@ def test_an_out_dir_holding_files_is_refused(tmp_path):
 # --- real probes on the CPU ------------------------------------------------------------------------
 def test_an_out_of_memory_probe_is_freed_completely(tmp_path):
     tuning = prepare_tuning(TuneParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "out")}))
-    with probe_shard(tuning.config, tuning.params.seq_len, 64, seed=0) as shard:
+    with probe_shard(tuning.config, tuning.params.seq_len, 64, seed=0, beside=tmp_path / "probe") as shard:
+        assert shard.parent == tmp_path and shard.name.startswith(".probe.staging-")  # beside, never in /tmp
         before = measure_probe(tuning, shard, 4)
         failed = measure_probe(tuning, shard, 64)  # far past the 12 MiB cap
         after = measure_probe(tuning, shard, 4)
+    assert not shard.exists()
     assert before.fits and failed.outcome == "out_of_memory" and failed.peak_bytes is None
     assert "budget cap" in failed.detail["error"] and failed.detail["model_freed"]
     assert after.peak_bytes == before.peak_bytes  # nothing of the failed probe is left to count
@@ -167,7 +169,7 @@ def test_an_out_of_memory_probe_is_freed_completely(tmp_path):
 
 def test_peak_memory_is_affine_in_the_microbatch_over_whole_loss_chunks(tmp_path):
     tuning = prepare_tuning(TuneParams.from_dict({**SMOKE, "budget_gib": 1.0, "out_dir": str(tmp_path / "o")}))
-    with probe_shard(tuning.config, tuning.params.seq_len, 64, seed=0) as shard:
+    with probe_shard(tuning.config, tuning.params.seq_len, 64, seed=0, beside=tmp_path / "probe") as shard:
         peaks = [measure_probe(tuning, shard, m).peak_bytes for m in (8, 12, 16)]
     # 4 rows of 63 supervised tokens (a row's last position has no next token) nearly fill a loss chunk of 256:
     # the growth per 4 rows is the same to within the chunks' unfilled tail.
@@ -199,6 +201,9 @@ def test_papermill_tunes_on_cpu_and_train_sft_accepts_the_result(tmp_path):
     assert any("image/png" in o.get("data", {}) for o in outputs)
     record = json.loads((out_dir / "record.json").read_text())
     assert (out_dir / "memory_vs_microbatch.png").stat().st_size > 0
+    assert sorted(entry.name for entry in out_dir.iterdir()) == ["memory_vs_microbatch.png", "record.json",
+                                                                "train_sft_params.yaml"]  # the probe shard gone
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["tune", "tune.ipynb"]  # nothing beside it
     search_ = record["search"]
     assert search_["probes_used"] <= 4
     sweep = record["sweep"]

@@ -7,7 +7,9 @@ import hashlib
 import json
 import shutil
 import subprocess
+import importlib
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +21,7 @@ from cflib.data.shards import IGNORE_INDEX, open_shard
 from cflib.data.tokenizer import ByteTokenizer
 
 datasets = pytest.importorskip("datasets", reason="the data extra (pip install cflib[data])")
+convert_module = importlib.import_module("cflib.data.convert")  # the package exports its function by that name
 
 ROOT = Path(__file__).resolve().parents[2]
 BYTES = ByteTokenizer()
@@ -121,6 +124,29 @@ def test_parquet_and_saved_datasets_in_sharegpt_and_prompt_completion_form_equal
     ids, labels = examples(tmp_path / "shard")[12]
     assert BYTES.decode_template(ids) == "<|system|>answer in capitals<|user|>upper x0<|assistant|>X0<|eos|>"
     assert BYTES.decode_template([t for t in labels if t != IGNORE_INDEX]) == "X0<|eos|>"
+
+
+def test_a_conversion_keeps_its_scratch_files_inside_its_out_folder(tmp_path, monkeypatch):
+    """`datasets`' cache and the seen digests live in the staging output, not the system's temporary folder."""
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    sources = [to_parquet(tmp_path / "sharegpt.parquet", SHAREGPT), saved(tmp_path / "saved", PROMPT_COMPLETION)]
+    seen_scratch = []
+    real_reader = convert_module.SourceReader
+
+    def watched(scratch: Path) -> convert_module.SourceReader:
+        seen_scratch.append(scratch)
+        return real_reader(scratch)
+
+    monkeypatch.setattr(convert_module, "SourceReader", watched)
+    run(tmp_path, [str(source) for source in sources])
+    assert list(system_tmp.iterdir()) == []
+    staging = seen_scratch[0].parent
+    assert staging.parent == tmp_path and staging.name.startswith(".shard.staging-") and not staging.exists()
+    assert sorted(entry.name for entry in (tmp_path / "shard").iterdir()) == ["eval", "train"]
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["held.jsonl", "saved", "shard", "sharegpt.parquet",
+                                                                  "system-tmp"]
 
 
 def test_every_local_kind_of_source_reads_the_same_rows(tmp_path):
