@@ -228,11 +228,15 @@ def test_a_forward_with_labels_keeps_no_cache_and_decoding_reuses_what_it_derive
         token = int(ids[0, 0])
         engine.route_table[0, token] = (engine.route_table[0, token] + 1) % model.config.num_experts
         engine.expert_up.mul_(2.0)
-        hub_model(input_ids=ids, use_cache=False)
+        hub_model(input_ids=ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)  # a decode step
         rebuilt = {name for name, tensor in built.items() if engine._derived[name][1] is not tensor}
         assert rebuilt == {"routed_coefficients", "mlp_in"}  # their sources changed; the output projections did not
         torch.testing.assert_close(engine._derived["mlp_in"][1][:, -engine.expert_up.shape[2]:],
                                    engine.expert_up[-1])
+        stale = engine._derived["mlp_out"][1].clone()
+        engine.expert_down.data.mul_(2.0)  # as PEFT merges: neither pointer nor version changes
+        hub_model(input_ids=ids, use_cache=False)  # a prefill derives everything anew
+        assert not torch.equal(engine._derived["mlp_out"][1], stale)
 
 
 def test_a_mask_that_does_not_cover_the_cache_is_refused(pair):

@@ -82,9 +82,11 @@ def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets, 
     adapter, model = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=targets, trainable_tokens=tokens))
     export_hub(tmp_path / "base", tmp_path / "bundle", echo=None)
     hub = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bundle"), trust_remote_code=True,
-                                                            dtype=torch.float32)
-    wrapped = peft.PeftModel.from_pretrained(hub, str(adapter)).eval()
+                                                            dtype=torch.float32).eval()
     ids = torch.tensor([[70, 5, 102, 9, 71, 33, 1, 40, 8], [3, 71, 71, 6, 102, 9, 12, 70, 2]])
+    with torch.no_grad():
+        hub(input_ids=ids)  # the base's own logits first (a baseline): its fused weights must not outlive the merge
+    wrapped = peft.PeftModel.from_pretrained(hub, str(adapter)).eval()
     with torch.no_grad():
         expected = model.eval()(ids) @ model.head_weight.t()
         torch.testing.assert_close(wrapped(input_ids=ids).logits, expected, rtol=0, atol=1e-4)
@@ -171,3 +173,38 @@ def test_an_adapter_description_of_bad_settings_is_refused_by_key(tmp_path, chan
             load(adapter)
         assert str(caught.value).startswith(f"{description}: ") and words in str(caught.value), str(caught.value)
     assert folder_bytes(tmp_path) == before
+
+
+def test_a_bundle_peft_left_half_merged_refuses_to_save_until_every_layer_is_merged(tmp_path):
+    """Adapters on the expert tensors and the shared-expert Linears: PEFT's merge_and_unload leaves the shared
+    ones wrapped (the engine's own wrapper hides them); the bundle refuses a save whose reload would lose them,
+    and once every layer is merged the saved model reloads as cflib's merged checkpoint."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from cflib.export import export_hub
+    from cflib.export.peft import merge
+
+    adapter, _ = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=tuple(TARGETS)))
+    export_hub(tmp_path / "base", tmp_path / "bundle", echo=None)
+    hub = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bundle"), trust_remote_code=True,
+                                                            dtype=torch.float32)
+    unloaded = peft.PeftModel.from_pretrained(hub, str(adapter)).merge_and_unload().eval()
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.engine\.shared_\w+ is still an adapter layer"):
+        unloaded.save_pretrained(tmp_path / "half")
+    assert not (tmp_path / "half" / "model.safetensors").exists()
+    for name, module in list(unloaded.named_modules()):  # the merge docs/lora.md shows
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(unloaded.get_submodule(parent), child, module.get_base_layer())
+    unloaded.save_pretrained(tmp_path / "whole")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "whole"), trust_remote_code=True,
+                                                                 dtype=torch.float32).eval()
+    merge(adapter, tmp_path / "merged")
+    merged = load_checkpoint(tmp_path / "merged").eval()
+    ids = torch.tensor([[70, 5, 102, 9, 71, 33, 1, 40, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, merged(ids) @ merged.head_weight.t(), rtol=0,
+                                   atol=1e-4)

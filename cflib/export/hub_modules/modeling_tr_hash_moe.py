@@ -106,7 +106,10 @@ def rope_inv_freq(config: TRHashConfig) -> torch.Tensor:
 def derived(owner: nn.Module, name: str, sources: tuple[torch.Tensor, ...], dtype: torch.dtype,
             build: Callable[[], torch.Tensor]) -> torch.Tensor:
     """A tensor derived from `sources` (owner._derived: a plain attribute, so no checkpoint or load sees it), built
-    once and rebuilt when a source, its device or the dtype changes."""
+    at a call's prefill (TRHashForCausalLM.hidden_states empties every owner's store there) and reused by the
+    decode steps after it; rebuilt when a source, its device or the dtype changes in between. Emptied at each
+    prefill because an edit through `.data` (PEFT's merge does `weight.data += delta`) changes neither a tensor's
+    pointer nor its version."""
     entry = owner._derived.get(name)
     if torch.compiler.is_compiling():  # a compiled graph reads what the eager prefill built
         return entry[1] if entry is not None and entry[1].dtype == dtype else build().to(dtype)
@@ -390,6 +393,20 @@ class TRHashPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True  # StaticCache + torch.compile(fullgraph=True): no graph break, no host sync
     _supports_static_cache = True  # the name transformers before 5 read
 
+    def save_pretrained(self, *args, **kwargs):
+        """transformers' save, refused while an adapter layer is left in the model: its weights would be saved
+        under the adapter's names (`...base_layer.weight`, `lora_A`), which a reload skips and initialises anew.
+        PEFT's merge_and_unload leaves the shared-expert layers wrapped when the adapters also target the expert
+        tensors (the engine's wrapper hides them from it)."""
+        wrapped = next((name for name, module in self.named_modules() if hasattr(module, "base_layer")), None)
+        if wrapped is not None:
+            raise ValueError(
+                f"{wrapped} is still an adapter layer ({type(self.get_submodule(wrapped)).__name__}); saving would "
+                "write weights a reload cannot find. Merge every layer first: for each module of the model that is "
+                "a peft.tuners.tuners_utils.BaseTunerLayer, call module.merge() and put module.get_base_layer() in "
+                "its place; or merge with `python -m cflib.export merge` and export that checkpoint")
+        return super().save_pretrained(*args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -447,6 +464,10 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @property
+    def _derived_stores(self) -> list[dict]:
+        return [module._derived for module in self.modules() if isinstance(getattr(module, "_derived", None), dict)]
+
+    @property
     def base_model(self) -> TRHashTrunk:
         return TRHashTrunk(self)
 
@@ -472,6 +493,9 @@ class TRHashForCausalLM(TRHashPreTrainedModel, GenerationMixin):
             raise ValueError("TR-MoE routes each token by its id: pass input_ids (inputs_embeds alone cannot route)")
         cache = cache if cache is not None else past_key_values
         given_cache = cache
+        if not torch.compiler.is_compiling() and (cache is None or cache.get_seq_length() == 0):
+            for store in self._derived_stores:  # a prefill: weights may have changed since the last call
+                store.clear()
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if not use_cache:
             cache = None
