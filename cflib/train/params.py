@@ -475,6 +475,13 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
                              "some (e.g. embedded_exact), or remove eval_tasks_every")
         if self.eval_tasks_every is not None and not self.save_checkpoints:
             raise ParamError("eval_tasks_every scores saved checkpoints, but save_checkpoints is false")
+        if not self.save_checkpoints:
+            ignored = [name for name, value in (("save_every_steps", self.save_every_steps),
+                                                ("save_total_limit", self.save_total_limit),
+                                                ("save_optimizer_state", self.save_optimizer_state)) if value]
+            if ignored:
+                raise ParamError(f"{ignored[0]} is set, but save_checkpoints is false: no checkpoint is written, so "
+                                 "it would do nothing; remove one of the two")
         for name in ("eval_tasks_limit",):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ParamError(f"{name} must be None or positive, got {getattr(self, name)}")

@@ -25,7 +25,7 @@ from cflib.errors import ParamError
 from cflib.paths import resolve_path
 
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
-# The learning-rate multipliers too: a resumed optimizer keeps its groups' saved rates, so a change would not apply.
+# The learning-rate multipliers too: they decide the optimizer's parameter groups, which its saved state must match.
 STREAM = ("seed", "global_batch", "train_examples", "total_steps", "warmup_steps", "pack_sequences", "train_tasks",
           "filters", "expert_lr_multiplier", "lora_lr_multiplier", "examples_per_epoch", "mixture")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.

@@ -186,6 +186,16 @@ def never_trained(out_dir: Path) -> bool:
         return False
 
 
+def refuse_foreign_resume(checkpoint_dir: Path, out_dir: Path) -> None:
+    """ParamError when `resume` names a checkpoint outside out_dir/checkpoints while out_dir holds a run that
+    trained: continued there, the two runs' metrics, checkpoints and record would interleave."""
+    if checkpoint_dir.resolve().parent == (out_dir / "checkpoints").resolve() or never_trained(out_dir):
+        return
+    raise ParamError(f"resume {checkpoint_dir} is a checkpoint of another folder, but out_dir {out_dir} holds a run "
+                     "that trained: continuing there would interleave the two runs' metrics and checkpoints; resume "
+                     "into a new out_dir, or continue this folder's own run with resume: latest")
+
+
 def _out_dir(params: TrainParams, model_name: str) -> Path:
     # Never mix or overwrite: another run's artifacts are continued (resume) or left alone; one that never
     # trained left none.
@@ -250,6 +260,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
     if continues(params):
         checkpoint_dir = resume_dir(params)
+        if params.out_dir is not None:
+            refuse_foreign_resume(checkpoint_dir, resolve_path(params.out_dir))
         model, lora = resumed_model(checkpoint_dir, params.lora_settings(), params.init_checkpoint)
         resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"

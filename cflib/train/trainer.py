@@ -30,11 +30,16 @@ from cflib.train.best_metric import ANSWER_METRICS, answer_scores, evaluations_w
 from cflib.train.held_out import answer_texts, eval_loss, exact_match
 from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups
-from cflib.train.records import MetricsLog, RunSummary, count_parameters, train_record
+from cflib.train.records import MetricsLog, RunSummary, count_parameters, read_metrics, train_record
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.step import StepResult, TrainingStep, synchronize
 from cflib.train.task_scores import TaskScorer
 from cflib.train.trackers import open_trackers
+
+
+# An evaluation's key for what is left to do after its checkpoint (scores, metrics row, best/): present in a
+# checkpoint's books only when a kill came in between.
+UNFINISHED = "unfinished"
 
 
 class Trainer:
@@ -69,7 +74,10 @@ class Trainer:
         self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
 
     def _restore(self, state: dict) -> None:
-        saved, optimizer = state["optimizer"], self.training_step.optimizer
+        saved, optimizer, scheduler = state["optimizer"], self.training_step.optimizer, self.training_step.scheduler
+        # The saved state carries the groups' settings and the schedule's base rates as well as the moments: this
+        # run's own (the same, or changed on purpose through allow_resume_changes) are put back over them.
+        settings = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
         if saved["param_groups"] and saved["param_groups"][0]["params"] and isinstance(
                 saved["param_groups"][0]["params"][0], int):
             optimizer.load_state_dict(saved)  # written before optimizer state was keyed by parameter name
@@ -77,14 +85,24 @@ class Trainer:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(self.model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
-        self.training_step.scheduler.load_state_dict(state["scheduler"])
+        scheduler.load_state_dict(state["scheduler"])
+        for group, own in zip(optimizer.param_groups, settings):
+            group.update(own)
+        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base * factor(scheduler.last_epoch)  # LambdaLR's rate at the step resumed from
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
         self.step, self.position = state["step"], (state["epoch"], state["batch_in_epoch"])
-        self.evals, self.best_loss, self.fill_ins = state["evals"], state["best_loss"], state["fill_ins"]
+        self.evals, self.fill_ins = state["evals"], state["fill_ins"]
+        # An evaluation the checkpoint holds may not have reached best_loss before a kill: derived from them all.
+        self.best_loss = min((result["loss"] for result in self.evals if result["step"] > 0), default=math.inf)
         self.checkpoints, self.timing = self._rooted(state["checkpoints"]), state["timing"]
         self._restore_best()
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
         torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None and self.device.type == "cuda":  # dropout's masks on the GPU
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
     def _restore_best(self) -> None:
         """The best so far is the evaluation whose weights best/ holds. An evaluation writes its checkpoint, then
@@ -99,9 +117,13 @@ class Trainer:
         self.best_value = next((self.best_metric.value(r) for r in self.evals if r["step"] == best_step), None)
 
     def _rooted(self, saved: dict[str, str]) -> dict[str, str]:
-        """Saved checkpoint paths re-rooted in this run's out_dir (the run folder may have been copied or moved)."""
-        return {name: value if name == "best_step" else str(self.run.out_dir / "checkpoints" / name)
-                for name, value in saved.items()}
+        """Saved checkpoint paths re-rooted in this run's out_dir (the run folder may have been copied or moved),
+        those no longer there left out (deleted by hand, or never here: a checkpoint resumed into a new folder)."""
+        folder = self.run.out_dir / "checkpoints"
+        kept = {name: str(folder / name) for name in saved if name != "best_step" and live_path(folder / name).is_dir()}
+        if "best" in kept and "best_step" in saved:
+            kept["best_step"] = saved["best_step"]
+        return kept
 
     def _trainer_state(self, optimizer_state: dict) -> dict:
         epoch, batch_in_epoch = self.position
@@ -109,7 +131,9 @@ class Trainer:
                 "step": self.step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
                 "world_size": self.dist.world_size, "global_batch": self.params.global_batch,
                 "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
-                "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state(), "checkpoints": self.checkpoints,
+                "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+                "checkpoints": self.checkpoints,
                 "trained_mass": None if self.trained_mass is None else self.trained_mass.tolist(),
                 "timing": self.timing, **schedule_signature(self.run)}
 
@@ -242,19 +266,29 @@ class Trainer:
 
     def evaluation_point(self, tag: str, epoch: int, with_exact_match: bool, checkpoint: str | None = None,
                          score_tasks: bool = False) -> None:
-        """Evaluate, write the scheduled checkpoint and score eval_tasks on it (score_tasks), keep the best
-        weights by best_metric; then every rank goes on together."""
+        """Evaluate, write the scheduled checkpoint, then finish the evaluation (`finish_evaluation`); then every
+        rank goes on together."""
         result = self.evaluate(tag, epoch, with_exact_match) if self.evaluates else None
+        if result is not None:  # what is left once the checkpoint holds it: a resume finishes it (UNFINISHED)
+            result[UNFINISHED] = {"epoch": epoch, "checkpoint": checkpoint, "score_tasks": score_tasks}
         if checkpoint is not None:
             self.save(checkpoint, epoch)
-        if result is None:
-            self.dist.barrier()
-            return
-        if score_tasks and self.scorer is not None and checkpoint in self.checkpoints:
+        if result is not None:
+            self.finish_evaluation(result)
+        self.dist.barrier()
+
+    def finish_evaluation(self, result: dict) -> None:
+        """Score eval_tasks on the evaluation's checkpoint (where asked), log its metrics row, keep the best weights
+        by best_metric. A run killed after the checkpoint was written runs this on resume, with the weights the
+        checkpoint holds, which are the ones evaluated: what was done already (the row, best/) is not done twice."""
+        todo = result.pop(UNFINISHED)
+        checkpoint = todo["checkpoint"]
+        if todo["score_tasks"] and self.scorer is not None and checkpoint in self.checkpoints:
             scores = self.scorer.score(Path(self.checkpoints[checkpoint]), self.run.out_dir / "eval_tasks" / checkpoint)
             result.update(scores)
             self.timing["eval_s"] += scores["lm_eval_seconds"]
-        self.log_evaluation(result)
+        if not self._logged(result):
+            self.log_evaluation(result)
         if self.step > 0:
             self.best_loss = min(self.best_loss, result["loss"])
         value = self.best_metric.value(result)
@@ -263,10 +297,16 @@ class Trainer:
             improved = self.dist.agree(improved)
         if improved:
             self.best_value = value
-            self.save("best", epoch)
+            self.save("best", todo["epoch"])
             if "best" in self.checkpoints:
                 self.checkpoints["best_step"] = str(self.step)
-        self.dist.barrier()
+
+    def _logged(self, result: dict) -> bool:
+        """Whether metrics.jsonl already holds this evaluation's row (a run killed after writing it, resumed)."""
+        if not self.dist.is_main or self.run.resume_state is None or not self.metrics.path.is_file():
+            return False
+        return any(row.get("event") == "eval" and row.get("step") == result["step"] and row.get("tag") == result["tag"]
+                   for row in read_metrics(self.metrics.path))
 
     # --- training -------------------------------------------------------------------
     def train_step(self, step_units: np.ndarray, next_units: np.ndarray | None = None) -> dict:
@@ -315,6 +355,10 @@ class Trainer:
         started = time.perf_counter()
         if self.dist.is_main:
             self._open_run_folder()
+        if self.evaluates:  # an evaluation the resumed checkpoint holds that a kill left half done
+            for result in [result for result in self.evals if UNFINISHED in result]:
+                self.finish_evaluation(result)
+        self.dist.barrier()
         self.model.train()
         last_eval_step = self.evals[-1]["step"] if self.evals else -1
         if run.resume_state is None and (p.eval_at_start or run.total_steps == 0):

@@ -126,6 +126,13 @@ def test_lora_settings_with_full_parameter_training_are_refused(raw, name):
     assert names(message, name) and names(message, "full_parameter"), message
 
 
+@pytest.mark.parametrize("name, value", [("save_every_steps", 4), ("save_total_limit", 2),
+                                         ("save_optimizer_state", True)])
+def test_checkpoint_settings_without_checkpoints_are_refused(name, value):
+    message = param_error({"save_checkpoints": False, name: value})
+    assert names(message, name) and names(message, "save_checkpoints"), message
+
+
 @pytest.mark.parametrize("raw, name", [
     ({"lora_rank": 0}, "lora_rank"), ({"lora_rank": -1}, "lora_rank"), ({"lora_alpha": "nan"}, "lora_alpha"),
     ({"lora_dropout": -0.1}, "lora_dropout"), ({"lora_targets": "q_proj,lm_head"}, "lora_targets"),

@@ -149,13 +149,13 @@ def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path
     assert_best_remembered(resumed, reference, out_dir, four_epochs)
 
 
-@pytest.mark.parametrize("best_saved", [False, True], ids=["before-best-saved", "after-best-saved"])
-def test_a_run_killed_around_saving_an_improved_best_resumes_with_the_best_its_best_folder_holds(tmp_path, shard,
-                                                                                               best_saved):
-    """An evaluation writes its epoch checkpoint, then best/ when it improved. A kill between the two leaves a
-    resumable checkpoint whose evaluations hold an improvement best/ never received; a kill after both, one whose
-    books were written before best/ took the improvement. Either way the resumed run's best is the evaluation
-    best/ holds, in the record as on disk."""
+@pytest.mark.parametrize("killed", ["before-its-row", "before-best-saved", "after-best-saved"])
+def test_a_run_killed_after_an_evaluation_s_checkpoint_finishes_that_evaluation_on_resume(tmp_path, shard, killed):
+    """An evaluation writes its epoch checkpoint, then its metrics row, then best/ when it improved. A kill in
+    between leaves a resumable checkpoint whose evaluations hold one that neither metrics.jsonl nor best/ may have
+    received: the resumed run finishes it (the checkpoint holds the weights it scored). A kill after all three
+    leaves one whose books were written before. Each way the resumed run ends with the uninterrupted run's best,
+    in the record as on disk, and its metrics hold each evaluation once."""
     out_dir = tmp_path / "run"
     two_epochs = params(shard, out_dir, epochs=2, save_every_steps=None, save_optimizer_state=True)
     whole = train(two_epochs, progress=False)
@@ -164,17 +164,20 @@ def test_a_run_killed_around_saving_an_improved_best_resumes_with_the_best_its_b
     # The folder as the kill leaves it: epoch-2 written, best/ the second epoch's or still the first's, no record.
     for name in ("COMPLETE", "record.json"):
         (out_dir / name).unlink()
-    if not best_saved:
+    if killed != "after-best-saved":
         shutil.rmtree(out_dir / "checkpoints" / "best")
         shutil.copytree(out_dir / "checkpoints" / "epoch-1", out_dir / "checkpoints" / "best")
-    best_step = 6 if best_saved else 3
+    if killed == "before-its-row":
+        rows = (out_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (out_dir / "metrics.jsonl").write_text("".join(row for row in rows if '"tag": "epoch-2"' not in row))
     resumed = train({**two_epochs, "resume": "latest"}, progress=False)
     assert "checkpoints/epoch-2 at step 6" in resumed["model_source"]
-    assert resumed["best_metric"] == {"name": "eval_loss", "greater_is_better": False, "step": best_step,
-                                      "value": evals[best_step]}
+    assert resumed["best_metric"] == {"name": "eval_loss", "greater_is_better": False, "step": 6, "value": evals[6]}
     best = load_checkpoint(out_dir / "checkpoints" / "best").state_dict()
-    held = load_checkpoint(out_dir / "checkpoints" / f"epoch-{best_step // 3}").state_dict()
+    held = load_checkpoint(out_dir / "checkpoints" / "epoch-2").state_dict()
     assert_same_weights(held, best, atol=0)
+    rows = [(row["step"], row["tag"]) for row in read_metrics(out_dir / "metrics.jsonl") if row["event"] == "eval"]
+    assert rows == [(e["step"], e["tag"]) for e in whole["eval"]["history"]]
 
 
 def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_path, shard, four_epochs):

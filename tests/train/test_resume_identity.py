@@ -82,6 +82,43 @@ def test_a_change_allowed_on_purpose_resumes(killed, shards, tmp_path, change):
     assert record["schedule"]["steps_done"] == 6 and "step-4" in record["model_source"]
 
 
+def test_optimizer_settings_changed_on_purpose_apply_from_the_resumed_step(killed, shards, tmp_path):
+    """The checkpoint's optimizer state holds the old rate, decay and betas (and the schedule its base rates):
+    what allow_resume_changes lets through must be what the resumed steps use, and what the record says."""
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    before = {row["step"]: row["lr"] for row in read_metrics(killed / "metrics.jsonl") if row["event"] == "train"}
+    record = train({**params(shards["a"], copy, resume="latest"), "lr": 1e-2, "weight_decay": 0.5, "beta2": 0.9,
+                    "allow_resume_changes": ["lr", "weight_decay", "beta2"], "save_optimizer_state": True},
+                   progress=False)
+    after = {row["step"]: row["lr"] for row in read_metrics(copy / "metrics.jsonl") if row["event"] == "train"}
+    assert [after[step] for step in (1, 2, 3, 4)] == [before[step] for step in (1, 2, 3, 4)]  # kept from the kill
+    assert [after[step] for step in (5, 6)] == pytest.approx([before[step] * 1e-2 / 3e-3 for step in (5, 6)])
+    groups = record["optimizer_groups"]
+    assert {group["lr"] for group in groups} == {1e-2}
+    assert {group["weight_decay"] for group in groups} == {0.0, 0.5}  # norms and embeddings decay nothing
+    resumed = torch.load(copy / "checkpoints" / "epoch-3" / "trainer_state.pt", weights_only=True)
+    assert {tuple(group["betas"]) for group in resumed["optimizer"]["param_groups"]} == {(0.9, 0.9)}
+
+
+def test_another_folder_s_checkpoint_continues_only_into_a_folder_without_a_run_of_its_own(killed, shards, tmp_path):
+    """Continued in a folder that trained a run of its own, the two histories would interleave (its metrics, the
+    other's checkpoints in the record); into a new folder the record lists only the checkpoints that folder holds."""
+    foreign = str(killed / "checkpoints" / "step-4")
+    own = tmp_path / "own"
+    train(params(shards["a"], own, max_steps=2), progress=False)
+    (own / "COMPLETE").unlink()  # as if killed
+    before = digest(own)
+    with pytest.raises(ParamError, match=r"resume .*step-4 is a checkpoint of another folder, but out_dir .*own "
+                                         r"holds a run that trained"):
+        train(params(shards["a"], own, resume=foreign), progress=False)
+    assert digest(own) == before
+    record = train(params(shards["a"], tmp_path / "new", resume=foreign), progress=False)
+    assert "step-4" in record["model_source"] and record["schedule"]["steps_done"] == 6
+    listed = {name: Path(path) for name, path in record["checkpoints"].items() if name != "best_step"}
+    assert listed and all(path.is_dir() and path.parent == tmp_path / "new" / "checkpoints" for path in listed.values())
+
+
 def test_a_copied_run_folder_deletes_nothing_in_the_original(shards, tmp_path):
     original = tmp_path / "original"
     run = params(shards["a"], original, save_every_steps=1, save_total_limit=2)
