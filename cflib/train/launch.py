@@ -33,20 +33,21 @@ from cflib.atomic import write_json_atomic
 from cflib.export.publish import publish_run
 from cflib.export.push import check_push
 from cflib.jsonio import read_json
-from cflib.locks import pid_gone
 from cflib.train.distributed import init_from_torchrun
 from cflib.train.lock import RunLock
 from cflib.train.params import ParamError, TrainParams
+from cflib.train.launch_failures import (
+    SUMMARY_START,
+    drop_agent_traceback,
+    forget_launch_dir,
+    launch_error,
+    read_failures,
+)
 from cflib.train.run import Run, prepare
-from cflib.train.run_folder import set_aside_run, starts_over
+from cflib.train.run_folder import LAUNCH_DIR, remove_dead_launch_dirs, set_aside_run, starts_over
 from cflib.train.trainer import Trainer
 
 PROGRESS = re.compile(r"^\[rank 0\] step (\d+)/(\d+) ")
-LAUNCH_DIR = ".torchrun"  # out_dir/.torchrun-node<N>-<host>-<pid>: what a launcher hands torchrun, while the job runs
-
-
-class LaunchError(RuntimeError):
-    """A multi-process job that did not finish; the message carries the failing rank's error."""
 
 
 def fit(run: Run, progress: bool = True) -> dict:
@@ -94,21 +95,24 @@ def torchrun(run: Run, progress: bool = True) -> dict:
     launch_dir = open_launch_dir(run.out_dir, run.params.node_rank)
     try:
         write_json_atomic(launch_dir / "params.json", asdict(replace(run.params, out_dir=str(run.out_dir))))
-        returncode, tail = relay(torchrun_command(run.params, launch_dir), run, progress)
+        returncode, tail, summary = relay(torchrun_command(run.params, launch_dir), run, progress)
+        failures = read_failures(summary)  # the ranks' error files are in the launch folder, about to go
     finally:
         close_launch_dir(launch_dir, created)
     if returncode != 0:
-        raise LaunchError(f"torchrun exited with code {returncode}; its last lines:\n" + "".join(tail))
+        raise launch_error(returncode, [forget_launch_dir(line, launch_dir) for line in tail], failures)
     if run.params.node_rank != 0:  # rank 0 lives on node 0, and so does the record
         return {"node_rank": run.params.node_rank, "world_size": run.params.world_size}
     return json.loads((run.out_dir / "record.json").read_text())
 
 
-def relay(command: list[str], run: Run, progress: bool) -> tuple[int, deque[str]]:
+def relay(command: list[str], run: Run, progress: bool) -> tuple[int, deque[str], list[str]]:
     """Run torchrun's command, every line of its output relayed (rank 0's progress drives the bar); its exit
-    status and last lines. Whatever ends the relay ends torchrun's whole process group too."""
+    status, its last lines before its failure summary, and that summary (whole: a long traceback in it would push
+    the other ranks' entries out of the last lines). Whatever ends the relay ends torchrun's process group too."""
     bar = tqdm(total=run.total_steps, desc=f"train x{run.params.world_size}", unit="step", disable=not progress)
     tail: deque[str] = deque(maxlen=60)
+    summary: list[str] = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // run.params.nproc_per_node)))
     # Its own session: on any exit path the whole process group can be ended, no orphans.
@@ -116,13 +120,18 @@ def relay(command: list[str], run: Run, progress: bool) -> tuple[int, deque[str]
                                start_new_session=True, preexec_fn=_terminate_with_parent)
     try:
         for line in process.stdout:
-            tail.append(line)
+            if summary or line.startswith(SUMMARY_START):
+                if not summary:
+                    drop_agent_traceback(tail)
+                summary.append(line)
+            else:
+                tail.append(line)
             found = PROGRESS.match(line)
             if found:
                 bar.n = int(found.group(1))
                 bar.refresh()
             tqdm.write(line.rstrip("\n"))
-        return process.wait(), tail
+        return process.wait(), tail, summary
     finally:
         if process.poll() is None:
             _stop(process)
@@ -132,14 +141,10 @@ def relay(command: list[str], run: Run, progress: bool) -> tuple[int, deque[str]
 def open_launch_dir(out_dir: Path, node_rank: int) -> Path:
     """The launcher's folder in the run folder, `out_dir/.torchrun-node<N>-<host>-<pid>`: the workers' parameters
     and torchrun's logs, never the system's temporary folder. Its own name per launcher, so a second launch into
-    the folder (which rank 0's lock then refuses) never touches a running one's; a killed launcher's folder, its
-    process gone from this host, is removed here (a link in its place is unlinked, never followed)."""
-    prefix = f"{LAUNCH_DIR}-node{node_rank}-{socket.gethostname()}-"
-    for left in out_dir.glob(f"{prefix}*") if out_dir.is_dir() else []:
-        pid = left.name[len(prefix):]
-        if pid.isdigit() and pid_gone(int(pid)):
-            left.unlink() if left.is_symlink() or left.is_file() else shutil.rmtree(left, ignore_errors=True)
-    folder = out_dir / f"{prefix}{os.getpid()}"
+    the folder (which rank 0's lock then refuses) never touches a running one's; killed launchers' folders, their
+    process gone from this host, are removed here (remove_dead_launch_dirs)."""
+    remove_dead_launch_dirs(out_dir)
+    folder = out_dir / f"{LAUNCH_DIR}-node{node_rank}-{socket.gethostname()}-{os.getpid()}"
     folder.mkdir(parents=True)
     return folder
 

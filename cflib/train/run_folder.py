@@ -14,12 +14,16 @@ starts over with its files set aside in `out_dir/set-aside-N/`.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
 from cflib.errors import ParamError
 from cflib.jobs import refuse_links
 from cflib.jsonio import read_json
+from cflib.locks import pid_gone
 from cflib.model.checkpoint import CheckpointError, latest_resumable
 from cflib.train.lock import check_not_locked
 
@@ -32,6 +36,7 @@ CURRICULUM_FILES = ("curriculum.json", "stages", "one_stage", "dry_run.json")
 RUN_ENTRIES = (*SINGLE_RUN_FILES, *CURRICULUM_FILES, "record.json", "COMPLETE", "hub", "merged", "eval",
                "eval_tasks", "samples", "wandb")
 SET_ASIDE = "set-aside"
+LAUNCH_DIR = ".torchrun"  # out_dir/.torchrun-node<N>-<host>-<pid>: what a launcher hands torchrun, while the job runs
 
 
 def check_entries_inside(out_dir: Path) -> None:
@@ -123,3 +128,22 @@ def _rerooted(value: Any, recorded: Path, folder: Path, source: Path) -> Any:
         raise ParamError(f"{source} names {inside}, inside the folder this run was copied from ({recorded}), and "
                          f"{moved} is missing here; cflib reads a copied run only inside the copy")
     return str(moved)
+
+
+def launch_dir_pattern() -> re.Pattern[str]:
+    """The name of a launch folder of this host's launchers, any node rank; its pid the group."""
+    return re.compile(rf"{re.escape(LAUNCH_DIR)}-node\d+-{re.escape(socket.gethostname())}-(\d+)")
+
+
+def remove_dead_launch_dirs(out_dir: Path) -> list[str]:
+    """Remove the launch folders in out_dir that launchers of this host left when killed, their process gone; the
+    names removed. A launch runs this as it starts, and so should a run that resumes on one process, which starts
+    no torchrun that would. A running launcher's folder is never touched (its pid is alive, so no lock is needed);
+    a link in a folder's place is unlinked, never followed."""
+    pattern, removed = launch_dir_pattern(), []
+    for left in sorted(out_dir.iterdir()) if out_dir.is_dir() else []:
+        found = pattern.fullmatch(left.name)
+        if found and pid_gone(int(found.group(1))):
+            left.unlink() if left.is_symlink() or left.is_file() else shutil.rmtree(left, ignore_errors=True)
+            removed.append(left.name)
+    return removed

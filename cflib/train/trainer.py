@@ -32,6 +32,7 @@ from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups
 from cflib.train.records import MetricsLog, RunSummary, count_parameters, read_metrics, train_record
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
+from cflib.train.run_folder import remove_dead_launch_dirs
 from cflib.train.step import StepResult, TrainingStep, synchronize
 from cflib.train.task_scores import TaskScorer
 from cflib.train.trackers import open_trackers
@@ -447,6 +448,7 @@ class Trainer:
         # Under the lock no other writer exists: staging left by a killed save can go, a retired one back.
         clean_leftovers(run.out_dir / "checkpoints")
         clean_leftovers(run.out_dir, targets=RUN_JSON_FILES)
+        remove_dead_launch_dirs(run.out_dir)  # a killed launch's folder, which a resume on one process leaves
         if run.resume_state is not None:
             self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
         else:  # a run that stopped before step 1 may have left these (prepare allows that folder only)
