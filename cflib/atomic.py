@@ -22,6 +22,12 @@ def _default_mode(is_dir: bool) -> int:
     return (0o777 if is_dir else 0o666) & ~umask
 
 
+def follow_umask(file: str | Path) -> None:
+    """Give `file` the mode open() would have: a library that writes through a private temporary file
+    (safetensors' save_file) leaves it 0600, unreadable to the others a shared model folder is meant for."""
+    os.chmod(file, _default_mode(is_dir=False))
+
+
 def _fsync_tree(folder: Path) -> None:
     for item in folder.iterdir():
         if item.is_file():

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cflib.atomic import atomic_directory, check_output_folder, live_path
+from cflib.atomic import atomic_directory, check_output_folder, follow_umask, live_path
 from cflib.errors import shown
 from cflib.jsonio import read_json
 from cflib.locks import exclusive_output
@@ -200,6 +200,7 @@ def save_adapter(path: str | Path, adapters: dict[str, torch.Tensor], settings: 
     with atomic_directory(path) as staging:
         (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config(settings, base["path"]), indent=2) + "\n")
         save_file(to_peft(adapters, settings), str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+        follow_umask(staging / ADAPTER_WEIGHTS_FILE)
         (staging / CFLIB_ADAPTER_FILE).write_text(json.dumps(
             {"format": ADAPTER_FORMAT, "lora": settings.to_dict(), "base": base}, indent=2) + "\n")
         if trainer_state is not None:

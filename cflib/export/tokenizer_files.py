@@ -33,11 +33,15 @@ USUAL_NAMES = {
 }
 # The byte tokenizer's chat layout, as cflib.data.convert renders conversations through its default markers
 # (cflib.data.marker_template): a role marker before each turn, an assistant's reasoning_content as a
-# <think>...</think> block right before its content, the end-of-sequence token after each assistant turn.
+# <think>...</think> block right before its content, the end-of-sequence token after each assistant turn. What an
+# assistant writes sits in a {% generation %} block: transformers' return_assistant_tokens_mask, and so TRL's
+# assistant_only_loss, supervise exactly those tokens, as the converter's all_assistant_turns does.
 BYTE_CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' }}"
-                      "{% if message['reasoning_content'] is string %}"
-                      "{{ '<think>' + message['reasoning_content'] + '</think>' }}{% endif %}"
-                      "{{ message['content'] }}{% if message['role'] == 'assistant' %}{{ '<|eos|>' }}{% endif %}"
+                      "{% set think = '<think>' + message['reasoning_content'] + '</think>' "
+                      "if message['reasoning_content'] is string else '' %}"
+                      "{% if message['role'] == 'assistant' %}"
+                      "{% generation %}{{ think + message['content'] + '<|eos|>' }}{% endgeneration %}"
+                      "{% else %}{{ think + message['content'] }}{% endif %}"
                       "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from cflib.atomic import atomic_directory, live_path
+from cflib.atomic import atomic_directory, follow_umask, live_path
 from cflib.jsonio import read_json
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
@@ -72,6 +72,7 @@ def save_checkpoint(model: TRMoEModel, path: str | Path, trainer_state: dict[str
     with atomic_directory(path) as staging:
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        follow_umask(staging / WEIGHTS_FILE)
         if trainer_state is not None:
             save_trainer_state(trainer_state, staging / TRAINER_STATE_FILE)
         if progress is not None:

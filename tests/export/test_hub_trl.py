@@ -138,3 +138,25 @@ def test_trainer_with_gradient_checkpointing_takes_the_same_step(pair, tmp_path:
     assert checkpointed_loss == pytest.approx(plain_loss, abs=1e-6)
     for name, step in plain.items():
         torch.testing.assert_close(checkpointed[name], step, rtol=0, atol=1e-6, msg=name)
+
+
+def test_assistant_only_loss_supervises_what_the_converter_supervises(pair, tmp_path: Path):
+    """The chat template marks each assistant turn (reasoning, answer, end of sequence) as generated: TRL's
+    assistant_only_loss trains on the tokens the converter supervises with all_assistant_turns, no prompt token."""
+    from cflib.data import ChatTemplate, Conversation
+    from cflib.data.rendering import make_renderer
+
+    _, bundle = pair
+    model, tokenizer = load(bundle)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12+34="},
+                {"role": "assistant", "content": "46", "reasoning_content": "6 carry 0"},
+                {"role": "user", "content": "reverse ab"}, {"role": "assistant", "content": "ba"}]
+    trainer = SFTTrainer(model=model, args=sft_config(tmp_path, assistant_only_loss=True, max_steps=1),
+                         train_dataset=Dataset.from_list([{"messages": messages}]), processing_class=tokenizer)
+    example = trainer.train_dataset[0]
+    ids, labels = make_renderer("byte", ChatTemplate(), "all_assistant_turns").render(Conversation(messages))
+    assert example["input_ids"] == ids
+    # TRL's labels are the ids where trained (transformers shifts them); the converter's are already shifted.
+    assert [j for j, label in enumerate(example["labels"]) if label != -100] == [
+        j + 1 for j, label in enumerate(labels) if label != -100]
+    trainer.train()  # and it trains on them

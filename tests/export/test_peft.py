@@ -208,3 +208,14 @@ def test_a_bundle_peft_left_half_merged_refuses_to_save_until_every_layer_is_mer
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, merged(ids) @ merged.head_weight.t(), rtol=0,
                                    atol=1e-4)
+
+
+def test_adapter_files_are_as_readable_as_the_umask_makes_new_files(tmp_path):
+    import os
+
+    previous = os.umask(0o022)
+    try:
+        adapter, _ = saved_adapter(tmp_path, LoraSettings(rank=2, alpha=4))
+    finally:
+        os.umask(previous)
+    assert {oct(entry.stat().st_mode & 0o777) for entry in adapter.iterdir()} == {"0o644"}

@@ -188,6 +188,17 @@ def test_saving_over_a_checkpoint_replaces_it(saved: tuple[TRMoEModel, Path]) ->
     assert os.listdir(path.parent) == [path.name]  # no staging or retired directories
 
 
+def test_every_file_of_a_checkpoint_is_as_readable_as_the_umask_makes_new_files(tmp_path: Path) -> None:
+    """safetensors writes its file private (0600): a checkpoint copied to a shared folder would be half unreadable."""
+    previous = os.umask(0o022)
+    try:
+        path = save_checkpoint(tiny_model(seed=1), tmp_path / "ckpt", trainer_state={"step": 1})
+    finally:
+        os.umask(previous)
+    assert {entry.name: oct(entry.stat().st_mode & 0o777) for entry in path.iterdir()} == dict.fromkeys(
+        ("config.json", WEIGHTS, "trainer_state.pt"), "0o644")
+
+
 def fail_in_save_file(monkeypatch: pytest.MonkeyPatch, path: Path) -> dict[str, object] | None:
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("disk full (injected)")
