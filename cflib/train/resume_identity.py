@@ -26,14 +26,22 @@ from cflib.paths import resolve_path
 
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
 # The learning-rate multipliers too: they decide the optimizer's parameter groups, which its saved state must match.
-STREAM = ("seed", "global_batch", "train_examples", "total_steps", "warmup_steps", "pack_sequences", "train_tasks",
-          "filters", "expert_lr_multiplier", "lora_lr_multiplier", "examples_per_epoch", "mixture")
+# Parameters first, then what is derived from them (DERIVED_FROM), so a change is named by the parameter set.
+STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "expert_lr_multiplier",
+          "lora_lr_multiplier", "examples_per_epoch", "mixture", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
              "fp32_loss", "bf16", "seq_len", "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
              "base_dtype", "lora_trainable_tokens", "loss_type", "early_stopping_patience",
              "best_metric", "greater_is_better")  # which checkpoint best/ holds and early stopping watches
+
+# The parameters behind the values a run derives, named with them when a resume changes one.
+DERIVED_FROM = {
+    "total_steps": " (from epochs, max_steps, the examples per epoch, global_batch and pack_sequences)",
+    "warmup_steps": " (from warmup_ratio and the total steps)",
+    "train_examples": " (the train partition's examples, after filters and train_tasks)",
+}
 
 # What resuming reads from a trainer state: checked before any of it is used.
 TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "global_batch",
@@ -103,7 +111,8 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
         hint = ("a resumed run continues the same stream and schedule; start a new run (init_checkpoint) to "
                 "change them") if name in STREAM else (f"set allow_resume_changes: {name} to change it on purpose, "
                                                        "or start a new run (init_checkpoint)")
-        raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}: {hint}")
+        raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}"
+                         f"{DERIVED_FROM.get(name, '')}: {hint}")
     if state["world_size"] != params.world_size and not params.allow_world_size_change:
         raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
                          f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "

@@ -10,7 +10,13 @@ goes quiet, and the run carries on; metrics.jsonl still holds every row.
 `out_dir/trackers.json` names where the run went (the TensorBoard folder,
 the MLflow tracking URI and run id, the W&B project and run id), so a
 resumed run continues the same MLflow and W&B run, and `log_artifacts` can
-add the notebook's plots to the MLflow run.
+add the notebook's plots to the MLflow run. A resumed run first hands each
+tracker metrics.jsonl's rows up to its checkpoint, and each sends only the
+steps it lacks: a killed run's last rows may never have left its process.
+
+A run writes inside its folder only: unless the user set them, W&B's cache
+and data folders point into out_dir/wandb and MLflow's telemetry is off,
+for the run's duration.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
 from cflib.jsonio import read_json
 from cflib.train.records import read_metrics
+from cflib.train.wandb_history import wandb_history_steps
 
 TRACKING_FILE = "trackers.json"
 # How long the end of a run waits for MLflow or W&B to take the last metrics and the record; then it goes on without.
@@ -37,6 +44,8 @@ WANDB_PROJECT_ENV = "WANDB_PROJECT"  # as transformers' W&B callback reads it; t
 # A vanished server should be noticed in seconds, not after MLflow's default minutes of retries.
 _MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+# MLflow's telemetry writes an installation id to ~/.config/mlflow when mlflow is first imported.
+_MLFLOW_QUIET = {"MLFLOW_DISABLE_TELEMETRY": "true"}
 
 
 def scalars(row: dict) -> dict[str, float]:
@@ -95,18 +104,21 @@ class TensorBoardTracker:
 
     name = "tensorboard"
 
-    def __init__(self, out_dir: Path, resumed_step: int) -> None:
+    def __init__(self, out_dir: Path, replay: list[dict]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.folder = out_dir / "tensorboard"
         self.error: str | None = None
-        # Resumed, the new event file hides every earlier one (purge_step 0) and starts with metrics.jsonl's rows
-        # up to the checkpoint: a killed run's last events may never have left its writer's buffer.
-        self.writer = SummaryWriter(str(self.folder), purge_step=0 if resumed_step else None)
-        if resumed_step and (out_dir / "metrics.jsonl").is_file():
-            for row in read_metrics(out_dir / "metrics.jsonl"):
-                if row.get("step", 0) <= resumed_step:  # the rows the resumed run keeps (MetricsLog.truncate_after)
-                    self.log(scalars(row), int(row.get("step", 0)))
+        # Every event file opens with a session start at step 0 (purge_step 0). TensorBoard takes each start after
+        # the first as a restart and hides every event the earlier files hold, samples included; so a resumed
+        # run's file replaces the killed run's and begins with metrics.jsonl's rows up to the checkpoint: a killed
+        # run's last events may never have left its writer's buffer.
+        self.writer = SummaryWriter(str(self.folder), purge_step=0)
+        for row in replay:
+            step = int(row.get("step", 0))
+            self.log(scalars(row), step)
+            if _samples_on_disk(out_dir, row):
+                self.log_samples(out_dir / row["samples_file"], step)
 
     def log(self, values: dict[str, float], step: int) -> None:
         if self.error:
@@ -148,15 +160,18 @@ _STOP = object()
 
 class QueuedTracker:
     """A tracker whose every call to its service runs on a thread of its own, fed by a queue: the training loop
-    pays one `put` per row. A subclass starts its run (`_start`), sends rows (`_send`) and ends it (`_finish`)."""
+    pays one `put` per row. A subclass starts its run (`_start`), sends rows (`_send`) and ends it (`_finish`).
+    Resumed, it first sends `replay` (metrics.jsonl's rows up to the checkpoint); `_send` and `_send_file` leave
+    out the steps its service already holds, so each step arrives once."""
 
     name = "queued"
     where = "its service"  # named in the warning a failure gives
 
-    def __init__(self, out_dir: Path, params: dict, run_id: str | None, on_started: Callable[[], None]) -> None:
+    def __init__(self, out_dir: Path, params: dict, run_id: str | None, on_started: Callable[[], None],
+                 replay: list[dict] | None = None) -> None:
         self.out_dir, self.run_id = out_dir, run_id
         self.error: str | None = None
-        self._params, self._on_started = params, on_started
+        self._params, self._on_started, self._replay_rows = params, on_started, replay or []
         self._queue: queue.Queue = queue.Queue()
         self._held: Any = None  # an end-of-run item met while batching metrics
         self._thread = threading.Thread(target=self._work, name=f"cflib-{self.name}", daemon=True)
@@ -184,6 +199,11 @@ class QueuedTracker:
             self._start()
         except Exception as err:
             self.error = _warn_once(self.name, f"starting a run at {self.where}", err)
+        if not self.error:
+            try:
+                self._replay(self._replay_rows)
+            except Exception as err:
+                self.error = _warn_once(self.name, f"sending metrics.jsonl's earlier rows to {self.where}", err)
         while True:
             item, self._held = (self._held, None) if self._held is not None else (self._queue.get(), None)
             if item is _STOP:
@@ -214,6 +234,25 @@ class QueuedTracker:
             items.append(item)
         return items
 
+    def _replay(self, rows: list[dict]) -> None:
+        """Rows of an earlier attempt, in step order: a samples file goes after its step's metrics (W&B drops a
+        step below the last it logged)."""
+        pending: list = []
+        stamp = int(time.time() * 1000)
+        for row in rows:
+            values, step = scalars(row), int(row.get("step", 0))
+            if values:
+                pending.append((values, step, stamp))
+            if _samples_on_disk(self.out_dir, row) and self._lacks_file(row["samples_file"], step):
+                self._send(pending)
+                pending = []
+                self._send_file(self.out_dir / row["samples_file"], step)
+        self._send(pending)
+
+    def _lacks_file(self, name: str, step: int) -> bool:
+        """Whether the service lacks the samples file `name` (relative to out_dir) of an earlier attempt."""
+        return True
+
     def _start(self) -> None:
         raise NotImplementedError
 
@@ -237,10 +276,12 @@ class MlflowTracker(QueuedTracker):
     name = "mlflow"
 
     def __init__(self, out_dir: Path, params: dict, tracking_uri: str | None, run_id: str | None,
-                 on_started: Callable[[], None]) -> None:
+                 on_started: Callable[[], None], replay: list[dict] | None = None) -> None:
         self.tracking_uri = self.where = tracking_uri or default_tracking_uri(out_dir)
         self.experiment = os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
-        super().__init__(out_dir, params, run_id, on_started)
+        self._steps_held: dict[str, int] = {}  # metric -> the largest step the MLflow run holds (resumed)
+        self._files_held: set[str] = set()  # the samples files it holds, as out_dir-relative paths
+        super().__init__(out_dir, params, run_id, on_started, replay)
 
     def describe(self) -> dict:
         return {"tracking_uri": self.tracking_uri, "experiment": self.experiment, "run_id": self.run_id,
@@ -255,6 +296,7 @@ class MlflowTracker(QueuedTracker):
         self.client = MlflowClient(self.tracking_uri)
         if self.run_id is not None:  # a resumed run continues its MLflow run
             self.client.update_run(self.run_id, status="RUNNING")
+            self._steps_held, self._files_held = self._holdings()
             return
         experiment = self.client.get_experiment_by_name(self.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
@@ -267,12 +309,25 @@ class MlflowTracker(QueuedTracker):
         for start in range(0, len(values), 100):  # MLflow takes at most 100 parameters a request
             self.client.log_batch(self.run_id, params=values[start:start + 100])
 
+    def _holdings(self) -> tuple[dict[str, int], set[str]]:
+        """What the MLflow run holds from earlier attempts: each metric's largest step, and the samples files.
+        MLflow keeps every value logged and cannot drop one, so a step it holds is never sent again: the
+        killed attempt's values stay for the steps it sent past its checkpoint."""
+        steps = {key: max((m.step for m in self.client.get_metric_history(self.run_id, key)), default=-1)
+                 for key in self.client.get_run(self.run_id).data.metrics}
+        files = {item.path for item in self.client.list_artifacts(self.run_id, "samples")}
+        return steps, files
+
     def _send(self, items: list) -> None:
         from mlflow.entities import Metric
 
-        metrics = [Metric(key, value, stamp, step) for values, step, stamp in items for key, value in values.items()]
+        metrics = [Metric(key, value, stamp, step) for values, step, stamp in items for key, value in values.items()
+                   if step > self._steps_held.get(key, -1)]
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def _lacks_file(self, name: str, step: int) -> bool:
+        return name not in self._files_held
 
     def _send_file(self, path: Path, step: int) -> None:
         self.client.log_artifact(self.run_id, str(path), str(path.parent.relative_to(self.out_dir)))
@@ -290,11 +345,13 @@ class WandbTracker(QueuedTracker):
 
     name = "wandb"
 
-    def __init__(self, out_dir: Path, params: dict, run_id: str | None, on_started: Callable[[], None]) -> None:
+    def __init__(self, out_dir: Path, params: dict, run_id: str | None, on_started: Callable[[], None],
+                 replay: list[dict] | None = None) -> None:
         self.project = os.environ.get(WANDB_PROJECT_ENV) or DEFAULT_EXPERIMENT
         self.where = f"W&B project {self.project}"
         self.mode: str | None = None
-        super().__init__(out_dir, params, run_id, on_started)
+        self._first_new_step = 0  # resumed: the first step the W&B run lacks
+        super().__init__(out_dir, params, run_id, on_started, replay)
 
     def describe(self) -> dict:
         return {"project": self.project, "run_id": self.run_id, "mode": self.mode, "error": self.error}
@@ -305,19 +362,38 @@ class WandbTracker(QueuedTracker):
         folder = Path(os.environ.get("WANDB_DIR") or self.out_dir)
         folder.mkdir(parents=True, exist_ok=True)
         # create_new: a W&B run the user has open in the notebook is left alone; a resumed run continues its own.
+        resumed = self.run_id is not None
         self.run = wandb.init(project=self.project, name=self.out_dir.name, dir=str(folder), config=self._params,
-                              id=self.run_id, resume="allow" if self.run_id else None, reinit="create_new")
+                              id=self.run_id, resume="allow" if resumed else None, reinit="create_new")
         self.run_id, self.mode = self.run.id, self.run.settings.mode
+        if resumed:
+            self._first_new_step = self._last_step_held(folder / "wandb") + 1
         self._on_started()
+
+    def _last_step_held(self, wandb_dir: Path) -> int:
+        """The last step the W&B run holds. Online, the server tells wandb.init the run's next step
+        (starting_step) and W&B drops any step below it; offline, it is the last history row in the run's
+        earlier offline folders, so that `wandb sync` of them all, oldest first, sends each step once."""
+        if self.mode != "offline":
+            return self.run.starting_step - 1
+        current = Path(self.run.dir).parent.resolve()
+        return max((step for log in sorted(wandb_dir.glob(f"offline-run-*-{self.run_id}/run-{self.run_id}.wandb"))
+                    if log.parent.resolve() != current for step in wandb_history_steps(log)), default=-1)
 
     def _send(self, items: list) -> None:
         for values, step, _ in items:
-            self.run.log(values, step=step)
+            if step >= self._first_new_step:  # W&B would drop it with a warning, or hold the step twice offline
+                self.run.log(values, step=step)
+
+    def _lacks_file(self, name: str, step: int) -> bool:
+        return step >= self._first_new_step
 
     def _send_file(self, path: Path, step: int) -> None:
         """An artifact of type samples, and a table of them at the step."""
         import wandb
 
+        if step < self._first_new_step:
+            return
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         columns = ["example_id", "task", "prompt", "answer", "reference", "hit"]
         self.run.log({"eval/samples": wandb.Table(columns=columns, data=[[row.get(c) for c in columns]
@@ -346,6 +422,10 @@ def samples_markdown(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _samples_on_disk(out_dir: Path, row: dict) -> bool:
+    return bool(row.get("samples_file")) and (out_dir / row["samples_file"]).is_file()
+
+
 def default_tracking_uri(out_dir: Path) -> str:
     """An SQLite store in out_dir/mlruns (MLflow's file store no longer takes new runs)."""
     (out_dir / "mlruns").mkdir(parents=True, exist_ok=True)
@@ -365,18 +445,27 @@ class Trackers:
     def __init__(self, out_dir: Path, params: dict, report_to: Iterable[str], tracking_uri: str | None,
                  resumed_step: int) -> None:
         self.out_dir, self.record = out_dir, None
-        previous = read_tracking(out_dir) if resumed_step else {}
+        report_to = tuple(report_to)
+        # Before any tracker starts: the libraries read these when first imported or started.
+        self._env = ScopedEnv(private_folders(out_dir, report_to))
+        try:
+            previous = read_tracking(out_dir) if resumed_step else {}
+            replay = kept_rows(out_dir, resumed_step) if resumed_step else []
+        except BaseException:
+            self._env.restore()
+            raise
         self.trackers: list = []
         for name in report_to:
             if name == "tensorboard":
-                self.trackers.append(TensorBoardTracker(out_dir, resumed_step))
+                self.trackers.append(TensorBoardTracker(out_dir, replay))
             elif name == "mlflow":
                 run_id = previous.get("mlflow", {}).get("run_id")
                 uri = previous.get("mlflow", {}).get("tracking_uri") if run_id else tracking_uri
-                self.trackers.append(MlflowTracker(out_dir, params, uri, run_id, on_started=self.save))
+                self.trackers.append(MlflowTracker(out_dir, params, uri, run_id, on_started=self.save,
+                                                   replay=replay))
             elif name == "wandb":
                 self.trackers.append(WandbTracker(out_dir, params, previous.get("wandb", {}).get("run_id"),
-                                                  on_started=self.save))
+                                                  on_started=self.save, replay=replay))
         self._lock = threading.Lock()
         self.save()
 
@@ -402,9 +491,45 @@ class Trackers:
 
     def __exit__(self, kind: type | None, err: BaseException | None, traceback: Any) -> None:
         status = "FINISHED" if kind is None else "KILLED" if issubclass(kind, KeyboardInterrupt) else "FAILED"
-        for tracker in self.trackers:
-            tracker.close(self.record if kind is None else None, status)
-        self.save()
+        try:
+            for tracker in self.trackers:
+                tracker.close(self.record if kind is None else None, status)
+            self.save()
+        finally:
+            self._env.restore()
+
+
+def kept_rows(out_dir: Path, resumed_step: int) -> list[dict]:
+    """metrics.jsonl's rows a run resumed at `resumed_step` keeps (MetricsLog.truncate_after drops the rest)."""
+    path = out_dir / "metrics.jsonl"
+    return [row for row in read_metrics(path) if row.get("step", 0) <= resumed_step] if path.is_file() else []
+
+
+def private_folders(out_dir: Path, report_to: Iterable[str]) -> dict[str, str]:
+    """The environment that keeps the trackers' libraries inside the run folder: W&B's cache (its service's
+    debug logs, artifact copies) and data (artifact staging) in out_dir/wandb, MLflow's telemetry off. W&B's
+    config folder is left alone: W&B only reads it (the user's `wandb login --host`), never writes it."""
+    env: dict[str, str] = {}
+    if "wandb" in report_to:
+        env["WANDB_CACHE_DIR"] = str((out_dir / "wandb" / "cache").resolve())
+        env["WANDB_DATA_DIR"] = str((out_dir / "wandb" / "data").resolve())
+    if "mlflow" in report_to:
+        env.update(_MLFLOW_QUIET)
+    return env
+
+
+class ScopedEnv:
+    """Environment variables set until `restore`, each only where the user has not set it already."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = {name: value for name, value in values.items() if name not in os.environ}
+        os.environ.update(self.values)
+
+    def restore(self) -> None:
+        for name, value in self.values.items():
+            if os.environ.get(name) == value:  # one changed meanwhile stays as it is
+                del os.environ[name]
+        self.values = {}
 
 
 def open_trackers(run: Any, metrics: Any, resumed_step: int, active: bool) -> Trackers:
@@ -458,9 +583,13 @@ def log_artifacts(out_dir: str | Path, *names: str, timeout_s: float = CLOSE_TIM
             sent.append(path.name)
 
     failure: list[BaseException] = []
+    env = ScopedEnv(_MLFLOW_QUIET)  # a notebook's first import of mlflow may be this one
     thread = threading.Thread(target=lambda: _capture(send, failure), name="cflib-mlflow-artifacts", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
+    try:
+        thread.start()
+        thread.join(timeout_s)
+    finally:
+        env.restore()
     if failure or thread.is_alive():
         _warn_once("mlflow", "sending artifacts", failure[0] if failure else f"no answer within {timeout_s:g} s")
     return sent

@@ -61,7 +61,8 @@ class Trainer:
         self.best_loss = math.inf  # the lowest held-out loss after step 0
         self.best_metric = self.params.best()
         self.best_value: float | None = None  # the best_metric of the evaluation best/ holds
-        self.timing = {"train_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0}
+        self.timing = {"train_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0, "wall_s": 0.0}  # over every process
+        self.started = time.perf_counter()  # this process's part of wall_s counts from here
         self.steady = {"tokens": 0, "supervised_tokens": 0, "seconds": 0.0, "steps": 0}
         self.fill_ins: list[int] = []
         self.bad_steps = 0  # consecutive non-finite steps
@@ -71,8 +72,9 @@ class Trainer:
         if run.resume_state is not None:
             self._restore(run.resume_state)
         self.decode, self.scorer = self._answers_and_tasks()
-        # The first steps pay for allocator growth and kernel selection: not steady state.
+        # The first steps of each process pay for allocator growth and kernel selection: not steady state.
         self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
+        self.first_step = self.step  # the step this process starts after (a resumed run's checkpoint)
 
     def _restore(self, state: dict) -> None:
         saved, optimizer, scheduler = state["optimizer"], self.training_step.optimizer, self.training_step.scheduler
@@ -97,7 +99,8 @@ class Trainer:
         self.evals, self.fill_ins = state["evals"], state["fill_ins"]
         # An evaluation the checkpoint holds may not have reached best_loss before a kill: derived from them all.
         self.best_loss = min((result["loss"] for result in self.evals if result["step"] > 0), default=math.inf)
-        self.checkpoints, self.timing = self._rooted(state["checkpoints"]), state["timing"]
+        self.checkpoints = self._rooted(state["checkpoints"])
+        self.timing = {"wall_s": 0.0, **state["timing"]}  # wall_s: the parts before, up to this checkpoint
         self._restore_best()
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
@@ -136,7 +139,7 @@ class Trainer:
                 "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
                 "checkpoints": self.checkpoints,
                 "trained_mass": None if self.trained_mass is None else self.trained_mass.tolist(),
-                "timing": self.timing, **schedule_signature(self.run)}
+                "timing": self.timing_so_far(), **schedule_signature(self.run)}
 
     def _answers_and_tasks(self):
         """What turns generated ids into text (answer metrics, log_samples) and the lm-eval scorer
@@ -321,7 +324,7 @@ class Trainer:
             self._stop_non_finite(result)
         self.step += 1
         self.timing["train_s"] += result.seconds
-        if self.step > self.warmup_exclude:
+        if self.step - self.first_step > self.warmup_exclude:
             for key, value in (("tokens", result.tokens), ("supervised_tokens", result.supervised_tokens),
                                ("seconds", result.seconds), ("steps", 1)):
                 self.steady[key] += value
@@ -353,7 +356,7 @@ class Trainer:
 
     def _fit(self) -> dict:
         run, p = self.run, self.params
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         if self.dist.is_main:
             self._open_run_folder()
         if self.evaluates:  # an evaluation the resumed checkpoint holds that a kill left half done
@@ -403,7 +406,7 @@ class Trainer:
                                   score_tasks=p.eval_tasks_every is not None)
         if not self.dist.is_main:
             return {}
-        record = self.record(epoch, time.perf_counter() - started)
+        record = self.record(epoch)
         write_json_atomic(run.out_dir / "record.json", record)
         # Written last: its presence says the record and every checkpoint are final.
         write_json_atomic(run.out_dir / "COMPLETE", {"completed_utc": record["created_utc"],
@@ -459,11 +462,16 @@ class Trainer:
             write_json_atomic(run.out_dir / "loss_weighting.json", self.loss_weighting())
 
     # --- the record -----------------------------------------------------------------
-    def record(self, epochs_done: int, wall_s: float) -> dict:
-        """record.json: train_record of the run's summary."""
-        return train_record(self.summary(epochs_done, wall_s))
+    def timing_so_far(self) -> dict[str, float]:
+        """Seconds in training, evaluation and checkpoints, and of wall-clock time, over every process of the run:
+        a resumed run's earlier parts up to the checkpoint it resumed from, then this process's."""
+        return {**self.timing, "wall_s": self.timing["wall_s"] + time.perf_counter() - self.started}
 
-    def summary(self, epochs_done: int, wall_s: float) -> RunSummary:
+    def record(self, epochs_done: int) -> dict:
+        """record.json: train_record of the run's summary."""
+        return train_record(self.summary(epochs_done))
+
+    def summary(self, epochs_done: int) -> RunSummary:
         """The run so far as plain data (cflib.train.records.RunSummary)."""
         run, p, model, step = self.run, self.params, self.model, self.training_step
         patience = p.early_stopping_patience
@@ -483,7 +491,7 @@ class Trainer:
             schedule={"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                       "warmup_steps": run.warmup_steps, "steps_done": self.step, "epochs_started": epochs_done,
                       "fill_ins_per_epoch": self.fill_ins},
-            evals=self.evals, checkpoints=self.checkpoints, timing={**self.timing, "wall_s": wall_s},
+            evals=self.evals, checkpoints=self.checkpoints, timing=self.timing_so_far(),
             steady=self.steady, warmup_steps_excluded=self.warmup_exclude,
             peak_memory_gib=(torch.cuda.max_memory_allocated(self.device) / 2**30
                              if self.device.type == "cuda" else None),

@@ -168,6 +168,7 @@ def ended_pid() -> int:
                               text=True, check=True).stdout)
 
 
+@pytest.mark.slow  # a child process, to have a pid that ended
 def test_remove_dead_launch_dirs_removes_the_folders_of_this_hosts_ended_launchers_only(tmp_path):
     out_dir, host, gone = tmp_path / "run", socket.gethostname(), ended_pid()
     names = {"ended": f".torchrun-node0-{host}-{gone}", "ended, node 1": f".torchrun-node1-{host}-{gone}",

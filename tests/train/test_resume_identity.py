@@ -119,6 +119,20 @@ def test_another_folder_s_checkpoint_continues_only_into_a_folder_without_a_run_
     assert listed and all(path.is_dir() and path.parent == tmp_path / "new" / "checkpoints" for path in listed.values())
 
 
+def test_a_resumed_run_s_times_cover_its_every_part(killed, shards, tmp_path):
+    """train_s, eval_s, checkpoint_s and wall_s add the parts before the checkpoint resumed from to this
+    process's; its steady-state throughput leaves out this process's own first steps, as a fresh run's."""
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    saved = torch.load(copy / "checkpoints" / "step-4" / "trainer_state.pt", weights_only=True)["timing"]
+    record = train(params(shards["a"], copy, resume="latest"), progress=False)
+    timing = record["timing"]
+    assert saved["wall_s"] > saved["train_s"] > 0
+    assert timing["wall_s"] > saved["wall_s"] and timing["train_s"] > saved["train_s"]
+    assert timing["wall_s"] >= timing["train_s"] + timing["eval_s"] + timing["checkpoint_s"] - saved["wall_s"] * 0.01
+    assert record["throughput"]["timed_steps"] == 2 - record["timing_protocol"]["warmup_steps_excluded"] == 1
+
+
 def test_a_copied_run_folder_deletes_nothing_in_the_original(shards, tmp_path):
     original = tmp_path / "original"
     run = params(shards["a"], original, save_every_steps=1, save_total_limit=2)
