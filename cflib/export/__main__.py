@@ -30,7 +30,8 @@ def _hub(args: argparse.Namespace) -> None:
 
 def _adapters(args: argparse.Namespace) -> None:
     source = resolve_adapters(args.checkpoint)
-    publish(source, Path(args.out), "adapters", lambda: export_adapters(source, args.out, repo_id=args.push),
+    publish(source, Path(args.out), "adapters", lambda: export_adapters(source, args.out, repo_id=args.push,
+                                                                        base_model=args.base_model),
             args.push, private=args.private or None, revision=args.revision)
 
 
@@ -79,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     adapters.add_argument("checkpoint", help="a LoRA checkpoint folder, or a LoRA run's out_dir (its best "
                                              "checkpoint, else its last, else its newest epoch-N or step-N)")
     adapters.add_argument("out", help="the folder to create (must not exist)")
+    adapters.add_argument("--base-model", metavar="ORG/NAME", help="the base's Hub bundle (a repository id, or a "
+                                                                  "folder its users have): the adapters' "
+                                                                  "base_model_name_or_path, which "
+                                                                  "peft.AutoPeftModelForCausalLM loads; default: none")
     _push_options(adapters)
     adapters.set_defaults(run=_adapters)
     merging = commands.add_parser("merge", help="a LoRA checkpoint's base + scale * B @ A, written (fp32) as an "

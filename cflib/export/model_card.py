@@ -195,17 +195,19 @@ def published_checkpoint(folder: Path) -> dict | None:
     return published(folder).get("checkpoint")
 
 
-def model_card(checkpoint: Path, kind: str, out: Path, config: dict, repo_id: str | None = None) -> str:
+def model_card(checkpoint: Path, kind: str, out: Path, config: dict, repo_id: str | None = None,
+               base_model: str | None = None) -> str:
     """README.md for the bundle of `checkpoint` (kind "bundle") or for its LoRA adapters ("adapters"), written to
     the folder `out` for the Hub repository `repo_id`. The loading lines hand from_pretrained the repository, else
-    the folder by its name: never a path of this machine."""
+    the folder by its name: never a path of this machine. Adapters name `base_model` (the base's Hub bundle) where
+    given, in the metadata and the loading lines."""
     meta = card_metadata(checkpoint, kind, repo_id)
     where = repo_id or out.name
     tags = ["cflib", "tr-moe", "mixture-of-experts", "custom_code"] + (["lora"] if kind == "adapters" else [])
     header = {"library_name": "peft" if kind == "adapters" else "transformers", "pipeline_tag": "text-generation",
-              "tags": tags, "cflib": meta}
+              "tags": tags, **({"base_model": base_model} if base_model else {}), "cflib": meta}
     front = yaml.safe_dump(header, sort_keys=False, allow_unicode=True, width=1000)
-    sections = [_introduction(meta, kind, where, config), _loading(meta, kind, where), _evaluation(meta),
+    sections = [_introduction(meta, kind, where, config), _loading(meta, kind, where, base_model), _evaluation(meta),
                 _training(meta), LICENCE_SECTION]
     return f"---\n{front}{LICENCE_LINE}---\n\n" + "\n\n".join(sections) + "\n"
 
@@ -226,15 +228,17 @@ def _introduction(meta: dict, kind: str, where: str, config: dict) -> str:
             "chosen by a fixed table of token ids, with no router and no auxiliary loss.")
 
 
-def _loading(meta: dict, kind: str, where: str) -> str:
+def _loading(meta: dict, kind: str, where: str, base_model: str | None = None) -> str:
     if kind == "adapters":
         base = meta.get("base", {}).get("source", "the base checkpoint")
+        named = (f"`{base_model}` is the Hub bundle of the base these adapters were trained on ({base})"
+                 if base_model else f"`BASE` is the Hub bundle of the base these adapters were trained on ({base}; "
+                                    "`python -m cflib.export hub BASE_CHECKPOINT OUT` makes one)")
         return ("## How to load it\n\n```python\nimport peft\nfrom transformers import AutoModelForCausalLM\n\n"
-                'base = AutoModelForCausalLM.from_pretrained("BASE", trust_remote_code=True)  # the base\'s Hub bundle\n'
+                f'base = AutoModelForCausalLM.from_pretrained("{base_model or "BASE"}", trust_remote_code=True)'
+                "  # the base's Hub bundle\n"
                 f'model = peft.PeftModel.from_pretrained(base, "{where}")\n```\n\n'
-                f"`BASE` is the Hub bundle of the base these adapters were trained on ({base}; "
-                "`python -m cflib.export hub BASE_CHECKPOINT OUT` makes one). PEFT 0.17 or newer reads the "
-                "experts' adapters.")
+                f"{named}. PEFT 0.17 or newer reads the experts' adapters.")
     return ("## How to load it\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
             f'model = AutoModelForCausalLM.from_pretrained("{where}", trust_remote_code=True)\n'
             f'tokenizer = AutoTokenizer.from_pretrained("{where}", trust_remote_code=True)\n'

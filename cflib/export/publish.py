@@ -49,13 +49,18 @@ def resolve_adapters(path: str | Path) -> Path:
 
 
 def export_adapters(checkpoint: str | Path, out: str | Path, repo_id: str | None = None,
-                    echo: Callable[[str], None] | None = print) -> Path:
+                    echo: Callable[[str], None] | None = print, base_model: str | None = None) -> Path:
     """Write the adapters of `checkpoint` (a LoRA checkpoint or run folder) with their model card to the new folder
-    `out`: what `peft.PeftModel.from_pretrained(base, out)` loads, without the optimizer state. The base is named by
-    its folder's name, not its path on this machine."""
+    `out`: what `peft.PeftModel.from_pretrained(base, out)` loads, without the optimizer state. `base_model` (the
+    base's Hub bundle: a repository id or folder) becomes the adapters' `base_model_name_or_path`, which
+    `peft.AutoPeftModelForCausalLM` loads; without it none is named (a folder name of this machine would send
+    it to the Hub for a repository of that name), and the provenance names the base by its folder's name."""
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise ExportError(f"{out} already exists; export to a new folder (nothing was changed)")
+    if base_model is not None and (not base_model.strip() or len(base_model) > 1000 or "\n" in base_model):
+        raise ExportError(f"--base-model {base_model[:80]!r}: a repository id (ORG/NAME) or a folder, one line of at "
+                          "most 1,000 characters")
     source = resolve_adapters(checkpoint)
 
     def check() -> None:
@@ -70,11 +75,11 @@ def export_adapters(checkpoint: str | Path, out: str | Path, repo_id: str | None
     base = Path(cflib_adapter["base"]["path"]).name
     with exclusive_output(out, check, ExportError) as staging:  # `out` checked again under its lock
         shutil.copyfile(source / ADAPTER_WEIGHTS_FILE, staging / ADAPTER_WEIGHTS_FILE)
-        for name, document in ((ADAPTER_CONFIG_FILE, {**peft_config, "base_model_name_or_path": base}),
+        for name, document in ((ADAPTER_CONFIG_FILE, {**peft_config, "base_model_name_or_path": base_model}),
                                (CFLIB_ADAPTER_FILE, {**cflib_adapter, "base": {**cflib_adapter["base"], "path": base}})):
             (staging / name).write_text(json.dumps(document, indent=2) + "\n")
         (staging / CARD_FILE).write_text(model_card(source, "adapters", out, cflib_adapter["base"].get("config", {}),
-                                                    repo_id))
+                                                    repo_id, base_model))
     if echo is not None:
         echo(f"wrote {out}: the adapters of {source}, for peft.PeftModel.from_pretrained(base, {str(out)!r})")
     return out
@@ -91,11 +96,14 @@ def holds_publication(folder: Path, checkpoint: Path, kind: str) -> bool:
 def retarget_card(out: Path, source: Path, kind: str, repo_id: str) -> None:
     """Write the card of the publication in `out` again for `repo_id`, whose readers load it by that name: a card
     written without --push names the folder in its loading lines, one pushed before names that repository."""
+    base_model = None
     if kind == "bundle":
         config = read_json(out / "config.json", ExportError, "bundle config")
     else:
         config = read_json(out / CFLIB_ADAPTER_FILE, ExportError, "adapter description")["base"].get("config", {})
-    write_text_atomic(out / CARD_FILE, model_card(source, kind, out, config, repo_id))
+        base_model = read_json(out / ADAPTER_CONFIG_FILE, ExportError, "PEFT adapter config").get(
+            "base_model_name_or_path")
+    write_text_atomic(out / CARD_FILE, model_card(source, kind, out, config, repo_id, base_model))
 
 
 def publish(source: Path, out: Path, kind: str, write: Callable[[], object], repo_id: str | None,

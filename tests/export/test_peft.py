@@ -219,3 +219,28 @@ def test_adapter_files_are_as_readable_as_the_umask_makes_new_files(tmp_path):
     finally:
         os.umask(previous)
     assert {oct(entry.stat().st_mode & 0o777) for entry in adapter.iterdir()} == {"0o644"}
+
+
+def test_adapters_exported_with_their_base_bundle_load_through_auto_peft(tmp_path):
+    """--base-model names the base's bundle in adapter_config.json and the card: AutoPeftModelForCausalLM loads
+    base and adapters in one call; without it no base is named (never a folder name of this machine)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from cflib.export import export_hub
+
+    adapter, model = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=LINEAR_TARGETS))
+    export_hub(tmp_path / "base", tmp_path / "bundle", echo=None)
+    export_main(["adapters", str(adapter), str(tmp_path / "named"), "--base-model", str(tmp_path / "bundle")])
+    export_main(["adapters", str(adapter), str(tmp_path / "plain")])
+    assert json.loads((tmp_path / "plain" / ADAPTER_CONFIG_FILE).read_text())["base_model_name_or_path"] is None
+    card = (tmp_path / "named" / "README.md").read_text()
+    assert f"base_model: {tmp_path / 'bundle'}" in card and f'from_pretrained("{tmp_path / "bundle"}"' in card
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "named"), trust_remote_code=True,
+                                                           dtype=torch.float32).eval()
+    ids = torch.tensor([[70, 5, 102, 9, 71, 33, 1, 40, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, model.eval()(ids) @ model.head_weight.t(),
+                                   rtol=0, atol=1e-4)
+    with pytest.raises(SystemExit):
+        export_main(["adapters", str(adapter), str(tmp_path / "bad"), "--base-model", "a\nb"])
+    assert not (tmp_path / "bad").exists()
