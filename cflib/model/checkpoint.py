@@ -262,6 +262,9 @@ def latest_resumable(checkpoints_dir: str | Path) -> Path:
         if step is None or not (folder / TRAINER_STATE_FILE).is_file():
             continue
         candidates.append((step, folder.name, folder))
+    if not candidates and not checkpoints_dir.parent.is_dir():
+        raise CheckpointError(f"{checkpoints_dir.parent} does not exist: resume: latest continues a run in its "
+                              "out_dir; check the path, or start a new run without resume")
     if not candidates:
         raise CheckpointError(f"{checkpoints_dir}: no checkpoint with optimizer state to resume from "
                               "(save_every_steps, or save_optimizer_state: true, makes them)")

@@ -8,6 +8,7 @@ is seen every epoch and every rank runs the same number of steps.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -177,8 +178,11 @@ def wrap_model(model: torch.nn.Module, strategy: str, ctx: DistContext, device: 
         return model
     if strategy == "ddp":
         device_ids = [device.index] if device.type == "cuda" else None
-        # Buffers (route tables, RoPE frequencies) are identical by construction: no per-step broadcast.
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+        # Buffers (route tables, RoPE frequencies) are identical by construction: no per-step broadcast. Newer
+        # torch names the switch forward_sync_buffers (and deprecates the old name); either way none is synced.
+        no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
+            torch.nn.parallel.DistributedDataParallel).parameters else {"broadcast_buffers": False})
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **no_buffer_sync)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

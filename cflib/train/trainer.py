@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -391,8 +392,8 @@ class Trainer:
                 bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
                 if self.step % log_every == 0:  # a text trace too: papermill keeps no live widget state
                     rank = f"[rank {self.dist.rank}] " if self.dist.active else ""
-                    tqdm.write(f"{rank}step {self.step}/{run.total_steps} epoch {epoch} loss {row['loss']:.4f} "
-                               f"lr {row['lr']:.2e} {row['tokens'] / row['seconds']:,.0f} tokens/s")
+                    self._trace(f"{rank}step {self.step}/{run.total_steps} epoch {epoch} loss {row['loss']:.4f} "
+                                f"lr {row['lr']:.2e} {row['tokens'] / row['seconds']:,.0f} tokens/s")
                 if self._scheduled_points(epoch, epoch_ended=batch_start + p.global_batch >= len(order)):
                     last_eval_step = self.step
                 if self.step >= run.total_steps or self.stopped_early:
@@ -412,6 +413,15 @@ class Trainer:
         write_json_atomic(run.out_dir / "COMPLETE", {"completed_utc": record["created_utc"],
                                                      "steps": self.step})
         return record
+
+    def _trace(self, line: str) -> None:
+        """A line of the text trace: above rank 0's bar; on the other ranks, whole in one write, so lines of ranks
+        sharing one output (torchrun's) never run into each other."""
+        if self.progress:
+            tqdm.write(line)
+        else:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
 
     def _scheduled_points(self, epoch: int, epoch_ended: bool) -> bool:
         """The evaluation and checkpoints due after this step; True when it evaluated."""

@@ -196,6 +196,9 @@ def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_p
 
 
 def test_resume_needs_a_resumable_checkpoint(tmp_path, shard):
+    with pytest.raises(CheckpointError, match="missing does not exist: resume: latest continues a run in its out_dir"):
+        train(params(shard, tmp_path / "missing", resume="latest"), progress=False)
+    assert not (tmp_path / "missing").exists()
     train(params(shard, tmp_path / "run", max_steps=2, save_every_steps=None), progress=False)
     with pytest.raises(ParamError, match="holds a completed run"):
         train(params(shard, tmp_path / "run", resume="latest"), progress=False)
