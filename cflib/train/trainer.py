@@ -282,17 +282,18 @@ class Trainer:
             self.finish_evaluation(result)
         self.dist.barrier()
 
-    def finish_evaluation(self, result: dict) -> None:
+    def finish_evaluation(self, result: dict, resumed: bool = False) -> None:
         """Score eval_tasks on the evaluation's checkpoint (where asked), log its metrics row, keep the best weights
         by best_metric. A run killed after the checkpoint was written runs this on resume, with the weights the
-        checkpoint holds, which are the ones evaluated: what was done already (the row, best/) is not done twice."""
+        checkpoint holds, which are the ones evaluated (`resumed`): what was done already (the row, best/) is not
+        done twice."""
         todo = result.pop(UNFINISHED)
         checkpoint = todo["checkpoint"]
         if todo["score_tasks"] and self.scorer is not None and checkpoint in self.checkpoints:
             scores = self.scorer.score(Path(self.checkpoints[checkpoint]), self.run.out_dir / "eval_tasks" / checkpoint)
             result.update(scores)
             self.timing["eval_s"] += scores["lm_eval_seconds"]
-        if not self._logged(result):
+        if not (resumed and self._logged(result)):
             self.log_evaluation(result)
         if self.step > 0:
             self.best_loss = min(self.best_loss, result["loss"])
@@ -308,7 +309,7 @@ class Trainer:
 
     def _logged(self, result: dict) -> bool:
         """Whether metrics.jsonl already holds this evaluation's row (a run killed after writing it, resumed)."""
-        if not self.dist.is_main or self.run.resume_state is None or not self.metrics.path.is_file():
+        if not self.dist.is_main or not self.metrics.path.is_file():
             return False
         return any(row.get("event") == "eval" and row.get("step") == result["step"] and row.get("tag") == result["tag"]
                    for row in read_metrics(self.metrics.path))
@@ -362,7 +363,7 @@ class Trainer:
             self._open_run_folder()
         if self.evaluates:  # an evaluation the resumed checkpoint holds that a kill left half done
             for result in [result for result in self.evals if UNFINISHED in result]:
-                self.finish_evaluation(result)
+                self.finish_evaluation(result, resumed=True)
         self.dist.barrier()
         self.model.train()
         last_eval_step = self.evals[-1]["step"] if self.evals else -1
