@@ -7,7 +7,7 @@ loss_metadata.jsonl whose example ids differ from the index's) and a file
 whose SHA-256 differs from the one sft.idx.json recorded. Findings that a
 foreign writer may leave (no hashes or cap recorded, a smaller vocabulary
 than the model's, supervised-token counts that disagree with labels.bin,
-examples that do not end with EOS, declared truncations) are warnings, and
+examples that neither end with EOS nor teach it last, declared truncations) are warnings, and
 fatal with `require_release_ready`.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cflib.data.shards import ShardError, ShardPartition, open_shard
+from cflib.data.shards import IGNORE_INDEX, ShardError, ShardPartition, open_shard
 
 HASHED_FILES = ("input_ids.bin", "labels.bin", "examples.jsonl")
 
@@ -40,17 +40,33 @@ def manifest_findings(shard: ShardPartition, model_vocab_size: int) -> list[str]
     if disagree.size:
         findings.append(f"{disagree.size} rows of examples.jsonl miscount supervised_tokens (first: row "
                         f"{disagree[0]})")
-    last_tokens = shard.input_ids[shard.offsets + shard.lengths - 1]
-    unended = np.flatnonzero(last_tokens != shard.eos_token_id)
+    unended = unended_examples(shard)
     if unended.size:
         first = int(unended[0])
-        findings.append(f"{unended.size} examples do not end with EOS {shard.eos_token_id} (first: row {first}, "
-                        f"example_id {shard.rows[first].get('example_id', '?')!r}): truncated or sliced?")
+        findings.append(f"{unended.size} examples neither end with EOS {shard.eos_token_id} nor teach it last "
+                        f"(first: row {first}, example_id {shard.rows[first].get('example_id', '?')!r}): "
+                        "truncated or sliced?")
     truncated = index.get("truncated_examples", (index.get("conversion") or {}).get("stats", {}).get(
         "truncated_examples", 0))
     if truncated:
         findings.append(f"sft.idx.json declares {truncated} truncated examples")
     return findings
+
+
+def unended_examples(shard: ShardPartition) -> np.ndarray:
+    """The rows whose example is cut short: its last token is not EOS, and neither is the last token it teaches.
+    A chat template may put text after the end of a turn (ChatML's newline after <|im_end|>): such an example
+    teaches EOS last and is whole."""
+    eos = shard.eos_token_id
+    candidates = np.flatnonzero(shard.input_ids[shard.offsets + shard.lengths - 1] != eos)
+    cut = []
+    for row in candidates:  # the rows a template's trailing text leaves; each read alone, memory stays flat
+        start = shard.offsets[row]
+        labels = np.asarray(shard.labels[start:start + shard.lengths[row]])
+        taught = np.flatnonzero(labels != IGNORE_INDEX)
+        if not taught.size or labels[taught[-1]] != eos:
+            cut.append(row)
+    return np.asarray(cut, dtype=np.int64)
 
 
 def preflight(root: str | Path, partition: str, *, vocab_size: int, seq_len: int,

@@ -48,8 +48,22 @@ def unended_examples() -> list[Example]:
     return examples
 
 
+def test_text_after_a_taught_eos_is_whole_not_truncated(tmp_path):
+    """ChatML-style templates put a newline after the end of each turn: the example ends in that text, its last
+    taught token is EOS, and the shard is release-ready."""
+    newline = 10
+    trailing = [Example(list(e.input_ids) + [newline], list(e.labels[:-1]) + [-100, -100], e.meta)
+                for e in chat_examples()]  # the newline after EOS untaught
+    assert all(e.input_ids[-1] == newline and e.labels[-3] == e.input_ids[-2] for e in trailing)
+    root = write_shard(tmp_path / "s", trailing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, report = preflight(root, "train", vocab_size=VOCAB, seq_len=64, require_release_ready=True)
+    assert report["release_ready"]
+
+
 @pytest.mark.parametrize("build, finding", [
-    (lambda t: write_shard(t, unended_examples()), "5 examples do not end with EOS 0 (first: row 0"),
+    (lambda t: write_shard(t, unended_examples()), "5 examples neither end with EOS 0 nor teach it last (first: row 0"),
     (lambda t: _edited(t, lambda d: {k: v for k, v in d.items() if k != "sha256"}), "records no sha256 for"),
     (lambda t: _edited(t, lambda d: {k: v for k, v in d.items() if k != "max_seq_len"}), "no sequence cap"),
     (lambda t: _edited(t, lambda d: {**d, "supervised_tokens": 1}), "says supervised_tokens 1, labels.bin"),

@@ -181,7 +181,7 @@ CASES = [
     ("shard-file-changed", lambda t: {"data": str(shard(t / "s", lambda p: edit_rows(
         p, lambda rows: [{**rows[0], "task": "renamed"}] + rows[1:])))}, ValueError, ["examples.jsonl", "sha256"]),
     ("shard-not-release-ready", lambda t: {"data": str(shard(t / "s", unended)), "require_release_ready": True},
-     ValueError, ["not release-ready", "do not end with EOS"]),
+     ValueError, ["not release-ready", "neither end with EOS"]),
     ("index-not-an-object", lambda t: {"data": str(shard(t / "s", lambda p: (p / "sft.idx.json").write_text("[1]")))},
      ValueError, ["sft.idx.json", "JSON object"]),
     ("index-vocab-size-a-string", lambda t: {"data": str(shard(t / "s", lambda p: edit_json(
