@@ -114,7 +114,8 @@ class Run:
         data = self.train_data
         block = {"root": str(self.data_root), "train_examples": len(data), "eval_examples": len(self.eval_data),
                  "vocab_size": data.vocab_size, "eos_token_id": data.eos_token_id, "max_seq_len": data.max_seq_len,
-                 "preflight": self.preflight, "train_supervised_tokens": data.supervised_tokens()}
+                 "preflight": self.preflight, "train_supervised_tokens": data.supervised_tokens(),
+                 **manifests(data, self.eval_data)}
         if self.mixture is not None:
             consumed = self.consumed_units(steps_done)
             block["mixture"] = {**self.mixture.record(),
@@ -184,6 +185,23 @@ def never_trained(out_dir: Path) -> bool:
         return not metrics.exists() or not any(row.get("event") == "train" for row in read_metrics(metrics))
     except ValueError:  # rows that cannot be read may be steps: leave them alone
         return False
+
+
+def manifests(train: Partition, eval_: Partition) -> dict:
+    """What identifies the data beyond its folder, which may be converted again in place: each partition's file
+    hashes and the conversion that wrote it (tokenizer, template, supervision, its sources by name and kind,
+    their rejections), as its sft.idx.json records them. None for a mixture, whose sources its plan names."""
+    indexes = {name: getattr(part, "index", None) for name, part in (("train", train), ("eval", eval_))}
+    if any(index is None for index in indexes.values()):
+        return {}
+    conversion = indexes["train"].get("conversion")
+    if isinstance(conversion, dict) and isinstance(conversion.get("stats"), dict):
+        stats = conversion["stats"]
+        sources = [{key: value for key, value in source.items() if key != "files"}
+                   | ({"files": len(source["files"])} if isinstance(source.get("files"), list) else {})
+                   for source in stats.get("sources", []) if isinstance(source, dict)]
+        conversion = {**conversion, "stats": {**stats, "sources": sources}}
+    return {"sha256": {name: index.get("sha256") for name, index in indexes.items()}, "conversion": conversion}
 
 
 def refuse_foreign_resume(checkpoint_dir: Path, out_dir: Path) -> None:

@@ -367,3 +367,23 @@ def test_the_sft_step_computes_its_last_layer_on_the_supervised_rows_alone(tmp_p
     assert steps[0][0] == pytest.approx(steps[1][0], rel=1e-6)
     for name, grad in steps[1][1].items():
         torch.testing.assert_close(steps[0][1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_record_names_the_data_by_its_hashes_and_its_conversion(tmp_path):
+    """A data folder may be converted again in place: the record keeps what identifies the shard it trained on."""
+    from cflib.data.convert import ConvertSpec, convert
+
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(24)]
+    for name, part in (("train", rows[:20]), ("eval", rows[20:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in part))
+    indexes = convert(ConvertSpec(train=str(tmp_path / "train.jsonl"), eval=str(tmp_path / "eval.jsonl"),
+                                  out=str(tmp_path / "shard"), max_seq_len=64))
+    record = train({**FAST, "data": str(tmp_path / "shard"), "out_dir": str(tmp_path / "run"), "max_steps": 1,
+                    "exact_match_limit": 0, "eval_at_start": False}, progress=False)
+    data = record["data"]
+    assert data["sha256"] == {name: indexes[name]["sha256"] for name in ("train", "eval")}
+    conversion = data["conversion"]
+    assert conversion["tokenizer"] == indexes["train"]["conversion"]["tokenizer"]
+    assert conversion["supervise"] == indexes["train"]["conversion"]["supervise"]
+    assert conversion["stats"]["sources"][0]["files"] == 1  # counted: a folder of thousands stays small
