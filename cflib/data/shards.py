@@ -169,7 +169,10 @@ class ShardPartition(torch.utils.data.Dataset):
             raise ShardError(f"{index_path}: eos_token_id {self.eos_token_id} is not a token id below "
                              f"vocab_size {self.vocab_size}")
         if vocab_size is not None and self.vocab_size > vocab_size:
-            raise ShardError(f"{index_path}: shard vocab_size {self.vocab_size} exceeds the model's {vocab_size}")
+            raise ShardError(f"{index_path}: shard vocab_size {self.vocab_size} exceeds the model's {vocab_size}: "
+                             "its token ids have no embedding; convert the data with the model's own tokenizer, or "
+                             "train a model of that vocabulary (init_checkpoint; the presets hold 260 byte tokens, "
+                             "tr_hash_200m 32,000)")
         self.rows, self.metadata_fields = self._merged_rows()
         self.input_ids = self._map("input_ids.bin", "<u4")
         self.labels = self._map("labels.bin", "<i4")
