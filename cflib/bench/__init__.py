@@ -23,7 +23,7 @@ _MODULE_OF = {
     **dict.fromkeys(["ThroughputParams", "measure"], "cflib.bench.throughput"),
     # Not `tune`: once its module is imported, the package's attribute of that name is the module.
     **dict.fromkeys(["TuneParams", "prepare_tuning"], "cflib.bench.tune"),
-    **dict.fromkeys(["check", "error_table", "run_job"], "cflib.bench.validate"),
+    **dict.fromkeys(["check", "error_table", "run_job", "ValidateParams"], "cflib.bench.validate"),
 }
 __all__ = sorted(_MODULE_OF)
 __getattr__, __dir__ = lazy_names(__name__, _MODULE_OF)

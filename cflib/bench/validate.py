@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -21,9 +22,11 @@ from cflib.atomic import write_json_atomic
 from cflib.bench.components import DTYPES, TOLERANCES, Component, Shape, shapes_for
 from cflib.bench.components import components as all_components
 from cflib.bench.timing import time_trmoe
+from cflib.errors import ParamError
 from cflib.jobs import job_out_dir, record_header
 from cflib.ops.dispatch import KernelUnavailable, liger_problem, triton_problem
 from cflib.ops.interpreter import bf16_arithmetic_broken
+from cflib.schema import Params
 
 
 def _prepare(inputs: dict, params: tuple[str, ...], dtype: torch.dtype) -> dict:
@@ -162,16 +165,32 @@ def resolve_grid(dtypes: str, shapes: str, device: torch.device) -> tuple[list[s
     return wanted, chosen
 
 
-def run_job(out_dir: str | None = None, dtypes: str = "float32,bfloat16", shapes: str = "auto",
-            time_layers: bool = True, progress: bool = True) -> dict:
+@dataclass(frozen=True)
+class ValidateParams(Params):
+    """validate_kernels.ipynb's parameters."""
+
+    out_dir: str | None = None  # None: a new outputs/runs/<time>-validate_kernels folder
+    dtypes: str = "float32,bfloat16"
+    shapes: str = "auto"  # auto: tiny, plus 200m on a GPU; or a comma list of tiny, 200m
+    time_layers: bool = True  # GPU only: forward+backward ms of one TR-MoE layer, reference vs fused
+
+    def validate(self) -> None:
+        try:
+            resolve_grid(self.dtypes, self.shapes, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        except ValueError as err:
+            raise ParamError(str(err)) from None
+
+
+def run_job(params: ValidateParams, progress: bool = True) -> dict:
     """The validate_kernels notebook's job: every comparison, the TR-MoE layer timing on a GPU, one record.
 
     Writes out_dir/record.json (and never over another run's record) before any tolerance is judged,
     so a failing run still leaves its evidence.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    wanted, chosen = resolve_grid(dtypes, shapes, device)
-    target = job_out_dir(out_dir or None, "runs", ("record.json",), "a record", name="validate_kernels")
+    wanted, chosen = resolve_grid(params.dtypes, params.shapes, device)
+    time_layers = params.time_layers
+    target = job_out_dir(params.out_dir, "runs", ("record.json",), "a record", name="validate_kernels")
     rows, skipped = validate(device, tuple(wanted), chosen,
                              progress=(lambda grid: tqdm(grid, desc="comparisons")) if progress else None)
     record = {

@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from cflib.atomic import atomic_file, save_figure, write_json_atomic, write_text_atomic
+from cflib.atomic import atomic_file, save_figure, scratch_folder, write_json_atomic, write_text_atomic
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import ExportError, TokenizerExportError, export_hub
@@ -225,17 +225,18 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
     merged: dict[str, Any] = {}
     samples: dict[str, list[dict]] = {}
     start = time.perf_counter()
-    for name in tqdm(list(job.tasks), desc="tasks", unit="task", disable=not progress):
-        with quiet_lm_eval():
-            result = lm_eval.simple_evaluate(model=lm, tasks=job.checked_tasks.specs([name]), limit=params.limit,
-                                             task_manager=job.checked_tasks.manager, log_samples=True,
-                                             num_fewshot=0)
-        samples.update(result.pop("samples"))
-        for key, value in result.items():
-            if isinstance(value, dict) and isinstance(merged.get(key), dict):
-                merged[key].update(value)
-            else:
-                merged[key] = value
+    with scratch_folder(out_dir / "cache") as cache:  # the shipped tasks' datasets cache, gone when scored
+        for name in tqdm(list(job.tasks), desc="tasks", unit="task", disable=not progress):
+            with quiet_lm_eval():
+                result = lm_eval.simple_evaluate(model=lm, tasks=job.checked_tasks.specs([name], cache),
+                                                 limit=params.limit, task_manager=job.checked_tasks.manager,
+                                                 log_samples=True, num_fewshot=0)
+            samples.update(result.pop("samples"))
+            for key, value in result.items():
+                if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                    merged[key].update(value)
+                else:
+                    merged[key] = value
     seconds = time.perf_counter() - start
     out_dir.mkdir(parents=True, exist_ok=True)
     job.checked_tasks.write_configs(out_dir / "tasks")

@@ -27,7 +27,7 @@ import ipywidgets as widgets
 from cflib.bench.components import components
 from cflib.bench.throughput import BATCHES, ThroughputParams
 from cflib.bench.tune import TuneParams
-from cflib.bench.validate import resolve_grid
+from cflib.bench.validate import ValidateParams, resolve_grid
 from cflib.lab.compare import CompareParams
 from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.paths import project_root, resolve_path
@@ -85,13 +85,13 @@ def validate_form(namespace: dict[str, Any]) -> "ParameterForm | None":
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    def derived(grid: tuple) -> str:
-        dtypes, shapes = grid
+    def derived(params: ValidateParams) -> str:
+        dtypes, shapes = resolve_grid(params.dtypes, params.shapes, device)
         count = len(components())
         return (f"{count * len(dtypes) * len(shapes)} comparisons on {device.type}: "
                 f"{count} components x {', '.join(dtypes)} x {', '.join(s.name for s in shapes)}")
-    return parameter_form(namespace, ["out_dir", "dtypes", "shapes", "time_layers"],
-                          check=lambda values: resolve_grid(values["dtypes"], values["shapes"], device),
+    return parameter_form(namespace, ValidateParams.names(),
+                          check=lambda values: ValidateParams.from_dict(values, "form"),
                           derived=derived, params_dir="params")
 
 

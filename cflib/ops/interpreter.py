@@ -17,25 +17,59 @@ import importlib.util
 import os
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+# The modules whose kernels Triton defines when they are imported: the switch must come before any of them.
+KERNEL_MODULES = ("cflib.ops.add_rms_norm", "cflib.ops.adamw", "cflib.ops.column_sums", "cflib.ops.cross_entropy",
+                  "cflib.ops.qk_norm_rope", "cflib.ops.rows", "cflib.ops.trmoe", "cflib.ops.liger", "liger_kernel")
+_rsqrt = None  # tl.rsqrt as a Triton function, once the interpreter's gaps are closed
 
-if INTERPRETING and importlib.util.find_spec("triton") is not None:
+
+def _close_interpreter_gaps() -> None:
+    """Gap 1 closed in Triton's interpreter, and the rsqrt gap 2 needs defined (close_liger_gaps applies it)."""
+    global _rsqrt
+    if importlib.util.find_spec("triton") is None:
+        return
     import numpy as np
     import triton
     import triton.language as tl
     from triton.runtime import interpreter
 
-    _implicit_cvt = interpreter._implicit_cvt
+    implicit_cvt = interpreter._implicit_cvt
 
-    def _implicit_cvt_with_floats(arg):
+    def implicit_cvt_with_floats(arg):
         if isinstance(arg, float):
             return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
-        return _implicit_cvt(arg)
+        return implicit_cvt(arg)
 
     @triton.jit
-    def _rsqrt(x):
+    def rsqrt(x):
         return tl.rsqrt(x)
 
-    interpreter._implicit_cvt = _implicit_cvt_with_floats
+    interpreter._implicit_cvt = implicit_cvt_with_floats
+    _rsqrt = rsqrt
+
+
+if INTERPRETING:
+    _close_interpreter_gaps()
+
+
+def interpret_without_gpu() -> bool:
+    """On a machine without a CUDA device, Triton's interpreter on for this process (TRITON_INTERPRET=1), so the
+    kernels run on the CPU, to be checked (validate_kernels); True when it is on. Triton reads the switch as it
+    defines each kernel, so it must come before any kernel module is imported: after one, nothing changes. A
+    TRITON_INTERPRET the user set is left as it is."""
+    global INTERPRETING
+    import sys
+
+    import torch
+
+    if INTERPRETING or torch.cuda.is_available() or "TRITON_INTERPRET" in os.environ:
+        return INTERPRETING
+    if any(name in sys.modules for name in KERNEL_MODULES):
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    INTERPRETING = True
+    _close_interpreter_gaps()
+    return True
 
 
 def close_liger_gaps() -> None:
@@ -68,6 +102,9 @@ def bf16_arithmetic_broken() -> bool:
 
 
 def _bf16_probe():
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def multiply(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
         offsets = tl.arange(0, BLOCK)

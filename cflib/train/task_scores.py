@@ -73,10 +73,15 @@ class CheckedTasks:
     configs: dict[str, dict]  # the shipped tasks named, given to lm-eval as configs: no file is written for them
     described: dict[str, dict]
 
-    def specs(self, names: list[str]) -> list[str | dict]:
+    def specs(self, names: list[str], cache_dir: Path) -> list[str | dict]:
         """simple_evaluate's `tasks` for names: a shipped task's config (a copy: lm-eval builds on what it is
-        given), a registry task's name."""
-        return [copy.deepcopy(self.configs[name]) if name in self.configs else name for name in names]
+        given) with `datasets`' cache of its data in `cache_dir` (the job's folder, not the user's home), a
+        registry task's name (its Hub data in the Hugging Face cache, shared as every Hugging Face tool shares it)."""
+        def shipped(name: str) -> dict:
+            config = copy.deepcopy(self.configs[name])
+            config["dataset_kwargs"] = {**config["dataset_kwargs"], "cache_dir": str(cache_dir)}
+            return config
+        return [shipped(name) if name in self.configs else name for name in names]
 
     def write_configs(self, folder: Path) -> None:
         """The shipped tasks' configs as they were scored, a YAML each, in folder (an evaluation's tasks/)."""
@@ -171,10 +176,10 @@ class TaskScorer:
             lm = HFLM(pretrained=str(bundle), trust_remote_code=True, batch_size=8, device=self.device,
                       dtype="float32")
             with quiet_lm_eval():
-                results = lm_eval.simple_evaluate(model=lm, tasks=self.tasks.specs(self.names), limit=self.limit,
-                                                  task_manager=self.tasks.manager, num_fewshot=0)
+                results = lm_eval.simple_evaluate(model=lm, tasks=self.tasks.specs(self.names, folder / "cache"),
+                                                  limit=self.limit, task_manager=self.tasks.manager, num_fewshot=0)
         finally:
-            for scratch in ("bundle", "merged"):
+            for scratch in ("bundle", "merged", "cache"):
                 shutil.rmtree(folder / scratch, ignore_errors=True)
         write_text_atomic(folder / "lm_eval_results.json",
                           json.dumps(results, indent=2, default=handle_non_serializable))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets.config
 import pytest
 import torch
 
@@ -47,8 +48,13 @@ def evaluated(bundle: Path, tmp_path_factory) -> tuple[dict, Path]:
     (out.parent / "precious.txt").write_text("keep me")
     for name in ("lm_eval_results.json", "scores.png"):
         (out / name).symlink_to(out.parent / "precious.txt")
-    return evaluate(EvalParams(model=str(bundle), tasks="embedded_choice, embedded_exact", device="cpu",
-                               out_dir=str(out)), progress=False), out
+    shared_cache = out.parent / "hf-datasets-cache"  # where `datasets` caches what no job names a folder for
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", shared_cache)
+        record = evaluate(EvalParams(model=str(bundle), tasks="embedded_choice, embedded_exact", device="cpu",
+                                     out_dir=str(out)), progress=False)
+    assert not shared_cache.exists()  # the shipped tasks' data cached in the evaluation's folder, then gone
+    return record, out
 
 
 def test_the_shipped_tasks_are_found():
@@ -66,7 +72,7 @@ def test_a_registry_task_beside_a_shipped_one_is_looked_up_in_lm_evals_index():
     checked = check_tasks(["embedded_exact", "arc_easy"])
     assert "arc_easy" in checked.manager.all_tasks
     assert checked.described["arc_easy"] == {"source": "lm-eval registry"}
-    assert checked.specs(["embedded_exact", "arc_easy"])[1] == "arc_easy"
+    assert checked.specs(["embedded_exact", "arc_easy"], ROOT)[1] == "arc_easy"
 
 
 @pytest.mark.slow

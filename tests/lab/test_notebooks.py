@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import papermill
 import pytest
+import torch
 
 from cflib.data.shards import sha256_file
 from cflib.lab import nbclean
@@ -237,6 +238,25 @@ def test_papermill_chat_answers_every_prompt_of_a_jsonl_file(tmp_path, tiny_chec
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is for a machine without a GPU")
+def test_papermill_validates_the_kernels_on_a_cpu_without_triton_interpret_set(tmp_path, monkeypatch):
+    """Headless on a CPU, as the README promises every notebook's defaults run: the notebook switches Triton's
+    interpreter on itself, before any kernel is defined; a misspelt parameter stops it before anything runs."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the kernel papermill starts inherits this environment
+    notebook, out_dir = ROOT / "notebooks" / "validate_kernels.ipynb", tmp_path / "validate"
+    papermill.execute_notebook(str(notebook), str(tmp_path / "executed.ipynb"), parameters={
+        "out_dir": str(out_dir), "dtypes": "float32"}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    record = json.loads((out_dir / "record.json").read_text())
+    assert record["triton_interpreter"] and {row["dtype"] for row in record["rows"]} == {"float32"}
+    ran = {row["component"] for row in record["rows"]}
+    assert {"trmoe", "add_rmsnorm", "qk_norm_rope"} <= ran and all(row["passed"] for row in record["rows"])
+    with pytest.raises(papermill.PapermillExecutionError, match="dtype"):
+        papermill.execute_notebook(str(notebook), str(tmp_path / "typo.ipynb"), parameters={
+            "out_dir": str(tmp_path / "typo"), "dtype": "float32"}, cwd=str(ROOT / "notebooks"), progress_bar=False)
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.slow
 def test_papermill_runs_the_smoke_profile_and_ends_with_an_lm_eval_evaluation_of_its_bundle(tmp_path):
     out_dir, executed = tmp_path / "run", tmp_path / "executed.ipynb"
     papermill.execute_notebook(str(TRAIN_SFT), str(executed), parameters={
@@ -265,7 +285,8 @@ NOTEBOOK_PARAMETERS = {"train_sft.ipynb": "cflib.train.params:TrainParams", "cha
                        "compare_runs.ipynb": "cflib.lab.compare:CompareParams",
                        "convert_chat.ipynb": "cflib.data.convert:ConvertParams",
                        "tune_microbatch.ipynb": "cflib.bench.tune:TuneParams",
-                       "measure_throughput.ipynb": "cflib.bench.throughput:ThroughputParams"}
+                       "measure_throughput.ipynb": "cflib.bench.throughput:ThroughputParams",
+                       "validate_kernels.ipynb": "cflib.bench.validate:ValidateParams"}
 
 
 def parameter_class(notebook: str) -> type:
