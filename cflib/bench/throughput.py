@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
 from cflib.atomic import write_json_atomic
 from cflib.bench.batches import Batches, random_rows, realistic, timing_protocol

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import yaml
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
 from cflib.atomic import scratch_folder
 from cflib.bench.memory import PeakMemory, free_device_memory, measure_name

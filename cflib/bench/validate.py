@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
 from cflib.atomic import write_json_atomic
 from cflib.bench.components import DTYPES, TOLERANCES, Component, Shape, shapes_for

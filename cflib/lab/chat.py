@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
 from cflib.atomic import atomic_file, live_path, write_json_atomic
 from cflib.data import (

@@ -24,7 +24,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import torch
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
 from cflib.atomic import atomic_file, save_figure, scratch_folder, write_json_atomic, write_text_atomic
 from cflib.data.shards import sha256_file

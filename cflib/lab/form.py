@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import html
-import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -31,6 +30,7 @@ from cflib.bench.validate import ValidateParams, resolve_grid
 from cflib.lab.compare import CompareParams
 from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.paths import project_root, resolve_path
+from cflib.progress import frontend_attached
 from cflib.train.params import ParamError, TrainParams, load_params_file
 from cflib.train.run import batch_arithmetic, describe_arithmetic
 
@@ -39,28 +39,6 @@ NOTEBOOK_VALUES = "(this notebook's values)"
 MAIN_TRAIN_PARAMETERS = ("model", "init_checkpoint", "data", "out_dir", "seq_len", "micro_batch_per_rank",
                          "global_batch", "epochs", "max_steps", "lr", "bf16", "grad_ckpt", "nproc_per_node",
                          "device")
-
-
-def frontend_attached() -> bool:
-    """True when a person's notebook frontend (JupyterLab, Notebook) runs this cell; False under papermill,
-    nbval, nbconvert or plain Python.
-
-    Two signals, both required. The kernel was started by a Jupyter server for
-    a notebook session: jupyter_server (2.0 on) puts JPY_SESSION_NAME in the
-    kernel's environment, while papermill, nbclient and nbval start their
-    kernels themselves. And the request running this cell accepts input():
-    a frontend a person types into does, nbclient (papermill's executor)
-    refuses stdin, which also catches a papermill run started from a
-    JupyterLab terminal or cell, whose kernel inherits JPY_SESSION_NAME.
-    Papermill's injected-parameters cell is no signal: it is absent when
-    papermill runs without parameters.
-    """
-    from IPython import get_ipython
-
-    kernel = getattr(get_ipython(), "kernel", None)
-    if kernel is None or "JPY_SESSION_NAME" not in os.environ:
-        return False
-    return bool(kernel.get_parent().get("content", {}).get("allow_stdin", False))
 
 
 def parameter_form(namespace: dict[str, Any], names: Sequence[str], *, main: Sequence[str] | None = None,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
 from cflib.atomic import write_json_atomic
 from cflib.export.publish import publish_run

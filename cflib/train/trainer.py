@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
 from cflib.atomic import clean_leftovers, is_out_of_space, live_path, write_json_atomic, write_text_atomic
 from cflib.data import load_tokenizer, shard_chat_template_sha256, shard_tokenizer_spec

@@ -108,6 +108,10 @@ def test_papermill_runs_the_weighted_packed_smoke_profile_to_its_target_shares(t
     text = "".join(o.get("text", "") for c in nbformat.read(executed, as_version=4).cells
                    if c.cell_type == "code" for o in c.outputs if o.output_type == "stream")
     assert "| arithmetic | addition x no-carry |" in text and "preflight train: 22,000 examples" in text
+    widgets = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs
+               if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert not widgets  # headless, no bar: the executed copy would keep one frozen at its first state
+    assert "step 30/30" in text  # the trainer's text trace tells the progress instead
     record = json.loads((out_dir / "record.json").read_text())
     assert record["kernel_path"]["attention"] == "sdpa_mask"  # packed windows, each example attending to itself
     assert record["packing"]["examples"] == 22_000 and record["packing"]["examples_per_window"] > 3
