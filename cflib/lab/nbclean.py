@@ -71,6 +71,10 @@ def write_notebook(notebook: nbformat.NotebookNode, path: Path) -> None:
         staging.write_bytes(data)
 
 
+# What a run leaves on each cell (papermill's timings and status, the kernel's execution times): not the notebook's.
+RUN_METADATA = {"papermill", "execution"}
+
+
 def problems(notebook: nbformat.NotebookNode) -> list[str]:
     """What keeps this notebook from being committed, one line each (empty: nothing)."""
     found = []
@@ -83,7 +87,12 @@ def problems(notebook: nbformat.NotebookNode) -> list[str]:
         found.append(f"language_info name {language!r}: the committed notebook names 'python'")
     if "widgets" in notebook.metadata:
         found.append("saved widget state in the notebook metadata")
+    if "papermill" in notebook.metadata:
+        found.append("papermill's record of a run in the notebook metadata")
     for index, cell in enumerate(notebook.cells):
+        run_keys = sorted(RUN_METADATA & set(cell.metadata))
+        if run_keys:
+            found.append(f"cell {index} carries a run's metadata ({', '.join(run_keys)})")
         if cell.cell_type != "code" or NBVAL_MARK in cell.source:
             continue
         if cell.outputs or cell.execution_count is not None:
@@ -97,7 +106,12 @@ def clean(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
     notebook.metadata["kernelspec"] = dict(PORTABLE_KERNELSPEC)
     notebook.metadata["language_info"] = {"name": "python"}
     notebook.metadata.pop("widgets", None)
+    notebook.metadata.pop("papermill", None)
     for cell in notebook.cells:
+        for key in RUN_METADATA:
+            cell.metadata.pop(key, None)
+        if cell.metadata.get("tags") == []:  # papermill's: an empty list says nothing
+            del cell.metadata["tags"]
         if cell.cell_type == "code" and NBVAL_MARK not in cell.source:
             cell.outputs = []
             cell.execution_count = None

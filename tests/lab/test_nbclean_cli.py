@@ -102,3 +102,24 @@ def test_a_notebook_that_is_a_symbolic_link_is_refused_never_written_through(tmp
         err = capsys.readouterr().err
         assert f"notes.ipynb: a symbolic link (to {outside})" in err, err
     assert outside.read_bytes() == before and (tmp_path / "repo" / "notes.ipynb").is_symlink()
+
+
+def test_a_run_s_metadata_is_taken_out_and_the_checked_outputs_stay(tmp_path):
+    """What `make references` leaves after papermill ran a notebook in place: papermill's and the kernel's timings
+    go, the outputs nbval checks stay."""
+    document = notebook(kernelspec={"name": "python3", "display_name": "Python 3", "language": "python"},
+                        language_info={"name": "python"}, papermill={"duration": 2.5, "parameters": {}})
+    timing = {"papermill": {"duration": 0.01, "status": "completed"}, "execution": {"iopub.status.idle": "t"},
+              "tags": []}
+    document["cells"][0]["metadata"] = dict(timing)
+    document["cells"].append({"cell_type": "code", "id": "c", "metadata": dict(timing), "execution_count": 2,
+                              "source": "# NBVAL_CHECK_OUTPUT\nprint('checked')",
+                              "outputs": [{"output_type": "stream", "name": "stdout", "text": "checked\n"}]})
+    path = tmp_path / "run.ipynb"
+    path.write_text(json.dumps(document))
+    assert any("papermill's record" in line for line in nbclean.problems(nbclean.read_notebook(path)))
+    assert nbclean.main([str(path)]) == 0
+    cleaned = json.loads(path.read_text())
+    assert "papermill" not in cleaned["metadata"] and all(cell["metadata"] == {} for cell in cleaned["cells"])
+    assert "".join(cleaned["cells"][2]["outputs"][0]["text"]) == "checked\n" and cleaned["cells"][1]["outputs"] == []
+    assert nbclean.problems(nbclean.read_notebook(path)) == []
