@@ -6,28 +6,35 @@ points) from their records; `comparison_table`, `plot_curves`,
 comparison.json, comparison.csv and the figures. A run whose record is not
 complete (killed, failed, still running) is refused by name unless
 `include_incomplete`, when what its metrics.jsonl holds is shown instead.
+A curriculum's folder reads as one run: its stages' metrics joined in order.
+`out_dir` is new, empty, or holds only an earlier comparison (its
+comparison.json), whose files are replaced; anything else there is refused.
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import glob
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.ticker import EngFormatter
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
-from cflib.atomic import atomic_file, save_figure, write_json_atomic
+from cflib.atomic import atomic_file, copy_beside, save_figure, write_json_atomic
 from cflib.errors import ParamError
-from cflib.jobs import new_out_dir
+from cflib.jobs import new_out_dir, refuse_links
 from cflib.jsonio import read_json
 from cflib.paths import resolve_path
 from cflib.schema import Params, parsed_by
+from cflib.train.params import TrainParams
 from cflib.train.records import read_metrics
+from cflib.yamlio import load_yaml
 
 SWEEP_FILE = "sweep.json"  # a sweep folder's points and the state of each (cflib.lab.sweep)
 METRICS = ("final_eval_loss", "best_eval_loss", "exact_match/overall", "best_value", "tokens_per_s", "peak_memory_gib",
@@ -37,10 +44,17 @@ SOURCE_METRICS = ("source_loss/", "source_exact_match/")
 SCORES = ("exact_match/", "lm_eval/", *SOURCE_METRICS)  # the per-task and per-source columns
 # Parameters that name where a run lives, not what it trained.
 _NOT_COMPARED = ("out_dir", "resume")
+MANIFEST = "comparison.json"  # marks a folder as a comparison's own: a later comparison may replace its files
+FIGURES = ("loss_curves.png", "exact_match.png", "sweep.png")
+COMPARISON_FILES = (MANIFEST, "comparison.csv", *FIGURES)
+CURRICULUM_FILE = "curriculum.json"  # a curriculum's folder (cflib.train.curriculum_run): its stages are runs
 
 
 def run_list(name: str, value: Any) -> tuple[str, ...]:
-    """Run folders, globs or sweep folders: one, or a list of them."""
+    """Run folders, globs or sweep folders: one, or a list of them (a YAML list in a string, as `-p runs "[a, b]"`
+    gives it)."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        value = load_yaml(value, name, ParamError)
     runs = (value,) if isinstance(value, (str, Path)) else tuple(value) if isinstance(value, (list, tuple)) else None
     if not runs or not all(isinstance(item, (str, Path)) and str(item).strip() for item in runs):
         raise ParamError(f"{name} must name run folders, globs or a sweep folder, got {value!r}")
@@ -54,7 +68,7 @@ class CompareParams(Params):
     runs: tuple[str, ...] = parsed_by(run_list, ("outputs/records/sweep_lr_seeds_cpu",))  # folders, globs, sweeps
     include_incomplete: bool = False  # show killed or failed runs from their metrics instead of refusing them
     metric: str = "final_eval_loss"  # what a sweep's parameters are plotted against: one of METRICS
-    out_dir: str | None = None  # None: a new outputs/comparisons/<time>/
+    out_dir: str | None = None  # None: a new outputs/comparisons/<time>/; else empty, new, or an earlier comparison's
 
     def validate(self) -> None:
         if self.metric not in METRICS and not self.metric.startswith(SCORES):
@@ -73,6 +87,8 @@ class RunView:
     record: dict | None
     metrics: list[dict]
     problem: str | None = None  # why the record is incomplete; None: complete
+    sweep_point: bool = False  # named through a sweep folder: a point of the sweep plot
+    stages: list[str] = field(default_factory=list)  # a curriculum's stages, in the order they ran
 
     @property
     def complete(self) -> bool:
@@ -97,11 +113,21 @@ class Comparison:
         lines += [f"not compared: {line}" for line in self.skipped]
         lines += [f"incomplete: {run.name} ({run.problem}): shown from its metrics.jsonl"
                   for run in self.runs if not run.complete]
+        lines += [f"curriculum: {run.name}, stages {' then '.join(run.stages)}, their metrics joined"
+                  for run in self.runs if run.stages]
+        if self.swept and self.off_sweep_plot:
+            lines.append("not in the sweep plot: " + ", ".join(self.off_sweep_plot))
         return "\n".join(lines)
+
+    @property
+    def off_sweep_plot(self) -> list[str]:
+        """The runs the sweep plot leaves out, and why: only a sweep's complete points are its points."""
+        return [f"{run.name} ({'not a point of the sweep' if not run.sweep_point else 'incomplete'})"
+                for run in self.runs if not (run.sweep_point and run.complete)]
 
 
 def _is_run_folder(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in ("record.json", "params.json"))
+    return path.is_dir() and any((path / name).is_file() for name in ("record.json", "params.json", CURRICULUM_FILE))
 
 
 def _sweep_points(folder: Path) -> tuple[list[Path], list[str], list[str]]:
@@ -114,7 +140,8 @@ def _sweep_points(folder: Path) -> tuple[list[Path], list[str], list[str]]:
     for point in plan["points"]:
         run_dir = folder / point["run_dir"]
         if point.get("status") == "failed":
-            skipped.append(f"{point['name']} (failed: {str(point.get('error', '')).splitlines()[0][:120]})")
+            error = (str(point.get("error") or "").strip().splitlines() or ["no reason recorded"])[0]
+            skipped.append(f"{point['name']} (failed: {error})")  # whole: a reason cut mid-phrase misleads
         elif _is_run_folder(run_dir):
             found.append(run_dir)
         else:
@@ -122,16 +149,19 @@ def _sweep_points(folder: Path) -> tuple[list[Path], list[str], list[str]]:
     return found, list(plan.get("swept", [])), skipped
 
 
-def resolve_runs(runs: Sequence[str]) -> tuple[list[Path], list[str], list[str]]:
-    """Run folders in the order named (a glob's sorted), a sweep's swept parameters, a sweep's points left out."""
+def resolve_runs(runs: Sequence[str]) -> tuple[list[Path], list[str], list[str], set[Path]]:
+    """Run folders in the order named (a glob's sorted), a sweep's swept parameters, a sweep's points left out,
+    and which of the folders are a sweep's points."""
     found: list[Path] = []
     swept: list[str] = []
     skipped: list[str] = []
+    points_of_sweeps: set[Path] = set()
     for item in runs:
         path = resolve_path(item)
         if (path / SWEEP_FILE).is_file():
             points, names, left_out = _sweep_points(path)
             found += points
+            points_of_sweeps |= {point.resolve() for point in points}
             swept += [name for name in names if name not in swept]
             skipped += left_out
         elif glob.has_magic(str(item)):
@@ -148,10 +178,10 @@ def resolve_runs(runs: Sequence[str]) -> tuple[list[Path], list[str], list[str]]
     if not unique:
         raise ParamError(f"runs: {', '.join(runs)} hold no run to compare yet" + (
             f" ({'; '.join(skipped)})" if skipped else ""))
-    return unique, swept, skipped
+    return unique, swept, skipped, points_of_sweeps
 
 
-def _incomplete(path: Path, record: dict | None) -> str | None:
+def _incomplete(path: Path, record: dict | None, metrics_file: str = "metrics.jsonl") -> str | None:
     if not (path / "COMPLETE").is_file():
         return "no COMPLETE marker: killed, failed or still running"
     if record is None:
@@ -159,20 +189,62 @@ def _incomplete(path: Path, record: dict | None) -> str | None:
     for key in ("eval", "throughput", "kernel_path", "timing", "params"):
         if key not in record:
             return f"record.json has no {key!r}"
-    if not (path / "metrics.jsonl").is_file():
-        return "no metrics.jsonl"
+    if not (path / metrics_file).is_file():
+        return f"no {metrics_file}"
     return None
 
 
-def load_run(path: Path, name: str) -> RunView:
-    record = _document(path / "record.json", "run record") if (path / "record.json").is_file() else None
+def _metrics(path: Path) -> list[dict]:
     try:
-        metrics = read_metrics(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+        return read_metrics(path) if path.is_file() else []
     except ValueError as err:
         raise ParamError(f"runs: {err}") from None
+
+
+def load_run(path: Path, name: str) -> RunView:
+    if (path / CURRICULUM_FILE).is_file():
+        return load_curriculum(path, name)
+    record = _document(path / "record.json", "run record") if (path / "record.json").is_file() else None
+    metrics = _metrics(path / "metrics.jsonl")
     params = record["params"] if record and "params" in record else (
         _document(path / "params.json", "run's parameters") if (path / "params.json").is_file() else {})
-    return RunView(name, path, params, record, metrics, _incomplete(path, record))
+    return RunView(name, path, with_defaults(params), record, metrics, _incomplete(path, record))
+
+
+def _stage_names(path: Path, record: dict | None) -> list[str]:
+    """A curriculum's stages in the order they ran: as its record links them, else as curriculum.json plans them."""
+    linked = ((record or {}).get("curriculum") or {}).get("stages")
+    planned = _document(path / CURRICULUM_FILE, "curriculum file").get("stages")
+    stages = linked if isinstance(linked, list) and linked else planned
+    if not isinstance(stages, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in stages):
+        raise ParamError(f"{path / CURRICULUM_FILE}: a curriculum's file lists its 'stages', each with its 'name'")
+    return [stage["name"] for stage in stages]
+
+
+def load_curriculum(path: Path, name: str) -> RunView:
+    """A curriculum as one run: its record (the last stage's, with `curriculum`), and every stage's metrics.jsonl
+    joined in the order the stages ran, each stage's steps counted on from where the stage before ended."""
+    record = _document(path / "record.json", "run record") if (path / "record.json").is_file() else None
+    stages = _stage_names(path, record)
+    joined: list[dict] = []
+    offset = 0
+    for stage in stages:
+        rows = _metrics(path / "stages" / stage / "metrics.jsonl")
+        joined += [{**row, "step": row["step"] + offset, "stage": stage} for row in rows if "step" in row]
+        offset += max((row["step"] for row in rows if row.get("event") == "train"), default=0)
+    first = path / "stages" / stages[0] / "params.json" if stages else None
+    started = _document(first, "run's parameters") if first is not None and first.is_file() else {}
+    curriculum = _document(path / CURRICULUM_FILE, "curriculum file").get("curriculum")
+    params = with_defaults({**started, "curriculum": curriculum, "max_steps": offset or started.get("max_steps")})
+    problem = _incomplete(path, record, metrics_file=f"stages/{stages[0]}/metrics.jsonl" if stages else "stages")
+    return RunView(name, path, params, record, joined, problem, stages=stages)
+
+
+def with_defaults(params: dict) -> dict:
+    """A run's parameters with those its version of cflib did not record at today's defaults: an older record
+    differs from a newer one only where they trained differently."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainParams) if f.default is not dataclasses.MISSING}
+    return {**defaults, **params} if params else params
 
 
 def _document(path: Path, what: str) -> dict:
@@ -194,6 +266,7 @@ def _shown(value: Any) -> Any:
 
 
 def differing_parameters(runs: list[RunView]) -> list[str]:
+    """The parameters whose values differ between the runs (a missing one at its default: `with_defaults`)."""
     names = list(dict.fromkeys(name for run in runs for name in run.params))
     return [name for name in names if name not in _NOT_COMPARED
             and len({json.dumps(run.params.get(name), sort_keys=True, default=str) for run in runs}) > 1]
@@ -217,6 +290,10 @@ def run_row(run: RunView, differing: list[str]) -> dict:
         final, history = record["eval"]["final"], record["eval"]["history"]
         row.update(steps=record["schedule"]["steps_done"], final_eval_loss=final["loss"],
                    best_eval_loss=min(e["loss"] for e in history if e["step"] > 0 or len(history) == 1))
+        if run.stages:  # the record is the last stage's: the curriculum's steps and best span every stage
+            trained = [e for e in evals if e["step"] > 0]
+            row.update(steps=train[-1]["step"] if train else 0,
+                       best_eval_loss=min(e["loss"] for e in trained) if trained else row["best_eval_loss"])
         exact = final.get("exact_match") or {}
         row.update({f"exact_match/{task}": rate for task, rate in exact.items()}, **by_source(final))
         row.update(best_scores(record))
@@ -224,14 +301,15 @@ def run_row(run: RunView, differing: list[str]) -> dict:
         row.update(tokens_per_s=throughput["steady_state_tokens_per_s"], peak_memory_gib=throughput["peak_memory_gib"],
                    kernel_path=" ".join(f"{k}={v}" for k, v in record["kernel_path"].items()),
                    wall_s=record["timing"]["wall_s"])
-    else:  # what metrics.jsonl holds of an incomplete run
-        trained = [e for e in evals if e["step"] > 0] or evals
-        decoded = next((e for e in reversed(evals) if e.get("exact_match")), {})
+    else:  # what metrics.jsonl holds of an incomplete run: only evaluations after training began, so the
+        # evaluation at start (step 0) is never shown as what the run reached
+        trained = [e for e in evals if e["step"] > 0]
+        decoded = next((e for e in reversed(trained) if e.get("exact_match")), {})
         exact = decoded.get("exact_match", {})
-        row.update(steps=train[-1]["step"] if train else 0, final_eval_loss=evals[-1]["loss"] if evals else None,
+        row.update(steps=train[-1]["step"] if train else 0, final_eval_loss=trained[-1]["loss"] if trained else None,
                    best_eval_loss=min(e["loss"] for e in trained) if trained else None,
                    **{f"exact_match/{task}": rate for task, rate in exact.items()},
-                   **by_source({"loss_by_source": evals[-1].get("loss_by_source") if evals else None,
+                   **by_source({"loss_by_source": trained[-1].get("loss_by_source") if trained else None,
                                 "exact_match_by_source": decoded.get("exact_match_by_source")}),
                    tokens_per_s=None, peak_memory_gib=None, kernel_path=None, wall_s=None)
     return row
@@ -249,9 +327,12 @@ def best_scores(record: dict) -> dict:
 
 def compare(params: CompareParams) -> Comparison:
     """Read the runs params names; an incomplete record stops here, naming the run, unless include_incomplete."""
-    paths, swept, skipped = resolve_runs(params.runs)
+    paths, swept, skipped, points = resolve_runs(params.runs)
+    out_dir = comparison_out_dir(resolve_path(params.out_dir)) if params.out_dir else new_out_dir("comparisons")
     runs = [load_run(path, name) for path, name in tqdm(list(zip(paths, _names(paths))), desc="reading runs",
                                                          unit="run")]
+    for run in runs:
+        run.sweep_point = run.path in points
     incomplete = [run for run in runs if not run.complete]
     if incomplete and not params.include_incomplete:
         first = incomplete[0]
@@ -263,9 +344,43 @@ def compare(params: CompareParams) -> Comparison:
     if not any(params.metric in row for row in rows):
         have = [key for key in rows[0] if key in METRICS or key.startswith(SCORES)]
         raise ParamError(f"metric {params.metric!r}: no run has it; these have {', '.join(have)}")
-    out_dir = resolve_path(params.out_dir) if params.out_dir else new_out_dir("comparisons")
     return Comparison(runs, differing, rows, params.metric, [s for s in swept if s in differing] or swept, skipped,
                       out_dir)
+
+
+def _is_manifest(path: Path) -> bool:
+    """Whether `path` is a comparison.json this module wrote (read without following a link)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        document = read_json(path, ParamError, "comparison file")
+    except ParamError:
+        return False
+    return isinstance(document, dict) and {"runs", "rows", "metric", "differing"} <= set(document)
+
+
+def comparison_out_dir(out: Path) -> Path:
+    """`out` when a comparison may write there: new, empty, or holding only an earlier comparison's files (its
+    comparison.json among them), which it replaces. Anything else is someone's output (a run's loss_curves.png, a
+    sweep's sweep.json): refused, naming it. Links are refused too: written through, they would change files
+    outside the folder."""
+    if out.exists() and not out.is_dir():
+        raise ParamError(f"out_dir {out} exists and is not a folder; choose another out_dir")
+    if not out.is_dir():
+        return out
+    names = sorted(os.listdir(out))
+    refuse_links(out, names)
+    foreign = sorted((name for name in names if name not in COMPARISON_FILES and copy_beside(name) not in
+                      COMPARISON_FILES), key=lambda name: (name.startswith("."), name))  # what a person sees first
+    if foreign:
+        raise ParamError(f"out_dir {out} holds {foreign[0]}" + (f" and {len(foreign) - 1} more" if foreign[1:] else "")
+                         + ", which no comparison wrote: a comparison writes only into a new or empty folder, or "
+                         f"over an earlier comparison (its {MANIFEST}); choose another out_dir")
+    ours = [name for name in names if name in COMPARISON_FILES]
+    if ours and not _is_manifest(out / MANIFEST):
+        raise ParamError(f"out_dir {out} holds {ours[0]} but no {MANIFEST} of a comparison: it is not a "
+                         "comparison's folder, and its files are not replaced; choose another out_dir")
+    return out
 
 
 def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
@@ -302,18 +417,42 @@ def comparison_table(comparison: Comparison) -> str:
     """Markdown: one row per run, the parameters that differ first; each kernel path a letter, spelt out below
     (a path names every module's kernel: in the table it would crowd out the figures)."""
     columns = table_columns(comparison)
-    paths = list(dict.fromkeys(row["kernel_path"] for row in comparison.rows if row.get("kernel_path")))
-    letters = {path: chr(ord("A") + i) if i < 26 else str(i) for i, path in enumerate(paths)}
+    letters, paths = kernel_letters(comparison)
     lines = ["| " + " | ".join(columns) + " |",
              "| " + " | ".join("---" if c in ("run", "kernel_path", *comparison.differing) else "---:"
                                for c in columns) + " |"]
-    for row in comparison.rows:
-        shown = {**row, "kernel_path": letters.get(row.get("kernel_path"))}
+    for row, letter in zip(comparison.rows, letters):
+        shown = {**row, "kernel_path": letter}
         lines.append("| " + " | ".join(_cell(shown.get(column), column, comparison.differing) for column in columns)
                      + " |")
     lines += ["", *(f"kernel path {letter}: {path}" + ("  " if len(paths) > 1 else "")
-                    for path, letter in letters.items())]
+                    for letter, path in paths.items())]
     return "\n".join(lines).rstrip()
+
+
+def _same_kernels(a: dict, b: dict) -> bool:
+    """Two kernel paths agree on every module both name: a newer cflib records more modules (residual, optimizer),
+    which an older record does not make different."""
+    return all(a[key] == b[key] for key in a.keys() & b.keys())
+
+
+def kernel_letters(comparison: Comparison) -> tuple[list[str | None], dict[str, str]]:
+    """Each row's kernel path letter (None: unknown), and each letter's path spelt out (the fullest recorded)."""
+    chosen: list[tuple[str, dict]] = []
+    letters: list[str | None] = []
+    for run in comparison.runs:
+        path = run.record.get("kernel_path") if run.record is not None and run.complete else None
+        if not isinstance(path, dict):
+            letters.append(None)
+            continue
+        index = next((i for i, (_, seen) in enumerate(chosen) if _same_kernels(seen, path)), None)
+        if index is None:
+            chosen.append((chr(ord("A") + len(chosen)) if len(chosen) < 26 else str(len(chosen)), path))
+            index = len(chosen) - 1
+        elif len(path) > len(chosen[index][1]):
+            chosen[index] = (chosen[index][0], path)
+        letters.append(chosen[index][0])
+    return letters, {letter: " ".join(f"{k}={v}" for k, v in path.items()) for letter, path in chosen}
 
 
 def show_comparison(comparison: Comparison) -> None:
@@ -386,14 +525,19 @@ def plot_exact_match(comparison: Comparison, save_to: str | Path | None = None) 
 
 
 def plot_sweep(comparison: Comparison, save_to: str | Path | None = None) -> plt.Figure | None:
-    """Each swept parameter against the chosen metric: every run a dot, the mean over the rest a line."""
+    """Each swept parameter against the chosen metric: every complete point of the sweep a dot, the mean over the
+    rest a line. Other runs (named beside the sweep, incomplete) are no points of it: left out, and named below."""
     swept = [name for name in comparison.swept if name in comparison.differing] or comparison.swept
-    if not swept:
+    rows = [row for row, run in zip(comparison.rows, comparison.runs) if run.sweep_point and run.complete]
+    if not swept or not rows:
         return None
     fig, axes = plt.subplots(1, len(swept), figsize=(4.5 * len(swept), 3.4), squeeze=False)
     for ax, name in zip(axes[0], swept):
-        points = [(row.get(name), row.get(comparison.metric)) for row in comparison.rows
+        points = [(row.get(name), row.get(comparison.metric)) for row in rows
                   if row.get(comparison.metric) is not None]
+        if not points:  # no complete point has the metric: an empty panel, not a failed figure
+            ax.set_xlabel(name)
+            continue
         numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x, _ in points)
         labels = sorted({x for x, _ in points}, key=lambda x: (x is None, x if numeric else str(x)))
         position = (lambda x: x) if numeric else (lambda x: labels.index(x))
@@ -411,7 +555,9 @@ def plot_sweep(comparison: Comparison, save_to: str | Path | None = None) -> plt
         ax.set_ylabel(comparison.metric)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    if comparison.off_sweep_plot:
+        fig.text(0.01, 0.01, "left out: " + ", ".join(comparison.off_sweep_plot), fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.06 if comparison.off_sweep_plot else 0, 1, 1))
     if save_to is not None:
         save_figure(fig, save_to)
     return fig
@@ -419,7 +565,7 @@ def plot_sweep(comparison: Comparison, save_to: str | Path | None = None) -> plt
 
 def save_comparison(comparison: Comparison) -> list[Path]:
     """comparison.json, comparison.csv and the figures in comparison.out_dir; the files written."""
-    out = comparison.out_dir
+    out = comparison_out_dir(comparison.out_dir)  # again: something may have been written there since compare()
     out.mkdir(parents=True, exist_ok=True)
     written = [write_json_atomic(out / "comparison.json", {
         "runs": [{"name": run.name, "path": str(run.path), "complete": run.complete, "problem": run.problem}

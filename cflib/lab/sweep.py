@@ -3,10 +3,14 @@
 `expand_sweep(SweepParams)` expands `grid` (the full product) or `points`
 over `repeats` seeds, checks every point with TrainParams and the batch
 arithmetic before any of them runs, and reads what `out_dir` already holds:
-a finished point is skipped, a killed one resumes from its latest resumable
-checkpoint (train_sft's `resume: latest`), a failed one stays failed unless
-`rerun_failed`. A point that fails its checks is failed from the start; the
-others still run. `cflib.lab.sweep_run.run_sweep` then runs the points, one
+a finished point (its run COMPLETE and its executed notebook run to its last
+cell) is skipped, one whose run completed but whose notebook was stopped has
+its cells after training run again, a killed one resumes from its latest
+resumable checkpoint (train_sft's `resume: latest`), a failed one stays failed
+unless `rerun_failed`. A point that fails its checks is failed from the start;
+the others still run. A sweep's points are never dropped: a plan that no
+longer makes a point sweep.json holds is refused (adding points is not).
+`cflib.lab.sweep_run.run_sweep` then runs the points, one
 papermill run of train_sft.ipynb per point, and the sweep ends with
 `cflib.lab.compare` over its points.
 """
@@ -18,6 +22,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -42,6 +47,9 @@ OWNED_BY_SWEEP = ("out_dir", "resume")
 LOCK_FILE = "sweep.lock"
 POINT_FILE = "point.yaml"  # the parameters papermill gives the point's train_sft.ipynb (-f)
 POINT_LOG, POINT_NOTEBOOK = "papermill.log", "train_sft.ipynb"  # what the sweep writes beside the point's run
+COMPARISON_DIR = "comparison"  # the sweep's comparison of its points (cflib.lab.compare)
+# What a point whose run completed while its notebook was stopped does: the notebook's cells after training.
+FINISH = "finish"
 # A sweep's points, seeds included: each is a training run, and the plan checks every one before the first runs.
 MAX_POINTS = 10_000
 
@@ -200,7 +208,7 @@ class Point:
     params: dict  # what papermill gives train_sft.ipynb: base, overrides, seed, out_dir
     run_dir: Path
     status: str = "queued"  # queued | running | done | failed
-    action: str = "run"  # what this sweep does with it: run, resume, skip (finished before), or why it failed
+    action: str = "run"  # what this sweep does with it: run, resume, finish, skip (finished before), or why it failed
     error: str | None = None
     total_steps: int | None = None
     attempts: list = field(default_factory=list)
@@ -249,7 +257,7 @@ class Sweep:
     def compare(self) -> Comparison:
         """The finished points side by side (cflib.lab.compare), written beside them in out_dir/comparison."""
         return compare(CompareParams(runs=(str(self.out_dir),), metric=self.params.metric,
-                                     out_dir=str(self.out_dir / "comparison")))
+                                     out_dir=str(self.out_dir / COMPARISON_DIR)))
 
 
 def _expand(params: SweepParams, base: dict) -> list[tuple[dict, int | None]]:
@@ -298,15 +306,13 @@ def expand_sweep(params: SweepParams) -> Sweep:
         previous = {p["name"]: p for p in _recorded_points(out_dir / SWEEP_FILE)}
     elif any(name != LOCK_FILE and copy_beside(name) != SWEEP_FILE for name in names):
         raise ParamError(f"out_dir {out_dir} holds files but no {SWEEP_FILE}: choose an empty or new folder")
-    refuse_links(out_dir, ("runs",))
+    refuse_links(out_dir, ("runs", COMPARISON_DIR))
     points: list[Point] = []
-    seen: dict[str, int] = {}
     expanded = _expand(params, base)
     varying = _varying([overrides for overrides, _ in expanded])
-    for overrides, seed in expanded:
-        name = point_name({k: v for k, v in overrides.items() if k in varying}, seed)
-        seen[name] = seen.get(name, 0) + 1
-        name = name if seen[name] == 1 else f"{name}-{seen[name]}"
+    names = _point_names(expanded, varying)
+    _refuse_dropped(out_dir, previous, names)
+    for (overrides, seed), name in zip(expanded, names):
         shown = {**overrides, **({"seed": seed} if seed is not None else {})}
         run_dir = out_dir / "runs" / name
         refuse_links(run_dir.parent, (name,))  # the sweep writes in a point's folder, papermill and the run too
@@ -317,6 +323,60 @@ def expand_sweep(params: SweepParams) -> Sweep:
     if len(params.seeds) > 1:
         swept.append("seed")
     return Sweep(params, out_dir, points, swept, digest)
+
+
+def _point_names(expanded: list[tuple[dict, int | None]], varying: list[str]) -> list[str]:
+    """Each point's folder name; a name made twice gets -2, -3, ..."""
+    seen: dict[str, int] = {}
+    names = []
+    for overrides, seed in expanded:
+        name = point_name({k: v for k, v in overrides.items() if k in varying}, seed)
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name if seen[name] == 1 else f"{name}-{seen[name]}")
+    return names
+
+
+def _refuse_dropped(out_dir: Path, previous: dict[str, dict], names: list[str]) -> None:
+    """ParamError when sweep.json holds points this plan no longer makes (the grid or points were edited): going
+    on would drop them, their attempts and their runs from the sweep. A plan that only adds points goes on."""
+    dropped = [name for name in previous if name not in set(names)]
+    if dropped:
+        raise ParamError(f"out_dir {out_dir}: its {SWEEP_FILE} holds point(s) {', '.join(dropped[:5])}"
+                         + (f" and {len(dropped) - 5} more" if len(dropped) > 5 else "")
+                         + " that this grid (or points list) no longer makes: a sweep's points are never dropped. "
+                         "Run the changed sweep in a new out_dir, or give the grid that made them (adding values "
+                         "keeps every earlier point)")
+
+
+def notebook_finished(executed: Path) -> bool:
+    """Whether papermill ran the executed notebook to its last cell: it writes `end_time` into the notebook's
+    metadata only then (with `exception` set where a cell failed). A kill leaves it null, whatever the run did."""
+    try:
+        notebook = read_json(executed, ParamError, "executed notebook") if executed.is_file() else None
+    except ParamError:
+        return False
+    run = ((notebook or {}).get("metadata") or {}).get("papermill") if isinstance(notebook, dict) else None
+    return isinstance(run, dict) and bool(run.get("end_time")) and not run.get("exception")
+
+
+def _close_attempts(attempts: list, run_dir: Path) -> list:
+    """Earlier attempts left open (their sweep was killed, every process at once): closed as interrupted, ending
+    when the run last wrote metrics.jsonl, so sweep.json holds every attempt's time."""
+    metrics = run_dir / "metrics.jsonl"
+    last_write = datetime.fromtimestamp(metrics.stat().st_mtime, timezone.utc) if metrics.is_file() else None
+    closed = []
+    for attempt in attempts:
+        if isinstance(attempt, dict) and "finished_utc" not in attempt and "started_utc" in attempt:
+            try:
+                started = datetime.fromisoformat(attempt["started_utc"])
+            except (TypeError, ValueError):
+                started = None
+            end = last_write if last_write is not None and started is not None and last_write >= started else started
+            attempt = {**attempt, "interrupted": True,
+                       **({"finished_utc": end.isoformat(timespec="seconds"),
+                           "seconds": round((end - started).total_seconds(), 1)} if end is not None else {})}
+        closed.append(attempt)
+    return closed
 
 
 def _recorded_points(path: Path) -> list[dict]:
@@ -344,13 +404,19 @@ def _judge(point: Point, before: dict | None, params: SweepParams) -> Point:
     if recorded.is_file() and _without_resume(load_params_file(recorded)) != _without_resume(_as_yaml(point.params)):
         raise ParamError(f"point {point.name} in {point.run_dir.parent.parent} ran with other parameters "
                          f"({recorded}); choose another out_dir for a changed sweep")
-    point.attempts = list(before.get("attempts", [])) if before else []
+    point.attempts = _close_attempts(list(before.get("attempts", [])) if before else [], point.run_dir)
     if before and before.get("status") == "failed" and not params.rerun_failed:
         point.status, point.action, point.error = "failed", "failed before (rerun_failed: true runs it again)", \
             before.get("error")
         return point
     if (point.run_dir / "COMPLETE").is_file() and not (before and before.get("status") == "failed"):
-        point.status, point.action = "done", "skip: finished before"
+        if notebook_finished(point.run_dir / POINT_NOTEBOOK):
+            point.status, point.action = "done", "skip: finished before"
+        else:  # killed between the run's end and the notebook's: the bundle, curves and lm-eval are missing
+            stopped = "stopped before its last cells" if (point.run_dir / POINT_NOTEBOOK).is_file() else "is missing"
+            point.action = (f"{FINISH}: its run trained to the end (COMPLETE) but its {POINT_NOTEBOOK} {stopped}; "
+                            "the cells after training run again, nothing is trained again")
+            point.params = _without_resume(point.params)
         return point
     started = [name for name in RUN_FILES if (point.run_dir / name).exists()]
     if started and before and before.get("status") == "failed":

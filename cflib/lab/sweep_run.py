@@ -7,7 +7,9 @@ time. The table of points (queued, running, done, failed, with step, losses
 and exact match) updates in place in JupyterLab; under papermill each change
 is a line of text and the table is printed at the end. sweep.json is
 rewritten at every change, so a killed sweep re-run with the same out_dir
-knows what each point had reached (cflib.lab.sweep).
+knows what each point had reached (cflib.lab.sweep). A point whose run
+completed while its notebook was stopped runs train_sft.ipynb's cells after
+training alone (`finish_notebook`): its record is read back, nothing trains.
 """
 from __future__ import annotations
 
@@ -20,22 +22,28 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 from pathlib import Path
 from typing import IO
 
 import nbformat
 import yaml
-from tqdm.auto import tqdm
+from cflib.progress import tqdm
 
 from cflib.atomic import open_append, set_aside, write_text_atomic
 from cflib.jobs import utc_now
 from cflib.lab.form import frontend_attached
 from cflib.errors import ParamError
 from cflib.lab.compare import SWEEP_FILE
-from cflib.lab.sweep import POINT_FILE, POINT_LOG, POINT_NOTEBOOK, Point, Sweep, sweep_file_digest, sweep_lock
+from cflib.lab.sweep import (FINISH, POINT_FILE, POINT_LOG, POINT_NOTEBOOK, Point, Sweep, notebook_finished,
+                              sweep_file_digest, sweep_lock)
 from cflib.paths import resolve_path
 from cflib.train.records import read_metrics
 from cflib.train.run import RUN_FILES
+from cflib.train.run_folder import read_run_record
+
+if TYPE_CHECKING:
+    from cflib.train.params import TrainParams
 
 TRAIN_NOTEBOOK = "notebooks/train_sft.ipynb"
 POLL_S = 0.5
@@ -58,13 +66,81 @@ def _die_with_parent() -> None:
         pass
 
 
+@dataclass
+class FinishedRun:
+    """What the cells after training read of `run` when the run trained to the end before (finish_notebook)."""
+
+    out_dir: Path
+
+    def describe(self) -> str:
+        return (f"out_dir      {self.out_dir}: trained to the end before (COMPLETE); its record is read back and "
+                "the cells after training run on it, nothing is trained again")
+
+
+def finished_point(params: TrainParams) -> tuple[FinishedRun, dict]:
+    """In a finishing notebook: the point's completed run and its record (read as a copied folder would be)."""
+    out_dir = resolve_path(params.out_dir or "")
+    if not (out_dir / "COMPLETE").is_file():
+        raise ParamError(f"out_dir {out_dir} holds no completed run (no COMPLETE): nothing to finish")
+    return FinishedRun(out_dir), read_run_record(out_dir)
+
+
+def _imports(source: str) -> list[str]:
+    """The import statements that open a cell (continued lines included): what the later cells use of it."""
+    kept: list[str] = []
+    for line in source.splitlines():
+        if line.startswith(("from ", "import ")) or (kept and line.startswith((" ", ")"))):
+            kept.append(line)
+        elif line.strip():
+            break
+    return kept
+
+
+def finish_notebook() -> nbformat.NotebookNode:
+    """train_sft.ipynb with its preparation, data cells and training replaced by reading the completed run back:
+    the cells after training (curves, exact match, summary, answers, the Hub bundle, lm-eval) run as they would
+    have."""
+    notebook = nbformat.read(resolve_path(TRAIN_NOTEBOOK), as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    prepare = next((cell for cell in code if "prepare_job(" in cell.source), None)
+    train = next((cell for cell in code if "fit(run)" in cell.source), None)
+    if prepare is None or train is None or notebook.cells.index(prepare) > notebook.cells.index(train):
+        raise ParamError(f"{TRAIN_NOTEBOOK}: no cell calls prepare_job( and fit(run), so the sweep cannot run its "
+                         "cells after training alone; finish the point by hand, or set its folder aside and run "
+                         "the sweep again")
+    prepare.source = "\n".join([*_imports(prepare.source), "from cflib.lab.sweep_run import finished_point", "",
+                                "params = TrainParams.from_namespace(globals())",
+                                "run, record = finished_point(params)  # the run trained to the end before",
+                                "print(run.describe())"])
+    train.source = "# trained before this notebook was stopped: the cell above read its record back"
+    start, end = notebook.cells.index(prepare), notebook.cells.index(train)
+    notebook.cells = notebook.cells[:start + 1] + [train] + notebook.cells[end + 1:]  # the data cells need the
+    return notebook  # prepared job, and showed the data when the run trained
+
+
+def _keep_stopped_notebook(run_dir: Path) -> None:
+    """The stopped notebook (the training's output) kept beside the one that finishes it."""
+    executed = run_dir / POINT_NOTEBOOK
+    if not executed.is_file():
+        return
+    index = 1
+    while (run_dir / f"{executed.stem}.stopped-{index}{executed.suffix}").exists():
+        index += 1
+    executed.rename(run_dir / f"{executed.stem}.stopped-{index}{executed.suffix}")
+
+
 def _start(point: Point, slot: str, sweep: Sweep) -> Running:
+    finishing = point.action.startswith(FINISH)
+    source = finish_notebook() if finishing else None  # checked before anything in the folder changes
     if point.action.startswith("run again") and any((point.run_dir / name).exists() for name in RUN_FILES):
         moved = set_aside(point.run_dir)
         point.action += f" ({moved.name})"
+    if finishing:
+        _keep_stopped_notebook(point.run_dir)
     point.run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(point.run_dir / POINT_FILE, yaml.safe_dump(point.params, sort_keys=False))
-    command = [sys.executable, "-m", "papermill", str(resolve_path(TRAIN_NOTEBOOK)),
+    # A finishing notebook is read from papermill's stdin ("-"): nothing but the executed notebook is written.
+    command = [sys.executable, "-m", "papermill", "-" if finishing else str(resolve_path(TRAIN_NOTEBOOK)),
                str(point.run_dir / POINT_NOTEBOOK), "-f", str(point.run_dir / POINT_FILE),
                "--cwd", str(resolve_path("notebooks")), "--log-output", "--no-progress-bar"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "" if slot == "cpu" else slot, "PYTHONUNBUFFERED": "1"}
@@ -72,10 +148,17 @@ def _start(point: Point, slot: str, sweep: Sweep) -> Running:
     env.setdefault("WANDB_RUN_GROUP", sweep.out_dir.name)  # report_to wandb: one group per sweep
     log = open_append(point.run_dir / POINT_LOG)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                               preexec_fn=_die_with_parent)
+                               preexec_fn=_die_with_parent, stdin=subprocess.PIPE if finishing else None)
+    if source is not None:  # a notebook far smaller than the pipe's buffer: written at once
+        try:
+            process.stdin.write(nbformat.writes(source).encode())
+            process.stdin.close()
+        except BrokenPipeError:  # papermill ended before reading it: its exit code and log say why
+            pass
     point.status, point.error = "running", None
     point.attempts.append({"started_utc": utc_now(), "device": slot if slot == "cpu" else f"cuda:{slot}",
-                           "resumed": point.params.get("resume") == "latest"})
+                           "resumed": point.params.get("resume") == "latest",
+                           **({"finished_cells_only": True} if finishing else {})})
     sweep.save()
     return Running(point, process, slot, time.monotonic(), log)
 
@@ -98,7 +181,7 @@ def _finish(running: Running, sweep: Sweep) -> None:
     running.log.close()
     seconds = time.monotonic() - running.started
     point.attempts[-1].update(finished_utc=utc_now(), seconds=round(seconds, 1), returncode=code)
-    if code == 0 and (point.run_dir / "COMPLETE").is_file():
+    if code == 0 and (point.run_dir / "COMPLETE").is_file() and notebook_finished(point.run_dir / POINT_NOTEBOOK):
         point.status, point.error = "done", None
     else:
         tail = (point.run_dir / POINT_LOG).read_text(errors="replace").strip().splitlines()[-3:]
@@ -237,7 +320,8 @@ def _run_locked(sweep: Sweep, poll_s: float) -> Sweep:
             _stop(job.process)
             job.log.close()
             job.point.status, job.point.action = "queued", "interrupted: resumes on the next run"
-            job.point.attempts[-1].update(finished_utc=utc_now(), interrupted=True)
+            job.point.attempts[-1].update(finished_utc=utc_now(), seconds=round(time.monotonic() - job.started, 1),
+                                          interrupted=True)
         sweep.save()
         raise
     finally:

@@ -164,23 +164,22 @@ def test_compare_refuses_an_incomplete_run_by_name(tmp_path):
                                          "out_dir": str(out_dir)}))
     assert not out_dir.exists()
     shown = compare(CompareParams.from_dict({"runs": [str(run)], "include_incomplete": "true"}))
-    assert shown.rows[0]["complete"] is False and shown.rows[0]["final_eval_loss"] == 5.5
+    assert shown.rows[0]["complete"] is False and shown.rows[0]["final_eval_loss"] is None  # step 0 is no result
     assert shown.rows[0]["steps"] == 1 and shown.rows[0]["tokens_per_s"] is None
     with pytest.raises(ParamError, match="matches no run folder"):
         compare(CompareParams.from_dict({"runs": str(tmp_path / "nothing-*")}))
 
 
-def test_a_comparison_replaces_links_in_its_folder_never_writing_through_them(tmp_path):
+def test_a_comparison_refuses_links_in_its_folder_never_writing_through_them(tmp_path):
     out_dir, victim = tmp_path / "comparison", tmp_path / "precious.csv"
     victim.write_text("keep me")
     out_dir.mkdir()
     for name in ("comparison.csv", "comparison.json", "loss_curves.png"):
         (out_dir / name).symlink_to(victim)
     runs = [str(COMMITTED_SWEEP / "runs" / name) for name in ("lr-0.01_seed-0", "lr-0.01_seed-1")]
-    written = save_comparison(compare(CompareParams.from_dict({"runs": runs, "out_dir": str(out_dir)})))
+    with pytest.raises(ParamError, match=r"comparison.csv is a symbolic link \(to .*precious.csv"):
+        save_comparison(compare(CompareParams.from_dict({"runs": runs, "out_dir": str(out_dir)})))
     assert victim.read_text() == "keep me"
-    assert {p.name for p in written} >= {"comparison.csv", "comparison.json", "loss_curves.png"}
-    assert not any(p.is_symlink() for p in out_dir.iterdir())
 
 
 @pytest.mark.parametrize("row, message", [
@@ -351,3 +350,80 @@ def test_the_committed_quickstart_keeps_the_checkpoint_with_the_highest_addition
     columns = comparison_table(comparison).splitlines()[0]
     for column in ("best_metric", "best_step", "exact_match/addition", "lm_eval/embedded_exact/exact_match"):
         assert f" {column} " in columns
+
+
+def test_a_sweep_whose_grid_drops_a_point_is_refused_and_one_that_adds_points_keeps_every_earlier_one(tmp_path):
+    out_dir = tmp_path / "sweep"
+    first = expand_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.003, 0.01]}, "out_dir": str(out_dir)}))
+    first.points[2].attempts.append({"started_utc": "2026-01-01T00:00:00+00:00", "device": "cpu", "resumed": False,
+                                     "finished_utc": "2026-01-01T00:00:09+00:00", "seconds": 9.0, "returncode": 0})
+    first.save()
+    with pytest.raises(ParamError, match=r"sweep.json holds point\(s\) lr-0.01 that this grid .* no longer makes.*"
+                                         "new out_dir"):
+        expand_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.003, 0.02]}, "out_dir": str(out_dir)}))
+    extended = expand_sweep(SweepParams.from_dict({"grid": {"lr": [0.001, 0.003, 0.01, 0.02]},
+                                                   "out_dir": str(out_dir)}))
+    assert [p.name for p in extended.points] == ["lr-0.001", "lr-0.003", "lr-0.01", "lr-0.02"]
+    assert extended.points[2].attempts == first.points[2].attempts
+
+
+FINISH_GRID = {"lr": [0.01], "max_steps": [2], "eval_every_steps": [None], "save_every_steps": [None],
+               "exact_match_limit": [4]}
+
+
+def _completed_point_whose_notebook_stopped(out_dir: Path):
+    """What a sweep killed as its point's run ends leaves: the run COMPLETE (trained here), its executed notebook
+    stopped at the training cell (papermill's end_time still null), the attempt open in sweep.json."""
+    import yaml
+
+    from cflib.train import train
+
+    sweep = expand_sweep(SweepParams.from_dict({"grid": FINISH_GRID, "out_dir": str(out_dir)}))
+    point = sweep.points[0]
+    point.run_dir.mkdir(parents=True)
+    (point.run_dir / "point.yaml").write_text(yaml.safe_dump(point.params, sort_keys=False))
+    point.attempts.append({"started_utc": "2026-01-01T00:00:00+00:00", "device": "cpu", "resumed": False})
+    sweep.save()
+    train(point.params, progress=False)
+    stopped = nbformat.read(ROOT / "notebooks" / "train_sft.ipynb", as_version=4)
+    stopped.metadata["papermill"] = {"start_time": "2026-01-01T00:00:01+00:00", "end_time": None, "exception": None}
+    nbformat.write(stopped, point.run_dir / "train_sft.ipynb")
+    return point.run_dir
+
+
+def test_a_point_whose_run_completed_but_whose_notebook_stopped_is_finished_not_skipped(tmp_path):
+    out_dir = tmp_path / "sweep"
+    run_dir = _completed_point_whose_notebook_stopped(out_dir)
+    again = expand_sweep(SweepParams.from_dict({"grid": FINISH_GRID, "out_dir": str(out_dir)}))
+    point = again.points[0]
+    assert point.status == "queued" and point.action.startswith(
+        "finish: its run trained to the end (COMPLETE) but its train_sft.ipynb stopped before its last cells")
+    assert "resume" not in point.params
+    attempt = point.attempts[0]  # closed when the run last wrote its metrics
+    assert attempt["interrupted"] is True and attempt["seconds"] > 0
+    assert attempt["finished_utc"] > attempt["started_utc"]
+    executed = nbformat.read(run_dir / "train_sft.ipynb", as_version=4)
+    executed.metadata["papermill"]["end_time"] = "2026-01-01T00:00:09+00:00"  # papermill ran it to the end
+    nbformat.write(executed, run_dir / "train_sft.ipynb")
+    finished = expand_sweep(SweepParams.from_dict({"grid": FINISH_GRID, "out_dir": str(out_dir)}))
+    assert [(p.status, p.action) for p in finished.points] == [("done", "skip: finished before")]
+
+
+@pytest.mark.slow
+def test_a_completed_point_whose_notebook_stopped_runs_only_the_cells_after_training(tmp_path):
+    from cflib.lab.sweep_run import run_sweep
+
+    out_dir = tmp_path / "sweep"
+    run_dir = _completed_point_whose_notebook_stopped(out_dir)
+    record = (run_dir / "record.json").read_text()
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    sweep = run_sweep(expand_sweep(SweepParams.from_dict({"grid": FINISH_GRID, "out_dir": str(out_dir)})), poll_s=0.1)
+    assert [p.status for p in sweep.points] == ["done"], sweep.points[0].error
+    assert (run_dir / "hub" / "config.json").is_file() and (run_dir / "loss_curves.png").is_file()
+    assert (run_dir / "record.json").read_text() == record and (run_dir / "metrics.jsonl").read_text() == metrics
+    assert (run_dir / "train_sft.stopped-1.ipynb").is_file()  # the training's notebook, kept
+    executed = nbformat.read(run_dir / "train_sft.ipynb", as_version=4)
+    assert executed.metadata["papermill"]["end_time"] and not executed.metadata["papermill"]["exception"]
+    attempts = json.loads((out_dir / "sweep.json").read_text())["points"][0]["attempts"]
+    assert [a.get("finished_cells_only", False) for a in attempts] == [False, True]
+    assert attempts[0]["interrupted"] and attempts[1]["returncode"] == 0

@@ -1,0 +1,136 @@
+"""compare_runs: where it may write, what it reads of incomplete, old and curriculum runs, what its sweep plot holds."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pytest
+
+from cflib.lab.compare import (CompareParams, compare, comparison_table, kernel_letters, plot_sweep,
+                               save_comparison)
+from cflib.train import train
+from cflib.train.params import ParamError
+from cflib.train.records import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
+OLD_RUN = COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"  # written by an older cflib: fewer params, fewer kernel keys
+SMOKE = {"model": "smoke", "data": "embedded", "seq_len": 64, "micro_batch_per_rank": 16, "global_batch": 32,
+         "lr": 0.01, "exact_match_limit": 4, "device": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A smoke run of 4 steps and a curriculum of two 2-step stages, trained here."""
+    root = tmp_path_factory.mktemp("runs")
+    train({**SMOKE, "max_steps": 4, "eval_every_steps": 2, "out_dir": str(root / "run")}, progress=False)
+    curriculum = root / "curriculum.yaml"
+    curriculum.write_text("version: 1\nstages:\n  - name: first\n    max_steps: 2\n"
+                          "  - name: second\n    max_steps: 2\n")
+    train({**SMOKE, "curriculum": str(curriculum), "out_dir": str(root / "curriculum")}, progress=False)
+    return {"run": root / "run", "curriculum": root / "curriculum"}
+
+
+def _killed_copy(run: Path, folder: Path) -> Path:
+    """What a run killed before its first evaluation after step 0 leaves: params.json, metrics.jsonl up to there."""
+    folder.mkdir()
+    shutil.copy(run / "params.json", folder / "params.json")
+    rows = read_metrics(run / "metrics.jsonl")
+    cut = next(i for i, row in enumerate(rows) if row["event"] == "eval" and row["step"] > 0)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:cut]))
+    return folder
+
+
+def test_a_run_folder_is_never_a_comparisons_out_dir_and_an_earlier_comparison_is_replaced(tmp_path, runs):
+    run = tmp_path / "run"
+    shutil.copytree(runs["run"], run)
+    (run / "loss_curves.png").write_bytes(b"the run's own plot")
+    with pytest.raises(ParamError, match=rf"out_dir {run} holds COMPLETE and \d+ more, which no comparison wrote"):
+        compare(CompareParams.from_dict({"runs": str(OLD_RUN), "out_dir": str(run)}))
+    assert (run / "loss_curves.png").read_bytes() == b"the run's own plot" and not (run / "comparison.json").exists()
+
+    plot_only = tmp_path / "plots"
+    plot_only.mkdir()
+    (plot_only / "loss_curves.png").write_bytes(b"someone's plot")
+    with pytest.raises(ParamError, match="holds loss_curves.png but no comparison.json of a comparison"):
+        compare(CompareParams.from_dict({"runs": str(OLD_RUN), "out_dir": str(plot_only)}))
+
+    out_dir = tmp_path / "comparison"
+    first = save_comparison(compare(CompareParams.from_dict({"runs": str(OLD_RUN), "out_dir": str(out_dir)})))
+    again = save_comparison(compare(CompareParams.from_dict({"runs": [str(OLD_RUN), str(runs["run"])],
+                                                             "out_dir": str(out_dir)})))
+    assert {p.name for p in first} <= {p.name for p in again}
+    assert len(json.loads((out_dir / "comparison.json").read_text())["rows"]) == 2
+
+
+def test_a_link_in_a_comparisons_out_dir_is_refused_never_written_through(tmp_path):
+    out_dir, victim = tmp_path / "comparison", tmp_path / "precious.csv"
+    victim.write_text("keep me")
+    save_comparison(compare(CompareParams.from_dict({"runs": str(OLD_RUN), "out_dir": str(out_dir)})))
+    (out_dir / "comparison.csv").unlink()
+    (out_dir / "comparison.csv").symlink_to(victim)
+    with pytest.raises(ParamError, match=r"comparison.csv is a symbolic link \(to .*precious.csv"):
+        compare(CompareParams.from_dict({"runs": str(OLD_RUN), "out_dir": str(out_dir)}))
+    assert victim.read_text() == "keep me"
+
+
+def test_an_incomplete_run_shows_no_final_or_best_loss_before_its_first_evaluation_after_step_0(tmp_path, runs):
+    killed = _killed_copy(runs["run"], tmp_path / "killed")
+    row = compare(CompareParams.from_dict({"runs": str(killed), "include_incomplete": True})).rows[0]
+    assert row["complete"] is False and row["steps"] == 2
+    assert row["final_eval_loss"] is None and row["best_eval_loss"] is None
+    assert not any(key.startswith("exact_match/") for key in row)  # the start's decoding is no result either
+
+
+def test_the_sweep_plot_holds_only_the_sweeps_complete_points_and_names_the_rest(tmp_path, runs):
+    sweep = tmp_path / "sweep"
+    shutil.copytree(COMMITTED_SWEEP, sweep, ignore=shutil.ignore_patterns("comparison", "*.ipynb"))
+    (sweep / "runs" / "lr-0.003_seed-1" / "COMPLETE").unlink()  # killed at its end
+    killed = _killed_copy(runs["run"], tmp_path / "killed")
+    comparison = compare(CompareParams.from_dict({"runs": [str(sweep), str(killed)], "include_incomplete": True}))
+    assert comparison.off_sweep_plot == ["lr-0.003_seed-1 (incomplete)", "killed (not a point of the sweep)"]
+    assert "not in the sweep plot: lr-0.003_seed-1 (incomplete), killed (not a point of the sweep)" in (
+        comparison.describe())
+    figure = plot_sweep(comparison)
+    dots = {ax.get_xlabel(): list(ax.lines[0].get_xdata()) for ax in figure.axes}
+    plt.close(figure)
+    assert sorted(dots["lr"]) == [0.003, 0.01, 0.01] and sorted(dots["seed"]) == [0, 0, 1]
+
+
+def test_an_older_record_differs_from_a_new_run_only_where_they_trained_differently(runs):
+    comparison = compare(CompareParams.from_dict({"runs": [str(OLD_RUN), str(runs["run"])]}))
+    old, new = (run.params for run in comparison.runs)
+    assert "loss_type" not in json.loads((OLD_RUN / "record.json").read_text())["params"]  # the premise
+    assert comparison.differing == [name for name in comparison.differing if old.get(name) != new.get(name)]
+    assert not {"loss_type", "best_metric", "log_samples", "dry_run", "expert_lr_multiplier",
+                "lora_lr_multiplier"} & set(comparison.differing)
+    letters, spelt = kernel_letters(comparison)
+    assert letters == ["A", "A"] and list(spelt) == ["A"]  # one kernel path: the newer record names more modules
+    assert "residual=" in spelt["A"] and "kernel path B" not in comparison_table(comparison)
+
+
+def test_a_finished_curriculum_is_compared_as_one_run_its_stages_joined(runs):
+    comparison = compare(CompareParams.from_dict({"runs": [str(runs["curriculum"]), str(runs["run"])]}))
+    curriculum, single = comparison.rows
+    assert curriculum["complete"] is True and curriculum["steps"] == 4
+    record = json.loads((runs["curriculum"] / "record.json").read_text())
+    assert curriculum["final_eval_loss"] == record["eval"]["final"]["loss"]
+    assert comparison.runs[0].stages == ["first", "second"]
+    steps = [row["step"] for row in comparison.runs[0].metrics if row["event"] == "train"]
+    assert steps == [1, 2, 3, 4]  # the second stage counted on from the first's end
+    assert "curriculum" in comparison.differing and single["curriculum"] is None
+
+
+def test_runs_as_a_yaml_list_in_one_string_and_a_failed_points_whole_reason(tmp_path):
+    names = [str(COMMITTED_SWEEP / "runs" / name) for name in ("lr-0.01_seed-0", "lr-0.01_seed-1")]
+    assert CompareParams.from_dict({"runs": f"[{names[0]}, {names[1]}]"}).runs == tuple(names)
+    sweep = tmp_path / "sweep"
+    shutil.copytree(COMMITTED_SWEEP, sweep, ignore=shutil.ignore_patterns("comparison", "*.ipynb"))
+    state = json.loads((sweep / "sweep.json").read_text())
+    reason = "point lr-0.003_seed-1: " + "lr must be positive and below the limit the schedule allows " * 3
+    state["points"][1].update(status="failed", error=reason.strip())
+    (sweep / "sweep.json").write_text(json.dumps(state))
+    skipped = compare(CompareParams.from_dict({"runs": str(sweep)})).skipped
+    assert f"lr-0.003_seed-1 (failed: {reason.strip()})" in skipped
