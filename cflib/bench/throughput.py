@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from cflib.progress import tqdm
 
 from cflib.atomic import write_json_atomic
 from cflib.bench.batches import Batches, random_rows, realistic, timing_protocol
@@ -57,6 +56,7 @@ from cflib.model.checkpoint import save_checkpoint
 from cflib.model.config import PRESETS, ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.paths import resolve_path
+from cflib.progress import tqdm
 from cflib.schema import Params
 from cflib.train.optim import describe_optimizer, optimizer_kernel
 from cflib.train.params import DEVICES, ParamError, TrainParams

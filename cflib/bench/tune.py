@@ -25,7 +25,6 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import yaml
-from cflib.progress import tqdm
 
 from cflib.atomic import scratch_folder
 from cflib.bench.memory import PeakMemory, free_device_memory, measure_name
@@ -36,6 +35,7 @@ from cflib.jobs import ANYTHING, job_out_dir, record_header, refuse_existing
 from cflib.locks import exclusive_output
 from cflib.model.config import ConfigError, ModelConfig, preset
 from cflib.paths import resolve_path
+from cflib.progress import tqdm
 from cflib.schema import composed, parsed_by
 from cflib.train.params import DEVICES, Model, ParamError, TrainParams, gradient_accumulation, kernel_choice
 from cflib.train.run import prepare, resolve_device

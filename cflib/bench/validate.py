@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from cflib.progress import tqdm
 
 from cflib.atomic import write_json_atomic
 from cflib.bench.components import DTYPES, TOLERANCES, Component, Shape, shapes_for
@@ -26,6 +25,7 @@ from cflib.errors import ParamError
 from cflib.jobs import job_out_dir, record_header
 from cflib.ops.dispatch import KernelUnavailable, liger_problem, triton_problem
 from cflib.ops.interpreter import bf16_arithmetic_broken
+from cflib.progress import tqdm
 from cflib.schema import Params
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import ipywidgets as widgets
 
 from cflib.lab.chat import ChatSession
-from cflib.lab.form import frontend_attached
+from cflib.progress import frontend_attached
 
 ROLE_STYLE = {"user": "font-weight: 600", "assistant": "color: var(--jp-brand-color1, #1976d2)",
               "system": "font-style: italic"}

@@ -24,13 +24,13 @@ from typing import Any, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.ticker import EngFormatter
-from cflib.progress import tqdm
 
 from cflib.atomic import atomic_file, copy_beside, save_figure, write_json_atomic
 from cflib.errors import ParamError
 from cflib.jobs import new_out_dir, refuse_links
 from cflib.jsonio import read_json
 from cflib.paths import resolve_path
+from cflib.progress import tqdm
 from cflib.schema import Params, parsed_by
 from cflib.train.params import TrainParams
 from cflib.train.records import read_metrics

@@ -24,7 +24,6 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import torch
-from cflib.progress import tqdm
 
 from cflib.atomic import atomic_file, save_figure, scratch_folder, write_json_atomic, write_text_atomic
 from cflib.data.shards import sha256_file
@@ -39,6 +38,7 @@ from cflib.lab.report import export_run
 from cflib.model import CheckpointError, ConfigError, TRMoEModel, load_checkpoint
 from cflib.model.checkpoint import holds_model
 from cflib.paths import resolve_path
+from cflib.progress import tqdm
 from cflib.schema import Params, as_given, parsed_by
 from cflib.train.run import resolve_device
 from cflib.train.run_folder import read_run_record

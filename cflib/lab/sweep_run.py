@@ -22,22 +22,29 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import nbformat
 import yaml
-from cflib.progress import tqdm
 
 from cflib.atomic import open_append, set_aside, write_text_atomic
-from cflib.jobs import utc_now
-from cflib.lab.form import frontend_attached
 from cflib.errors import ParamError
+from cflib.jobs import utc_now
 from cflib.lab.compare import SWEEP_FILE
-from cflib.lab.sweep import (FINISH, POINT_FILE, POINT_LOG, POINT_NOTEBOOK, Point, Sweep, notebook_finished,
-                              sweep_file_digest, sweep_lock)
+from cflib.lab.sweep import (
+    FINISH,
+    POINT_FILE,
+    POINT_LOG,
+    POINT_NOTEBOOK,
+    Point,
+    Sweep,
+    notebook_finished,
+    sweep_file_digest,
+    sweep_lock,
+)
 from cflib.paths import resolve_path
+from cflib.progress import frontend_attached, tqdm
 from cflib.train.records import read_metrics
 from cflib.train.run import RUN_FILES
 from cflib.train.run_folder import read_run_record

@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record as record_errors
-from cflib.progress import tqdm
 
 from cflib.atomic import write_json_atomic
 from cflib.export.publish import publish_run
 from cflib.export.push import check_push
 from cflib.jsonio import read_json
+from cflib.progress import tqdm
 from cflib.train.distributed import init_from_torchrun
 from cflib.train.lock import RunLock
 from cflib.train.params import ParamError, TrainParams

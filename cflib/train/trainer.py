@@ -18,13 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from cflib.progress import tqdm
 
 from cflib.atomic import clean_leftovers, is_out_of_space, live_path, write_json_atomic, write_text_atomic
 from cflib.data import load_tokenizer, shard_chat_template_sha256, shard_tokenizer_spec
 from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, checkpoint_step, save_checkpoint
 from cflib.model.lora import describe as describe_lora
+from cflib.progress import tqdm
 from cflib.train.collector import steady_collector
 from cflib.train.execution import kernels_requested
 from cflib.train.best_metric import ANSWER_METRICS, answer_scores, evaluations_without_improvement
