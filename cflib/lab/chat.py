@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from cflib.progress import tqdm
 
 from cflib.atomic import atomic_file, live_path, write_json_atomic
 from cflib.data import (
@@ -39,6 +38,7 @@ from cflib.model import CheckpointError, load_checkpoint
 from cflib.model.checkpoint import WEIGHTS_FILE, run_checkpoint
 from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.paths import resolve_path
+from cflib.progress import tqdm
 from cflib.schema import Params, as_given, parsed_by
 from cflib.train import TrainParams, fit, prepare
 from cflib.train.records import count_parameters
@@ -124,15 +124,13 @@ def read_conversations(prompts: list | tuple | str) -> list[list[dict]]:
 
 
 def chat_renderer(tokenizer: str, template: dict | str | None) -> Renderer:
-    """The converter's renderer for this tokenizer and template, refusing one with no assistant marker."""
-    markers = template if template == TOKENIZER_TEMPLATE else ChatTemplate.from_dict(template or {}, "template")
+    """The converter's renderer for this tokenizer and template: a template the model could not read (no
+    assistant marker among them) is refused as the converter refuses it."""
     try:
-        renderer = make_renderer(tokenizer, markers, "final_turn")
+        markers = template if template == TOKENIZER_TEMPLATE else ChatTemplate.from_dict(template or {}, "template")
+        return make_renderer(tokenizer, markers, "final_turn")
     except ConvertError as err:
         raise ParamError(str(err)) from None
-    if markers != TOKENIZER_TEMPLATE:
-        renderer.render_prompt([])  # a template without an assistant marker stops here
-    return renderer
 
 
 class ChatSession:

@@ -174,7 +174,7 @@ def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_na
 
 
 @pytest.mark.parametrize("change, error, message", [
-    ({"template": {"assistant": ""}}, ConvertError, "the template names no assistant marker"),
+    ({"template": {"assistant": ""}}, ParamError, "template: the template names no assistant marker"),
     ({"prompts": ["x" * 70]}, GenerationError, "prompt 0: 72 tokens \\+ max_new_tokens 8 exceeds the model's "
                                                "max_position_embeddings 64"),
     ({"prompts": [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]},
