@@ -1,16 +1,23 @@
 """A conversation as the converter holds it, and the checks every one passes before it is rendered.
 
 Every input format (cflib.data.formats) becomes a `Conversation`: OpenAI-style
-messages (`role`, `content`, and where they occur an assistant's `tool_calls`
-and `reasoning_content`, a tool turn's `name` and `tool_call_id`), the
+messages (`role`, `content`, and where they occur an assistant's `tool_calls`,
+`reasoning_content` and `weight`, a tool turn's `name` and `tool_call_id`), the
 `tools` the conversation may call, how many leading messages are context
 only (a prompt-completion row's prompt), and the row's metadata. Plain text
 (continued pretraining) is a `Conversation` with `text` set and no messages.
 
-The order of turns: an optional system turn, then a user turn; after a user
-turn the assistant answers; after an assistant turn comes the user, or, when
-it called tools, their results (`tool` turns), after which the assistant
-speaks again. A conversation to convert ends with the assistant turn it
+A content given as OpenAI's list of parts (`[{"type": "text", "text": ...}]`)
+is held as one string, its text parts joined; any other part (an image, audio,
+a file) is refused, since a shard holds text. `developer` is OpenAI's newer
+name for the system turn and stands where a system turn may. An assistant
+turn's `weight` is OpenAI's fine-tuning switch: 0 leaves the turn untaught
+(context only), 1 teaches it as `--supervise` says.
+
+The order of turns: an optional system (or developer) turn, then a user
+turn; after a user turn the assistant answers; after an assistant turn comes
+the user, or, when it called tools, their results (`tool` turns), after which
+the assistant speaks again. A conversation to convert ends with the assistant turn it
 teaches; one to answer ends before the assistant's turn.
 """
 from __future__ import annotations
@@ -21,7 +28,9 @@ from dataclasses import dataclass, field
 
 from cflib.data import loss_metadata
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+SYSTEM_ROLES = ("system", "developer")  # `developer`: OpenAI's newer name for the system turn
+WEIGHTS = (0, 1)  # an assistant turn's weight: 0 not taught, 1 taught
 SUPERVISE = ("final_turn", "all_assistant_turns")
 # String fields of a row copied to each example: into examples.jsonl, the semantic ones to loss_metadata.jsonl.
 METADATA = ("task", "group", "source", *loss_metadata.FIELDS)
@@ -40,14 +49,21 @@ class Conversation:
     text: str | None = None  # plain text: every token supervised, no template
 
     def taught_turns(self, supervise: str) -> list[int]:
-        """Indices of the assistant messages whose tokens the loss teaches."""
+        """Indices of the assistant messages whose tokens the loss teaches: the final one or all of them, less
+        those with weight 0 (a final turn of weight 0 leaves nothing taught rather than teaching an earlier one)."""
         answers = [i for i, m in enumerate(self.messages) if m["role"] == "assistant" and i >= self.context_turns]
-        return answers[-1:] if supervise == "final_turn" else answers
+        chosen = answers[-1:] if supervise == "final_turn" else answers
+        return [i for i in chosen if self.messages[i].get("weight", 1) != 0]
 
     def has_empty_answer(self, supervise: str) -> bool:
-        """A taught assistant turn with nothing in it: no text, no tool call, no reasoning."""
-        return any(not str(self.messages[i].get("content") or "").strip() and not self.messages[i].get("tool_calls")
-                   and not self.messages[i].get("reasoning_content") for i in self.taught_turns(supervise))
+        """Nothing to teach: no taught assistant turn (every one of weight 0), or one with nothing in it (no
+        text, no tool call, no reasoning)."""
+        if self.text is not None:
+            return False
+        turns = self.taught_turns(supervise)
+        return not turns or any(not str(self.messages[i].get("content") or "").strip()
+                                and not self.messages[i].get("tool_calls")
+                                and not self.messages[i].get("reasoning_content") for i in turns)
 
 
 def without_nulls(value: object) -> object:
@@ -75,6 +91,7 @@ def check_messages(messages: object, where: str, to_answer: bool = False) -> lis
     """The messages, each checked, in a valid order; ConvertError naming `where`, the message and the field."""
     if not isinstance(messages, list) or not messages:
         raise ConvertError(f"{where}: needs a non-empty list of messages")
+    messages = [_joined_parts(message, f"{where}: message {turn}") for turn, message in enumerate(messages)]
     for turn, message in enumerate(messages):
         _check_message(message, f"{where}: message {turn}")
     _check_turn_order(messages, where)
@@ -86,6 +103,26 @@ def check_messages(messages: object, where: str, to_answer: bool = False) -> lis
         raise ConvertError(f"{where}: the last message is {last!r}; a conversation ends with the assistant turn "
                            "it teaches")
     return messages
+
+
+def _joined_parts(message: object, where: str) -> object:
+    """The message with a content of OpenAI parts as one string, its text parts joined as the templates that
+    take parts render them (one after the other): every renderer, and the checks on empty answers and
+    reasoning, read content as text."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for index, part in enumerate(message["content"]):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise ConvertError(f"{where} content part {index} is {kind!r}: a shard holds text, so only text parts "
+                               '({"type": "text", "text": "..."}) are read; leave images, audio and files out of '
+                               "the rows")
+        if not isinstance(part.get("text"), str):
+            raise ConvertError(f"{where} content part {index}: a text part needs a string 'text', got "
+                               f"{str(part)[:80]}")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 def _check_message(message: object, where: str) -> None:
@@ -106,6 +143,19 @@ def _check_message(message: object, where: str) -> None:
         if message["role"] != "assistant":
             raise ConvertError(f"{where} reasoning_content: only an assistant turn reasons")
         check_text(message["reasoning_content"], f"{where} reasoning_content")
+    if "weight" in message:
+        _check_weight(message, where)
+
+
+def _check_weight(message: dict, where: str) -> None:
+    """OpenAI's weight: 0 or 1 on an assistant turn. Anything else (0.5, "0", a weight on a user turn) would be
+    read as a loss weight or a taught user turn, neither of which the converter does."""
+    weight = message["weight"]
+    if message["role"] != "assistant":
+        raise ConvertError(f"{where} weight: only an assistant turn has a weight (0: not taught, 1: taught); "
+                           f"this is a {message['role']!r} turn, which is never taught")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight not in WEIGHTS:
+        raise ConvertError(f"{where} weight: 0 (not taught) or 1 (taught), got {weight!r}")
 
 
 def _check_turn_order(messages: list[dict], where: str) -> None:
@@ -114,8 +164,8 @@ def _check_turn_order(messages: list[dict], where: str) -> None:
     previous = None
     for turn, message in enumerate(messages):
         role = message["role"]
-        if role == "system" and turn > 0:
-            what = "a system turn after the first message"
+        if role in SYSTEM_ROLES and turn > 0:
+            what = f"a {role} turn after the first message"
         elif role == "tool" and previous not in ("assistant", "tool"):
             what = "a tool turn that follows no assistant tool call"
         elif role == "tool" and previous == "assistant" and not messages[turn - 1].get("tool_calls"):
@@ -125,9 +175,9 @@ def _check_turn_order(messages: list[dict], where: str) -> None:
         else:
             previous = role
             continue
-        raise ConvertError(f"{where}: message {turn} is {what}; a conversation is an optional system turn, then "
-                           "user and assistant turns in turn, starting with the user (tool results after the "
-                           "assistant turn that called them)")
+        raise ConvertError(f"{where}: message {turn} is {what}; a conversation is an optional system (or "
+                           "developer) turn, then user and assistant turns in turn, starting with the user (tool "
+                           "results after the assistant turn that called them)")
 
 
 def _expected(previous: str | None) -> str:

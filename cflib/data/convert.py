@@ -16,10 +16,13 @@ duplicates are counted. Nothing is truncated or sliced: a conversation longer
 than `max_seq_len` is rejected and counted, as are exact duplicates, eval
 conversations that also occur in train, and empty answers. A row that cannot
 be read stops the conversion, naming source, row and field; nothing is
-written then. Rendered through the tokenizer's template, the first rows of
-each source are checked token for token against `apply_chat_template` before
-they are written. Each example keeps its `source`: its row's own, else its
-input's name. Each partition's sft.idx.json records the counts per source,
+written then, nor when the shard reader would refuse what was written: each
+partition is opened and checked, as a run opens it, before it is published.
+Each example's `example_id` is generated (`train-00000001`), unique in its
+partition; a row's own `id` is kept as `row_id`. Rendered through the
+tokenizer's template, the first rows of each source are checked token for
+token against `apply_chat_template` before they are written. Each example
+keeps its `source`: its row's own, else its input's name. Each partition's sft.idx.json records the counts per source,
 supervised tokens, vocabulary, EOS, cap, the rejections, the tokenizer and
 template (the tokenizer template's SHA-256), every source with the SHA-256 of
 its files, and the SHA-256 of every file written.
@@ -245,7 +248,8 @@ class PartitionReader:
         self.per_task: Counter = Counter()
         self.per_source: Counter = Counter()
         self.supervised_per_source: Counter = Counter()
-        self.rows_read = 0
+        self.rows_read = 0  # the conversations of this partition (eval_fraction sends the others away)
+        self.rows_seen = 0  # every conversation read from the sources, either side of the split
         self.sources: list[dict] = []
 
     def examples(self) -> Iterator[Example]:
@@ -259,9 +263,21 @@ class PartitionReader:
             self.sources.append({**describe(source, self.reader.hub_commits.get(source.spec)),
                                  "rows_read": self.rows_read - rows_before})
         if not sum(self.per_source.values()):
-            raise ConvertError(f"{self.partition}: no conversation was accepted from "
-                               f"{', '.join(s.spec for s in self.spec.sources(self.partition))} ({self.rows_read} "
-                               f"read, rejected: {dict(self.rejected)})")
+            raise ConvertError(self._nothing_accepted())
+
+    def _nothing_accepted(self) -> str:
+        """Why the partition is empty: the split sent it nothing (say the fraction and what to change), or every
+        conversation it got was rejected (say how many, and why)."""
+        names = ", ".join(source.spec for source in self.spec.sources(self.partition))
+        fraction = self.spec.eval_fraction
+        if fraction is None or self.rows_read or not self.rows_seen:
+            return (f"{self.partition}: no conversation was accepted from {names} ({self.rows_read} read, "
+                    f"rejected: {dict(self.rejected)})")
+        share = fraction if self.partition == "eval" else 1 - fraction
+        advice = ("raise eval_fraction (--eval-fraction), or give held-out sources (--eval; eval_sources in the "
+                  "notebook)" if self.partition == "eval" else "lower eval_fraction (--eval-fraction)")
+        return (f"{self.partition}: eval_fraction {fraction} sent none of the {self.rows_seen:,} conversations read "
+                f"from {names} to {self.partition} (about {share * self.rows_seen:.2g} expected); {advice}")
 
     def _accept(self, where: str, conversation: Conversation, source: Source, check_identity: bool
                 ) -> Example | None:
@@ -269,6 +285,7 @@ class PartitionReader:
         if self.spec.reasoning == "strip":
             conversation = stripped(conversation)
         digest = conversation_digest(conversation)
+        self.rows_seen += 1
         if self.spec.eval_fraction is not None and held_out(digest, self.spec.seed, self.spec.eval_fraction) != (
                 self.partition == "eval"):
             return None
@@ -285,8 +302,10 @@ class PartitionReader:
         if reason is not None:
             self.rejected[reason] += 1
             return None
-        meta = {"example_id": f"{self.partition}-{self.rows_read:08d}", "source": source.name, "origin": where,
-                **conversation.meta}
+        # example_id is the shard's key (loss_metadata.jsonl joins on it): generated, so unique in the partition;
+        # the row's own id, which data sets repeat, stays beside it as row_id (cflib.data.formats).
+        meta = {"source": source.name, "origin": where, **conversation.meta,
+                "example_id": f"{self.partition}-{self.rows_read:08d}"}
         self.per_task[meta.get("task", "")] += 1
         self.per_source[meta["source"]] += 1
         self.supervised_per_source[meta["source"]] += sum(label != IGNORE_INDEX for label in labels)
@@ -338,20 +357,21 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                                                                      "seed": spec.seed}}
     # `out` checked again under its lock: a conversion that wrote it meanwhile is never silently replaced. The
     # scratch files (seen digests, `datasets`' cache) live in the staging folder, gone before it is published.
-    with exclusive_output(out, check, ConvertError, what="out:") as staging, \
-            scratch_folder(staging / "scratch") as scratch:
-        seen, reader = SeenConversations(scratch), SourceReader(scratch)
-        try:
-            for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
-                rows = PartitionReader(partition, spec, renderer, reader, seen)
-                stats: dict = {}
-                # The generator fills `stats` as it ends, before write_partition reads index_extra.
-                write_partition(staging / partition, _filling(rows, stats), vocab_size=renderer.tokenizer.vocab_size,
-                                eos_token_id=renderer.eos_token_id, max_seq_len=spec.max_seq_len,
-                                index_extra={"conversion": {**conversion, "stats": stats}},
-                                sidecar_fields=loss_metadata.FIELDS)
-        finally:
-            seen.close()
+    with exclusive_output(out, check, ConvertError, what="out:") as staging:
+        with scratch_folder(staging / "scratch") as scratch:
+            seen, reader = SeenConversations(scratch), SourceReader(scratch)
+            try:
+                for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
+                    rows = PartitionReader(partition, spec, renderer, reader, seen)
+                    stats: dict = {}
+                    # The generator fills `stats` as it ends, before write_partition reads index_extra.
+                    write_partition(staging / partition, _filling(rows, stats),
+                                    vocab_size=renderer.tokenizer.vocab_size, eos_token_id=renderer.eos_token_id,
+                                    max_seq_len=spec.max_seq_len,
+                                    index_extra={"conversion": {**conversion, "stats": stats}},
+                                    sidecar_fields=loss_metadata.FIELDS)
+            finally:
+                seen.close()
     return {p: json.loads((out / p / "sft.idx.json").read_text()) for p in ("train", "eval")}
 
 

@@ -13,8 +13,9 @@ is the user, `gpt` the assistant, `system` the system; `tool`, `function` and
 completion one assistant turn; only the completion is taught. Any row may
 carry `tools` (a list of JSON schemas, or that list as a JSON string) and the
 metadata `task`, `group`, `source`, `domain`, `mode`, `difficulty` (strings)
-and `id`. A field of messages given as a JSON string (a CSV cell) is decoded.
-A row that does not fit is refused, naming where it stands and the field.
+and `id` (a string or an integer, kept as the example's `row_id`). A field of
+messages given as a JSON string (a CSV cell) is decoded. A row that does not
+fit is refused, naming where it stands and the field.
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def read_row(row: object, fmt: str, where: str) -> Conversation:
         raise ConvertError(f"{where}: no {missing[0]!r} field, which the {fmt} format needs (the source's "
                            f"first row was {fmt})")
     meta = check_metadata(row, where)
-    if isinstance(row.get("id"), str):
-        meta["example_id"] = row["id"]
+    if (row_id := _row_id(row.get("id"))) is not None:
+        meta["row_id"] = row_id
     if fmt == "text":
         return Conversation(text=check_text(row["text"], f"{where}: text"), meta=meta)
     tools = _tools(row.get("tools"), where)
@@ -61,6 +62,13 @@ def read_row(row: object, fmt: str, where: str) -> Conversation:
     prompt = _side(row["prompt"], "user", where, "prompt")
     messages = prompt + _side(row["completion"], "assistant", where, "completion")
     return Conversation(check_messages(messages, f"{where}: prompt + completion"), tools, len(prompt), meta)
+
+
+def _row_id(value: object) -> str | int | None:
+    """The row's own `id` (a string or an integer), kept beside the example's `example_id`, never as it: data sets
+    repeat ids (two files each numbered from 0, a dump that splits one conversation in parts), and a shard's
+    example_id must name one example."""
+    return value if isinstance(value, (str, int)) and not isinstance(value, bool) else None
 
 
 def _decoded(value: object, where: str, key: str) -> object:

@@ -10,11 +10,20 @@ written as it is, spaces included (the released tokenizer's own template,
 cflib.data.tokenizer_template, trims each message). An assistant's
 `reasoning_content` is written before its content as `<think>...</think>`.
 The template has no place for tools: a conversation with tools, tool calls or
-tool turns renders through the tokenizer's own template instead.
+tool turns renders through the tokenizer's own template instead. A `developer`
+turn is written as the system turn it stands for.
+
+Markers the model could not read are refused before any row: an empty role
+marker, two roles with the same marker, an eos that is also in a role marker,
+and a piece that looks like a special token (`<|user|>`) the tokenizer does not
+have, which would be written as several tokens of plain text that any message
+can spell.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
+from itertools import combinations
 
 from cflib.data.conversation import Conversation, ConvertError
 from cflib.data.reasoning import BLOCK, CLOSE, OPEN
@@ -22,6 +31,9 @@ from cflib.data.shards import IGNORE_INDEX
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer, PretrainedTokenizer
 
 MARKED_ROLES = ("system", "user", "assistant")
+SPECIAL_LOOKING = re.compile(r"<\|[^<>|\s]+\|>")  # <|user|>, <|im_start|>: written as one special token
+CHATML = ("system '<|im_start|>system\\n', user '<|im_start|>user\\n', assistant '<|im_start|>assistant\\n', "
+          "turn_end '<|im_end|>\\n', eos '<|im_end|>'")
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,18 @@ class ChatTemplate:
     turn_end: str = ""  # after each system and user turn
     eos: str = "<|eos|>"  # one token, after each assistant turn; the shard's EOS
 
+    def __post_init__(self) -> None:
+        """Role markers that cannot tell the turns apart, refused when the template is made: at conversion, not
+        only when the chat later needs the assistant's."""
+        for role in MARKED_ROLES:
+            if not getattr(self, role):
+                raise ConvertError(f"the template names no {role} marker ({role}: ''): nothing tells the model "
+                                   f"where the {role}'s turn begins")
+        for first, second in combinations(MARKED_ROLES, 2):
+            if getattr(self, first) == getattr(self, second):
+                raise ConvertError(f"the template's {first} and {second} markers are the same "
+                                   f"({getattr(self, first)!r}): the model could not tell whose turn it is")
+
     @classmethod
     def from_dict(cls, raw: dict, source: str = "template") -> "ChatTemplate":
         known = [f.name for f in fields(cls)]
@@ -50,7 +74,10 @@ class ChatTemplate:
             raise ConvertError(f"{source}: unknown template key(s) {unknown}; known: {known}")
         if not all(isinstance(value, str) for value in raw.values()):
             raise ConvertError(f"{source}: template values are strings")
-        return cls(**raw)
+        try:
+            return cls(**raw)
+        except ConvertError as err:
+            raise ConvertError(f"{source}: {err}") from None
 
 
 class ChatRenderer:
@@ -64,8 +91,14 @@ class ChatRenderer:
                                "eos); add it as a special token or set the template's eos to the tokenizer's")
         self.tokenizer, self.template, self.supervise, self.eos_token_id = tokenizer, template, supervise, eos
         self.reasoning = reasoning
+        _refuse_unknown_specials(tokenizer, template)
         self.markers = {role: tokenizer.encode_template(getattr(template, role)) for role in MARKED_ROLES}
         self.turn_end = tokenizer.encode_template(template.turn_end)
+        for role, ids in self.markers.items():
+            if eos in ids:  # the shard's EOS, which ends answers and pads packed rows, would also begin turns
+                raise ConvertError(f"the template's eos {template.eos!r} is also in its {role} marker "
+                                   f"{getattr(template, role)!r}: the token that ends an answer must not begin a "
+                                   "turn; give eos a token of its own")
 
     def record(self) -> dict:
         return {"kind": "markers", **asdict(self.template)}
@@ -92,7 +125,7 @@ class ChatRenderer:
         """A turn's marker, content and end (EOS after the assistant's), and which of them are taught."""
         ids, flags = self._content(message, taught)
         end = [self.eos_token_id] if message["role"] == "assistant" else self.turn_end
-        marker = self.markers[message["role"]]
+        marker = self.markers["system" if message["role"] == "developer" else message["role"]]
         return marker + ids + end, [False] * len(marker) + flags + [taught] * len(end)
 
     def render(self, conversation: Conversation) -> tuple[list[int], list[int]]:
@@ -112,10 +145,8 @@ class ChatRenderer:
 
     def render_prompt(self, messages: list[dict], tools: list | None = None) -> list[int]:
         """What a model trained on this template sees before it answers `messages` (see
-        conversation_to_answer): every turn as in training, then the assistant marker."""
-        if not self.markers["assistant"]:
-            raise ConvertError(f"the template names no assistant marker (assistant: "
-                               f"{self.template.assistant!r}): nothing tells the model that its turn begins")
+        conversation_to_answer): every turn as in training, then the assistant marker (never empty: see
+        ChatTemplate)."""
         self._refuse_tools(messages, tools)
         ids: list[int] = []
         for message in messages:
@@ -127,3 +158,16 @@ class ChatRenderer:
         if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             raise ConvertError("the marker template has no place for tools, tool calls or tool turns: render "
                                "this conversation through the tokenizer's own chat template (template: tokenizer)")
+
+
+def _refuse_unknown_specials(tokenizer: ByteTokenizer | JsonTokenizer | PretrainedTokenizer,
+                             template: ChatTemplate) -> None:
+    """A marker piece spelled like a special token must be one: else it is encoded as several tokens of plain
+    text, longer, and the same as a message that spells it, so a user could forge a turn."""
+    for key, value in asdict(template).items():
+        for piece in SPECIAL_LOOKING.findall(value):
+            if tokenizer.token_id(piece) is None:
+                raise ConvertError(f"template {key} {value!r}: tokenizer {tokenizer.description} has no token "
+                                   f"{piece!r}, so it would be written as {len(tokenizer.encode(piece))} tokens of "
+                                   "plain text that any message can spell; give every marker the tokenizer's own "
+                                   f"special tokens (for ChatML: {CHATML}), or add {piece!r} to the tokenizer")

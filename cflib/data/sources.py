@@ -15,7 +15,9 @@ Lines are read line by line with Python's json, every row exactly as written:
 `datasets`' JSON loader unifies each field's type over the rows and, where
 they differ, falls back to pandas, which turned one row's "46" into the
 number 46 and so blamed the wrong row; read as written, a row that is not
-valid names itself. A `.json` file holding one array is read whole. What
+valid names itself. A `.json` file holding one array is read an element at a
+time, each bounded as a JSON Lines row is, so the memory a dump of hundreds
+of MB in one array takes follows its largest row, not the file. What
 `datasets` keeps while it reads (its lock files) goes to a temporary folder
 removed when reading ends, never to the user's cache. A Hub source is resolved to the commit it names (or the
 newest) before any row is read, and fails at once, naming it, when the Hub
@@ -26,11 +28,14 @@ from __future__ import annotations
 
 import codecs
 import csv
+import json
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
+from cflib import jsonio
 from cflib.data.conversation import ConvertError
 from cflib.data.shards import sha256_file
 from cflib.jsonio import json_lines, read_json
@@ -40,6 +45,9 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": 
 SAVED_MARKERS = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its Arrow files
 SAVED_DICT = "dataset_dict.json"  # save_to_disk of several splits
 JSON_WHITESPACE = b" \t\r\n"
+ARRAY_CHUNK = 2**20  # bytes read at a time from a .json array
+_WHITESPACE = re.compile(r"[ \t\r\n]*")
+_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -249,16 +257,116 @@ def _numbered(dataset, label: str) -> Iterator[tuple[str, dict]]:
 
 
 def json_rows(file: Path) -> Iterator[tuple[str, object]]:
-    """The rows of a JSON Lines file, one line at a time (or of a .json file holding one array), each as
-    written; a line that is not valid JSON names itself."""
+    """The rows of a JSON Lines file, one line at a time (or of a .json file holding one array, one element at a
+    time), each as written; a row that is not valid JSON names itself."""
     if file.suffix == ".json" and _first_byte(file) == b"[":
-        rows = read_json(file, ConvertError, "JSON file")  # bounded in size and depth (cflib.jsonio)
-        yield from ((f"{file} row {n}", row) for n, row in enumerate(rows, start=1))
+        with open(file, "rb") as handle:
+            yield from ((f"{file} row {n}", row) for n, row in enumerate(JsonArray(file, handle), start=1))
         return
     number = 0  # rows, not lines: a blank line is no row
     for _, row in json_lines(file, ConvertError, where=lambda line: f"{file} row {number + 1}"):
         number += 1
         yield f"{file} row {number}", row
+
+
+class JsonArray:
+    """The elements of the JSON array in a file, read a chunk at a time: memory holds about one element, however
+    large the file (ShareGPT dumps are one array of hundreds of MB). Each element is bounded as one JSON document
+    is (cflib.jsonio: its size and nesting), and an error names the element as the file's row, from 1."""
+
+    def __init__(self, file: Path, handle: BinaryIO) -> None:
+        self.file, self.handle = file, handle
+        # JSON's own encoding detection (UTF-8 with or without a BOM, UTF-16, UTF-32), as json.loads does.
+        encoding = json.detect_encoding(handle.read(4))
+        handle.seek(0)
+        self.decoder = codecs.getincrementaldecoder(encoding)("surrogatepass")
+        self.text, self.pos, self.eof = "", 0, False
+
+    def __iter__(self) -> Iterator[object]:
+        self._expect("[", f"{self.file}: not a JSON array: expected '[' at its start")
+        number = 0
+        if self._peek() != "]":  # an empty array has no row
+            while True:
+                number += 1
+                yield self._element(f"{self.file} row {number}")
+                if self._peek() != ",":
+                    break
+                self.pos += 1
+        self._expect("]", f"{self.file}: after row {number}, expected ',' and the next row, or ']' ending the array"
+                     if number else "")
+        if self._peek():
+            raise ConvertError(f"{self.file}: text after the array's closing ']' ({self._seen()}); a .json source "
+                               "is one array of rows, or JSON Lines")
+
+    def _more(self, size: int) -> None:
+        """About `size` more bytes decoded onto the text held, what was read before `pos` dropped."""
+        data = self.handle.read(size)
+        self.eof = not data
+        try:
+            text = self.decoder.decode(data, final=self.eof)
+        except UnicodeDecodeError as err:
+            raise ConvertError(f"{self.file}: not valid JSON text ({err.reason} near byte {self.handle.tell()}); "
+                               "JSON is UTF-8") from None
+        self.text, self.pos = self.text[self.pos:] + text, 0
+
+    def _peek(self) -> str:
+        """The next character past JSON whitespace ("" at the end of the file), not consumed."""
+        while True:
+            self.pos = _WHITESPACE.match(self.text, self.pos).end()
+            if self.pos < len(self.text) or self.eof:
+                return self.text[self.pos:self.pos + 1]
+            self._more(ARRAY_CHUNK)
+
+    def _expect(self, char: str, refusal: str) -> None:
+        if self._peek() != char:
+            raise ConvertError(f"{refusal}; found {self._seen()}")
+        self.pos += 1
+
+    def _seen(self) -> str:
+        return repr(self.text[self.pos:self.pos + 20]) if self.pos < len(self.text) else "the end of the file"
+
+    def _element(self, where: str) -> object:
+        """The value at `pos`, read on until it is whole: the text held grows by doubling, so each byte of a long
+        row is decoded a few times at most, never once per chunk."""
+        limit = jsonio.MAX_BYTES
+        self._peek()  # past the whitespace before it
+        while True:
+            try:
+                value, end = _DECODER.raw_decode(self.text, self.pos)
+            except RecursionError:
+                raise ConvertError(f"{where}: JSON nested deeper than {jsonio.MAX_DEPTH} levels") from None
+            except json.JSONDecodeError as err:
+                if self.eof or not _cut_short(err, len(self.text)):
+                    raise ConvertError(f"{where}: not valid JSON ({err.msg}, character {err.pos - self.pos + 1} "
+                                       "of the row)") from None
+                held = len(self.text) - self.pos
+                if held > limit:  # characters: at least as many bytes
+                    raise ConvertError(f"{where}: more than the {limit:,} bytes cflib reads in one row, or JSON "
+                                       "left open (a string or bracket never closed)")
+                self._more(max(ARRAY_CHUNK, min(held, limit + 1 - held)))
+                continue
+            # A number at the end of the text held may go on past it (12|.5): whole once text follows it.
+            if self.eof or len(self.text) - end > 2:
+                break
+            self._more(ARRAY_CHUNK)
+        self._check_bounds(where, end, value, limit)
+        self.pos = end
+        return value
+
+    def _check_bounds(self, where: str, end: int, value: object, limit: int) -> None:
+        """The row from `pos` to `end` bounded as jsonio bounds a document: its size in bytes, and its nesting."""
+        start, text = self.pos, self.text
+        if (end - start) * 4 > limit and len(text[start:end].encode("utf-8", "surrogatepass")) > limit:
+            raise ConvertError(f"{where}: more than the {limit:,} bytes cflib reads in one row")
+        if text.count("[", start, end) + text.count("{", start, end) > jsonio.MAX_DEPTH and jsonio.too_deep(
+                value, jsonio.MAX_DEPTH):
+            raise ConvertError(f"{where}: JSON nested deeper than {jsonio.MAX_DEPTH} levels")
+
+
+def _cut_short(err: json.JSONDecodeError, length: int) -> bool:
+    """Whether a decoding error may come from the end of the text held rather than from the JSON: it stopped within
+    the few characters of an escape, literal or number of the end, or in a string not yet closed."""
+    return err.msg.startswith("Unterminated string") or err.pos >= length - 6
 
 
 def _first_byte(file: Path) -> bytes:

@@ -18,8 +18,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Iterable
 
 from cflib.data.shards import IGNORE_INDEX, ShardPartition
+
+
+def id_space(count: int, ids: Iterable[int]) -> int:
+    """The vocabulary size a shard declares for a tokenizer: one past its largest id. A tokenizer's ids may leave
+    gaps (a special token added at 5000 beside 1,608 tokens), so its number of tokens alone can fall short, and
+    the shard reader refuses an id at or past vocab_size."""
+    return max(count, max(ids, default=-1) + 1)
 
 
 class ByteTokenizer:
@@ -90,7 +98,8 @@ class JsonTokenizer:
         except Exception as err:  # the Rust library raises its own exception type
             raise ValueError(f"{self.path}: not a readable tokenizer.json ({err})") from None
         self._content.encode_special_tokens = True
-        self.vocab_size = self._template.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = id_space(self._template.get_vocab_size(with_added_tokens=True),
+                                   self._template.get_vocab(with_added_tokens=True).values())
         self.description = str(self.path)
 
     def encode(self, text: str) -> list[int]:
@@ -124,7 +133,7 @@ class PretrainedTokenizer:
             raise ValueError(f"{self.path}: not a tokenizer folder AutoTokenizer loads ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''})") from None
         self._vocab = self.hf.get_vocab()
-        self.vocab_size = len(self.hf)
+        self.vocab_size = id_space(len(self.hf), self._vocab.values())
         self.description = str(self.path)
 
     def encode(self, text: str) -> list[int]:

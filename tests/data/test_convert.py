@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from cflib.data.packing import collate_packed, pack_examples
 from cflib.data.shards import IGNORE_INDEX, ShardError, collate, open_shard, sha256_file
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer
 from cflib.errors import ParamError
+
+convert_module = importlib.import_module("cflib.data.convert")  # the package exports its function by that name
 
 ROOT = Path(__file__).resolve().parents[2]
 BYTES = ByteTokenizer()
@@ -175,6 +178,54 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_training(tmp_path):
     with pytest.raises(ShardError, match=f"shard vocab_size {vocab_size} exceeds the model's 260"):
         prepare(params)
     assert not (tmp_path / "run").exists()
+
+
+def gap_tokenizer(folder: Path) -> Path:
+    """tiny_bpe with its EOS moved to id 5000: its ids leave a gap, so it has far fewer tokens than that."""
+    doc = json.loads(tiny_bpe(folder / "trained.json").read_text())
+    doc["model"]["vocab"]["<|eos|>"] = 5000
+    next(token for token in doc["added_tokens"] if token["content"] == "<|eos|>")["id"] = 5000
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.parametrize("given", ["tokenizer.json", "folder"])
+def test_a_tokenizer_whose_ids_leave_a_gap_declares_a_vocabulary_past_its_largest_id(tmp_path, given):
+    path = gap_tokenizer(tmp_path)
+    if given == "folder":
+        transformers = pytest.importorskip("transformers", reason="the data extra (pip install cflib[data])")
+        transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<|eos|>").save_pretrained(
+            str(tmp_path / "folder"))
+        path = tmp_path / "folder"
+    indexes = run_convert(tmp_path, TRAIN, tokenizer=str(path))
+    assert (indexes["train"]["eos_token_id"], indexes["train"]["vocab_size"]) == (5000, 5001)
+    for partition in ("train", "eval"):
+        shard = open_shard(tmp_path / "shard", partition)
+        assert int(shard[0][0][-1]) == 5000  # each example ends with the EOS, inside the declared vocabulary
+
+
+def test_rows_sharing_an_id_keep_it_as_row_id_beside_a_unique_example_id(tmp_path):
+    """Rows repeating an id, one whose id is the id the converter gives another row, and an integer id: the shard
+    opens, each example_id once (loss_metadata.jsonl joins on it), each row's own id kept as it was."""
+    rows = [chat(f"{i}+{i}=", str(2 * i), id="same", domain="math") for i in range(3)]
+    rows += [chat("reverse abc", "cba", id="train-00000002"), chat("reverse dog", "god", id=7), chat("hi", "hello")]
+    run_convert(tmp_path, rows)
+    shard = open_shard(tmp_path / "shard", "train", verify_hashes=True)
+    assert [row["example_id"] for row in shard.rows] == [f"train-{n:08d}" for n in range(1, 7)]
+    assert [row.get("row_id") for row in shard.rows] == ["same", "same", "same", "train-00000002", 7, None]
+    assert [row.get("domain") for row in shard.rows] == ["math"] * 3 + [None] * 3  # loss_metadata.jsonl merged
+
+
+def test_an_eval_fraction_that_holds_out_nothing_says_how_many_were_read_and_what_to_change(tmp_path):
+    rows = [chat(f"{i}+{i}=", str(2 * i)) for i in range(40)]
+    source = str(write_jsonl(tmp_path / "sums.jsonl", rows))
+    with pytest.raises(ConvertError) as caught:
+        convert(ConvertSpec(train=source, eval_fraction=0.001, out=str(tmp_path / "shard")))
+    message = str(caught.value)
+    assert message.startswith(f"eval: eval_fraction 0.001 sent none of the 40 conversations read from {source} to "
+                              "eval (about 0.04 expected)"), message
+    assert "raise eval_fraction (--eval-fraction), or give held-out sources (--eval" in message
+    assert not (tmp_path / "shard").exists()
 
 
 @pytest.mark.parametrize("row, message", [

@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from cflib.data.convert import ConvertError, ConvertSpec, convert
+from cflib.data.marker_template import ChatTemplate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,6 +83,19 @@ CASES = [
      ["train.jsonl row 3", "message 1", "system turn after the first message"]),
     ("system-then-assistant", with_line(row(turn("system", "s"), turn("assistant", "c"))),
      ["train.jsonl row 3", "message 1", "'user' turn belongs"]),
+    ("developer-in-the-middle", with_line(row(turn("user", "a"), turn("developer", "b"), turn("assistant", "c"))),
+     ["train.jsonl row 3", "message 1", "developer turn after the first message"]),
+    # --- OpenAI's fine-tuning fields the converter cannot honour ---------------------------------------------
+    ("weight-a-half", with_line(row(turn("user", "a"), {"role": "assistant", "content": "b", "weight": 0.5})),
+     ["train.jsonl row 3", "message 1 weight", "0 (not taught) or 1 (taught), got 0.5"]),
+    ("weight-a-string", with_line(row(turn("user", "a"), {"role": "assistant", "content": "b", "weight": "0"})),
+     ["train.jsonl row 3", "message 1 weight", "got '0'"]),
+    ("weight-on-a-user-turn", with_line(row({"role": "user", "content": "a", "weight": 1}, turn("assistant", "b"))),
+     ["train.jsonl row 3", "message 0 weight", "only an assistant turn has a weight"]),
+    ("content-an-image-part", with_line(row({"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]},
+        turn("assistant", "a cat"))), ["train.jsonl row 3", "message 0 content part 1 is 'image_url'",
+                                       "only text parts"]),
     # --- odd text -------------------------------------------------------------------------------------------
     ("lone-surrogate", with_line('{"messages": [{"role": "user", "content": "\\ud800"}, '
                                  '{"role": "assistant", "content": "x"}]}'),
@@ -252,3 +267,36 @@ def test_two_conversions_into_one_folder_at_once_one_wins_the_other_is_refused(t
     index = json.loads((tmp_path / "shard" / "train" / "sft.idx.json").read_text())
     assert index["conversion"]["stats"]["sources"][0]["spec"] == str(runs[winners[0]]["train"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "go", "shard"]
+
+
+def chatml_tokenizer(path: Path) -> str:
+    """A byte-level BPE whose only specials are ChatML's, as Qwen's: no <|system|>, <|user|> or <|assistant|>."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(GOOD, trainer)
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("tokenizer, markers, words", [
+    ("byte", {"assistant": ""}, "template.yaml: the template names no assistant marker"),
+    ("byte", {"user": "<|assistant|>"}, "template.yaml: the template's user and assistant markers are the same"),
+    ("byte", {"eos": "<|user|>"}, "the template's eos '<|user|>' is also in its user marker"),
+    ("chatml", {"eos": "<|im_end|>"}, "template system '<|system|>': tokenizer .*chatml.json has no token "
+                                      "'<|system|>', so it would be written as 10 tokens of plain text"),  # one a byte
+], ids=["empty-assistant", "user-is-assistant", "eos-is-the-user-marker", "markers-the-tokenizer-lacks"])
+def test_a_marker_template_the_model_could_not_read_is_refused_before_any_row(tmp_path, tokenizer, markers, words):
+    """Refused at conversion, not when the chat later needs the markers (or never: text markers train silently)."""
+    inputs = write_inputs(tmp_path / "in")
+    tokenizer = chatml_tokenizer(tmp_path / "chatml.json") if tokenizer == "chatml" else tokenizer
+    with pytest.raises(ConvertError, match=words.replace("|", "\\|")):
+        convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "out"), tokenizer=tokenizer,
+                            template=ChatTemplate.from_dict(markers, "template.yaml")))
+    assert not (tmp_path / "out").exists()
+    if tokenizer != "byte":  # the ChatML markers the message names convert
+        chatml = {"system": "<|im_start|>system\n", "user": "<|im_start|>user\n",
+                  "assistant": "<|im_start|>assistant\n", "turn_end": "<|im_end|>\n", "eos": "<|im_end|>"}
+        convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "out"), tokenizer=tokenizer,
+                            template=ChatTemplate.from_dict(chatml, "template.yaml")))

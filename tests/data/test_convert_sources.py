@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from cflib import jsonio
+from cflib.data import sources
 from cflib.data.conversation import ConvertError
 from cflib.data.convert import ConvertSpec, convert
 from cflib.data.shards import IGNORE_INDEX, open_shard
@@ -107,7 +109,8 @@ def test_parquet_and_saved_datasets_in_sharegpt_and_prompt_completion_form_equal
     shard = open_shard(tmp_path / "shard", "train")
     names = ["sharegpt", "sharegpt-saved", "completions", "completions-saved"]
     assert [row["source"] for row in shard.rows] == [name for name in names for _ in range(6)]
-    assert shard.rows[0]["example_id"] == "sg-10" and shard.rows[12]["example_id"] == "train-00000013"
+    assert shard.rows[0]["example_id"] == "train-00000001" and shard.rows[0]["row_id"] == "sg-10"
+    assert shard.rows[12]["example_id"] == "train-00000013" and "row_id" not in shard.rows[12]
     assert shard.rows[19]["origin"] == f"{sources[3]} row 2"
     stats = indexes["train"]["conversion"]["stats"]
     assert stats["examples_per_source"] == dict.fromkeys(sorted(names), 6)
@@ -178,6 +181,44 @@ def test_a_json_array_after_whitespace_or_a_byte_order_mark_is_read_as_an_array(
     run(tmp_path, str(write_jsonl(tmp_path / "rows.jsonl", rows)), name="from-jsonl")
     run(tmp_path, str(tmp_path / "array.json"), name="from-array")
     assert examples(tmp_path / "from-array") == examples(tmp_path / "from-jsonl")
+
+
+def test_a_json_array_larger_than_a_document_is_read_a_row_at_a_time(tmp_path, monkeypatch):
+    """An array file past the size of one JSON document (64 MiB; 16 KiB here) converts, each row bounded instead;
+    read a few bytes at a time, rows cut anywhere (inside a number, an escape, a multi-byte character) come back
+    exactly as json.loads gives them."""
+    monkeypatch.setattr(jsonio, "MAX_BYTES", 16 * 2**10)
+    monkeypatch.setattr(sources, "ARRAY_CHUNK", 5, raising=False)  # before the fix: no chunks, the file read whole
+    rows = [{**prompt_completion(i), "id": i, "score": i * 1.25e-7, "note": "héllo 日本語 😀 \"q\" \\"}
+            for i in range(120)]
+    path = tmp_path / "array.json"
+    path.write_bytes(b"\xef\xbb\xbf\n" + json.dumps(rows, indent=1, ensure_ascii=False).encode())
+    assert path.stat().st_size > 2 * jsonio.MAX_BYTES
+    assert [row for _, row in sources.json_rows(path)] == json.loads(path.read_text(encoding="utf-8-sig"))
+    run(tmp_path, str(write_jsonl(tmp_path / "rows.jsonl", rows)), name="from-jsonl")
+    run(tmp_path, str(path), name="from-array")
+    assert examples(tmp_path / "from-array") == examples(tmp_path / "from-jsonl")
+
+
+@pytest.mark.parametrize("text, words", [
+    ('[{"prompt": "a", "completion": "b"}, {"prompt": "c" "completion": "d"}]',
+     ["array.json row 2: not valid JSON", "Expecting ',' delimiter, character 16 of the row"]),
+    ('[{"prompt": "a", "completion": "b"}, {"prompt": "' + "x" * 5000 + '", "completion": "d"}]',
+     ["array.json row 2: more than the 4,096 bytes cflib reads in one row"]),
+    ('[{"prompt": "a", "completion": "b"}, {"prompt": "' + "x" * 5000,
+     ["array.json row 2: more than the 4,096 bytes", "or JSON left open"]),
+    ('[{"prompt": "a", "completion": "b"} {"prompt": "c", "completion": "d"}]',
+     ["array.json: after row 1, expected ',' and the next row, or ']' ending the array; found '{"]),
+    ('[{"prompt": "a", "completion": "b"}] []', ["array.json: text after the array's closing ']'"]),
+], ids=["syntax", "long-row", "left-open", "no-comma", "after-end"])
+def test_a_json_array_names_the_row_that_cannot_be_read(tmp_path, monkeypatch, text, words):
+    monkeypatch.setattr(jsonio, "MAX_BYTES", 4096)
+    source = write_text(tmp_path / "array.json", text)
+    with pytest.raises(ConvertError) as caught:
+        run(tmp_path, source)
+    for word in words:
+        assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+    assert not (tmp_path / "shard").exists()
 
 
 def test_sources_of_one_name_are_told_apart_by_their_paths(tmp_path):

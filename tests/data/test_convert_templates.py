@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from cflib.data.conversation import ConvertError
@@ -15,14 +17,15 @@ from cflib.data.convert import IDENTITY_SAMPLE, ConvertSpec, convert
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.reasoning import BLOCK_AND_SPACE
 from cflib.data.shards import IGNORE_INDEX, open_shard
+from cflib.data.tokenizer import ByteTokenizer
 from cflib.data.tokenizer_template import TemplateRenderer
 
 datasets = pytest.importorskip("datasets", reason="the data extra (pip install cflib[data])")
 
 try:
-    from chat_tokenizers import released_like_template, tokenizer_folder, turn
+    from chat_tokenizers import released_like_template, tokenizer_folder, train_bpe, turn
 except ImportError:  # pragma: no cover - depends on how pytest is invoked
-    from tests.chat_tokenizers import released_like_template, tokenizer_folder, turn
+    from tests.chat_tokenizers import released_like_template, tokenizer_folder, train_bpe, turn
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +200,147 @@ def test_the_marker_template_keeps_the_spaces_the_released_template_trims(tmp_pa
     assert hf.decode(marked) == "<|user|>\n  What is 2 plus 2?  </s>\n<|assistant|>\n It is 4. </s>"
     assert hf.decode(templated) == "<|user|>\nWhat is 2 plus 2?</s>\n<|assistant|>\nIt is 4.</s>\n"
     assert len(marked) > len(templated)
+
+
+def variant(old: str, new: str, generation: bool = False) -> str:
+    """The released-like template with one piece of it changed."""
+    template = released_like_template(generation)
+    assert template.count(old) == 1, old
+    return template.replace(old, new)
+
+
+TOOLS_PART = "{%- if tools -%}{{- '<|system|>\\n' + (tools | tojson) + '</s>\\n' -}}{%- endif -%}"
+CALLS_PART = ("{%- if message.tool_calls is defined -%}{%- for call in message.tool_calls -%}"
+              "{{- '<tool_call>' + (call.function | tojson) + '</tool_call>' -}}{%- endfor -%}{%- endif -%}")
+
+
+@pytest.mark.parametrize("template, words", [
+    (variant(TOOLS_PART + "{%- for", "{%- for").replace(CALLS_PART, ""),
+     "agent.jsonl row 1: the chat template does not render the row's tools"),
+    (variant(CALLS_PART, ""), "agent.jsonl row 1: message 1: the chat template renders this assistant turn without "
+                              "its call of 'get_weather'"),
+], ids=["no-tools", "no-tool-calls"])
+def test_a_template_that_drops_the_tools_or_a_tool_call_is_refused(tmp_path, template, words):
+    """Else the model is taught an empty turn where the row called a tool, or calls to tools it never saw."""
+    folder = tokenizer_folder(tmp_path / "tok", template=template)
+    source = str(write_jsonl(tmp_path / "agent.jsonl", [{"messages": AGENT, "tools": TOOLS}]))
+    with pytest.raises(ConvertError, match=re.escape(words) + ".*choose a chat template that renders tools"):
+        run(tmp_path, folder, [source], supervise="all_assistant_turns")
+    assert not (tmp_path / "shard").exists()
+
+
+UNGUARDED = ("{%- for message in messages -%}{{- '<|' + message.role + '|>\\n' + message.content + '</s>\\n' -}}"
+             "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}")
+NO_SYSTEM = ("{%- if messages[0].role == 'system' -%}{{- raise_exception('this template has no system role') -}}"
+             "{%- endif -%}" + released_like_template())
+
+
+@pytest.mark.parametrize("template, messages, words", [
+    (UNGUARDED, AGENT, "(UndefinedError: 'dict object' has no attribute 'content')"),
+    (NO_SYSTEM, [turn("system", "Be brief."), *THINKER], "(TemplateError: this template has no system role)"),
+], ids=["reads-a-missing-field", "raises"])
+def test_a_template_that_fails_on_a_row_names_the_row(tmp_path, template, messages, words):
+    folder = tokenizer_folder(tmp_path / "tok", template=template)
+    source = str(write_jsonl(tmp_path / "a.jsonl", [{"messages": messages}]))
+    with pytest.raises(ConvertError, match=r"a.jsonl row 1: the chat template cannot render this conversation " +
+                       re.escape(words)):
+        run(tmp_path, folder, [source])
+    assert not (tmp_path / "shard").exists()
+
+
+CHATML = ("{%- for message in messages -%}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
+          "'<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+          "{%- endif -%}")
+
+
+def chatml_folder(folder: Path, eos_token: str) -> Path:
+    """A ChatML tokenizer folder as base models ship it: turns end with <|im_end|>, the config names eos_token."""
+    tokenizer_folder(folder, template=CHATML)
+    tokenizer = train_bpe()
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                  for token in ("<|im_start|>", "<|im_end|>", "<|endoftext|>")])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": eos_token}))
+    return folder
+
+
+ANSWER = [{"messages": [turn("user", "What is 12+34?"), turn("assistant", "46")]}]
+
+
+@pytest.mark.parametrize("template, words", [
+    (variant("{{- '</s>' -}}", ""), "no end-of-turn token ends the taught part"),
+    (variant("{{- '</s>' -}}{%- endgeneration -%}", "{%- endgeneration -%}{{- '</s>' -}}", generation=True),
+     "outside its {% generation %} block"),
+], ids=["no-end-token", "end-token-outside-the-generation-block"])
+def test_a_template_whose_taught_turn_does_not_end_with_eos_is_refused(tmp_path, template, words):
+    """The chat and the exported model stop at eos_token: a model taught to end its turns otherwise never stops."""
+    folder = tokenizer_folder(tmp_path / "tok", template=template)
+    with pytest.raises(ConvertError, match="a.jsonl row 1: message 1: the chat template ends this assistant turn "
+                                           "with '46', not the tokenizer's eos_token '</s>'.*" + re.escape(words)):
+        run(tmp_path, folder, [str(write_jsonl(tmp_path / "a.jsonl", ANSWER))])
+    assert not (tmp_path / "shard").exists()
+
+
+def test_a_chatml_folder_whose_eos_token_is_not_its_turn_end_is_refused_until_it_is(tmp_path):
+    """A base model's folder (Qwen's): turns end with <|im_end|>, eos_token is <|endoftext|>. Refused, naming the
+    token; set as the message says, the conversion teaches it."""
+    folder = chatml_folder(tmp_path / "tok", "<|endoftext|>")
+    source = str(write_jsonl(tmp_path / "a.jsonl", ANSWER))
+    with pytest.raises(ConvertError, match=re.escape(
+            "a.jsonl row 1: message 1: the chat template ends this assistant turn with '<|im_end|>', not the "
+            "tokenizer's eos_token '<|endoftext|>', so the model would never learn to stop (generation stops at "
+            f"eos_token); set \"eos_token\": \"<|im_end|>\" in {folder / 'tokenizer_config.json'}")):
+        run(tmp_path, folder, [source])
+    assert not (tmp_path / "shard").exists()
+    chatml_folder(folder, "<|im_end|>")
+    indexes = run(tmp_path, folder, [source])
+    hf = AutoTokenizer.from_pretrained(folder)
+    assert taught_text(hf, open_shard(tmp_path / "shard", "train")[0][1].tolist()) == "46<|im_end|>"
+    assert indexes["train"]["eos_token_id"] == hf.convert_tokens_to_ids("<|im_end|>")
+
+
+WEIGHTED = [turn("user", "What is 1 plus 1?"), turn("assistant", "It is 3.", weight=0), turn("user", "Sure?"),
+            turn("assistant", "It is 2.", weight=1)]
+
+
+def test_an_assistant_turn_of_weight_0_is_read_not_taught(tmp_path, folders):
+    """OpenAI's fine-tuning weight: the turn stays in the conversation, its tokens carry no label; a row whose
+    taught turn has weight 0 has nothing to teach and is rejected as an empty answer."""
+    rows = [{"messages": WEIGHTED}, {"messages": WEIGHTED[:2]}]
+    indexes = run(tmp_path, folders["prefixes"], [str(write_jsonl(tmp_path / "a.jsonl", rows))],
+                  supervise="all_assistant_turns")
+    hf = AutoTokenizer.from_pretrained(folders["prefixes"])
+    shard = open_shard(tmp_path / "shard", "train")
+    ids, labels = (tensor.tolist() for tensor in shard[0])
+    assert len(shard) == 1 and ids == hf.apply_chat_template(WEIGHTED, tokenize=True)["input_ids"]
+    assert taught_text(hf, labels) == "It is 2.</s>"
+    assert indexes["train"]["conversion"]["stats"]["rejected"]["empty_answer"] == 1
+    convert(ConvertSpec(train=str(tmp_path / "a.jsonl"), eval=str(tmp_path / "held.jsonl"),
+                        out=str(tmp_path / "markers"), supervise="all_assistant_turns"))
+    labels = open_shard(tmp_path / "markers", "train")[0][1].tolist()
+    assert ByteTokenizer().decode_template([t for t in labels if t != IGNORE_INDEX]) == "It is 2.<|eos|>"
+
+
+PARTS = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+         {"role": "user", "content": [{"type": "text", "text": "What is 2 plus 2?"}]},
+         {"role": "assistant", "content": [{"type": "text", "text": "4"}]}]
+PLAIN = [turn("system", "Be brief."), turn("user", "What is 2 plus 2?"), turn("assistant", "4")]
+NAMES_DEVELOPER = variant("{%- else -%}", "{%- elif message.role == 'developer' -%}{{- '<|system|>\\n(developer) ' "
+                                          "+ message.content + '</s>\\n' -}}{%- else -%}")
+
+
+def test_text_parts_are_joined_and_a_developer_turn_is_the_system_turn(tmp_path, folders):
+    """OpenAI's content parts and developer role: the same tokens as the plain conversation with a system turn,
+    through the tokenizer's template and through markers; a template that names the developer role gets it."""
+    source = str(write_jsonl(tmp_path / "a.jsonl", [{"messages": PARTS}]))
+    run(tmp_path, folders["prefixes"], [source])
+    hf = AutoTokenizer.from_pretrained(folders["prefixes"])
+    assert open_shard(tmp_path / "shard", "train")[0][0].tolist() == hf.apply_chat_template(PLAIN)["input_ids"]
+    convert(ConvertSpec(train=source, eval=str(tmp_path / "held.jsonl"), out=str(tmp_path / "markers")))
+    assert ByteTokenizer().decode_template(open_shard(tmp_path / "markers", "train")[0][0].tolist()) == (
+        "<|system|>Be brief.<|user|>What is 2 plus 2?<|assistant|>4<|eos|>")
+    knows = tokenizer_folder(tmp_path / "knows", template=NAMES_DEVELOPER)
+    run(tmp_path, knows, [source], name="developer")
+    ids = open_shard(tmp_path / "developer", "train")[0][0].tolist()
+    assert hf.decode(ids).startswith("<|system|>\n(developer) Be brief.</s>")
