@@ -25,7 +25,9 @@ _rsqrt = None  # tl.rsqrt as a Triton function, once the interpreter's gaps are 
 
 def _close_interpreter_gaps() -> None:
     """Gap 1 closed in Triton's interpreter, and the rsqrt gap 2 needs defined (close_liger_gaps applies it)."""
-    global _rsqrt
+    # Module globals, not locals: the interpreter runs a jit'd function only where triton.language is among its
+    # globals (the rsqrt below and _bf16_probe's kernel).
+    global _rsqrt, np, triton, tl
     if importlib.util.find_spec("triton") is None:
         return
     import numpy as np
@@ -101,10 +103,7 @@ def bf16_arithmetic_broken() -> bool:
     return not torch.allclose(out.float(), (a.float() * a.float()).bfloat16().float(), rtol=1e-2)
 
 
-def _bf16_probe():
-    import triton
-    import triton.language as tl
-
+def _bf16_probe():  # under the interpreter only: _close_interpreter_gaps has imported triton
     @triton.jit
     def multiply(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
         offsets = tl.arange(0, BLOCK)
