@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker_pids(out_dir: Path) -> dict[int, int]:
@@ -68,3 +74,21 @@ def still_running(pids: set[int], timeout_s: float = 30.0) -> set[int]:
         if not running or time.monotonic() > deadline:
             return running
         time.sleep(0.2)
+
+
+def train_and_kill(params: dict, out_dir: Path, after_checkpoint: str, whole_group: bool = True) -> None:
+    """Train in a child process, as a notebook's kernel would, and SIGKILL it once the checkpoint
+    `after_checkpoint` exists: its whole process group, or the launcher alone (`whole_group=False`: its torchrun and
+    workers then stop by themselves, its launch folder stays)."""
+    code = "import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
+    child = subprocess.Popen([sys.executable, "-c", code, json.dumps(params)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out_dir / "checkpoints" / after_checkpoint).is_dir():
+        assert child.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    os.killpg(child.pid, signal.SIGKILL) if whole_group else os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert wait_until_gone(out_dir), "torchrun workers outlived the killed launcher"
+    assert not (out_dir / "record.json").exists(), "killed too late: the run had finished"

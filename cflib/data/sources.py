@@ -18,8 +18,9 @@ number 46 and so blamed the wrong row; read as written, a row that is not
 valid names itself. A `.json` file holding one array is read an element at a
 time, each bounded as a JSON Lines row is, so the memory a dump of hundreds
 of MB in one array takes follows its largest row, not the file. What
-`datasets` keeps while it reads (its lock files) goes to a temporary folder
-removed when reading ends, never to the user's cache. A Hub source is resolved to the commit it names (or the
+`datasets` keeps while it reads (its lock files) goes to the conversion's
+scratch folder in its staging output, removed when reading ends, never to
+the user's cache. A Hub source is resolved to the commit it names (or the
 newest) before any row is read, and fails at once, naming it, when the Hub
 cannot be reached. Each source is recorded with the SHA-256 of every file
 read, or the Hub commit.

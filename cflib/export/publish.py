@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from cflib.atomic import check_output_folder, live_path, write_text_atomic
+from cflib.atomic import check_output_folder, write_text_atomic
 from cflib.data import ShardPartition, shard_chat_template_sha256, shard_tokenizer_spec
 from cflib.data.shards import sha256_file
 from cflib.export.hub import ExportError, export_hub
@@ -34,16 +34,13 @@ from cflib.export.peft import (
 from cflib.export.push import PushError, check_push, push_folder
 from cflib.jsonio import read_json
 from cflib.locks import exclusive_output
-from cflib.model.checkpoint import run_checkpoint
+from cflib.model.checkpoint import checkpoint_in
 
 def resolve_adapters(path: str | Path) -> Path:
     """A LoRA checkpoint itself, or the one a LoRA run folder stands for (cflib.model.checkpoint.run_checkpoint)."""
-    path = live_path(Path(path))
-    if is_adapter_checkpoint(path):
-        return path
-    chosen = run_checkpoint(path / "checkpoints", is_adapter_checkpoint)
-    if chosen is not None:
-        return chosen[0]
+    found = checkpoint_in(Path(path), is_adapter_checkpoint)
+    if found is not None:
+        return found
     raise ExportError(f"{path}: neither LoRA adapters (adapter_config.json) nor a LoRA run folder with a checkpoint "
                       "(best, last, epoch-N or step-N); a full model's bundle is `python -m cflib.export hub`")
 

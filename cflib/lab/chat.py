@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from cflib.atomic import atomic_file, live_path, write_json_atomic
+from cflib.atomic import atomic_file, write_json_atomic
 from cflib.data import (
     TOKENIZER_TEMPLATE,
     ChatTemplate,
@@ -35,7 +35,7 @@ from cflib.export.peft import ADAPTER_WEIGHTS_FILE, holds_weights, is_adapter_ch
 from cflib.jobs import job_out_dir, record_header, refuse_links
 from cflib.jsonio import json_lines
 from cflib.model import CheckpointError, load_checkpoint
-from cflib.model.checkpoint import WEIGHTS_FILE, run_checkpoint
+from cflib.model.checkpoint import WEIGHTS_FILE, checkpoint_in
 from cflib.model.generate import Decoder, GenerationError, Sampling
 from cflib.paths import resolve_path
 from cflib.progress import tqdm
@@ -87,12 +87,10 @@ class ChatParams(Params):
 def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder (a model's, or LoRA adapters'), or the one a run folder stands for: its best, else its
     last, else its newest epoch-N or step-N (cflib.model.checkpoint.run_checkpoint)."""
-    folder = live_path(resolve_path(path))
-    if holds_weights(folder):
-        return folder
-    chosen = run_checkpoint(folder / "checkpoints", holds_weights)
-    if chosen is not None:
-        return chosen[0]
+    folder = resolve_path(path)
+    found = checkpoint_in(folder, holds_weights)
+    if found is not None:
+        return found
     raise CheckpointError(f"checkpoint {folder}: neither a checkpoint folder (config.json + {WEIGHTS_FILE}, or LoRA "
                           "adapters) nor a run folder with a checkpoint (best, last, epoch-N or step-N)")
 

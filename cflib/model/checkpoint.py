@@ -121,6 +121,16 @@ def run_checkpoint(checkpoints: Path, holds: Callable[[Path], bool] = holds_mode
     return None
 
 
+def checkpoint_in(path: Path, holds: Callable[[Path], bool] = holds_model) -> Path | None:
+    """`path` itself where it `holds` a checkpoint, else the checkpoint its run folder stands for
+    (run_checkpoint), else None. A folder a kill left aside is taken under its retired name (live_path)."""
+    path = live_path(path)
+    if holds(path):
+        return path
+    chosen = run_checkpoint(path / "checkpoints", holds)
+    return chosen[0] if chosen is not None else None
+
+
 def derived_names(config: ModelConfig) -> set[str]:
     return {f"layers.{i}.{suffix}" for i in range(config.num_hidden_layers) for suffix in DERIVED_SUFFIXES}
 

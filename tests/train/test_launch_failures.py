@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,9 +17,9 @@ from cflib.train.launch_failures import LaunchError
 from cflib.train.run_folder import remove_dead_launch_dirs
 
 try:
-    from processes import wait_until_gone
+    from processes import train_and_kill, wait_until_gone
 except ImportError:  # run from the repository root as a package
-    from tests.processes import wait_until_gone
+    from tests.processes import train_and_kill, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 16, "lr": 3e-3,
@@ -189,30 +188,13 @@ def test_remove_dead_launch_dirs_removes_the_folders_of_this_hosts_ended_launche
     assert remove_dead_launch_dirs(out_dir) == [] and remove_dead_launch_dirs(tmp_path / "none") == []
 
 
-def kill_launcher(params: dict, out_dir: Path, after_checkpoint: str) -> None:
-    """Train from a child process (a notebook's kernel) and SIGKILL it, the launcher alone, once a checkpoint
-    exists: its torchrun and workers stop, its launch folder stays."""
-    code = "import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
-    child = subprocess.Popen([sys.executable, "-c", code, json.dumps(params)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (out_dir / "checkpoints" / after_checkpoint).is_dir():
-        assert child.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait()
-    assert wait_until_gone(out_dir), "torchrun workers outlived the killed launcher"
-    assert not (out_dir / "record.json").exists(), "killed too late: the run had finished"
-
-
 @pytest.mark.slow  # torchrun, then one process
 def test_a_killed_two_process_run_resumed_on_one_process_leaves_no_launch_folder(tmp_path):
     """No torchrun starts when the run resumes on one process, so the run itself removes the killed launcher's
     folder (Trainer._open_run_folder, under the run's lock)."""
     out_dir = tmp_path / "run"
     params = {**BASE, "out_dir": str(out_dir), "nproc_per_node": 2, "max_steps": 30, "save_every_steps": 2}
-    kill_launcher(params, out_dir, after_checkpoint="step-2")
+    train_and_kill(params, out_dir, after_checkpoint="step-2", whole_group=False)
     [left] = out_dir.glob(".torchrun-node0-*")  # the workers' parameters and torchrun's logs
     record = train({**params, "nproc_per_node": 1, "allow_world_size_change": True, "resume": "latest"},
                    progress=False)

@@ -4,10 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,9 +18,9 @@ from cflib.train.params import ParamError
 from cflib.train.records import read_metrics
 
 try:
-    from processes import wait_until_gone
+    from processes import train_and_kill
 except ImportError:  # run from the repository root as a package
-    from tests.processes import wait_until_gone
+    from tests.processes import train_and_kill
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,22 +60,6 @@ def assert_best_remembered(resumed: dict, reference: dict, out_dir: Path, refere
     assert_same_weights(best(reference_dir), best(out_dir), atol=1e-6)
 
 
-def start_and_kill(run_params: dict, out_dir: Path, after_checkpoint: str) -> None:
-    """Run training in a child process and SIGKILL its whole process group once a checkpoint exists."""
-    code = "import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
-    child = subprocess.Popen([sys.executable, "-c", code, json.dumps(run_params)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (out_dir / "checkpoints" / after_checkpoint).is_dir():
-        assert child.poll() is None, "the run ended before it could be killed"
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
-    assert wait_until_gone(out_dir), "torchrun workers outlived the killed launcher"
-    assert not (out_dir / "record.json").exists(), "killed too late: the run had finished"
-
-
 def final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(out_dir / "checkpoints" / "epoch-12").state_dict()
 
@@ -92,7 +72,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 @pytest.mark.slow
 def test_killed_single_process_run_resumes_to_the_uninterrupted_weights(tmp_path, shard):
     reference = train(params(shard, tmp_path / "whole", **BEST_FIRST), progress=False)
-    start_and_kill(params(shard, tmp_path / "killed", **BEST_FIRST), tmp_path / "killed", after_checkpoint="step-8")
+    train_and_kill(params(shard, tmp_path / "killed", **BEST_FIRST), tmp_path / "killed", after_checkpoint="step-8")
     resumed = train(params(shard, tmp_path / "killed", resume="latest", **BEST_FIRST), progress=False)
     assert resumed["model_source"].startswith("resumed from") and resumed["schedule"]["steps_done"] == 36
     assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"), atol=1e-6)
@@ -113,7 +93,7 @@ def test_a_killed_mixture_resumes_to_the_uninterrupted_weights(tmp_path, shard):
         return params(shard, out_dir, data=data, examples_per_epoch=40, exact_match_limit=4, **overrides)
 
     reference = train(mixed(tmp_path / "whole"), progress=False)
-    start_and_kill(mixed(tmp_path / "killed"), tmp_path / "killed", after_checkpoint="step-8")
+    train_and_kill(mixed(tmp_path / "killed"), tmp_path / "killed", after_checkpoint="step-8")
     with pytest.raises(ParamError, match=r"written with mixture \[0.8, 0.2\], this run has \[0.7, 0.3\]"):
         train(mixed(tmp_path / "killed", (0.7, 0.3), resume="latest"), progress=False)
     resumed = train(mixed(tmp_path / "killed", resume="latest"), progress=False)
@@ -131,7 +111,7 @@ def test_killed_fsdp_run_resumes_and_its_optimizer_state_serves_ddp_too(tmp_path
     process may not, unless told to."""
     out_dir = tmp_path / "killed"
     fsdp = params(shard, out_dir, nproc_per_node=2, epochs=4, strategy="fsdp", **BEST_FIRST)
-    start_and_kill(fsdp, out_dir, after_checkpoint="step-8")
+    train_and_kill(fsdp, out_dir, after_checkpoint="step-8")
     state = torch.load(out_dir / "checkpoints" / "step-8" / "trainer_state.pt", weights_only=True)
     assert "layers.0.mlp.engine.expert_up" in state["optimizer"]["state"]
     kept = shutil.copytree(out_dir / "checkpoints" / "step-8", tmp_path / "step-8")
@@ -259,7 +239,7 @@ def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, 
     lora = {"init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lora_dropout": 0.1,
             "lr": 1e-2, "epochs": 4}
     train(params(shard, tmp_path / "whole", **lora), progress=False)
-    start_and_kill(params(shard, tmp_path / "killed", **lora), tmp_path / "killed", after_checkpoint="step-8")
+    train_and_kill(params(shard, tmp_path / "killed", **lora), tmp_path / "killed", after_checkpoint="step-8")
     # the base named as params files name it (relative to the project), from another working directory
     monkeypatch.chdir(tmp_path)
     lora["init_checkpoint"] = os.path.relpath(base, ROOT)
