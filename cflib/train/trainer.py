@@ -39,9 +39,11 @@ from cflib.train.task_scores import TaskScorer
 from cflib.train.trackers import open_trackers
 
 
-# An evaluation's key for what is left to do after its checkpoint (scores, metrics row, best/): present in a
-# checkpoint's books only when a kill came in between.
+# An evaluation's key for what is left to do after its checkpoint (scores, metrics row, best/): in the books of the
+# checkpoint it writes, which are saved before it is done; a run resumed from that checkpoint finishes it, taking
+# what its metrics row already holds.
 UNFINISHED = "unfinished"
+SCORE_KEYS = ("lm_eval", "lm_eval_higher_is_better", "lm_eval_seconds")  # what scoring eval_tasks adds
 
 
 class Trainer:
@@ -130,7 +132,7 @@ class Trainer:
             kept["best_step"] = saved["best_step"]
         return kept
 
-    def _trainer_state(self, optimizer_state: dict) -> dict:
+    def _trainer_state(self, optimizer_state: dict, checkpoints: dict[str, str]) -> dict:
         epoch, batch_in_epoch = self.position
         return {"optimizer": optimizer_state, "scheduler": self.training_step.scheduler.state_dict(),
                 "step": self.step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
@@ -138,7 +140,7 @@ class Trainer:
                 "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
                 "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-                "checkpoints": self.checkpoints,
+                "checkpoints": checkpoints,
                 "trained_mass": None if self.trained_mass is None else self.trained_mass.tolist(),
                 "timing": self.timing_so_far(), **schedule_signature(self.run)}
 
@@ -236,9 +238,11 @@ class Trainer:
             optimizer_state = get_optimizer_state_dict(self.model, self.training_step.optimizer, options=StateDictOptions(
                 full_state_dict=True, cpu_offload=fsdp))
         if self.dist.is_main:
-            state = self._trainer_state(optimizer_state) if resumable else None
-            progress = {"step": self.step, "epoch": self.position[0], "batch_in_epoch": self.position[1]}
             target = self.run.out_dir / "checkpoints" / name
+            # Its books list the checkpoint itself: a run resumed from it keeps it (pruning, eval_tasks scores).
+            listed = {**{other: path for other, path in self.checkpoints.items() if other != name}, name: str(target)}
+            state = self._trainer_state(optimizer_state, listed) if resumable else None
+            progress = {"step": self.step, "epoch": self.position[0], "batch_in_epoch": self.position[1]}
             try:
                 # best/ names its step (progress) even when it is not resumable: a resume reads which evaluation
                 # it holds.
@@ -289,15 +293,20 @@ class Trainer:
         done twice."""
         todo = result.pop(UNFINISHED)
         checkpoint = todo["checkpoint"]
-        if todo["score_tasks"] and self.scorer is not None and checkpoint in self.checkpoints:
+        logged = self._logged_row(result) if resumed else None
+        if logged is not None:  # written before the kill, with the scores: none is run again
+            result.update({key: logged[key] for key in SCORE_KEYS if key in logged})
+        elif todo["score_tasks"] and self.scorer is not None and checkpoint in self.checkpoints:
             scores = self.scorer.score(Path(self.checkpoints[checkpoint]), self.run.out_dir / "eval_tasks" / checkpoint)
             result.update(scores)
             self.timing["eval_s"] += scores["lm_eval_seconds"]
-        if not (resumed and self._logged(result)):
+        if logged is None:
             self.log_evaluation(result)
         if self.step > 0:
             self.best_loss = min(self.best_loss, result["loss"])
         value = self.best_metric.value(result)
+        if resumed and self.checkpoints.get("best_step") == str(self.step):
+            self.best_value = value  # best/ holds these weights already: its value, scores included
         improved = self.step > 0 and self.best_metric.improves(value, self.best_value)
         if self.run.strategy == "fsdp":  # every rank evaluated, and the save gathers: rank 0 decides
             improved = self.dist.agree(improved)
@@ -307,12 +316,12 @@ class Trainer:
             if "best" in self.checkpoints:
                 self.checkpoints["best_step"] = str(self.step)
 
-    def _logged(self, result: dict) -> bool:
-        """Whether metrics.jsonl already holds this evaluation's row (a run killed after writing it, resumed)."""
+    def _logged_row(self, result: dict) -> dict | None:
+        """The row metrics.jsonl already holds for this evaluation (a run killed after writing it, resumed)."""
         if not self.dist.is_main or not self.metrics.path.is_file():
-            return False
-        return any(row.get("event") == "eval" and row.get("step") == result["step"] and row.get("tag") == result["tag"]
-                   for row in read_metrics(self.metrics.path))
+            return None
+        return next((row for row in read_metrics(self.metrics.path) if row.get("event") == "eval"
+                     and row.get("step") == result["step"] and row.get("tag") == result["tag"]), None)
 
     # --- training -------------------------------------------------------------------
     def train_step(self, step_units: np.ndarray, next_units: np.ndarray | None = None) -> dict:

@@ -160,6 +160,41 @@ def test_a_run_killed_after_an_evaluation_s_checkpoint_finishes_that_evaluation_
     assert rows == [(e["step"], e["tag"]) for e in whole["eval"]["history"]]
 
 
+def test_a_resumed_run_keeps_the_eval_tasks_scores_its_rows_hold_and_its_best_by_them(tmp_path, shard, monkeypatch):
+    """An epoch checkpoint's books are saved before its evaluation is scored. Resumed from it, the run takes the
+    scores its metrics row holds (scoring nothing again), keeps best/ by them, and scores only what is new."""
+    from cflib.train import task_scores
+
+    scored = []
+
+    def score(self, checkpoint: Path, folder: Path) -> dict:
+        scored.append(checkpoint.name)
+        folder.mkdir(parents=True, exist_ok=True)
+        value = 0.9 if checkpoint.name == "epoch-1" else 0.5  # the first epoch scores best
+        return {"lm_eval": {"embedded_exact": {"exact_match": value}}, "lm_eval_higher_is_better": {},
+                "lm_eval_seconds": 0.0}
+
+    monkeypatch.setattr(task_scores.TaskScorer, "score", score)
+    monkeypatch.setattr(task_scores, "check_tasks", lambda names, what: None)
+    out_dir = tmp_path / "run"
+    two_epochs = params(shard, out_dir, epochs=2, save_every_steps=None, save_optimizer_state=True,
+                        eval_tasks="embedded_exact", eval_tasks_every="epoch",
+                        best_metric="lm_eval/embedded_exact/exact_match", greater_is_better=True)
+    assert train(two_epochs, progress=False)["best_metric"]["step"] == 3 and scored == ["epoch-1", "epoch-2"]
+    # Killed during the second epoch: epoch-1 is the latest resumable checkpoint.
+    for name in ("COMPLETE", "record.json"):
+        (out_dir / name).unlink()
+    for name in ("epoch-2", "last"):
+        shutil.rmtree(out_dir / "checkpoints" / name, ignore_errors=True)
+    scored.clear()
+    resumed = train({**two_epochs, "resume": "latest"}, progress=False)
+    assert scored == ["epoch-2"]
+    assert resumed["best_metric"]["step"] == 3 and resumed["best_metric"]["value"] == 0.9
+    assert [e.get("lm_eval") for e in resumed["eval"]["history"] if e["tag"] == "epoch-1"] == [
+        {"embedded_exact": {"exact_match": 0.9}}]
+    assert "epoch-1" in resumed["checkpoints"]  # the checkpoint resumed from is the run's too
+
+
 def test_a_checkpoint_with_optimizer_state_keyed_by_position_still_resumes(tmp_path, shard, four_epochs):
     """Checkpoints written before optimizer state was keyed by parameter name hold torch's positional form."""
     old = shutil.copytree(four_epochs / "checkpoints" / "step-8", tmp_path / "step-8")
