@@ -35,8 +35,15 @@ def frontend_attached() -> bool:
 
 
 def headless_kernel() -> bool:
-    """A notebook kernel that no person's frontend runs (papermill, nbval, nbconvert)."""
-    return "ipykernel" in sys.modules and not frontend_attached()
+    """A notebook kernel running a cell that no person watches (papermill, nbval, nbconvert): the request that
+    runs it refuses input(), as nbclient's do. Any frontend a person types into accepts it (JupyterLab, VS Code,
+    Colab), whether or not a Jupyter server started the kernel."""
+    if "ipykernel" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    kernel = getattr(get_ipython(), "kernel", None)
+    return kernel is not None and not kernel.get_parent().get("content", {}).get("allow_stdin", False)
 
 
 class tqdm(_auto_tqdm):  # noqa: N801  (tqdm's own name, so callers read as tqdm's users do)

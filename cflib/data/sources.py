@@ -367,7 +367,7 @@ class JsonArray:
 def _cut_short(err: json.JSONDecodeError, length: int) -> bool:
     """Whether a decoding error may come from the end of the text held rather than from the JSON: it stopped within
     the few characters of an escape, literal or number of the end, or in a string not yet closed."""
-    return err.msg.startswith("Unterminated string") or err.pos >= length - 6
+    return err.msg.startswith("Unterminated string") or err.pos >= length - 9  # -Infinity: 9 characters
 
 
 def _first_byte(file: Path) -> bytes:

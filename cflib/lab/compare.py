@@ -584,4 +584,6 @@ def save_comparison(comparison: Comparison) -> list[Path]:
         if figure is not None:
             plt.close(figure)
             written.append(out / name)
+        elif not (out / name).is_symlink():  # an earlier comparison's figure this one has none of: not left beside it
+            (out / name).unlink(missing_ok=True)
     return written

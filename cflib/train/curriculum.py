@@ -100,6 +100,22 @@ def _task_targets(targets: Any, overrides: dict, where: str) -> dict:
     return {"tasks": {"target_share": 1.0, "tasks": list(targets), "task_target_shares": dict(targets)}}
 
 
+# What shapes a LoRA run's adapters: every stage continues the first stage's, so none may set other ones.
+ADAPTER_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens")
+
+
+def _refuse_other_adapters(first: Stage, stage: Stage, where: str) -> None:
+    """ParamError, before any stage trains, when a later stage of a LoRA run sets adapters unlike the first's: it
+    starts from the adapters the stage before it saved, which it could not load."""
+    if first.params.full_parameter or stage is first:
+        return
+    for key in ADAPTER_KEYS:
+        if getattr(stage.params, key) != getattr(first.params, key):
+            raise ParamError(f"{where}: {key} {getattr(stage.params, key)!r} differs from the first stage's "
+                             f"{getattr(first.params, key)!r}; every stage of a LoRA run trains the same adapters, "
+                             "so their settings are the first stage's (set them for the run, or in the first stage)")
+
+
 def stage_params(run: TrainParams, overrides: dict, out_dir: Path, where: str) -> TrainParams:
     """The run's parameters with the stage's, checked; the stage trains into its own folder."""
     values = {name: getattr(run, name) for name in TrainParams.names()}
@@ -138,6 +154,7 @@ def load_curriculum(params: TrainParams, out_dir: Path) -> Curriculum:
             raise ParamError(f"{where}: the name is used by an earlier stage; every stage has its own name")
         overrides = _stage_overrides(stage_raw, where)
         stages.append(Stage(name, stage_params(run, overrides, out_dir / "stages" / name, where), overrides))
+        _refuse_other_adapters(stages[0], stages[-1], where)
     names = [stage.name for stage in stages]
     through = params.through_stage
     if through is not None and through not in names:

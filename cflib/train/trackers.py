@@ -448,13 +448,20 @@ class Trackers:
         report_to = tuple(report_to)
         # Before any tracker starts: the libraries read these when first imported or started.
         self._env = ScopedEnv(private_folders(out_dir, report_to))
+        self.trackers: list = []
+        self._lock = threading.Lock()
         try:
-            previous = read_tracking(out_dir) if resumed_step else {}
-            replay = kept_rows(out_dir, resumed_step) if resumed_step else []
-        except BaseException:
+            self._start(params, report_to, tracking_uri, resumed_step)
+        except BaseException:  # the trackers started so far ended, the environment as it was: nothing leaks on
+            for tracker in self.trackers:
+                tracker.close(None, "FAILED")
             self._env.restore()
             raise
-        self.trackers: list = []
+
+    def _start(self, params: dict, report_to: tuple[str, ...], tracking_uri: str | None, resumed_step: int) -> None:
+        out_dir = self.out_dir
+        previous = read_tracking(out_dir) if resumed_step else {}
+        replay = kept_rows(out_dir, resumed_step) if resumed_step else []
         for name in report_to:
             if name == "tensorboard":
                 self.trackers.append(TensorBoardTracker(out_dir, replay))
@@ -466,7 +473,6 @@ class Trackers:
             elif name == "wandb":
                 self.trackers.append(WandbTracker(out_dir, params, previous.get("wandb", {}).get("run_id"),
                                                   on_started=self.save, replay=replay))
-        self._lock = threading.Lock()
         self.save()
 
     def log(self, row: dict) -> None:

@@ -200,6 +200,17 @@ def test_a_json_array_larger_than_a_document_is_read_a_row_at_a_time(tmp_path, m
     assert examples(tmp_path / "from-array") == examples(tmp_path / "from-jsonl")
 
 
+@pytest.mark.parametrize("chunk", range(1, 40))
+def test_infinity_and_nan_read_wherever_a_chunk_cuts_them(tmp_path, monkeypatch, chunk):
+    """Python's json writes Infinity, -Infinity and NaN, and reads them back: so does the array reader, whatever
+    byte a chunk of the file ends at."""
+    monkeypatch.setattr(sources, "ARRAY_CHUNK", chunk)
+    rows = [{"score": float("inf")}, {"score": -float("inf")}, {"score": 1.5}]
+    path = tmp_path / "array.json"
+    path.write_text(json.dumps(rows))
+    assert [row for _, row in sources.json_rows(path)] == rows
+
+
 @pytest.mark.parametrize("text, words", [
     ('[{"prompt": "a", "completion": "b"}, {"prompt": "c" "completion": "d"}]',
      ["array.json row 2: not valid JSON", "Expecting ',' delimiter, character 16 of the row"]),

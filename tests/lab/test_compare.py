@@ -63,6 +63,9 @@ def test_a_run_folder_is_never_a_comparisons_out_dir_and_an_earlier_comparison_i
                                                              "out_dir": str(out_dir)})))
     assert {p.name for p in first} <= {p.name for p in again}
     assert len(json.loads((out_dir / "comparison.json").read_text())["rows"]) == 2
+    (out_dir / "sweep.png").write_bytes(b"an earlier comparison's sweep plot")  # this one has no sweep
+    last = save_comparison(compare(CompareParams.from_dict({"runs": str(runs["run"]), "out_dir": str(out_dir)})))
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(p.name for p in last)  # nothing stale beside it
 
 
 def test_a_link_in_a_comparisons_out_dir_is_refused_never_written_through(tmp_path):

@@ -318,3 +318,15 @@ def test_a_lora_curriculum_trains_one_set_of_adapters_through_its_stages(tmp_pat
     saved = json.loads((tmp_path / "run" / "stages" / "all" / "checkpoints" / "best" / "adapter_config.json")
                        .read_text())
     assert Path(saved["base_model_name_or_path"]).resolve() == base.resolve()
+
+
+def test_a_later_stage_of_a_lora_curriculum_setting_other_adapters_is_refused_before_any_stage_trains(tmp_path, shard):
+    """It would start from the adapters the stage before saved, which it could not load: refused at once, not
+    after the earlier stages trained."""
+    base = save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "base")
+    curriculum = write_curriculum(tmp_path / "c.yaml", [{"name": "easy", "max_steps": 2},
+                                                        {"name": "mid", "max_steps": 2, "lora_rank": 16}])
+    with pytest.raises(ParamError, match="stage 'mid': lora_rank 16 differs from the first stage's 4"):
+        train({**params(shard, tmp_path / "run", curriculum), "init_checkpoint": str(base), "full_parameter": False,
+               "lora_rank": 4}, progress=False)
+    assert not (tmp_path / "run").exists()

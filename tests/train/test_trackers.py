@@ -277,3 +277,16 @@ def test_a_run_killed_and_resumed_shows_each_step_once_in_tensorboard(tmp_path):
 
 
 # Under DDP rank 0 alone reports: tests/train/test_distributed.py's two-process run reads its TensorBoard events.
+
+
+def test_trackers_that_cannot_all_start_leave_the_environment_as_it_was(tmp_path, monkeypatch):
+    """A tracker failing to start (TensorBoard's folder a file here) ends the ones already started and takes back
+    the variables set for the run: a later run in the kernel would take them for the user's own."""
+    pytest.importorskip("mlflow")
+    from cflib.train.trackers import Trackers
+
+    monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)
+    (tmp_path / "tensorboard").write_text("a file where the event folder goes")
+    with pytest.raises(OSError):
+        Trackers(tmp_path, {}, ["mlflow", "tensorboard"], None, 0)
+    assert "MLFLOW_DISABLE_TELEMETRY" not in os.environ
