@@ -55,12 +55,12 @@ class ChatTemplate:
     def __post_init__(self) -> None:
         """Role markers that cannot tell the turns apart, refused when the template is made: at conversion, not
         only when the chat later needs the assistant's."""
-        for role in MARKED_ROLES:
+        for role in ("user", "assistant"):  # an empty system marker is a template for data with no system turn
             if not getattr(self, role):
                 raise ConvertError(f"the template names no {role} marker ({role}: ''): nothing tells the model "
                                    f"where the {role}'s turn begins")
         for first, second in combinations(MARKED_ROLES, 2):
-            if getattr(self, first) == getattr(self, second):
+            if getattr(self, first) and getattr(self, first) == getattr(self, second):
                 raise ConvertError(f"the template's {first} and {second} markers are the same "
                                    f"({getattr(self, first)!r}): the model could not tell whose turn it is")
 
@@ -134,6 +134,7 @@ class ChatRenderer:
             ids = self.tokenizer.encode(conversation.text) + [self.eos_token_id]
             return ids, ids[1:] + [IGNORE_INDEX]
         self._refuse_tools(conversation.messages, conversation.tools)
+        self._refuse_unmarked_system(conversation.messages)
         taught = set(conversation.taught_turns(self.supervise))
         ids: list[int] = []
         supervised: list[bool] = []
@@ -148,10 +149,18 @@ class ChatRenderer:
         conversation_to_answer): every turn as in training, then the assistant marker (never empty: see
         ChatTemplate)."""
         self._refuse_tools(messages, tools)
+        self._refuse_unmarked_system(messages)
         ids: list[int] = []
         for message in messages:
             ids += self._turn(message, False)[0]
         return ids + self.markers["assistant"]
+
+    def _refuse_unmarked_system(self, messages: list[dict]) -> None:
+        """A template with no system marker (for data without system turns) cannot write one: it would run into
+        the turn after it."""
+        if not self.template.system and any(m["role"] in ("system", "developer") for m in messages):
+            raise ConvertError("the template names no system marker (system: ''), so a system turn would run into "
+                               "the turn after it: give the template a system marker, or leave system turns out")
 
     @staticmethod
     def _refuse_tools(messages: list[dict], tools: list | None) -> None:

@@ -300,3 +300,18 @@ def test_a_marker_template_the_model_could_not_read_is_refused_before_any_row(tm
                   "assistant": "<|im_start|>assistant\n", "turn_end": "<|im_end|>\n", "eos": "<|im_end|>"}
         convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "out"), tokenizer=tokenizer,
                             template=ChatTemplate.from_dict(chatml, "template.yaml")))
+
+
+def test_a_template_without_a_system_marker_converts_data_without_system_turns_and_refuses_a_system_turn(tmp_path):
+    """Alpaca-style markers (no system turn in the data): an empty system marker is a template, not a mistake;
+    only a row with a system turn, which would run into the turn after it, is refused, naming the row."""
+    alpaca = ChatTemplate.from_dict({"system": "", "user": "### Instruction:\n", "assistant": "### Response:\n"},
+                                    "alpaca.yaml")
+    inputs = write_inputs(tmp_path / "in")
+    convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "out"), template=alpaca))
+    assert (tmp_path / "out" / "train" / "sft.idx.json").is_file()
+    with_system = [row(turn("system", "be brief"), turn("user", "1+1="), turn("assistant", "2"))] + GOOD[:7]
+    inputs = write_inputs(tmp_path / "in2", with_system)
+    with pytest.raises(ConvertError, match="row 1: .*names no system marker"):
+        convert(ConvertSpec(str(inputs["train"]), str(inputs["eval"]), str(tmp_path / "out2"), template=alpaca))
+    assert not (tmp_path / "out2").exists()
