@@ -249,6 +249,13 @@ def check_fits(expected: dict[str, torch.Tensor], adapters: dict[str, torch.Tens
         raise CheckpointError(f"{source}: missing adapter {missing[0]!r}")
 
 
+def base_matches_training(adapter_dir: str | Path, base_dir: str | Path | None = None) -> bool:
+    """Whether the base the adapters are merged into (`base_dir`, else the one they name) has the weights they were
+    trained on: its weights' SHA-256 against the one cflib_adapter.json recorded."""
+    base = read_json(live_path(Path(adapter_dir)) / CFLIB_ADAPTER_FILE, CheckpointError, "adapter description")["base"]
+    return weights_sha256(base_dir or base["path"]) == base.get("sha256")
+
+
 def load_merged(adapter_dir: str | Path, base_dir: str | Path | None = None) -> TRMoEModel:
     """base + scale * B @ A (fp32) in memory, from a LoRA checkpoint; base_dir: None for the recorded base."""
     return _merged(adapter_dir, base_dir)[0]
@@ -272,7 +279,7 @@ def merge(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | N
         (staging / MERGE_MANIFEST).write_text(json.dumps(
             {"format": MERGE_FORMAT, "adapter": str(adapter_dir), "base": str(base_dir)}, indent=2) + "\n")
     return {"adapter": str(adapter_dir), "base": str(base_dir), "out": str(out_dir), "lora": settings.to_dict(),
-            "base_matches_training": weights_sha256(base_dir) == base.get("sha256")}
+            "base_matches_training": base_matches_training(adapter_dir, base_dir)}
 
 
 class MergeError(ValueError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -31,7 +32,13 @@ from cflib.data.convert import read_template
 from cflib.data.rendering import tokenizer_record
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
-from cflib.export.peft import ADAPTER_WEIGHTS_FILE, holds_weights, is_adapter_checkpoint, load_merged
+from cflib.export.peft import (
+    ADAPTER_WEIGHTS_FILE,
+    base_matches_training,
+    holds_weights,
+    is_adapter_checkpoint,
+    load_merged,
+)
 from cflib.jobs import job_out_dir, record_header, refuse_links
 from cflib.jsonio import json_lines
 from cflib.model import CheckpointError, load_checkpoint
@@ -143,6 +150,11 @@ class ChatSession:
         self.adapters = is_adapter_checkpoint(self.checkpoint)  # merged into their recorded base, in memory
         self.model = (load_merged(self.checkpoint).to(self.device) if self.adapters
                       else load_checkpoint(self.checkpoint, self.device))
+        self.base_matches_training = base_matches_training(self.checkpoint) if self.adapters else None
+        if self.base_matches_training is False:
+            warnings.warn(f"{self.checkpoint}: the base these adapters are merged into has changed since they were "
+                          "trained (its weights' SHA-256 differs): the answers are that base's plus the adapters",
+                          stacklevel=2)
         vocab = self.model.config.vocab_size
         if self.tokenizer.vocab_size > vocab:
             raise ParamError(f"tokenizer {self.tokenizer.description} has {self.tokenizer.vocab_size:,} tokens, "
@@ -199,6 +211,7 @@ class ChatSession:
         weights = self.checkpoint / (ADAPTER_WEIGHTS_FILE if self.adapters else WEIGHTS_FILE)
         return {"checkpoint": {"path": str(self.checkpoint), "sha256": sha256_file(weights),
                                "lora_adapters_merged": self.adapters,
+                               "base_matches_training": self.base_matches_training,
                                "config": self.model.config.to_dict(), **count_parameters(self.model)},
                 "tokenizer": tokenizer, "template": self.renderer.record(), "eos_token_id": self.renderer.eos_token_id}
 

@@ -153,6 +153,22 @@ def test_a_lora_run_answers_with_its_adapters_merged_into_their_base(run_dir, se
     described = lora.describe()["checkpoint"]
     assert described["lora_adapters_merged"] is True and described["sha256"] == sha256_file(
         tmp_path / "run" / "checkpoints" / "best" / "adapter_model.safetensors")
+    assert described["base_matches_training"] is True
+
+
+def test_adapters_merged_into_a_base_changed_since_their_training_are_said_to_be(run_dir, tmp_path):
+    """Training and resume refuse a changed base, and export merge notes it: the chat warns and records it."""
+    base = save_checkpoint(load_checkpoint(run_dir / "checkpoints" / "best"), tmp_path / "base")
+    settings = LoraSettings(rank=2, alpha=4)
+    model = attach_lora(load_checkpoint(base), settings)
+    LoraRun(settings, describe_base(base)).save(model, tmp_path / "adapters")
+    changed = load_checkpoint(base)
+    with torch.no_grad():
+        changed.norm.weight.mul_(1.5)
+    save_checkpoint(changed, base)
+    with pytest.warns(UserWarning, match="has changed since they were trained"):
+        session = ChatSession(tmp_path / "adapters", device="cpu")
+    assert session.describe()["checkpoint"]["base_matches_training"] is False
 
 
 def test_notebook_parameters_take_the_template_and_prompts_and_refuse_unknown_names():
