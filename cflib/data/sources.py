@@ -45,7 +45,6 @@ HUB = "hub:"
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 SAVED_MARKERS = ("state.json", "dataset_info.json")  # what save_to_disk writes beside its Arrow files
 SAVED_DICT = "dataset_dict.json"  # save_to_disk of several splits
-JSON_WHITESPACE = b" \t\r\n"
 ARRAY_CHUNK = 2**20  # bytes read at a time from a .json array
 _WHITESPACE = re.compile(r"[ \t\r\n]*")
 _DECODER = json.JSONDecoder()
@@ -371,12 +370,14 @@ def _cut_short(err: json.JSONDecodeError, length: int) -> bool:
 
 
 def _first_byte(file: Path) -> bytes:
-    """The file's first byte past a UTF-8 byte order mark and JSON's whitespace (b"" when there is none): an array
-    pretty-printed after a newline, or saved by an editor that writes a BOM, is still an array."""
+    """The file's first character past a byte order mark and JSON's whitespace, as a byte (b"" when there is none):
+    an array pretty-printed after a newline, or saved by an editor that writes a BOM (UTF-8, 16 or 32, which JSON's
+    own detection reads), is still an array."""
     with open(file, "rb") as handle:
-        if handle.read(len(codecs.BOM_UTF8)) != codecs.BOM_UTF8:
-            handle.seek(0)
+        encoding = json.detect_encoding(handle.read(4))
+        handle.seek(0)
+        decoder = codecs.getincrementaldecoder(encoding)("replace")
         while chunk := handle.read(2**16):
-            if text := chunk.lstrip(JSON_WHITESPACE):
-                return text[:1]
+            if text := decoder.decode(chunk).lstrip("\ufeff \t\r\n"):
+                return text[:1].encode()
     return b""

@@ -200,6 +200,14 @@ def test_a_json_array_larger_than_a_document_is_read_a_row_at_a_time(tmp_path, m
     assert examples(tmp_path / "from-array") == examples(tmp_path / "from-jsonl")
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32", "utf-16-le"])
+def test_a_json_array_in_any_encoding_json_detects_is_read_as_an_array(tmp_path, encoding):
+    rows = [prompt_completion(i) for i in range(3)]
+    path = tmp_path / "array.json"
+    path.write_bytes(json.dumps(rows, indent=1, ensure_ascii=False).encode(encoding))
+    assert [row for _, row in sources.json_rows(path)] == rows
+
+
 @pytest.mark.parametrize("chunk", range(1, 40))
 def test_infinity_and_nan_read_wherever_a_chunk_cuts_them(tmp_path, monkeypatch, chunk):
     """Python's json writes Infinity, -Infinity and NaN, and reads them back: so does the array reader, whatever
