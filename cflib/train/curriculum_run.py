@@ -72,9 +72,14 @@ class CurriculumRun:
     def _fit_stages(self, progress: bool) -> dict:
         stages = {"curriculum": str(self.curriculum.path), "stages": [
             {"name": stage.name, "overrides": stage.overrides} for stage in self.curriculum.stages]}
-        if not (self.out_dir / CURRICULUM_FILE).is_file():
+        written = read_json(self.out_dir / CURRICULUM_FILE, ParamError, "curriculum file") if (
+            self.out_dir / CURRICULUM_FILE).is_file() else None
+        if written is None or written.get("stages") != json.loads(json.dumps(stages["stages"])):
+            # New, or resumed with stages not started yet changed (or added by a later through_stage): the file
+            # says what this run trains, and since when.
+            changed = {} if written is None else {"created_utc": written.get("created_utc"), "changed_utc": utc_now()}
             write_json_atomic(self.out_dir / CURRICULUM_FILE,
-                              {**stages, "created_utc": utc_now(), "audit": self.audit})
+                              {**stages, "created_utc": utc_now(), **changed, "audit": self.audit})
         start_from, records = self.params.init_checkpoint, []
         for stage in self.curriculum.stages:
             record = self._fit_stage(stage, start_from, progress)
@@ -85,7 +90,8 @@ class CurriculumRun:
             summary["one_stage"] = self._fit_one_stage(sum(r["schedule"]["steps_done"] for r in records), progress)
         record = {**records[-1], "curriculum": summary}
         write_json_atomic(self.out_dir / "record.json", record)
-        write_json_atomic(self.out_dir / "COMPLETE", {"completed_utc": utc_now(), "stages": len(records)})
+        if not self.curriculum.skipped:  # through_stage left stages for a later resume: not complete yet
+            write_json_atomic(self.out_dir / "COMPLETE", {"completed_utc": utc_now(), "stages": len(records)})
         return record
 
     def _fit_one_stage(self, steps: int, progress: bool) -> dict:
@@ -179,10 +185,12 @@ def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> N
             raise ParamError(f"{out_dir / CURRICULUM_FILE}: not a curriculum's file (stages, each with name and "
                              "overrides)")
         before = {stage["name"]: stage["overrides"] for stage in written["stages"]}
-        for stage in curriculum.stages:
-            if stage.name in before and before[stage.name] != json.loads(json.dumps(stage.overrides)):
+        for stage in curriculum.stages:  # a stage not started yet may be corrected (one that failed to start)
+            started_stage = (out_dir / "stages" / stage.name).exists()
+            if started_stage and before.get(stage.name) != json.loads(json.dumps(stage.overrides)):
                 raise ParamError(f"stage {stage.name!r} of {curriculum.path} differs from the stage this run "
-                                 f"started with ({before[stage.name]}); resume with the same curriculum")
+                                 f"trained ({before.get(stage.name)}); resume with the same stages up to the ones "
+                                 "not started yet, which may change")
 
 
 def prepare_curriculum(params: TrainParams) -> CurriculumRun:

@@ -102,6 +102,44 @@ def test_through_stage_stops_after_the_named_stage(tmp_path, shard):
     assert [s["name"] for s in record["curriculum"]["stages"]] == ["easy"]
     assert record["curriculum"]["skipped"] == ["medium", "all"]
     assert not (tmp_path / "run" / "stages" / "medium").exists()
+    # Not complete: the run continues with resume: latest, its first stage kept as it trained.
+    assert not (tmp_path / "run" / "COMPLETE").exists()
+    easy = (tmp_path / "run" / "stages" / "easy" / "metrics.jsonl").read_bytes()
+    record = train(params(shard, tmp_path / "run", curriculum, resume="latest"), progress=False)
+    assert [s["name"] for s in record["curriculum"]["stages"]] == ["easy", "medium", "all"]
+    assert (tmp_path / "run" / "COMPLETE").is_file()
+    assert (tmp_path / "run" / "stages" / "easy" / "metrics.jsonl").read_bytes() == easy
+
+
+def test_a_stage_that_did_not_start_may_be_corrected_and_the_run_continued(tmp_path, shard, monkeypatch):
+    """A stage that failed its checks as it started (a kernel the machine cannot run, say) never trained: the
+    corrected curriculum continues the run; a stage that trained may not change."""
+    from cflib.train import curriculum_run
+
+    stages = [{"name": "easy", "filters": {"difficulties": ["easy"]}, "max_steps": 2},
+              {"name": "all", "max_steps": 2, "lr": 0.5}]
+    real_prepare = curriculum_run.prepare
+
+    def refusing(stage_params):  # what a stage's own checks refuse as it starts
+        if stage_params.lr == 0.5:
+            raise ParamError("lr 0.5: refused as the stage starts")
+        return real_prepare(stage_params)
+
+    monkeypatch.setattr(curriculum_run, "prepare", refusing)
+    failing = write_curriculum(tmp_path / "failing.yaml", stages)
+    with pytest.raises(ParamError, match="refused as the stage starts"):
+        train(params(shard, tmp_path / "run", failing), progress=False)
+    assert (tmp_path / "run" / "stages" / "easy" / "COMPLETE").is_file()
+    assert not (tmp_path / "run" / "stages" / "all").exists()
+    corrected = write_curriculum(tmp_path / "corrected.yaml", [stages[0], {"name": "all", "max_steps": 2}])
+    record = train(params(shard, tmp_path / "run", corrected, resume="latest"), progress=False)
+    assert [s["name"] for s in record["curriculum"]["stages"]] == ["easy", "all"]
+    written = json.loads((tmp_path / "run" / "curriculum.json").read_text())
+    assert written["stages"][1]["overrides"] == {"max_steps": 2} and "changed_utc" in written
+    (tmp_path / "run" / "COMPLETE").unlink()
+    edited = write_curriculum(tmp_path / "edited.yaml", [{**stages[0], "max_steps": 3}, {"name": "all", "max_steps": 2}])
+    with pytest.raises(ParamError, match="stage 'easy' of .* differs from the stage this run trained"):
+        train(params(shard, tmp_path / "run", edited, resume="latest"), progress=False)
 
 
 def start_and_kill(run_params: dict, watched: Path) -> None:
