@@ -64,6 +64,14 @@ def partition_digest(partition: ShardPartition | MixedPartition) -> str:
     return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
 
 
+def _shares(weights: Any) -> Any:
+    """A mixture's weights as the shares they make (rounded past float noise); anything else as it is."""
+    if not isinstance(weights, list) or not weights or not all(isinstance(w, (int, float)) for w in weights):
+        return weights
+    total = sum(weights)
+    return [round(w / total, 12) for w in weights] if total > 0 else weights
+
+
 def _listed(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
@@ -100,6 +108,8 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
         if name not in state and name not in _DEFAULTS:
             continue  # written before this key was recorded
         then, value = state.get(name, _DEFAULTS.get(name)), now[name]
+        if name == "mixture" and _shares(then) == _shares(value):  # 1:3 is 0.25:0.75: the same draw
+            continue
         if then == value or name in allowed or (name == "model" and _model_left_out(params)):
             continue
         if name == "data":

@@ -96,6 +96,9 @@ def test_a_killed_mixture_resumes_to_the_uninterrupted_weights(tmp_path, shard):
     train_and_kill(mixed(tmp_path / "killed"), tmp_path / "killed", after_checkpoint="step-8")
     with pytest.raises(ParamError, match=r"written with mixture \[0.8, 0.2\], this run has \[0.7, 0.3\]"):
         train(mixed(tmp_path / "killed", (0.7, 0.3), resume="latest"), progress=False)
+    shutil.copytree(tmp_path / "killed", tmp_path / "scaled")  # 4:1 is 0.8:0.2, the same draw: it resumes
+    train(mixed(tmp_path / "scaled", (4.0, 1.0), resume="latest"), progress=False)
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "scaled"), atol=1e-6)
     resumed = train(mixed(tmp_path / "killed", resume="latest"), progress=False)
     assert resumed["model_source"].startswith("resumed from") and resumed["schedule"]["steps_done"] == 36
     assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"), atol=1e-6)
