@@ -95,8 +95,11 @@ def resumed_model(checkpoint_dir: Path, settings: LoraSettings | None, init_chec
         # The run started from the base, or from adapters on that base (a curriculum's later LoRA stage)
         start_base = Path(adapter_base(start)["path"]) if is_adapter_checkpoint(start) else start
         if start_base.resolve() != Path(base["path"]).resolve():
-            raise ParamError(f"init_checkpoint {init_checkpoint} is not the base {base['path']} that "
-                             f"{checkpoint_dir} adapts")
+            # The same weights elsewhere (outputs/ moved to another disk or machine) are the same base.
+            if not (start_base / WEIGHTS_FILE).is_file() or weights_sha256(start_base) != base["sha256"]:
+                raise ParamError(f"init_checkpoint {init_checkpoint} is not the base {base['path']} that "
+                                 f"{checkpoint_dir} adapts (nor a copy of its weights)")
+            adapter = (adapter[0], {**base, "path": str(start_base.resolve())}, adapter[2])
     return adapted_model(checkpoint_dir, settings, adapter)
 
 
