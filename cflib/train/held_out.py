@@ -90,6 +90,13 @@ def final_turn(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return input_ids[:start + 1], labels[start:end]
 
 
+def scored_examples(shard: ShardPartition | MixedPartition, limit: int | None) -> np.ndarray:
+    """The held-out examples exact match decodes: the first `limit` (all with None); a mixture's limit takes the
+    sources' first prompts in turn, so that every source is scored."""
+    count = len(shard) if limit is None else min(limit, len(shard))
+    return (shard.in_turn() if isinstance(shard, MixedPartition) else np.arange(len(shard)))[:count]
+
+
 def exact_match(model: TRMoEModel, shard: ShardPartition | MixedPartition, bf16: bool = False,
                 limit: int | None = None, batch_size: int = 64) -> dict:
     """Greedy-decode each held-out prompt; a hit reproduces the answer and its EOS exactly.
@@ -101,9 +108,8 @@ def exact_match(model: TRMoEModel, shard: ShardPartition | MixedPartition, bf16:
     Returns the rate per `task` (from examples.jsonl) and `overall`, the rate per `group`,
     the first few decoded samples, and how the decoder ran (CUDA graphs, kernels).
     """
-    count = len(shard) if limit is None else min(limit, len(shard))
-    # A mixture's limit takes the sources' first prompts in turn, so that every source is scored.
-    chosen = (shard.in_turn() if isinstance(shard, MixedPartition) else np.arange(len(shard)))[:count]
+    chosen = scored_examples(shard, limit)
+    count = len(chosen)
     targets = {}
     prompts = []
     for index in chosen.tolist():

@@ -28,7 +28,7 @@ from cflib.progress import tqdm
 from cflib.train.collector import steady_collector
 from cflib.train.execution import kernels_requested
 from cflib.train.best_metric import ANSWER_METRICS, answer_scores, evaluations_without_improvement
-from cflib.train.held_out import answer_texts, eval_loss, exact_match
+from cflib.train.held_out import answer_texts, eval_loss, exact_match, scored_examples
 from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups
 from cflib.train.records import MetricsLog, RunSummary, count_parameters, read_metrics, train_record
@@ -152,12 +152,26 @@ class Trainer:
         if spec is None and (p.log_samples or self.best_metric.name.split("/")[0] in ANSWER_METRICS):
             raise ParamError(f"{'log_samples' if p.log_samples else 'best_metric'}: the data's index names no "
                              "tokenizer to turn answers into text; convert the data with --tokenizer")
+        self._check_best_task(shard)
         decode = load_tokenizer(spec).decode if spec is not None else None
         scorer = None
         if p.eval_tasks_every is not None and self.dist.is_main:
             scorer = TaskScorer(p.eval_task_names(), p.eval_tasks_limit, spec, shard_chat_template_sha256(shard),
                                 str(self.device))
         return decode, scorer
+
+    def _check_best_task(self, shard) -> None:
+        """best_metric exact_match/<task> names a task exact match decodes: else best/ would never be chosen."""
+        name, limit = self.best_metric.name, self.params.exact_match_limit
+        task = name.partition("/")[2] if name.startswith("exact_match/") else None
+        if task is None or limit == 0:
+            return
+        scored = sorted({str(shard.rows[int(i)].get("task")) for i in scored_examples(shard, limit)})
+        if task not in scored:
+            decoded = "every held-out example" if limit is None else f"the first {limit} held-out examples"
+            raise ParamError(f"best_metric {name!r}: exact match decodes no example of task {task!r} ({decoded}, of "
+                             f"tasks {', '.join(scored) or 'none'}), so best/ would never be chosen; name one of "
+                             "those tasks, or raise exact_match_limit")
 
     # --- evaluation and checkpoints -------------------------------------------------
     @property
