@@ -16,13 +16,12 @@ duplicates are counted. Nothing is truncated or sliced: a conversation longer
 than `max_seq_len` is rejected and counted, as are exact duplicates, eval
 conversations that also occur in train, and empty answers. A row that cannot
 be read stops the conversion, naming source, row and field; nothing is
-written then, nor when the shard reader would refuse what was written: each
-partition is opened and checked, as a run opens it, before it is published.
-Each example's `example_id` is generated (`train-00000001`), unique in its
-partition; a row's own `id` is kept as `row_id`. Rendered through the
-tokenizer's template, the first rows of each source are checked token for
-token against `apply_chat_template` before they are written. Each example
-keeps its `source`: its row's own, else its input's name. Each partition's sft.idx.json records the counts per source,
+written then. Each example's `example_id` is generated (`train-00000001`),
+unique in its partition; a row's own `id` is kept as `row_id`. Rendered
+through the tokenizer's template, the first rows of each source are checked
+token for token against `apply_chat_template` before they are written. Each
+example keeps its `source`: its row's own, else its input's name. Each
+partition's sft.idx.json records the counts per source,
 supervised tokens, vocabulary, EOS, cap, the rejections, the tokenizer and
 template (the tokenizer template's SHA-256), every source with the SHA-256 of
 its files, and the SHA-256 of every file written.

@@ -13,8 +13,9 @@ The template has no place for tools: a conversation with tools, tool calls or
 tool turns renders through the tokenizer's own template instead. A `developer`
 turn is written as the system turn it stands for.
 
-Markers the model could not read are refused before any row: an empty role
-marker, two roles with the same marker, an eos that is also in a role marker,
+Markers the model could not read are refused before any row: an empty user
+or assistant marker (an empty system marker suits data without system turns,
+and refuses a row that has one), two roles with the same marker, an eos that is also in a role marker,
 and a piece that looks like a special token (`<|user|>`) the tokenizer does not
 have, which would be written as several tokens of plain text that any message
 can spell.
