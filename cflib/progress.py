@@ -26,24 +26,24 @@ def frontend_attached() -> bool:
     Papermill's injected-parameters cell is no signal: it is absent when
     papermill runs without parameters.
     """
-    from IPython import get_ipython
-
-    kernel = getattr(get_ipython(), "kernel", None)
-    if kernel is None or "JPY_SESSION_NAME" not in os.environ:
-        return False
-    return bool(kernel.get_parent().get("content", {}).get("allow_stdin", False))
+    return "JPY_SESSION_NAME" in os.environ and _request_accepts_input() is True
 
 
 def headless_kernel() -> bool:
     """A notebook kernel running a cell that no person watches (papermill, nbval, nbconvert): the request that
     runs it refuses input(), as nbclient's do. Any frontend a person types into accepts it (JupyterLab, VS Code,
     Colab), whether or not a Jupyter server started the kernel."""
-    if "ipykernel" not in sys.modules:
-        return False
+    return "ipykernel" in sys.modules and _request_accepts_input() is False
+
+
+def _request_accepts_input() -> bool | None:
+    """Whether the kernel request running this code accepts input() (None: no notebook kernel runs it)."""
     from IPython import get_ipython
 
     kernel = getattr(get_ipython(), "kernel", None)
-    return kernel is not None and not kernel.get_parent().get("content", {}).get("allow_stdin", False)
+    if kernel is None:
+        return None
+    return bool(kernel.get_parent().get("content", {}).get("allow_stdin", False))
 
 
 class tqdm(_auto_tqdm):  # noqa: N801  (tqdm's own name, so callers read as tqdm's users do)
