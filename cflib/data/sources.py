@@ -276,10 +276,7 @@ class JsonArray:
 
     def __init__(self, file: Path, handle: BinaryIO) -> None:
         self.file, self.handle = file, handle
-        # JSON's own encoding detection (UTF-8 with or without a BOM, UTF-16, UTF-32), as json.loads does.
-        encoding = json.detect_encoding(handle.read(4))
-        handle.seek(0)
-        self.decoder = codecs.getincrementaldecoder(encoding)("surrogatepass")
+        self.decoder = _json_text_decoder(handle, "surrogatepass")
         self.text, self.pos, self.eof = "", 0, False
 
     def __iter__(self) -> Iterator[object]:
@@ -369,14 +366,20 @@ def _cut_short(err: json.JSONDecodeError, length: int) -> bool:
     return err.msg.startswith("Unterminated string") or err.pos >= length - 9  # -Infinity: 9 characters
 
 
+def _json_text_decoder(handle: BinaryIO, errors: str) -> codecs.IncrementalDecoder:
+    """An incremental decoder for the JSON file open at its start, in the encoding JSON's own detection finds
+    (UTF-8 with or without a BOM, UTF-16, UTF-32), as json.loads does."""
+    encoding = json.detect_encoding(handle.read(4))
+    handle.seek(0)
+    return codecs.getincrementaldecoder(encoding)(errors)
+
+
 def _first_byte(file: Path) -> bytes:
     """The file's first character past a byte order mark and JSON's whitespace, as a byte (b"" when there is none):
     an array pretty-printed after a newline, or saved by an editor that writes a BOM (UTF-8, 16 or 32, which JSON's
     own detection reads), is still an array."""
     with open(file, "rb") as handle:
-        encoding = json.detect_encoding(handle.read(4))
-        handle.seek(0)
-        decoder = codecs.getincrementaldecoder(encoding)("replace")
+        decoder = _json_text_decoder(handle, "replace")
         while chunk := handle.read(2**16):
             if text := decoder.decode(chunk).lstrip("\ufeff \t\r\n"):
                 return text[:1].encode()
