@@ -1,6 +1,6 @@
 """A curriculum run: its stages in order in one run folder, each a run of its own (docs/curricula.md).
 
-    out_dir/curriculum.json        the resolved stages and the audit, written before the first step
+    out_dir/curriculum.json        the resolved stages, each with its settings, and the audit, written before step 1
     out_dir/stages/<name>/         each stage's run folder: checkpoints, metrics.jsonl, record.json, COMPLETE
     out_dir/one_stage/             with compare_one_stage: the run's parameters alone, for the same total steps
     out_dir/record.json, COMPLETE  at the end: the last stage's record with `curriculum`, linking every stage
@@ -29,10 +29,21 @@ from cflib.train.curriculum_audit import audit, stages_table
 from cflib.train.launch import fit
 from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
+from cflib.train.resume_identity import ALLOWABLE, STREAM
 from cflib.train.run import model_config, prepare
 from cflib.train.run_folder import check_entries_inside, read_run_record, refuse_mixing
 
 CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
+# What shaped a stage's training, whether the stage or the run set it: a stage that trained keeps them on resume, as
+# one run does (cflib.train.resume_identity). Where the data and the model live may move with a copied folder: the
+# stage in progress checks them by their hashes.
+STAGE_SETTINGS = tuple(name for name in (*STREAM, *ALLOWABLE, "epochs", "max_steps", "warmup_ratio")
+                       if name in TrainParams.names() and name not in ("data", "model"))
+
+
+def stage_settings(params: TrainParams) -> dict:
+    """A stage's settings as curriculum.json records them (plain JSON)."""
+    return json.loads(json.dumps({name: getattr(params, name) for name in STAGE_SETTINGS}))
 
 
 @dataclass
@@ -70,13 +81,14 @@ class CurriculumRun:
             lock.release()
 
     def _fit_stages(self, progress: bool) -> dict:
-        stages = {"curriculum": str(self.curriculum.path), "stages": [
-            {"name": stage.name, "overrides": stage.overrides} for stage in self.curriculum.stages]}
+        stages = {"curriculum": str(self.curriculum.path), "stages": json.loads(json.dumps([
+            {"name": stage.name, "overrides": stage.overrides, "settings": stage_settings(stage.params)}
+            for stage in self.curriculum.stages]))}
         written = read_json(self.out_dir / CURRICULUM_FILE, ParamError, "curriculum file") if (
             self.out_dir / CURRICULUM_FILE).is_file() else None
-        if written is None or written.get("stages") != json.loads(json.dumps(stages["stages"])):
-            # New, or resumed with stages not started yet changed (or added by a later through_stage): the file
-            # says what this run trains, and since when.
+        if written is None or written.get("stages") != stages["stages"]:
+            # New, or resumed with stages not started yet changed (or added by a later through_stage), or with a
+            # change allowed on purpose: the file says what this run trains, and since when.
             changed = {} if written is None else {"created_utc": written.get("created_utc"), "changed_utc": utc_now()}
             write_json_atomic(self.out_dir / CURRICULUM_FILE,
                               {**stages, "created_utc": utc_now(), **changed, "audit": self.audit})
@@ -184,14 +196,30 @@ def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> N
                 isinstance(stage, dict) and "name" in stage and "overrides" in stage for stage in written["stages"]):
             raise ParamError(f"{out_dir / CURRICULUM_FILE}: not a curriculum's file (stages, each with name and "
                              "overrides)")
-        before = {stage["name"]: stage["overrides"] for stage in written["stages"]}
+        before = {stage["name"]: stage for stage in written["stages"]}
         for stage in curriculum.stages:  # a stage not started yet may be corrected (one that failed to start)
-            started_stage = (out_dir / "stages" / stage.name).exists()
-            if started_stage and before.get(stage.name) != json.loads(json.dumps(stage.overrides)):
-                raise ParamError(f"stage {stage.name!r} of {curriculum.path} differs from the stage this run "
-                                 f"trained ({before.get(stage.name)}); resume with the same stages up to the ones "
-                                 "not started yet, which may change")
+            if (out_dir / "stages" / stage.name).exists():
+                _check_started_stage(stage, before.get(stage.name), params, curriculum.path)
 
+
+def _check_started_stage(stage: Stage, written: dict | None, params: TrainParams, path: Path | None) -> None:
+    """ParamError when this run would give a stage that trained other overrides, or (through the run's own
+    parameters) other settings than allow_resume_changes allows."""
+    overrides = (written or {}).get("overrides")
+    if overrides != json.loads(json.dumps(stage.overrides)):
+        raise ParamError(f"stage {stage.name!r} of {path} differs from the stage this run trained ({overrides}); "
+                         "resume with the same stages up to the ones not started yet, which may change")
+    then = written.get("settings")
+    if not isinstance(then, dict):  # written before stages recorded their settings
+        return
+    now, allowed = stage_settings(stage.params), set(params.allow_resume_changes or ())
+    for name in STAGE_SETTINGS:
+        if name in then and then[name] != now[name] and (name not in ALLOWABLE or name not in allowed):
+            hint = (f"resume with the value it trained with, or set allow_resume_changes: {name} to change it on "
+                    "purpose") if name in ALLOWABLE else ("a stage that trained keeps its stream and schedule; resume "
+                                                          "with the value it trained with")
+            raise ParamError(f"stage {stage.name!r} trained with {name} {then[name]}, this run gives it {now[name]} "
+                             f"(the stage's own parameter, or the run's it takes): {hint}")
 
 def prepare_curriculum(params: TrainParams) -> CurriculumRun:
     """Check a curriculum (or a dry run) against the data, every stage, without writing anything."""

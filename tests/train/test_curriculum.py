@@ -142,6 +142,29 @@ def test_a_stage_that_did_not_start_may_be_corrected_and_the_run_continued(tmp_p
         train(params(shard, tmp_path / "run", edited, resume="latest"), progress=False)
 
 
+def test_a_run_wide_change_reaching_a_stage_that_trained_is_refused_unless_allowed(tmp_path, shard):
+    """A stage that sets no lr takes the run's: changing the run's on resume changes what that stage trained with,
+    which one run's resume refuses, and so does a curriculum's (the stream and schedule even when allowed)."""
+    stages = [{"name": "easy", "filters": {"difficulties": ["easy"]}, "max_steps": 2},
+              {"name": "all", "max_steps": 2}]
+    curriculum = write_curriculum(tmp_path / "c.yaml", stages)
+    train(params(shard, tmp_path / "run", curriculum, through_stage="easy"), progress=False)
+    written = json.loads((tmp_path / "run" / "curriculum.json").read_text())
+    assert written["stages"][0]["settings"]["lr"] == 3e-3
+    with pytest.raises(ParamError, match=r"stage 'easy' trained with lr 0.003, this run gives it 0.001 .*"
+                                         "allow_resume_changes: lr"):
+        train(params(shard, tmp_path / "run", curriculum, resume="latest", lr=1e-3), progress=False)
+    with pytest.raises(ParamError, match="stage 'easy' trained with seed 0, this run gives it 1 .*stream and schedule"):
+        train(params(shard, tmp_path / "run", curriculum, resume="latest", seed=1, allow_resume_changes="seed,lr"),
+              progress=False)
+    assert not (tmp_path / "run" / "stages" / "all").exists()
+    record = train(params(shard, tmp_path / "run", curriculum, resume="latest", lr=1e-3, allow_resume_changes="lr"),
+                   progress=False)
+    assert record["params"]["lr"] == 1e-3  # the stage not started yet trains with the run's new lr
+    written = json.loads((tmp_path / "run" / "curriculum.json").read_text())
+    assert [stage["settings"]["lr"] for stage in written["stages"]] == [1e-3, 1e-3] and "changed_utc" in written
+
+
 def start_and_kill(run_params: dict, watched: Path) -> None:
     """Train in a child process and SIGKILL it once `watched` (a checkpoint folder) exists."""
     code = "import json, sys; from cflib.train import train; train(json.loads(sys.argv[1]), progress=False)"
