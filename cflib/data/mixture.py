@@ -181,11 +181,6 @@ class MixedPartition:
         counts = self.supervised_counts if indices is None else self.supervised_counts[np.asarray(indices)]
         return int(counts.sum())
 
-    def in_turn(self) -> np.ndarray:
-        """Every example, the sources' first examples in turn: the first k of it spread over every source."""
-        rank = np.arange(len(self)) - self.starts[self.source_of]
-        return np.lexsort((self.source_of, rank))
-
 
 @dataclass(frozen=True)
 class MixturePlan:

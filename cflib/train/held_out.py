@@ -91,10 +91,24 @@ def final_turn(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
 
 
 def scored_examples(shard: ShardPartition | MixedPartition, limit: int | None) -> np.ndarray:
-    """The held-out examples exact match decodes: the first `limit` (all with None); a mixture's limit takes the
-    sources' first prompts in turn, so that every source is scored."""
-    count = len(shard) if limit is None else min(limit, len(shard))
-    return (shard.in_turn() if isinstance(shard, MixedPartition) else np.arange(len(shard)))[:count]
+    """The held-out examples exact match decodes: every one with None. A limit takes each source's tasks' prompts
+    in turn (each task's in file order), so that every source and task is scored: a file sorted by task would
+    otherwise give the first `limit` of one task."""
+    if limit is None or limit >= len(shard):
+        return np.arange(len(shard))
+    _, sources = _sources(shard)
+    groups: dict[tuple[int, str], int] = {}  # (source, task) -> its place among its source's tasks
+    turn, rank = np.empty(len(shard), dtype=np.int64), np.empty(len(shard), dtype=np.int64)
+    seen: dict[tuple[int, str], int] = defaultdict(int)
+    for index, row in enumerate(shard.rows):
+        key = (int(sources[index]), str(row.get("task", "all")))
+        if key not in groups:
+            groups[key] = sum(1 for source, _ in groups if source == key[0])
+        turn[index], rank[index] = groups[key], seen[key]
+        seen[key] += 1
+    # The first prompt of every (source, task), then the second of each, ...: task by task within a round, the
+    # sources alternating, so that a limit of one per source scores every source.
+    return np.lexsort((sources, turn, rank))[:limit]
 
 
 def exact_match(model: TRMoEModel, shard: ShardPartition | MixedPartition, bf16: bool = False,

@@ -168,7 +168,7 @@ class Trainer:
             return
         scored = sorted({str(shard.rows[int(i)].get("task")) for i in scored_examples(shard, limit)})
         if task not in scored:
-            decoded = "every held-out example" if limit is None else f"the first {limit} held-out examples"
+            decoded = "every held-out example" if limit is None else f"{limit} held-out examples, the tasks in turn"
             raise ParamError(f"best_metric {name!r}: exact match decodes no example of task {task!r} ({decoded}, of "
                              f"tasks {', '.join(scored) or 'none'}), so best/ would never be chosen; name one of "
                              "those tasks, or raise exact_match_limit")

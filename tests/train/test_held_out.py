@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from cflib.data.shards import open_shard
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
-from cflib.train.held_out import eval_loss, exact_match, final_turn, score_answers
+from cflib.data.mixture import MixedPartition
+from cflib.train.held_out import eval_loss, exact_match, final_turn, score_answers, scored_examples
 
 try:
     import sft_shard_helpers as h
@@ -122,6 +123,23 @@ def test_scores_per_task_and_group(eval_shard):
     assert half["exact_match_by_group"] == {key: float(key.startswith("addition/")) for key in group_keys(eval_shard)}
     sample = half["samples"][0]
     assert sample["hit"] and h.TOKENIZER.decode(sample["generated_ids"]) == eval_shard.rows[0]["answer"]
+
+
+def test_a_limit_scores_every_task_and_source_in_turn(tmp_path):
+    """A held-out file sorted by task: its first prompts would be one task's, so a limit takes the tasks in turn,
+    each task's prompts in file order; a mixture's sources alternate within every round."""
+    by_task = sorted(h.chat_examples(), key=lambda example: example.meta["task"]) + [h.two_turn_example()]
+    shard = open_shard(h.write_shard(tmp_path / "sorted", by_task), "eval", vocab_size=h.VOCAB)
+    tasks = [row["task"] for row in shard.rows]
+    assert tasks == ["addition"] * 3 + ["reverse"] * 2 + ["dialog"]
+    assert [tasks[i] for i in scored_examples(shard, 5)] == ["addition", "reverse", "dialog", "addition", "reverse"]
+    assert scored_examples(shard, 5)[3] == 1  # the second addition prompt in file order
+    assert scored_examples(shard, None).tolist() == scored_examples(shard, 60).tolist() == list(range(6))
+    other = open_shard(h.write_shard(tmp_path / "other", [h.two_turn_example()] * 2), "eval", vocab_size=h.VOCAB)
+    mixed = MixedPartition([shard, other], ["sorted", "other"])
+    assert scored_examples(mixed, 2).tolist() == [0, 6]  # one prompt of each source
+    assert [tasks[i] if i < 6 else "other" for i in scored_examples(mixed, 5)] == [
+        "addition", "other", "reverse", "dialog", "addition"]
 
 
 def test_an_answer_that_runs_on_past_its_eos_is_no_hit(eval_shard):
