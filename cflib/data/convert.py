@@ -393,7 +393,8 @@ _PARTITION_FILES = {"input_ids.bin", "labels.bin", "examples.jsonl", "sft.idx.js
 
 
 def _written_by_convert(entry: Path) -> bool:
-    """A partition this command wrote: only its files, its manifest recording a conversion."""
+    """A partition this command wrote: only its files, its manifest recording a conversion (not the embedded
+    tasks', which record theirs to mix with converted data)."""
     if entry.name not in PARTITIONS or entry.is_symlink() or not entry.is_dir():
         return False
     if {item.name for item in entry.iterdir()} - _PARTITION_FILES:
@@ -402,7 +403,8 @@ def _written_by_convert(entry: Path) -> bool:
         index = read_json(entry / "sft.idx.json", ConvertError, "shard index")
     except ConvertError:  # unreadable, too large or too deep: not this command's
         return False
-    return isinstance(index, dict) and isinstance(index.get("conversion"), dict)
+    conversion = index.get("conversion") if isinstance(index, dict) else None
+    return isinstance(conversion, dict) and conversion.get("format") != "embedded"
 
 
 def _parser() -> argparse.ArgumentParser:

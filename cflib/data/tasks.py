@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import random
 import string
+from dataclasses import asdict
 from pathlib import Path
 
+from cflib.data.marker_template import ChatTemplate
+from cflib.data.rendering import tokenizer_record
 from cflib.data.shards import Example, unchanged_since_written, write_partition
 from cflib.data.tokenizer import ByteTokenizer
 
-EMBEDDED_VERSION = "embedded-v5"
+EMBEDDED_VERSION = "embedded-v6"
 EVAL_PER_TASK = 100
 MAX_SEQ_LEN = 64
 
@@ -90,5 +93,13 @@ def ensure_embedded_shard(data_root: str | Path) -> Path:
     for partition, examples in (("train", train), ("eval", held_out)):
         write_partition(root / partition, examples, vocab_size=tokenizer.vocab_size,
                         eos_token_id=tokenizer.eos_token_id, max_seq_len=MAX_SEQ_LEN,
-                        sidecar_fields=("difficulty",))
+                        sidecar_fields=("difficulty",), index_extra={"conversion": conversion()})
     return root
+
+
+def conversion() -> dict:
+    """The conversion the embedded examples are, as a converted shard's manifest records it: ByteTokenizer's
+    encode_chat gives, token for token, what `convert` renders through the byte tokenizer and the default role
+    markers, teaching the final turn. Recorded, they mix with data converted that way."""
+    return {"tokenizer": tokenizer_record(ByteTokenizer()), "template": {"kind": "markers", **asdict(ChatTemplate())},
+            "supervise": "final_turn", "reasoning": "supervise", "format": "embedded", "split": None}

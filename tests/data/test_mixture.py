@@ -30,7 +30,7 @@ from cflib.data.mixture import (
     source_names,
 )
 from cflib.data.shards import open_shard
-from cflib.data.tasks import TASKS
+from cflib.data.tasks import TASKS, ensure_embedded_shard, generate
 from cflib.errors import ParamError
 
 EMBEDDED = [count for _, count in TASKS.values()]  # addition 14,000, uppercase 8,000 train examples
@@ -173,3 +173,12 @@ def test_sources_that_disagree_on_what_a_token_means_are_refused_naming_key_and_
             check_agreement(["addition", "other"], [roots["addition"], other], [base, open_shard(other, "train")])
     check_agreement(["addition", "uppercase"], [roots["addition"], roots["uppercase"]],
                     [base, open_shard(roots["uppercase"], "train")])  # one tokenizer, one template: they agree
+
+
+def test_the_embedded_tasks_mix_with_data_the_byte_tokenizer_converted(roots, tmp_path):
+    """The embedded shard records the conversion its tokens are: a converted example is the same tokens."""
+    embedded = ensure_embedded_shard(tmp_path)
+    converted = open_shard(roots["addition"], "train")
+    check_agreement(["embedded", "addition"], [embedded, roots["addition"]], [open_shard(embedded, "train"), converted])
+    example = next(e for e in generate(seed=3)[0] if e.meta["task"] == "addition")  # task_root's first
+    assert [t.tolist() for t in converted[0]] == [list(example.input_ids), list(example.labels)]
