@@ -210,6 +210,19 @@ def save_adapter(path: str | Path, adapters: dict[str, torch.Tensor], settings: 
     return Path(path)
 
 
+def _description(meta_file: Path) -> tuple[LoraSettings, dict]:
+    """A LoRA checkpoint's cflib_adapter.json: its settings, checked, and the whole description."""
+    meta = read_json(meta_file, CheckpointError, "adapter description")
+    if not isinstance(meta, dict) or not isinstance(meta.get("lora"), dict):
+        raise CheckpointError(f"{meta_file}: 'lora' must be an object of LoRA settings")
+    return _checked_settings(meta["lora"], meta_file), meta
+
+
+def adapter_settings(path: str | Path) -> LoraSettings:
+    """The LoRA settings a LoRA checkpoint folder's adapters were trained with (no tensor is read)."""
+    return _description(live_path(path) / CFLIB_ADAPTER_FILE)[0]
+
+
 def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.Tensor]]:
     """(settings, base description, the model's adapter tensors) of a LoRA checkpoint folder."""
     path = live_path(path)  # a replacement killed between its renames left the previous folder aside
@@ -218,10 +231,8 @@ def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.
         if not needed.is_file():
             raise CheckpointError(f"{needed}: missing; a LoRA checkpoint holds {ADAPTER_CONFIG_FILE}, "
                                   f"{ADAPTER_WEIGHTS_FILE} and {CFLIB_ADAPTER_FILE}")
-    meta = read_json(meta_file, CheckpointError, "adapter description")
-    if not isinstance(meta, dict) or not isinstance(meta.get("lora"), dict):
-        raise CheckpointError(f"{meta_file}: 'lora' must be an object of LoRA settings")
-    settings, base = _checked_settings(meta["lora"], meta_file), meta.get("base")
+    settings, meta = _description(meta_file)
+    base = meta.get("base")
     if not isinstance(base, dict) or not isinstance(base.get("path"), str):
         raise CheckpointError(f"{meta_file}: 'base' must be an object with the base checkpoint's 'path', "
                               f"got {shown(base)}")

@@ -6,7 +6,7 @@ refuses to turn a LoRA run into a full one or the other way round.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from cflib.errors import ParamError
 from cflib.jsonio import read_json
 from cflib.export.peft import (
     CFLIB_ADAPTER_FILE,
+    adapter_settings,
     check_fits,
     describe_base,
     is_adapter_checkpoint,
@@ -28,6 +29,7 @@ from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora, is_adapter_name
 from cflib.paths import resolve_path
+from cflib.train.params import TrainParams
 
 SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
                       "targets": "lora_targets", "base_dtype": "base_dtype",
@@ -53,6 +55,26 @@ class LoraRun:
         tokens = f", {len(s.trainable_tokens)} trainable token rows" if s.trainable_tokens else ""
         return (f"LoRA rank {s.rank}, alpha {s.alpha:g} (scale {s.scale:g}), dropout {s.dropout:g}, frozen base in "
                 f"{s.base_dtype}, on {', '.join(s.targets)}{tokens}; base {self.base['path']}")
+
+
+def with_adapter_settings(params: TrainParams) -> TrainParams:
+    """A LoRA run whose init_checkpoint holds adapters trains them on: the LoRA settings it leaves unset are
+    theirs (a set one that differs is refused as the adapters load), so the record names what trains."""
+    if params.full_parameter or params.init_checkpoint is None:
+        return params
+    checkpoint_dir = resolve_path(params.init_checkpoint)
+    if not is_adapter_checkpoint(checkpoint_dir):
+        return params
+    saved = adapter_settings(checkpoint_dir)
+    unset = {parameter: getattr(saved, name) for name, parameter in SETTING_PARAMETERS.items()
+             if getattr(params, parameter) is None and not (name == "trainable_tokens" and not saved.trainable_tokens)}
+    filled = replace(params, **unset)
+    try:
+        filled.validate()
+    except ParamError as err:
+        raise ParamError(f"{err} (init_checkpoint {checkpoint_dir}'s adapters set "
+                         f"{', '.join(f'{k} {v}' for k, v in unset.items())})") from None
+    return filled
 
 
 def initial_model(checkpoint_dir: Path, settings: LoraSettings | None) -> tuple[TRMoEModel, LoraRun | None]:

@@ -25,7 +25,7 @@ from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import adapter_parameter_count
 from cflib.paths import resolve_path
-from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, resumed_model
+from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, resumed_model, with_adapter_settings
 from cflib.train.distributed import (
     DistContext,
     choose_strategy,
@@ -260,6 +260,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     """
     if params.curriculum is not None or params.dry_run:
         raise ParamError("curriculum and dry_run are prepared by cflib.train.prepare_job, stage by stage")
+    params = with_adapter_settings(params)
     dist = dist or DistContext()
     device = resolve_device(params.device, dist.local_rank)
     if dist.active and dist.world_size != params.world_size:

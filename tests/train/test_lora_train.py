@@ -268,3 +268,12 @@ def test_a_lora_run_started_from_adapters_trains_them_on(tmp_path, shard, base):
     with pytest.raises(ParamError, match="trained with lora_rank 4, this run has 8"):
         train(lora_params(shard, base, tmp_path / "third", lora_rank=8, init_checkpoint=str(adapters)),
               progress=False)
+    # Settings left unset are the adapters': the record names them, and the run resumes with its parameters.
+    unset = {k: v for k, v in lora_params(shard, base, tmp_path / "fourth", max_steps=2, save_every_steps=1,
+                                           init_checkpoint=str(adapters)).items() if k not in ("lora_rank", "lora_alpha")}
+    fourth = train(unset, progress=False)
+    assert (fourth["params"]["lora_rank"], fourth["params"]["lora_alpha"]) == (4, 8.0)
+    assert fourth["eval"]["at_start"]["loss"] == first["eval"]["final"]["loss"]
+    (tmp_path / "fourth" / "COMPLETE").unlink()
+    shutil.rmtree(tmp_path / "fourth" / "checkpoints" / "last")
+    prepare(TrainParams.from_dict({**unset, "resume": "latest"}))
