@@ -28,7 +28,7 @@ its files, and the SHA-256 of every file written.
 
     python -m cflib.data convert --train SOURCE [SOURCE ...] (--eval SOURCE ... | --eval-fraction F) --out DIR \
         [--format auto|messages|sharegpt|prompt_completion|text] [--tokenizer byte|tokenizer.json|DIR] \
-        [--template tokenizer|template.yaml] [--supervise final_turn|all_assistant_turns] \
+        [--template tokenizer|template.yaml] [--supervise all_assistant_turns|final_turn] \
         [--reasoning supervise|mask|strip] [--max-seq-len 2048] [--seed 0] [--spec convert.yaml] [--overwrite]
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ class ConvertSpec:
     eval: str | list | None = None  # held-out sources; None: eval_fraction of the train sources
     out: str = ""
     tokenizer: str = "byte"  # "byte", a local tokenizer.json, or a tokenizer folder
-    supervise: str = "final_turn"
+    supervise: str = "all_assistant_turns"  # every assistant turn, as TRL's assistant_only_loss teaches
     max_seq_len: int = 2048
     template: ChatTemplate | str = field(default_factory=ChatTemplate)  # or "tokenizer": the tokenizer's own
     format: str = "auto"  # each source's, unless the source names its own

@@ -296,6 +296,12 @@ def test_command_line_with_a_spec_file(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--train", "a.jsonl"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and "missing eval, out" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--train", str(ROOT / "examples/chat/train.jsonl"),
+                           "--eval", str(ROOT / "examples/chat/eval.jsonl"), "--out", str(tmp_path / "default")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr  # every assistant turn taught by default, as TRL's assistant_only_loss
+    assert json.loads((tmp_path / "default" / "train" / "sft.idx.json").read_text())["conversion"]["supervise"] == \
+        "all_assistant_turns"
 
 
 def test_a_format_given_by_flag_is_named_as_such_when_a_row_lacks_its_fields(tmp_path):
