@@ -65,7 +65,7 @@ def timing_protocol(warmup_steps: int, timed_steps: int, device: torch.device, r
     cuda = device.type == "cuda"
     return {
         "data": {
-            RANDOM_ROWS: "uniform random token ids (never EOS), rows of seq_len, first third of each row "
+            RANDOM_ROWS: "uniform random token ids ending in EOS, rows of seq_len, first third of each row "
                          "unsupervised; a fresh set of rows every step, the same rows for every path",
             REALISTIC: "examples of realistic lengths (see 'realistic'), first third unsupervised, EOS-terminated; "
                        "the project trains packed seq_len windows with document masking, the peer is fed them as "

@@ -23,13 +23,15 @@ SHORTEST_EXAMPLE = 2  # one token to predict from, and the EOS it predicts
 
 def write_random_token_shard(root: Path, vocab_size: int, seq_len: int, train_rows: int, eval_rows: int,
                              seed: int) -> Path:
-    """Rows of uniform random token ids (never the EOS id 0), the first third of each unsupervised."""
+    """Rows of uniform random token ids ending in the EOS id 0 (a whole example to the reader's checks), the first
+    third of each unsupervised."""
     rng = np.random.default_rng(seed)
     unsupervised = seq_len // 3
 
     def rows(count: int, prefix: str):
         for index in range(count):
             ids = rng.integers(1, vocab_size, size=seq_len, dtype=np.int64)
+            ids[-1] = EOS_TOKEN_ID
             labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
             labels[unsupervised:-1] = ids[unsupervised + 1:]  # causally aligned: position j predicts j + 1
             yield Example(ids, labels, {"example_id": f"{prefix}-{index:06d}", "task": "random_tokens"})

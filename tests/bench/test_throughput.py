@@ -22,6 +22,7 @@ from cflib.bench.plots import plot_throughput
 from cflib.bench.synthetic import write_random_token_shard
 from cflib.bench.tables import TABLES, headline_table, perf_table, update_block
 from cflib.bench.throughput import BATCHES, ThroughputParams, flops_per_token, measure, time_steps
+from cflib.data.preflight import manifest_findings
 from cflib.data.shards import IGNORE_INDEX, open_shard
 from cflib.model.config import preset
 from cflib.train.params import ParamError, load_params_file
@@ -171,10 +172,11 @@ def test_random_token_shard_follows_the_protocol(tmp_path):
     assert len(shard) == 6 and len(open_shard(root, "eval")) == 2
     rows = [shard[i] for i in range(6)]
     for ids, labels in rows:
-        assert ids.numel() == 30 and int(ids.min()) >= 1  # never the EOS id
+        assert ids.numel() == 30 and int(ids[:-1].min()) >= 1 and ids[-1] == 0  # the EOS id ends it alone
         assert (labels[:10] == IGNORE_INDEX).all()  # the first third is unsupervised
         assert torch.equal(labels[10:-1], ids[11:])  # causally aligned targets
     assert not torch.equal(rows[0][0], rows[1][0])  # fresh rows, not one repeated
+    assert manifest_findings(shard, 260) == []  # a whole example each: measuring warns of nothing
 
 
 def test_time_steps_excludes_warmup_from_the_steady_state(monkeypatch):
