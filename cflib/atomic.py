@@ -183,13 +183,18 @@ def clean_leftovers(folder: str | Path, targets: Collection[str] | None = None) 
     return removed
 
 
+def first_free_name(numbered: Callable[[int], Path]) -> Path:
+    """The first of numbered(1), numbered(2), ... that names nothing, not even a dangling link."""
+    index = 1
+    while os.path.lexists(numbered(index)):
+        index += 1
+    return numbered(index)
+
+
 def set_aside(folder: str | Path) -> Path:
     """A folder that will not be continued, renamed beside itself to `NAME.set-aside-N` (never deleted)."""
     folder = Path(folder)
-    index = 1
-    while folder.with_name(f"{folder.name}.set-aside-{index}").exists():
-        index += 1
-    target = folder.with_name(f"{folder.name}.set-aside-{index}")
+    target = first_free_name(lambda index: folder.with_name(f"{folder.name}.set-aside-{index}"))
     folder.rename(target)
     return target
 

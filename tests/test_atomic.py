@@ -14,6 +14,7 @@ from cflib.atomic import (
     copy_beside,
     open_append,
     save_figure,
+    set_aside,
     scratch_folder,
     write_json_atomic,
     write_text_atomic,
@@ -125,3 +126,10 @@ def test_scratch_files_stay_beside_their_target_and_go_with_the_block_or_as_a_le
     killed = tmp_path / "out" / ".work.staging-abcd1234"  # what a kill inside the block leaves
     killed.mkdir()
     assert clean_leftovers(tmp_path / "out") == [killed.name] and os.listdir(tmp_path / "out") == []
+
+
+def test_set_aside_takes_the_first_free_number_even_past_a_dangling_link(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run.set-aside-1").symlink_to(tmp_path / "gone")  # dangling: a rename onto it would replace it
+    assert set_aside(tmp_path / "run") == tmp_path / "run.set-aside-2"
+    assert (tmp_path / "run.set-aside-1").is_symlink() and (tmp_path / "run.set-aside-2").is_dir()

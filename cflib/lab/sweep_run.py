@@ -28,7 +28,7 @@ from typing import IO, TYPE_CHECKING
 import nbformat
 import yaml
 
-from cflib.atomic import open_append, set_aside, write_text_atomic
+from cflib.atomic import first_free_name, open_append, set_aside, write_text_atomic
 from cflib.errors import ParamError
 from cflib.jobs import utc_now
 from cflib.lab.compare import SWEEP_FILE
@@ -130,10 +130,7 @@ def _keep_stopped_notebook(run_dir: Path) -> None:
     executed = run_dir / POINT_NOTEBOOK
     if not executed.is_file():
         return
-    index = 1
-    while (run_dir / f"{executed.stem}.stopped-{index}{executed.suffix}").exists():
-        index += 1
-    executed.rename(run_dir / f"{executed.stem}.stopped-{index}{executed.suffix}")
+    executed.rename(first_free_name(lambda index: run_dir / f"{executed.stem}.stopped-{index}{executed.suffix}"))
 
 
 def _start(point: Point, slot: str, sweep: Sweep) -> Running:

@@ -20,6 +20,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from cflib.atomic import first_free_name
 from cflib.errors import ParamError
 from cflib.jobs import refuse_links
 from cflib.jsonio import read_json
@@ -88,10 +89,7 @@ def starts_over(out_dir: Path) -> bool:
 
 def set_aside_run(out_dir: Path) -> Path:
     """Move the entries a killed run left in out_dir into a new `out_dir/set-aside-N/` (never deleted)."""
-    index = 1
-    while (out_dir / f"{SET_ASIDE}-{index}").exists():
-        index += 1
-    target = out_dir / f"{SET_ASIDE}-{index}"
+    target = first_free_name(lambda index: out_dir / f"{SET_ASIDE}-{index}")
     target.mkdir()
     for name in RUN_ENTRIES:
         if (out_dir / name).exists() or (out_dir / name).is_symlink():
