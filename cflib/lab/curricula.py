@@ -10,7 +10,9 @@ from cflib.train.records import read_metrics
 
 
 def plot_stage_curves(curriculum: dict, save_to: str | Path | None = None) -> plt.Figure:
-    """Train and held-out loss of each stage, end to end on one step axis; a dashed line where a stage begins."""
+    """Train and held-out loss of each stage, end to end on one step axis; a dashed line where a stage begins. A
+    stage with loss weights trains on their weighted token mean, which its legend says: its held-out loss, like
+    every stage's, is the plain token mean."""
     fig, ax = plt.subplots(figsize=(8, 3.8))
     offset = 0
     for index, stage in enumerate(curriculum["stages"]):
@@ -18,7 +20,9 @@ def plot_stage_curves(curriculum: dict, save_to: str | Path | None = None) -> pl
         train = [r for r in rows if r["event"] == "train"]
         evals = [r for r in rows if r["event"] == "eval"]
         color = f"C{index % 10}"
-        ax.plot([offset + r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.6, color=color)
+        weighted = ", weighted" if stage.get("loss_coefficients") else ""
+        ax.plot([offset + r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.6, color=color,
+                label=f"{stage['name']} (train{weighted})")
         ax.plot([offset + r["step"] for r in evals], [r["loss"] for r in evals], "o-", color=color,
                 label=f"{stage['name']} (held-out)")
         if index:

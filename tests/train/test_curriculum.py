@@ -94,6 +94,11 @@ def test_stages_run_in_order_each_from_the_previous_best_with_a_fresh_schedule(t
     assert medium_rows[0]["step"] == 1 and medium_rows[0]["lr"] == pytest.approx(2e-3)  # warm-up of one step
     assert [s["steps"] for s in summary["stages"]] == [3, 6, 3]
     assert json.loads((tmp_path / "run" / "stages" / "all" / "params.json").read_text())["global_batch"] == 8
+    # The plot's legend tells the weighted stage's train loss (its weighted mean) from the others'.
+    from cflib.lab.curricula import plot_stage_curves
+    legend = [text.get_text() for text in plot_stage_curves(summary).axes[0].get_legend().get_texts()]
+    assert legend == ["easy (train)", "easy (held-out)", "medium (train, weighted)", "medium (held-out)",
+                      "all (train)", "all (held-out)"]
 
 
 def test_through_stage_stops_after_the_named_stage(tmp_path, shard):
