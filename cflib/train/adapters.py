@@ -136,7 +136,8 @@ def adapted_model(checkpoint_dir: Path, wanted: LoraSettings,
                              f"{getattr(wanted, name)}: adapters trained on keep their LoRA settings")
     base_dir = Path(base["path"])
     if not (base_dir / WEIGHTS_FILE).is_file():
-        raise ParamError(f"{checkpoint_dir} adapts the base checkpoint {base_dir}, which is gone")
+        raise ParamError(f"{checkpoint_dir} adapts the base checkpoint {base_dir}, which is gone; if it moved, "
+                         "name its new place as init_checkpoint (its weights' SHA-256 must match)")
     if weights_sha256(base_dir) != base["sha256"]:
         raise ParamError(f"the base checkpoint {base_dir} changed since {checkpoint_dir} was written (its weights' "
                          "SHA-256 differs): the adapters fit only the weights they were trained on")

@@ -88,11 +88,14 @@ def run_identity(run: Any) -> dict[str, Any]:
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture")}}
 
 
-def _model_left_out(params: Any) -> bool:
-    # Resuming takes the architecture and weights from the checkpoint: a run that names neither a preset nor an
-    # init_checkpoint changes nothing; one that names another is told so.
+def _same_model(run: Any) -> bool:
+    """Whether a resume that names its model otherwise still trains the same one. Resuming takes the architecture
+    and weights from the checkpoint: a run that names neither a preset nor an init_checkpoint changes nothing. A
+    LoRA run's base was checked by its weights' SHA-256 as the adapters loaded (cflib.train.adapters), so a base
+    named at its new place after a move is the same base."""
+    params = run.params
     default = next(f.default for f in dataclasses.fields(params) if f.name == "model")
-    return params.init_checkpoint is None and params.model == default
+    return (params.init_checkpoint is None and params.model == default) or getattr(run, "lora", None) is not None
 
 
 def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
@@ -110,7 +113,7 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
         then, value = state.get(name, _DEFAULTS.get(name)), now[name]
         if name == "mixture" and _shares(then) == _shares(value):  # 1:3 is 0.25:0.75: the same draw
             continue
-        if then == value or name in allowed or (name == "model" and _model_left_out(params)):
+        if then == value or name in allowed or (name == "model" and _same_model(run)):
             continue
         if name == "data":
             changed = [part for part in ("train", "eval") if (then or {}).get(part) != value[part]]

@@ -198,18 +198,17 @@ def test_a_lora_run_with_dropout_resumes_to_the_uninterrupted_adapters(tmp_path,
 
 def test_a_lora_run_whose_base_moved_resumes_from_the_same_weights_named_anew(tmp_path, shard, base):
     """outputs/ moved to another disk: the base's path is gone, its weights (by SHA-256) are where
-    init_checkpoint now says (a change of model the run allows); the run resumes on them, and its adapters name
-    the new place. Other weights there are refused, as a changed base is."""
+    init_checkpoint now says; the run resumes on them, and its adapters name the new place. Other weights there
+    are refused, as a changed base is."""
     moved = save_checkpoint(load_checkpoint(base), tmp_path / "base")
     lora = lora_params(shard, moved, tmp_path / "run", max_steps=3, save_every_steps=2)
     train(lora, progress=False)
     (tmp_path / "run" / "COMPLETE").unlink()
     elsewhere = tmp_path / "other-disk" / "base"
     shutil.move(str(moved), str(elsewhere))
-    with pytest.raises(ParamError, match="which is gone"):
+    with pytest.raises(ParamError, match="which is gone; if it moved, name its new place as init_checkpoint"):
         train({**lora, "resume": "latest"}, progress=False)
-    record = train({**lora, "init_checkpoint": str(elsewhere), "resume": "latest", "allow_resume_changes": "model"},
-                   progress=False)
+    record = train({**lora, "init_checkpoint": str(elsewhere), "resume": "latest"}, progress=False)
     assert "step-2" in record["model_source"]
     newest = [path for name, path in record["checkpoints"].items() if name != "best_step"][-1]
     saved = json.loads((Path(newest) / "cflib_adapter.json").read_text())
