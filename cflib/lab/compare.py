@@ -401,7 +401,8 @@ def _cell(value: Any, column: str, parameters: Sequence[str]) -> str:
 
 def table_columns(comparison: Comparison) -> list[str]:
     columns = ["run", *comparison.differing, "steps", "final_eval_loss", "best_eval_loss"]
-    columns += sorted({key for row in comparison.rows for key in row if key.startswith(SCORES)},
+    columns += sorted({key for row in comparison.rows for key in row
+                       if key.startswith(SCORES) and not key.startswith(SOURCE_METRICS)},
                       key=lambda key: (key != "exact_match/overall", key))
     columns += sorted({key for row in comparison.rows for key in row if key.startswith(SOURCE_METRICS)},
                       key=lambda key: (key.split("/", 1)[1], key))
