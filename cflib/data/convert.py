@@ -432,7 +432,8 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"longer conversations are rejected and counted, never truncated (default "
                              f"{ConvertSpec.max_seq_len})")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an out folder this command wrote (nothing else in it)")
+                        help="replace an out folder this command wrote (nothing else in it); a spec may say "
+                             "overwrite: true")
     return parser
 
 
@@ -444,9 +445,12 @@ def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
         if not isinstance(raw, dict):
             raise ConvertError(f"{args.spec}: a conversion spec is a mapping")
     known = [f.name for f in fields(ConvertSpec)]
-    unknown = sorted(set(raw) - set(known))
+    unknown = sorted(set(raw) - {*known, "overwrite"})
     if unknown:
-        raise ConvertError(f"{args.spec}: unknown key(s) {unknown}; known: {known}")
+        raise ConvertError(f"{args.spec}: unknown key(s) {unknown}; known: {[*known, 'overwrite']}")
+    overwrite = raw.pop("overwrite", False)
+    if not isinstance(overwrite, bool):
+        raise ConvertError(f"{args.spec}: overwrite must be true or false, got {shown(overwrite)}")
     if args.eval is not None and args.eval_fraction is not None:
         raise ConvertError("--eval and --eval-fraction both give held-out data: keep --eval SOURCE ... for "
                            "held-out sources, or --eval-fraction F to hold out part of the train sources")
@@ -470,7 +474,7 @@ def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
     template = raw.pop("template", None) or {}
     if template != TOKENIZER_TEMPLATE:
         template = ChatTemplate.from_dict(template, where)
-    return ConvertSpec(**{**raw, "template": template}), args.overwrite
+    return ConvertSpec(**{**raw, "template": template}), overwrite or args.overwrite
 
 
 def summary(indexes: dict[str, dict]) -> str:

@@ -293,6 +293,10 @@ def test_command_line_with_a_spec_file(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--spec", str(spec)],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and "already exists" in done.stderr
+    spec.write_text(spec.read_text() + "overwrite: true\n")  # as the notebook's parameter of that name
+    done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--spec", str(spec)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
     done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--train", "a.jsonl"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and "missing eval, out" in done.stderr
