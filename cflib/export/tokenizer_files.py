@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cflib.data import ByteTokenizer, chat_template_sha256
+from cflib.errors import shown
 from cflib.jsonio import read_json
 
 BYTE = "byte"
@@ -149,6 +150,8 @@ def json_tokenizer_files(path: str | Path, model_max_length: int) -> TokenizerFi
         if folder is not None and (folder / name).is_file():
             files[name] = (folder / name).read_bytes()
     config = _read_json(folder / CONFIG_FILE) if CONFIG_FILE in files else None
+    if config is not None:
+        _refuse_own_code(config, folder / CONFIG_FILE)
     special_map = _read_json(folder / SPECIAL_MAP_FILE) if SPECIAL_MAP_FILE in files else None
     notes = []
     if config is not None or special_map is not None:
@@ -174,6 +177,24 @@ def json_tokenizer_files(path: str | Path, model_max_length: int) -> TokenizerFi
         files[SPECIAL_MAP_FILE] = _json({f"{role}_token": token for role, token in tokens.items() if token})
     num_ids = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     return TokenizerFiles(files, tokens, ids, num_ids, str(tokenizer_file), notes)
+
+
+def _refuse_own_code(config: dict, path: Path) -> None:
+    """A bundle's tokenizer loads with transformers' own classes: a tokenizer_config.json that maps code of its
+    own (auto_map) would make anyone loading the bundle with trust_remote_code, lm-eval's scoring among them,
+    fetch and run that code; a tokenizer_class transformers lacks could only come from such code."""
+    if "auto_map" in config:
+        raise TokenizerExportError(f"{path}: auto_map names tokenizer code of its own ({shown(config['auto_map'])}); "
+                                   "cflib's bundles load their tokenizer with transformers' classes and run no code "
+                                   "they did not ship: remove auto_map (a tokenizer.json needs none)")
+    name = config.get("tokenizer_class")
+    try:
+        import transformers
+    except ImportError:  # nothing here loads the bundle; where transformers does, it is installed
+        return
+    if name is not None and (not isinstance(name, str) or getattr(transformers, name, None) is None):
+        raise TokenizerExportError(f"{path}: tokenizer_class {shown(name)} is not a tokenizer class transformers "
+                                   "has; set it to PreTrainedTokenizerFast (or remove it)")
 
 
 def _guess_special_tokens(tokenizer, document: dict) -> dict[str, str | None]:

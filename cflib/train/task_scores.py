@@ -1,5 +1,6 @@
 """lm-evaluation-harness tasks on a checkpoint: the shipped tasks and lm-eval's registry, scored through the
-checkpoint's Hub bundle as anyone scores it (`lm_eval.simple_evaluate` with an `HFLM`, `trust_remote_code`).
+checkpoint's Hub bundle as anyone scores it (`lm_eval.simple_evaluate` with an `HFLM`), loaded with cflib's own
+classes so that no file of the bundle runs.
 
 `TaskScorer` is what a run with `eval_tasks_every` keeps (cflib.train.trainer): the task names are checked
 when it is built, before step 1; each saved checkpoint it scores is exported to a bundle beside its results
@@ -27,7 +28,9 @@ import yaml
 from cflib.atomic import write_text_atomic
 from cflib.errors import ParamError
 from cflib.export import export_hub
+from cflib.export.bundle import check_bundle_code
 from cflib.export.peft import is_adapter_checkpoint, merge
+from cflib.export.tokenizer_files import BYTE, TokenizerExportError, json_tokenizer_files
 from cflib.paths import resolve_path
 
 SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
@@ -147,6 +150,12 @@ class TaskScorer:
         if tokenizer is None:
             raise ParamError("eval_tasks_every: the data's index names no tokenizer to export the checkpoints' "
                              "bundles with; convert the data with --tokenizer, or remove eval_tasks_every")
+        if tokenizer != BYTE:  # every checkpoint's bundle takes it: refused now, not after the first steps
+            try:
+                json_tokenizer_files(tokenizer, model_max_length=1)
+            except TokenizerExportError as err:
+                raise ParamError(f"eval_tasks_every: the data's tokenizer cannot go into the checkpoints' bundles: "
+                                 f"{err}") from None
         self.names, self.limit, self.device = list(names), limit, device
         self.tokenizer, self.chat_template_sha256 = tokenizer, chat_template_sha256
         self.tasks = check_tasks(self.names, "eval_tasks")
@@ -173,7 +182,9 @@ class TaskScorer:
                 model = folder / "merged"
             bundle = export_hub(model, folder / "bundle", tokenizer=self.tokenizer, echo=None,
                                 chat_template_sha256=self.chat_template_sha256)
-            lm = HFLM(pretrained=str(bundle), trust_remote_code=True, batch_size=8, device=self.device,
+            # Loaded with cflib's own classes: no file of the bundle runs (cflib.export.bundle).
+            check_bundle_code(bundle, trust_bundle_code=False, error=ParamError)
+            lm = HFLM(pretrained=str(bundle), trust_remote_code=False, batch_size=8, device=self.device,
                       dtype="float32")
             with quiet_lm_eval():
                 results = lm_eval.simple_evaluate(model=lm, tasks=self.tasks.specs(self.names, folder / "cache"),

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from cflib.data import ByteTokenizer, ConvertSpec, JsonTokenizer, convert, open_shard
 from cflib.export import ExportError, TokenizerExportError, export_hub
+from cflib.errors import ParamError
 from cflib.export.tokenizer_files import byte_alphabet
 from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
 
@@ -175,6 +176,8 @@ def test_a_tokenizer_config_beside_the_file_is_copied_and_followed(checkpoint: P
     ("eos_not_in_vocabulary", "its eos_token '</s>' is not in its vocabulary"),
     ("not_a_tokenizer", "not a readable tokenizer.json"),
     ("missing", "no such tokenizer file"),
+    ("own_code", "tokenizer_config.json: auto_map names tokenizer code of its own"),
+    ("unknown_class", "tokenizer_class 'EvilTokenizer' is not a tokenizer class transformers has"),
 ])
 def test_an_unusable_tokenizer_is_refused_writing_nothing(checkpoint: Path, tmp_path: Path, case: str,
                                                            message: str):
@@ -189,9 +192,18 @@ def test_an_unusable_tokenizer_is_refused_writing_nothing(checkpoint: Path, tmp_
     elif case == "not_a_tokenizer":
         source.mkdir()
         (source / "tokenizer.json").write_text("{\"model\": 3}")
+    elif case in ("own_code", "unknown_class"):  # what would make a loader with trust_remote_code fetch and run code
+        word_tokenizer(source)
+        evil = {"auto_map": {"AutoTokenizer": ["attacker/evil--tokenization_evil.EvilTokenizer", None]}} \
+            if case == "own_code" else {"tokenizer_class": "EvilTokenizer"}
+        (source / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", **evil}))
     with pytest.raises(TokenizerExportError, match=re.escape(message)):
         export_hub(checkpoint, tmp_path / "out", tokenizer=source, echo=None)
     assert not (tmp_path / "out").exists()
+    if case == "own_code":  # a run scoring eval_tasks on its checkpoints' bundles refuses it before step 1
+        from cflib.train.task_scores import TaskScorer
+        with pytest.raises(ParamError, match="eval_tasks_every: the data's tokenizer cannot go into .*auto_map"):
+            TaskScorer(("embedded_exact",), None, str(source), None, "cpu")
 
 
 def test_a_model_of_another_vocabulary_needs_its_tokenizer_named(tmp_path: Path):
