@@ -23,15 +23,16 @@ from cflib.model import CheckpointError, ConfigError
 
 def _hub(args: argparse.Namespace) -> None:
     source = resolve_checkpoint(args.checkpoint)[0] if args.push else None
-    publish(source, Path(args.out), "bundle", lambda: export_hub(args.checkpoint, args.out, args.tokenizer,
-                                                                 repo_id=args.push),
+    publish(source, Path(args.out), "bundle", lambda folder, echo: export_hub(args.checkpoint, folder, args.tokenizer,
+                                                                              echo=echo, repo_id=args.push),
             args.push, private=args.private or None, revision=args.revision)
 
 
 def _adapters(args: argparse.Namespace) -> None:
     source = resolve_adapters(args.checkpoint)
-    publish(source, Path(args.out), "adapters", lambda: export_adapters(source, args.out, repo_id=args.push,
-                                                                        base_model=args.base_model),
+    publish(source, Path(args.out), "adapters",
+            lambda folder, echo: export_adapters(source, folder, repo_id=args.push, echo=echo,
+                                                 base_model=args.base_model),
             args.push, private=args.private or None, revision=args.revision)
 
 

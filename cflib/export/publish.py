@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from cflib.atomic import check_output_folder, write_text_atomic
+from cflib.atomic import check_output_folder, scratch_folder, write_text_atomic
 from cflib.data import ShardPartition, shard_chat_template_sha256, shard_tokenizer_spec
 from cflib.data.shards import sha256_file
 from cflib.export.hub import ExportError, export_hub
@@ -103,15 +103,41 @@ def retarget_card(out: Path, source: Path, kind: str, repo_id: str) -> None:
     write_text_atomic(out / CARD_FILE, model_card(source, kind, out, config, repo_id, base_model))
 
 
-def publish(source: Path, out: Path, kind: str, write: Callable[[], object], repo_id: str | None,
+Writer = Callable[[Path, Callable[[str], None] | None], object]  # (folder, echo): writes a publication there
+
+
+def check_as_written(out: Path, kind: str, write: Writer) -> None:
+    """ExportError unless `out` holds exactly what `write` writes, byte for byte, but for its model card (which
+    may be written again for a repository, or edited): a push sends the whole folder, so a file put there since,
+    or changed, would be published with it. Written again into a hidden scratch folder beside `out`."""
+    with scratch_folder(out) as scratch:
+        write(scratch / out.name, None)
+        fresh = {entry.name: entry for entry in (scratch / out.name).iterdir() if entry.name != CARD_FILE}
+        for entry in sorted(out.iterdir()):
+            if entry.name == CARD_FILE and entry.is_file() and not entry.is_symlink():
+                continue
+            if entry.name not in fresh or entry.is_symlink() or not entry.is_file():
+                raise ExportError(f"{entry}: the {kind} export does not write it, and a push would publish it; "
+                                  f"move it out of {out}, or export to a new folder")
+            if sha256_file(entry) != sha256_file(fresh[entry.name]):
+                raise ExportError(f"{entry}: differs from what the {kind} export writes; export to a new folder "
+                                  "(nothing was pushed)")
+        missing = sorted(set(fresh) - {entry.name for entry in out.iterdir()})
+        if missing:
+            raise ExportError(f"{out / missing[0]}: missing from the {kind}; export to a new folder (nothing was "
+                              "pushed)")
+
+
+def publish(source: Path, out: Path, kind: str, write: Writer, repo_id: str | None,
             private: bool | None = None, revision: str | None = None,
             echo: Callable[[str], None] | None = print) -> Path:
-    """`write()` the publication of `source` (kind "bundle" or "adapters") to `out`, then push it to `repo_id`.
-    An `out` that already holds it (an earlier push, interrupted or not) is pushed as it is, its card written
-    again first where it names no repository or another."""
+    """`write(out, echo)` the publication of `source` (kind "bundle" or "adapters"), then push it to `repo_id`. An
+    `out` that already holds it (an earlier push, interrupted or not), and nothing else (check_as_written), is
+    pushed as it is, its card written again first where it names no repository or another."""
     if repo_id is not None:
         check_push(repo_id)  # before anything is written
     if repo_id is not None and holds_publication(out, source, kind):
+        check_as_written(out, kind, write)
         retargeted = published(out).get("repo_id") != repo_id
         if retargeted:
             retarget_card(out, source, kind, repo_id)
@@ -119,7 +145,7 @@ def publish(source: Path, out: Path, kind: str, write: Callable[[], object], rep
             echo(f"{out} already holds the {kind} of {source}: pushing it as it is"
                  + (f", its model card written again for {repo_id}" if retargeted else ""))
     else:
-        write()
+        write(out, echo)
     if repo_id is not None:
         push_folder(out, repo_id, private=private, revision=revision, echo=echo)
     return out
@@ -138,7 +164,7 @@ def publish_run(record: dict, repo_id: str | None, echo: Callable[[str], None] |
     chosen, run_dir = Path(chosen), Path(record["out_dir"])
     if is_adapter_checkpoint(chosen):
         publish(chosen, run_dir / "adapters", "adapters",
-                lambda: export_adapters(chosen, run_dir / "adapters", repo_id=repo_id, echo=echo),
+                lambda folder, said: export_adapters(chosen, folder, repo_id=repo_id, echo=said),
                 repo_id, private=True, echo=echo)
         return record
     shard = ShardPartition(Path(record["data"]["root"]) / "eval")
@@ -147,7 +173,7 @@ def publish_run(record: dict, repo_id: str | None, echo: Callable[[str], None] |
         raise PushError(f"push_to_hub {repo_id}: the data's index names no tokenizer; push with python -m "
                         f"cflib.export hub {run_dir} {run_dir / 'hub'} --tokenizer TOKENIZER --push {repo_id}")
     publish(chosen, run_dir / "hub", "bundle",
-            lambda: export_hub(chosen, run_dir / "hub", tokenizer=spec, repo_id=repo_id, echo=echo,
-                               chat_template_sha256=shard_chat_template_sha256(shard)),
+            lambda folder, said: export_hub(chosen, folder, tokenizer=spec, repo_id=repo_id, echo=said,
+                                            chat_template_sha256=shard_chat_template_sha256(shard)),
             repo_id, private=True, echo=echo)
     return record

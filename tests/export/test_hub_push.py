@@ -140,6 +140,24 @@ def test_an_interrupted_push_resumes_without_sending_again_what_landed(run, tmp_
     assert len(hub.repos["cflib-org/resumed"].commits) == 1
 
 
+def test_a_folder_holding_more_than_the_bundle_or_other_bytes_is_never_pushed(run, tmp_path, hub):
+    """A push sends the whole folder: a file put beside the bundle (a secret, say) or weights changed since it was
+    written would be published. Both are refused, naming the file, and nothing is sent."""
+    out = export_hub(run, tmp_path / "hub", echo=None)
+    command = ["hub", str(run), str(out), "--push", "cflib-org/guarded"]
+    (out / ".env").write_text("HF_TOKEN=hf_secret\n")
+    assert f"{out / '.env'}: the bundle export does not write it" in refused(command)
+    (out / ".env").unlink()
+    weights = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(weights[:-4] + b"\0\0\0\0")
+    assert f"{out / 'model.safetensors'}: differs from what the bundle export writes" in refused(command)
+    assert "cflib-org/guarded" not in hub.repos
+    (out / "model.safetensors").write_bytes(weights)
+    export_main(command)  # as written: pushed
+    assert hub.files("cflib-org/guarded") == written(out)
+    assert not [entry for entry in tmp_path.iterdir() if entry.name.startswith(".")]  # no scratch left beside
+
+
 def test_a_folder_written_for_no_repository_is_pushed_with_its_card_naming_the_repository(run, tmp_path, hub, capsys):
     """The resume command after train_sft wrote out_dir/hub itself: the bundle goes as it is, but its card, whose
     loading lines named the folder, is written again for the repository first."""
