@@ -73,6 +73,8 @@ def job_out_dir(out_dir: str | Path | None, kind: str, holds: Collection[str] | 
     if out_dir is None:
         return new_out_dir(kind, name)
     folder = resolve_path(out_dir)
+    if folder.is_symlink():  # written through, the job would write (and prune) wherever the link points
+        raise ParamError(f"out_dir {folder} is a symbolic link (to {os.readlink(folder)}); give the folder itself")
     refuse_existing(folder, holds, what, hint)
     return folder
 

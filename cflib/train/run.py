@@ -20,6 +20,7 @@ from cflib.data.mixture import MixturePlan, mixture_table
 from cflib.data.packing import PackedWindows, pack_examples
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
 from cflib.jobs import job_out_dir
+from cflib.jsonio import read_json
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
 from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
@@ -174,17 +175,24 @@ class Run:
 
 def never_trained(out_dir: Path) -> bool:
     """Whether the run in `out_dir` stopped before its first optimizer step (building the trainer, the
-    evaluation at start or the first step failed): it left nothing worth keeping, so a new run may start there."""
+    evaluation at start or the first step failed): it left nothing worth keeping, so a new run may start there.
+    Only a run's own files qualify: a metrics.jsonl or params.json another tool wrote is never replaced."""
     if (out_dir / "record.json").exists() or (out_dir / "COMPLETE").exists():
         return False
     checkpoints = out_dir / "checkpoints"
     if checkpoints.exists() and not (checkpoints.is_dir() and not any(checkpoints.iterdir())):
         return False
-    metrics = out_dir / "metrics.jsonl"
+    metrics, params = out_dir / "metrics.jsonl", out_dir / "params.json"
+    if not params.exists():  # a run writes its parameters before its metrics and loss weights
+        return not metrics.exists() and not (out_dir / "loss_weighting.json").exists()
     try:
-        return not metrics.exists() or not any(row.get("event") == "train" for row in read_metrics(metrics))
-    except ValueError:  # rows that cannot be read may be steps: leave them alone
+        written = read_json(params, ParamError, "run parameters")
+        rows = read_metrics(metrics) if metrics.exists() else []
+    except (ParamError, ValueError):  # unreadable: maybe not a run's, maybe steps: left alone
         return False
+    if not isinstance(written, dict) or "out_dir" not in written or not set(written) <= set(TrainParams.names()):
+        return False  # not a run's parameters
+    return all(isinstance(row.get("event"), str) for row in rows) and not any(row["event"] == "train" for row in rows)
 
 
 def manifests(train: Partition, eval_: Partition) -> dict:

@@ -209,7 +209,7 @@ def test_a_run_that_stopped_before_step_1_leaves_its_out_dir_free(tmp_path, smal
 def test_a_run_that_trained_a_step_keeps_its_out_dir(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "params.json").write_text("{}")
+    (out / "params.json").write_text('{"out_dir": "run", "lr": 0.001}')
     assert never_trained(out)
     evaluated = '{"event": "eval", "step": 0, "loss": 5.5}\n'
     (out / "metrics.jsonl").write_text(evaluated)
@@ -219,6 +219,23 @@ def test_a_run_that_trained_a_step_keeps_its_out_dir(tmp_path):
     (out / "metrics.jsonl").unlink()
     (out / "checkpoints" / "epoch-1").mkdir(parents=True)
     assert not never_trained(out)
+
+
+def test_another_tool_s_files_and_a_linked_out_dir_are_never_written_over(tmp_path, small_shard):
+    """A metrics.jsonl or params.json a run did not write is refused, never replaced; an out_dir that is a link
+    would have the run write (and prune) where it points."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    (out / "params.json").write_text('{"learning_rate": 0.1}')
+    before = {entry.name: entry.read_bytes() for entry in out.iterdir()}
+    with pytest.raises(ParamError, match=rf"out_dir {out} already holds a run \(metrics.jsonl, params.json\)"):
+        run(tmp_path, small_shard, out_dir=str(out), max_steps=1)
+    assert {entry.name: entry.read_bytes() for entry in out.iterdir()} == before
+    (tmp_path / "link").symlink_to(out)
+    with pytest.raises(ParamError, match=rf"out_dir {tmp_path / 'link'} is a symbolic link \(to {out}\)"):
+        run(tmp_path, small_shard, out_dir=str(tmp_path / "link"), max_steps=1)
+    assert {entry.name: entry.read_bytes() for entry in out.iterdir()} == before
 
 
 def test_prepare_writes_nothing(tmp_path, small_shard):
