@@ -502,10 +502,15 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
 
     def _validate_optimisation(self) -> None:
         """The optimizer, its schedule, the loss and the step's precision."""
-        if not self.lr > 0:
-            raise ParamError(f"lr must be positive, got {self.lr}")
+        # An AdamW step moves each weight by about lr: past MAX_LR one step wipes out the model, and far past it the
+        # update overflows float32 inside the optimizer, after the run has started.
+        if not 0 < self.lr <= MAX_LR:
+            raise ParamError(f"lr must be positive and at most {MAX_LR:g}, got {self.lr}")
         if not self.weight_decay >= 0:  # written so that NaN fails too
             raise ParamError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lr * self.weight_decay >= 1:  # each step scales the weights by 1 - lr x weight_decay
+            raise ParamError(f"lr x weight_decay must be below 1 (each step scales every decayed weight by "
+                             f"1 - lr x weight_decay), got {self.lr} x {self.weight_decay}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ParamError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -577,6 +582,8 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
                             base_dtype=self.base_dtype or defaults.base_dtype,
                             trainable_tokens=self.lora_trainable_tokens or ())
 
+
+MAX_LR = 10.0  # far above any SFT learning rate; see _validate_optimisation
 
 # What `full_parameter: false` reads; any of them with full_parameter: true is a mistake.
 LORA_PARAMETERS = tuple(field.name for field in dataclasses.fields(Lora) if field.name != "full_parameter")
