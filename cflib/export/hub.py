@@ -22,7 +22,7 @@ from cflib.export.peft import is_adapter_checkpoint
 from cflib.export.tokenizer_files import tokenizer_files
 from cflib.locks import exclusive_output
 from cflib.model import TRMoEModel, fused_route_buffers, load_checkpoint, save_checkpoint
-from cflib.model.checkpoint import holds_model, run_checkpoint
+from cflib.model.checkpoint import CheckpointError, holds_model, run_checkpoint, trained_folder
 
 MODEL_TYPE = "tr_hash_moe"
 ARCHITECTURE = "TRHashForCausalLM"
@@ -36,13 +36,17 @@ class ExportError(ValueError):
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
-    """(checkpoint folder, which one and why): a checkpoint itself, or a run folder's best checkpoint,
-    else its newest of `last`, `epoch-N`, `step-N` (in that order of preference). A folder whose replacement a
-    kill cut between its two renames is found under its retired name (cflib.atomic.live_path)."""
+    """(checkpoint folder, which one and why): a checkpoint itself, or a run folder's (a curriculum's: its last
+    stage's) best checkpoint, else its newest of `last`, `epoch-N`, `step-N` (in that order of preference). A
+    folder whose replacement a kill cut between its two renames is found under its retired name
+    (cflib.atomic.live_path)."""
     path = live_path(Path(path))
     if holds_model(path):
         return path, f"checkpoint {path}"
-    checkpoints = path / "checkpoints"
+    try:
+        checkpoints = trained_folder(path) / "checkpoints"  # a curriculum's: its last stage's
+    except CheckpointError as err:
+        raise ExportError(str(err)) from None
     for adapters in (path, live_path(checkpoints / "best")):
         if is_adapter_checkpoint(adapters):
             raise ExportError(f"{adapters} holds LoRA adapters, not a model: merge them into their base first "

@@ -30,6 +30,7 @@ WEIGHTS_FILE = "model.safetensors"
 TRAINER_STATE_FILE = "trainer_state.pt"
 # Where a run stood (step, epoch, ...): small, so finding the newest checkpoint reads no tensors.
 PROGRESS_FILE = "trainer_progress.json"
+CURRICULUM_FILE = "curriculum.json"  # a curriculum's folder (cflib.train.curriculum_run): its stages are runs
 
 
 class CheckpointError(ValueError):
@@ -121,13 +122,31 @@ def run_checkpoint(checkpoints: Path, holds: Callable[[Path], bool] = holds_mode
     return None
 
 
+def trained_folder(path: Path) -> Path:
+    """The run folder `path` stands for: a curriculum's folder (its curriculum.json and stages/) stands for its last
+    stage that saved a checkpoint, in the curriculum's order (whose checkpoints the next stage would start from);
+    any other folder for itself."""
+    written = path / CURRICULUM_FILE
+    if not written.is_file():
+        return path
+    document = read_json(written, CheckpointError, "curriculum file")
+    stages = document.get("stages") if isinstance(document, dict) else None
+    names = [stage.get("name") for stage in stages if isinstance(stage, dict)] if isinstance(stages, list) else []
+    for name in reversed(names):
+        if isinstance(name, str) and "/" not in name and name not in (".", "..") and \
+                (path / "stages" / name / "checkpoints").is_dir():
+            return path / "stages" / name
+    raise CheckpointError(f"{path}: a curriculum's folder whose stages saved no checkpoint yet (stages/<name>/)")
+
+
 def checkpoint_in(path: Path, holds: Callable[[Path], bool] = holds_model) -> Path | None:
-    """`path` itself where it `holds` a checkpoint, else the checkpoint its run folder stands for
-    (run_checkpoint), else None. A folder a kill left aside is taken under its retired name (live_path)."""
+    """`path` itself where it `holds` a checkpoint, else the checkpoint its run folder (a curriculum's: its last
+    stage's, trained_folder) stands for (run_checkpoint), else None. A folder a kill left aside is taken under its
+    retired name (live_path)."""
     path = live_path(path)
     if holds(path):
         return path
-    chosen = run_checkpoint(path / "checkpoints", holds)
+    chosen = run_checkpoint(trained_folder(path) / "checkpoints", holds)
     return chosen[0] if chosen is not None else None
 
 

@@ -191,6 +191,17 @@ def curriculum_run(shard, tmp_path_factory) -> Path:
     return out_dir
 
 
+def test_a_curriculum_folder_exports_and_chats_as_its_last_stage(curriculum_run, tmp_path):
+    """Export and chat take a curriculum's folder as its last stage's run folder: its best checkpoint."""
+    from cflib.lab.chat import find_checkpoint
+
+    best = curriculum_run / "stages" / "b" / "checkpoints" / "best"
+    assert find_checkpoint(curriculum_run) == best
+    out = export_hub(curriculum_run, tmp_path / "hub", echo=None)
+    assert (out / "model.safetensors").is_file()
+    assert load_checkpoint(best).state_dict().keys() <= load_checkpoint(out).state_dict().keys()
+
+
 def test_a_stage_holding_only_a_best_checkpoint_is_set_aside_not_deleted(shard, curriculum_run, tmp_path):
     killed = tmp_path / "run"
     shutil.copytree(curriculum_run, killed, symlinks=True)
