@@ -9,8 +9,10 @@ reader recurse out of the stack or hold more than its size.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 MAX_BYTES = 64 * 2**20  # one document: a file, or one line of a JSONL file
 MAX_DEPTH = 64  # lists and objects inside each other; cflib's own documents nest a few levels
@@ -55,19 +57,44 @@ def parse_json(text: str | bytes, where: str | Callable[[], str], error: type[Ex
     return value
 
 
-def read_bounded(path: str | Path, limit: int, error: type[Exception], what: str) -> bytes:
-    """The bytes of the file `path`, at most `limit` of them, or `error` naming it and what it was meant to be (a
-    `what`): missing, a folder, unreadable or larger. Only limit + 1 bytes are ever read."""
-    path = Path(path)
-    if path.is_dir():
-        raise error(f"{path}: a folder, not a {what}")
+# What a path that is no regular file is, for the message that refuses it.
+NOT_FILES = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: Path, error: type[Exception], what: str) -> BinaryIO:
+    """The regular file `path` opened to read bytes, or `error` naming it and what it was meant to be (a `what`):
+    missing, a folder, unreadable, or no regular file. A FIFO's open() waits for a writer forever and a device
+    such as /dev/zero never ends, so the file is opened without waiting (O_NONBLOCK, which a regular file's reads
+    ignore) and judged by its descriptor: a check of the path before opening could be raced by a swap."""
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(limit + 1)
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise error(f"{path}: no such {what}") from None
     except OSError as err:
+        if path.is_dir():  # Windows refuses to open a folder, as Linux does one this user may not list
+            raise error(f"{path}: a folder, not a {what}") from None
         raise error(f"{path}: cannot read the {what} ({err.strerror or err})") from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        if stat.S_ISDIR(mode):
+            raise error(f"{path}: a folder, not a {what}")
+        kind = next((name for test, name in NOT_FILES if test(mode)), "a special file")
+        raise error(f"{path}: not a regular file ({kind}); cflib reads a {what} from a regular file only: write it "
+                    "to one first")
+    return os.fdopen(descriptor, "rb")
+
+
+def read_bounded(path: str | Path, limit: int, error: type[Exception], what: str) -> bytes:
+    """The bytes of the file `path`, at most `limit` of them, or `error` naming it and what it was meant to be (a
+    `what`): missing, a folder, no regular file, unreadable or larger. Only limit + 1 bytes are ever read."""
+    path = Path(path)
+    with open_regular(path, error, what) as handle:
+        try:
+            data = handle.read(limit + 1)
+        except OSError as err:
+            raise error(f"{path}: cannot read the {what} ({err.strerror or err})") from None
     if len(data) > limit:
         raise error(f"{path}: larger than the {limit:,} bytes cflib reads in a {what}")
     return data
@@ -85,9 +112,7 @@ def json_lines(path: str | Path, error: type[Exception], where: Callable[[int], 
     (a digest)."""
     path = Path(path)
     name = where or (lambda number: f"{path}:{number}")
-    if path.is_dir():
-        raise error(f"{path}: a folder, not a JSONL file")
-    with open(path, "rb") as handle:
+    with open_regular(path, error, "JSONL file") as handle:
         number = 0
         while line := handle.readline(MAX_BYTES + 1):
             number += 1

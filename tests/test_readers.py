@@ -6,6 +6,8 @@ through what the input stands for.
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -16,6 +18,7 @@ import cflib.jsonio
 import cflib.yamlio
 from cflib.errors import ParamError, shown
 from cflib.jsonio import MAX_DEPTH, json_lines, parse_json, read_bounded, read_json
+from cflib.train.params import load_params_file
 from cflib.yamlio import MAX_NODES, load_yaml, read_yaml
 
 # Under 500 bytes: nine aliases of nine aliases, nine levels deep, stand for 9**9 (387 million) strings.
@@ -94,6 +97,49 @@ def test_a_file_past_its_bound_is_refused_naming_it(tmp_path, monkeypatch):
         read_yaml(path, ParamError, "parameter file")
     with pytest.raises(ParamError, match=f"{path}: larger than the 64 bytes cflib reads in a run record"):
         read_json(path, ParamError, "run record")
+
+
+def refused_without_waiting(call: Callable[[], Any], fifo: Path, seconds: float = 5.0) -> ParamError:
+    """call()'s ParamError, which must come at once. A plain open() of a FIFO waits for a writer forever, so the
+    call runs in a thread; one still waiting after `seconds` is let go (a writer opens the FIFO and closes it) and
+    fails the test instead of hanging the suite."""
+    outcome: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as err:  # handed to the test's own thread, which judges it
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a reader waits in open(): this lets it read EOF
+        thread.join(seconds)
+        pytest.fail(f"{fifo}: the reader waited for a writer instead of refusing a FIFO")
+    assert isinstance(outcome.get("error"), ParamError), f"expected a ParamError, got {outcome.get('error')!r}"
+    return outcome["error"]  # type: ignore[return-value]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("read", [
+    lambda path: read_bounded(path, 64, ParamError, "parameter file"),
+    lambda path: read_yaml(path, ParamError, "data spec"),
+    lambda path: read_json(path, ParamError, "run record"),
+    lambda path: list(json_lines(path, ParamError)),
+    load_params_file,
+], ids=["read_bounded", "read_yaml", "read_json", "json_lines", "load_params_file"])
+def test_a_fifo_or_a_device_is_refused_naming_it_not_waited_on(tmp_path, read):
+    """`mkfifo spec.yaml` (or `--spec <(...)`) and `/dev/zero` are no files: the first waits forever for a writer,
+    the second never ends. Each is refused by name, at once."""
+    fifo = tmp_path / "spec.yaml"
+    os.mkfifo(fifo)
+    error = refused_without_waiting(lambda: read(fifo), fifo)
+    assert str(error).startswith(f"{fifo}: not a regular file (a FIFO)")
+    if Path("/dev/zero").exists():
+        with pytest.raises(ParamError, match="^/dev/zero: not a regular file \\(a character device\\)"):
+            read(Path("/dev/zero"))
 
 
 def test_deep_json_is_refused_where_python_would_recurse_out_of_its_stack():

@@ -29,9 +29,13 @@ import yaml
 
 from cflib.data.shards import sha256_file
 from cflib.export.peft import MERGE_FORMAT, MERGE_MANIFEST
-from cflib.jsonio import read_json
+from cflib.jsonio import read_bounded, read_json
+from cflib.yamlio import load_yaml
 
 CARD_FILE = "README.md"
+# The most of a README.md read to find cflib's card: the card cflib writes is a few kB, and a body a user adds
+# stays far below this (as much as cflib reads of any YAML document).
+CARD_BYTES = 4 * 2**20
 # An evaluation's bookkeeping, not a metric.
 NOT_METRICS = ("tag", "step", "epoch", "supervised_tokens", "examples", "seconds", "exact_match_samples")
 LICENCE_LINE = ("# license: set the licence these weights are released under (an id from "
@@ -180,11 +184,16 @@ def card_metadata(checkpoint: Path, kind: str, repo_id: str | None) -> dict:
 
 def published(folder: Path) -> dict:
     """The `cflib` block of a folder's card; empty without a card or one cflib wrote."""
-    text = (folder / CARD_FILE).read_text() if (folder / CARD_FILE).is_file() else ""
-    match = re.match(r"---\n(.*?)\n---\n", text, re.S)
+    path = folder / CARD_FILE
+    if not path.is_file():
+        return {}
+    # A README.md of another writer (another encoding, gigabytes, YAML nested past PyYAML's recursion) is no card
+    # cflib wrote: read bounded, like every document cflib reads, and any failure is the "no card" answer.
     try:
-        metadata = yaml.safe_load(match.group(1)) if match else None
-    except yaml.YAMLError:
+        text = read_bounded(path, CARD_BYTES, ValueError, "model card").decode("utf-8")
+        match = re.match(r"---\n(.*?)\n---\n", text, re.S)
+        metadata = load_yaml(match.group(1), str(path), ValueError) if match else None
+    except ValueError:  # UnicodeDecodeError is one
         return {}
     block = metadata.get("cflib") if isinstance(metadata, dict) else None
     return block if isinstance(block, dict) else {}

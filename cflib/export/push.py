@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable
 
 # The Hub's repository names: an owner and a name, letters, digits, '-', '_' and '.', at most 96 characters.
-REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+# Matched with fullmatch: `$` also matches before a final newline, which would let "org/name\n" through.
+REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
 class PushError(RuntimeError):
@@ -28,7 +29,7 @@ class PushError(RuntimeError):
 
 def repo_id_problem(repo_id: str) -> str | None:
     """What is wrong with a Hub repository name, or None."""
-    if not REPO_ID.match(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):
+    if not REPO_ID.fullmatch(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):
         return f"{repo_id!r} is not a Hub repository name (ORG/NAME: letters, digits, '-', '_', '.')"
     return None
 

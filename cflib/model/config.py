@@ -170,12 +170,16 @@ class ModelConfig:
             raise ConfigError(f"{source}: unknown config keys {sorted(typos)}: {hints}")
         if unknown:
             warnings.warn(f"{source}: ignoring config keys this model does not use: {unknown}", stacklevel=2)
-        if "head_dim" in raw and raw["head_dim"] != raw.get("hidden_size", 0) // max(raw.get("num_attention_heads", 1), 1):
-            raise ConfigError(f"{source}: head_dim {raw['head_dim']} != hidden_size / num_attention_heads")
         try:
-            return cls(**{k: v for k, v in raw.items() if k in known})
+            config = cls(**{k: v for k, v in raw.items() if k in known})
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from None
+        # Checked on the built config, whose sizes are validated integers: arithmetic on the raw values would meet
+        # a "64" or a [4] as a TypeError naming neither the file nor the key.
+        if "head_dim" in raw and raw["head_dim"] != config.head_dim:
+            raise ConfigError(f"{source}: head_dim {shown(raw['head_dim'])} != hidden_size / num_attention_heads "
+                              f"({config.hidden_size} / {config.num_attention_heads} = {config.head_dim})")
+        return config
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "ModelConfig":

@@ -195,6 +195,17 @@ def test_from_dict_refuses_an_inconsistent_head_dim() -> None:
         ModelConfig.from_dict({**TINY_FIELDS, "head_dim": 16})
 
 
+@pytest.mark.parametrize("key, value", [("hidden_size", "64"), ("num_attention_heads", [4]),
+                                        ("num_attention_heads", None), ("hidden_size", {"d": 64})])
+def test_a_wrongly_typed_size_beside_head_dim_names_the_file_and_key(tmp_path: Path, key: str,
+                                                                      value: object) -> None:
+    """head_dim is checked against hidden_size / num_attention_heads: only once both are known to be integers, so a
+    published config.json with "hidden_size": "64" is refused by name, not with a TypeError from the division."""
+    path = write_config(tmp_path / "config.json", json.dumps({**TINY_FIELDS, "head_dim": 8, key: value}))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: {key} must be a positive integer")):
+        ModelConfig.from_json_file(path)
+
+
 def test_from_dict_prefixes_validation_errors_with_the_source() -> None:
     with pytest.raises(ConfigError, match=re.escape("ckpt/config.json: num_attention_heads 4 is not divisible")):
         ModelConfig.from_dict({**TINY_FIELDS, "num_key_value_heads": 3}, source="ckpt/config.json")

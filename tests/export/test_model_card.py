@@ -1,0 +1,49 @@
+"""The card already in an export folder, read back: whatever README.md holds, a folder without cflib's card.
+
+`python -m cflib.export hub RUN OUT --push ORG/NAME` reads OUT's README.md to see whether OUT already holds the
+publication (an interrupted push is resumed); a README.md someone else wrote, in another encoding, or hostile, is
+no card cflib wrote, never a traceback.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+import cflib.export.model_card
+from cflib.export.model_card import CARD_FILE, published, published_checkpoint
+from cflib.export.publish import holds_publication
+
+CARD = {"library_name": "transformers", "cflib": {"kind": "bundle", "repo_id": None,
+                                                    "checkpoint": {"name": "best", "run": "run", "sha256": "0" * 64}}}
+
+
+def card(body: str = "# A model\n") -> str:
+    return f"---\n{yaml.safe_dump(CARD)}---\n\n{body}"
+
+
+def test_a_card_cflib_wrote_is_read_back(tmp_path: Path) -> None:
+    (tmp_path / CARD_FILE).write_text(card())
+    assert published(tmp_path) == CARD["cflib"]
+    assert published_checkpoint(tmp_path) == CARD["cflib"]["checkpoint"]
+
+
+@pytest.mark.parametrize("content", [
+    "---\nlicense: mit\n---\n".encode("utf-16"),  # saved by an editor as UTF-16
+    card().encode() + b"\xff\xfe caf\xe9\n",  # cflib's card, then a Latin-1 line someone added
+    b"\x89PNG\r\n\x1a\n\x00\x00",  # not text at all
+    b"---\n" + b"[" * 100_000 + b"\n---\n",  # front matter nested past PyYAML's recursion
+], ids=["utf-16", "latin-1-line", "binary", "deep-yaml"])
+def test_a_readme_that_is_no_readable_card_is_no_card(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / CARD_FILE).write_bytes(content)
+    assert published(tmp_path) == {}
+    assert published_checkpoint(tmp_path) is None
+    # The folder then holds no publication: export refuses it as an existing folder, by name, instead of crashing.
+    assert not holds_publication(tmp_path, tmp_path / "best", "bundle")
+
+
+def test_a_readme_past_the_bound_is_not_read_whole(tmp_path: Path) -> None:
+    """A card is kilobytes; a README.md of gigabytes is not read into memory to find out it is no card."""
+    (tmp_path / CARD_FILE).write_text(card("x" * cflib.export.model_card.CARD_BYTES))
+    assert published(tmp_path) == {}
