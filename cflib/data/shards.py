@@ -253,15 +253,14 @@ class ShardPartition(torch.utils.data.Dataset):
         raise ShardError(f"{self.directory / file}: row {row} (example_id {example_id!r}): {what}")
 
     def _too_long(self, over: np.ndarray, name: str, cap: int) -> None:
-        """The rows `over` exceed `cap`: how many, and where the longest stands, in examples.jsonl (its row from 0
-        and its line from 1) and in the data it was converted from (rows from 1, as the converter numbers them)."""
+        """The rows `over` exceed `cap`: how many, and the longest by its row (from 0, as every shard error counts
+        them), its example_id and where the converter read it (its source's row, from 1)."""
         row = int(over[np.argmax(self.lengths[over])])
         origin = self.rows[row].get("origin")
-        where = f"line {row + 1}, example_id {self.rows[row].get('example_id', '?')!r}" + (
-            f", from {origin}" if origin else "")
         raise ShardError(f"{self.directory / 'examples.jsonl'}: {len(over):,} example(s) exceed {name} {cap}, the "
-                         f"longest row {row} ({where}) with {self.lengths[row]} tokens; examples are never "
-                         f"truncated: raise {name} to {self.lengths[row]} or drop them")
+                         f"longest row {row} (example_id {self.rows[row].get('example_id', '?')!r}"
+                         + (f", read from {origin}" if origin else "") + f") with {self.lengths[row]} tokens; "
+                         f"examples are never truncated: raise {name} to {self.lengths[row]} or drop them")
 
     def _validate_rows(self, seq_len: int | None) -> None:
         """Offsets, lengths and caps of every row, from examples.jsonl alone."""

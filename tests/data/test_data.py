@@ -217,13 +217,13 @@ def test_example_longer_than_seq_len(tmp_path):
 
 
 def test_examples_longer_than_seq_len_are_counted_and_the_longest_named_where_its_data_has_it(tmp_path):
-    """The longest of them, by its shard row, its line and where the converter read it (rows from 1)."""
+    """The longest of them, by its shard row, its example_id and where the converter read it (rows from 1)."""
     examples = _with_example(1, _long_example())
     longest = h.chat_example(3, "reverse", "long", "reverse " + "abcdefghijklmnopqrstuvwxyz" * 2, "z" * 52)
     examples[3] = Example(longest.input_ids, longest.labels, {**longest.meta, "origin": "chats.jsonl row 4"})
     h.write_shard(tmp_path, examples, max_seq_len=200)
     message = shard_error(tmp_path, seq_len=40)
-    assert (f"examples.jsonl: 2 example(s) exceed seq_len 40, the longest row 3 (line 4, example_id 'reverse-003', "
+    assert (f"examples.jsonl: 2 example(s) exceed seq_len 40, the longest row 3 (example_id 'reverse-003', read "
             f"from chats.jsonl row 4) with {len(longest.input_ids)} tokens") in message
     assert f"raise seq_len to {len(longest.input_ids)}" in message
 
