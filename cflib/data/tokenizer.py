@@ -123,15 +123,22 @@ class PretrainedTokenizer:
     def __init__(self, folder: str | Path) -> None:
         try:
             from transformers import AutoTokenizer
+            from transformers.utils import logging as transformers_logging
         except ModuleNotFoundError:
             raise ValueError(f"{folder}: a tokenizer folder is read by the transformers library: "
                              "pip install 'cflib[data]'") from None
         self.path = Path(folder)
+        # A Hub bundle's folder holds the model's config.json too, of a model type transformers does not know
+        # without the bundle's code: it warns about instantiating a model, which loading a tokenizer never does.
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
         try:
             self.hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True, trust_remote_code=False)
         except Exception as err:  # transformers raises many kinds for a folder it cannot load
             raise ValueError(f"{self.path}: not a tokenizer folder AutoTokenizer loads ({type(err).__name__}: "
                              f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        finally:
+            transformers_logging.set_verbosity(verbosity)
         self._vocab = self.hf.get_vocab()
         self.vocab_size = id_space(len(self.hf), self._vocab.values())
         self.description = str(self.path)

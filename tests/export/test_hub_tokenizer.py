@@ -241,3 +241,13 @@ def test_the_bundle_renders_with_the_template_its_data_was_converted_through(tmp
     with pytest.raises(ExportError, match="its chat template .* is not the one the training data was rendered"):
         export_hub(checkpoint, tmp_path / "other", tokenizer="byte", chat_template_sha256=sha, echo=None)
     assert not (tmp_path / "other").exists()
+
+
+def test_a_bundle_read_as_a_tokenizer_folder_warns_of_no_model(bundle: Path, capfd):
+    """Converting through a bundle's tokenizer (--tokenizer BUNDLE) loads a tokenizer, not a model: transformers'
+    warning about the bundle's unknown model type would only mislead."""
+    from cflib.data.tokenizer import PretrainedTokenizer
+
+    capfd.readouterr()
+    assert PretrainedTokenizer(bundle).encode("12+34=") == BYTE.encode("12+34=")
+    assert "model of type" not in "".join(capfd.readouterr())
