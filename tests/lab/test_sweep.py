@@ -57,7 +57,7 @@ def test_every_point_is_checked_before_any_runs_and_a_bad_one_fails_alone(tmp_pa
                                               "out_dir": str(out_dir)}))
     assert [p.name for p in sweep.points] == ["lr-0.001_seed-3", "lr-0.001_seed-4", "lr--1_seed-3", "lr--1_seed-4"]
     assert [p.status for p in sweep.points] == ["queued", "queued", "failed", "failed"]
-    assert sweep.points[2].error == "point lr--1_seed-3: lr must be positive, got -1.0"
+    assert sweep.points[2].error == "point lr--1_seed-3: lr must be positive and at most 10, got -1.0"
     assert sweep.points[0].params["max_steps"] == 4 and sweep.points[0].params["seed"] == 3
     assert sweep.points[0].overrides == {"lr": 0.001, "max_steps": 4, "seed": 3}
     assert sweep.swept == ["lr", "seed"] and sweep.points[0].total_steps == 4
