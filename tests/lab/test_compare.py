@@ -16,7 +16,13 @@ from cflib.train.records import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
-OLD_RUN = COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"  # written by an older cflib: fewer params, fewer kernel keys
+OLD_RUN = COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"
+# What the cflib of the sweep's first record (commit 30f5221) did not write yet, in its params and its kernel path.
+NEWER_PARAMS = ("allow_resume_changes", "best_metric", "curriculum", "dry_run", "early_stopping_patience", "eval_tasks",
+                "eval_tasks_every", "eval_tasks_limit", "examples_per_epoch", "expert_lr_multiplier", "filters",
+                "greater_is_better", "kernel_overrides", "log_samples", "lora_lr_multiplier", "loss_type",
+                "push_to_hub", "through_stage")
+NEWER_KERNEL_KEYS = ("residual", "last_layer_rows", "optimizer", "gemms")
 SMOKE = {"model": "smoke", "data": "embedded", "seq_len": 64, "micro_batch_per_rank": 16, "global_batch": 32,
          "lr": 0.01, "exact_match_limit": 4, "device": "cpu"}
 
@@ -102,10 +108,25 @@ def test_the_sweep_plot_holds_only_the_sweeps_complete_points_and_names_the_rest
     assert sorted(dots["lr"]) == [0.003, 0.01, 0.01] and sorted(dots["seed"]) == [0, 0, 1]
 
 
-def test_an_older_record_differs_from_a_new_run_only_where_they_trained_differently(runs):
-    comparison = compare(CompareParams.from_dict({"runs": [str(OLD_RUN), str(runs["run"])]}))
+def _older_copy(run: Path, folder: Path) -> Path:
+    """The run as an older cflib recorded it: without the parameters and kernel-path keys it did not write yet."""
+    shutil.copytree(run, folder)
+    record, params = (json.loads((folder / name).read_text()) for name in ("record.json", "params.json"))
+    for name in NEWER_PARAMS:
+        record["params"].pop(name, None)
+        params.pop(name, None)
+    for key in NEWER_KERNEL_KEYS:
+        record["kernel_path"].pop(key, None)
+    (folder / "record.json").write_text(json.dumps(record))
+    (folder / "params.json").write_text(json.dumps(params))
+    return folder
+
+
+def test_an_older_record_differs_from_a_new_run_only_where_they_trained_differently(tmp_path, runs):
+    older = _older_copy(OLD_RUN, tmp_path / "lr-0.01_seed-0")
+    comparison = compare(CompareParams.from_dict({"runs": [str(older), str(runs["run"])]}))
     old, new = (run.params for run in comparison.runs)
-    assert "loss_type" not in json.loads((OLD_RUN / "record.json").read_text())["params"]  # the premise
+    assert "loss_type" not in json.loads((older / "record.json").read_text())["params"]  # the premise
     assert comparison.differing == [name for name in comparison.differing if old.get(name) != new.get(name)]
     assert not {"loss_type", "best_metric", "log_samples", "dry_run", "expert_lr_multiplier",
                 "lora_lr_multiplier"} & set(comparison.differing)
