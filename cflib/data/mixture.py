@@ -10,7 +10,9 @@ share of `examples_per_epoch` (largest remainders, so the counts add up
 exactly), taken in turn from an endless stream of fresh shuffles of the
 source, so every example of a source is seen once before any is seen again;
 a source smaller than its share is drawn with repetition (several shuffles
-an epoch). The epoch's draws are then shuffled together. Everything is a
+an epoch). A source of weight 0 is held out only: it gives no train example,
+and its eval/ is evaluated with the others'. The epoch's draws are then
+shuffled together. Everything is a
 function of (seed, epoch): the order is the same on every rank and after a
 resume, with nothing to save.
 """
@@ -47,8 +49,9 @@ def _source(entry: Any, where: str) -> dict:
     path, weight, name = entry.get("path"), entry.get("weight"), entry.get("name")
     if not isinstance(path, (str, Path)) or not str(path).strip():
         raise ParamError(f"{where}.path must name a shard root holding train/ and eval/, got {shown(path)}")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-        raise ParamError(f"{where}.weight ({path}) must be a positive finite number, got {shown(weight)}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise ParamError(f"{where}.weight ({path}) must be a finite number >= 0 (0: evaluated, never trained on), "
+                         f"got {shown(weight)}")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise ParamError(f"{where}.name ({path}) must be a non-empty string or left out, got {shown(name)}")
     return {"path": str(path), "weight": float(weight), "name": name}
@@ -69,6 +72,9 @@ def data_sources(name: str, value: Any) -> str | tuple[dict, ...]:
     if len(value) > MAX_SOURCES:
         raise ParamError(f"{name}: {len(value):,} sources, more than the {MAX_SOURCES:,} a mixture may name")
     sources = tuple(_source(entry, f"{name}[{index}]") for index, entry in enumerate(value))
+    if not any(source["weight"] > 0 for source in sources):
+        raise ParamError(f"{name}: every source has weight 0, so nothing would be trained on; give one a positive "
+                         "weight")
     seen: dict[str, int] = {}
     for index, source in enumerate(sources):
         key = os.path.normpath(os.path.expanduser(source["path"]))
@@ -201,13 +207,19 @@ class MixturePlan:
     def starts(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum(self.available)[:-1]]).astype(np.int64)
 
+    def passes(self) -> np.ndarray:
+        """How many times an epoch draws each source's examples, on average (0 for a held-out-only source)."""
+        return np.divide(self.per_epoch, self.available, out=np.zeros(len(self.names)), where=self.available > 0)
+
     def multiplicity(self) -> np.ndarray:
         """How many times an epoch draws each example of the mixed partition, on average."""
-        return np.repeat(self.per_epoch / self.available, self.available)
+        return np.repeat(self.passes(), self.available)
 
     def draw(self, source: int, epoch: int) -> np.ndarray:
         """Source `source`'s examples of `epoch` (from 1), as indices within the source."""
         count, drawn = int(self.available[source]), int(self.per_epoch[source])
+        if drawn == 0:  # weight 0: held out only
+            return np.empty(0, dtype=np.int64)
         cycles, within = np.divmod((epoch - 1) * drawn + np.arange(drawn), count)
         picks = np.empty(drawn, dtype=np.int64)
         for cycle in np.unique(cycles):
@@ -239,26 +251,31 @@ class MixturePlan:
                         "source in turn; a source smaller than its share is drawn with repetition",
                 "sources": [{"name": name, "root": root, "weight": weight, "share": float(share),
                              "train_examples": int(available), "per_epoch": int(drawn),
-                             "passes_per_epoch": float(drawn / available), "with_repetition": bool(drawn > available)}
-                            for name, root, weight, share, available, drawn in
-                            zip(self.names, self.roots, self.weights, shares, self.available, self.per_epoch)]}
+                             "passes_per_epoch": float(passes), "with_repetition": bool(drawn > available),
+                             "held_out_only": weight == 0}
+                            for name, root, weight, share, available, drawn, passes in
+                            zip(self.names, self.roots, self.weights, shares, self.available, self.per_epoch,
+                                self.passes())]}
 
 
 def plan_mixture(names: Sequence[str], roots: Sequence[str], weights: Sequence[float], available: Sequence[int],
                  examples_per_epoch: int | None, seed: int) -> MixturePlan:
-    """Each source's examples per epoch: its share of examples_per_epoch (None: every source's examples
-    together), by largest remainders; a source left with no example, or drawing none, is an error naming it."""
+    """Each source's examples per epoch: its share of examples_per_epoch (None: every trained source's examples
+    together), by largest remainders; a trained source (weight above 0) left with no example, or drawing none,
+    is an error naming it."""
     available = np.asarray(available, dtype=np.int64)
-    for name, root, count in zip(names, roots, available):
-        if count == 0:
+    trained = np.asarray(weights, dtype=np.float64) > 0
+    for name, root, count, trains in zip(names, roots, available, trained):
+        if count == 0 and trains:
             raise ParamError(f"data: source {name!r} ({root}) has no train example (after train_tasks and filters); "
-                             "remove it from the mixture or loosen the selection")
-    total = int(available.sum()) if examples_per_epoch is None else examples_per_epoch
+                             "remove it from the mixture, loosen the selection, or give it weight 0 to evaluate "
+                             "it only")
+    total = int(available[trained].sum()) if examples_per_epoch is None else examples_per_epoch
     exact = total * np.asarray(weights, dtype=np.float64) / sum(weights)
     per_epoch = np.floor(exact).astype(np.int64)
     per_epoch[np.argsort(per_epoch - exact, kind="stable")[:total - int(per_epoch.sum())]] += 1
     for name, root, weight, drawn in zip(names, roots, weights, per_epoch):
-        if drawn == 0:
+        if drawn == 0 and weight > 0:
             raise ParamError(f"data: source {name!r} ({root}) at weight {weight:g} draws no example of the "
                              f"{total} an epoch takes; raise examples_per_epoch or its weight")
     return MixturePlan(tuple(names), tuple(str(root) for root in roots), tuple(float(w) for w in weights),
@@ -274,6 +291,7 @@ def mixture_table(plan: dict, realised: list[dict]) -> str:
     for source, drawn in zip(plan["sources"], realised):
         lines.append(f"| {source['name']} | {source['weight']:g} | {source['share']:.3f} | "
                      f"{source['train_examples']:,} | {source['per_epoch']:,} | {source['passes_per_epoch']:.2f}"
-                     f"{' (repeated)' if source['with_repetition'] else ''} | {drawn['example_share']:.3f} | "
+                     f"{' (repeated)' if source['with_repetition'] else ''}"
+                     f"{' (held out only)' if source.get('held_out_only') else ''} | {drawn['example_share']:.3f} | "
                      f"{drawn['supervised_token_share']:.3f} |")
     return "\n".join(lines)

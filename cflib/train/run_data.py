@@ -131,11 +131,11 @@ def open_data(params: TrainParams, vocab_size: int, check: Check) -> RunData:
 
 def count_train_examples(params: TrainParams) -> int:
     """Train examples an epoch takes, from the data's index alone: examples_per_epoch, else every example of the
-    sources (of train_tasks only, when named); the embedded set's count is known before it is written."""
+    trained sources (of train_tasks only, when named); the embedded set's count is known before it is written."""
     if params.examples_per_epoch is not None:
         return params.examples_per_epoch
-    if isinstance(params.data, tuple):
-        return sum(_root_examples(source["path"], params.train_tasks) for source in params.data)
+    if isinstance(params.data, tuple):  # a source of weight 0 is evaluated, never trained on
+        return sum(_root_examples(source["path"], params.train_tasks) for source in params.data if source["weight"])
     return _root_examples(params.data, params.train_tasks)
 
 

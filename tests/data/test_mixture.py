@@ -101,13 +101,13 @@ def test_an_empty_source_or_one_that_draws_nothing_is_named():
 
 
 @pytest.mark.parametrize("value, message", [
-    ([{"path": "a", "weight": 0.7}, {"path": "b", "weight": 0}], r"data\[1\].weight \(b\) must be a positive finite"),
-    ([{"path": "a", "weight": float("nan")}], r"data\[0\].weight \(a\) must be a positive finite number, got nan"),
-    ([{"path": "a", "weight": float("inf")}], r"data\[0\].weight \(a\) must be a positive finite number, got inf"),
-    ([{"path": "a", "weight": -1}], r"data\[0\].weight \(a\) must be a positive"),
-    ([{"path": "a", "weight": True}], r"data\[0\].weight \(a\) must be a positive finite number, got True"),
-    ([{"path": "a", "weight": "0.5"}], r"data\[0\].weight \(a\) must be a positive finite number, got '0.5'"),
-    ([{"path": "a"}], r"data\[0\].weight \(a\) must be a positive finite number, got None"),
+    ([{"path": "a", "weight": 0}, {"path": "b", "weight": 0}], r"data: every source has weight 0"),
+    ([{"path": "a", "weight": float("nan")}], r"data\[0\].weight \(a\) must be a finite number >= 0 .*, got nan"),
+    ([{"path": "a", "weight": float("inf")}], r"data\[0\].weight \(a\) must be a finite number >= 0 .*, got inf"),
+    ([{"path": "a", "weight": -1}], r"data\[0\].weight \(a\) must be a finite number >= 0"),
+    ([{"path": "a", "weight": True}], r"data\[0\].weight \(a\) must be a finite number >= 0 .*, got True"),
+    ([{"path": "a", "weight": "0.5"}], r"data\[0\].weight \(a\) must be a finite number >= 0 .*, got '0.5'"),
+    ([{"path": "a"}], r"data\[0\].weight \(a\) must be a finite number >= 0 .*, got None"),
     ([{"path": "a", "weight": 1, "wieght": 2}], r"data\[0\]: unknown key 'wieght'"),
     ([{"weight": 1}], r"data\[0\].path must name a shard root"),
     ([{"path": "x/a", "weight": 1}, {"path": "x/./a/", "weight": 2}], r"data\[1\]: x/./a/ is data\[0\] too"),
@@ -182,3 +182,15 @@ def test_the_embedded_tasks_mix_with_data_the_byte_tokenizer_converted(roots, tm
     check_agreement(["embedded", "addition"], [embedded, roots["addition"]], [open_shard(embedded, "train"), converted])
     example = next(e for e in generate(seed=3)[0] if e.meta["task"] == "addition")  # task_root's first
     assert [t.tolist() for t in converted[0]] == [list(example.input_ids), list(example.labels)]
+
+
+def test_a_source_of_weight_0_is_held_out_only():
+    """It draws no example (none needed), the others share the epoch, and the record says so."""
+    held = plan((0.75, 0.25, 0.0), [30, 10, 0], examples_per_epoch=None)
+    assert held.per_epoch.tolist() == [30, 10, 0] and held.examples_per_epoch == 40
+    assert all(held.epoch(epoch).max() < 40 for epoch in (1, 2))  # never an index of the third source
+    source = held.record()["sources"][2]
+    assert (source["held_out_only"], source["passes_per_epoch"], source["share"]) == (True, 0.0, 0.0)
+    assert held.multiplicity().tolist() == [1.0] * 40
+    with pytest.raises(ParamError, match="source 's1' .* has no train example .* give it weight 0 to evaluate"):
+        plan((0.75, 0.25), [30, 0])

@@ -144,16 +144,16 @@ def retokenized(root: Path, folder: Path) -> Path:
 
 @pytest.mark.parametrize("case, error, message", [
     ("missing", ShardError, r"data\[1\] \(source 'nowhere'\): .*nowhere: no such shard root"),
-    ("zero", ParamError, r"data\[1\]\.weight \(.*uppercase\) must be a positive finite number, got 0"),
-    ("nan", ParamError, r"data\[0\]\.weight \(.*addition\) must be a positive finite number, got nan"),
+    ("negative", ParamError, r"data\[1\]\.weight \(.*uppercase\) must be a finite number >= 0 .*, got -0.2"),
+    ("nan", ParamError, r"data\[0\]\.weight \(.*addition\) must be a finite number >= 0 .*, got nan"),
     ("tokenizer", ParamError, r"source 'other' \(.*other\) has tokenizer .*pretrained.*, source 'addition'"),
 ])
 def test_a_bad_mixture_stops_before_anything_is_written_naming_the_entry(roots, tmp_path, case, error, message):
     data = mixture(roots, WEIGHTS)
     if case == "missing":
         data[1]["path"] = str(tmp_path / "nowhere")
-    elif case == "zero":
-        data[1]["weight"] = 0
+    elif case == "negative":
+        data[1]["weight"] = -0.2
     elif case == "nan":
         data[0]["weight"] = float("nan")
     else:
@@ -161,6 +161,16 @@ def test_a_bad_mixture_stops_before_anything_is_written_naming_the_entry(roots, 
     with pytest.raises(error, match=message):
         train(params(roots, tmp_path / "run", data=data), progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_source_of_weight_0_is_evaluated_and_never_trained_on(roots, tmp_path):
+    """Held out only: every step's examples come from the trained source, and each evaluation scores both."""
+    data = [{"path": str(roots["addition"]), "weight": 1.0}, {"path": str(roots["uppercase"]), "weight": 0}]
+    record = train(params(roots, tmp_path / "run", data=data, examples_per_epoch=None, epochs=1), progress=False)
+    plan = record["data"]["mixture"]
+    assert [(s["per_epoch"], s["held_out_only"]) for s in plan["sources"]] == [(30, False), (0, True)]
+    assert plan["trained"][1]["examples"] == 0 and plan["trained"][0]["examples"] >= 30  # an epoch: 30, filled in
+    assert set(record["eval"]["final"]["loss_by_source"]) == {"addition", "uppercase"}
 
 
 def test_packing_is_refused_with_a_mixture(roots, tmp_path):
