@@ -245,6 +245,7 @@ def test_the_bundle_renders_with_the_template_its_data_was_converted_through(tmp
     assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.slow  # a Python process importing transformers
 def test_a_bundle_read_as_a_tokenizer_folder_warns_of_no_model(bundle: Path):
     """Converting through a bundle's tokenizer (--tokenizer BUNDLE) loads a tokenizer, not a model: transformers'
     warning about the bundle's unknown model type would only mislead. In a process of its own: transformers'
