@@ -16,10 +16,12 @@ from pathlib import Path
 
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.rendering import tokenizer_record
-from cflib.data.shards import Example, unchanged_since_written, write_partition
+from cflib.atomic import write_json_atomic
+from cflib.data.shards import Example, ShardError, unchanged_since_written, write_partition
+from cflib.jsonio import read_json
 from cflib.data.tokenizer import ByteTokenizer
 
-EMBEDDED_VERSION = "embedded-v6"
+EMBEDDED_VERSION = "embedded-v5"
 EVAL_PER_TASK = 100
 MAX_SEQ_LEN = 64
 
@@ -86,6 +88,8 @@ def ensure_embedded_shard(data_root: str | Path) -> Path:
     """Write the embedded shard under data_root once; later calls reuse it."""
     root = Path(data_root) / EMBEDDED_VERSION
     if all(unchanged_since_written(root / partition) for partition in ("train", "eval")):
+        for partition in ("train", "eval"):  # written before the index recorded its conversion
+            _record_conversion(root / partition / "sft.idx.json")
         return root
     # absent or damaged: (re)write it
     train, held_out = generate()
@@ -95,6 +99,14 @@ def ensure_embedded_shard(data_root: str | Path) -> Path:
                         eos_token_id=tokenizer.eos_token_id, max_seq_len=MAX_SEQ_LEN,
                         sidecar_fields=("difficulty",), index_extra={"conversion": conversion()})
     return root
+
+
+def _record_conversion(index_path: Path) -> None:
+    """The conversion added to an index that lacks it: the rows and token files, and so the data's hashes (what a
+    resumed run checks), stay as they were."""
+    index = read_json(index_path, ShardError, "shard index")
+    if index.get("conversion") != conversion():
+        write_json_atomic(index_path, {**index, "conversion": conversion()})
 
 
 def conversion() -> dict:

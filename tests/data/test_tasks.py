@@ -1,6 +1,7 @@
 """cflib.data.tokenizer and cflib.data.tasks: the byte tokenizer and the embedded data set."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -142,3 +143,17 @@ def test_ensure_embedded_shard_writes_once_and_repairs(tmp_path):
         assert len(open_shard(root, "train", verify_hashes=True)) == len(train)  # rewritten
     assert sorted(p.name for p in tmp_path.iterdir()) == [tasks.EMBEDDED_VERSION]
     assert sorted(p.name for p in root.iterdir()) == ["eval", "train"]  # no staging leftovers
+
+
+def test_a_shard_written_before_its_index_recorded_the_conversion_gains_it_and_keeps_its_data(tmp_path):
+    """Runs on it resume (the data's hashes are its files'), and it mixes with data the byte tokenizer converted."""
+    root = tasks.ensure_embedded_shard(tmp_path)
+    for partition in ("train", "eval"):
+        index = root / partition / "sft.idx.json"
+        written = json.loads(index.read_text())
+        index.write_text(json.dumps({key: value for key, value in written.items() if key != "conversion"}))
+    data = {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.name != "sft.idx.json"}
+    assert tasks.ensure_embedded_shard(tmp_path) == root
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.name != "sft.idx.json"} == data
+    for partition in ("train", "eval"):
+        assert json.loads((root / partition / "sft.idx.json").read_text())["conversion"] == tasks.conversion()
