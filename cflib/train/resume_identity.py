@@ -36,6 +36,10 @@ ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_
              "base_dtype", "lora_trainable_tokens", "loss_type", "early_stopping_patience",
              "best_metric", "greater_is_better")  # which checkpoint best/ holds and early stopping watches
 
+# A LoRA run's settings: one started from adapters takes those it leaves unset from them (cflib.train.adapters);
+# its checkpoints written before that recorded them unset.
+LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens")
+
 # The parameters behind the values a run derives, named with them when a resume changes one.
 DERIVED_FROM = {
     "total_steps": " (from epochs, max_steps, the examples per epoch, global_batch and pack_sequences)",
@@ -115,6 +119,8 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
             continue
         if then == value or name in allowed or (name == "model" and _same_model(run)):
             continue
+        if then is None and name in LORA_SETTINGS and getattr(run, "lora", None) is not None:
+            continue  # left unset then, taken from the adapters now: checked against them as they loaded
         if name == "data":
             changed = [part for part in ("train", "eval") if (then or {}).get(part) != value[part]]
             raise ParamError(f"{checkpoint_dir} was trained on other data: the {' and '.join(changed)} "

@@ -276,3 +276,8 @@ def test_a_lora_run_started_from_adapters_trains_them_on(tmp_path, shard, base):
     (tmp_path / "fourth" / "COMPLETE").unlink()
     shutil.rmtree(tmp_path / "fourth" / "checkpoints" / "last")
     prepare(TrainParams.from_dict({**unset, "resume": "latest"}))
+    # Checkpoints written before unset settings were filled recorded them unset: they resume too.
+    for state_file in (tmp_path / "fourth" / "checkpoints").glob("*/trainer_state.pt"):
+        state = torch.load(state_file, weights_only=True)
+        torch.save({**state, "lora_rank": None, "lora_alpha": None}, state_file)
+    prepare(TrainParams.from_dict({**unset, "resume": "latest"}))
