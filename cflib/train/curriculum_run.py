@@ -81,11 +81,15 @@ class CurriculumRun:
             lock.release()
 
     def _fit_stages(self, progress: bool) -> dict:
-        stages = {"curriculum": str(self.curriculum.path), "stages": json.loads(json.dumps([
-            {"name": stage.name, "overrides": stage.overrides, "settings": stage_settings(stage.params)}
-            for stage in self.curriculum.stages]))}
         written = read_json(self.out_dir / CURRICULUM_FILE, ParamError, "curriculum file") if (
             self.out_dir / CURRICULUM_FILE).is_file() else None
+        # A finished stage keeps the settings it trained with, whatever a resume allowed to change since.
+        finished = {stage["name"]: stage.get("settings") for stage in (written or {}).get("stages", [])
+                    if (self.out_dir / "stages" / stage["name"] / "COMPLETE").is_file()}
+        stages = {"curriculum": str(self.curriculum.path), "stages": json.loads(json.dumps([
+            {"name": stage.name, "overrides": stage.overrides,
+             "settings": finished.get(stage.name) or stage_settings(stage.params)}
+            for stage in self.curriculum.stages]))}
         if written is None or written.get("stages") != stages["stages"]:
             # New, or resumed with stages not started yet changed (or added by a later through_stage), or with a
             # change allowed on purpose: the file says what this run trains, and since when.
@@ -197,14 +201,26 @@ def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> N
             raise ParamError(f"{out_dir / CURRICULUM_FILE}: not a curriculum's file (stages, each with name and "
                              "overrides)")
         before = {stage["name"]: stage for stage in written["stages"]}
-        for stage in curriculum.stages:  # a stage not started yet may be corrected (one that failed to start)
-            if (out_dir / "stages" / stage.name).exists():
-                _check_started_stage(stage, before.get(stage.name), params, curriculum.path)
+        for stage in curriculum.stages:  # one that starts (again) from scratch may be corrected
+            if _kept(out_dir / "stages" / stage.name):
+                _check_kept_stage(stage, before.get(stage.name), params, curriculum.path)
 
 
-def _check_started_stage(stage: Stage, written: dict | None, params: TrainParams, path: Path | None) -> None:
-    """ParamError when this run would give a stage that trained other overrides, or (through the run's own
-    parameters) other settings than allow_resume_changes allows."""
+def _kept(stage_dir: Path) -> bool:
+    """Whether a resume keeps what a stage trained: it finished, or continues from a resumable checkpoint (one
+    killed before its first starts again, its folder set aside, as one never started)."""
+    if (stage_dir / "COMPLETE").is_file():
+        return True
+    try:
+        latest_resumable(stage_dir / "checkpoints")
+    except CheckpointError:
+        return False
+    return True
+
+
+def _check_kept_stage(stage: Stage, written: dict | None, params: TrainParams, path: Path | None) -> None:
+    """ParamError when this run would give a stage whose training it keeps other overrides, or (through the run's
+    own parameters) other settings than allow_resume_changes allows."""
     overrides = (written or {}).get("overrides")
     if overrides != json.loads(json.dumps(stage.overrides)):
         raise ParamError(f"stage {stage.name!r} of {path} differs from the stage this run trained ({overrides}); "
@@ -220,6 +236,7 @@ def _check_started_stage(stage: Stage, written: dict | None, params: TrainParams
                                                           "with the value it trained with")
             raise ParamError(f"stage {stage.name!r} trained with {name} {then[name]}, this run gives it {now[name]} "
                              f"(the stage's own parameter, or the run's it takes): {hint}")
+
 
 def prepare_curriculum(params: TrainParams) -> CurriculumRun:
     """Check a curriculum (or a dry run) against the data, every stage, without writing anything."""

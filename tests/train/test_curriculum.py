@@ -167,7 +167,22 @@ def test_a_run_wide_change_reaching_a_stage_that_trained_is_refused_unless_allow
                    progress=False)
     assert record["params"]["lr"] == 1e-3  # the stage not started yet trains with the run's new lr
     written = json.loads((tmp_path / "run" / "curriculum.json").read_text())
-    assert [stage["settings"]["lr"] for stage in written["stages"]] == [1e-3, 1e-3] and "changed_utc" in written
+    assert [stage["settings"]["lr"] for stage in written["stages"]] == [3e-3, 1e-3] and "changed_utc" in written
+
+
+def test_a_stage_killed_before_its_first_resumable_checkpoint_may_be_corrected(tmp_path, shard):
+    """It starts again from scratch (its folder set aside), as a stage never started: a smaller batch after an
+    out-of-memory error, say, goes through."""
+    stages = [{"name": "easy", "filters": {"difficulties": ["easy"]}, "max_steps": 2}]
+    curriculum = write_curriculum(tmp_path / "c.yaml", stages)
+    train(params(shard, tmp_path / "run", curriculum, save_every_steps=None), progress=False)
+    stage_dir = tmp_path / "run" / "stages" / "easy"
+    for name in ("COMPLETE", "record.json"):  # as a kill before its first resumable checkpoint leaves it
+        (stage_dir / name).unlink()
+    (tmp_path / "run" / "COMPLETE").unlink()
+    (tmp_path / "run" / "record.json").unlink()
+    record = train(params(shard, tmp_path / "run", curriculum, resume="latest", global_batch=8), progress=False)
+    assert record["params"]["global_batch"] == 8 and (tmp_path / "run" / "stages" / "easy.set-aside-1").is_dir()
 
 
 def start_and_kill(run_params: dict, watched: Path) -> None:
