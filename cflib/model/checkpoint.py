@@ -132,9 +132,10 @@ def trained_folder(path: Path) -> Path:
     document = read_json(written, CheckpointError, "curriculum file")
     stages = document.get("stages") if isinstance(document, dict) else None
     names = [stage.get("name") for stage in stages if isinstance(stage, dict)] if isinstance(stages, list) else []
-    for name in reversed(names):
-        if isinstance(name, str) and "/" not in name and name not in (".", "..") and \
-                (path / "stages" / name / "checkpoints").is_dir():
+    for name in reversed(names):  # a stage killed before its first save has no checkpoint to stand for it
+        checkpoints = path / "stages" / str(name) / "checkpoints"
+        if isinstance(name, str) and "/" not in name and name not in (".", "..") and checkpoints.is_dir() and \
+                any(entry.is_dir() and not entry.name.startswith(".") for entry in checkpoints.iterdir()):
             return path / "stages" / name
     raise CheckpointError(f"{path}: a curriculum's folder whose stages saved no checkpoint yet (stages/<name>/)")
 

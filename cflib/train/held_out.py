@@ -98,12 +98,14 @@ def scored_examples(shard: ShardPartition | MixedPartition, limit: int | None) -
         return np.arange(len(shard))
     _, sources = _sources(shard)
     groups: dict[tuple[int, str], int] = {}  # (source, task) -> its place among its source's tasks
+    tasks_of_source: dict[int, int] = defaultdict(int)
     turn, rank = np.empty(len(shard), dtype=np.int64), np.empty(len(shard), dtype=np.int64)
     seen: dict[tuple[int, str], int] = defaultdict(int)
     for index, row in enumerate(shard.rows):
         key = (int(sources[index]), str(row.get("task", "all")))
         if key not in groups:
-            groups[key] = sum(1 for source, _ in groups if source == key[0])
+            groups[key] = tasks_of_source[key[0]]
+            tasks_of_source[key[0]] += 1
         turn[index], rank[index] = groups[key], seen[key]
         seen[key] += 1
     # The first prompt of every (source, task), then the second of each, ...: task by task within a round, the

@@ -502,15 +502,20 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
 
     def _validate_optimisation(self) -> None:
         """The optimizer, its schedule, the loss and the step's precision."""
-        # An AdamW step moves each weight by about lr: past MAX_LR one step wipes out the model, and far past it the
-        # update overflows float32 inside the optimizer, after the run has started.
+        # An AdamW step moves each weight by about its group's learning rate: past MAX_LR one step wipes out the
+        # model, and far past it the update overflows float32 inside the optimizer, after the run has started.
         if not 0 < self.lr <= MAX_LR:
             raise ParamError(f"lr must be positive and at most {MAX_LR:g}, got {self.lr}")
         if not self.weight_decay >= 0:  # written so that NaN fails too
             raise ParamError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.lr * self.weight_decay >= 1:  # each step scales the weights by 1 - lr x weight_decay
-            raise ParamError(f"lr x weight_decay must be below 1 (each step scales every decayed weight by "
-                             f"1 - lr x weight_decay), got {self.lr} x {self.weight_decay}")
+        experts, adapters = self.expert_lr_multiplier, self.lora_lr_multiplier
+        highest = self.lr * max(1.0, experts, adapters, experts * adapters)  # an adapter on an expert: both
+        if highest > MAX_LR:
+            raise ParamError(f"lr {self.lr} x expert_lr_multiplier {experts} x lora_lr_multiplier {adapters} gives a "
+                             f"group the learning rate {highest:g}, above {MAX_LR:g}")
+        if highest * self.weight_decay >= 1:  # each step scales the weights by 1 - lr x weight_decay
+            raise ParamError(f"lr x weight_decay must be below 1 in every group (each step scales its decayed weights "
+                             f"by 1 - lr x weight_decay), got {highest:g} x {self.weight_decay}")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ParamError(f"{name} must be in [0, 1), got {getattr(self, name)}")

@@ -78,7 +78,8 @@ def test_wrong_types_name_the_parameter(name, value):
 
 
 @pytest.mark.parametrize("name, value", [
-    ("lr", -1e-3), ("lr", 0.0), ("lr", 1e300), ("weight_decay", 2000.0), ("beta1", 1.0), ("beta2", 1.5), ("beta1", -0.1), ("warmup_ratio", 1.0),
+    ("lr", -1e-3), ("lr", 0.0), ("lr", 1e300), ("weight_decay", 2000.0), ("expert_lr_multiplier", 1e5),
+    ("lora_lr_multiplier", 20000.0), ("beta1", 1.0), ("beta2", 1.5), ("beta1", -0.1), ("warmup_ratio", 1.0),
     ("warmup_ratio", -0.5), ("device", "tpu"), ("max_steps", -1), ("seq_len", 0), ("epochs", -2),
     ("weight_decay", -0.1), ("max_grad_norm", 0.0), ("eval_every_steps", 0), ("exact_match_limit", -3),
     ("loss_chunk_tokens", 0), ("kernel_overrides", {"kept_swiglu_layers": -1}),

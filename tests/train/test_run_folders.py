@@ -200,6 +200,10 @@ def test_a_curriculum_folder_exports_and_chats_as_its_last_stage(curriculum_run,
     out = export_hub(curriculum_run, tmp_path / "hub", echo=None)
     assert (out / "model.safetensors").is_file()
     assert load_checkpoint(best).state_dict().keys() <= load_checkpoint(out).state_dict().keys()
+    killed = shutil.copytree(curriculum_run, tmp_path / "killed", symlinks=True)
+    shutil.rmtree(killed / "stages" / "b" / "checkpoints")  # killed during its first save: only the staging left
+    (killed / "stages" / "b" / "checkpoints" / ".best.staging-1").mkdir(parents=True)
+    assert find_checkpoint(killed) == killed / "stages" / "a" / "checkpoints" / "best"
 
 
 def test_a_stage_holding_only_a_best_checkpoint_is_set_aside_not_deleted(shard, curriculum_run, tmp_path):
