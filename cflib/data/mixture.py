@@ -12,9 +12,8 @@ source, so every example of a source is seen once before any is seen again;
 a source smaller than its share is drawn with repetition (several shuffles
 an epoch). A source of weight 0 is held out only: it gives no train example,
 and its eval/ is evaluated with the others'. The epoch's draws are then
-shuffled together. Everything is a
-function of (seed, epoch): the order is the same on every rank and after a
-resume, with nothing to save.
+shuffled together. Everything is a function of (seed, epoch): the order is
+the same on every rank and after a resume, with nothing to save.
 """
 from __future__ import annotations
 

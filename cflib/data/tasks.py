@@ -14,12 +14,12 @@ import string
 from dataclasses import asdict
 from pathlib import Path
 
+from cflib.atomic import write_json_atomic
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.rendering import tokenizer_record
-from cflib.atomic import write_json_atomic
 from cflib.data.shards import Example, ShardError, unchanged_since_written, write_partition
-from cflib.jsonio import read_json
 from cflib.data.tokenizer import ByteTokenizer
+from cflib.jsonio import read_json
 
 EMBEDDED_VERSION = "embedded-v5"
 EVAL_PER_TASK = 100

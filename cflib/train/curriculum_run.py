@@ -85,7 +85,7 @@ class CurriculumRun:
             self.out_dir / CURRICULUM_FILE).is_file() else None
         # A finished stage keeps the settings it trained with, whatever a resume allowed to change since.
         finished = {stage["name"]: stage.get("settings") for stage in (written or {}).get("stages", [])
-                    if (self.out_dir / "stages" / stage["name"] / "COMPLETE").is_file()}
+                    if (self.out_dir / "stages" / str(stage["name"]) / "COMPLETE").is_file()}
         stages = {"curriculum": str(self.curriculum.path), "stages": json.loads(json.dumps([
             {"name": stage.name, "overrides": stage.overrides,
              "settings": finished.get(stage.name) or stage_settings(stage.params)}
