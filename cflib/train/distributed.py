@@ -12,6 +12,7 @@ import inspect
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,14 @@ class DistContext:
         if self.active:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
+
+    def gather(self, value: Any) -> list:
+        """Every rank's `value` (picklable), in rank order, on every rank: a collective every rank calls."""
+        if not self.active:
+            return [value]
+        values: list = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
 
 
 def init_from_torchrun(device_type: str, timeout_s: int) -> DistContext:

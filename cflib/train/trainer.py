@@ -70,6 +70,7 @@ class Trainer:
         self.fill_ins: list[int] = []
         self.bad_steps = 0  # consecutive non-finite steps
         self.position = (0, 0)  # (epoch, global batches done in it)
+        self.random_states: tuple[int, list[dict]] | None = None  # (step, every rank's): _gather_random_states
         weights = run.loss_weights
         self.trained_mass = np.zeros(len(weights.cells)) if weights else None  # weighted tokens per cell, consumed
         if run.resume_state is not None:
@@ -107,9 +108,21 @@ class Trainer:
         self._restore_best()
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
-        torch.set_rng_state(state["torch_rng"])
-        if state.get("cuda_rng") is not None and self.device.type == "cuda":  # dropout's masks on the GPU
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        # Each rank its own random state (dropout draws other masks on each); a checkpoint written before they were
+        # kept, or by another number of processes, gives every rank rank 0's.
+        states = state.get("rank_rng")
+        own = states[self.dist.rank] if isinstance(states, list) and len(states) == self.dist.world_size else {
+            "torch": state["torch_rng"], "cuda": state.get("cuda_rng")}
+        torch.set_rng_state(own["torch"])
+        if own.get("cuda") is not None and self.device.type == "cuda":  # dropout's masks on the GPU
+            torch.cuda.set_rng_state(own["cuda"], self.device)
+
+    def _gather_random_states(self) -> None:
+        """Every rank's random state at this step, for the checkpoints written at it (rank 0 writes them): every
+        rank calls it together, after an evaluation and before a step-N save."""
+        own = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        self.random_states = (self.step, self.dist.gather(own))
 
     def _restore_best(self) -> None:
         """The best so far is the evaluation whose weights best/ holds. An evaluation writes its checkpoint, then
@@ -140,6 +153,8 @@ class Trainer:
                 "seed": self.params.seed, "best_loss": self.best_loss, "evals": self.evals,
                 "fill_ins": self.fill_ins, "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+                "rank_rng": self.random_states[1] if self.random_states and self.random_states[0] == self.step
+                else None,
                 "checkpoints": checkpoints,
                 "trained_mass": None if self.trained_mass is None else self.trained_mass.tolist(),
                 "timing": self.timing_so_far(), **schedule_signature(self.run)}
@@ -292,6 +307,7 @@ class Trainer:
         """Evaluate, write the scheduled checkpoint, then finish the evaluation (`finish_evaluation`); then every
         rank goes on together."""
         result = self.evaluate(tag, epoch, with_exact_match) if self.evaluates else None
+        self._gather_random_states()  # every rank, for this step's checkpoint and a best/ rank 0 may write
         if result is not None:  # what is left once the checkpoint holds it: a resume finishes it (UNFINISHED)
             result[UNFINISHED] = {"epoch": epoch, "checkpoint": checkpoint, "score_tasks": score_tasks}
         if checkpoint is not None:
@@ -464,6 +480,7 @@ class Trainer:
         else:
             evaluated = False
         if p.save_every_steps and self.step % p.save_every_steps == 0 and self.step < total:
+            self._gather_random_states()
             self.save(f"step-{self.step}", epoch, resumable=True)
             self.dist.barrier()
         return evaluated

@@ -291,6 +291,20 @@ def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, 
     assert set(state["optimizer"]["state"]) == set(whole)  # the optimizer holds the adapters alone
 
 
+@pytest.mark.slow
+def test_a_two_process_lora_run_with_dropout_resumes_to_the_uninterrupted_adapters(tmp_path, shard, base):
+    """Each rank draws its own dropout masks: a checkpoint keeps every rank's random state, and a resume gives
+    each its own back (with rank 0's alone, the second rank's masks, and so the adapters, drift apart)."""
+    lora = {"init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lora_dropout": 0.1,
+            "lr": 1e-2, "epochs": 4, "nproc_per_node": 2, "save_total_limit": None}
+    train(params(shard, tmp_path / "whole", **lora), progress=False)
+    kept = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-8", tmp_path / "step-8")
+    assert len(torch.load(kept / "trainer_state.pt", weights_only=True)["rank_rng"]) == 2
+    train(params(shard, tmp_path / "resumed", resume=str(kept), **lora), progress=False)
+    whole = adapters_of(tmp_path / "whole" / "checkpoints" / "epoch-4")
+    assert_same_weights(whole, adapters_of(tmp_path / "resumed" / "checkpoints" / "epoch-4"), atol=1e-6)
+
+
 @pytest.mark.slow  # eight interpreted AdamW steps and a run before them
 def test_a_run_on_torchs_adamw_resumes_on_cflibs_kernel(tmp_path, shard):
     """cflib_adamw keeps torch's optimizer state: a checkpoint of a run stepped by torch's AdamW resumes on cflib's
