@@ -119,8 +119,17 @@ def evaluation(record: dict, run_dir: Path, name: str) -> dict[str, float]:
 
 
 def data_manifests(record: dict) -> dict:
-    """The data's manifest hashes, partition by partition, as the shard's sft.idx.json records them."""
-    root = Path(record.get("data", {}).get("root", ""))
+    """The data's manifest hashes, partition by partition, as the shard's sft.idx.json records them; a mixture's
+    under `sources`, one entry per source with its weight (0: held out only, evaluated and never trained on)."""
+    data = record.get("data", {})
+    plan = (data.get("mixture") or {}).get("sources")
+    if isinstance(plan, list):
+        return {"sources": [{"name": source.get("name"), "weight": source.get("weight"),
+                             **_root_manifests(Path(source.get("root", "")))} for source in plan]}
+    return _root_manifests(Path(data.get("root", "")))
+
+
+def _root_manifests(root: Path) -> dict:
     manifests = {"root": root.name}
     for partition in ("train", "eval"):
         index = _json(root / partition / "sft.idx.json") or {}
@@ -146,9 +155,18 @@ PATH_PARAMETERS = ("init_checkpoint", "data", "out_dir", "resume", "curriculum")
 
 
 def portable(params: dict) -> dict:
-    """The run's parameters with every path reduced to its last part."""
-    return {name: Path(value).name if name in PATH_PARAMETERS and isinstance(value, str) else value
-            for name, value in params.items()}
+    """The run's parameters with every path reduced to its last part (a mixture's sources' too)."""
+    def last_part(name: str, value: Any) -> Any:
+        if name not in PATH_PARAMETERS:
+            return value
+        if isinstance(value, str):
+            return Path(value).name
+        if isinstance(value, list):  # a mixture: {path, weight, name} each
+            return [{**entry, "path": Path(entry["path"]).name} if isinstance(entry, dict) and
+                    isinstance(entry.get("path"), str) else entry for entry in value]
+        return value
+
+    return {name: last_part(name, value) for name, value in params.items()}
 
 
 WEIGHT_FILES = {"bundle": "model.safetensors", "adapters": "adapter_model.safetensors"}
@@ -280,12 +298,15 @@ def _training(meta: dict) -> str:
                 "folder: no run record describes its training.")
     base, data, params = meta["base"], meta["data"], meta.get("training_parameters") or {}
     lines.append(f"| base | {base['source']}" + (f", weights SHA-256 `{base['sha256']}`" if base["sha256"] else "") + " |")
-    for partition in ("train", "eval"):
-        hashes = ", ".join(f"{name} `{digest}`" for name, digest in (data[partition]["sha256"] or {}).items())
-        examples = data[partition]["examples"]
-        count = f"{examples:,} examples" if isinstance(examples, int) else "examples"
-        lines.append(f"| {partition} data | {count} of {data['root']}; manifest SHA-256: "
-                     f"{hashes or 'not found'} |")
+    for source in data.get("sources", [data]):  # a mixture: each source, with its weight
+        weight = source.get("weight")
+        role = "" if weight is None else (" (held out only: weight 0)" if weight == 0 else f" (weight {weight:g})")
+        for partition in ("train", "eval"):
+            hashes = ", ".join(f"{name} `{digest}`" for name, digest in (source[partition]["sha256"] or {}).items())
+            examples = source[partition]["examples"]
+            count = f"{examples:,} examples" if isinstance(examples, int) else "examples"
+            lines.append(f"| {partition} data | {count} of {source['root']}{role}; manifest SHA-256: "
+                         f"{hashes or 'not found'} |")
     recipe = ", ".join(f"{name} {params[name]}" for name in RECIPE if params.get(name) is not None)
     lines.append(f"| recipe | {recipe} |")
     lines.append("| kernel path | " + ", ".join(f"{k}: {v}" for k, v in (meta.get("kernel_path") or {}).items()

@@ -173,6 +173,19 @@ def test_a_source_of_weight_0_is_evaluated_and_never_trained_on(roots, tmp_path)
     assert set(record["eval"]["final"]["loss_by_source"]) == {"addition", "uppercase"}
 
 
+def test_the_model_card_names_every_source_by_its_folder_alone(trained, roots, tmp_path):
+    """A card is published: each source's weight and manifest hashes, and no path of this machine."""
+    from cflib.export import export_hub
+
+    out_dir, _ = trained
+    card = (export_hub(out_dir, tmp_path / "hub", echo=None) / "README.md").read_text()
+    for task, weight in WEIGHTS.items():
+        index = json.loads((roots[task] / "train" / "sft.idx.json").read_text())
+        assert f"| train data | {index['examples']:,} examples of {task} (weight {weight:g}); manifest SHA-256: " \
+               f"input_ids.bin `{index['sha256']['input_ids.bin']}`" in card
+        assert str(roots[task]) not in card and f"path: {task}" in card
+
+
 def test_packing_is_refused_with_a_mixture(roots, tmp_path):
     with pytest.raises(ParamError, match="pack_sequences: true .* a mixture"):
         train(params(roots, tmp_path / "run", pack_sequences=True), progress=False)
