@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from cflib.data.filters import parse_filters, select
 from cflib.data.mixture import MixedPartition, MixturePlan, as_mixture, check_agreement, plan_mixture, source_names
 from cflib.data.preflight import preflight
@@ -45,16 +47,18 @@ def shard_root(path: str) -> Path:
     return ensure_embedded_shard(resolve_path("outputs/data")) if path == "embedded" else resolve_path(path)
 
 
-def open_root(root: Path, vocab_size: int, seq_len: int, check: Check, release_ready: bool
+def open_root(root: Path, vocab_size: int, seq_len: int, check: Check, release_ready: bool, trains: bool = True
               ) -> tuple[ShardPartition, ShardPartition, dict | None]:
-    """A shard root's train and eval partitions, with their preflight reports where the preflight ran."""
+    """A shard root's train and eval partitions, with their preflight reports where the preflight ran. A root that
+    does not train (a mixture's source of weight 0) has its train examples held to no seq_len: none is fed."""
+    lengths = {"train": seq_len if trains else None, "eval": seq_len}
     if check != "preflight":
-        train, held_out = (open_shard(root, partition, vocab_size=vocab_size, seq_len=seq_len,
+        train, held_out = (open_shard(root, partition, vocab_size=vocab_size, seq_len=lengths[partition],
                                       check_tokens=check == "tokens") for partition in ("train", "eval"))
         return train, held_out, None
     (train, train_report), (held_out, eval_report) = (
-        preflight(root, partition, vocab_size=vocab_size, seq_len=seq_len, require_release_ready=release_ready)
-        for partition in ("train", "eval"))
+        preflight(root, partition, vocab_size=vocab_size, seq_len=lengths[partition],
+                  require_release_ready=release_ready) for partition in ("train", "eval"))
     return train, held_out, {"train": train_report, "eval": eval_report}
 
 
@@ -71,7 +75,8 @@ def open_mixture(sources: tuple[dict, ...], vocab_size: int, seq_len: int, check
             raise ParamError(f"data[{index}] ({source['path']}) is the shard root of data[{twin}] "
                              f"({sources[twin]['path']}); each source appears once")
         try:
-            train, held_out, report = open_root(root, vocab_size, seq_len, check, release_ready)
+            train, held_out, report = open_root(root, vocab_size, seq_len, check, release_ready,
+                                                trains=source["weight"] > 0)
         except ShardError as err:
             raise ShardError(f"data[{index}] (source {name!r}): {err}") from None
         roots.append(root)
@@ -80,6 +85,9 @@ def open_mixture(sources: tuple[dict, ...], vocab_size: int, seq_len: int, check
         reports.update({f"{partition} ({name})": value for partition, value in (report or {}).items()})
     for partitions in (trains, evals):
         check_agreement(names, roots, partitions)
+    # A source of weight 0 is held out only: its train examples are never drawn, nor counted as the run's.
+    trains = [part if source["weight"] > 0 else part.subset(np.zeros(0, dtype=np.int64))
+              for part, source in zip(trains, sources)]
     return MixedPartition(trains, names), MixedPartition(evals, names), reports if check == "preflight" else None
 
 

@@ -171,6 +171,16 @@ def test_a_source_of_weight_0_is_evaluated_and_never_trained_on(roots, tmp_path)
     assert [(s["per_epoch"], s["held_out_only"]) for s in plan["sources"]] == [(30, False), (0, True)]
     assert plan["trained"][1]["examples"] == 0 and plan["trained"][0]["examples"] >= 30  # an epoch: 30, filled in
     assert set(record["eval"]["final"]["loss_by_source"]) == {"addition", "uppercase"}
+    # Its train examples are the run's in no count, and none is held to seq_len: a longer one stops nothing.
+    assert record["data"]["train_examples"] == 30 and plan["sources"][1]["train_examples"] == 0
+    longer = tmp_path / "longer"  # held-out rows as long as the trained source's, train rows longer
+    shutil.copytree(roots["addition"] / "eval", longer / "eval")
+    shutil.copytree(roots["uppercase"] / "train", longer / "train")
+    fits = int(max(max(open_shard(roots["addition"], partition).lengths) for partition in ("train", "eval")))
+    assert max(open_shard(longer, "train").lengths) > fits
+    data[1]["path"] = str(longer)
+    train(params(roots, tmp_path / "short", data=data, examples_per_epoch=None, epochs=1, max_steps=1,
+                 seq_len=fits), progress=False)
 
 
 def test_the_model_card_names_every_source_by_its_folder_alone(trained, roots, tmp_path):
