@@ -121,6 +121,10 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
             continue
         if then is None and name in LORA_SETTINGS and getattr(run, "lora", None) is not None:
             continue  # left unset then, taken from the adapters now: checked against them as they loaded
+        if name == "data" and getattr(run, "mixture", None) is not None:  # one digest over every source
+            raise ParamError(f"{checkpoint_dir} was trained on other data: a source of the mixture was added, "
+                             "removed or renamed, or its shard's hashes differ; resume with the same sources, or "
+                             "set allow_resume_changes: data to continue on these on purpose")
         if name == "data":
             changed = [part for part in ("train", "eval") if (then or {}).get(part) != value[part]]
             raise ParamError(f"{checkpoint_dir} was trained on other data: the {' and '.join(changed)} "

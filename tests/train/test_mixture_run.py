@@ -196,6 +196,16 @@ def test_the_model_card_names_every_source_by_its_folder_alone(trained, roots, t
         assert str(roots[task]) not in card and f"path: {task}" in card
 
 
+def test_a_resume_with_a_source_renamed_is_refused_naming_the_mixture(roots, tmp_path):
+    out_dir = tmp_path / "run"
+    train(params(roots, out_dir, save_every_steps=2), progress=False)
+    for name in ("COMPLETE", "record.json"):
+        (out_dir / name).unlink()
+    renamed = [{**source, "name": f"source-{index}"} for index, source in enumerate(mixture(roots, WEIGHTS))]
+    with pytest.raises(ParamError, match="a source of the mixture was added, removed or renamed"):
+        train(params(roots, out_dir, data=renamed, resume="latest"), progress=False)
+
+
 def test_packing_is_refused_with_a_mixture(roots, tmp_path):
     with pytest.raises(ParamError, match="pack_sequences: true .* a mixture"):
         train(params(roots, tmp_path / "run", pack_sequences=True), progress=False)
