@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cflib.data import ByteTokenizer, chat_template_sha256
 from cflib.errors import shown
-from cflib.jsonio import read_json
+from cflib.jsonio import MAX_BYTES, read_bounded, read_json
 
 BYTE = "byte"
 TOKENIZER_FILE = "tokenizer.json"
@@ -24,6 +24,7 @@ CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 TEMPLATE_FILE = "chat_template.jinja"
 COMPANIONS = (CONFIG_FILE, SPECIAL_MAP_FILE, TEMPLATE_FILE)
+TOKENIZER_BYTES = 512 * 2**20  # a tokenizer.json of a few hundred thousand tokens is tens of MB
 ROLES = ("bos", "eos", "pad", "unk")
 # Tried in order when a tokenizer.json comes without a tokenizer_config.json saying which token is which.
 USUAL_NAMES = {
@@ -139,16 +140,17 @@ def json_tokenizer_files(path: str | Path, model_max_length: int) -> TokenizerFi
     if not tokenizer_file.is_file():
         raise TokenizerExportError(f"{tokenizer_file}: no such tokenizer file (give a tokenizer.json, a folder "
                                    "holding one, or 'byte')")
+    # Read once, bounded, and parsed from those bytes: what the bundle gets is what was checked.
+    files = {TOKENIZER_FILE: read_bounded(tokenizer_file, TOKENIZER_BYTES, TokenizerExportError, "tokenizer.json")}
     try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as err:  # the Rust library raises its own exception type
+        tokenizer = Tokenizer.from_str(files[TOKENIZER_FILE].decode("utf-8"))
+    except Exception as err:  # the Rust library raises its own exception type; a UnicodeDecodeError too
         raise TokenizerExportError(f"{tokenizer_file}: not a readable tokenizer.json ({err})") from None
     # Companions belong to a tokenizer.json only in its own folder, under the usual names.
     folder = tokenizer_file.parent if tokenizer_file.name == TOKENIZER_FILE else None
-    files = {TOKENIZER_FILE: tokenizer_file.read_bytes()}
     for name in COMPANIONS:
         if folder is not None and (folder / name).is_file():
-            files[name] = (folder / name).read_bytes()
+            files[name] = read_bounded(folder / name, MAX_BYTES, TokenizerExportError, name)
     config = _read_json(folder / CONFIG_FILE) if CONFIG_FILE in files else None
     if config is not None:
         _refuse_own_code(config, folder / CONFIG_FILE)
