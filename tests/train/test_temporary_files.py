@@ -18,6 +18,7 @@ from sft_shard_helpers import write_shard
 
 from cflib.data.tasks import generate
 from cflib.train import train
+from cflib.train.lock import RunLockedError, check_not_locked
 from cflib.train.task_scores import TaskScorer
 
 try:
@@ -83,6 +84,16 @@ def launch_and_kill(params: dict, out_dir: Path) -> None:
     os.kill(child.pid, signal.SIGKILL)  # the launcher alone: its torchrun is stopped because its parent died
     child.wait()
     assert wait_until_gone(out_dir), "torchrun workers outlived the killed launcher"
+    # A worker leaves /proc's listing as it starts exiting, and holds the run's lock until it has: on a loaded
+    # machine that takes longer than the grace a new run gives an exiting holder.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            check_not_locked(out_dir)
+            break
+        except RunLockedError:
+            assert time.monotonic() < deadline, "the killed run's lock was never released"
+            time.sleep(0.2)
 
 
 @pytest.mark.slow  # torchrun, twice
