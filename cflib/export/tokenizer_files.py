@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cflib.data import ByteTokenizer, chat_template_sha256
 from cflib.errors import shown
-from cflib.jsonio import MAX_BYTES, read_bounded, read_json
+from cflib.jsonio import MAX_BYTES, parse_json, read_bounded
 
 BYTE = "byte"
 TOKENIZER_FILE = "tokenizer.json"
@@ -124,8 +124,9 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path) -> dict:
-    document = read_json(path, TokenizerExportError, "tokenizer file")
+def _parsed(data: bytes, path: Path) -> dict:
+    """A tokenizer file's JSON object, from the bytes the bundle gets (the file is read once)."""
+    document = parse_json(data, str(path), TokenizerExportError)
     if not isinstance(document, dict):
         raise TokenizerExportError(f"{path}: expected a JSON object")
     return document
@@ -151,16 +152,16 @@ def json_tokenizer_files(path: str | Path, model_max_length: int) -> TokenizerFi
     for name in COMPANIONS:
         if folder is not None and (folder / name).is_file():
             files[name] = read_bounded(folder / name, MAX_BYTES, TokenizerExportError, name)
-    config = _read_json(folder / CONFIG_FILE) if CONFIG_FILE in files else None
+    config = _parsed(files[CONFIG_FILE], folder / CONFIG_FILE) if CONFIG_FILE in files else None
     if config is not None:
         _refuse_own_code(config, folder / CONFIG_FILE)
-    special_map = _read_json(folder / SPECIAL_MAP_FILE) if SPECIAL_MAP_FILE in files else None
+    special_map = _parsed(files[SPECIAL_MAP_FILE], folder / SPECIAL_MAP_FILE) if SPECIAL_MAP_FILE in files else None
     notes = []
     if config is not None or special_map is not None:
         named = {**(special_map or {}), **(config or {})}
         tokens = {role: _token_text(named.get(f"{role}_token")) for role in ROLES}
     else:
-        tokens = _guess_special_tokens(tokenizer, _read_json(tokenizer_file))
+        tokens = _guess_special_tokens(tokenizer, _parsed(files[TOKENIZER_FILE], tokenizer_file))
         notes.append("no tokenizer_config.json beside the tokenizer: special tokens taken by their usual names ("
                      + ", ".join(f"{role} {token!r}" for role, token in tokens.items() if token) + ")")
     if tokens["eos"] is None:
