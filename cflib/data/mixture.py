@@ -11,7 +11,8 @@ exactly), taken in turn from an endless stream of fresh shuffles of the
 source, so every example of a source is seen once before any is seen again;
 a source smaller than its share is drawn with repetition (several shuffles
 an epoch). A source of weight 0 is held out only: it gives no train example,
-and its eval/ is evaluated with the others'. The epoch's draws are then
+and its eval/ is evaluated with the others' (its root needs no train/:
+cflib.train.run_data.open_root never opens one). The epoch's draws are then
 shuffled together. Everything is a function of (seed, epoch): the order is
 the same on every rank and after a resume, with nothing to save.
 """

@@ -143,8 +143,8 @@ class ShardPartition(torch.utils.data.Dataset):
         self.directory = Path(directory)
         index_path = self.directory / "sft.idx.json"
         if not index_path.is_file():
-            raise ShardError(f"{index_path}: missing (is {self.directory.parent} a shard root with "
-                             f"train/ and eval/ partitions?)")
+            raise ShardError(f"{index_path}: missing (is {self.directory.parent} a shard root with a "
+                             f"{self.directory.name}/ partition?)")
         self.index = read_json(index_path, ShardError, "shard index")
         if not isinstance(self.index, dict):
             raise ShardError(f"{index_path}: a shard index is a JSON object, got {type(self.index).__name__}")

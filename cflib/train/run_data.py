@@ -50,16 +50,21 @@ def shard_root(path: str) -> Path:
 def open_root(root: Path, vocab_size: int, seq_len: int, check: Check, release_ready: bool, trains: bool = True
               ) -> tuple[ShardPartition, ShardPartition, dict | None]:
     """A shard root's train and eval partitions, with their preflight reports where the preflight ran. A root that
-    does not train (a mixture's source of weight 0) has its train examples held to no seq_len: none is fed."""
-    lengths = {"train": seq_len if trains else None, "eval": seq_len}
+    does not train (a mixture's source of weight 0) needs no train/: it is not opened, and an empty view of the
+    root's eval/ stands for it, so the mixture's sources keep their places and none of its examples is fed."""
+    partitions = ("train", "eval") if trains else ("eval",)
     if check != "preflight":
-        train, held_out = (open_shard(root, partition, vocab_size=vocab_size, seq_len=lengths[partition],
-                                      check_tokens=check == "tokens") for partition in ("train", "eval"))
-        return train, held_out, None
-    (train, train_report), (held_out, eval_report) = (
-        preflight(root, partition, vocab_size=vocab_size, seq_len=lengths[partition],
-                  require_release_ready=release_ready) for partition in ("train", "eval"))
-    return train, held_out, {"train": train_report, "eval": eval_report}
+        opened = {partition: open_shard(root, partition, vocab_size=vocab_size, seq_len=seq_len,
+                                        check_tokens=check == "tokens") for partition in partitions}
+        reports = None
+    else:
+        checked = {partition: preflight(root, partition, vocab_size=vocab_size, seq_len=seq_len,
+                                        require_release_ready=release_ready) for partition in partitions}
+        opened = {partition: shard for partition, (shard, _) in checked.items()}
+        reports = {partition: report for partition, (_, report) in checked.items()}
+    held_out = opened["eval"]
+    train = opened["train"] if trains else held_out.subset(np.zeros(0, dtype=np.int64))
+    return train, held_out, reports
 
 
 def open_mixture(sources: tuple[dict, ...], vocab_size: int, seq_len: int, check: Check, release_ready: bool
@@ -78,16 +83,15 @@ def open_mixture(sources: tuple[dict, ...], vocab_size: int, seq_len: int, check
             train, held_out, report = open_root(root, vocab_size, seq_len, check, release_ready,
                                                 trains=source["weight"] > 0)
         except ShardError as err:
-            raise ShardError(f"data[{index}] (source {name!r}): {err}") from None
+            role = ", held out only: its eval/ is read, never its train/" if source["weight"] == 0 else ""
+            raise ShardError(f"data[{index}] (source {name!r}{role}): {err}") from None
         roots.append(root)
         trains.append(train)
         evals.append(held_out)
         reports.update({f"{partition} ({name})": value for partition, value in (report or {}).items()})
     for partitions in (trains, evals):
         check_agreement(names, roots, partitions)
-    # A source of weight 0 is held out only: its train examples are never drawn, nor counted as the run's.
-    trains = [part if source["weight"] > 0 else part.subset(np.zeros(0, dtype=np.int64))
-              for part, source in zip(trains, sources)]
+    # A source of weight 0 is held out only: its train part is empty (open_root), never drawn nor counted.
     return MixedPartition(trains, names), MixedPartition(evals, names), reports if check == "preflight" else None
 
 

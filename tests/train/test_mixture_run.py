@@ -183,6 +183,29 @@ def test_a_source_of_weight_0_is_evaluated_and_never_trained_on(roots, tmp_path)
                  seq_len=fits), progress=False)
 
 
+def test_a_source_of_weight_0_needs_its_eval_partition_alone(roots, tmp_path):
+    """A held-out set shipped as eval/ alone is a source of weight 0; a source that trains still needs train/,
+    and a missing partition is named with its folder."""
+    held_out = tmp_path / "held_out"
+    shutil.copytree(roots["uppercase"] / "eval", held_out / "eval")
+    data = [{"path": str(roots["addition"]), "weight": 1.0}, {"path": str(held_out), "weight": 0}]
+    record = train(params(roots, tmp_path / "run", data=data, examples_per_epoch=None, epochs=1, max_steps=1),
+                   progress=False)
+    assert [s["held_out_only"] for s in record["data"]["mixture"]["sources"]] == [False, True]
+    assert set(record["eval"]["final"]["loss_by_source"]) == {"addition", "held_out"}
+    assert set(record["data"]["preflight"]) == {"train (addition)", "eval (addition)", "eval (held_out)"}
+    data[1]["weight"] = 0.5
+    with pytest.raises(ShardError, match=r"data\[1\] \(source 'held_out'\): .*held_out/train/sft\.idx\.json: "
+                                         r"missing \(is .*held_out a shard root with a train/ partition\?\)"):
+        train(params(roots, tmp_path / "trains", data=data, examples_per_epoch=None), progress=False)
+    shutil.rmtree(held_out / "eval")
+    shutil.copytree(roots["uppercase"] / "train", held_out / "train")
+    data[1]["weight"] = 0
+    with pytest.raises(ShardError, match=r"data\[1\] \(source 'held_out', held out only: its eval/ is read, never "
+                                         r"its train/\): .*held_out/eval/sft\.idx\.json: missing"):
+        train(params(roots, tmp_path / "no_eval", data=data, examples_per_epoch=None), progress=False)
+
+
 def test_the_model_card_names_every_source_by_its_folder_alone(trained, roots, tmp_path):
     """A card is published: each source's weight and manifest hashes, and no path of this machine."""
     from cflib.export import export_hub
