@@ -120,18 +120,22 @@ def evaluation(record: dict, run_dir: Path, name: str) -> dict[str, float]:
 
 def data_manifests(record: dict) -> dict:
     """The data's manifest hashes, partition by partition, as the shard's sft.idx.json records them; a mixture's
-    under `sources`, one entry per source with its weight (0: held out only, evaluated and never trained on)."""
+    under `sources`, one entry per source with its weight (0: held out only, evaluated and never trained on, its
+    eval partition alone named)."""
     data = record.get("data", {})
     plan = (data.get("mixture") or {}).get("sources")
     if isinstance(plan, list):
+        # A source held out only is not trained on and may have no train/: only its eval/ is named.
         return {"sources": [{"name": source.get("name"), "weight": source.get("weight"),
-                             **_root_manifests(Path(source.get("root", "")))} for source in plan]}
+                             **_root_manifests(Path(source.get("root", "")),
+                                               ("eval",) if source.get("weight") == 0 else ("train", "eval"))}
+                            for source in plan]}
     return _root_manifests(Path(data.get("root", "")))
 
 
-def _root_manifests(root: Path) -> dict:
+def _root_manifests(root: Path, partitions: tuple[str, ...] = ("train", "eval")) -> dict:
     manifests = {"root": root.name}
-    for partition in ("train", "eval"):
+    for partition in partitions:
         index = _json(root / partition / "sft.idx.json") or {}
         manifests[partition] = {"examples": index.get("examples"), "sha256": index.get("sha256")}
     return manifests
@@ -301,7 +305,7 @@ def _training(meta: dict) -> str:
     for source in data.get("sources", [data]):  # a mixture: each source, with its weight
         weight = source.get("weight")
         role = "" if weight is None else (" (held out only: weight 0)" if weight == 0 else f" (weight {weight:g})")
-        for partition in ("train", "eval"):
+        for partition in [name for name in ("train", "eval") if name in source]:  # held out only: eval alone
             hashes = ", ".join(f"{name} `{digest}`" for name, digest in (source[partition]["sha256"] or {}).items())
             examples = source[partition]["examples"]
             count = f"{examples:,} examples" if isinstance(examples, int) else "examples"

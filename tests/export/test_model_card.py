@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 import cflib.export.model_card
-from cflib.export.model_card import CARD_FILE, published, published_checkpoint
+from cflib.export.model_card import CARD_FILE, data_manifests, published, published_checkpoint
 from cflib.export.publish import holds_publication
 
 CARD = {"library_name": "transformers", "cflib": {"kind": "bundle", "repo_id": None,
@@ -47,3 +47,22 @@ def test_a_readme_past_the_bound_is_not_read_whole(tmp_path: Path) -> None:
     """A card is kilobytes; a README.md of gigabytes is not read into memory to find out it is no card."""
     (tmp_path / CARD_FILE).write_text(card("x" * cflib.export.model_card.CARD_BYTES))
     assert published(tmp_path) == {}
+
+
+def test_a_source_held_out_only_is_named_by_its_eval_partition_alone(tmp_path: Path) -> None:
+    """A source of weight 0 is never trained on and may hold no train/: the card names its eval/ alone."""
+    for root, partitions in (("trained", ("train", "eval")), ("held_out", ("eval",))):
+        for partition in partitions:
+            (tmp_path / root / partition).mkdir(parents=True)
+            (tmp_path / root / partition / "sft.idx.json").write_text('{"examples": 3, "sha256": {"a": "b"}}')
+    plan = [{"name": "trained", "weight": 1.0, "root": str(tmp_path / "trained")},
+            {"name": "held_out", "weight": 0.0, "root": str(tmp_path / "held_out")}]
+    trained, held_out = data_manifests({"data": {"mixture": {"sources": plan}}})["sources"]
+    assert set(trained) == {"name", "weight", "root", "train", "eval"}
+    assert set(held_out) == {"name", "weight", "root", "eval"} and held_out["eval"]["examples"] == 3
+    meta = {"checkpoint": {"name": "best", "sha256": "0" * 64}, "base": {"source": "preset smoke", "sha256": None},
+            "data": {"sources": [trained, held_out]}, "throughput": {}}
+    rows = [row for row in cflib.export.model_card._training(meta).splitlines() if " data | " in row]
+    assert rows == ["| train data | 3 examples of trained (weight 1); manifest SHA-256: a `b` |",
+                    "| eval data | 3 examples of trained (weight 1); manifest SHA-256: a `b` |",
+                    "| eval data | 3 examples of held_out (held out only: weight 0); manifest SHA-256: a `b` |"]
