@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import shutil
@@ -26,21 +27,38 @@ from typing import Any, Iterator
 import yaml
 
 from cflib.atomic import write_text_atomic
-from cflib.errors import ParamError
+from cflib.errors import ParamError, shown
 from cflib.export import export_hub
 from cflib.export.bundle import check_bundle_code
 from cflib.export.peft import is_adapter_checkpoint, merge
 from cflib.export.tokenizer_files import BYTE, TokenizerExportError, json_tokenizer_files
+from cflib.jsonio import read_bounded
 from cflib.paths import resolve_path
+from cflib.yamlio import MAX_BYTES, load_yaml
 
 SHIPPED_TASKS = "examples/eval"  # the project's task YAMLs and their JSONL data
+
+
+def _task_yaml(path: Path) -> tuple[dict, bytes]:
+    """A shipped task's lm-eval config and the bytes it was parsed from (what its recorded SHA-256 is of): read
+    once, bounded and from a regular file only, as every YAML cflib reads (cflib.yamlio), or a ParamError naming
+    the file. A file anyone may drop into examples/eval/ is no less an input than a parameter file."""
+    data = read_bounded(path, MAX_BYTES, ParamError, "task YAML")
+    try:
+        config = load_yaml(data.decode("utf-8"), str(path), ParamError)
+    except UnicodeDecodeError as err:
+        raise ParamError(f"{path}: not valid YAML ({err})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("task"), str):
+        raise ParamError(f"{path}: an lm-eval task YAML is a mapping whose `task` names the task, got "
+                         f"{shown(config)}")
+    return config, data
 
 
 def shipped_tasks() -> dict[str, Path]:
     """The project's tasks: name -> YAML."""
     found = {}
     for path in sorted(resolve_path(SHIPPED_TASKS).glob("*.yaml")):
-        found[yaml.safe_load(path.read_text())["task"]] = path
+        found[_task_yaml(path)[0]["task"]] = path
     return found
 
 
@@ -53,7 +71,7 @@ def shipped_configs(names: list[str]) -> tuple[dict[str, dict], dict[str, dict]]
     for name, path in shipped_tasks().items():
         if name not in names:
             continue
-        config = yaml.safe_load(path.read_text())
+        config, data = _task_yaml(path)
         files = config["dataset_kwargs"]["data_files"]
         resolved = {split: (path.parent / file).resolve() for split, file in files.items()}
         for split, file in resolved.items():
@@ -61,7 +79,7 @@ def shipped_configs(names: list[str]) -> tuple[dict[str, dict], dict[str, dict]]
                 raise ParamError(f"task {name} ({path}): its {split} data {file} is missing")
         config["dataset_kwargs"]["data_files"] = {split: str(file) for split, file in resolved.items()}
         configs[name] = config
-        described[name] = {"source": "shipped", "yaml": str(path), "yaml_sha256": sha256_file(path),
+        described[name] = {"source": "shipped", "yaml": str(path), "yaml_sha256": hashlib.sha256(data).hexdigest(),
                            "data_sha256": {split: sha256_file(file) for split, file in resolved.items()}}
     return configs, described
 

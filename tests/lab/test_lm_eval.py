@@ -2,23 +2,28 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import datasets.config
 import pytest
 import torch
 
+import cflib.yamlio
 from cflib.data import ByteTokenizer
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import export_hub
 from cflib.lab.evaluate import EVAL_FOLDERS, EvalParams, evaluate, headline, prepare_evaluation, resolve_bundle, scores_table
+from cflib.train import task_scores
 from cflib.train.task_scores import check_tasks, shipped_tasks
 from cflib.model import load_checkpoint, save_checkpoint
 
 try:
+    from test_readers import refused_without_waiting
     from tiny_models import trained_model
 except ImportError:  # pragma: no cover - tests/ imported as a package
+    from tests.test_readers import refused_without_waiting
     from tests.tiny_models import trained_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +70,26 @@ def test_shipped_tasks_alone_are_checked_without_indexing_lm_evals_registry():
     checked = check_tasks(["embedded_exact", "embedded_choice"])
     assert checked.manager.all_tasks == []  # lm-eval's ~15,000 task files left unread: seconds saved
     assert [d["source"] for d in checked.described.values()] == ["shipped", "shipped"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_task_yaml_past_the_bound_not_a_task_or_a_fifo_is_refused_naming_it(tmp_path, monkeypatch):
+    """examples/eval/ is anyone's to add a task to: its YAMLs are read as every YAML cflib reads, bounded, a FIFO
+    named *.yaml refused at once rather than waited on by every run that checks its tasks."""
+    monkeypatch.setattr(task_scores, "SHIPPED_TASKS", str(tmp_path))
+    task = tmp_path / "big.yaml"
+    task.write_text("task: big\n" + "#" * cflib.yamlio.MAX_BYTES + "\n")
+    with pytest.raises(ParamError, match=f"{task}: larger than the {cflib.yamlio.MAX_BYTES:,} bytes cflib reads in a "
+                                         "task YAML"):
+        check_tasks(["big"])
+    task.write_text("- big\n")
+    with pytest.raises(ParamError, match=f"{task}: an lm-eval task YAML is a mapping whose `task` names the task"):
+        check_tasks(["big"])
+    task.unlink()
+    fifo = tmp_path / "piped.yaml"
+    os.mkfifo(fifo)
+    assert str(refused_without_waiting(lambda: check_tasks(["piped"]), fifo)).startswith(
+        f"{fifo}: not a regular file (a FIFO)")
 
 
 @pytest.mark.slow  # lm-eval indexes its registry: seconds
