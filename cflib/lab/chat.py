@@ -10,6 +10,7 @@ template that names the assistant's marker, and every prompt's length.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import warnings
@@ -268,9 +269,10 @@ def answer_prompts(chat: Chat, params: ChatParams) -> dict:
 
 
 def show_answers_of(rows_path: str | Path, limit: int = 20) -> None:
-    """Each prompt's last user turn and its answer, one pair per line."""
-    for line in Path(rows_path).read_text().splitlines()[:limit]:
-        row = json.loads(line)
+    """Each prompt's last user turn and its answer, one pair per line, for the first `limit` rows. Read a row at a
+    time, each bounded, from a regular file only (cflib.jsonio): the rows past `limit` are never parsed, and a
+    FIFO in the file's place is refused rather than waited on."""
+    for _, row in itertools.islice(json_lines(Path(rows_path), ParamError), limit):
         print(f"{row['messages'][-1]['content']!r:40} -> {row['answer']!r} ({row['stopped_by']})")
 
 

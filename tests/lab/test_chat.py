@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import cflib.jsonio
 from cflib.data import ChatRenderer, ChatTemplate, Conversation, ConvertError, chat_template_sha256
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
@@ -19,6 +21,7 @@ from cflib.lab.chat import (
     headline,
     prepare_chat,
     read_conversations,
+    show_answers_of,
 )
 from cflib.lab.chat_box import ChatBox
 from cflib.export.peft import describe_base, load_merged
@@ -30,10 +33,12 @@ from cflib.train.adapters import LoraRun
 try:
     import sft_shard_helpers as h
     from chat_tokenizers import tokenizer_folder, turn
+    from test_readers import refused_without_waiting
     from tiny_models import tiny_model, trained_model
 except ImportError:  # pragma: no cover - depends on how pytest is invoked
     from tests import sft_shard_helpers as h
     from tests.chat_tokenizers import tokenizer_folder, turn
+    from tests.test_readers import refused_without_waiting
     from tests.tiny_models import tiny_model, trained_model
 
 
@@ -274,6 +279,24 @@ def test_prompts_from_a_jsonl_file(tmp_path):
     path.write_text(json.dumps(nested) + "\n" + json.dumps(nested).replace("0}", "[" * 50_000 + "]" * 50_000 + "}"))
     with pytest.raises(ConvertError, match="prompts.jsonl:2: JSON nested deeper than 64 levels"):
         read_conversations(str(path))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_answers_are_shown_a_bounded_row_at_a_time_and_a_fifo_is_refused(tmp_path, monkeypatch, capsys):
+    """show_answers_of takes any path: its rows are read as every JSONL cflib reads, a row past the bound is
+    refused by its line and a FIFO at once, never waited on."""
+    row = {"messages": [{"role": "user", "content": "hi"}], "answer": "hello", "stopped_by": "eos"}
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "answer": "x" * 200}) + "\n")
+    show_answers_of(path, limit=1)  # the second row is never parsed
+    assert capsys.readouterr().out.count("'hello'") == 1
+    monkeypatch.setattr(cflib.jsonio, "MAX_BYTES", 128)
+    with pytest.raises(ParamError, match=f"{path}:2: a line longer than the 128 bytes"):
+        show_answers_of(path)
+    fifo = tmp_path / "piped.jsonl"
+    os.mkfifo(fifo)
+    assert str(refused_without_waiting(lambda: show_answers_of(fifo), fifo)).startswith(
+        f"{fifo}: not a regular file (a FIFO)")
 
 
 def test_a_tokenizer_folder_renders_prompts_through_its_own_chat_template(tmp_path):
