@@ -36,9 +36,10 @@ from cflib.train.run_folder import check_entries_inside, read_run_record, refuse
 CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 # What shaped a stage's training, whether the stage or the run set it: a stage that trained keeps them on resume, as
 # one run does (cflib.train.resume_identity). Where the data and the model live may move with a copied folder: the
-# stage in progress checks them by their hashes.
+# stage in progress checks them by their hashes. exact_match_limit shapes no training, only what an answer-scoring
+# best_metric compares: the stage in progress checks the prompts it chooses, a finished stage's best/ is chosen.
 STAGE_SETTINGS = tuple(name for name in (*STREAM, *ALLOWABLE, "epochs", "max_steps", "warmup_ratio")
-                       if name in TrainParams.names() and name not in ("data", "model"))
+                       if name in TrainParams.names() and name not in ("data", "model", "exact_match_limit"))
 
 
 def stage_settings(params: TrainParams) -> dict:

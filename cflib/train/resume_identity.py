@@ -5,8 +5,9 @@ its shard manifests record for every file, train and eval), the stream
 (seed, global batch, examples, packing, tasks, a mixture's weights and
 examples per epoch), the schedule and every
 setting that changes the trajectory (optimizer, clipping, loss numerics,
-precision, model source, LoRA). Resuming compares each with this run's and
-refuses the first difference by name; `allow_resume_changes` names the ones
+precision, model source, LoRA), and the held-out prompts exact match scores.
+Resuming compares each with this run's and refuses the first difference by
+name; `allow_resume_changes` names the ones
 changed on purpose (e.g. `max_grad_norm` to tame a spike, `data` for a
 fixed copy of the shard). The world size has its own switch,
 `allow_world_size_change`.
@@ -19,10 +20,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cflib.data.mixture import MixedPartition
 from cflib.data.shards import ShardPartition, sha256_file
 from cflib.errors import ParamError
 from cflib.paths import resolve_path
+from cflib.train.held_out import scored_examples
 
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
 # The learning-rate multipliers too: they decide the optimizer's parameter groups, which its saved state must match.
@@ -34,7 +38,8 @@ ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_
              "fp32_loss", "bf16", "seq_len", "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
              "base_dtype", "lora_trainable_tokens", "loss_type", "early_stopping_patience",
-             "best_metric", "greater_is_better")  # which checkpoint best/ holds and early stopping watches
+             "best_metric", "greater_is_better",  # which checkpoint best/ holds and early stopping watches
+             "exact_match_limit")  # the prompts an answer-scoring best_metric compares over: _check_scored_prompts
 
 # A LoRA run's settings: one started from adapters takes those it leaves unset from them (cflib.train.adapters);
 # its checkpoints written before that recorded them unset.
@@ -80,6 +85,15 @@ def _listed(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def scored_prompts(run: Any) -> dict[str, Any] | None:
+    """Which held-out prompts exact match scores (cflib.train.held_out.scored_examples), cheap to keep: their count
+    and the SHA-256 of their indices, so that another choice of the same number is told apart. None: none scored."""
+    if run.params.exact_match_limit == 0:
+        return None
+    chosen = np.asarray(scored_examples(run.eval_data, run.params.exact_match_limit), dtype="<i8")
+    return {"count": len(chosen), "sha256": hashlib.sha256(chosen.tobytes()).hexdigest()}
+
+
 def run_identity(run: Any) -> dict[str, Any]:
     """The identity of a prepared run (cflib.train.run.Run), as plain data a trainer state keeps."""
     p = run.params
@@ -87,7 +101,7 @@ def run_identity(run: Any) -> dict[str, Any]:
     mixture = None if run.mixture is None else list(run.mixture.weights)  # the sources' names are the data's
     return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
             "data": {"train": partition_digest(run.train_data), "eval": partition_digest(run.eval_data)},
-            "model": model, "mixture": mixture,
+            "model": model, "mixture": mixture, "exact_match_prompts": scored_prompts(run),
             **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture")}}
 
@@ -114,6 +128,10 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
     for name in (*STREAM, *ALLOWABLE):
         if name not in state and name not in _DEFAULTS:
             continue  # written before this key was recorded
+        if name == "exact_match_limit":  # judged by the prompts it chooses, even at the same limit
+            if name not in allowed:
+                _check_scored_prompts(state, now, run, checkpoint_dir)
+            continue
         then, value = state.get(name, _DEFAULTS.get(name)), now[name]
         if name == "mixture" and _shares(then) == _shares(value):  # 1:3 is 0.25:0.75: the same draw
             continue
@@ -140,3 +158,26 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
         raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
                          f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "
                          "batch stays the same, the per-rank split and accumulation change)")
+
+
+def _check_scored_prompts(state: dict, now: dict, run: Any, checkpoint_dir: Path) -> None:
+    """ParamError when exact match would score other held-out prompts than those the checkpoint's evaluations
+    scored, and best_metric compares answers: its best so far, and early stopping's count of evaluations without
+    improvement, would then weigh scores over different prompts. A limit that chooses the same prompts, or one that
+    feeds no best_metric, is only recorded."""
+    then, value = state.get("exact_match_prompts"), now["exact_match_prompts"]
+    metric = run.params.best()
+    if then is None or then == value or not metric.needs_answers:
+        return  # the checkpoint's evaluations scored no answers (or a limit written before the prompts were)
+    limits = state["exact_match_limit"], run.params.exact_match_limit
+    if then["count"] != value["count"]:
+        change = (f"was written with exact_match_limit {limits[0]} ({then['count']} held-out prompts scored), "
+                  f"this run has {limits[1]} ({value['count']})")
+    else:
+        change = (f"scored {then['count']} held-out prompts (exact_match_limit {limits[0]}), this run's "
+                  f"exact_match_limit {limits[1]} chooses {value['count']} others (the held-out data, or how "
+                  "prompts are chosen, changed)")
+    back = f"resume with exact_match_limit {limits[0]}, or " if limits[0] != limits[1] else ""
+    raise ParamError(f"{checkpoint_dir} {change}: best_metric {metric.name!r} would compare its best so far, and "
+                     "early stopping its evaluations without improvement, with scores over other prompts; "
+                     f"{back}set allow_resume_changes: exact_match_limit to change them on purpose")

@@ -13,6 +13,7 @@ import math
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -106,6 +107,7 @@ class Trainer:
         self.checkpoints = self._rooted(state["checkpoints"])
         self.timing = {"wall_s": 0.0, **state["timing"]}  # wall_s: the parts before, up to this checkpoint
         self._restore_best()
+        self._warn_unrecorded_prompts(state)
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
         # Each rank its own random state (dropout draws other masks on each); a checkpoint written before they were
@@ -116,6 +118,27 @@ class Trainer:
         torch.set_rng_state(own["torch"])
         if own.get("cuda") is not None and self.device.type == "cuda":  # dropout's masks on the GPU
             torch.cuda.set_rng_state(own["cuda"], self.device)
+
+    def _warn_unrecorded_prompts(self, state: dict) -> None:
+        """A checkpoint written before checkpoints recorded which held-out prompts exact match scores
+        (cflib.train.resume_identity) cannot show that its answer scores were over this run's: where best_metric
+        compares with them, said once, before step 1. Refusing would strand every such run; forgetting its scores
+        would let a worse checkpoint replace best/. This run's checkpoints record the prompts."""
+        if "exact_match_prompts" in state or not self.best_metric.needs_answers or not self.dist.is_main:
+            return
+        scored = [r["step"] for r in self.evals if r["step"] > 0 and self.best_metric.value(r) is not None]
+        if not scored:
+            return
+        best = "" if self.best_value is None else f", best/ holding {self.best_value:g} of step " \
+                                                   f"{self.checkpoints['best_step']}"
+        warnings.warn(
+            f"{self.run.model_source}: its checkpoint does not record which held-out prompts exact match scored, so "
+            f"best_metric {self.best_metric.name!r} and early stopping compare its scores of steps "
+            f"{', '.join(map(str, scored))}{best} with scores over this run's prompts (exact_match_limit "
+            f"{self.params.exact_match_limit}) as if they were the same prompts. They differ if exact_match_limit "
+            "changed, or if that run took the first prompts in file order (before each task's were taken in turn); "
+            "then start a new run (init_checkpoint) to compare over one set. Checkpoints from here on record them.",
+            stacklevel=2)
 
     def _gather_random_states(self) -> None:
         """Every rank's random state at this step, for the checkpoints written at it (rank 0 writes them): every

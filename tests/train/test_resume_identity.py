@@ -14,8 +14,8 @@ from sft_shard_helpers import write_shard
 
 from cflib.data.tasks import generate
 from cflib.model.checkpoint import CheckpointError
-from cflib.train import train
-from cflib.train.params import ParamError
+from cflib.train import prepare, train
+from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
 
 
@@ -80,6 +80,78 @@ def test_a_change_allowed_on_purpose_resumes(killed, shards, tmp_path, change):
     change = {**change, "data": str(shards[change["data"]])} if "data" in change else change
     record = train({**params(shards["a"], copy, resume="latest"), **change}, progress=False)
     assert record["schedule"]["steps_done"] == 6 and "step-4" in record["model_source"]
+
+
+@pytest.fixture(scope="module")
+def scored(shards, tmp_path_factory) -> Path:
+    """A run whose best/ exact match over 2 held-out prompts chooses, stopped after its step-4 checkpoint (its
+    evaluations of steps 2 and 4 scored)."""
+    out_dir = tmp_path_factory.mktemp("scored") / "run"
+    train(params(shards["a"], out_dir, exact_match_limit=2, best_metric="exact_match"), progress=False)
+    (out_dir / "COMPLETE").unlink()
+    return out_dir
+
+
+def rewrite_state(folder: Path, change) -> None:
+    """The step-4 checkpoint's trainer state as `change` rewrites it (a checkpoint another version wrote)."""
+    path = folder / "checkpoints" / "step-4" / "trainer_state.pt"
+    torch.save(change(torch.load(path, weights_only=True)), path)
+
+
+def resumed_state(folder: Path) -> dict:
+    return torch.load(folder / "checkpoints" / "epoch-3" / "trainer_state.pt", weights_only=True)
+
+
+def test_an_answer_scoring_best_metric_resumes_only_over_the_prompts_it_scored(scored, shards, tmp_path):
+    """best_metric exact_match compares the best so far (and early stopping its count) with each new score: over
+    another exact_match_limit's prompts, or another choice of as many, the resume is refused before step 1 unless
+    allowed; allowed, the checkpoints from then on record the new prompts."""
+    copy = tmp_path / "run"
+    shutil.copytree(scored, copy)
+    before = digest(copy)
+    resume = params(shards["a"], copy, resume="latest", exact_match_limit=2, best_metric="exact_match")
+    with pytest.raises(ParamError) as caught:
+        train({**resume, "exact_match_limit": 3}, progress=False)
+    for word in ["step-4 was written with exact_match_limit 2 (2 held-out prompts scored), this run has 3 (3)",
+                 "best_metric 'exact_match'", "resume with exact_match_limit 2",
+                 "allow_resume_changes: exact_match_limit"]:
+        assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+    assert digest(copy) == before
+    # As many prompts, chosen otherwise (as before each task's were taken in turn): refused as well.
+    rewrite_state(copy, lambda state: {**state, "exact_match_prompts": {"count": 2, "sha256": "0" * 64}})
+    with pytest.raises(ParamError, match=r"scored 2 held-out prompts \(exact_match_limit 2\), this run's "
+                                         r"exact_match_limit 2 chooses 2 others .*; set allow_resume_changes: "
+                                         r"exact_match_limit"):
+        train(resume, progress=False)
+    record = train({**resume, "exact_match_limit": 3, "allow_resume_changes": "exact_match_limit",
+                    "save_optimizer_state": True}, progress=False)
+    assert record["schedule"]["steps_done"] == 6
+    state = resumed_state(copy)
+    assert state["exact_match_limit"] == 3 and state["exact_match_prompts"]["count"] == 3
+
+
+def test_exact_match_limit_feeding_no_best_metric_is_only_recorded(killed, shards):
+    """With best_metric eval_loss, exact match's prompts compare with nothing: another limit resumes."""
+    run = prepare(TrainParams.from_dict(params(shards["a"], killed, resume="latest", exact_match_limit=2)))
+    assert run.params.exact_match_limit == 2 and run.resume_state["step"] == 4
+
+
+def test_a_checkpoint_that_recorded_no_prompts_resumes_saying_its_scores_may_be_over_others(scored, shards, tmp_path):
+    """A checkpoint written before the prompts were recorded (an older exact_match_limit, or the older choice of the
+    first prompts in file order, unknown): it resumes, and says its earlier scores are compared as if over this
+    run's prompts, which its checkpoints then record."""
+    copy = tmp_path / "run"
+    shutil.copytree(scored, copy)
+    rewrite_state(copy, lambda state: {k: v for k, v in state.items()
+                                       if k not in ("exact_match_prompts", "exact_match_limit")})
+    resume = params(shards["a"], copy, resume="latest", exact_match_limit=3, best_metric="exact_match",
+                    save_optimizer_state=True)
+    with pytest.warns(UserWarning, match=r"step-4 at step 4: its checkpoint does not record which held-out prompts "
+                                         r"exact match scored, so best_metric 'exact_match' and early stopping "
+                                         r"compare its scores of steps 2, 4, best/ holding .* \(exact_match_limit 3\)"):
+        record = train(resume, progress=False)
+    assert record["schedule"]["steps_done"] == 6
+    assert resumed_state(copy)["exact_match_prompts"]["count"] == 3
 
 
 def test_optimizer_settings_changed_on_purpose_apply_from_the_resumed_step(killed, shards, tmp_path):
