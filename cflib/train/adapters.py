@@ -57,12 +57,14 @@ class LoraRun:
                 f"{s.base_dtype}, on {', '.join(s.targets)}{tokens}; base {self.base['path']}")
 
 
-def with_adapter_settings(params: TrainParams) -> TrainParams:
+def with_adapter_settings(params: TrainParams, resumed: Path | None = None) -> TrainParams:
     """A LoRA run whose init_checkpoint holds adapters trains them on: the LoRA settings it leaves unset are
-    theirs (a set one that differs is refused as the adapters load), so the record names what trains."""
-    if params.full_parameter or params.init_checkpoint is None:
+    theirs (a set one that differs is refused as the adapters load), so the record names what trains. resumed: the
+    checkpoint a resume continues, whose adapters train on whatever init_checkpoint names (the base alone, found
+    again after a move)."""
+    if params.full_parameter or (resumed is None and params.init_checkpoint is None):
         return params
-    checkpoint_dir = resolve_path(params.init_checkpoint)
+    checkpoint_dir = resumed or resolve_path(params.init_checkpoint)
     if not is_adapter_checkpoint(checkpoint_dir):
         return params
     saved = adapter_settings(checkpoint_dir)
@@ -72,7 +74,7 @@ def with_adapter_settings(params: TrainParams) -> TrainParams:
     try:
         filled.validate()
     except ParamError as err:
-        raise ParamError(f"{err} (init_checkpoint {checkpoint_dir}'s adapters set "
+        raise ParamError(f"{err} ({'' if resumed else 'init_checkpoint '}{checkpoint_dir}'s adapters set "
                          f"{', '.join(f'{k} {v}' for k, v in unset.items())})") from None
     return filled
 

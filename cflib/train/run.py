@@ -289,6 +289,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         checkpoint_dir = resume_dir(params)
         if params.out_dir is not None:
             refuse_foreign_resume(checkpoint_dir, resolve_path(params.out_dir))
+        params = with_adapter_settings(params, checkpoint_dir)  # its own, whatever init_checkpoint names
         model, lora = resumed_model(checkpoint_dir, params.lora_settings(), params.init_checkpoint)
         resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
         model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"

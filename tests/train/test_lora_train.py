@@ -276,6 +276,9 @@ def test_a_lora_run_started_from_adapters_trains_them_on(tmp_path, shard, base):
     (tmp_path / "fourth" / "COMPLETE").unlink()
     shutil.rmtree(tmp_path / "fourth" / "checkpoints" / "last")
     prepare(TrainParams.from_dict({**unset, "resume": "latest"}))
+    # Named by its base alone (as after a move), it resumes with the settings of the adapters it continues.
+    assert prepare(TrainParams.from_dict({**unset, "init_checkpoint": str(base), "resume": "latest"})
+                   ).params.lora_rank == 4
     # Checkpoints written before unset settings were filled recorded them unset: they resume too.
     for state_file in (tmp_path / "fourth" / "checkpoints").glob("*/trainer_state.pt"):
         state = torch.load(state_file, weights_only=True)
