@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 from cflib.atomic import live_path
+from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.jsonio import read_json
 from cflib.export.peft import (
+    ADAPTER_WEIGHTS_FILE,
     CFLIB_ADAPTER_FILE,
     adapter_settings,
     check_fits,
@@ -77,6 +79,18 @@ def with_adapter_settings(params: TrainParams, resumed: Path | None = None) -> T
         raise ParamError(f"{err} ({'' if resumed else 'init_checkpoint '}{checkpoint_dir}'s adapters set "
                          f"{', '.join(f'{k} {v}' for k, v in unset.items())})") from None
     return filled
+
+
+def start_adapters(params: TrainParams) -> dict | None:
+    """The adapters a LoRA run starts from (an init_checkpoint holding adapters): their place and their file's
+    SHA-256, which a resume checks (cflib.train.resume_identity). None: it starts from a base, or is a full run."""
+    if params.full_parameter or params.init_checkpoint is None:
+        return None
+    checkpoint_dir = resolve_path(params.init_checkpoint)
+    if not is_adapter_checkpoint(checkpoint_dir):
+        return None
+    weights = live_path(checkpoint_dir) / ADAPTER_WEIGHTS_FILE
+    return {"path": str(checkpoint_dir.resolve()), "sha256": sha256_file(weights)}
 
 
 def initial_model(checkpoint_dir: Path, settings: LoraSettings | None) -> tuple[TRMoEModel, LoraRun | None]:

@@ -5,7 +5,8 @@ its shard manifests record for every file, train and eval), the stream
 (seed, global batch, examples, packing, tasks, a mixture's weights and
 examples per epoch), the schedule and every
 setting that changes the trajectory (optimizer, clipping, loss numerics,
-precision, model source, LoRA), and the held-out prompts exact match scores.
+precision, model source, LoRA and the adapters a LoRA run started from), and
+the held-out prompts exact match scores.
 Resuming compares each with this run's and refuses the first difference by
 name; `allow_resume_changes` names the ones
 changed on purpose (e.g. `max_grad_norm` to tame a spike, `data` for a
@@ -102,6 +103,7 @@ def run_identity(run: Any) -> dict[str, Any]:
     return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
             "data": {"train": partition_digest(run.train_data), "eval": partition_digest(run.eval_data)},
             "model": model, "mixture": mixture, "exact_match_prompts": scored_prompts(run),
+            "init_adapters": getattr(run, "init_adapters", None),
             **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture")}}
 
@@ -110,7 +112,7 @@ def _same_model(run: Any) -> bool:
     """Whether a resume that names its model otherwise still trains the same one. Resuming takes the architecture
     and weights from the checkpoint: a run that names neither a preset nor an init_checkpoint changes nothing. A
     LoRA run's base was checked by its weights' SHA-256 as the adapters loaded (cflib.train.adapters), so a base
-    named at its new place after a move is the same base."""
+    named at its new place after a move is the same base; the adapters it started from, by _check_start."""
     params = run.params
     default = next(f.default for f in dataclasses.fields(params) if f.name == "model")
     return (params.init_checkpoint is None and params.model == default) or getattr(run, "lora", None) is not None
@@ -125,6 +127,8 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
         raise ParamError(f"allow_resume_changes: {unknown[0]!r} cannot be allowed; a resumed run may change "
                          f"{', '.join(ALLOWABLE)} (the stream and schedule, {', '.join(STREAM)}, never)")
     now = {"seed": params.seed, "global_batch": params.global_batch, **run_identity(run)}
+    if "model" not in allowed:
+        _check_start(state, run, checkpoint_dir)
     for name in (*STREAM, *ALLOWABLE):
         if name not in state and name not in _DEFAULTS:
             continue  # written before this key was recorded
@@ -158,6 +162,26 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
         raise ParamError(f"{checkpoint_dir} was written by {state['world_size']} process(es), this run has "
                          f"{params.world_size}; set allow_world_size_change: true to resume anyway (the global "
                          "batch stays the same, the per-rank split and accumulation change)")
+
+
+def _check_start(state: dict, run: Any, checkpoint_dir: Path) -> None:
+    """ParamError when a LoRA run that started from adapters is resumed naming others (or one that started from its
+    base, naming adapters). The base is checked by SHA-256 as the adapters load (cflib.train.adapters), so any
+    adapters on it would pass there, and the record would name them as where the run started. The start is known by
+    its adapter file's SHA-256: the same adapters at another place, or the base alone (found again after a move),
+    name the same start."""
+    if getattr(run, "lora", None) is None or "init_adapters" not in state:
+        return  # a full run's start is checked as `model`; a checkpoint written before the start was recorded
+    then, now = state["init_adapters"], run.init_adapters
+    if now is None or (then is not None and then["sha256"] == now["sha256"]):
+        return
+    started = (f"from the adapters {then['path']} (SHA-256 {then['sha256'][:12]}...)" if then is not None
+               else "from its base, not from adapters")
+    raise ParamError(f"{checkpoint_dir} continues a LoRA run that started {started}, but init_checkpoint "
+                     f"{now['path']} holds {'other ' if then else ''}adapters (SHA-256 {now['sha256'][:12]}...) on "
+                     "that base: name the "
+                     "adapters the run started from (or its base alone, if it moved), or set "
+                     "allow_resume_changes: model to record these as its start on purpose")
 
 
 def _check_scored_prompts(state: dict, now: dict, run: Any, checkpoint_dir: Path) -> None:

@@ -26,7 +26,14 @@ from cflib.model.config import ModelConfig, preset
 from cflib.model.decoder import TRMoEModel
 from cflib.model.lora import adapter_parameter_count
 from cflib.paths import resolve_path
-from cflib.train.adapters import LoraRun, checkpoint_config, initial_model, resumed_model, with_adapter_settings
+from cflib.train.adapters import (
+    LoraRun,
+    checkpoint_config,
+    initial_model,
+    resumed_model,
+    start_adapters,
+    with_adapter_settings,
+)
 from cflib.train.distributed import (
     DistContext,
     choose_strategy,
@@ -83,6 +90,7 @@ class Run:
     lora: LoraRun | None = None  # full_parameter: false: the adapters' settings and their base
     filter_counts: dict | None = None  # filters: the examples each one kept (cflib.data.filters)
     mixture: MixturePlan | None = None  # several sources (or examples_per_epoch): what each epoch draws
+    init_adapters: dict | None = None  # a LoRA run from adapters: their place and SHA-256 (start_adapters)
 
     @property
     def train_units(self) -> int:
@@ -322,9 +330,11 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     run = Run(params, device, model, model_source, data.root, train_data, data.eval, out_dir,
               steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, plan, resume_state,
-              packed, loss_weights, data.preflight, lora, data.filter_counts, mixture)
+              packed, loss_weights, data.preflight, lora, data.filter_counts, mixture, start_adapters(params))
     if resume_state is not None:
         check_resumable(resume_state, run, checkpoint_dir)
+        if run.init_adapters is None:  # the base named at its new place, or nothing: the start stays the recorded one
+            run.init_adapters = resume_state.get("init_adapters")
     if not run.launches_workers:
         model.to(device)
     return run

@@ -555,7 +555,8 @@ class Trainer:
             model_config=model.config.to_dict(), params_active=model.config.active_parameters(),
             parameter_counts=count_parameters(model),
             lora=None if run.lora is None else {**describe_lora(model), "base": {
-                key: value for key, value in run.lora.base.items() if key != "config"}},
+                key: value for key, value in run.lora.base.items() if key != "config"},
+                "init_adapters": run.init_adapters},  # where a run from adapters started, resumed or not
             kernel_path={**(step.kernel_path or model.kernel_path()), "loss": step.loss.last_backend,
                          "gemms": step.gemms.describe()},
             kernels_requested=kernels_requested(p, run.plan), execution_plan=run.plan.record(),

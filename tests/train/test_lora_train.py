@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from sft_shard_helpers import write_shard
 from tiny_models import KERNEL_DEVICE
 
@@ -213,6 +213,46 @@ def test_a_lora_run_whose_base_moved_resumes_from_the_same_weights_named_anew(tm
     newest = [path for name, path in record["checkpoints"].items() if name != "best_step"][-1]
     saved = json.loads((Path(newest) / "cflib_adapter.json").read_text())
     assert Path(saved["base"]["path"]) == elsewhere.resolve()
+
+
+def test_a_lora_run_from_adapters_resumes_naming_those_adapters_only(tmp_path, shard, base):
+    """The base is matched by its SHA-256, so other adapters on it would load as well: a resume names the adapters
+    the run started from (by their file's SHA-256: a copy elsewhere is them), or its base alone (found after a
+    move), and its record and checkpoints keep naming that start; other adapters are refused before step 1,
+    naming both, unless allowed. A run that started from its base is refused adapters named on resume."""
+    first = lora_params(shard, base, tmp_path / "first", max_steps=4, save_every_steps=2, exact_match_limit=0)
+    train(first, progress=False)
+    started = tmp_path / "first" / "checkpoints" / "last"
+    other = tmp_path / "other"  # adapters of the same settings on the same base, other values
+    shutil.copytree(started, other)
+    tensors = load_file(str(other / "adapter_model.safetensors"))
+    save_file({name: tensor * 2 for name, tensor in tensors.items()}, str(other / "adapter_model.safetensors"))
+    run = lora_params(shard, base, tmp_path / "run", max_steps=3, save_every_steps=2, exact_match_limit=0,
+                      init_checkpoint=str(started))
+    train(run, progress=False)
+    (tmp_path / "run" / "COMPLETE").unlink()  # as if killed after step 2's checkpoint
+    before = digest(tmp_path / "run" / "metrics.jsonl")
+    with pytest.raises(ParamError) as caught:
+        train({**run, "init_checkpoint": str(other), "resume": "latest"}, progress=False)
+    for word in ["step-2 continues a LoRA run that started from the adapters", str(started.resolve()),
+                 f"init_checkpoint {other.resolve()} holds other adapters", "allow_resume_changes: model"]:
+        assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+    assert digest(tmp_path / "run" / "metrics.jsonl") == before
+    prepare(TrainParams.from_dict({**run, "init_checkpoint": str(other), "resume": "latest",
+                                   "allow_resume_changes": "model"}))
+    copy = shutil.copytree(started, tmp_path / "elsewhere")
+    for named, start in ((copy, copy), (base, started)):  # the same adapters at another place; the base alone
+        resumed = prepare(TrainParams.from_dict({**run, "init_checkpoint": str(named), "resume": "latest"}))
+        assert resumed.init_adapters == {"path": str(start.resolve()),
+                                         "sha256": digest(started / "adapter_model.safetensors")}
+    record = train({**run, "init_checkpoint": str(base), "resume": "latest"}, progress=False)
+    assert "step-2" in record["model_source"]
+    assert record["lora"]["init_adapters"] == {"path": str(started.resolve()),
+                                               "sha256": digest(started / "adapter_model.safetensors")}
+    # A run that started from its base: adapters named on resume are not where it started.
+    (tmp_path / "first" / "COMPLETE").unlink()
+    with pytest.raises(ParamError, match="continues a LoRA run that started from its base, not from adapters"):
+        prepare(TrainParams.from_dict({**first, "init_checkpoint": str(other), "resume": "latest"}))
 
 
 def test_a_changed_base_stops_the_resume(tmp_path, shard, base):
