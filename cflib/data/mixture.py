@@ -188,6 +188,23 @@ class MixedPartition:
         return int(counts.sum())
 
 
+def recorded_roots(data: dict) -> list[tuple[str, Path]]:
+    """(name, shard root) of every source a run evaluated, from its record's `data`: a mixture's sources in its order
+    (held-out-only ones too), else the one root, named by its folder."""
+    plan = (data.get("mixture") or {}).get("sources")
+    if plan is None:
+        return [(Path(data["root"]).name, Path(data["root"]))]
+    return [(source["name"], Path(source["root"])) for source in plan]
+
+
+def recorded_held_out(data: dict, vocab_size: int | None = None) -> ShardPartition | MixedPartition:
+    """A run's held-out set as it evaluated it, from its record's `data`: every source's eval/ read as one, else the
+    one root's eval/ (`data["root"]` is a mixture's first source alone)."""
+    sources = recorded_roots(data)
+    parts = [ShardPartition(root / "eval", vocab_size=vocab_size) for _, root in sources]
+    return MixedPartition(parts, [name for name, _ in sources]) if data.get("mixture") else parts[0]
+
+
 @dataclass(frozen=True)
 class MixturePlan:
     """Which examples each epoch draws from each source (module docstring)."""

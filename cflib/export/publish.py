@@ -21,6 +21,7 @@ from typing import Callable
 
 from cflib.atomic import check_output_folder, scratch_folder, write_text_atomic
 from cflib.data import ShardPartition, shard_chat_template_sha256, shard_tokenizer_spec
+from cflib.data.mixture import recorded_roots
 from cflib.data.shards import sha256_file
 from cflib.export.hub import ExportError, export_hub
 from cflib.export.model_card import CARD_FILE, WEIGHT_FILES, model_card, published, published_checkpoint
@@ -151,6 +152,22 @@ def publish(source: Path, out: Path, kind: str, write: Writer, repo_id: str | No
     return out
 
 
+def data_tokenizer(record: dict) -> tuple[str | None, str | None]:
+    """The tokenizer a run's data was converted with (shard_tokenizer_spec; None: unknown) and the SHA-256 of the
+    tokenizer's chat template it was rendered through, as the eval/ manifests record them. A mixture's sources share
+    both (cflib.data.mixture.check_agreement: the tokenizer by the SHA-256 of its files), but each manifest names
+    the tokenizer where its own source was converted: the first source whose tokenizer is found here stands for all,
+    the others' manifests read only while none is."""
+    folders = [root / "eval" for _, root in recorded_roots(record["data"])]
+    first = ShardPartition(folders[0])
+    spec = shard_tokenizer_spec(first)
+    for folder in folders[1:]:
+        if spec is not None:
+            break
+        spec = shard_tokenizer_spec(ShardPartition(folder))
+    return spec, shard_chat_template_sha256(first)
+
+
 def publish_run(record: dict, repo_id: str | None, echo: Callable[[str], None] | None = print) -> dict:
     """push_to_hub at the end of a run: the best (else last) checkpoint's bundle in out_dir/hub, or a LoRA run's
     adapters in out_dir/adapters, pushed to `repo_id` (created private when it does not exist). The record,
@@ -167,13 +184,12 @@ def publish_run(record: dict, repo_id: str | None, echo: Callable[[str], None] |
                 lambda folder, said: export_adapters(chosen, folder, repo_id=repo_id, echo=said),
                 repo_id, private=True, echo=echo)
         return record
-    shard = ShardPartition(Path(record["data"]["root"]) / "eval")
-    spec = shard_tokenizer_spec(shard)
+    spec, template_sha256 = data_tokenizer(record)
     if spec is None:
         raise PushError(f"push_to_hub {repo_id}: the data's index names no tokenizer; push with python -m "
                         f"cflib.export hub {run_dir} {run_dir / 'hub'} --tokenizer TOKENIZER --push {repo_id}")
     publish(chosen, run_dir / "hub", "bundle",
             lambda folder, said: export_hub(chosen, folder, tokenizer=spec, repo_id=repo_id, echo=said,
-                                            chat_template_sha256=shard_chat_template_sha256(shard)),
+                                            chat_template_sha256=template_sha256),
             repo_id, private=True, echo=echo)
     return record

@@ -4,13 +4,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 
 from cflib.atomic import save_figure
-from cflib.data import (ByteTokenizer, JsonTokenizer, PretrainedTokenizer, ShardPartition, load_tokenizer,
-                        shard_chat_template_sha256, shard_tokenizer_spec)
+from cflib.data import ShardPartition, load_tokenizer
+from cflib.data.mixture import MixedPartition, recorded_held_out
 from cflib.export import export_hub
-from cflib.export.publish import holds_publication
+from cflib.export.publish import data_tokenizer, holds_publication
 from cflib.export.peft import is_adapter_checkpoint, load_merged, merge
 from cflib.model import load_checkpoint
 from cflib.model.generate import Decoder
@@ -102,9 +103,19 @@ def show_samples(record: dict) -> None:
     display({"text/markdown": table, "text/plain": table}, raw=True)
 
 
-def shard_tokenizer(shard: ShardPartition) -> ByteTokenizer | JsonTokenizer | PretrainedTokenizer | None:
-    spec = shard_tokenizer_spec(shard)
-    return None if spec is None else load_tokenizer(spec)
+def spread_prompts(held_out: ShardPartition | MixedPartition, n: int) -> list[int]:
+    """At most n held-out examples: n dealt to the sources in turn (one root is one source), so that every source
+    of a mixture shows, and each source's spread evenly over it (its tasks are often in blocks)."""
+    starts = held_out.starts if isinstance(held_out, MixedPartition) else np.array([0, len(held_out)])
+    sizes = np.diff(starts)
+    counts, source = [0] * len(sizes), 0
+    for _ in range(min(n, int(sizes.sum()))):
+        while counts[source] == sizes[source]:  # a source shown whole: the next one with examples left
+            source = (source + 1) % len(sizes)
+        counts[source] += 1
+        source = (source + 1) % len(sizes)
+    return [int(start + i * size // count) for start, size, count in zip(starts, sizes, counts)
+            for i in range(count)]
 
 
 def export_run(record: dict, out: str | Path | None = None) -> Path | None:
@@ -118,8 +129,7 @@ def export_run(record: dict, out: str | Path | None = None) -> Path | None:
         return None
     run_dir = Path(record["out_dir"])
     out = Path(out) if out is not None else run_dir / "hub"
-    shard = ShardPartition(Path(record["data"]["root"]) / "eval")
-    spec = shard_tokenizer_spec(shard)
+    spec, template_sha256 = data_tokenizer(record)
     if spec is None:
         print(f"the data's index names no tokenizer: python -m cflib.export hub {run_dir} {out} "
               "--tokenizer path/to/tokenizer.json")
@@ -134,35 +144,41 @@ def export_run(record: dict, out: str | Path | None = None) -> Path | None:
         merge(chosen, merged)
         print(f"merged the adapters of {chosen} into their base: {merged}")
         chosen = merged
-    return export_hub(chosen or run_dir, out, tokenizer=spec, chat_template_sha256=shard_chat_template_sha256(shard))
+    return export_hub(chosen or run_dir, out, tokenizer=spec, chat_template_sha256=template_sha256)
 
 
 def show_answers(record: dict, n: int = 5) -> None:
-    """The run's best checkpoint on n held-out prompts spread over the partition (its tasks are often
-    in blocks), greedy through the KV-cache decoder; each answer gets as many tokens as the expected one,
-    as in exact match."""
+    """The run's best checkpoint on n prompts of its held-out set (a mixture's: every source's, each answer
+    named by its source) spread over it (spread_prompts), greedy through the KV-cache decoder; each answer gets
+    as many tokens as the expected one, as in exact match."""
     best = None if _elsewhere(record) else record.get("checkpoints", {}).get("best")
     if best is None:
         print(_elsewhere(record) or "no best checkpoint was saved (save_checkpoints: false, or no step ran)")
         return
     device = torch.device(record["device"]["type"])
     model = load_merged(best).to(device) if is_adapter_checkpoint(best) else load_checkpoint(best, device)
-    shard = ShardPartition(Path(record["data"]["root"]) / "eval", vocab_size=model.config.vocab_size)
-    count = min(n, len(shard))
-    pairs = [final_turn(*shard[i * len(shard) // count]) for i in range(count)]
+    held_out = recorded_held_out(record["data"], vocab_size=model.config.vocab_size)
+    picks = spread_prompts(held_out, n)
+    pairs = [final_turn(*held_out[i]) for i in picks]
     decoder = Decoder(model, autocast_dtype=torch.bfloat16 if record["precision"].startswith("bf16") else None)
     answers = decoder.generate([prompt for prompt, _ in pairs], [target.numel() for _, target in pairs],
-                               eos_token_id=shard.eos_token_id)
-    tokenizer = shard_tokenizer(shard)
+                               eos_token_id=held_out.eos_token_id)
+    spec, _ = data_tokenizer(record)
+    tokenizer = None if spec is None else load_tokenizer(spec)
+    # One root with examples_per_epoch is a mixture of one: its answers need no source named.
+    mixed = isinstance(held_out, MixedPartition) and len(held_out.source_names) > 1
 
     def text(ids: list[int]) -> str:
         shown = tokenizer.decode_template(ids) if tokenizer else " ".join(map(str, ids))
         return shown if len(shown) <= 60 else "..." + shown[-57:]
 
-    print(f"best checkpoint {best}, greedy, {len(pairs)} held-out prompts")
-    for (prompt, target), answer in zip(pairs, answers):
+    print(f"best checkpoint {best}, greedy, {len(pairs)} held-out prompts"
+          + (f" of {len(held_out.source_names)} sources" if mixed else ""))
+    for index, (prompt, target), answer in zip(picks, pairs, answers):
         mark = "hit " if answer == target.tolist() else "miss"
-        print(f"{mark} {text(prompt.tolist())!r}\n       expected {text(target.tolist())!r}, answered {text(answer)!r}")
+        source = f" [{held_out.source_names[held_out.source_of[index]]}]" if mixed else ""
+        print(f"{mark}{source} {text(prompt.tolist())!r}\n       expected {text(target.tolist())!r}, "
+              f"answered {text(answer)!r}")
 
 
 def headline(record: dict) -> str:

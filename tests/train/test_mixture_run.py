@@ -6,6 +6,7 @@ The sources are the two embedded tasks, each converted to its own shard root (te
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from mixture_helpers import mixture, task_roots
 from cflib.data.shards import ShardError, open_shard
 from cflib.errors import ParamError
 from cflib.lab.compare import CompareParams, compare, comparison_table
-from cflib.lab.report import summary
+from cflib.lab.report import export_run, show_answers, summary
 from cflib.model.checkpoint import load_checkpoint
 from cflib.train import train
 from cflib.train.held_out import eval_loss
@@ -217,6 +218,43 @@ def test_the_model_card_names_every_source_by_its_folder_alone(trained, roots, t
         assert f"| train data | {index['examples']:,} examples of {task} (weight {weight:g}); manifest SHA-256: " \
                f"input_ids.bin `{index['sha256']['input_ids.bin']}`" in card
         assert str(roots[task]) not in card and f"path: {task}" in card
+
+
+def test_show_answers_shows_every_source_s_held_out_prompts(trained, roots, capsys):
+    """The run's held-out set is every source's eval/: the prompts shown are dealt to the sources in turn."""
+    _, record = trained
+    show_answers(record, n=4)
+    shown = capsys.readouterr().out
+    assert "greedy, 4 held-out prompts of 2 sources" in shown
+    assert re.findall(r"^(?:hit |miss) \[(\w+)\] ", shown, re.M) == ["addition", "addition", "uppercase", "uppercase"]
+    # Each prompt is its source's own: an uppercase prompt expects letters, an addition prompt digits.
+    expected = re.findall(r"^(?:hit |miss) \[(\w+)\] .*\n +expected '(.*?)(?:<\|eos\|>)?'", shown, re.M)
+    assert [source for source, answer in expected if answer.isdigit()] == ["addition", "addition"]
+
+
+def test_a_mixture_s_bundle_takes_the_tokenizer_a_source_names_on_this_machine(trained, roots, tmp_path,
+                                                                                monkeypatch, capsys):
+    """Every source was converted with one tokenizer (the same SHA-256), each manifest naming it where its source
+    was converted: the first source's path gone, the second's stands for both."""
+    import cflib.lab.report
+
+    _, record = trained
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text("{}")
+    exported = {}
+    monkeypatch.setattr(cflib.lab.report, "export_hub", lambda source, out, **kwargs: exported.update(kwargs) or out)
+    indexes = {task: roots[task] / "eval" / "sft.idx.json" for task in WEIGHTS}
+    originals = {task: index.read_text() for task, index in indexes.items()}
+    try:
+        for task, path in (("addition", tmp_path / "gone" / "tokenizer.json"), ("uppercase", tokenizer)):
+            manifest = json.loads(originals[task])
+            manifest["conversion"]["tokenizer"] = {"kind": "tokenizer.json", "path": str(path), "sha256": "ab" * 32}
+            indexes[task].write_text(json.dumps(manifest))
+        assert export_run(record, tmp_path / "hub") == tmp_path / "hub"
+    finally:
+        for task, index in indexes.items():
+            index.write_text(originals[task])
+    assert exported["tokenizer"] == str(tokenizer), capsys.readouterr().out
 
 
 def test_a_resume_with_a_source_renamed_is_refused_naming_the_mixture(roots, tmp_path):
