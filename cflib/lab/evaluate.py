@@ -32,6 +32,7 @@ from cflib.export import ExportError, TokenizerExportError, export_hub
 from cflib.export.bundle import check_bundle_code, register_own_classes
 from cflib.export.peft import is_adapter_checkpoint
 from cflib.jobs import job_out_dir, record_header, refuse_links
+from cflib.jsonio import read_json
 from cflib.lab.chat import train_here
 from cflib.lab.report import _elsewhere as elsewhere
 from cflib.lab.report import export_run
@@ -251,7 +252,7 @@ def run_evaluation(job: Evaluation, progress: bool = True) -> dict:
         **record_header("evaluate", job.device, out_dir, packages=("lm_eval", "transformers")), "precision": dtype,
         "model": {"source": job.model_source, "bundle": str(job.bundle),
                   "sha256": sha256_file(job.bundle / "model.safetensors"),
-                  "config": json.loads((job.bundle / "config.json").read_text())},
+                  "config": read_json(job.bundle / "config.json", ParamError, "model config (config.json)")},
         "tasks": job.tasks,
         "settings": {"limit": params.limit, "batch_size": params.batch_size, "num_fewshot": 0,
                      "lm_eval_model": "hf (HFLM, " + ("the bundle's own modules: trust_bundle_code)"

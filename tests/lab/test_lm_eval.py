@@ -14,10 +14,11 @@ from cflib.data import ByteTokenizer
 from cflib.data.shards import sha256_file
 from cflib.errors import ParamError
 from cflib.export import export_hub
-from cflib.lab.evaluate import EVAL_FOLDERS, EvalParams, evaluate, headline, prepare_evaluation, resolve_bundle, scores_table
+from cflib.lab.evaluate import (EVAL_FOLDERS, EvalParams, evaluate, headline, prepare_evaluation, resolve_bundle,
+                                run_evaluation, scores_table)
 from cflib.train import task_scores
 from cflib.train.task_scores import check_tasks, shipped_tasks
-from cflib.model import load_checkpoint, save_checkpoint
+from cflib.model import TRMoEModel, load_checkpoint, preset, save_checkpoint
 
 try:
     from test_readers import refused_without_waiting
@@ -90,6 +91,26 @@ def test_a_task_yaml_past_the_bound_not_a_task_or_a_fifo_is_refused_naming_it(tm
     os.mkfifo(fifo)
     assert str(refused_without_waiting(lambda: check_tasks(["piped"]), fifo)).startswith(
         f"{fifo}: not a regular file (a FIFO)")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_the_record_reads_the_bundle_s_config_as_every_json_cflib_reads(tmp_path, monkeypatch):
+    """The record's copy of config.json is read bounded and from a regular file: one swapped for a FIFO while
+    lm-eval scored (here, a stand-in that scores nothing) is refused by name, not waited on."""
+    import lm_eval
+    import lm_eval.models.huggingface
+
+    monkeypatch.setattr(lm_eval.models.huggingface, "HFLM", lambda **kwargs: None)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kwargs: {"samples": {}, "results": {}})
+    bundle = export_hub(save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "ckpt"), tmp_path / "bundle",
+                        echo=None)
+    job = prepare_evaluation(EvalParams(model=str(bundle), tasks="embedded_exact", device="cpu",
+                                        out_dir=str(tmp_path / "out")))
+    config = bundle / "config.json"
+    config.unlink()
+    os.mkfifo(config)
+    assert str(refused_without_waiting(lambda: run_evaluation(job, progress=False), config)).startswith(
+        f"{config}: not a regular file (a FIFO); cflib reads a model config (config.json) from a regular file only")
 
 
 @pytest.mark.slow  # lm-eval indexes its registry: seconds
