@@ -32,7 +32,7 @@ import yaml
 from cflib.atomic import copy_beside, write_json_atomic
 from cflib.errors import ParamError, shown
 from cflib.jobs import job_out_dir, refuse_links
-from cflib.jsonio import read_json
+from cflib.jsonio import MAX_BYTES, read_bounded, read_json
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
 from cflib.locks import FileLock, check_free
 from cflib.model.checkpoint import CheckpointError, latest_resumable
@@ -285,7 +285,11 @@ def sweep_lock(out_dir: Path) -> FileLock:
 def sweep_file_digest(out_dir: Path) -> str | None:
     """What sweep.json held when the sweep was planned (None: none yet): the plan is run only on that state."""
     path = out_dir / SWEEP_FILE
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    if not (path.exists() or path.is_symlink()):
+        return None
+    # Read as _recorded_points reads it (bounded, a regular file only): a file past the bound is never read whole,
+    # and a FIFO in its place is refused by name rather than waited on or taken for no file.
+    return hashlib.sha256(read_bounded(path, MAX_BYTES, ParamError, "sweep file")).hexdigest()
 
 
 def expand_sweep(params: SweepParams) -> Sweep:

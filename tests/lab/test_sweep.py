@@ -19,8 +19,10 @@ from cflib.train.records import read_metrics
 
 try:
     from processes import descendants, still_running
+    from test_readers import refused_without_waiting
 except ImportError:  # pragma: no cover - depends on how pytest is invoked
     from tests.processes import descendants, still_running
+    from tests.test_readers import refused_without_waiting
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "notebooks" / "sweep.ipynb"
@@ -282,6 +284,28 @@ def test_a_sweep_folder_is_swept_by_one_process_at_a_time(tmp_path):
     with pytest.raises(ParamError, match="sweep.json changed since this sweep was planned"):
         run_sweep(stale)
     assert sorted(p.name for p in out_dir.iterdir()) == ["sweep.json"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_sweep_json_is_hashed_as_every_json_cflib_reads_bounded_and_from_a_regular_file(tmp_path):
+    """run_sweep hashes sweep.json to see that the folder is as it was planned: one past the bound is refused by
+    name without being read whole, a FIFO in its place refused rather than waited on or taken for no file."""
+    from cflib.jsonio import MAX_BYTES
+    from cflib.lab.sweep_run import run_sweep
+
+    out_dir = tmp_path / "sweep"
+    plan = expand_sweep(SweepParams.from_dict({"grid": {"lr": [-1.0]}, "out_dir": str(out_dir)}))  # an empty folder
+    out_dir.mkdir()
+    sweep_file = out_dir / "sweep.json"
+    with open(sweep_file, "wb") as big:
+        big.truncate(MAX_BYTES + 1)  # sparse: no disk written
+    with pytest.raises(ParamError, match=f"{sweep_file}: larger than the {MAX_BYTES:,} bytes cflib reads in a sweep "
+                                         "file"):
+        run_sweep(plan)
+    sweep_file.unlink()
+    os.mkfifo(sweep_file)
+    assert str(refused_without_waiting(lambda: run_sweep(plan), sweep_file)).startswith(
+        f"{sweep_file}: not a regular file (a FIFO)")
 
 
 @pytest.mark.slow
