@@ -32,7 +32,7 @@ from cflib.export import export_hub
 from cflib.export.bundle import check_bundle_code
 from cflib.export.peft import is_adapter_checkpoint, merge
 from cflib.export.tokenizer_files import BYTE, TokenizerExportError, json_tokenizer_files
-from cflib.jsonio import read_bounded
+from cflib.jsonio import open_regular, read_bounded
 from cflib.paths import resolve_path
 from cflib.yamlio import MAX_BYTES, load_yaml
 
@@ -65,23 +65,38 @@ def shipped_tasks() -> dict[str, Path]:
 def shipped_configs(names: list[str]) -> tuple[dict[str, dict], dict[str, dict]]:
     """The named shipped tasks: (name -> its lm-eval config, its data files resolved to absolute paths, since
     lm-eval reads them relative to the working directory; name -> {yaml, sha256 of YAML and data})."""
-    from cflib.data.shards import sha256_file
-
     configs, described = {}, {}
     for name, path in shipped_tasks().items():
         if name not in names:
             continue
         config, data = _task_yaml(path)
-        files = config["dataset_kwargs"]["data_files"]
-        resolved = {split: (path.parent / file).resolve() for split, file in files.items()}
+        resolved = {split: (path.parent / file).resolve() for split, file in _data_files(config, path).items()}
+        digests = {}
         for split, file in resolved.items():
-            if not file.is_file():
-                raise ParamError(f"task {name} ({path}): its {split} data {file} is missing")
+            # Opened as every file cflib reads: a FIFO or a folder is named as what it is, not as missing, and the
+            # digest is of the regular file that was checked.
+            with open_regular(file, ParamError, f"{split} data file of task {name} ({path})") as handle:
+                digests[split] = hashlib.file_digest(handle, "sha256").hexdigest()
         config["dataset_kwargs"]["data_files"] = {split: str(file) for split, file in resolved.items()}
         configs[name] = config
         described[name] = {"source": "shipped", "yaml": str(path), "yaml_sha256": hashlib.sha256(data).hexdigest(),
-                           "data_sha256": {split: sha256_file(file) for split, file in resolved.items()}}
+                           "data_sha256": digests}
     return configs, described
+
+
+def _data_files(config: dict, path: Path) -> dict[str, str]:
+    """A shipped task's dataset_kwargs.data_files: split -> JSONL file beside its YAML, or a ParamError naming the
+    YAML and the key (lm-eval takes other forms, but a shipped task's files are resolved split by split here)."""
+    kwargs = config.get("dataset_kwargs")
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
+    if files is None:
+        raise ParamError(f"{path}: missing key dataset_kwargs.data_files; a shipped task maps each split to its "
+                         "JSONL file beside the YAML there (data_files: {test: exact.jsonl})")
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(split, str) and isinstance(file, str) and file for split, file in files.items()):
+        raise ParamError(f"{path}: dataset_kwargs.data_files must map each split to its JSONL file beside the YAML "
+                         f"(data_files: {{test: exact.jsonl}}), got {shown(files)}")
+    return files
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,26 @@ def test_a_task_yaml_past_the_bound_not_a_task_or_a_fifo_is_refused_naming_it(tm
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_task_without_data_files_or_whose_data_is_a_fifo_is_refused_naming_it(tmp_path, monkeypatch):
+    """A shipped task names its data as dataset_kwargs.data_files beside its YAML: a YAML without them is named
+    with the key, a data file that is a FIFO is named as one (not as missing), one that is missing as missing."""
+    monkeypatch.setattr(task_scores, "SHIPPED_TASKS", str(tmp_path))
+    task = tmp_path / "mine.yaml"
+    task.write_text("task: mine\ndataset_path: json\n")
+    with pytest.raises(ParamError, match=f"{task}: missing key dataset_kwargs.data_files"):
+        check_tasks(["mine"])
+    task.write_text("task: mine\ndataset_kwargs:\n  data_files: mine.jsonl\n")
+    with pytest.raises(ParamError, match=f"{task}: dataset_kwargs.data_files must map each split to its JSONL file"):
+        check_tasks(["mine"])
+    task.write_text("task: mine\ndataset_kwargs:\n  data_files:\n    test: mine.jsonl\n")
+    with pytest.raises(ParamError, match=f"{tmp_path / 'mine.jsonl'}: no such test data file of task mine"):
+        check_tasks(["mine"])
+    os.mkfifo(tmp_path / "mine.jsonl")
+    assert str(refused_without_waiting(lambda: check_tasks(["mine"]), tmp_path / "mine.jsonl")).startswith(
+        f"{tmp_path / 'mine.jsonl'}: not a regular file (a FIFO); cflib reads a test data file of task mine ({task})")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
 def test_the_record_reads_the_bundle_s_config_as_every_json_cflib_reads(tmp_path, monkeypatch):
     """The record's copy of config.json is read bounded and from a regular file: one swapped for a FIFO while
     lm-eval scored (here, a stand-in that scores nothing) is refused by name, not waited on."""
