@@ -48,7 +48,8 @@ def _source(entry: Any, where: str) -> dict:
         raise ParamError(f"{where}: unknown key {shown(unknown[0])}; a source has {', '.join(SOURCE_KEYS)}")
     path, weight, name = entry.get("path"), entry.get("weight"), entry.get("name")
     if not isinstance(path, (str, Path)) or not str(path).strip():
-        raise ParamError(f"{where}.path must name a shard root holding train/ and eval/, got {shown(path)}")
+        raise ParamError(f"{where}.path must name a shard root: train/ and eval/, or eval/ alone for a source of "
+                         f"weight 0 (evaluated, never trained on), got {shown(path)}")
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
         raise ParamError(f"{where}.weight ({path}) must be a finite number >= 0 (0: evaluated, never trained on), "
                          f"got {shown(weight)}")

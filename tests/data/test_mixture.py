@@ -109,7 +109,8 @@ def test_an_empty_source_or_one_that_draws_nothing_is_named():
     ([{"path": "a", "weight": "0.5"}], r"data\[0\].weight \(a\) must be a finite number >= 0 .*, got '0.5'"),
     ([{"path": "a"}], r"data\[0\].weight \(a\) must be a finite number >= 0 .*, got None"),
     ([{"path": "a", "weight": 1, "wieght": 2}], r"data\[0\]: unknown key 'wieght'"),
-    ([{"weight": 1}], r"data\[0\].path must name a shard root"),
+    ([{"weight": 1}], r"data\[0\].path must name a shard root: train/ and eval/, or eval/ alone for a source of "
+                      r"weight 0 \(evaluated, never trained on\), got None"),
     ([{"path": "x/a", "weight": 1}, {"path": "x/./a/", "weight": 2}], r"data\[1\]: x/./a/ is data\[0\] too"),
     ([{"path": "x/a", "weight": 1}, {"path": "y/b", "weight": 2, "name": "a"}],
      r"data\[1\] \(y/b\) and data\[0\] \(x/a\) are both named 'a'"),
