@@ -24,8 +24,9 @@ from cflib.data.shards import IGNORE_INDEX, ShardPartition, collate
 from cflib.model.config import ModelConfig
 from cflib.train.batch import to_device
 from cflib.train.held_out import autocast
-from cflib.train.optim import lr_factor, make_optimizer
+from cflib.train.optim import make_optimizer
 from cflib.train.params import TrainParams
+from cflib.train.run import resolve_schedule
 from cflib.train.step import adamw_settings
 
 
@@ -201,9 +202,8 @@ class PeerTrainer:
         self.model, self.params, self.device, self.data = model, params, device, data
         self.train_model = compile_peer(model, compile_target if compile_backend else "none", compile_backend)
         self.optimizer = make_optimizer(model, adamw_settings(params), fused=device.type == "cuda")
-        warmup = math.ceil(params.warmup_ratio * total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, warmup, total_steps))
+        schedule = resolve_schedule(params, total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: schedule.factor(step))
         self.staged: tuple[np.ndarray, dict[str, Any]] | None = None  # the next step's batch, collated (step_on)
 
     def train_step(self, step_examples: np.ndarray, next_examples: np.ndarray | None = None) -> dict:

@@ -54,8 +54,7 @@ def audit_stage(stage: Stage, config: ModelConfig) -> dict:
     data = open_data(p, config.vocab_size, check="tokens")
     kept, mixture = data.train, data.mixture
     units = len(pack_examples(kept.lengths, p.seq_len)) if p.pack_sequences else len(kept)
-    steps_per_epoch, total_steps, warmup_steps = schedule_steps(units if mixture is None else
-                                                                mixture.examples_per_epoch, p)
+    steps_per_epoch, schedule = schedule_steps(units if mixture is None else mixture.examples_per_epoch, p)
     weighting = _weighting(stage, kept, mixture)
     return {"stage": stage.name, "passed": weighting["weights_within_cap"], "overrides": stage.overrides,
             "examples": data.filter_counts or {"examples": len(kept), "kept": len(kept)},
@@ -63,7 +62,8 @@ def audit_stage(stage: Stage, config: ModelConfig) -> dict:
             "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(data.eval), "seq_len": p.seq_len,
             "global_batch": p.global_batch, "micro_batch_per_rank": p.micro_batch_per_rank,
             "grad_accum": p.grad_accum,
-            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
+            "steps_per_epoch": steps_per_epoch, "total_steps": schedule.total_steps,
+            **schedule.record(),
             "lr": p.lr, "max_task_loss_weight": p.max_task_loss_weight,
             "memory_estimate": memory_figures(config, p, resolve_device(p.device)), **weighting}
 
@@ -92,8 +92,8 @@ def audit(curriculum: Curriculum, config: ModelConfig, stop_at_first: bool) -> l
 
 def stages_table(rows: list[dict]) -> str:
     """The audit as a markdown table, then each weighted stage's cells."""
-    lines = ["| stage | passed | examples kept | supervised tokens | seq_len | batch (accum) | steps (warm-up) | lr "
-             "| memory / rank | shares match | over cap |",
+    lines = ["| stage | passed | examples kept | supervised tokens | seq_len | batch (accum) | steps (warm-up) "
+             "| lr, schedule | memory / rank | shares match | over cap |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for row in rows:
         if "total_steps" not in row:
@@ -103,8 +103,8 @@ def stages_table(rows: list[dict]) -> str:
         lines.append(f"| {row['stage']} | {'yes' if row['passed'] else 'no'} | {row['examples']['kept']:,} of "
                      f"{row['examples']['examples']:,} | {row['supervised_tokens']:,} | {row['seq_len']} | "
                      f"{row['global_batch']} ({row['grad_accum']}) | {row['total_steps']} ({row['warmup_steps']}) | "
-                     f"{row['lr']:g} | {memory:,.1f} MiB | {_yes_no(row['shares_match_targets'])} | "
-                     f"{', '.join(row['overweight_tasks']) or 'none'} |")
+                     f"{row['lr']:g}, {row['lr_schedule']} | {memory:,.1f} MiB | "
+                     f"{_yes_no(row['shares_match_targets'])} | {', '.join(row['overweight_tasks']) or 'none'} |")
     lines += [f"\n{row['error']}" for row in rows if "error" in row]
     for row in rows:
         if row.get("mixture"):

@@ -1,4 +1,5 @@
-"""AdamW with weight decay on matrices only, and the released schedule: linear warm-up, then one cosine.
+"""AdamW with weight decay on matrices only, and the learning-rate schedules (the released one: linear warm-up,
+then one cosine).
 
 The update runs as torch's fused AdamW, or (cflib_adamw) as cflib's Triton kernel (cflib.ops.adamw): the same
 hyperparameters, state and state dict, one launch per parameter group, the BF16 weight copies written as their
@@ -31,12 +32,61 @@ from cflib.ops.dispatch import triton_problem
 TABLES_KEPT = 32  # address tables cached per optimizer: one per group and set of gradient tensors (graph shapes)
 
 
+# The shapes `lr_schedule` names; cosine is the released recipe's.
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+WSD_DECAY_RATIO = 0.1  # wsd's decay: the last tenth of the steps, unless lr_decay_ratio says otherwise
+
+
+@dataclass(frozen=True)
+class LrSchedule:
+    """A run's learning-rate schedule, resolved to its steps before step 1 (cflib.train.run.resolve_schedule): the
+    factor of lr at each optimizer step. Every schedule warms up linearly to the peak over `warmup_steps`; then
+    cosine and linear fall from the peak toward `min_lr_ratio` over the rest of the run, constant stays at the
+    peak, and wsd (warmup-stable-decay) stays at the peak until a linear fall over its last `decay_steps`. A fall
+    reaches its floor at step `total_steps`, one past the last step taken, as transformers' schedules do: the
+    last step still learns."""
+
+    name: str
+    total_steps: int
+    warmup_steps: int
+    decay_steps: int  # the last steps, over which the factor falls to its floor: none for constant
+    min_lr_ratio: float = 0.0
+    lr_decay_ratio: float | None = None  # wsd's share of the steps that decay, as resolved; None for the others
+
+    def factor(self, step: int) -> float:
+        """The factor of lr at optimizer step `step` (from 0)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        start = self.total_steps - self.decay_steps
+        if self.name == "constant" or step < start:
+            return 1.0
+        span = max(self.decay_steps, 1)
+        # The operations in the released cosine's order, so that its factors stay bit-identical.
+        if self.name == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * min(step - start, span) / span))
+        else:
+            shape = 1.0 - min(step - start, span) / span
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+    def record(self) -> dict:
+        """The schedule as the record's `schedule` names it."""
+        return {"lr_schedule": self.name, "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
+                "min_lr_ratio": self.min_lr_ratio, "lr_decay_ratio": self.lr_decay_ratio}
+
+    def describe(self) -> str:
+        """The schedule after its warm-up, in words: `cosine to 0.1 x lr`, `constant, then linear to 0 x lr over
+        the last 3 steps`."""
+        if self.name == "constant":
+            return "constant"
+        floor = f"{self.min_lr_ratio:g} x lr"
+        if self.name == "wsd":
+            return f"wsd: constant, then linear to {floor} over the last {self.decay_steps} steps"
+        return f"{self.name} to {floor}"
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to the peak, then one cosine to zero at the last step."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(total_steps - warmup_steps, 1)
-    return 0.5 * (1.0 + math.cos(math.pi * min(step - warmup_steps, decay_steps) / decay_steps))
+    """The released schedule's factor: linear warm-up to the peak, then one cosine to zero at step total_steps."""
+    return LrSchedule("cosine", total_steps, warmup_steps, total_steps - warmup_steps).factor(step)
 
 
 @dataclass(frozen=True)

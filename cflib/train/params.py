@@ -25,6 +25,7 @@ from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES
 from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
 from cflib.train.best_metric import BestMetric, resolve_best_metric
+from cflib.train.optim import SCHEDULES
 from cflib.yamlio import read_yaml
 
 if TYPE_CHECKING:
@@ -211,13 +212,17 @@ class Schedule:
 
 @dataclass(frozen=True)
 class Optimisation:
-    """AdamW, its warm-up + cosine schedule, clipping and non-finite steps."""
+    """AdamW, its learning-rate schedule (cflib.train.optim.LrSchedule), clipping and non-finite steps."""
 
     lr: float = 1e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     warmup_ratio: float = 0.03
+    warmup_steps: int | None = None  # warm-up steps instead of warmup_ratio (which then stays at its default)
+    lr_schedule: str = "cosine"  # after the warm-up: cosine | linear | constant | wsd (cflib.train.optim.SCHEDULES)
+    min_lr_ratio: float = 0.0  # the floor cosine, linear and wsd fall to, as a fraction of lr
+    lr_decay_ratio: float | None = None  # wsd only: the last share of the steps that decay linearly; None: 0.1
     max_grad_norm: float | None = 1.0
     nan_patience: int = 0  # non-finite steps skipped in a row before the run stops
 
@@ -519,12 +524,38 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ParamError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ParamError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        self._validate_schedule()
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
         if self.loss_type not in LOSSES:
             raise ParamError(f"loss_type must be one of {tuple(LOSSES)}, got {self.loss_type!r}")
+
+    def _validate_schedule(self) -> None:
+        """The learning-rate schedule's own settings; how they fit the run's steps is checked once those are known
+        (cflib.train.run.resolve_schedule)."""
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ParamError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ParamError(f"warmup_steps must be None or >= 0, got {self.warmup_steps}")
+        # warmup_steps replaces warmup_ratio's default; a ratio given too would be silently ignored.
+        if self.warmup_steps is not None and self.warmup_ratio != Optimisation.warmup_ratio:
+            raise ParamError(f"warmup_steps {self.warmup_steps} and warmup_ratio {self.warmup_ratio} both set the "
+                             "warm-up: keep one (warmup_steps replaces warmup_ratio's default "
+                             f"{Optimisation.warmup_ratio})")
+        if self.lr_schedule not in SCHEDULES:
+            raise ParamError(f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        if not 0.0 <= self.min_lr_ratio < 1.0:
+            raise ParamError(f"min_lr_ratio must be in [0, 1) (a fraction of lr), got {self.min_lr_ratio}")
+        if self.min_lr_ratio and self.lr_schedule == "constant":
+            raise ParamError(f"min_lr_ratio {self.min_lr_ratio} is set, but lr_schedule constant never decays: it "
+                             "would do nothing; remove it, or choose cosine, linear or wsd")
+        if self.lr_decay_ratio is not None:
+            if self.lr_schedule != "wsd":
+                raise ParamError(f"lr_decay_ratio {self.lr_decay_ratio} is set, but only lr_schedule wsd reads it "
+                                 f"(this run's is {self.lr_schedule}): it would do nothing; remove it, or set "
+                                 "lr_schedule: wsd")
+            if not 0.0 < self.lr_decay_ratio <= 1.0:
+                raise ParamError(f"lr_decay_ratio must be in (0, 1], got {self.lr_decay_ratio}")
 
     def _validate_curriculum_controls(self) -> None:
         """What selects and weights the train examples, and the curriculum's own controls."""

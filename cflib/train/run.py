@@ -44,6 +44,7 @@ from cflib.train.distributed import (
     whole_batches,
 )
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
+from cflib.train.optim import WSD_DECAY_RATIO, LrSchedule
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
@@ -77,8 +78,7 @@ class Run:
     eval_data: Partition
     out_dir: Path
     steps_per_epoch: int
-    total_steps: int
-    warmup_steps: int
+    schedule: LrSchedule  # the steps and the learning rate at each, resolved before step 1
     dist: DistContext
     strategy: str
     memory_estimate: dict
@@ -91,6 +91,14 @@ class Run:
     filter_counts: dict | None = None  # filters: the examples each one kept (cflib.data.filters)
     mixture: MixturePlan | None = None  # several sources (or examples_per_epoch): what each epoch draws
     init_adapters: dict | None = None  # a LoRA run from adapters: their place and SHA-256 (start_adapters)
+
+    @property
+    def total_steps(self) -> int:
+        return self.schedule.total_steps
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.schedule.warmup_steps
 
     @property
     def train_units(self) -> int:
@@ -152,7 +160,7 @@ class Run:
             f"batch        global {p.global_batch} {'windows' if self.packed else 'examples'} = micro "
             f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {p.grad_accum}",
             f"schedule     {self.steps_per_epoch} steps/epoch, {self.total_steps} optimizer steps, "
-            f"{self.warmup_steps} warm-up, lr {p.lr:g} cosine",
+            f"{self.warmup_steps} warm-up, lr {p.lr:g} {self.schedule.describe()}",
             f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'}), "
             f"{p.nnodes} node(s) x {p.nproc_per_node} process(es), strategy {self.strategy} "
             f"(estimated {self.memory_estimate['total_bytes'] / 2**30:.1f} GiB of "
@@ -320,7 +328,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
                     if params.loss_groups is not None else None)
     # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
     units = len(packed) if packed is not None else len(train_data) if mixture is None else mixture.examples_per_epoch
-    steps_per_epoch, total_steps, warmup_steps = schedule_steps(units, params)
+    steps_per_epoch, schedule = schedule_steps(units, params)
     estimate = memory_figures(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
     plan = plan_execution(params, model, strategy, device)
@@ -329,7 +337,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     run = Run(params, device, model, model_source, data.root, train_data, data.eval, out_dir,
-              steps_per_epoch, total_steps, warmup_steps, dist, strategy, estimate, plan, resume_state,
+              steps_per_epoch, schedule, dist, strategy, estimate, plan, resume_state,
               packed, loss_weights, data.preflight, lora, data.filter_counts, mixture, start_adapters(params))
     if resume_state is not None:
         check_resumable(resume_state, run, checkpoint_dir)
@@ -355,19 +363,42 @@ def check_seq_len(config: ModelConfig, seq_len: int) -> None:
                          f"{config.max_position_embeddings}")
 
 
-def schedule_steps(units: int, params: TrainParams, unit: str | None = None) -> tuple[int, int, int]:
-    """Optimizer steps per epoch, in all, and of warm-up. `units` are what an epoch shuffles and a global batch
-    counts, named `unit` in an error (by default as `params` decide: packed windows, a mixture's draw, examples)."""
+def schedule_steps(units: int, params: TrainParams, unit: str | None = None) -> tuple[int, LrSchedule]:
+    """Optimizer steps per epoch, and the schedule over the run's steps. `units` are what an epoch shuffles and a
+    global batch counts, named `unit` in an error (by default as `params` decide: packed windows, a mixture's draw,
+    examples)."""
     check_global_batch(units, params, unit or unit_name(params))
     # Fill-ins pad the last global batch of an epoch, so it is always whole.
     steps_per_epoch = math.ceil(units / params.global_batch)
     total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
-    warmup_steps = math.ceil(params.warmup_ratio * total_steps)
-    if warmup_steps >= total_steps > 1:  # the learning rate would rise to its peak at the last step, never decay
-        raise ParamError(f"warmup_ratio {params.warmup_ratio:g} gives {warmup_steps} warm-up steps of the run's "
-                         f"{total_steps}: the whole run would warm up; with {total_steps} steps it must be at most "
-                         f"{math.floor((total_steps - 1) / total_steps * 1e4) / 1e4:g}")
-    return steps_per_epoch, total_steps, warmup_steps
+    return steps_per_epoch, resolve_schedule(params, total_steps)
+
+
+def resolve_schedule(params: TrainParams, total_steps: int) -> LrSchedule:
+    """The learning-rate schedule over `total_steps`: warm-up steps from warmup_steps or warmup_ratio, wsd's decay
+    steps from lr_decay_ratio; ParamError where they do not fit the run."""
+    by_ratio = params.warmup_steps is None
+    warmup_steps = math.ceil(params.warmup_ratio * total_steps) if by_ratio else params.warmup_steps
+    warmup = f"warmup_ratio {params.warmup_ratio:g}" if by_ratio else f"warmup_steps {warmup_steps}"
+    # The learning rate would rise to its peak at the last step (or never reach it), never decay; a one-step run
+    # may take its one step at the peak.
+    if warmup_steps >= total_steps > 1 or warmup_steps > total_steps > 0:
+        if by_ratio:
+            raise ParamError(f"{warmup} gives {warmup_steps} warm-up steps of the run's {total_steps}: the whole run "
+                             f"would warm up; with {total_steps} steps it must be at most "
+                             f"{math.floor((total_steps - 1) / total_steps * 1e4) / 1e4:g}")
+        steps = f"{total_steps} step{'s' if total_steps > 1 else ''}"
+        raise ParamError(f"{warmup} would warm up through the whole run of {steps}: with {steps} it must be at most "
+                         f"{max(total_steps - 1, 1)}")
+    if params.lr_schedule != "wsd":
+        decay_steps = 0 if params.lr_schedule == "constant" else total_steps - warmup_steps
+        return LrSchedule(params.lr_schedule, total_steps, warmup_steps, decay_steps, params.min_lr_ratio)
+    ratio = params.lr_decay_ratio if params.lr_decay_ratio is not None else WSD_DECAY_RATIO
+    decay_steps = math.ceil(ratio * total_steps)
+    if warmup_steps + decay_steps > total_steps:  # the decay would start before the warm-up ends
+        raise ParamError(f"lr_schedule wsd: {warmup_steps} warm-up steps ({warmup}) and {decay_steps} decay steps "
+                         f"(lr_decay_ratio {ratio:g}) are more than the run's {total_steps}; lower one of them")
+    return LrSchedule("wsd", total_steps, warmup_steps, decay_steps, params.min_lr_ratio, ratio)
 
 
 def check_global_batch(units: int, params: TrainParams, unit: str) -> None:
@@ -412,14 +443,15 @@ def batch_arithmetic(params: TrainParams) -> dict:
     config, source = model_config(params)
     train_examples = count_train_examples(params)
     # Packed, the windows are fewer than the examples: prepare() checks the batch against them.
-    steps_per_epoch, total_steps, warmup_steps = schedule_steps(train_examples, params, "train examples")
+    steps_per_epoch, schedule = schedule_steps(train_examples, params, "train examples")
     device = resolve_device(params.device)
     estimate = memory_figures(config, params, device)
     return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,
             "grad_accum": params.grad_accum,
             "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
-            "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
-            "device": str(device), "memory_estimate": estimate,
+            "steps_per_epoch": steps_per_epoch, "total_steps": schedule.total_steps,
+            "warmup_steps": schedule.warmup_steps, "lr_schedule": schedule.describe(), "device": str(device),
+            "memory_estimate": estimate,
             "strategy": choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"}
 
 
@@ -437,7 +469,7 @@ def describe_arithmetic(figures: dict, params: TrainParams) -> str:
                                      "plans the windows and prints the real count" if params.pack_sequences else ""),
         f"optimizer steps  {figures['total_steps']:,}" + (" (max_steps)" if params.max_steps is not None else
                                                           f" ({params.epochs} epochs)")
-        + f", {figures['warmup_steps']:,} of warm-up",
+        + f", {figures['warmup_steps']:,} of warm-up, then {figures['lr_schedule']}",
         f"memory estimate  {_size(memory['total_bytes'])} per rank of {_size(memory['device_bytes'])} on "
         f"{figures['device']} (model + AdamW {_size(memory['model_and_optimizer_bytes'])}, activations "
         f"{_size(memory['activation_bytes'])}); "

@@ -43,7 +43,6 @@ from cflib.train.optim import (
     AdamWSettings,
     TritonAdamW,
     clip_in_fused_step,
-    lr_factor,
     make_optimizer,
     optimizer_kernel,
 )
@@ -106,8 +105,9 @@ class TrainingStep:
         self.optimizer = make_optimizer(self.model, adamw_settings(run.params),
                                         fused=self.plan.optimizer == "torch_fused",
                                         triton=self.plan.optimizer == "cflib_adamw")
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_factor(step, run.warmup_steps, run.total_steps))
+        # A lambda, not the bound method: LambdaLR's state dict keeps no state of a function (a checkpoint's
+        # scheduler state stays as before)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: run.schedule.factor(step))
         self.loss = make_loss(self.params.loss_type, self.plan.kernels)
         self.gemms = step_gemms(self.plan.kernels.quack_gemms)  # the loss's GEMMs and those reading the copies
         self.supervised_rows_only = self.plan.supervised_rows_only

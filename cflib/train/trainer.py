@@ -564,7 +564,7 @@ class Trainer:
             data=run.data_record(self.step),
             packing=run.packing_efficiency(), loss_weighting=self.loss_weighting(),
             schedule={"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
-                      "warmup_steps": run.warmup_steps, "steps_done": self.step, "epochs_started": epochs_done,
+                      **run.schedule.record(), "steps_done": self.step, "epochs_started": epochs_done,
                       "fill_ins_per_epoch": self.fill_ins},
             evals=self.evals, checkpoints=self.checkpoints, timing=self.timing_so_far(),
             steady=self.steady, warmup_steps_excluded=self.warmup_exclude,

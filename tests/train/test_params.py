@@ -83,14 +83,16 @@ def test_wrong_types_name_the_parameter(name, value):
     ("warmup_ratio", -0.5), ("device", "tpu"), ("max_steps", -1), ("seq_len", 0), ("epochs", -2),
     ("weight_decay", -0.1), ("max_grad_norm", 0.0), ("eval_every_steps", 0), ("exact_match_limit", -3),
     ("loss_chunk_tokens", 0), ("kernel_overrides", {"kept_swiglu_layers": -1}),
-    ("kernel_overrides", {"cflib_adamw": "maybe"}),
+    ("kernel_overrides", {"cflib_adamw": "maybe"}), ("warmup_steps", -2), ("lr_schedule", "cosine_with_restarts"),
+    ("min_lr_ratio", 1.5), ("lr_decay_ratio", 2.0),
 ])
 def test_out_of_range_values_name_the_parameter(name, value):
     message = param_error({name: value})
     assert names(message, name), message
 
 
-@pytest.mark.parametrize("name", ["lr", "weight_decay", "beta1", "beta2", "warmup_ratio", "max_grad_norm"])
+@pytest.mark.parametrize("name", ["lr", "weight_decay", "beta1", "beta2", "warmup_ratio", "max_grad_norm",
+                                  "min_lr_ratio", "lr_decay_ratio"])
 def test_nan_is_refused(name):
     """`-p weight_decay nan` must not reach the optimizer: NaN is in no valid range."""
     message = param_error({name: "nan"})
