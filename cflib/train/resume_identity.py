@@ -33,7 +33,8 @@ from cflib.train.held_out import scored_examples
 # The learning-rate multipliers too: they decide the optimizer's parameter groups, which its saved state must match.
 # Parameters first, then what is derived from them (DERIVED_FROM), so a change is named by the parameter set.
 STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "expert_lr_multiplier",
-          "lora_lr_multiplier", "examples_per_epoch", "mixture", "train_examples", "total_steps", "warmup_steps")
+          "lora_lr_multiplier", "examples_per_epoch", "mixture", "lr_schedule", "min_lr_ratio", "lr_decay_ratio",
+          "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
              "fp32_loss", "bf16", "seq_len", "loss_groups",
@@ -49,7 +50,8 @@ LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "bas
 # The parameters behind the values a run derives, named with them when a resume changes one.
 DERIVED_FROM = {
     "total_steps": " (from epochs, max_steps, the examples per epoch, global_batch and pack_sequences)",
-    "warmup_steps": " (from warmup_ratio and the total steps)",
+    "warmup_steps": " (from warmup_steps, or warmup_ratio and the total steps)",
+    "lr_decay_ratio": " (wsd's, as resolved: None for the other schedules)",
     "train_examples": " (the train partition's examples, after filters and train_tasks)",
 }
 
@@ -60,7 +62,8 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None,
-             "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None}
+             "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
+             "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None}
 
 
 def partition_digest(partition: ShardPartition | MixedPartition) -> str:
@@ -101,11 +104,14 @@ def run_identity(run: Any) -> dict[str, Any]:
     model = str(resolve_path(p.init_checkpoint).resolve()) if p.init_checkpoint is not None else f"preset {p.model}"
     mixture = None if run.mixture is None else list(run.mixture.weights)  # the sources' names are the data's
     return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
+            # wsd's decay as resolved, so that leaving lr_decay_ratio at None and naming its default are one run
+            "lr_decay_ratio": run.schedule.lr_decay_ratio,
             "data": {"train": partition_digest(run.train_data), "eval": partition_digest(run.eval_data)},
             "model": model, "mixture": mixture, "exact_match_prompts": scored_prompts(run),
             "init_adapters": getattr(run, "init_adapters", None),
             **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
-               if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture")}}
+               if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture",
+                               "lr_decay_ratio")}}
 
 
 def _same_model(run: Any) -> bool:

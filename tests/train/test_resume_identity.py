@@ -57,10 +57,14 @@ def killed(shards, tmp_path_factory) -> Path:
     ({"lr": 1e-3}, ["lr 0.003", "has 0.001"]),
     ({"seed": 1}, ["seed 0", "has 1", "same stream and schedule"]),
     ({"greater_is_better": True}, ["greater_is_better None", "has True", "allow_resume_changes: greater_is_better"]),
+    ({"lr_schedule": "linear"}, ["lr_schedule cosine", "has linear", "same stream and schedule"]),
+    ({"min_lr_ratio": 0.1}, ["min_lr_ratio 0.0", "has 0.1", "same stream and schedule"]),
+    ({"warmup_steps": 2}, ["warmup_steps 1", "has 2", "(from warmup_steps, or warmup_ratio and the total steps)"]),
     ({"allow_resume_changes": "bogus"}, ["allow_resume_changes", "'bogus'"]),
     ({"allow_resume_changes": "seed", "seed": 1}, ["allow_resume_changes", "'seed' cannot be allowed"]),
 ], ids=["other-shard-same-count", "model", "max-grad-norm", "loss-chunk-tokens", "fp32-loss", "lr", "seed",
-        "greater-is-better", "unknown-allowance", "stream-not-allowable"])
+        "greater-is-better", "lr-schedule", "min-lr-ratio", "warmup-steps", "unknown-allowance",
+        "stream-not-allowable"])
 def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, shards, change, words):
     before = digest(killed)
     change = {**change, "data": str(shards[change["data"]])} if "data" in change else change
@@ -152,6 +156,20 @@ def test_a_checkpoint_that_recorded_no_prompts_resumes_saying_its_scores_may_be_
         record = train(resume, progress=False)
     assert record["schedule"]["steps_done"] == 6
     assert resumed_state(copy)["exact_match_prompts"]["count"] == 3
+
+
+def test_a_checkpoint_written_before_schedules_could_be_chosen_resumes_as_the_cosine_it_trained(killed, shards,
+                                                                                               tmp_path):
+    """Its trainer state names no lr_schedule, min_lr_ratio or lr_decay_ratio: it trained the released cosine to 0,
+    which this run continues (the same warm-up, here named in steps); another schedule is refused by name."""
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    rewrite_state(copy, lambda state: {k: v for k, v in state.items()
+                                       if k not in ("lr_schedule", "min_lr_ratio", "lr_decay_ratio")})
+    run = prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest", warmup_steps=1)))
+    assert run.resume_state["step"] == 4 and run.schedule.name == "cosine" and run.warmup_steps == 1
+    with pytest.raises(ParamError, match=r"written with lr_schedule cosine, this run has wsd"):
+        prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest", lr_schedule="wsd")))
 
 
 def test_optimizer_settings_changed_on_purpose_apply_from_the_resumed_step(killed, shards, tmp_path):
