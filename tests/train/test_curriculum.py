@@ -170,6 +170,26 @@ def test_a_run_wide_change_reaching_a_stage_that_trained_is_refused_unless_allow
     assert [stage["settings"]["lr"] for stage in written["stages"]] == [3e-3, 1e-3] and "changed_utc" in written
 
 
+def test_stages_set_their_own_schedules_which_a_stage_that_trained_keeps(tmp_path, shard):
+    """A stage's fresh schedule need not fall to zero: a floor (min_lr_ratio), or a decay over its last steps alone
+    (wsd), set like any training parameter, audited, recorded, and held to once the stage trained."""
+    stages = [{"name": "easy", "filters": {"difficulties": ["easy"]}, "max_steps": 2, "min_lr_ratio": 0.1},
+              {"name": "all", "max_steps": 4, "lr_schedule": "wsd", "lr_decay_ratio": 0.5}]
+    curriculum = write_curriculum(tmp_path / "c.yaml", stages)
+    dry = train(params(shard, tmp_path / "dry", curriculum, dry_run=True), progress=False)
+    assert [(row["lr_schedule"], row["min_lr_ratio"], row["decay_steps"]) for row in dry["stages"]] == [
+        ("cosine", 0.1, 1), ("wsd", 0.0, 2)]
+    train(params(shard, tmp_path / "run", curriculum, through_stage="easy"), progress=False)
+    written = json.loads((tmp_path / "run" / "curriculum.json").read_text())
+    assert [(stage["settings"]["lr_schedule"], stage["settings"]["min_lr_ratio"]) for stage in written["stages"]] \
+        == [("cosine", 0.1)]
+    easy = json.loads((tmp_path / "run" / "stages" / "easy" / "record.json").read_text())
+    assert easy["schedule"]["lr_schedule"] == "cosine" and easy["schedule"]["min_lr_ratio"] == 0.1
+    with pytest.raises(ParamError, match="stage 'easy' trained with lr_schedule cosine, this run gives it linear "
+                                         ".*stream and schedule"):
+        train(params(shard, tmp_path / "run", curriculum, resume="latest", lr_schedule="linear"), progress=False)
+
+
 def test_a_stage_killed_before_its_first_resumable_checkpoint_may_be_corrected(tmp_path, shard):
     """It starts again from scratch (its folder set aside), as a stage never started: a smaller batch after an
     out-of-memory error, say, goes through."""
