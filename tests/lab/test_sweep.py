@@ -77,6 +77,17 @@ def test_grid_from_a_yaml_file_and_points(tmp_path):
     assert [p.name for p in listed.points] == ["base", "warmup_ratio-0.1"]
 
 
+def test_a_sweep_varies_the_learning_rate_schedule_like_any_parameter(tmp_path):
+    sweep = expand_sweep(SweepParams.from_dict({"points": [
+        {"lr_schedule": "cosine", "min_lr_ratio": 0.1}, {"lr_schedule": "wsd", "lr_decay_ratio": 0.2},
+        {"lr_schedule": "constant", "min_lr_ratio": 0.1}, {"warmup_steps": 3}], "out_dir": str(tmp_path / "s")}))
+    assert [p.name for p in sweep.points] == [
+        "lr_schedule-cosine_min_lr_ratio-0.1", "lr_schedule-wsd_lr_decay_ratio-0.2",
+        "lr_schedule-constant_min_lr_ratio-0.1", "warmup_steps-3"]
+    assert [p.error for p in sweep.points][:2] == [None, None] and sweep.points[3].error is None
+    assert "constant never decays" in sweep.points[2].error  # refused before any point runs, alone
+
+
 # A sweep's base (train_sft's parameters) is validated with every params file (tests/train/test_params.py).
 SWEEP_FILES = [path for path in sorted((ROOT / "params").glob("sweep_*.yaml"))
                if {"grid", "points"} & set(load_params_file(path))]
