@@ -4,13 +4,13 @@ declared and read from papermill's strings and a notebook's namespace."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from extending_helpers import SmoothedLoss, first_number_right
 from sft_shard_helpers import write_shard
 from tiny_models import random_ids, tiny_model
 
@@ -18,7 +18,6 @@ from cflib.bench.components import components
 from cflib.data.tasks import generate
 from cflib.ops import attention, sft_loss
 from cflib.ops.attention import Backend, Kernel, attend, attention_batch, register_backend
-from cflib.ops.loss import chunked_cross_entropy_sum
 from cflib.ops.sft_loss import register_loss
 from cflib.train import best_metric, train
 from cflib.train.best_metric import regex_metric, register_metric
@@ -29,21 +28,6 @@ def causal_math(q, k, v, batch):  # q [B, Hq, T, hd], k/v [B, Hkv, T, hd]
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class SmoothedLoss:
-    """Cross-entropy plus a small penalty on the hidden states' scale."""
-    last_backend = "none"
-
-    def __init__(self, kernels):
-        self.kernels = kernels
-
-    def __call__(self, hidden, head_weight, labels, loss_chunk_tokens, fp32_loss, token_weights=None,
-                 supervised=None):
-        self.last_backend = "smoothed_chunked_ce"
-        loss, count = chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
-                                                token_weights=token_weights, supervised=supervised)
-        return loss + 1e-3 * count * hidden.float().pow(2).mean(), count
 
 
 @pytest.fixture
@@ -130,11 +114,6 @@ def test_a_misspelt_new_parameter_is_refused_with_the_name_meant():
     assert AveragedTrainParams.from_namespace(namespace).ema_decay == 0.9
     with pytest.raises(ParamError, match=meant):  # -p ema_decy 0.9, as papermill injects it
         AveragedTrainParams.from_namespace({**namespace, "ema_decy": 0.9, "In": ["# Parameters\nema_decy = 0.9\n"]})
-
-
-def first_number_right(answer: str, reference: str) -> float:  # the page's metric, as it shows it
-    found = re.search(r"-?\d+", answer)
-    return float(found is not None and int(found.group(0)) == int(reference))
 
 
 @pytest.fixture
