@@ -1,9 +1,11 @@
 """The doors of docs/architecture.md ("Extending the package"), walked through as the page shows them: a toy
 attention backend and a toy loss, registered, named by a run's parameters and trained with; a new parameter,
-declared and read from papermill's strings and a notebook's namespace."""
+declared and read from papermill's strings and a notebook's namespace; a registered loss and metric carried to
+torchrun's workers by import path, or refused before any starts where they cannot import it."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,9 +21,10 @@ from cflib.data.tasks import generate
 from cflib.ops import attention, sft_loss
 from cflib.ops.attention import Backend, Kernel, attend, attention_batch, register_backend
 from cflib.ops.sft_loss import register_loss
-from cflib.train import best_metric, train
+from cflib.train import best_metric, launch, prepare, train
 from cflib.train.best_metric import regex_metric, register_metric
 from cflib.train.params import ParamError, TrainParams
+from cflib.train.registered import import_path, register_carried
 
 
 def causal_math(q, k, v, batch):  # q [B, Hq, T, hd], k/v [B, Hkv, T, hd]
@@ -74,6 +77,7 @@ def test_a_run_names_both_and_its_record_says_so(registered, tmp_path):
                     "attention_backend": "math", "loss_type": "smoothed"}, progress=False)
     saved = json.loads(Path(tmp_path / "run" / "record.json").read_text())
     assert saved["kernel_path"]["attention"] == "math_sdpa" and saved["kernel_path"]["loss"] == "smoothed_chunked_ce"
+    assert saved["registered"] == {"loss_type": {"smoothed": "extending_helpers:SmoothedLoss"}, "metrics": {}}
     assert record["eval"]["final"]["loss"] > 0
 
 
@@ -137,3 +141,117 @@ def test_a_registered_metric_chooses_best_and_reads_the_answers_as_text(sum_righ
         expected = sum(first_number_right(a["answer"], a["reference"]) for a in addition) / len(addition)
         assert evaluation["metrics"]["sum_right/addition"] == pytest.approx(expected)
     assert record["best_metric"]["name"] == "sum_right/addition" and record["best_metric"]["greater_is_better"]
+
+
+# A run on two CPU processes (gloo), of the page's smallest size.
+TWO_PROCESSES = {"model": "smoke", "seq_len": 64, "micro_batch_per_rank": 4, "global_batch": 8, "max_steps": 2,
+                 "exact_match_limit": 8, "device": "cpu", "nproc_per_node": 2}
+WORKERS_IMPORT = r"in a module the worker processes can import \(a \.py file in the notebook's folder, or on PYTHONPATH\)"
+
+
+def in_notebook(source: str) -> dict:
+    """What a notebook cell defines: names of module `__main__`, as in a Jupyter kernel."""
+    namespace = {"__name__": "__main__"}
+    exec(source, namespace)
+    return namespace
+
+
+CELL = in_notebook("""
+from extending_helpers import SmoothedLoss, first_number_right
+
+class CellLoss(SmoothedLoss):
+    pass
+
+def cell_right(answer, reference):
+    return first_number_right(answer, reference)
+""")
+
+
+@pytest.fixture
+def shard(tmp_path) -> Path:
+    train_examples, eval_examples = generate(seed=1)
+    return write_shard(tmp_path / "shard", train_examples[:16], eval_examples[:8], max_seq_len=64)
+
+
+@pytest.fixture
+def no_worker_starts(monkeypatch):
+    """torchrun's relay replaced: a run these tests expect refused starts no process even if it were not."""
+    def started(*args, **kwargs):
+        raise AssertionError("a worker process was started")
+    monkeypatch.setattr(launch, "relay", started)
+
+
+@pytest.fixture
+def registered_in_notebook():
+    register_loss("cell_loss", CELL["CellLoss"])
+    register_metric("cell_right", CELL["cell_right"])
+    yield
+    sft_loss.LOSSES.pop("cell_loss")
+    best_metric.ANSWER_METRICS.pop("cell_right")
+
+
+def test_only_what_importing_gives_back_has_an_import_path():
+    assert import_path(SmoothedLoss) == "extending_helpers:SmoothedLoss"
+    assert import_path(first_number_right) == "extending_helpers:first_number_right"
+    assert CELL["CellLoss"].__module__ == "__main__" and import_path(CELL["CellLoss"]) is None
+    assert import_path(regex_metric(r"-?\d+")) is None  # a closure: regex_metric.<locals>.score
+    assert import_path(lambda answer, reference: 1.0) is None
+    copy = type("SmoothedLoss", (SmoothedLoss,), {"__module__": SmoothedLoss.__module__})
+    assert import_path(copy) is None  # its name leads to another object: the workers would train with that
+
+
+def test_a_loss_defined_in_the_notebook_is_refused_before_any_worker_starts(registered_in_notebook, shard,
+                                                                         no_worker_starts, tmp_path):
+    with pytest.raises(ParamError, match=r"loss_type 'cell_loss': its loss __main__:CellLoss cannot be imported by "
+                                         r"that name in the 2 worker processes; define it " + WORKERS_IMPORT):
+        train({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"), "loss_type": "cell_loss"},
+              progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_metric_defined_in_the_notebook_is_refused_where_best_metric_names_it(registered_in_notebook, shard,
+                                                                                no_worker_starts, tmp_path):
+    with pytest.raises(ParamError, match=r"best_metric 'cell_right/addition': the metric 'cell_right', "
+                                         r"__main__:cell_right, cannot be imported .* define it " + WORKERS_IMPORT):
+        train({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"),
+               "best_metric": "cell_right/addition"}, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_curriculum_refuses_a_later_stages_loss_before_its_first_stage(registered_in_notebook, shard,
+                                                                        no_worker_starts, tmp_path):
+    (tmp_path / "curriculum.yaml").write_text("version: 1\nstages:\n  - name: first\n  - name: second\n"
+                                              "    loss_type: cell_loss\n")
+    with pytest.raises(ParamError, match=r"loss_type 'cell_loss': its loss __main__:CellLoss cannot be imported"):
+        train({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"),
+               "curriculum": str(tmp_path / "curriculum.yaml")}, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_metric_it_does_not_name_is_said_left_out_of_the_workers_evaluations(registered_in_notebook, shard,
+                                                                               tmp_path):
+    run = prepare(TrainParams.from_dict({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run")}))
+    assert run.worker_imports == {"losses": {}, "metrics": {}, "left_out": ["cell_right"]}
+    assert "workers      leave out metric cell_right (not importable by name" in run.describe()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_names_what_it_cannot_import():
+    with pytest.raises(ParamError, match=r"loss_type 'gone': this worker cannot import no_such_module:Loss "
+                                         r"\(ModuleNotFoundError: .*\); define it " + WORKERS_IMPORT):
+        register_carried({"losses": {"gone": "no_such_module:Loss"}, "metrics": {}})
+    assert "gone" not in sft_loss.LOSSES
+
+
+@pytest.mark.slow
+def test_two_processes_import_a_registered_loss_and_metric_and_record_where_from(registered, sum_right, shard,
+                                                                                tmp_path, monkeypatch):
+    # The workers find extending_helpers as a user's would find their module: on PYTHONPATH.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    record = train({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"), "eval_every_steps": 1,
+                    "loss_type": "smoothed", "best_metric": "sum_right/addition"}, progress=False)
+    assert record["world_size"] == 2 and record["kernel_path"]["loss"] == "smoothed_chunked_ce"
+    assert record["registered"] == {"loss_type": {"smoothed": "extending_helpers:SmoothedLoss"},
+                                    "metrics": {"sum_right": "extending_helpers:first_number_right"}}
+    assert all("sum_right/addition" in evaluation["metrics"] for evaluation in record["eval"]["history"])
+    assert record["best_metric"]["name"] == "sum_right/addition" and record["best_metric"]["step"] is not None

@@ -107,11 +107,14 @@ class SFTLoss:
                                                          head_master, self.gemms), count
 
 
-LOSSES: dict[str, Callable[[KernelChoice], Loss]] = {"sft_cross_entropy": SFTLoss}
+# What every process has on import; torchrun's workers import any other loss a run names (cflib.train.registered).
+BUILT_IN_LOSSES: dict[str, Callable[[KernelChoice], Loss]] = {"sft_cross_entropy": SFTLoss}
+LOSSES: dict[str, Callable[[KernelChoice], Loss]] = dict(BUILT_IN_LOSSES)
 
 
 def register_loss(name: str, build: Callable[[KernelChoice], Loss]) -> None:
-    """Make `loss: NAME` a run's loss: `build(kernels)` is called once per run with its KernelChoice."""
+    """Make `loss: NAME` a run's loss: `build(kernels)` is called once per run with its KernelChoice. A run on
+    several processes needs `build` defined in a module its workers can import (cflib.train.registered)."""
     LOSSES[name] = build
 
 

@@ -1,4 +1,5 @@
-"""`python -m cflib.train PARAMS.json`: one torchrun worker (cflib.train.launch starts them)."""
+"""`python -m cflib.train PARAMS.json [REGISTERED.json]`: one torchrun worker (cflib.train.launch starts them);
+REGISTERED.json names the registered losses and metrics it imports first (cflib.train.registered)."""
 import sys
 
 from cflib.errors import ParamError
@@ -9,9 +10,11 @@ from cflib.train.launch import worker
 PROG = "python -m cflib.train"
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
-        raise SystemExit(f"usage: {PROG} PARAMS.json: a torchrun worker of the run the JSON file describes "
-                         "(train_sft.ipynb, or cflib.train.train, writes it and starts the workers)")
+    if len(sys.argv) not in (2, 3) or any(argument.startswith("-") for argument in sys.argv[1:]):
+        raise SystemExit(f"usage: {PROG} PARAMS.json [REGISTERED.json]: a torchrun worker of the run the JSON "
+                         "file describes, after importing the registered losses and metrics REGISTERED.json names "
+                         "(train_sft.ipynb, or cflib.train.train, writes them and starts the workers)")
     with one_line_errors(PROG):  # before torchrun's error summary: no traceback for these
-        read_json(sys.argv[1], ParamError, "JSON parameter file")
-    worker(sys.argv[1])
+        for path, what in zip(sys.argv[1:], ("JSON parameter file", "registered losses and metrics file")):
+            read_json(path, ParamError, what)
+    worker(*sys.argv[1:])

@@ -29,6 +29,7 @@ from cflib.train.curriculum_audit import audit, stages_table
 from cflib.train.launch import fit
 from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
+from cflib.train.registered import for_workers
 from cflib.train.resume_identity import ALLOWABLE, STREAM
 from cflib.train.run import model_config, prepare
 from cflib.train.run_folder import check_entries_inside, read_run_record, refuse_mixing
@@ -243,6 +244,10 @@ def prepare_curriculum(params: TrainParams) -> CurriculumRun:
     """Check a curriculum (or a dry run) against the data, every stage, without writing anything."""
     out_dir = _root(params)
     curriculum = load_curriculum(params, out_dir) if params.curriculum is not None else one_stage(params, out_dir)
+    if params.world_size > 1:  # a loss or metric a later stage's workers could not import: refused now, not then
+        compared = [curriculum.run] if curriculum.compare_one_stage else []
+        for stage_run in [stage.params for stage in curriculum.stages] + compared:
+            for_workers(stage_run)
     if not params.dry_run:
         _check_root(params, out_dir, curriculum)
     config, _ = model_config(replace(params, resume=None))  # every stage trains this architecture

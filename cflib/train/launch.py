@@ -43,6 +43,7 @@ from cflib.train.launch_failures import (
     launch_error,
     read_failures,
 )
+from cflib.train.registered import REGISTERED_FILE, register_carried
 from cflib.train.run import Run, prepare
 from cflib.train.run_folder import LAUNCH_DIR, remove_dead_launch_dirs, set_aside_run, starts_over
 from cflib.train.trainer import Trainer
@@ -75,9 +76,10 @@ def start_over(run: Run) -> Run:
     return replace(run, params=replace(run.params, resume=None))
 
 
-def torchrun_command(params: TrainParams, launch_dir: Path) -> list[str]:
+def torchrun_command(params: TrainParams, launch_dir: Path, registered: bool = False) -> list[str]:
     """torchrun on the workers' parameters (launch_dir/params.json), its logs in launch_dir/logs: without a
-    log folder torchrun makes one in the system's temporary folder and never removes it."""
+    log folder torchrun makes one in the system's temporary folder and never removes it. registered: the
+    workers first import the registered losses and metrics launch_dir/registered.json names."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={params.nproc_per_node}",
                "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={launch_dir / 'logs'}"]
     if params.nnodes == 1 and not params.rdzv_endpoint:
@@ -85,7 +87,10 @@ def torchrun_command(params: TrainParams, launch_dir: Path) -> list[str]:
     else:
         command += [f"--nnodes={params.nnodes}", f"--node-rank={params.node_rank}", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint={params.rdzv_endpoint}"]
-    return command + ["-m", "cflib.train", str(launch_dir / "params.json")]
+    command += ["-m", "cflib.train", str(launch_dir / "params.json")]
+    if registered:
+        command.append(str(launch_dir / REGISTERED_FILE))
+    return command
 
 
 def torchrun(run: Run, progress: bool = True) -> dict:
@@ -95,7 +100,11 @@ def torchrun(run: Run, progress: bool = True) -> dict:
     launch_dir = open_launch_dir(run.out_dir, run.params.node_rank)
     try:
         write_json_atomic(launch_dir / "params.json", asdict(replace(run.params, out_dir=str(run.out_dir))))
-        returncode, tail, summary = relay(torchrun_command(run.params, launch_dir), run, progress)
+        carried = run.worker_imports or {}
+        registered = bool(carried.get("losses") or carried.get("metrics"))
+        if registered:  # what they import before reading their parameters (cflib.train.registered)
+            write_json_atomic(launch_dir / REGISTERED_FILE, carried)
+        returncode, tail, summary = relay(torchrun_command(run.params, launch_dir, registered), run, progress)
         failures = read_failures(summary)  # the ranks' error files are in the launch folder, about to go
     finally:
         close_launch_dir(launch_dir, created)
@@ -177,7 +186,9 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 @record_errors  # a failing rank's traceback reaches torchrun's summary
-def worker(params_file: str) -> None:
+def worker(params_file: str, registered_file: str | None = None) -> None:
+    if registered_file is not None:  # before the parameters, whose loss_type and best_metric may name them
+        register_carried(read_json(registered_file, ParamError, "registered losses and metrics file"))
     params = TrainParams.from_dict(read_json(params_file, ParamError, "parameter file"), source=params_file)
     if params.out_dir is None:
         raise ParamError("out_dir must be set when torchrun starts the workers directly")

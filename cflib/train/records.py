@@ -110,6 +110,7 @@ class RunSummary:
     filters: dict | None
     early_stopping: dict | None
     best_metric: dict  # its name, which way is better, the value best/ holds and its step
+    registered: dict  # where the registered loss and metrics are defined (cflib.train.registered)
 
 
 def _throughput(summary: RunSummary) -> dict:
@@ -171,4 +172,5 @@ def train_record(summary: RunSummary) -> dict:
         "eval": _eval_block(summary.evals), "checkpoints": summary.checkpoints,
         "optimizer_groups": summary.optimizer_groups, "filters": summary.filters,
         "early_stopping": summary.early_stopping, "best_metric": summary.best_metric,
+        "registered": summary.registered,
     }

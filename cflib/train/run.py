@@ -47,6 +47,7 @@ from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
 from cflib.train.optim import WSD_DECAY_RATIO, LrSchedule
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
+from cflib.train.registered import describe_carried, for_workers
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
 from cflib.train.run_data import Partition, count_train_examples, kept_data, open_data
 from cflib.train.run_folder import check_entries_inside, check_run_folder, refuse_mixing, starts_over
@@ -91,6 +92,8 @@ class Run:
     filter_counts: dict | None = None  # filters: the examples each one kept (cflib.data.filters)
     mixture: MixturePlan | None = None  # several sources (or examples_per_epoch): what each epoch draws
     init_adapters: dict | None = None  # a LoRA run from adapters: their place and SHA-256 (start_adapters)
+    # The launcher of torchrun's workers: the registered losses and metrics they import (cflib.train.registered).
+    worker_imports: dict | None = None
 
     @property
     def total_steps(self) -> int:
@@ -167,6 +170,7 @@ class Run:
             f"{self.memory_estimate['device_bytes'] / 2**30:.0f} per device)",
             f"plan         {self.plan.describe()}",
             f"out_dir      {self.out_dir}",
+            *([line] if self.worker_imports and (line := describe_carried(self.worker_imports)) else []),
             *([f"loss weights (max_task_loss_weight {p.max_task_loss_weight:g})\n"
                + audit_table(self.loss_weights.audit())] if self.loss_weights else []),
         ])
@@ -286,6 +290,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         raise ParamError("curriculum and dry_run are prepared by cflib.train.prepare_job, stage by stage")
     params = with_adapter_settings(params)
     dist = dist or DistContext()
+    # First: a registered loss or metric the workers could not import refuses the run before anything is opened.
+    worker_imports = for_workers(params) if params.world_size > 1 and not dist.active else None
     device = resolve_device(params.device, dist.local_rank)
     if dist.active and dist.world_size != params.world_size:
         raise ParamError(f"torchrun started {dist.world_size} processes but nproc_per_node x nnodes = "
@@ -338,7 +344,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
     run = Run(params, device, model, model_source, data.root, train_data, data.eval, out_dir,
               steps_per_epoch, schedule, dist, strategy, estimate, plan, resume_state,
-              packed, loss_weights, data.preflight, lora, data.filter_counts, mixture, start_adapters(params))
+              packed, loss_weights, data.preflight, lora, data.filter_counts, mixture, start_adapters(params),
+              worker_imports)
     if resume_state is not None:
         check_resumable(resume_state, run, checkpoint_dir)
         if run.init_adapters is None:  # the base named at its new place, or nothing: the start stays the recorded one

@@ -33,6 +33,7 @@ from cflib.train.held_out import answer_texts, eval_loss, exact_match, scored_ex
 from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups
 from cflib.train.records import MetricsLog, RunSummary, count_parameters, read_metrics, train_record
+from cflib.train.registered import describe_registered
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.run_folder import remove_dead_launch_dirs
 from cflib.train.step import StepResult, TrainingStep, synchronize
@@ -574,7 +575,8 @@ class Trainer:
             best_metric={**self.best_metric.describe(), "value": self.best_value,
                          "step": int(self.checkpoints["best_step"]) if "best_step" in self.checkpoints else None},
             early_stopping=None if patience is None else {
-                "patience": patience, "stopped_at_step": self.step if self.step < run.total_steps else None})
+                "patience": patience, "stopped_at_step": self.step if self.step < run.total_steps else None},
+            registered=describe_registered(p))
 
     def loss_weighting(self) -> dict | None:
         """The audit: raw shares, targets, coefficients, the achieved shares, and those trained so far."""

@@ -1,0 +1,112 @@
+"""The losses and metrics a notebook registered, carried to torchrun's workers by where they are defined.
+
+`register_loss` and `register_metric` fill dictionaries of the process that calls them (a notebook's kernel, say);
+torchrun's workers are fresh processes, with cflib's built-in losses alone. So the launcher hands them, beside their
+parameters, the import path (`module:qualified.name`) of each registered loss and metric the run uses, and each
+worker imports and registers them under the same names before it reads its parameters: the user's own modules run
+there, and nothing else. An object that importing its module and following its name does not give back (defined in
+a notebook cell, whose module is `__main__`; inside a function; redefined since it was registered) cannot be
+carried: the launcher refuses the run before any worker starts, naming it.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from cflib.errors import ParamError
+from cflib.ops.sft_loss import BUILT_IN_LOSSES, LOSSES, register_loss
+from cflib.train.best_metric import ANSWER_METRICS, register_metric
+from cflib.train.params import TrainParams
+
+REGISTERED_FILE = "registered.json"  # in the launcher's folder, beside the workers' params.json
+WHERE = ("define it in a module the worker processes can import (a .py file in the notebook's folder, or on "
+         "PYTHONPATH) and register it from there")
+
+
+def defined_at(obj: Any) -> str:
+    """`module:qualified.name` as the object names itself: what the record says, importable or not."""
+    module = getattr(obj, "__module__", None) or "?"
+    return f"{module}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def resolve(path: str) -> Any:
+    """The object at `module:qualified.name`, its module imported (ImportError or AttributeError where not)."""
+    module, _, name = path.partition(":")
+    found = importlib.import_module(module)
+    for part in name.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def import_path(obj: Any) -> str | None:
+    """obj's `module:qualified.name` where importing that gives obj back, else None. Never `__main__`: a worker's
+    `__main__` is cflib.train's, not the notebook's."""
+    path = defined_at(obj)
+    if path.startswith(("__main__:", "?:")) or "<locals>" in path:
+        return None
+    try:
+        return path if resolve(path) is obj else None
+    except Exception:  # a module not imported yet runs the user's code, which may raise anything: not importable
+        return None
+
+
+def for_workers(params: TrainParams) -> dict:
+    """What the workers import and register before they read their parameters: {"losses": {name: path},
+    "metrics": {name: {"path": path, "greater_is_better": bool}}, "left_out": [name]}, left_out the registered
+    metrics the run does not name (its evaluations score every registered one) that cannot be carried. ParamError
+    naming the loss, or the metric best_metric names, that cannot be."""
+    losses: dict[str, str] = {}
+    build = LOSSES.get(params.loss_type)
+    if build is not None and build is not BUILT_IN_LOSSES.get(params.loss_type):
+        path = import_path(build)
+        if path is None:
+            raise ParamError(f"loss_type {params.loss_type!r}: its loss {defined_at(build)} cannot be imported by "
+                             f"that name in the {params.world_size} worker processes; {WHERE}")
+        losses[params.loss_type] = path
+    metrics: dict[str, dict] = {}
+    left_out: list[str] = []
+    named = params.best_metric.split("/")[0]
+    for name, metric in ANSWER_METRICS.items():
+        path = import_path(metric.score)
+        if path is not None:
+            metrics[name] = {"path": path, "greater_is_better": metric.greater_is_better}
+        elif name == named:
+            raise ParamError(f"best_metric {params.best_metric!r}: the metric {name!r}, {defined_at(metric.score)}, "
+                             f"cannot be imported by that name in the {params.world_size} worker processes; {WHERE}")
+        elif params.exact_match_limit != 0:  # scored in a run on one process: said to be left out here
+            left_out.append(name)
+    return {"losses": losses, "metrics": metrics, "left_out": left_out}
+
+
+def register_carried(carried: dict) -> None:
+    """In a worker, before its parameters are read: what the launcher carried (for_workers), imported and
+    registered. ParamError naming the one this process cannot import (another PYTHONPATH than the notebook's)."""
+    for name, path in carried.get("losses", {}).items():
+        register_loss(name, _imported(path, f"loss_type {name!r}"))
+    for name, metric in carried.get("metrics", {}).items():
+        register_metric(name, _imported(metric["path"], f"metric {name!r}"), metric["greater_is_better"])
+
+
+def describe_carried(carried: dict) -> str | None:
+    """A line of the run's description: what the workers import, and the registered metrics they leave out."""
+    parts = [f"loss_type {name} ({path})" for name, path in carried["losses"].items()]
+    parts += [f"metric {name} ({metric['path']})" for name, metric in carried["metrics"].items()]
+    said = [f"import {', '.join(parts)}"] if parts else []
+    if carried["left_out"]:
+        said.append(f"leave out metric {', '.join(carried['left_out'])} (not importable by name: define it in a "
+                    "module on PYTHONPATH to have it scored)")
+    return f"workers      {'; '.join(said)}" if said else None
+
+
+def _imported(path: str, what: str) -> Any:
+    try:
+        return resolve(path)
+    except Exception as err:  # the user's module may raise anything on import: named, with the way out
+        raise ParamError(f"{what}: this worker cannot import {path} ({type(err).__name__}: {err}); {WHERE}") from err
+
+
+def describe_registered(params: TrainParams) -> dict:
+    """The record's `registered`: where the run's registered loss and the registered metrics are defined."""
+    build = LOSSES[params.loss_type]
+    loss = {} if build is BUILT_IN_LOSSES.get(params.loss_type) else {params.loss_type: defined_at(build)}
+    return {"loss_type": loss, "metrics": {name: defined_at(metric.score) for name, metric in ANSWER_METRICS.items()}}
