@@ -1,11 +1,12 @@
 """Conversations to the public shard format, streaming: memory stays flat in the number of rows.
 
 Sources (cflib.data.sources: files, folders, saved datasets, the Hub) are read
-through `datasets`; each row becomes a conversation in its format
-(cflib.data.formats: OpenAI messages, ShareGPT, prompt-completion, plain
-text), the reasoning policy applies (cflib.data.reasoning), and it renders
-through a template (cflib.data.rendering: role markers, or the tokenizer's own
-Jinja chat template) into input ids and causally aligned labels. Only
+through `datasets`; each row, its columns renamed as `columns` says, becomes a
+conversation in its format (cflib.data.formats: OpenAI messages, ShareGPT,
+prompt-completion, Alpaca, plain text), the reasoning policy applies
+(cflib.data.reasoning), and it renders through a template
+(cflib.data.rendering: role markers, or the tokenizer's own Jinja chat
+template) into input ids and causally aligned labels. Only
 assistant tokens (content and end of turn) are taught: those of the final
 turn, or of every assistant turn (`supervise`); plain text is taught whole.
 
@@ -23,13 +24,14 @@ token for token against `apply_chat_template` before they are written. Each
 example keeps its `source`: its row's own, else its input's name. Each
 partition's sft.idx.json records the counts per source,
 supervised tokens, vocabulary, EOS, cap, the rejections, the tokenizer and
-template (the tokenizer template's SHA-256), every source with the SHA-256 of
-its files, and the SHA-256 of every file written.
+template (the tokenizer template's SHA-256), every source with its columns and
+the SHA-256 of its files, and the SHA-256 of every file written.
 
     python -m cflib.data convert --train SOURCE [SOURCE ...] (--eval SOURCE ... | --eval-fraction F) --out DIR \
-        [--format auto|messages|sharegpt|prompt_completion|text] [--tokenizer byte|tokenizer.json|DIR] \
-        [--template tokenizer|template.yaml] [--supervise all_assistant_turns|final_turn] \
-        [--reasoning supervise|mask|strip] [--max-seq-len 2048] [--seed 0] [--spec convert.yaml] [--overwrite]
+        [--format auto|messages|sharegpt|prompt_completion|alpaca|text] [--columns FIELD=COLUMN,...] \
+        [--tokenizer byte|tokenizer.json|DIR] [--template tokenizer|template.yaml] \
+        [--supervise all_assistant_turns|final_turn] [--reasoning supervise|mask|strip] [--max-seq-len 2048] \
+        [--seed 0] [--spec convert.yaml] [--overwrite]
 """
 from __future__ import annotations
 
@@ -38,14 +40,14 @@ import hashlib
 import json
 import sqlite3
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from cflib.atomic import check_output_folder, scratch_folder
 from cflib.data import loss_metadata
 from cflib.data.conversation import SUPERVISE, Conversation, ConvertError, conversation_digest
-from cflib.data.formats import FIELDS, FORMATS, detect, read_row
+from cflib.data.formats import FIELDS, FORMATS, check_columns, columns_from_text, detect, read_row, renamed
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.reasoning import POLICIES, stripped
 from cflib.data.rendering import TOKENIZER_TEMPLATE, Renderer, make_renderer, tokenizer_record
@@ -77,6 +79,7 @@ class ConvertSpec:
     max_seq_len: int = 2048
     template: ChatTemplate | str = field(default_factory=ChatTemplate)  # or "tokenizer": the tokenizer's own
     format: str = "auto"  # each source's, unless the source names its own
+    columns: dict | None = None  # {field: column} renamed in each source's rows, unless the source names its own
     reasoning: str = "supervise"
     eval_fraction: float | None = None
     seed: int = 0  # of the eval_fraction split
@@ -85,8 +88,10 @@ class ConvertSpec:
         """The sources a partition reads: its own, or the train sources split by eval_fraction."""
         given = self.train if partition == "train" or self.eval is None else self.eval
         entries = given if isinstance(given, list) else [given]
-        return distinct_names([parse_source(entry, partition if self.eval is not None else "train")
-                               for entry in entries])
+        sources = distinct_names([parse_source(entry, partition if self.eval is not None else "train")
+                                  for entry in entries])
+        return [source if source.columns is not None else replace(source, columns=self.columns)
+                for source in sources]
 
     def validate(self) -> None:
         if self.supervise not in SUPERVISE:
@@ -95,6 +100,7 @@ class ConvertSpec:
             raise ConvertError(f"reasoning must be one of {POLICIES}, got {self.reasoning!r}")
         if self.format not in ("auto", *FORMATS):
             raise ConvertError(f"format must be auto or one of {FORMATS}, got {self.format!r}")
+        check_columns(self.columns, "columns")
         if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ConvertError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
         if not self.out:
@@ -111,6 +117,7 @@ class ConvertSpec:
             for source in self.sources(partition):
                 if source.format not in ("auto", *FORMATS):
                     raise ConvertError(f"{source.spec}: format must be auto or one of {FORMATS}")
+                check_columns(source.columns, f"{partition}: {source.spec}: columns")
 
 
 def read_sources(name: str, value: Any) -> str | list | None:
@@ -133,6 +140,17 @@ def read_template(name: str, value: Any) -> dict | str | None:
     return value if value == TOKENIZER_TEMPLATE else coerce(name, value, dict | None)
 
 
+def read_columns(name: str, value: Any) -> dict | None:
+    """columns: None, a mapping {field: column}, or its text as papermill's `-p` gives it: YAML ("{prompt:
+    question}") or the flag's FIELD=COLUMN,... form. Its fields are checked with the conversion's settings."""
+    if isinstance(value, str) and "=" in value and not value.strip().startswith("{"):
+        try:
+            return columns_from_text(value, name)
+        except ConvertError as err:
+            raise ParamError(str(err)) from None
+    return coerce(name, value, dict | None)
+
+
 def located(sources: str | list | dict | None) -> str | list | dict | None:
     """Sources with their local paths taken from the project root, as a notebook's are; Hub sources as they are."""
     if isinstance(sources, list):
@@ -153,6 +171,7 @@ class ConvertParams(Params):
     seed: int = 0
     out: str = "outputs/data/chat-sample"
     data_format: str = "auto"
+    columns: dict | None = parsed_by(read_columns, None)
     tokenizer: str = "byte"
     template: dict | str | None = parsed_by(read_template, None)
     supervise: str = "all_assistant_turns"
@@ -171,7 +190,7 @@ class ConvertParams(Params):
         template = self.template if self.template == TOKENIZER_TEMPLATE else ChatTemplate.from_dict(self.template or {})
         return ConvertSpec(train=located(self.train_sources), eval=located(self.eval_sources),
                            out=str(resolve_path(self.out)), eval_fraction=self.eval_fraction, seed=self.seed,
-                           format=self.data_format, template=template, supervise=self.supervise,
+                           format=self.data_format, columns=self.columns, template=template, supervise=self.supervise,
                            tokenizer=self.tokenizer if self.tokenizer == "byte" else str(resolve_path(self.tokenizer)),
                            reasoning=self.reasoning, max_seq_len=self.max_seq_len)
 
@@ -210,13 +229,16 @@ def held_out(digest: int, seed: int, fraction: float) -> bool:
 
 
 def read_conversations(source: Source, reader: SourceReader, fmt: str) -> Iterator[tuple[str, Conversation]]:
-    """(where, conversation) of each row of a source, its format named or taken from its first row."""
+    """(where, conversation) of each row of a source, its columns renamed and its format named or taken from its
+    first row."""
     if source.format != "auto":
         fmt, named_by = source.format, f"the source's 'format: {source.format}'"
     else:
         named_by = f"--format {fmt}"
     named = fmt != "auto"
+    columns = source.columns or {}
     for where, row in reader.rows(source):
+        row = renamed(row, columns, where)
         fmt = detect(row, where) if fmt == "auto" else fmt
         if named:
             check_named_format(row, fmt, where, named_by)
@@ -421,6 +443,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help="of the --eval-fraction split (default 0)")
     parser.add_argument("--out")
     parser.add_argument("--format", choices=("auto", *FORMATS), help="the rows' format (default: auto, per source)")
+    parser.add_argument("--columns", metavar="FIELD=COLUMN,...",
+                        help="read a format's field from another column, renamed before the format is detected "
+                             "(prompt=question,completion=answer)")
     parser.add_argument("--tokenizer", help='"byte" (default), a local tokenizer.json, or a tokenizer folder')
     parser.add_argument("--template", help='"tokenizer" (the tokenizer folder\'s chat template), or a YAML/JSON '
                                            "file of role markers (default: the byte tokenizer's markers)")
@@ -455,6 +480,8 @@ def spec_from_args(argv: Sequence[str]) -> tuple[ConvertSpec, bool]:
         raise ConvertError("--eval and --eval-fraction both give held-out data: keep --eval SOURCE ... for "
                            "held-out sources, or --eval-fraction F to hold out part of the train sources")
     raw.update({k: v for k, v in vars(args).items() if k in known and v is not None and k != "template"})
+    if args.columns is not None:
+        raw["columns"] = columns_from_text(args.columns, "--columns")
     if args.eval_fraction is not None:
         raw.pop("eval", None)  # the flag chooses the split over the spec's eval sources
     elif args.eval is not None:

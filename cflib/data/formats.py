@@ -3,10 +3,20 @@
     messages           {"messages": [{"role": "user", "content": "..."}, ...]}            OpenAI chat
     sharegpt           {"conversations": [{"from": "human", "value": "..."}, ...]}        ShareGPT
     prompt_completion  {"prompt": "..." or [messages], "completion": "..." or [messages]}
+    alpaca             {"instruction": "...", "input": "...", "output": "..."}            Alpaca
     text               {"text": "..."}                                                    every token taught
 
 `auto` takes a source's format from its first row's fields, in that order;
-every later row of the source must have the same. ShareGPT's roles: `human`
+every later row of the source must have the same. Alpaca comes before text
+because Alpaca dumps often carry a `text` column, the whole prompt and answer
+in Alpaca's own template: read as text it would teach the prompt too. An
+alpaca row's user turn is its instruction, then a newline and its input where
+the input is not blank (LLaMA-Factory's alpaca format joins them so; no
+"### Instruction:" scaffolding, the chat template marks the turns); its
+output is the assistant turn, and an optional `system` string the system
+turn. A source's `columns` ({field: column}) renames its columns to the
+fields read here before the format is detected (Dolly's context and
+response: {input: context, output: response}). ShareGPT's roles: `human`
 is the user, `gpt` the assistant, `system` the system; `tool`, `function` and
 `observation` are tool results, and `function_call` an assistant's tool call
 (its value the call's JSON). A string prompt is one user turn, a string
@@ -19,12 +29,16 @@ fit is refused, naming where it stands and the field.
 """
 from __future__ import annotations
 
-from cflib.data.conversation import Conversation, ConvertError, check_messages, check_metadata, check_text, without_nulls
+from cflib.data.conversation import (METADATA, Conversation, ConvertError, check_messages, check_metadata, check_text,
+                                     without_nulls)
 from cflib.jsonio import parse_json
 
-FORMATS = ("messages", "sharegpt", "prompt_completion", "text")
+FORMATS = ("messages", "sharegpt", "prompt_completion", "alpaca", "text")
 FIELDS = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
-          "text": ("text",)}
+          "alpaca": ("instruction", "output"), "text": ("text",)}
+# Every field a row is read by, and so what `columns` may rename a source's column to.
+MAPPABLE = tuple(dict.fromkeys([*(key for keys in FIELDS.values() for key in keys), "input", "system", "tools", "id",
+                                *METADATA]))
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "tool": "tool", "function": "tool", "observation": "tool", "function_call": "assistant"}
 
@@ -37,7 +51,45 @@ def detect(row: object, where: str) -> str:
                 return name
     keys = sorted(row) if isinstance(row, dict) else type(row).__name__
     raise ConvertError(f"{where}: no format's fields ({'; '.join('+'.join(f) for f in FIELDS.values())}) in this "
-                       f"row (it has {keys}); name the format with --format if the fields are elsewhere")
+                       f"row (it has {keys}); rename its columns to a format's fields with columns (--columns "
+                       "prompt=question,completion=answer, or a source's columns: {prompt: question, ...})")
+
+
+def check_columns(columns: object, where: str) -> dict[str, str]:
+    """A `columns` mapping {field: the source's column it is in} ({} for None), or ConvertError naming `where`."""
+    if columns is None:
+        return {}
+    if not isinstance(columns, dict) or not all(isinstance(key, str) and key and isinstance(value, str) and value
+                                                for key, value in columns.items()):
+        raise ConvertError(f"{where}: a mapping of field: column, each a non-empty string ({{prompt: question}}), "
+                           f"got {str(columns)[:80]}")
+    unknown = [key for key in columns if key not in MAPPABLE]
+    if unknown:
+        raise ConvertError(f"{where}: {unknown[0]!r} is no field a format reads ({', '.join(MAPPABLE)}); columns "
+                           "maps such a field to the column that holds it ({prompt: question})")
+    return dict(columns)
+
+
+def columns_from_text(text: str, where: str) -> dict[str, str]:
+    """FIELD=COLUMN[,FIELD=COLUMN ...] (a flag's or papermill's text) as a columns mapping, or ConvertError."""
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if not pairs or any(not sep or not field.strip() or not column.strip() for field, sep, column in pairs):
+        raise ConvertError(f"{where}: FIELD=COLUMN pairs separated by commas (prompt=question,completion=answer), "
+                           f"got {text[:80]!r}")
+    return check_columns({field.strip(): column.strip() for field, _, column in pairs}, where)
+
+
+def renamed(row: object, columns: dict[str, str], where: str) -> object:
+    """The row with each mapped column under its field's name, the column's own name gone (so a swap works), before
+    its format is detected; ConvertError naming the row and the column a row lacks."""
+    if not columns or not isinstance(row, dict):
+        return row
+    for field, column in columns.items():
+        if column not in row:
+            raise ConvertError(f"{where}: no column {column!r}, which columns maps to {field!r} (the row has "
+                               f"{sorted(row)})")
+    return {**{key: value for key, value in row.items() if key not in columns.values()},
+            **{field: row[column] for field, column in columns.items()}}
 
 
 def read_row(row: object, fmt: str, where: str) -> Conversation:
@@ -59,6 +111,8 @@ def read_row(row: object, fmt: str, where: str) -> Conversation:
         return Conversation(check_messages(messages, f"{where}: messages"), tools, meta=meta)
     if fmt == "sharegpt":
         return Conversation(_sharegpt(row, where), tools, meta=meta)
+    if fmt == "alpaca":
+        return Conversation(_alpaca(row, where), tools, meta=meta)
     prompt = _side(row["prompt"], "user", where, "prompt")
     messages = prompt + _side(row["completion"], "assistant", where, "completion")
     return Conversation(check_messages(messages, f"{where}: prompt + completion"), tools, len(prompt), meta)
@@ -94,6 +148,22 @@ def _side(value: object, role: str, where: str, key: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise ConvertError(f"{where}: {key}: a string or a non-empty list of messages, got {str(value)[:80]}")
     return value
+
+
+def _alpaca(row: dict, where: str) -> list[dict]:
+    """An optional system turn, the instruction (and a non-blank input after a newline) as the user turn, the output
+    as the assistant's."""
+    if row.get("history"):  # LLaMA-Factory's earlier turns: refused, never silently left out of the conversation
+        raise ConvertError(f"{where}: history: an alpaca row's earlier turns are not read; give such rows as "
+                           "messages")
+    user = check_text(row["instruction"], f"{where}: instruction")
+    if row.get("input") is not None and check_text(row["input"], f"{where}: input").strip():
+        user = f"{user}\n{row['input']}"
+    system = row.get("system")
+    messages = [{"role": "system", "content": check_text(system, f"{where}: system")}] if system else []
+    messages += [{"role": "user", "content": user},
+                 {"role": "assistant", "content": check_text(row["output"], f"{where}: output")}]
+    return check_messages(messages, f"{where}: instruction + output")
 
 
 def _sharegpt(row: dict, where: str) -> list[dict]:

@@ -32,7 +32,7 @@ import csv
 import json
 import re
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
@@ -56,6 +56,8 @@ class Source:
     name: str  # each example's `source` where its row names none
     format: str = "auto"  # auto: detected from the first row (cflib.data.formats)
     named: bool = False  # the name was given, not taken from the path
+    # {field: column} renamed before the format is detected (cflib.data.formats); None: the conversion's
+    columns: dict | None = field(default=None, hash=False)
 
     @property
     def is_hub(self) -> bool:
@@ -63,13 +65,15 @@ class Source:
 
 
 def parse_source(entry: object, role: str) -> Source:
-    """A source from a path or hub string, or a mapping {path, name, format}; ConvertError naming `role`."""
+    """A source from a path or hub string, or a mapping {path, name, format, columns}; ConvertError naming `role`
+    (the format and columns are checked with the conversion's settings)."""
+    columns = None
     if isinstance(entry, dict):
-        unknown = sorted(set(entry) - {"path", "name", "format"})
+        unknown = sorted(set(entry) - {"path", "name", "format", "columns"})
         if unknown or not isinstance(entry.get("path"), str):
             raise ConvertError(f"{role}: a source is a path, hub:NAME[:CONFIG]:SPLIT[@REVISION], or a mapping of "
-                               f"path (and optional name, format); got {entry!r}")
-        spec, name, fmt = entry["path"], entry.get("name"), entry.get("format", "auto")
+                               f"path (and optional name, format, columns); got {entry!r}")
+        spec, name, fmt, columns = entry["path"], entry.get("name"), entry.get("format", "auto"), entry.get("columns")
     elif isinstance(entry, str) and entry:
         spec, name, fmt = entry, None, "auto"
     else:
@@ -81,7 +85,7 @@ def parse_source(entry: object, role: str) -> Source:
         default = Path(spec).stem if Path(spec).suffix in BUILDERS else Path(spec).name
     if name is not None and (not isinstance(name, str) or not name):
         raise ConvertError(f"{role}: {spec}: a source's name is a non-empty string, got {name!r}")
-    return Source(spec, name or default, fmt, named=name is not None)
+    return Source(spec, name or default, fmt, named=name is not None, columns=columns)
 
 
 def distinct_names(sources: list[Source]) -> list[Source]:
@@ -133,8 +137,9 @@ def is_saved_dataset(path: Path) -> bool:
 
 
 def describe(source: Source, hub_commit: str | None = None) -> dict:
-    """What the manifest records of a source: its files with their SHA-256, or the Hub commit read."""
-    record = {"name": source.name, "spec": source.spec, "format": source.format}
+    """What the manifest records of a source: its format and the columns it renamed, its files with their SHA-256,
+    or the Hub commit read."""
+    record = {"name": source.name, "spec": source.spec, "format": source.format, "columns": source.columns or {}}
     if source.is_hub:
         name, config, split, revision = hub_parts(source.spec)
         return {**record, "hub": {"name": name, "config": config, "split": split, "revision": revision,

@@ -106,8 +106,9 @@ def test_rejections_are_counted_and_the_manifest_records_everything(tmp_path):
                                    for name in ("input_ids.bin", "labels.bin", "examples.jsonl", "loss_metadata.jsonl")}
         source = tmp_path / f"shard-{partition}.jsonl"
         assert index["conversion"]["stats"]["sources"] == [
-            {"name": f"shard-{partition}", "spec": str(source), "format": "auto", "rows_read": 7 if partition == "train"
-             else 3, "files": [{"path": str(source), "sha256": sha256_file(source)}]}]
+            {"name": f"shard-{partition}", "spec": str(source), "format": "auto", "columns": {},
+             "rows_read": 7 if partition == "train" else 3,
+             "files": [{"path": str(source), "sha256": sha256_file(source)}]}]
         assert index["conversion"]["template"] == {"kind": "markers", **vars(ChatTemplate())}
     assert indexes["train"]["conversion"]["stats"]["examples_per_source"] == {"shard-train": 2, "unit": 1}
 
@@ -346,6 +347,18 @@ def test_the_command_s_help_goes_to_stdout_and_an_unknown_command_is_named(capsy
     assert stopped.value.code == 0 and "--max-seq-len" in capsys.readouterr().out
 
 
+def test_columns_are_read_from_a_spec_file_and_the_flag_and_a_bad_flag_is_named(tmp_path):
+    spec_file = tmp_path / "convert.yaml"
+    spec_file.write_text(f"train: a.jsonl\neval: b.jsonl\nout: {tmp_path / 'x'}\ncolumns: {{prompt: question}}\n")
+    assert spec_from_args(["--spec", str(spec_file)])[0].columns == {"prompt": "question"}
+    spec, _ = spec_from_args(["--spec", str(spec_file), "--columns", "prompt=question, completion=answer"])
+    assert spec.columns == {"prompt": "question", "completion": "answer"}  # the flag wins
+    for text, message in [("prompt", "--columns: FIELD=COLUMN pairs"), ("prompt=", "--columns: FIELD=COLUMN pairs"),
+                          ("answer=completion", "--columns: 'answer' is no field a format reads")]:
+        with pytest.raises(ConvertError, match=message):
+            spec_from_args(["--spec", str(spec_file), "--columns", text])
+
+
 def test_the_notebook_s_parameters_refuse_an_undeclared_name_and_take_a_list_as_text():
     injected = "# Parameters\nformat = \"messages\"\n"
     with pytest.raises(ParamError, match=r"unknown parameter 'format' \(did you mean 'data_format'\?\)"):
@@ -356,8 +369,15 @@ def test_the_notebook_s_parameters_refuse_an_undeclared_name_and_take_a_list_as_
     assert spec.train == [str(ROOT / "a.jsonl"), "hub:org/chats:train"] and spec.eval is None
     assert spec.eval_fraction == 0.2 and spec.template == ChatTemplate(user="U:")
     assert ConvertParams.from_dict({"train_sources": "b.jsonl"}).spec().train == str(ROOT / "b.jsonl")
+    for text in ("prompt=question,completion=answer", "{prompt: question, completion: answer}"):
+        assert ConvertParams.from_dict({"columns": text}).spec().columns == {"prompt": "question",
+                                                                            "completion": "answer"}
+    with pytest.raises(ParamError, match="columns: FIELD=COLUMN pairs"):
+        ConvertParams.from_dict({"columns": "prompt=question,completion"})
+    with pytest.raises(ParamError, match="columns must be a mapping or None"):
+        ConvertParams.from_dict({"columns": "prompt"})
     with pytest.raises(ParamError, match="data_format must be auto or one of"):
-        ConvertParams.from_dict({"data_format": "alpaca"})
+        ConvertParams.from_dict({"data_format": "dolly"})
 
 
 def test_the_notebook_s_parameters_cell_mirrors_its_parameter_class():

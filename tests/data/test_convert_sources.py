@@ -267,6 +267,90 @@ def test_plain_text_is_taught_whole(tmp_path):
     assert labels == ids[1:] + [IGNORE_INDEX]
 
 
+def user_and_answer(user: str, answer: str, system: str | None = None) -> dict:
+    messages = [{"role": "system", "content": system}] if system else []
+    return {"messages": messages + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+def test_alpaca_rows_are_the_instruction_then_the_input_a_newline_apart_as_the_user_turn(tmp_path):
+    """Detected by instruction + output; a blank or missing input leaves the instruction alone; a `text` column
+    (Alpaca dumps carry the whole templated prompt there) does not make the row plain text."""
+    rows = [{"instruction": "Give a tip.", "input": "", "output": "Sleep."},
+            {"instruction": "Translate to French", "input": "good morning", "output": "bonjour", "system": "Be brief."},
+            {"instruction": "Name a color", "output": "Blue.", "input": "  "},
+            {"instruction": "Add", "input": "2 and 3", "output": "5",
+             "text": "### Instruction:\nAdd\n\n### Input:\n2 and 3\n\n### Response:\n5"}]
+    indexes = run(tmp_path, str(write_jsonl(tmp_path / "alpaca.jsonl", rows)))
+    reference = [user_and_answer("Give a tip.", "Sleep."),
+                 user_and_answer("Translate to French\ngood morning", "bonjour", system="Be brief."),
+                 user_and_answer("Name a color", "Blue."), user_and_answer("Add\n2 and 3", "5")]
+    run(tmp_path, str(write_jsonl(tmp_path / "reference.jsonl", reference)), name="reference")
+    assert examples(tmp_path / "shard") == examples(tmp_path / "reference")
+    ids, labels = examples(tmp_path / "shard")[1]
+    assert BYTES.decode_template(ids) == ("<|system|>Be brief.<|user|>Translate to French\ngood morning"
+                                          "<|assistant|>bonjour<|eos|>")
+    assert BYTES.decode_template([t for t in labels if t != IGNORE_INDEX]) == "bonjour<|eos|>"  # the output alone
+    assert indexes["train"]["conversion"]["stats"]["sources"][0]["format"] == "auto"
+
+
+def test_dolly_rows_read_as_alpaca_through_columns_recorded_in_the_manifest(tmp_path):
+    rows = [{"instruction": "Who wrote Hamlet?", "context": "Hamlet is a play by Shakespeare.",
+             "response": "Shakespeare.", "category": "closed_qa"},
+            {"instruction": "Name a color.", "context": "", "response": "Blue.", "category": "open_qa"}]
+    held = [{"instruction": "Name a fruit.", "context": "", "response": "Apple.", "category": "open_qa"}]
+    columns = {"input": "context", "output": "response", "task": "category"}
+    indexes = run(tmp_path, str(write_jsonl(tmp_path / "dolly.jsonl", rows)),
+                  str(write_jsonl(tmp_path / "dolly-held.jsonl", held)), columns=columns, max_seq_len=128)
+    run(tmp_path, str(write_jsonl(tmp_path / "reference.jsonl", [
+        user_and_answer("Who wrote Hamlet?\nHamlet is a play by Shakespeare.", "Shakespeare."),
+        user_and_answer("Name a color.", "Blue.")])), name="reference", max_seq_len=128)
+    assert examples(tmp_path / "shard") == examples(tmp_path / "reference")
+    assert [row["task"] for row in open_shard(tmp_path / "shard", "train").rows] == ["closed_qa", "open_qa"]
+    for partition in ("train", "eval"):  # the conversion's columns are every source's
+        (source,) = indexes[partition]["conversion"]["stats"]["sources"]
+        assert source["columns"] == columns and source["format"] == "auto"
+
+
+def test_question_answer_rows_read_as_prompt_completion_through_a_source_s_own_columns(tmp_path):
+    rows = [{"question": "12+34=", "answer": "46"}, {"question": "upper w", "answer": "W", "prompt": "ignored"}]
+    source = {"path": str(write_jsonl(tmp_path / "qa.jsonl", rows)), "columns": {"prompt": "question",
+                                                                                "completion": "answer"}}
+    held = str(write_jsonl(tmp_path / "held.jsonl", [user_and_answer("9+9=", "18")]))
+    indexes = run(tmp_path, [source], held)
+    taught = [BYTES.decode_template([t for t in labels if t != IGNORE_INDEX])
+              for _, labels in examples(tmp_path / "shard")]
+    assert taught == ["46<|eos|>", "W<|eos|>"]  # the mapped column replaces a field of the same name
+    assert BYTES.decode_template(examples(tmp_path / "shard")[1][0]) == "<|user|>upper w<|assistant|>W<|eos|>"
+    assert indexes["train"]["conversion"]["stats"]["sources"][0]["columns"] == source["columns"]
+    assert indexes["eval"]["conversion"]["stats"]["sources"][0]["columns"] == {}
+
+
+@pytest.mark.parametrize("settings, words", [
+    (lambda qa: {"columns": {"promt": "question"}},
+     ["columns: 'promt' is no field a format reads", "prompt, completion"]),
+    (lambda qa: {"columns": {"prompt": 3}}, ["columns: a mapping of field: column"]),
+    (lambda qa: {"columns": ["prompt", "question"]}, ["columns: a mapping of field: column"]),
+    (lambda qa: {"train": [{"path": qa, "columns": {"answer": "completion"}}]},
+     ["train: {qa}: columns: 'answer' is no field"]),
+    (lambda qa: {"columns": {"prompt": "question", "completion": "reply"}},
+     ["qa.jsonl row 2: no column 'reply', which columns maps to 'completion'", "['answer', 'question']"]),
+])
+def test_a_bad_column_mapping_is_refused_naming_the_key_row_and_column_and_writes_nothing(tmp_path, settings, words):
+    qa = str(write_jsonl(tmp_path / "qa.jsonl", [{"question": "a", "reply": "b"}, {"question": "c", "answer": "d"}]))
+    with pytest.raises(ConvertError) as caught:
+        run(tmp_path, **{"train": qa, **settings(qa)})
+    for word in words:
+        assert word.format(qa=qa) in str(caught.value), f"{word!r} not in: {caught.value}"
+    assert not (tmp_path / "shard").exists() and not list(tmp_path.glob(".shard*"))
+
+
+def test_an_alpaca_row_with_earlier_turns_is_refused_rather_than_converted_without_them(tmp_path):
+    rows = [{"instruction": "and twice?", "input": "", "output": "8", "history": [["2+2=", "4"]]}]
+    with pytest.raises(ConvertError, match="alpaca.jsonl row 1: history: an alpaca row's earlier turns are not read"):
+        run(tmp_path, str(write_jsonl(tmp_path / "alpaca.jsonl", rows)))
+    assert not (tmp_path / "shard").exists()
+
+
 def test_tool_turns_need_the_tokenizers_template(tmp_path):
     row = {"messages": [{"role": "user", "content": "weather?"},
                         {"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": "{}"}}]},
@@ -350,7 +434,7 @@ def bad_saved(tmp_path: Path) -> str:
     (lambda tmp: str(write_jsonl(tmp / "mixed.jsonl", [as_messages(SHAREGPT[0]), SHAREGPT[1]])),
      ["mixed.jsonl row 2", "no 'messages' field", "the source's first row was messages"]),
     (lambda tmp: str(write_jsonl(tmp / "odd.jsonl", [{"question": "a", "answer": "b"}])),
-     ["odd.jsonl row 1", "no format's fields", "question"]),
+     ["odd.jsonl row 1", "no format's fields", "question", "instruction+output", "--columns prompt=question"]),
     (lambda tmp: str(write_jsonl(tmp / "calls.jsonl", [{"conversations": [
         {"from": "human", "value": "w?"}, {"from": "function_call", "value": "{\"args\": 1}"}]}])),
      ["calls.jsonl row 1", "conversations 1 value", "'name'"]),
@@ -376,7 +460,7 @@ def test_settings_are_checked_before_anything_is_read(tmp_path):
     source = str(write_jsonl(tmp_path / "a.jsonl", [as_messages(SHAREGPT[0])]))
     for change, message in [({"eval_fraction": 0.2}, "not both"), ({"eval": None}, "not neither"),
                             ({"eval": None, "eval_fraction": 1.5}, "eval_fraction must be a number in"),
-                            ({"format": "alpaca"}, "format must be auto or one of"),
+                            ({"format": "dolly"}, "format must be auto or one of"),
                             ({"reasoning": "hide"}, "reasoning must be one of"),
                             ({"template": "tokenizer"}, "is not a folder")]:
         with pytest.raises(ConvertError, match=message):
