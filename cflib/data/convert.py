@@ -13,9 +13,12 @@ turn, or of every assistant turn (`supervise`); plain text is taught whole.
 Held-out conversations come from `eval` sources, or from the train sources
 with `eval_fraction`: each conversation goes to eval by a hash of its content
 and the seed, so the same conversation always lands on the same side, before
-duplicates are counted. Nothing is truncated or sliced: a conversation longer
-than `max_seq_len` is rejected and counted, as are exact duplicates, eval
-conversations that also occur in train, and empty answers. A row that cannot
+duplicates are counted. Nothing is sliced: a conversation longer than
+`max_seq_len` is rejected and counted (`overflow: reject`), or keeps its longest
+prefix that ends after a whole assistant turn and fits (`overflow: drop_turns`,
+counted as truncated; rejected where its first answer does not fit). Exact
+duplicates, eval conversations that also occur in train, and empty answers
+are rejected and counted too. A row that cannot
 be read stops the conversion, naming source, row and field; nothing is
 written then. Each example's `example_id` is generated (`train-00000001`),
 unique in its partition; a row's own `id` is kept as `row_id`. Rendered
@@ -23,15 +26,16 @@ through the tokenizer's template, the first rows of each source are checked
 token for token against `apply_chat_template` before they are written. Each
 example keeps its `source`: its row's own, else its input's name. Each
 partition's sft.idx.json records the counts per source,
-supervised tokens, vocabulary, EOS, cap, the rejections, the tokenizer and
-template (the tokenizer template's SHA-256), every source with its columns and
-the SHA-256 of its files, and the SHA-256 of every file written.
+supervised tokens, vocabulary, EOS, cap, the rejections and truncations, the
+overflow policy, the tokenizer and template (the tokenizer template's
+SHA-256), every source with its columns and the SHA-256 of its files, and the
+SHA-256 of every file written.
 
     python -m cflib.data convert --train SOURCE [SOURCE ...] (--eval SOURCE ... | --eval-fraction F) --out DIR \
         [--format auto|messages|sharegpt|prompt_completion|alpaca|text] [--columns FIELD=COLUMN,...] \
         [--tokenizer byte|tokenizer.json|DIR] [--template tokenizer|template.yaml] \
         [--supervise all_assistant_turns|final_turn] [--reasoning supervise|mask|strip] [--max-seq-len 2048] \
-        [--seed 0] [--spec convert.yaml] [--overwrite]
+        [--overflow reject|drop_turns] [--seed 0] [--spec convert.yaml] [--overwrite]
 """
 from __future__ import annotations
 
@@ -63,6 +67,8 @@ from cflib.schema import Params, coerce, is_none_word, parsed_by
 from cflib.yamlio import load_yaml, read_yaml
 
 REJECTIONS = ("too_long", "duplicate", "duplicate_of_train", "empty_answer")
+# What a conversation longer than max_seq_len becomes: rejected whole, or its leading whole assistant turns kept.
+OVERFLOW = ("reject", "drop_turns")
 # Rendered through the tokenizer's template, the first rows of each source are compared with apply_chat_template.
 IDENTITY_SAMPLE = 16
 
@@ -80,6 +86,7 @@ class ConvertSpec:
     template: ChatTemplate | str = field(default_factory=ChatTemplate)  # or "tokenizer": the tokenizer's own
     format: str = "auto"  # each source's, unless the source names its own
     columns: dict | None = None  # {field: column} renamed in each source's rows, unless the source names its own
+    overflow: str = "reject"  # or "drop_turns": keep the longest prefix ending after a whole assistant turn
     reasoning: str = "supervise"
     eval_fraction: float | None = None
     seed: int = 0  # of the eval_fraction split
@@ -100,6 +107,8 @@ class ConvertSpec:
             raise ConvertError(f"reasoning must be one of {POLICIES}, got {self.reasoning!r}")
         if self.format not in ("auto", *FORMATS):
             raise ConvertError(f"format must be auto or one of {FORMATS}, got {self.format!r}")
+        if self.overflow not in OVERFLOW:
+            raise ConvertError(f"overflow must be one of {OVERFLOW}, got {self.overflow!r}")
         check_columns(self.columns, "columns")
         if isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
             raise ConvertError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
@@ -177,6 +186,7 @@ class ConvertParams(Params):
     supervise: str = "all_assistant_turns"
     reasoning: str = "supervise"
     max_seq_len: int = 256
+    overflow: str = "reject"
     overwrite: bool = True
 
     def validate(self) -> None:
@@ -192,7 +202,7 @@ class ConvertParams(Params):
                            out=str(resolve_path(self.out)), eval_fraction=self.eval_fraction, seed=self.seed,
                            format=self.data_format, columns=self.columns, template=template, supervise=self.supervise,
                            tokenizer=self.tokenizer if self.tokenizer == "byte" else str(resolve_path(self.tokenizer)),
-                           reasoning=self.reasoning, max_seq_len=self.max_seq_len)
+                           reasoning=self.reasoning, max_seq_len=self.max_seq_len, overflow=self.overflow)
 
 
 class SeenConversations:
@@ -271,6 +281,7 @@ class PartitionReader:
         self.supervised_per_source: Counter = Counter()
         self.rows_read = 0  # the conversations of this partition (eval_fraction sends the others away)
         self.rows_seen = 0  # every conversation read from the sources, either side of the split
+        self.truncated = 0  # conversations kept without their last turns (overflow: drop_turns)
         self.sources: list[dict] = []
 
     def examples(self) -> Iterator[Example]:
@@ -314,15 +325,20 @@ class PartitionReader:
         reason = self._rejection(digest, conversation)
         if reason is None:
             try:
-                input_ids, labels = self.renderer.render(conversation)
-                if check_identity and conversation.text is None:
-                    _check_identity(self.renderer, conversation, input_ids)
+                kept = self._rendered(conversation, check_identity)
             except ConvertError as err:
                 raise ConvertError(f"{where}: {err}") from None
-            reason = "too_long" if len(input_ids) > self.spec.max_seq_len else None
+            if kept is None:
+                reason = "too_long"
+            elif kept[0] is not conversation:  # overflow: drop_turns kept its leading turns
+                # They may be another conversation whole (chats that share their first turns): a duplicate of it,
+                # never written twice.
+                reason = self._rejection(conversation_digest(kept[0]), kept[0])
+                self.truncated += reason is None
         if reason is not None:
             self.rejected[reason] += 1
             return None
+        conversation, input_ids, labels = kept
         # example_id is the shard's key (loss_metadata.jsonl joins on it): generated, so unique in the partition;
         # the row's own id, which data sets repeat, stays beside it as row_id (cflib.data.formats).
         meta = {"source": source.name, "origin": where, **conversation.meta,
@@ -331,6 +347,32 @@ class PartitionReader:
         self.per_source[meta["source"]] += 1
         self.supervised_per_source[meta["source"]] += sum(label != IGNORE_INDEX for label in labels)
         return Example(input_ids, labels, meta)
+
+    def _rendered(self, conversation: Conversation, check_identity: bool
+                  ) -> tuple[Conversation, list[int], list[int]] | None:
+        """The conversation as it is written (itself, or with overflow: drop_turns its leading turns), its ids and
+        labels; None where it is longer than max_seq_len and overflow keeps no part of it."""
+        input_ids, labels = self.renderer.render(conversation)
+        if check_identity and conversation.text is None:
+            _check_identity(self.renderer, conversation, input_ids)
+        if len(input_ids) <= self.spec.max_seq_len:
+            return conversation, input_ids, labels
+        if self.spec.overflow != "drop_turns" or conversation.text is not None:  # text has no turns to drop
+            return None
+        # The longest prefix first: one that ends after a whole assistant turn of the completion (never within
+        # an answer, never within a prompt's context turns), has an answer to teach, and fits.
+        ends = [turn + 1 for turn, message in enumerate(conversation.messages[:-1])
+                if message["role"] == "assistant" and turn >= conversation.context_turns]
+        for end in reversed(ends):
+            prefix = replace(conversation, messages=conversation.messages[:end])
+            if prefix.has_empty_answer(self.spec.supervise):
+                continue
+            input_ids, labels = self.renderer.render(prefix)
+            if len(input_ids) <= self.spec.max_seq_len:
+                if check_identity:
+                    _check_identity(self.renderer, prefix, input_ids)
+                return prefix, input_ids, labels
+        return None
 
     def _rejection(self, digest: int, conversation: Conversation) -> str | None:
         if not self.seen.add(self.partition, digest):
@@ -343,7 +385,7 @@ class PartitionReader:
 
     def stats(self) -> dict:
         return {"rows_read": self.rows_read, "rejected": {k: self.rejected[k] for k in REJECTIONS},
-                "truncated_examples": 0, "examples_per_task": dict(sorted(self.per_task.items())),
+                "truncated_examples": self.truncated, "examples_per_task": dict(sorted(self.per_task.items())),
                 "examples_per_source": dict(sorted(self.per_source.items())),
                 "supervised_tokens_per_source": dict(sorted(self.supervised_per_source.items())),
                 "sources": self.sources}
@@ -374,6 +416,7 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
     renderer = make_renderer(spec.tokenizer, spec.template, spec.supervise, spec.reasoning)
     conversion = {"tokenizer": tokenizer_record(renderer.tokenizer), "template": renderer.record(),
                   "supervise": spec.supervise, "reasoning": spec.reasoning, "format": spec.format,
+                  "overflow": spec.overflow,
                   "split": None if spec.eval_fraction is None else {"eval_fraction": spec.eval_fraction,
                                                                      "seed": spec.seed}}
     # `out` checked again under its lock: a conversion that wrote it meanwhile is never silently replaced. The
@@ -454,8 +497,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reasoning", choices=POLICIES, help="what the loss does with reasoning (default: "
                                                               "supervise)")
     parser.add_argument("--max-seq-len", type=int, dest="max_seq_len",
-                        help=f"longer conversations are rejected and counted, never truncated (default "
+                        help=f"longer conversations are rejected and counted, or as --overflow says (default "
                              f"{ConvertSpec.max_seq_len})")
+    parser.add_argument("--overflow", choices=OVERFLOW,
+                        help="a conversation longer than --max-seq-len: reject it (default), or drop_turns: keep its "
+                             "longest prefix that ends after a whole assistant turn, counted as truncated")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an out folder this command wrote (nothing else in it); a spec may say "
                              "overwrite: true")
@@ -512,7 +558,8 @@ def summary(indexes: dict[str, dict]) -> str:
         rejected = ", ".join(f"{k} {v}" for k, v in stats["rejected"].items())
         lines.append(f"{partition:5s} {index['examples']:,} examples of {stats['rows_read']:,} rows, "
                      f"{index['num_tokens']:,} tokens, {index['supervised_tokens']:,} supervised; "
-                     f"rejected: {rejected}")
+                     f"rejected: {rejected}" + (f"; truncated (turns dropped): {stats['truncated_examples']:,}"
+                                                if index["conversion"].get("overflow") == "drop_turns" else ""))
         if len(stats["examples_per_source"]) > 1:
             lines += [f"      {name}: {count:,} examples, {stats['supervised_tokens_per_source'][name]:,} supervised"
                       for name, count in stats["examples_per_source"].items()]
@@ -549,3 +596,4 @@ def main(argv: Sequence[str]) -> None:
         indexes = convert(spec, overwrite)
     print(f"wrote {spec.out}")
     print(summary(indexes))
+

@@ -49,7 +49,9 @@ def manifest_findings(shard: ShardPartition, model_vocab_size: int) -> list[str]
     truncated = index.get("truncated_examples", (index.get("conversion") or {}).get("stats", {}).get(
         "truncated_examples", 0))
     if truncated:
-        findings.append(f"sft.idx.json declares {truncated} truncated examples")
+        dropped = (index.get("conversion") or {}).get("overflow") == "drop_turns"
+        findings.append(f"sft.idx.json declares {truncated} truncated examples" + (
+            " (conversations kept without their last turns: overflow drop_turns)" if dropped else ""))
     return findings
 
 

@@ -14,9 +14,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cflib.data.__main__ import main as data_main
 from cflib.data.conversation import Conversation, ConvertError, conversation_digest
-from cflib.data.convert import ConvertParams, ConvertSpec, SeenConversations, convert, show_example, spec_from_args
+from cflib.data.convert import (ConvertParams, ConvertSpec, SeenConversations, convert, show_example, spec_from_args,
+                                summary)
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.packing import collate_packed, pack_examples
+from cflib.data.preflight import manifest_findings
+from cflib.data.rendering import make_renderer
 from cflib.data.shards import IGNORE_INDEX, ShardError, collate, open_shard, sha256_file
 from cflib.data.tokenizer import ByteTokenizer, JsonTokenizer
 from cflib.errors import ParamError
@@ -111,6 +114,94 @@ def test_rejections_are_counted_and_the_manifest_records_everything(tmp_path):
              "files": [{"path": str(source), "sha256": sha256_file(source)}]}]
         assert index["conversion"]["template"] == {"kind": "markers", **vars(ChatTemplate())}
     assert indexes["train"]["conversion"]["stats"]["examples_per_source"] == {"shard-train": 2, "unit": 1}
+
+
+def rendered_length(row: dict) -> int:
+    """The tokens a chat row renders to through the byte tokenizer and the default markers."""
+    renderer = make_renderer("byte", ChatTemplate(), "all_assistant_turns")
+    return len(renderer.render(Conversation(row["messages"]))[0])
+
+
+THREE = chat("system:be brief", "hi", "hello", "reverse dog", "god", "and abc?", "cba", task="dialog")
+TWO = chat("system:be brief", "hi", "hello", "reverse dog", "god", task="dialog")  # THREE without its last exchange
+
+
+def test_a_default_conversion_writes_the_tokens_it_wrote_before_overflow_existed(tmp_path):
+    """overflow: reject is the default: the same ids and labels, byte for byte, as the converter wrote before the
+    option (hashes taken with that code), with no truncation declared."""
+    rows = TRAIN + [chat("x" * 70, "too long"), THREE]
+    indexes = run_convert(tmp_path, rows, max_seq_len=40)
+    assert sha256_file(tmp_path / "shard" / "train" / "input_ids.bin") == \
+        "6cf617275edcc9b285a02995d1aaf0fd966636481c8d4213aee80e10b83d4c55"
+    assert sha256_file(tmp_path / "shard" / "train" / "labels.bin") == \
+        "e7ab7994b00a95d13cc6fe69d5ba8918275d7b4a81feb2963d81c27aebe9473d"
+    conversion = indexes["train"]["conversion"]
+    assert conversion["overflow"] == "reject" and conversion["stats"]["truncated_examples"] == 0
+    assert conversion["stats"]["rejected"]["too_long"] == 2
+    explicit = run_convert(tmp_path, rows, name="explicit", max_seq_len=40, overflow="reject")
+    for name in ("input_ids.bin", "labels.bin", "loss_metadata.jsonl"):
+        assert sha256_file(tmp_path / "explicit" / "train" / name) == sha256_file(tmp_path / "shard" / "train" / name)
+    assert "truncated" not in summary(explicit)
+
+
+@pytest.mark.parametrize("supervise, taught", [("all_assistant_turns", "hello<|eos|>god<|eos|>"),
+                                               ("final_turn", "god<|eos|>")])
+def test_drop_turns_keeps_the_longest_prefix_that_ends_after_a_whole_assistant_turn(tmp_path, supervise, taught):
+    cap = rendered_length(TWO) + 5  # two exchanges fit, the third does not
+    assert rendered_length(THREE) > cap
+    first_too_long = chat("x" * cap, "y", "again", "z")
+    indexes = run_convert(tmp_path, [THREE, first_too_long, TRAIN[0]], max_seq_len=cap, overflow="drop_turns",
+                          supervise=supervise)
+    run_convert(tmp_path, [TWO, TRAIN[0]], name="reference", max_seq_len=cap, supervise=supervise)
+    shard, reference = open_shard(tmp_path / "shard", "train"), open_shard(tmp_path / "reference", "train")
+    for row in range(2):
+        assert [t.tolist() for t in shard[row]] == [t.tolist() for t in reference[row]]
+    ids, labels = shard[0]
+    assert BYTES.decode_template(ids.tolist()).endswith("<|user|>reverse dog<|assistant|>god<|eos|>")
+    assert BYTES.decode_template([int(t) for t in labels if t != IGNORE_INDEX]) == taught
+    assert shard.rows[0]["origin"].endswith("row 1") and shard.rows[0]["task"] == "dialog"
+    conversion = indexes["train"]["conversion"]
+    assert conversion["overflow"] == "drop_turns"
+    assert conversion["stats"]["truncated_examples"] == 1 and conversion["stats"]["rejected"]["too_long"] == 1
+    assert "truncated (turns dropped): 1" in summary(indexes).splitlines()[0]
+    assert manifest_findings(shard, BYTES.vocab_size) == [
+        "sft.idx.json declares 1 truncated examples (conversations kept without their last turns: overflow "
+        "drop_turns)"]
+
+
+@pytest.mark.parametrize("row, fitting", [
+    ({"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                 {"role": "user", "content": "x" * 40}], "completion": "y"},  # the cut may not fall in the prompt
+     {"prompt": "hi", "completion": "hello"}),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "weight": 0},
+                   {"role": "user", "content": "x" * 40}, {"role": "assistant", "content": "y"}]},  # none taught
+     TRAIN[0]),
+    ({"text": "x" * 60}, {"text": "fits"}),  # no turns to drop
+])
+def test_drop_turns_rejects_what_has_no_whole_taught_answer_that_fits(tmp_path, row, fitting):
+    indexes = run_convert(tmp_path, [row, fitting], max_seq_len=32, overflow="drop_turns")
+    stats = indexes["train"]["conversion"]["stats"]
+    assert stats["rejected"]["too_long"] == 1 and stats["truncated_examples"] == 0
+    assert indexes["train"]["examples"] == 1
+
+
+@pytest.mark.parametrize("order, truncated", [((TWO, THREE), 0), ((THREE, TWO), 1)])
+def test_the_turns_drop_turns_keeps_are_checked_for_duplicates(tmp_path, order, truncated):
+    indexes = run_convert(tmp_path, list(order), max_seq_len=rendered_length(TWO), overflow="drop_turns")
+    stats = indexes["train"]["conversion"]["stats"]
+    assert indexes["train"]["examples"] == 1 and stats["rejected"]["duplicate"] == 1
+    assert stats["truncated_examples"] == truncated
+
+
+def test_overflow_is_checked_and_read_from_a_spec_file_and_the_flag(tmp_path):
+    with pytest.raises(ConvertError, match="overflow must be one of \\('reject', 'drop_turns'\\), got 'truncate'"):
+        run_convert(tmp_path, TRAIN, overflow="truncate")
+    assert not (tmp_path / "shard").exists()
+    spec_file = tmp_path / "convert.yaml"
+    spec_file.write_text(f"train: a.jsonl\neval: b.jsonl\nout: {tmp_path / 'x'}\noverflow: drop_turns\n")
+    assert spec_from_args(["--spec", str(spec_file)])[0].overflow == "drop_turns"
+    assert spec_from_args(["--spec", str(spec_file), "--overflow", "reject"])[0].overflow == "reject"
+    assert ConvertParams.from_dict({"overflow": "drop_turns"}).spec().overflow == "drop_turns"
 
 
 def test_round_trip_jsonl_to_shard_to_batches_to_text(tmp_path):
