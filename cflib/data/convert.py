@@ -16,9 +16,10 @@ and the seed, so the same conversation always lands on the same side, before
 duplicates are counted. Nothing is sliced: a conversation longer than
 `max_seq_len` is rejected and counted (`overflow: reject`), or keeps its longest
 prefix that ends after a whole assistant turn and fits (`overflow: drop_turns`,
-counted as truncated; rejected where its first answer does not fit). Exact
-duplicates, eval conversations that also occur in train, and empty answers
-are rejected and counted too. A row that cannot
+counted as truncated; rejected where its first answer does not fit), and a
+warning names the partition where more than 1% of its conversations were
+rejected as too long. Exact duplicates, eval conversations that also occur in
+train, and empty answers are rejected and counted too. A row that cannot
 be read stops the conversion, naming source, row and field; nothing is
 written then. Each example's `example_id` is generated (`train-00000001`),
 unique in its partition; a row's own `id` is kept as `row_id`. Rendered
@@ -43,6 +44,8 @@ import argparse
 import hashlib
 import json
 import sqlite3
+import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -69,8 +72,14 @@ from cflib.yamlio import load_yaml, read_yaml
 REJECTIONS = ("too_long", "duplicate", "duplicate_of_train", "empty_answer")
 # What a conversation longer than max_seq_len becomes: rejected whole, or its leading whole assistant turns kept.
 OVERFLOW = ("reject", "drop_turns")
+# Above this share of a partition's conversations rejected as too long, the conversion warns: data lost unseen.
+TOO_LONG_WARNING = 0.01
 # Rendered through the tokenizer's template, the first rows of each source are compared with apply_chat_template.
 IDENTITY_SAMPLE = 16
+
+
+class ConvertWarning(UserWarning):
+    """Data a conversion left out that its summary alone would let go unseen."""
 
 
 @dataclass
@@ -424,6 +433,7 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
     with exclusive_output(out, check, ConvertError, what="out:") as staging:
         with scratch_folder(staging / "scratch") as scratch:
             seen, reader = SeenConversations(scratch), SourceReader(scratch)
+            notes: list[str | None] = []  # each partition's warning, given once the shard is written
             try:
                 for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
                     rows = PartitionReader(partition, spec, renderer, reader, seen)
@@ -434,9 +444,26 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                                     max_seq_len=spec.max_seq_len,
                                     index_extra={"conversion": {**conversion, "stats": stats}},
                                     sidecar_fields=loss_metadata.FIELDS)
+                    notes.append(too_long_warning(partition, stats, spec))
             finally:
                 seen.close()
+    for note in filter(None, notes):  # a conversion that failed has its error to say instead
+        warnings.warn(note, ConvertWarning, stacklevel=2)
     return {p: json.loads((out / p / "sft.idx.json").read_text()) for p in ("train", "eval")}
+
+
+def too_long_warning(partition: str, stats: dict, spec: ConvertSpec) -> str | None:
+    """What to say where more than TOO_LONG_WARNING of a partition's conversations were rejected as too long.
+    convert() warns it, the one function the command line and the notebook both call, so neither loses them
+    silently."""
+    count, rows = stats["rejected"]["too_long"], stats["rows_read"]
+    if count <= TOO_LONG_WARNING * rows:
+        return None
+    advice = ("raise max_seq_len (--max-seq-len), or keep their leading whole assistant turns with overflow: "
+              "drop_turns (--overflow drop_turns)" if spec.overflow == "reject" else
+              "with overflow: drop_turns, not even their first answer fits: raise max_seq_len (--max-seq-len)")
+    return (f"{partition}: {count:,} of {rows:,} conversations ({count / rows:.1%}) are longer than max_seq_len "
+            f"{spec.max_seq_len} and were rejected (too_long); {advice}")
 
 
 def _filling(rows: PartitionReader, stats: dict) -> Iterator[Example]:
@@ -591,9 +618,19 @@ def show_example(shard: ShardPartition, index: int, tokenizer: ByteTokenizer | J
 
 
 def main(argv: Sequence[str]) -> None:
-    with one_line_errors("convert", ConvertError):
+    with one_line_errors("convert", ConvertError), warnings.catch_warnings():
+        warnings.showwarning = _one_line(warnings.showwarning)
         spec, overwrite = spec_from_args(argv)
         indexes = convert(spec, overwrite)
     print(f"wrote {spec.out}")
     print(summary(indexes))
 
+
+def _one_line(show: Any) -> Any:
+    """warnings.showwarning that gives a ConvertWarning as one line of the command's (no source line under it)."""
+    def shown_on_one_line(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, ConvertWarning):
+            print(f"convert: warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, *args, **kwargs)
+    return shown_on_one_line

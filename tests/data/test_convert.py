@@ -6,6 +6,7 @@ import importlib
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cflib.data.__main__ import main as data_main
 from cflib.data.conversation import Conversation, ConvertError, conversation_digest
-from cflib.data.convert import (ConvertParams, ConvertSpec, SeenConversations, convert, show_example, spec_from_args,
-                                summary)
+from cflib.data.convert import (ConvertParams, ConvertSpec, ConvertWarning, SeenConversations, convert, show_example,
+                                spec_from_args, summary)
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.packing import collate_packed, pack_examples
 from cflib.data.preflight import manifest_findings
@@ -191,6 +192,27 @@ def test_the_turns_drop_turns_keeps_are_checked_for_duplicates(tmp_path, order, 
     stats = indexes["train"]["conversion"]["stats"]
     assert indexes["train"]["examples"] == 1 and stats["rejected"]["duplicate"] == 1
     assert stats["truncated_examples"] == truncated
+
+
+def sums(count: int) -> list[dict]:
+    return [chat(f"{i}+{i}=", str(2 * i)) for i in range(count)]
+
+
+def test_more_than_one_percent_rejected_as_too_long_warns_naming_the_partition_and_the_option(tmp_path):
+    long_rows = [chat("x" * 70, f"long {i}") for i in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvertWarning)
+        run_convert(tmp_path, sums(99) + long_rows[:1], name="one")  # 1 of 100: not more than 1%
+    with pytest.warns(ConvertWarning) as caught:
+        run_convert(tmp_path, sums(98) + long_rows, name="two")
+    (warning,) = [str(w.message) for w in caught if issubclass(w.category, ConvertWarning)]
+    assert warning == ("train: 2 of 100 conversations (2.0%) are longer than max_seq_len 64 and were rejected "
+                       "(too_long); raise max_seq_len (--max-seq-len), or keep their leading whole assistant turns "
+                       "with overflow: drop_turns (--overflow drop_turns)")
+    assert caught[0].filename == __file__  # attributed to the caller of convert
+    with pytest.warns(ConvertWarning, match="^eval: 1 of 2 conversations .*with overflow: drop_turns, not even their "
+                                            "first answer fits: raise max_seq_len"):
+        run_convert(tmp_path, TRAIN, [EVAL[0], long_rows[0]], name="held", overflow="drop_turns")
 
 
 def test_overflow_is_checked_and_read_from_a_spec_file_and_the_flag(tmp_path):
@@ -380,6 +402,9 @@ def test_command_line_with_a_spec_file(tmp_path):
                            "--max-seq-len", "256"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "train 8 examples of 11 rows" in done.stdout and "too_long 1, duplicate 1" in done.stdout
+    assert done.stderr == ("convert: warning: train: 1 of 11 conversations (9.1%) are longer than max_seq_len 256 "
+                           "and were rejected (too_long); raise max_seq_len (--max-seq-len), or keep their leading "
+                           "whole assistant turns with overflow: drop_turns (--overflow drop_turns)\n")
     index = json.loads((tmp_path / "cli" / "train" / "sft.idx.json").read_text())
     assert index["max_seq_len"] == 256 and index["conversion"]["supervise"] == "final_turn"
     done = subprocess.run([sys.executable, "-m", "cflib.data", "convert", "--spec", str(spec)],
