@@ -5,7 +5,8 @@ first, goes into the open window it fills most tightly) and the windows are
 then shuffled per epoch like examples. Consecutive examples in a window are
 separated by one EOS token whose label is -100; the tail is padded with EOS,
 also unsupervised. Each position carries its example's document id, so the
-model can keep examples from attending to each other (cflib.ops.attention).
+model can keep examples from attending to each other (cflib.ops.attention),
+whichever source of a mixture (cflib.data.mixture) they come from.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from cflib.data.mixture import MixedPartition
 from cflib.data.shards import IGNORE_INDEX, ShardPartition
 
 
@@ -79,7 +81,28 @@ def pack_examples(lengths: np.ndarray, seq_len: int) -> PackedWindows:
     return PackedWindows(seq_len, members, offsets)
 
 
-def pack_window(data: ShardPartition, members: np.ndarray, seq_len: int) -> tuple[torch.Tensor, ...]:
+def example_tokens(data: ShardPartition | MixedPartition, members: np.ndarray, lengths: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The members' input ids and labels, one after another, gathered with array indexing (a mixture's from
+    each source's files in turn)."""
+    if isinstance(data, MixedPartition):
+        sources = data.source_of[members]
+        token_source = np.repeat(sources, lengths)
+        input_ids = np.empty(int(lengths.sum()), dtype=np.int64)
+        labels = np.empty_like(input_ids)
+        for source in np.unique(sources):
+            mine = sources == source
+            where = token_source == source
+            input_ids[where], labels[where] = example_tokens(data.parts[source], members[mine] - data.starts[source],
+                                                             lengths[mine])
+        return input_ids, labels
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    shard_positions = np.repeat(data.offsets[members], lengths) + within
+    return data.input_ids[shard_positions], data.labels[shard_positions]
+
+
+def pack_window(data: ShardPartition | MixedPartition, members: np.ndarray, seq_len: int
+                ) -> tuple[torch.Tensor, ...]:
     """One window: (input_ids, labels, document_ids, example_index), each [seq_len].
 
     document_ids count the window's examples from 0 (a separator belongs to the
@@ -95,11 +118,9 @@ def pack_window(data: ShardPartition, members: np.ndarray, seq_len: int) -> tupl
     document_of_token = np.repeat(np.arange(len(members)), lengths)
     within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     window_positions = starts[document_of_token] + within
-    shard_positions = data.offsets[members][document_of_token] + within
     input_ids = np.full(seq_len, data.eos_token_id, dtype=np.int64)
     labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
-    input_ids[window_positions] = data.input_ids[shard_positions]
-    labels[window_positions] = data.labels[shard_positions]
+    input_ids[window_positions], labels[window_positions] = example_tokens(data, members, lengths)
     document_ids = np.full(seq_len, len(members), dtype=np.int64)
     document_ids[window_positions] = document_of_token
     # The separator keeps its slot in the example before it; causally it is seen by no one.
@@ -110,7 +131,8 @@ def pack_window(data: ShardPartition, members: np.ndarray, seq_len: int) -> tupl
     return tuple(torch.from_numpy(column) for column in (input_ids, labels, document_ids, example_index))
 
 
-def collate_packed(data: ShardPartition, packed: PackedWindows, windows: Sequence[int]) -> tuple[torch.Tensor, ...]:
+def collate_packed(data: ShardPartition | MixedPartition, packed: PackedWindows, windows: Sequence[int]
+                   ) -> tuple[torch.Tensor, ...]:
     """Stacked windows: input_ids, labels, document_ids, example_index, each [B, seq_len]."""
     parts = [pack_window(data, packed.window(int(w)), packed.seq_len) for w in windows]
     return tuple(torch.stack(column) for column in zip(*parts))

@@ -1,4 +1,5 @@
-"""Packing whole examples into windows, and document masking: packed losses equal unpacked ones."""
+"""Packing whole examples into windows, and document masking: packed losses equal unpacked ones; a mixture's
+windows hold several sources' examples."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +8,7 @@ import torch
 from sft_shard_helpers import EOS, write_shard
 from tiny_models import random_ids, tiny_model
 
+from cflib.data.mixture import MixedPartition
 from cflib.data.packing import collate_packed, pack_examples
 from cflib.data.shards import IGNORE_INDEX, Example, open_shard
 from cflib.model.fast import checkpoint_layers
@@ -35,6 +37,14 @@ def random_examples(count: int, seed: int = 0, longest: int = 20) -> list[Exampl
 def shard(tmp_path_factory):
     root = write_shard(tmp_path_factory.mktemp("packing"), random_examples(23), vocab_size=VOCAB, max_seq_len=20)
     return open_shard(root, "train")
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, shard) -> MixedPartition:
+    """Two sources read as one: the module's shard and another of 17 examples (long ones, up to 30 tokens)."""
+    other = write_shard(tmp_path_factory.mktemp("other"), random_examples(17, seed=5, longest=30), vocab_size=VOCAB,
+                        max_seq_len=30)
+    return MixedPartition([shard, open_shard(other, "train")], ["short", "long"])
 
 
 def test_plan_places_every_example_once_whole_and_within_the_window():
@@ -187,3 +197,54 @@ def test_activation_checkpointing_keeps_packed_gradients():
         grads.append({name: p.grad for name, p in model.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def windows_hold_their_examples(data, plan, windows, input_ids, labels, document_ids, example_index) -> None:
+    """Row r of the collated tensors is window windows[r]: its examples' tokens in order, an unsupervised EOS after
+    each, the tail unsupervised; each position carries its example's document and row."""
+    seq_len = input_ids.shape[1]
+    for row, w in enumerate(windows):
+        cursor = 0
+        for document, example in enumerate(plan.window(w)):
+            ids, labs = data[int(example)]
+            end = cursor + ids.numel()
+            assert torch.equal(input_ids[row, cursor:end], ids) and torch.equal(labels[row, cursor:end], labs)
+            assert (document_ids[row, cursor:end] == document).all()
+            assert (example_index[row, cursor:end] == example).all()
+            if end < seq_len:
+                assert input_ids[row, end] == EOS and labels[row, end] == IGNORE_INDEX
+            cursor = end + 1
+        assert (labels[row, cursor - 1:] == IGNORE_INDEX).all()
+
+
+def test_a_mixture_s_windows_hold_whole_examples_of_several_sources(mixed):
+    plan = pack_examples(mixed.lengths, 48)
+    windows = range(len(plan))
+    columns = collate_packed(mixed, plan, windows)
+    windows_hold_their_examples(mixed, plan, windows, *columns)
+    sources_of_window = [set(mixed.source_of[plan.window(w)].tolist()) for w in windows]
+    assert any(len(sources) == 2 for sources in sources_of_window)  # the case to check: sources side by side
+    assert int((columns[1] != IGNORE_INDEX).sum()) == mixed.supervised_tokens()
+
+
+def test_a_mixture_of_one_source_collates_as_its_shard(shard):
+    """The mixture's gather, one source at a time, against the shard's own: the same tensors, bit for bit."""
+    plan = pack_examples(shard.lengths, 32)
+    alone = collate_packed(shard, plan, range(len(plan)))
+    for got, want in zip(collate_packed(MixedPartition([shard], ["only"]), plan, range(len(plan))), alone):
+        assert torch.equal(got, want)
+
+
+@torch.no_grad()
+def test_a_mixture_s_packed_batch_gives_each_example_its_unpacked_loss(mixed):
+    """Examples of two sources in one window: each one's loss is the loss it has alone."""
+    model = tiny_model(seed=2)
+    plan = pack_examples(mixed.lengths, 48)
+    input_ids, labels, document_ids, example_index = collate_packed(mixed, plan, range(len(plan)))
+    hidden = model(input_ids, document_ids)
+    for example, want in per_example_losses(model, mixed, plan.members).items():
+        mine = torch.where(example_index == example, labels, IGNORE_INDEX)
+        got, count = chunked_cross_entropy_sum(hidden, model.head_weight, mine, 7)
+        assert count == mixed.supervised_counts[example]
+        assert abs(float(got) - want) < 1e-4 * max(1.0, abs(want)), example
+
