@@ -1,4 +1,5 @@
-"""Shard roots of the embedded tasks, one per task, converted as a user converts data (not a conftest).
+"""Shard roots of the embedded tasks, one per task, converted as a user converts data, and roots of chats of varied
+lengths written directly (`varied_root`): the sources of the mixture tests (not a conftest).
 
 The embedded examples are written as chat JSON Lines (`messages`, `task`, `group`, `difficulty`; no `id`, so every
 root numbers its examples train-00000000, ... as the converter does) and converted
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
+from sft_shard_helpers import TOKENIZER, write_shard
 
 from cflib.data.convert import ConvertSpec, convert
 from cflib.data.marker_template import ChatTemplate
@@ -53,3 +57,16 @@ def task_roots(folder: Path, train: dict[str, int], held_out: int, seed: int = 3
 def mixture(roots: dict[str, Path], weights: dict[str, float]) -> list[dict]:
     """`data` for a mixture of these roots at these weights."""
     return [{"path": str(roots[task]), "weight": weight} for task, weight in weights.items()]
+
+
+def varied_root(folder: Path, count: int, shortest: int, longest: int, seed: int) -> Path:
+    """A shard root of `count` chats whose prompts take from `shortest` to `longest` characters, each answered "ok",
+    its first 4 held out too. The embedded tasks' examples are all about as long, so each epoch's draw of them packs
+    into as many windows; a mixture of these packs into other numbers each epoch."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for index in range(count):
+        ids, labels = TOKENIZER.encode_chat("x" * int(rng.integers(shortest, longest + 1)), "ok")
+        examples.append(Example(ids, labels, {"example_id": f"{folder.name}-{index}", "task": folder.name,
+                                              "group": "varied"}))
+    return write_shard(folder, examples, examples[:4], max_seq_len=64)

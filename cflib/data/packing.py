@@ -1,17 +1,19 @@
 """Packing whole examples into fixed `seq_len` windows, never splitting one.
 
-The windows are computed once per run (best-fit decreasing: each example, longest
-first, goes into the open window it fills most tightly) and the windows are
-then shuffled per epoch like examples. Consecutive examples in a window are
-separated by one EOS token whose label is -100; the tail is padded with EOS,
-also unsupervised. Each position carries its example's document id, so the
-model can keep examples from attending to each other (cflib.ops.attention),
-whichever source of a mixture (cflib.data.mixture) they come from.
+One shard's windows are computed once per run (best-fit decreasing: each example,
+longest first, goes into the open window it fills most tightly) and the windows
+are then shuffled per epoch like examples. A mixture (cflib.data.mixture) draws
+other examples every epoch, so each epoch's draw is packed anew (EpochWindows),
+from (seed, epoch) alone. Consecutive examples in a window are separated by one
+EOS token whose label is -100; the tail is padded with EOS, also unsupervised.
+Each position carries its example's document id, so the model can keep examples
+from attending to each other (cflib.ops.attention), whichever source they come from.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,15 +42,66 @@ class PackedWindows:
 
     def efficiency(self, lengths: np.ndarray, supervised_counts: np.ndarray) -> dict:
         """Real and supervised tokens per window, over every window (separators count as real)."""
-        windows = len(self)
-        real = int(lengths.sum()) + len(self.members) - windows  # one separator between neighbours
-        supervised = int(supervised_counts.sum())
-        return {"windows": windows, "examples": len(self.members), "seq_len": self.seq_len,
-                "examples_per_window": len(self.members) / windows,
-                "real_tokens_per_window": real / windows,
-                "supervised_tokens_per_window": supervised / windows,
-                "real_fraction": real / (windows * self.seq_len),
-                "supervised_fraction": supervised / (windows * self.seq_len)}
+        return window_efficiency(self.seq_len, len(self), lengths[self.members], supervised_counts[self.members])
+
+
+def window_efficiency(seq_len: int, windows: int, lengths: np.ndarray, supervised_counts: np.ndarray) -> dict:
+    """Real and supervised tokens per window of `windows` holding examples of these lengths and counts."""
+    real = int(lengths.sum()) + len(lengths) - windows  # one separator between neighbours
+    supervised = int(supervised_counts.sum())
+    return {"windows": windows, "examples": len(lengths), "seq_len": seq_len,
+            "examples_per_window": len(lengths) / windows,
+            "real_tokens_per_window": real / windows,
+            "supervised_tokens_per_window": supervised / windows,
+            "real_fraction": real / (windows * seq_len),
+            "supervised_fraction": supervised / (windows * seq_len)}
+
+
+class EpochWindows:
+    """Each epoch's draw packed anew (a mixture's: other examples every epoch), numbered across the run: epoch 1's
+    windows first, then epoch 2's, ..., so that a unit names one window of one epoch in a step, the record and
+    after a resume alike. An epoch is planned when first asked for, with every epoch before it, and kept: its
+    windows are a function of its draw, itself a function of (seed, epoch), so every rank and every resume plans
+    the same windows and nothing is saved."""
+
+    def __init__(self, draw: Callable[[int], np.ndarray], lengths: np.ndarray, seq_len: int) -> None:
+        self.draw, self.lengths, self.seq_len = draw, lengths, seq_len
+        self.epochs: list[PackedWindows] = []  # epoch e's windows at e - 1, members as the partition's indices
+        self.starts = [0]  # the run-wide number of each planned epoch's first window, then one past the last
+
+    def of_epoch(self, epoch: int) -> PackedWindows:
+        """Epoch `epoch`'s (from 1) windows: its draw, best-fit decreasing as one shard's examples are."""
+        if epoch < 1:
+            raise ValueError(f"epochs count from 1, got {epoch}")
+        while len(self.epochs) < epoch:
+            drawn = self.draw(len(self.epochs) + 1)
+            packed = pack_examples(self.lengths[drawn], self.seq_len)
+            self.epochs.append(PackedWindows(self.seq_len, drawn[packed.members], packed.offsets))
+            self.starts.append(self.starts[-1] + len(packed))
+        return self.epochs[epoch - 1]
+
+    def first_window(self, epoch: int) -> int:
+        """The run-wide number of epoch `epoch`'s first window."""
+        self.of_epoch(epoch)
+        return self.starts[epoch - 1]
+
+    def __len__(self) -> int:
+        """The windows of the epochs planned so far."""
+        return self.starts[-1]
+
+    def window(self, index: int) -> np.ndarray:
+        epoch = bisect.bisect_right(self.starts, index)  # starts[epoch - 1] <= index < starts[epoch]
+        return self.epochs[epoch - 1].window(index - self.starts[epoch - 1])
+
+    def examples_of(self, windows: Sequence[int]) -> np.ndarray:
+        """Every example of the given windows (repeats included), concatenated."""
+        return np.concatenate([self.window(int(w)) for w in windows]) if len(windows) else np.zeros(0, np.int64)
+
+    def efficiency(self, lengths: np.ndarray, supervised_counts: np.ndarray) -> dict:
+        """As PackedWindows.efficiency, over every epoch planned so far (an example counted at each draw)."""
+        members = np.concatenate([epoch.members for epoch in self.epochs])
+        return {**window_efficiency(self.seq_len, len(self), lengths[members], supervised_counts[members]),
+                "epochs": len(self.epochs), "packed": "each epoch's draw anew"}
 
 
 def pack_examples(lengths: np.ndarray, seq_len: int) -> PackedWindows:
@@ -131,8 +184,8 @@ def pack_window(data: ShardPartition | MixedPartition, members: np.ndarray, seq_
     return tuple(torch.from_numpy(column) for column in (input_ids, labels, document_ids, example_index))
 
 
-def collate_packed(data: ShardPartition | MixedPartition, packed: PackedWindows, windows: Sequence[int]
-                   ) -> tuple[torch.Tensor, ...]:
+def collate_packed(data: ShardPartition | MixedPartition, packed: PackedWindows | EpochWindows,
+                   windows: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """Stacked windows: input_ids, labels, document_ids, example_index, each [B, seq_len]."""
     parts = [pack_window(data, packed.window(int(w)), packed.seq_len) for w in windows]
     return tuple(torch.stack(column) for column in zip(*parts))

@@ -14,13 +14,19 @@ from __future__ import annotations
 import sys
 
 from cflib.data.mixture import MixturePlan, mixture_table
-from cflib.data.packing import pack_examples
 from cflib.data.shards import ShardError
 from cflib.data.weighting import SHARE_TOLERANCE, audit_table, derive_loss_weights
 from cflib.errors import ParamError
 from cflib.model.config import ModelConfig
 from cflib.train.curriculum import Curriculum, Stage
-from cflib.train.run import check_seq_len, memory_figures, resolve_device, schedule_steps, visible_supervised
+from cflib.train.run import (
+    check_seq_len,
+    memory_figures,
+    plan_units,
+    resolve_device,
+    schedule_steps,
+    visible_supervised,
+)
 from cflib.train.run_data import Partition, kept_data, open_data
 
 
@@ -53,8 +59,8 @@ def audit_stage(stage: Stage, config: ModelConfig) -> dict:
     check_seq_len(config, p.seq_len)
     data = open_data(p, config.vocab_size, check="tokens")
     kept, mixture = data.train, data.mixture
-    units = len(pack_examples(kept.lengths, p.seq_len)) if p.pack_sequences else len(kept)
-    steps_per_epoch, schedule = schedule_steps(units if mixture is None else mixture.examples_per_epoch, p)
+    _, units = plan_units(p, kept, mixture)
+    steps_per_epoch, schedule = schedule_steps(units, p)
     weighting = _weighting(stage, kept, mixture)
     return {"stage": stage.name, "passed": weighting["weights_within_cap"], "overrides": stage.overrides,
             "examples": data.filter_counts or {"examples": len(kept), "kept": len(kept)},

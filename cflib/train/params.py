@@ -451,10 +451,6 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"attention_backend must be one of {backend_names()}, got {self.attention_backend!r}")
         if self.pack_sequences and (problem := packed_problem(self.attention_backend)):
             raise ParamError(f"{problem} (pack_sequences: true)")
-        if self.pack_sequences and (isinstance(self.data, tuple) or self.examples_per_epoch is not None):
-            raise ParamError("pack_sequences: true packs one shard's examples once per run; a mixture (a list of "
-                             "sources in data, or examples_per_epoch) draws new examples every epoch: set "
-                             "pack_sequences: false")
         if self.strategy not in STRATEGIES:
             raise ParamError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not 0 <= self.node_rank < self.nnodes:

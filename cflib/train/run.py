@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from cflib.atomic import check_writable_folder, live_path
-from cflib.data.mixture import MixturePlan, mixture_table
-from cflib.data.packing import PackedWindows, pack_examples
+from cflib.data.mixture import MixturePlan, as_mixture, mixture_table
+from cflib.data.packing import EpochWindows, PackedWindows, pack_examples
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
 from cflib.jobs import job_out_dir
 from cflib.jsonio import read_json
@@ -85,7 +85,7 @@ class Run:
     memory_estimate: dict
     plan: ExecutionPlan
     resume_state: dict | None = None  # trainer state of the checkpoint this run continues
-    packed: PackedWindows | None = None  # pack_sequences: the windows, computed once
+    packed: PackedWindows | EpochWindows | None = None  # pack_sequences: one shard's, or each epoch's draw's
     loss_weights: LossWeights | None = None  # loss_groups: every cell's coefficient
     preflight: dict | None = None  # partition -> report; None in torchrun workers (the launcher checked)
     lora: LoraRun | None = None  # full_parameter: false: the adapters' settings and their base
@@ -103,20 +103,31 @@ class Run:
     def warmup_steps(self) -> int:
         return self.schedule.warmup_steps
 
-    @property
-    def train_units(self) -> int:
-        """What an epoch shuffles and a global batch counts: packed windows, or examples (a mixture's draw)."""
-        if self.mixture is not None:
-            return self.mixture.examples_per_epoch
-        return len(self.packed) if self.packed is not None else len(self.train_data)
-
     def epoch_order(self, epoch: int) -> tuple[np.ndarray, int]:
         """The epoch's units in order, padded to whole global batches, and the fill-in count: one global order,
         the same on every rank (each takes its slice of every global batch) and after a resume."""
         p = self.params
-        if self.mixture is None:
-            return epoch_stream(self.train_units, p.seed, epoch, p.global_batch)
-        return whole_batches(self.mixture.epoch(epoch), p.global_batch)
+        if isinstance(self.packed, EpochWindows):  # the epoch's draw packed: its windows shuffled like one shard's
+            order, fill_ins = epoch_stream(len(self.packed.of_epoch(epoch)), p.seed, epoch, p.global_batch)
+            return self.packed.first_window(epoch) + order, fill_ins
+        if self.mixture is not None:
+            return whole_batches(self.mixture.epoch(epoch), p.global_batch)
+        units = len(self.packed) if self.packed is not None else len(self.train_data)
+        return epoch_stream(units, p.seed, epoch, p.global_batch)
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        """Optimizer steps epoch `epoch` takes: steps_per_epoch, but for a packed mixture, whose epochs pack into
+        their own numbers of windows."""
+        if not isinstance(self.packed, EpochWindows):
+            return self.steps_per_epoch
+        return math.ceil(len(self.packed.of_epoch(epoch)) / self.params.global_batch)
+
+    def epoch_steps(self) -> list[int] | None:
+        """A packed mixture's steps in each epoch planned so far, whose draws pack into their own numbers of
+        windows; None where every epoch takes steps_per_epoch."""
+        if not isinstance(self.packed, EpochWindows):
+            return None
+        return [self.steps_in_epoch(epoch) for epoch in range(1, len(self.packed.epochs) + 1)]
 
     def consumed_units(self, steps: int) -> np.ndarray:
         """The units of the first `steps` optimizer steps, fill-ins included."""
@@ -137,7 +148,7 @@ class Run:
                  "preflight": self.preflight, "train_supervised_tokens": data.supervised_tokens(),
                  **manifests(data, self.eval_data)}
         if self.mixture is not None:
-            consumed = self.consumed_units(steps_done)
+            consumed = self.examples_of(self.consumed_units(steps_done))
             block["mixture"] = {**self.mixture.record(),
                                 "trained": self.mixture.realised(consumed, data.supervised_counts)}
         return block
@@ -160,10 +171,10 @@ class Run:
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
             f"examples, {tokens:,} train tokens" if self.mixture is None else self._mixture_lines(),
             *([self._packing_line()] if self.packed is not None else []),
-            f"batch        global {p.global_batch} {'windows' if self.packed else 'examples'} = micro "
+            f"batch        global {p.global_batch} {'windows' if self.packed is not None else 'examples'} = micro "
             f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {p.grad_accum}",
-            f"schedule     {self.steps_per_epoch} steps/epoch, {self.total_steps} optimizer steps, "
-            f"{self.warmup_steps} warm-up, lr {p.lr:g} {self.schedule.describe()}",
+            f"schedule     {self.steps_per_epoch} steps/epoch{self._epoch_steps()}, {self.total_steps} optimizer "
+            f"steps, {self.warmup_steps} warm-up, lr {p.lr:g} {self.schedule.describe()}",
             f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'}), "
             f"{p.nnodes} node(s) x {p.nproc_per_node} process(es), strategy {self.strategy} "
             f"(estimated {self.memory_estimate['total_bytes'] / 2**30:.1f} GiB of "
@@ -181,9 +192,14 @@ class Run:
                 f"{len(self.eval_data):,} eval examples; the first epoch's draw:\n"
                 + mixture_table(plan.record(), plan.realised(plan.epoch(1), self.train_data.supervised_counts)))
 
+    def _epoch_steps(self) -> str:
+        steps = self.epoch_steps()
+        return "" if steps is None else f" in epoch 1 (each epoch's draw packed anew; epochs planned: {steps})"
+
     def _packing_line(self) -> str:
         packing = self.packing_efficiency()
-        return (f"packing      {packing['windows']:,} windows of {packing['seq_len']} tokens, "
+        epochs = f" over the draws of {packing['epochs']} epoch(s)" if "epochs" in packing else ""
+        return (f"packing      {packing['windows']:,} windows of {packing['seq_len']} tokens{epochs}, "
                 f"{packing['examples_per_window']:.2f} examples, {packing['real_fraction']:.1%} real and "
                 f"{packing['supervised_fraction']:.1%} supervised tokens per window")
 
@@ -327,13 +343,11 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     # A torchrun worker counts labels only: its launcher ran the preflight, token checks and hashes included.
     data = open_data(params, config.vocab_size, check="counts" if dist.active else "preflight")
     train_data, mixture = data.train, data.mixture
-    packed = pack_examples(train_data.lengths, params.seq_len) if params.pack_sequences else None
+    packed, units = plan_units(params, train_data, mixture)
     # No example exceeds seq_len (checked above), so every supervised label is visible in its window.
     loss_weights = (derive_loss_weights(params.loss_groups, train_data.rows, visible_supervised(train_data, mixture),
                                         params.max_task_loss_weight, kept_data(params, data.filter_counts))
                     if params.loss_groups is not None else None)
-    # Fill-ins pad the last global batch of an epoch, so it is always whole; packed, a unit is a window.
-    units = len(packed) if packed is not None else len(train_data) if mixture is None else mixture.examples_per_epoch
     steps_per_epoch, schedule = schedule_steps(units, params)
     estimate = memory_figures(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
@@ -355,6 +369,21 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     return run
 
 
+def plan_units(params: TrainParams, train_data: Partition, mixture: MixturePlan | None
+               ) -> tuple[PackedWindows | EpochWindows | None, list[int]]:
+    """The packed windows, if any, and the units (what an epoch shuffles and a global batch counts) of every epoch
+    the schedule must know before step 1: the epochs' (their draws pack into their own numbers of windows), or the
+    first's under max_steps, which fixes the steps itself."""
+    if not params.pack_sequences:
+        return None, [len(train_data) if mixture is None else mixture.examples_per_epoch]
+    if mixture is None:
+        packed = pack_examples(train_data.lengths, params.seq_len)
+        return packed, [len(packed)]
+    windows = EpochWindows(mixture.epoch, train_data.lengths, params.seq_len)
+    epochs = 1 if params.max_steps is not None else params.epochs
+    return windows, [len(windows.of_epoch(epoch)) for epoch in range(1, epochs + 1)]
+
+
 def visible_supervised(train_data: Partition, mixture: MixturePlan | None) -> np.ndarray:
     """Each example's supervised tokens as the loss weighting counts them: under a mixture, times the draws an epoch
     makes of it on average, so that the raw shares are those the run trains on."""
@@ -370,14 +399,19 @@ def check_seq_len(config: ModelConfig, seq_len: int) -> None:
                          f"{config.max_position_embeddings}")
 
 
-def schedule_steps(units: int, params: TrainParams, unit: str | None = None) -> tuple[int, LrSchedule]:
-    """Optimizer steps per epoch, and the schedule over the run's steps. `units` are what an epoch shuffles and a
-    global batch counts, named `unit` in an error (by default as `params` decide: packed windows, a mixture's draw,
-    examples)."""
-    check_global_batch(units, params, unit or unit_name(params))
+def schedule_steps(units: int | list[int], params: TrainParams, unit: str | None = None) -> tuple[int, LrSchedule]:
+    """Optimizer steps of the first epoch, and the schedule over the run's steps. `units` are what an epoch shuffles
+    and a global batch counts, named `unit` in an error (by default as `params` decide: packed windows, a mixture's
+    draw, examples): one count for every epoch, or each epoch's (plan_units), whose steps the run's total sums."""
+    counts = [units] if isinstance(units, int) else units
+    check_global_batch(min(counts), params, unit or unit_name(params))
     # Fill-ins pad the last global batch of an epoch, so it is always whole.
-    steps_per_epoch = math.ceil(units / params.global_batch)
-    total_steps = params.max_steps if params.max_steps is not None else params.epochs * steps_per_epoch
+    steps = [math.ceil(count / params.global_batch) for count in counts]
+    steps_per_epoch = steps[0]
+    if params.max_steps is not None:
+        total_steps = params.max_steps
+    else:  # the same count each epoch, or one per epoch
+        total_steps = params.epochs * steps_per_epoch if len(steps) == 1 else sum(steps)
     return steps_per_epoch, resolve_schedule(params, total_steps)
 
 
@@ -420,7 +454,8 @@ def check_global_batch(units: int, params: TrainParams, unit: str) -> None:
 def unit_name(params: TrainParams) -> str:
     """What a global batch counts, as an error names it."""
     if params.pack_sequences:
-        return "seq_len windows the train examples pack into"
+        return ("seq_len windows the train examples pack into" if as_mixture(params.data, params.examples_per_epoch)
+                is None else "seq_len windows an epoch's draw packs into (the fewest of the epochs planned)")
     if params.examples_per_epoch is not None:
         return "examples an epoch draws (examples_per_epoch)"
     return "train examples"

@@ -434,7 +434,7 @@ class Trainer:
             self.evaluation_point("start", 0, with_exact_match=True)
             last_eval_step = 0
         epoch, batches_done = self.position  # the epoch in progress (0 before the first), its batches done
-        if 0 < batches_done < run.steps_per_epoch:
+        if 0 < batches_done < run.steps_in_epoch(epoch):
             epoch -= 1  # resumed mid-epoch: the loop below re-enters that epoch where it stopped
         else:
             batches_done = 0
@@ -566,7 +566,8 @@ class Trainer:
             packing=run.packing_efficiency(), loss_weighting=self.loss_weighting(),
             schedule={"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                       **run.schedule.record(), "steps_done": self.step, "epochs_started": epochs_done,
-                      "fill_ins_per_epoch": self.fill_ins},
+                      "fill_ins_per_epoch": self.fill_ins,
+                      **({"steps_by_epoch": run.epoch_steps()} if run.epoch_steps() is not None else {})},
             evals=self.evals, checkpoints=self.checkpoints, timing=self.timing_so_far(),
             steady=self.steady, warmup_steps_excluded=self.warmup_exclude,
             peak_memory_gib=(torch.cuda.max_memory_allocated(self.device) / 2**30

@@ -1,5 +1,5 @@
 """Packing whole examples into windows, and document masking: packed losses equal unpacked ones; a mixture's
-windows hold several sources' examples."""
+windows hold several sources' examples, and each epoch's draw is packed anew."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +8,8 @@ import torch
 from sft_shard_helpers import EOS, write_shard
 from tiny_models import random_ids, tiny_model
 
-from cflib.data.mixture import MixedPartition
-from cflib.data.packing import collate_packed, pack_examples
+from cflib.data.mixture import MixedPartition, plan_mixture
+from cflib.data.packing import EpochWindows, collate_packed, pack_examples
 from cflib.data.shards import IGNORE_INDEX, Example, open_shard
 from cflib.model.fast import checkpoint_layers
 from cflib.ops.attention import attend, attention_batch, document_positions, pack_documents
@@ -248,3 +248,29 @@ def test_a_mixture_s_packed_batch_gives_each_example_its_unpacked_loss(mixed):
         assert count == mixed.supervised_counts[example]
         assert abs(float(got) - want) < 1e-4 * max(1.0, abs(want)), example
 
+
+def test_each_epoch_s_draw_is_packed_anew_and_numbered_across_the_run(mixed):
+    """A mixture's windows: each epoch's hold exactly its draw (repeats included), planned from (seed, epoch)
+    alone, numbered epoch after epoch; asking for a later epoch first plans the ones before it."""
+    mixture = plan_mixture(mixed.source_names, ["a", "b"], [0.5, 0.5], [len(part) for part in mixed.parts], 50,
+                           seed=3)  # 25 of the 17 long examples an epoch: some drawn twice
+    windows = EpochWindows(mixture.epoch, mixed.lengths, 48)
+    third = windows.of_epoch(3)
+    assert len(windows.epochs) == 3 and len(windows) == sum(len(windows.of_epoch(e)) for e in (1, 2, 3))
+    again = EpochWindows(mixture.epoch, mixed.lengths, 48)
+    for epoch in (1, 2, 3):
+        packed = windows.of_epoch(epoch)
+        assert sorted(packed.members.tolist()) == sorted(mixture.epoch(epoch).tolist())
+        for w in range(len(packed)):
+            assert mixed.lengths[packed.window(w)].sum() + len(packed.window(w)) - 1 <= 48
+            np.testing.assert_array_equal(windows.window(windows.first_window(epoch) + w), packed.window(w))
+        np.testing.assert_array_equal(again.of_epoch(epoch).members, packed.members)  # deterministic
+        np.testing.assert_array_equal(again.of_epoch(epoch).offsets, packed.offsets)
+    assert windows.first_window(3) == len(windows) - len(third)
+    assert not np.array_equal(windows.of_epoch(1).members, windows.of_epoch(2).members)  # another draw
+    all_windows = range(len(windows))
+    assert len(windows.examples_of(all_windows)) == 3 * 50
+    efficiency = windows.efficiency(mixed.lengths, mixed.supervised_counts)
+    assert (efficiency["windows"], efficiency["examples"], efficiency["epochs"]) == (len(windows), 150, 3)
+    assert efficiency["supervised_tokens_per_window"] == sum(
+        mixed.supervised_tokens(mixture.epoch(e)) for e in (1, 2, 3)) / len(windows)

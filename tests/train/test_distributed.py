@@ -151,6 +151,23 @@ def test_two_fsdp_processes_draw_one_mixture_like_one_process(tmp_path):
         assert double["eval"]["final"]["loss_by_source"][source] == pytest.approx(loss, abs=1e-5)
 
 
+@pytest.mark.slow
+def test_two_ddp_processes_pack_a_mixture_s_draws_like_one_process(tmp_path):
+    """Each worker packs every epoch's draw itself, from the seed and the epoch alone: the windows, the losses, the
+    draw and the per-source evaluation are one process's, the epochs after the first planned as they start."""
+    roots = task_roots(tmp_path / "roots", {"addition": 30, "uppercase": 12}, held_out=6)
+    packed = {**BASE, **BEST, "data": mixture(roots, {"addition": 0.8, "uppercase": 0.2}), "examples_per_epoch": 80,
+              "pack_sequences": True, "max_steps": 5}  # about 22 windows an epoch, 16 a step: into a third epoch
+    single = train({**packed, "out_dir": str(tmp_path / "one")}, progress=False)
+    double = train({**packed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": "ddp"},
+                   progress=False)
+    assert_trained_like_one(tmp_path / "one", tmp_path / "two", single, double, "ddp")
+    assert double["data"]["mixture"] == single["data"]["mixture"] and double["packing"] == single["packing"]
+    assert single["packing"]["epochs"] == 3 and double["kernel_path"]["attention"] == "sdpa_mask"
+    for source, loss in single["eval"]["final"]["loss_by_source"].items():
+        assert double["eval"]["final"]["loss_by_source"][source] == pytest.approx(loss, abs=1e-5)
+
+
 def lora_base(folder: Path) -> Path:
     from cflib.model.checkpoint import save_checkpoint
     from cflib.model.decoder import TRMoEModel

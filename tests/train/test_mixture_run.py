@@ -1,27 +1,34 @@
 """A run on a mixture of shard roots: its draw, its per-source evaluation (metrics, trackers, record, compare_runs),
-its dry run, a curriculum stage with its own mixture, and the refusals, each naming its entry or key.
+its dry run, a curriculum stage with its own mixture, packed (each epoch's draw packed anew), and the refusals,
+each naming its entry or key.
 
 The sources are the two embedded tasks, each converted to its own shard root (tests/mixture_helpers.py).
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import yaml
-from mixture_helpers import mixture, task_roots
+from mixture_helpers import mixture, task_roots, varied_root
 
 from cflib.data.shards import ShardError, open_shard
 from cflib.errors import ParamError
 from cflib.lab.compare import CompareParams, compare, comparison_table
 from cflib.lab.report import export_run, show_answers, summary
 from cflib.model.checkpoint import load_checkpoint
-from cflib.train import train
+from cflib.ops.loss import chunked_cross_entropy_sum
+from cflib.train import prepare, train
 from cflib.train.held_out import eval_loss
+from cflib.train.params import TrainParams
 from cflib.train.records import read_metrics
+from cflib.train.trainer import Trainer
 
 # 0.8/0.2 of 40 examples an epoch: addition draws 32 of its 30 (a pass and then some), uppercase 8 of its 12.
 WEIGHTS = {"addition": 0.8, "uppercase": 0.2}
@@ -267,6 +274,125 @@ def test_a_resume_with_a_source_renamed_is_refused_naming_the_mixture(roots, tmp
         train(params(roots, out_dir, data=renamed, resume="latest"), progress=False)
 
 
-def test_packing_is_refused_with_a_mixture(roots, tmp_path):
-    with pytest.raises(ParamError, match="pack_sequences: true .* a mixture"):
-        train(params(roots, tmp_path / "run", pack_sequences=True), progress=False)
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory) -> dict[str, Path]:
+    """Two sources of unequal lengths, 30 chats of up to 55 characters and 12 of up to 12: each epoch's draw of them
+    packs into its own number of windows."""
+    folder = tmp_path_factory.mktemp("varied")
+    return {"long": varied_root(folder / "long", 30, 1, 55, seed=0),
+            "short": varied_root(folder / "short", 12, 1, 12, seed=1)}
+
+
+def packed_params(varied: dict[str, Path], out_dir: Path, **overrides) -> dict:
+    # 0.8/0.2 of 40 examples an epoch (long draws 32 of its 30) in 64-token windows, 4 a step: epochs of 5, 6 and 6
+    # steps at seed 3.
+    return {"model": "smoke", "data": mixture(varied, {"long": 0.8, "short": 0.2}), "examples_per_epoch": 40,
+            "out_dir": str(out_dir), "seq_len": 64, "micro_batch_per_rank": 2, "global_batch": 4, "epochs": 3,
+            "max_steps": None, "lr": 3e-3, "exact_match_limit": 4, "device": "cpu", "pack_sequences": True,
+            "seed": 3, "save_every_steps": 5, "save_total_limit": None, **overrides}
+
+
+@pytest.fixture(scope="module")
+def packed(varied, tmp_path_factory) -> tuple[Path, dict]:
+    out_dir = tmp_path_factory.mktemp("packed") / "run"
+    return out_dir, train(packed_params(varied, out_dir), progress=False)
+
+
+def test_a_packed_mixture_trains_each_epoch_s_draw_in_windows_of_several_sources(packed, varied, tmp_path):
+    out_dir, record = packed
+    run = prepare(TrainParams.from_dict(packed_params(varied, tmp_path / "again")))  # the same plan
+    windows, plan = run.packed, run.mixture
+    assert len(windows.epochs) == 3  # every epoch planned before step 1: the schedule counts their windows
+    steps = [math.ceil(len(windows.of_epoch(epoch)) / 4) for epoch in (1, 2, 3)]
+    schedule = record["schedule"]
+    assert schedule["steps_by_epoch"] == steps and len(set(steps)) > 1  # the case to check: epochs of their own
+    assert schedule["total_steps"] == schedule["steps_done"] == sum(steps)
+    source_of = run.train_data.source_of
+    assert any(len(set(source_of[windows.window(w)])) == 2 for w in range(len(windows)))
+    # Per source: each epoch's draw (32 and 8) once, and the examples of the windows that fill in its last step.
+    fill_ins = np.concatenate([windows.examples_of(run.epoch_order(epoch)[0][-fill:]) if fill else []
+                               for epoch, fill in zip((1, 2, 3), schedule["fill_ins_per_epoch"])]).astype(np.int64)
+    expected = 3 * plan.per_epoch + np.bincount(source_of[fill_ins], minlength=2)
+    trained = record["data"]["mixture"]["trained"]
+    assert [s["examples"] for s in trained] == expected.tolist()
+    assert sum(s["supervised_tokens"] for s in trained) == sum(
+        row["supervised_tokens"] for row in read_metrics(out_dir / "metrics.jsonl") if row["event"] == "train")
+    assert (record["packing"]["epochs"], record["packing"]["examples"]) == (3, 120)
+    # The held-out set is evaluated unpacked, as one shard's is: each source's loss is its own.
+    model = load_checkpoint(out_dir / "checkpoints" / "epoch-3")
+    for name, root in varied.items():
+        alone = eval_loss(model, open_shard(root, "eval"), micro_batch=4, device="cpu")
+        assert record["eval"]["final"]["loss_by_source"][name] == pytest.approx(alone["loss"], rel=1e-6)
+
+
+def test_a_packed_mixture_trains_the_same_twice(packed, varied, tmp_path):
+    out_dir, record = packed
+    again = train(packed_params(varied, tmp_path / "again"), progress=False)
+    assert train_losses(tmp_path / "again") == train_losses(out_dir)
+    assert again["data"]["mixture"] == record["data"]["mixture"] and again["packing"] == record["packing"]
+
+
+def test_a_packed_mixture_resumed_in_an_epoch_of_its_own_length_ends_as_the_whole_run(packed, varied, tmp_path):
+    """Resumed at step 10, the fifth step of epoch 2, which takes 6 steps where epoch 1 took 5: the windows are
+    planned again from (seed, epoch), the epoch goes on where it stopped and the run ends with the same weights."""
+    out_dir, record = packed
+    assert record["schedule"]["steps_by_epoch"] == [5, 6, 6]
+    copy = shutil.copytree(out_dir, tmp_path / "copy")
+    for name in ("COMPLETE", "record.json"):
+        (copy / name).unlink()
+    resumed = train(packed_params(varied, copy, resume=str(copy / "checkpoints" / "step-10")), progress=False)
+    assert resumed["model_source"].startswith("resumed from") and train_losses(copy) == train_losses(out_dir)
+    weights = lambda d: load_checkpoint(d / "checkpoints" / "epoch-3").state_dict()  # noqa: E731
+    for name, tensor in weights(out_dir).items():
+        torch.testing.assert_close(weights(copy)[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert resumed["data"]["mixture"] == record["data"]["mixture"]
+
+
+def train_losses(out_dir: Path) -> list[float]:
+    return [row["loss"] for row in read_metrics(out_dir / "metrics.jsonl") if row["event"] == "train"]
+
+
+def test_a_packed_mixture_s_lr_schedule_spans_every_epoch_s_windows(varied, tmp_path):
+    """The run's steps are the sum of its epochs' (5, 6 and 6): a warm-up and wsd's decay are sized on them."""
+    run = prepare(TrainParams.from_dict(packed_params(varied, tmp_path / "run", lr_schedule="wsd", warmup_steps=3,
+                                                      lr_decay_ratio=0.3)))
+    assert run.epoch_steps() == [5, 6, 6]
+    assert (run.total_steps, run.warmup_steps, run.schedule.decay_steps) == (17, 3, math.ceil(0.3 * 17))
+    by_ratio = prepare(TrainParams.from_dict(packed_params(varied, tmp_path / "ratio", warmup_ratio=0.1)))
+    assert by_ratio.schedule.record() == {"lr_schedule": "cosine", "warmup_steps": 2, "decay_steps": 15,
+                                          "min_lr_ratio": 0.0, "lr_decay_ratio": None}
+
+
+def test_a_packed_step_of_a_mixture_gives_each_example_its_loss_alone(varied, tmp_path):
+    """A step's windows hold both sources' examples side by side; its loss is their supervised tokens' mean loss,
+    each example run on its own: no example attends to another, and positions restart in each."""
+    run = prepare(TrainParams.from_dict(packed_params(varied, tmp_path / "run")))
+    trainer = Trainer(run, progress=False)
+    sources = lambda window: len(set(run.train_data.source_of[run.packed.window(window)]))  # noqa: E731
+    windows = np.array(sorted(range(len(run.packed.of_epoch(1))), key=sources, reverse=True)[:4])
+    assert sources(windows[0]) == 2
+    examples = run.examples_of(windows)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for example in examples:
+            ids, labels = run.train_data[int(example)]
+            loss, supervised = chunked_cross_entropy_sum(run.model(ids[None]), run.model.head_weight, labels[None], 64)
+            total, count = total + float(loss), count + int(supervised)
+    row = trainer.train_step(windows)
+    assert row["supervised_tokens"] == count and row["loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_examples_per_epoch_with_one_root_packs_each_epoch_s_draw(roots, tmp_path):
+    """30 of uppercase's 12 examples an epoch, packed; max_steps runs into an epoch the start planned none of."""
+    one = {"pack_sequences": True, "global_batch": 4, "micro_batch_per_rank": 2, "data": str(roots["uppercase"]),
+           "examples_per_epoch": 30}
+    run = prepare(TrainParams.from_dict(params(roots, tmp_path / "prepared", **one)))
+    dry = train(params(roots, tmp_path / "dry", **one, dry_run=True), progress=False)
+    assert dry["stages"][0]["steps_per_epoch"] == run.steps_per_epoch == math.ceil(len(run.packed.of_epoch(1)) / 4)
+    steps = run.steps_per_epoch + 2  # into the second epoch
+    record = train(params(roots, tmp_path / "run", **one, max_steps=steps), progress=False)
+    assert record["schedule"]["steps_done"] == steps and len(record["schedule"]["steps_by_epoch"]) == 2
+    (source,) = record["data"]["mixture"]["trained"]
+    assert source["examples"] >= 30 and record["packing"]["epochs"] == 2
+    with pytest.raises(ParamError, match="global_batch 16 is more than the .* seq_len windows an epoch's draw packs"):
+        train(params(roots, tmp_path / "big", **{**one, "global_batch": 16}), progress=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mixture_helpers import mixture, task_roots
+from mixture_helpers import mixture, task_roots, varied_root
 from sft_shard_helpers import task_shard
 from tiny_models import KERNEL_DEVICE
 
@@ -104,6 +104,34 @@ def test_a_killed_mixture_resumes_to_the_uninterrupted_weights(tmp_path, shard):
     assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"), atol=1e-6)
     assert resumed["data"]["mixture"] == reference["data"]["mixture"]
     assert sum(s["examples"] for s in resumed["data"]["mixture"]["trained"]) == 36 * 16  # 8 fill-ins an epoch
+    for source, loss in reference["eval"]["final"]["loss_by_source"].items():
+        assert resumed["eval"]["final"]["loss_by_source"][source] == pytest.approx(loss, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_killed_packed_mixture_resumes_to_the_uninterrupted_weights(tmp_path, shard):
+    """Two sources of unequal lengths at 0.8/0.2, 40 an epoch, each epoch's draw packed anew into 64-token windows,
+    4 a step: at seed 3 epoch 1 takes 5 steps and epoch 2 six, so the kill after step 10 stops epoch 2 one step short
+    of its end, past where epoch 1 ended. The resumed run plans the same windows from (seed, epoch) alone."""
+    roots = {"long": varied_root(tmp_path / "long", 30, 1, 55, seed=0),
+             "short": varied_root(tmp_path / "short", 12, 1, 12, seed=1)}
+
+    def packed(out_dir: Path, **overrides) -> dict:
+        return params(shard, out_dir, data=mixture(roots, {"long": 0.8, "short": 0.2}), examples_per_epoch=40,
+                      pack_sequences=True, global_batch=4, micro_batch_per_rank=2, seed=3, save_every_steps=5,
+                      exact_match_limit=4, **overrides)
+
+    reference = train(packed(tmp_path / "whole"), progress=False)
+    steps = reference["schedule"]["steps_by_epoch"]
+    assert steps[:2] == [5, 6] and reference["schedule"]["steps_done"] == sum(steps)
+    train_and_kill(packed(tmp_path / "killed"), tmp_path / "killed", after_checkpoint="step-10")
+    resumed = train(packed(tmp_path / "killed", resume="latest"), progress=False)
+    assert resumed["model_source"].startswith("resumed from")
+    assert resumed["schedule"] == reference["schedule"]  # every epoch's steps and fill-ins, as planned before
+    assert_same_weights(final_weights(tmp_path / "whole"), final_weights(tmp_path / "killed"), atol=1e-6)
+    assert resumed["data"]["mixture"] == reference["data"]["mixture"] and resumed["packing"] == reference["packing"]
+    logged = [r["step"] for r in read_metrics(tmp_path / "killed" / "metrics.jsonl") if r["event"] == "train"]
+    assert logged == list(range(1, sum(steps) + 1))  # every step logged once: nothing lost, nothing doubled
     for source, loss in reference["eval"]["final"]["loss_by_source"].items():
         assert resumed["eval"]["final"]["loss_by_source"][source] == pytest.approx(loss, abs=1e-6)
 
