@@ -11,7 +11,7 @@ import pytest
 import torch
 from sft_shard_helpers import write_shard
 
-from cflib.data.packing import collate_packed
+from cflib.data.packing import PackedWindows, collate_packed, pack_examples
 from cflib.data.shards import Example, ShardError, write_partition
 from cflib.data.tasks import generate
 from cflib.data.tokenizer import ByteTokenizer
@@ -19,6 +19,7 @@ from cflib.model.checkpoint import load_checkpoint
 from cflib.ops.attention import pack_documents
 from cflib.ops.loss import chunked_cross_entropy_sum
 from cflib.train import prepare, train
+from cflib.train.distributed import epoch_stream
 from cflib.train.optim import lr_factor
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
@@ -361,6 +362,24 @@ def test_a_packed_step_takes_its_documents_and_supervised_positions_from_the_hos
     row = trainer.train_step(windows)
     assert row["loss"] == pytest.approx(loss.item() / count, rel=1e-6)
     assert trainer.training_step.kernel_path["attention"] == "sdpa_mask"
+
+
+def test_one_shard_packs_once_per_run_and_shuffles_its_windows_each_epoch(tmp_path, small_shard):
+    """A single shard packs as it did before mixtures could be packed: one plan for the whole run, its windows
+    shuffled each epoch by epoch_stream, every epoch the same number of steps."""
+    params = TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "run"),
+                                    "pack_sequences": True, "micro_batch_per_rank": 2, "global_batch": 4})
+    prepared = prepare(params)
+    plan = pack_examples(prepared.train_data.lengths, params.seq_len)
+    assert isinstance(prepared.packed, PackedWindows)
+    np.testing.assert_array_equal(prepared.packed.members, plan.members)
+    np.testing.assert_array_equal(prepared.packed.offsets, plan.offsets)
+    for epoch in (1, 2, 3):
+        order, fill_ins = prepared.epoch_order(epoch)
+        want, want_fill_ins = epoch_stream(len(plan), params.seed, epoch, params.global_batch)
+        np.testing.assert_array_equal(order, want)
+        assert fill_ins == want_fill_ins and prepared.steps_in_epoch(epoch) == prepared.steps_per_epoch
+    assert prepared.steps_per_epoch == -(-len(plan) // 4) and prepared.epoch_steps() is None
 
 
 def test_the_sft_step_computes_its_last_layer_on_the_supervised_rows_alone(tmp_path, small_shard):
