@@ -13,7 +13,7 @@ import torch
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 import huggingface_hub.constants  # noqa: E402  (its lazy face lacks the submodule until something imports it)
-from hub_server import TOKEN, LoopbackHub  # noqa: E402
+from hub_server import LoopbackHub, point_at  # noqa: E402
 from sft_shard_helpers import write_shard  # noqa: E402
 
 from cflib.data.tasks import generate  # noqa: E402
@@ -30,14 +30,9 @@ FAST = {"model": "smoke", "max_steps": 2, "eval_every_steps": None, "exact_match
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
-    """The loopback Hub, and huggingface_hub pointed at it with a token (Xet's storage has no loopback stand-in:
-    files go through the Hub's LFS batch API, as they do wherever hf_xet is not installed)."""
+    """The loopback Hub, and huggingface_hub pointed at it with a token (hub_server.point_at)."""
     server = LoopbackHub()
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.url)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    point_at(server, monkeypatch, tmp_path / "hf-home")
     try:
         yield server
     finally:
