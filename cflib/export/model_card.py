@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from cflib.data.shards import sha256_file
+from cflib.data.sources import HUB
 from cflib.export.peft import MERGE_FORMAT, MERGE_MANIFEST
 from cflib.jsonio import read_bounded, read_json
 from cflib.yamlio import load_yaml
@@ -142,14 +143,18 @@ def _root_manifests(root: Path, partitions: tuple[str, ...] = ("train", "eval"))
 
 
 def base_checkpoint(record: dict) -> dict:
-    """What the run trained from: a LoRA run's frozen base, a checkpoint, or a preset from scratch; with the
-    SHA-256 of its weights where they are on disk."""
+    """What the run trained from: a LoRA run's frozen base, a checkpoint (a Hub bundle by its repository and
+    commit), or a preset from scratch; with the SHA-256 of its weights where they are on disk."""
+    hub = record.get("hub_start")
+    on_hub = f"Hub bundle {hub.get('repo_id')} at commit {hub.get('commit')}" if isinstance(hub, dict) else None
     if record.get("lora"):
         base = record["lora"]["base"]
-        return {"source": f"checkpoint {Path(base.get('path', '')).name}", "sha256": base.get("sha256")}
+        return {"source": on_hub or f"checkpoint {Path(base.get('path', '')).name}", "sha256": base.get("sha256")}
     start = record.get("params", {}).get("init_checkpoint")
     if start is None:
         return {"source": f"preset {record.get('params', {}).get('model')} (trained from scratch)", "sha256": None}
+    if on_hub is not None:  # its weights are in this machine's Hugging Face cache: the commit names them
+        return {"source": on_hub, "sha256": None}
     found = Path(start) / "model.safetensors"
     return {"source": f"checkpoint {Path(start).name}", "sha256": sha256_file(found) if found.is_file() else None}
 
@@ -163,8 +168,8 @@ def portable(params: dict) -> dict:
     def last_part(name: str, value: Any) -> Any:
         if name not in PATH_PARAMETERS:
             return value
-        if isinstance(value, str):
-            return Path(value).name
+        if isinstance(value, str):  # a Hub start (hub:ORG/NAME@COMMIT) is no path of this machine: kept whole
+            return value if value.startswith(HUB) else Path(value).name
         if isinstance(value, list):  # a mixture: {path, weight, name} each
             return [{**entry, "path": Path(entry["path"]).name} if isinstance(entry, dict) and
                     isinstance(entry.get("path"), str) else entry for entry in value]

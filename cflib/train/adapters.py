@@ -26,6 +26,7 @@ from cflib.export.peft import (
     save_adapter,
     weights_sha256,
 )
+from cflib.export.pull import checkpoint_folder, is_hub
 from cflib.model.checkpoint import WEIGHTS_FILE, CheckpointError, load_checkpoint, load_config
 from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
@@ -66,6 +67,8 @@ def with_adapter_settings(params: TrainParams, resumed: Path | None = None) -> T
     again after a move)."""
     if params.full_parameter or (resumed is None and params.init_checkpoint is None):
         return params
+    if resumed is None and is_hub(params.init_checkpoint):  # a Hub bundle is a model, never adapters
+        return params
     checkpoint_dir = resumed or resolve_path(params.init_checkpoint)
     if not is_adapter_checkpoint(checkpoint_dir):
         return params
@@ -84,7 +87,7 @@ def with_adapter_settings(params: TrainParams, resumed: Path | None = None) -> T
 def start_adapters(params: TrainParams) -> dict | None:
     """The adapters a LoRA run starts from (an init_checkpoint holding adapters): their place and their file's
     SHA-256, which a resume checks (cflib.train.resume_identity). None: it starts from a base, or is a full run."""
-    if params.full_parameter or params.init_checkpoint is None:
+    if params.full_parameter or params.init_checkpoint is None or is_hub(params.init_checkpoint):
         return None
     checkpoint_dir = resolve_path(params.init_checkpoint)
     if not is_adapter_checkpoint(checkpoint_dir):
@@ -129,7 +132,7 @@ def resumed_model(checkpoint_dir: Path, settings: LoraSettings | None, init_chec
     adapter = read_adapter(checkpoint_dir)
     base = adapter[1]
     if init_checkpoint is not None:
-        start = resolve_path(init_checkpoint)
+        start = checkpoint_folder(init_checkpoint)  # a Hub bundle's: in the Hugging Face cache at its commit
         # The run started from the base, or from adapters on that base (a curriculum's later LoRA stage)
         start_base = Path(adapter_base(start)["path"]) if is_adapter_checkpoint(start) else start
         if start_base.resolve() != Path(base["path"]).resolve():

@@ -88,6 +88,7 @@ class RunSummary:
     strategy: str
     memory_estimate: dict
     model_source: str
+    hub_start: dict | None  # init_checkpoint hub:ORG/NAME: the repository, the revision named and its commit
     model_config: dict
     params_active: int
     parameter_counts: dict[str, int]
@@ -167,7 +168,8 @@ def train_record(summary: RunSummary) -> dict:
         "throughput": _throughput(summary),
         "timing": summary.timing,
         # the run
-        "model_source": summary.model_source, "model_config": config, "data": summary.data,
+        "model_source": summary.model_source, "hub_start": summary.hub_start, "model_config": config,
+        "data": summary.data,
         "packing": summary.packing, "loss_weighting": summary.loss_weighting, "schedule": summary.schedule,
         "eval": _eval_block(summary.evals), "checkpoints": summary.checkpoints,
         "optimizer_groups": summary.optimizer_groups, "filters": summary.filters,

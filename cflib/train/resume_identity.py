@@ -26,6 +26,7 @@ import numpy as np
 from cflib.data.mixture import MixedPartition
 from cflib.data.shards import ShardPartition, sha256_file
 from cflib.errors import ParamError
+from cflib.export.pull import is_hub
 from cflib.paths import resolve_path
 from cflib.train.held_out import scored_examples
 
@@ -101,7 +102,9 @@ def scored_prompts(run: Any) -> dict[str, Any] | None:
 def run_identity(run: Any) -> dict[str, Any]:
     """The identity of a prepared run (cflib.train.run.Run), as plain data a trainer state keeps."""
     p = run.params
-    model = str(resolve_path(p.init_checkpoint).resolve()) if p.init_checkpoint is not None else f"preset {p.model}"
+    # A Hub start is named by its commit (prepare pinned it), a folder by where it is.
+    model = (f"preset {p.model}" if p.init_checkpoint is None else p.init_checkpoint if is_hub(p.init_checkpoint)
+             else str(resolve_path(p.init_checkpoint).resolve()))
     mixture = None if run.mixture is None else list(run.mixture.weights)  # the sources' names are the data's
     return {"train_examples": len(run.train_data), "total_steps": run.total_steps, "warmup_steps": run.warmup_steps,
             # wsd's decay as resolved, so that leaving lr_decay_ratio at None and naming its default are one run

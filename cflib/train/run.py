@@ -9,7 +9,7 @@ the parameters alone, for the notebook's form. The loop is cflib.train.trainer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from cflib.atomic import check_writable_folder, live_path
 from cflib.data.mixture import MixturePlan, as_mixture, mixture_table
 from cflib.data.packing import EpochWindows, PackedWindows, pack_examples
 from cflib.data.weighting import LossWeights, audit_table, derive_loss_weights
+from cflib.export.pull import HubStart, checkpoint_folder, fetch_bundle, is_hub, resolve_start
 from cflib.jobs import job_out_dir
 from cflib.jsonio import read_json
 from cflib.model.checkpoint import latest_resumable, load_trainer_state
@@ -94,6 +95,7 @@ class Run:
     init_adapters: dict | None = None  # a LoRA run from adapters: their place and SHA-256 (start_adapters)
     # The launcher of torchrun's workers: the registered losses and metrics they import (cflib.train.registered).
     worker_imports: dict | None = None
+    hub_start: HubStart | None = None  # init_checkpoint hub:ORG/NAME: the commit it trains from
 
     @property
     def total_steps(self) -> int:
@@ -320,24 +322,10 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     torch.manual_seed(params.seed)
     if params.out_dir is not None and dist.is_main:  # first: a live run's checkpoints are still changing
         check_run_folder(resolve_path(params.out_dir))
-    resume_state = None
     if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
-    if continues(params):
-        checkpoint_dir = resume_dir(params)
-        if params.out_dir is not None:
-            refuse_foreign_resume(checkpoint_dir, resolve_path(params.out_dir))
-        params = with_adapter_settings(params, checkpoint_dir)  # its own, whatever init_checkpoint names
-        model, lora = resumed_model(checkpoint_dir, params.lora_settings(), params.init_checkpoint)
-        resume_state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
-        model_source, model_name = f"resumed from {checkpoint_dir} at step {resume_state['step']}", "resumed"
-    elif params.init_checkpoint is not None:
-        checkpoint_dir = resolve_path(params.init_checkpoint)
-        model, lora = initial_model(checkpoint_dir, params.lora_settings())
-        model_source, model_name = f"checkpoint {checkpoint_dir}", checkpoint_dir.name
-    else:
-        model, lora = TRMoEModel(_preset(params.model)), None
-        model_source, model_name = f"preset {params.model}", params.model
+    start = starting_model(params)
+    params, model, lora, resume_state = start.params, start.model, start.lora, start.resume_state
     config: ModelConfig = model.config
     check_seq_len(config, params.seq_len)
     # A torchrun worker counts labels only: its launcher ran the preflight, token checks and hashes included.
@@ -355,13 +343,13 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     apply_to_model(model, plan)
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
-    out_dir = _out_dir(params, model_name) if judges else resolve_path(params.out_dir or "")
-    run = Run(params, device, model, model_source, data.root, train_data, data.eval, out_dir,
+    out_dir = _out_dir(params, start.name) if judges else resolve_path(params.out_dir or "")
+    run = Run(params, device, model, start.source, data.root, train_data, data.eval, out_dir,
               steps_per_epoch, schedule, dist, strategy, estimate, plan, resume_state,
               packed, loss_weights, data.preflight, lora, data.filter_counts, mixture, start_adapters(params),
-              worker_imports)
+              worker_imports, start.hub)
     if resume_state is not None:
-        check_resumable(resume_state, run, checkpoint_dir)
+        check_resumable(resume_state, run, start.resumed)
         if run.init_adapters is None:  # the base named at its new place, or nothing: the start stays the recorded one
             run.init_adapters = resume_state.get("init_adapters")
     if not run.launches_workers:
@@ -382,6 +370,54 @@ def plan_units(params: TrainParams, train_data: Partition, mixture: MixturePlan 
     windows = EpochWindows(mixture.epoch, train_data.lengths, params.seq_len)
     epochs = 1 if params.max_steps is not None else params.epochs
     return windows, [len(windows.of_epoch(epoch)) for epoch in range(1, epochs + 1)]
+
+
+@dataclass
+class Start:
+    """Where a run's model comes from: the checkpoint a resume continues, an init_checkpoint (a folder, or a Hub
+    bundle at its commit), or a preset."""
+
+    params: TrainParams  # with the LoRA settings of the adapters it continues, and a Hub start pinned to its commit
+    model: TRMoEModel
+    lora: LoraRun | None
+    source: str  # the record's model_source
+    name: str  # a new out_dir's, after the model
+    resume_state: dict | None = None
+    resumed: Path | None = None  # the checkpoint a resume continues
+    hub: HubStart | None = None
+
+
+def starting_model(params: TrainParams) -> Start:
+    """The model a run trains, loaded and checked, and where it comes from."""
+    if continues(params):
+        checkpoint_dir = resume_dir(params)
+        if params.out_dir is not None:
+            refuse_foreign_resume(checkpoint_dir, resolve_path(params.out_dir))
+        params = with_adapter_settings(params, checkpoint_dir)  # its own, whatever init_checkpoint names
+        state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
+        params, hub = pinned_hub_start(params, state.get("model"))  # the commit its run started from
+        model, lora = resumed_model(checkpoint_dir, params.lora_settings(), params.init_checkpoint)
+        return Start(params, model, lora, f"resumed from {checkpoint_dir} at step {state['step']}", "resumed",
+                     state, checkpoint_dir, hub)
+    if params.init_checkpoint is not None:
+        params, hub = pinned_hub_start(params)
+        checkpoint_dir = checkpoint_folder(params.init_checkpoint)
+        model, lora = initial_model(checkpoint_dir, params.lora_settings())
+        if hub is None:
+            return Start(params, model, lora, f"checkpoint {checkpoint_dir}", checkpoint_dir.name)
+        return Start(params, model, lora, f"checkpoint {hub.spec} ({checkpoint_dir})", hub.repo_id.split("/")[1],
+                     hub=hub)
+    return Start(params, TRMoEModel(_preset(params.model)), None, f"preset {params.model}", params.model)
+
+
+def pinned_hub_start(params: TrainParams, recorded: str | None = None) -> tuple[TrainParams, HubStart | None]:
+    """`params` with an init_checkpoint hub:ORG/NAME[@REVISION] pinned to the commit it resolves to (a resume's:
+    the one its checkpoint records, `recorded`), so the record, the resume identity and torchrun's workers all
+    name that commit, and the revision is resolved once; other parameters as they are."""
+    if not is_hub(params.init_checkpoint):
+        return params, None
+    hub = resolve_start(params.init_checkpoint, recorded)
+    return replace(params, init_checkpoint=hub.spec), hub
 
 
 def visible_supervised(train_data: Partition, mixture: MixturePlan | None) -> np.ndarray:
@@ -474,6 +510,9 @@ def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
     if continues(params):
         checkpoint_dir = resume_dir(params)
         return checkpoint_config(checkpoint_dir), f"resumed from {checkpoint_dir}"
+    if is_hub(params.init_checkpoint):  # its config.json alone: the weights wait for the run
+        return checkpoint_config(fetch_bundle(params.init_checkpoint, weights=False)), \
+            f"checkpoint {params.init_checkpoint}"
     if params.init_checkpoint is not None:
         return checkpoint_config(resolve_path(params.init_checkpoint)), f"checkpoint {params.init_checkpoint}"
     return _preset(params.model), f"preset {params.model}"

@@ -553,6 +553,7 @@ class Trainer:
         return RunSummary(
             params=p, device=self.device, out_dir=run.out_dir, world_size=self.dist.world_size,
             strategy=run.strategy, memory_estimate=run.memory_estimate, model_source=run.model_source,
+            hub_start=None if run.hub_start is None else run.hub_start.record(),
             model_config=model.config.to_dict(), params_active=model.config.active_parameters(),
             parameter_counts=count_parameters(model),
             lora=None if run.lora is None else {**describe_lora(model), "base": {

@@ -1,0 +1,207 @@
+"""init_checkpoint: hub:ORG/NAME[@REVISION]: a run starts from a bundle cflib exported and pushed to a Hub on loopback
+(tests/hub_server.py), at the commit its revision resolves to, which its record and its resume keep; a repository
+that is no cflib/TR-MoE bundle, or a revision the Hub lacks, is refused by name before out_dir is written, and its
+weights are never downloaded."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+huggingface_hub = pytest.importorskip("huggingface_hub")
+import huggingface_hub.constants  # noqa: E402  (its lazy face lacks the submodule until something imports it)
+from hub_server import LoopbackHub, point_at  # noqa: E402
+from sft_shard_helpers import write_shard  # noqa: E402
+
+from cflib.data.tasks import generate  # noqa: E402
+from cflib.export import export_hub, push_folder  # noqa: E402
+from cflib.model.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from cflib.train import batch_arithmetic, prepare, train  # noqa: E402
+from cflib.train.params import ParamError, TrainParams  # noqa: E402
+
+REPO = "org/tiny"
+# What a run downloads of a bundle: never its Python modules nor its card.
+DOWNLOADED = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja"}
+CHANGED_CARD = b"---\nlicense: mit\n---\n# a later commit\n"  # main moves on
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory) -> Path:
+    train_examples, eval_examples = generate(seed=4)
+    return write_shard(tmp_path_factory.mktemp("shard"), train_examples[:16], eval_examples[:4], max_seq_len=64)
+
+
+def params(shard: Path, out_dir: Path, **overrides) -> dict:
+    return {"data": str(shard), "out_dir": str(out_dir), "seq_len": 64, "micro_batch_per_rank": 4,
+            "global_batch": 8, "max_steps": 2, "lr": 3e-3, "exact_match_limit": 0, "eval_at_start": False,
+            "device": "cpu", **overrides}
+
+
+@pytest.fixture(scope="module")
+def bundle(shard, tmp_path_factory) -> Path:
+    """A tiny model trained two steps, exported as a Hub bundle (its modules and card with it)."""
+    root = tmp_path_factory.mktemp("bundle")
+    train(params(shard, root / "run", model="smoke"), progress=False)
+    return export_hub(root / "run", root / "bundle", echo=None)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path, bundle):
+    """The loopback Hub holding the bundle in org/tiny, huggingface_hub pointed at it, its cache in tmp_path."""
+    server = LoopbackHub()
+    point_at(server, monkeypatch, tmp_path / "hf-home")
+    push_folder(bundle, REPO, echo=None)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def push_changed(hub: LoopbackHub, bundle: Path, folder: Path, repo: str = REPO, **changes: bytes | None) -> str:
+    """The bundle with files replaced (None: removed) pushed to `repo`; the commit it makes."""
+    shutil.copytree(bundle, folder)
+    for name, content in changes.items():
+        (folder / name).unlink(missing_ok=True)
+        if content is not None:
+            (folder / name).write_bytes(content)
+    push_folder(folder, repo, echo=None)
+    return hub.repos[repo].head("main")
+
+
+def api_calls(hub: LoopbackHub) -> list[tuple[str, str]]:
+    return [request for request in hub.requests if request[0] in ("GET", "HEAD")]
+
+
+def test_a_run_starts_from_the_commit_its_revision_resolves_to_downloading_the_bundle_files_alone(
+        hub, shard, bundle, tmp_path):
+    head = hub.repos[REPO].head("main")
+    figures = batch_arithmetic(TrainParams.from_dict(params(shard, tmp_path / "a", init_checkpoint=f"hub:{REPO}")))
+    assert figures["model"] == f"checkpoint hub:{REPO}" and hub.downloads == [(REPO, "config.json")]
+
+    record = train(params(shard, tmp_path / "a", init_checkpoint=f"hub:{REPO}"), progress=False)
+    assert record["hub_start"] == {"repo_id": REPO, "revision": None, "commit": head}
+    assert record["params"]["init_checkpoint"] == f"hub:{REPO}@{head}"  # what a later run names to train the same
+    assert record["model_source"].startswith(f"checkpoint hub:{REPO}@{head} (")
+    snapshot = Path(huggingface_hub.constants.HF_HUB_CACHE) / "models--org--tiny" / "snapshots" / head
+    assert str(snapshot) in record["model_source"]
+    assert {name for _, name in hub.downloads} == DOWNLOADED & {p.name for p in bundle.iterdir()}
+    assert any(p.suffix == ".py" for p in bundle.iterdir()) and not any(p.suffix == ".py" for p in snapshot.iterdir())
+    card = huggingface_hub.ModelCard.load(export_hub(tmp_path / "a", tmp_path / "a-bundle", echo=None) / "README.md")
+    meta = card.data.to_dict()["cflib"]  # the start by its repository and commit, never a path of this machine
+    assert meta["base"] == {"source": f"Hub bundle {REPO} at commit {head}", "sha256": None}
+    assert meta["training_parameters"]["init_checkpoint"] == f"hub:{REPO}@{head}"
+
+    # Pinned, the commit is read from the cache: the same weights as the bundle's, nothing downloaded again.
+    downloads = list(hub.downloads)
+    run = prepare(TrainParams.from_dict(params(shard, tmp_path / "b", init_checkpoint=f"hub:{REPO}@{head}")))
+    assert run.hub_start.commit == head and run.hub_start.revision == head and hub.downloads == downloads
+    expected = load_checkpoint(bundle).state_dict()
+    for name, tensor in run.model.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_resume_keeps_the_commit_its_run_started_from(hub, shard, bundle, tmp_path):
+    started = hub.repos[REPO].head("main")
+    out_dir = tmp_path / "run"
+    kept = {"max_steps": 4, "save_every_steps": 2, "lr_schedule": "wsd", "warmup_steps": 1}  # the schedule resumed
+    train(params(shard, out_dir, init_checkpoint=f"hub:{REPO}", **kept), progress=False)
+    (out_dir / "COMPLETE").unlink()  # as if killed after its last checkpoint
+    shutil.copytree(out_dir, tmp_path / "copy")
+    newer = push_changed(hub, bundle, tmp_path / "newer", **{"README.md": CHANGED_CARD})
+    assert newer != started
+
+    calls = len(api_calls(hub))
+    record = train(params(shard, out_dir, init_checkpoint=f"hub:{REPO}", resume="latest", **kept), progress=False)
+    assert record["hub_start"]["commit"] == started and record["params"]["init_checkpoint"] == f"hub:{REPO}@{started}"
+    schedule = record["schedule"]
+    assert (schedule["lr_schedule"], schedule["total_steps"], schedule["steps_done"], schedule["warmup_steps"],
+            schedule["decay_steps"]) == ("wsd", 4, 4, 1, 1)
+    assert record["model_source"].startswith("resumed from")
+    assert len(api_calls(hub)) == calls  # the recorded commit: the Hub was not asked which main is now
+
+    with pytest.raises(ParamError, match=f"model hub:{REPO}@{started}, this run has hub:{REPO}@{newer}: "
+                                         "set allow_resume_changes: model"):
+        train(params(shard, tmp_path / "copy", init_checkpoint=f"hub:{REPO}@{newer}", resume="latest", **kept),
+              progress=False)
+
+
+def bad_config(bundle: Path, **changes) -> bytes:
+    config = {**json.loads((bundle / "config.json").read_text()), **changes}
+    return json.dumps({key: value for key, value in config.items() if value is not None}).encode()
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"config.json": None}, ["not a cflib/TR-MoE bundle", "has no config.json"]),
+    ({"model.safetensors": None, "adapter_config.json": b"{}"}, ["has no model.safetensors", "LoRA adapters"]),
+    ({"config.json": lambda b: bad_config(b, model_type="llama")}, ["names model_type 'llama', not 'tr_hash_moe'"]),
+    ({"config.json": lambda b: bad_config(b, model_type=None)}, ["names no model_type"]),
+    ({"config.json": lambda b: bad_config(b, auto_map={"AutoModelForCausalLM": "modeling_other.Other"})},
+     ["maps classes of its own", "modeling_other.Other", "runs no code"]),
+    ({"tokenizer_config.json": b'{"auto_map": {"AutoTokenizer": ["tok.Tok", null]}}'},
+     ["tokenizer_config.json maps a tokenizer class of its own"]),
+    # A config of a quarter of the width: the weights are more than such a model can take.
+    ({"config.json": lambda b: bad_config(b, hidden_size=16)}, ["model.safetensors is", "the weights were not "
+                                                                "downloaded"]),
+], ids=["no-config", "adapters", "other-model-type", "no-model-type", "auto-map", "tokenizer-auto-map",
+        "weights-past-the-config"])
+def test_a_repository_that_is_no_cflib_bundle_is_refused_by_name_before_its_weights_are_downloaded(
+        hub, shard, bundle, tmp_path, change, words):
+    changes = {name: content(bundle) if callable(content) else content for name, content in change.items()}
+    commit = push_changed(hub, bundle, tmp_path / "bad", "org/bad", **changes)
+    with pytest.raises(CheckpointError) as refused:
+        train(params(shard, tmp_path / "run", init_checkpoint="hub:org/bad"), progress=False)
+    assert str(refused.value).startswith(f"hub:org/bad@{commit}: ")
+    for word in words:
+        assert word in str(refused.value), f"{word!r} not in: {refused.value}"
+    assert (("org/bad", "model.safetensors") not in hub.downloads and not (tmp_path / "run").exists())
+
+
+@pytest.mark.parametrize("spec, words", [
+    (f"hub:{REPO}@nope", [f"hub:{REPO}@nope: {REPO} has no revision 'nope' on the Hugging Face Hub"]),
+    (f"hub:{REPO}@{'0' * 40}", [f"has no revision '{'0' * 40}'"]),
+    ("hub:org/none", ["no model repository org/none", "HF_TOKEN"]),
+    ("hub:tiny", ["a Hub model is hub:ORG/NAME[@REVISION]"]),
+    (f"hub:{REPO}@", ["a Hub model is hub:ORG/NAME[@REVISION]"]),
+], ids=["revision", "commit", "repository", "no-org", "empty-revision"])
+def test_a_revision_or_repository_the_hub_lacks_is_named(hub, shard, tmp_path, spec, words):
+    with pytest.raises(CheckpointError) as refused:
+        train(params(shard, tmp_path / "run", init_checkpoint=spec), progress=False)
+    for word in words:
+        assert word in str(refused.value), f"{word!r} not in: {refused.value}"
+    assert hub.downloads == [] and not (tmp_path / "run").exists()
+
+
+def test_offline_a_commit_named_in_full_starts_from_the_cache_and_a_branch_is_refused_naming_it(
+        hub, shard, tmp_path, monkeypatch):
+    head = hub.repos[REPO].head("main")
+    prepare(TrainParams.from_dict(params(shard, tmp_path / "a", init_checkpoint=f"hub:{REPO}")))  # fills the cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    calls = len(hub.requests)
+    run = prepare(TrainParams.from_dict(params(shard, tmp_path / "b", init_checkpoint=f"hub:{REPO}@{head}")))
+    assert run.hub_start.commit == head and len(hub.requests) == calls
+    with pytest.raises(CheckpointError, match=f"hub:{REPO}: could not read it from the Hugging Face Hub .*needs "
+                                              "network access, or, offline, a commit named in full that the Hugging "
+                                              f"Face cache holds: hub:{REPO}@{head}$"):
+        prepare(TrainParams.from_dict(params(shard, tmp_path / "c", init_checkpoint=f"hub:{REPO}")))
+
+
+def test_a_lora_run_adapts_a_hub_base_and_resumes_on_it_after_the_cache_is_cleared(hub, shard, bundle, tmp_path):
+    started = hub.repos[REPO].head("main")
+    lora = {"init_checkpoint": f"hub:{REPO}", "full_parameter": False, "lora_rank": 4, "max_steps": 4,
+            "save_every_steps": 2}
+    out_dir = tmp_path / "run"
+    record = train(params(shard, out_dir, **lora), progress=False)
+    cache = Path(huggingface_hub.constants.HF_HUB_CACHE)
+    assert record["hub_start"]["commit"] == started
+    assert record["lora"]["base"]["path"] == str(cache / "models--org--tiny" / "snapshots" / started)
+    (out_dir / "COMPLETE").unlink()
+    push_changed(hub, bundle, tmp_path / "newer", **{"README.md": CHANGED_CARD})
+    shutil.rmtree(cache)  # the base is gone from this machine: downloaded again, at the commit the run started from
+    resumed = train(params(shard, out_dir, **lora, resume="latest"), progress=False)
+    assert resumed["hub_start"]["commit"] == started and resumed["lora"]["base"] == record["lora"]["base"]
+    assert (cache / "models--org--tiny" / "snapshots" / started / "model.safetensors").is_file()
