@@ -17,7 +17,7 @@ import os
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -31,10 +31,10 @@ from cflib.bench.memory import PeakMemory, free_device_memory, measure_name
 from cflib.bench.plots import plot_microbatch_memory
 from cflib.bench.search import GIB, Probe, Search, search, sweep
 from cflib.data.shards import Example, write_partition
+from cflib.export.pull import checkpoint_folder, is_hub, resolve_start
 from cflib.jobs import ANYTHING, job_out_dir, record_header, refuse_existing
 from cflib.locks import exclusive_output
 from cflib.model.config import ConfigError, ModelConfig, preset
-from cflib.paths import resolve_path
 from cflib.progress import tqdm
 from cflib.schema import composed, parsed_by
 from cflib.train.params import DEVICES, Model, ParamError, TrainParams, gradient_accumulation, kernel_choice
@@ -184,19 +184,7 @@ class Tuning:
 def prepare_tuning(params: TuneParams) -> Tuning:
     """Every check that needs no training step: device, model, budget against the fixed memory, out_dir."""
     device = resolve_device(params.device)
-    if params.init_checkpoint is not None:
-        checkpoint = resolve_path(params.init_checkpoint)
-        try:
-            config = ModelConfig.from_json_file(checkpoint / "config.json")
-        except ConfigError as err:
-            raise ParamError(f"init_checkpoint: {err}") from None
-        source = f"checkpoint {checkpoint}"
-    else:
-        try:
-            config = preset(params.model)
-        except ConfigError as err:
-            raise ParamError(f"model: {err}") from None
-        source = f"preset {params.model}"
+    params, config, source = _model_to_tune(params)
     if params.seq_len > config.max_position_embeddings:
         raise ParamError(f"seq_len {params.seq_len} exceeds the model's max_position_embeddings "
                          f"{config.max_position_embeddings}")
@@ -219,6 +207,24 @@ def prepare_tuning(params: TuneParams) -> Tuning:
             "gradients and AdamW moments) before any activation")
     out_dir = job_out_dir(params.out_dir, "tune", ANYTHING, "files", name=params.model)
     return Tuning(params, device, config, source, budget, usable, ddp_bytes, out_dir)
+
+
+def _model_to_tune(params: TuneParams) -> tuple[TuneParams, ModelConfig, str]:
+    """The architecture the probes train, and where it comes from. A Hub start is pinned to its commit once, so
+    every probe, and the parameters written for train_sft, name that commit."""
+    if params.init_checkpoint is None:
+        try:
+            return params, preset(params.model), f"preset {params.model}"
+        except ConfigError as err:
+            raise ParamError(f"model: {err}") from None
+    if is_hub(params.init_checkpoint):
+        params = replace(params, init_checkpoint=resolve_start(params.init_checkpoint).spec)
+    checkpoint = checkpoint_folder(params.init_checkpoint)
+    try:
+        config = ModelConfig.from_json_file(checkpoint / "config.json")
+    except ConfigError as err:
+        raise ParamError(f"init_checkpoint: {err}") from None
+    return params, config, f"checkpoint {params.init_checkpoint if is_hub(params.init_checkpoint) else checkpoint}"
 
 
 @contextlib.contextmanager
