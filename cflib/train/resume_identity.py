@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from cflib.data.mixture import MixedPartition
-from cflib.data.shards import ShardPartition, sha256_file
+from cflib.data.shards import ShardError, ShardPartition, sha256_file
 from cflib.errors import ParamError
 from cflib.export.pull import is_hub
+from cflib.jsonio import read_json
 from cflib.paths import resolve_path
 from cflib.train.held_out import scored_examples
 
@@ -67,15 +68,39 @@ _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, 
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None}
 
 
-def partition_digest(partition: ShardPartition | MixedPartition) -> str:
+# The train part of a mixture's held-out-only source (weight 0): no train example, whatever its root holds.
+HELD_OUT_ONLY = "held out only"
+
+
+def partition_digest(partition: ShardPartition | MixedPartition, before_markers: bool = False) -> str | None:
     """SHA-256 over the file hashes a partition's manifest records (computed when it records none); a mixture's
-    over its sources' names and digests."""
+    over its sources' names and digests, a held-out-only source's train part as HELD_OUT_ONLY.
+    before_markers: the digest checkpoints written before HELD_OUT_ONLY recorded, which hashed such a source's
+    train/ manifest (None where its root has no train/sft.idx.json recording hashes)."""
     if isinstance(partition, MixedPartition):
-        parts = [[name, partition_digest(part)] for name, part in zip(partition.source_names, partition.parts)]
+        parts = [[name, partition_digest(part, before_markers)]
+                 for name, part in zip(partition.source_names, partition.parts)]
+        if any(digest is None for _, digest in parts):
+            return None
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    if getattr(partition, "held_out_only", False):
+        return _train_manifest_digest(partition.directory.parent) if before_markers else HELD_OUT_ONLY
     recorded = partition.index.get("sha256") or {
         name: sha256_file(partition.directory / name) for name in ("input_ids.bin", "labels.bin", "examples.jsonl")}
     return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
+
+
+def _train_manifest_digest(root: Path) -> str | None:
+    """The digest of root/train/'s manifest hashes (its index alone is read, bounded), or None without one."""
+    index_path = root / "train" / "sft.idx.json"
+    if not index_path.is_file():
+        return None
+    try:
+        recorded = read_json(index_path, ShardError, "shard index").get("sha256")
+    except (ShardError, AttributeError):
+        return None
+    return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest() if isinstance(
+        recorded, dict) else None
 
 
 def _shares(weights: Any) -> Any:
@@ -153,6 +178,9 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
         if then is None and name in LORA_SETTINGS and getattr(run, "lora", None) is not None:
             continue  # left unset then, taken from the adapters now: checked against them as they loaded
         if name == "data" and getattr(run, "mixture", None) is not None:  # one digest over every source
+            if isinstance(then, dict) and then.get("eval") == value["eval"] and then.get("train") is not None and \
+                    then.get("train") == partition_digest(run.train_data, before_markers=True):
+                continue  # written before a held-out-only source's train part was a marker: the same data
             raise ParamError(f"{checkpoint_dir} was trained on other data: a source of the mixture was added, "
                              "removed or renamed, or its shard's hashes differ; resume with the same sources, or "
                              "set allow_resume_changes: data to continue on these on purpose")

@@ -63,7 +63,10 @@ def open_root(root: Path, vocab_size: int, seq_len: int, check: Check, release_r
         opened = {partition: shard for partition, (shard, _) in checked.items()}
         reports = {partition: report for partition, (_, report) in checked.items()}
     held_out = opened["eval"]
-    train = opened["train"] if trains else held_out.subset(np.zeros(0, dtype=np.int64))
+    if trains:
+        return opened["train"], held_out, reports
+    train = held_out.subset(np.zeros(0, dtype=np.int64))
+    train.held_out_only = True  # its digest is a marker, never eval/'s manifest (resume_identity.partition_digest)
     return train, held_out, reports
 
 

@@ -274,6 +274,41 @@ def test_a_resume_with_a_source_renamed_is_refused_naming_the_mixture(roots, tmp
         train(params(roots, out_dir, data=renamed, resume="latest"), progress=False)
 
 
+def test_a_held_out_only_source_s_train_part_is_a_marker_and_older_checkpoints_resume(roots, tmp_path):
+    """The train digest of a mixture names a held-out-only source by a fixed marker, never its eval/ manifest; a
+    checkpoint written when it hashed the source's train/ manifest resumes as the same data."""
+    import hashlib
+
+    out_dir = tmp_path / "run"
+    data = [{"path": str(roots["addition"]), "weight": 1.0}, {"path": str(roots["uppercase"]), "weight": 0}]
+    run_params = params(roots, out_dir, data=data, examples_per_epoch=None, epochs=1, save_every_steps=2)
+    train(run_params, progress=False)
+    for name in ("COMPLETE", "record.json"):
+        (out_dir / name).unlink()
+    state_path = out_dir / "checkpoints" / "step-2" / "trainer_state.pt"
+    state = torch.load(state_path, weights_only=True)
+
+    def digest(task: str, partition: str) -> str:
+        recorded = json.loads((roots[task] / partition / "sft.idx.json").read_text())["sha256"]
+        return hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
+
+    def mixed(second: str) -> str:
+        return hashlib.sha256(json.dumps([["addition", digest("addition", "train")],
+                                          ["uppercase", second]]).encode()).hexdigest()
+
+    assert state["data"]["train"] == mixed("held out only")
+    for name in ("epoch-1", "best"):  # resume: latest takes step-2
+        shutil.rmtree(out_dir / "checkpoints" / name)
+    state["data"]["train"] = mixed(digest("uppercase", "eval"))  # other data than the run's: refused
+    torch.save(state, state_path)
+    with pytest.raises(ParamError, match="was trained on other data"):
+        train({**run_params, "resume": "latest"}, progress=False)
+    state["data"]["train"] = mixed(digest("uppercase", "train"))  # as checkpoints written before the marker
+    torch.save(state, state_path)
+    record = train({**run_params, "resume": "latest"}, progress=False)
+    assert record["schedule"]["steps_done"] == 4 and record["model_source"].startswith("resumed from")
+
+
 @pytest.fixture(scope="module")
 def varied(tmp_path_factory) -> dict[str, Path]:
     """Two sources of unequal lengths, 30 chats of up to 55 characters and 12 of up to 12: each epoch's draw of them
