@@ -16,7 +16,7 @@ Hub's listing) and again before they are read (on disk): the weights by what the
 config's tensors take. The endpoint and the token are huggingface_hub's:
 HF_ENDPOINT, and HF_TOKEN or the token `hf auth login` saved; with
 HF_HUB_OFFLINE=1 only the cache is read, which a commit named in full (or the
-one a resumed run recorded) can use.
+one a resumed run recorded, named as the run named it) can use.
 """
 from __future__ import annotations
 
@@ -77,17 +77,22 @@ def hub_parts(spec: str) -> tuple[str, str | None]:
     return repo_id, revision or None
 
 
-def resolve_start(spec: str, recorded: str | None = None) -> HubStart:
-    """The commit `spec` names. `recorded`: the pinned spec a resumed run's checkpoint records; a spec naming that
-    repository with no revision, or that commit, resolves to it without asking the Hub (the run goes on from the
-    commit it started from, whatever the branch did since; another revision is resolved and compared as a change
-    of model). A commit named in full is taken as it is (fetch_bundle finds whether the Hub has it); any other
-    revision is resolved by the Hub, now."""
+def resolve_start(spec: str, recorded: str | None = None, recorded_start: object = None) -> HubStart:
+    """The commit `spec` names. `recorded`: the pinned spec a resumed run's checkpoint records, `recorded_start`
+    its HubStart.record() (the revision the run named); a spec naming that repository with no revision, with the
+    revision the run named (the same string: a branch or tag, whatever it points at now), or with that commit,
+    resolves to it without asking the Hub (the run goes on from the commit it started from, whatever the branch
+    did since, offline too; another revision is resolved and compared as a change of model). A commit named in
+    full is taken as it is (fetch_bundle finds whether the Hub has it); any other revision is resolved by the Hub,
+    now."""
     repo_id, revision = hub_parts(spec)
     if is_hub(recorded):
         then, commit = hub_parts(recorded)
-        if then == repo_id and commit is not None and revision in (None, commit):
-            return HubStart(repo_id, revision, commit)
+        start = recorded_start if isinstance(recorded_start, dict) and recorded_start.get("commit") == commit \
+            else {}
+        named = start.get("revision") if isinstance(start.get("revision"), str) else None
+        if then == repo_id and commit is not None and revision in (None, commit, named):
+            return HubStart(repo_id, named if start else revision, commit)  # the run's start, as it named it
     if revision is not None and COMMIT.fullmatch(revision):
         return HubStart(repo_id, revision, revision)
     from huggingface_hub import HfApi

@@ -137,6 +137,8 @@ def run_identity(run: Any) -> dict[str, Any]:
             "data": {"train": partition_digest(run.train_data), "eval": partition_digest(run.eval_data)},
             "model": model, "mixture": mixture, "exact_match_prompts": scored_prompts(run),
             "init_adapters": getattr(run, "init_adapters", None),
+            # A Hub start's repository, commit and the revision the run named: a resume naming it asks no Hub
+            "hub_start": None if getattr(run, "hub_start", None) is None else run.hub_start.record(),
             **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture",
                                "lr_decay_ratio")}}

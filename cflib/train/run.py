@@ -395,7 +395,8 @@ def starting_model(params: TrainParams) -> Start:
             refuse_foreign_resume(checkpoint_dir, resolve_path(params.out_dir))
         params = with_adapter_settings(params, checkpoint_dir)  # its own, whatever init_checkpoint names
         state = load_trainer_state(checkpoint_dir, required=TRAINER_STATE_KEYS)
-        params, hub = pinned_hub_start(params, state.get("model"))  # the commit its run started from
+        # The commit its run started from, also where the resume names the run's branch or tag (no Hub request).
+        params, hub = pinned_hub_start(params, state.get("model"), state.get("hub_start"))
         model, lora = resumed_model(checkpoint_dir, params.lora_settings(), params.init_checkpoint)
         return Start(params, model, lora, f"resumed from {checkpoint_dir} at step {state['step']}", "resumed",
                      state, checkpoint_dir, hub)
@@ -410,13 +411,15 @@ def starting_model(params: TrainParams) -> Start:
     return Start(params, TRMoEModel(_preset(params.model)), None, f"preset {params.model}", params.model)
 
 
-def pinned_hub_start(params: TrainParams, recorded: str | None = None) -> tuple[TrainParams, HubStart | None]:
+def pinned_hub_start(params: TrainParams, recorded: str | None = None, recorded_start: object = None
+                     ) -> tuple[TrainParams, HubStart | None]:
     """`params` with an init_checkpoint hub:ORG/NAME[@REVISION] pinned to the commit it resolves to (a resume's:
-    the one its checkpoint records, `recorded`), so the record, the resume identity and torchrun's workers all
-    name that commit, and the revision is resolved once; other parameters as they are."""
+    the one its checkpoint records, `recorded`, with the revision the run named, `recorded_start`), so the record,
+    the resume identity and torchrun's workers all name that commit, and the revision is resolved once; other
+    parameters as they are."""
     if not is_hub(params.init_checkpoint):
         return params, None
-    hub = resolve_start(params.init_checkpoint, recorded)
+    hub = resolve_start(params.init_checkpoint, recorded, recorded_start)
     return replace(params, init_checkpoint=hub.spec), hub
 
 

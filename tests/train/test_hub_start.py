@@ -205,3 +205,23 @@ def test_a_lora_run_adapts_a_hub_base_and_resumes_on_it_after_the_cache_is_clear
     resumed = train(params(shard, out_dir, **lora, resume="latest"), progress=False)
     assert resumed["hub_start"]["commit"] == started and resumed["lora"]["base"] == record["lora"]["base"]
     assert (cache / "models--org--tiny" / "snapshots" / started / "model.safetensors").is_file()
+
+
+def test_a_resume_naming_the_run_s_branch_keeps_its_commit_offline_after_the_branch_moved(
+        hub, shard, bundle, tmp_path, monkeypatch):
+    """The checkpoint records the revision the run named: naming it again stands for the recorded commit, with no
+    request to the Hub, so a full-parameter resume works offline however far main moved."""
+    started = hub.repos[REPO].head("main")
+    out_dir = tmp_path / "run"
+    kept = {"init_checkpoint": f"hub:{REPO}@main", "max_steps": 4, "save_every_steps": 2}
+    train(params(shard, out_dir, **kept), progress=False)
+    (out_dir / "COMPLETE").unlink()
+    push_changed(hub, bundle, tmp_path / "newer", **{"README.md": CHANGED_CARD})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    calls = len(hub.requests)
+    record = train(params(shard, out_dir, resume="latest", **kept), progress=False)
+    assert len(hub.requests) == calls
+    assert record["hub_start"] == {"repo_id": REPO, "revision": "main", "commit": started}
+    assert record["params"]["init_checkpoint"] == f"hub:{REPO}@{started}"
+
