@@ -19,7 +19,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cflib.atomic import check_writable_folder, set_aside, write_json_atomic
+from cflib.data.sources import HUB
 from cflib.errors import ParamError
+from cflib.export.pull import HubStart, is_hub
 from cflib.jobs import job_out_dir, utc_now
 from cflib.jsonio import read_json
 from cflib.model.checkpoint import CheckpointError, latest_resumable
@@ -31,7 +33,7 @@ from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
 from cflib.train.registered import for_workers
 from cflib.train.resume_identity import ALLOWABLE, STREAM
-from cflib.train.run import model_config, prepare
+from cflib.train.run import model_config, pinned_hub_start, prepare
 from cflib.train.run_folder import check_entries_inside, read_run_record, refuse_mixing
 
 CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
@@ -57,6 +59,7 @@ class CurriculumRun:
     out_dir: Path
     config: ModelConfig
     audit: list[dict]
+    hub_start: dict | None = None  # init_checkpoint hub:ORG/NAME: the commit every stage starts from, pinned once
 
     def describe(self) -> str:
         what = "dry run" if self.params.dry_run else "curriculum"
@@ -97,7 +100,8 @@ class CurriculumRun:
             # change allowed on purpose: the file says what this run trains, and since when.
             changed = {} if written is None else {"created_utc": written.get("created_utc"), "changed_utc": utc_now()}
             write_json_atomic(self.out_dir / CURRICULUM_FILE,
-                              {**stages, "created_utc": utc_now(), **changed, "audit": self.audit})
+                              {**stages, "created_utc": utc_now(), **changed, "audit": self.audit,
+                               "hub_start": self.hub_start})
         start_from, records = self.params.init_checkpoint, []
         for stage in self.curriculum.stages:
             record = self._fit_stage(stage, start_from, progress)
@@ -243,6 +247,7 @@ def _check_kept_stage(stage: Stage, written: dict | None, params: TrainParams, p
 def prepare_curriculum(params: TrainParams) -> CurriculumRun:
     """Check a curriculum (or a dry run) against the data, every stage, without writing anything."""
     out_dir = _root(params)
+    params, hub = _pinned_start(params, out_dir)
     curriculum = load_curriculum(params, out_dir) if params.curriculum is not None else one_stage(params, out_dir)
     if params.world_size > 1:  # a loss or metric a later stage's workers could not import: refused now, not then
         compared = [curriculum.run] if curriculum.compare_one_stage else []
@@ -252,4 +257,23 @@ def prepare_curriculum(params: TrainParams) -> CurriculumRun:
         _check_root(params, out_dir, curriculum)
     config, _ = model_config(replace(params, resume=None))  # every stage trains this architecture
     rows = audit(curriculum, config, stop_at_first=not params.dry_run)  # each stage against its own data
-    return CurriculumRun(params, curriculum, out_dir, config, rows)
+    return CurriculumRun(params, curriculum, out_dir, config, rows, None if hub is None else hub.record())
+
+
+def _pinned_start(params: TrainParams, out_dir: Path) -> tuple[TrainParams, HubStart | None]:
+    """`params` with a Hub init_checkpoint pinned once, so that every stage and compare_one_stage start from one
+    commit: a resume's is the commit curriculum.json records (the revision the run named stands for it, as a
+    resumed run's does). A resume of a curriculum.json written before it recorded one pins nothing here: each
+    stage resolves its start as it did."""
+    if not is_hub(params.init_checkpoint):
+        return params, None
+    recorded = None
+    if params.resume is not None:
+        written = read_json(out_dir / CURRICULUM_FILE, ParamError, "curriculum file") if (
+            out_dir / CURRICULUM_FILE).is_file() else None
+        recorded = written.get("hub_start") if isinstance(written, dict) else None
+        if not (isinstance(recorded, dict) and isinstance(recorded.get("repo_id"), str)
+                and isinstance(recorded.get("commit"), str)):
+            return params, None
+    spec = None if recorded is None else f"{HUB}{recorded['repo_id']}@{recorded['commit']}"
+    return pinned_hub_start(params, spec, recorded)

@@ -225,3 +225,20 @@ def test_a_resume_naming_the_run_s_branch_keeps_its_commit_offline_after_the_bra
     assert record["hub_start"] == {"repo_id": REPO, "revision": "main", "commit": started}
     assert record["params"]["init_checkpoint"] == f"hub:{REPO}@{started}"
 
+
+def test_a_curriculum_pins_its_hub_start_once_for_every_stage(hub, shard, tmp_path):
+    import yaml
+
+    head = hub.repos[REPO].head("main")
+    curriculum = tmp_path / "c.yaml"
+    curriculum.write_text(yaml.safe_dump({"version": 1, "compare_one_stage": True, "stages": [
+        {"name": "one", "max_steps": 1}, {"name": "two", "max_steps": 1}]}))
+    out_dir = tmp_path / "run"
+    record = train(params(shard, out_dir, init_checkpoint=f"hub:{REPO}@main", curriculum=str(curriculum),
+                          max_steps=None), progress=False)
+    resolved = [path for method, path in hub.requests if path.endswith("/revision/main")]
+    assert len(resolved) == 1, hub.requests
+    assert record["curriculum"]["stages"][0]["started_from"] == f"hub:{REPO}@{head}"
+    one_stage = json.loads((out_dir / "one_stage" / "record.json").read_text())
+    assert one_stage["hub_start"]["commit"] == head
+    assert json.loads((out_dir / "curriculum.json").read_text())["hub_start"]["commit"] == head
