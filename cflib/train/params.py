@@ -180,7 +180,9 @@ class Model:
     """The model a run starts from."""
 
     model: str = "smoke"  # a preset of cflib.model.config.PRESETS; ignored when init_checkpoint is set
-    init_checkpoint: str | None = None  # checkpoint dir; its config.json gives the architecture
+    # a checkpoint dir, or a Hub bundle hub:ORG/NAME[@REVISION] (pinned to its commit); its config.json gives the
+    # architecture
+    init_checkpoint: str | None = None
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,14 @@ def test_parameters_cell_mirrors_train_params():
     assert parameters_cell(TRAIN_SFT) == {name: getattr(TrainParams(), name) for name in TrainParams.names()}
 
 
+def test_init_checkpoint_is_described_with_its_hub_form_in_the_notebook_and_the_params():
+    cell = next(c for c in nbformat.read(TRAIN_SFT, as_version=4).cells if "parameters" in c.metadata.get("tags", []))
+    line = next(line for line in cell.source.splitlines() if line.startswith("init_checkpoint"))
+    source = (ROOT / "cflib" / "train" / "params.py").read_text()
+    described = source[source.index("class Model:"):source.index("init_checkpoint: str | None")]
+    assert "hub:ORG/NAME[@REVISION]" in line and "hub:ORG/NAME[@REVISION]" in described
+
+
 def test_evaluate_parameters_cell_mirrors_eval_params():
     from cflib.lab.evaluate import EvalParams
 
