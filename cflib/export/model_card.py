@@ -316,7 +316,10 @@ def _training(meta: dict) -> str:
             count = f"{examples:,} examples" if isinstance(examples, int) else "examples"
             lines.append(f"| {partition} data | {count} of {source['root']}{role}; manifest SHA-256: "
                          f"{hashes or 'not found'} |")
-    recipe = ", ".join(f"{name} {params[name]}" for name in RECIPE if params.get(name) is not None)
+    # warmup_steps, where set, wins over warmup_ratio (cflib.train.run.resolve_schedule): the unused ratio is left out
+    unused = {"warmup_ratio"} if params.get("warmup_steps") is not None else set()
+    recipe = ", ".join(f"{name} {params[name]}" for name in RECIPE if params.get(name) is not None
+                       and name not in unused)
     lines.append(f"| recipe | {recipe} |")
     lines.append("| kernel path | " + ", ".join(f"{k}: {v}" for k, v in (meta.get("kernel_path") or {}).items()
                                                 if not isinstance(v, dict)) + " |")

@@ -44,7 +44,8 @@ class LrSchedule:
     cosine and linear fall from the peak toward `min_lr_ratio` over the rest of the run, constant stays at the
     peak, and wsd (warmup-stable-decay) stays at the peak until a linear fall over its last `decay_steps`. A fall
     reaches its floor at step `total_steps`, one past the last step taken, as transformers' schedules do: the
-    last step still learns."""
+    last step still learns (and the first step of a fall runs at the peak). The warm-up is warmup_ratio's share of
+    the steps (`warmup_ratio`), or, where warmup_steps is set, those steps (`warmup_ratio` None: unused)."""
 
     name: str
     total_steps: int
@@ -52,6 +53,7 @@ class LrSchedule:
     decay_steps: int  # the last steps, over which the factor falls to its floor: none for constant
     min_lr_ratio: float = 0.0
     lr_decay_ratio: float | None = None  # wsd's share of the steps that decay, as resolved; None for the others
+    warmup_ratio: float | None = None  # the share the warm-up was resolved from; None: warmup_steps set it
 
     def factor(self, step: int) -> float:
         """The factor of lr at optimizer step `step` (from 0)."""
@@ -70,8 +72,19 @@ class LrSchedule:
 
     def record(self) -> dict:
         """The schedule as the record's `schedule` names it."""
-        return {"lr_schedule": self.name, "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
+        return {"lr_schedule": self.name, "warmup_steps": self.warmup_steps, "warmup_from": self.warmup_from,
+                "warmup_ratio": self.warmup_ratio, "decay_steps": self.decay_steps,
                 "min_lr_ratio": self.min_lr_ratio, "lr_decay_ratio": self.lr_decay_ratio}
+
+    @property
+    def warmup_from(self) -> str:
+        """The parameter the warm-up's steps came from: warmup_steps where it is set (the ratio then unused)."""
+        return "warmup_steps" if self.warmup_ratio is None else "warmup_ratio"
+
+    def describe_warmup(self) -> str:
+        """The warm-up in words: `3 warm-up`, or `50 warm-up (warmup_steps; warmup_ratio unused)`."""
+        unused = " (warmup_steps; warmup_ratio unused)" if self.warmup_ratio is None else ""
+        return f"{self.warmup_steps} warm-up{unused}"
 
     def describe(self) -> str:
         """The schedule after its warm-up, in words: `cosine to 0.1 x lr`, `constant, then linear to 0 x lr over
@@ -80,13 +93,10 @@ class LrSchedule:
             return "constant"
         floor = f"{self.min_lr_ratio:g} x lr"
         if self.name == "wsd":
+            if self.total_steps <= 1:  # a one-step run takes its step at the peak, whatever the schedule
+                return "wsd: its one step at the peak"
             return f"wsd: constant, then linear to {floor} over the last {self.decay_steps} steps"
         return f"{self.name} to {floor}"
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """The released schedule's factor: linear warm-up to the peak, then one cosine to zero at step total_steps."""
-    return LrSchedule("cosine", total_steps, warmup_steps, total_steps - warmup_steps).factor(step)
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,7 @@ class Optimisation:
     beta1: float = 0.9
     beta2: float = 0.95
     warmup_ratio: float = 0.03
-    warmup_steps: int | None = None  # warm-up steps instead of warmup_ratio (which then stays at its default)
+    warmup_steps: int | None = None  # warm-up steps; where set, warmup_ratio is unused
     lr_schedule: str = "cosine"  # after the warm-up: cosine | linear | constant | wsd (cflib.train.optim.SCHEDULES)
     min_lr_ratio: float = 0.0  # the floor cosine, linear and wsd fall to, as a fraction of lr
     lr_decay_ratio: float | None = None  # wsd only: the last share of the steps that decay linearly; None: 0.1
@@ -535,11 +535,8 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ParamError(f"warmup_steps must be None or >= 0, got {self.warmup_steps}")
-        # warmup_steps replaces warmup_ratio's default; a ratio given too would be silently ignored.
-        if self.warmup_steps is not None and self.warmup_ratio != Optimisation.warmup_ratio:
-            raise ParamError(f"warmup_steps {self.warmup_steps} and warmup_ratio {self.warmup_ratio} both set the "
-                             "warm-up: keep one (warmup_steps replaces warmup_ratio's default "
-                             f"{Optimisation.warmup_ratio})")
+        # warmup_steps, where set, wins over warmup_ratio whatever its value (a params file's, a stage's base's): the
+        # run's description and record say the ratio is unused (cflib.train.run.resolve_schedule).
         if self.lr_schedule not in SCHEDULES:
             raise ParamError(f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
         if not 0.0 <= self.min_lr_ratio < 1.0:

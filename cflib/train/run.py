@@ -176,7 +176,7 @@ class Run:
             f"batch        global {p.global_batch} {'windows' if self.packed is not None else 'examples'} = micro "
             f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {p.grad_accum}",
             f"schedule     {self.steps_per_epoch} steps/epoch{self._epoch_steps()}, {self.total_steps} optimizer "
-            f"steps, {self.warmup_steps} warm-up, lr {p.lr:g} {self.schedule.describe()}",
+            f"steps, {self.schedule.describe_warmup()}, lr {p.lr:g} {self.schedule.describe()}",
             f"device       {self.device} ({'bf16 autocast' if p.bf16 else 'fp32'}), "
             f"{p.nnodes} node(s) x {p.nproc_per_node} process(es), strategy {self.strategy} "
             f"(estimated {self.memory_estimate['total_bytes'] / 2**30:.1f} GiB of "
@@ -455,11 +455,13 @@ def schedule_steps(units: int | list[int], params: TrainParams, unit: str | None
 
 
 def resolve_schedule(params: TrainParams, total_steps: int) -> LrSchedule:
-    """The learning-rate schedule over `total_steps`: warm-up steps from warmup_steps or warmup_ratio, wsd's decay
-    steps from lr_decay_ratio; ParamError where they do not fit the run."""
+    """The learning-rate schedule over `total_steps`: warm-up steps from warmup_steps where it is set (warmup_ratio
+    then unused), else from warmup_ratio; wsd's decay steps from lr_decay_ratio; ParamError where they do not fit
+    the run."""
     by_ratio = params.warmup_steps is None
     warmup_steps = math.ceil(params.warmup_ratio * total_steps) if by_ratio else params.warmup_steps
     warmup = f"warmup_ratio {params.warmup_ratio:g}" if by_ratio else f"warmup_steps {warmup_steps}"
+    ratio_used = params.warmup_ratio if by_ratio else None
     # The learning rate would rise to its peak at the last step (or never reach it), never decay; a one-step run
     # may take its one step at the peak.
     if warmup_steps >= total_steps > 1 or warmup_steps > total_steps > 0:
@@ -472,13 +474,32 @@ def resolve_schedule(params: TrainParams, total_steps: int) -> LrSchedule:
                          f"{max(total_steps - 1, 1)}")
     if params.lr_schedule != "wsd":
         decay_steps = 0 if params.lr_schedule == "constant" else total_steps - warmup_steps
-        return LrSchedule(params.lr_schedule, total_steps, warmup_steps, decay_steps, params.min_lr_ratio)
+        return LrSchedule(params.lr_schedule, total_steps, warmup_steps, decay_steps, params.min_lr_ratio,
+                          warmup_ratio=ratio_used)
     ratio = params.lr_decay_ratio if params.lr_decay_ratio is not None else WSD_DECAY_RATIO
+    if total_steps <= 1:  # one step, taken at the peak as every schedule takes it: nothing to decay
+        return LrSchedule("wsd", total_steps, warmup_steps, total_steps - warmup_steps, params.min_lr_ratio, ratio,
+                          ratio_used)
     decay_steps = math.ceil(ratio * total_steps)
+    # The first decay step runs at the peak: with one, the run never decays.
+    if decay_steps < 2:
+        raise ParamError(f"lr_schedule wsd: lr_decay_ratio {ratio:g} gives {decay_steps} decay step of the run's "
+                         f"{total_steps}, taken at the peak: the rate would never fall; with {total_steps} steps "
+                         f"lr_decay_ratio must be at least {smallest_decay_ratio(total_steps):g} (2 decay steps)")
     if warmup_steps + decay_steps > total_steps:  # the decay would start before the warm-up ends
         raise ParamError(f"lr_schedule wsd: {warmup_steps} warm-up steps ({warmup}) and {decay_steps} decay steps "
                          f"(lr_decay_ratio {ratio:g}) are more than the run's {total_steps}; lower one of them")
-    return LrSchedule("wsd", total_steps, warmup_steps, decay_steps, params.min_lr_ratio, ratio)
+    return LrSchedule("wsd", total_steps, warmup_steps, decay_steps, params.min_lr_ratio, ratio, ratio_used)
+
+
+def smallest_decay_ratio(total_steps: int) -> float:
+    """The smallest lr_decay_ratio, to 4 decimals (more for a run of more than 1,000 steps), that gives wsd 2 decay
+    steps of `total_steps` (at least 2)."""
+    digits = max(4, len(str(total_steps)) + 1)
+    ratio = math.floor(10**digits / total_steps) / 10**digits
+    while math.ceil(ratio * total_steps) < 2:
+        ratio = round(ratio + 10**-digits, digits)
+    return ratio
 
 
 def check_global_batch(units: int, params: TrainParams, unit: str) -> None:
@@ -534,7 +555,8 @@ def batch_arithmetic(params: TrainParams) -> dict:
             "grad_accum": params.grad_accum,
             "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
             "steps_per_epoch": steps_per_epoch, "total_steps": schedule.total_steps,
-            "warmup_steps": schedule.warmup_steps, "lr_schedule": schedule.describe(), "device": str(device),
+            "warmup_steps": schedule.warmup_steps, "warmup_from": schedule.warmup_from,
+            "lr_schedule": schedule.describe(), "device": str(device),
             "memory_estimate": estimate,
             "strategy": choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"}
 
@@ -553,7 +575,9 @@ def describe_arithmetic(figures: dict, params: TrainParams) -> str:
                                      "plans the windows and prints the real count" if params.pack_sequences else ""),
         f"optimizer steps  {figures['total_steps']:,}" + (" (max_steps)" if params.max_steps is not None else
                                                           f" ({params.epochs} epochs)")
-        + f", {figures['warmup_steps']:,} of warm-up, then {figures['lr_schedule']}",
+        + f", {figures['warmup_steps']:,} of warm-up"
+        + (" (warmup_steps; warmup_ratio unused)" if figures.get("warmup_from") == "warmup_steps" else "")
+        + f", then {figures['lr_schedule']}",
         f"memory estimate  {_size(memory['total_bytes'])} per rank of {_size(memory['device_bytes'])} on "
         f"{figures['device']} (model + AdamW {_size(memory['model_and_optimizer_bytes'])}, activations "
         f"{_size(memory['activation_bytes'])}); "

@@ -66,3 +66,16 @@ def test_a_source_held_out_only_is_named_by_its_eval_partition_alone(tmp_path: P
     assert rows == ["| train data | 3 examples of trained (weight 1); manifest SHA-256: a `b` |",
                     "| eval data | 3 examples of trained (weight 1); manifest SHA-256: a `b` |",
                     "| eval data | 3 examples of held_out (held out only: weight 0); manifest SHA-256: a `b` |"]
+
+
+@pytest.mark.parametrize("warmup, recipe", [
+    ({"warmup_ratio": 0.05, "warmup_steps": 50}, "lr 0.001, warmup_steps 50, lr_schedule cosine"),
+    ({"warmup_ratio": 0.05, "warmup_steps": None}, "lr 0.001, warmup_ratio 0.05, lr_schedule cosine"),
+])
+def test_the_recipe_names_the_warm_up_the_run_took(warmup, recipe):
+    """warmup_steps, where set, wins over warmup_ratio: the card's recipe leaves the unused ratio out."""
+    meta = {"checkpoint": {"name": "best", "sha256": "0" * 64}, "base": {"source": "preset smoke", "sha256": None},
+            "data": {"sources": []}, "throughput": {},
+            "training_parameters": {"lr": 0.001, **warmup, "lr_schedule": "cosine"}}
+    rows = [row for row in cflib.export.model_card._training(meta).splitlines() if row.startswith("| recipe |")]
+    assert rows == [f"| recipe | {recipe} |"]

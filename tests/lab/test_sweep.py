@@ -88,6 +88,14 @@ def test_a_sweep_varies_the_learning_rate_schedule_like_any_parameter(tmp_path):
     assert "constant never decays" in sweep.points[2].error  # refused before any point runs, alone
 
 
+def test_a_sweep_over_warmup_steps_on_a_base_with_a_warmup_ratio_takes_the_steps(tmp_path):
+    # quickstart.yaml sets warmup_ratio 0.05: each point's warmup_steps wins over it
+    sweep = expand_sweep(SweepParams.from_dict({"base": "params/quickstart.yaml", "grid": {"warmup_steps": [2, 5]},
+                                                "out_dir": str(tmp_path / "s")}))
+    assert [p.name for p in sweep.points] == ["warmup_steps-2", "warmup_steps-5"]
+    assert [p.error for p in sweep.points] == [None, None]
+
+
 # A sweep's base (train_sft's parameters) is validated with every params file (tests/train/test_params.py).
 SWEEP_FILES = [path for path in sorted((ROOT / "params").glob("sweep_*.yaml"))
                if {"grid", "points"} & set(load_params_file(path))]

@@ -107,7 +107,8 @@ def test_a_run_starts_from_the_commit_its_revision_resolves_to_downloading_the_b
 def test_a_resume_keeps_the_commit_its_run_started_from(hub, shard, bundle, tmp_path):
     started = hub.repos[REPO].head("main")
     out_dir = tmp_path / "run"
-    kept = {"max_steps": 4, "save_every_steps": 2, "lr_schedule": "wsd", "warmup_steps": 1}  # the schedule resumed
+    kept = {"max_steps": 4, "save_every_steps": 2, "lr_schedule": "wsd", "warmup_steps": 1,  # the schedule resumed
+            "lr_decay_ratio": 0.5}
     train(params(shard, out_dir, init_checkpoint=f"hub:{REPO}", **kept), progress=False)
     (out_dir / "COMPLETE").unlink()  # as if killed after its last checkpoint
     shutil.copytree(out_dir, tmp_path / "copy")
@@ -119,7 +120,7 @@ def test_a_resume_keeps_the_commit_its_run_started_from(hub, shard, bundle, tmp_
     assert record["hub_start"]["commit"] == started and record["params"]["init_checkpoint"] == f"hub:{REPO}@{started}"
     schedule = record["schedule"]
     assert (schedule["lr_schedule"], schedule["total_steps"], schedule["steps_done"], schedule["warmup_steps"],
-            schedule["decay_steps"]) == ("wsd", 4, 4, 1, 1)
+            schedule["decay_steps"]) == ("wsd", 4, 4, 1, 2)
     assert record["model_source"].startswith("resumed from")
     assert len(api_calls(hub)) == calls  # the recorded commit: the Hub was not asked which main is now
 

@@ -1,5 +1,7 @@
 """Learning-rate schedules: each one's factor at its key steps against a plain-Python reference, the released cosine
-bit for bit, their settings checked before step 1, and a real run recording the schedule it trained with."""
+bit for bit, their settings checked before step 1 (a wsd decay that never falls refused, warmup_steps winning over
+warmup_ratio, a one-step run the same under every schedule), and a real run recording the schedule it trained
+with."""
 from __future__ import annotations
 
 import math
@@ -10,14 +12,17 @@ from sft_shard_helpers import write_shard
 
 from cflib.data.tasks import generate
 from cflib.train import train
-from cflib.train.optim import SCHEDULES, LrSchedule, lr_factor
-from cflib.train.params import ParamError, TrainParams
+from cflib.train.optim import SCHEDULES, LrSchedule
+from cflib.train.params import ParamError, TrainParams, load_params_file
 from cflib.train.records import read_metrics
-from cflib.train.run import resolve_schedule
+from cflib.train.run import batch_arithmetic, describe_arithmetic, resolve_schedule
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def released_cosine(step: int, warmup_steps: int, total_steps: int) -> float:
-    """lr_factor as released, before schedules could be chosen: the default must stay it bit for bit."""
+    """The schedule's factor as released (cflib.train.optim.lr_factor), before schedules could be chosen: the
+    default must stay it bit for bit."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = max(total_steps - warmup_steps, 1)
@@ -75,11 +80,19 @@ def test_wsd_holds_the_peak_until_its_decay_then_falls_linearly():
 @pytest.mark.parametrize("warmup, total", [(0, 1), (1, 1), (0, 7), (1, 30), (3, 100), (30, 1000), (99, 100)])
 def test_the_default_schedule_is_the_released_cosine_bit_for_bit(warmup, total):
     released = [released_cosine(step, warmup, total) for step in range(total)]
-    assert [lr_factor(step, warmup, total) for step in range(total)] == released
+    by_steps = resolve_schedule(TrainParams(warmup_steps=warmup), total)
+    assert [by_steps.factor(step) for step in range(total)] == released
     by_ratio = resolve_schedule(TrainParams(), total)  # warmup_ratio 0.03, lr_schedule cosine, min_lr_ratio 0
     assert by_ratio.name == "cosine" and by_ratio.warmup_steps == math.ceil(0.03 * total)
     assert [by_ratio.factor(step) for step in range(total)] == [
         released_cosine(step, math.ceil(0.03 * total), total) for step in range(total)]
+
+
+def test_the_default_schedule_warms_up_then_follows_one_cosine():
+    factors = [schedule(warmup_steps=4).factor(step) for step in range(20)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == 1.0 and all(a >= b for a, b in zip(factors[4:], factors[5:]))
+    assert factors[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 15 / 16)))
 
 
 def test_warmup_steps_replaces_warmup_ratio():
@@ -88,10 +101,64 @@ def test_warmup_steps_replaces_warmup_ratio():
     assert schedule(total=100, warmup_steps=0).factor(0) == 1.0
 
 
+@pytest.mark.parametrize("ratio", [0.03, 0.05, 0.5])
+def test_warmup_steps_set_wins_over_any_warmup_ratio_and_says_the_ratio_is_unused(ratio):
+    # A ratio at its default or not, from a params file or beside it: warmup_steps decides, no error.
+    resolved = schedule(total=100, warmup_steps=7, warmup_ratio=ratio)
+    assert resolved.warmup_steps == 7 and resolved.factor(6) == 1.0
+    assert {key: resolved.record()[key] for key in ("warmup_steps", "warmup_from", "warmup_ratio")} == {
+        "warmup_steps": 7, "warmup_from": "warmup_steps", "warmup_ratio": None}
+    assert resolved.describe_warmup() == "7 warm-up (warmup_steps; warmup_ratio unused)"
+    by_ratio = schedule(total=100, warmup_ratio=ratio)
+    assert {key: by_ratio.record()[key] for key in ("warmup_from", "warmup_ratio")} == {
+        "warmup_from": "warmup_ratio", "warmup_ratio": ratio}
+    assert by_ratio.describe_warmup() == f"{math.ceil(ratio * 100)} warm-up"
+
+
+def test_warmup_steps_over_a_params_file_s_warmup_ratio_is_taken():
+    # `-f params/quickstart.yaml -p warmup_steps 5`: the file sets warmup_ratio 0.05
+    raw = load_params_file(ROOT / "params" / "quickstart.yaml")
+    assert raw["warmup_ratio"] == 0.05
+    params = TrainParams.from_dict({**raw, "warmup_steps": 5})
+    figures = batch_arithmetic(params)
+    assert figures["warmup_steps"] == 5 and figures["warmup_from"] == "warmup_steps"
+    assert "5 of warm-up (warmup_steps; warmup_ratio unused), then" in describe_arithmetic(figures, params)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("warmup", [{}, {"warmup_steps": 0}, {"warmup_steps": 1}, {"warmup_ratio": 0.5}])
+def test_a_one_step_run_takes_its_step_at_the_peak_under_every_schedule(name, warmup):
+    resolved = schedule(total=1, lr_schedule=name, **warmup)
+    cosine = schedule(total=1, **warmup)
+    assert resolved.factor(0) == cosine.factor(0) == 1.0
+    assert (resolved.warmup_steps, resolved.decay_steps) == (
+        cosine.warmup_steps, 0 if name == "constant" else cosine.decay_steps)
+    if name == "wsd":
+        assert resolved.describe() == "wsd: its one step at the peak"
+
+
+@pytest.mark.parametrize("total, raw, words", [
+    (10, {}, ["lr_decay_ratio 0.1 gives 1 decay step of the run's 10", "never fall", "at least 0.1001"]),
+    (2, {"warmup_steps": 0}, ["lr_decay_ratio 0.1 gives 1 decay step of the run's 2", "at least 0.5001"]),
+    (30, {"lr_decay_ratio": 0.03}, ["lr_decay_ratio 0.03 gives 1 decay step of the run's 30", "at least 0.0334"]),
+    (1000, {"lr_decay_ratio": 0.001}, ["lr_decay_ratio 0.001 gives 1 decay step of the run's 1000",
+                                       "at least 0.00101"]),
+])
+def test_a_wsd_decay_of_one_step_is_refused_naming_the_smallest_ratio_that_decays(total, raw, words):
+    # The first decay step runs at the peak: one decay step would leave the whole run at the peak.
+    with pytest.raises(ParamError) as caught:
+        schedule(total=total, lr_schedule="wsd", **raw)
+    for word in words:
+        assert word in str(caught.value), f"{word!r} not in: {caught.value}"
+    smallest = float(str(caught.value).split("at least ")[1].split()[0])
+    fixed = schedule(total=total, lr_schedule="wsd", **{**raw, "lr_decay_ratio": smallest})
+    assert fixed.decay_steps == 2 and fixed.factor(total - 1) < 1.0
+    assert fixed.describe() == "wsd: constant, then linear to 0 x lr over the last 2 steps"
+
+
 @pytest.mark.parametrize("raw, words", [
     ({"lr_schedule": "cosine_with_restarts"}, ["lr_schedule must be one of cosine, linear, constant, wsd",
                                                "'cosine_with_restarts'"]),
-    ({"warmup_steps": 10, "warmup_ratio": 0.1}, ["warmup_steps 10 and warmup_ratio 0.1", "keep one"]),
     ({"warmup_steps": -1}, ["warmup_steps must be None or >= 0"]),
     ({"min_lr_ratio": 1.0}, ["min_lr_ratio must be in [0, 1)"]),
     ({"min_lr_ratio": -0.1}, ["min_lr_ratio must be in [0, 1)"]),
@@ -144,5 +211,6 @@ def test_a_constant_run_trains_at_its_peak_after_the_warm_up_and_records_its_sch
                                                      "min_lr_ratio", "lr_decay_ratio")} == {
         "lr_schedule": "constant", "total_steps": 5, "warmup_steps": 2, "decay_steps": 0, "min_lr_ratio": 0.0,
         "lr_decay_ratio": None}
+    assert (record["schedule"]["warmup_from"], record["schedule"]["warmup_ratio"]) == ("warmup_steps", None)
     rates = [row["lr"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if row["event"] == "train"]
     assert rates == pytest.approx([1e-3, 2e-3, 2e-3, 2e-3, 2e-3], rel=1e-12)

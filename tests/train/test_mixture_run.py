@@ -394,8 +394,9 @@ def test_a_packed_mixture_s_lr_schedule_spans_every_epoch_s_windows(varied, tmp_
     assert run.epoch_steps() == [5, 6, 6]
     assert (run.total_steps, run.warmup_steps, run.schedule.decay_steps) == (17, 3, math.ceil(0.3 * 17))
     by_ratio = prepare(TrainParams.from_dict(packed_params(varied, tmp_path / "ratio", warmup_ratio=0.1)))
-    assert by_ratio.schedule.record() == {"lr_schedule": "cosine", "warmup_steps": 2, "decay_steps": 15,
-                                          "min_lr_ratio": 0.0, "lr_decay_ratio": None}
+    assert by_ratio.schedule.record() == {"lr_schedule": "cosine", "warmup_steps": 2, "warmup_from": "warmup_ratio",
+                                          "warmup_ratio": 0.1, "decay_steps": 15, "min_lr_ratio": 0.0,
+                                          "lr_decay_ratio": None}
 
 
 def test_a_packed_step_of_a_mixture_gives_each_example_its_loss_alone(varied, tmp_path):

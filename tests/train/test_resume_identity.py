@@ -169,7 +169,8 @@ def test_a_checkpoint_written_before_schedules_could_be_chosen_resumes_as_the_co
     run = prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest", warmup_steps=1)))
     assert run.resume_state["step"] == 4 and run.schedule.name == "cosine" and run.warmup_steps == 1
     with pytest.raises(ParamError, match=r"written with lr_schedule cosine, this run has wsd"):
-        prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest", lr_schedule="wsd")))
+        prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest", lr_schedule="wsd",
+                                             lr_decay_ratio=0.5)))
 
 
 def test_optimizer_settings_changed_on_purpose_apply_from_the_resumed_step(killed, shards, tmp_path):

@@ -20,7 +20,6 @@ from cflib.ops.attention import pack_documents
 from cflib.ops.loss import chunked_cross_entropy_sum
 from cflib.train import prepare, train
 from cflib.train.distributed import epoch_stream
-from cflib.train.optim import lr_factor
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
 from cflib.train.run import never_trained
@@ -136,13 +135,6 @@ def test_bf16_and_activation_checkpointing_run_on_cpu(tmp_path, small_shard):
     assert record["precision"] == "bf16-autocast" and record["grad_ckpt"] is True
     assert record["kernel_path"]["residual"] == "float32"
     assert np.isfinite(record["eval"]["final"]["loss"])
-
-
-def test_lr_schedule_warms_up_then_follows_one_cosine():
-    factors = [lr_factor(step, warmup_steps=4, total_steps=20) for step in range(20)]
-    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert factors[4] == 1.0 and all(a >= b for a, b in zip(factors[4:], factors[5:]))
-    assert factors[-1] == pytest.approx(0.5 * (1 + np.cos(np.pi * 15 / 16)))
 
 
 def misaligned_shard(root: Path) -> Path:
