@@ -369,12 +369,13 @@ class PartitionReader:
         if self.spec.overflow != "drop_turns" or conversation.text is not None:  # text has no turns to drop
             return None
         # The longest prefix first: one that ends after a whole assistant turn of the completion (never within
-        # an answer, never within a prompt's context turns), has an answer to teach, and fits.
+        # an answer, never within a prompt's context turns), has an answer to teach, ends on a taught turn (one of
+        # weight 0 would cost length and teach nothing), and fits.
         ends = [turn + 1 for turn, message in enumerate(conversation.messages[:-1])
                 if message["role"] == "assistant" and turn >= conversation.context_turns]
         for end in reversed(ends):
             prefix = replace(conversation, messages=conversation.messages[:end])
-            if prefix.has_empty_answer(self.spec.supervise):
+            if prefix.messages[-1].get("weight", 1) == 0 or prefix.has_empty_answer(self.spec.supervise):
                 continue
             input_ids, labels = self.renderer.render(prefix)
             if len(input_ids) <= self.spec.max_seq_len:

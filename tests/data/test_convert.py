@@ -186,6 +186,23 @@ def test_drop_turns_rejects_what_has_no_whole_taught_answer_that_fits(tmp_path, 
     assert indexes["train"]["examples"] == 1
 
 
+@pytest.mark.parametrize("supervise", ["all_assistant_turns", "final_turn"])
+def test_drop_turns_never_keeps_a_prefix_that_ends_on_a_weight_0_turn(tmp_path, supervise):
+    """A kept prefix's last turn is taught: one of weight 0 would cost length and teach nothing, even where an
+    earlier turn is taught."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "skip me", "weight": 0},
+                {"role": "user", "content": "x" * 60}, {"role": "assistant", "content": "y"}]
+    cap = rendered_length({"messages": messages[:4]})
+    indexes = run_convert(tmp_path, [{"messages": messages}, TRAIN[0]], max_seq_len=cap, overflow="drop_turns",
+                          supervise=supervise)
+    shard = open_shard(tmp_path / "shard", "train")
+    ids, labels = shard[0]
+    assert BYTES.decode_template(ids.tolist()).endswith("<|user|>hi<|assistant|>hello<|eos|>")
+    assert BYTES.decode_template([int(t) for t in labels if t != IGNORE_INDEX]) == "hello<|eos|>"
+    assert indexes["train"]["conversion"]["stats"]["truncated_examples"] == 1
+
+
 @pytest.mark.parametrize("order, truncated", [((TWO, THREE), 0), ((THREE, TWO), 1)])
 def test_the_turns_drop_turns_keeps_are_checked_for_duplicates(tmp_path, order, truncated):
     indexes = run_convert(tmp_path, list(order), max_seq_len=rendered_length(TWO), overflow="drop_turns")
