@@ -26,3 +26,22 @@ class SmoothedLoss:
 def first_number_right(answer: str, reference: str) -> float:  # the page's metric, as it shows it
     found = re.search(r"-?\d+", answer)
     return float(found is not None and int(found.group(0)) == int(reference))
+
+
+class SmoothedFactory:
+    """A loss factory registered as an instance: its module binds it to a name (smoothed_factory)."""
+
+    def __call__(self, kernels):
+        return SmoothedLoss(kernels)
+
+
+smoothed_factory = SmoothedFactory()
+
+
+def _number_metric():
+    def score(answer: str, reference: str) -> float:
+        return first_number_right(answer, reference)
+    return score
+
+
+number_right = _number_metric()  # a closure bound at module level

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from extending_helpers import SmoothedLoss, first_number_right
+from extending_helpers import SmoothedFactory, SmoothedLoss, first_number_right, number_right, smoothed_factory
 from sft_shard_helpers import write_shard
 from tiny_models import random_ids, tiny_model
 
@@ -24,7 +24,7 @@ from cflib.ops.sft_loss import register_loss
 from cflib.train import best_metric, launch, prepare, train
 from cflib.train.best_metric import regex_metric, register_metric
 from cflib.train.params import ParamError, TrainParams
-from cflib.train.registered import import_path, register_carried
+from cflib.train.registered import for_workers, import_path, register_carried
 
 
 def causal_math(q, k, v, batch):  # q [B, Hq, T, hd], k/v [B, Hkv, T, hd]
@@ -157,7 +157,7 @@ def in_notebook(source: str) -> dict:
 
 
 CELL = in_notebook("""
-from extending_helpers import SmoothedLoss, first_number_right
+from extending_helpers import SmoothedFactory, SmoothedLoss, first_number_right, number_right, smoothed_factory
 
 class CellLoss(SmoothedLoss):
     pass
@@ -194,10 +194,54 @@ def test_only_what_importing_gives_back_has_an_import_path():
     assert import_path(SmoothedLoss) == "extending_helpers:SmoothedLoss"
     assert import_path(first_number_right) == "extending_helpers:first_number_right"
     assert CELL["CellLoss"].__module__ == "__main__" and import_path(CELL["CellLoss"]) is None
-    assert import_path(regex_metric(r"-?\d+")) is None  # a closure: regex_metric.<locals>.score
+    assert import_path(regex_metric(r"-?\d+")) is None  # no name of its own: carried by its pattern instead
+    assert import_path(smoothed_factory) == "extending_helpers:smoothed_factory"  # an instance its module binds
+    assert import_path(number_right) == "extending_helpers:number_right"  # a closure its module binds
+    assert import_path(SmoothedFactory()) is None  # an instance no module binds
     assert import_path(lambda answer, reference: 1.0) is None
     copy = type("SmoothedLoss", (SmoothedLoss,), {"__module__": SmoothedLoss.__module__})
     assert import_path(copy) is None  # its name leads to another object: the workers would train with that
+
+
+def test_an_instance_no_module_binds_is_refused_as_one(shard, no_worker_starts, tmp_path):
+    """Its class imports fine: the refusal says it is an instance, and how to make it carriable."""
+    register_loss("unbound", SmoothedFactory())
+    try:
+        with pytest.raises(ParamError, match=r"loss_type 'unbound': its loss an instance of "
+                                             r"extending_helpers:SmoothedFactory has no name of its own that the 2 "
+                                             r"worker processes can import it by: register a class or function "
+                                             r"defined at module level, or bind the object to a name at module level"):
+            train({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"), "loss_type": "unbound"},
+                  progress=False)
+    finally:
+        sft_loss.LOSSES.pop("unbound")
+    assert not (tmp_path / "run").exists()
+
+
+def test_instances_and_closures_their_module_binds_and_regex_metrics_are_carried(shard, tmp_path):
+    register_loss("bound", smoothed_factory)
+    register_metric("bound_right", number_right)
+    register_metric("digits", regex_metric(r"-?\d+"))
+    try:
+        params = TrainParams.from_dict({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"),
+                                        "loss_type": "bound", "best_metric": "digits/addition"})
+        carried = for_workers(params)
+        assert carried == {"losses": {"bound": "extending_helpers:smoothed_factory"},
+                           "metrics": {"bound_right": {"path": "extending_helpers:number_right",
+                                                       "greater_is_better": True},
+                                       "digits": {"path": "cflib.train.best_metric:regex_metric",
+                                                  "pattern": r"-?\d+", "greater_is_better": True}},
+                           "left_out": []}
+        best_metric.ANSWER_METRICS.pop("digits")
+        register_carried(carried)  # as a worker does
+        assert best_metric.ANSWER_METRICS["digits"].score("the sum is 1090.", "1090") == 1.0
+        assert best_metric.ANSWER_METRICS["digits"].score.pattern == r"-?\d+"
+        assert "metric digits (cflib.train.best_metric:regex_metric('-?\\\\d+'))" in prepare(params).describe()
+    finally:
+        sft_loss.LOSSES.pop("bound")
+        for name in ("bound_right", "digits"):
+            best_metric.ANSWER_METRICS.pop(name, None)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_loss_defined_in_the_notebook_is_refused_before_any_worker_starts(registered_in_notebook, shard,

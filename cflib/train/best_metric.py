@@ -43,7 +43,10 @@ ANSWER_METRICS: dict[str, AnswerMetric] = {}
 def register_metric(name: str, score: Callable[[str, str], float], greater_is_better: bool = True) -> None:
     """Make `best_metric: NAME` (and `NAME/<task>`) a run's choice: `score(answer, reference)` of each held-out
     prompt's greedy answer, as text, averaged. Registered in the process that trains (a notebook's cell before
-    fit); torchrun's workers are processes of their own, where only the built-in metrics exist."""
+    fit); torchrun's workers, processes of their own, register it again from its import path (cflib.train.registered):
+    a function or class defined in a module they can import, an object bound to a name of such a module, or a
+    regex_metric. One they cannot import (defined in a notebook cell, a closure) is refused where best_metric names
+    it, and left out of their evaluations otherwise."""
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", name) or name in ("eval_loss", "exact_match", "lm_eval"):
         raise ValueError(f"register_metric: {name!r} must be a word of letters, digits, _ . - that is not "
                          "eval_loss, exact_match or lm_eval")
@@ -52,16 +55,27 @@ def register_metric(name: str, score: Callable[[str, str], float], greater_is_be
     ANSWER_METRICS[name] = AnswerMetric(score, greater_is_better)
 
 
-def regex_metric(pattern: str) -> Callable[[str, str], float]:
-    """1.0 where the answer matches the pattern (re.search) and the match equals the reference's, else 0.0: the
-    number after "answer:", say, whatever surrounds it."""
-    compiled = re.compile(pattern)
+class RegexMetric:
+    """regex_metric's score: a class of the module holding its pattern, so that torchrun's workers, which cannot
+    import an object by name unless it has one, rebuild it from the pattern (cflib.train.registered)."""
 
-    def score(answer: str, reference: str) -> float:
-        found, wanted = compiled.search(answer), compiled.search(reference)
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self._compiled = re.compile(pattern)
+
+    def __call__(self, answer: str, reference: str) -> float:
+        found, wanted = self._compiled.search(answer), self._compiled.search(reference)
         target = wanted.group(0) if wanted else reference
         return float(found is not None and found.group(0) == target)
-    return score
+
+    def __repr__(self) -> str:
+        return f"regex_metric({self.pattern!r})"
+
+
+def regex_metric(pattern: str) -> RegexMetric:
+    """1.0 where the answer matches the pattern (re.search) and the match equals the reference's, else 0.0: the
+    number after "answer:", say, whatever surrounds it. Carried to torchrun's workers by its pattern."""
+    return RegexMetric(pattern)
 
 
 def contains_metric(answer: str, reference: str) -> float:

@@ -4,29 +4,45 @@
 torchrun's workers are fresh processes, with cflib's built-in losses alone. So the launcher hands them, beside their
 parameters, the import path (`module:qualified.name`) of each registered loss and metric the run uses, and each
 worker imports and registers them under the same names before it reads its parameters: the user's own modules run
-there, and nothing else. An object that importing its module and following its name does not give back (defined in
-a notebook cell, whose module is `__main__`; inside a function; redefined since it was registered) cannot be
-carried: the launcher refuses the run before any worker starts, naming it.
+there, and nothing else. An instance or a closure has no name of its own: it is carried by the name its module binds
+it to (`module:name`, a module-level `factory = Factory()`), and a `regex_metric` by its pattern. An object that
+importing its module and following its name does not give back (defined in a notebook cell, whose module is
+`__main__`; a closure or instance no module binds; redefined since it was registered) cannot be carried: the
+launcher refuses the run before any worker starts, naming it.
 """
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 from cflib.errors import ParamError
 from cflib.ops.sft_loss import BUILT_IN_LOSSES, LOSSES, register_loss
-from cflib.train.best_metric import ANSWER_METRICS, register_metric
+from cflib.train.best_metric import ANSWER_METRICS, RegexMetric, register_metric
 from cflib.train.params import TrainParams
 
 REGISTERED_FILE = "registered.json"  # in the launcher's folder, beside the workers' params.json
 WHERE = ("define it in a module the worker processes can import (a .py file in the notebook's folder, or on "
          "PYTHONPATH) and register it from there")
+UNNAMED = ("has no name of its own that the {workers} worker processes can import it by: register a class or "
+           "function defined at module level, or bind the object to a name at module level, in a module they can "
+           "import (a .py file in the notebook's folder, or on PYTHONPATH)")
+REGEX_METRIC = "cflib.train.best_metric:regex_metric"  # called with the pattern carried beside it
 
 
 def defined_at(obj: Any) -> str:
-    """`module:qualified.name` as the object names itself: what the record says, importable or not."""
+    """`module:qualified.name` as the object names itself (an instance: its class's), or the name its module binds
+    it to where it has none that leads back to it; a regex_metric, `regex_metric(pattern)`. What the record says,
+    importable or not."""
+    if type(obj) is RegexMetric:
+        return f"{REGEX_METRIC}({obj.pattern!r})"
     module = getattr(obj, "__module__", None) or "?"
-    return f"{module}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+    path = f"{module}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+    if _names_itself(obj) or module == "__main__":
+        return path
+    names = getattr(sys.modules.get(module), "__dict__", {})
+    bound = next((name for name, value in names.items() if value is obj), None)
+    return f"{module}:{bound}" if bound is not None else path
 
 
 def resolve(path: str) -> Any:
@@ -39,15 +55,30 @@ def resolve(path: str) -> Any:
 
 
 def import_path(obj: Any) -> str | None:
-    """obj's `module:qualified.name` where importing that gives obj back, else None. Never `__main__`: a worker's
-    `__main__` is cflib.train's, not the notebook's."""
+    """obj's `module:qualified.name` (or `module:name` it is bound to) where importing that gives obj back, else
+    None. Never `__main__`: a worker's `__main__` is cflib.train's, not the notebook's."""
     path = defined_at(obj)
-    if path.startswith(("__main__:", "?:")) or "<locals>" in path:
+    if path.startswith(("__main__:", "?:")) or "<locals>" in path or type(obj) is RegexMetric:
         return None
     try:
         return path if resolve(path) is obj else None
     except Exception:  # a module not imported yet runs the user's code, which may raise anything: not importable
         return None
+
+
+def _names_itself(obj: Any) -> bool:
+    """A class or function defined at module level: its qualified name, not an instance's or a closure's."""
+    qualname = getattr(obj, "__qualname__", None)
+    return isinstance(qualname, str) and "<locals>" not in qualname and "<lambda>" not in qualname
+
+
+def _cannot_carry(obj: Any, workers: int) -> tuple[str, str]:
+    """What obj is, and why the workers cannot import it with the way out."""
+    path = defined_at(obj)
+    if _names_itself(obj) or path.startswith("__main__:"):
+        return path, f"cannot be imported by that name in the {workers} worker processes; {WHERE}"
+    what = f"an instance of {path}" if getattr(obj, "__qualname__", None) is None else f"the closure {path}"
+    return what, UNNAMED.format(workers=workers)
 
 
 def for_workers(params: TrainParams) -> dict:
@@ -60,19 +91,22 @@ def for_workers(params: TrainParams) -> dict:
     if build is not None and build is not BUILT_IN_LOSSES.get(params.loss_type):
         path = import_path(build)
         if path is None:
-            raise ParamError(f"loss_type {params.loss_type!r}: its loss {defined_at(build)} cannot be imported by "
-                             f"that name in the {params.world_size} worker processes; {WHERE}")
+            what, why = _cannot_carry(build, params.world_size)
+            raise ParamError(f"loss_type {params.loss_type!r}: its loss {what} {why}")
         losses[params.loss_type] = path
     metrics: dict[str, dict] = {}
     left_out: list[str] = []
     named = params.best_metric.split("/")[0]
     for name, metric in ANSWER_METRICS.items():
         path = import_path(metric.score)
-        if path is not None:
+        if type(metric.score) is RegexMetric:
+            metrics[name] = {"path": REGEX_METRIC, "pattern": metric.score.pattern,
+                             "greater_is_better": metric.greater_is_better}
+        elif path is not None:
             metrics[name] = {"path": path, "greater_is_better": metric.greater_is_better}
         elif name == named:
-            raise ParamError(f"best_metric {params.best_metric!r}: the metric {name!r}, {defined_at(metric.score)}, "
-                             f"cannot be imported by that name in the {params.world_size} worker processes; {WHERE}")
+            what, why = _cannot_carry(metric.score, params.world_size)
+            raise ParamError(f"best_metric {params.best_metric!r}: the metric {name!r}, {what}, {why}")
         elif params.exact_match_limit != 0:  # scored in a run on one process: said to be left out here
             left_out.append(name)
     return {"losses": losses, "metrics": metrics, "left_out": left_out}
@@ -84,17 +118,19 @@ def register_carried(carried: dict) -> None:
     for name, path in carried.get("losses", {}).items():
         register_loss(name, _imported(path, f"loss_type {name!r}"))
     for name, metric in carried.get("metrics", {}).items():
-        register_metric(name, _imported(metric["path"], f"metric {name!r}"), metric["greater_is_better"])
+        score = _imported(metric["path"], f"metric {name!r}")
+        register_metric(name, score(metric["pattern"]) if "pattern" in metric else score, metric["greater_is_better"])
 
 
 def describe_carried(carried: dict) -> str | None:
     """A line of the run's description: what the workers import, and the registered metrics they leave out."""
     parts = [f"loss_type {name} ({path})" for name, path in carried["losses"].items()]
-    parts += [f"metric {name} ({metric['path']})" for name, metric in carried["metrics"].items()]
+    parts += [f"metric {name} ({metric['path']}" + (f"({metric['pattern']!r}))" if "pattern" in metric else ")")
+              for name, metric in carried["metrics"].items()]
     said = [f"import {', '.join(parts)}"] if parts else []
     if carried["left_out"]:
-        said.append(f"leave out metric {', '.join(carried['left_out'])} (not importable by name: define it in a "
-                    "module on PYTHONPATH to have it scored)")
+        said.append(f"leave out metric {', '.join(carried['left_out'])} (not importable by name: define it, or bind "
+                    "it to a name, at module level of a module on PYTHONPATH to have it scored)")
     return f"workers      {'; '.join(said)}" if said else None
 
 
