@@ -136,9 +136,9 @@ class Trainer:
             f"{self.run.model_source}: its checkpoint does not record which held-out prompts exact match scored, so "
             f"best_metric {self.best_metric.name!r} and early stopping compare its scores of steps "
             f"{', '.join(map(str, scored))}{best} with scores over this run's prompts (exact_match_limit "
-            f"{self.params.exact_match_limit}) as if they were the same prompts. They differ if exact_match_limit "
-            "changed, or if that run took the first prompts in file order (before each task's were taken in turn); "
-            "then start a new run (init_checkpoint) to compare over one set. Checkpoints from here on record them.",
+            f"{self.params.exact_match_limit}) as if they were the same prompts. To keep them comparable, resume "
+            "with the exact_match_limit that run used; or start a new run from this checkpoint (init_checkpoint) to "
+            "compare over one set. Checkpoints from here on record the prompts.",
             stacklevel=2)
 
     def _gather_random_states(self) -> None:
