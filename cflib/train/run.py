@@ -357,19 +357,30 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     return run
 
 
+MAX_STEPS_EPOCHS_CHECKED = 16  # a packed mixture under max_steps: the epochs counted before step 1, at most
+
+
 def plan_units(params: TrainParams, train_data: Partition, mixture: MixturePlan | None
                ) -> tuple[PackedWindows | EpochWindows | None, list[int]]:
     """The packed windows, if any, and the units (what an epoch shuffles and a global batch counts) of every epoch
-    the schedule must know before step 1: the epochs' (their draws pack into their own numbers of windows), or the
-    first's under max_steps, which fixes the steps itself."""
+    the schedule must know before step 1: the epochs' (their draws pack into their own numbers of windows), or
+    under max_steps, which fixes the steps itself, the first's and then those of the later epochs its steps reach
+    (up to MAX_STEPS_EPOCHS_CHECKED in all), counted so that global_batch is checked against each; those are
+    planned in `windows` as they start, as before, so the record's epochs are the epochs trained."""
     if not params.pack_sequences:
         return None, [len(train_data) if mixture is None else mixture.examples_per_epoch]
     if mixture is None:
         packed = pack_examples(train_data.lengths, params.seq_len)
         return packed, [len(packed)]
     windows = EpochWindows(mixture.epoch, train_data.lengths, params.seq_len)
-    epochs = 1 if params.max_steps is not None else params.epochs
-    return windows, [len(windows.of_epoch(epoch)) for epoch in range(1, epochs + 1)]
+    if params.max_steps is None:
+        return windows, [len(windows.of_epoch(epoch)) for epoch in range(1, params.epochs + 1)]
+    counts = [len(windows.of_epoch(1))]
+    reached = math.ceil(counts[0] / params.global_batch)
+    while reached < params.max_steps and len(counts) < MAX_STEPS_EPOCHS_CHECKED:
+        counts.append(len(pack_examples(train_data.lengths[mixture.epoch(len(counts) + 1)], params.seq_len)))
+        reached += math.ceil(counts[-1] / params.global_batch)
+    return windows, counts
 
 
 @dataclass

@@ -11,6 +11,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from cflib.train import prepare, train
 from cflib.train.held_out import eval_loss
 from cflib.train.params import TrainParams
 from cflib.train.records import read_metrics
+from cflib.train.run import plan_units, schedule_steps
 from cflib.train.trainer import Trainer
 
 # 0.8/0.2 of 40 examples an epoch: addition draws 32 of its 30 (a pass and then some), uppercase 8 of its 12.
@@ -432,3 +434,19 @@ def test_examples_per_epoch_with_one_root_packs_each_epoch_s_draw(roots, tmp_pat
     assert source["examples"] >= 30 and record["packing"]["epochs"] == 2
     with pytest.raises(ParamError, match="global_batch 16 is more than the .* seq_len windows an epoch's draw packs"):
         train(params(roots, tmp_path / "big", **{**one, "global_batch": 16}), progress=False)
+
+
+def test_max_steps_checks_global_batch_against_every_epoch_its_steps_reach():
+    """Epoch 1's draw packs into 4 windows, epoch 2's into 2: a global batch of 4 whose max_steps reach epoch 2 is
+    refused before step 1; one that ends within epoch 1 counts epoch 1 alone."""
+    draws = {1: np.arange(8), 2: np.arange(4)}  # examples of 30 tokens, two to a window of 64
+    drawn = SimpleNamespace(epoch=lambda epoch: draws.get(epoch, np.arange(8)))
+    data = SimpleNamespace(lengths=np.full(8, 30))
+    reaching = SimpleNamespace(pack_sequences=True, seq_len=64, global_batch=4, epochs=1, max_steps=2)
+    windows, units = plan_units(reaching, data, drawn)
+    assert units == [4, 2] and len(windows.epochs) == 1  # epoch 2 counted, planned as it starts
+    with pytest.raises(ParamError, match="global_batch 4 is more than the 2 windows"):
+        schedule_steps(units, reaching, "windows")
+    assert plan_units(SimpleNamespace(**{**vars(reaching), "max_steps": 1}), data, drawn)[1] == [4]
+    assert plan_units(SimpleNamespace(**{**vars(reaching), "max_steps": 5, "global_batch": 2}), data, drawn)[1] == \
+        [4, 2, 4]  # 2 + 1 + 2 steps: step 5 ends epoch 3
