@@ -274,7 +274,8 @@ def _loading(meta: dict, kind: str, where: str, base_model: str | None = None) -
                 f'base = AutoModelForCausalLM.from_pretrained("{base_model or "BASE"}", trust_remote_code=True)'
                 "  # the base's Hub bundle\n"
                 f'model = peft.PeftModel.from_pretrained(base, "{where}")\n```\n\n'
-                f"{named}. PEFT 0.17 or newer reads the experts' adapters.")
+                f"{named}. PEFT 0.17 to 0.21 reads the experts' adapters (PEFT 0.22.0 cannot load adapters of both "
+                "the shared and the expert tensors of a layer).")
     return ("## How to load it\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
             f'model = AutoModelForCausalLM.from_pretrained("{where}", trust_remote_code=True)\n'
             f'tokenizer = AutoTokenizer.from_pretrained("{where}", trust_remote_code=True)\n'
