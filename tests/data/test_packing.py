@@ -151,7 +151,10 @@ def per_example_losses(model, shard, examples) -> dict[int, float]:
 
 
 @torch.no_grad()
-def test_packed_batch_gives_each_example_its_unpacked_loss(shard):
+@pytest.mark.parametrize("source", ["shard", "mixed"])
+def test_packed_batch_gives_each_example_its_unpacked_loss(source, request):
+    """One shard's examples, or two sources' in one window: each one's loss is the loss it has alone."""
+    shard = request.getfixturevalue(source)
     model = tiny_model(seed=2)
     plan = pack_examples(shard.lengths, 48)
     input_ids, labels, document_ids, example_index = collate_packed(shard, plan, range(len(plan)))
@@ -233,20 +236,6 @@ def test_a_mixture_of_one_source_collates_as_its_shard(shard):
     alone = collate_packed(shard, plan, range(len(plan)))
     for got, want in zip(collate_packed(MixedPartition([shard], ["only"]), plan, range(len(plan))), alone):
         assert torch.equal(got, want)
-
-
-@torch.no_grad()
-def test_a_mixture_s_packed_batch_gives_each_example_its_unpacked_loss(mixed):
-    """Examples of two sources in one window: each one's loss is the loss it has alone."""
-    model = tiny_model(seed=2)
-    plan = pack_examples(mixed.lengths, 48)
-    input_ids, labels, document_ids, example_index = collate_packed(mixed, plan, range(len(plan)))
-    hidden = model(input_ids, document_ids)
-    for example, want in per_example_losses(model, mixed, plan.members).items():
-        mine = torch.where(example_index == example, labels, IGNORE_INDEX)
-        got, count = chunked_cross_entropy_sum(hidden, model.head_weight, mine, 7)
-        assert count == mixed.supervised_counts[example]
-        assert abs(float(got) - want) < 1e-4 * max(1.0, abs(want)), example
 
 
 def test_each_epoch_s_draw_is_packed_anew_and_numbered_across_the_run(mixed):
