@@ -80,14 +80,13 @@ class CurriculumRun:
             return record
         lock = RunLock(self.out_dir).acquire()
         try:
-            _check_root(self.params, self.out_dir, self.curriculum)  # again, under the lock: no second writer
-            return self._fit_stages(progress)
+            written = _check_root(self.params, self.out_dir, self.curriculum)  # again, under the lock: no second writer
+            return self._fit_stages(progress, written)
         finally:
             lock.release()
 
-    def _fit_stages(self, progress: bool) -> dict:
-        written = read_json(self.out_dir / CURRICULUM_FILE, ParamError, "curriculum file") if (
-            self.out_dir / CURRICULUM_FILE).is_file() else None
+    def _fit_stages(self, progress: bool, written: dict | None) -> dict:
+        """The stages trained in turn; `written`: curriculum.json as _check_root read it under the lock (None: none)."""
         # A finished stage keeps the settings it trained with, whatever a resume allowed to change since.
         finished = {stage["name"]: stage.get("settings") for stage in (written or {}).get("stages", [])
                     if (self.out_dir / "stages" / str(stage["name"]) / "COMPLETE").is_file()}
@@ -184,8 +183,9 @@ def _root(params: TrainParams) -> Path:
     return out_dir
 
 
-def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> None:
-    """A curriculum folder is continued (resume: latest, the same stages) or left alone."""
+def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> dict | None:
+    """A curriculum folder is continued (resume: latest, the same stages) or left alone; its curriculum.json as
+    read (None: none yet)."""
     check_entries_inside(out_dir)
     refuse_mixing(out_dir, "curriculum")
     started = (out_dir / CURRICULUM_FILE).is_file() or (out_dir / "stages").exists()
@@ -200,16 +200,18 @@ def _check_root(params: TrainParams, out_dir: Path, curriculum: Curriculum) -> N
                          "it with resume: latest")
     if params.resume is not None and not started:
         raise ParamError(f"out_dir {out_dir} holds no curriculum run to resume")
-    if (out_dir / CURRICULUM_FILE).is_file():
-        written = read_json(out_dir / CURRICULUM_FILE, ParamError, "curriculum file")
-        if not isinstance(written, dict) or not isinstance(written.get("stages"), list) or not all(
-                isinstance(stage, dict) and "name" in stage and "overrides" in stage for stage in written["stages"]):
-            raise ParamError(f"{out_dir / CURRICULUM_FILE}: not a curriculum's file (stages, each with name and "
-                             "overrides)")
-        before = {stage["name"]: stage for stage in written["stages"]}
-        for stage in curriculum.stages:  # one that starts (again) from scratch may be corrected
-            if _kept(out_dir / "stages" / stage.name):
-                _check_kept_stage(stage, before.get(stage.name), params, curriculum.path)
+    if not (out_dir / CURRICULUM_FILE).is_file():
+        return None
+    written = read_json(out_dir / CURRICULUM_FILE, ParamError, "curriculum file")
+    if not isinstance(written, dict) or not isinstance(written.get("stages"), list) or not all(
+            isinstance(stage, dict) and "name" in stage and "overrides" in stage for stage in written["stages"]):
+        raise ParamError(f"{out_dir / CURRICULUM_FILE}: not a curriculum's file (stages, each with name and "
+                         "overrides)")
+    before = {stage["name"]: stage for stage in written["stages"]}
+    for stage in curriculum.stages:  # one that starts (again) from scratch may be corrected
+        if _kept(out_dir / "stages" / stage.name):
+            _check_kept_stage(stage, before.get(stage.name), params, curriculum.path)
+    return written
 
 
 def _kept(stage_dir: Path) -> bool:

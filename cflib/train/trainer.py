@@ -568,7 +568,7 @@ class Trainer:
             schedule={"steps_per_epoch": run.steps_per_epoch, "total_steps": run.total_steps,
                       **run.schedule.record(), "steps_done": self.step, "epochs_started": epochs_done,
                       "fill_ins_per_epoch": self.fill_ins,
-                      **({"steps_by_epoch": run.epoch_steps()} if run.epoch_steps() is not None else {})},
+                      **({"steps_by_epoch": steps} if (steps := run.epoch_steps()) is not None else {})},
             evals=self.evals, checkpoints=self.checkpoints, timing=self.timing_so_far(),
             steady=self.steady, warmup_steps_excluded=self.warmup_exclude,
             peak_memory_gib=(torch.cuda.max_memory_allocated(self.device) / 2**30
