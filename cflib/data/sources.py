@@ -190,24 +190,35 @@ class SourceReader:
 
     def _hub_dataset(self, source: Source):
         """The Hub data set at the commit its revision names, streamed; fails at once when the Hub is out of
-        reach (offline, or HF_HUB_OFFLINE set), naming the source."""
+        reach (offline, or HF_HUB_OFFLINE set), naming the source.
+
+        The revision is resolved once per reader: eval_fraction reads a source for each partition, and a branch
+        that moved in between would split two different commits (rows in neither partition, or in both).
+        """
         datasets = _datasets()
-        from huggingface_hub import HfApi
 
         name, config, split, revision = hub_parts(source.spec)
         _refuse_local_shadow(source.spec, name)
-        try:
-            commit = HfApi().dataset_info(name, revision=revision, timeout=10).sha
-        except Exception as err:  # no network, offline mode, no such data set or revision
-            raise ConvertError(f"{source.spec}: cannot reach it on the Hugging Face Hub ({type(err).__name__}: "
-                               f"{str(err).splitlines()[0] if str(err) else ''}); a hub: source needs network "
-                               "access: without it, name the files or a saved dataset folder") from None
-        self.hub_commits[source.spec] = commit
+        if source.spec not in self.hub_commits:
+            self.hub_commits[source.spec] = _hub_commit(source.spec, name, revision)
+        commit = self.hub_commits[source.spec]
         try:
             return datasets.load_dataset(name, config, split=split, revision=commit, streaming=True,
                                          cache_dir=str(self._scratch))
         except Exception as err:
             raise ConvertError(f"{source.spec}: datasets could not open it ({err})") from None
+
+
+def _hub_commit(spec: str, name: str, revision: str | None) -> str:
+    """The commit a Hub data set's revision names now."""
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(name, revision=revision, timeout=10).sha
+    except Exception as err:  # no network, offline mode, no such data set or revision
+        raise ConvertError(f"{spec}: cannot reach it on the Hugging Face Hub ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}); a hub: source needs network "
+                           "access: without it, name the files or a saved dataset folder") from None
 
 
 def _refuse_local_shadow(spec: str, name: str) -> None:

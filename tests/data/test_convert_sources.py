@@ -418,6 +418,33 @@ def test_a_hub_source_is_never_read_from_a_local_folder_of_its_name(tmp_path, mo
     assert not (tmp_path / "shard").exists()
 
 
+def test_a_hub_source_split_by_eval_fraction_is_read_at_one_commit_for_both_partitions(tmp_path, monkeypatch):
+    """The branch moves between the train and the eval read: both still read (and record) the first commit."""
+    import huggingface_hub
+
+    commits = iter(["a" * 40, "b" * 40])
+    asked, loaded = [], []
+
+    def dataset_info(self, name, revision=None, timeout=None):
+        asked.append(revision)
+        return SimpleNamespace(sha=next(commits))
+
+    def load_dataset(name, config=None, split=None, revision=None, streaming=None, cache_dir=None):
+        loaded.append(revision)
+        rows = [{"messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
+                for i in range(40 if revision == "a" * 40 else 80)]  # the new commit has more rows
+        return iter(rows)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    written = run(tmp_path, "hub:someone/chats:train@main", eval_fraction=0.25)
+    assert asked == ["main"] and loaded == ["a" * 40] * 2
+    for partition in ("train", "eval"):
+        (source,) = written[partition]["conversion"]["stats"]["sources"]
+        assert source["hub"]["commit"] == "a" * 40
+    assert sum(written[p]["conversion"]["stats"]["rows_read"] for p in ("train", "eval")) == 40
+
+
 def bad_parquet(tmp_path: Path) -> str:
     rows = [sharegpt(i) for i in range(6)]
     rows[4]["conversations"][1]["from"] = "robot"
