@@ -29,7 +29,7 @@ INIT_STD = 0.02
 EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
 # The order records list what ran in.
 KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "swiglu_activation", "qk_norm",
-                    "qk_norm_backward", "residual", "last_layer_rows")
+                    "qk_norm_backward", "residual", "last_layer_rows", "embedding_noise")
 
 
 class RMSNorm(nn.Module):
@@ -217,6 +217,9 @@ class TRMoEModel(nn.Module):
         self.attention_backend = "auto"
         # What the last forward chose for its rows: the attention kernel, the last layer's rows, the stream's dtype.
         self.last_forward: dict[str, str] = {}
+        # NEFTune's noise on the embeddings of training forwards (cflib.model.neftune), where the run's execution
+        # plan attaches it; a module without tensors, so the state dict does not change with it.
+        self.embedding_noise: nn.Module | None = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -244,25 +247,28 @@ class TRMoEModel(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | PackedDocuments | None = None,
-                kv: KVCache | None = None, rows: Rows | None = None) -> torch.Tensor:
+                kv: KVCache | None = None, rows: Rows | None = None,
+                example_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [B, T, D]. document_ids: packed examples, each attending only to itself with
         positions restarting at 0, as [B, T] ids or, built on the host with the batch, PackedDocuments (no sync);
         None: one sequence per row, as if unpacked. kv (cflib.model.kv_cache.KVCache): decoding; the cache
         says each row's positions and keeps every layer's keys and values. rows (cflib.ops.rows.Rows): the final
         hidden states of those flat positions alone, [R, D]: everything after the last layer's attention works
         token by token, so the last layer computes no other row (a third less of its work when a third of the
-        tokens is unsupervised)."""
-        h, cos, sin, attention = self.embed(input_ids, document_ids, kv, rows)
+        tokens is unsupervised). example_lengths: [B, T], the token count of each position's example, which
+        NEFTune's noise reads in a training forward (cflib.model.neftune); the training step's batches carry it."""
+        h, cos, sin, attention = self.embed(input_ids, document_ids, kv, rows, example_lengths)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             h = layer(h, input_ids, cos, sin, attention, layer_cache(kv, index), rows if index == last else None)
         return self.norm(h)
 
     def embed(self, input_ids: torch.Tensor, document_ids: torch.Tensor | PackedDocuments | None,
-              kv: KVCache | None, rows: Rows | None
+              kv: KVCache | None, rows: Rows | None, example_lengths: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBatch]:
-        """The residual stream's start (the token embeddings), RoPE's tables for the rows' positions and the
-        attention kernel for these rows; noted in `last_forward` for kernel_path()."""
+        """The residual stream's start (the token embeddings, with NEFTune's noise where the plan attached it and
+        the model trains), RoPE's tables for the rows' positions and the attention kernel for these rows; noted in
+        `last_forward` for kernel_path()."""
         documents = pack_documents(document_ids) if isinstance(document_ids, torch.Tensor) else document_ids
         device = input_ids.device
         activations = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
@@ -271,9 +277,13 @@ class TRMoEModel(nn.Module):
         positions = kv.positions if kv is not None else documents.positions if documents is not None else None
         cos, sin = self.rope(input_ids.shape[1], device, positions)
         h = self.embed_tokens(input_ids)
+        noise = self.embedding_noise
+        if noise is not None:
+            h = noise(h, example_lengths)
         self.last_forward = {"attention": kv.backend if kv is not None else attention.kernel,
                              "residual": str(h.dtype).removeprefix("torch."),
-                             "last_layer_rows": "all" if rows is None else "selected"}
+                             "last_layer_rows": "all" if rows is None else "selected",
+                             **({} if noise is None else {"embedding_noise": noise.last_form})}
         return h, cos, sin, attention
 
     def kernel_path(self) -> dict[str, str]:

@@ -396,8 +396,9 @@ class FusedResidualModel(TRMoEModel):
     one's by the final norm (FusedResidualLayer)."""
 
     def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | PackedDocuments | None = None,
-                kv: KVCache | None = None, rows: Rows | None = None) -> torch.Tensor:
-        h, cos, sin, attention = self.embed(input_ids, document_ids, kv, rows)
+                kv: KVCache | None = None, rows: Rows | None = None,
+                example_lengths: torch.Tensor | None = None) -> torch.Tensor:
+        h, cos, sin, attention = self.embed(input_ids, document_ids, kv, rows, example_lengths)
         pending, last = None, len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             h, pending = layer(h, input_ids, cos, sin, attention, layer_cache(kv, index),

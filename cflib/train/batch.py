@@ -17,13 +17,16 @@ class MicroBatch:
     token_weights: torch.Tensor | None  # [B, T] under loss weighting
     supervised: torch.Tensor  # flat indices of the supervised labels (cflib.ops.loss.supervised_positions)
     row_mask: torch.Tensor | None = None  # 1.0 per real supervised position, 0.0 per padding (a static shape)
+    # [B, T] int32: the token count of each position's example, where NEFTune's noise reads it (cflib.model.neftune)
+    example_lengths: torch.Tensor | None = None
 
     def moved(self, move: Callable[[torch.Tensor], torch.Tensor]) -> "MicroBatch":
         """The batch with `move` applied to each of its tensors."""
         each = lambda t: None if t is None else move(t)  # noqa: E731
         return MicroBatch(each(self.input_ids), each(self.labels),
                           None if self.documents is None else self.documents.moved(each),
-                          each(self.token_weights), each(self.supervised), each(self.row_mask))
+                          each(self.token_weights), each(self.supervised), each(self.row_mask),
+                          each(self.example_lengths))
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return self.moved(lambda t: to_device(t, device))

@@ -2,12 +2,13 @@
 
 `plan_execution` resolves each choice that decides a step's work against the run and its device: the kernels
 each module runs and the attention backend (cflib.ops.dispatch), the optimizer's implementation, the BF16
-weight copies, CUDA-graph replays, the TR-MoE activations kept for backward, activation checkpointing and the
-rows the last layer computes. A path a run requires (`true`) that cannot run stops it here with
-KernelUnavailable naming the switch and the failed check; a path `auto` (or `false`) leaves off keeps its
-reason. `prepare()` builds the model to the plan (`apply_to_model`), the trainer reads it, the record writes it
-(`ExecutionPlan.record`); nothing re-derives it. The kernels that actually ran are still read back from the
-modules after a step (`TRMoEModel.kernel_path()`), never inferred from the plan.
+weight copies, CUDA-graph replays, the TR-MoE activations kept for backward, activation checkpointing, the
+rows the last layer computes and NEFTune's noise on the training forwards' embeddings. A path a run requires
+(`true`) that cannot run stops it here with KernelUnavailable naming the switch and the failed check; a path
+`auto` (or `false`) leaves off keeps its reason. `prepare()` builds the model to the plan (`apply_to_model`),
+the trainer reads it, the record writes it (`ExecutionPlan.record`); nothing re-derives it. The kernels that
+actually ran are still read back from the modules after a step (`TRMoEModel.kernel_path()`), never inferred from
+the plan.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from cflib.errors import ParamError
 from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import checkpoint_layers, keep_activations, use_kernels
+from cflib.model.neftune import attach_noise
 from cflib.ops.attention import capturable
 from cflib.ops.dispatch import KernelChoice, choose_kernels, refuse_if_required
 from cflib.ops.sft_loss import LOSSES, SFTLoss
@@ -39,12 +41,17 @@ class ExecutionPlan:
     grad_ckpt: bool  # activation checkpointing per layer
     supervised_rows_only: bool  # the last layer computes the supervised rows alone (the loss reads only them)
     reasons: dict[str, str] = field(default_factory=dict)  # switch -> why this run leaves its path off
+    # NEFTune's noise on the training forwards' embeddings (cflib.model.neftune): its alpha, what L counts and where
+    # the noise is drawn from; None: off
+    neftune: dict | None = None
 
     def describe(self) -> str:
         """One line a person checks before the run: what runs, then why each fast path stays off."""
         parts = [self.kernels.describe().split("; ")[0], f"AdamW {self.optimizer}"]
         parts += [name for name, on in (("BF16 weight copies", self.weight_copies), ("CUDA graphs", self.cuda_graphs),
                                         ("activation checkpointing", self.grad_ckpt)) if on]
+        if self.neftune is not None:
+            parts.append(f"NEFTune noise alpha {self.neftune['alpha']:g}")
         notes = [*self.kernels.notes, *(why if why.startswith(name) else f"{name}: {why}"
                                         for name, why in self.reasons.items())]
         return " + ".join(parts) + "".join(f"; {note}" for note in notes)
@@ -116,6 +123,18 @@ def _cuda_graphs_problem(params: TrainParams, kernels: KernelChoice, model: TRMo
     return problem
 
 
+def _neftune(params: TrainParams) -> dict | None:
+    """NEFTune's noise as the run adds it (cflib.model.neftune), or None where neftune_noise_alpha leaves it off.
+    It runs on every path: eager, under DDP and FSDP, and inside CUDA graphs, whose captures register its
+    generator so that each replay draws new noise."""
+    alpha = params.neftune_noise_alpha
+    if not alpha:
+        return None
+    return {"alpha": alpha, "noise": "U(-1, 1) x alpha / sqrt(L x hidden_size) on each embedding, training only",
+            "L": "the token count of each token's example, not the padded length",
+            "generator": "each rank its own, seeded from seed and rank, kept by checkpoints"}
+
+
 def _kept_layers(params: TrainParams, model: TRMoEModel) -> int:
     layers, kept = model.config.num_hidden_layers, params.overrides.kept_swiglu_layers
     if kept == "all":
@@ -147,11 +166,14 @@ def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device
         kernels=kernels, optimizer=optimizer, weight_copies=weight_copies,
         head_copy=weight_copies and isinstance(builder, type) and issubclass(builder, SFTLoss) and not params.fp32_loss,
         cuda_graphs=graphs_problem is None, kept_swiglu_layers=_kept_layers(params, model), grad_ckpt=params.grad_ckpt,
-        supervised_rows_only=bool(getattr(builder, "reads_supervised_rows_only", False)), reasons=reasons)
+        supervised_rows_only=bool(getattr(builder, "reads_supervised_rows_only", False)), reasons=reasons,
+        neftune=_neftune(params))
 
 
 def apply_to_model(model: TRMoEModel, plan: ExecutionPlan) -> TRMoEModel:
-    """Every module of `model` as the plan has it: its kernels' classes, checkpointed layers, kept activations."""
+    """Every module of `model` as the plan has it: its kernels' classes, checkpointed layers, kept activations,
+    NEFTune's noise on the embeddings."""
     use_kernels(model, plan.kernels)
     checkpoint_layers(model, plan.grad_ckpt)
+    attach_noise(model, plan.neftune["alpha"] if plan.neftune else None)
     return keep_activations(model, plan.kept_swiglu_layers)

@@ -68,11 +68,14 @@ def padded(batch: MicroBatch, shape: StaticShape, pad_token_id: int) -> MicroBat
     """The host batch at its static shape, with the same loss and gradients (see the module docstring)."""
     seq = batch.input_ids.shape[1]
     input_ids, labels, token_weights = batch.input_ids, batch.labels, batch.token_weights
+    lengths = batch.example_lengths
     if shape.seq > seq:
         extra = (0, shape.seq - seq)
         input_ids = torch.nn.functional.pad(input_ids, extra, value=pad_token_id)
         labels = torch.nn.functional.pad(labels, extra, value=-100)
         token_weights = None if token_weights is None else torch.nn.functional.pad(token_weights, extra)
+        # NEFTune's L is each example's own count: the pads get one too (their noise reaches no real token)
+        lengths = None if lengths is None else torch.nn.functional.pad(lengths, extra, value=shape.seq)
     # Positions are flat indices into [B, T]: re-based on the padded row length.
     supervised = batch.supervised // seq * shape.seq + batch.supervised % seq
     fill = shape.supervised - supervised.numel()
@@ -83,7 +86,7 @@ def padded(batch: MicroBatch, shape: StaticShape, pad_token_id: int) -> MicroBat
         cu = documents.cu_seqlens
         tail = cu.new_full((shape.documents + 1 - cu.numel(),), int(cu[-1]))
         documents = PackedDocuments(documents.document_ids, documents.positions, torch.cat([cu, tail]), seq)
-    return MicroBatch(input_ids, labels, documents, token_weights, supervised, row_mask)
+    return MicroBatch(input_ids, labels, documents, token_weights, supervised, row_mask, lengths)
 
 
 class _Buffers:
@@ -99,13 +102,16 @@ class _Buffers:
                                         empty(documents.cu_seqlens), documents.max_seqlen)
         self.batch = MicroBatch(empty(like.input_ids), empty(like.labels), documents,
                                 None if like.token_weights is None else empty(like.token_weights),
-                                empty(like.supervised), empty(like.row_mask))
+                                empty(like.supervised), empty(like.row_mask),
+                                None if like.example_lengths is None else empty(like.example_lengths))
 
     def fill(self, host: MicroBatch) -> MicroBatch:
         pairs = [(self.batch.input_ids, host.input_ids), (self.batch.labels, host.labels),
                  (self.batch.supervised, host.supervised), (self.batch.row_mask, host.row_mask)]
         if host.token_weights is not None:
             pairs.append((self.batch.token_weights, host.token_weights))
+        if host.example_lengths is not None:
+            pairs.append((self.batch.example_lengths, host.example_lengths))
         if host.documents is not None:
             mine, theirs = self.batch.documents, host.documents
             pairs += [(mine.document_ids, theirs.document_ids), (mine.positions, theirs.positions),
@@ -129,8 +135,12 @@ class GraphedMicroSteps:
     others add to them (captured with .grad bound to the first's tensors)."""
 
     def __init__(self, forward_backward: Callable[[MicroBatch, torch.Tensor, bool], torch.Tensor],
-                 parameters: list[torch.nn.Parameter], device: torch.device, seq_len: int, pad_token_id: int) -> None:
+                 parameters: list[torch.nn.Parameter], device: torch.device, seq_len: int, pad_token_id: int,
+                 generators: tuple[torch.Generator, ...] = ()) -> None:
         self.forward_backward, self.device = forward_backward, device
+        # Generators of the step's own besides the default one (NEFTune's): registered with every capture, so that
+        # each replay draws from them afresh and advances them as an eager step would.
+        self.generators = generators
         self.parameters = [p for p in parameters if p.requires_grad]
         self.seq_len, self.pad_token_id = seq_len, pad_token_id
         self.scale = torch.zeros((), dtype=torch.float32, device=device)
@@ -197,6 +207,8 @@ class GraphedMicroSteps:
             self.buffers[shape] = _Buffers(batch, self.device)
         static = self.buffers[shape].batch
         graph = torch.cuda.CUDAGraph()
+        for generator in self.generators:
+            graph.register_generator_state(generator)
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             loss_sum = self.forward_backward(static, self.scale, True)
         self.pool = graph.pool()

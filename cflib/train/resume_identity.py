@@ -5,7 +5,7 @@ its shard manifests record for every file, train and eval), the stream
 (seed, global batch, examples, packing, tasks, a mixture's weights and
 examples per epoch), the schedule and every
 setting that changes the trajectory (optimizer, clipping, loss numerics,
-precision, model source, LoRA and the adapters a LoRA run started from), and
+precision, NEFTune's noise, model source, LoRA and the adapters a LoRA run started from), and
 the held-out prompts exact match scores.
 Resuming compares each with this run's and refuses the first difference by
 name; `allow_resume_changes` names the ones
@@ -41,7 +41,7 @@ STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "e
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
              "fp32_loss", "bf16", "seq_len", "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-             "base_dtype", "lora_trainable_tokens", "loss_type", "early_stopping_patience",
+             "base_dtype", "lora_trainable_tokens", "loss_type", "neftune_noise_alpha", "early_stopping_patience",
              "best_metric", "greater_is_better",  # which checkpoint best/ holds and early stopping watches
              "exact_match_limit")  # the prompts an answer-scoring best_metric compares over: _check_scored_prompts
 
@@ -65,7 +65,7 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
-             "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None}
+             "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None}
 
 
 # The train part of a mixture's held-out-only source (weight 0): no train example, whatever its root holds.
@@ -141,7 +141,8 @@ def run_identity(run: Any) -> dict[str, Any]:
             "hub_start": None if getattr(run, "hub_start", None) is None else run.hub_start.record(),
             **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture",
-                               "lr_decay_ratio")}}
+                               "lr_decay_ratio")},
+            "neftune_noise_alpha": p.neftune_noise_alpha or None}  # 0 is off, as None is
 
 
 def _same_model(run: Any) -> bool:

@@ -29,6 +29,7 @@ from cflib.data.packing import collate_packed
 from cflib.data.shards import collate
 from cflib.model.fast import attach_weight_copies, detach_weight_copies
 from cflib.model.lora import lora_kernel_path
+from cflib.model.neftune import embedding_noise, noise_generator
 from cflib.model.weight_copies import WeightCopies
 from cflib.ops.attention import pack_documents
 from cflib.ops.gemm import step_gemms
@@ -111,6 +112,12 @@ class TrainingStep:
         self.loss = make_loss(self.params.loss_type, self.plan.kernels)
         self.gemms = step_gemms(self.plan.kernels.quack_gemms)  # the loss's GEMMs and those reading the copies
         self.supervised_rows_only = self.plan.supervised_rows_only
+        # NEFTune's noise, where the plan attached it: drawn from a generator of this rank's own, seeded from the run's
+        # seed and the rank (a resume puts back the state its checkpoint kept: cflib.train.trainer).
+        self.noise = embedding_noise(self.model)
+        if self.noise is not None:
+            self.noise.generator = noise_generator(self.device, self.params.seed, self.dist.rank)
+        self.example_lengths = torch.from_numpy(run.train_data.lengths) if self.noise is not None else None
         self.weight_copies = self._weight_copies()
         self.graphs = self._graphed_micro_steps()
         self.staged: StagedStep | None = None  # the next step's host work, done during this one
@@ -136,7 +143,8 @@ class TrainingStep:
         if not self.plan.cuda_graphs:
             return None
         return GraphedMicroSteps(self.forward_backward, list(self.model.parameters()), self.device,
-                                 self.params.seq_len, self.run.train_data.eos_token_id)
+                                 self.params.seq_len, self.run.train_data.eos_token_id,
+                                 generators=() if self.noise is None else (self.noise.generator,))
 
     def graphs_summary(self) -> dict:
         """How the micro-steps ran: replayed from CUDA graphs (how many, how many shapes), or eagerly and why."""
@@ -159,7 +167,12 @@ class TrainingStep:
         token_weights = None
         if self.example_weights is not None:  # padding (-1) takes any weight: its label is -100
             token_weights = self.example_weights[example_index.clamp(min=0)]
-        return MicroBatch(input_ids, labels, documents, token_weights, supervised_positions(labels))
+        lengths = None
+        if self.example_lengths is not None:  # NEFTune's L: each position's example's tokens; a window's padding, its T
+            lengths = torch.where(example_index >= 0, self.example_lengths[example_index.clamp(min=0)],
+                                  input_ids.shape[1]).to(torch.int32)
+        return MicroBatch(input_ids, labels, documents, token_weights, supervised_positions(labels),
+                          example_lengths=lengths)
 
     def stage(self, step_units: np.ndarray) -> StagedStep:
         """The step's host work (collation, padding, pinning), which needs nothing from the GPU: a step does it
@@ -248,7 +261,8 @@ class TrainingStep:
         if rows is not None:
             extra["gathered"] = True
         with autocast(self.device, p.bf16, cache=not capturing):
-            hidden = self.train_model(batch.input_ids, batch.documents, rows=rows)
+            hidden = self.train_model(batch.input_ids, batch.documents, rows=rows,
+                                      example_lengths=batch.example_lengths)
             head_weight, head = self._head()
             loss_sum, _ = self.loss(hidden, head_weight, batch.labels, p.loss_chunk_tokens, p.fp32_loss,
                                     token_weights=batch.token_weights, supervised=batch.supervised, **extra, **head)

@@ -25,6 +25,7 @@ from cflib.data import load_tokenizer, shard_chat_template_sha256, shard_tokeniz
 from cflib.errors import ParamError
 from cflib.model.checkpoint import CheckpointError, checkpoint_step, save_checkpoint
 from cflib.model.lora import describe as describe_lora
+from cflib.model.neftune import noise_seed
 from cflib.progress import tqdm
 from cflib.train.collector import steady_collector
 from cflib.train.execution import kernels_requested
@@ -119,6 +120,19 @@ class Trainer:
         torch.set_rng_state(own["torch"])
         if own.get("cuda") is not None and self.device.type == "cuda":  # dropout's masks on the GPU
             torch.cuda.set_rng_state(own["cuda"], self.device)
+        self._restore_noise(own.get("neftune"))
+
+    def _restore_noise(self, saved: torch.Tensor | None) -> None:
+        """NEFTune's generator as the checkpoint kept it for this rank, so that the resumed steps draw the noise the
+        uninterrupted run drew; one that kept none (trained without NEFTune, or by another number of processes)
+        starts this rank's stream of its own at the step resumed from (cflib.model.neftune.noise_seed)."""
+        generator = self.training_step.noise.generator if self.training_step.noise is not None else None
+        if generator is None:
+            return
+        if saved is not None:
+            generator.set_state(saved)
+        else:
+            generator.manual_seed(noise_seed(self.params.seed, self.dist.rank, self.step))
 
     def _warn_unrecorded_prompts(self, state: dict) -> None:
         """A checkpoint written before checkpoints recorded which held-out prompts exact match scores
@@ -146,6 +160,8 @@ class Trainer:
         rank calls it together, after an evaluation and before a step-N save."""
         own = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+        if self.training_step.noise is not None:  # NEFTune's generator, this rank's own
+            own["neftune"] = self.training_step.noise.generator.get_state()
         self.random_states = (self.step, self.dist.gather(own))
 
     def _restore_best(self) -> None:

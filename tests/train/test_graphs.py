@@ -209,3 +209,23 @@ def test_steps_mixing_shapes_accumulate_the_eager_gradients(monkeypatch, max_sha
     summary = graphed.summary()
     assert summary["replayed"] > 0 and summary["capture_failure"] is None, summary
     assert summary["shapes"] <= max_shapes
+
+
+@CUDA
+def test_neftune_s_noise_is_drawn_afresh_in_every_replay(tmp_path, shard):
+    """NEFTune's generator is registered with every capture: steps replayed from graphs advance it as eager steps
+    do, so each replay adds new noise, and the step's kernel path reads back that the noise ran."""
+    params = _params(tmp_path, shard, device="cuda", bf16=True, use_custom_kernels=True, neftune_noise_alpha=5.0,
+                     kernel_overrides={"cuda_graphs": True})
+    trainer = Trainer(prepare(params), progress=False)
+    generator = trainer.training_step.noise.generator
+    assert generator.device.type == "cuda"
+    order = np.random.default_rng(0).permutation(len(trainer.run.train_data))
+    offsets = [generator.get_offset()]
+    for step in range(6):
+        trainer.train_step(order[step * 8 % 40:][:8])
+        offsets.append(generator.get_offset())
+    summary = trainer.training_step.graphs_summary()
+    assert summary["replayed"] > 0 and summary["capture_failure"] is None, summary
+    assert all(after > before for before, after in zip(offsets, offsets[1:])), offsets
+    assert trainer.training_step.kernel_path["embedding_noise"] == "neftune"

@@ -60,10 +60,12 @@ def killed(shards, tmp_path_factory) -> Path:
     ({"lr_schedule": "linear"}, ["lr_schedule cosine", "has linear", "same stream and schedule"]),
     ({"min_lr_ratio": 0.1}, ["min_lr_ratio 0.0", "has 0.1", "same stream and schedule"]),
     ({"warmup_steps": 2}, ["warmup_steps 1", "has 2", "(from warmup_steps, or warmup_ratio and the total steps)"]),
+    ({"neftune_noise_alpha": 5.0}, ["neftune_noise_alpha None", "has 5.0",
+                                    "allow_resume_changes: neftune_noise_alpha"]),
     ({"allow_resume_changes": "bogus"}, ["allow_resume_changes", "'bogus'"]),
     ({"allow_resume_changes": "seed", "seed": 1}, ["allow_resume_changes", "'seed' cannot be allowed"]),
 ], ids=["other-shard-same-count", "model", "max-grad-norm", "loss-chunk-tokens", "fp32-loss", "lr", "seed",
-        "greater-is-better", "lr-schedule", "min-lr-ratio", "warmup-steps", "unknown-allowance",
+        "greater-is-better", "lr-schedule", "min-lr-ratio", "warmup-steps", "neftune", "unknown-allowance",
         "stream-not-allowable"])
 def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, shards, change, words):
     before = digest(killed)
@@ -77,7 +79,9 @@ def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, s
 
 
 @pytest.mark.parametrize("change", [{"max_grad_norm": 0.5, "allow_resume_changes": "max_grad_norm"},
-                                    {"data": "b", "allow_resume_changes": ["data"]}], ids=["max-grad-norm", "data"])
+                                    {"data": "b", "allow_resume_changes": ["data"]},
+                                    {"neftune_noise_alpha": 5.0, "allow_resume_changes": "neftune_noise_alpha"},
+                                    {"neftune_noise_alpha": 0}], ids=["max-grad-norm", "data", "neftune", "neftune-0"])
 def test_a_change_allowed_on_purpose_resumes(killed, shards, tmp_path, change):
     copy = tmp_path / "run"
     shutil.copytree(killed, copy)
