@@ -146,9 +146,11 @@ def base_checkpoint(record: dict) -> dict:
     """What the run trained from: a LoRA run's frozen base, a checkpoint (a Hub bundle by its repository and
     commit), or a preset from scratch; with the SHA-256 of its weights where they are on disk."""
     hub = record.get("hub_start")
+    if record.get("lora"):  # its base's Hub bundle, also where the run started from adapters on it (a later stage)
+        base = record["lora"]["base"]
+        hub = base.get("hub") if isinstance(base.get("hub"), dict) else hub
     on_hub = f"Hub bundle {hub.get('repo_id')} at commit {hub.get('commit')}" if isinstance(hub, dict) else None
     if record.get("lora"):
-        base = record["lora"]["base"]
         return {"source": on_hub or f"checkpoint {Path(base.get('path', '')).name}", "sha256": base.get("sha256")}
     start = record.get("params", {}).get("init_checkpoint")
     if start is None:
@@ -232,18 +234,20 @@ def published_checkpoint(folder: Path) -> dict | None:
 
 
 def model_card(checkpoint: Path, kind: str, out: Path, config: dict, repo_id: str | None = None,
-               base_model: str | None = None) -> str:
+               base_model: str | None = None, base_revision: str | None = None) -> str:
     """README.md for the bundle of `checkpoint` (kind "bundle") or for its LoRA adapters ("adapters"), written to
     the folder `out` for the Hub repository `repo_id`. The loading lines hand from_pretrained the repository, else
     the folder by its name: never a path of this machine. Adapters name `base_model` (the base's Hub bundle) where
-    given, in the metadata and the loading lines."""
+    given, in the metadata and the loading lines, at `base_revision` (the commit they were trained on) where
+    given."""
     meta = card_metadata(checkpoint, kind, repo_id)
     where = repo_id or out.name
     tags = ["cflib", "tr-moe", "mixture-of-experts", "custom_code"] + (["lora"] if kind == "adapters" else [])
     header = {"library_name": "peft" if kind == "adapters" else "transformers", "pipeline_tag": "text-generation",
               "tags": tags, **({"base_model": base_model} if base_model else {}), "cflib": meta}
     front = yaml.safe_dump(header, sort_keys=False, allow_unicode=True, width=1000)
-    sections = [_introduction(meta, kind, where, config), _loading(meta, kind, where, base_model), _evaluation(meta),
+    sections = [_introduction(meta, kind, where, config), _loading(meta, kind, where, base_model, base_revision),
+                _evaluation(meta),
                 _training(meta), LICENCE_SECTION]
     return f"---\n{front}{LICENCE_LINE}---\n\n" + "\n\n".join(sections) + "\n"
 
@@ -264,15 +268,19 @@ def _introduction(meta: dict, kind: str, where: str, config: dict) -> str:
             "chosen by a fixed table of token ids, with no router and no auxiliary loss.")
 
 
-def _loading(meta: dict, kind: str, where: str, base_model: str | None = None) -> str:
+def _loading(meta: dict, kind: str, where: str, base_model: str | None = None, revision: str | None = None) -> str:
     if kind == "adapters":
         base = meta.get("base", {}).get("source", "the base checkpoint")
-        named = (f"`{base_model}` is the Hub bundle of the base these adapters were trained on ({base})"
+        at = f' at commit `{revision}`' if revision else ""
+        named = (f"`{base_model}`{at} is the Hub bundle of the base these adapters were trained on ({base}); "
+                 "their adapter_config.json names it too, so `peft.AutoPeftModelForCausalLM.from_pretrained("
+                 f'"{where}", trust_remote_code=True)` loads base and adapters in one call'
                  if base_model else f"`BASE` is the Hub bundle of the base these adapters were trained on ({base}; "
                                     "`python -m cflib.export hub BASE_CHECKPOINT OUT` makes one)")
+        pinned = f', revision="{revision}"' if revision else ""
         return ("## How to load it\n\n```python\nimport peft\nfrom transformers import AutoModelForCausalLM\n\n"
-                f'base = AutoModelForCausalLM.from_pretrained("{base_model or "BASE"}", trust_remote_code=True)'
-                "  # the base's Hub bundle\n"
+                f'base = AutoModelForCausalLM.from_pretrained("{base_model or "BASE"}"{pinned}, '
+                "trust_remote_code=True)  # the base's Hub bundle\n"
                 f'model = peft.PeftModel.from_pretrained(base, "{where}")\n```\n\n'
                 f"{named}. PEFT 0.17 to 0.21 reads the experts' adapters (PEFT 0.22.0 cannot load adapters of both "
                 "the shared and the expert tensors of a layer).")

@@ -4,8 +4,11 @@ A LoRA checkpoint folder holds what `peft.PeftModel.from_pretrained` reads:
 `adapter_config.json` and `adapter_model.safetensors`, keyed
 `base_model.model.<module>.lora_A.weight` / `lora_B.weight`; and
 `cflib_adapter.json`: the base checkpoint it adapts (path, SHA-256 of its weights,
-config) and the settings, so a resumed run or a merge finds its base and can tell
-when it has changed. A resumable one also holds the optimizer state and progress
+config; for a base a run pulled from the Hub, its repository and commit too) and the
+settings, so a resumed run or a merge finds its base and can tell when it has
+changed. adapter_config.json names a Hub base by its repository and commit
+(`base_model_name_or_path`, `revision`), which PEFT's AutoPeftModel loads; any
+other base by its path. A resumable one also holds the optimizer state and progress
 files of a full checkpoint (cflib.model.checkpoint).
 
 These files are written here, not by PEFT: `PeftModel.save_pretrained` saves a
@@ -22,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -30,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from cflib.atomic import atomic_directory, check_output_folder, follow_umask, live_path
 from cflib.errors import shown
+from cflib.export.push import repo_id_problem
 from cflib.jsonio import read_json
 from cflib.locks import exclusive_output
 from cflib.model.checkpoint import (
@@ -53,6 +58,7 @@ CFLIB_ADAPTER_FILE = "cflib_adapter.json"
 ADAPTER_FORMAT = "cflib-lora-v1"
 PEFT_PREFIX = "base_model.model."
 _SHARED = "mlp.engine.shared_"
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub commit named in full
 
 
 def is_adapter_checkpoint(path: str | Path) -> bool:
@@ -72,11 +78,27 @@ def weights_sha256(checkpoint_dir: str | Path) -> str:
     return digest.hexdigest()
 
 
-def describe_base(checkpoint_dir: str | Path) -> dict:
-    """What identifies a LoRA run's base: where it is, its weights' hash and its config."""
+def describe_base(checkpoint_dir: str | Path, hub: dict | None = None) -> dict:
+    """What identifies a LoRA run's base: where it is, its weights' hash and its config; `hub`: the Hub bundle it was
+    downloaded from, as the run pinned it ({repo_id, revision, commit}), which adapters exported from it name."""
     path = Path(checkpoint_dir).resolve()
     return {"path": str(path), "sha256": weights_sha256(path),
-            "config": read_json(path / CONFIG_FILE, CheckpointError, "model config (config.json)")}
+            "config": read_json(path / CONFIG_FILE, CheckpointError, "model config (config.json)"),
+            **({"hub": hub} if hub is not None else {})}
+
+
+def hub_base(base: dict) -> dict | None:
+    """The Hub bundle a LoRA checkpoint's base came from ({repo_id, revision, commit}: a run started from
+    hub:ORG/NAME), None for a base of this machine (or adapters saved before cflib recorded it)."""
+    hub = base.get("hub")
+    return hub if isinstance(hub, dict) else None
+
+
+def peft_base(base: dict) -> tuple[str, str | None]:
+    """(base_model_name_or_path, revision) of adapters on `base`: a Hub bundle's repository at its commit, which
+    transformers loads (with the bundle's own model code), else the base's folder."""
+    hub = hub_base(base)
+    return (hub["repo_id"], hub["commit"]) if hub is not None else (base["path"], None)
 
 
 def _expert_depths(settings: LoraSettings) -> dict[str, int]:
@@ -178,11 +200,12 @@ def _check_factor(key: str, tensor: torch.Tensor, source: str) -> None:
         raise CheckpointError(f"{source}: tensor {key!r} has shape {list(tensor.shape)}; a LoRA factor is a matrix")
 
 
-def peft_config(settings: LoraSettings, base_path: str) -> dict:
-    """adapter_config.json: LoraConfig's fields that say what these adapters are; PEFT fills in the rest."""
+def peft_config(settings: LoraSettings, base_path: str | None, revision: str | None = None) -> dict:
+    """adapter_config.json: LoraConfig's fields that say what these adapters are; PEFT fills in the rest. `revision`:
+    the commit of a base on the Hub, which AutoPeftModel hands from_pretrained with base_model_name_or_path."""
     linear = [name for name in LINEAR_TARGETS if name in settings.targets]
     experts = [name for name in EXPERT_TARGETS if name in settings.targets]
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path,
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path, "revision": revision,
             "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
             "target_modules": linear or None, "target_parameters": experts or None, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
@@ -198,7 +221,7 @@ def save_adapter(path: str | Path, adapters: dict[str, torch.Tensor], settings: 
     if bad:  # never published, whatever nan_patience allowed
         raise CheckpointError(f"{path}: not written: adapter {bad}; the earlier checkpoints are unchanged")
     with atomic_directory(path) as staging:
-        (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config(settings, base["path"]), indent=2) + "\n")
+        (staging / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config(settings, *peft_base(base)), indent=2) + "\n")
         save_file(to_peft(adapters, settings), str(staging / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
         follow_umask(staging / ADAPTER_WEIGHTS_FILE)
         (staging / CFLIB_ADAPTER_FILE).write_text(json.dumps(
@@ -236,6 +259,7 @@ def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.
     if not isinstance(base, dict) or not isinstance(base.get("path"), str):
         raise CheckpointError(f"{meta_file}: 'base' must be an object with the base checkpoint's 'path', "
                               f"got {shown(base)}")
+    _check_hub_base(base, meta_file)
     try:
         tensors = load_file(str(weights))
     except (SafetensorError, OSError) as err:
@@ -244,6 +268,19 @@ def read_adapter(path: str | Path) -> tuple[LoraSettings, dict, dict[str, torch.
     if bad:
         raise CheckpointError(f"{weights}: adapter {bad}; training or merging from it gives non-finite outputs")
     return settings, base, from_peft(tensors, settings, str(weights))
+
+
+def _check_hub_base(base: dict, meta_file: Path) -> None:
+    """A base's Hub bundle, where one is recorded, names a repository and a commit in full: adapters exported from
+    the checkpoint send PEFT's loaders there."""
+    if "hub" not in base:
+        return
+    hub = base["hub"]
+    if not (isinstance(hub, dict) and isinstance(hub.get("repo_id"), str) and not repo_id_problem(hub["repo_id"])
+            and isinstance(hub.get("commit"), str) and COMMIT.fullmatch(hub["commit"])
+            and (hub.get("revision") is None or isinstance(hub["revision"], str))):
+        raise CheckpointError(f"{meta_file}: base.hub must name the Hub bundle the base was downloaded from "
+                              f"(repo_id ORG/NAME, commit: 40 hex digits, revision), got {shown(hub)}")
 
 
 def check_fits(expected: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], source: str,

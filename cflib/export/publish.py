@@ -29,6 +29,7 @@ from cflib.export.peft import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     CFLIB_ADAPTER_FILE,
+    hub_base,
     is_adapter_checkpoint,
     read_adapter,
 )
@@ -51,8 +52,10 @@ def export_adapters(checkpoint: str | Path, out: str | Path, repo_id: str | None
     """Write the adapters of `checkpoint` (a LoRA checkpoint or run folder) with their model card to the new folder
     `out`: what `peft.PeftModel.from_pretrained(base, out)` loads, without the optimizer state. `base_model` (the
     base's Hub bundle: a repository id or folder) becomes the adapters' `base_model_name_or_path`, which
-    `peft.AutoPeftModelForCausalLM` loads; without it none is named (a folder name of this machine would send
-    it to the Hub for a repository of that name), and the provenance names the base by its folder's name."""
+    `peft.AutoPeftModelForCausalLM` loads. Without it, adapters trained on a base pulled from the Hub
+    (init_checkpoint hub:ORG/NAME) name that repository, with the commit the run trained on as their `revision`;
+    others name none (a folder name of this machine would send AutoPeftModel to the Hub for a repository of that
+    name). The provenance names the base by its folder's name."""
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise ExportError(f"{out} already exists; export to a new folder (nothing was changed)")
@@ -71,16 +74,28 @@ def export_adapters(checkpoint: str | Path, out: str | Path, repo_id: str | None
         raise ExportError(f"{source / ADAPTER_CONFIG_FILE}: must be a JSON object (PEFT's LoraConfig)")
     cflib_adapter = read_json(source / CFLIB_ADAPTER_FILE, ExportError, "adapter description")
     base = Path(cflib_adapter["base"]["path"]).name
+    base_model, revision = named_base(cflib_adapter["base"], base_model)
+    named = {"base_model_name_or_path": base_model, "revision": revision}
     with exclusive_output(out, check, ExportError) as staging:  # `out` checked again under its lock
         shutil.copyfile(source / ADAPTER_WEIGHTS_FILE, staging / ADAPTER_WEIGHTS_FILE)
-        for name, document in ((ADAPTER_CONFIG_FILE, {**peft_config, "base_model_name_or_path": base_model}),
+        for name, document in ((ADAPTER_CONFIG_FILE, {**peft_config, **named}),
                                (CFLIB_ADAPTER_FILE, {**cflib_adapter, "base": {**cflib_adapter["base"], "path": base}})):
             (staging / name).write_text(json.dumps(document, indent=2) + "\n")
         (staging / CARD_FILE).write_text(model_card(source, "adapters", out, cflib_adapter["base"].get("config", {}),
-                                                    repo_id, base_model))
+                                                    repo_id, base_model, revision))
     if echo is not None:
         echo(f"wrote {out}: the adapters of {source}, for peft.PeftModel.from_pretrained(base, {str(out)!r})")
     return out
+
+
+def named_base(base: dict, base_model: str | None) -> tuple[str | None, str | None]:
+    """(base_model_name_or_path, revision) of exported adapters on `base` (their cflib_adapter.json's): `base_model`
+    where given, at the commit the run trained on where it names the repository the base was pulled from; else
+    that repository and commit; else none."""
+    hub = hub_base(base)
+    if base_model is None:
+        return (hub["repo_id"], hub["commit"]) if hub is not None else (None, None)
+    return base_model, hub["commit"] if hub is not None and base_model == hub["repo_id"] else None
 
 
 def holds_publication(folder: Path, checkpoint: Path, kind: str) -> bool:
@@ -94,14 +109,14 @@ def holds_publication(folder: Path, checkpoint: Path, kind: str) -> bool:
 def retarget_card(out: Path, source: Path, kind: str, repo_id: str) -> None:
     """Write the card of the publication in `out` again for `repo_id`, whose readers load it by that name: a card
     written without --push names the folder in its loading lines, one pushed before names that repository."""
-    base_model = None
+    base_model = revision = None
     if kind == "bundle":
         config = read_json(out / "config.json", ExportError, "bundle config")
     else:
         config = read_json(out / CFLIB_ADAPTER_FILE, ExportError, "adapter description")["base"].get("config", {})
-        base_model = read_json(out / ADAPTER_CONFIG_FILE, ExportError, "PEFT adapter config").get(
-            "base_model_name_or_path")
-    write_text_atomic(out / CARD_FILE, model_card(source, kind, out, config, repo_id, base_model))
+        named = read_json(out / ADAPTER_CONFIG_FILE, ExportError, "PEFT adapter config")
+        base_model, revision = named.get("base_model_name_or_path"), named.get("revision")
+    write_text_atomic(out / CARD_FILE, model_card(source, kind, out, config, repo_id, base_model, revision))
 
 
 Writer = Callable[[Path, Callable[[str], None] | None], object]  # (folder, echo): writes a publication there

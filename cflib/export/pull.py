@@ -20,7 +20,6 @@ one a resumed run recorded, named as the run named it) can use.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -28,7 +27,7 @@ from typing import Callable, TypeVar
 from cflib.data.sources import HUB  # the prefix a data source on the Hub has too
 from cflib.errors import shown
 from cflib.export.hub import AUTO_MAP, MODEL_TYPE
-from cflib.export.peft import ADAPTER_CONFIG_FILE
+from cflib.export.peft import ADAPTER_CONFIG_FILE, COMMIT
 from cflib.export.push import repo_id_problem
 from cflib.export.tokenizer_files import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from cflib.export.tokenizer_files import COMPANIONS, TOKENIZER_BYTES, TOKENIZER_FILE
@@ -37,7 +36,6 @@ from cflib.model.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
 from cflib.model.config import ConfigError, ModelConfig
 from cflib.paths import resolve_path
 
-COMMIT = re.compile(r"[0-9a-f]{40}")
 # What a bundle's model and tokenizer are read from, with the most bytes cflib reads of each; nothing else of the
 # repository is downloaded (its Python modules above all). The weights' bound comes from the config (weights_bound).
 BUNDLE_FILES = {CONFIG_FILE: MAX_BYTES, "generation_config.json": MAX_BYTES, TOKENIZER_FILE: TOKENIZER_BYTES,

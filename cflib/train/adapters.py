@@ -96,10 +96,11 @@ def start_adapters(params: TrainParams) -> dict | None:
     return {"path": str(checkpoint_dir.resolve()), "sha256": sha256_file(weights)}
 
 
-def initial_model(checkpoint_dir: Path, settings: LoraSettings | None) -> tuple[TRMoEModel, LoraRun | None]:
+def initial_model(checkpoint_dir: Path, settings: LoraSettings | None, hub: dict | None = None
+                  ) -> tuple[TRMoEModel, LoraRun | None]:
     """init_checkpoint's model, with fresh adapters of `settings` on it for a LoRA run (None: full-parameter); a
     LoRA run started from adapters trains them on (their base, their settings), as a curriculum's later stage
-    does."""
+    does. hub: the Hub bundle (HubStart.record()) `checkpoint_dir` holds, which the adapters name as their base."""
     if is_adapter_checkpoint(checkpoint_dir):
         if settings is None:
             raise ParamError(f"init_checkpoint {checkpoint_dir} holds LoRA adapters, not a model: merge them into "
@@ -112,7 +113,7 @@ def initial_model(checkpoint_dir: Path, settings: LoraSettings | None) -> tuple[
     if outside:
         raise ParamError(f"lora_trainable_tokens: token id {outside[0]} is outside the model's vocabulary "
                          f"[0, {model.config.vocab_size})")
-    return attach_lora(model, settings), LoraRun(settings, describe_base(checkpoint_dir))
+    return attach_lora(model, settings), LoraRun(settings, describe_base(checkpoint_dir, hub))
 
 
 def resumed_model(checkpoint_dir: Path, settings: LoraSettings | None, init_checkpoint: str | None

@@ -414,7 +414,7 @@ def starting_model(params: TrainParams) -> Start:
     if params.init_checkpoint is not None:
         params, hub = pinned_hub_start(params)
         checkpoint_dir = checkpoint_folder(params.init_checkpoint)
-        model, lora = initial_model(checkpoint_dir, params.lora_settings())
+        model, lora = initial_model(checkpoint_dir, params.lora_settings(), None if hub is None else hub.record())
         if hub is None:
             return Start(params, model, lora, f"checkpoint {checkpoint_dir}", checkpoint_dir.name)
         return Start(params, model, lora, f"checkpoint {hub.spec} ({checkpoint_dir})", hub.repo_id.split("/")[1],

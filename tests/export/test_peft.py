@@ -49,6 +49,10 @@ def test_peft_reads_the_adapter_config(tmp_path):
     assert (config.r, config.lora_alpha, config.lora_dropout) == (4, 16, 0.05)
     assert set(config.target_modules) == {"q_proj", "shared_down"} and config.target_parameters == ["expert_up"]
     assert config.base_model_name_or_path == "/some/base" and config.task_type == "CAUSAL_LM"
+    assert config.revision is None
+    (tmp_path / ADAPTER_CONFIG_FILE).write_text(json.dumps(peft_config(settings, "org/base", "0a" * 20)))
+    config = peft.LoraConfig.from_pretrained(str(tmp_path))  # a base on the Hub, at the commit trained on
+    assert (config.base_model_name_or_path, config.revision) == ("org/base", "0a" * 20)
 
 
 @pytest.mark.parametrize("targets", [tuple(TARGETS), LINEAR_TARGETS, ("k_proj", "expert_gate", "expert_down")],
@@ -173,6 +177,19 @@ def test_an_adapter_description_of_bad_settings_is_refused_by_key(tmp_path, chan
             load(adapter)
         assert str(caught.value).startswith(f"{description}: ") and words in str(caught.value), str(caught.value)
     assert folder_bytes(tmp_path) == before
+
+
+@pytest.mark.parametrize("hub", [{"repo_id": "org/base", "commit": "main"}, {"repo_id": "no-owner", "commit": "0" * 40},
+                                 "org/base"], ids=["a-branch", "no-owner", "a-string"])
+def test_a_base_s_hub_bundle_that_names_no_repository_and_commit_is_refused(tmp_path, hub):
+    """base.hub, which exported adapters name as their base_model_name_or_path and revision, is a repository and a
+    commit in full, or the description is refused naming the file."""
+    adapter, _ = saved_adapter(tmp_path, LoraSettings(rank=2, alpha=4, targets=("q_proj",)))
+    description = adapter / CFLIB_ADAPTER_FILE
+    meta = json.loads(description.read_text())
+    description.write_text(json.dumps({**meta, "base": {**meta["base"], "hub": hub}}))
+    with pytest.raises(CheckpointError, match="base.hub must name the Hub bundle the base was downloaded from"):
+        read_adapter(adapter)
 
 
 def test_a_bundle_peft_left_half_merged_refuses_to_save_until_every_layer_is_merged(tmp_path):

@@ -17,8 +17,10 @@ from hub_server import LoopbackHub, point_at  # noqa: E402
 from sft_shard_helpers import write_shard  # noqa: E402
 
 from cflib.data.tasks import generate  # noqa: E402
-from cflib.export import export_hub, push_folder  # noqa: E402
-from cflib.model.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from cflib.export import export_adapters, export_hub, push_folder  # noqa: E402
+from cflib.export.peft import load_merged  # noqa: E402
+from cflib.export.publish import resolve_adapters  # noqa: E402
+from cflib.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 from cflib.train import batch_arithmetic, prepare, train  # noqa: E402
 from cflib.train.params import ParamError, TrainParams  # noqa: E402
 
@@ -206,6 +208,50 @@ def test_a_lora_run_adapts_a_hub_base_and_resumes_on_it_after_the_cache_is_clear
     resumed = train(params(shard, out_dir, **lora, resume="latest"), progress=False)
     assert resumed["hub_start"]["commit"] == started and resumed["lora"]["base"] == record["lora"]["base"]
     assert (cache / "models--org--tiny" / "snapshots" / started / "model.safetensors").is_file()
+
+
+def test_adapters_trained_on_a_hub_base_name_it_at_their_commit_and_auto_peft_loads_that_base(
+        hub, shard, bundle, tmp_path):
+    """Exported adapters of a LoRA run from hub:ORG/NAME name the repository (base_model_name_or_path) and the
+    commit they were trained on (revision), as does their card: AutoPeftModelForCausalLM downloads that commit of
+    the base, with its model code, and gives cflib's adapted logits, however main moved since."""
+    peft = pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    started = hub.repos[REPO].head("main")
+    out_dir = tmp_path / "run"
+    train(params(shard, out_dir, init_checkpoint=f"hub:{REPO}", full_parameter=False, lora_rank=4, lr=3e-2),
+          progress=False)
+    halved = load_checkpoint(bundle)  # main moves on to other weights
+    with torch.no_grad():
+        for weight in halved.parameters():
+            weight.mul_(0.5)
+    push_folder(export_hub(save_checkpoint(halved, tmp_path / "halved"), tmp_path / "halved-bundle", echo=None),
+                REPO, echo=None)
+    assert hub.repos[REPO].head("main") != started
+
+    checkpoint = resolve_adapters(out_dir)
+    saved = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert (saved["base_model_name_or_path"], saved["revision"]) == (REPO, started)  # not the cache's folder
+    folder = export_adapters(out_dir, tmp_path / "adapters", echo=None)
+    exported = json.loads((folder / "adapter_config.json").read_text())
+    assert exported == saved
+    card = huggingface_hub.ModelCard.load(folder / "README.md")
+    assert card.data.to_dict()["base_model"] == REPO
+    assert card.data.to_dict()["cflib"]["base"]["source"] == f"Hub bundle {REPO} at commit {started}"
+    assert f'from_pretrained("{REPO}", revision="{started}", trust_remote_code=True)' in card.text
+    assert "AutoPeftModelForCausalLM" in card.text and str(tmp_path) not in card.text
+
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True,
+                                                           dtype=torch.float32).eval()
+    merged = load_merged(checkpoint).eval()
+    ids = torch.tensor([[70, 5, 102, 9, 71, 33, 1, 40, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, merged(ids) @ merged.head_weight.t(),
+                                   rtol=0, atol=1e-4)
+    # Another base named on purpose goes without the commit, which is that of the run's base.
+    other = json.loads((export_adapters(out_dir, tmp_path / "other", echo=None, base_model="org/other")
+                        / "adapter_config.json").read_text())
+    assert (other["base_model_name_or_path"], other["revision"]) == ("org/other", None)
 
 
 def test_a_resume_naming_the_run_s_branch_keeps_its_commit_offline_after_the_branch_moved(
