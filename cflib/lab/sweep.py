@@ -10,6 +10,10 @@ resumable checkpoint (train_sft's `resume: latest`), a failed one stays failed
 unless `rerun_failed`. A point that fails its checks is failed from the start;
 the others still run. A sweep's points are never dropped: a plan that no
 longer makes a point sweep.json holds is refused (adding points is not).
+An `init_checkpoint: hub:ORG/NAME[@REVISION]` is resolved to its commit once
+for the whole sweep, as it is planned, and every point is given that commit
+(hub:ORG/NAME@COMMIT), so a branch that moves while the sweep runs moves no
+point; sweep.json records it (`hub_starts`) and a re-run of the sweep keeps it.
 `cflib.lab.sweep_run.run_sweep` then runs the points, one
 papermill run of train_sft.ipynb per point, and the sweep ends with
 `cflib.lab.compare` over its points.
@@ -30,7 +34,10 @@ from typing import Any
 import yaml
 
 from cflib.atomic import copy_beside, write_json_atomic
+from cflib.data.sources import HUB
 from cflib.errors import ParamError, shown
+from cflib.export.peft import COMMIT
+from cflib.export.pull import hub_parts, is_hub, resolve_start
 from cflib.jobs import job_out_dir, refuse_links
 from cflib.jsonio import MAX_BYTES, read_bounded, read_json
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
@@ -226,6 +233,9 @@ class Sweep:
     points: list[Point]
     swept: list[str]
     planned_on: str | None = None  # sweep.json's digest when planned: run_sweep runs the plan only on that state
+    # hub:ORG/NAME[@REVISION] as a point names it -> HubStart.record(): the commit every point naming it starts from,
+    # resolved once for the sweep; None: a sweep.json written before cflib pinned them, whose points resolve their own
+    hub_starts: dict[str, dict] | None = field(default_factory=dict)
 
     def save(self) -> None:
         """sweep.json: the points and every point's state, replaced whole at every change."""
@@ -233,7 +243,8 @@ class Sweep:
         write_json_atomic(self.out_dir / SWEEP_FILE, {
             "base": p.base, "grid": p.grid, "points_given": list(p.points) if p.points else None,
             "repeats": list(p.seeds), "gpus": list(p.gpus) if p.gpus else "cpu", "swept": self.swept,
-            "metric": p.metric, "points": [point.state(self.out_dir) for point in self.points]})
+            "metric": p.metric, **({"hub_starts": self.hub_starts} if self.hub_starts is not None else {}),
+            "points": [point.state(self.out_dir) for point in self.points]})
         self.planned_on = sweep_file_digest(self.out_dir)  # this sweep's own state, which it goes on from
 
     def points_table(self) -> str:
@@ -249,6 +260,9 @@ class Sweep:
                  f"points   {len(self.points)} ({' x '.join(self.swept) or 'the base alone'}"
                  + (f", seeds {', '.join(map(str, self.params.seeds))}" if len(self.params.seeds) > 1 else "")
                  + f"), on {device}"]
+        lines += [f"hub      {spec} pinned to commit {start['commit']} for every point naming it"
+                  for spec, start in (self.hub_starts or {}).items()
+                  if spec != f"{HUB}{start['repo_id']}@{start['commit']}"]
         for point in self.points:
             what = point.action + (f": {point.error}" if point.status == "failed" else "")
             lines.append(f"  {point.name}: {what}")
@@ -287,7 +301,7 @@ def sweep_file_digest(out_dir: Path) -> str | None:
     path = out_dir / SWEEP_FILE
     if not (path.exists() or path.is_symlink()):
         return None
-    # Read as _recorded_points reads it (bounded, a regular file only): a file past the bound is never read whole,
+    # Read as _recorded_plan reads it (bounded, a regular file only): a file past the bound is never read whole,
     # and a FIFO in its place is refused by name rather than waited on or taken for no file.
     return hashlib.sha256(read_bounded(path, MAX_BYTES, ParamError, "sweep file")).hexdigest()
 
@@ -304,10 +318,12 @@ def expand_sweep(params: SweepParams) -> Sweep:
     # this check, refuses the second sweep when it starts), and whatever else one listing shows, sweep.json was
     # already there.
     names = {path.name for path in out_dir.iterdir()} if out_dir.is_dir() else set()
-    previous, digest = {}, None
+    previous, digest, hub_starts = {}, None, {}
     if SWEEP_FILE in names:
         digest = sweep_file_digest(out_dir)
-        previous = {p["name"]: p for p in _recorded_points(out_dir / SWEEP_FILE)}
+        plan = _recorded_plan(out_dir / SWEEP_FILE)
+        previous = {p["name"]: p for p in plan["points"]}
+        hub_starts = _recorded_hub_starts(plan, out_dir / SWEEP_FILE)
     elif any(name != LOCK_FILE and copy_beside(name) != SWEEP_FILE for name in names):
         raise ParamError(f"out_dir {out_dir} holds files but no {SWEEP_FILE}: choose an empty or new folder")
     refuse_links(out_dir, ("runs", COMPARISON_DIR))
@@ -316,17 +332,43 @@ def expand_sweep(params: SweepParams) -> Sweep:
     varying = _varying([overrides for overrides, _ in expanded])
     names = _point_names(expanded, varying)
     _refuse_dropped(out_dir, previous, names)
+    pins = None if hub_starts is None else HubPins(hub_starts)
     for (overrides, seed), name in zip(expanded, names):
         shown = {**overrides, **({"seed": seed} if seed is not None else {})}
         run_dir = out_dir / "runs" / name
         refuse_links(run_dir.parent, (name,))  # the sweep writes in a point's folder, papermill and the run too
         refuse_links(run_dir, (POINT_FILE, POINT_LOG, POINT_NOTEBOOK))
         values = {**base, **overrides, **({"seed": seed} if seed is not None else {}), "out_dir": str(run_dir)}
-        points.append(_judge(Point(name, shown, values, run_dir), previous.get(name), params))
+        points.append(_judge(Point(name, shown, values, run_dir), previous.get(name), params, pins))
     swept = list(varying)
     if len(params.seeds) > 1:
         swept.append("seed")
-    return Sweep(params, out_dir, points, swept, digest)
+    return Sweep(params, out_dir, points, swept, digest, None if pins is None else pins.starts)
+
+
+class HubPins:
+    """A sweep's hub: init_checkpoints, each resolved to its commit once (recorded ones as sweep.json has them)."""
+
+    def __init__(self, starts: dict[str, dict]) -> None:
+        self.starts = dict(starts)
+        self.refused: dict[str, Exception] = {}  # a name the Hub refused: each point naming it fails alike, unasked
+
+    def pinned(self, values: dict) -> dict:
+        """`values` with a hub: init_checkpoint pinned to the sweep's commit for it; CheckpointError (a name the Hub
+        lacks, no network) fails the point's checks."""
+        spec = values.get("init_checkpoint")
+        if not is_hub(spec):
+            return values
+        if spec in self.refused:
+            raise self.refused[spec]
+        if spec not in self.starts:
+            try:
+                self.starts[spec] = resolve_start(spec).record()
+            except CheckpointError as err:
+                self.refused[spec] = err
+                raise
+        start = self.starts[spec]
+        return {**values, "init_checkpoint": f"{HUB}{start['repo_id']}@{start['commit']}"}
 
 
 def _point_names(expanded: list[tuple[dict, int | None]], varying: list[str]) -> list[str]:
@@ -383,18 +425,43 @@ def _close_attempts(attempts: list, run_dir: Path) -> list:
     return closed
 
 
-def _recorded_points(path: Path) -> list[dict]:
-    """The points a sweep.json records, each with its name."""
+def _recorded_plan(path: Path) -> dict:
+    """A sweep.json, checked for its points, each with its name."""
     plan = read_json(path, ParamError, "sweep file")
     if not isinstance(plan, dict) or not isinstance(plan.get("points"), list) or not all(
             isinstance(point, dict) and isinstance(point.get("name"), str) for point in plan["points"]):
         raise ParamError(f"{path}: not a sweep's file (a 'points' list, each with its 'name')")
-    return plan["points"]
+    return plan
 
 
-def _judge(point: Point, before: dict | None, params: SweepParams) -> Point:
-    """The point's checks, then what this sweep does with it given what its folder holds."""
+def _recorded_hub_starts(plan: dict, path: Path) -> dict[str, dict] | None:
+    """The commits a sweep.json pinned its hub: init_checkpoints to, checked; None for a sweep.json written before
+    cflib recorded them (its points, whose point.yaml name the unpinned name, resolve their own as they did)."""
+    if "hub_starts" not in plan:
+        return None
+    starts = plan["hub_starts"]
+    if not isinstance(starts, dict):
+        raise ParamError(f"{path}: hub_starts must map each hub: init_checkpoint to the commit the sweep pinned, got "
+                         f"{shown(starts)}")
+    for spec, start in starts.items():
+        try:
+            repo_id = hub_parts(spec)[0] if is_hub(spec) else None
+        except CheckpointError:
+            repo_id = None
+        if not (repo_id is not None and isinstance(start, dict) and start.get("repo_id") == repo_id
+                and isinstance(start.get("commit"), str) and COMMIT.fullmatch(start["commit"])):
+            raise ParamError(f"{path}: hub_starts[{shown(spec)}] must name the repository {repo_id or 'ORG/NAME'} "
+                             f"and a commit in full (40 hex digits), got {shown(start)}; choose another out_dir "
+                             "rather than edit a sweep's file")
+    return starts
+
+
+def _judge(point: Point, before: dict | None, params: SweepParams, pins: HubPins | None = None) -> Point:
+    """The point's checks (its hub: init_checkpoint pinned to the sweep's commit first), then what this sweep does
+    with it given what its folder holds."""
     try:
+        if pins is not None:
+            point.params = pins.pinned(point.params)
         checked = TrainParams.from_dict(point.params, source=f"point {point.name}")
         if params.gpus is not None and checked.world_size > 1:
             raise ParamError(f"point {point.name}: nproc_per_node x nnodes is {checked.world_size}, but a sweep "

@@ -289,3 +289,94 @@ def test_a_curriculum_pins_its_hub_start_once_for_every_stage(hub, shard, tmp_pa
     one_stage = json.loads((out_dir / "one_stage" / "record.json").read_text())
     assert one_stage["hub_start"]["commit"] == head
     assert json.loads((out_dir / "curriculum.json").read_text())["hub_start"]["commit"] == head
+
+
+class InProcessPoint:
+    """A sweep point's papermill process, run in this one: the run train_sft.ipynb starts from the point's point.yaml
+    (the parameters papermill hands it), then its executed notebook, marked as run to its last cell."""
+
+    def __init__(self, command: list[str], **_) -> None:
+        import nbformat
+
+        from cflib.train.params import load_params_file
+
+        parameters = command.index("-f") + 1
+        train(load_params_file(Path(command[parameters])), progress=False)
+        notebook = nbformat.v4.new_notebook()
+        notebook.metadata["papermill"] = {"end_time": "2026-01-01T00:00:00", "exception": None}
+        nbformat.write(notebook, command[parameters - 2])
+        self.pid, self.returncode = -1, 0
+
+    def poll(self) -> int:
+        return self.returncode
+
+
+def sweep_base(shard: Path, folder: Path, **overrides) -> str:
+    import yaml
+
+    values = {**params(shard, folder, **overrides)}
+    del values["out_dir"]  # the sweep's
+    (folder / "base.yaml").write_text(yaml.safe_dump(values))
+    return str(folder / "base.yaml")
+
+
+def test_a_sweep_pins_its_hub_start_once_so_a_commit_between_its_points_moves_none(
+        hub, shard, bundle, tmp_path, monkeypatch):
+    """hub:ORG/NAME@main is resolved once as the sweep is planned: main moving between the first point and the
+    second moves neither, sweep.json records the commit, and the sweep run again (a point added) keeps it."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from cflib.lab import sweep_run
+    from cflib.lab.sweep import SweepParams, expand_sweep
+
+    started = hub.repos[REPO].head("main")
+    raw = {"base": sweep_base(shard, tmp_path, init_checkpoint=f"hub:{REPO}@main"), "grid": {"lr": [1e-3, 2e-3]},
+           "out_dir": str(tmp_path / "sweep")}
+    monkeypatch.setattr(sweep_run, "subprocess", SimpleNamespace(
+        Popen=InProcessPoint, PIPE=subprocess.PIPE, STDOUT=subprocess.STDOUT, TimeoutExpired=subprocess.TimeoutExpired))
+    finish, moved = sweep_run._finish, []
+
+    def finish_then_move_main(running, sweep) -> None:
+        finish(running, sweep)
+        if not moved:  # main moves on between the points
+            moved.append(push_changed(hub, bundle, tmp_path / "newer", **{"README.md": CHANGED_CARD}))
+
+    monkeypatch.setattr(sweep_run, "_finish", finish_then_move_main)
+    sweep = sweep_run.run_sweep(expand_sweep(SweepParams.from_dict(raw)), poll_s=0.01)
+    assert [point.status for point in sweep.points] == ["done", "done"] and moved and moved[0] != started
+    for point in sweep.points:
+        record = json.loads((point.run_dir / "record.json").read_text())
+        assert record["hub_start"]["commit"] == started, point.name
+        assert record["params"]["init_checkpoint"] == f"hub:{REPO}@{started}"
+    assert [path for _, path in hub.requests if path.endswith("/revision/main")] == [f"/api/models/{REPO}/revision/main"]
+    pinned = {f"hub:{REPO}@main": {"repo_id": REPO, "revision": "main", "commit": started}}
+    assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["hub_starts"] == pinned
+
+    calls = len(hub.requests)
+    again = expand_sweep(SweepParams.from_dict({**raw, "grid": {"lr": [1e-3, 2e-3, 3e-3]}}))
+    assert [point.action for point in again.points][:2] == ["skip: finished before"] * 2
+    assert again.points[2].params["init_checkpoint"] == f"hub:{REPO}@{started}" and again.hub_starts == pinned
+    assert not [path for _, path in hub.requests[calls:] if path.endswith("/revision/main")]
+    assert f"hub      hub:{REPO}@main pinned to commit {started}" in again.describe()
+
+
+def test_a_sweep_file_s_hub_starts_are_checked_and_one_written_before_them_pins_nothing(hub, shard, tmp_path):
+    from cflib.lab.sweep import SweepParams, expand_sweep
+
+    raw = {"base": sweep_base(shard, tmp_path, init_checkpoint=f"hub:{REPO}"), "grid": {"lr": [1e-3]},
+           "out_dir": str(tmp_path / "sweep")}
+    sweep = expand_sweep(SweepParams.from_dict(raw))
+    assert sweep.points[0].params["init_checkpoint"] == f"hub:{REPO}@{hub.repos[REPO].head('main')}"
+    sweep.save()
+    sweep_file = tmp_path / "sweep" / "sweep.json"
+    written = json.loads(sweep_file.read_text())
+    sweep_file.write_text(json.dumps({**written, "hub_starts": {f"hub:{REPO}": {"repo_id": REPO, "commit": "main"}}}))
+    with pytest.raises(ParamError, match=rf"hub_starts\['hub:{REPO}'\] must name the repository {REPO} and a commit "
+                                         "in full"):
+        expand_sweep(SweepParams.from_dict(raw))
+    sweep_file.write_text(json.dumps({key: value for key, value in written.items() if key != "hub_starts"}))
+    legacy = expand_sweep(SweepParams.from_dict(raw))  # its points resolve their own, as they did
+    assert legacy.points[0].params["init_checkpoint"] == f"hub:{REPO}" and legacy.hub_starts is None
+    legacy.save()
+    assert "hub_starts" not in json.loads(sweep_file.read_text())
