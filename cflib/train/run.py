@@ -1,9 +1,11 @@
 """A run, checked before anything is written: `prepare(params) -> Run`.
 
-`prepare` resolves the device, the model (preset, init checkpoint or resumed
-checkpoint), the data (preflight, packing plan, loss weights), the batch
-arithmetic and the execution plan, and fails with a message naming the culprit
-before `out_dir` is touched. `batch_arithmetic` gives the same figures from
+`prepare` resolves the device, the model's architecture (from a preset, an
+init checkpoint or a resumed checkpoint's config alone), the data (preflight,
+packing plan, loss weights) and the batch arithmetic and schedule, then loads
+the model (a Hub bundle's weights are downloaded only then) and plans the
+execution, and fails with a message naming the culprit before `out_dir` is
+touched. `batch_arithmetic` gives the same figures from
 the parameters alone, for the notebook's form. The loop is cflib.train.trainer.
 """
 from __future__ import annotations
@@ -319,14 +321,14 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
                          "visible CUDA devices")
     if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
-    torch.manual_seed(params.seed)
     if params.out_dir is not None and dist.is_main:  # first: a live run's checkpoints are still changing
         check_run_folder(resolve_path(params.out_dir))
     if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
         raise ParamError(f"out_dir {resolve_path(params.out_dir)} holds a completed run: nothing to resume")
-    start = starting_model(params)
-    params, model, lora, resume_state = start.params, start.model, start.lora, start.resume_state
-    config: ModelConfig = model.config
+    # The architecture alone first (a Hub start pinned to its commit, its config.json read): the data, the schedule
+    # and the batch are checked against it before any weights are downloaded or loaded.
+    params, hub = (params, None) if continues(params) else pinned_hub_start(params)
+    config, _ = model_config(params)
     check_seq_len(config, params.seq_len)
     # A torchrun worker counts labels only: its launcher ran the preflight, token checks and hashes included.
     data = open_data(params, config.vocab_size, check="counts" if dist.active else "preflight")
@@ -337,6 +339,10 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
                                         params.max_task_loss_weight, kept_data(params, data.filter_counts))
                     if params.loss_groups is not None else None)
     steps_per_epoch, schedule = schedule_steps(units, params)
+    torch.manual_seed(params.seed)  # a preset's weights and fresh adapters are drawn from it
+    start = starting_model(params, hub)
+    params, model, lora, resume_state = start.params, start.model, start.lora, start.resume_state
+    config = model.config
     estimate = memory_figures(config, params, device)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
     plan = plan_execution(params, model, strategy, device)
@@ -398,8 +404,9 @@ class Start:
     hub: HubStart | None = None
 
 
-def starting_model(params: TrainParams) -> Start:
-    """The model a run trains, loaded and checked, and where it comes from."""
+def starting_model(params: TrainParams, hub: HubStart | None = None) -> Start:
+    """The model a run trains, loaded and checked, and where it comes from. hub: the commit a Hub init_checkpoint
+    was already pinned to (`params` name it; pinned_hub_start), else it is pinned here."""
     if continues(params):
         checkpoint_dir = resume_dir(params)
         if params.out_dir is not None:
@@ -412,7 +419,8 @@ def starting_model(params: TrainParams) -> Start:
         return Start(params, model, lora, f"resumed from {checkpoint_dir} at step {state['step']}", "resumed",
                      state, checkpoint_dir, hub)
     if params.init_checkpoint is not None:
-        params, hub = pinned_hub_start(params)
+        if hub is None:
+            params, hub = pinned_hub_start(params)
         checkpoint_dir = checkpoint_folder(params.init_checkpoint)
         model, lora = initial_model(checkpoint_dir, params.lora_settings(), None if hub is None else hub.record())
         if hub is None:

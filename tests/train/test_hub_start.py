@@ -178,6 +178,35 @@ def test_a_revision_or_repository_the_hub_lacks_is_named(hub, shard, tmp_path, s
     assert hub.downloads == [] and not (tmp_path / "run").exists()
 
 
+def corrupt_ids(shard: Path, folder: Path) -> Path:
+    """A copy of the shard whose train input_ids hold a token id past the bundle's vocabulary."""
+    import numpy as np
+
+    shutil.copytree(shard, folder)
+    ids = np.fromfile(folder / "train" / "input_ids.bin", dtype="<u4")
+    ids[3] = 5000
+    ids.tofile(folder / "train" / "input_ids.bin")
+    return folder
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda shard, t: {"data": str(corrupt_ids(shard, t / "bad-shard"))}, ["input_ids.bin", "5000"]),
+    (lambda shard, t: {"warmup_steps": 5}, ["warmup_steps 5 would warm up through the whole run of 2 steps"]),
+    (lambda shard, t: {"global_batch": 32}, ["global_batch 32 is more than the 16 train examples"]),
+], ids=["token-past-the-vocabulary", "warmup-past-the-run", "global-batch-past-the-data"])
+def test_a_bad_shard_or_schedule_is_refused_before_the_weights_are_downloaded(hub, shard, tmp_path, change, words):
+    """A Hub start reads the bundle's config.json alone before the data, the schedule and the batch are checked
+    against it: a bad input is named before the weights are downloaded, and nothing is written."""
+    with pytest.raises(ValueError) as refused:
+        train(params(shard, tmp_path / "run", init_checkpoint=f"hub:{REPO}", **change(shard, tmp_path)),
+              progress=False)
+    for word in words:
+        assert word in str(refused.value), f"{word!r} not in: {refused.value}"
+    assert (REPO, "config.json") in hub.downloads and (REPO, "model.safetensors") not in hub.downloads
+    assert not list(Path(huggingface_hub.constants.HF_HUB_CACHE).rglob("model.safetensors"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_offline_a_commit_named_in_full_starts_from_the_cache_and_a_branch_is_refused_naming_it(
         hub, shard, tmp_path, monkeypatch):
     head = hub.repos[REPO].head("main")
