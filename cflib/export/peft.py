@@ -50,7 +50,15 @@ from cflib.model.checkpoint import (
     save_checkpoint,
 )
 from cflib.model.decoder import TRMoEModel
-from cflib.model.lora import BASE_DTYPES, EXPERT_TARGETS, LINEAR_TARGETS, TARGETS, LoraSettings, merge_adapters
+from cflib.model.lora import (
+    BASE_DTYPES,
+    EXPERT_TARGETS,
+    LINEAR_TARGETS,
+    SCALINGS,
+    TARGETS,
+    LoraSettings,
+    merge_adapters,
+)
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -173,6 +181,7 @@ def _is_real(value: object, low: float, high: float) -> bool:
 _SETTING_CHECKS = {
     "rank": (lambda v: _is_int(v, 1), "a positive integer"),
     "alpha": (lambda v: _is_real(v, 0, math.inf) and v > 0, "a positive finite number"),
+    "scaling": (lambda v: v in SCALINGS, f"one of {SCALINGS}"),
     "dropout": (lambda v: _is_real(v, 0, 1), "a number in [0, 1)"),
     "targets": (lambda v: isinstance(v, list) and v and all(t in TARGETS for t in v),
                 f"a list of targets among {tuple(TARGETS)}"),
@@ -208,8 +217,8 @@ def peft_config(settings: LoraSettings, base_path: str | None, revision: str | N
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path, "revision": revision,
             "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
             "target_modules": linear or None, "target_parameters": experts or None, "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-            "modules_to_save": None, "inference_mode": True,
+            "fan_in_fan_out": False, "use_rslora": settings.scaling == "rslora", "use_dora": False,
+            "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
             "trainable_token_indices": {"embed_tokens": list(settings.trainable_tokens)}
             if settings.trainable_tokens else None}
 

@@ -1,7 +1,8 @@
 """LoRA: trainable low-rank updates beside frozen base weights, on the reference and the fused paths.
 
 A target weight W [out, in] becomes W + scale * B @ A with A [r, in], B [out, r]
-and scale = alpha / r, as PEFT defines it: A starts kaiming-uniform (PEFT's
+and scale = alpha / r, as PEFT defines it (alpha / sqrt(r) under rank-stabilized
+LoRA, PEFT's use_rslora; `scaling: rslora`): A starts kaiming-uniform (PEFT's
 default), B at zero, so a fresh adapter leaves the model unchanged. The adapters
 sit where PEFT puts them, so the model's own state-dict names are PEFT's less its
 `base_model.model.` prefix: `layers.0.self_attn.q_proj.lora_A.weight`. Each
@@ -57,6 +58,8 @@ EXPERT_TARGETS = EXPERT_TENSORS
 EXPERT_SLOT = "expert_lora"
 LINEAR_TARGETS = tuple(name for name in TARGETS if name not in EXPERT_TARGETS)
 BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# How alpha and the rank give the update's scale: PEFT's alpha / r, or rank-stabilized LoRA's alpha / sqrt(r).
+SCALINGS = ("standard", "rslora")
 
 
 @dataclass(frozen=True)
@@ -65,20 +68,26 @@ class LoraSettings:
 
     rank: int = 8
     alpha: float = 8.0
+    scaling: str = "standard"  # standard: alpha / rank; rslora: alpha / sqrt(rank) (PEFT's use_rslora)
     dropout: float = 0.0
     targets: tuple[str, ...] = tuple(TARGETS)
     base_dtype: str = "float32"
     trainable_tokens: tuple[int, ...] = ()  # embedding rows (token ids) that train too: PEFT's trainable tokens
 
+    def __post_init__(self) -> None:
+        if self.scaling not in SCALINGS:  # never a silent standard scale for a misspelt one
+            raise ValueError(f"LoRA scaling must be one of {SCALINGS}, got {self.scaling!r}")
+
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return self.alpha / (math.sqrt(self.rank) if self.scaling == "rslora" else self.rank)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "targets": list(self.targets), "trainable_tokens": list(self.trainable_tokens)}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "LoraSettings":
+        """Settings saved before a key existed take its default: adapters saved without `scaling` are standard."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
         return cls(**{**values, "targets": tuple(values.get("targets", TARGETS)),

@@ -34,8 +34,8 @@ from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora, is_a
 from cflib.paths import resolve_path
 from cflib.train.params import TrainParams
 
-SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
-                      "targets": "lora_targets", "base_dtype": "base_dtype",
+SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "scaling": "lora_scaling",
+                      "dropout": "lora_dropout", "targets": "lora_targets", "base_dtype": "base_dtype",
                       "trainable_tokens": "lora_trainable_tokens"}
 
 
@@ -56,8 +56,9 @@ class LoraRun:
     def describe(self) -> str:
         s = self.settings
         tokens = f", {len(s.trainable_tokens)} trainable token rows" if s.trainable_tokens else ""
-        return (f"LoRA rank {s.rank}, alpha {s.alpha:g} (scale {s.scale:g}), dropout {s.dropout:g}, frozen base in "
-                f"{s.base_dtype}, on {', '.join(s.targets)}{tokens}; base {self.base['path']}")
+        scaling = "rsLoRA scale alpha / sqrt(rank)" if s.scaling == "rslora" else "scale"
+        return (f"LoRA rank {s.rank}, alpha {s.alpha:g} ({scaling} {s.scale:g}), dropout {s.dropout:g}, frozen base "
+                f"in {s.base_dtype}, on {', '.join(s.targets)}{tokens}; base {self.base['path']}")
 
 
 def with_adapter_settings(params: TrainParams, resumed: Path | None = None) -> TrainParams:

@@ -249,6 +249,7 @@ class Lora:
     full_parameter: bool = True  # false: LoRA adapters on a frozen init_checkpoint (cflib.model.lora)
     lora_rank: int | None = None  # None: 8 when full_parameter is false
     lora_alpha: float | None = None  # None: lora_rank (scale alpha / rank = 1)
+    lora_scaling: str | None = None  # standard: scale alpha / rank; rslora: alpha / sqrt(rank); None: standard
     lora_dropout: float | None = None  # None: 0.0 (the fused paths then run on the effective weights)
     lora_targets: tuple[str, ...] | None = None  # "q_proj,v_proj" or a list; None: all ten (cflib.model.lora)
     base_dtype: str | None = None  # float32 | bfloat16 (frozen weights held in BF16; needs bf16); None: float32
@@ -574,7 +575,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"through_stage {self.through_stage!r} names a stage, but no curriculum is set")
 
     def _validate_lora(self) -> None:
-        from cflib.model.lora import BASE_DTYPES, TARGETS  # the model layer owns what can be adapted
+        from cflib.model.lora import BASE_DTYPES, SCALINGS, TARGETS  # the model layer owns what can be adapted
 
         given = [name for name in LORA_PARAMETERS if getattr(self, name) is not None]
         if self.full_parameter:
@@ -589,6 +590,9 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"lora_rank must be a positive integer, got {self.lora_rank}")
         if self.lora_alpha is not None and not self.lora_alpha > 0:
             raise ParamError(f"lora_alpha must be positive, got {self.lora_alpha}")
+        if self.lora_scaling is not None and self.lora_scaling not in SCALINGS:
+            raise ParamError(f"lora_scaling must be one of {', '.join(SCALINGS)} (standard: the update is scaled by "
+                             f"alpha / rank; rslora: by alpha / sqrt(rank)), got {shown(self.lora_scaling)}")
         if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
             raise ParamError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_targets is not None:
@@ -615,6 +619,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         defaults = LoraSettings()
         rank = self.lora_rank or defaults.rank
         return LoraSettings(rank=rank, alpha=float(self.lora_alpha or rank),
+                            scaling=self.lora_scaling or defaults.scaling,
                             dropout=self.lora_dropout if self.lora_dropout is not None else defaults.dropout,
                             targets=self.lora_targets or defaults.targets,
                             base_dtype=self.base_dtype or defaults.base_dtype,

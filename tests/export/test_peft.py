@@ -73,6 +73,33 @@ def test_peft_loads_the_adapters_onto_the_base_model_and_computes_the_same(tmp_p
     assert (plain - expected).abs().max() > 1e-3
 
 
+def test_peft_loads_rslora_adapters_with_their_scale(tmp_path):
+    """lora_scaling rslora writes use_rslora: true, so PEFT scales by alpha / sqrt(r) as cflib does (on the linear
+    and the expert adapters alike); read as standard adapters, the same files would give other logits."""
+    peft = pytest.importorskip("peft")
+    settings = LoraSettings(rank=16, alpha=8, scaling="rslora", targets=("q_proj", "shared_down", "expert_up"))
+    adapter, model = saved_adapter(tmp_path, settings)
+    config = peft.LoraConfig.from_pretrained(str(adapter))
+    assert config.use_rslora is True and json.loads((adapter / CFLIB_ADAPTER_FILE).read_text())["lora"][
+        "scaling"] == "rslora"
+    config.task_type = None  # cflib's decoder is no transformers causal LM; the generic PeftModel wraps it
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for rslora in (True, False):
+        config.use_rslora = rslora
+        wrapped = peft.PeftModel.from_pretrained(load_checkpoint(tmp_path / "base"), str(adapter), config=config)
+        with torch.no_grad():
+            got[rslora] = wrapped.eval()(ids)
+    with torch.no_grad():
+        expected = model.eval()(ids)
+    torch.testing.assert_close(got[True], expected, rtol=0, atol=1e-5)
+    assert (got[False] - expected).abs().max() > 1e-3  # alpha / r would be a quarter of the scale
+    assert read_adapter(adapter)[0] == settings
+    merged = load_merged(adapter)
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(ids), expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("targets, tokens", [(LINEAR_TARGETS, ()), (tuple(TARGETS), (70, 71, 102))],
                          ids=["linear", "all_and_token_rows"])
 def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets, tokens):
@@ -163,7 +190,9 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
     ({"targets": "q_proj"}, "lora.targets must be a list of targets among"),
     ({"base_dtype": "int8"}, "lora.base_dtype must be one of ('float32', 'bfloat16'), got 'int8'"),
     ({"trainable_tokens": "0-1000000000"}, "lora.trainable_tokens must be a list of token ids"),
-], ids=["rank-0", "rank-a-string", "alpha-nan", "dropout-2", "targets-a-string", "base-dtype-int8", "tokens-a-range"])
+    ({"scaling": "sqrt"}, "lora.scaling must be one of ('standard', 'rslora'), got 'sqrt'"),
+], ids=["rank-0", "rank-a-string", "alpha-nan", "dropout-2", "targets-a-string", "base-dtype-int8", "tokens-a-range",
+        "scaling-unknown"])
 def test_an_adapter_description_of_bad_settings_is_refused_by_key(tmp_path, change, words):
     """cflib_adapter.json's settings, edited or damaged: refused naming the file and key, never a division by zero
     or a NaN scale merged into the weights."""

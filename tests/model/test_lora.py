@@ -166,6 +166,37 @@ def test_merged_weights_give_the_adapted_model_s_logits(kernels):
         assert (logits(plain, ids) - logits(TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval(), ids)).abs().max() > 1e-3
 
 
+def test_rslora_scales_by_alpha_over_sqrt_rank_on_every_path_and_in_the_merge():
+    """lora_scaling rslora: alpha / sqrt(r). Rank 4, alpha 8 under rsLoRA is rank 4, alpha 16 under the standard
+    scale: the same adapters give the same logits on the reference and the fused paths, and merge the same."""
+    rslora, standard = LoraSettings(rank=4, alpha=8, scaling="rslora"), LoraSettings(rank=4, alpha=16)
+    assert rslora.scale == standard.scale == 4.0 and LoraSettings(rank=4, alpha=8).scale == 2.0
+    model, twin = adapted(rslora).eval(), adapted(standard).eval()  # one seed: the same base and adapters
+    ids, _ = batch(model, seed=4)
+    for kernels in (REFERENCE, PRODUCTION):
+        use_kernels(model, kernels)
+        use_kernels(twin, kernels)
+        with torch.no_grad():
+            torch.testing.assert_close(logits(model, ids), logits(twin, ids), rtol=0, atol=1e-6)
+    assert lora_kernel_path(model) == {"lora": "effective_weight"}
+    torch.manual_seed(0)
+    plain = TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval()
+    merge_adapters(plain, {k: v.detach() for k, v in adapter_state_dict(model).items()}, rslora)
+    use_kernels(plain, REFERENCE)
+    use_kernels(model, REFERENCE)
+    with torch.no_grad():
+        torch.testing.assert_close(logits(plain, ids), logits(model, ids), rtol=0, atol=1e-5)
+
+
+def test_lora_settings_record_their_scaling_and_older_ones_read_as_standard():
+    saved = LoraSettings(rank=16, alpha=4, scaling="rslora").to_dict()
+    assert saved["scaling"] == "rslora" and LoraSettings.from_dict(saved).scale == 1.0
+    older = {k: v for k, v in LoraSettings(rank=16, alpha=4).to_dict().items() if k != "scaling"}
+    assert LoraSettings.from_dict(older).scaling == "standard" and LoraSettings.from_dict(older).scale == 0.25
+    with pytest.raises(ValueError, match="LoRA scaling must be one of"):
+        LoraSettings(scaling="sqrt")
+
+
 def test_base_dtype_bfloat16_holds_the_frozen_matrices_in_bf16_and_runs_under_autocast():
     model = adapted(LoraSettings(rank=4, base_dtype="bfloat16"))
     dtypes = {name: p.dtype for name, p in model.named_parameters()}

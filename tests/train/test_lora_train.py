@@ -169,6 +169,8 @@ def test_resuming_across_full_and_lora_is_refused(tmp_path, shard, base):
         train({**full, "resume": "latest"}, progress=False)
     with pytest.raises(ParamError, match="trained with lora_rank 4, this run has 8"):
         train({**lora, "resume": "latest", "lora_rank": 8}, progress=False)
+    with pytest.raises(ParamError, match="trained with lora_scaling standard, this run has rslora"):
+        train({**lora, "resume": "latest", "lora_scaling": "rslora"}, progress=False)
     with pytest.raises(ParamError, match="holds LoRA adapters, not a model: merge"):
         train({**full, "out_dir": str(tmp_path / "x"), "init_checkpoint": str(tmp_path / "lora/checkpoints/step-2")},
               progress=False)
@@ -176,6 +178,34 @@ def test_resuming_across_full_and_lora_is_refused(tmp_path, shard, base):
     (tmp_path / "full" / "COMPLETE").unlink()
     with pytest.raises(ParamError, match="checkpoint of a full-parameter run: it resumes with full_parameter: true"):
         train({**lora, "out_dir": str(tmp_path / "full"), "resume": "latest"}, progress=False)
+
+
+def test_rslora_is_one_of_the_adapters_settings_their_later_runs_keep(tmp_path, shard, base):
+    """lora_scaling is recorded with the adapters: a run started from them takes it when unset and refuses another;
+    a resume must keep it; adapters saved before the setting existed (no `scaling` recorded) are standard."""
+    from cflib.export.peft import CFLIB_ADAPTER_FILE, describe_base
+    from cflib.model.lora import attach_lora
+    from cflib.train.adapters import LoraRun, with_adapter_settings
+
+    rslora = LoraSettings(rank=4, alpha=8, scaling="rslora")
+    adapters = LoraRun(rslora, describe_base(base)).save(attach_lora(load_checkpoint(base), rslora),
+                                                         tmp_path / "adapters")
+    unset = TrainParams.from_dict({k: v for k, v in lora_params(shard, base, tmp_path / "run",
+                                                                  init_checkpoint=str(adapters)).items()
+                                   if k not in ("lora_rank", "lora_alpha")})
+    filled = with_adapter_settings(unset)
+    assert filled.lora_scaling == "rslora" and filled.lora_settings() == rslora
+    assert "rsLoRA scale alpha / sqrt(rank) 4" in resumed_model(adapters, rslora, str(base))[1].describe()
+    with pytest.raises(ParamError, match="trained with lora_scaling rslora, this run has standard"):
+        resumed_model(adapters, LoraSettings(rank=4, alpha=8), str(base))
+    description = adapters / CFLIB_ADAPTER_FILE
+    meta = json.loads(description.read_text())
+    description.write_text(json.dumps({**meta, "lora": {k: v for k, v in meta["lora"].items() if k != "scaling"}}))
+    assert with_adapter_settings(unset).lora_scaling == "standard"
+    model, run = resumed_model(adapters, LoraSettings(rank=4, alpha=8), str(base))
+    assert run.settings.scale == 2.0 and model.lora_settings.scaling == "standard"
+    with pytest.raises(ParamError, match="trained with lora_scaling standard, this run has rslora"):
+        resumed_model(adapters, rslora, str(base))
 
 
 def test_a_lora_run_with_dropout_resumes_to_the_uninterrupted_adapters(tmp_path, shard, base):
