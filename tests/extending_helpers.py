@@ -1,10 +1,13 @@
-"""The loss and the metric of docs/architecture.md ("Extending the package"), in a module of their own: a run on
-several processes needs them importable by its workers (cflib.train.registered), as a user's would be from a .py
-file beside the notebook."""
+"""The loss, the metric and the attention backend of docs/architecture.md ("Extending the package"), in a module
+of their own: a run on several processes needs them importable by its workers (cflib.train.registered), as a
+user's would be from a .py file beside the notebook."""
 from __future__ import annotations
 
 import re
 
+import torch.nn.functional as F
+
+from cflib.ops.attention import Backend, Kernel
 from cflib.ops.loss import chunked_cross_entropy_sum
 
 
@@ -45,3 +48,17 @@ def _number_metric():
 
 
 number_right = _number_metric()  # a closure bound at module level
+
+
+def causal_math(q, k, v, batch):  # the page's attention kernel: q [B, Hq, T, hd], k/v [B, Hkv, T, hd]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# The page's backend, bound to a name at module level as a run on several processes needs it.
+math_backend = Backend("math", "SDPA's math over repeated KV heads", Kernel("math_sdpa", causal_math), None,
+                       lambda device, head_dim, packed: None)
+# The same kernel tried by `auto` for dense rows: a worker without it would attend with SDPA without a word.
+auto_math_backend = Backend("auto_math", "SDPA's math, tried by auto", Kernel("auto_math_sdpa", causal_math), None,
+                            lambda device, head_dim, packed: None, auto_for=(False,))

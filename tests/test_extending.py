@@ -1,18 +1,28 @@
 """The doors of docs/architecture.md ("Extending the package"), walked through as the page shows them: a toy
 attention backend and a toy loss, registered, named by a run's parameters and trained with; a new parameter,
-declared and read from papermill's strings and a notebook's namespace; a registered loss and metric carried to
-torchrun's workers by import path, or refused before any starts where they cannot import it."""
+declared and read from papermill's strings and a notebook's namespace; a registered loss, metric and attention
+backend carried to torchrun's workers by import path, or refused before any starts where they cannot import it."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+import sys
+import types
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from extending_helpers import SmoothedFactory, SmoothedLoss, first_number_right, number_right, smoothed_factory
+from extending_helpers import (
+    SmoothedFactory,
+    SmoothedLoss,
+    auto_math_backend,
+    first_number_right,
+    math_backend,
+    number_right,
+    smoothed_factory,
+)
 from sft_shard_helpers import write_shard
 from tiny_models import random_ids, tiny_model
 
@@ -24,7 +34,7 @@ from cflib.ops.sft_loss import register_loss
 from cflib.train import best_metric, launch, prepare, train
 from cflib.train.best_metric import regex_metric, register_metric
 from cflib.train.params import ParamError, TrainParams
-from cflib.train.registered import for_workers, import_path, register_carried
+from cflib.train.registered import backend_import_path, for_workers, import_path, register_carried
 
 
 def causal_math(q, k, v, batch):  # q [B, Hq, T, hd], k/v [B, Hkv, T, hd]
@@ -77,7 +87,8 @@ def test_a_run_names_both_and_its_record_says_so(registered, tmp_path):
                     "attention_backend": "math", "loss_type": "smoothed"}, progress=False)
     saved = json.loads(Path(tmp_path / "run" / "record.json").read_text())
     assert saved["kernel_path"]["attention"] == "math_sdpa" and saved["kernel_path"]["loss"] == "smoothed_chunked_ce"
-    assert saved["registered"] == {"loss_type": {"smoothed": "extending_helpers:SmoothedLoss"}, "metrics": {}}
+    assert saved["registered"] == {"loss_type": {"smoothed": "extending_helpers:SmoothedLoss"}, "metrics": {},
+                                   "attention_backends": {"math": "Backend 'math', bound to no module-level name"}}
     assert record["eval"]["final"]["loss"] > 0
 
 
@@ -231,7 +242,7 @@ def test_instances_and_closures_their_module_binds_and_regex_metrics_are_carried
                                                        "greater_is_better": True},
                                        "digits": {"path": "cflib.train.best_metric:regex_metric",
                                                   "pattern": r"-?\d+", "greater_is_better": True}},
-                           "left_out": []}
+                           "left_out": [], "attention_backends": {}}
         best_metric.ANSWER_METRICS.pop("digits")
         register_carried(carried)  # as a worker does
         assert best_metric.ANSWER_METRICS["digits"].score("the sum is 1090.", "1090") == 1.0
@@ -275,7 +286,7 @@ def test_a_curriculum_refuses_a_later_stages_loss_before_its_first_stage(registe
 def test_a_metric_it_does_not_name_is_said_left_out_of_the_workers_evaluations(registered_in_notebook, shard,
                                                                                tmp_path):
     run = prepare(TrainParams.from_dict({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run")}))
-    assert run.worker_imports == {"losses": {}, "metrics": {}, "left_out": ["cell_right"]}
+    assert run.worker_imports == {"losses": {}, "metrics": {}, "left_out": ["cell_right"], "attention_backends": {}}
     assert "workers      leave out metric cell_right (not importable by name" in run.describe()
     assert not (tmp_path / "run").exists()
 
@@ -296,6 +307,108 @@ def test_two_processes_import_a_registered_loss_and_metric_and_record_where_from
                     "loss_type": "smoothed", "best_metric": "sum_right/addition"}, progress=False)
     assert record["world_size"] == 2 and record["kernel_path"]["loss"] == "smoothed_chunked_ce"
     assert record["registered"] == {"loss_type": {"smoothed": "extending_helpers:SmoothedLoss"},
-                                    "metrics": {"sum_right": "extending_helpers:first_number_right"}}
+                                    "metrics": {"sum_right": "extending_helpers:first_number_right"},
+                                    "attention_backends": {}}
     assert all("sum_right/addition" in evaluation["metrics"] for evaluation in record["eval"]["history"])
     assert record["best_metric"]["name"] == "sum_right/addition" and record["best_metric"]["step"] is not None
+
+
+
+@pytest.fixture
+def backends_registered():
+    """The page's backend, and one auto tries, from a module of their own (extending_helpers), registered in this
+    process as a notebook would."""
+    register_backend(math_backend)
+    register_backend(auto_math_backend)
+    yield
+    for name in ("math", "auto_math"):
+        attention.BACKENDS.pop(name, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("requested, kernel", [("math", "math_sdpa"), ("auto", "auto_math_sdpa")])
+def test_two_processes_attend_with_a_backend_registered_in_the_notebook(backends_registered, shard, tmp_path,
+                                                                        monkeypatch, requested, kernel):
+    """Named, or tried by auto, a registered backend reaches torchrun's workers: rank 0's record says they attended
+    with it, as one process does. Without it the workers refused 'math' as unknown, and auto quietly attended with
+    SDPA (torch_sdpa) where one process took auto_math."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    record = train({**TWO_PROCESSES, "exact_match_limit": 0, "data": str(shard), "out_dir": str(tmp_path / "run"),
+                    "attention_backend": requested}, progress=False)
+    assert record["world_size"] == 2 and record["kernel_path"]["attention"] == kernel
+    carried = {"math": "extending_helpers:math_backend"} if requested == "math" else {
+        "auto_math": "extending_helpers:auto_math_backend"}
+    assert record["registered"]["attention_backends"] == carried
+
+
+def test_a_backend_is_carried_by_the_name_its_module_binds_it_to(backends_registered, shard, tmp_path):
+    assert backend_import_path(math_backend) == "extending_helpers:math_backend"
+    assert backend_import_path(replace(math_backend, name="copy")) is None  # an instance no module binds
+    params = TrainParams.from_dict({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"),
+                                    "attention_backend": "math"})
+    carried = for_workers(params)
+    assert carried["attention_backends"] == {"math": "extending_helpers:math_backend"}  # auto_math: never tried
+    assert for_workers(replace(params, attention_backend="auto"))["attention_backends"] == {
+        "auto_math": "extending_helpers:auto_math_backend"}
+    assert for_workers(replace(params, attention_backend="sdpa_mask"))["attention_backends"] == {}
+    assert "workers      import attention_backend math (extending_helpers:math_backend)" in prepare(params).describe()
+    for name in ("math", "auto_math"):
+        attention.BACKENDS.pop(name)
+    register_carried(carried)  # as a worker does, before it reads its parameters
+    assert attention.BACKENDS["math"] is math_backend
+    assert TrainParams.from_dict(asdict(params)).attention_backend == "math"
+    assert not (tmp_path / "run").exists()
+
+
+WORKERS_BIND = (r"; define it in a module they can import \(a \.py file in the notebook's folder, or on "
+                r"PYTHONPATH\), bound to a name at module level there \(`my_backend = Backend\(\.\.\.\)`\), and "
+                r"register it from there")
+
+
+@pytest.mark.parametrize("requested, words", [
+    ("cell_math", r"attention_backend 'cell_math': the registered backend is defined as __main__:cell_math, a name "
+                  r"the 2 worker processes cannot import it by" + WORKERS_BIND + "$"),
+    ("auto", r"attention_backend 'auto' tries the registered backend 'cell_math', which is defined as "
+             r"__main__:cell_math, a name the 2 worker processes cannot import it by" + WORKERS_BIND
+             + ", or name a built-in attention_backend$"),
+])
+def test_a_backend_defined_in_the_notebook_is_refused_before_any_worker_starts(shard, no_worker_starts, tmp_path,
+                                                                               monkeypatch, requested, words):
+    """A Jupyter kernel's cells run in the module `__main__` (sys.modules' own): a backend made there is bound to a
+    name no worker can import. Named, or tried by auto, it is refused before out_dir is touched."""
+    notebook = types.ModuleType("__main__")
+    exec("from cflib.ops.attention import Backend\nfrom extending_helpers import math_backend\n"
+         "cell_math = Backend('cell_math', 'SDPA math, in a cell', math_backend.dense, None, math_backend.problem, "
+         "auto_for=(False,))\n", notebook.__dict__)
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    register_backend(notebook.cell_math)
+    try:
+        with pytest.raises(ParamError, match=words):
+            train({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"),
+                   "attention_backend": requested}, progress=False)
+    finally:
+        attention.BACKENDS.pop("cell_math")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_backend_no_module_binds_is_refused_as_one(shard, no_worker_starts, tmp_path):
+    register_backend(replace(math_backend, name="unbound"))
+    try:
+        with pytest.raises(ParamError, match=r"attention_backend 'unbound': the registered backend is bound to no "
+                                             r"module-level name the 2 worker processes could import it by"
+                                             + WORKERS_BIND):
+            train({**TWO_PROCESSES, "data": str(shard), "out_dir": str(tmp_path / "run"),
+                   "attention_backend": "unbound"}, progress=False)
+    finally:
+        attention.BACKENDS.pop("unbound")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_names_the_backend_it_cannot_import_or_that_is_no_backend():
+    with pytest.raises(ParamError, match=r"attention_backend 'gone': this worker cannot import no_such_module:b "
+                                         r"\(ModuleNotFoundError: .*\); define it " + WORKERS_IMPORT):
+        register_carried({"attention_backends": {"gone": "no_such_module:b"}})
+    with pytest.raises(ParamError, match=r"attention_backend 'other': extending_helpers:math_backend is the backend "
+                                         r"'math' in this worker"):
+        register_carried({"attention_backends": {"other": "extending_helpers:math_backend"}})
+    assert "gone" not in attention.BACKENDS and "other" not in attention.BACKENDS

@@ -125,7 +125,8 @@ BACKENDS: dict[str, Backend] = {}
 def register_backend(backend: Backend) -> Backend:
     """Add an attention backend: `attention_backend: NAME` and `auto` (in registration order) find it, runs check
     it before any step, the decoder attends with it, and validate_kernels checks its kernels (docs/architecture.md
-    shows one added)."""
+    shows one added). A run on several processes carries it to torchrun's workers by the module-level name a module
+    they can import binds it to (cflib.train.registered): define it in such a module and register it from there."""
     BACKENDS[backend.name] = backend
     return backend
 
@@ -439,3 +440,6 @@ register_backend(Backend("torch_varlen", "torch.nn.attention.varlen (FlashAttent
 register_backend(Backend("sdpa_mask", "SDPA with a boolean document mask", TORCH_SDPA, SDPA_MASK,
                          lambda device, head_dim, packed: None))
 ATTENTION_BACKENDS = backend_names()  # the built-in names; backend_names() also lists registered ones
+# What every process has on import; torchrun's workers import any other backend a run may attend with
+# (cflib.train.registered).
+BUILT_IN_BACKENDS: dict[str, Backend] = dict(BACKENDS)

@@ -49,6 +49,7 @@ from cflib.train.run_folder import LAUNCH_DIR, remove_dead_launch_dirs, set_asid
 from cflib.train.trainer import Trainer
 
 PROGRESS = re.compile(r"^\[rank 0\] step (\d+)/(\d+) ")
+REGISTERED_WHAT = "registered losses, metrics and attention backends file"
 
 
 def fit(run: Run, progress: bool = True) -> dict:
@@ -79,7 +80,7 @@ def start_over(run: Run) -> Run:
 def torchrun_command(params: TrainParams, launch_dir: Path, registered: bool = False) -> list[str]:
     """torchrun on the workers' parameters (launch_dir/params.json), its logs in launch_dir/logs: without a
     log folder torchrun makes one in the system's temporary folder and never removes it. registered: the
-    workers first import the registered losses and metrics launch_dir/registered.json names."""
+    workers first import the registered losses, metrics and attention backends launch_dir/registered.json names."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={params.nproc_per_node}",
                "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={launch_dir / 'logs'}"]
     if params.nnodes == 1 and not params.rdzv_endpoint:
@@ -101,7 +102,7 @@ def torchrun(run: Run, progress: bool = True) -> dict:
     try:
         write_json_atomic(launch_dir / "params.json", asdict(replace(run.params, out_dir=str(run.out_dir))))
         carried = run.worker_imports or {}
-        registered = bool(carried.get("losses") or carried.get("metrics"))
+        registered = bool(carried.get("losses") or carried.get("metrics") or carried.get("attention_backends"))
         if registered:  # what they import before reading their parameters (cflib.train.registered)
             write_json_atomic(launch_dir / REGISTERED_FILE, carried)
         returncode, tail, summary = relay(torchrun_command(run.params, launch_dir, registered), run, progress)
@@ -187,8 +188,8 @@ def _stop(process: subprocess.Popen) -> None:
 
 @record_errors  # a failing rank's traceback reaches torchrun's summary
 def worker(params_file: str, registered_file: str | None = None) -> None:
-    if registered_file is not None:  # before the parameters, whose loss_type and best_metric may name them
-        register_carried(read_json(registered_file, ParamError, "registered losses and metrics file"))
+    if registered_file is not None:  # before the parameters: loss_type, best_metric, attention_backend may name them
+        register_carried(read_json(registered_file, ParamError, REGISTERED_WHAT))
     params = TrainParams.from_dict(read_json(params_file, ParamError, "parameter file"), source=params_file)
     if params.out_dir is None:
         raise ParamError("out_dir must be set when torchrun starts the workers directly")

@@ -95,7 +95,8 @@ class Run:
     filter_counts: dict | None = None  # filters: the examples each one kept (cflib.data.filters)
     mixture: MixturePlan | None = None  # several sources (or examples_per_epoch): what each epoch draws
     init_adapters: dict | None = None  # a LoRA run from adapters: their place and SHA-256 (start_adapters)
-    # The launcher of torchrun's workers: the registered losses and metrics they import (cflib.train.registered).
+    # The launcher of torchrun's workers: the registered losses, metrics and attention backends they import
+    # (cflib.train.registered).
     worker_imports: dict | None = None
     hub_start: HubStart | None = None  # init_checkpoint hub:ORG/NAME: the commit it trains from
 
