@@ -340,7 +340,9 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
                                         params.max_task_loss_weight, kept_data(params, data.filter_counts))
                     if params.loss_groups is not None else None)
     steps_per_epoch, schedule = schedule_steps(units, params)
-    torch.manual_seed(params.seed)  # a preset's weights and fresh adapters are drawn from it
+    # A preset's weights and fresh adapters are drawn from it, alike on every rank; the trainer then seeds each rank's
+    # generators apart (cflib.train.trainer.seed_rank_generators), so that dropout draws other masks on each.
+    torch.manual_seed(params.seed)
     start = starting_model(params, hub)
     params, model, lora, resume_state = start.params, start.model, start.lora, start.resume_state
     config = model.config

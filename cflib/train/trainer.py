@@ -47,6 +47,23 @@ from cflib.train.trackers import open_trackers
 # what its metrics row already holds.
 UNFINISHED = "unfinished"
 SCORE_KEYS = ("lm_eval", "lm_eval_higher_is_better", "lm_eval_seconds")  # what scoring eval_tasks adds
+# The stream of each rank's torch generators among the run's seeded streams: a constant of its own, so that it
+# coincides with none of them (NEFTune's generator: cflib.model.neftune.NOISE_STREAM).
+RANK_STREAM = 0x5241_4E4B  # "RANK"
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of `rank`'s torch generators in a run of `seed`, from `step` (0: the run's start; a resume that finds
+    no state of this rank's own starts a stream of its own at its step): each rank its own stream, so that dropout
+    draws other masks on each."""
+    return int(np.random.SeedSequence([seed, rank, step, RANK_STREAM]).generate_state(1, np.uint64)[0])
+
+
+def seed_rank_generators(seed: int, rank: int, step: int = 0) -> None:
+    """This process's torch generators, the CPU's and every CUDA device's (LoRA dropout's masks), seeded for `rank`
+    (rank_seed). prepare() seeds them from `seed` alone first, so that a preset's weights and fresh adapters are
+    drawn alike on every rank; the trainer calls this once they are built."""
+    torch.manual_seed(rank_seed(seed, rank, step))
 
 
 class Trainer:
@@ -78,6 +95,8 @@ class Trainer:
         self.trained_mass = np.zeros(len(weights.cells)) if weights else None  # weighted tokens per cell, consumed
         if run.resume_state is not None:
             self._restore(run.resume_state)
+        else:  # the model and its adapters are built, alike on every rank: from here each rank draws its own
+            seed_rank_generators(self.params.seed, self.dist.rank)
         self.decode, self.scorer = self._answers_and_tasks()
         # The first steps of each process pay for allocator growth and kernel selection: not steady state.
         self.warmup_exclude = min(3, max(run.total_steps // 5, 0))
@@ -112,15 +131,31 @@ class Trainer:
         self._warn_unrecorded_prompts(state)
         if self.trained_mass is not None and state.get("trained_mass") is not None:
             self.trained_mass = np.asarray(state["trained_mass"], dtype=np.float64)
-        # Each rank its own random state (dropout draws other masks on each); a checkpoint written before they were
-        # kept, or by another number of processes, gives every rank rank 0's.
-        states = state.get("rank_rng")
-        own = states[self.dist.rank] if isinstance(states, list) and len(states) == self.dist.world_size else {
-            "torch": state["torch_rng"], "cuda": state.get("cuda_rng")}
-        torch.set_rng_state(own["torch"])
-        if own.get("cuda") is not None and self.device.type == "cuda":  # dropout's masks on the GPU
-            torch.cuda.set_rng_state(own["cuda"], self.device)
-        self._restore_noise(own.get("neftune"))
+        own = self._own_random_state(state)
+        if own is None:  # no state of this rank's own kept: a stream of its own from the step resumed from
+            seed_rank_generators(self.params.seed, self.dist.rank, self.step)
+        else:
+            torch.set_rng_state(own["torch"])
+            if self.device.type == "cuda":  # dropout's masks on the GPU; a CPU run's checkpoint kept none
+                if own.get("cuda") is not None:
+                    torch.cuda.set_rng_state(own["cuda"], self.device)
+                else:
+                    with torch.cuda.device(self.device):
+                        torch.cuda.manual_seed(rank_seed(self.params.seed, self.dist.rank, self.step))
+        self._restore_noise(own.get("neftune") if own is not None else None)
+
+    def _own_random_state(self, state: dict) -> dict | None:
+        """This rank's random state as the checkpoint kept it, so that the resumed steps draw the dropout masks the
+        uninterrupted run drew: its entry of every rank's (`rank_rng`), or, in a checkpoint written before those
+        were kept, the one state it has where that is this rank's (rank 0 of the same number of processes). None
+        where it kept none of this rank's (another number of processes): taking another rank's would give two
+        ranks one stream, the same masks."""
+        states, same_world = state.get("rank_rng"), state.get("world_size") == self.dist.world_size
+        if isinstance(states, list):
+            return states[self.dist.rank] if len(states) == self.dist.world_size else None
+        if same_world and self.dist.rank == 0:
+            return {"torch": state["torch_rng"], "cuda": state.get("cuda_rng")}
+        return None
 
     def _restore_noise(self, saved: torch.Tensor | None) -> None:
         """NEFTune's generator as the checkpoint kept it for this rank, so that the resumed steps draw the noise the

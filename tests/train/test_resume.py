@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from mixture_helpers import mixture, task_roots, varied_root
-from sft_shard_helpers import task_shard
+from sft_shard_helpers import task_shard, write_shard
 from tiny_models import KERNEL_DEVICE
 
 from cflib.model.checkpoint import CheckpointError, load_checkpoint
@@ -347,3 +347,94 @@ def test_a_run_on_torchs_adamw_resumes_on_cflibs_kernel(tmp_path, shard):
     # on a GPU the uninterrupted run steps with torch's fused kernel, which rounds its FP64 scalars differently
     assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "resumed"),
                         atol=1e-6 if device == "cpu" else 1e-5)
+
+
+
+def masks_drawn_from(rank_states: list[dict]) -> list[torch.Tensor]:
+    """The dropout mask each rank's saved CPU state draws next for one same-shaped input: what its next step's LoRA
+    dropout (cflib.model.lora.dropout_input) draws first."""
+    masks = []
+    with torch.random.fork_rng(devices=[]):
+        for state in rank_states:
+            torch.set_rng_state(state["torch"])
+            masks.append(torch.nn.functional.dropout(torch.ones(64, 64), 0.5, training=True) != 0)
+    return masks
+
+
+def assert_ranks_draw_their_own(checkpoint: Path) -> None:
+    states = torch.load(checkpoint / "trainer_state.pt", weights_only=True)["rank_rng"]
+    assert len(states) == 2
+    assert not torch.equal(states[0]["torch"], states[1]["torch"]), "both ranks hold one random state"
+    first, second = masks_drawn_from(states)
+    assert not torch.equal(first, second), "both ranks draw the same dropout mask"
+
+
+@pytest.fixture(scope="module")
+def one_example(tmp_path_factory) -> Path:
+    """16 copies of one example: every micro-batch of every rank has one shape and one content, so the ranks'
+    random states after a step differ only where they started apart (a layer that sees the supervised tokens alone
+    would otherwise draw as many numbers as its batch has of them)."""
+    from sft_shard_helpers import CHATS, chat_example
+
+    return write_shard(tmp_path_factory.mktemp("one_example"), [chat_example(i, *CHATS[3]) for i in range(16)])
+
+
+def dropout_run(shard: Path, base: Path, out_dir: Path, **overrides) -> dict:
+    # 16 examples, 4 per step: 4 steps an epoch, a resumable checkpoint after each of the 3.
+    return params(shard, out_dir, init_checkpoint=str(base), full_parameter=False, lora_rank=4, lora_dropout=0.1,
+                  lr=1e-2, micro_batch_per_rank=2, global_batch=4, max_steps=3, save_every_steps=1,
+                  save_total_limit=None, eval_at_start=False, **overrides)
+
+
+def test_each_rank_s_generators_take_a_stream_of_their_own():
+    """One seed per (seed, rank, step), none of them NEFTune's: no two ranks, and no resume of a rank that kept no
+    state, share a stream."""
+    from cflib.model.neftune import noise_seed
+    from cflib.train.trainer import rank_seed
+
+    keys = [(seed, rank, step) for seed in (0, 1) for rank in range(4) for step in (0, 8)]
+    seeds = {rank_seed(*key) for key in keys}
+    assert len(seeds) == len(keys) and not seeds & {noise_seed(*key) for key in keys}
+    assert rank_seed(0, 1) == rank_seed(0, 1, 0)
+
+
+@pytest.mark.parametrize(("every_rank", "world", "rank", "own"), [
+    (True, 2, 1, 1), (True, 4, 1, None), (True, 1, 0, None), (False, 2, 0, 0), (False, 2, 1, None),
+    (False, 1, 0, None)],
+    ids=["same-world", "more-processes", "fewer-processes", "old-rank-0", "old-rank-1", "old-other-world"])
+def test_a_resumed_rank_takes_back_its_own_random_state_and_never_another_s(every_rank, world, rank, own):
+    """A rank takes back the state a two-process checkpoint kept of it (every rank's, or rank 0's alone in one
+    written before they were kept); where it kept none of this rank's (None), the rank reseeds from seed, rank and
+    step (Trainer._restore) rather than taking another rank's."""
+    from types import SimpleNamespace
+
+    from cflib.train.trainer import Trainer
+
+    states = [{"torch": torch.tensor([index], dtype=torch.uint8), "cuda": None} for index in range(2)]
+    state = {"world_size": 2, "torch_rng": states[0]["torch"], "cuda_rng": None,
+             "rank_rng": states if every_rank else None}
+    trainer = Trainer.__new__(Trainer)
+    trainer.dist = SimpleNamespace(rank=rank, world_size=world)
+    found = trainer._own_random_state(state)
+    assert (None if found is None else int(found["torch"][0])) == own
+
+
+@pytest.mark.slow
+def test_two_ranks_start_from_random_states_of_their_own(tmp_path, one_example, base):
+    """Under torchrun each rank seeds its generators from the seed and its rank once the model and its adapters are
+    built (drawn alike on every rank): after step 1 on the same batches the ranks' states differ, and so do the
+    masks they draw next."""
+    train(dropout_run(one_example, base, tmp_path / "two", nproc_per_node=2), progress=False)
+    assert_ranks_draw_their_own(tmp_path / "two" / "checkpoints" / "step-1")
+
+
+@pytest.mark.slow
+def test_a_resume_on_more_processes_gives_each_rank_a_random_state_of_its_own(tmp_path, one_example, base):
+    """A one-process checkpoint holds one rank's random state: resumed on two processes, each rank reseeds from the
+    seed, its rank and the step rather than both taking that one, so their masks differ after the resume too."""
+    train(dropout_run(one_example, base, tmp_path / "one"), progress=False)
+    kept = shutil.copytree(tmp_path / "one" / "checkpoints" / "step-1", tmp_path / "step-1")
+    assert torch.load(kept / "trainer_state.pt", weights_only=True)["world_size"] == 1
+    train(dropout_run(one_example, base, tmp_path / "two", resume=str(kept), nproc_per_node=2,
+                      allow_world_size_change=True), progress=False)
+    assert_ranks_draw_their_own(tmp_path / "two" / "checkpoints" / "step-2")
