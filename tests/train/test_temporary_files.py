@@ -47,6 +47,10 @@ def temporary(tmp_path, monkeypatch) -> Path:
     folder = tmp_path / "tmp"
     folder.mkdir()
     monkeypatch.setenv("TMPDIR", str(folder))
+    # torch's compile cache, shared by every run on purpose, defaults to TMPDIR/torchinductor_<user>; once anything
+    # in this process has asked torch for it, torch exports the place to the workers. Named here, so the test does
+    # not depend on what ran before it.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch-compile-cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(folder))
     return folder
 
