@@ -374,13 +374,14 @@ WORKERS_BIND = (r"; define it in a module they can import \(a \.py file in the n
 ])
 def test_a_backend_defined_in_the_notebook_is_refused_before_any_worker_starts(shard, no_worker_starts, tmp_path,
                                                                                monkeypatch, requested, words):
-    """A Jupyter kernel's cells run in the module `__main__` (sys.modules' own): a backend made there is bound to a
-    name no worker can import. Named, or tried by auto, it is refused before out_dir is touched."""
+    """A Jupyter kernel's cells run in the module `__main__` (sys.modules' own, also filed as `__mp_main__` once
+    multiprocessing is imported): a backend made there is bound to a name no worker can import. Named, or tried by auto, it is refused before out_dir is touched."""
     notebook = types.ModuleType("__main__")
     exec("from cflib.ops.attention import Backend\nfrom extending_helpers import math_backend\n"
          "cell_math = Backend('cell_math', 'SDPA math, in a cell', math_backend.dense, None, math_backend.problem, "
          "auto_for=(False,))\n", notebook.__dict__)
     monkeypatch.setitem(sys.modules, "__main__", notebook)
+    monkeypatch.setitem(sys.modules, "__mp_main__", notebook)  # as multiprocessing files it in a Jupyter kernel
     register_backend(notebook.cell_math)
     try:
         with pytest.raises(ParamError, match=words):

@@ -87,15 +87,18 @@ def _backend_bindings(backend: Backend) -> list[str]:
     callables = [backend.problem, *(kernel.run for kernel in kernels), *(kernel.mask for kernel in kernels)]
     own = list(dict.fromkeys(getattr(f, "__module__", None) for f in callables if f is not None))
     modules = [name for name in own if isinstance(name, str)] + [name for name in list(sys.modules) if name not in own]
+    main = sys.modules.get("__main__")
     found = []
     for module in modules:
         try:  # sys.modules may hold objects of any kind, whose attributes run code of their own
             names = vars(sys.modules[module]) if module != "builtins" and module in sys.modules else None
         except Exception:  # noqa: BLE001  (what cannot be read binds nothing a worker could import)
             continue
+        # multiprocessing files a notebook's `__main__` again as `__mp_main__`: a worker's __main__ is its own
+        where = "__main__" if main is not None and sys.modules.get(module) is main else module
         if isinstance(names, dict):
-            found += [f"{module}:{name}" for name, value in list(names.items()) if value is backend]
-    return found
+            found += [f"{where}:{name}" for name, value in list(names.items()) if value is backend]
+    return list(dict.fromkeys(found))
 
 
 def backend_defined_at(backend: Backend) -> str:
