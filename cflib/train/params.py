@@ -248,7 +248,7 @@ class Lora:
 
     full_parameter: bool = True  # false: LoRA adapters on a frozen init_checkpoint (cflib.model.lora)
     lora_rank: int | None = None  # None: 8 when full_parameter is false
-    lora_alpha: float | None = None  # None: lora_rank (scale alpha / rank = 1)
+    lora_alpha: float | None = None  # None: lora_rank (scale alpha / rank = 1); rslora needs it set
     lora_scaling: str | None = None  # standard: scale alpha / rank; rslora: alpha / sqrt(rank); None: standard
     lora_dropout: float | None = None  # None: 0.0 (the fused paths then run on the effective weights)
     lora_targets: tuple[str, ...] | None = None  # "q_proj,v_proj" or a list; None: all ten (cflib.model.lora)
@@ -593,6 +593,13 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         if self.lora_scaling is not None and self.lora_scaling not in SCALINGS:
             raise ParamError(f"lora_scaling must be one of {', '.join(SCALINGS)} (standard: the update is scaled by "
                              f"alpha / rank; rslora: by alpha / sqrt(rank)), got {shown(self.lora_scaling)}")
+        if self.lora_scaling == "rslora" and self.lora_alpha is None:
+            # The default alpha (the rank) keeps the standard scale at 1 for every rank; under rslora it would be
+            # sqrt(rank), 3 to 16 times the update, growing with the rank rslora is meant to free.
+            rank = self.lora_rank or 8
+            raise ParamError(f"lora_scaling: rslora scales the update by lora_alpha / sqrt(lora_rank): set lora_alpha "
+                             f"with it (left unset it would be the rank, a scale of sqrt({rank}) = {rank ** 0.5:.3g}); "
+                             f"lora_alpha: {rank ** 0.5:.3g} starts at the standard scale of 1")
         if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
             raise ParamError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.lora_targets is not None:

@@ -152,6 +152,12 @@ def test_bad_lora_settings_name_the_parameter(raw, name):
     assert names(message, name), message
 
 
+def test_rslora_without_an_alpha_is_refused_with_the_alpha_of_a_scale_of_one():
+    """Left unset, alpha is the rank: under rsLoRA a scale of sqrt(rank), growing with the rank."""
+    message = param_error({"full_parameter": False, "init_checkpoint": "c", "lora_rank": 64, "lora_scaling": "rslora"})
+    assert names(message, "lora_alpha") and "sqrt(64) = 8" in message and "lora_alpha: 8 starts" in message, message
+
+
 def test_impossible_batch_arithmetic_offers_valid_alternatives():
     message = param_error({"global_batch": 100, "micro_batch_per_rank": 32})
     assert names(message, "global_batch")
