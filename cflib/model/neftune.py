@@ -2,9 +2,10 @@
 Embeddings Improve Instruction Finetuning"; TRL's `neftune_noise_alpha`).
 
 A training forward adds to each token's embedding `U(-1, 1)^d x alpha / sqrt(L x d)`, d the hidden size. The
-paper's L is the sequence length; TRL takes the padded length of the batch, so a short example's noise shrinks
-with the longest example it happens to be batched with, and would shrink again with the padding a CUDA graph's
-static shape adds. Here L is the token count of the example each token belongs to (its `num_tokens`, the
+paper's L is the sequence length; transformers' hook (TRL's) takes the embedding output's second dimension: the
+padded length of the batch, a packed window, or under padding-free packing the whole micro-batch, so a short
+example's noise shrinks with what it happens to be batched with, and would shrink again with the padding a CUDA
+graph's static shape adds. Here, as in the authors' training code, L is the token count of the example each token belongs to (its `num_tokens`, the
 real tokens of its dense row or of its document in a packed window; the separator after it in a window takes
 its L too): the noise an example gets does not depend on its batch, the padding, packing or CUDA graphs, and a
 batch of equal-length rows gets TRL's. The training step works the lengths out on the host with the batch
@@ -80,6 +81,6 @@ def noise_seed(seed: int, rank: int, step: int = 0) -> int:
     return int(np.random.SeedSequence([seed, rank, step, NOISE_STREAM]).generate_state(1, np.uint64)[0])
 
 
-def noise_generator(device: torch.device, seed: int, rank: int, step: int = 0) -> torch.Generator:
-    """A generator on `device` seeded for `rank` (noise_seed)."""
-    return torch.Generator(device=device).manual_seed(noise_seed(seed, rank, step))
+def noise_generator(device: torch.device, seed: int, rank: int) -> torch.Generator:
+    """A generator on `device` seeded for `rank` at the run's start (noise_seed)."""
+    return torch.Generator(device=device).manual_seed(noise_seed(seed, rank))

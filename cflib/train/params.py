@@ -238,7 +238,7 @@ class Loss:
     loss_chunk_tokens: int = 1024
     fp32_loss: bool = True
     # NEFTune (cflib.model.neftune): uniform noise of bound alpha / sqrt(L x hidden size) on each token's embedding
-    # in training forwards only, L the token count of the token's example; None (or 0): off. TRL's 5 is a start
+    # in training forwards only, L the token count of the token's example; None (or 0): off. The paper's 5 is a start
     neftune_noise_alpha: float | None = None
 
 
