@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from cflib.atomic import atomic_directory, check_output_folder, follow_umask, live_path
 from cflib.errors import shown
-from cflib.export.push import repo_id_problem
+from cflib.export.push import names_hub_commit
 from cflib.jsonio import read_json
 from cflib.locks import exclusive_output
 from cflib.model.checkpoint import (
@@ -66,7 +65,6 @@ CFLIB_ADAPTER_FILE = "cflib_adapter.json"
 ADAPTER_FORMAT = "cflib-lora-v1"
 PEFT_PREFIX = "base_model.model."
 _SHARED = "mlp.engine.shared_"
-COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub commit named in full
 
 
 def is_adapter_checkpoint(path: str | Path) -> bool:
@@ -285,9 +283,7 @@ def _check_hub_base(base: dict, meta_file: Path) -> None:
     if "hub" not in base:
         return
     hub = base["hub"]
-    if not (isinstance(hub, dict) and isinstance(hub.get("repo_id"), str) and not repo_id_problem(hub["repo_id"])
-            and isinstance(hub.get("commit"), str) and COMMIT.fullmatch(hub["commit"])
-            and (hub.get("revision") is None or isinstance(hub["revision"], str))):
+    if not (names_hub_commit(hub) and (hub.get("revision") is None or isinstance(hub["revision"], str))):
         raise CheckpointError(f"{meta_file}: base.hub must name the Hub bundle the base was downloaded from "
                               f"(repo_id ORG/NAME, commit: 40 hex digits, revision), got {shown(hub)}")
 

@@ -27,8 +27,8 @@ from typing import Callable, TypeVar
 from cflib.data.sources import HUB  # the prefix a data source on the Hub has too
 from cflib.errors import shown
 from cflib.export.hub import AUTO_MAP, MODEL_TYPE
-from cflib.export.peft import ADAPTER_CONFIG_FILE, COMMIT
-from cflib.export.push import repo_id_problem
+from cflib.export.peft import ADAPTER_CONFIG_FILE
+from cflib.export.push import COMMIT, repo_id_problem
 from cflib.export.tokenizer_files import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from cflib.export.tokenizer_files import COMPANIONS, TOKENIZER_BYTES, TOKENIZER_FILE
 from cflib.jsonio import MAX_BYTES, read_json

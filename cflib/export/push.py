@@ -23,6 +23,9 @@ from typing import Callable
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a Hub commit named in full
+
+
 class PushError(RuntimeError):
     """A push that did not finish; the message names the repository and what stopped it. What landed stays."""
 
@@ -32,6 +35,14 @@ def repo_id_problem(repo_id: str) -> str | None:
     if not REPO_ID.fullmatch(repo_id) or ".." in repo_id or repo_id.endswith((".git", ".")):
         return f"{repo_id!r} is not a Hub repository name (ORG/NAME: letters, digits, '-', '_', '.')"
     return None
+
+
+def names_hub_commit(record: object, repo_id: str | None = None) -> bool:
+    """Whether a recorded Hub start or base is a mapping naming a repository (`repo_id`, where given) and a commit
+    in full."""
+    return (isinstance(record, dict) and isinstance(record.get("repo_id"), str)
+            and not repo_id_problem(record["repo_id"]) and (repo_id is None or record["repo_id"] == repo_id)
+            and isinstance(record.get("commit"), str) and COMMIT.fullmatch(record["commit"]) is not None)
 
 
 def check_push(repo_id: str, what: str = "--push") -> None:

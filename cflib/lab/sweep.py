@@ -36,7 +36,7 @@ import yaml
 from cflib.atomic import copy_beside, write_json_atomic
 from cflib.data.sources import HUB
 from cflib.errors import ParamError, shown
-from cflib.export.peft import COMMIT
+from cflib.export.push import names_hub_commit
 from cflib.export.pull import hub_parts, is_hub, resolve_start
 from cflib.jobs import job_out_dir, refuse_links
 from cflib.jsonio import MAX_BYTES, read_bounded, read_json
@@ -448,8 +448,7 @@ def _recorded_hub_starts(plan: dict, path: Path) -> dict[str, dict] | None:
             repo_id = hub_parts(spec)[0] if is_hub(spec) else None
         except CheckpointError:
             repo_id = None
-        if not (repo_id is not None and isinstance(start, dict) and start.get("repo_id") == repo_id
-                and isinstance(start.get("commit"), str) and COMMIT.fullmatch(start["commit"])):
+        if not (repo_id is not None and names_hub_commit(start, repo_id)):
             raise ParamError(f"{path}: hub_starts[{shown(spec)}] must name the repository {repo_id or 'ORG/NAME'} "
                              f"and a commit in full (40 hex digits), got {shown(start)}; choose another out_dir "
                              "rather than edit a sweep's file")
