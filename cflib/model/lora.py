@@ -59,7 +59,8 @@ EXPERT_SLOT = "expert_lora"
 LINEAR_TARGETS = tuple(name for name in TARGETS if name not in EXPERT_TARGETS)
 BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # How alpha and the rank give the update's scale: PEFT's alpha / r, or rank-stabilized LoRA's alpha / sqrt(r).
-SCALINGS = ("standard", "rslora")
+RANK_DIVISORS = {"standard": float, "rslora": math.sqrt}
+SCALINGS = tuple(RANK_DIVISORS)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class LoraSettings:
 
     @property
     def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.scaling == "rslora" else self.rank)
+        return self.alpha / RANK_DIVISORS[self.scaling](self.rank)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "targets": list(self.targets), "trainable_tokens": list(self.trainable_tokens)}

@@ -314,14 +314,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     # First: a registered loss or metric the workers could not import refuses the run before anything is opened.
     worker_imports = for_workers(params) if params.world_size > 1 and not dist.active else None
     device = resolve_device(params.device, dist.local_rank)
-    if dist.active and dist.world_size != params.world_size:
-        raise ParamError(f"torchrun started {dist.world_size} processes but nproc_per_node x nnodes = "
-                         f"{params.world_size}")
-    if device.type == "cuda" and params.nproc_per_node > torch.cuda.device_count():
-        raise ParamError(f"nproc_per_node {params.nproc_per_node} exceeds the {torch.cuda.device_count()} "
-                         "visible CUDA devices")
-    if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
+    check_processes_and_device(params, dist, device)
     if params.out_dir is not None and dist.is_main:  # first: a live run's checkpoints are still changing
         check_run_folder(resolve_path(params.out_dir))
     if params.resume is not None and (resolve_path(params.out_dir or "") / "COMPLETE").is_file():
@@ -364,6 +357,18 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     if not run.launches_workers:
         model.to(device)
     return run
+
+
+def check_processes_and_device(params: TrainParams, dist: DistContext, device: torch.device) -> None:
+    """The processes torchrun started and the device against what the run names."""
+    if dist.active and dist.world_size != params.world_size:
+        raise ParamError(f"torchrun started {dist.world_size} processes but nproc_per_node x nnodes = "
+                         f"{params.world_size}")
+    if device.type == "cuda" and params.nproc_per_node > torch.cuda.device_count():
+        raise ParamError(f"nproc_per_node {params.nproc_per_node} exceeds the {torch.cuda.device_count()} "
+                         "visible CUDA devices")
+    if params.bf16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ParamError(f"bf16: true but {torch.cuda.get_device_name(device)} does not support bfloat16")
 
 
 MAX_STEPS_EPOCHS_CHECKED = 16  # a packed mixture under max_steps: the epochs counted before step 1, at most
