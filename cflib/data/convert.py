@@ -13,7 +13,9 @@ turn, or of every assistant turn (`supervise`); plain text is taught whole.
 Held-out conversations come from `eval` sources, or from the train sources
 with `eval_fraction`: each conversation goes to eval by a hash of its content
 and the seed, so the same conversation always lands on the same side, before
-duplicates are counted. Nothing is sliced: a conversation longer than
+duplicates are counted; each train source is read once, the conversations it
+sends to eval kept in a scratch file for the eval partition. Nothing is
+sliced: a conversation longer than
 `max_seq_len` is rejected and counted (`overflow: reject`), or keeps its longest
 prefix that ends after a whole assistant turn and fits (`overflow: drop_turns`,
 counted as truncated; rejected where its first answer does not fit), and a
@@ -214,6 +216,63 @@ class ConvertParams(Params):
                            reasoning=self.reasoning, max_seq_len=self.max_seq_len, overflow=self.overflow)
 
 
+class HeldOut:
+    """The conversations eval_fraction sends to eval, kept as the train partition reads its sources and read back
+    for the eval partition, so each source is read (and a Hub source downloaded) once.
+
+    JSON Lines in `scratch` (gone with the conversion's staging, as SeenConversations' file): memory stays flat
+    however many are held out, and the file is bounded by the input. Each line is one conversation, in the order
+    read: `source` (its source's index in the spec's train list), `where` (its row), `digest` (of the
+    conversation as split, after `reasoning: strip`, which is not applied twice), and the Conversation's fields.
+    Every value is one JSON writes and reads back as it was: conversation_digest has already written the
+    messages, tools, text and context_turns as JSON before the split chose a side (a value JSON cannot write, a
+    datetime or bytes from a Parquet column, fails there, as it did when each partition read the sources), and
+    meta holds strings and integers (check_metadata, the row's id). Rows give no tuple or non-string key to
+    change on the way: JSON's own, and `datasets`' lists and dicts (it refuses Arrow's map type). A lone
+    surrogate is written as its escape (ensure_ascii) and read back as itself.
+    """
+
+    def __init__(self, scratch: Path) -> None:
+        self.path = scratch / "held_out.jsonl"
+        self._out = open(self.path, "w", encoding="utf-8", buffering=1 << 20)
+        self.rows_seen = 0  # every conversation the train partition read, either side of the split
+        self.sources: list[dict] = []  # each train source as the train partition recorded it (files, Hub commit)
+        self._records: Iterator[tuple[int, str, int, Conversation]] | None = None
+        self._pending: tuple[int, str, int, Conversation] | None = None
+
+    def keep(self, source: int, where: str, digest: int, conversation: Conversation) -> None:
+        record = {"source": source, "where": where, "digest": digest,
+                  **{item.name: getattr(conversation, item.name) for item in fields(Conversation)}}
+        self._out.write(json.dumps(record) + "\n")
+
+    def finish(self, rows_seen: int) -> None:
+        """The train partition read every source: what it kept can be read back."""
+        self._out.close()
+        self.rows_seen = rows_seen
+
+    def of_source(self, source: int) -> Iterator[tuple[str, int, Conversation]]:
+        """(where, digest, conversation) of each conversation kept from the spec's `source`-th train source, in the
+        order read; asked of each source in turn, as the train partition read them."""
+        if self._records is None:
+            self._records = self._read()
+            self._pending = next(self._records, None)
+        while self._pending is not None and self._pending[0] == source:
+            yield self._pending[1:]
+            self._pending = next(self._records, None)
+
+    def _read(self) -> Iterator[tuple[int, str, int, Conversation]]:
+        with open(self.path, encoding="utf-8") as lines:
+            for line in lines:
+                record = json.loads(line)
+                yield record["source"], record["where"], record["digest"], Conversation(
+                    **{item.name: record[item.name] for item in fields(Conversation)})
+
+    def close(self) -> None:
+        self._out.close()
+        if self._records is not None:
+            self._records.close()
+
+
 class SeenConversations:
     """Digests of the conversations read so far, per partition, in an SQLite file in `scratch`.
 
@@ -279,11 +338,13 @@ def check_named_format(row: object, fmt: str, where: str, named_by: str) -> None
 
 
 class PartitionReader:
-    """The accepted examples of one partition, its counts filled in as they go by."""
+    """The accepted examples of one partition, its counts filled in as they go by. Under eval_fraction (`held`)
+    the train partition reads the sources and keeps what the split sends to eval; the eval partition reads that."""
 
     def __init__(self, partition: str, spec: ConvertSpec, renderer: Renderer, reader: SourceReader,
-                 seen: SeenConversations) -> None:
+                 seen: SeenConversations, held: HeldOut | None = None) -> None:
         self.partition, self.spec, self.renderer, self.reader, self.seen = partition, spec, renderer, reader, seen
+        self.held = held
         self.rejected: Counter = Counter()
         self.per_task: Counter = Counter()
         self.per_source: Counter = Counter()
@@ -294,15 +355,24 @@ class PartitionReader:
         self.sources: list[dict] = []
 
     def examples(self) -> Iterator[Example]:
-        for source in self.spec.sources(self.partition):
+        kept = self.held is not None and self.partition == "eval"  # read from what the train partition kept
+        if kept:
+            self.rows_seen = self.held.rows_seen
+        for index, source in enumerate(self.spec.sources(self.partition)):
             rows_before, checked = self.rows_read, 0
-            for where, conversation in read_conversations(source, self.reader, self.spec.format):
-                example = self._accept(where, conversation, source, checked < IDENTITY_SAMPLE)
+            conversations = self.held.of_source(index) if kept else self._conversations(index, source)
+            for where, digest, conversation in conversations:
+                example = self._accept(where, digest, conversation, source, checked < IDENTITY_SAMPLE)
                 checked += example is not None
                 if example is not None:
                     yield example
-            self.sources.append({**describe(source, self.reader.hub_commits.get(source.spec)),
-                                 "rows_read": self.rows_read - rows_before})
+            described = (self.held.sources[index] if kept
+                         else describe(source, self.reader.hub_commits.get(source.spec)))
+            if self.held is not None and not kept:
+                self.held.sources.append(described)
+            self.sources.append({**described, "rows_read": self.rows_read - rows_before})
+        if self.held is not None and not kept:
+            self.held.finish(self.rows_seen)
         if not sum(self.per_source.values()):
             raise ConvertError(self._nothing_accepted())
 
@@ -320,16 +390,25 @@ class PartitionReader:
         return (f"{self.partition}: eval_fraction {fraction} sent none of the {self.rows_seen:,} conversations read "
                 f"from {names} to {self.partition} (about {share * self.rows_seen:.2g} expected); {advice}")
 
-    def _accept(self, where: str, conversation: Conversation, source: Source, check_identity: bool
+    def _conversations(self, index: int, source: Source) -> Iterator[tuple[str, int, Conversation]]:
+        """(where, digest, conversation) of each conversation of the partition read from the spec's `index`-th
+        source, its reasoning stripped where the policy says; those eval_fraction sends to eval, the train
+        partition keeps for it (`held`)."""
+        for where, conversation in read_conversations(source, self.reader, self.spec.format):
+            if self.spec.reasoning == "strip":
+                conversation = stripped(conversation)
+            digest = conversation_digest(conversation)
+            self.rows_seen += 1
+            if self.spec.eval_fraction is not None and held_out(digest, self.spec.seed, self.spec.eval_fraction) != (
+                    self.partition == "eval"):
+                if self.held is not None:
+                    self.held.keep(index, where, digest, conversation)
+                continue
+            yield where, digest, conversation
+
+    def _accept(self, where: str, digest: int, conversation: Conversation, source: Source, check_identity: bool
                 ) -> Example | None:
-        """The example of one conversation, or None where it goes to the other partition or is rejected."""
-        if self.spec.reasoning == "strip":
-            conversation = stripped(conversation)
-        digest = conversation_digest(conversation)
-        self.rows_seen += 1
-        if self.spec.eval_fraction is not None and held_out(digest, self.spec.seed, self.spec.eval_fraction) != (
-                self.partition == "eval"):
-            return None
+        """The example of one conversation of the partition, or None where it is rejected."""
         self.rows_read += 1
         reason = self._rejection(digest, conversation)
         if reason is None:
@@ -430,14 +509,17 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                   "split": None if spec.eval_fraction is None else {"eval_fraction": spec.eval_fraction,
                                                                      "seed": spec.seed}}
     # `out` checked again under its lock: a conversion that wrote it meanwhile is never silently replaced. The
-    # scratch files (seen digests, `datasets`' cache) live in the staging folder, gone before it is published.
+    # scratch files (seen digests, the conversations held out for eval, `datasets`' cache) live in the staging
+    # folder, gone before it is published.
     with exclusive_output(out, check, ConvertError, what="out:") as staging:
         with scratch_folder(staging / "scratch") as scratch:
             seen, reader = SeenConversations(scratch), SourceReader(scratch)
+            # eval_fraction: the train partition keeps the conversations it sends to eval, read once.
+            held = None if spec.eval_fraction is None else HeldOut(scratch)
             notes: list[str | None] = []  # each partition's warning, given once the shard is written
             try:
                 for partition in PARTITIONS:  # train first: eval conversations also in train are rejected
-                    rows = PartitionReader(partition, spec, renderer, reader, seen)
+                    rows = PartitionReader(partition, spec, renderer, reader, seen, held)
                     stats: dict = {}
                     # The generator fills `stats` as it ends, before write_partition reads index_extra.
                     write_partition(staging / partition, _filling(rows, stats),
@@ -448,6 +530,8 @@ def convert(spec: ConvertSpec, overwrite: bool = False) -> dict[str, dict]:
                     notes.append(too_long_warning(partition, stats, spec))
             finally:
                 seen.close()
+                if held is not None:
+                    held.close()
     for note in filter(None, notes):  # a conversion that failed has its error to say instead
         warnings.warn(note, ConvertWarning, stacklevel=2)
     return {p: json.loads((out / p / "sft.idx.json").read_text()) for p in ("train", "eval")}

@@ -192,8 +192,8 @@ class SourceReader:
         """The Hub data set at the commit its revision names, streamed; fails at once when the Hub is out of
         reach (offline, or HF_HUB_OFFLINE set), naming the source.
 
-        The revision is resolved once per reader: eval_fraction reads a source for each partition, and a branch
-        that moved in between would split two different commits (rows in neither partition, or in both).
+        The revision is resolved once per reader, so the commit recorded is the one read (a conversion reads each
+        source once, eval_fraction's eval partition from what the train partition kept).
         """
         datasets = _datasets()
 

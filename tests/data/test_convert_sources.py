@@ -10,6 +10,8 @@ import subprocess
 import importlib
 import sys
 import tempfile
+import warnings
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,9 +19,9 @@ import pytest
 
 from cflib import jsonio
 from cflib.data import sources
-from cflib.data.conversation import ConvertError
+from cflib.data.conversation import Conversation, ConvertError
 from cflib.data.convert import ConvertSpec, convert
-from cflib.data.shards import IGNORE_INDEX, open_shard
+from cflib.data.shards import IGNORE_INDEX, open_shard, sha256_file
 from cflib.data.tokenizer import ByteTokenizer
 
 datasets = pytest.importorskip("datasets", reason="the data extra (pip install cflib[data])")
@@ -390,6 +392,155 @@ def test_eval_fraction_splits_by_content_so_no_conversation_is_in_both(tmp_path)
     assert examples(tmp_path / "again", "eval") == held and examples(tmp_path / "other", "eval") != held
 
 
+def split_sources(folder: Path) -> list[str]:
+    """Two train sources for eval_fraction, one JSON Lines and one Parquet, with what the split must count alike on
+    either side: exact duplicates, a row that is one once its reasoning is stripped, empty answers, conversations
+    too long even for drop_turns, and longer ones drop_turns cuts to their first exchange (itself a row of its own:
+    a duplicate in train, of train in eval)."""
+    chats = []
+    for i in range(24):
+        answer = f"<think>{i} times 3</think>\n{3 * i}" if i % 5 == 0 else str(3 * i)
+        chats.append({"messages": [{"role": "user", "content": f"{i}*3="}, {"role": "assistant", "content": answer}],
+                      "task": "triple", "domain": "math" if i % 2 else "arith", "id": i})
+    chats += [chats[1], chats[4], chats[7], chats[12]]
+    chats.append({"messages": [{"role": "user", "content": "0*3="}, {"role": "assistant", "content": "0"}],
+                  "task": "triple"})
+    chats += [{"messages": [{"role": "user", "content": f"say nothing {i}"}, {"role": "assistant", "content": " "}]}
+              for i in range(4)]
+    chats += [{"messages": [{"role": "user", "content": "x" * 90 + str(i)}, {"role": "assistant", "content": "long"}]}
+              for i in range(3)]
+    for i in range(8):
+        first = [{"role": "user", "content": f"{i}-1="}, {"role": "assistant", "content": str(i - 1)}]
+        chats.append({"messages": first + [{"role": "user", "content": "and " + "y" * 60},
+                                           {"role": "assistant", "content": "z" * 30}], "task": "dialog",
+                      "mode": "multi"})
+        chats.append({"messages": first, "task": "dialog"})
+    squares = []
+    for i in range(20):
+        turns = [{"from": "human", "value": f"{i}^2="}, {"from": "gpt", "value": str(i * i)}]
+        if i % 4 == 0:
+            turns += [{"from": "human", "value": "again " + "w" * 70}, {"from": "gpt", "value": "v" * 20}]
+        squares.append({"conversations": turns, "task": "square", "id": f"sq-{i}", "difficulty": "easy"})
+    squares += [squares[2], squares[3], squares[9]]
+    squares += [{"conversations": [{"from": "human", "value": f"empty {i}"}, {"from": "gpt", "value": ""}],
+                 "task": "square", "id": None, "difficulty": None} for i in range(3)]
+    squares += [{"conversations": [{"from": "human", "value": "q" * 100 + str(i)}, {"from": "gpt", "value": "a"}],
+                 "task": "square", "id": None, "difficulty": None} for i in range(2)]
+    write_jsonl(folder / "chats.jsonl", chats)
+    to_parquet(folder / "squares.parquet", squares)
+    return ["chats.jsonl", "squares.parquet"]
+
+
+def split_conversion(tmp_path: Path, monkeypatch) -> tuple[dict, list[str]]:
+    """split_sources converted with eval_fraction, from relative paths (each example's origin and the manifest's
+    sources alike in every run); the indexes and the warnings given."""
+    monkeypatch.chdir(tmp_path)
+    train = split_sources(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", convert_module.ConvertWarning)
+        indexes = convert(ConvertSpec(train=train, eval_fraction=0.3, seed=0, out="shard", max_seq_len=48,
+                                      overflow="drop_turns", reasoning="strip"))
+    return indexes, [str(w.message) for w in caught if issubclass(w.category, convert_module.ConvertWarning)]
+
+
+# What split_conversion wrote when the eval partition read the train sources again (before each source was read
+# once, the conversations held out kept in a scratch file for eval), recorded with that code: reading once must
+# write the same examples in the same order under the same example_ids (the files' SHA-256), count the same rows,
+# rejections and truncations per partition and source, and warn alike. Each source's entry is checked against its
+# file (the Parquet file's SHA-256 depends on the pyarrow that wrote it) with the rows it gave the partition.
+PINNED_SPLIT = {
+    "train": {"examples": 35, "num_tokens": 329, "supervised_tokens": 103, "sha256": {
+        "input_ids.bin": "baa71f18699af912c30ea95769e2726b05f49efe92db51bb86fe7b24cd6f4463",
+        "labels.bin": "1fe726479baa5402dfd9ddc875b4f95e99b16041660e11e52abc0bf2872c6037",
+        "examples.jsonl": "c8b2598414a123bcf2802d3b0fa31e80a739d7743c62ecf80b67176504b79377",
+        "loss_metadata.jsonl": "2d99eb7a9b0d5de75205041292b63b4159117dbc0bc561d18e41943c4fdadec1"},
+        "stats": {"rows_read": 50, "rejected": {"too_long": 3, "duplicate": 7, "duplicate_of_train": 0,
+                                                "empty_answer": 5},
+                  "truncated_examples": 8, "examples_per_task": {"dialog": 7, "square": 13, "triple": 15},
+                  "examples_per_source": {"chats": 22, "squares": 13},
+                  "supervised_tokens_per_source": {"chats": 59, "squares": 44}, "sources": (31, 19)}},
+    "eval": {"examples": 17, "num_tokens": 158, "supervised_tokens": 48, "sha256": {
+        "input_ids.bin": "dcc83ba7470bed1ced1d00c6a2f59f25aec64737d1dd3af1541f62d94d6a65df",
+        "labels.bin": "aebb718cfb4ab0a3584e4c29707067170ebd51ee19cf8e5f7f1bd700e4623d67",
+        "examples.jsonl": "7e79efe1397b7507e4c55678cc5b4e6c36176e11bbcd581f25111d199682f7c0",
+        "loss_metadata.jsonl": "be3e5e204931c477b3031706e1d1829ad1c896a18cfb28ff43a95e5261e69cf1"},
+        "stats": {"rows_read": 30, "rejected": {"too_long": 2, "duplicate": 5, "duplicate_of_train": 4,
+                                                "empty_answer": 2},
+                  "truncated_examples": 2, "examples_per_task": {"dialog": 1, "square": 7, "triple": 9},
+                  "examples_per_source": {"chats": 10, "squares": 7},
+                  "supervised_tokens_per_source": {"chats": 26, "squares": 22}, "sources": (21, 9)}},
+    "warnings": [f"{partition}: {count} of {rows} conversations ({share}) are longer than max_seq_len 48 and were "
+                 "rejected (too_long); with overflow: drop_turns, not even their first answer fits: raise "
+                 "max_seq_len (--max-seq-len)" for partition, count, rows, share in [("train", 3, 50, "6.0%"),
+                                                                                  ("eval", 2, 30, "6.7%")]]}
+
+
+def test_eval_fraction_writes_what_reading_the_sources_for_each_partition_wrote(tmp_path, monkeypatch):
+    indexes, warned = split_conversion(tmp_path, monkeypatch)
+    assert warned == PINNED_SPLIT["warnings"]
+    for partition, index in indexes.items():
+        pinned = PINNED_SPLIT[partition]
+        assert {key: index[key] for key in ("examples", "num_tokens", "supervised_tokens", "sha256")} == {
+            key: pinned[key] for key in ("examples", "num_tokens", "supervised_tokens", "sha256")}, partition
+        stats = index["conversion"]["stats"]
+        assert stats == {**pinned["stats"], "sources": [
+            {"name": Path(path).stem, "spec": path, "format": "auto", "columns": {},
+             "files": [{"path": path, "sha256": sha256_file(tmp_path / path)}], "rows_read": rows}
+            for path, rows in zip(["chats.jsonl", "squares.parquet"], pinned["stats"]["sources"])]}, partition
+        open_shard(tmp_path / "shard", partition, verify_hashes=True)
+
+
+def test_eval_fraction_reads_each_train_source_once(tmp_path, monkeypatch):
+    read = Counter()
+    rows = sources.SourceReader.rows
+
+    def counted(self, source):
+        read[source.spec] += 1
+        return rows(self, source)
+
+    monkeypatch.setattr(sources.SourceReader, "rows", counted)
+    indexes, _ = split_conversion(tmp_path, monkeypatch)
+    assert read == {"chats.jsonl": 1, "squares.parquet": 1}
+    assert indexes["eval"]["examples"] and indexes["train"]["examples"]
+
+
+
+def test_a_held_out_conversation_is_read_back_as_the_train_partition_kept_it(tmp_path):
+    """Every field of a Conversation as JSON writes and reads it, each source's in turn: key order, tools with
+    NaN, infinity, -0.0 and a large integer, context turns, an integer row id, text beyond ASCII, and a lone
+    surrogate where meta may hold one (check_metadata takes any string)."""
+    kept = [Conversation([{"role": "user", "content": "ü 1", "name": "x"},
+                          {"content": "", "role": "assistant", "tool_calls": [{"function": {"name": "f"}}]},
+                          {"role": "tool", "content": "{}"}, {"role": "assistant", "content": "done"}],
+                         tools=[{"type": "function", "z": 2**70, "a": [float("nan"), float("inf"), -0.0]}],
+                         context_turns=1, meta={"task": "t\ud800", "row_id": 7}),
+            Conversation(text="plain \u00e9", meta={"source": "s"})]
+    held = convert_module.HeldOut(tmp_path)
+    held.keep(0, "a.jsonl row 2", -5, kept[0])
+    held.keep(2, "b.parquet row 1", 9, kept[1])
+    held.finish(rows_seen=4)
+    back = [list(held.of_source(index)) for index in range(4)]
+    held.close()
+    assert [[(where, digest) for where, digest, _ in of_source] for of_source in back] == [
+        [("a.jsonl row 2", -5)], [], [("b.parquet row 1", 9)], []]
+    for (_, _, conversation), original in zip(back[0] + back[2], kept):
+        assert type(conversation) is Conversation
+        assert repr(vars(conversation)) == repr(vars(original))  # order, types and -0.0 as they were
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stripped_reasoning_is_stripped_once_on_either_side_of_the_split(tmp_path, seed):
+    """Stripping a block can join what is left into another ("<thi<think>x</think>nk>" is "<think>" once
+    stripped): the eval partition writes the conversation as stripped once, as the train partition split it."""
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"},
+                          {"role": "assistant", "content": f"<thi<think>x</think>nk>y{i}</think>z{i}"}]}
+            for i in range(30)]
+    run(tmp_path, str(write_jsonl(tmp_path / "nested.jsonl", rows)), eval_fraction=0.3, seed=seed,
+        reasoning="strip")
+    written = [BYTES.decode_template(ids) for partition in ("train", "eval")
+               for ids, _ in examples(tmp_path / "shard", partition)]
+    assert sorted(written) == sorted(f"<|user|>q{i}<|assistant|><think>y{i}</think>z{i}<|eos|>" for i in range(30))
+
 def test_a_hub_source_offline_fails_at_once_naming_it(tmp_path, monkeypatch):
     import huggingface_hub
 
@@ -418,8 +569,9 @@ def test_a_hub_source_is_never_read_from_a_local_folder_of_its_name(tmp_path, mo
     assert not (tmp_path / "shard").exists()
 
 
-def test_a_hub_source_split_by_eval_fraction_is_read_at_one_commit_for_both_partitions(tmp_path, monkeypatch):
-    """The branch moves between the train and the eval read: both still read (and record) the first commit."""
+def test_a_hub_source_split_by_eval_fraction_is_read_once_at_one_commit_for_both_partitions(tmp_path, monkeypatch):
+    """The Hub is asked for the branch's commit once, the data set streamed once at it, and both partitions record
+    it (the branch moving after the first question changes nothing)."""
     import huggingface_hub
 
     commits = iter(["a" * 40, "b" * 40])
@@ -438,7 +590,7 @@ def test_a_hub_source_split_by_eval_fraction_is_read_at_one_commit_for_both_part
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", dataset_info)
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     written = run(tmp_path, "hub:someone/chats:train@main", eval_fraction=0.25)
-    assert asked == ["main"] and loaded == ["a" * 40] * 2
+    assert asked == ["main"] and loaded == ["a" * 40]
     for partition in ("train", "eval"):
         (source,) = written[partition]["conversion"]["stats"]["sources"]
         assert source["hub"]["commit"] == "a" * 40

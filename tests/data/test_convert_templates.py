@@ -12,8 +12,8 @@ import pytest
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
-from cflib.data.conversation import ConvertError
-from cflib.data.convert import IDENTITY_SAMPLE, ConvertSpec, convert
+from cflib.data.conversation import Conversation, ConvertError, conversation_digest
+from cflib.data.convert import IDENTITY_SAMPLE, ConvertSpec, convert, held_out
 from cflib.data.marker_template import ChatTemplate
 from cflib.data.reasoning import BLOCK_AND_SPACE
 from cflib.data.shards import IGNORE_INDEX, open_shard
@@ -175,6 +175,29 @@ def test_the_first_rows_of_each_source_are_checked_against_apply_chat_template(t
         run(tmp_path, folders["prefixes"], [source], name="drifted")
     assert not (tmp_path / "drifted").exists()
 
+
+
+def test_under_eval_fraction_the_first_rows_of_each_source_are_checked_in_each_partition(tmp_path, folders,
+                                                                                         monkeypatch):
+    """The eval partition, read from what the train partition kept, checks the first rows of each source as when
+    it read the sources itself."""
+    names = {"a": [f"Hello {i}" for i in range(40)], "b": [f"Bye {i}" for i in range(40)]}
+    sources = [str(write_jsonl(tmp_path / f"{name}.jsonl", [{"messages": [turn("user", text), turn("assistant", "Hi")]}
+                                                            for text in texts])) for name, texts in names.items()]
+    checked = []
+    original = TemplateRenderer.reference_ids
+
+    def counted(self, conversation):
+        checked.append(conversation.messages[0]["content"])
+        return original(self, conversation)
+
+    monkeypatch.setattr(TemplateRenderer, "reference_ids", counted)
+    convert(ConvertSpec(train=sources, eval_fraction=0.5, seed=1, out=str(tmp_path / "shard"), tokenizer=str(
+        folders["prefixes"]), template="tokenizer", max_seq_len=256))
+    side = {text: held_out(conversation_digest(Conversation([turn("user", text), turn("assistant", "Hi")])), 1, 0.5)
+            for texts in names.values() for text in texts}
+    assert checked == [text for to_eval in (False, True) for texts in names.values()
+                       for text in [text for text in texts if side[text] == to_eval][:IDENTITY_SAMPLE]]
 
 def test_plain_text_through_a_tokenizer_folder_is_taught_whole(tmp_path, folders):
     run(tmp_path, folders["prefixes"], [str(write_jsonl(tmp_path / "t.jsonl", [{"text": "Hello </s> world"}]))])
