@@ -397,7 +397,12 @@ class PartitionReader:
         for where, conversation in read_conversations(source, self.reader, self.spec.format):
             if self.spec.reasoning == "strip":
                 conversation = stripped(conversation)
-            digest = conversation_digest(conversation)
+            try:
+                digest = conversation_digest(conversation)
+            except TypeError as err:  # json's words: "Object of type bytes is not JSON serializable"
+                raise ConvertError(f"{where}: its messages or tools hold a value a chat template cannot be given "
+                                   f"({err}): a date, bytes or a decimal of a Parquet or Arrow column; cast that "
+                                   "column to text before converting") from None
             self.rows_seen += 1
             if self.spec.eval_fraction is not None and held_out(digest, self.spec.seed, self.spec.eval_fraction) != (
                     self.partition == "eval"):

@@ -3,6 +3,7 @@ the Hub; OpenAI messages, ShareGPT, prompt-completion and plain text; the eval s
 source, row and field with nothing written."""
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import shutil
@@ -623,6 +624,10 @@ def bad_saved(tmp_path: Path) -> str:
      ["wide.csv header row", "field larger than field limit", "by line 1"]),
     (lambda tmp: write_text(tmp / "open.csv", '"prompt,completion\nq,a\n' + "x" * 200_000 + "\n"),
      ["open.csv header row", "field larger than field limit", "by line 3", "quote left open"]),
+    (lambda tmp: str(to_parquet(tmp / "dated.parquet", [{"messages": [
+        {"role": "user", "content": "hi", "sent": datetime.datetime(2020, 1, 1)},
+        {"role": "assistant", "content": "yo", "sent": None}]}])),
+     ["dated.parquet row 1", "Object of type datetime is not JSON serializable", "cast that column to text"]),
     (lambda tmp: str(tmp / "missing.parquet"), ["missing.parquet: no such file or folder"]),
     (lambda tmp: (tmp / "empty").mkdir() or str(tmp / "empty"), ["empty: a folder with no data file"]),
 ])
