@@ -156,9 +156,8 @@ def test_a_template_that_renders_turns_unlike_its_prefixes_needs_generation_bloc
     assert not (tmp_path / "shard").exists()
 
 
-def test_the_first_rows_of_each_source_are_checked_against_apply_chat_template(tmp_path, folders, monkeypatch):
-    rows = [{"messages": [turn("user", f"Hello {i}"), turn("assistant", f"Hi {i}")]} for i in range(40)]
-    source = str(write_jsonl(tmp_path / "a.jsonl", rows))
+def checked_prompts(monkeypatch) -> list[str]:
+    """The first user turn of each conversation checked against apply_chat_template, as the checks go."""
     checked = []
     original = TemplateRenderer.reference_ids
 
@@ -167,6 +166,14 @@ def test_the_first_rows_of_each_source_are_checked_against_apply_chat_template(t
         return original(self, conversation)
 
     monkeypatch.setattr(TemplateRenderer, "reference_ids", counted)
+    return checked
+
+
+def test_the_first_rows_of_each_source_are_checked_against_apply_chat_template(tmp_path, folders, monkeypatch):
+    rows = [{"messages": [turn("user", f"Hello {i}"), turn("assistant", f"Hi {i}")]} for i in range(40)]
+    source = str(write_jsonl(tmp_path / "a.jsonl", rows))
+    original = TemplateRenderer.reference_ids
+    checked = checked_prompts(monkeypatch)
     run(tmp_path, folders["prefixes"], [source])
     assert checked == [f"Hello {i}" for i in range(IDENTITY_SAMPLE)] + ["Hello"]  # train's sample, then eval's
     monkeypatch.setattr(TemplateRenderer, "reference_ids", lambda self, conversation: original(
@@ -176,7 +183,6 @@ def test_the_first_rows_of_each_source_are_checked_against_apply_chat_template(t
     assert not (tmp_path / "drifted").exists()
 
 
-
 def test_under_eval_fraction_the_first_rows_of_each_source_are_checked_in_each_partition(tmp_path, folders,
                                                                                          monkeypatch):
     """The eval partition, read from what the train partition kept, checks the first rows of each source as when
@@ -184,14 +190,7 @@ def test_under_eval_fraction_the_first_rows_of_each_source_are_checked_in_each_p
     names = {"a": [f"Hello {i}" for i in range(40)], "b": [f"Bye {i}" for i in range(40)]}
     sources = [str(write_jsonl(tmp_path / f"{name}.jsonl", [{"messages": [turn("user", text), turn("assistant", "Hi")]}
                                                             for text in texts])) for name, texts in names.items()]
-    checked = []
-    original = TemplateRenderer.reference_ids
-
-    def counted(self, conversation):
-        checked.append(conversation.messages[0]["content"])
-        return original(self, conversation)
-
-    monkeypatch.setattr(TemplateRenderer, "reference_ids", counted)
+    checked = checked_prompts(monkeypatch)
     convert(ConvertSpec(train=sources, eval_fraction=0.5, seed=1, out=str(tmp_path / "shard"), tokenizer=str(
         folders["prefixes"]), template="tokenizer", max_seq_len=256))
     side = {text: held_out(conversation_digest(Conversation([turn("user", text), turn("assistant", "Hi")])), 1, 0.5)
