@@ -2,7 +2,8 @@
 
 A LoRA checkpoint folder holds what `peft.PeftModel.from_pretrained` reads:
 `adapter_config.json` and `adapter_model.safetensors`, keyed
-`base_model.model.<module>.lora_A.weight` / `lora_B.weight`; and
+`base_model.model.<module>.lora_A.weight` / `lora_B.weight` (under DoRA also
+`<module>.lora_magnitude_vector`, one entry per output feature, as PEFT saves it); and
 `cflib_adapter.json`: the base checkpoint it adapts (path, SHA-256 of its weights,
 config; for a base a run pulled from the Hub, its repository and commit too) and the
 settings, so a resumed run or a merge finds its base and can tell when it has
@@ -180,6 +181,7 @@ _SETTING_CHECKS = {
     "rank": (lambda v: _is_int(v, 1), "a positive integer"),
     "alpha": (lambda v: _is_real(v, 0, math.inf) and v > 0, "a positive finite number"),
     "scaling": (lambda v: v in SCALINGS, f"one of {SCALINGS}"),
+    "dora": (lambda v: isinstance(v, bool), "true or false"),
     "dropout": (lambda v: _is_real(v, 0, 1), "a number in [0, 1)"),
     "targets": (lambda v: isinstance(v, list) and v and all(t in TARGETS for t in v),
                 f"a list of targets among {tuple(TARGETS)}"),
@@ -194,17 +196,22 @@ def _checked_settings(raw: dict, meta_file: Path) -> LoraSettings:
     for key, (fits, what) in _SETTING_CHECKS.items():
         if key in raw and not fits(raw[key]):
             raise CheckpointError(f"{meta_file}: lora.{key} must be {what}, got {shown(raw[key])}")
-    return LoraSettings.from_dict(raw)
+    try:
+        return LoraSettings.from_dict(raw)
+    except ValueError as err:  # settings that cannot go together, e.g. DoRA on an expert tensor
+        raise CheckpointError(f"{meta_file}: lora: {err}") from None
 
 
 def _check_factor(key: str, tensor: torch.Tensor, source: str) -> None:
     """A LoRA factor is a matrix of weights: float32 or bfloat16 (an integer or FP16 one would be cast
-    silently), two dimensions (anything else could not be laid out as the model's)."""
+    silently), two dimensions (anything else could not be laid out as the model's); DoRA's magnitude a vector."""
     if tensor.dtype not in WEIGHT_DTYPES:
         raise CheckpointError(f"{source}: tensor {key!r} is stored as {tensor.dtype}; cflib reads adapters in "
                               "float32 or bfloat16")
-    if tensor.dim() != 2:
-        raise CheckpointError(f"{source}: tensor {key!r} has shape {list(tensor.shape)}; a LoRA factor is a matrix")
+    magnitude = key.endswith(".lora_magnitude_vector")
+    if tensor.dim() != (1 if magnitude else 2):
+        what = "DoRA's magnitude is a vector" if magnitude else "a LoRA factor is a matrix"
+        raise CheckpointError(f"{source}: tensor {key!r} has shape {list(tensor.shape)}; {what}")
 
 
 def peft_config(settings: LoraSettings, base_path: str | None, revision: str | None = None) -> dict:
@@ -215,7 +222,7 @@ def peft_config(settings: LoraSettings, base_path: str | None, revision: str | N
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path, "revision": revision,
             "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
             "target_modules": linear or None, "target_parameters": experts or None, "bias": "none",
-            "fan_in_fan_out": False, "use_rslora": settings.scaling == "rslora", "use_dora": False,
+            "fan_in_fan_out": False, "use_rslora": settings.scaling == "rslora", "use_dora": settings.dora,
             "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
             "trainable_token_indices": {"embed_tokens": list(settings.trainable_tokens)}
             if settings.trainable_tokens else None}

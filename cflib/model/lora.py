@@ -12,6 +12,17 @@ parameters is written on export (cflib.export.peft). Optionally some rows of the
 tied embedding train too (PEFT's trainable tokens): tokens a base never saw share
 one collapsed embedding, which no adapter on the blocks can tell apart in the head.
 
+DoRA (weight-decomposed LoRA, Liu et al. 2024; PEFT's use_dora; `dora: true`), on the
+linear targets only (PEFT refuses it on 3-D parameters): the adapted weight is
+m * (W + scale * B @ A) / ||W + scale * B @ A||, the norm per output feature (over
+the input dimension) and detached from the gradient (the paper's section 4.3, as
+PEFT computes it), m a trainable vector per output feature that starts at W's own
+row norms, so a fresh adapter still leaves the model unchanged. Its state-dict name
+is PEFT's saved one: `layers.0.self_attn.q_proj.lora_magnitude_vector`. The fused
+paths fold it as they fold LoRA (its effective weight; `delta` the difference from W);
+with dropout its branch is PEFT's (m/n - 1) * W x' + (m/n) * scale * B A x' on the
+dropped input x', which costs one more base GEMM per adapted weight.
+
 Two forms of the same function:
 - the reference (plain PyTorch, the decoder's reference modules):
   PEFT's textbook `base(x) + scale * B(A(dropout(x)))`, one branch per target;
@@ -61,6 +72,7 @@ BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # How alpha and the rank give the update's scale: PEFT's alpha / r, or rank-stabilized LoRA's alpha / sqrt(r).
 RANK_DIVISORS = {"standard": float, "rslora": math.sqrt}
 SCALINGS = tuple(RANK_DIVISORS)
+DORA_TARGETS = LINEAR_TARGETS  # PEFT's ParamWrapper (the expert tensors) refuses use_dora
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class LoraSettings:
     rank: int = 8
     alpha: float = 8.0
     scaling: str = "standard"  # standard: alpha / rank; rslora: alpha / sqrt(rank) (PEFT's use_rslora)
+    dora: bool = False  # weight-decomposed LoRA (PEFT's use_dora): a trainable magnitude per output feature
     dropout: float = 0.0
     targets: tuple[str, ...] = tuple(TARGETS)
     base_dtype: str = "float32"
@@ -78,6 +91,9 @@ class LoraSettings:
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:  # never a silent standard scale for a misspelt one
             raise ValueError(f"LoRA scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        experts = [t for t in self.targets if t not in DORA_TARGETS]
+        if self.dora and experts:  # never a format PEFT cannot load
+            raise ValueError(f"DoRA adapts the linear targets only ({', '.join(DORA_TARGETS)}), not {experts}")
 
     @property
     def scale(self) -> float:
@@ -88,7 +104,8 @@ class LoraSettings:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "LoraSettings":
-        """Settings saved before a key existed take its default: adapters saved without `scaling` are standard."""
+        """Settings saved before a key existed take its default: adapters saved without `scaling` are standard,
+        without `dora` plain LoRA."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in raw.items() if k in known}
         return cls(**{**values, "targets": tuple(values.get("targets", TARGETS)),
@@ -131,6 +148,43 @@ class LoraLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.last_form = "branch"
         return F.linear(x, self.weight) + self.branch(x)
+
+
+def dora_factor(weight: torch.Tensor, update: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """DoRA's m / ||W + update|| per output feature ([out]): the norm of each row of W + update (over the input
+    dimension) in fp32 and detached, as PEFT's DoraLinearLayer computes it (the paper's section 4.3: no gradient
+    flows through the norm)."""
+    return magnitude / torch.linalg.norm(weight.detach().float() + update.detach(), dim=1)
+
+
+class DoraLinear(LoraLinear):
+    """A LoraLinear under DoRA: its weight's direction is W + scale * B @ A, its length per output feature the
+    trainable `lora_magnitude_vector` (PEFT's name and init: the row norms of W + scale * B @ A, B zero: W's own,
+    so a fresh adapter changes nothing)."""
+
+    def __init__(self, base: nn.Linear, settings: LoraSettings) -> None:
+        super().__init__(base, settings)
+        with torch.no_grad():
+            norms = torch.linalg.norm(self.weight.float() + super().delta(), dim=1)
+        self.lora_magnitude_vector = nn.Parameter(norms)
+
+    def factor(self) -> torch.Tensor:
+        return dora_factor(self.weight, super().delta(), self.lora_magnitude_vector)
+
+    def branch(self, x: torch.Tensor) -> torch.Tensor:
+        """PEFT's DoRA forward less the base output: (f - 1) * W x' + f * scale * B A x', x' the dropped input."""
+        dropped = dropout_input(x, self.dropout, self.training)
+        factor = self.factor()
+        low_rank = self.lora_B(self.lora_A(dropped)) * self.scale
+        return (factor - 1) * F.linear(dropped, self.weight) + factor * low_rank
+
+    def effective_weight(self) -> torch.Tensor:
+        update = super().delta()
+        return dora_factor(self.weight, update, self.lora_magnitude_vector).unsqueeze(1) * (self.weight + update)
+
+    def delta(self) -> torch.Tensor:
+        """The whole update, effective weight less W, for the paths that add an update to the weight."""
+        return self.effective_weight() - self.weight
 
 
 class _Stack(nn.Module):
@@ -234,7 +288,7 @@ def attach_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
             if target in EXPERT_TARGETS:
                 owner.attach_expert_adapter(name, ExpertLora(getattr(owner, name), settings), EXPERT_SLOT)
             else:
-                setattr(owner, name, LoraLinear(getattr(owner, name), settings))
+                setattr(owner, name, (DoraLinear if settings.dora else LoraLinear)(getattr(owner, name), settings))
     if settings.trainable_tokens:
         vocab = model.embed_tokens.num_embeddings
         outside = [t for t in settings.trainable_tokens if not 0 <= t < vocab]
@@ -266,12 +320,14 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def is_adapter_name(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name or name.endswith(".trainable_tokens_delta")
+    return (".lora_A." in name or ".lora_B." in name or name.endswith(".lora_magnitude_vector")
+            or name.endswith(".trainable_tokens_delta"))
 
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], settings: LoraSettings) -> None:
-    """Add scale * B @ A into the base weights of a plain model, in fp32, in place (names of adapter_state_dict)."""
+    """Add scale * B @ A into the base weights of a plain model, in fp32, in place (names of adapter_state_dict);
+    under DoRA the weight becomes m * (W + scale * B @ A) / ||W + scale * B @ A||, as PEFT merges it."""
     scale = settings.scale
     params = dict(model.named_parameters())
     rows = adapters.get("embed_tokens.token_adapter.trainable_tokens_delta")
@@ -288,7 +344,13 @@ def merge_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], settings
                 param.add_(torch.einsum("eri,eor->eio", a, b) * scale)
         elif leaf == "weight" and f"{module_name}.lora_A.weight" in adapters:
             a, b = (adapters[f"{module_name}.lora_{f}.weight"].to(param.device, torch.float32) for f in "AB")
-            param.add_((b @ a) * scale)
+            magnitude = adapters.get(f"{module_name}.lora_magnitude_vector")
+            if magnitude is None:
+                param.add_((b @ a) * scale)
+            else:
+                update = (b @ a) * scale
+                factor = dora_factor(param, update, magnitude.to(param.device, torch.float32))
+                param.copy_(factor.unsqueeze(1) * (param.float() + update))
 
 
 def lora_kernel_path(model: nn.Module) -> dict[str, str]:
@@ -315,4 +377,6 @@ def adapter_parameter_count(config: ModelConfig, settings: LoraSettings) -> int:
               "shared_up": (d, s), "shared_down": (s, d), "expert_gate": (d, w), "expert_up": (d, w),
               "expert_down": (w, d)}
     per_layer = sum(settings.rank * sum(shapes[t]) * (e if t in EXPERT_TARGETS else 1) for t in settings.targets)
+    if settings.dora:  # one magnitude per output feature of each adapted weight
+        per_layer += sum(shapes[t][1] for t in settings.targets)
     return per_layer * config.num_hidden_layers + len(settings.trainable_tokens) * d

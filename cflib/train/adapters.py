@@ -34,7 +34,7 @@ from cflib.model.lora import LoraSettings, adapter_state_dict, attach_lora, is_a
 from cflib.paths import resolve_path
 from cflib.train.params import TrainParams
 
-SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "scaling": "lora_scaling",
+SETTING_PARAMETERS = {"rank": "lora_rank", "alpha": "lora_alpha", "scaling": "lora_scaling", "dora": "lora_dora",
                       "dropout": "lora_dropout", "targets": "lora_targets", "base_dtype": "base_dtype",
                       "trainable_tokens": "lora_trainable_tokens"}
 
@@ -57,7 +57,8 @@ class LoraRun:
         s = self.settings
         tokens = f", {len(s.trainable_tokens)} trainable token rows" if s.trainable_tokens else ""
         scaling = "rsLoRA scale alpha / sqrt(rank)" if s.scaling == "rslora" else "scale"
-        return (f"LoRA rank {s.rank}, alpha {s.alpha:g} ({scaling} {s.scale:g}), dropout {s.dropout:g}, frozen base "
+        kind = "DoRA (LoRA with a trained magnitude per output feature)" if s.dora else "LoRA"
+        return (f"{kind} rank {s.rank}, alpha {s.alpha:g} ({scaling} {s.scale:g}), dropout {s.dropout:g}, frozen base "
                 f"in {s.base_dtype}, on {', '.join(s.targets)}{tokens}; base {self.base['path']}")
 
 

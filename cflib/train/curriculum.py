@@ -101,8 +101,8 @@ def _task_targets(targets: Any, overrides: dict, where: str) -> dict:
 
 
 # What shapes a LoRA run's adapters: every stage continues the first stage's, so none may set other ones.
-ADAPTER_KEYS = ("lora_rank", "lora_alpha", "lora_scaling", "lora_dropout", "lora_targets", "base_dtype",
-                "lora_trainable_tokens")
+ADAPTER_KEYS = ("lora_rank", "lora_alpha", "lora_scaling", "lora_dora", "lora_dropout", "lora_targets",
+                "base_dtype", "lora_trainable_tokens")
 
 
 def _refuse_other_adapters(first: Stage, stage: Stage, where: str) -> None:

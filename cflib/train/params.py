@@ -250,6 +250,7 @@ class Lora:
     lora_rank: int | None = None  # None: 8 when full_parameter is false
     lora_alpha: float | None = None  # None: lora_rank (scale alpha / rank = 1); rslora needs it set
     lora_scaling: str | None = None  # standard: scale alpha / rank; rslora: alpha / sqrt(rank); None: standard
+    lora_dora: bool | None = None  # true: DoRA, a trained magnitude per output row (linear targets); None: false
     lora_dropout: float | None = None  # None: 0.0 (the fused paths then run on the effective weights)
     lora_targets: tuple[str, ...] | None = None  # "q_proj,v_proj" or a list; None: all ten (cflib.model.lora)
     base_dtype: str | None = None  # float32 | bfloat16 (frozen weights held in BF16; needs bf16); None: float32
@@ -602,6 +603,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
                              f"lora_alpha: {rank ** 0.5:.3g} starts at the standard scale of 1")
         if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
             raise ParamError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        self._validate_dora()
         if self.lora_targets is not None:
             unknown = [name for name in self.lora_targets if name not in TARGETS]
             if unknown or not self.lora_targets:
@@ -617,6 +619,20 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
                              "set bf16: true, or keep base_dtype float32")
 
 
+    def _validate_dora(self) -> None:
+        """DoRA on the linear targets only: PEFT refuses use_dora on the expert tensors (3-D parameters), so adapters
+        of them could not be exported in a form PEFT loads."""
+        from cflib.model.lora import DORA_TARGETS, TARGETS
+
+        if not self.lora_dora:
+            return
+        experts = [name for name in self.lora_targets or TARGETS if name in TARGETS and name not in DORA_TARGETS]
+        if experts:
+            unset = "" if self.lora_targets else " (unset: all ten)"
+            raise ParamError(f"lora_dora: DoRA adapts linear weights only (PEFT refuses use_dora on the expert tensors,"
+                             f" 3-D parameters), but lora_targets{unset} names {', '.join(experts)}: set lora_targets "
+                             f"to linear ones among {','.join(DORA_TARGETS)}")
+
     def lora_settings(self) -> LoraSettings | None:
         """The LoRA settings this run asks for (defaults filled in), or None for full-parameter training."""
         from cflib.model.lora import LoraSettings  # the model layer owns what can be adapted
@@ -626,7 +642,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         defaults = LoraSettings()
         rank = self.lora_rank or defaults.rank
         return LoraSettings(rank=rank, alpha=float(self.lora_alpha or rank),
-                            scaling=self.lora_scaling or defaults.scaling,
+                            scaling=self.lora_scaling or defaults.scaling, dora=bool(self.lora_dora),
                             dropout=self.lora_dropout if self.lora_dropout is not None else defaults.dropout,
                             targets=self.lora_targets or defaults.targets,
                             base_dtype=self.base_dtype or defaults.base_dtype,

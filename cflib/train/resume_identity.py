@@ -40,16 +40,16 @@ STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "e
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
              "fp32_loss", "bf16", "seq_len", "loss_groups",
-             "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dropout",
-             "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type", "neftune_noise_alpha",
+             "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
+             "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type", "neftune_noise_alpha",
              "early_stopping_patience",
              "best_metric", "greater_is_better",  # which checkpoint best/ holds and early stopping watches
              "exact_match_limit")  # the prompts an answer-scoring best_metric compares over: _check_scored_prompts
 
 # A LoRA run's settings: one started from adapters takes those it leaves unset from them (cflib.train.adapters);
 # its checkpoints written before that recorded them unset.
-LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_scaling", "lora_dropout", "lora_targets", "base_dtype",
-                 "lora_trainable_tokens")
+LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_scaling", "lora_dora", "lora_dropout", "lora_targets",
+                 "base_dtype", "lora_trainable_tokens")
 
 # The parameters behind the values a run derives, named with them when a resume changes one.
 DERIVED_FROM = {

@@ -35,8 +35,11 @@ def saved_adapter(tmp_path: Path, settings: LoraSettings) -> tuple[Path, TRMoEMo
     base = save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "base")
     model = attach_lora(load_checkpoint(base), settings)
     with torch.no_grad():
-        for param in adapter_state_dict(model).values():
-            param.normal_(0.0, 0.1)
+        for name, param in adapter_state_dict(model).items():
+            if name.endswith(".lora_magnitude_vector"):  # DoRA's: off the base's row norms
+                param.mul_(1 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.1)
     LoraRun(settings, describe_base(base)).save(model, tmp_path / "adapter")
     return tmp_path / "adapter", model
 
@@ -100,9 +103,51 @@ def test_peft_loads_rslora_adapters_with_their_scale(tmp_path):
         torch.testing.assert_close(merged.eval()(ids), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("targets, tokens", [(LINEAR_TARGETS, ()), (tuple(TARGETS), (70, 71, 102))],
-                         ids=["linear", "all_and_token_rows"])
-def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets, tokens):
+def test_peft_loads_dora_adapters_with_their_magnitudes_and_computes_the_same(tmp_path):
+    """lora_dora writes use_dora: true and each weight's lora_magnitude_vector under PEFT's saved name: PEFT's
+    DoRA layers give cflib's logits, and its training gradients (the norm detached in both); read as plain LoRA
+    (use_dora false) the same factors give other logits; the merge is PEFT's DoRA weight."""
+    peft = pytest.importorskip("peft")
+    settings = LoraSettings(rank=4, alpha=8, dora=True, targets=LINEAR_TARGETS)
+    adapter, model = saved_adapter(tmp_path, settings)
+    base = tmp_path / "base"
+    config = peft.LoraConfig.from_pretrained(str(adapter))
+    assert config.use_dora is True and json.loads((adapter / CFLIB_ADAPTER_FILE).read_text())["lora"]["dora"] is True
+    assert "base_model.model.layers.0.self_attn.q_proj.lora_magnitude_vector" in load_file(
+        str(adapter / ADAPTER_WEIGHTS_FILE))
+    config.task_type = None  # cflib's decoder is no transformers causal LM; the generic PeftModel wraps it
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for dora in (True, False):
+        config.use_dora = dora
+        wrapped = peft.PeftModel.from_pretrained(load_checkpoint(base), str(adapter), config=config,
+                                                 is_trainable=dora)
+        with torch.no_grad():
+            got[dora] = wrapped.eval()(ids)
+    with torch.no_grad():
+        expected = model.eval()(ids)
+    torch.testing.assert_close(got[True], expected, rtol=0, atol=1e-5)
+    assert (got[False] - expected).abs().max() > 1e-3
+    assert read_adapter(adapter)[0] == settings
+    with torch.no_grad():
+        torch.testing.assert_close(load_merged(adapter).eval()(ids), expected, rtol=0, atol=1e-5)
+    config.use_dora = True
+    wrapped = peft.PeftModel.from_pretrained(load_checkpoint(base), str(adapter), config=config, is_trainable=True)
+    for net in (model.train(), wrapped.train()):
+        net(ids).logsumexp(-1).sum().backward()
+    theirs = {n.removeprefix("base_model.model.").replace(".default", ""): p.grad
+              for n, p in wrapped.named_parameters() if p.requires_grad}
+    ours = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert set(ours) == {n.replace("lora_magnitude_vector.weight", "lora_magnitude_vector") for n in theirs}
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name.replace("lora_magnitude_vector.weight", "lora_magnitude_vector")], grad,
+                                   rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("targets, tokens, dora", [(LINEAR_TARGETS, (), False), (tuple(TARGETS), (70, 71, 102), False),
+                                                  (LINEAR_TARGETS, (), True)],
+                         ids=["linear", "all_and_token_rows", "dora"])
+def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets, tokens, dora):
     """The Hub bundle of the base (cflib.export.hub) with PeftModel.from_pretrained: the adapted model's logits,
     and merge_and_unload gives those of cflib's merged checkpoint."""
     peft = pytest.importorskip("peft")
@@ -110,7 +155,8 @@ def test_peft_loads_the_adapters_onto_the_exported_hub_model(tmp_path, targets, 
     from cflib.export import export_hub
     from cflib.export.peft import merge
 
-    adapter, model = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=targets, trainable_tokens=tokens))
+    adapter, model = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=targets, trainable_tokens=tokens,
+                                                          dora=dora))
     export_hub(tmp_path / "base", tmp_path / "bundle", echo=None)
     hub = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bundle"), trust_remote_code=True,
                                                             dtype=torch.float32).eval()
@@ -191,8 +237,10 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
     ({"base_dtype": "int8"}, "lora.base_dtype must be one of ('float32', 'bfloat16'), got 'int8'"),
     ({"trainable_tokens": "0-1000000000"}, "lora.trainable_tokens must be a list of token ids"),
     ({"scaling": "sqrt"}, "lora.scaling must be one of ('standard', 'rslora'), got 'sqrt'"),
+    ({"dora": "yes"}, "lora.dora must be true or false, got 'yes'"),
+    ({"dora": True}, "lora: DoRA adapts the linear targets only"),
 ], ids=["rank-0", "rank-a-string", "alpha-nan", "dropout-2", "targets-a-string", "base-dtype-int8", "tokens-a-range",
-        "scaling-unknown"])
+        "scaling-unknown", "dora-a-string", "dora-on-experts"])
 def test_an_adapter_description_of_bad_settings_is_refused_by_key(tmp_path, change, words):
     """cflib_adapter.json's settings, edited or damaged: refused naming the file and key, never a division by zero
     or a NaN scale merged into the weights."""

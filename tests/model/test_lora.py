@@ -16,6 +16,7 @@ from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import use_kernels
 from cflib.model.lora import (
     EXPERT_TARGETS,
+    LINEAR_TARGETS,
     TARGETS,
     LoraSettings,
     adapter_parameter_count,
@@ -195,6 +196,112 @@ def test_lora_settings_record_their_scaling_and_older_ones_read_as_standard():
     assert LoraSettings.from_dict(older).scaling == "standard" and LoraSettings.from_dict(older).scale == 0.25
     with pytest.raises(ValueError, match="LoRA scaling must be one of"):
         LoraSettings(scaling="sqrt")
+
+
+def dora_adapted(settings: LoraSettings, seed: int = 0) -> TRMoEModel:
+    """adapted(), its magnitudes moved off the base's row norms too, as after some steps."""
+    model = adapted(settings, seed)
+    with torch.no_grad():
+        for name, param in adapter_state_dict(model).items():
+            if name.endswith(".lora_magnitude_vector"):
+                param.mul_(1 + 0.2 * torch.randn_like(param))
+    return model
+
+
+def test_a_fresh_dora_adapter_starts_at_the_base_s_row_norms_and_changes_nothing():
+    settings = LoraSettings(rank=4, alpha=8, dora=True, targets=LINEAR_TARGETS)
+    model = adapted(settings, trained=False)
+    torch.manual_seed(0)
+    base = TRMoEModel(tiny_config()).to(KERNEL_DEVICE)
+    q = model.layers[0].self_attn.q_proj
+    torch.testing.assert_close(q.lora_magnitude_vector, base.layers[0].self_attn.q_proj.weight.norm(dim=1))
+    trainable = {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable["layers.0.self_attn.q_proj.lora_magnitude_vector"] == (32,)  # PEFT's saved name, [out]
+    assert trainable["layers.1.mlp.engine.shared_down.lora_magnitude_vector"] == (32,)
+    assert sum(torch.Size(s).numel() for s in trainable.values()) == adapter_parameter_count(model.config, settings)
+    ids, _ = batch(model)
+    for kernels in (REFERENCE, PRODUCTION):
+        use_kernels(base, kernels)
+        use_kernels(model, kernels)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids), base(ids), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("targets", [LINEAR_TARGETS, ("q_proj", "v_proj"), ("o_proj", "shared_down")],
+                         ids=["linear", "qv", "down"])
+def test_dora_production_path_matches_reference_with_effective_weights(targets):
+    """DoRA folds into one weight per forward, m * (W + sBA) / ||W + sBA|| (the norm detached): the fused paths'
+    loss and every gradient (the magnitudes' too) are the reference branch's."""
+    model = dora_adapted(LoraSettings(rank=4, alpha=8, dora=True, targets=targets))
+    ids, labels = batch(model)
+    ref_loss, ref_grads = loss_and_grads(model, REFERENCE, ids, labels)
+    fast_loss, fast_grads = loss_and_grads(model, PRODUCTION, ids, labels)
+    assert lora_kernel_path(model) == {"lora": "effective_weight"}
+    assert fast_loss == pytest.approx(ref_loss, abs=1e-5)
+    assert any(name.endswith(".lora_magnitude_vector") for name in ref_grads)
+    assert set(fast_grads) == set(ref_grads)
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert ref_grads[name].abs().sum() > 0, name
+
+
+def test_dora_production_path_matches_reference_with_dropout(monkeypatch):
+    """With dropout the fused paths add PEFT's DoRA branch, (f - 1) W x' + f s B A x' on the dropped input, beside
+    the base GEMM (the shared projections' inside the fused SwiGLU block too)."""
+    monkeypatch.setattr(lora, "dropout_input", fixed_masks)
+    model = dora_adapted(LoraSettings(rank=4, alpha=8, dropout=0.3, dora=True, targets=LINEAR_TARGETS)).train()
+    ids, labels = batch(model)
+    ref_loss, ref_grads = loss_and_grads(model, REFERENCE, ids, labels)
+    fast_loss, fast_grads = loss_and_grads(model, PRODUCTION, ids, labels)
+    assert lora_kernel_path(model) == {"lora": "separate_branch"}
+    assert fast_loss == pytest.approx(ref_loss, abs=1e-5)
+    for name in ref_grads:
+        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    model.eval()  # no dropout: the branch is the effective weight's
+    with torch.no_grad():
+        evaluated = model(ids)
+        use_kernels(model, REFERENCE)
+        torch.testing.assert_close(model(ids), evaluated, rtol=1e-5, atol=1e-5)
+
+
+def test_dora_norm_is_detached_and_the_merge_gives_the_adapted_logits():
+    """The row norm of W + sBA takes no gradient (the paper's section 4.3, PEFT's): the factors' gradients are those
+    of m / ||.|| held constant, not of the norm's own; merging writes m * (W + sBA) / ||W + sBA|| into the base."""
+    settings = LoraSettings(rank=4, alpha=8, dora=True, targets=("q_proj", "shared_up"))
+    model = dora_adapted(settings).eval()
+    q = model.layers[0].self_attn.q_proj
+    x, upstream = torch.randn(5, 32, device=KERNEL_DEVICE), torch.randn(5, 32, device=KERNEL_DEVICE)
+    (q(x) * upstream).sum().backward()
+    grads = {}
+    for detached in (True, False):
+        a, b, m = (t.detach().clone().requires_grad_() for t in (q.lora_A.weight, q.lora_B.weight,
+                                                                   q.lora_magnitude_vector))
+        direction = q.weight + b @ a * settings.scale
+        norm = direction.norm(dim=1, keepdim=True)
+        weight = m[:, None] * direction / (norm.detach() if detached else norm)
+        ((x @ weight.T) * upstream).sum().backward()
+        grads[detached] = (a.grad, b.grad, m.grad)
+    for got, want in zip((q.lora_A.weight.grad, q.lora_B.weight.grad, q.lora_magnitude_vector.grad), grads[True]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (grads[False][0] - grads[True][0]).abs().max() > 1e-4  # a norm with a gradient would train otherwise
+    ids, _ = batch(model, seed=5)
+    with torch.no_grad():
+        expected = logits(model, ids)
+    torch.manual_seed(0)
+    plain = TRMoEModel(tiny_config()).to(KERNEL_DEVICE).eval()
+    merge_adapters(plain, {k: v.detach() for k, v in adapter_state_dict(model).items()}, settings)
+    for kernels in (REFERENCE, PRODUCTION):
+        use_kernels(plain, kernels)
+        with torch.no_grad():
+            torch.testing.assert_close(logits(plain, ids), expected, rtol=0, atol=1e-5)
+
+
+def test_dora_settings_refuse_the_expert_tensors_and_older_ones_read_as_plain_lora():
+    saved = LoraSettings(rank=4, dora=True, targets=("q_proj",)).to_dict()
+    assert saved["dora"] is True and LoraSettings.from_dict(saved).dora
+    assert LoraSettings.from_dict({k: v for k, v in saved.items() if k != "dora"}).dora is False
+    with pytest.raises(ValueError, match=r"DoRA adapts the linear targets only .*\['expert_up'\]"):
+        LoraSettings(dora=True, targets=("q_proj", "expert_up"))
 
 
 def test_base_dtype_bfloat16_holds_the_frozen_matrices_in_bf16_and_runs_under_autocast():

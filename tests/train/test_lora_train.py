@@ -151,6 +151,9 @@ def test_train_tasks_trains_on_those_tasks_and_evaluates_every_task(tmp_path, sh
     ({"base_dtype": "bfloat16"}, ["base_dtype", "bf16"]),
     ({"init_checkpoint": None}, ["full_parameter", "init_checkpoint"]),
     ({"lora_trainable_tokens": "250-300"}, ["lora_trainable_tokens", "260", "vocabulary"]),
+    ({"lora_dora": True}, ["lora_dora", "lora_targets", "(unset: all ten)", "expert_gate",
+                           "q_proj,k_proj,v_proj,o_proj,shared_gate,shared_up,shared_down"]),
+    ({"lora_dora": True, "lora_targets": "q_proj,expert_down"}, ["lora_dora", "lora_targets names expert_down"]),
 ])
 def test_bad_lora_settings_stop_before_anything_runs(tmp_path, shard, base, bad, words):
     with pytest.raises(ParamError) as caught:
@@ -206,6 +209,45 @@ def test_rslora_is_one_of_the_adapters_settings_their_later_runs_keep(tmp_path, 
     assert run.settings.scale == 2.0 and model.lora_settings.scaling == "standard"
     with pytest.raises(ParamError, match="trained with lora_scaling standard, this run has rslora"):
         resumed_model(adapters, rslora, str(base))
+
+
+def test_a_dora_run_trains_its_magnitudes_and_keeps_dora_in_later_runs(tmp_path, shard, base):
+    """lora_dora: the fused kernels run on DoRA's effective weights, the magnitudes train and are saved under PEFT's
+    name; the merge is the adapted model; a run from the adapters takes DoRA when unset, a resume or a run that
+    sets it otherwise is refused; adapters saved before the setting existed (no `dora`) are plain LoRA."""
+    from cflib.export.peft import CFLIB_ADAPTER_FILE
+    from cflib.train.adapters import with_adapter_settings
+
+    targets = "q_proj,v_proj,shared_down"
+    run = lora_params(shard, base, tmp_path / "run", max_steps=2, save_every_steps=1, lora_dora=True,
+                      lora_targets=targets, **KERNELS)
+    record = train(run, progress=False)
+    settings = LoraSettings(rank=4, alpha=8, dora=True, targets=tuple(targets.split(",")))
+    assert record["lora"]["dora"] is True and record["kernel_path"]["lora"] == "effective_weight"
+    assert record["params_trainable"] == adapter_parameter_count(preset("smoke"), settings)
+    adapters = tmp_path / "run" / "checkpoints" / "last"
+    saved = load_file(str(adapters / "adapter_model.safetensors"))
+    start = load_checkpoint(base).layers[0].self_attn.q_proj.weight.norm(dim=1)
+    magnitude = saved["base_model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"]
+    assert magnitude.shape == start.shape and not torch.equal(magnitude, start)  # it trained
+    assert json.loads((adapters / "adapter_config.json").read_text())["use_dora"] is True
+    model, _ = resumed_model(adapters, settings, str(base))
+    merge(adapters, tmp_path / "merged")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(load_checkpoint(tmp_path / "merged").eval()(ids), model.eval()(ids),
+                                   rtol=0, atol=1e-5)
+    unset = TrainParams.from_dict({**run, "init_checkpoint": str(adapters), "lora_dora": None, "lora_targets": None})
+    assert with_adapter_settings(unset).lora_settings() == settings
+    with pytest.raises(ParamError, match="trained with lora_dora True, this run has False"):
+        resumed_model(adapters, LoraSettings(rank=4, alpha=8, targets=settings.targets), str(base))
+    (tmp_path / "run" / "COMPLETE").unlink()
+    with pytest.raises(ParamError, match="trained with lora_dora True, this run has False"):
+        train({**run, "resume": "latest", "lora_dora": False}, progress=False)
+    description = adapters / CFLIB_ADAPTER_FILE  # written before DoRA: the key absent
+    meta = json.loads(description.read_text())
+    description.write_text(json.dumps({**meta, "lora": {k: v for k, v in meta["lora"].items() if k != "dora"}}))
+    assert with_adapter_settings(unset).lora_dora is False
 
 
 def test_a_lora_run_with_dropout_resumes_to_the_uninterrupted_adapters(tmp_path, shard, base):

@@ -120,12 +120,14 @@ def test_lora_parameters_from_papermill_strings_yaml_lists_and_notebooks():
     assert TrainParams.from_dict({**lora, "lora_trainable_tokens": [7, "10-11"]}).lora_trainable_tokens == (7, 10, 11)
     rslora = TrainParams.from_dict({**lora, "lora_rank": "64", "lora_alpha": "16", "lora_scaling": "rslora"})
     assert rslora.lora_settings().scale == 2.0 and TrainParams.from_dict(lora).lora_settings().scaling == "standard"
+    dora = TrainParams.from_dict({**lora, "lora_dora": "true", "lora_targets": "q_proj,v_proj"})
+    assert dora.lora_dora is True and dora.lora_settings().dora and not TrainParams.from_dict(lora).lora_settings().dora
 
 
 @pytest.mark.parametrize("raw, name", [
     ({"lora_rank": 8}, "lora_rank"), ({"lora_targets": "q_proj"}, "lora_targets"),
     ({"base_dtype": "bfloat16"}, "base_dtype"), ({"lora_dropout": 0.0}, "lora_dropout"),
-    ({"lora_scaling": "rslora"}, "lora_scaling"),
+    ({"lora_scaling": "rslora"}, "lora_scaling"), ({"lora_dora": True}, "lora_dora"),
 ])
 def test_lora_settings_with_full_parameter_training_are_refused(raw, name):
     message = param_error(raw)
@@ -146,6 +148,7 @@ def test_checkpoint_settings_without_checkpoints_are_refused(name, value):
     ({"base_dtype": "fp8"}, "base_dtype"), ({"train_tasks": []}, "train_tasks"),
     ({"lora_trainable_tokens": "a-z"}, "lora_trainable_tokens"), ({"lora_trainable_tokens": [3, 3]}, "lora_trainable_tokens"),
     ({"lora_scaling": "rsLoRA"}, "lora_scaling"), ({"lora_scaling": "sqrt"}, "lora_scaling"),
+    ({"lora_dora": True}, "lora_dora"), ({"lora_dora": True, "lora_targets": "q_proj,expert_up"}, "lora_dora"),
 ])
 def test_bad_lora_settings_name_the_parameter(raw, name):
     message = param_error({"full_parameter": False, "init_checkpoint": "c", **raw})
