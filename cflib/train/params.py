@@ -252,7 +252,8 @@ class Lora:
     lora_scaling: str | None = None  # standard: scale alpha / rank; rslora: alpha / sqrt(rank); None: standard
     lora_dora: bool | None = None  # true: DoRA, a trained magnitude per output row (linear targets); None: false
     lora_dropout: float | None = None  # None: 0.0 (the fused paths then run on the effective weights)
-    lora_targets: tuple[str, ...] | None = None  # "q_proj,v_proj" or a list; None: all ten (cflib.model.lora)
+    # "q_proj,v_proj" or a list; None: all ten (cflib.model.lora), the seven linear ones under lora_dora
+    lora_targets: tuple[str, ...] | None = None
     base_dtype: str | None = None  # float32 | bfloat16 (frozen weights held in BF16; needs bf16); None: float32
     # embedding rows that train too: "69-94,101-126" or a list
     lora_trainable_tokens: tuple[int, ...] | None = parsed_by(token_ids)
@@ -622,20 +623,19 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
     def _validate_dora(self) -> None:
         """DoRA on the linear targets only: PEFT refuses use_dora on the expert tensors (3-D parameters), so adapters
         of them could not be exported in a form PEFT loads."""
-        from cflib.model.lora import DORA_TARGETS, TARGETS
+        from cflib.model.lora import DORA_TARGETS, TARGETS  # the model layer owns what can be adapted
 
-        if not self.lora_dora:
+        if not self.lora_dora or self.lora_targets is None:  # unset: the linear targets (lora_settings)
             return
-        experts = [name for name in self.lora_targets or TARGETS if name in TARGETS and name not in DORA_TARGETS]
+        experts = [name for name in self.lora_targets if name in TARGETS and name not in DORA_TARGETS]
         if experts:
-            unset = "" if self.lora_targets else " (unset: all ten)"
             raise ParamError(f"lora_dora: DoRA adapts linear weights only (PEFT refuses use_dora on the expert tensors,"
-                             f" 3-D parameters), but lora_targets{unset} names {', '.join(experts)}: set lora_targets "
-                             f"to linear ones among {','.join(DORA_TARGETS)}")
+                             f" 3-D parameters), but lora_targets names {', '.join(experts)}: set lora_targets to "
+                             f"linear ones among {','.join(DORA_TARGETS)}, or leave it unset for all of them")
 
     def lora_settings(self) -> LoraSettings | None:
         """The LoRA settings this run asks for (defaults filled in), or None for full-parameter training."""
-        from cflib.model.lora import LoraSettings  # the model layer owns what can be adapted
+        from cflib.model.lora import DORA_TARGETS, LoraSettings  # the model layer owns what can be adapted
 
         if self.full_parameter:
             return None
@@ -644,7 +644,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         return LoraSettings(rank=rank, alpha=float(self.lora_alpha or rank),
                             scaling=self.lora_scaling or defaults.scaling, dora=bool(self.lora_dora),
                             dropout=self.lora_dropout if self.lora_dropout is not None else defaults.dropout,
-                            targets=self.lora_targets or defaults.targets,
+                            targets=self.lora_targets or (DORA_TARGETS if self.lora_dora else defaults.targets),
                             base_dtype=self.base_dtype or defaults.base_dtype,
                             trainable_tokens=self.lora_trainable_tokens or ())
 

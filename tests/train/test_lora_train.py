@@ -18,7 +18,7 @@ from cflib.export.peft import merge, read_adapter
 from cflib.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from cflib.model.config import preset
 from cflib.model.decoder import TRMoEModel
-from cflib.model.lora import LoraSettings, adapter_parameter_count, adapter_state_dict
+from cflib.model.lora import DORA_TARGETS, LoraSettings, adapter_parameter_count, adapter_state_dict
 from cflib.train import prepare, train
 from cflib.train.adapters import resumed_model
 from cflib.train.params import ParamError, TrainParams
@@ -151,9 +151,9 @@ def test_train_tasks_trains_on_those_tasks_and_evaluates_every_task(tmp_path, sh
     ({"base_dtype": "bfloat16"}, ["base_dtype", "bf16"]),
     ({"init_checkpoint": None}, ["full_parameter", "init_checkpoint"]),
     ({"lora_trainable_tokens": "250-300"}, ["lora_trainable_tokens", "260", "vocabulary"]),
-    ({"lora_dora": True}, ["lora_dora", "lora_targets", "(unset: all ten)", "expert_gate",
-                           "q_proj,k_proj,v_proj,o_proj,shared_gate,shared_up,shared_down"]),
-    ({"lora_dora": True, "lora_targets": "q_proj,expert_down"}, ["lora_dora", "lora_targets names expert_down"]),
+    ({"lora_dora": True, "lora_targets": "q_proj,expert_down"}, ["lora_dora", "lora_targets names expert_down",
+                                                                 "q_proj,k_proj,v_proj,o_proj,shared_gate,shared_up,"
+                                                                 "shared_down, or leave it unset"]),
 ])
 def test_bad_lora_settings_stop_before_anything_runs(tmp_path, shard, base, bad, words):
     with pytest.raises(ParamError) as caught:
@@ -218,11 +218,10 @@ def test_a_dora_run_trains_its_magnitudes_and_keeps_dora_in_later_runs(tmp_path,
     from cflib.export.peft import CFLIB_ADAPTER_FILE
     from cflib.train.adapters import with_adapter_settings
 
-    targets = "q_proj,v_proj,shared_down"
-    run = lora_params(shard, base, tmp_path / "run", max_steps=2, save_every_steps=1, lora_dora=True,
-                      lora_targets=targets, **KERNELS)
-    record = train(run, progress=False)
-    settings = LoraSettings(rank=4, alpha=8, dora=True, targets=tuple(targets.split(",")))
+    run = lora_params(shard, base, tmp_path / "run", max_steps=2, save_every_steps=1, lora_dora=True, **KERNELS)
+    record = train(run, progress=False)  # lora_targets unset: every linear target
+    settings = LoraSettings(rank=4, alpha=8, dora=True, targets=DORA_TARGETS)
+    assert tuple(record["lora"]["targets"]) == DORA_TARGETS
     assert record["lora"]["dora"] is True and record["kernel_path"]["lora"] == "effective_weight"
     assert record["params_trainable"] == adapter_parameter_count(preset("smoke"), settings)
     adapters = tmp_path / "run" / "checkpoints" / "last"

@@ -122,6 +122,8 @@ def test_lora_parameters_from_papermill_strings_yaml_lists_and_notebooks():
     assert rslora.lora_settings().scale == 2.0 and TrainParams.from_dict(lora).lora_settings().scaling == "standard"
     dora = TrainParams.from_dict({**lora, "lora_dora": "true", "lora_targets": "q_proj,v_proj"})
     assert dora.lora_dora is True and dora.lora_settings().dora and not TrainParams.from_dict(lora).lora_settings().dora
+    assert TrainParams.from_dict({**lora, "lora_dora": True}).lora_settings().targets == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "shared_gate", "shared_up", "shared_down")  # unset: the linear ones
 
 
 @pytest.mark.parametrize("raw, name", [
@@ -148,7 +150,7 @@ def test_checkpoint_settings_without_checkpoints_are_refused(name, value):
     ({"base_dtype": "fp8"}, "base_dtype"), ({"train_tasks": []}, "train_tasks"),
     ({"lora_trainable_tokens": "a-z"}, "lora_trainable_tokens"), ({"lora_trainable_tokens": [3, 3]}, "lora_trainable_tokens"),
     ({"lora_scaling": "rsLoRA"}, "lora_scaling"), ({"lora_scaling": "sqrt"}, "lora_scaling"),
-    ({"lora_dora": True}, "lora_dora"), ({"lora_dora": True, "lora_targets": "q_proj,expert_up"}, "lora_dora"),
+    ({"lora_dora": True, "lora_targets": "q_proj,expert_up"}, "lora_dora"),
 ])
 def test_bad_lora_settings_name_the_parameter(raw, name):
     message = param_error({"full_parameter": False, "init_checkpoint": "c", **raw})
