@@ -89,6 +89,8 @@ class LoraSettings:
     trainable_tokens: tuple[int, ...] = ()  # embedding rows (token ids) that train too: PEFT's trainable tokens
 
     def __post_init__(self) -> None:
+        if self.dora and self.targets == tuple(TARGETS):  # the default targets: the ones DoRA can adapt
+            object.__setattr__(self, "targets", DORA_TARGETS)
         if self.scaling not in SCALINGS:  # never a silent standard scale for a misspelt one
             raise ValueError(f"LoRA scaling must be one of {SCALINGS}, got {self.scaling!r}")
         experts = [t for t in self.targets if t not in DORA_TARGETS]

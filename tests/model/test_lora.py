@@ -15,6 +15,7 @@ import cflib.model.lora as lora
 from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import use_kernels
 from cflib.model.lora import (
+    DORA_TARGETS,
     EXPERT_TARGETS,
     LINEAR_TARGETS,
     TARGETS,
@@ -296,12 +297,13 @@ def test_dora_norm_is_detached_and_the_merge_gives_the_adapted_logits():
             torch.testing.assert_close(logits(plain, ids), expected, rtol=0, atol=1e-5)
 
 
-def test_dora_settings_refuse_the_expert_tensors_and_older_ones_read_as_plain_lora():
+def test_dora_settings_refuse_the_expert_tensors_default_to_the_linear_ones_and_older_ones_read_as_plain_lora():
     saved = LoraSettings(rank=4, dora=True, targets=("q_proj",)).to_dict()
     assert saved["dora"] is True and LoraSettings.from_dict(saved).dora
     assert LoraSettings.from_dict({k: v for k, v in saved.items() if k != "dora"}).dora is False
     with pytest.raises(ValueError, match=r"DoRA adapts the linear targets only .*\['expert_up'\]"):
         LoraSettings(dora=True, targets=("q_proj", "expert_up"))
+    assert LoraSettings(dora=True).targets == DORA_TARGETS == LoraSettings.from_dict({"dora": True}).targets
 
 
 def test_base_dtype_bfloat16_holds_the_frozen_matrices_in_bf16_and_runs_under_autocast():
