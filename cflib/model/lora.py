@@ -145,7 +145,9 @@ class LoraLinear(nn.Linear):
         return (self.lora_B.weight @ self.lora_A.weight) * self.scale
 
     def effective_weight(self) -> torch.Tensor:
-        return self.weight + self.delta()  # promoted to the adapters' fp32 when the base is held in BF16
+        # Outside autocast fp32, the adapters' dtype (a BF16 base promoted); under BF16 autocast B @ A is a BF16
+        # product, added to the base in the base's dtype.
+        return self.weight + self.delta()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.last_form = "branch"
