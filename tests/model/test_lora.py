@@ -123,9 +123,9 @@ def fixed_masks(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     return x * keep / (1 - p)
 
 
-def test_production_path_matches_reference_with_dropout(monkeypatch):
-    monkeypatch.setattr(lora, "dropout_input", fixed_masks)
-    model = adapted(LoraSettings(rank=4, alpha=8, dropout=0.3)).train()
+def fused_branches_match_reference(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Under dropout (fixed masks) the production path's separate branches give the reference's loss and gradients;
+    the batch and the production loss, for what the test checks next."""
     ids, labels = batch(model)
     ref_loss, ref_grads = loss_and_grads(model, REFERENCE, ids, labels)
     fast_loss, fast_grads = loss_and_grads(model, PRODUCTION, ids, labels)
@@ -133,6 +133,13 @@ def test_production_path_matches_reference_with_dropout(monkeypatch):
     assert fast_loss == pytest.approx(ref_loss, abs=1e-5)
     for name in ref_grads:
         torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    return ids, labels, fast_loss
+
+
+def test_production_path_matches_reference_with_dropout(monkeypatch):
+    monkeypatch.setattr(lora, "dropout_input", fixed_masks)
+    model = adapted(LoraSettings(rank=4, alpha=8, dropout=0.3)).train()
+    ids, labels, fast_loss = fused_branches_match_reference(model)
     monkeypatch.undo()  # real dropout: the masks differ, so the loss does, but training mode alone decides it
     torch.manual_seed(1)
     dropped, _ = loss_and_grads(model, PRODUCTION, ids, labels)
@@ -251,13 +258,7 @@ def test_dora_production_path_matches_reference_with_dropout(monkeypatch):
     the base GEMM (the shared projections' inside the fused SwiGLU block too)."""
     monkeypatch.setattr(lora, "dropout_input", fixed_masks)
     model = dora_adapted(LoraSettings(rank=4, alpha=8, dropout=0.3, dora=True, targets=LINEAR_TARGETS)).train()
-    ids, labels = batch(model)
-    ref_loss, ref_grads = loss_and_grads(model, REFERENCE, ids, labels)
-    fast_loss, fast_grads = loss_and_grads(model, PRODUCTION, ids, labels)
-    assert lora_kernel_path(model) == {"lora": "separate_branch"}
-    assert fast_loss == pytest.approx(ref_loss, abs=1e-5)
-    for name in ref_grads:
-        torch.testing.assert_close(fast_grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    ids, _, _ = fused_branches_match_reference(model)
     model.eval()  # no dropout: the branch is the effective weight's
     with torch.no_grad():
         evaluated = model(ids)
