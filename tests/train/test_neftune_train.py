@@ -154,20 +154,3 @@ def test_a_lora_run_trains_its_adapters_through_the_noise(tmp_path, shard):
     assert noisy["eval"]["at_start"]["loss"] == plain["eval"]["at_start"]["loss"]
     assert noisy["eval"]["final"]["loss"] != plain["eval"]["final"]["loss"]
     assert train_losses(tmp_path / "noisy")[0] != train_losses(tmp_path / "plain")[0]
-
-
-@pytest.mark.slow
-def test_two_ranks_draw_their_own_noise_and_resume_to_the_uninterrupted_weights(tmp_path, shard):
-    """Under torchrun (DDP, two processes on the CPU) each rank draws from its own generator: a checkpoint keeps
-    both states, unlike each other, and a run resumed from it ends with the uninterrupted run's weights."""
-    two = {"neftune_noise_alpha": 5.0, "nproc_per_node": 2, "max_steps": 3, "save_every_steps": 2,
-           "save_checkpoints": True, "eval_at_start": False}
-    run(tmp_path, shard, "whole", **two)
-    kept = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-2", tmp_path / "step-2")
-    states = [rank["neftune"] for rank in torch.load(kept / "trainer_state.pt", weights_only=True)["rank_rng"]]
-    assert len(states) == 2 and not torch.equal(*states)
-    run(tmp_path, shard, "resumed", **two, resume=str(kept))
-    final = [load_file(str(tmp_path / name / "checkpoints" / "last" / "model.safetensors"))
-             for name in ("whole", "resumed")]
-    for key, tensor in final[0].items():
-        torch.testing.assert_close(final[1][key], tensor, rtol=0, atol=1e-6, msg=key)

@@ -319,20 +319,6 @@ def test_killed_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, shard, 
     assert set(state["optimizer"]["state"]) == set(whole)  # the optimizer holds the adapters alone
 
 
-@pytest.mark.slow
-def test_a_two_process_lora_run_with_dropout_resumes_to_the_uninterrupted_adapters(tmp_path, shard, base):
-    """Each rank draws its own dropout masks: a checkpoint keeps every rank's random state, and a resume gives
-    each its own back (with rank 0's alone, the second rank's masks, and so the adapters, drift apart)."""
-    lora = {"init_checkpoint": str(base), "full_parameter": False, "lora_rank": 4, "lora_dropout": 0.1,
-            "lr": 1e-2, "epochs": 4, "nproc_per_node": 2, "save_total_limit": None}
-    train(params(shard, tmp_path / "whole", **lora), progress=False)
-    kept = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-8", tmp_path / "step-8")
-    assert len(torch.load(kept / "trainer_state.pt", weights_only=True)["rank_rng"]) == 2
-    train(params(shard, tmp_path / "resumed", resume=str(kept), **lora), progress=False)
-    whole = adapters_of(tmp_path / "whole" / "checkpoints" / "epoch-4")
-    assert_same_weights(whole, adapters_of(tmp_path / "resumed" / "checkpoints" / "epoch-4"), atol=1e-6)
-
-
 @pytest.mark.slow  # eight interpreted AdamW steps and a run before them
 def test_a_run_on_torchs_adamw_resumes_on_cflibs_kernel(tmp_path, shard):
     """cflib_adamw keeps torch's optimizer state: a checkpoint of a run stepped by torch's AdamW resumes on cflib's
@@ -347,7 +333,6 @@ def test_a_run_on_torchs_adamw_resumes_on_cflibs_kernel(tmp_path, shard):
     # on a GPU the uninterrupted run steps with torch's fused kernel, which rounds its FP64 scalars differently
     assert_same_weights(weights(tmp_path / "whole"), weights(tmp_path / "resumed"),
                         atol=1e-6 if device == "cpu" else 1e-5)
-
 
 
 def masks_drawn_from(rank_states: list[dict]) -> list[torch.Tensor]:
@@ -419,13 +404,22 @@ def test_a_resumed_rank_takes_back_its_own_random_state_and_never_another_s(ever
     assert (None if found is None else int(found["torch"][0])) == own
 
 
-@pytest.mark.slow
-def test_two_ranks_start_from_random_states_of_their_own(tmp_path, one_example, base):
+@pytest.mark.slow  # torchrun, twice
+def test_two_ranks_draw_their_own_masks_and_noise_and_resume_to_the_uninterrupted_adapters(tmp_path, one_example,
+                                                                                         base):
     """Under torchrun each rank seeds its generators from the seed and its rank once the model and its adapters are
     built (drawn alike on every rank): after step 1 on the same batches the ranks' states differ, and so do the
-    masks they draw next."""
-    train(dropout_run(one_example, base, tmp_path / "two", nproc_per_node=2), progress=False)
-    assert_ranks_draw_their_own(tmp_path / "two" / "checkpoints" / "step-1")
+    dropout masks they draw next and their NEFTune generators. A checkpoint keeps every rank's states and a resume
+    gives each its own back (with one rank's alone, the other's masks and noise, and so the adapters, drift apart)."""
+    two = {"nproc_per_node": 2, "neftune_noise_alpha": 5.0}
+    train(dropout_run(one_example, base, tmp_path / "whole", **two), progress=False)
+    kept = shutil.copytree(tmp_path / "whole" / "checkpoints" / "step-1", tmp_path / "step-1")
+    assert_ranks_draw_their_own(kept)
+    noise = [rank["neftune"] for rank in torch.load(kept / "trainer_state.pt", weights_only=True)["rank_rng"]]
+    assert not torch.equal(*noise), "both ranks hold one NEFTune generator state"
+    train(dropout_run(one_example, base, tmp_path / "resumed", resume=str(kept), **two), progress=False)
+    assert_same_weights(adapters_of(tmp_path / "whole" / "checkpoints" / "last"),
+                        adapters_of(tmp_path / "resumed" / "checkpoints" / "last"), atol=1e-6)
 
 
 @pytest.mark.slow
