@@ -55,10 +55,15 @@ class HubStart:
     @property
     def spec(self) -> str:
         """The init_checkpoint that names this commit whatever the branch does next."""
-        return f"{HUB}{self.repo_id}@{self.commit}"
+        return pinned_spec(self.record())
 
     def record(self) -> dict:
         return {"repo_id": self.repo_id, "revision": self.revision, "commit": self.commit}
+
+
+def pinned_spec(start: dict) -> str:
+    """hub:ORG/NAME@COMMIT of a Hub start as recorded (HubStart.record()): the commit, whatever the branch does."""
+    return f"{HUB}{start['repo_id']}@{start['commit']}"
 
 
 def is_hub(spec: object) -> bool:

@@ -34,10 +34,9 @@ from typing import Any
 import yaml
 
 from cflib.atomic import copy_beside, write_json_atomic
-from cflib.data.sources import HUB
 from cflib.errors import ParamError, shown
 from cflib.export.push import names_hub_commit
-from cflib.export.pull import hub_parts, is_hub, resolve_start
+from cflib.export.pull import hub_parts, is_hub, pinned_spec, resolve_start
 from cflib.jobs import job_out_dir, refuse_links
 from cflib.jsonio import MAX_BYTES, read_bounded, read_json
 from cflib.lab.compare import SWEEP_FILE, CompareParams, Comparison, compare
@@ -262,7 +261,7 @@ class Sweep:
                  + f"), on {device}"]
         lines += [f"hub      {spec} pinned to commit {start['commit']} for every point naming it"
                   for spec, start in (self.hub_starts or {}).items()
-                  if spec != f"{HUB}{start['repo_id']}@{start['commit']}"]
+                  if spec != pinned_spec(start)]
         for point in self.points:
             what = point.action + (f": {point.error}" if point.status == "failed" else "")
             lines.append(f"  {point.name}: {what}")
@@ -368,7 +367,7 @@ class HubPins:
                 self.refused[spec] = err
                 raise
         start = self.starts[spec]
-        return {**values, "init_checkpoint": f"{HUB}{start['repo_id']}@{start['commit']}"}
+        return {**values, "init_checkpoint": pinned_spec(start)}
 
 
 def _point_names(expanded: list[tuple[dict, int | None]], varying: list[str]) -> list[str]:

@@ -19,9 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cflib.atomic import check_writable_folder, set_aside, write_json_atomic
-from cflib.data.sources import HUB
 from cflib.errors import ParamError
-from cflib.export.pull import HubStart, is_hub
+from cflib.export.pull import HubStart, is_hub, pinned_spec
 from cflib.jobs import job_out_dir, utc_now
 from cflib.jsonio import read_json
 from cflib.model.checkpoint import CheckpointError, latest_resumable
@@ -277,5 +276,5 @@ def _pinned_start(params: TrainParams, out_dir: Path) -> tuple[TrainParams, HubS
         if not (isinstance(recorded, dict) and isinstance(recorded.get("repo_id"), str)
                 and isinstance(recorded.get("commit"), str)):
             return params, None
-    spec = None if recorded is None else f"{HUB}{recorded['repo_id']}@{recorded['commit']}"
+    spec = None if recorded is None else pinned_spec(recorded)
     return pinned_hub_start(params, spec, recorded)
