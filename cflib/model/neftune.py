@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from torch import nn
+
+from cflib.seeds import stream_seed
 
 # The generator's stream among the run's: a constant of its own, so that no other seeded stream coincides with it.
 NOISE_STREAM = 0x4E45_4654  # "NEFT"
@@ -78,7 +79,7 @@ def embedding_noise(model: nn.Module) -> EmbeddingNoise | None:
 def noise_seed(seed: int, rank: int, step: int = 0) -> int:
     """The noise generator's seed for `rank` of a run of `seed`, from `step` (0: the run's start; a resume whose
     checkpoint kept no generator state starts a stream of its own at its step): each rank its own stream."""
-    return int(np.random.SeedSequence([seed, rank, step, NOISE_STREAM]).generate_state(1, np.uint64)[0])
+    return stream_seed(seed, rank, step, NOISE_STREAM)
 
 
 def noise_generator(device: torch.device, seed: int, rank: int) -> torch.Generator:

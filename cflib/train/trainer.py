@@ -27,6 +27,7 @@ from cflib.model.checkpoint import CheckpointError, checkpoint_step, save_checkp
 from cflib.model.lora import describe as describe_lora
 from cflib.model.neftune import noise_seed
 from cflib.progress import tqdm
+from cflib.seeds import stream_seed
 from cflib.train.collector import steady_collector
 from cflib.train.execution import kernels_requested
 from cflib.train.best_metric import ANSWER_METRICS, answer_scores, evaluations_without_improvement
@@ -56,7 +57,7 @@ def rank_seed(seed: int, rank: int, step: int = 0) -> int:
     """The seed of `rank`'s torch generators in a run of `seed`, from `step` (0: the run's start; a resume that finds
     no state of this rank's own starts a stream of its own at its step): each rank its own stream, so that dropout
     draws other masks on each."""
-    return int(np.random.SeedSequence([seed, rank, step, RANK_STREAM]).generate_state(1, np.uint64)[0])
+    return stream_seed(seed, rank, step, RANK_STREAM)
 
 
 def seed_rank_generators(seed: int, rank: int, step: int = 0) -> None:
