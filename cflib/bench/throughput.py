@@ -70,11 +70,14 @@ PROJECT_PATHS: dict[str, dict[str, Any]] = {
     "production": {"use_custom_kernels": "true", "require_liger": True},
 }
 # LoRA on the production kernels (cflib.model.lora), rank 16 on every target, on a frozen base that
-# measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true). Measured when named.
+# measure_path writes from the preset: fp32, or held in BF16 (which needs bf16: true); DoRA at rank 16 on its
+# targets, the seven linear ones. Measured when named.
 LORA_PATHS: dict[str, dict[str, Any]] = {
     "production_lora": {**PROJECT_PATHS["production"], "full_parameter": False, "lora_rank": 16, "lora_alpha": 32},
     "production_lora_bf16_base": {**PROJECT_PATHS["production"], "full_parameter": False, "lora_rank": 16,
                                   "lora_alpha": 32, "base_dtype": "bfloat16"},
+    "production_dora": {**PROJECT_PATHS["production"], "full_parameter": False, "lora_rank": 16, "lora_alpha": 32,
+                        "lora_dora": True},
 }
 PROJECT_PATHS.update(LORA_PATHS)
 

@@ -24,7 +24,8 @@ from cflib.bench.tables import TABLES, headline_table, perf_table, update_block
 from cflib.bench.throughput import BATCHES, ThroughputParams, flops_per_token, measure, time_steps
 from cflib.data.preflight import manifest_findings
 from cflib.data.shards import IGNORE_INDEX, open_shard
-from cflib.model.config import preset
+from cflib.model.config import PRESETS, preset
+from cflib.model.lora import LoraSettings, adapter_parameter_count
 from cflib.train.params import ParamError, load_params_file
 from cflib.train.records import count_parameters
 
@@ -539,15 +540,18 @@ def test_a_path_whose_requirements_fail_is_skipped_with_the_reason(tmp_path, mon
 
 @pytest.mark.slow
 def test_lora_paths_train_adapters_on_the_production_kernels_and_are_compared(tmp_path):
-    """production_lora against production (smoke size: the plumbing); its BF16 base needs bf16 and says so."""
+    """production_lora and production_dora against production (smoke size: the plumbing); LoRA's BF16 base needs
+    bf16 and says so."""
     record = measure(ThroughputParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "run"), "micro_batches": [2],
                                                  "paths": ["production", "production_lora",
-                                                           "production_lora_bf16_base"], "profile_steps": 0,
-                                                 "batches": ["random_rows"]}),
+                                                           "production_lora_bf16_base", "production_dora"],
+                                                 "profile_steps": 0, "batches": ["random_rows"]}),
                      log=lambda line: None)
-    full, lora, bf16_base = record["paths"]
-    assert full["status"] == lora["status"] == "ok", (full.get("reason"), lora.get("reason"))
+    full, lora, bf16_base, dora = record["paths"]
+    assert full["status"] == lora["status"] == dora["status"] == "ok", [p.get("reason") for p in record["paths"]]
     assert lora["kernel_path"]["moe"] == "triton_fused" and lora["params_trainable"] < lora["params_total"] / 2
+    config = PRESETS[SMOKE["model"]]
+    assert dora["params_trainable"] == adapter_parameter_count(config, LoraSettings(rank=16, alpha=32, dora=True))
     assert full["params_trainable"] == full["params_total"]
     assert lora["evaluation_and_checkpoint"]["status"] == "ok"
     assert bf16_base["status"] == "skipped" and "bf16" in bf16_base["reason"]
