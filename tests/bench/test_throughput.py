@@ -8,9 +8,7 @@ import math
 import time
 from pathlib import Path
 
-import nbformat
 import numpy as np
-import papermill
 import pytest
 import torch
 
@@ -801,25 +799,3 @@ def test_every_committed_record_is_shown_and_its_blocks_are_current(path):
                     f"{page.name}'s {kind} for {name} is stale: python -m cflib.bench {kind} {name} "
                     f"--into {page.relative_to(ROOT)}")
     assert shown, f"{name} is committed but no page shows it (a perf-table or headline-table block)"
-
-
-# --- the notebook -----------------------------------------------------------------------
-
-@pytest.mark.slow
-def test_papermill_runs_the_smoke_profile(tmp_path):
-    out_dir = tmp_path / "run"
-    executed = tmp_path / "executed.ipynb"
-    papermill.execute_notebook(str(NOTEBOOK), str(executed), parameters={
-        **SMOKE, "out_dir": str(out_dir), "micro_batches": [2],
-        "paths": ["reference", "peer_eager", "peer_liger", "peer_padded"]},
-        cwd=str(ROOT / "notebooks"), progress_bar=False)
-    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    assert any("image/png" in o.get("data", {}) for o in outputs)  # the bar chart
-    assert any("| peer_eager | 2 |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
-    assert any("| peer_padded | 2 |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
-    record = json.loads((out_dir / "record.json").read_text())
-    assert [(e["batches"], e["path"], e["status"]) for e in record["paths"]] == [
-        ("random_rows", "reference", "ok"), ("random_rows", "peer_eager", "ok"),
-        ("random_rows", "peer_liger", "skipped"), ("realistic", "reference", "ok"), ("realistic", "peer_padded", "ok")]
-    assert (out_dir / "throughput.png").is_file()

@@ -8,7 +8,7 @@ once the kernel is idle: every code cell ran, a progress widget rendered, a plot
 image exists, no cell shows an error (on the page and in the saved notebook).
 Each run is as small as still shows all of that (nbval runs every notebook at
 its defaults); compare_runs' files and evaluate's record are read back after
-their runs, in place of papermill runs of their own.
+their runs, and measure_throughput's record and table, in place of papermill runs of their own.
 A screenshot of the whole notebook lands in outputs/lab/ (`make screenshots`
 copies them to outputs/screenshots/, which the README shows). JupyterLab is
 shut down through its API, and no process it or the browser started may be
@@ -63,9 +63,11 @@ SMOKE_RUNS = {
                                               "exact_match_limit": 8}),
     "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run", "dtypes": "float32"}),
     "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run", "exhaustive_sweep": False, "probe_steps": 1}),
-    # A project's path and a peer's, on each kind of batches, at one micro-batch.
-    "measure_throughput.ipynb": (None, {"out_dir": "{tmp}/throughput-run", "paths": ["reference", "peer_packed"],
-                                        "micro_batches": [2]}),
+    # params/throughput_smoke.yaml at one micro-batch: the project's path and peers on each kind of batches, one
+    # of them (Liger's) skipped on the CPU (its record and table: test_measure_throughput_...).
+    "measure_throughput.ipynb": ("params/throughput_smoke.yaml", {
+        "out_dir": "{tmp}/throughput-run", "micro_batches": [2],
+        "paths": ["reference", "peer_eager", "peer_liger", "peer_padded"]}),
     # Trains its model here (the loss plot), a few steps.
     "chat.ipynb": (None, {"out_dir": "{tmp}/chat-run", "train_steps": 4, "max_new_tokens": 8,
                           "prompts": ["123+456=", "upper python"]}),
@@ -413,6 +415,24 @@ def test_evaluate_scores_the_bundle_of_the_checkpoint_it_was_given(lab):
     assert record["loglikelihood_check"]["pairs"] == 24 and record["loglikelihood_check"]["max_abs_diff"] < 1e-4
     assert (out_dir / "lm_eval_results.json").is_file() and (out_dir / "scores.png").is_file()
     assert not (out_dir / "trained-here").exists()  # a model was named: nothing trained
+
+
+def test_measure_throughput_records_every_path_and_shows_its_table_and_chart(lab):
+    """measure_throughput's run above, on params/throughput_smoke.yaml: the saved notebook holds the bar chart and
+    the table's rows, the record each path's status on each kind of batches (Liger's needs CUDA: skipped)."""
+    name = "measure_throughput.ipynb"
+    saved = save_and_read(run_notebook(lab, name), lab, name)
+    outputs = [o for c in saved.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the bar chart
+    assert any("| peer_eager | 2 |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
+    assert any("| peer_padded | 2 |" in o.get("data", {}).get("text/markdown", "") for o in outputs)
+    out_dir = lab.tmp / "throughput-run"
+    record = json.loads((out_dir / "record.json").read_text())
+    assert [(e["batches"], e["path"], e["status"]) for e in record["paths"]] == [
+        ("random_rows", "reference", "ok"), ("random_rows", "peer_eager", "ok"),
+        ("random_rows", "peer_liger", "skipped"), ("realistic", "reference", "ok"), ("realistic", "peer_padded", "ok")]
+    assert (out_dir / "throughput.png").is_file()
 
 
 MODEL_CARD = ROOT / "outputs" / "records" / "model_card_quickstart.md"
