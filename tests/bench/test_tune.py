@@ -1,24 +1,20 @@
 """The microbatch tuner: the memory meter, the search, bad inputs, real CPU probes and the notebook."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import nbformat
-import papermill
 import pytest
 import torch
 
 from cflib.bench.memory import TensorMemory
 from cflib.bench.search import GIB, Probe, local_line, search
 from cflib.bench.tune import TuneParams, batch_plan, measure_probe, prepare_tuning, probe_shard
-from cflib.train import train
-from cflib.train.params import ParamError, TrainParams, load_params_file
+from cflib.train.params import ParamError, load_params_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TUNE_NB = ROOT / "notebooks" / "tune_microbatch.ipynb"
-TRAIN_SFT = ROOT / "notebooks" / "train_sft.ipynb"
 SMOKE = load_params_file(ROOT / "params" / "tune_smoke.yaml")
 
 
@@ -188,44 +184,3 @@ def parameters_cell(path: Path) -> dict:
 def test_notebook_parameters_are_the_smoke_profile_over_the_defaults():
     defaults = {name: getattr(TuneParams(), name) for name in TuneParams.names()}
     assert parameters_cell(TUNE_NB) == {**defaults, **SMOKE}
-
-
-@pytest.mark.slow
-def test_papermill_tunes_on_cpu_and_train_sft_accepts_the_result(tmp_path):
-    out_dir = tmp_path / "tune"
-    executed = tmp_path / "tune.ipynb"
-    papermill.execute_notebook(str(TUNE_NB), str(executed), parameters={**SMOKE, "out_dir": str(out_dir)},
-                               cwd=str(ROOT / "notebooks"), progress_bar=False)
-    outputs = [o for c in nbformat.read(executed, as_version=4).cells if c.cell_type == "code" for o in c.outputs]
-    assert not [o for o in outputs if o.output_type == "error"]
-    assert any("image/png" in o.get("data", {}) for o in outputs)
-    record = json.loads((out_dir / "record.json").read_text())
-    assert (out_dir / "memory_vs_microbatch.png").stat().st_size > 0
-    assert sorted(entry.name for entry in out_dir.iterdir()) == ["memory_vs_microbatch.png", "record.json",
-                                                                "train_sft_params.yaml"]  # the probe shard gone
-    assert sorted(entry.name for entry in tmp_path.iterdir()) == ["tune", "tune.ipynb"]  # nothing beside it
-    search_ = record["search"]
-    assert search_["probes_used"] <= 4
-    sweep = record["sweep"]
-    assert sweep["tuned_within_one"] and sweep["largest_fitting"] >= record["tuned_micro_batch_per_rank"]
-    assert record["verification"]["peak_bytes"] <= record["budget"]["usable_bytes"]
-    # Near the answer the line predicts what the sweep measured within 2%.
-    fit = record["fit"]
-    for probe in sweep["probes"]:
-        if probe["peak_bytes"] is not None and abs(probe["micro"] - record["tuned_micro_batch_per_rank"]) <= 2:
-            predicted = fit["intercept_bytes"] + fit["slope_bytes_per_example"] * probe["micro"]
-            assert abs(probe["peak_bytes"] - predicted) <= 0.02 * predicted
-    assert any(p["outcome"] == "out_of_memory" for p in sweep["probes"])  # the sweep ran into the cap
-    batch = record["batch"]
-    assert batch["micro_batch_per_rank"] * batch["world_size"] * batch["grad_accum"] == batch["global_batch"] == 64
-
-    tuned = load_params_file(out_dir / "train_sft_params.yaml")
-    params = TrainParams.from_dict(tuned)
-    assert params.micro_batch_per_rank == batch["micro_batch_per_rank"] and params.seq_len == SMOKE["seq_len"]
-    # Every name the file sets is a parameter of train_sft.ipynb (papermill -f injects them there), and the run
-    # the notebook starts from them trains (the notebook's own run under papermill: tests/lab/test_notebooks.py).
-    assert set(tuned) <= set(papermill.inspect_notebook(str(TRAIN_SFT)))
-    trained = train({**tuned, "out_dir": str(tmp_path / "run"), "max_steps": 2, "exact_match_limit": 0},
-                    progress=False)
-    assert trained["micro_batch_per_rank"] == batch["micro_batch_per_rank"]
-    assert trained["grad_accum"] == batch["grad_accum"]

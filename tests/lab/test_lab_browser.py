@@ -8,7 +8,7 @@ once the kernel is idle: every code cell ran, a progress widget rendered, a plot
 image exists, no cell shows an error (on the page and in the saved notebook).
 Each run is as small as still shows all of that (nbval runs every notebook at
 its defaults); compare_runs' files and evaluate's record are read back after
-their runs, and measure_throughput's record and table, in place of papermill runs of their own.
+their runs, and measure_throughput's and tune_microbatch's records, in place of papermill runs of their own.
 A screenshot of the whole notebook lands in outputs/lab/ (`make screenshots`
 copies them to outputs/screenshots/, which the README shows). JupyterLab is
 shut down through its API, and no process it or the browser started may be
@@ -62,7 +62,9 @@ SMOKE_RUNS = {
     "train_sft.ipynb": ("params/smoke.yaml", {"out_dir": "{tmp}/train_sft-run", "max_steps": 6,
                                               "exact_match_limit": 8}),
     "validate_kernels.ipynb": (None, {"out_dir": "{tmp}/validate_kernels-run", "dtypes": "float32"}),
-    "tune_microbatch.ipynb": (None, {"out_dir": "{tmp}/tune-run", "exhaustive_sweep": False, "probe_steps": 1}),
+    # params/tune_smoke.yaml (the notebook's defaults), its exhaustive sweep included (its record and the params
+    # file train_sft takes: test_tune_microbatch_...).
+    "tune_microbatch.ipynb": ("params/tune_smoke.yaml", {"out_dir": "{tmp}/tune-run/tune"}),
     # params/throughput_smoke.yaml at one micro-batch: the project's path and peers on each kind of batches, one
     # of them (Liger's) skipped on the CPU (its record and table: test_measure_throughput_...).
     "measure_throughput.ipynb": ("params/throughput_smoke.yaml", {
@@ -433,6 +435,51 @@ def test_measure_throughput_records_every_path_and_shows_its_table_and_chart(lab
         ("random_rows", "reference", "ok"), ("random_rows", "peer_eager", "ok"),
         ("random_rows", "peer_liger", "skipped"), ("realistic", "reference", "ok"), ("realistic", "peer_padded", "ok")]
     assert (out_dir / "throughput.png").is_file()
+
+
+def test_tune_microbatch_writes_a_record_and_a_params_file_train_sft_trains_from(lab):
+    """tune_microbatch's run above, on params/tune_smoke.yaml: the search checked against the exhaustive sweep,
+    the linear fit near the answer, and the params file it writes taken by train_sft."""
+    import papermill
+
+    from cflib.train import train
+    from cflib.train.params import TrainParams
+
+    name = "tune_microbatch.ipynb"
+    saved = save_and_read(run_notebook(lab, name), lab, name)
+    outputs = [o for c in saved.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    out_dir = lab.tmp / "tune-run" / "tune"
+    record = json.loads((out_dir / "record.json").read_text())
+    assert (out_dir / "memory_vs_microbatch.png").stat().st_size > 0
+    assert sorted(entry.name for entry in out_dir.iterdir()) == ["memory_vs_microbatch.png", "record.json",
+                                                                "train_sft_params.yaml"]  # the probe shard gone
+    assert sorted(entry.name for entry in out_dir.parent.iterdir()) == ["tune"]  # nothing beside it
+    assert record["search"]["probes_used"] <= 4
+    sweep = record["sweep"]
+    assert sweep["tuned_within_one"] and sweep["largest_fitting"] >= record["tuned_micro_batch_per_rank"]
+    assert record["verification"]["peak_bytes"] <= record["budget"]["usable_bytes"]
+    # Near the answer the line predicts what the sweep measured within 2%.
+    fit = record["fit"]
+    for probe in sweep["probes"]:
+        if probe["peak_bytes"] is not None and abs(probe["micro"] - record["tuned_micro_batch_per_rank"]) <= 2:
+            predicted = fit["intercept_bytes"] + fit["slope_bytes_per_example"] * probe["micro"]
+            assert abs(probe["peak_bytes"] - predicted) <= 0.02 * predicted
+    assert any(p["outcome"] == "out_of_memory" for p in sweep["probes"])  # the sweep ran into the cap
+    batch = record["batch"]
+    assert batch["micro_batch_per_rank"] * batch["world_size"] * batch["grad_accum"] == batch["global_batch"] == 64
+
+    tuned = load_params_file(out_dir / "train_sft_params.yaml")
+    params = TrainParams.from_dict(tuned)
+    assert params.micro_batch_per_rank == batch["micro_batch_per_rank"] and params.seq_len == 64
+    # Every name the file sets is a parameter of train_sft.ipynb (papermill -f injects them there), and the run
+    # the notebook starts from them trains (the notebook's own run under papermill: tests/lab/test_notebooks.py).
+    assert set(tuned) <= set(papermill.inspect_notebook(str(ROOT / "notebooks" / "train_sft.ipynb")))
+    trained = train({**tuned, "out_dir": str(lab.tmp / "tuned-run"), "max_steps": 2, "exact_match_limit": 0},
+                    progress=False)
+    assert trained["micro_batch_per_rank"] == batch["micro_batch_per_rank"]
+    assert trained["grad_accum"] == batch["grad_accum"]
 
 
 MODEL_CARD = ROOT / "outputs" / "records" / "model_card_quickstart.md"
