@@ -29,8 +29,8 @@ train: setup
 
 # One pytest worker per core and one more, at most 4: many tests wait on processes they started (torchrun, notebook
 # kernels, JupyterLab), and the extra worker uses the cores meanwhile. A test file (a notebook's cells among them)
-# stays on one worker, and the files are handed out in this order: the notebooks' long runs first, so that the last
-# files to finish are short. The research probes' quick checks (benchmarks/tests) run here, never in test-fast.
+# stays on one worker, and the files are handed out in the order tests/conftest.py gives them: those that start
+# processes (notebooks, torchrun, papermill, JupyterLab) first, so that the last files to finish are short. The research probes' quick checks (benchmarks/tests) run here, never in test-fast.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min((os.cpu_count() or 1) + 1, 4))")
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env \

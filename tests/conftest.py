@@ -37,6 +37,19 @@ def _freeze_what_exists() -> None:
     gc.freeze()
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The files that start processes first, those with the most such tests before the others, the quick files
+    last: `make test` hands whole files to its workers in this order (--dist loadfile), so that the last files to
+    finish are short ones rather than a file of torchrun or papermill runs started near the end. Within a file
+    the order stays as written, and every worker sorts the same collection alike."""
+    slow: dict = {}
+    for item in items:
+        heavy = item.get_closest_marker("slow") is not None or item.path.suffix == ".ipynb"  # nbval's cells run
+        slow[item.path] = slow.get(item.path, 0) + heavy
+    first_seen = {path: index for index, path in enumerate(dict.fromkeys(item.path for item in items))}
+    items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
+
+
 def pytest_collection_finish(session) -> None:
     _freeze_what_exists()
 
