@@ -298,6 +298,45 @@ def test_dora_norm_is_detached_and_the_merge_gives_the_adapted_logits():
             torch.testing.assert_close(logits(plain, ids), expected, rtol=0, atol=1e-5)
 
 
+def dora_layer_and_peft_s(out_features: int = 24, in_features: int = 40) -> tuple:
+    """One linear layer under cflib's DoRA and the same under PEFT's (use_dora, its own DoraLinearLayer), with equal
+    weights, factors and magnitudes (B and m moved off their starts, as after some steps)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(3)
+    holder = torch.nn.Sequential()
+    holder.add_module("proj", torch.nn.Linear(in_features, out_features, bias=False))
+    base = copy.deepcopy(holder.proj).requires_grad_(False)
+    ours = lora.DoraLinear(base, LoraSettings(rank=4, alpha=8, dora=True))
+    theirs = peft.get_peft_model(holder, peft.LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["proj"]))
+    with torch.no_grad():
+        ours.lora_B.weight.normal_(0.0, 0.1)
+        ours.lora_magnitude_vector.mul_(1 + 0.2 * torch.randn(out_features))
+        peft_layer = theirs.base_model.model.proj
+        peft_layer.lora_A["default"].weight.copy_(ours.lora_A.weight)
+        peft_layer.lora_B["default"].weight.copy_(ours.lora_B.weight)
+        peft_layer.lora_magnitude_vector["default"].weight.copy_(ours.lora_magnitude_vector)
+    factors = {"A": (ours.lora_A.weight, peft_layer.lora_A["default"].weight),
+               "B": (ours.lora_B.weight, peft_layer.lora_B["default"].weight),
+               "magnitude": (ours.lora_magnitude_vector, peft_layer.lora_magnitude_vector["default"].weight)}
+    return ours, theirs, factors
+
+
+@pytest.mark.parametrize("form", ["branch", "effective_weight"])
+def test_dora_gradients_are_peft_s_on_the_reference_branch_and_the_folded_weight(form):
+    """PEFT's DoraLinearLayer holds ||W + sBA|| constant in backward (the paper's section 4.3): cflib's DoRA gives
+    its outputs and its gradients of A, B and the magnitude, as the reference branch and as the effective weight
+    the fused paths fold (its own backward)."""
+    ours, theirs, factors = dora_layer_and_peft_s()
+    x, upstream = torch.randn(2, 7, 40), torch.randn(2, 7, 24)
+    mine = ours(x) if form == "branch" else torch.nn.functional.linear(x, ours.effective_weight())
+    (mine * upstream).sum().backward()
+    (theirs(x) * upstream).sum().backward()
+    torch.testing.assert_close(mine, theirs(x), rtol=0, atol=1e-5)
+    for name, (cflib_param, peft_param) in factors.items():
+        assert peft_param.grad.abs().sum() > 0, name
+        torch.testing.assert_close(cflib_param.grad, peft_param.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_dora_settings_refuse_the_expert_tensors_default_to_the_linear_ones_and_older_ones_read_as_plain_lora():
     saved = LoraSettings(rank=4, dora=True, targets=("q_proj",)).to_dict()
     assert saved["dora"] is True and LoraSettings.from_dict(saved).dora
