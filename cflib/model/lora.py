@@ -19,7 +19,8 @@ the input dimension) and detached from the gradient (the paper's section 4.3, as
 PEFT computes it), m a trainable vector per output feature that starts at W's own
 row norms, so a fresh adapter still leaves the model unchanged. Its state-dict name
 is PEFT's saved one: `layers.0.self_attn.q_proj.lora_magnitude_vector`. The fused
-paths fold it as they fold LoRA (its effective weight; `delta` the difference from W);
+paths fold it as they fold LoRA, reading its effective weight (DoraWeight, whose
+backward keeps no weight-sized tensor: PEFT's gradients, from W, A and B apart);
 with dropout its branch is PEFT's (m/n - 1) * W x' + (m/n) * scale * B A x' on the
 dropped input x', which costs one more base GEMM per adapted weight.
 
@@ -161,6 +162,39 @@ def dora_factor(weight: torch.Tensor, update: torch.Tensor, magnitude: torch.Ten
     return magnitude / torch.linalg.norm(weight.detach().float() + update.detach(), dim=1)
 
 
+class DoraWeight(torch.autograd.Function):
+    """DoRA's effective weight m * (W + s B A) / ||W + s B A|| (the norm detached), keeping from forward to backward
+    only W (the parameter itself), A, B and two numbers per output feature: no weight-sized tensor of its own. The
+    gradients are autograd's of the same expression (in fp32): with V = W + s B A, f = m / ||V|| and G the output's
+    gradient, dm = rowsum(G * V) / ||V|| = (rowsum(G * W) + s rowsum((G A^T) * B)) / ||V||, dB = s f (G A^T),
+    dA = s (f B)^T G, so V is never rebuilt."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        update = (b @ a) * scale  # under BF16 autocast a BF16 product, as LoraLinear.delta's
+        norm = torch.linalg.norm(weight.float() + update, dim=1)  # dora_factor's, in fp32
+        factor = magnitude / norm
+        ctx.save_for_backward(weight, a, b, norm, factor)
+        ctx.scale = scale
+        return factor.unsqueeze(1) * (weight + update)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        weight, a, b, norm, factor = ctx.saved_tensors
+        grad, scale = grad.float(), ctx.scale
+        projected = grad @ a.float().t()  # G A^T [out, r]
+        need_w, need_a, need_b, need_m, _ = ctx.needs_input_grad
+        grad_w = (factor.unsqueeze(1) * grad).to(weight.dtype) if need_w else None
+        grad_a = ((b.float() * factor.unsqueeze(1)).t() @ grad * scale).to(a.dtype) if need_a else None
+        grad_b = (projected * (factor * scale).unsqueeze(1)).to(b.dtype) if need_b else None
+        grad_m = None
+        if need_m:
+            along = (grad * weight).sum(1) + scale * (projected * b.float()).sum(1)  # rowsum(G * V)
+            grad_m = (along / norm).to(factor.dtype)
+        return grad_w, grad_a, grad_b, grad_m, None
+
+
 class DoraLinear(LoraLinear):
     """A LoraLinear under DoRA: its weight's direction is W + scale * B @ A, its length per output feature the
     trainable `lora_magnitude_vector` (PEFT's name and init: the row norms of W + scale * B @ A, B zero: W's own,
@@ -183,11 +217,11 @@ class DoraLinear(LoraLinear):
         return (factor - 1) * F.linear(dropped, self.weight) + factor * low_rank
 
     def effective_weight(self) -> torch.Tensor:
-        update = super().delta()
-        return dora_factor(self.weight, update, self.lora_magnitude_vector).unsqueeze(1) * (self.weight + update)
+        return DoraWeight.apply(self.weight, self.lora_A.weight, self.lora_B.weight, self.lora_magnitude_vector,
+                                self.scale)
 
     def delta(self) -> torch.Tensor:
-        """The whole update, effective weight less W, for the paths that add an update to the weight."""
+        """The whole update, effective weight less W (the protocol's; the fused paths read the effective weight)."""
         return self.effective_weight() - self.weight
 
 

@@ -337,6 +337,39 @@ def test_dora_gradients_are_peft_s_on_the_reference_branch_and_the_folded_weight
         torch.testing.assert_close(cflib_param.grad, peft_param.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def saved_bytes(forward) -> int:
+    """Bytes autograd keeps from `forward()`'s graph for backward, less what parameters already hold (a tensor
+    counted once however often it is saved)."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module, out = forward()
+    owned = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    return sum(size for ptr, size in saved.items() if ptr not in owned)
+
+
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+def test_dora_s_folded_weight_keeps_no_more_for_backward_than_lora_s(base_dtype):
+    """The folded DoRA weight keeps W, A, B and two numbers per output feature for backward, not W + sBA: a layer
+    saves what LoRA's saves (its input and the effective weight the GEMM read) and two [out] vectors."""
+    x = torch.randn(16, 40, requires_grad=True)  # a layer's input, as in a model
+
+    def folded(cls: type) -> tuple:
+        torch.manual_seed(0)
+        base = torch.nn.Linear(40, 24, bias=False).requires_grad_(False).to(base_dtype)
+        layer = cls(base, LoraSettings(rank=4, alpha=8, dora=cls is lora.DoraLinear))
+        return layer, torch.nn.functional.linear(x.to(base_dtype), layer.effective_weight().to(base_dtype))
+
+    plain, dora = saved_bytes(lambda: folded(lora.LoraLinear)), saved_bytes(lambda: folded(lora.DoraLinear))
+    assert plain >= 24 * 40 * base_dtype.itemsize  # LoRA's GEMM keeps the weight it read: not a parameter
+    assert dora - plain <= 2 * 24 * 4  # the norms and m / ||.||, fp32 [out] each
+
+
 def test_dora_settings_refuse_the_expert_tensors_default_to_the_linear_ones_and_older_ones_read_as_plain_lora():
     saved = LoraSettings(rank=4, dora=True, targets=("q_proj",)).to_dict()
     assert saved["dora"] is True and LoraSettings.from_dict(saved).dora
