@@ -301,7 +301,9 @@ class FusedTRMoEEngine(TRMoEEngine):
         if next(iter(adapters.values())).folds():
             for name, adapter in adapters.items():
                 adapter.last_form = "effective_weight"
-                weights[name] = weights[name] + adapter.delta()
+                # a linear adapter's effective weight as it offers it (DoRA's is no sum of W and an update)
+                weights[name] = (weights[name] + adapter.delta() if name in EXPERT_TENSORS
+                                 else effective_weight(adapter))
             return trmoe_forward(self, x, token_ids, weights=weights, keep_activation=self.keep_activation)
         return self._with_branches(x, token_ids, weights, adapters)
 
