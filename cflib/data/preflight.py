@@ -71,10 +71,12 @@ def unended_examples(shard: ShardPartition) -> np.ndarray:
     return np.asarray(cut, dtype=np.int64)
 
 
-def preflight(root: str | Path, partition: str, *, vocab_size: int, seq_len: int,
-              require_release_ready: bool = False) -> tuple[ShardPartition, dict]:
-    """Open and check one partition; returns it and a report for the run record."""
-    shard = open_shard(root, partition, vocab_size=vocab_size, seq_len=seq_len)
+def preflight(root: str | Path, partition: str, *, vocab_size: int, seq_len: int | None,
+              require_release_ready: bool = False, seq_len_remedy: str = "drop them") -> tuple[ShardPartition, dict]:
+    """Open and check one partition; returns it and a report for the run record. seq_len None: any length up to the
+    shard's own cap (the caller leaves the longer examples out); seq_len_remedy: what an error for examples over
+    seq_len offers besides raising it."""
+    shard = open_shard(root, partition, vocab_size=vocab_size, seq_len=seq_len, seq_len_remedy=seq_len_remedy)
     # After the token checks, so a damaged file is named by what is wrong in it rather than by its hash.
     verified = shard.check_hashes()
     findings = manifest_findings(shard, vocab_size)

@@ -139,7 +139,7 @@ class ShardPartition(torch.utils.data.Dataset):
     """One validated, memory-mapped partition; item i is (input_ids, labels) of example i."""
 
     def __init__(self, directory: str | Path, *, vocab_size: int | None = None, seq_len: int | None = None,
-                 verify_hashes: bool = False, check_tokens: bool = True) -> None:
+                 verify_hashes: bool = False, check_tokens: bool = True, seq_len_remedy: str = "drop them") -> None:
         self.directory = Path(directory)
         index_path = self.directory / "sft.idx.json"
         if not index_path.is_file():
@@ -180,7 +180,7 @@ class ShardPartition(torch.utils.data.Dataset):
             self.check_hashes()
         self.offsets = np.array([row["offset"] for row in self.rows], dtype=np.int64)
         self.lengths = np.array([row["num_tokens"] for row in self.rows], dtype=np.int64)
-        self._validate_rows(seq_len)
+        self._validate_rows(seq_len, seq_len_remedy)
         # The model's vocabulary is at least the shard's (checked above): ids obey the shard's own.
         # Token checks run once, where the run is prepared; other processes only count labels.
         self.supervised_counts = np.concatenate([
@@ -252,18 +252,20 @@ class ShardPartition(torch.utils.data.Dataset):
         example_id = self.rows[row].get("example_id", "?")
         raise ShardError(f"{self.directory / file}: row {row} (example_id {example_id!r}): {what}")
 
-    def _too_long(self, over: np.ndarray, name: str, cap: int) -> None:
+    def _too_long(self, over: np.ndarray, name: str, cap: int, remedy: str) -> None:
         """The rows `over` exceed `cap`: how many, and the longest by its row (from 0, as every shard error counts
-        them), its example_id and where the converter read it (its source's row, from 1)."""
+        them), its example_id and where the converter read it (its source's row, from 1); `remedy` follows "raise
+        {name} to {longest} or"."""
         row = int(over[np.argmax(self.lengths[over])])
         origin = self.rows[row].get("origin")
         raise ShardError(f"{self.directory / 'examples.jsonl'}: {len(over):,} example(s) exceed {name} {cap}, the "
                          f"longest row {row} (example_id {self.rows[row].get('example_id', '?')!r}"
                          + (f", read from {origin}" if origin else "") + f") with {self.lengths[row]} tokens; "
-                         f"examples are never truncated: raise {name} to {self.lengths[row]} or drop them")
+                         f"examples are never truncated: raise {name} to {self.lengths[row]} or {remedy}")
 
-    def _validate_rows(self, seq_len: int | None) -> None:
-        """Offsets, lengths and caps of every row, from examples.jsonl alone."""
+    def _validate_rows(self, seq_len: int | None, seq_len_remedy: str) -> None:
+        """Offsets, lengths and caps of every row, from examples.jsonl alone; `seq_len_remedy` is what an error
+        for examples over seq_len offers besides raising it."""
         starts, lengths, total = self.offsets, self.lengths, int(self.index["num_tokens"])
         ends = starts + lengths
         bad = np.flatnonzero((lengths <= 0) | (starts < 0) | (ends > total))
@@ -273,10 +275,11 @@ class ShardPartition(torch.utils.data.Dataset):
         overlap = np.flatnonzero(starts[1:] < ends[:-1])
         if overlap.size:
             self._fail("examples.jsonl", int(overlap[0]) + 1, "overlaps the previous example")
-        for cap, source in ((self.max_seq_len, "the shard's sequence cap"), (seq_len, "seq_len")):
+        for cap, source, remedy in ((self.max_seq_len, "the shard's sequence cap", "drop them"),
+                                    (seq_len, "seq_len", seq_len_remedy)):
             over = np.flatnonzero(lengths > cap) if cap is not None else []
             if len(over):
-                self._too_long(over, source, cap)
+                self._too_long(over, source, cap, remedy)
 
     def _count_supervised(self, start: int, stop: int) -> np.ndarray:
         flat = _ranges(self.offsets[start:stop], self.lengths[start:stop])
@@ -381,14 +384,15 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def open_shard(root: str | Path, partition: str, *, vocab_size: int | None = None, seq_len: int | None = None,
-               verify_hashes: bool = False, check_tokens: bool = True) -> ShardPartition:
+               verify_hashes: bool = False, check_tokens: bool = True, seq_len_remedy: str = "drop them"
+               ) -> ShardPartition:
     if partition not in PARTITIONS:
         raise ShardError(f"unknown partition {partition!r}; a shard root holds {PARTITIONS}")
     root = Path(root)
     if not root.is_dir():
         raise ShardError(f"{root}: no such shard root")
     return ShardPartition(root / partition, vocab_size=vocab_size, seq_len=seq_len, verify_hashes=verify_hashes,
-                          check_tokens=check_tokens)
+                          check_tokens=check_tokens, seq_len_remedy=seq_len_remedy)
 
 
 def collate(batch: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
