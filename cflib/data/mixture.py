@@ -200,9 +200,12 @@ def recorded_roots(data: dict) -> list[tuple[str, Path]]:
 
 def recorded_held_out(data: dict, vocab_size: int | None = None) -> ShardPartition | MixedPartition:
     """A run's held-out set as it evaluated it, from its record's `data`: every source's eval/ read as one, else the
-    one root's eval/ (`data["root"]` is a mixture's first source alone)."""
+    one root's eval/ (`data["root"]` is a mixture's first source alone), without the examples longer than the seq_len
+    a run of overlong_examples: drop left out (`data["overlong"]`)."""
     sources = recorded_roots(data)
     parts = [ShardPartition(root / "eval", vocab_size=vocab_size) for _, root in sources]
+    if data.get("overlong"):
+        parts = [part.subset(np.flatnonzero(part.lengths <= data["overlong"]["seq_len"])) for part in parts]
     return MixedPartition(parts, [name for name, _ in sources]) if data.get("mixture") else parts[0]
 
 

@@ -19,6 +19,7 @@ from cflib.train import Run
 from cflib.train.curriculum_run import CurriculumRun
 from cflib.train.held_out import final_turn
 from cflib.train.records import read_metrics
+from cflib.train.run_data import describe_overlong
 from cflib.train.sizing import format_arithmetic, run_arithmetic
 from cflib.train.trackers import samples_markdown
 
@@ -202,6 +203,8 @@ def summary(record: dict) -> str:
     ]
     if "exact_match" in final:
         lines.append(f"exact match        {final['exact_match']['overall']:.3f} overall")
+    if overlong := (record.get("data") or {}).get("overlong"):  # overlong_examples: drop
+        lines.append(f"overlong           {describe_overlong(overlong)}")
     if "loss_by_source" in final:  # a mixture (docs/data.md#mixing-sources)
         lines.append("per source         " + ", ".join(
             f"{name}: loss {loss:.4f}" + (f", exact match {rate:.3f}" if (rate := (final.get(

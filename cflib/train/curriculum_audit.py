@@ -1,6 +1,7 @@
 """Every stage of a curriculum resolved against the actual shard, before anything trains.
 
-Per stage: the filters' counts, the supervised tokens kept, a mixture's plan (each
+Per stage: the filters' counts (and the examples overlong_examples: drop
+leaves out), the supervised tokens kept, a mixture's plan (each
 source's share of the first epoch's examples and supervised tokens), the loss weighting
 (every cell's visible supervised tokens at the stage's seq_len, its
 coefficient, whether the achieved shares match the targets and which cells
@@ -64,6 +65,7 @@ def audit_stage(stage: Stage, config: ModelConfig) -> dict:
     weighting = _weighting(stage, kept, mixture)
     return {"stage": stage.name, "passed": weighting["weights_within_cap"], "overrides": stage.overrides,
             "examples": data.filter_counts or {"examples": len(kept), "kept": len(kept)},
+            "overlong": data.overlong,
             "mixture": _mixture(mixture, kept),
             "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(data.eval), "seq_len": p.seq_len,
             "global_batch": p.global_batch, "micro_batch_per_rank": p.micro_batch_per_rank,

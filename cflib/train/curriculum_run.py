@@ -151,7 +151,8 @@ def selected_checkpoint(record: dict) -> str | None:
 
 
 def curriculum_summary(curriculum: Curriculum, records: list[dict], out_dir: Path) -> dict:
-    """What links the stages: each one's folder, record, start, filters, weights and final held-out result."""
+    """What links the stages: each one's folder, record, start, filters (and the examples overlong_examples: drop
+    left out), weights and final held-out result."""
     stages, start_from = [], records[0]["params"]["init_checkpoint"]
     for stage, record in zip(curriculum.stages, records):
         final = record["eval"]["final"]
@@ -160,7 +161,7 @@ def curriculum_summary(curriculum: Curriculum, records: list[dict], out_dir: Pat
             "name": stage.name, "out_dir": record["out_dir"], "record": str(Path(record["out_dir"]) / "record.json"),
             "started_from": start_from, "selected_checkpoint": selected_checkpoint(record),
             "overrides": stage.overrides, "filters": record.get("filters"),
-            "train_examples": record["data"]["train_examples"],
+            "overlong": record["data"].get("overlong"), "train_examples": record["data"]["train_examples"],
             "supervised_tokens": record["data"]["train_supervised_tokens"],
             "loss_coefficients": {cell["cell"]: cell["coefficient"] for cell in weighting["cells"]}
             if weighting else None,

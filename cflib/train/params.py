@@ -37,6 +37,7 @@ REPORTERS = ("tensorboard", "mlflow", "wandb")
 _PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 KERNEL_CHOICES = ("auto", "true", "false")
 STRATEGIES = ("auto", "ddp", "fsdp")
+OVERLONG = ("error", "drop")  # what a run does with examples longer than seq_len (cflib.train.run_data)
 
 
 def kernel_choice(name: str, value: Any) -> str:
@@ -195,6 +196,9 @@ class Data:
     examples_per_epoch: int | None = None  # examples an epoch draws from the sources by weight; None: all of them
     train_tasks: tuple[str, ...] | None = None  # train only on examples of these `task`s; eval stays whole
     pack_sequences: bool = False  # whole examples in seq_len windows, each attending only to itself
+    # examples longer than seq_len: error stops the run before step 1, naming the longest; drop leaves them out of
+    # training and evaluation, counted per partition and source (never truncated)
+    overlong_examples: str = "error"
     loss_groups: dict | None = None  # group -> {target_share, tasks, task_target_shares}; None: unweighted
     max_task_loss_weight: float = 30.0  # a larger loss coefficient stops the run before training
     require_release_ready: bool = False  # any shard/manifest mismatch is fatal, not a warning
@@ -449,6 +453,10 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         if self.device not in DEVICES:
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._validate_lora()
+        if self.overlong_examples not in OVERLONG:
+            raise ParamError(f"overlong_examples must be one of {', '.join(OVERLONG)} (examples longer than seq_len "
+                             "stop the run, or are left out of it; never truncated), got "
+                             f"{shown(self.overlong_examples)}")
         if self.train_tasks is not None and not self.train_tasks:
             raise ParamError("train_tasks must name at least one task, or be None for every example")
         self._validate_evaluation()

@@ -2,8 +2,9 @@
 
 A checkpoint's trainer state records the run's identity: the data (the SHA-256
 its shard manifests record for every file, train and eval), the stream
-(seed, global batch, examples, packing, tasks, a mixture's weights and
-examples per epoch), the schedule and every
+(seed, global batch, examples, packing, tasks, filters, whether examples
+longer than seq_len are dropped, a mixture's weights and examples per
+epoch), the schedule and every
 setting that changes the trajectory (optimizer, clipping, loss numerics,
 precision, NEFTune's noise, model source, LoRA and the adapters a LoRA run started from), and
 the held-out prompts exact match scores.
@@ -34,9 +35,9 @@ from cflib.train.held_out import scored_examples
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
 # The learning-rate multipliers too: they decide the optimizer's parameter groups, which its saved state must match.
 # Parameters first, then what is derived from them (DERIVED_FROM), so a change is named by the parameter set.
-STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "expert_lr_multiplier",
-          "lora_lr_multiplier", "examples_per_epoch", "mixture", "lr_schedule", "min_lr_ratio", "lr_decay_ratio",
-          "train_examples", "total_steps", "warmup_steps")
+STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "overlong_examples",
+          "expert_lr_multiplier", "lora_lr_multiplier", "examples_per_epoch", "mixture", "lr_schedule", "min_lr_ratio",
+          "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
              "fp32_loss", "bf16", "seq_len", "loss_groups",
@@ -56,7 +57,7 @@ DERIVED_FROM = {
     "total_steps": " (from epochs, max_steps, the examples per epoch, global_batch and pack_sequences)",
     "warmup_steps": " (from warmup_steps, or warmup_ratio and the total steps)",
     "lr_decay_ratio": " (wsd's, as resolved: None for the other schedules)",
-    "train_examples": " (the train partition's examples, after filters and train_tasks)",
+    "train_examples": " (the train partition's examples, after overlong_examples, filters and train_tasks)",
 }
 
 # What resuming reads from a trainer state: checked before any of it is used.
@@ -65,7 +66,8 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
-             "filters": None, "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0, "early_stopping_patience": None,
+             "filters": None, "overlong_examples": "error", "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0,
+             "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None}
 

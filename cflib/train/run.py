@@ -52,7 +52,7 @@ from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.registered import describe_carried, for_workers
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
-from cflib.train.run_data import Partition, count_train_examples, kept_data, open_data
+from cflib.train.run_data import Partition, count_train_examples, describe_overlong, kept_data, open_data
 from cflib.train.run_folder import check_entries_inside, check_run_folder, refuse_mixing, starts_over
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
@@ -99,6 +99,7 @@ class Run:
     # (cflib.train.registered).
     worker_imports: dict | None = None
     hub_start: HubStart | None = None  # init_checkpoint hub:ORG/NAME: the commit it trains from
+    overlong: dict | None = None  # overlong_examples: drop: seq_len and the examples each partition left out
 
     @property
     def total_steps(self) -> int:
@@ -151,7 +152,7 @@ class Run:
         block = {"root": str(self.data_root), "train_examples": len(data), "eval_examples": len(self.eval_data),
                  "vocab_size": data.vocab_size, "eos_token_id": data.eos_token_id, "max_seq_len": data.max_seq_len,
                  "preflight": self.preflight, "train_supervised_tokens": data.supervised_tokens(),
-                 **manifests(data, self.eval_data)}
+                 "overlong": self.overlong, **manifests(data, self.eval_data)}
         if self.mixture is not None:
             consumed = self.examples_of(self.consumed_units(steps_done))
             block["mixture"] = {**self.mixture.record(),
@@ -175,6 +176,7 @@ class Run:
                "trainable"] if self.lora is not None else []),
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
             f"examples, {tokens:,} train tokens" if self.mixture is None else self._mixture_lines(),
+            *([f"overlong     {describe_overlong(self.overlong)}"] if self.overlong is not None else []),
             *([self._packing_line()] if self.packed is not None else []),
             f"batch        global {p.global_batch} {'windows' if self.packed is not None else 'examples'} = micro "
             f"{p.micro_batch_per_rank} x world {p.world_size} x accumulation {p.grad_accum}",
@@ -349,7 +351,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     run = Run(params, device, model, start.source, data.root, train_data, data.eval, out_dir,
               steps_per_epoch, schedule, dist, strategy, estimate, plan, resume_state,
               packed, loss_weights, data.preflight, lora, data.filter_counts, mixture, start_adapters(params),
-              worker_imports, start.hub)
+              worker_imports, start.hub, data.overlong)
     if resume_state is not None:
         check_resumable(resume_state, run, start.resumed)
         if run.init_adapters is None:  # the base named at its new place, or nothing: the start stays the recorded one

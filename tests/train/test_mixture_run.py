@@ -436,6 +436,35 @@ def test_examples_per_epoch_with_one_root_packs_each_epoch_s_draw(roots, tmp_pat
         train(params(roots, tmp_path / "big", **{**one, "global_batch": 16}), progress=False)
 
 
+def test_overlong_examples_drop_leaves_each_source_s_longer_examples_out_of_its_draw_windows_and_held_out_set(
+        varied, roots, tmp_path):
+    """seq_len 40 holds 17 of the long source's 30 train examples and 2 of its 4 held out, and every short one: the
+    draw, the windows and the held-out set see those alone, each source's drop counted (the run's description, its
+    record's data, the dry run's row); a source none of whose train examples fits is named before anything is
+    written."""
+    drop = {"seq_len": 40, "overlong_examples": "drop"}
+    run = prepare(TrainParams.from_dict(packed_params(varied, tmp_path / "run", **drop)))
+    assert run.overlong == {"seq_len": 40, "partitions": {
+        "train (long)": {"examples": 30, "dropped": 13, "kept": 17, "longest": 59},
+        "eval (long)": {"examples": 4, "dropped": 2, "kept": 2, "longest": 52},
+        "train (short)": {"examples": 12, "dropped": 0, "kept": 12, "longest": 17},
+        "eval (short)": {"examples": 4, "dropped": 0, "kept": 4, "longest": 17}}}
+    assert run.mixture.available.tolist() == [17, 12] and run.mixture.per_epoch.tolist() == [32, 8]
+    assert len(run.eval_data) == 6 and max(run.train_data.lengths) <= 40 and max(run.eval_data.lengths) <= 40
+    windows = run.packed
+    assert all(run.train_data.lengths[windows.window(w)].sum() <= 40 for w in range(len(windows)))
+    assert run.data_record(0)["overlong"] == run.overlong and (
+        "overlong     examples longer than seq_len 40 left out: train (long) 13 of 30, eval (long) 2 of 4, train "
+        "(short) 0 of 12, eval (short) 0 of 4 (the longest: 59 tokens)") in run.describe()
+    dry = train(packed_params(varied, tmp_path / "dry", dry_run=True, **drop), progress=False)
+    assert dry["stages"][0]["overlong"] == run.overlong and dry["stages"][0]["examples"]["kept"] == 29
+    with pytest.raises(ShardError, match=r"data\[1\] \(source 'uppercase'\): .*uppercase/train: overlong_examples: "
+                                         r"drop would leave no train example: all 12 are longer than seq_len 16 .*"
+                                         "raise seq_len to at least 21"):
+        train(params(roots, tmp_path / "none", seq_len=16, overlong_examples="drop"), progress=False)
+    assert not (tmp_path / "none").exists()
+
+
 def test_max_steps_checks_global_batch_against_every_epoch_its_steps_reach():
     """Epoch 1's draw packs into 4 windows, epoch 2's into 2: a global batch of 4 whose max_steps reach epoch 2 is
     refused before step 1; one that ends within epoch 1 counts epoch 1 alone."""

@@ -62,10 +62,12 @@ def killed(shards, tmp_path_factory) -> Path:
     ({"warmup_steps": 2}, ["warmup_steps 1", "has 2", "(from warmup_steps, or warmup_ratio and the total steps)"]),
     ({"neftune_noise_alpha": 5.0}, ["neftune_noise_alpha None", "has 5.0",
                                     "allow_resume_changes: neftune_noise_alpha"]),
+    ({"overlong_examples": "drop"}, ["overlong_examples error", "has drop", "same stream and schedule"]),
     ({"allow_resume_changes": "bogus"}, ["allow_resume_changes", "'bogus'"]),
     ({"allow_resume_changes": "seed", "seed": 1}, ["allow_resume_changes", "'seed' cannot be allowed"]),
 ], ids=["other-shard-same-count", "model", "max-grad-norm", "loss-chunk-tokens", "fp32-loss", "lr", "seed",
-        "greater-is-better", "lr-schedule", "min-lr-ratio", "warmup-steps", "neftune", "unknown-allowance",
+        "greater-is-better", "lr-schedule", "min-lr-ratio", "warmup-steps", "neftune", "overlong-examples",
+        "unknown-allowance",
         "stream-not-allowable"])
 def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, shards, change, words):
     before = digest(killed)

@@ -11,10 +11,12 @@ import pytest
 import torch
 from sft_shard_helpers import write_shard
 
+from cflib.data.mixture import recorded_held_out
 from cflib.data.packing import PackedWindows, collate_packed, pack_examples
 from cflib.data.shards import Example, ShardError, write_partition
 from cflib.data.tasks import generate
 from cflib.data.tokenizer import ByteTokenizer
+from cflib.lab.report import summary
 from cflib.model.checkpoint import load_checkpoint
 from cflib.ops.attention import pack_documents
 from cflib.ops.loss import chunked_cross_entropy_sum
@@ -120,6 +122,48 @@ def test_max_steps_zero_only_evaluates(tmp_path, small_shard):
     assert record["schedule"]["steps_done"] == 0
     assert record["eval"]["final"] == record["eval"]["at_start"]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_examples_longer_than_seq_len_stop_the_run_or_are_left_out_of_training_and_evaluation(tmp_path, small_shard):
+    """seq_len 16 holds the additions (15 tokens), not the upper-casings (21): by default the run stops, naming the
+    parameter that leaves them out; overlong_examples: drop trains and evaluates on the rest, each partition's drop
+    counted in the description, the record and its summary; a partition left with none stops the run, naming it."""
+    short = {**FAST, "data": str(small_shard), "seq_len": 16, "out_dir": str(tmp_path / "refused")}
+    with pytest.raises(ShardError, match=r"train/examples\.jsonl: 19 example\(s\) exceed seq_len 16, .* with 21 "
+                                         r"tokens; .*raise seq_len to 21 or set overlong_examples: drop"):
+        prepare(TrainParams.from_dict(short))
+    record = run(tmp_path, small_shard, seq_len=16, overlong_examples="drop", max_steps=0, eval_at_start=False)
+    assert record["data"]["overlong"] == {"seq_len": 16, "partitions": {
+        "train": {"examples": 40, "dropped": 19, "kept": 21, "longest": 21},
+        "eval": {"examples": 24, "dropped": 12, "kept": 12, "longest": 21}}}
+    assert record["data"]["train_examples"] == 21 and record["eval"]["final"]["examples"] == 12
+    assert len(recorded_held_out(record["data"])) == 12  # the report's answers come from the set evaluated
+    assert ("overlong           examples longer than seq_len 16 left out: train 19 of 40, eval 12 of 24 (the "
+            "longest: 21 tokens)") in summary(record)
+    with pytest.raises(ShardError, match=r"train: overlong_examples: drop would leave no train example: all 40 are "
+                                         r"longer than seq_len 14 \(the shortest has 15 tokens\); raise seq_len to at "
+                                         "least 15"):
+        prepare(TrainParams.from_dict({**short, "seq_len": 14, "overlong_examples": "drop"}))
+    train_examples, eval_examples = generate(seed=1)
+    long_held_out = write_shard(tmp_path / "long_held_out", train_examples[:40],
+                                [e for e in eval_examples if e.meta["task"] == "uppercase"][:4], max_seq_len=64)
+    with pytest.raises(ShardError, match=r"long_held_out/eval: overlong_examples: drop would leave no eval example"):
+        prepare(TrainParams.from_dict({**short, "data": str(long_held_out), "overlong_examples": "drop"}))
+    with pytest.raises(ParamError, match="overlong_examples must be one of error, drop .*got 'truncate'"):
+        TrainParams.from_dict({**short, "overlong_examples": "truncate"})
+
+
+def test_where_every_example_fits_seq_len_dropping_leaves_out_none_and_the_default_records_nothing(tmp_path,
+                                                                                                  small_shard):
+    default = prepare(TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "a")}))
+    dropping = prepare(TrainParams.from_dict({**FAST, "data": str(small_shard), "out_dir": str(tmp_path / "b"),
+                                              "overlong_examples": "drop"}))
+    assert TrainParams().overlong_examples == "error"
+    assert default.overlong is None and default.data_record(0)["overlong"] is None
+    assert "overlong" not in default.describe() and "overlong" in dropping.describe()
+    assert (len(default.train_data), len(default.eval_data)) == (len(dropping.train_data), len(dropping.eval_data)) \
+        == (40, 24)
+    assert [c["dropped"] for c in dropping.overlong["partitions"].values()] == [0, 0]
 
 
 def test_init_checkpoint_reproduces_the_trained_model(tmp_path, small_shard):
