@@ -253,3 +253,10 @@ def test_use_custom_kernels_accepts_booleans_and_strings(raw, expected):
 def test_use_custom_kernels_rejects_other_words():
     with pytest.raises(ParamError, match="use_custom_kernels must be one of"):
         TrainParams.from_dict({"use_custom_kernels": "fast"})
+
+
+def test_every_params_file_is_listed_in_the_parameters_page():
+    """docs/parameters.md's table names each params file a user can pass with -f."""
+    page = (PARAMS_DIR.parent / "docs" / "parameters.md").read_text()
+    unlisted = [path.name for path in sorted(PARAMS_DIR.glob("*.yaml")) if f"(../params/{path.name})" not in page]
+    assert not unlisted, f"params files missing from docs/parameters.md's table: {unlisted}"
