@@ -157,23 +157,25 @@ class LoraLinear(nn.Linear):
 
 def dora_factor(weight: torch.Tensor, update: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     """DoRA's m / ||W + update|| per output feature ([out]): the norm of each row of W + update (over the input
-    dimension) in fp32 and detached, as PEFT's DoraLinearLayer computes it (the paper's section 4.3: no gradient
-    flows through the norm)."""
-    return magnitude / torch.linalg.norm(weight.detach().float() + update.detach(), dim=1)
+    dimension) in fp32 (fp64 for an fp64 weight) and detached, as PEFT's DoraLinearLayer computes it (the paper's
+    section 4.3: no gradient flows through the norm)."""
+    wide = weight.detach().to(torch.promote_types(weight.dtype, torch.float32))
+    return magnitude / torch.linalg.norm(wide + update.detach(), dim=1)
 
 
 class DoraWeight(torch.autograd.Function):
     """DoRA's effective weight m * (W + s B A) / ||W + s B A|| (the norm detached), keeping from forward to backward
     only W (the parameter itself), A, B and two numbers per output feature: no weight-sized tensor of its own. The
-    gradients are autograd's of the same expression (in fp32): with V = W + s B A, f = m / ||V|| and G the output's
-    gradient, dm = rowsum(G * V) / ||V|| = (rowsum(G * W) + s rowsum((G A^T) * B)) / ||V||, dB = s f (G A^T),
-    dA = s (f B)^T G, so V is never rebuilt."""
+    gradients are autograd's of the same expression (in fp32, fp64 for fp64 weights): with V = W + s B A,
+    f = m / ||V|| and G the output's gradient, dm = rowsum(G * V) / ||V|| = (rowsum(G * W) + s rowsum((G A^T) * B))
+    / ||V||, dB = s f (G A^T), dA = s (f B)^T G, so V is never rebuilt."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor,
                 scale: float) -> torch.Tensor:
         update = (b @ a) * scale  # under BF16 autocast a BF16 product, as LoraLinear.delta's
-        norm = torch.linalg.norm(weight.float() + update, dim=1)  # dora_factor's, in fp32
+        wide = weight.to(torch.promote_types(weight.dtype, torch.float32))
+        norm = torch.linalg.norm(wide + update, dim=1)  # dora_factor's, in fp32 at least
         factor = magnitude / norm
         ctx.save_for_backward(weight, a, b, norm, factor)
         ctx.scale = scale
@@ -182,15 +184,16 @@ class DoraWeight(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         weight, a, b, norm, factor = ctx.saved_tensors
-        grad, scale = grad.float(), ctx.scale
-        projected = grad @ a.float().t()  # G A^T [out, r]
+        compute = torch.promote_types(grad.dtype, factor.dtype)  # fp32 at least (the norm's), fp64 in fp64
+        grad, scale = grad.to(compute), ctx.scale
+        projected = grad @ a.to(compute).t()  # G A^T [out, r]
         need_w, need_a, need_b, need_m, _ = ctx.needs_input_grad
         grad_w = (factor.unsqueeze(1) * grad).to(weight.dtype) if need_w else None
-        grad_a = ((b.float() * factor.unsqueeze(1)).t() @ grad * scale).to(a.dtype) if need_a else None
+        grad_a = ((b.to(compute) * factor.unsqueeze(1)).t() @ grad * scale).to(a.dtype) if need_a else None
         grad_b = (projected * (factor * scale).unsqueeze(1)).to(b.dtype) if need_b else None
         grad_m = None
         if need_m:
-            along = (grad * weight).sum(1) + scale * (projected * b.float()).sum(1)  # rowsum(G * V)
+            along = (grad * weight).sum(1) + scale * (projected * b.to(compute)).sum(1)  # rowsum(G * V)
             grad_m = (along / norm).to(factor.dtype)
         return grad_w, grad_a, grad_b, grad_m, None
 

@@ -337,6 +337,26 @@ def test_dora_gradients_are_peft_s_on_the_reference_branch_and_the_folded_weight
         torch.testing.assert_close(cflib_param.grad, peft_param.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_dora_weight_s_backward_is_the_expression_s_gradient_in_float64():
+    """DoraWeight's hand-written backward against finite differences of its forward, in float64 (the norm a
+    constant, as in forward: gradcheck perturbs it too, so the check holds the norm's inputs apart)."""
+    torch.manual_seed(0)
+    weight, a, b = torch.randn(6, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64), torch.randn(
+        6, 3, dtype=torch.float64)
+    magnitude = torch.rand(6, dtype=torch.float64) + 0.5
+    grad = torch.randn(6, 5, dtype=torch.float64)
+    inputs = [t.clone().requires_grad_() for t in (weight, a, b, magnitude)]
+    (lora.DoraWeight.apply(*inputs, 0.7) * grad).sum().backward()
+    expected = [t.clone().requires_grad_() for t in (weight, a, b, magnitude)]
+    w, a_, b_, m = expected
+    update = (b_ @ a_) * 0.7
+    direct = (m / torch.linalg.norm(w + update, dim=1).detach()).unsqueeze(1) * (w + update)
+    (direct * grad).sum().backward()
+    for name, mine, theirs in zip(("weight", "A", "B", "magnitude"), inputs, expected):
+        assert mine.grad.dtype == torch.float64, name
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def saved_bytes(forward) -> int:
     """Bytes autograd keeps from `forward()`'s graph for backward, less what parameters already hold (a tensor
     counted once however often it is saved)."""
