@@ -7,7 +7,8 @@ masters are updated.
 
 The routed experts and the LoRA adapters may learn at their own rates (`expert_lr_multiplier`,
 `lora_lr_multiplier`: lr x multiplier, both for an adapter on an expert); each combination is a parameter group,
-named, so the record can show every group's learning rate.
+named, so the record can show every group's learning rate. Every implementation takes the same epsilon
+(`adam_epsilon`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from cflib.ops.adamw import (
 )
 from cflib.ops.dispatch import triton_problem
 
+EPS = 1e-8  # AdamW's epsilon unless adam_epsilon says otherwise: torch's default, and transformers'
 TABLES_KEPT = 32  # address tables cached per optimizer: one per group and set of gradient tensors (graph shapes)
 
 
@@ -108,6 +110,7 @@ class AdamWSettings:
     betas: tuple[float, float]
     expert_lr_multiplier: float = 1.0
     lora_lr_multiplier: float = 1.0
+    eps: float = EPS
 
 
 def _group_of(name: str, parameter: torch.nn.Parameter, settings: AdamWSettings) -> tuple[str, float]:
@@ -132,10 +135,10 @@ class TritonAdamW(torch.optim.AdamW):
     refresh follows the step. The gradients are left as they were (torch's clipped step writes them back
     divided by the factor): read after the step, they are unclipped."""
 
-    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], block: int = BLOCK,
-                 num_warps: int = NUM_WARPS) -> None:
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float = EPS,
+                 block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
         # fused: the steps live on the parameters' device, and a loaded state dict keeps them there
-        super().__init__(groups, lr=lr, betas=betas, fused=True)
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, fused=True)
         self.launch = {"block": block, "num_warps": num_warps}
         self.weight_copies: WeightCopies | None = None
         self.stepped = False  # read back into the record's kernel path
@@ -254,15 +257,15 @@ def make_optimizer(model: torch.nn.Module, settings: AdamWSettings, fused: bool 
     with `triton` cflib's kernel (the execution plan says which: cflib.train.execution)."""
     groups = parameter_groups(model, settings)
     if triton:
-        return TritonAdamW(groups, lr=settings.lr, betas=settings.betas)
-    return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, fused=fused)
+        return TritonAdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=fused)
 
 
 def describe_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Each parameter group's name, size and peak learning rate, for the record."""
     return [{"name": group.get("name", str(index)), "tensors": len(group["params"]),
              "params": sum(p.numel() for p in group["params"]), "lr": group.get("initial_lr", group["lr"]),
-             "weight_decay": group["weight_decay"]}
+             "weight_decay": group["weight_decay"], "eps": group["eps"]}
             for index, group in enumerate(optimizer.param_groups)]
 
 

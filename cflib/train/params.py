@@ -224,6 +224,7 @@ class Optimisation:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_epsilon: float = 1e-8  # AdamW's epsilon (transformers' name), added to the second moment's root in each update
     warmup_ratio: float = 0.03
     warmup_steps: int | None = None  # warm-up steps; where set, warmup_ratio is unused
     lr_schedule: str = "cosine"  # after the warm-up: cosine | linear | constant | wsd (cflib.train.optim.SCHEDULES)
@@ -536,6 +537,10 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ParamError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not MIN_ADAM_EPSILON <= self.adam_epsilon <= MAX_ADAM_EPSILON:
+            raise ParamError(f"adam_epsilon must be in [{MIN_ADAM_EPSILON:g}, {MAX_ADAM_EPSILON:g}] (it keeps AdamW's "
+                             "update finite where a gradient's second moment is near 0; past the upper bound it "
+                             f"outweighs the moment and AdamW turns into momentum SGD), got {self.adam_epsilon}")
         self._validate_schedule()
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
@@ -658,6 +663,10 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
 
 
 MAX_LR = 10.0  # far above any SFT learning rate; see _validate_optimisation
+# AdamW's epsilon: 1e-8 is torch's and transformers' default, 1e-6 to 1e-5 common for BF16 or large models. Below
+# MIN it no longer bounds the update where the second moment underflows float32; above MAX it outweighs the root of
+# the second moment of any LLM gradient, and lr no longer sets the step's size.
+MIN_ADAM_EPSILON, MAX_ADAM_EPSILON = 1e-20, 1e-2
 # NEFTune's paper tries 5, 10 and 15: at 1,000 the noise of a 100-token example on a 1,024-wide embedding is about 3
 # per coordinate, far above any trained embedding's entries, and the run would learn from noise alone.
 MAX_NEFTUNE_ALPHA = 1000.0

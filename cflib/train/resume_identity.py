@@ -39,8 +39,8 @@ STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "o
           "expert_lr_multiplier", "lora_lr_multiplier", "examples_per_epoch", "mixture", "lr_schedule", "min_lr_ratio",
           "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
-ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "max_grad_norm", "loss_chunk_tokens",
-             "fp32_loss", "bf16", "seq_len", "loss_groups",
+ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "adam_epsilon", "max_grad_norm",
+             "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len", "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
              "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type", "neftune_noise_alpha",
              "early_stopping_patience",
@@ -67,7 +67,7 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "overlong_examples": "error", "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0,
-             "early_stopping_patience": None,
+             "adam_epsilon": 1e-8, "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None}
 

@@ -84,7 +84,8 @@ def test_wrong_types_name_the_parameter(name, value):
     ("weight_decay", -0.1), ("max_grad_norm", 0.0), ("eval_every_steps", 0), ("exact_match_limit", -3),
     ("loss_chunk_tokens", 0), ("kernel_overrides", {"kept_swiglu_layers": -1}),
     ("kernel_overrides", {"cflib_adamw": "maybe"}), ("warmup_steps", -2), ("lr_schedule", "cosine_with_restarts"),
-    ("min_lr_ratio", 1.5), ("lr_decay_ratio", 2.0),
+    ("min_lr_ratio", 1.5), ("lr_decay_ratio", 2.0), ("adam_epsilon", 0.0), ("adam_epsilon", -1e-8),
+    ("adam_epsilon", 1.0), ("adam_epsilon", 1e-30),
 ])
 def test_out_of_range_values_name_the_parameter(name, value):
     message = param_error({name: value})
@@ -92,7 +93,7 @@ def test_out_of_range_values_name_the_parameter(name, value):
 
 
 @pytest.mark.parametrize("name", ["lr", "weight_decay", "beta1", "beta2", "warmup_ratio", "max_grad_norm",
-                                  "min_lr_ratio", "lr_decay_ratio"])
+                                  "min_lr_ratio", "lr_decay_ratio", "adam_epsilon"])
 def test_nan_is_refused(name):
     """`-p weight_decay nan` must not reach the optimizer: NaN is in no valid range."""
     message = param_error({name: "nan"})

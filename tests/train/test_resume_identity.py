@@ -63,11 +63,12 @@ def killed(shards, tmp_path_factory) -> Path:
     ({"neftune_noise_alpha": 5.0}, ["neftune_noise_alpha None", "has 5.0",
                                     "allow_resume_changes: neftune_noise_alpha"]),
     ({"overlong_examples": "drop"}, ["overlong_examples error", "has drop", "same stream and schedule"]),
+    ({"adam_epsilon": 1e-6}, ["adam_epsilon 1e-08", "has 1e-06", "allow_resume_changes: adam_epsilon"]),
     ({"allow_resume_changes": "bogus"}, ["allow_resume_changes", "'bogus'"]),
     ({"allow_resume_changes": "seed", "seed": 1}, ["allow_resume_changes", "'seed' cannot be allowed"]),
 ], ids=["other-shard-same-count", "model", "max-grad-norm", "loss-chunk-tokens", "fp32-loss", "lr", "seed",
         "greater-is-better", "lr-schedule", "min-lr-ratio", "warmup-steps", "neftune", "overlong-examples",
-        "unknown-allowance",
+        "adam-epsilon", "unknown-allowance",
         "stream-not-allowable"])
 def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, shards, change, words):
     before = digest(killed)
@@ -184,6 +185,15 @@ def test_a_checkpoint_written_before_schedules_could_be_chosen_resumes_as_the_co
                                              lr_decay_ratio=0.5)))
 
 
+def test_a_checkpoint_written_before_adam_epsilon_resumes_as_the_epsilon_it_trained(killed, shards, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(killed, copy)
+    rewrite_state(copy, lambda state: {k: v for k, v in state.items() if k != "adam_epsilon"})
+    assert prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest"))).resume_state["step"] == 4
+    with pytest.raises(ParamError, match=r"written with adam_epsilon 1e-08, this run has 1e-05"):
+        prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest", adam_epsilon=1e-5)))
+
+
 def test_optimizer_settings_changed_on_purpose_apply_from_the_resumed_step(killed, shards, tmp_path):
     """The checkpoint's optimizer state holds the old rate, decay and betas (and the schedule its base rates):
     what allow_resume_changes lets through must be what the resumed steps use, and what the record says."""
@@ -191,16 +201,18 @@ def test_optimizer_settings_changed_on_purpose_apply_from_the_resumed_step(kille
     shutil.copytree(killed, copy)
     before = {row["step"]: row["lr"] for row in read_metrics(killed / "metrics.jsonl") if row["event"] == "train"}
     record = train({**params(shards["a"], copy, resume="latest"), "lr": 1e-2, "weight_decay": 0.5, "beta2": 0.9,
-                    "allow_resume_changes": ["lr", "weight_decay", "beta2"], "save_optimizer_state": True},
-                   progress=False)
+                    "adam_epsilon": 1e-6, "allow_resume_changes": ["lr", "weight_decay", "beta2", "adam_epsilon"],
+                    "save_optimizer_state": True}, progress=False)
     after = {row["step"]: row["lr"] for row in read_metrics(copy / "metrics.jsonl") if row["event"] == "train"}
     assert [after[step] for step in (1, 2, 3, 4)] == [before[step] for step in (1, 2, 3, 4)]  # kept from the kill
     assert [after[step] for step in (5, 6)] == pytest.approx([before[step] * 1e-2 / 3e-3 for step in (5, 6)])
     groups = record["optimizer_groups"]
     assert {group["lr"] for group in groups} == {1e-2}
     assert {group["weight_decay"] for group in groups} == {0.0, 0.5}  # norms and embeddings decay nothing
+    assert {group["eps"] for group in groups} == {1e-6}
     resumed = torch.load(copy / "checkpoints" / "epoch-3" / "trainer_state.pt", weights_only=True)
     assert {tuple(group["betas"]) for group in resumed["optimizer"]["param_groups"]} == {(0.9, 0.9)}
+    assert {group["eps"] for group in resumed["optimizer"]["param_groups"]} == {1e-6}
 
 
 def test_another_folder_s_checkpoint_continues_only_into_a_folder_without_a_run_of_its_own(killed, shards, tmp_path):
