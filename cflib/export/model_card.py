@@ -341,8 +341,8 @@ def _training(meta: dict) -> str:
 
 
 # The parameters the card's recipe line names; the metadata holds them all.
-RECIPE = ("full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora", "epochs", "max_steps",
-          "global_batch", "seq_len", "lr", "weight_decay", "warmup_ratio", "warmup_steps", "lr_schedule",
+RECIPE = ("full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora", "lora_plus_ratio", "epochs",
+          "max_steps", "global_batch", "seq_len", "lr", "weight_decay", "warmup_ratio", "warmup_steps", "lr_schedule",
           "min_lr_ratio", "lr_decay_ratio", "max_grad_norm", "bf16", "pack_sequences", "neftune_noise_alpha", "seed")
 
 

@@ -6,9 +6,9 @@ hyperparameters, state and state dict, one launch per parameter group, the BF16 
 masters are updated.
 
 The routed experts and the LoRA adapters may learn at their own rates (`expert_lr_multiplier`,
-`lora_lr_multiplier`: lr x multiplier, both for an adapter on an expert); each combination is a parameter group,
-named, so the record can show every group's learning rate. Every implementation takes the same epsilon
-(`adam_epsilon`).
+`lora_lr_multiplier`: lr x multiplier, both for an adapter on an expert), and under LoRA+ (`lora_plus_ratio`) the
+B matrices at ratio x the A matrices' rate; each combination is a parameter group, named, so the record can show
+every group's learning rate. Every implementation takes the same epsilon (`adam_epsilon`).
 """
 from __future__ import annotations
 
@@ -110,7 +110,14 @@ class AdamWSettings:
     betas: tuple[float, float]
     expert_lr_multiplier: float = 1.0
     lora_lr_multiplier: float = 1.0
+    lora_plus_ratio: float = 1.0  # LoRA+: the B matrices' rate over the A matrices'; 1: off (one group for both)
     eps: float = EPS
+
+
+def lora_plus_side(name: str, parameter: torch.nn.Parameter) -> str:
+    """An adapter parameter's side under LoRA+: `lora_B` for a B matrix and every vector (DoRA's magnitude), as PEFT's
+    create_loraplus_optimizer and LoRA+'s reference code group them; `lora_A` for the rest (the A matrices)."""
+    return "lora_B" if ".lora_B." in name or parameter.dim() == 1 else "lora_A"
 
 
 def _group_of(name: str, parameter: torch.nn.Parameter, settings: AdamWSettings) -> tuple[str, float]:
@@ -121,7 +128,11 @@ def _group_of(name: str, parameter: torch.nn.Parameter, settings: AdamWSettings)
     if ".expert_" in name and settings.expert_lr_multiplier != 1.0:
         parts.append("experts")
         multiplier *= settings.expert_lr_multiplier
-    if "lora_" in name and settings.lora_lr_multiplier != 1.0:
+    if "lora_" in name and settings.lora_plus_ratio != 1.0:
+        side = lora_plus_side(name, parameter)
+        parts.append(side)
+        multiplier *= settings.lora_lr_multiplier * (settings.lora_plus_ratio if side == "lora_B" else 1.0)
+    elif "lora_" in name and settings.lora_lr_multiplier != 1.0:
         parts.append("lora")
         multiplier *= settings.lora_lr_multiplier
     return "+".join(parts), multiplier

@@ -262,6 +262,8 @@ class Lora:
     base_dtype: str | None = None  # float32 | bfloat16 (frozen weights held in BF16; needs bf16); None: float32
     # embedding rows that train too: "69-94,101-126" or a list
     lora_trainable_tokens: tuple[int, ...] | None = parsed_by(token_ids)
+    # LoRA+: the B matrices (and DoRA's magnitudes) learn at this x the A matrices' rate; None or 1: off
+    lora_plus_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -527,10 +529,13 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         if not self.weight_decay >= 0:  # written so that NaN fails too
             raise ParamError(f"weight_decay must be >= 0, got {self.weight_decay}")
         experts, adapters = self.expert_lr_multiplier, self.lora_lr_multiplier
-        highest = self.lr * max(1.0, experts, adapters, experts * adapters)  # an adapter on an expert: both
+        plus = 1.0 if self.full_parameter else max(self.lora_plus_ratio or 1.0, 1.0)  # _validate_lora checks it
+        # An adapter on an expert: both multipliers; its B matrix under LoRA+ the ratio too.
+        highest = self.lr * max(1.0, experts, adapters * plus, experts * adapters * plus)
         if highest > MAX_LR:
-            raise ParamError(f"lr {self.lr} x expert_lr_multiplier {experts} x lora_lr_multiplier {adapters} gives a "
-                             f"group the learning rate {highest:g}, above {MAX_LR:g}")
+            ratio = f" x lora_plus_ratio {plus:g}" if plus != 1.0 else ""
+            raise ParamError(f"lr {self.lr} x expert_lr_multiplier {experts} x lora_lr_multiplier {adapters}{ratio} "
+                             f"gives a group the learning rate {highest:g}, above {MAX_LR:g}")
         if highest * self.weight_decay >= 1:  # each step scales the weights by 1 - lr x weight_decay
             raise ParamError(f"lr x weight_decay must be below 1 in every group (each step scales its decayed weights "
                              f"by 1 - lr x weight_decay), got {highest:g} x {self.weight_decay}")
@@ -615,6 +620,9 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError(f"lora_scaling: rslora scales the update by lora_alpha / sqrt(lora_rank): set lora_alpha "
                              f"with it (left unset it would be the rank, a scale of sqrt({rank}) = {rank ** 0.5:.3g}); "
                              f"lora_alpha: {rank ** 0.5:.3g} starts at the standard scale of 1")
+        if self.lora_plus_ratio is not None and not self.lora_plus_ratio >= 1.0:  # its top: _validate_optimisation
+            raise ParamError(f"lora_plus_ratio is LoRA+'s B matrices' learning rate over the A matrices': at least 1 "
+                             f"(None or 1: off; LoRA+'s authors start from 16), got {self.lora_plus_ratio}")
         if self.lora_dropout is not None and not 0.0 <= self.lora_dropout < 1.0:
             raise ParamError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
         self._validate_dora()

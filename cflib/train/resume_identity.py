@@ -33,11 +33,12 @@ from cflib.paths import resolve_path
 from cflib.train.held_out import scored_examples
 
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
-# The learning-rate multipliers too: they decide the optimizer's parameter groups, which its saved state must match.
-# Parameters first, then what is derived from them (DERIVED_FROM), so a change is named by the parameter set.
+# The learning-rate multipliers and LoRA+'s ratio too: they decide the optimizer's parameter groups, which its saved
+# state must match. Parameters first, then what is derived from them (DERIVED_FROM), so a change is named by the
+# parameter set.
 STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "overlong_examples",
-          "expert_lr_multiplier", "lora_lr_multiplier", "examples_per_epoch", "mixture", "lr_schedule", "min_lr_ratio",
-          "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
+          "expert_lr_multiplier", "lora_lr_multiplier", "lora_plus_ratio", "examples_per_epoch", "mixture",
+          "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "adam_epsilon", "max_grad_norm",
              "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len", "loss_groups",
@@ -67,7 +68,7 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "overlong_examples": "error", "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0,
-             "adam_epsilon": 1e-8, "early_stopping_patience": None,
+             "lora_plus_ratio": None, "adam_epsilon": 1e-8, "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None}
 
@@ -146,7 +147,8 @@ def run_identity(run: Any) -> dict[str, Any]:
             **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture",
                                "lr_decay_ratio")},
-            "neftune_noise_alpha": p.neftune_noise_alpha or None}  # 0 is off, as None is
+            "neftune_noise_alpha": p.neftune_noise_alpha or None,  # 0 is off, as None is
+            "lora_plus_ratio": None if p.lora_plus_ratio == 1 else p.lora_plus_ratio}  # 1 is off, as None is
 
 
 def _same_model(run: Any) -> bool:

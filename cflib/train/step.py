@@ -93,7 +93,7 @@ def adamw_settings(params: TrainParams) -> AdamWSettings:
     """The few parameters AdamW reads."""
     return AdamWSettings(lr=params.lr, weight_decay=params.weight_decay, betas=(params.beta1, params.beta2),
                          expert_lr_multiplier=params.expert_lr_multiplier, lora_lr_multiplier=params.lora_lr_multiplier,
-                         eps=params.adam_epsilon)
+                         lora_plus_ratio=params.lora_plus_ratio or 1.0, eps=params.adam_epsilon)
 
 
 class TrainingStep:

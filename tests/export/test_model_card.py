@@ -71,6 +71,8 @@ def test_a_source_held_out_only_is_named_by_its_eval_partition_alone(tmp_path: P
 @pytest.mark.parametrize("warmup, recipe", [
     ({"warmup_ratio": 0.05, "warmup_steps": 50}, "lr 0.001, warmup_steps 50, lr_schedule cosine"),
     ({"warmup_ratio": 0.05, "warmup_steps": None}, "lr 0.001, warmup_ratio 0.05, lr_schedule cosine"),
+    ({"warmup_ratio": 0.05, "warmup_steps": None, "lora_plus_ratio": 16.0},  # LoRA+'s ratio, where a run set one
+     "lora_plus_ratio 16.0, lr 0.001, warmup_ratio 0.05, lr_schedule cosine"),
 ])
 def test_the_recipe_names_the_warm_up_the_run_took(warmup, recipe):
     """warmup_steps, where set, wins over warmup_ratio: the card's recipe leaves the unused ratio out."""

@@ -174,6 +174,11 @@ def test_resuming_across_full_and_lora_is_refused(tmp_path, shard, base):
         train({**lora, "resume": "latest", "lora_rank": 8}, progress=False)
     with pytest.raises(ParamError, match="trained with lora_scaling standard, this run has rslora"):
         train({**lora, "resume": "latest", "lora_scaling": "rslora"}, progress=False)
+    # LoRA+'s ratio decides the optimizer's groups: fixed for a run (1 is off, as the run's None)
+    with pytest.raises(ParamError, match=r"written with lora_plus_ratio None, this run has 16.0: a resumed run "
+                                         r"continues the same stream and schedule"):
+        prepare(TrainParams.from_dict({**lora, "resume": "latest", "lora_plus_ratio": 16}))
+    assert prepare(TrainParams.from_dict({**lora, "resume": "latest", "lora_plus_ratio": 1})).resume_state
     with pytest.raises(ParamError, match="holds LoRA adapters, not a model: merge"):
         train({**full, "out_dir": str(tmp_path / "x"), "init_checkpoint": str(tmp_path / "lora/checkpoints/step-2")},
               progress=False)
@@ -353,12 +358,14 @@ def test_adapter_tensors_round_trip_through_peft_names(tmp_path, shard, base):
     assert not (tmp_path / "run").exists()  # prepare wrote nothing
 
 
-def test_lora_and_expert_multipliers_give_the_adapters_their_own_learning_rates(tmp_path, shard, base):
+def test_lora_and_expert_multipliers_and_lora_plus_give_the_adapters_their_own_learning_rates(tmp_path, shard, base):
     record = train(lora_params(shard, base, tmp_path / "run", max_steps=2, exact_match_limit=0, lr=1e-2,
-                               lora_lr_multiplier=2.0, expert_lr_multiplier=0.25), progress=False)
+                               lora_lr_multiplier=2.0, expert_lr_multiplier=0.25, lora_plus_ratio=4), progress=False)
     groups = {group["name"]: group["lr"] for group in record["optimizer_groups"]}
-    # Adapters on attention and the shared MLP: lora only; on the routed experts: both multipliers.
-    assert groups == pytest.approx({"decay+lora": 2e-2, "decay+experts+lora": 5e-3})
+    # Adapters on attention and the shared MLP: lora only; on the routed experts: both multipliers; B x the ratio.
+    assert groups == pytest.approx({"decay+lora_A": 2e-2, "decay+lora_B": 8e-2, "decay+experts+lora_A": 5e-3,
+                                    "decay+experts+lora_B": 2e-2})
+    assert record["params"]["lora_plus_ratio"] == 4.0
     trainable = sum(group["params"] for group in record["optimizer_groups"])
     assert trainable == record["params_trainable"]
 

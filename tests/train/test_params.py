@@ -100,6 +100,17 @@ def test_nan_is_refused(name):
     assert names(message, name), message
 
 
+def test_lora_plus_ratio_is_a_lora_setting_of_at_least_1_whose_rates_stay_bounded():
+    lora = {"full_parameter": "false", "init_checkpoint": "some/checkpoint"}
+    assert TrainParams.from_dict({**lora, "lora_plus_ratio": "16"}).lora_plus_ratio == 16.0
+    message = param_error({"lora_plus_ratio": 16})
+    assert names(message, "lora_plus_ratio") and "full_parameter is true" in message
+    message = param_error({**lora, "lora_plus_ratio": 0.5})
+    assert names(message, "lora_plus_ratio") and "at least 1" in message
+    message = param_error({**lora, "lr": 1e-2, "lora_lr_multiplier": 10, "lora_plus_ratio": 200})
+    assert "x lora_plus_ratio 200" in message and "learning rate 20" in message
+
+
 def test_lora_needs_a_base_checkpoint():
     message = param_error({"full_parameter": "false"})
     assert names(message, "full_parameter") and names(message, "init_checkpoint")

@@ -185,10 +185,11 @@ def test_a_checkpoint_written_before_schedules_could_be_chosen_resumes_as_the_co
                                              lr_decay_ratio=0.5)))
 
 
-def test_a_checkpoint_written_before_adam_epsilon_resumes_as_the_epsilon_it_trained(killed, shards, tmp_path):
+def test_a_checkpoint_written_before_adam_epsilon_and_lora_plus_resumes_as_the_defaults_it_trained(killed, shards,
+                                                                                                    tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(killed, copy)
-    rewrite_state(copy, lambda state: {k: v for k, v in state.items() if k != "adam_epsilon"})
+    rewrite_state(copy, lambda state: {k: v for k, v in state.items() if k not in ("adam_epsilon", "lora_plus_ratio")})
     assert prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest"))).resume_state["step"] == 4
     with pytest.raises(ParamError, match=r"written with adam_epsilon 1e-08, this run has 1e-05"):
         prepare(TrainParams.from_dict(params(shards["a"], copy, resume="latest", adam_epsilon=1e-5)))
