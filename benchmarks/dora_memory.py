@@ -37,6 +37,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the fused paths' kernels, before cflib.ops imports Triton
 
 from cflib.atomic import write_json_atomic  # noqa: E402
+from cflib.bench.memory import saved_for_backward  # noqa: E402
 from cflib.jobs import record_header  # noqa: E402
 from cflib.model.config import preset  # noqa: E402
 from cflib.model.decoder import TRMoEModel  # noqa: E402
@@ -69,22 +70,6 @@ def as_form(module: torch.nn.Module, form: str) -> torch.nn.Module:
         if isinstance(layer, DoraLinear) and form == "dora_autograd":
             layer.effective_weight = types.MethodType(autograd_effective_weight, layer)
     return module
-
-
-def saved_bytes(module: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
-    """Bytes autograd keeps from `forward()` for its backward, less the parameters' own storages (a storage
-    counted once), and the output."""
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = forward()
-    owned = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    return sum(size for ptr, size in saved.items() if ptr not in owned), out
 
 
 def sync(device: torch.device) -> None:
@@ -135,7 +120,7 @@ def layer_results(args, device: torch.device) -> dict:
             with torch.autocast(device.type, torch.bfloat16, enabled=args.autocast):
                 return F.linear(x, layer.effective_weight())
 
-        kept = {form: saved_bytes(layer, lambda: forward(layer))[0] for form, layer in layers.items()}
+        kept = {form: saved_for_backward(layer, lambda: forward(layer))[0] for form, layer in layers.items()}
         steps = {form: (lambda layer=layer: forward(layer).float().square().mean().backward())
                  for form, layer in layers.items()}
         grad = torch.randn(shape, device=device)  # the weight's own work: its forward and backward, no GEMM
@@ -174,7 +159,7 @@ def step_results(args, device: torch.device) -> dict:
             total, count = loss_fn(model(ids), model.head_weight, labels, 8, True)
         return total / count
 
-    kept = {form: saved_bytes(model, lambda: loss(model))[0] for form, model in models.items()}
+    kept = {form: saved_for_backward(model, lambda: loss(model))[0] for form, model in models.items()}
     layers = len(adapter_modules(models["dora"]))
     steps = {form: (lambda model=model: loss(model).backward()) for form, model in models.items()}
     times = timed_rounds(steps, args.rounds, args.steps_per_block, device)

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import gc
 import weakref
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,6 +127,25 @@ class PeakMemory:
             return {"decides": reserved, "reserved": reserved,
                     "allocated": torch.cuda.max_memory_allocated(self.device)}
         return {"decides": self._tensors.peak_bytes, "tensors": self._tensors.peak_bytes}
+
+
+Output = TypeVar("Output")
+
+
+def saved_for_backward(module: torch.nn.Module, forward: Callable[[], Output]) -> tuple[int, Output]:
+    """The bytes autograd keeps from `forward()` for its backward, less what `module`'s parameters already hold (a
+    storage counted once however often it is saved), and forward's output."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = forward()
+    owned = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    return sum(size for ptr, size in saved.items() if ptr not in owned), out
 
 
 def free_device_memory(device: torch.device) -> None:

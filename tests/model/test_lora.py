@@ -12,6 +12,7 @@ import torch
 from tiny_models import KERNEL_DEVICE, logits, random_ids, tiny_config
 
 import cflib.model.lora as lora
+from cflib.bench.memory import saved_for_backward
 from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import use_kernels
 from cflib.model.lora import (
@@ -357,35 +358,20 @@ def test_dora_weight_s_backward_is_the_expression_s_gradient_in_float64():
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-12, atol=1e-12, msg=name)
 
 
-def saved_bytes(forward) -> int:
-    """Bytes autograd keeps from `forward()`'s graph for backward, less what parameters already hold (a tensor
-    counted once however often it is saved)."""
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        module, out = forward()
-    owned = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    return sum(size for ptr, size in saved.items() if ptr not in owned)
-
-
 @pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
 def test_dora_s_folded_weight_keeps_no_more_for_backward_than_lora_s(base_dtype):
     """The folded DoRA weight keeps W, A, B and two numbers per output feature for backward, not W + sBA: a layer
     saves what LoRA's saves (its input and the effective weight the GEMM read) and two [out] vectors."""
     x = torch.randn(16, 40, requires_grad=True)  # a layer's input, as in a model
 
-    def folded(cls: type) -> tuple:
+    def folded(cls: type) -> int:
         torch.manual_seed(0)
         base = torch.nn.Linear(40, 24, bias=False).requires_grad_(False).to(base_dtype)
         layer = cls(base, LoraSettings(rank=4, alpha=8, dora=cls is lora.DoraLinear))
-        return layer, torch.nn.functional.linear(x.to(base_dtype), layer.effective_weight().to(base_dtype))
+        return saved_for_backward(
+            layer, lambda: torch.nn.functional.linear(x.to(base_dtype), layer.effective_weight().to(base_dtype)))[0]
 
-    plain, dora = saved_bytes(lambda: folded(lora.LoraLinear)), saved_bytes(lambda: folded(lora.DoraLinear))
+    plain, dora = folded(lora.LoraLinear), folded(lora.DoraLinear)
     assert plain >= 24 * 40 * base_dtype.itemsize  # LoRA's GEMM keeps the weight it read: not a parameter
     assert dora - plain <= 2 * 24 * 4  # the norms and m / ||.||, fp32 [out] each
 
