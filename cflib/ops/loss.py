@@ -4,6 +4,10 @@ The head GEMM and cross-entropy run over chunks of `loss_chunk_tokens`
 supervised tokens; the gradients of each chunk are computed in the forward
 pass, so at most one chunk of logits is alive at any time (autograd would
 otherwise keep every chunk's logits until backward).
+
+`dft` (Dynamic Fine-Tuning, Wu et al. 2025; TRL's loss_type="dft") scales each token's cross-entropy by its own
+probability, detached: w_i * sg(p_i) * CE_i, p_i = exp(-CE_i), whose gradient is w_i * p_i * (softmax - onehot).
+This is the reference cflib's fused kernel (cflib.ops.cross_entropy) is tested against.
 """
 from __future__ import annotations
 
@@ -25,12 +29,14 @@ def _operands(h: torch.Tensor, weight: torch.Tensor, fp32_loss: bool) -> tuple[t
 
 
 def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor | None,
-               chunk_tokens: int, fp32_loss: bool) -> torch.Tensor:
+               chunk_tokens: int, fp32_loss: bool, dft: bool = False) -> torch.Tensor:
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     with _precision(hidden.device, fp32_loss):
         for start in range(0, hidden.shape[0], chunk_tokens):
             h, w = _operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
             losses = F.cross_entropy((h @ w.t()).float(), targets[start:start + chunk_tokens], reduction="none")
+            if dft:
+                losses = losses * torch.exp(-losses)
             if token_weights is not None:
                 losses = losses * token_weights[start:start + chunk_tokens]
             loss_sum += losses.sum()
@@ -40,7 +46,8 @@ def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                token_weights: torch.Tensor | None, chunk_tokens: int, fp32_loss: bool) -> torch.Tensor:
+                token_weights: torch.Tensor | None, chunk_tokens: int, fp32_loss: bool, dft: bool = False
+                ) -> torch.Tensor:
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -54,6 +61,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 # d(sum CE)/d logits = softmax - onehot, from the log-partition just computed
                 grad_logits = torch.exp(logits - log_z[:, None])
                 grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                if dft:  # d(sum sg(p) CE)/d logits = p (softmax - onehot), p = exp(-CE) held constant
+                    probability = torch.exp(-losses)
+                    losses = losses * probability
+                    grad_logits *= probability[:, None]
                 if token_weights is not None:  # d(sum w CE)/d logits = w (softmax - onehot)
                     w_chunk = token_weights[start:start + chunk_tokens]
                     losses = losses * w_chunk
@@ -67,7 +78,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        return *saved_gradients(ctx, grad_output), None, None, None, None
+        return *saved_gradients(ctx, grad_output), None, None, None, None, None
 
 
 def saved_gradients(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,9 +121,10 @@ def supervised_rows(hidden: torch.Tensor, labels: torch.Tensor, token_weights: t
 def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                               loss_chunk_tokens: int = 1024, fp32_loss: bool = True,
                               token_weights: torch.Tensor | None = None,
-                              supervised: torch.Tensor | None = None, gathered: bool = False
+                              supervised: torch.Tensor | None = None, gathered: bool = False, dft: bool = False
                               ) -> tuple[torch.Tensor, int]:
-    """Sum of (weighted) token cross-entropies over supervised positions, and their count.
+    """Sum of (weighted) token cross-entropies over supervised positions, and their count; `dft`: each scaled by
+    its detached probability first (module docstring).
 
     hidden: [..., D] final hidden states; labels: [...] causally aligned
     targets with -100 where unsupervised; token_weights: None, or float
@@ -131,8 +143,9 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, head_weight: torch.Tensor, l
     if head_weight.dtype != hidden.dtype:  # autocast leaves the head weight fp32, hidden bf16
         head_weight = head_weight.to(hidden.dtype)
     if not torch.is_grad_enabled():  # evaluation: no head gradients to compute or hold
-        return _loss_only(hidden, head_weight, targets, token_weights, loss_chunk_tokens, fp32_loss), count
-    loss = _ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, token_weights, loss_chunk_tokens, fp32_loss)
+        return _loss_only(hidden, head_weight, targets, token_weights, loss_chunk_tokens, fp32_loss, dft), count
+    loss = _ChunkedLinearCrossEntropy.apply(hidden, head_weight, targets, token_weights, loss_chunk_tokens, fp32_loss,
+                                            dft)
     return loss, count
 
 

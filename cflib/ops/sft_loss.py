@@ -4,6 +4,7 @@ A loss takes the final hidden states, the tied head's weight and the causally al
 micro-batch, and returns the summed loss and the number of supervised targets it summed over; the trainer
 divides by the step's total (or weighted mass), so micro-batches and ranks add up exactly. It never holds the
 full logits. `register_loss` adds one that a run names with `loss: NAME` (docs/architecture.md shows one).
+Built in: `sft_cross_entropy` (SFTLoss) and `dft` (DFTLoss, Dynamic Fine-Tuning, TRL's loss_type="dft").
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class SFTLoss:
     """
 
     reads_supervised_rows_only = True
+    dft = False  # DFTLoss: each token's cross-entropy scaled by its detached probability
+    kind = "ce"  # the loss in the backend names the record keeps
 
     def __init__(self, kernels: KernelChoice) -> None:
         self.kernels = kernels
@@ -72,15 +75,17 @@ class SFTLoss:
         half-precision copy of, outside autograd (cflib.model.weight_copies): cflib's fused loss writes its FP32
         gradient there, as it does into an FP32 head_weight it computes on in half precision; the other losses
         compute on the master itself."""
-        fused = torch.is_grad_enabled() and (self.kernels.custom or (self.kernels.liger and token_weights is None))
+        liger = self.kernels.liger and token_weights is None and not self.dft
+        fused = torch.is_grad_enabled() and (self.kernels.custom or liger)
         if row_mask is not None and not (fused and self.kernels.custom):
             raise ValueError("row_mask needs cflib's fused loss (use_custom_kernels) and gradients")
         if head_master is not None and not (fused and self.kernels.custom):
             head_weight, head_master = head_master, None
         if not fused:
-            self.last_backend = "torch_chunked_linear_ce" + ("_weighted" if token_weights is not None else "")
+            self.last_backend = f"torch_chunked_linear_{self.kind}" + ("_weighted" if token_weights is not None else "")
             return chunked_cross_entropy_sum(hidden, head_weight, labels, loss_chunk_tokens, fp32_loss,
-                                             token_weights=token_weights, supervised=supervised, gathered=gathered)
+                                             token_weights=token_weights, supervised=supervised, gathered=gathered,
+                                             dft=self.dft)
         hidden, targets, weights = supervised_rows(hidden, labels, token_weights, supervised, row_mask, gathered)
         count = int(targets.numel())
         if count == 0:
@@ -102,13 +107,28 @@ class SFTLoss:
             if head_master is None and weight.dtype != head_weight.dtype:
                 # The head's FP32 gradient goes to the FP32 head as it is, not rounded to the cast's dtype first.
                 weight, head_master = head_weight.detach().to(dtype), head_weight
-            self.last_backend = "cflib_triton_fused_linear_ce" + ("_weighted" if token_weights is not None else "")
+            self.last_backend = (f"cflib_triton_fused_linear_{self.kind}"
+                                 + ("_weighted" if token_weights is not None else ""))
             return FusedLinearWeightedCrossEntropy.apply(hidden, weight, targets, weights, loss_chunk_tokens,
-                                                         head_master, self.gemms), count
+                                                         head_master, self.gemms, self.dft), count
+
+
+class DFTLoss(SFTLoss):
+    """Dynamic Fine-Tuning (Wu et al. 2025, "On the Generalization of SFT: A Reinforcement Learning Perspective
+    with Reward Rectification"; TRL's `SFTConfig(loss_type="dft")`): each supervised token's cross-entropy scaled
+    by its own probability, detached, -sg(p_t) * log p_t, summed as SFTLoss sums. The trainer divides by the
+    step's supervised tokens, as TRL does; under 2-D weighting each token's term is multiplied by its weight and
+    the sum divided by the weighted mass, as the cross-entropy is (TRL has no token weights: with them all 1 the
+    two agree). On cflib's fused kernel (weighted or not); where cflib's kernels are off, on the chunked PyTorch
+    reference (cflib.ops.loss), Liger's fused CE is not used for it (cflib.train.execution says so). Held-out
+    evaluation stays plain cross-entropy."""
+
+    dft = True
+    kind = "dft"
 
 
 # What every process has on import; torchrun's workers import any other loss a run names (cflib.train.registered).
-BUILT_IN_LOSSES: dict[str, Callable[[KernelChoice], Loss]] = {"sft_cross_entropy": SFTLoss}
+BUILT_IN_LOSSES: dict[str, Callable[[KernelChoice], Loss]] = {"sft_cross_entropy": SFTLoss, "dft": DFTLoss}
 LOSSES: dict[str, Callable[[KernelChoice], Loss]] = dict(BUILT_IN_LOSSES)
 
 

@@ -12,6 +12,7 @@ from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
 from tiny_models import KERNEL_DEVICE
 
 from cflib.ops.cross_entropy import FusedLinearWeightedCrossEntropy
+from cflib.ops.loss import IGNORE_INDEX
 
 ROWS, DIM, VOCAB = 19, 16, 300  # a vocabulary below a power of two: the kernel's masked columns run too
 
@@ -73,3 +74,45 @@ def test_sft_loss_in_bf16_gives_an_fp32_head_its_gradient_unrounded():
     loss.backward()
     assert count == ROWS and head.grad.dtype == torch.float32
     assert not torch.equal(head.grad, head.grad.bfloat16().float())
+
+
+def dft_reference(hidden, head, token_weights=None, *, labels):
+    """DFT as TRL computes it (trl SFTTrainer, loss_type="dft"): -log p times p detached, on the full logits;
+    ignored labels give 0."""
+    log_p = -F.cross_entropy(hidden @ head.t(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    losses = -log_p * log_p.exp().detach()
+    return (losses * token_weights).sum() if token_weights is not None else losses.sum()
+
+
+@pytest.mark.parametrize("custom", [True, False], ids=["fused", "chunked"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dft_matches_the_full_logit_reference_forward_and_backward(dtype, weighted, custom):
+    """The `dft` loss as a run names it: cflib's fused kernel, or the chunked reference where cflib's kernels are
+    off, against float64 full logits, over labels with ignored rows and (2-D weighting) token weights."""
+    from cflib.ops.dispatch import KernelChoice
+    from cflib.ops.sft_loss import DFTLoss, make_loss
+
+    raw, labels = inputs(7, weighted)
+    labels = labels.clone()
+    labels[::3] = IGNORE_INDEX  # unsupervised rows: no loss, no gradient
+    rounded = {name: value.to(dtype) if name != "token_weights" else value for name, value in raw.items()}
+    grad = ("hidden", "head")
+    truth = run(lambda **t: dft_reference(**t, labels=labels),
+                leaves(rounded, dict.fromkeys(raw, torch.float64), KERNEL_DEVICE, grad), 2)
+    loss = make_loss("dft", KernelChoice(liger=True, custom=custom))
+    assert isinstance(loss, DFTLoss)
+
+    def fast(hidden, head, token_weights=None):
+        summed, count = loss(hidden, head, labels, 6, False, token_weights)
+        assert count == int((labels != IGNORE_INDEX).sum())
+        return summed
+    got = run(fast, leaves(rounded, {}, KERNEL_DEVICE, grad), 2)
+    assert loss.last_backend == ("cflib_triton_fused_linear_dft" if custom else "torch_chunked_linear_dft") + (
+        "_weighted" if weighted else "")
+    assert_matches(got, truth, dtype)
+    assert not got["d_hidden"][::3].any()
+    with torch.no_grad():  # the loss's own value without gradients (the chunked path computes it then)
+        value, _ = loss(rounded["hidden"].to(KERNEL_DEVICE), rounded["head"].to(KERNEL_DEVICE), labels, 6, False,
+                        None if not weighted else rounded["token_weights"].to(KERNEL_DEVICE))
+    assert_matches({"out0": value}, {"out0": truth["out0"]}, dtype)
