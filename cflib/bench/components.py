@@ -16,7 +16,7 @@ from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, kernels_of, ro
 from cflib.model.fast import AddRMSNorm, EpilogueSwiGLUEngine, FusedTRMoEEngine, LigerRMSNorm
 from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_problem, pack_documents
 from cflib.ops.dispatch import KernelChoice, quack_problem
-from cflib.ops.sft_loss import SFTLoss
+from cflib.ops.sft_loss import DFTLoss, SFTLoss
 
 # bf16 operands land between 1e-3 and 1e-2 against a float64 truth; fp32 far under 1e-3
 # (docs/formats.md#numerical-tolerances).
@@ -222,18 +222,20 @@ def _loss_inputs(shape, gen, device, weighted: bool):
     return found
 
 
-def _loss_reference(inputs):
-    # Full logits, no chunking: independent of every chunked path.
+def _loss_reference(inputs, dft: bool = False):
+    # Full logits, no chunking: independent of every chunked path. DFT as TRL writes it: -log p times p detached.
     logits = inputs["hidden"] @ inputs["head_weight"].t()
     losses = F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, inputs["labels"],
                              ignore_index=IGNORE_INDEX, reduction="none")
+    if dft:
+        losses = losses * torch.exp(-losses).detach()
     weights = inputs.get("token_weights")
     return (losses * weights if weights is not None else losses).sum()
 
 
-def _loss_fast(kernels: KernelChoice):
+def _loss_fast(kernels: KernelChoice, cls: type[SFTLoss] = SFTLoss):
     def run(inputs):
-        loss = SFTLoss(kernels)
+        loss = cls(kernels)
         out, _ = loss(inputs["hidden"], inputs["head_weight"], inputs["labels"], 1024, False,
                       token_weights=inputs.get("token_weights"))
         return out, loss.last_backend
@@ -327,6 +329,13 @@ COMPONENTS = [
     # The production unweighted loss (cflib.ops.sft_loss.SFTLoss: cflib's kernels take it from Liger's).
     Component("cflib_loss", "cflib_triton_fused_linear_ce", lambda s, g, d: _loss_inputs(s, g, d, False),
               ("head_weight",), _loss_reference, _loss_fast(KernelChoice(liger=True, custom=True))),
+    # loss_type dft (cflib.ops.sft_loss.DFTLoss) on cflib's kernel, unweighted and under 2-D weighting.
+    Component("dft_loss", "cflib_triton_fused_linear_dft", lambda s, g, d: _loss_inputs(s, g, d, False),
+              ("head_weight",), lambda i: _loss_reference(i, dft=True),
+              _loss_fast(KernelChoice(liger=True, custom=True), DFTLoss)),
+    Component("weighted_dft_loss", "cflib_triton_fused_linear_dft_weighted",
+              lambda s, g, d: _loss_inputs(s, g, d, True), ("head_weight",), lambda i: _loss_reference(i, dft=True),
+              _loss_fast(KernelChoice(liger=True, custom=True), DFTLoss)),
     *_attention_components(),
 ]
 
