@@ -3,12 +3,12 @@
 `plan_execution` resolves each choice that decides a step's work against the run and its device: the kernels
 each module runs and the attention backend (cflib.ops.dispatch), the optimizer's implementation, the BF16
 weight copies, CUDA-graph replays, the TR-MoE activations kept for backward, activation checkpointing, the
-rows the last layer computes and NEFTune's noise on the training forwards' embeddings. A path a run requires
-(`true`) that cannot run stops it here with KernelUnavailable naming the switch and the failed check; a path
-`auto` (or `false`) leaves off keeps its reason. `prepare()` builds the model to the plan (`apply_to_model`),
-the trainer reads it, the record writes it (`ExecutionPlan.record`); nothing re-derives it. The kernels that
-actually ran are still read back from the modules after a step (`TRMoEModel.kernel_path()`), never inferred from
-the plan.
+rows the last layer computes, NEFTune's noise on the training forwards' embeddings and, for DFT, why its loss
+runs on the chunked path. A path a run requires (`true`) that cannot run stops it here with KernelUnavailable
+naming the switch and the failed check; a path `auto` (or `false`) leaves off keeps its reason. `prepare()`
+builds the model to the plan (`apply_to_model`), the trainer reads it, the record writes it
+(`ExecutionPlan.record`); nothing re-derives it. The kernels that actually ran are still read back from the
+modules after a step (`TRMoEModel.kernel_path()`), never inferred from the plan.
 """
 from __future__ import annotations
 
@@ -123,6 +123,17 @@ def _cuda_graphs_problem(params: TrainParams, kernels: KernelChoice, model: TRMo
     return problem
 
 
+def _loss_problem(params: TrainParams, kernels: KernelChoice) -> str | None:
+    """Why a built-in loss runs on the chunked PyTorch reference (cflib.ops.loss) rather than a fused kernel, where
+    the plan knows it before a step: DFT's fused path is cflib's kernel alone (Liger's fused CE serves the plain
+    cross-entropy only)."""
+    builder = LOSSES[params.loss_type]
+    if isinstance(builder, type) and issubclass(builder, SFTLoss) and builder.dft and not kernels.custom:
+        return (f"{params.loss_type} runs on the chunked PyTorch loss (cflib.ops.loss): its fused path is cflib's "
+                "kernel, and cflib's kernels are off (use_custom_kernels)")
+    return None
+
+
 def _neftune(params: TrainParams) -> dict | None:
     """NEFTune's noise as the run adds it (cflib.model.neftune), or None where neftune_noise_alpha leaves it off.
     It runs on every path: eager, under DDP and FSDP, and inside CUDA graphs, whose captures register its
@@ -158,7 +169,8 @@ def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device
     optimizer, optimizer_problem = _optimizer(params, model, strategy, device)
     graphs_problem = _cuda_graphs_problem(params, kernels, model, strategy, device)
     reasons = {name: problem for name, problem in (("bf16_weight_copies", copies_problem),
-                                                   ("cflib_adamw", optimizer_problem), ("cuda_graphs", graphs_problem))
+                                                   ("cflib_adamw", optimizer_problem), ("cuda_graphs", graphs_problem),
+                                                   ("loss_type", _loss_problem(params, kernels)))
                if problem is not None}
     builder = LOSSES[params.loss_type]
     weight_copies = copies_problem is None

@@ -64,11 +64,12 @@ def killed(shards, tmp_path_factory) -> Path:
                                     "allow_resume_changes: neftune_noise_alpha"]),
     ({"overlong_examples": "drop"}, ["overlong_examples error", "has drop", "same stream and schedule"]),
     ({"adam_epsilon": 1e-6}, ["adam_epsilon 1e-08", "has 1e-06", "allow_resume_changes: adam_epsilon"]),
+    ({"loss_type": "dft"}, ["loss_type sft_cross_entropy", "has dft", "allow_resume_changes: loss_type"]),
     ({"allow_resume_changes": "bogus"}, ["allow_resume_changes", "'bogus'"]),
     ({"allow_resume_changes": "seed", "seed": 1}, ["allow_resume_changes", "'seed' cannot be allowed"]),
 ], ids=["other-shard-same-count", "model", "max-grad-norm", "loss-chunk-tokens", "fp32-loss", "lr", "seed",
         "greater-is-better", "lr-schedule", "min-lr-ratio", "warmup-steps", "neftune", "overlong-examples",
-        "adam-epsilon", "unknown-allowance",
+        "adam-epsilon", "loss-type", "unknown-allowance",
         "stream-not-allowable"])
 def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, shards, change, words):
     before = digest(killed)
@@ -84,13 +85,17 @@ def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, s
 @pytest.mark.parametrize("change", [{"max_grad_norm": 0.5, "allow_resume_changes": "max_grad_norm"},
                                     {"data": "b", "allow_resume_changes": ["data"]},
                                     {"neftune_noise_alpha": 5.0, "allow_resume_changes": "neftune_noise_alpha"},
-                                    {"neftune_noise_alpha": 0}], ids=["max-grad-norm", "data", "neftune", "neftune-0"])
+                                    {"neftune_noise_alpha": 0}, {"loss_type": "dft", "allow_resume_changes": "loss_type"}],
+                         ids=["max-grad-norm", "data", "neftune", "neftune-0", "dft"])
 def test_a_change_allowed_on_purpose_resumes(killed, shards, tmp_path, change):
     copy = tmp_path / "run"
     shutil.copytree(killed, copy)
     change = {**change, "data": str(shards[change["data"]])} if "data" in change else change
     record = train({**params(shards["a"], copy, resume="latest"), **change}, progress=False)
     assert record["schedule"]["steps_done"] == 6 and "step-4" in record["model_source"]
+    if change.get("loss_type") == "dft":  # DFT trained steps 5 and 6, on the chunked loss off cflib's kernels
+        assert record["params"]["loss_type"] == "dft" and record["kernel_path"]["loss"] == "torch_chunked_linear_dft"
+        assert record["execution_plan"]["reasons"]["loss_type"].startswith("dft runs on the chunked PyTorch loss")
 
 
 @pytest.fixture(scope="module")
