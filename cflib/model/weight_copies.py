@@ -143,10 +143,11 @@ class WeightCopies:
 
     @torch.no_grad()
     def refresh(self, stale_only: bool = False) -> None:
-        """Every copy written anew from its masters (after an optimizer step), or only those whose masters' storage
-        or version moved (before a step that may replay a CUDA graph, where no forward checks them)."""
+        """Every copy of a trained master written anew from its masters (after an optimizer step), or only those whose
+        masters' storage or version moved (before a step that may replay a CUDA graph, where no forward checks them).
+        A copy of frozen masters alone (requires_grad false) is written once, and again only where it went stale."""
         for copy in self.copies.values():
-            if not stale_only or copy.stale():
+            if copy.stale() or (not stale_only and any(master.requires_grad for master in copy.masters)):
                 self._write(copy)
 
     @torch.no_grad()
