@@ -23,6 +23,7 @@ from cflib.model.neftune import attach_noise
 from cflib.ops.attention import capturable
 from cflib.ops.dispatch import KernelChoice, choose_kernels, refuse_if_required
 from cflib.ops.sft_loss import LOSSES, SFTLoss
+from cflib.train.freezing import describe_frozen, freeze, frozen_plan
 from cflib.train.graphs import why_eager
 from cflib.train.optim import cflib_adamw_problem
 from cflib.train.params import TrainParams
@@ -44,6 +45,9 @@ class ExecutionPlan:
     # NEFTune's noise on the training forwards' embeddings (cflib.model.neftune): its alpha, what L counts and where
     # the noise is drawn from; None: off
     neftune: dict | None = None
+    # The weights that stay frozen (cflib.train.freezing.frozen_plan): the families, the layers, their count; None:
+    # every weight trains
+    frozen: dict | None = None
 
     def describe(self) -> str:
         """One line a person checks before the run: what runs, then why each fast path stays off."""
@@ -52,6 +56,8 @@ class ExecutionPlan:
                                         ("activation checkpointing", self.grad_ckpt)) if on]
         if self.neftune is not None:
             parts.append(f"NEFTune noise alpha {self.neftune['alpha']:g}")
+        if self.frozen is not None:
+            parts.append(describe_frozen(self.frozen))
         notes = [*self.kernels.notes, *(why if why.startswith(name) else f"{name}: {why}"
                                         for name, why in self.reasons.items())]
         return " + ".join(parts) + "".join(f"; {note}" for note in notes)
@@ -119,6 +125,8 @@ def _cuda_graphs_problem(params: TrainParams, kernels: KernelChoice, model: TRMo
     attention = device.type == "cuda" and capturable(kernels.attention, params.pack_sequences, device,
                                                      model.config.head_dim, dtype)
     problem = why_eager(device, strategy, params.grad_ckpt, fused_loss, attention)
+    if problem is None and params.frozen_modules is not None:
+        problem = "frozen_modules: CUDA graphs are not checked with frozen weights yet (the micro-steps run eagerly)"
     refuse_if_required("cuda_graphs", choice, problem)
     return problem
 
@@ -179,12 +187,13 @@ def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device
         head_copy=weight_copies and isinstance(builder, type) and issubclass(builder, SFTLoss) and not params.fp32_loss,
         cuda_graphs=graphs_problem is None, kept_swiglu_layers=_kept_layers(params, model), grad_ckpt=params.grad_ckpt,
         supervised_rows_only=bool(getattr(builder, "reads_supervised_rows_only", False)), reasons=reasons,
-        neftune=_neftune(params))
+        neftune=_neftune(params), frozen=frozen_plan(params.frozen_modules, params.frozen_layers, model))
 
 
 def apply_to_model(model: TRMoEModel, plan: ExecutionPlan) -> TRMoEModel:
     """Every module of `model` as the plan has it: its kernels' classes, checkpointed layers, kept activations,
-    NEFTune's noise on the embeddings."""
+    NEFTune's noise on the embeddings, the frozen weights."""
+    freeze(model, plan.frozen)
     use_kernels(model, plan.kernels)
     checkpoint_layers(model, plan.grad_ckpt)
     attach_noise(model, plan.neftune["alpha"] if plan.neftune else None)

@@ -61,10 +61,23 @@ def layer_count(name: str, value: Any) -> int | str:
 # Token ids: a vocabulary of 2**24 entries is far past any model's; a row of trainable embeddings per id named.
 MAX_TOKEN_ID = 2**24 - 1
 MAX_TRAINABLE_TOKENS = 2**20
+MAX_LAYER_INDEX = 2**16 - 1  # far past any model's depth; the model's own is checked when the run is prepared
 
 
 def token_ids(name: str, value: Any) -> tuple[int, ...] | None:
     """Token ids: a YAML list of ids and "a-b" ranges, or one such string ("69-94,101-126")."""
+    return id_ranges(name, value, "token id", MAX_TOKEN_ID)
+
+
+def layer_indices(name: str, value: Any) -> tuple[int, ...] | None:
+    """Layer indices, as token_ids reads ids: a list of indices and "a-b" ranges, or one such string ("0-7"); checked
+    against the model's layers when the run is prepared."""
+    return id_ranges(name, value, "layer index", MAX_LAYER_INDEX)
+
+
+def id_ranges(name: str, value: Any, what: str, top: int) -> tuple[int, ...] | None:
+    """Distinct whole numbers in [0, top]: a YAML list of them and "a-b" ranges, or one such string; None or a none
+    word: None."""
     if value is None or is_none_word(value):
         return None
     items = value.strip().strip("[]()").split(",") if isinstance(value, str) else value
@@ -75,16 +88,15 @@ def token_ids(name: str, value: Any) -> tuple[int, ...] | None:
         try:
             ranges.append(range(int(low), int(high) + 1) if max(len(low), len(high)) <= 20 else range(-1))
         except ValueError:
-            raise ParamError(f"{name}: {shown(item)} is not a token id or an a-b range of them") from None
-        if not 0 <= ranges[-1].start < ranges[-1].stop <= MAX_TOKEN_ID + 1:
-            raise ParamError(f"{name}: {shown(text)} is not a token id in [0, {MAX_TOKEN_ID}] or an a-b range of "
-                             "them (a <= b)")
+            raise ParamError(f"{name}: {shown(item)} is not a {what} or an a-b range of them") from None
+        if not 0 <= ranges[-1].start < ranges[-1].stop <= top + 1:
+            raise ParamError(f"{name}: {shown(text)} is not a {what} in [0, {top}] or an a-b range of them (a <= b)")
     # Counted before any id is listed: a range of a billion ids is refused, not built.
     if sum(len(ids) for ids in ranges) > MAX_TRAINABLE_TOKENS:
-        raise ParamError(f"{name}: {sum(len(ids) for ids in ranges):,} token ids, more than {MAX_TRAINABLE_TOKENS:,}")
+        raise ParamError(f"{name}: {sum(len(ids) for ids in ranges):,} {what}s, more than {MAX_TRAINABLE_TOKENS:,}")
     ids = [token for ids in ranges for token in ids]
     if len(set(ids)) != len(ids):
-        raise ParamError(f"{name}: token ids must be distinct, got {shown(value)}")
+        raise ParamError(f"{name}: {what}s must be distinct, got {shown(value)}")
     return tuple(ids)
 
 
@@ -266,6 +278,25 @@ class Lora:
     lora_plus_ratio: float | None = None
 
 
+# The module families frozen_modules names (cflib.train.freezing says which weights each holds).
+FROZEN_FAMILIES = ("embeddings", "attention", "shared", "experts", "norms")
+# The families within each layer, which frozen_layers narrows to its layers.
+LAYER_FAMILIES = ("attention", "shared", "experts", "norms")
+
+
+@dataclass(frozen=True)
+class Freezing:
+    """Which weights a full-parameter run trains (cflib.train.freezing): the others keep their starting values."""
+
+    # module families that stay frozen, a list or "embeddings,experts": embeddings (the tied head too), attention
+    # (q/k/v/o projections), shared (the shared SwiGLU), experts (the routed experts), norms (every RMSNorm); None:
+    # every weight trains
+    frozen_modules: tuple[str, ...] | None = None
+    # the layers whose attention, shared, experts and norms frozen_modules freezes, "0-7" or a list (the final norm
+    # counts with the last layer); None: every layer
+    frozen_layers: tuple[int, ...] | None = parsed_by(layer_indices)
+
+
 @dataclass(frozen=True)
 class KernelOverrides(Params):
     """The step's speed switches (docs/kernels.md), each `auto` unless a run names it in `kernel_overrides`:
@@ -411,7 +442,7 @@ class Curricula:
 
 
 @dataclass(frozen=True)
-class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kernels, Evaluation, Checkpoints,
+class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Freezing, Kernels, Evaluation, Checkpoints,
                           Distributed, Trackers, Curricula)):
     """The controls of one SFT run. Defaults: a CPU smoke run of a few seconds."""
 
@@ -456,6 +487,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
         if self.device not in DEVICES:
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._validate_lora()
+        self._validate_freezing()
         if self.overlong_examples not in OVERLONG:
             raise ParamError(f"overlong_examples must be one of {', '.join(OVERLONG)} (examples longer than seq_len "
                              "stop the run, or are left out of it; never truncated), got "
@@ -640,6 +672,30 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Kern
             raise ParamError("base_dtype: bfloat16 holds the frozen weights in BF16 for BF16 autocast GEMMs; "
                              "set bf16: true, or keep base_dtype float32")
 
+
+    def _validate_freezing(self) -> None:
+        """frozen_modules names families of cflib's modules, in a full-parameter run, and leaves some weight to train;
+        frozen_layers narrows the layer families to some layers (checked against the model by cflib.train.freezing)."""
+        families, layers = self.frozen_modules, self.frozen_layers
+        if families is not None:
+            unknown = [name for name in families if name not in FROZEN_FAMILIES]
+            if unknown or not families:
+                what = f"{unknown[0]!r} is not a module family" if unknown else "names no module family"
+                raise ParamError(f"frozen_modules: {what}; choose from {', '.join(FROZEN_FAMILIES)} (None: every "
+                                 "weight trains)")
+            if len(set(families)) != len(families):
+                raise ParamError(f"frozen_modules repeats a name: {list(families)}")
+            if not self.full_parameter:
+                raise ParamError("frozen_modules chooses the weights a full-parameter run trains, but full_parameter "
+                                 "is false (LoRA trains adapters on a base that is frozen whole): remove "
+                                 "frozen_modules, or set full_parameter: true")
+            if set(families) == set(FROZEN_FAMILIES) and layers is None:
+                raise ParamError(f"frozen_modules names every module family ({', '.join(FROZEN_FAMILIES)}) in every "
+                                 "layer: nothing would train; leave one out, or narrow them with frozen_layers")
+        if layers is not None and not set(families or ()) & set(LAYER_FAMILIES):
+            raise ParamError(f"frozen_layers {shown(self.frozen_layers)} narrows the layer families of frozen_modules "
+                             f"({', '.join(LAYER_FAMILIES)}), but frozen_modules names none of them: add them, or "
+                             "remove frozen_layers")
 
     def _validate_dora(self) -> None:
         """DoRA on the linear targets only: PEFT refuses use_dora on the expert tensors (3-D parameters), so adapters

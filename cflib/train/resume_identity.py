@@ -6,7 +6,7 @@ its shard manifests record for every file, train and eval), the stream
 longer than seq_len are dropped, a mixture's weights and examples per
 epoch), the schedule and every
 setting that changes the trajectory (optimizer, clipping, loss numerics,
-precision, NEFTune's noise, model source, LoRA and the adapters a LoRA run started from), and
+precision, NEFTune's noise, model source, LoRA and the adapters a LoRA run started from, the frozen modules), and
 the held-out prompts exact match scores.
 Resuming compares each with this run's and refuses the first difference by
 name; `allow_resume_changes` names the ones
@@ -33,11 +33,12 @@ from cflib.paths import resolve_path
 from cflib.train.held_out import scored_examples
 
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
-# The learning-rate multipliers and LoRA+'s ratio too: they decide the optimizer's parameter groups, which its saved
-# state must match. Parameters first, then what is derived from them (DERIVED_FROM), so a change is named by the
-# parameter set.
+# The learning-rate multipliers, LoRA+'s ratio and the frozen modules too: they decide the optimizer's parameter
+# groups, which its saved state must match. Parameters first, then what is derived from them (DERIVED_FROM), so a
+# change is named by the parameter set.
 STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "overlong_examples",
-          "expert_lr_multiplier", "lora_lr_multiplier", "lora_plus_ratio", "examples_per_epoch", "mixture",
+          "expert_lr_multiplier", "lora_lr_multiplier", "lora_plus_ratio", "frozen_modules", "frozen_layers",
+          "examples_per_epoch", "mixture",
           "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "adam_epsilon", "max_grad_norm",
@@ -68,7 +69,7 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "overlong_examples": "error", "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0,
-             "lora_plus_ratio": None, "adam_epsilon": 1e-8, "early_stopping_patience": None,
+             "lora_plus_ratio": None, "frozen_modules": None, "frozen_layers": None, "adam_epsilon": 1e-8, "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None}
 

@@ -171,7 +171,8 @@ class Run:
         p = self.params
         tokens = int(self.train_data.lengths.sum())
         return "\n".join([
-            f"model        {self.model_source}: {count_parameters(self.model)['params_total']:,} parameters",
+            f"model        {self.model_source}: {count_parameters(self.model)['params_total']:,} parameters"
+            + (f", {count_parameters(self.model)['params_trainable']:,} trainable" if self.plan.frozen else ""),
             *([f"lora         {self.lora.describe()}: {count_parameters(self.model)['params_trainable']:,} "
                "trainable"] if self.lora is not None else []),
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
