@@ -112,17 +112,32 @@ def assert_trained_like_one(one: Path, two: Path, single: dict, double: dict, st
     assert any(not torch.equal(best[name], last[name]) for name in best)
 
 
+def assert_frozen(two: Path, frozen: set[str], single: dict, double: dict) -> None:
+    """The two-process run's `frozen` weights are the preset's starting ones (prepare seeds with seed 0), every
+    other weight trained, and both runs count the same trainable parameters."""
+    from cflib.model.decoder import TRMoEModel
+
+    torch.manual_seed(0)
+    start = TRMoEModel(preset("smoke")).state_dict()
+    last = load_checkpoint(two / "checkpoints" / "last")
+    assert {name for name, value in last.named_parameters() if torch.equal(value, start[name])} == frozen
+    assert double["params_trainable"] == single["params_trainable"] == double["params_total"] - sum(
+        start[name].numel() for name in frozen)
+
+
 @pytest.mark.slow
 def test_two_ddp_processes_pack_weigh_and_report_like_one(tmp_path):
     """Workers skip the preflight their launcher ran, plan the same windows and weigh the same tokens; rank 0
-    alone reports to the trackers."""
+    alone reports to the trackers. The embeddings (and the tied head) stay frozen on every rank: DDP reduces the
+    others' gradients alone."""
     groups = {"arithmetic": {"target_share": 0.4, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},
               "text": {"target_share": 0.6, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
-    packed = {**BASE, **BEST, "pack_sequences": True, "loss_groups": groups}
+    packed = {**BASE, **BEST, "pack_sequences": True, "loss_groups": groups, "frozen_modules": "embeddings"}
     single = train({**packed, "out_dir": str(tmp_path / "one")}, progress=False)
     double = train({**packed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": "ddp",
                     "report_to": "tensorboard"}, progress=False)
     assert_trained_like_one(tmp_path / "one", tmp_path / "two", single, double, "ddp")
+    assert_frozen(tmp_path / "two", {"embed_tokens.weight"}, single, double)
     assert double["kernel_path"]["attention"] == "sdpa_mask"
     assert double["packing"] == single["packing"] and double["loss_weighting"] == single["loss_weighting"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -141,11 +156,14 @@ def test_two_fsdp_processes_draw_one_mixture_like_one_process(tmp_path):
     rank evaluates; rank 0 decides whether best/ improved and every rank joins in gathering it."""
     roots = task_roots(tmp_path / "roots", {"addition": 30, "uppercase": 12}, held_out=6)
     mixed = {**BASE, **BEST, "data": mixture(roots, {"addition": 0.8, "uppercase": 0.2}), "examples_per_epoch": 40,
-             "max_steps": 4}  # into a second epoch, drawn anew
+             "max_steps": 4,  # into a second epoch, drawn anew
+             "frozen_modules": "experts", "frozen_layers": "0"}  # frozen and trained weights in one shard group
     single = train({**mixed, "out_dir": str(tmp_path / "one")}, progress=False)
     double = train({**mixed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": "fsdp"},
                    progress=False)
     assert_trained_like_one(tmp_path / "one", tmp_path / "two", single, double, "fsdp")
+    assert_frozen(tmp_path / "two", {f"layers.0.mlp.engine.{name}" for name in ("expert_gate", "expert_up",
+                                                                               "expert_down")}, single, double)
     assert double["data"]["mixture"] == single["data"]["mixture"]
     for source, loss in single["eval"]["final"]["loss_by_source"].items():
         assert double["eval"]["final"]["loss_by_source"][source] == pytest.approx(loss, abs=1e-5)
