@@ -431,3 +431,24 @@ def test_a_later_stage_of_a_lora_curriculum_setting_other_adapters_is_refused_be
         train({**params(shard, tmp_path / "run", curriculum), "init_checkpoint": str(base), "full_parameter": False,
                "lora_rank": 4}, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_each_stage_freezes_its_own_modules(tmp_path, shard):
+    """A stage is a run of its own, with its own optimizer: the first trains all but the experts, the second all but
+    the embeddings (and the tied head), from the first's best."""
+    stages = [{"name": "no-experts", "max_steps": 2, "frozen_modules": ["experts"]},
+              {"name": "no-embeddings", "max_steps": 2, "frozen_modules": "embeddings"}]
+    record = train(params(shard, tmp_path / "run", write_curriculum(tmp_path / "c.yaml", stages),
+                          eval_at_start=False, save_every_steps=None), progress=False)
+    torch.manual_seed(0)
+    start = TRMoEModel(preset("smoke")).state_dict()
+    first, handed = stage_weights(tmp_path / "run", "no-experts"), stage_weights(tmp_path / "run", "no-experts", "best")
+    second = stage_weights(tmp_path / "run", "no-embeddings")
+    experts = {name for name in start if ".expert_" in name}
+    assert {name for name in experts if torch.equal(first[name], start[name])} == experts
+    assert not torch.equal(first["embed_tokens.weight"], start["embed_tokens.weight"])
+    assert torch.equal(second["embed_tokens.weight"], handed["embed_tokens.weight"])
+    assert not any(torch.equal(second[name], handed[name]) for name in experts)
+    frozen = [json.loads(Path(stage["record"]).read_text())["execution_plan"]["frozen"]["modules"]
+              for stage in record["curriculum"]["stages"]]
+    assert frozen == [["experts"], ["embeddings"]]
