@@ -69,7 +69,8 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 # What checkpoints written before a key existed were trained with; keys absent from both are not compared.
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "overlong_examples": "error", "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0,
-             "lora_plus_ratio": None, "frozen_modules": None, "frozen_layers": None, "adam_epsilon": 1e-8, "early_stopping_patience": None,
+             "lora_plus_ratio": None, "frozen_modules": None, "frozen_layers": None, "adam_epsilon": 1e-8,
+             "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None}
 

@@ -87,7 +87,8 @@ def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, s
 @pytest.mark.parametrize("change", [{"max_grad_norm": 0.5, "allow_resume_changes": "max_grad_norm"},
                                     {"data": "b", "allow_resume_changes": ["data"]},
                                     {"neftune_noise_alpha": 5.0, "allow_resume_changes": "neftune_noise_alpha"},
-                                    {"neftune_noise_alpha": 0}, {"loss_type": "dft", "allow_resume_changes": "loss_type"}],
+                                    {"neftune_noise_alpha": 0},
+                                    {"loss_type": "dft", "allow_resume_changes": "loss_type"}],
                          ids=["max-grad-norm", "data", "neftune", "neftune-0", "dft"])
 def test_a_change_allowed_on_purpose_resumes(killed, shards, tmp_path, change):
     copy = tmp_path / "run"
