@@ -70,9 +70,11 @@ def token_ids(name: str, value: Any) -> tuple[int, ...] | None:
 
 
 def layer_indices(name: str, value: Any) -> tuple[int, ...] | None:
-    """Layer indices, as token_ids reads ids: a list of indices and "a-b" ranges, or one such string ("0-7"); checked
-    against the model's layers when the run is prepared."""
-    return id_ranges(name, value, "layer index", MAX_LAYER_INDEX)
+    """Layer indices, as token_ids reads ids: a list of indices and "a-b" ranges, or one such string ("0-7"), in
+    ascending order (the same layers are the same value, on resume too); checked against the model's layers when the
+    run is prepared."""
+    indices = id_ranges(name, value, "layer index", MAX_LAYER_INDEX)
+    return None if indices is None else tuple(sorted(indices))
 
 
 def id_ranges(name: str, value: Any, what: str, top: int) -> tuple[int, ...] | None:
@@ -284,6 +286,18 @@ FROZEN_FAMILIES = ("embeddings", "attention", "shared", "experts", "norms")
 LAYER_FAMILIES = ("attention", "shared", "experts", "norms")
 
 
+def module_families(name: str, value: Any) -> tuple[str, ...] | None:
+    """Module families: a list or one "embeddings,experts" string, in FROZEN_FAMILIES' order (the same families are
+    the same value, on resume too; a name of none comes last, for the validation to refuse)."""
+    if value is None or is_none_word(value):
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ParamError(f"{name} must be a list of module families or one comma-separated string, got {shown(value)}")
+    order = {family: index for index, family in enumerate(FROZEN_FAMILIES)}
+    return tuple(sorted((str(item).strip() for item in items), key=lambda family: order.get(family, len(order))))
+
+
 @dataclass(frozen=True)
 class Freezing:
     """Which weights a full-parameter run trains (cflib.train.freezing): the others keep their starting values."""
@@ -291,7 +305,7 @@ class Freezing:
     # module families that stay frozen, a list or "embeddings,experts": embeddings (the tied head too), attention
     # (q/k/v/o projections), shared (the shared SwiGLU), experts (the routed experts), norms (every RMSNorm); None:
     # every weight trains
-    frozen_modules: tuple[str, ...] | None = None
+    frozen_modules: tuple[str, ...] | None = parsed_by(module_families)
     # the layers whose attention, shared, experts and norms frozen_modules freezes, "0-7" or a list (the final norm
     # counts with the last layer); None: every layer
     frozen_layers: tuple[int, ...] | None = parsed_by(layer_indices)
@@ -692,6 +706,8 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
             if set(families) == set(FROZEN_FAMILIES) and layers is None:
                 raise ParamError(f"frozen_modules names every module family ({', '.join(FROZEN_FAMILIES)}) in every "
                                  "layer: nothing would train; leave one out, or narrow them with frozen_layers")
+        if layers is not None and not layers:
+            raise ParamError("frozen_layers names no layer (None: every layer)")
         if layers is not None and not set(families or ()) & set(LAYER_FAMILIES):
             raise ParamError(f"frozen_layers {shown(self.frozen_layers)} narrows the layer families of frozen_modules "
                              f"({', '.join(LAYER_FAMILIES)}), but frozen_modules names none of them: add them, or "

@@ -120,11 +120,22 @@ def test_the_plan_names_what_is_frozen_and_cuda_graphs_stay_off(monkeypatch):
     ({"frozen_layers": "0-1"}, ["frozen_layers", "names none of them"]),
     ({"frozen_modules": "embeddings", "frozen_layers": "0"}, ["frozen_layers", "names none of them"]),
     ({"frozen_modules": "experts", "frozen_layers": "3-1"}, ["frozen_layers", "not a layer index"]),
-], ids=["unknown", "empty", "repeated", "lora", "everything", "layers-alone", "layers-embeddings", "bad-range"])
+    ({"frozen_modules": "experts", "frozen_layers": []}, ["frozen_layers names no layer"]),
+    ({"frozen_modules": 3}, ["frozen_modules must be a list"]),
+], ids=["unknown", "empty", "repeated", "lora", "everything", "layers-alone", "layers-embeddings", "bad-range",
+        "no-layer", "not-a-list"])
 def test_what_cannot_be_frozen_is_refused_naming_the_parameter(given, words):
     with pytest.raises(ParamError) as caught:
         TrainParams.from_dict(given)
     assert all(word in str(caught.value) for word in words), str(caught.value)
+
+
+def test_the_same_families_and_layers_in_another_order_are_the_same_parameters():
+    """A resume compares the parameters' values: written in another order, the same frozen weights are equal."""
+    one = TrainParams.from_dict({"frozen_modules": "experts,embeddings", "frozen_layers": [3, "0-1"]})
+    other = TrainParams.from_dict({"frozen_modules": ["embeddings", "experts"], "frozen_layers": "0-1,3"})
+    assert one.frozen_modules == other.frozen_modules == ("embeddings", "experts")
+    assert one.frozen_layers == other.frozen_layers == (0, 1, 3)
 
 
 @pytest.mark.parametrize("given, words", [
