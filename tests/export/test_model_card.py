@@ -73,9 +73,16 @@ def test_a_source_held_out_only_is_named_by_its_eval_partition_alone(tmp_path: P
     ({"warmup_ratio": 0.05, "warmup_steps": None}, "lr 0.001, warmup_ratio 0.05, lr_schedule cosine"),
     ({"warmup_ratio": 0.05, "warmup_steps": None, "lora_plus_ratio": 16.0},  # LoRA+'s ratio, where a run set one
      "lora_plus_ratio 16.0, lr 0.001, warmup_ratio 0.05, lr_schedule cosine"),
+    ({"warmup_steps": 5, "loss_type": "sft_cross_entropy", "adam_epsilon": 1e-8, "overlong_examples": "error"},
+     "lr 0.001, warmup_steps 5, lr_schedule cosine"),  # at their defaults: not named
+    ({"warmup_steps": 5, "loss_type": "dft", "adam_epsilon": 1e-6, "overlong_examples": "drop",
+      "frozen_modules": ["experts"], "frozen_layers": [0, 1]},
+     "frozen_modules ['experts'], frozen_layers [0, 1], loss_type dft, overlong_examples drop, lr 0.001, "
+     "adam_epsilon 1e-06, warmup_steps 5, lr_schedule cosine"),
 ])
-def test_the_recipe_names_the_warm_up_the_run_took(warmup, recipe):
-    """warmup_steps, where set, wins over warmup_ratio: the card's recipe leaves the unused ratio out."""
+def test_the_recipe_names_the_warm_up_the_run_took_and_what_it_set(warmup, recipe):
+    """warmup_steps, where set, wins over warmup_ratio: the card's recipe leaves the unused ratio out; the loss, the
+    frozen weights, the overlong examples' fate and AdamW's epsilon are named where a run set them."""
     meta = {"checkpoint": {"name": "best", "sha256": "0" * 64}, "base": {"source": "preset smoke", "sha256": None},
             "data": {"sources": []}, "throughput": {},
             "training_parameters": {"lr": 0.001, **warmup, "lr_schedule": "cosine"}}
