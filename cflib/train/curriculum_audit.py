@@ -28,7 +28,7 @@ from cflib.train.run import (
     schedule_steps,
     visible_supervised,
 )
-from cflib.train.run_data import Partition, kept_data, open_data
+from cflib.train.run_data import Partition, RunData, kept_data, open_data
 
 
 def _weighting(stage: Stage, kept: Partition, mixture: MixturePlan | None) -> dict:
@@ -54,6 +54,16 @@ def _mixture(mixture: MixturePlan | None, kept: Partition) -> dict | None:
     return {**mixture.record(), "first_epoch": mixture.realised(mixture.epoch(1), kept.supervised_counts)}
 
 
+def _examples(data: RunData) -> dict:
+    """The stage's train examples and those it keeps (each filter's count between, where filters ran): counted from
+    before overlong_examples: drop, so the row's "kept N of M" shows what the drop left out too."""
+    counts = dict(data.filter_counts or {"examples": len(data.train), "kept": len(data.train)})
+    if data.overlong:
+        counts["examples"] = sum(count["examples"] for partition, count in data.overlong["partitions"].items()
+                                 if partition.startswith("train"))
+    return counts
+
+
 def audit_stage(stage: Stage, config: ModelConfig) -> dict:
     """One stage against its data; ParamError or ShardError for what stops it before training."""
     p = stage.params
@@ -64,7 +74,7 @@ def audit_stage(stage: Stage, config: ModelConfig) -> dict:
     steps_per_epoch, schedule = schedule_steps(units, p)
     weighting = _weighting(stage, kept, mixture)
     return {"stage": stage.name, "passed": weighting["weights_within_cap"], "overrides": stage.overrides,
-            "examples": data.filter_counts or {"examples": len(kept), "kept": len(kept)},
+            "examples": _examples(data),
             "overlong": data.overlong,
             "mixture": _mixture(mixture, kept),
             "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(data.eval), "seq_len": p.seq_len,

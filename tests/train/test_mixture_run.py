@@ -457,7 +457,7 @@ def test_overlong_examples_drop_leaves_each_source_s_longer_examples_out_of_its_
         "overlong     examples longer than seq_len 40 left out: train (long) 13 of 30, eval (long) 2 of 4, train "
         "(short) 0 of 12, eval (short) 0 of 4 (the longest: 59 tokens)") in run.describe()
     dry = train(packed_params(varied, tmp_path / "dry", dry_run=True, **drop), progress=False)
-    assert dry["stages"][0]["overlong"] == run.overlong and dry["stages"][0]["examples"]["kept"] == 29
+    assert dry["stages"][0]["overlong"] == run.overlong and dry["stages"][0]["examples"] == {"examples": 42, "kept": 29}
     with pytest.raises(ShardError, match=r"data\[1\] \(source 'uppercase'\): .*uppercase/train: overlong_examples: "
                                          r"drop would leave no train example: all 12 are longer than seq_len 16 .*"
                                          "raise seq_len to at least 21"):
