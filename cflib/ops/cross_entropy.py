@@ -95,7 +95,9 @@ class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
         ctx.to_master = master is not None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # A frozen head (LoRA's base, frozen embeddings) takes no gradient: neither its buffer nor its GEMMs.
+        head_trains = ctx.needs_input_grad[5 if master is not None else 1]
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if head_trains else None
         for start in range(0, hidden.shape[0], chunk_tokens):
             h = hidden[start:start + chunk_tokens]
             logits = gemms.linear(h, weight)
@@ -103,7 +105,8 @@ class FusedLinearWeightedCrossEntropy(torch.autograd.Function):
             loss_sum += weighted_cross_entropy_(logits, targets[start:start + chunk_tokens], chunk_weights,
                                                 dft).sum()
             gemms.matmul(logits, weight, out=grad_hidden[start:start + chunk_tokens])
-            gemms.accumulate(grad_weight, logits.t(), h)
+            if head_trains:
+                gemms.accumulate(grad_weight, logits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss_sum
 

@@ -50,7 +50,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 ) -> torch.Tensor:
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        head_trains = ctx.needs_input_grad[1]  # a frozen head takes no gradient: no buffer, no GEMM
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if head_trains else None
         with _precision(hidden.device, fp32_loss):
             for start in range(0, hidden.shape[0], chunk_tokens):
                 h, w = _operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
@@ -72,7 +73,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 loss_sum += losses.sum()
                 grad_logits = grad_logits.to(h.dtype)
                 grad_hidden[start:start + chunk_tokens] = grad_logits @ w
-                grad_weight += (grad_logits.t() @ h).float()
+                if head_trains:
+                    grad_weight += (grad_logits.t() @ h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss_sum
 
@@ -81,10 +83,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return *saved_gradients(ctx, grad_output), None, None, None, None, None
 
 
-def saved_gradients(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (hidden, head weight) gradients a fused loss computed in forward, scaled by the incoming gradient."""
+def saved_gradients(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (hidden, head weight) gradients a fused loss computed in forward, scaled by the incoming gradient (the
+    head's None where it is frozen)."""
     grad_hidden, grad_weight = ctx.saved_tensors
-    return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output
+    return (grad_hidden * grad_output.to(grad_hidden.dtype),
+            None if grad_weight is None else grad_weight * grad_output)
 
 
 def supervised_positions(labels: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from kernel_checks import DTYPE_IDS, DTYPES, assert_matches, leaves, run
 from tiny_models import KERNEL_DEVICE
 
 from cflib.ops.cross_entropy import FusedLinearWeightedCrossEntropy
-from cflib.ops.loss import IGNORE_INDEX
+from cflib.ops.loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
 ROWS, DIM, VOCAB = 19, 16, 300  # a vocabulary below a power of two: the kernel's masked columns run too
 
@@ -61,6 +61,32 @@ def test_a_master_takes_the_head_gradient_in_fp32_unrounded():
     FusedLinearWeightedCrossEntropy.apply(hidden.detach(), head, targets, None, 6).backward()
     assert head.grad.dtype == torch.bfloat16
     torch.testing.assert_close(head.grad, master.grad.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+def test_a_frozen_head_takes_no_gradient_buffer_and_hidden_s_gradient_is_unchanged(path):
+    """A head that does not train (LoRA's base, frozen embeddings) gets no [V, D] FP32 gradient kept from forward to
+    backward, and no GEMM for it; the hidden states' gradient is the one a trained head's loss gives."""
+    raw, targets = inputs(4, False)
+    labels = targets.clone()
+
+    def loss_of(head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if path == "fused":
+            return FusedLinearWeightedCrossEntropy.apply(hidden, head, targets, None, 6)
+        return chunked_cross_entropy_sum(hidden, head, labels, loss_chunk_tokens=6, fp32_loss=True)[0]
+
+    grads = {}
+    for trains in (True, False):
+        head = raw["head"].to(KERNEL_DEVICE).clone().requires_grad_(trains)
+        hidden = raw["hidden"].to(KERNEL_DEVICE).clone().requires_grad_()
+        loss = loss_of(head, hidden)
+        _, head_gradient = loss.grad_fn.saved_tensors  # what the op keeps for backward: hidden's and the head's
+        assert (head_gradient.shape, head_gradient.dtype) == ((VOCAB, DIM), torch.float32) if trains else (
+            head_gradient is None)
+        loss.backward()
+        grads[trains] = hidden.grad
+        assert (head.grad is not None) == trains
+    torch.testing.assert_close(grads[False], grads[True], rtol=0, atol=0)
 
 
 def test_sft_loss_in_bf16_gives_an_fp32_head_its_gradient_unrounded():
