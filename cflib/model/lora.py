@@ -155,12 +155,15 @@ class LoraLinear(nn.Linear):
         return F.linear(x, self.weight) + self.branch(x)
 
 
+def row_norms(weight: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """||W + update|| per output feature ([out]), over the input dimension, in fp32 (fp64 for an fp64 weight)."""
+    return torch.linalg.norm(weight.to(torch.promote_types(weight.dtype, torch.float32)) + update, dim=1)
+
+
 def dora_factor(weight: torch.Tensor, update: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
-    """DoRA's m / ||W + update|| per output feature ([out]): the norm of each row of W + update (over the input
-    dimension) in fp32 (fp64 for an fp64 weight) and detached, as PEFT's DoraLinearLayer computes it (the paper's
-    section 4.3: no gradient flows through the norm)."""
-    wide = weight.detach().to(torch.promote_types(weight.dtype, torch.float32))
-    return magnitude / torch.linalg.norm(wide + update.detach(), dim=1)
+    """DoRA's m / ||W + update|| per output feature ([out]): the row norms detached, as PEFT's DoraLinearLayer
+    computes them (the paper's section 4.3: no gradient flows through the norm)."""
+    return magnitude / row_norms(weight.detach(), update.detach())
 
 
 class DoraWeight(torch.autograd.Function):
@@ -174,8 +177,7 @@ class DoraWeight(torch.autograd.Function):
     def forward(ctx, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor,
                 scale: float) -> torch.Tensor:
         update = (b @ a) * scale  # under BF16 autocast a BF16 product, as LoraLinear.delta's
-        wide = weight.to(torch.promote_types(weight.dtype, torch.float32))
-        norm = torch.linalg.norm(wide + update, dim=1)  # dora_factor's, in fp32 at least
+        norm = row_norms(weight, update)  # dora_factor's, in fp32 at least
         factor = magnitude / norm
         ctx.save_for_backward(weight, a, b, norm, factor)
         ctx.scale = scale
@@ -206,7 +208,7 @@ class DoraLinear(LoraLinear):
     def __init__(self, base: nn.Linear, settings: LoraSettings) -> None:
         super().__init__(base, settings)
         with torch.no_grad():
-            norms = torch.linalg.norm(self.weight.float() + super().delta(), dim=1)
+            norms = row_norms(self.weight, super().delta())
         self.lora_magnitude_vector = nn.Parameter(norms)
 
     def factor(self) -> torch.Tensor:
