@@ -37,16 +37,19 @@ from cflib.locks import exclusive_output
 from cflib.model.config import ConfigError, ModelConfig, preset
 from cflib.progress import tqdm
 from cflib.schema import composed, parsed_by
+from cflib.train.distributed import DDP_BUCKET_BYTES_PER_PARAM, TRAINING_BYTES_PER_PARAM
 from cflib.train.params import DEVICES, Model, ParamError, TrainParams, gradient_accumulation, kernel_choice
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
 
-# At every optimizer step fp32 weights, gradients and both AdamW moments coexist: a floor under any peak.
-FIXED_BYTES_PER_PARAM = 16
+# A probe trains every weight (no frozen_modules, no LoRA), so the numbers are the run's memory estimate's
+# (cflib.train.distributed) for such a run. At every optimizer step fp32 weights, gradients and both AdamW moments
+# coexist: a floor under any peak.
+FIXED_BYTES_PER_PARAM = TRAINING_BYTES_PER_PARAM
 # Weights and moments outlive every step; gradients come and go. The floor under the fixed part of the fit.
 PERSISTENT_BYTES_PER_PARAM = 12
-# DDP keeps a flat copy of the fp32 gradients in its all-reduce buckets on every rank.
-DDP_BUCKET_BYTES_PER_PARAM = 4
+# DDP keeps a flat copy of the fp32 gradients in its all-reduce buckets on every rank
+# (distributed.DDP_BUCKET_BYTES_PER_PARAM, imported above).
 # Above any one device's memory: a larger budget (a typo such as 1e30) would let every microbatch "fit".
 MAX_BUDGET_GIB = 4096
 # Far beyond what a real model's microbatch reaches on one device; the probe shard holds this many rows.

@@ -106,39 +106,44 @@ def rank_share(step_examples: np.ndarray, ctx: DistContext) -> np.ndarray:
     return step_examples[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
 
 
-def training_state_bytes(config: ModelConfig, lora: dict | None = None) -> tuple[int, int]:
+def training_state_bytes(config: ModelConfig, weights: dict | None = None) -> tuple[int, int]:
     """The bytes of the whole model's weights and optimizer state, and the bytes each weight is stored in: 16 B
-    per trainable parameter (fp32 weights, grads, AdamW moments); a LoRA run's frozen base (lora:
-    {trainable_params, base_dtype}) 4 or 2 B per parameter beside its adapters' 16."""
-    params = config.num_parameters()
-    if lora is None:
-        return TRAINING_BYTES_PER_PARAM * params, GATHERED_BYTES_PER_PARAM
-    stored = 2 if lora["base_dtype"] == "bfloat16" else 4
-    return stored * params + TRAINING_BYTES_PER_PARAM * lora["trainable_params"], stored
+    per trainable parameter (fp32 weights, grads, AdamW moments). `weights` ({trainable_params, frozen_params,
+    frozen_dtype, frozen_by}; None: every weight trains) splits them: a frozen weight (a LoRA run's base, or what
+    frozen_modules freezes) is held at 4 B per parameter (2 in bfloat16), with no gradient and no moments."""
+    if weights is None:
+        return TRAINING_BYTES_PER_PARAM * config.num_parameters(), GATHERED_BYTES_PER_PARAM
+    stored = 2 if weights["frozen_dtype"] == "bfloat16" else 4
+    return stored * weights["frozen_params"] + TRAINING_BYTES_PER_PARAM * weights["trainable_params"], stored
 
 
 def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int, bf16: bool, grad_ckpt: bool,
-                    device_memory_bytes: int, lora: dict | None = None) -> dict:
+                    device_memory_bytes: int, weights: dict | None = None) -> dict:
     """Bytes one rank needs to hold a whole model and its optimizer state (the DDP condition).
 
-    `lora` ({trainable_params, base_dtype}): the base is frozen (4 or 2 B/param, no gradient, no moments)
-    and only the adapters take the 16 B/param of training."""
-    state, stored = training_state_bytes(config, lora)
-    if lora is None:
+    `weights` (training_state_bytes'): the frozen weights take 4 or 2 B/param (no gradient, no moments), and
+    only the trainable ones the 16 B/param of training; the estimate keeps the split."""
+    state, stored = training_state_bytes(config, weights)
+    if weights is None:
         rule = "16 B/param (fp32 weights, grads, AdamW moments)"
     else:
-        rule = (f"LoRA: {stored} B/param of frozen base ({lora['base_dtype']}) + 16 B per adapter parameter "
-                "(fp32 weights, grads, AdamW moments)")
+        frozen = ("LoRA: frozen base" if weights["frozen_by"] == "lora" else
+                  f"{weights['frozen_by']}: frozen weights")
+        trained = "adapter parameter" if weights["frozen_by"] == "lora" else "trainable parameter"
+        rule = (f"{frozen} {stored} B/param ({weights['frozen_params']:,} in {weights['frozen_dtype']}, no "
+                f"gradient, no moments) + 16 B per {trained} ({weights['trainable_params']:,}: fp32 weights, "
+                "grads, AdamW moments)")
     per_unit = ACTIVATION_BYTES["grad_ckpt" if grad_ckpt else ("bf16" if bf16 else "fp32")]
     activations = per_unit * micro_batch_per_rank * seq_len * config.num_hidden_layers * config.hidden_size
     need = state + activations
     return {"model_and_optimizer_bytes": state, "activation_bytes": activations, "total_bytes": need,
             "device_bytes": device_memory_bytes, "fits_one_device": need <= 0.9 * device_memory_bytes,
+            **({} if weights is None else {"weights": dict(weights)}),
             "rule": rule + " + activations (72 B per token x layer x hidden in BF16, 144 in fp32, 8 with "
                     "checkpointing, measured on the reference path); DDP when it fits 90% of one device"}
 
 
-def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, lora: dict | None = None) -> dict:
+def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, weights: dict | None = None) -> dict:
     """What one rank holds and sends per optimizer step under DDP and under FSDP, computed, not measured.
 
     Ring collectives: a rank sends (W-1)/W of the buffer in an all-gather or a reduce-scatter, twice that in an
@@ -147,13 +152,13 @@ def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, lora:
     the state; every micro-step gathers each layer's weights twice (forward, and again in backward: they are
     resharded after forward) and the root's (embedding, final norm) once, and the last one reduce-scatters the
     gradients; at a time it holds the root and about two layers gathered (the one running and the one prefetched).
-    `lora` ({trainable_params, base_dtype}) as memory_estimate's: the base is gathered in its dtype and carries
-    no gradient."""
+    `weights` as memory_estimate's: frozen weights are gathered in their dtype and carry no gradient (DDP's
+    buckets and both strategies' reductions hold the trainable gradients alone)."""
     params = config.num_parameters()
     root = config.vocab_size * config.hidden_size + config.hidden_size
     per_layer = (params - root) // config.num_hidden_layers
-    trainable = params if lora is None else lora["trainable_params"]
-    state, stored = training_state_bytes(config, lora)
+    trainable = params if weights is None else weights["trainable_params"]
+    state, stored = training_state_bytes(config, weights)
     share = (world_size - 1) / world_size
     gathered_per_micro_step = stored * (2 * (params - root) + root)
     return {

@@ -15,10 +15,12 @@ or DDP's buckets, and its BF16 weight copy is written once (cflib.model.weight_c
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from cflib.errors import ParamError
-from cflib.model.decoder import EXPERT_TENSORS
+from cflib.model.config import ModelConfig
+from cflib.model.decoder import EXPERT_TENSORS, TRMoEModel
 
 ATTENTION_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 SHARED_WEIGHTS = ("shared_gate", "shared_up", "shared_down")
@@ -103,3 +105,19 @@ def describe_frozen(plan: dict) -> str:
     parts = (["embeddings (and the tied head)"] if plan["tied_head"] else []) + (
         [", ".join(layered) + where] if layered else [])
     return f"frozen {'; '.join(parts)}: {plan['params']:,} parameters in {plan['tensors']} tensors"
+
+
+def frozen_weights(modules: tuple[str, ...] | None, layers: tuple[int, ...] | None, config: ModelConfig,
+                   model: nn.Module | None = None) -> dict | None:
+    """What the memory estimate holds of a full-parameter run's weights (cflib.train.distributed.
+    training_state_bytes): the parameters that train and those `modules` (in `layers`) freeze, counted as
+    frozen_plan counts them on `model`, or where none is built yet on one of `config` built on the meta device (no
+    memory); None where every weight trains."""
+    if modules is None:
+        return None
+    if model is None:
+        with torch.device("meta"):
+            model = TRMoEModel(config)
+    frozen = frozen_plan(modules, layers, model)["params"]
+    return {"trainable_params": sum(parameter.numel() for parameter in model.parameters()) - frozen,
+            "frozen_params": frozen, "frozen_dtype": "float32", "frozen_by": "frozen_modules"}

@@ -47,6 +47,7 @@ from cflib.train.distributed import (
     whole_batches,
 )
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
+from cflib.train.freezing import frozen_weights
 from cflib.train.optim import WSD_DECAY_RATIO, LrSchedule
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import count_parameters, read_metrics
@@ -342,7 +343,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     start = starting_model(params, hub)
     params, model, lora, resume_state = start.params, start.model, start.lora, start.resume_state
     config = model.config
-    estimate = memory_figures(config, params, device)
+    estimate = memory_figures(config, params, device, model)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
     plan = plan_execution(params, model, strategy, device)
     apply_to_model(model, plan)
@@ -632,14 +633,18 @@ def schedule_signature(run: Run) -> dict:
     return run_identity(run)
 
 
-def memory_figures(config: ModelConfig, params: TrainParams, device: torch.device) -> dict:
+def memory_figures(config: ModelConfig, params: TrainParams, device: torch.device,
+                   model: TRMoEModel | None = None) -> dict:
+    """The memory estimate: a LoRA run's adapters and frozen_modules' trainable weights take the 16 B/param of
+    training, the frozen weights their storage alone (counted on `model` where built: cflib.train.freezing)."""
     settings = params.lora_settings()
-    lora = None if settings is None else {"trainable_params": adapter_parameter_count(config, settings),
-                                          "base_dtype": settings.base_dtype}
+    weights = (frozen_weights(params.frozen_modules, params.frozen_layers, config, model) if settings is None else
+               {"trainable_params": adapter_parameter_count(config, settings),
+                "frozen_params": config.num_parameters(), "frozen_dtype": settings.base_dtype, "frozen_by": "lora"})
     estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
-                               device_memory_bytes(device), lora=lora)
+                               device_memory_bytes(device), weights=weights)
     if params.world_size > 1:
-        estimate["per_strategy"] = strategy_costs(config, params.world_size, params.grad_accum, lora)
+        estimate["per_strategy"] = strategy_costs(config, params.world_size, params.grad_accum, weights)
     return estimate
 
 

@@ -58,6 +58,9 @@ def test_the_reference_path_trains_the_experts_alone_and_records_it(tmp_path, sh
                                                   "tensors": sum(not on for on in moved.values()),
                                                   "params": config.num_parameters() - experts}
     assert list(record["params"]["frozen_modules"]) == EXPERTS_ALONE
+    frozen = config.num_parameters() - experts  # held at 4 B (fp32, no gradient, no moments), the experts at 16
+    assert record["memory_estimate"]["model_and_optimizer_bytes"] == 4 * frozen + 16 * experts
+    assert record["memory_estimate"]["weights"]["trainable_params"] == record["params_trainable"]
 
 
 def test_the_fused_paths_keep_frozen_weights_and_their_bf16_copies(tmp_path, shard):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import cflib.train.run
 from cflib.model.config import preset
 from cflib.train import batch_arithmetic, describe_arithmetic
 from cflib.train.distributed import TRAINING_BYTES_PER_PARAM, strategy_costs
@@ -49,7 +50,8 @@ def test_ring_collectives_send_what_the_strategies_move():
 def test_lora_ranks_sync_only_the_adapters():
     config = preset("smoke")
     full = strategy_costs(config, 2, 1)
-    lora = strategy_costs(config, 2, 1, {"trainable_params": 1000, "base_dtype": "bfloat16"})
+    lora = strategy_costs(config, 2, 1, {"trainable_params": 1000, "frozen_params": config.num_parameters(),
+                                         "frozen_dtype": "bfloat16", "frozen_by": "lora"})
     assert lora["ddp"]["sent_bytes_per_step"] == 4 * 1000
     assert lora["ddp"]["state_bytes"] == 2 * config.num_parameters() + 20 * 1000
     assert lora["fsdp"]["sent_bytes_per_step"] < full["fsdp"]["sent_bytes_per_step"]  # a BF16 base gathered
@@ -63,3 +65,29 @@ def test_the_dry_run_of_a_two_process_run_gives_each_strategys_cost_per_rank():
     line = describe_arithmetic(figures, params).splitlines()[-1]
     assert line.startswith("per rank") and "ddp holds" in line and "fsdp holds" in line
     assert "per_strategy" not in batch_arithmetic(TrainParams(micro_batch_per_rank=8, device="cpu"))["memory_estimate"]
+
+
+def test_frozen_modules_are_counted_at_their_storage_and_only_the_trainable_gradients_are_reduced(monkeypatch):
+    """The smoke preset with its experts alone training: the frozen weights take 4 B/param (fp32, no gradient, no
+    moments), the experts 16; DDP's buckets and all-reduce hold the experts' gradients alone; and strategy: auto
+    picks DDP on a device that the frozen weights fit but every weight trained would not."""
+    config = preset("smoke")
+    experts = 3 * config.num_hidden_layers * config.num_experts * config.hidden_size * config.expert_width
+    frozen = config.num_parameters() - experts
+    params = TrainParams(micro_batch_per_rank=8, global_batch=32, nproc_per_node=2, device="cpu",
+                         frozen_modules=("embeddings", "attention", "shared", "norms"))
+    memory = batch_arithmetic(params)["memory_estimate"]
+    assert memory["model_and_optimizer_bytes"] == 4 * frozen + 16 * experts
+    assert memory["weights"] == {"trainable_params": experts, "frozen_params": frozen, "frozen_dtype": "float32",
+                                 "frozen_by": "frozen_modules"}
+    assert memory["rule"].startswith(f"frozen_modules: frozen weights 4 B/param ({frozen:,} in float32")
+    ddp = memory["per_strategy"]["ddp"]
+    assert ddp["state_bytes"] == 4 * frozen + 16 * experts + 4 * experts
+    assert ddp["sent_bytes_per_step"] == 4 * experts  # 2 x (W-1)/W of the fp32 trainable gradients, W = 2
+    every_weight_trained = 16 * config.num_parameters() + memory["activation_bytes"]
+    device = int(every_weight_trained / 0.9) - 1  # what the frozen weights fit, but not every weight trained
+    assert memory["total_bytes"] <= 0.9 * device < every_weight_trained
+    monkeypatch.setattr(cflib.train.run, "device_memory_bytes", lambda _: device)
+    assert batch_arithmetic(params)["strategy"] == "ddp"
+    assert batch_arithmetic(TrainParams(micro_batch_per_rank=8, global_batch=32, nproc_per_node=2,
+                                        device="cpu"))["strategy"] == "fsdp"
