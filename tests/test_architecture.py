@@ -6,6 +6,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from cflib.paths import project_root
 
 PACKAGE = project_root() / "cflib"
@@ -334,3 +336,42 @@ def test_the_op_test_check_finds_imports_in_functions_and_helpers(tmp_path):
     assert forbidden_imports(tmp_path / "ops", tmp_path, NOT_IN_OP_TESTS) == [
         "ops/test_a.py imports cflib.train", "ops/test_a.py imports cflib.train.prepare",
         "ops/test_b.py imports cflib.bench (through helper.py)"]
+
+
+def pyflakes_warnings(paths: list[Path]) -> list[str]:
+    """pyflakes' warnings on every .py file under `paths`, but for lines marked `# noqa` (an import kept for its
+    side effect, or to check that a package imports)."""
+    from pyflakes.api import checkRecursive
+    from pyflakes.reporter import Reporter
+
+    class Collect(Reporter):
+        def __init__(self) -> None:
+            self.found: list[str] = []
+
+        def unexpectedError(self, filename, msg) -> None:
+            self.found.append(f"{filename}: {msg}")
+
+        def syntaxError(self, filename, msg, lineno, offset, text) -> None:
+            self.found.append(f"{filename}:{lineno}: {msg}")
+
+        def flake(self, message) -> None:
+            line = Path(message.filename).read_text().splitlines()[message.lineno - 1]
+            if "# noqa" not in line:
+                self.found.append(str(message))
+
+    collect = Collect()
+    checkRecursive([str(path) for path in paths], collect)
+    return collect.found
+
+
+def test_pyflakes_finds_nothing_in_the_package_its_tests_or_the_benchmarks():
+    pytest.importorskip("pyflakes")
+    assert pyflakes_warnings([PACKAGE, TESTS, BENCHMARKS]) == []
+
+
+def test_the_pyflakes_check_finds_a_redefinition_and_honours_noqa(tmp_path):
+    pytest.importorskip("pyflakes")
+    (tmp_path / "m.py").write_text("import os  # noqa: F401\nimport sys\n\n\ndef f():\n    g = 1\n\n    def g():\n"
+                                   "        return 2\n    return 3\n")
+    found = pyflakes_warnings([tmp_path])
+    assert len(found) == 2 and "'sys' imported but unused" in found[0] and "redefinition of unused 'g'" in found[1]

@@ -238,9 +238,11 @@ def project_session(name: str, tparams: TrainParams, stream: RealisticStream | N
             raise RuntimeError("the run's pack plan differs from the measured stream's: the paths would not train "
                                "the same examples")
 
-        def step(windows: np.ndarray, next_windows: np.ndarray | None = None) -> dict:
+        def step_counting_real_tokens(windows: np.ndarray, next_windows: np.ndarray | None = None) -> dict:
+            """The trainer's step, with the tokens of the examples its windows hold (padding aside)."""
             return {**trainer.train_step(windows, next_windows),
                     "real_tokens": int(stream.data.lengths[stream.plan.examples_of(windows)].sum())}
+        step = step_counting_real_tokens
     return Session(step, lambda: {**model.kernel_path(), "optimizer": optimizer_kernel(training.optimizer),
                                   "gemms": training.gemms.describe()},
                    trainer=trainer, facts={

@@ -319,7 +319,7 @@ def test_adapters_exported_with_their_base_bundle_load_through_auto_peft(tmp_pat
     """--base-model names the base's bundle in adapter_config.json and the card: AutoPeftModelForCausalLM loads
     base and adapters in one call; without it no base is named (never a folder name of this machine)."""
     peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")  # AutoPeftModelForCausalLM loads through it
     from cflib.export import export_hub
 
     adapter, model = saved_adapter(tmp_path, LoraSettings(rank=4, alpha=8, targets=LINEAR_TARGETS))

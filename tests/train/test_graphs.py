@@ -20,7 +20,7 @@ from cflib.ops.loss import supervised_positions
 from cflib.ops.rows import Rows
 from cflib.ops.sft_loss import SFTLoss
 from cflib.train.batch import MicroBatch
-from cflib.train.graphs import DOCUMENTS, SUPERVISED_ROWS, padded, static_shape
+from cflib.train.graphs import padded, static_shape
 from cflib.train.params import TrainParams
 from cflib.train.run import prepare
 from cflib.train.trainer import Trainer
