@@ -25,12 +25,15 @@ class MetricsLog:
         self.path = Path(path)
         self.listeners: list[Callable[[dict], None]] = []  # the trackers of report_to (cflib.train.trackers)
 
-    def truncate_after(self, step: int) -> None:
-        """Drop rows past `step`: a resumed run logs those steps again."""
-        if self.path.is_file():
-            kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
-            # Replaced whole: a kill while rewriting must not lose the rows kept.
-            write_text_atomic(self.path, "".join(json.dumps(row, default=str) + "\n" for row in kept))
+    def truncate_after(self, step: int) -> list[dict]:
+        """Drop rows past `step`: a resumed run logs those steps again. Returns the rows kept, the file read once
+        for all a resume takes from it (the trackers' replay, an evaluation's row written before a kill)."""
+        if not self.path.is_file():
+            return []
+        kept = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
+        # Replaced whole: a kill while rewriting must not lose the rows kept.
+        write_text_atomic(self.path, "".join(json.dumps(row, default=str) + "\n" for row in kept))
+        return kept
 
     def write(self, **row: Any) -> dict:
         with open_append(self.path) as out:

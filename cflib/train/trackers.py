@@ -27,12 +27,11 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from cflib.atomic import write_json_atomic
 from cflib.errors import ParamError
 from cflib.jsonio import read_json
-from cflib.train.records import read_metrics
 from cflib.train.wandb_history import wandb_history_steps
 
 TRACKING_FILE = "trackers.json"
@@ -443,7 +442,9 @@ class Trackers:
     """The trackers report_to names, fed each metrics row; a context that ends their runs, FAILED on an error."""
 
     def __init__(self, out_dir: Path, params: dict, report_to: Iterable[str], tracking_uri: str | None,
-                 resumed_step: int) -> None:
+                 resumed_step: int, kept_rows: Sequence[dict] = ()) -> None:
+        """kept_rows: metrics.jsonl's rows a run resumed at `resumed_step` keeps (MetricsLog.truncate_after),
+        replayed to each tracker first."""
         self.out_dir, self.record = out_dir, None
         report_to = tuple(report_to)
         # Before any tracker starts: the libraries read these when first imported or started.
@@ -451,17 +452,18 @@ class Trackers:
         self.trackers: list = []
         self._lock = threading.Lock()
         try:
-            self._start(params, report_to, tracking_uri, resumed_step)
+            self._start(params, report_to, tracking_uri, resumed_step, list(kept_rows))
         except BaseException:  # the trackers started so far ended, the environment as it was: nothing leaks on
             for tracker in self.trackers:
                 tracker.close(None, "FAILED")
             self._env.restore()
             raise
 
-    def _start(self, params: dict, report_to: tuple[str, ...], tracking_uri: str | None, resumed_step: int) -> None:
+    def _start(self, params: dict, report_to: tuple[str, ...], tracking_uri: str | None, resumed_step: int,
+               kept_rows: list[dict]) -> None:
         out_dir = self.out_dir
         previous = read_tracking(out_dir) if resumed_step else {}
-        replay = kept_rows(out_dir, resumed_step) if resumed_step else []
+        replay = kept_rows if resumed_step else []
         for name in report_to:
             if name == "tensorboard":
                 self.trackers.append(TensorBoardTracker(out_dir, replay))
@@ -505,12 +507,6 @@ class Trackers:
             self._env.restore()
 
 
-def kept_rows(out_dir: Path, resumed_step: int) -> list[dict]:
-    """metrics.jsonl's rows a run resumed at `resumed_step` keeps (MetricsLog.truncate_after drops the rest)."""
-    path = out_dir / "metrics.jsonl"
-    return [row for row in read_metrics(path) if row.get("step", 0) <= resumed_step] if path.is_file() else []
-
-
 def private_folders(out_dir: Path, report_to: Iterable[str]) -> dict[str, str]:
     """The environment that keeps the trackers' libraries inside the run folder: W&B's cache (its service's
     debug logs, artifact copies) and data (artifact staging) in out_dir/wandb, MLflow's telemetry off. W&B's
@@ -538,15 +534,16 @@ class ScopedEnv:
         self.values = {}
 
 
-def open_trackers(run: Any, metrics: Any, resumed_step: int, active: bool) -> Trackers:
-    """The run's trackers (none off rank 0, or without report_to), fed by the metrics log's every row."""
+def open_trackers(run: Any, metrics: Any, resumed_step: int, kept_rows: Sequence[dict], active: bool) -> Trackers:
+    """The run's trackers (none off rank 0, or without report_to), fed by the metrics log's every row; a resumed
+    run's `kept_rows` (the metrics rows up to its checkpoint) first."""
     from dataclasses import asdict
 
     p = run.params
     if not (active and p.report_to):
         return _NoTrackers()
     trackers = Trackers(run.out_dir, {**asdict(p), "out_dir": str(run.out_dir)}, p.report_to,
-                        p.mlflow_tracking_uri, resumed_step)
+                        p.mlflow_tracking_uri, resumed_step, kept_rows)
     metrics.listeners.append(trackers.log)
     return trackers
 

@@ -16,6 +16,7 @@ import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from cflib.train.best_metric import ANSWER_METRICS, answer_scores, evaluations_w
 from cflib.train.held_out import answer_texts, eval_loss, exact_match, scored_examples
 from cflib.train.lock import RunLock
 from cflib.train.optim import describe_groups
-from cflib.train.records import MetricsLog, RunSummary, count_parameters, read_metrics, train_record
+from cflib.train.records import MetricsLog, RunSummary, count_parameters, train_record
 from cflib.train.registered import describe_registered
 from cflib.train.run import RUN_JSON_FILES, Run, recheck_out_dir, schedule_signature
 from cflib.train.run_folder import remove_dead_launch_dirs
@@ -392,14 +393,14 @@ class Trainer:
             self.finish_evaluation(result)
         self.dist.barrier()
 
-    def finish_evaluation(self, result: dict, resumed: bool = False) -> None:
+    def finish_evaluation(self, result: dict, resumed: bool = False, kept_rows: Sequence[dict] = ()) -> None:
         """Score eval_tasks on the evaluation's checkpoint (where asked), log its metrics row, keep the best weights
         by best_metric. A run killed after the checkpoint was written runs this on resume, with the weights the
-        checkpoint holds, which are the ones evaluated (`resumed`): what was done already (the row, best/) is not
-        done twice."""
+        checkpoint holds, which are the ones evaluated (`resumed`; `kept_rows`: the metrics rows the resume kept):
+        what was done already (the row, best/) is not done twice."""
         todo = result.pop(UNFINISHED)
         checkpoint = todo["checkpoint"]
-        logged = self._logged_row(result) if resumed else None
+        logged = logged_row(result, kept_rows) if resumed else None
         if logged is not None:  # written before the kill, with the scores: none is run again
             result.update({key: logged[key] for key in SCORE_KEYS if key in logged})
         elif todo["score_tasks"] and self.scorer is not None and checkpoint in self.checkpoints:
@@ -421,13 +422,6 @@ class Trainer:
             self.save("best", todo["epoch"])
             if "best" in self.checkpoints:
                 self.checkpoints["best_step"] = str(self.step)
-
-    def _logged_row(self, result: dict) -> dict | None:
-        """The row metrics.jsonl already holds for this evaluation (a run killed after writing it, resumed)."""
-        if not self.dist.is_main or not self.metrics.path.is_file():
-            return None
-        return next((row for row in read_metrics(self.metrics.path) if row.get("event") == "eval"
-                     and row.get("step") == result["step"] and row.get("tag") == result["tag"]), None)
 
     # --- training -------------------------------------------------------------------
     def train_step(self, step_units: np.ndarray, next_units: np.ndarray | None = None) -> dict:
@@ -464,21 +458,21 @@ class Trainer:
         try:
             if lock is not None:
                 recheck_out_dir(self.run)
-            with open_trackers(self.run, self.metrics, self.step, active=self.dist.is_main) as trackers, \
+            self.started = time.perf_counter()
+            # Rank 0's folder put right first: the trackers replay the metrics rows it kept, read once.
+            kept_rows = self._open_run_folder() if self.dist.is_main else []
+            with open_trackers(self.run, self.metrics, self.step, kept_rows, active=self.dist.is_main) as trackers, \
                     steady_collector():
-                return trackers.finished(self._fit())
+                return trackers.finished(self._fit(kept_rows))
         finally:
             if lock is not None:
                 lock.release()
 
-    def _fit(self) -> dict:
+    def _fit(self, kept_rows: list[dict]) -> dict:
         run, p = self.run, self.params
-        self.started = time.perf_counter()
-        if self.dist.is_main:
-            self._open_run_folder()
         if self.evaluates:  # an evaluation the resumed checkpoint holds that a kill left half done
             for result in [result for result in self.evals if UNFINISHED in result]:
-                self.finish_evaluation(result, resumed=True)
+                self.finish_evaluation(result, resumed=True, kept_rows=kept_rows)
         self.dist.barrier()
         self.model.train()
         last_eval_step = self.evals[-1]["step"] if self.evals else -1
@@ -571,22 +565,25 @@ class Trainer:
             return False
         return self.dist.agree(evaluations_without_improvement(self.evals, self.best_metric) >= patience)
 
-    def _open_run_folder(self) -> None:
-        """The run folder ready for step 1: what an interrupted run left put right, the parameters written."""
+    def _open_run_folder(self) -> list[dict]:
+        """The run folder ready for step 1: what an interrupted run left put right, the parameters written. Returns
+        the metrics rows a resumed run keeps (none for a new run)."""
         run = self.run
         run.out_dir.mkdir(parents=True, exist_ok=True)
         # Under the lock no other writer exists: staging left by a killed save can go, a retired one back.
         clean_leftovers(run.out_dir / "checkpoints")
         clean_leftovers(run.out_dir, targets=RUN_JSON_FILES)
         remove_dead_launch_dirs(run.out_dir)  # a killed launch's folder, which a resume on one process leaves
+        kept_rows: list[dict] = []
         if run.resume_state is not None:
-            self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
+            kept_rows = self.metrics.truncate_after(self.step)  # what the interrupted run logged past its checkpoint
         else:  # a run that stopped before step 1 may have left these (prepare allows that folder only)
             for name in ("metrics.jsonl", "loss_weighting.json"):
                 (run.out_dir / name).unlink(missing_ok=True)
         write_json_atomic(run.out_dir / "params.json", {**asdict(self.params), "out_dir": str(run.out_dir)})
         if run.loss_weights is not None:  # the audit is on disk before the first step
             write_json_atomic(run.out_dir / "loss_weighting.json", self.loss_weighting())
+        return kept_rows
 
     # --- the record -----------------------------------------------------------------
     def timing_so_far(self) -> dict[str, float]:
@@ -640,3 +637,10 @@ class Trainer:
         return {"max_task_loss_weight": weights.max_task_loss_weight,
                 "normalisation": "sum of weighted token losses / weighted supervised tokens of the step",
                 "cells": weights.audit(self.trained_mass)}
+
+
+def logged_row(result: dict, kept_rows: Sequence[dict]) -> dict | None:
+    """The row metrics.jsonl already holds for this evaluation (a run killed after writing it, resumed), among the
+    rows the resume kept (rank 0's; none on the other ranks, which log nothing)."""
+    return next((row for row in kept_rows if row.get("event") == "eval" and row.get("step") == result["step"]
+                 and row.get("tag") == result["tag"]), None)

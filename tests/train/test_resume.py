@@ -191,6 +191,44 @@ def test_a_run_killed_after_an_evaluation_s_checkpoint_finishes_that_evaluation_
     assert rows == [(e["step"], e["tag"]) for e in whole["eval"]["history"]]
 
 
+def test_a_resume_reads_metrics_jsonl_once(tmp_path, shard, monkeypatch):
+    """A resume takes three things from metrics.jsonl: the rows up to its checkpoint (the rest dropped), the
+    trackers' replay of them, and the row of an evaluation its checkpoint holds unfinished, written before the kill.
+    One read serves all three, and each still does its part: every evaluation once in the file and in TensorBoard."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out_dir = tmp_path / "run"
+    two_epochs = params(shard, out_dir, epochs=2, save_every_steps=None, save_optimizer_state=True,
+                        report_to="tensorboard")
+    whole = train(two_epochs, progress=False)
+    for name in ("COMPLETE", "record.json"):  # killed after the last evaluation's row: epoch-2 holds it unfinished
+        (out_dir / name).unlink()
+    with (out_dir / "metrics.jsonl").open("a") as out:  # a row past the checkpoint, which the resume drops
+        out.write(json.dumps({"event": "train", "step": 7, "tokens": 1, "loss": 1.0}) + "\n")
+    shutil.rmtree(out_dir / "tensorboard")  # what the resume replays is all TensorBoard will hold
+    reads = []
+    real_open = open
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(file).name == "metrics.jsonl" and "r" in mode:
+            reads.append(mode)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    resumed = train({**two_epochs, "resume": "latest"}, progress=False)
+    monkeypatch.undo()
+    assert len(reads) == 1
+    history = [(e["step"], e["tag"]) for e in whole["eval"]["history"]]
+    assert [(e["step"], e["tag"]) for e in resumed["eval"]["history"]] == history
+    rows = read_metrics(out_dir / "metrics.jsonl")
+    assert [(row["step"], row["tag"]) for row in rows if row["event"] == "eval"] == history
+    assert max(row["step"] for row in rows) == 6
+    events = EventAccumulator(str(out_dir / "tensorboard"))
+    events.Reload()
+    assert [s.step for s in events.Scalars("eval/loss")] == [step for step, _ in history]
+
+
 def test_a_resumed_run_keeps_the_eval_tasks_scores_its_rows_hold_and_its_best_by_them(tmp_path, shard, monkeypatch):
     """An epoch checkpoint's books are saved before its evaluation is scored. Resumed from it, the run takes the
     scores its metrics row holds (scoring nothing again), keeps best/ by them, and scores only what is new."""
