@@ -7,6 +7,9 @@ comparison.json, comparison.csv and the figures. A run whose record is not
 complete (killed, failed, still running) is refused by name unless
 `include_incomplete`, when what its metrics.jsonl holds is shown instead.
 A curriculum's folder reads as one run: its stages' metrics joined in order.
+Runs whose records name different held-out sets (another eval shard, a
+mixture's other sources, other examples left out by `overlong_examples:
+drop`) are said to be so: their eval losses average over different examples.
 `out_dir` is new, empty, or holds only an earlier comparison (its
 comparison.json), whose files are replaced; anything else there is refused.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -105,9 +109,23 @@ class Comparison:
     skipped: list[str] = field(default_factory=list)  # a sweep's points left out, and why
     out_dir: Path | None = None
 
+    @property
+    def held_out(self) -> dict[str, dict]:
+        """Each run's held-out set as its record names it (held_out_set), for the runs whose record does."""
+        return {run.name: held for run in self.runs if (held := held_out_set(run)) is not None}
+
+    @property
+    def held_out_differs(self) -> bool:
+        sets = list(self.held_out.values())
+        return any(not _same_held_out(sets[0], other) for other in sets[1:])
+
     def describe(self) -> str:
         lines = [f"{len(self.runs)} run(s): " + ", ".join(run.name for run in self.runs),
                  "parameters that differ: " + (", ".join(self.differing) or "none")]
+        if self.held_out_differs:
+            lines.append("held-out sets differ: each run's eval loss averages over other examples, so the losses "
+                         "do not compare as they stand: " + "; ".join(
+                             f"{name} {describe_held_out(held)}" for name, held in self.held_out.items()))
         if self.swept:
             lines.append(f"swept: {', '.join(self.swept)}, against {self.metric}")
         lines += [f"not compared: {line}" for line in self.skipped]
@@ -263,6 +281,41 @@ def _names(paths: list[Path]) -> list[str]:
 
 def _shown(value: Any) -> Any:
     return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+
+
+def held_out_set(run: RunView) -> dict | None:
+    """What a run's held-out loss averages over, from its complete record's `data`: the eval examples it kept, the
+    eval shard (a digest of its files' SHA-256 as the shard's index records them, else its root), a mixture's
+    sources by root, and the examples overlong_examples: drop left out of each eval partition (at which seq_len).
+    None: no complete record."""
+    data = run.record.get("data") if run.record is not None and run.complete else None
+    if not isinstance(data, dict):
+        return None
+    files = (data.get("sha256") or {}).get("eval")
+    sources = (data.get("mixture") or {}).get("sources")
+    overlong = data.get("overlong") or {}
+    dropped = {name: counts["dropped"] for name, counts in (overlong.get("partitions") or {}).items()
+               if name.split(" ")[0] == "eval" and isinstance(counts, dict) and counts.get("dropped")}
+    return {"examples": data.get("eval_examples"),
+            "shard": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12] if files else None,
+            "roots": [source.get("root") for source in sources] if sources else [data.get("root")],
+            "dropped": dropped, "seq_len": overlong.get("seq_len") if dropped else None}
+
+
+def _same_held_out(a: dict, b: dict) -> bool:
+    """Two runs evaluated the same examples: as many, from the same eval shard (by its files' digest where both
+    records hold one, else by root) or the same sources. What overlong_examples: drop left out shows in the count."""
+    where = "shard" if a["shard"] and b["shard"] else "roots"
+    return a["examples"] == b["examples"] and a[where] == b[where]
+
+
+def describe_held_out(held: dict) -> str:
+    """A held-out set in a few words: its examples, where from, what overlong_examples: drop left out."""
+    examples = f"{held['examples']:,}" if isinstance(held["examples"], int) else "?"
+    source = f"eval/ {held['shard']}" if held["shard"] else "eval/ of " + ", ".join(map(str, held["roots"]))
+    dropped = (f", {sum(held['dropped'].values()):,} longer than seq_len {held['seq_len']} left out"
+               if held["dropped"] else "")
+    return f"({examples} examples of {source}{dropped})"
 
 
 def differing_parameters(runs: list[RunView]) -> list[str]:
@@ -572,7 +625,8 @@ def save_comparison(comparison: Comparison) -> list[Path]:
         "runs": [{"name": run.name, "path": str(run.path), "complete": run.complete, "problem": run.problem}
                  for run in comparison.runs],
         "differing": comparison.differing, "swept": comparison.swept, "metric": comparison.metric,
-        "skipped": comparison.skipped, "rows": comparison.rows})]
+        "skipped": comparison.skipped, "held_out": comparison.held_out,
+        "held_out_differs": comparison.held_out_differs, "rows": comparison.rows})]
     columns = table_columns(comparison)
     with atomic_file(out / "comparison.csv") as staging, open(staging, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")

@@ -160,3 +160,49 @@ def test_runs_as_a_yaml_list_in_one_string_and_a_failed_points_whole_reason(tmp_
     (sweep / "sweep.json").write_text(json.dumps(state))
     skipped = compare(CompareParams.from_dict({"runs": str(sweep)})).skipped
     assert f"lr-0.003_seed-1 (failed: {reason.strip()})" in skipped
+
+
+def _reversal_shard(root: Path, eval_words: list[str]) -> Path:
+    """A shard of word reversals 15 to 59 tokens long: train the four words twice, eval `eval_words`."""
+    from sft_shard_helpers import chat_example, write_shard
+
+    chats = lambda words: [chat_example(i, "reverse", "word", f"reverse {w}", w[::-1])  # noqa: E731
+                           for i, w in enumerate(words)]
+    words = ["ab", "abcdefgh", "abcdefghijklmnop", "abcdefghijklmnopqrstuvwx"]
+    return write_shard(root, chats(words * 2), chats(eval_words), max_seq_len=64)
+
+
+def test_runs_evaluated_on_different_held_out_sets_are_said_to_be(tmp_path):
+    """Two seq_lens under overlong_examples: drop leave different eval examples, as another eval shard of as many
+    examples does: the comparison says so, naming each run's set; runs on the same set (another lr) get no such
+    line."""
+    words = ["ab", "abcdefgh", "abcdefghijklmnop", "abcdefghijklmnopqrstuvwx"]  # 15, 27, 43 and 59 tokens
+    shard = _reversal_shard(tmp_path / "shard", words * 2)
+    other = _reversal_shard(tmp_path / "other", ["ba", *words[1:]] * 2)  # one word changed: as many examples
+    common = {**SMOKE, "overlong_examples": "drop", "max_steps": 1, "micro_batch_per_rank": 2, "global_batch": 2,
+              "exact_match_limit": 0, "eval_at_start": False}
+    for name, data, seq_len, lr in (("long", shard, 64, 0.01), ("short", shard, 32, 0.01),
+                                    ("other_lr", shard, 64, 0.001), ("other_data", other, 64, 0.01)):
+        train({**common, "data": str(data), "seq_len": seq_len, "lr": lr, "out_dir": str(tmp_path / name)},
+              progress=False)
+
+    def compared(*names: str):
+        return compare(CompareParams.from_dict({"runs": [str(tmp_path / name) for name in names],
+                                                "out_dir": str(tmp_path / "comparisons" / "-".join(names))}))
+
+    same = compared("long", "other_lr")
+    assert not same.held_out_differs and "held-out sets differ" not in same.describe()
+    assert same.held_out["long"] == same.held_out["other_lr"]
+
+    seq_lens = compared("long", "short")
+    line = next(line for line in seq_lens.describe().splitlines() if line.startswith("held-out sets differ"))
+    digest = seq_lens.held_out["long"]["shard"]
+    assert f"long (8 examples of eval/ {digest})" in line
+    assert f"short (4 examples of eval/ {digest}, 4 longer than seq_len 32 left out)" in line
+    save_comparison(seq_lens)
+    saved = json.loads((seq_lens.out_dir / "comparison.json").read_text())
+    assert saved["held_out_differs"] is True and saved["held_out"]["short"]["dropped"] == {"eval": 4}
+
+    shards = compared("long", "other_data")
+    assert shards.held_out_differs and shards.held_out["other_data"]["examples"] == 8
+    assert shards.held_out["other_data"]["shard"] != digest
