@@ -40,6 +40,7 @@ CLOSE_TIMEOUT_S = 30.0
 EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"  # as transformers' MLflow callback reads it
 DEFAULT_EXPERIMENT = "cflib"
 WANDB_PROJECT_ENV = "WANDB_PROJECT"  # as transformers' W&B callback reads it; the W&B project defaults to cflib
+WANDB_SERVICE_ENV = "WANDB_SERVICE"  # set by wandb.init once W&B's service runs in this process (or a parent)
 # A vanished server should be noticed in seconds, not after MLflow's default minutes of retries.
 _MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                          "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
@@ -206,6 +207,7 @@ class QueuedTracker:
         while True:
             item, self._held = (self._held, None) if self._held is not None else (self._queue.get(), None)
             if item is _STOP:
+                self._stopped()
                 return
             if self.error:
                 continue  # drained, never sent: the run goes on
@@ -263,6 +265,9 @@ class QueuedTracker:
 
     def _finish(self, record: dict | None, status: str) -> None:
         raise NotImplementedError
+
+    def _stopped(self) -> None:
+        """The last call on the tracker's thread, after `_finish` or a failure: what the tracker started goes."""
 
 
 # What the end of a run hands MLflow and W&B beside the metrics.
@@ -340,7 +345,13 @@ class MlflowTracker(QueuedTracker):
 
 class WandbTracker(QueuedTracker):
     """One W&B run per training run, in the project WANDB_PROJECT names (cflib by default); its local files in
-    out_dir/wandb unless WANDB_DIR says otherwise. WANDB_MODE=offline keeps it on disk for `wandb sync`."""
+    out_dir/wandb unless WANDB_DIR says otherwise. WANDB_MODE=offline keeps it on disk for `wandb sync`.
+
+    W&B serves every run of a process from one service, started with the first run's environment and settings: its
+    log (core-debug-*.log) in that run's WANDB_CACHE_DIR. A service this tracker started (none ran, WANDB_SERVICE
+    unset) is torn down when its run ends, so the next run of the process (a sweep's next point, another run in the
+    notebook) starts one of its own, logging in its own folder; one that ran before (a W&B run of the user's) is
+    left alone."""
 
     name = "wandb"
 
@@ -350,6 +361,7 @@ class WandbTracker(QueuedTracker):
         self.where = f"W&B project {self.project}"
         self.mode: str | None = None
         self._first_new_step = 0  # resumed: the first step the W&B run lacks
+        self._owns_service = False  # wandb.init started W&B's service: torn down at the end (_stopped)
         super().__init__(out_dir, params, run_id, on_started, replay)
 
     def describe(self) -> dict:
@@ -362,6 +374,7 @@ class WandbTracker(QueuedTracker):
         folder.mkdir(parents=True, exist_ok=True)
         # create_new: a W&B run the user has open in the notebook is left alone; a resumed run continues its own.
         resumed = self.run_id is not None
+        self._owns_service = WANDB_SERVICE_ENV not in os.environ  # wandb.init starts one (and sets it)
         self.run = wandb.init(project=self.project, name=self.out_dir.name, dir=str(folder), config=self._params,
                               id=self.run_id, resume="allow" if resumed else None, reinit="create_new")
         self.run_id, self.mode = self.run.id, self.run.settings.mode
@@ -408,6 +421,16 @@ class WandbTracker(QueuedTracker):
             if (self.out_dir / name).is_file():
                 self.run.save(str(self.out_dir / name), base_path=str(self.out_dir), policy="now")
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+    def _stopped(self) -> None:
+        if self._owns_service and WANDB_SERVICE_ENV in os.environ:
+            import wandb
+
+            try:
+                wandb.teardown()  # the service ends, WANDB_SERVICE cleared: the next run starts its own
+            except (Exception, SystemExit) as err:  # SystemExit: the service's non-zero exit code
+                if not self.error:
+                    self.error = _warn_once(self.name, "ending W&B's service", err)
 
 
 def samples_markdown(path: Path) -> str:

@@ -318,3 +318,30 @@ def test_the_history_reader_finds_the_steps_wandbs_own_reader_finds_and_stops_wh
     assert list(wandb_history_steps(log)) == [0, 1, 2]
     log.write_bytes(log.read_bytes()[:-3])  # its last chunk cut short: read up to it, no error
     assert list(wandb_history_steps(log)) in ([0, 1], [0, 1, 2])
+
+
+@pytest.mark.slow
+def test_each_run_of_a_process_keeps_wandbs_service_log_in_its_own_folder(tmp_path, offline, monkeypatch):
+    """Two runs in one process (a sweep's points, two runs in a notebook): W&B's service starts with the first run's
+    environment and would log the second run too in the first's folder; each run's service is its own. A W&B run the
+    user has open keeps its service through a run. A fresh process: W&B's service is per process."""
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # each run's files in its own folder
+        monkeypatch.delenv(name, raising=False)
+    runs = [tmp_path / "first", tmp_path / "second", tmp_path / "beside_the_users"]
+    params = [run_params(out_dir, max_steps=2, eval_every_steps=2, exact_match_limit=0) for out_dir in runs]
+    code = ("import json, os, sys, wandb; from cflib.train import train\n"
+            "first, second, third = json.loads(sys.argv[1])\n"
+            "train(first, progress=False); train(second, progress=False)\n"
+            f"os.environ['WANDB_CACHE_DIR'] = {str(tmp_path / 'users_cache')!r}\n"
+            f"users = wandb.init(project='cflib-tests', dir={str(tmp_path)!r}, reinit='create_new')\n"
+            "service = os.environ['WANDB_SERVICE']; train(third, progress=False)\n"
+            "users.log({'x': 1.0}, step=0); users.finish(); print(os.environ.get('WANDB_SERVICE') == service)")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(params)], capture_output=True, text=True,
+                          timeout=300, check=True, env=own_wandb_service())
+    ids = [read_tracking(out_dir)["wandb"]["run_id"] for out_dir in runs]
+    assert all(read_tracking(out_dir)["wandb"]["error"] is None for out_dir in runs)
+    for out_dir, own, other in zip(runs[:2], ids, reversed(ids[:2])):
+        (log,) = (out_dir / "wandb" / "cache").rglob("core-debug-*.log")
+        assert own in log.read_text() and other not in log.read_text()
+    assert not (runs[2] / "wandb" / "cache").exists()  # the user's service logs in the user's WANDB_CACHE_DIR
+    assert done.stdout.splitlines()[-1] == "True"  # and still runs after the run beside it
