@@ -19,21 +19,21 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # the shard format's unsupervised label (cflib.data.shards); ops import no data code
 
 
-def _precision(device: torch.device, fp32_loss: bool) -> contextlib.AbstractContextManager:
+def head_precision(device: torch.device, fp32_loss: bool) -> contextlib.AbstractContextManager:
     """fp32_loss: the head GEMMs in fp32 even under BF16 autocast, which would otherwise run them in BF16."""
     return torch.autocast(device.type, enabled=False) if fp32_loss else contextlib.nullcontext()
 
 
-def _operands(h: torch.Tensor, weight: torch.Tensor, fp32_loss: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def head_operands(h: torch.Tensor, weight: torch.Tensor, fp32_loss: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return (h.float(), weight.float()) if fp32_loss else (h, weight)
 
 
 def _loss_only(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, token_weights: torch.Tensor | None,
                chunk_tokens: int, fp32_loss: bool, dft: bool = False) -> torch.Tensor:
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    with _precision(hidden.device, fp32_loss):
+    with head_precision(hidden.device, fp32_loss):
         for start in range(0, hidden.shape[0], chunk_tokens):
-            h, w = _operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
+            h, w = head_operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
             losses = F.cross_entropy((h @ w.t()).float(), targets[start:start + chunk_tokens], reduction="none")
             if dft:
                 losses = losses * torch.exp(-losses)
@@ -52,20 +52,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         head_trains = ctx.needs_input_grad[1]  # a frozen head takes no gradient: no buffer, no GEMM
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if head_trains else None
-        with _precision(hidden.device, fp32_loss):
+        with head_precision(hidden.device, fp32_loss):
             for start in range(0, hidden.shape[0], chunk_tokens):
-                h, w = _operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
+                h, w = head_operands(hidden[start:start + chunk_tokens], weight, fp32_loss)
                 t = targets[start:start + chunk_tokens]
-                logits = (h @ w.t()).float()
-                log_z = torch.logsumexp(logits, dim=-1)
-                losses = log_z - logits.gather(1, t[:, None]).squeeze(1)
-                # d(sum CE)/d logits = softmax - onehot, from the log-partition just computed
-                grad_logits = torch.exp(logits - log_z[:, None])
-                grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-                if dft:  # d(sum sg(p) CE)/d logits = p (softmax - onehot), p = exp(-CE) held constant
-                    probability = torch.exp(-losses)
-                    losses = losses * probability
-                    grad_logits *= probability[:, None]
+                losses, grad_logits = cross_entropy_and_gradient((h @ w.t()).float(), t, dft)
                 if token_weights is not None:  # d(sum w CE)/d logits = w (softmax - onehot)
                     w_chunk = token_weights[start:start + chunk_tokens]
                     losses = losses * w_chunk
@@ -81,6 +72,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         return *saved_gradients(ctx, grad_output), None, None, None, None, None
+
+
+def cross_entropy_and_gradient(logits: torch.Tensor, targets: torch.Tensor, dft: bool = False
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's cross-entropy of fp32 `logits` [N, V] (under `dft` scaled by its detached probability) and its
+    gradient with respect to the logits; the logits are left as they are (the distillation loss reads them again)."""
+    log_z = torch.logsumexp(logits, dim=-1)
+    losses = log_z - logits.gather(1, targets[:, None]).squeeze(1)
+    # d(sum CE)/d logits = softmax - onehot, from the log-partition just computed
+    grad_logits = torch.exp(logits - log_z[:, None])
+    grad_logits[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
+    if dft:  # d(sum sg(p) CE)/d logits = p (softmax - onehot), p = exp(-CE) held constant
+        probability = torch.exp(-losses)
+        losses = losses * probability
+        grad_logits *= probability[:, None]
+    return losses, grad_logits
 
 
 def saved_gradients(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
