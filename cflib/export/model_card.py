@@ -162,7 +162,7 @@ def base_checkpoint(record: dict) -> dict:
 
 
 # The parameters that hold paths: the card keeps their last part.
-PATH_PARAMETERS = ("init_checkpoint", "data", "out_dir", "resume", "curriculum")
+PATH_PARAMETERS = ("init_checkpoint", "teacher_checkpoint", "data", "out_dir", "resume", "curriculum")
 
 
 def portable(params: dict) -> dict:
@@ -327,6 +327,8 @@ def _training(meta: dict) -> str:
                          f"{hashes or 'not found'} |")
     # warmup_steps, where set, wins over warmup_ratio (cflib.train.run.resolve_schedule): the unused ratio is left out
     unused = {"warmup_ratio"} if params.get("warmup_steps") is not None else set()
+    if params.get("teacher_checkpoint") is None:  # what distils, where a run distilled
+        unused |= {"distill_ratio", "distill_temperature"}
     recipe = ", ".join(f"{name} {params[name]}" for name in RECIPE
                        if params.get(name) != RECIPE_DEFAULTS.get(name) and name in params and name not in unused)
     lines.append(f"| recipe | {recipe} |")
@@ -341,11 +343,12 @@ def _training(meta: dict) -> str:
 
 
 # The parameters the card's recipe line names, where set (not None, nor the default RECIPE_DEFAULTS gives: a card
-# names DFT or frozen experts, and a plain run's card reads as before); the metadata holds them all.
+# names DFT, frozen experts or a teacher, and a plain run's card reads as before); the metadata holds them all.
 RECIPE = ("full_parameter", "frozen_modules", "frozen_layers", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
-          "lora_plus_ratio", "loss_type", "epochs", "max_steps", "global_batch", "seq_len", "overlong_examples", "lr",
-          "weight_decay", "adam_epsilon", "warmup_ratio", "warmup_steps", "lr_schedule", "min_lr_ratio",
-          "lr_decay_ratio", "max_grad_norm", "bf16", "pack_sequences", "neftune_noise_alpha", "seed")
+          "lora_plus_ratio", "loss_type", "teacher_checkpoint", "distill_ratio", "distill_temperature", "epochs",
+          "max_steps", "global_batch", "seq_len", "overlong_examples", "lr", "weight_decay", "adam_epsilon",
+          "warmup_ratio", "warmup_steps", "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "max_grad_norm", "bf16",
+          "pack_sequences", "neftune_noise_alpha", "seed")
 RECIPE_DEFAULTS = {"loss_type": "sft_cross_entropy", "overlong_examples": "error", "adam_epsilon": 1e-8}
 
 

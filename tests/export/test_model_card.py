@@ -79,10 +79,16 @@ def test_a_source_held_out_only_is_named_by_its_eval_partition_alone(tmp_path: P
       "frozen_modules": ["experts"], "frozen_layers": [0, 1]},
      "frozen_modules ['experts'], frozen_layers [0, 1], loss_type dft, overlong_examples drop, lr 0.001, "
      "adam_epsilon 1e-06, warmup_steps 5, lr_schedule cosine"),
+    ({"warmup_steps": 5, "teacher_checkpoint": None, "distill_ratio": 0.5, "distill_temperature": 1.0},
+     "lr 0.001, warmup_steps 5, lr_schedule cosine"),  # no teacher: nothing distilled, the ratio not named
+    ({"warmup_steps": 5, "teacher_checkpoint": "/runs/big/checkpoints/best", "distill_ratio": 0.5,
+      "distill_temperature": 2.0},  # a teacher: its ratio and temperature named, whatever their values
+     "teacher_checkpoint /runs/big/checkpoints/best, distill_ratio 0.5, distill_temperature 2.0, lr 0.001, "
+     "warmup_steps 5, lr_schedule cosine"),
 ])
 def test_the_recipe_names_the_warm_up_the_run_took_and_what_it_set(warmup, recipe):
     """warmup_steps, where set, wins over warmup_ratio: the card's recipe leaves the unused ratio out; the loss, the
-    frozen weights, the overlong examples' fate and AdamW's epsilon are named where a run set them."""
+    frozen weights, the overlong examples' fate, AdamW's epsilon and a teacher are named where a run set them."""
     meta = {"checkpoint": {"name": "best", "sha256": "0" * 64}, "base": {"source": "preset smoke", "sha256": None},
             "data": {"sources": []}, "throughput": {},
             "training_parameters": {"lr": 0.001, **warmup, "lr_schedule": "cosine"}}
