@@ -34,6 +34,7 @@ from cflib.train.registered import for_workers
 from cflib.train.resume_identity import ALLOWABLE, STREAM
 from cflib.train.run import model_config, pinned_hub_start, prepare
 from cflib.train.run_folder import check_entries_inside, read_run_record, refuse_mixing
+from cflib.train.teacher import INIT
 
 CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 # What shaped a stage's training, whether the stage or the run set it: a stage that trained keeps them on resume, as
@@ -136,7 +137,10 @@ class CurriculumRun:
             except CheckpointError:  # killed before its first resumable checkpoint: it starts again, kept aside
                 print(f"stage {stage.name}: killed before its first resumable checkpoint; it starts again, what "
                       f"it left kept in {set_aside(stage_dir)}")
-        params = replace(stage.params, init_checkpoint=start_from, resume=resume)
+        # teacher_checkpoint: init distils from the curriculum's start in every stage, not from the stage before's
+        teacher = self.params.init_checkpoint if stage.params.teacher_checkpoint == INIT else \
+            stage.params.teacher_checkpoint
+        params = replace(stage.params, init_checkpoint=start_from, resume=resume, teacher_checkpoint=teacher)
         params.validate()
         run = prepare(params)
         print(f"\n=== stage {stage.name}: {'resumed' if resume else 'from ' + (start_from or 'the preset')}\n"

@@ -27,6 +27,8 @@ TRAINING_BYTES_PER_PARAM = 16
 # H200 (outputs/records/train_sft_200m_1gpu_h200.json) less 3.0 GiB of state
 # gives ~70; fp32 doubles it; checkpointing keeps each layer's input and one layer.
 ACTIVATION_BYTES = {"bf16": 72, "fp32": 144, "grad_ckpt": 8}
+# memory_estimate's DDP condition: model, optimizer state and activations within this share of one device.
+DEVICE_SHARE = 0.9
 # DDP's gradient buckets: a flat fp32 copy of every trainable gradient, all-reduced bucket by bucket.
 DDP_BUCKET_BYTES_PER_PARAM = 4
 # FSDP gathers weights as they are stored (fp32 here: no mixed-precision policy) and reduce-scatters fp32 gradients.
@@ -137,7 +139,7 @@ def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int
     activations = per_unit * micro_batch_per_rank * seq_len * config.num_hidden_layers * config.hidden_size
     need = state + activations
     return {"model_and_optimizer_bytes": state, "activation_bytes": activations, "total_bytes": need,
-            "device_bytes": device_memory_bytes, "fits_one_device": need <= 0.9 * device_memory_bytes,
+            "device_bytes": device_memory_bytes, "fits_one_device": need <= DEVICE_SHARE * device_memory_bytes,
             **({} if weights is None else {"weights": dict(weights)}),
             "rule": rule + " + activations (72 B per token x layer x hidden in BF16, 144 in fp32, 8 with "
                     "checkpointing, measured on the reference path); DDP when it fits 90% of one device"}
@@ -172,6 +174,21 @@ def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, weigh
                 "gradients a step; FSDP: the state / world_size + the root and two layers gathered, each "
                 "micro-step gathering the layers twice and the root once, one fp32 reduce-scatter a step",
     }
+
+
+def with_teacher(estimate: dict, teacher_bytes: int) -> dict:
+    """memory_estimate's figures (and strategy_costs', under `per_strategy`) with a distillation teacher's weights
+    beside the model (cflib.train.teacher): every rank holds a whole copy, which FSDP does not shard, and which takes
+    no gradient, optimizer state or activation kept for backward."""
+    total = estimate["total_bytes"] + teacher_bytes
+    found = {**estimate, "teacher_bytes": teacher_bytes, "total_bytes": total,
+             "fits_one_device": total <= DEVICE_SHARE * estimate["device_bytes"],
+             "rule": estimate["rule"] + "; + the teacher's weights, whole on every rank"}
+    if "per_strategy" in estimate:
+        costs = estimate["per_strategy"]
+        found["per_strategy"] = {**costs, **{name: {**costs[name], "state_bytes": costs[name]["state_bytes"]
+                                                    + teacher_bytes} for name in ("ddp", "fsdp")}}
+    return found
 
 
 def device_memory_bytes(device: torch.device) -> int:

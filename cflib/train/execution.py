@@ -3,11 +3,12 @@
 `plan_execution` resolves each choice that decides a step's work against the run and its device: the kernels
 each module runs and the attention backend (cflib.ops.dispatch), the optimizer's implementation, the BF16
 weight copies, CUDA-graph replays, the TR-MoE activations kept for backward, activation checkpointing, the
-rows the last layer computes, NEFTune's noise on the training forwards' embeddings and, for DFT, why its loss
-runs on the chunked path. A path a run requires (`true`) that cannot run stops it here with KernelUnavailable
-naming the switch and the failed check; a path `auto` (or `false`) leaves off keeps its reason. `prepare()`
-builds the model to the plan (`apply_to_model`), the trainer reads it, the record writes it
-(`ExecutionPlan.record`); nothing re-derives it. The kernels that actually ran are still read back from the
+rows the last layer computes, NEFTune's noise on the training forwards' embeddings, for DFT why its loss runs on
+the chunked path, and with a teacher (knowledge distillation) the teacher and the loss that compares with it. A
+path a run requires (`true`) that cannot run stops it here with KernelUnavailable naming the switch and the
+failed check; a path `auto` (or `false`) leaves off keeps its reason. `prepare()` builds the model (and a teacher)
+to the plan (`apply_to_model`), the trainer reads it, the record writes it (`ExecutionPlan.record`); nothing
+re-derives it. The kernels that actually ran are still read back from the
 modules after a step (`TRMoEModel.kernel_path()`), never inferred from the plan.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cflib.errors import ParamError
 from cflib.model.decoder import TRMoEModel
 from cflib.model.fast import checkpoint_layers, keep_activations, use_kernels
 from cflib.model.neftune import attach_noise
-from cflib.ops.attention import capturable
+from cflib.ops.attention import capturable, check_attention
 from cflib.ops.dispatch import KernelChoice, choose_kernels, refuse_if_required
 from cflib.ops.sft_loss import LOSSES, SFTLoss
 from cflib.train.freezing import describe_frozen, freeze, frozen_plan
@@ -48,6 +49,9 @@ class ExecutionPlan:
     # The weights that stay frozen (cflib.train.freezing.frozen_plan): the families, the layers, their count; None:
     # every weight trains
     frozen: dict | None = None
+    # Knowledge distillation (cflib.train.teacher, cflib.ops.distillation): the teacher, the ratio and temperature,
+    # the loss's path; None: no teacher
+    distill: dict | None = None
 
     def describe(self) -> str:
         """One line a person checks before the run: what runs, then why each fast path stays off."""
@@ -58,6 +62,9 @@ class ExecutionPlan:
             parts.append(f"NEFTune noise alpha {self.neftune['alpha']:g}")
         if self.frozen is not None:
             parts.append(describe_frozen(self.frozen))
+        if self.distill is not None:
+            parts.append(f"distillation from {self.distill['teacher']['checkpoint']} (ratio "
+                         f"{self.distill['ratio']:g}, temperature {self.distill['temperature']:g})")
         notes = [*self.kernels.notes, *(why if why.startswith(name) else f"{name}: {why}"
                                         for name, why in self.reasons.items())]
         return " + ".join(parts) + "".join(f"; {note}" for note in notes)
@@ -127,6 +134,9 @@ def _cuda_graphs_problem(params: TrainParams, kernels: KernelChoice, model: TRMo
     problem = why_eager(device, strategy, params.grad_ckpt, fused_loss, attention)
     if problem is None and params.frozen_modules is not None:
         problem = "frozen_modules: CUDA graphs are not checked with frozen weights yet (the micro-steps run eagerly)"
+    if problem is None and params.teacher_checkpoint is not None:
+        problem = ("teacher_checkpoint: the teacher's forward and the distillation loss are not captured in CUDA "
+                   "graphs (the micro-steps run eagerly)")
     refuse_if_required("cuda_graphs", choice, problem)
     return problem
 
@@ -140,6 +150,32 @@ def _loss_problem(params: TrainParams, kernels: KernelChoice) -> str | None:
         return (f"{params.loss_type} runs on the chunked PyTorch loss (cflib.ops.loss): its fused path is cflib's "
                 "kernel, and cflib's kernels are off (use_custom_kernels)")
     return None
+
+
+def _distill(params: TrainParams, kernels: KernelChoice, device: torch.device, teacher: dict | None
+             ) -> tuple[dict | None, str | None]:
+    """The distillation a run with a teacher trains with, and why its loss runs on the chunked PyTorch path (where
+    a fused loss would otherwise run); the teacher, which runs the run's kernels, checked against its attention
+    backend (KernelUnavailable naming teacher_checkpoint where it cannot attend with it)."""
+    if params.teacher_checkpoint is None:
+        return None, None
+    if teacher is None:
+        raise ValueError("a run with teacher_checkpoint plans with its teacher (cflib.train.teacher.Teacher.describe)")
+    try:
+        check_attention(kernels.attention, device, teacher["head_dim"], params.pack_sequences)
+    except ParamError as err:
+        raise type(err)(f"teacher_checkpoint {params.teacher_checkpoint}: its head_dim {teacher['head_dim']}: {err}"
+                        ) from None
+    kind = "dft" if LOSSES[params.loss_type].dft else "ce"
+    plan = {"teacher": teacher, "ratio": params.distill_ratio, "temperature": params.distill_temperature,
+            "loss": f"(1 - ratio) x {kind} + ratio x temperature^2 x KL(teacher || student), summed over the "
+                    "supervised tokens as the cross-entropy is",
+            "path": f"torch_chunked_linear_{kind}_kl: the student's and the teacher's head over chunks of "
+                    "loss_chunk_tokens (cflib.ops.distillation)"}
+    fused = kernels.custom or (kernels.liger and kind == "ce")
+    why = ("distillation runs on the chunked PyTorch loss (cflib.ops.distillation): cflib's and Liger's fused "
+           "losses compute the cross-entropy alone") if fused else None
+    return plan, why
 
 
 def _neftune(params: TrainParams) -> dict | None:
@@ -163,8 +199,10 @@ def _kept_layers(params: TrainParams, model: TRMoEModel) -> int:
     return kept
 
 
-def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device: torch.device) -> ExecutionPlan:
-    """The run's execution plan (module docstring), or KernelUnavailable / ParamError naming what cannot run."""
+def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device: torch.device,
+                   teacher: dict | None = None) -> ExecutionPlan:
+    """The run's execution plan (module docstring), or KernelUnavailable / ParamError naming what cannot run.
+    teacher: a run with teacher_checkpoint's teacher, as cflib.train.teacher.Teacher.describe() gives it."""
     # The quack GEMMs' auto follows the weight copies as cflib's kernels would have them; with cflib's kernels off
     # it is off anyway.
     kernels = choose_kernels(params.use_custom_kernels, params.require_liger, device, params.attention_backend,
@@ -176,23 +214,31 @@ def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device
     refuse_if_required("bf16_weight_copies", params.overrides.bf16_weight_copies, copies_problem)
     optimizer, optimizer_problem = _optimizer(params, model, strategy, device)
     graphs_problem = _cuda_graphs_problem(params, kernels, model, strategy, device)
+    distill, distill_problem = _distill(params, kernels, device, teacher)
     reasons = {name: problem for name, problem in (("bf16_weight_copies", copies_problem),
                                                    ("cflib_adamw", optimizer_problem), ("cuda_graphs", graphs_problem),
-                                                   ("loss_type", _loss_problem(params, kernels)))
+                                                   ("loss_type", _loss_problem(params, kernels)),
+                                                   ("teacher_checkpoint", distill_problem))
                if problem is not None}
     builder = LOSSES[params.loss_type]
     weight_copies = copies_problem is None
     return ExecutionPlan(
         kernels=kernels, optimizer=optimizer, weight_copies=weight_copies,
-        head_copy=weight_copies and isinstance(builder, type) and issubclass(builder, SFTLoss) and not params.fp32_loss,
+        # The distillation loss reads the FP32 head, as the chunked cross-entropy does.
+        head_copy=(weight_copies and isinstance(builder, type) and issubclass(builder, SFTLoss) and not params.fp32_loss
+                   and distill is None),
         cuda_graphs=graphs_problem is None, kept_swiglu_layers=_kept_layers(params, model), grad_ckpt=params.grad_ckpt,
         supervised_rows_only=bool(getattr(builder, "reads_supervised_rows_only", False)), reasons=reasons,
-        neftune=_neftune(params), frozen=frozen_plan(params.frozen_modules, params.frozen_layers, model))
+        neftune=_neftune(params), frozen=frozen_plan(params.frozen_modules, params.frozen_layers, model),
+        distill=distill)
 
 
-def apply_to_model(model: TRMoEModel, plan: ExecutionPlan) -> TRMoEModel:
+def apply_to_model(model: TRMoEModel, plan: ExecutionPlan, teacher: TRMoEModel | None = None) -> TRMoEModel:
     """Every module of `model` as the plan has it: its kernels' classes, checkpointed layers, kept activations,
-    NEFTune's noise on the embeddings, the frozen weights."""
+    NEFTune's noise on the embeddings, the frozen weights; and a distillation `teacher` on the run's kernels (it runs
+    forward alone, so it keeps no activation for a backward)."""
+    if teacher is not None:
+        keep_activations(use_kernels(teacher, plan.kernels), 0)
     freeze(model, plan.frozen)
     use_kernels(model, plan.kernels)
     checkpoint_layers(model, plan.grad_ckpt)

@@ -22,7 +22,7 @@ from cflib.data.weighting import parse_loss_groups
 from cflib.errors import ParamError, shown
 from cflib.export.push import repo_id_problem
 from cflib.ops.attention import backend_names, packed_problem
-from cflib.ops.sft_loss import LOSSES
+from cflib.ops.sft_loss import LOSSES, SFTLoss
 from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
 from cflib.train.best_metric import BestMetric, resolve_best_metric
 from cflib.train.optim import SCHEDULES
@@ -259,6 +259,11 @@ class Loss:
     # NEFTune (cflib.model.neftune): uniform noise of bound alpha / sqrt(L x hidden size) on each token's embedding
     # in training forwards only, L the token count of the token's example; None (or 0): off. The paper's 5 is a start
     neftune_noise_alpha: float | None = None
+    # Knowledge distillation (cflib.train.teacher): a teacher checkpoint of the same vocabulary, a folder or
+    # hub:ORG/NAME[@REVISION], or init (init_checkpoint itself: KL to the starting model); None: off
+    teacher_checkpoint: str | None = None
+    distill_ratio: float = 0.5  # the KL term's share of the loss: (1 - ratio) x CE + ratio x temperature^2 x KL
+    distill_temperature: float = 1.0  # both models' logits are divided by it before their softmax
 
 
 @dataclass(frozen=True)
@@ -502,6 +507,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._validate_lora()
         self._validate_freezing()
+        self._validate_distillation()
         if self.overlong_examples not in OVERLONG:
             raise ParamError(f"overlong_examples must be one of {', '.join(OVERLONG)} (examples longer than seq_len "
                              "stop the run, or are left out of it; never truncated), got "
@@ -713,6 +719,34 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
                              f"({', '.join(LAYER_FAMILIES)}), but frozen_modules names none of them: add them, or "
                              "remove frozen_layers")
 
+    def _validate_distillation(self) -> None:
+        """A teacher, the KL term's share and temperature (cflib.train.teacher); the teacher's checkpoint itself is
+        checked against the model when the run is prepared."""
+        if self.teacher_checkpoint is None:
+            unused = [name for name in ("distill_ratio", "distill_temperature") if getattr(self, name) != getattr(
+                Loss, name)]
+            if unused:
+                raise ParamError(f"{unused[0]} is set, but teacher_checkpoint is not: nothing is distilled; set "
+                                 f"teacher_checkpoint (a checkpoint, hub:ORG/NAME or init), or remove {unused[0]}")
+            return
+        if not self.teacher_checkpoint.strip():
+            raise ParamError("teacher_checkpoint names no checkpoint (None: no teacher)")
+        if not 0.0 <= self.distill_ratio <= 1.0:
+            raise ParamError(f"distill_ratio is the KL term's share of the loss, in [0, 1] (0: the cross-entropy "
+                             f"alone, the KL still measured; 1: the KL alone), got {self.distill_ratio}")
+        if not 0.0 < self.distill_temperature <= MAX_DISTILL_TEMPERATURE:
+            raise ParamError(f"distill_temperature must be positive and at most {MAX_DISTILL_TEMPERATURE:g} (1 "
+                             f"compares the models' own distributions; 2 to 4 softens them), got "
+                             f"{self.distill_temperature}")
+        if self.teacher_checkpoint == TEACHER_INIT and self.init_checkpoint is None:
+            raise ParamError("teacher_checkpoint: init distils from init_checkpoint, which is not set (a preset's "
+                             "random weights teach nothing): set init_checkpoint, or name the teacher's checkpoint")
+        builder = LOSSES[self.loss_type]
+        if not (isinstance(builder, type) and issubclass(builder, SFTLoss)):
+            raise ParamError(f"teacher_checkpoint: distillation adds its KL term to the built-in loss "
+                             f"(sft_cross_entropy or dft) in one pass over the head, but loss_type is "
+                             f"{self.loss_type!r}, a registered loss; use a built-in loss_type, or no teacher")
+
     def _validate_dora(self) -> None:
         """DoRA on the linear targets only: PEFT refuses use_dora on the expert tensors (3-D parameters), so adapters
         of them could not be exported in a form PEFT loads."""
@@ -750,6 +784,10 @@ MIN_ADAM_EPSILON, MAX_ADAM_EPSILON = 1e-20, 1e-2
 # NEFTune's paper tries 5, 10 and 15: at 1,000 the noise of a 100-token example on a 1,024-wide embedding is about 3
 # per coordinate, far above any trained embedding's entries, and the run would learn from noise alone.
 MAX_NEFTUNE_ALPHA = 1000.0
+# Far past the temperatures distillation uses (1 to 20): at 100 a language model's softmax is nearly flat, and the
+# KL term nearly 0.
+MAX_DISTILL_TEMPERATURE = 100.0
+TEACHER_INIT = "init"  # teacher_checkpoint: init_checkpoint itself (cflib.train.teacher)
 
 # What `full_parameter: false` reads; any of them with full_parameter: true is a mistake.
 LORA_PARAMETERS = tuple(field.name for field in dataclasses.fields(Lora) if field.name != "full_parameter")

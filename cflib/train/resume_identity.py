@@ -6,7 +6,8 @@ its shard manifests record for every file, train and eval), the stream
 longer than seq_len are dropped, a mixture's weights and examples per
 epoch), the schedule and every
 setting that changes the trajectory (optimizer, clipping, loss numerics,
-precision, NEFTune's noise, model source, LoRA and the adapters a LoRA run started from, the frozen modules), and
+precision, NEFTune's noise, model source, LoRA and the adapters a LoRA run started from, the frozen modules, the
+distillation teacher with its ratio and temperature), and
 the held-out prompts exact match scores.
 Resuming compares each with this run's and refuses the first difference by
 name; `allow_resume_changes` names the ones
@@ -31,6 +32,7 @@ from cflib.export.pull import is_hub
 from cflib.jsonio import read_json
 from cflib.paths import resolve_path
 from cflib.train.held_out import scored_examples
+from cflib.train.teacher import teacher_identity
 
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
 # The learning-rate multipliers, LoRA+'s ratio and the frozen modules too: they decide the optimizer's parameter
@@ -45,7 +47,7 @@ ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "adam_epsi
              "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len", "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
              "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type", "neftune_noise_alpha",
-             "early_stopping_patience",
+             "teacher_checkpoint", "distill_ratio", "distill_temperature", "early_stopping_patience",
              "best_metric", "greater_is_better",  # which checkpoint best/ holds and early stopping watches
              "exact_match_limit")  # the prompts an answer-scoring best_metric compares over: _check_scored_prompts
 
@@ -72,7 +74,8 @@ _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, 
              "lora_plus_ratio": None, "frozen_modules": None, "frozen_layers": None, "adam_epsilon": 1e-8,
              "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
-             "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None}
+             "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None,
+             "teacher_checkpoint": None, "distill_ratio": 0.5, "distill_temperature": 1.0}
 
 
 # The train part of a mixture's held-out-only source (weight 0): no train example, whatever its root holds.
@@ -150,6 +153,11 @@ def run_identity(run: Any) -> dict[str, Any]:
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture",
                                "lr_decay_ratio")},
             "neftune_noise_alpha": p.neftune_noise_alpha or None,  # 0 is off, as None is
+            # The teacher by where it is (`init`: init_checkpoint's place), a Hub one by its commit; its Hub start
+            # (the revision the run named), which a resume naming that revision resolves to without asking the Hub
+            "teacher_checkpoint": teacher_identity(p),
+            "teacher_start": None if getattr(run, "teacher", None) is None or run.teacher.hub is None
+            else run.teacher.hub.record(),
             "lora_plus_ratio": None if p.lora_plus_ratio == 1 else p.lora_plus_ratio}  # 1 is off, as None is
 
 

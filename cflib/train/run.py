@@ -45,6 +45,7 @@ from cflib.train.distributed import (
     memory_estimate,
     strategy_costs,
     whole_batches,
+    with_teacher,
 )
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
 from cflib.train.freezing import frozen_weights
@@ -55,6 +56,7 @@ from cflib.train.registered import describe_carried, for_workers
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
 from cflib.train.run_data import Partition, count_train_examples, describe_overlong, kept_data, open_data
 from cflib.train.run_folder import check_entries_inside, check_run_folder, refuse_mixing, starts_over
+from cflib.train.teacher import Teacher, start_teacher, teacher_bytes, teacher_config
 
 RUN_FILES = ("record.json", "metrics.jsonl", "params.json", "checkpoints", "COMPLETE")
 # What a run replaces whole (cflib.atomic): their staging files are leftovers to clean at the next start.
@@ -101,6 +103,7 @@ class Run:
     worker_imports: dict | None = None
     hub_start: HubStart | None = None  # init_checkpoint hub:ORG/NAME: the commit it trains from
     overlong: dict | None = None  # overlong_examples: drop: seq_len and the examples each partition left out
+    teacher: Teacher | None = None  # teacher_checkpoint: the frozen model the loss distils from
 
     @property
     def total_steps(self) -> int:
@@ -188,12 +191,19 @@ class Run:
             f"{p.nnodes} node(s) x {p.nproc_per_node} process(es), strategy {self.strategy} "
             f"(estimated {self.memory_estimate['total_bytes'] / 2**30:.1f} GiB of "
             f"{self.memory_estimate['device_bytes'] / 2**30:.0f} per device)",
+            *([self._teacher_line()] if self.teacher is not None else []),
             f"plan         {self.plan.describe()}",
             f"out_dir      {self.out_dir}",
             *([line] if self.worker_imports and (line := describe_carried(self.worker_imports)) else []),
             *([f"loss weights (max_task_loss_weight {p.max_task_loss_weight:g})\n"
                + audit_table(self.loss_weights.audit())] if self.loss_weights else []),
         ])
+
+    def _teacher_line(self) -> str:
+        p, teacher = self.params, self.teacher
+        return (f"teacher      {teacher.spec}: {teacher.model.config.num_parameters():,} parameters, frozen "
+                f"({_size(self.memory_estimate['teacher_bytes'])} a rank); loss (1 - {p.distill_ratio:g}) x "
+                f"cross-entropy + {p.distill_ratio:g} x {p.distill_temperature:g}^2 x KL(teacher || student)")
 
     def _mixture_lines(self) -> str:
         plan = self.mixture
@@ -343,23 +353,26 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     start = starting_model(params, hub)
     params, model, lora, resume_state = start.params, start.model, start.lora, start.resume_state
     config = model.config
+    params, teacher = start_teacher(params, resume_state, config)
     estimate = memory_figures(config, params, device, model)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
-    plan = plan_execution(params, model, strategy, device)
-    apply_to_model(model, plan)
+    plan = plan_execution(params, model, strategy, device, None if teacher is None else teacher.describe())
+    apply_to_model(model, plan, None if teacher is None else teacher.model)
     # Only global rank 0 (node 0) judges out_dir; the others may find it already being written.
     judges = dist.is_main and params.node_rank == 0
     out_dir = _out_dir(params, start.name) if judges else resolve_path(params.out_dir or "")
     run = Run(params, device, model, start.source, data.root, train_data, data.eval, out_dir,
               steps_per_epoch, schedule, dist, strategy, estimate, plan, resume_state,
               packed, loss_weights, data.preflight, lora, data.filter_counts, mixture, start_adapters(params),
-              worker_imports, start.hub, data.overlong)
+              worker_imports, start.hub, data.overlong, teacher)
     if resume_state is not None:
         check_resumable(resume_state, run, start.resumed)
         if run.init_adapters is None:  # the base named at its new place, or nothing: the start stays the recorded one
             run.init_adapters = resume_state.get("init_adapters")
     if not run.launches_workers:
         model.to(device)
+        if teacher is not None:
+            teacher.model.to(device)
     return run
 
 
@@ -611,7 +624,8 @@ def describe_arithmetic(figures: dict, params: TrainParams) -> str:
         + f", then {figures['lr_schedule']}",
         f"memory estimate  {_size(memory['total_bytes'])} per rank of {_size(memory['device_bytes'])} on "
         f"{figures['device']} (model + AdamW {_size(memory['model_and_optimizer_bytes'])}, activations "
-        f"{_size(memory['activation_bytes'])}); "
+        f"{_size(memory['activation_bytes'])}"
+        + (f", teacher {_size(memory['teacher_bytes'])}" if "teacher_bytes" in memory else "") + "); "
         + ("fits one device" if memory["fits_one_device"] else "does not fit one device")
         + (f", strategy {figures['strategy']}" if figures["world_size"] > 1 else ""),
         *([_strategy_line(memory["per_strategy"])] if "per_strategy" in memory else []),
@@ -636,7 +650,9 @@ def schedule_signature(run: Run) -> dict:
 def memory_figures(config: ModelConfig, params: TrainParams, device: torch.device,
                    model: TRMoEModel | None = None) -> dict:
     """The memory estimate: a LoRA run's adapters and frozen_modules' trainable weights take the 16 B/param of
-    training, the frozen weights their storage alone (counted on `model` where built: cflib.train.freezing)."""
+    training, the frozen weights their storage alone (counted on `model` where built: cflib.train.freezing); with a
+    teacher, its weights too, its config.json read and checked against `config` here
+    (cflib.train.teacher.teacher_config)."""
     settings = params.lora_settings()
     weights = (frozen_weights(params.frozen_modules, params.frozen_layers, config, model) if settings is None else
                {"trainable_params": adapter_parameter_count(config, settings),
@@ -645,7 +661,8 @@ def memory_figures(config: ModelConfig, params: TrainParams, device: torch.devic
                                device_memory_bytes(device), weights=weights)
     if params.world_size > 1:
         estimate["per_strategy"] = strategy_costs(config, params.world_size, params.grad_accum, weights)
-    return estimate
+    teacher = teacher_config(params, config)
+    return estimate if teacher is None else with_teacher(estimate, teacher_bytes(teacher, params.bf16))
 
 
 def _preset(name: str) -> ModelConfig:

@@ -6,7 +6,8 @@ next_units)` is one optimizer step:
 
 1. the step's micro-batches, collated on the host (staged during the step before where it could be);
 2. per micro-batch the forward, loss and backward, replayed from a CUDA graph where one runs, gradients
-   accumulated and synchronised over ranks on the last micro-batch only;
+   accumulated and synchronised over ranks on the last micro-batch only (with a teacher, its forward without
+   gradients first, and the distillation loss: cflib.train.teacher);
 3. the loss and token totals summed over ranks, the gradients' norm measured and clipped, the update queued:
    the fused AdamW skips a non-finite step on the device, another optimizer is skipped by the host;
 4. the next step's host work staged while the GPU still runs this one.
@@ -49,6 +50,7 @@ from cflib.train.optim import (
 )
 from cflib.train.params import TrainParams
 from cflib.train.run import Run
+from cflib.train.teacher import distillation_loss
 
 
 def synchronize(device: torch.device) -> None:
@@ -82,10 +84,14 @@ class StepResult:
     finite: bool  # false: the update was skipped
     examples: np.ndarray  # the step's examples
     cell_mass: np.ndarray | None  # under loss weighting: the weighted tokens each cell trained
+    # With a teacher: the step's cross-entropy and KL terms, each its token mean as `loss` is (loss = (1 - ratio) x
+    # ce_loss + ratio x temperature^2 x kl_loss)
+    terms: tuple[float, float] | None = None
 
     def row(self) -> dict:
         """The step as metrics.jsonl writes it."""
-        return {"loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm, "tokens": self.tokens,
+        terms = {} if self.terms is None else {"ce_loss": self.terms[0], "kl_loss": self.terms[1]}
+        return {"loss": self.loss, **terms, "lr": self.lr, "grad_norm": self.grad_norm, "tokens": self.tokens,
                 "supervised_tokens": self.supervised_tokens, "seconds": self.seconds, "skipped": not self.finite}
 
 
@@ -110,7 +116,9 @@ class TrainingStep:
         # A lambda, not the bound method: LambdaLR's state dict keeps no state of a function (a checkpoint's
         # scheduler state stays as before)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: run.schedule.factor(step))
-        self.loss = make_loss(self.params.loss_type, self.plan.kernels)
+        # With a teacher the loss is the distillation's (cflib.ops.distillation), its cross-entropy term loss_type's.
+        self.teacher = None if run.teacher is None else run.teacher.model
+        self.loss = distillation_loss(self.params) or make_loss(self.params.loss_type, self.plan.kernels)
         self.gemms = step_gemms(self.plan.kernels.quack_gemms)  # the loss's GEMMs and those reading the copies
         self.supervised_rows_only = self.plan.supervised_rows_only
         # NEFTune's noise, where the plan attached it: drawn from a generator of this rank's own, seeded from the run's
@@ -211,10 +219,11 @@ class TrainingStep:
         norm, on_device = self._queue_update(totals[0])
         # Host work the GPU's results do not change, done while the GPU still runs this step.
         self.kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model),
-                            "optimizer": optimizer_kernel(self.optimizer)}
+                            "optimizer": optimizer_kernel(self.optimizer), **self._teacher_path()}
         if next_units is not None:
             self.staged = self.stage(next_units)
-        loss_total, tokens, grad_norm = torch.stack([totals[0], totals[1], norm.double()]).tolist()
+        # One read of the device: the loss, the tokens, the distillation's terms where a teacher teaches, the norm.
+        loss_total, tokens, *terms, grad_norm = torch.cat([totals, norm.double().reshape(1)]).tolist()
         loss = loss_total / step_mass
         finite = math.isfinite(loss) and math.isfinite(grad_norm)  # global values: every rank agrees
         if not on_device:
@@ -223,17 +232,21 @@ class TrainingStep:
             self._end_step()
         synchronize(self.device)
         return StepResult(loss, lr, grad_norm, int(tokens), staged.supervised, time.perf_counter() - start, finite,
-                          staged.examples, cell_mass)
+                          staged.examples, cell_mass, tuple(term / step_mass for term in terms) or None)
 
     def _accumulate(self, staged: StagedStep, scale: float) -> torch.Tensor:
-        """Every micro-batch's forward, loss and backward; [summed loss, tokens] over every rank. `scale`: the
-        step's (weighted) token mean, times world size: data parallelism averages gradients."""
-        totals = torch.tensor([0.0, staged.tokens], dtype=torch.float64, device=self.device)
+        """Every micro-batch's forward, loss and backward; [summed loss, tokens] over every rank, and with a teacher
+        the summed cross-entropy and KL after them. `scale`: the step's (weighted) token mean, times world size:
+        data parallelism averages gradients."""
+        figures = [0.0, staged.tokens] + ([0.0, 0.0] if self.teacher is not None else [])
+        totals = torch.tensor(figures, dtype=torch.float64, device=self.device)
         for index, host in enumerate(staged.micro_batches):
             last = index == len(staged.micro_batches) - 1
             with self._gradient_sync(last):
                 loss_sum = self._micro_step(host, scale, accumulate=index > 0)
             totals[0] += loss_sum.double()
+            if self.teacher is not None:
+                totals[2:] += self.loss.last_terms.double()
         return self.dist.sum(totals)  # every rank sees the global loss and agrees
 
     def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
@@ -264,11 +277,27 @@ class TrainingStep:
         with autocast(self.device, p.bf16, cache=not capturing):
             hidden = self.train_model(batch.input_ids, batch.documents, rows=rows,
                                       example_lengths=batch.example_lengths)
-            head_weight, head = self._head()
-            loss_sum, _ = self.loss(hidden, head_weight, batch.labels, p.loss_chunk_tokens, p.fp32_loss,
-                                    token_weights=batch.token_weights, supervised=batch.supervised, **extra, **head)
+            if self.teacher is not None:
+                loss_sum = self._distillation(hidden, batch, rows)
+            else:
+                head_weight, head = self._head()
+                loss_sum, _ = self.loss(hidden, head_weight, batch.labels, p.loss_chunk_tokens, p.fp32_loss,
+                                        token_weights=batch.token_weights, supervised=batch.supervised, **extra,
+                                        **head)
         (loss_sum * scale).backward()
         return loss_sum.detach()
+
+    def _distillation(self, hidden: torch.Tensor, batch: MicroBatch, rows: Rows | None) -> torch.Tensor:
+        """The distillation loss of one micro-batch: the teacher's forward over the same rows, without gradients
+        (its last layer, like the student's, computes the supervised rows alone), then both heads chunk by chunk.
+        The plan runs it eagerly, on the FP32 head: no row_mask, no head copy."""
+        p = self.params
+        with torch.no_grad():
+            teacher_hidden = self.teacher(batch.input_ids, batch.documents, rows=rows)
+        loss_sum, _ = self.loss(hidden, self.model.head_weight, teacher_hidden, self.teacher.head_weight, batch.labels,
+                                p.loss_chunk_tokens, p.fp32_loss, token_weights=batch.token_weights,
+                                supervised=batch.supervised, gathered=rows is not None)
+        return loss_sum
 
     def _head(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The head the loss reads: the FP32 head, or (cflib's loss in BF16) its BF16 copy, with the master the
@@ -277,6 +306,12 @@ class TrainingStep:
         if copies is not None and "head" in copies.copies:
             return copies.tensor("head"), {"head_master": copies.copies["head"].masters[0]}
         return self.model.head_weight, {}
+
+    def _teacher_path(self) -> dict[str, str]:
+        """What the teacher's last forward ran, read back from its modules as the model's is: one entry."""
+        if self.teacher is None:
+            return {}
+        return {"teacher": ", ".join(f"{key}={value}" for key, value in self.teacher.kernel_path().items())}
 
     # --- the update -----------------------------------------------------------------
     def _queue_update(self, loss_total: torch.Tensor) -> tuple[torch.Tensor, bool]:

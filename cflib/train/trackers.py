@@ -52,7 +52,9 @@ def scalars(row: dict) -> dict[str, float]:
     """The tracked scalars of one metrics.jsonl row, under the names every tracker uses."""
     if row.get("event") == "train":
         found = {"train/loss": row.get("loss"), "train/learning_rate": row.get("lr"),
-                 "train/grad_norm": row.get("grad_norm")}
+                 "train/grad_norm": row.get("grad_norm"),
+                 # a run with a teacher: the loss's cross-entropy and KL terms (cflib.train.step.StepResult)
+                 "train/ce_loss": row.get("ce_loss"), "train/kl_loss": row.get("kl_loss")}
         if row.get("seconds"):
             found["train/tokens_per_s"] = row["tokens"] / row["seconds"]
             found["train/supervised_tokens_per_s"] = row["supervised_tokens"] / row["seconds"]

@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 COMMITTED_SWEEP = ROOT / "outputs" / "records" / "sweep_lr_seeds_cpu"
 OLD_RUN = COMMITTED_SWEEP / "runs" / "lr-0.01_seed-0"
 # What the cflib of the sweep's first record (commit 30f5221) did not write yet, in its params and its kernel path.
-NEWER_PARAMS = ("adam_epsilon", "allow_resume_changes", "best_metric", "curriculum", "dry_run",
-                "early_stopping_patience", "eval_tasks", "eval_tasks_every", "eval_tasks_limit", "examples_per_epoch",
-                "expert_lr_multiplier", "filters", "frozen_layers", "frozen_modules", "greater_is_better",
-                "kernel_overrides", "log_samples", "lora_lr_multiplier", "lora_plus_ratio", "loss_type", "push_to_hub",
-                "through_stage")
+NEWER_PARAMS = ("adam_epsilon", "allow_resume_changes", "best_metric", "curriculum", "distill_ratio",
+                "distill_temperature", "dry_run", "early_stopping_patience", "eval_tasks", "eval_tasks_every",
+                "eval_tasks_limit", "examples_per_epoch", "expert_lr_multiplier", "filters", "frozen_layers",
+                "frozen_modules", "greater_is_better", "kernel_overrides", "log_samples", "lora_lr_multiplier",
+                "lora_plus_ratio", "loss_type", "push_to_hub", "teacher_checkpoint", "through_stage")
 NEWER_KERNEL_KEYS = ("residual", "last_layer_rows", "optimizer", "gemms")
 SMOKE = {"model": "smoke", "data": "embedded", "seq_len": 64, "micro_batch_per_rank": 16, "global_batch": 32,
          "lr": 0.01, "exact_match_limit": 4, "device": "cpu"}
@@ -131,7 +131,8 @@ def test_an_older_record_differs_from_a_new_run_only_where_they_trained_differen
     assert comparison.differing == [name for name in comparison.differing if old.get(name) != new.get(name)]
     assert not {"loss_type", "best_metric", "log_samples", "dry_run", "expert_lr_multiplier",
                 "lora_lr_multiplier", "lora_plus_ratio", "adam_epsilon", "frozen_modules",
-                "frozen_layers"} & set(comparison.differing)
+                "frozen_layers", "teacher_checkpoint", "distill_ratio",
+                "distill_temperature"} & set(comparison.differing)
     letters, spelt = kernel_letters(comparison)
     assert letters == ["A", "A"] and list(spelt) == ["A"]  # one kernel path: the newer record names more modules
     assert "residual=" in spelt["A"] and "kernel path B" not in comparison_table(comparison)

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import time
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -309,6 +310,30 @@ CASES = [
     ("route-table-out-of-range", lambda t: {"init_checkpoint": str(checkpoint(t / "c", lambda p: edit_tensors(
         p, lambda d: {**d, "layers.0.mlp.engine.route_table": torch.full_like(d["layers.0.mlp.engine.route_table"], 9)})))},
      ValueError, ["layers.0.mlp.engine.route_table"]),
+    # --- a distillation teacher (cflib.train.teacher) ---------------------------------------------------------
+    ("teacher-of-another-vocabulary", lambda t: {"teacher_checkpoint": str(save_checkpoint(
+        TRMoEModel(replace(preset("smoke"), vocab_size=300)), t / "c"))}, ValueError,
+     ["teacher_checkpoint", "config.json has vocab_size 300, the model trained has 260", "share", "vocabulary"]),
+    ("teacher-missing", lambda t: {"teacher_checkpoint": str(t / "noteacher")}, ValueError,
+     ["teacher_checkpoint", "noteacher"]),
+    ("teacher-weights-corrupt", lambda t: {"teacher_checkpoint": str(checkpoint(t / "c", lambda p: (
+        p / "model.safetensors").write_bytes(b"\x00" * 64)))}, ValueError, ["teacher_checkpoint", "model.safetensors"]),
+    ("teacher-adapters", lambda t: {"teacher_checkpoint": str(checkpoint(t / "c", lambda p: (
+        p / "adapter_config.json").write_text("{}")))}, ValueError, ["teacher_checkpoint", "LoRA adapters", "merge"]),
+    ("teacher-positions-short", lambda t: {"teacher_checkpoint": str(save_checkpoint(
+        TRMoEModel(replace(preset("smoke"), max_position_embeddings=32)), t / "c"))}, ValueError,
+     ["teacher_checkpoint", "max_position_embeddings 32", "seq_len 64"]),
+    ("teacher-init-without-init-checkpoint", lambda t: {"teacher_checkpoint": "init"}, ValueError,
+     ["teacher_checkpoint: init", "init_checkpoint"]),
+    ("distill-ratio-above-1", lambda t: {"teacher_checkpoint": str(checkpoint(t / "c")), "distill_ratio": 1.5},
+     ValueError, ["distill_ratio", "[0, 1]", "1.5"]),
+    ("distill-temperature-zero", lambda t: {"teacher_checkpoint": str(checkpoint(t / "c")), "distill_temperature": 0},
+     ValueError, ["distill_temperature must be positive", "got 0"]),
+    ("distill-temperature-nan", lambda t: {"teacher_checkpoint": str(checkpoint(t / "c")),
+                                           "distill_temperature": "nan"}, ValueError,
+     ["distill_temperature must be a finite number"]),
+    ("distill-ratio-without-teacher", lambda t: {"distill_ratio": 0.2}, ValueError,
+     ["distill_ratio is set, but teacher_checkpoint is not"]),
 ]
 
 

@@ -302,6 +302,26 @@ def test_a_resume_naming_the_run_s_branch_keeps_its_commit_offline_after_the_bra
     assert record["params"]["init_checkpoint"] == f"hub:{REPO}@{started}"
 
 
+def test_a_hub_teacher_is_pinned_to_its_commit_which_a_resume_naming_its_branch_keeps_offline(
+        hub, shard, tmp_path, bundle, monkeypatch):
+    """teacher_checkpoint: hub:ORG/NAME@main distils from the commit main names when the run starts: its parameters,
+    plan and resume identity name that commit, and a resume naming main again keeps it, asking the Hub nothing."""
+    started = hub.repos[REPO].head("main")
+    out_dir = tmp_path / "run"
+    kept = {"teacher_checkpoint": f"hub:{REPO}@main", "max_steps": 4, "save_every_steps": 2}
+    record = train(params(shard, out_dir, **kept), progress=False)
+    assert record["params"]["teacher_checkpoint"] == f"hub:{REPO}@{started}"
+    assert record["execution_plan"]["distill"]["teacher"]["hub_start"] == {"repo_id": REPO, "revision": "main",
+                                                                            "commit": started}
+    (out_dir / "COMPLETE").unlink()
+    push_changed(hub, bundle, tmp_path / "newer", **{"README.md": CHANGED_CARD})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    calls = len(hub.requests)
+    record = train(params(shard, out_dir, resume="latest", **kept), progress=False)
+    assert len(hub.requests) == calls and record["params"]["teacher_checkpoint"] == f"hub:{REPO}@{started}"
+
+
 def test_a_curriculum_pins_its_hub_start_once_for_every_stage(hub, shard, tmp_path):
     import yaml
 
