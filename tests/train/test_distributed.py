@@ -129,10 +129,12 @@ def assert_frozen(two: Path, frozen: set[str], single: dict, double: dict) -> No
 def test_two_ddp_processes_pack_weigh_and_report_like_one(tmp_path):
     """Workers skip the preflight their launcher ran, plan the same windows and weigh the same tokens; rank 0
     alone reports to the trackers. The embeddings (and the tied head) stay frozen on every rank: DDP reduces the
-    others' gradients alone."""
+    others' gradients alone. Each rank distils from its own copy of a teacher, whose KL term (over packed windows,
+    weighted) is summed over the ranks as the loss is."""
     groups = {"arithmetic": {"target_share": 0.4, "tasks": ["addition"], "task_target_shares": {"addition": 1.0}},
               "text": {"target_share": 0.6, "tasks": ["uppercase"], "task_target_shares": {"uppercase": 1.0}}}
-    packed = {**BASE, **BEST, "pack_sequences": True, "loss_groups": groups, "frozen_modules": "embeddings"}
+    packed = {**BASE, **BEST, "pack_sequences": True, "loss_groups": groups, "frozen_modules": "embeddings",
+              "teacher_checkpoint": str(lora_base(tmp_path / "teacher")), "distill_temperature": 2.0}
     single = train({**packed, "out_dir": str(tmp_path / "one")}, progress=False)
     double = train({**packed, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": "ddp",
                     "report_to": "tensorboard"}, progress=False)
@@ -144,9 +146,14 @@ def test_two_ddp_processes_pack_weigh_and_report_like_one(tmp_path):
 
     assert len(list((tmp_path / "two" / "tensorboard").glob("events.out.tfevents.*"))) == 1  # rank 1 wrote none
     events = EventAccumulator(str(tmp_path / "two" / "tensorboard")).Reload()
-    assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [
-        (r["step"], pytest.approx(r["loss"], rel=1e-6))
-        for r in read_metrics(tmp_path / "two" / "metrics.jsonl") if r["event"] == "train"]
+    for name in ("loss", "kl_loss"):
+        assert [(s.step, s.value) for s in events.Scalars(f"train/{name}")] == [
+            (r["step"], pytest.approx(r[name], rel=1e-6))
+            for r in read_metrics(tmp_path / "two" / "metrics.jsonl") if r["event"] == "train"]
+    kl = {folder: [r["kl_loss"] for r in read_metrics(tmp_path / folder / "metrics.jsonl") if r["event"] == "train"]
+          for folder in ("one", "two")}
+    np.testing.assert_allclose(kl["two"], kl["one"], rtol=0, atol=1e-6)
+    assert double["execution_plan"]["distill"]["teacher"] == single["execution_plan"]["distill"]["teacher"]
 
 
 @pytest.mark.slow
@@ -211,14 +218,23 @@ def assert_adapters_like_one(one: Path, two: Path, loss_atol: float, weight_atol
 
 @pytest.mark.slow
 def test_two_fsdp_processes_train_lora_adapters_like_one(tmp_path):
-    """Frozen BF16 base, trainable adapters: mixed dtypes in one shard group. (DDP's LoRA run: the two nodes'.)"""
-    lora = lora_params(lora_base(tmp_path / "base"), base_dtype="bfloat16", bf16=True)
+    """Frozen BF16 base, trainable adapters: mixed dtypes in one shard group. (DDP's LoRA run: the two nodes'.) Kept
+    close to that base by its KL (teacher_checkpoint: init): FSDP shards the student alone, every rank holds the
+    teacher whole, its matrices in BF16."""
+    lora = lora_params(lora_base(tmp_path / "base"), base_dtype="bfloat16", bf16=True, teacher_checkpoint="init",
+                       distill_ratio=0.5)
     train({**lora, "out_dir": str(tmp_path / "one")}, progress=False)
     double = train({**lora, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": "fsdp"},
                    progress=False)
     assert double["strategy"] == "fsdp" and double["params_trainable"] == double["lora"]["adapter_parameters"]
+    assert double["execution_plan"]["distill"]["teacher"]["matrices_dtype"] == "bfloat16"
+    assert train_rows_kl(tmp_path / "two")[0] == pytest.approx(0.0, abs=1e-6)  # B = 0: the student is its base
     # BF16 autocast: the two runs round differently
     assert_adapters_like_one(tmp_path / "one", tmp_path / "two", loss_atol=2e-2, weight_atol=5e-3)
+
+
+def train_rows_kl(out_dir: Path) -> list[float]:
+    return [r["kl_loss"] for r in read_metrics(out_dir / "metrics.jsonl") if r["event"] == "train"]
 
 
 def free_port() -> int:
