@@ -35,7 +35,8 @@ def _elsewhere(record: dict) -> str | None:
 
 
 def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None) -> plt.Figure | None:
-    """Training loss per optimizer step and held-out loss at each evaluation."""
+    """Training loss per optimizer step (with a teacher, its cross-entropy term too) and held-out loss at each
+    evaluation."""
     if not Path(metrics_path).is_file():
         print(f"no metrics at {metrics_path} (rank 0 writes them, on node 0)")
         return None
@@ -44,6 +45,9 @@ def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None
     evals = [r for r in rows if r["event"] == "eval"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8, label="train (per step)")
+    if train and "ce_loss" in train[0]:  # a teacher's run: its loss mixes in the KL; the cross-entropy compares
+        ax.plot([r["step"] for r in train], [r["ce_loss"] for r in train], "--", lw=1, alpha=0.8,
+                label="train cross-entropy (beside the KL to the teacher)")
     ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out eval")
     return finish_loss_plot(fig, ax, "optimizer step", save_to)
 

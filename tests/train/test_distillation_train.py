@@ -212,3 +212,19 @@ def test_a_teacher_beside_a_registered_loss_is_refused_by_name(shard, teacher, t
     monkeypatch.setitem(sft_loss.LOSSES, "mine", lambda kernels: sft_loss.SFTLoss(kernels))
     with pytest.raises(ParamError, match="loss_type is 'mine', a registered loss"):
         TrainParams.from_dict(run_params(shard, tmp_path / "run", loss_type="mine", teacher_checkpoint=str(teacher)))
+
+
+def test_the_loss_plot_draws_the_train_cross_entropy_beside_the_mixed_loss(runs, tmp_path):
+    """The held-out loss is cross-entropy: the plot draws the train cross-entropy to compare it with."""
+    import matplotlib.pyplot as plt
+
+    from cflib.lab.report import plot_loss_curves
+
+    out_dir, _ = runs["distilled"]
+    figure = plot_loss_curves(out_dir / "metrics.jsonl", tmp_path / "curves.png")
+    labels = [line.get_label() for line in figure.axes[0].get_lines()]
+    assert labels == ["train (per step)", "train cross-entropy (beside the KL to the teacher)", "held-out eval"]
+    plain = plot_loss_curves(runs["plain"][0] / "metrics.jsonl")
+    assert len(plain.axes[0].get_lines()) == 2
+    plt.close(figure)
+    plt.close(plain)
