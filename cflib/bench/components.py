@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from cflib.data.shards import IGNORE_INDEX
 from cflib.model.config import ModelConfig, preset
-from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, kernels_of, rope_cos_sin, rope_inv_freq
+from cflib.model.decoder import RMSNorm, TRMoEEngine, apply_rope, kernels_of, rope_cos_sin
 from cflib.model.fast import AddRMSNorm, EpilogueSwiGLUEngine, FusedTRMoEEngine, LigerRMSNorm
+from cflib.model.rope import rope_inv_freq
 from cflib.ops.attention import BACKENDS, attend, attention_batch, backend_problem, pack_documents
 from cflib.ops.dispatch import KernelChoice, quack_problem
 from cflib.ops.sft_loss import DFTLoss, SFTLoss

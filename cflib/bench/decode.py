@@ -50,9 +50,9 @@ from cflib.export.bundle import load_bundle_model
 from cflib.export.hub import export_hub
 from cflib.jobs import guarded, one_line_errors, record_header
 from cflib.model import ModelConfig, TRMoEModel, preset, save_checkpoint
-from cflib.model.decoder import rope_inv_freq
 from cflib.model.fast import use_kernels
 from cflib.model.generate import Decoder
+from cflib.model.rope import rope_inv_freq
 from cflib.ops.dispatch import KernelChoice, choose_kernels
 from cflib.train.held_out import exact_match
 from cflib.train.records import count_parameters
@@ -234,7 +234,7 @@ def run_bench(settings: DecodeBench, out: Path, device: torch.device) -> dict:
                             generator=generator).tolist()
     model = copy.deepcopy(master).to(device=device, dtype=dtype)
     # Module.to casts every float buffer: RoPE's frequencies stay fp32, as the model computes them.
-    model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta).to(device)
+    model.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling).to(device)
     record: dict[str, Any] = {
         **record_header("decode_bench", device, out), "settings": asdict(settings),
         "model_config": config.to_dict(), **count_parameters(model), "params_active": config.active_parameters(),

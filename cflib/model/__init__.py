@@ -1,8 +1,9 @@
 """model: the TR-MoE decoder and its public checkpoint layout.
 
-Owns the configuration (`config`), the deterministic route tables
-(`routing`), the reference decoder in plain PyTorch (`decoder`) and its fast
-modules (`fast`), LoRA (`lora`), the KV-cache decoder (`generate`),
+Owns the configuration (`config`), RoPE's frequencies and their scalings
+(`rope`), the deterministic route tables (`routing`), the reference decoder
+in plain PyTorch (`decoder`) and its fast modules (`fast`), LoRA (`lora`),
+the KV-cache decoder (`generate`),
 reading and writing checkpoints (`checkpoint`), and the derived buffers
 every written checkpoint carries for the published adapter (`derived`).
 Imports `cflib.ops` and the foundation modules only; never data, training or

@@ -5,12 +5,13 @@ import dataclasses
 import difflib
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cflib.errors import shown
 from cflib.jsonio import read_json
+from cflib.model.rope import YARN_BETA_FAST, YARN_BETA_SLOW
 
 # Keys that published config.json files carry for other loaders (HF adapters);
 # they say nothing about the architecture, so they are accepted and dropped.
@@ -20,7 +21,25 @@ IGNORED_CONFIG_KEYS = frozenset({
     "attention_dropout", "head_dim", "is_decoder", "is_encoder_decoder", "dtype",
 })
 # Keys this model can honour only at one value: anything else would change the maths.
-FIXED_CONFIG_KEYS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rope_scaling": None}
+FIXED_CONFIG_KEYS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+
+# The RoPE scalings cflib computes (cflib.model.rope), each type's keys in transformers' names: required, then
+# optional. A rope_scaling dict names its type as `rope_type` (older configs: `type`).
+ROPE_SCALING_KEYS = {
+    "linear": (("factor",), ()),
+    "yarn": (("factor", "original_max_position_embeddings"), ("attention_factor", "beta_fast", "beta_slow", "truncate")),
+    "llama3": (("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"), ()),
+}
+# Types transformers knows that a fine-tuned model cannot keep: why each is refused.
+REFUSED_ROPE_TYPES = {
+    "dynamic": "dynamic NTK changes the frequencies with the length of each sequence, so keys cached at one length "
+               "are rotated unlike the queries that read them, and training never sees the frequencies inference uses",
+    "longrope": "LongRoPE switches between two tables of factors by the length of each sequence (as dynamic NTK does)",
+}
+# Each key's kind: a number >= 1, a positive number, a positive integer, or true/false.
+ROPE_KEY_KINDS = {"factor": "at_least_one", "original_max_position_embeddings": "positions",
+                  "attention_factor": "positive", "beta_fast": "positive", "beta_slow": "positive",
+                  "low_freq_factor": "positive", "high_freq_factor": "positive", "truncate": "boolean"}
 
 
 # Bounds on the config's scales (the released model: norm_eps 1e-6, shared_output_scale 1.0, routed_output_scale 2.0).
@@ -37,6 +56,76 @@ ELEMENT_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size", "shared_inter
 
 class ConfigError(ValueError):
     """A model configuration that cannot describe a working TR-MoE model."""
+
+
+def canonical_rope_scaling(raw: Any) -> dict | None:
+    """A rope_scaling dict checked key by key and written canonically: `rope_type` first (`type`, the older name,
+    read as it), then its keys in ROPE_SCALING_KEYS' order, numbers as floats and positions as integers. None, and
+    transformers' `default` type, are plain RoPE (None). ConfigError names the key at fault."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"rope_scaling must be None or a mapping such as {{rope_type: linear, factor: 4.0}}, got "
+                          f"{shown(raw)}")
+    if "type" in raw and "rope_type" in raw and raw["type"] != raw["rope_type"]:
+        raise ConfigError(f"rope_scaling names two types, rope_type {shown(raw['rope_type'])} and type "
+                          f"{shown(raw['type'])}: keep rope_type")
+    given = {("rope_type" if key == "type" else key): value for key, value in raw.items()}
+    kind = given.pop("rope_type", None)
+    if kind == "default" and not given:
+        return None
+    if kind in REFUSED_ROPE_TYPES:
+        raise ConfigError(f"rope_scaling.rope_type {kind!r} is not supported: {REFUSED_ROPE_TYPES[kind]}; use "
+                          "yarn (or linear) for a fixed extension")
+    if kind not in ROPE_SCALING_KEYS:
+        raise ConfigError(f"rope_scaling.rope_type must be one of {', '.join(ROPE_SCALING_KEYS)}, got {shown(kind)}")
+    required, optional = ROPE_SCALING_KEYS[kind]
+    unknown = [key for key in given if key not in required + optional]
+    if unknown:
+        hint = " (set rope_theta on its own, beside rope_scaling)" if unknown[0] == "rope_theta" else ""
+        raise ConfigError(f"rope_scaling: {unknown[0]!r} is not a key of rope_type {kind}{hint}; its keys: "
+                          f"{', '.join(required + optional)}")
+    missing = [key for key in required if key not in given]
+    if missing:
+        raise ConfigError(f"rope_scaling: rope_type {kind} needs {', '.join(missing)}")
+    scaling = {"rope_type": kind, **{key: _rope_value(key, given[key]) for key in required + optional
+                                     if key in given}}
+    _check_rope_pairs(scaling)
+    return scaling
+
+
+def _rope_value(key: str, value: Any) -> float | int | bool:
+    """One rope_scaling value of its kind (ROPE_KEY_KINDS), or ConfigError naming the key."""
+    kind = ROPE_KEY_KINDS[key]
+    if kind == "boolean":
+        if not isinstance(value, bool):
+            raise ConfigError(f"rope_scaling.{key} must be true or false, got {shown(value)}")
+        return value
+    if kind == "positions":
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_SIZE:
+            raise ConfigError(f"rope_scaling.{key} must be a positive integer (the positions the model was trained "
+                              f"on before this scaling), got {shown(value)}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"rope_scaling.{key} must be a finite number, got {shown(value)}")
+    if kind == "at_least_one" and value < 1:
+        raise ConfigError(f"rope_scaling.{key} must be at least 1 (the times the context is extended), got {value!r}")
+    if kind == "positive" and value <= 0:
+        raise ConfigError(f"rope_scaling.{key} must be positive, got {value!r}")
+    return float(value)
+
+
+def _check_rope_pairs(scaling: dict) -> None:
+    """YaRN's ramp and Llama 3's blend each run between two bounds that must come in order: the other way round the
+    ramp runs backwards, and equal llama3 factors divide by zero."""
+    if scaling["rope_type"] == "yarn":
+        fast, slow = scaling.get("beta_fast", YARN_BETA_FAST), scaling.get("beta_slow", YARN_BETA_SLOW)
+        if not fast > slow:
+            raise ConfigError(f"rope_scaling.beta_fast {fast:g} must be more than beta_slow {slow:g} (unset: "
+                              f"{YARN_BETA_FAST:g} and {YARN_BETA_SLOW:g})")
+    if scaling["rope_type"] == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ConfigError(f"rope_scaling.high_freq_factor {scaling['high_freq_factor']:g} must be more than "
+                          f"low_freq_factor {scaling['low_freq_factor']:g}")
 
 
 @dataclass(frozen=True)
@@ -60,8 +149,13 @@ class ModelConfig:
     shared_output_scale: float = 1.0
     routed_output_scale: float = 2.0
     tie_word_embeddings: bool = True
+    # None: plain RoPE; or a transformers rope_scaling dict of ROPE_SCALING_KEYS, e.g. {"rope_type": "linear",
+    # "factor": 4.0} (cflib.model.rope). Not hashed: a dict has no hash, and equal configs still hash alike.
+    rope_scaling: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        # Stored canonical ("type" read as "rope_type", numbers as floats), so equal scalings compare equal.
+        object.__setattr__(self, "rope_scaling", canonical_rope_scaling(self.rope_scaling))
         self.validate()
 
     @property
@@ -156,6 +250,10 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: a config is a JSON object of keys, got {type(raw).__name__}")
+        try:
+            raw = with_rope_parameters(raw)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
         known = {f.name for f in dataclasses.fields(cls)}
         for key, required in FIXED_CONFIG_KEYS.items():
             if key in raw and raw[key] != required:
@@ -200,6 +298,30 @@ class ModelConfig:
         d = self.hidden_size
         idle = (self.num_experts - self.num_experts_per_tok) * 3 * d * self.expert_width
         return self.num_parameters() - self.num_hidden_layers * idle
+
+
+def with_rope_parameters(raw: dict) -> dict:
+    """`raw` with transformers' `rope_parameters` (its save_pretrained writes RoPE as {rope_type, rope_theta, ...})
+    read as rope_theta and rope_scaling; ConfigError where it disagrees with either key beside it."""
+    if "rope_parameters" not in raw:
+        return raw
+    parameters = raw["rope_parameters"]
+    if not isinstance(parameters, dict):
+        raise ConfigError(f"rope_parameters must be a mapping with rope_type and rope_theta, got {shown(parameters)}")
+    parameters = dict(parameters)
+    out = {key: value for key, value in raw.items() if key != "rope_parameters"}
+    if "rope_theta" in parameters:
+        theta = parameters.pop("rope_theta")
+        if "rope_theta" in raw and raw["rope_theta"] != theta:
+            raise ConfigError(f"rope_parameters.rope_theta {shown(theta)} disagrees with rope_theta "
+                              f"{shown(raw['rope_theta'])}")
+        out["rope_theta"] = theta
+    scaling = canonical_rope_scaling(parameters)
+    if "rope_scaling" in raw and canonical_rope_scaling(raw["rope_scaling"]) != scaling:
+        raise ConfigError(f"rope_parameters {shown(raw['rope_parameters'])} disagrees with rope_scaling "
+                          f"{shown(raw['rope_scaling'])}")
+    out["rope_scaling"] = scaling
+    return out
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -20,12 +20,14 @@ from torch import nn
 
 from cflib.model.config import ModelConfig
 from cflib.model.kv_cache import KVCache, LayerCache
+from cflib.model.rope import attention_factor, rope_inv_freq, scaled_cos_sin
 from cflib.model.routing import build_route_table
 from cflib.model.weights import ExpertAdapter, effective_weight
 from cflib.ops.attention import DENSE_SDPA, AttentionBatch, PackedDocuments, attend, attention_batch, pack_documents
 from cflib.ops.rows import Rows, gather_rows
 
 INIT_STD = 0.02
+POSITION_KEYS = ("rope_theta", "rope_scaling", "max_position_embeddings")  # what set_positions may change
 EXPERT_TENSORS = ("expert_gate", "expert_up", "expert_down")  # a TR-MoE engine's [E, ., .] parameters
 # The order records list what ran in.
 KERNEL_PATH_KEYS = ("attention", "qkv", "rmsnorm", "rope", "swiglu", "moe", "swiglu_activation", "qk_norm",
@@ -47,15 +49,11 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    return (1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))).float()
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, hd] fp32 tables, rotate-half layout (frequencies repeated)."""
+def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int, device: torch.device, factor: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, hd] fp32 tables, rotate-half layout (frequencies repeated), times YaRN's attention factor."""
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq.to(device))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return scaled_cos_sin(freqs, factor)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +209,9 @@ class TRMoEModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, build_routes) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+                             persistent=False)
+        self.rope_attention_factor = attention_factor(config.rope_scaling)  # multiplies cos and sin (YaRN)
         # The backend asked for (cflib.ops.attention.BACKENDS, or auto); each forward picks its kernel for the
         # activations' dtype and the kind of rows. Set by cflib.model.fast.use_kernels.
         self.attention_backend = "auto"
@@ -241,10 +241,21 @@ class TRMoEModel(nn.Module):
              positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, hd] for positions 0..T-1, or [B, T, hd] for given [B, T] positions."""
         if positions is None:
-            return rope_cos_sin(self.inv_freq, seq_len, device)
-        freqs = positions.float()[..., None] * self.inv_freq.to(device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+            return rope_cos_sin(self.inv_freq, seq_len, device, self.rope_attention_factor)
+        return scaled_cos_sin(positions.float()[..., None] * self.inv_freq.to(device), self.rope_attention_factor)
+
+    def set_positions(self, config: ModelConfig) -> None:
+        """Take `config`'s positions (rope_theta, rope_scaling, max_position_embeddings), every other key being the
+        model's own: a run that extends the context of the checkpoint it starts from, whose stored frequencies
+        were checked against the checkpoint's config as it loaded. Before use_kernels, which reads the attention
+        factor (cflib.model.fast)."""
+        changed = {key for key, value in config.to_dict().items() if value != getattr(self.config, key)}
+        if not changed <= set(POSITION_KEYS):
+            raise ValueError(f"only {', '.join(POSITION_KEYS)} may change on a built model, not {sorted(changed)}")
+        self.config = config
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        self.rope_attention_factor = attention_factor(config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | PackedDocuments | None = None,
                 kv: KVCache | None = None, rows: Rows | None = None,

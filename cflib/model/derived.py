@@ -1,6 +1,6 @@
 """The derived buffers every written checkpoint carries for the published adapter (docs/export.md).
 
-Per layer: `self_attn.rotary_emb.inv_freq` (from head_dim and rope_theta), and
+Per layer: `self_attn.rotary_emb.inv_freq` (from head_dim, rope_theta and rope_scaling), and
 `mlp.engine.fused_expert_pairs` / `mlp.engine.fused_route_codes` (from the
 layer's route table). cflib computes with none of them; it writes them because
 the published adapter registers them as persistent buffers, and it checks them
@@ -14,7 +14,7 @@ from typing import Mapping
 import torch
 
 from cflib.model.config import ModelConfig
-from cflib.model.decoder import rope_inv_freq
+from cflib.model.rope import rope_inv_freq
 
 INV_FREQ = "self_attn.rotary_emb.inv_freq"
 EXPERT_PAIRS = "mlp.engine.fused_expert_pairs"
@@ -57,7 +57,7 @@ def fused_route_buffers(route_table: torch.Tensor, num_experts: int) -> tuple[to
 
 def derived_buffers(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The three derived buffers of every layer, from the config and the route tables in `tensors`."""
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta)
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     out = {}
     for i in range(config.num_hidden_layers):
         table_name = f"layers.{i}.{ROUTE_TABLE}"
@@ -79,8 +79,9 @@ def derived_disagreement(config: ModelConfig, name: str, given: torch.Tensor, te
     layer, suffix = name.split(".", 2)[1], name.split(".", 2)[2]
     table_name = f"layers.{layer}.{ROUTE_TABLE}"
     if suffix == INV_FREQ:
-        want = rope_inv_freq(config.head_dim, config.rope_theta)
-        source = f"rope_theta {config.rope_theta} and head_dim {config.head_dim}"
+        want = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        scaled = f", rope_scaling {config.rope_scaling}" if config.rope_scaling is not None else ""
+        source = f"rope_theta {config.rope_theta}{scaled} and head_dim {config.head_dim}"
     else:
         codes, pairs = fused_route_buffers(tensors[table_name], config.num_experts)
         want = codes if suffix == ROUTE_CODES else pairs

@@ -204,18 +204,20 @@ class FusedAttention(FusedQKVAttention):
 
 class FusedAttentionKeptQKV(FusedAttention):
     """FusedAttention for head-norm weights that q and k cannot give back the normed heads through (a zero, or
-    a rotation pair too far apart: cflib.ops.qk_norm_rope.normed_from_output_fits): backward keeps qkv."""
+    a rotation pair too far apart: cflib.ops.qk_norm_rope.normed_from_output_fits), or for RoPE tables scaled by
+    YaRN's attention factor: backward keeps qkv."""
 
     kernels = {**FusedAttention.kernels, "qk_norm_backward": "kept_qkv"}
     normed_from_output = False
 
 
-def _attention(attention: Attention, fast: type[Attention]) -> type[Attention]:
+def _attention(attention: Attention, fast: type[Attention], rope_factor: float) -> type[Attention]:
     """The class an attention takes: FusedAttentionKeptQKV where its head norms' weights do not fit recovery from
-    the output (one host read each, at the swap)."""
+    the output (one host read each, at the swap), or where RoPE's tables carry YaRN's attention factor
+    (`rope_factor`): the recovery undoes a rotation, and a scaled one is no rotation."""
     from cflib.ops.qk_norm_rope import normed_from_output_fits
-    if fast is FusedAttention and not all(normed_from_output_fits(norm.weight)
-                                          for norm in (attention.q_norm, attention.k_norm)):
+    if fast is FusedAttention and (rope_factor != 1.0 or not all(normed_from_output_fits(norm.weight)
+                                                                 for norm in (attention.q_norm, attention.k_norm))):
         return FusedAttentionKeptQKV
     return fast
 
@@ -460,7 +462,7 @@ def use_kernels(model: TRMoEModel, kernels: KernelChoice) -> TRMoEModel:
         swap_class(layer, _layer_class(kernels.custom, isinstance(layer, Checkpointed)))
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             swap_class(norm, _residual_norm(norm, residual_norm))
-        swap_class(layer.self_attn, _attention(layer.self_attn, attention))
+        swap_class(layer.self_attn, _attention(layer.self_attn, attention, model.rope_attention_factor))
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
             if isinstance(norm, RMSNorm):
                 swap_class(norm, head_norm)
