@@ -265,7 +265,17 @@ def _introduction(meta: dict, kind: str, where: str, config: dict) -> str:
             else "A TR-MoE language model")
     return (f"# {Path(where).name}\n\n{what} ({shape}), fine-tuned with cflib. TR-MoE is a decoder whose "
             "feed-forward block is a deterministic token-routed mixture of experts: a shared SwiGLU plus experts "
-            "chosen by a fixed table of token ids, with no router and no auxiliary loss.")
+            f"chosen by a fixed table of token ids, with no router and no auxiliary loss.{_context(config)}")
+
+
+def _context(config: dict) -> str:
+    """A scaled RoPE's extended context, as the card's introduction names it; nothing for plain RoPE."""
+    scaling = config.get("rope_scaling")
+    if not isinstance(scaling, dict):
+        return ""
+    return (f" Its context is extended to {config.get('max_position_embeddings'):,} positions by RoPE scaling "
+            f"({scaling.get('rope_type')}, factor {scaling.get('factor'):g}: `rope_scaling` in config.json, which the "
+            "model's code applies as it loads).")
 
 
 def _loading(meta: dict, kind: str, where: str, base_model: str | None = None, revision: str | None = None) -> str:

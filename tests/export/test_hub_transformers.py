@@ -1,6 +1,7 @@
 """The bundle as a transformers model: caches, attention implementations, packed rows, loss, checkpointing."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import transformers  # the test extra: the bundle is for it; cflib never imports
 from transformers import DynamicCache, StaticCache
 
 from cflib.export import export_hub
-from cflib.model import TRMoEModel, preset, save_checkpoint
+from cflib.model import TRMoEModel, load_checkpoint, preset, save_checkpoint
 from cflib.ops.loss import cross_entropy_mean
 
 try:
@@ -299,3 +300,62 @@ def test_the_frozen_block_computes_what_the_trained_block_computes(pair):
     wrapped = type("AdaptedLinear", (torch.nn.Linear,), {})
     engine.shared_up.__class__ = wrapped
     assert not engine.frozen()
+
+
+# The smoke model's 256 positions extended to 1,024 by each scaling cflib computes.
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 256, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0},
+}
+
+
+@pytest.fixture(scope="module", params=list(SCALINGS))
+def scaled_pair(request, tmp_path_factory) -> tuple[TRMoEModel, Path]:
+    """The smoke model with a RoPE scaling to 1,024 positions and its matrices scaled tenfold, and its bundle."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(preset("smoke"), rope_scaling=SCALINGS[request.param], max_position_embeddings=1024)
+    model = TRMoEModel(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.mul_(10.0)
+    root = tmp_path_factory.mktemp(f"scaled-{request.param}")
+    return model, export_hub(save_checkpoint(model, root / "ckpt"), root / "bundle", echo=None)
+
+
+def test_a_scaled_bundle_computes_cflibs_logits_and_tokens_past_the_original_positions(scaled_pair):
+    model, bundle = scaled_pair
+    hub_model = hub(bundle)
+    assert hub_model.config.rope_scaling_dict() == model.config.rope_scaling
+    assert (f"extended to 1,024 positions by RoPE scaling ({model.config.rope_scaling['rope_type']}, factor 4"
+            in (bundle / "README.md").read_text())
+    ids = random_ids(model.config.vocab_size, 2, 300, seed=7)  # past the 256 positions before the scaling
+    with torch.no_grad():
+        logits = hub_model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(logits, cflib_logits(model, ids), rtol=0, atol=1e-5)
+    positions = torch.arange(1024)[None]
+    for got, want in zip(hub_model.layers[0].self_attn.rotary_emb(positions), model.rope(1024, positions.device,
+                                                                                          positions)):
+        assert torch.equal(got, want)
+    mask = torch.ones_like(ids)
+    want_tokens = greedy_cflib(model, ids, mask, 6)
+    assert sum(len(set(row)) for row in want_tokens) > 6
+    assert generate(hub_model, ids, mask, 6) == want_tokens
+
+
+def test_transformers_reads_a_scaled_bundle_s_rope_as_its_own(scaled_pair, tmp_path):
+    """transformers' own RoPE functions take the bundle's config (rope_parameters, as transformers keeps RoPE), and
+    what its save_pretrained writes loads back into cflib with the same scaling."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model, bundle = scaled_pair
+    hub_model = hub(bundle)
+    config = hub_model.config
+    want, factor = ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, "cpu")
+    rotary = hub_model.layers[0].self_attn.rotary_emb
+    torch.testing.assert_close(rotary.inv_freq, want, rtol=1e-6, atol=0)
+    assert rotary.attention_factor == pytest.approx(factor)
+    hub_model.save_pretrained(str(tmp_path / "saved"))
+    assert load_checkpoint(tmp_path / "saved").config == model.config

@@ -3,11 +3,32 @@
 Self-contained: loaded by `AutoConfig.from_pretrained(folder, trust_remote_code=True)`
 from an exported bundle, it imports transformers only. The keys are those of
 the checkpoint's config.json; `intermediate_size` is the total routed width
-over all experts.
+over all experts. RoPE is `rope_theta` and `rope_scaling` (None, or a linear,
+yarn or llama3 dict in transformers' names), as cflib writes them, or
+`rope_parameters`, as transformers' save_pretrained writes them; the config
+holds them as `rope_parameters` (which transformers' `rope_scaling` reads).
 """
 from __future__ import annotations
 
 from transformers import PretrainedConfig
+
+# The RoPE types the modeling code computes, each with its required keys.
+ROPE_TYPES = {"default": (), "linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+              "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
+
+
+def rope_scaling_of(parameters: dict | None) -> dict | None:
+    """A rope_scaling or rope_parameters dict as the scaling it names (rope_theta left out, `type` read as
+    `rope_type`), checked against ROPE_TYPES; None for plain RoPE."""
+    scaling = {("rope_type" if key == "type" else key): value for key, value in (parameters or {}).items()
+               if key != "rope_theta"}
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind not in ROPE_TYPES or any(key not in scaling for key in ROPE_TYPES[kind]):
+        raise ValueError(f"rope_scaling {parameters!r}: this model computes rope_type {', '.join(ROPE_TYPES)}, "
+                         f"with the keys {ROPE_TYPES}")
+    return scaling
 
 
 class TRHashConfig(PretrainedConfig):
@@ -24,6 +45,7 @@ class TRHashConfig(PretrainedConfig):
         use_qk_norm: bool = True,
         norm_eps: float = 1e-6,
         rope_theta: float = 10000.0,
+        rope_scaling: dict | None = None,
         max_position_embeddings: int = 2048,
         shared_intermediate_size: int = 3072,
         num_experts: int = 4,
@@ -52,6 +74,7 @@ class TRHashConfig(PretrainedConfig):
         self.use_qk_norm = use_qk_norm
         self.norm_eps = norm_eps
         self.rope_theta = rope_theta
+        self.rope_parameters = self._rope_parameters(rope_scaling, kwargs.pop("rope_parameters", None))
         self.max_position_embeddings = max_position_embeddings
         self.shared_intermediate_size = shared_intermediate_size
         self.num_experts = num_experts
@@ -69,6 +92,19 @@ class TRHashConfig(PretrainedConfig):
         self._check(tie_word_embeddings, kwargs.pop("head_dim", None))
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def _rope_parameters(self, rope_scaling: dict | None, rope_parameters: dict | None) -> dict:
+        """{rope_type, rope_theta, ...} from rope_scaling (cflib's config.json) or rope_parameters (a saved one's,
+        whose rope_theta wins) and rope_theta."""
+        if rope_parameters is not None:
+            self.rope_theta = rope_parameters.get("rope_theta", self.rope_theta)
+            rope_scaling = rope_parameters
+        return {**(rope_scaling_of(rope_scaling) or {"rope_type": "default"}), "rope_theta": self.rope_theta}
+
+    def rope_scaling_dict(self) -> dict | None:
+        """The RoPE scaling the model computes, None for plain RoPE: read from rope_parameters, where
+        from_pretrained's overrides (rope_scaling=...) also land."""
+        return rope_scaling_of(getattr(self, "rope_parameters", None))
 
     @property
     def head_dim(self) -> int:

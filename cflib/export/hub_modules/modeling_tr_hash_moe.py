@@ -7,7 +7,8 @@ transformers only. Tensor names are the checkpoint's own (`embed_tokens`,
 bundle's `model.safetensors` loads with no key renamed, missing or unexpected.
 
 The block: h += attn(rmsnorm(h)); h += mlp(rmsnorm(h), token_ids). Attention
-is GQA with an RMSNorm on each query and key head before rotate-half RoPE.
+is GQA with an RMSNorm on each query and key head before rotate-half RoPE
+(plain, or scaled as the config's rope_scaling says: linear, yarn or llama3).
 The MLP (TR-MoE) is shared_output_scale * shared SwiGLU(x) + routed_output_scale
 * sum_k w_k * expert[route_table[k, token]](x): routing is a fixed per-layer
 table of token ids, so every forward needs input_ids (not inputs_embeds).
@@ -97,9 +98,57 @@ def fused_route_buffers(route_table: torch.Tensor, num_experts: int) -> tuple[to
     return codes.to(torch.uint8), pairs.to(torch.int32)
 
 
+# --- RoPE: plain, or scaled as transformers' ROPE_INIT_FUNCTIONS scale it, in float64 as cflib computes it ---
+def _linear(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    return inv_freq / scaling["factor"]
+
+
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """High frequencies kept, low ones divided by factor, a ramp between beta_fast and beta_slow rotations."""
+    original = scaling["original_max_position_embeddings"]
+
+    def dimension(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.get("beta_fast") or 32.0), dimension(scaling.get("beta_slow") or 1.0)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / scaling["factor"] * ramp + inv_freq * (1 - ramp)
+
+
+def _llama3(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Long wavelengths divided by factor, short ones kept, a smooth blend between."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    medium = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+_SCALED_INV_FREQ = {"linear": _linear, "yarn": _yarn, "llama3": _llama3}
+
+
 def rope_inv_freq(config: TRHashConfig) -> torch.Tensor:
-    hd = config.head_dim
-    return (1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))).float()
+    hd, theta, scaling = config.head_dim, config.rope_theta, config.rope_scaling_dict()
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if scaling is not None:
+        inv_freq = _SCALED_INV_FREQ[scaling["rope_type"]](inv_freq, hd, theta, scaling)
+    return inv_freq.float()
+
+
+def rope_attention_factor(config: TRHashConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, 1 for every other RoPE."""
+    scaling = config.rope_scaling_dict()
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    return 0.1 * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
 
 
 # --- modules ---
@@ -151,19 +200,20 @@ class TRHashRMSNorm(nn.Module):
 
 class TRHashRotaryEmbedding(nn.Module):
     """Holds the published `inv_freq` buffer; the angles come from the config in float64, so a
-    half-precision copy of the buffer (after model.to(bfloat16)) cannot blur positions."""
+    half-precision copy of the buffer (after model.to(bfloat16)) cannot blur positions. A YaRN scaling's
+    attention factor multiplies cos and sin, as transformers' rotary embeddings apply it."""
 
     def __init__(self, config: TRHashConfig) -> None:
         super().__init__()
-        self.head_dim, self.theta = config.head_dim, config.rope_theta
+        self.config = config
+        self.attention_factor = rope_attention_factor(config)
         self.register_buffer("inv_freq", torch.zeros(config.head_dim // 2, dtype=torch.float32))
         self._exact_inv_freq: torch.Tensor | None = None  # fp32 from the config, on the last device asked for
 
     def exact_inv_freq(self, device: torch.device) -> torch.Tensor:
         cached = self._exact_inv_freq
         if cached is None or cached.device != device:
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-            cached = (1.0 / self.theta ** exponents).float().to(device)
+            cached = rope_inv_freq(self.config).to(device)
             if not torch.compiler.is_compiling():  # a compiled graph reads the cache the eager prefill filled
                 self._exact_inv_freq = cached
         return cached
@@ -172,7 +222,9 @@ class TRHashRotaryEmbedding(nn.Module):
         """cos, sin: [B, T, head_dim] float32 for [B, T] positions."""
         freqs = positions.float()[..., None] * self.exact_inv_freq(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        if self.attention_factor == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
