@@ -30,7 +30,9 @@ REPO = r"(?P<repo>[^/]+/[^/]+)"
 class Repository:
     private: bool | None
     branches: dict[str, dict[str, bytes]] = field(default_factory=lambda: {"main": {}})
-    commits: list[dict] = field(default_factory=list)  # {branch, summary, files: paths}
+    # {branch, summary, files: paths, blobs: their git SHA-1}: a commit's id follows its contents, as the Hub's does,
+    # so transformers' module cache (~/.cache/huggingface/modules, by commit) never serves code another run committed
+    commits: list[dict] = field(default_factory=list)
     snapshots: dict[str, dict[str, bytes]] = field(default_factory=dict)  # commit -> its files
 
     def head(self, branch: str) -> str:
@@ -228,7 +230,8 @@ class LoopbackHub:
             else:
                 continue
             written.append(value["path"])
-        self.repos[repo].commits.append({"branch": branch, "summary": header["summary"], "files": written})
+        self.repos[repo].commits.append({"branch": branch, "summary": header["summary"], "files": written,
+                                         "blobs": [git_blob_sha1(files[path]) for path in written]})
         sha = self.repos[repo].head(branch)
         self.repos[repo].snapshots[sha] = dict(files)
         return 200, {"commitUrl": f"{self.url}/{repo}/commit/{sha}", "commitOid": sha}
