@@ -17,7 +17,7 @@ import os
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -39,6 +39,7 @@ from cflib.progress import tqdm
 from cflib.schema import composed, parsed_by
 from cflib.train.distributed import DDP_BUCKET_BYTES_PER_PARAM, TRAINING_BYTES_PER_PARAM
 from cflib.train.params import DEVICES, Model, ParamError, TrainParams, gradient_accumulation, kernel_choice
+from cflib.train.positions import run_config
 from cflib.train.run import prepare, resolve_device
 from cflib.train.trainer import Trainer
 
@@ -117,7 +118,7 @@ class TuneParams(composed(Model, Tuning)):
     def train_params(self, micro: int, data: str) -> TrainParams:
         """The run of one probe: `micro` examples per step, no evaluation, nothing saved."""
         return TrainParams.from_dict({
-            "model": self.model, "init_checkpoint": self.init_checkpoint, "data": data, "seed": self.seed,
+            **{field.name: getattr(self, field.name) for field in fields(Model)}, "data": data, "seed": self.seed,
             "seq_len": self.seq_len, "micro_batch_per_rank": micro, "global_batch": micro,
             "max_steps": 1 + self.probe_steps, "bf16": self.bf16, "fp32_loss": self.fp32_loss,
             "loss_chunk_tokens": self.loss_chunk_tokens, "grad_ckpt": self.grad_ckpt,
@@ -188,9 +189,8 @@ def prepare_tuning(params: TuneParams) -> Tuning:
     """Every check that needs no training step: device, model, budget against the fixed memory, out_dir."""
     device = resolve_device(params.device)
     params, config, source = _model_to_tune(params)
-    if params.seq_len > config.max_position_embeddings:
-        raise ParamError(f"seq_len {params.seq_len} exceeds the model's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
+    # The positions the probes train (a longer context through rope_scaling), seq_len checked against them
+    config = run_config(config, params.train_params(micro=1, data="embedded"))
     if params.budget_gib is None:
         if device.type != "cuda":
             raise ParamError("budget_gib is required on a CPU (None means the CUDA device's memory); "
@@ -392,7 +392,9 @@ def train_sft_params(tuning: Tuning, batch: dict) -> dict:
     """What notebooks/train_sft.ipynb needs to run as probed, at the tuned batch."""
     p = tuning.params
     source = {"init_checkpoint": p.init_checkpoint} if p.init_checkpoint is not None else {"model": p.model}
-    return {**source, "seq_len": p.seq_len, "micro_batch_per_rank": batch["micro_batch_per_rank"],
+    positions = {name: getattr(p, name) for name in ("rope_scaling", "rope_theta", "max_position_embeddings")
+                 if getattr(p, name) is not None}  # the positions probed, where the tuning set them
+    return {**source, **positions, "seq_len": p.seq_len, "micro_batch_per_rank": batch["micro_batch_per_rank"],
             "global_batch": batch["global_batch"], "nproc_per_node": p.world_size, "bf16": p.bf16,
             "fp32_loss": p.fp32_loss, "loss_chunk_tokens": p.loss_chunk_tokens, "grad_ckpt": p.grad_ckpt,
             "use_custom_kernels": p.use_custom_kernels, "require_liger": p.require_liger,

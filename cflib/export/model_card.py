@@ -356,9 +356,9 @@ def _training(meta: dict) -> str:
 # names DFT, frozen experts or a teacher, and a plain run's card reads as before); the metadata holds them all.
 RECIPE = ("full_parameter", "frozen_modules", "frozen_layers", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
           "lora_plus_ratio", "loss_type", "teacher_checkpoint", "distill_ratio", "distill_temperature", "epochs",
-          "max_steps", "global_batch", "seq_len", "overlong_examples", "lr", "weight_decay", "adam_epsilon",
-          "warmup_ratio", "warmup_steps", "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "max_grad_norm", "bf16",
-          "pack_sequences", "neftune_noise_alpha", "seed")
+          "max_steps", "global_batch", "seq_len", "rope_scaling", "rope_theta", "max_position_embeddings",
+          "overlong_examples", "lr", "weight_decay", "adam_epsilon", "warmup_ratio", "warmup_steps", "lr_schedule",
+          "min_lr_ratio", "lr_decay_ratio", "max_grad_norm", "bf16", "pack_sequences", "neftune_noise_alpha", "seed")
 RECIPE_DEFAULTS = {"loss_type": "sft_cross_entropy", "overlong_examples": "error", "adam_epsilon": 1e-8}
 
 

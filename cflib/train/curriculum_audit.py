@@ -20,8 +20,8 @@ from cflib.data.weighting import SHARE_TOLERANCE, audit_table, derive_loss_weigh
 from cflib.errors import ParamError
 from cflib.model.config import ModelConfig
 from cflib.train.curriculum import Curriculum, Stage
+from cflib.train.positions import run_config
 from cflib.train.run import (
-    check_seq_len,
     memory_figures,
     plan_units,
     resolve_device,
@@ -65,9 +65,9 @@ def _examples(data: RunData) -> dict:
 
 
 def audit_stage(stage: Stage, config: ModelConfig) -> dict:
-    """One stage against its data; ParamError or ShardError for what stops it before training."""
+    """One stage against its data, `config` the model it trains (its seq_len checked against its positions);
+    ParamError or ShardError for what stops it before training."""
     p = stage.params
-    check_seq_len(config, p.seq_len)
     data = open_data(p, config.vocab_size, check="tokens")
     kept, mixture = data.train, data.mixture
     _, units = plan_units(p, kept, mixture)
@@ -78,6 +78,7 @@ def audit_stage(stage: Stage, config: ModelConfig) -> dict:
             "overlong": data.overlong,
             "mixture": _mixture(mixture, kept),
             "supervised_tokens": kept.supervised_tokens(), "eval_examples": len(data.eval), "seq_len": p.seq_len,
+            "max_position_embeddings": config.max_position_embeddings, "rope_scaling": config.rope_scaling,
             "global_batch": p.global_batch, "micro_batch_per_rank": p.micro_batch_per_rank,
             "grad_accum": p.grad_accum,
             "steps_per_epoch": steps_per_epoch, "total_steps": schedule.total_steps,
@@ -87,13 +88,15 @@ def audit_stage(stage: Stage, config: ModelConfig) -> dict:
 
 
 def audit(curriculum: Curriculum, config: ModelConfig, stop_at_first: bool) -> list[dict]:
-    """Every stage that runs, audited. stop_at_first: raise the first failure as a ParamError naming the stage
-    (a run); otherwise report it in its row (a dry run)."""
+    """Every stage that runs, audited, `config` the model the first starts from (each later one starts from the
+    one before it, its positions included). stop_at_first: raise the first failure as a ParamError naming the
+    stage (a run); otherwise report it in its row (a dry run)."""
     where = f"{curriculum.path}: " if curriculum.path is not None else ""
     rows = []
     for stage in curriculum.stages:
         row: dict = {}
         try:
+            config = run_config(config, stage.params)  # the positions this stage trains
             row = audit_stage(stage, config)
             if not row["passed"]:
                 raise ParamError(f"loss_groups: cell(s) {row['overweight_tasks']} would get a loss coefficient "

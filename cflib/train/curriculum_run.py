@@ -32,7 +32,7 @@ from cflib.train.lock import RunLock
 from cflib.train.params import TrainParams
 from cflib.train.registered import for_workers
 from cflib.train.resume_identity import ALLOWABLE, STREAM
-from cflib.train.run import model_config, pinned_hub_start, prepare
+from cflib.train.run import pinned_hub_start, prepare, start_config
 from cflib.train.run_folder import check_entries_inside, read_run_record, refuse_mixing
 from cflib.train.teacher import INIT
 
@@ -57,7 +57,7 @@ class CurriculumRun:
     params: TrainParams
     curriculum: Curriculum
     out_dir: Path
-    config: ModelConfig
+    config: ModelConfig  # the model the first stage starts from (the stages may extend its positions)
     audit: list[dict]
     hub_start: dict | None = None  # init_checkpoint hub:ORG/NAME: the commit every stage starts from, pinned once
 
@@ -261,7 +261,7 @@ def prepare_curriculum(params: TrainParams) -> CurriculumRun:
             for_workers(stage_run)
     if not params.dry_run:
         _check_root(params, out_dir, curriculum)
-    config, _ = model_config(replace(params, resume=None))  # every stage trains this architecture
+    config, _ = start_config(replace(params, resume=None))  # every stage trains this architecture, from here
     rows = audit(curriculum, config, stop_at_first=not params.dry_run)  # each stage against its own data
     return CurriculumRun(params, curriculum, out_dir, config, rows, None if hub is None else hub.record())
 

@@ -190,14 +190,35 @@ def tracker_names(name: str, value: Any) -> tuple[str, ...] | None:
 MAX_EXAMPLES_PER_EPOCH = 10**9
 
 
+def rope_scaling_choice(name: str, value: Any) -> dict | None:
+    """A transformers rope_scaling dict (YAML, or its text from papermill), checked as a model config checks it:
+    linear, yarn or llama3 with their keys; None: the starting model's own."""
+    from cflib.model.config import ConfigError, canonical_rope_scaling  # the model layer owns what RoPE computes
+
+    raw = coerce(name, value, dict | None)
+    try:
+        scaling = canonical_rope_scaling(raw)
+    except ConfigError as err:
+        raise ParamError(str(err)) from None
+    if raw is not None and scaling is None:
+        raise ParamError(f"{name}: rope_type default is plain RoPE; leave {name} unset to keep the starting model's")
+    return scaling
+
+
 @dataclass(frozen=True)
 class Model:
-    """The model a run starts from."""
+    """The model a run starts from, and the positions it trains (cflib.train.positions)."""
 
     model: str = "smoke"  # a preset of cflib.model.config.PRESETS; ignored when init_checkpoint is set
     # a checkpoint dir, or a Hub bundle hub:ORG/NAME[@REVISION] (pinned to its commit); its config.json gives the
     # architecture
     init_checkpoint: str | None = None
+    # a longer context: transformers' rope_scaling, e.g. {rope_type: linear, factor: 4} (also yarn, llama3), set on
+    # the starting model and written to every checkpoint's config.json; None: the starting model's own
+    rope_scaling: dict | None = parsed_by(rope_scaling_choice)
+    rope_theta: float | None = None  # RoPE's base; None: the starting model's
+    # the positions the trained model takes; None: the starting model's, or with rope_scaling what it covers
+    max_position_embeddings: int | None = None
 
 
 @dataclass(frozen=True)
@@ -503,6 +524,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
             raise ParamError(f"examples_per_epoch {self.examples_per_epoch:,} is more than the "
                              f"{MAX_EXAMPLES_PER_EPOCH:,} an epoch may draw (each epoch's order is held in memory)")
         self._validate_optimisation()
+        self._validate_positions()
         if self.device not in DEVICES:
             raise ParamError(f"device must be one of {DEVICES}, got {self.device!r}")
         self._validate_lora()
@@ -537,6 +559,15 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
         if self.resume == "latest" and self.out_dir is None:
             raise ParamError("resume: latest needs the out_dir of the run to continue")
         self.grad_accum  # noqa: B018 - a global batch the ranks cannot split stops here, with the options
+
+    def _validate_positions(self) -> None:
+        """RoPE's base and the positions, as far as they are known without the model (cflib.train.positions checks
+        them against it)."""
+        if self.rope_theta is not None and not self.rope_theta >= 1:
+            raise ParamError(f"rope_theta must be None (the starting model's) or at least 1, got {self.rope_theta}")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < self.seq_len:
+            raise ParamError(f"max_position_embeddings {self.max_position_embeddings:,} is below seq_len "
+                             f"{self.seq_len:,}: the model would train on positions past its own")
 
     def _validate_evaluation(self) -> None:
         """lm-eval's tasks, when they run, and the metric that chooses the best checkpoint."""

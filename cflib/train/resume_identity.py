@@ -6,8 +6,8 @@ its shard manifests record for every file, train and eval), the stream
 longer than seq_len are dropped, a mixture's weights and examples per
 epoch), the schedule and every
 setting that changes the trajectory (optimizer, clipping, loss numerics,
-precision, NEFTune's noise, model source, LoRA and the adapters a LoRA run started from, the frozen modules, the
-distillation teacher with its ratio and temperature), and
+precision, NEFTune's noise, model source, RoPE (the model's rope_scaling and rope_theta), LoRA and the adapters a
+LoRA run started from, the frozen modules, the distillation teacher with its ratio and temperature), and
 the held-out prompts exact match scores.
 Resuming compares each with this run's and refuses the first difference by
 name; `allow_resume_changes` names the ones
@@ -43,8 +43,8 @@ STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "o
           "examples_per_epoch", "mixture",
           "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
-ALLOWABLE = ("data", "model", "lr", "weight_decay", "beta1", "beta2", "adam_epsilon", "max_grad_norm",
-             "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len", "loss_groups",
+ALLOWABLE = ("data", "model", "rope_scaling", "rope_theta", "lr", "weight_decay", "beta1", "beta2", "adam_epsilon",
+             "max_grad_norm", "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len", "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
              "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type", "neftune_noise_alpha",
              "teacher_checkpoint", "distill_ratio", "distill_temperature", "early_stopping_patience",
@@ -75,7 +75,7 @@ _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, 
              "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None,
-             "teacher_checkpoint": None, "distill_ratio": 0.5, "distill_temperature": 1.0}
+             "teacher_checkpoint": None, "distill_ratio": 0.5, "distill_temperature": 1.0, "rope_scaling": None}
 
 
 # The train part of a mixture's held-out-only source (weight 0): no train example, whatever its root holds.
@@ -151,7 +151,10 @@ def run_identity(run: Any) -> dict[str, Any]:
             "hub_start": None if getattr(run, "hub_start", None) is None else run.hub_start.record(),
             **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture",
-                               "lr_decay_ratio")},
+                               "lr_decay_ratio", "rope_scaling", "rope_theta")},
+            # The model's RoPE as it trains, whether the run set it or its checkpoint carried it (a resume of a scaled
+            # run that leaves rope_scaling unset continues the same positions)
+            "rope_scaling": run.model.config.rope_scaling, "rope_theta": run.model.config.rope_theta,
             "neftune_noise_alpha": p.neftune_noise_alpha or None,  # 0 is off, as None is
             # The teacher by where it is (`init`: init_checkpoint's place), a Hub one by its commit; its Hub start
             # (the revision the run named), which a resume naming that revision resolves to without asking the Hub

@@ -51,6 +51,7 @@ from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
 from cflib.train.freezing import frozen_weights
 from cflib.train.optim import WSD_DECAY_RATIO, LrSchedule
 from cflib.train.params import ParamError, TrainParams
+from cflib.train.positions import describe as describe_positions, run_config
 from cflib.train.records import count_parameters, read_metrics
 from cflib.train.registered import describe_carried, for_workers
 from cflib.train.resume_identity import TRAINER_STATE_KEYS, check_resumable, run_identity
@@ -179,6 +180,7 @@ class Run:
             + (f", {count_parameters(self.model)['params_trainable']:,} trainable" if self.plan.frozen else ""),
             *([f"lora         {self.lora.describe()}: {count_parameters(self.model)['params_trainable']:,} "
                "trainable"] if self.lora is not None else []),
+            *([f"positions    {line}"] if (line := describe_positions(self.model.config)) else []),
             f"data         {self.data_root}: {len(self.train_data):,} train / {len(self.eval_data):,} eval "
             f"examples, {tokens:,} train tokens" if self.mixture is None else self._mixture_lines(),
             *([f"overlong     {describe_overlong(self.overlong)}"] if self.overlong is not None else []),
@@ -336,8 +338,7 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     # The architecture alone first (a Hub start pinned to its commit, its config.json read): the data, the schedule
     # and the batch are checked against it before any weights are downloaded or loaded.
     params, hub = (params, None) if continues(params) else pinned_hub_start(params)
-    config, _ = model_config(params)
-    check_seq_len(config, params.seq_len)
+    config, _ = model_config(params)  # seq_len checked against its positions
     # A torchrun worker counts labels only: its launcher ran the preflight, token checks and hashes included.
     data = open_data(params, config.vocab_size, check="counts" if dist.active else "preflight")
     train_data, mixture = data.train, data.mixture
@@ -430,8 +431,18 @@ class Start:
 
 
 def starting_model(params: TrainParams, hub: HubStart | None = None) -> Start:
-    """The model a run trains, loaded and checked, and where it comes from. hub: the commit a Hub init_checkpoint
-    was already pinned to (`params` name it; pinned_hub_start), else it is pinned here."""
+    """The model a run trains, loaded and checked, with the run's positions (cflib.train.positions), and where it
+    comes from. hub: the commit a Hub init_checkpoint was already pinned to (`params` name it; pinned_hub_start),
+    else it is pinned here."""
+    start = loaded_start(params, hub)
+    config = run_config(start.model.config, start.params)
+    if config != start.model.config:  # the checkpoint's stored frequencies were checked against its own config
+        start.model.set_positions(config)
+    return start
+
+
+def loaded_start(params: TrainParams, hub: HubStart | None = None) -> Start:
+    """The model a run starts from, as its checkpoint (or preset) gives it, and where it comes from."""
     if continues(params):
         checkpoint_dir = resume_dir(params)
         if params.out_dir is not None:
@@ -473,13 +484,6 @@ def visible_supervised(train_data: Partition, mixture: MixturePlan | None) -> np
     if mixture is None:
         return train_data.supervised_counts
     return train_data.supervised_counts * mixture.multiplicity()
-
-
-def check_seq_len(config: ModelConfig, seq_len: int) -> None:
-    """seq_len against the model's positions, before anything is written."""
-    if seq_len > config.max_position_embeddings:
-        raise ParamError(f"seq_len {seq_len} exceeds the model's max_position_embeddings "
-                         f"{config.max_position_embeddings}")
 
 
 def schedule_steps(units: int | list[int], params: TrainParams, unit: str | None = None) -> tuple[int, LrSchedule]:
@@ -574,7 +578,14 @@ def resume_dir(params: TrainParams) -> Path:
 
 
 def model_config(params: TrainParams) -> tuple[ModelConfig, str]:
-    """The architecture a run would train, and where it comes from, read without building the model."""
+    """The architecture a run would train (the start's, with the run's positions: cflib.train.positions), and where
+    it comes from, read without building the model; seq_len is checked against its positions."""
+    config, source = start_config(params)
+    return run_config(config, params), source
+
+
+def start_config(params: TrainParams) -> tuple[ModelConfig, str]:
+    """The architecture a run starts from, and where it comes from, read without building the model."""
     if continues(params):
         checkpoint_dir = resume_dir(params)
         return checkpoint_config(checkpoint_dir), f"resumed from {checkpoint_dir}"

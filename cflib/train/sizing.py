@@ -10,6 +10,7 @@ A cluster layout (the 200M release recipe on one 8-GPU node, 2B tokens):
 
     model:
       preset: tr_hash_200m          # or params: 201194368 (exactly one of the two)
+      rope_scaling: {rope_type: linear, factor: 4}   # optional: the preset's positions extended, as a run would
     parallel:
       tp: 1
       pp: 1
@@ -35,7 +36,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cflib.model.config import PRESETS, ModelConfig
+from cflib.model.config import PRESETS, ConfigError, ModelConfig, canonical_rope_scaling
+from cflib.train.positions import covered
 from cflib.yamlio import read_yaml
 
 SECTIONS = ("model", "parallel", "run")
@@ -45,7 +47,7 @@ REQUIRED_KEYS = {
     "run": ("seq_len", "target_tokens"),
 }
 OPTIONAL_KEYS = {
-    "model": ("preset", "params"),
+    "model": ("preset", "params", "rope_scaling"),
     "parallel": (),
     "run": ("world_size", "tokens_per_s_per_gpu"),
 }
@@ -191,12 +193,23 @@ def _model(section: dict[str, Any]) -> tuple[str | None, int, ModelConfig | None
     if ("preset" in section) == ("params" in section):
         raise SizingError(f"model needs exactly one of model.preset or model.params, got {sorted(section) or 'neither'}")
     if "params" in section:
+        if "rope_scaling" in section:
+            raise SizingError("model.rope_scaling extends a preset's positions; model.params names no preset")
         return None, _integer(section["params"], "model.params"), None
     name = section["preset"]
     if not isinstance(name, str) or name not in PRESETS:
         raise SizingError(f"model.preset {name!r} is not a preset{_did_you_mean(name, PRESETS)}; "
                         f"presets: {', '.join(PRESETS)}")
     return name, PRESETS[name].num_parameters(), PRESETS[name]
+
+
+def _positions(config: ModelConfig, scaling: Any) -> int:
+    """The positions a run of the preset trains: its own, or what model.rope_scaling covers."""
+    try:
+        scaling = canonical_rope_scaling(scaling)
+    except ConfigError as err:
+        raise SizingError(f"model.{err}") from None
+    return config.max_position_embeddings if scaling is None else covered(config, scaling)
 
 
 def validate_cluster_layout(layout: dict[str, Any], source: str = "layout") -> dict[str, Any]:
@@ -240,9 +253,11 @@ def _validate(layout: dict[str, Any], source: str) -> dict[str, Any]:
             raise SizingError(f"parallel.pp {pp} exceeds num_hidden_layers {config.num_hidden_layers} "
                             f"of preset {preset_name}: a pipeline stage needs at least one layer")
         # cflib.train refuses this too; better to learn it before booking the cluster.
-        if seq_len > config.max_position_embeddings:
-            raise SizingError(f"run.seq_len {seq_len} exceeds max_position_embeddings "
-                            f"{config.max_position_embeddings} of preset {preset_name}")
+        positions = _positions(config, model.get("rope_scaling"))
+        if seq_len > positions:
+            raise SizingError(f"run.seq_len {seq_len} exceeds max_position_embeddings {positions} of preset "
+                              f"{preset_name}" + ("" if "rope_scaling" in model else
+                                                  " (model.rope_scaling extends it, as a run's rope_scaling does)"))
 
     tokens_per_step = global_batch * seq_len
     report: dict[str, Any] = {

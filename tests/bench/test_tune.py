@@ -10,7 +10,7 @@ import torch
 
 from cflib.bench.memory import TensorMemory
 from cflib.bench.search import GIB, Probe, local_line, search
-from cflib.bench.tune import TuneParams, batch_plan, measure_probe, prepare_tuning, probe_shard
+from cflib.bench.tune import TuneParams, batch_plan, measure_probe, prepare_tuning, probe_shard, train_sft_params
 from cflib.train.params import ParamError, load_params_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +130,7 @@ def test_batch_plan_divides_or_says_so_and_proposes_choices():
     ({"max_micro_batch": 65_536, "seq_len": 16_384}, "max_micro_batch 65,536 x seq_len 16,384 needs a probe shard"),
     ({"budget_gib": None}, "budget_gib is required on a CPU"),
     ({"model": "tr_hash_200m", "seq_len": 2048, "budget_gib": 3.0}, "budget_gib .* below the fixed memory"),
-    ({"seq_len": 4096}, "seq_len"),
+    ({"seq_len": 4096}, "seq_len 4,096 exceeds the model's max_position_embeddings 256: .* rope_scaling"),
     ({"global_batch": 6, "world_size": 4}, "global_batch 6 is not a multiple of world_size 4"),
     ({"max_probes": 1}, "max_probes"),
     ({"loss_chunk_tokens": 0}, "loss_chunk_tokens"),
@@ -141,6 +141,17 @@ def test_bad_tuning_inputs_fail_before_any_probe(change, culprit, tmp_path):
     with pytest.raises(ParamError, match=culprit):
         prepare_tuning(TuneParams.from_dict({**SMOKE, "out_dir": str(tmp_path / "out"), **change}))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_longer_context_is_tuned_as_the_run_would_train_it(tmp_path):
+    """rope_scaling extends the model's positions for the probes, and the params written for train_sft name it."""
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    tuning = prepare_tuning(TuneParams.from_dict({**SMOKE, "seq_len": 512, "max_micro_batch": 8,
+                                                  "rope_scaling": scaling, "out_dir": str(tmp_path / "out")}))
+    assert (tuning.config.rope_scaling, tuning.config.max_position_embeddings) == (scaling, 512)
+    assert tuning.params.train_params(2, "embedded").rope_scaling == scaling
+    written = train_sft_params(tuning, {"micro_batch_per_rank": 2, "global_batch": 64})
+    assert (written["rope_scaling"], written["seq_len"]) == (scaling, 512) and "rope_theta" not in written
 
 
 def test_an_out_dir_holding_files_is_refused(tmp_path):

@@ -75,6 +75,9 @@ def test_a_source_held_out_only_is_named_by_its_eval_partition_alone(tmp_path: P
      "lora_plus_ratio 16.0, lr 0.001, warmup_ratio 0.05, lr_schedule cosine"),
     ({"warmup_steps": 5, "loss_type": "sft_cross_entropy", "adam_epsilon": 1e-8, "overlong_examples": "error"},
      "lr 0.001, warmup_steps 5, lr_schedule cosine"),  # at their defaults: not named
+    ({"warmup_steps": 5, "seq_len": 8192, "rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": None,
+      "max_position_embeddings": None},  # a longer context, where a run set one
+     "seq_len 8192, rope_scaling {'rope_type': 'linear', 'factor': 4.0}, lr 0.001, warmup_steps 5, lr_schedule cosine"),
     ({"warmup_steps": 5, "loss_type": "dft", "adam_epsilon": 1e-6, "overlong_examples": "drop",
       "frozen_modules": ["experts"], "frozen_layers": [0, 1]},
      "frozen_modules ['experts'], frozen_layers [0, 1], loss_type dft, overlong_examples drop, lr 0.001, "

@@ -22,7 +22,8 @@ NEWER_PARAMS = ("adam_epsilon", "allow_resume_changes", "best_metric", "curricul
                 "distill_temperature", "dry_run", "early_stopping_patience", "eval_tasks", "eval_tasks_every",
                 "eval_tasks_limit", "examples_per_epoch", "expert_lr_multiplier", "filters", "frozen_layers",
                 "frozen_modules", "greater_is_better", "kernel_overrides", "log_samples", "lora_lr_multiplier",
-                "lora_plus_ratio", "loss_type", "push_to_hub", "teacher_checkpoint", "through_stage")
+                "lora_plus_ratio", "loss_type", "max_position_embeddings", "push_to_hub", "rope_scaling", "rope_theta",
+                "teacher_checkpoint", "through_stage")
 NEWER_KERNEL_KEYS = ("residual", "last_layer_rows", "optimizer", "gemms")
 SMOKE = {"model": "smoke", "data": "embedded", "seq_len": 64, "micro_batch_per_rank": 16, "global_batch": 32,
          "lr": 0.01, "exact_match_limit": 4, "device": "cpu"}

@@ -284,3 +284,14 @@ def test_cli_arithmetic(run_cli) -> None:
               "--seq-len", "2048", "--tokens-per-s-per-gpu", "140000")
     assert bad.returncode == 2 and "gpus must be a positive integer" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_rope_scaling_extends_the_preset_s_positions_as_a_run_s_does() -> None:
+    extended = with_changes(model={"preset": "tr_hash_200m", "rope_scaling": {"rope_type": "linear", "factor": 4}},
+                            run={"seq_len": 8192})
+    assert validate_cluster_layout(extended)["seq_len"] == 8192
+    assert "run.seq_len 16384 exceeds max_position_embeddings 8192" in rejected(
+        {**extended, "run": {**extended["run"], "seq_len": 16384}})
+    assert "model.rope_scaling extends it" in rejected(with_changes(run={"seq_len": 4096}))
+    assert "model.rope_scaling.rope_type must be one of linear, yarn, llama3" in rejected(
+        with_changes(model={"preset": "tr_hash_200m", "rope_scaling": {"rope_type": "dynamic2", "factor": 2}}))

@@ -1,0 +1,109 @@
+"""The positions a run trains: the starting model's RoPE and context with the run's `rope_scaling`, `rope_theta` and
+`max_position_embeddings` (docs/parameters.md#longer-context-rope-scaling).
+
+A run that names none of them trains the starting model's own (a checkpoint's, a resumed checkpoint's or a
+preset's). `rope_scaling` sets the model's scaling (never compounds it: a checkpoint already scaled so is left as it
+is), `rope_theta` its base; `max_position_embeddings`, the positions the trained model takes, defaults to what
+the scaling covers: the positions before any scaling times `factor`. Settings that contradict each other, and a
+`seq_len` past the positions, are refused before anything is loaded, naming what to set.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from cflib.errors import ParamError
+from cflib.model.config import ConfigError, ModelConfig
+from cflib.model.decoder import POSITION_KEYS
+from cflib.train.params import TrainParams
+
+LONGER_CONTEXT = "docs/parameters.md#longer-context-rope-scaling"
+
+
+def run_config(start: ModelConfig, params: TrainParams) -> ModelConfig:
+    """`start` (the config the run starts from) with the run's positions, and seq_len checked against them;
+    ParamError naming the parameter otherwise."""
+    scaling = start.rope_scaling if params.rope_scaling is None else params.rope_scaling
+    theta = start.rope_theta if params.rope_theta is None else params.rope_theta
+    positions = _positions(start, scaling, params)
+    try:
+        config = dataclasses.replace(start, rope_scaling=scaling, rope_theta=theta, max_position_embeddings=positions)
+    except ConfigError as err:
+        raise ParamError(str(err)) from None
+    if changed(start, config) and not params.full_parameter:
+        raise ParamError(f"{', '.join(changed(start, config))} would change the positions of the frozen base, which "
+                         "LoRA adapters cannot carry (PEFT loads their base with its own config.json): extend the "
+                         "context in a full-parameter run first, then train adapters on its checkpoint")
+    check_seq_len(config, start, params.seq_len)
+    return config
+
+
+def changed(start: ModelConfig, config: ModelConfig) -> list[str]:
+    """The position keys (cflib.model.decoder.POSITION_KEYS) `config` sets otherwise than `start`."""
+    return [key for key in POSITION_KEYS if getattr(config, key) != getattr(start, key)]
+
+
+def unscaled_positions(config: ModelConfig) -> int:
+    """The positions `config`'s model took before any RoPE scaling: its scaling's original_max_position_embeddings,
+    or for a linear one its positions over factor (as a run extends them), or its own positions unscaled."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        return config.max_position_embeddings
+    if "original_max_position_embeddings" in scaling:
+        return scaling["original_max_position_embeddings"]
+    return round(config.max_position_embeddings / scaling["factor"])
+
+
+def covered(start: ModelConfig, scaling: dict) -> int:
+    """The positions `scaling` covers on the model of `start`: its positions before scaling times factor."""
+    before = scaling.get("original_max_position_embeddings", unscaled_positions(start))
+    return math.floor(before * scaling["factor"])
+
+
+def _positions(start: ModelConfig, scaling: dict | None, params: TrainParams) -> int:
+    """max_position_embeddings: the run's, at most what a scaling it sets covers; unset, the starting model's, or
+    with a scaling the run sets, the positions it covers."""
+    sets_scaling = scaling is not None and scaling != start.rope_scaling
+    if params.max_position_embeddings is None:
+        return covered(start, scaling) if sets_scaling else start.max_position_embeddings
+    if sets_scaling and params.max_position_embeddings > covered(start, scaling):
+        raise ParamError(f"max_position_embeddings {params.max_position_embeddings:,} is more than the "
+                         f"{covered(start, scaling):,} positions rope_scaling covers ({_covering(start, scaling)}): "
+                         f"raise rope_scaling's factor, or leave max_position_embeddings unset")
+    return params.max_position_embeddings
+
+
+def _covering(start: ModelConfig, scaling: dict) -> str:
+    before = scaling.get("original_max_position_embeddings", unscaled_positions(start))
+    return f"{before:,} positions before scaling x factor {scaling['factor']:g}"
+
+
+def check_seq_len(config: ModelConfig, start: ModelConfig, seq_len: int) -> None:
+    """seq_len against the positions of the model the run trains, before anything is written; past them, what to
+    set to train that long."""
+    limit = config.max_position_embeddings
+    if seq_len <= limit:
+        return
+    if config.rope_scaling is not None and config.rope_scaling != start.rope_scaling:
+        raise ParamError(f"seq_len {seq_len:,} exceeds the {limit:,} positions of the model this run trains "
+                         f"(max_position_embeddings; rope_scaling covers {_covering(start, config.rope_scaling)}): "
+                         f"raise rope_scaling's factor to {_factor(seq_len, unscaled_positions(config))} or more")
+    factor = _factor(seq_len, unscaled_positions(config))
+    raise ParamError(f"seq_len {seq_len:,} exceeds the model's max_position_embeddings {limit:,}: to train on longer "
+                     f"sequences, extend its context with rope_scaling, e.g. rope_scaling: {{rope_type: linear, "
+                     f"factor: {factor}}} ({unscaled_positions(config) * factor:,} positions), or yarn "
+                     f"({LONGER_CONTEXT})")
+
+
+def _factor(seq_len: int, before: int) -> int:
+    """The smallest whole factor that covers seq_len."""
+    return math.ceil(seq_len / before)
+
+
+def describe(config: ModelConfig) -> str | None:
+    """A scaled model's positions and RoPE, as a run's description prints them; None for plain RoPE."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        return None
+    return (f"{config.max_position_embeddings:,} positions, rope_scaling "
+            + ", ".join(f"{key} {value}" for key, value in scaling.items()) + f", rope_theta {config.rope_theta:g}")

@@ -1,0 +1,123 @@
+"""A longer context in fine-tuning: rope_scaling (and rope_theta, max_position_embeddings) on the starting checkpoint,
+training past its positions, the scaling in every checkpoint and record, what is refused before step 1."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from sft_shard_helpers import TOKENIZER, write_shard
+
+from cflib.data.shards import Example
+from cflib.model import TRMoEModel, load_checkpoint, preset, save_checkpoint
+from cflib.train import prepare, train
+from cflib.train.params import ParamError, TrainParams
+
+LINEAR_2 = {"rope_type": "linear", "factor": 2.0}
+
+
+def long_example(index: int, length: int) -> Example:
+    """A reverse-the-string chat of about 2 x `length` tokens."""
+    text = "".join(random.Random(index).choice("abcdefghij") for _ in range(length))
+    input_ids, labels = TOKENIZER.encode_chat(f"reverse {text}", text[::-1])
+    return Example(input_ids, labels, {"example_id": f"long-{index:03d}", "task": "reverse"})
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """The smoke model's checkpoint: 256 positions."""
+    torch.manual_seed(0)
+    return save_checkpoint(TRMoEModel(preset("smoke")), tmp_path_factory.mktemp("base") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def long_shard(tmp_path_factory) -> Path:
+    """Examples of 300 to 400 tokens: every one longer than the base's positions."""
+    examples = [long_example(i, 140 + 6 * i) for i in range(10)]
+    return write_shard(tmp_path_factory.mktemp("long"), examples[:8], examples[8:], max_seq_len=512)
+
+
+def params(base: Path, shard: Path, out_dir: Path, **overrides) -> dict:
+    return {"init_checkpoint": str(base), "data": str(shard), "out_dir": str(out_dir), "seq_len": 512,
+            "micro_batch_per_rank": 2, "global_batch": 4, "max_steps": 3, "lr": 3e-3, "exact_match_limit": 0,
+            "eval_at_start": False, "save_every_steps": 2, "device": "cpu", **overrides}
+
+
+@pytest.fixture(scope="module")
+def scaled_run(base, long_shard, tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp("scaled") / "run"
+    train(params(base, long_shard, out_dir, rope_scaling=LINEAR_2), progress=False)
+    (out_dir / "COMPLETE").unlink()  # as if killed after its last checkpoint: its step-2 checkpoint resumes
+    return out_dir
+
+
+def test_a_run_extends_its_checkpoint_s_context_and_every_checkpoint_carries_the_scaling(scaled_run, base):
+    record = json.loads((scaled_run / "record.json").read_text())
+    assert record["data"]["max_seq_len"] > 256  # trained past the base's positions
+    assert record["model_config"]["rope_scaling"] == LINEAR_2
+    assert record["model_config"]["max_position_embeddings"] == 512  # 256 x factor 2
+    assert json.loads((scaled_run / "params.json").read_text())["rope_scaling"] == LINEAR_2
+    losses = [row["loss"] for row in map(json.loads, (scaled_run / "metrics.jsonl").read_text().splitlines())
+              if row.get("event") == "train"]
+    assert len(losses) == 3 and all(loss == loss for loss in losses)
+    for checkpoint in ("step-2", "last"):
+        config = json.loads((scaled_run / "checkpoints" / checkpoint / "config.json").read_text())
+        assert (config["rope_scaling"], config["max_position_embeddings"]) == (LINEAR_2, 512)
+    trained = load_checkpoint(scaled_run / "checkpoints" / "last")
+    assert trained.config.rope_scaling == LINEAR_2
+    torch.testing.assert_close(trained.inv_freq, load_checkpoint(base).inv_freq / 2, rtol=0, atol=0)
+
+
+def test_a_new_run_from_the_scaled_checkpoint_keeps_its_scaling_and_says_so(scaled_run, long_shard, tmp_path):
+    run = prepare(TrainParams.from_dict(params(scaled_run / "checkpoints" / "last", long_shard, tmp_path / "next")))
+    assert run.model.config.rope_scaling == LINEAR_2 and run.model.config.max_position_embeddings == 512
+    assert "positions    512 positions, rope_scaling rope_type linear, factor 2.0, rope_theta 10000" in run.describe()
+
+
+def test_a_resume_keeps_the_scaling_and_refuses_another_unless_allowed(scaled_run, base, long_shard):
+    resumed = params(base, long_shard, scaled_run, resume=str(scaled_run / "checkpoints" / "step-2"))
+    assert prepare(TrainParams.from_dict(resumed)).model.config.rope_scaling == LINEAR_2  # unset: the checkpoint's
+    with pytest.raises(ParamError, match=r"written with rope_scaling \{'rope_type': 'linear', 'factor': 2.0\}, this "
+                                         r"run has \{'rope_type': 'linear', 'factor': 4.0\}.*allow_resume_changes: "
+                                         r"rope_scaling"):
+        prepare(TrainParams.from_dict({**resumed, "rope_scaling": {"rope_type": "linear", "factor": 4}}))
+    run = prepare(TrainParams.from_dict({**resumed, "rope_scaling": {"rope_type": "linear", "factor": 4},
+                                         "allow_resume_changes": "rope_scaling"}))
+    assert run.model.config.rope_scaling["factor"] == 4.0 and run.model.config.max_position_embeddings == 1024
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({}, "seq_len 512 exceeds the model's max_position_embeddings 256: to train on longer sequences, extend its "
+         "context with rope_scaling, e.g. rope_scaling: {rope_type: linear, factor: 2} (512 positions)"),
+    ({"seq_len": 768, "max_steps": 1, "rope_scaling": LINEAR_2},
+     "seq_len 768 exceeds the 512 positions of the model this run trains (max_position_embeddings; rope_scaling "
+     "covers 256 positions before scaling x factor 2): raise rope_scaling's factor to 3 or more"),
+    ({"rope_scaling": LINEAR_2, "max_position_embeddings": 1024},
+     "max_position_embeddings 1,024 is more than the 512 positions rope_scaling covers"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2}}, "rope_type yarn needs original_max_position_embeddings"),
+    ({"rope_scaling": LINEAR_2, "full_parameter": False},
+     "rope_scaling, max_position_embeddings would change the positions of the frozen base"),
+], ids=["no-scaling", "factor-too-small", "more-positions-than-covered", "yarn-without-original", "lora"])
+def test_settings_that_cannot_train_are_refused_before_anything_is_written(base, long_shard, tmp_path, overrides,
+                                                                           message):
+    with pytest.raises(ParamError) as caught:
+        prepare(TrainParams.from_dict(params(base, long_shard, tmp_path / "run", **overrides)))
+    assert message in str(caught.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_curriculum_extends_the_context_stage_by_stage(base, long_shard, tmp_path):
+    """Each stage starts from the one before it: a later stage's larger factor scales the base's positions."""
+    curriculum = tmp_path / "c.yaml"
+    curriculum.write_text(yaml.safe_dump({"version": 1, "stages": [
+        {"name": "twice", "rope_scaling": LINEAR_2},
+        {"name": "four-times", "rope_scaling": {"rope_type": "linear", "factor": 4}, "seq_len": 1024},
+        {"name": "too-long", "seq_len": 2048}]}))
+    record = train(params(base, long_shard, tmp_path / "dry", curriculum=str(curriculum), dry_run=True),
+                   progress=False)
+    rows = {row["stage"]: row for row in record["stages"]}
+    assert rows["twice"]["max_position_embeddings"] == 512 and rows["four-times"]["max_position_embeddings"] == 1024
+    assert "seq_len 2,048 exceeds the model's max_position_embeddings 1,024" in rows["too-long"]["error"]
