@@ -12,6 +12,7 @@ import yaml
 from sft_shard_helpers import TOKENIZER, write_shard
 
 from cflib.data.shards import Example
+from cflib.export.peft import peft_base
 from cflib.model import TRMoEModel, load_checkpoint, preset, save_checkpoint
 from cflib.train import prepare, train
 from cflib.train.params import ParamError, TrainParams
@@ -121,3 +122,14 @@ def test_a_curriculum_extends_the_context_stage_by_stage(base, long_shard, tmp_p
     rows = {row["stage"]: row for row in record["stages"]}
     assert rows["twice"]["max_position_embeddings"] == 512 and rows["four-times"]["max_position_embeddings"] == 1024
     assert "seq_len 2,048 exceeds the model's max_position_embeddings 1,024" in rows["too-long"]["error"]
+
+
+def test_lora_adapters_on_a_scaled_checkpoint_name_it_as_their_base(scaled_run, long_shard, tmp_path):
+    """Adapters train on a checkpoint that carries the scaling (naming the same scaling changes nothing), and name
+    that checkpoint as their base: PEFT loads it with its config.json, rope_scaling included."""
+    scaled = scaled_run / "checkpoints" / "last"
+    run = prepare(TrainParams.from_dict(params(scaled, long_shard, tmp_path / "lora", full_parameter=False,
+                                               rope_scaling=LINEAR_2)))
+    base_model, _ = peft_base(run.lora.base)
+    assert Path(base_model) == scaled.resolve() and run.lora.base["config"]["rope_scaling"] == LINEAR_2
+    assert run.model.config.rope_scaling == LINEAR_2 and run.model.config.max_position_embeddings == 512
