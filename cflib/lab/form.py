@@ -37,8 +37,8 @@ from cflib.train.run import batch_arithmetic, describe_arithmetic
 NOTEBOOK_VALUES = "(this notebook's values)"
 # The parameters a person changes between runs of train_sft.ipynb; a params file sets the rest.
 MAIN_TRAIN_PARAMETERS = ("model", "init_checkpoint", "data", "out_dir", "seq_len", "micro_batch_per_rank",
-                         "global_batch", "epochs", "max_steps", "lr", "bf16", "grad_ckpt", "nproc_per_node",
-                         "device")
+                         "global_batch", "epochs", "max_steps", "lr", "optimizer", "bf16", "grad_ckpt",
+                         "nproc_per_node", "device")
 
 
 def parameter_form(namespace: dict[str, Any], names: Sequence[str], *, main: Sequence[str] | None = None,

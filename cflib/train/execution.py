@@ -27,6 +27,7 @@ from cflib.ops.sft_loss import LOSSES, SFTLoss
 from cflib.train.freezing import describe_frozen, freeze, frozen_plan
 from cflib.train.graphs import why_eager
 from cflib.train.optim import cflib_adamw_problem
+from cflib.train.optimizer_choice import describe_choice, optimizer_plan, weight_copies_writer
 from cflib.train.params import TrainParams
 
 
@@ -35,7 +36,7 @@ class ExecutionPlan:
     """What every step of one run runs."""
 
     kernels: KernelChoice  # each module's implementation, the attention backend, quack's GEMMs
-    optimizer: str  # "cflib_adamw" (cflib's Triton kernel), "torch_fused" or "torch"
+    optimizer: str  # AdamW's (Muon's AdamW part's): "cflib_adamw" (cflib's kernel), "torch_fused" or "torch"
     weight_copies: bool  # the fused GEMMs read BF16 copies of their weights, written after each optimizer step
     head_copy: bool  # ... and the loss reads a BF16 copy of the tied head
     cuda_graphs: bool  # each micro-step replayed from CUDA graphs (cflib.train.graphs)
@@ -52,10 +53,13 @@ class ExecutionPlan:
     # Knowledge distillation (cflib.train.teacher, cflib.ops.distillation): the teacher, the ratio and temperature,
     # the loss's path; None: no teacher
     distill: dict | None = None
+    # The optimizer `optimizer` names and the weights each of its parts steps (cflib.train.optimizer_choice.
+    # optimizer_plan), with what writes the BF16 weight copies after its step
+    optimizer_choice: dict | None = None
 
     def describe(self) -> str:
         """One line a person checks before the run: what runs, then why each fast path stays off."""
-        parts = [self.kernels.describe().split("; ")[0], f"AdamW {self.optimizer}"]
+        parts = [self.kernels.describe().split("; ")[0], describe_choice(self.optimizer_choice, self.optimizer)]
         parts += [name for name, on in (("BF16 weight copies", self.weight_copies), ("CUDA graphs", self.cuda_graphs),
                                         ("activation checkpointing", self.grad_ckpt)) if on]
         if self.neftune is not None:
@@ -109,15 +113,19 @@ def weight_copies_problem(params: TrainParams, custom: bool, strategy: str, devi
 
 def _optimizer(params: TrainParams, model: TRMoEModel, strategy: str, device: torch.device) -> tuple[str, str | None]:
     """torch's AdamW (fused on a GPU, but under FSDP), or cflib's kernel where cflib_adamw asks for it and it
-    applies; and why not cflib's."""
+    applies; and why not cflib's. Another optimizer is torch's: Adafactor unfused, Muon's AdamW part as AdamW alone
+    would be."""
     choice = params.overrides.cflib_adamw
-    problem = "cflib_adamw: false" if choice == "false" else cflib_adamw_problem(model, device, strategy)
+    problem = ("cflib_adamw: false" if choice == "false" else
+               f"optimizer: {params.optimizer} (cflib's kernel steps AdamW alone)" if params.optimizer != "adamw" else
+               cflib_adamw_problem(model, device, strategy))
     if choice == "auto" and problem is None:
         problem = one_gpu_process_problem(device, params.world_size)
     refuse_if_required("cflib_adamw", choice, problem)
     if problem is None:
         return "cflib_adamw", None
-    return ("torch_fused" if device.type == "cuda" and strategy != "fsdp" else "torch"), problem
+    fused = device.type == "cuda" and strategy != "fsdp" and params.optimizer != "adafactor"  # torch's has no fused
+    return ("torch_fused" if fused else "torch"), problem
 
 
 def _cuda_graphs_problem(params: TrainParams, kernels: KernelChoice, model: TRMoEModel, strategy: str,
@@ -222,6 +230,9 @@ def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device
                if problem is not None}
     builder = LOSSES[params.loss_type]
     weight_copies = copies_problem is None
+    # Every optimizer steps eagerly after the micro-steps, replayed or not: the choice changes no captured graph.
+    choice = {**optimizer_plan(params, model, strategy),
+              "weight_copies": weight_copies_writer(params.optimizer, optimizer, weight_copies)}
     return ExecutionPlan(
         kernels=kernels, optimizer=optimizer, weight_copies=weight_copies,
         # The distillation loss reads the FP32 head, as the chunked cross-entropy does.
@@ -230,7 +241,7 @@ def plan_execution(params: TrainParams, model: TRMoEModel, strategy: str, device
         cuda_graphs=graphs_problem is None, kept_swiglu_layers=_kept_layers(params, model), grad_ckpt=params.grad_ckpt,
         supervised_rows_only=bool(getattr(builder, "reads_supervised_rows_only", False)), reasons=reasons,
         neftune=_neftune(params), frozen=frozen_plan(params.frozen_modules, params.frozen_layers, model),
-        distill=distill)
+        distill=distill, optimizer_choice=choice)
 
 
 def apply_to_model(model: TRMoEModel, plan: ExecutionPlan, teacher: TRMoEModel | None = None) -> TRMoEModel:

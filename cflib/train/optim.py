@@ -1,14 +1,15 @@
-"""AdamW with weight decay on matrices only, and the learning-rate schedules (the released one: linear warm-up,
-then one cosine).
+"""The optimizers a run may choose (`optimizer`), with weight decay on matrices only, and the learning-rate
+schedules (the released one: linear warm-up, then one cosine).
 
-The update runs as torch's fused AdamW, or (cflib_adamw) as cflib's Triton kernel (cflib.ops.adamw): the same
-hyperparameters, state and state dict, one launch per parameter group, the BF16 weight copies written as their
-masters are updated.
+AdamW, the default, runs as torch's fused AdamW, or (cflib_adamw) as cflib's Triton kernel (cflib.ops.adamw): the
+same hyperparameters, state and state dict, one launch per parameter group, the BF16 weight copies written as
+their masters are updated. The others are torch's own: Adafactor, or Muon on the 2-D weight matrices with AdamW on
+every other weight (`MuonWithAdamW`; cflib.train.optimizer_choice says which weights and why).
 
 The routed experts and the LoRA adapters may learn at their own rates (`expert_lr_multiplier`,
 `lora_lr_multiplier`: lr x multiplier, both for an adapter on an expert), and under LoRA+ (`lora_plus_ratio`) the
 B matrices at ratio x the A matrices' rate; each combination is a parameter group, named, so the record can show
-every group's learning rate. Every implementation takes the same epsilon (`adam_epsilon`).
+every group's learning rate. Every AdamW implementation takes the same epsilon (`adam_epsilon`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ from cflib.ops.dispatch import triton_problem
 
 EPS = 1e-8  # AdamW's epsilon unless adam_epsilon says otherwise: torch's default, and transformers'
 TABLES_KEPT = 32  # address tables cached per optimizer: one per group and set of gradient tensors (graph shapes)
+
+# The optimizers `optimizer` names: torch's AdamW (or cflib's kernel of it), torch's Adafactor, torch's Muon (on the
+# 2-D matrices, AdamW on the rest: MuonWithAdamW).
+OPTIMIZERS = ("adamw", "adafactor", "muon")
+MUON_ADJUST_LR = ("match_rms_adamw", "original")  # torch's Muon's adjust_lr_fn
+EMBEDDING_PREFIX = "embed_tokens."  # the token embedding (the tied head), or LoRA's trainable rows of it
 
 
 # The shapes `lr_schedule` names; cosine is the released recipe's.
@@ -103,7 +110,8 @@ class LrSchedule:
 
 @dataclass(frozen=True)
 class AdamWSettings:
-    """AdamW's hyperparameters, and the rates of the routed experts and the LoRA adapters as multiples of lr."""
+    """The optimizer's hyperparameters (AdamW's unless `optimizer` names another), and the rates of the routed
+    experts and the LoRA adapters as multiples of lr."""
 
     lr: float
     weight_decay: float
@@ -112,6 +120,19 @@ class AdamWSettings:
     lora_lr_multiplier: float = 1.0
     lora_plus_ratio: float = 1.0  # LoRA+: the B matrices' rate over the A matrices'; 1: off (one group for both)
     eps: float = EPS
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    muon_momentum: float = 0.95  # Muon's (torch's default)
+    muon_adjust_lr: str = "match_rms_adamw"  # Muon's adjust_lr_fn: its updates' RMS matched to AdamW's
+
+
+def steps_with_muon(name: str, dim: int) -> bool:
+    """Whether a run under `optimizer: muon` steps this parameter with Muon: a 2-D matrix other than the embedding."""
+    return dim == 2 and not name.startswith(EMBEDDING_PREFIX)
+
+
+def group_optimizer(group: dict) -> str:
+    """The optimizer that steps a parameter group: its `optimizer` under Muon, Adafactor's by its keys, or AdamW."""
+    return group.get("optimizer") or ("adafactor" if "beta2_decay" in group else "adamw")
 
 
 def lora_plus_side(name: str, parameter: torch.nn.Parameter) -> str:
@@ -125,6 +146,8 @@ def _group_of(name: str, parameter: torch.nn.Parameter, settings: AdamWSettings)
     # Norm gains are scale parameters; decaying them toward 0 fights the normalisation.
     parts = ["decay" if parameter.dim() >= 2 else "no_decay"]
     multiplier = 1.0
+    if settings.optimizer == "muon" and steps_with_muon(name, parameter.dim()):
+        parts.append("muon")
     if ".expert_" in name and settings.expert_lr_multiplier != 1.0:
         parts.append("experts")
         multiplier *= settings.expert_lr_multiplier
@@ -219,6 +242,34 @@ class TritonAdamW(torch.optim.AdamW):
         self.stepped = True
 
 
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch's Muon on the groups named `muon`, torch's AdamW (fused with `fused`) on those named `adamw`: one
+    Optimizer whose groups and state are the two parts', so the schedule, the clipping, the checkpoints (keyed by
+    parameter name) and the record see one optimizer. torch's load_state_dict replaces the groups and the state, so
+    each step hands the parts theirs anew."""
+
+    def __init__(self, groups: list[dict], settings: AdamWSettings, fused: bool = False) -> None:
+        chosen = {name: [group for group in groups if group["optimizer"] == name] for name in ("muon", "adamw")}
+        self.parts: dict[str, torch.optim.Optimizer] = {}
+        if chosen["muon"]:
+            self.parts["muon"] = torch.optim.Muon(chosen["muon"], lr=settings.lr, weight_decay=settings.weight_decay,
+                                                  momentum=settings.muon_momentum,
+                                                  adjust_lr_fn=settings.muon_adjust_lr)
+        if chosen["adamw"]:
+            self.parts["adamw"] = torch.optim.AdamW(chosen["adamw"], lr=settings.lr, betas=settings.betas,
+                                                    eps=settings.eps, fused=fused)
+        super().__init__(groups, {"lr": settings.lr})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        if closure is not None:
+            raise ValueError("cflib's Muon + AdamW takes no closure")
+        for name, part in self.parts.items():
+            part.param_groups = [group for group in self.param_groups if group["optimizer"] == name]
+            part.state = self.state
+            part.step()
+
+
 def cflib_adamw_problem(model: torch.nn.Module, device: torch.device, strategy: str) -> str | None:
     """Why cflib's AdamW kernel cannot step this model's parameters, or None."""
     if strategy == "fsdp":
@@ -236,9 +287,15 @@ def cflib_adamw_problem(model: torch.nn.Module, device: torch.device, strategy: 
 
 
 def optimizer_kernel(optimizer: torch.optim.Optimizer) -> str:
-    """What stepped the parameters, read back from the optimizer: cflib's Triton kernel or torch's AdamW."""
+    """What stepped the parameters, read back from the optimizer: cflib's Triton kernel or torch's AdamW, torch's
+    Adafactor, or torch's Muon and the AdamW of its other weights (`torch_muon+torch_fused`)."""
     if isinstance(optimizer, TritonAdamW) and optimizer.stepped:
         return "cflib_triton"
+    if isinstance(optimizer, torch.optim.Adafactor):
+        return "torch_adafactor"
+    if isinstance(optimizer, MuonWithAdamW):
+        return "+".join([f"torch_{name}" if name == "muon" else optimizer_kernel(part)
+                         for name, part in optimizer.parts.items()])
     return "torch_fused" if all(group.get("fused") for group in optimizer.param_groups) else "torch"
 
 
@@ -246,6 +303,11 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer as a record names it."""
     if isinstance(optimizer, TritonAdamW):
         return "AdamW, cflib's Triton kernel"
+    if isinstance(optimizer, torch.optim.Adafactor):
+        return "Adafactor (torch)"
+    if isinstance(optimizer, MuonWithAdamW):
+        return " + ".join("Muon (torch)" if name == "muon" else describe_optimizer(part)
+                          for name, part in optimizer.parts.items())
     return f"AdamW fused={optimizer.defaults.get('fused')}"
 
 
@@ -258,25 +320,42 @@ def parameter_groups(model: torch.nn.Module, settings: AdamWSettings) -> list[di
         group, multiplier = _group_of(name, parameter, settings)
         groups.setdefault(group, {"name": group, "params": [], "lr": settings.lr * multiplier,
                                   "weight_decay": settings.weight_decay if group.startswith("decay") else 0.0})
+        if settings.optimizer == "muon":  # the part of MuonWithAdamW that steps the group
+            groups[group]["optimizer"] = "muon" if "muon" in group.split("+") else "adamw"
         groups[group]["params"].append(parameter)
     return list(groups.values())
 
 
 def make_optimizer(model: torch.nn.Module, settings: AdamWSettings, fused: bool = False,
-                   triton: bool = False) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters in named groups: torch's (its fused kernel with `fused`), or
-    with `triton` cflib's kernel (the execution plan says which: cflib.train.execution)."""
+                   triton: bool = False) -> torch.optim.Optimizer:
+    """The optimizer settings.optimizer names over the model's trainable parameters in named groups: AdamW,
+    torch's (its fused kernel with `fused`) or with `triton` cflib's kernel (the execution plan says which:
+    cflib.train.execution); torch's Adafactor (lr: the cap of its relative step; its other settings torch's
+    defaults); or torch's Muon with torch's AdamW (fused with `fused`) on the weights Muon does not step."""
     groups = parameter_groups(model, settings)
+    if settings.optimizer == "adafactor":
+        return torch.optim.Adafactor(groups, lr=settings.lr, weight_decay=settings.weight_decay)
+    if settings.optimizer == "muon":
+        return MuonWithAdamW(groups, settings, fused=fused)
     if triton:
         return TritonAdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps)
     return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.betas, eps=settings.eps, fused=fused)
 
 
+def _update_settings(group: dict) -> dict:
+    """What a group's update reads besides its rate and decay: AdamW's epsilon, Muon's momentum and lr adjustment,
+    Adafactor's decay of its second moment's rate; and the optimizer that steps it."""
+    name = group_optimizer(group)
+    own = ({"momentum": group["momentum"], "adjust_lr_fn": group["adjust_lr_fn"]} if name == "muon" else
+           {"beta2_decay": group["beta2_decay"]} if name == "adafactor" else {"eps": group["eps"]})
+    return {**own, "optimizer": name}
+
+
 def describe_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each parameter group's name, size and peak learning rate, for the record."""
+    """Each parameter group's name, size and peak learning rate, and the optimizer that steps it, for the record."""
     return [{"name": group.get("name", str(index)), "tensors": len(group["params"]),
              "params": sum(p.numel() for p in group["params"]), "lr": group.get("initial_lr", group["lr"]),
-             "weight_decay": group["weight_decay"], "eps": group["eps"]}
+             "weight_decay": group["weight_decay"], **_update_settings(group)}
             for index, group in enumerate(optimizer.param_groups)]
 
 

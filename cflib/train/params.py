@@ -25,7 +25,7 @@ from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES, SFTLoss
 from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
 from cflib.train.best_metric import BestMetric, resolve_best_metric
-from cflib.train.optim import SCHEDULES
+from cflib.train.optim import MUON_ADJUST_LR, OPTIMIZERS, SCHEDULES
 from cflib.yamlio import read_yaml
 
 if TYPE_CHECKING:
@@ -260,6 +260,13 @@ class Optimisation:
     beta1: float = 0.9
     beta2: float = 0.95
     adam_epsilon: float = 1e-8  # AdamW's epsilon (transformers' name), added to the second moment's root in each update
+    # adamw | adafactor | muon (cflib.train.optim): torch's Adafactor (no first moment, a factored second), or
+    # torch's Muon on the 2-D matrices with AdamW on every other weight
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95  # muon only: Muon's momentum (torch's default); the AdamW part keeps beta1, beta2
+    # muon only: torch's adjust_lr_fn, match_rms_adamw (Moonlight's: Muon's updates sized like AdamW's, so lr and
+    # weight_decay serve both parts) or original (Keller Jordan's: sqrt(max(1, rows / columns)), lr near 0.02)
+    muon_adjust_lr: str = "match_rms_adamw"
     warmup_ratio: float = 0.03
     warmup_steps: int | None = None  # warm-up steps; where set, warmup_ratio is unused
     lr_schedule: str = "cosine"  # after the warm-up: cosine | linear | constant | wsd (cflib.train.optim.SCHEDULES)
@@ -630,6 +637,7 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
                              "update finite where a gradient's second moment is near 0; past the upper bound it "
                              f"outweighs the moment and AdamW turns into momentum SGD), got {self.adam_epsilon}")
         self._validate_schedule()
+        self._validate_optimizer()
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ParamError(f"max_grad_norm must be None or positive, got {self.max_grad_norm}")
         if self.loss_type not in LOSSES:
@@ -638,6 +646,32 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
         if alpha is not None and not 0 <= alpha <= MAX_NEFTUNE_ALPHA:
             raise ParamError(f"neftune_noise_alpha must be None (off), 0 (off) or a positive number up to "
                              f"{MAX_NEFTUNE_ALPHA:g} (NEFTune's paper uses 5 to 15), got {alpha}")
+
+    def _validate_optimizer(self) -> None:
+        """The optimizer's choice and its own settings; what it steps of the model is checked once the model is built
+        (cflib.train.optimizer_choice.optimizer_plan)."""
+        if self.optimizer not in OPTIMIZERS:
+            raise ParamError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ParamError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        if self.muon_adjust_lr not in MUON_ADJUST_LR:
+            raise ParamError(f"muon_adjust_lr must be one of {', '.join(MUON_ADJUST_LR)}, got "
+                             f"{shown(self.muon_adjust_lr)}")
+        # A setting the chosen optimizer does not read would do nothing: refused, as min_lr_ratio is without decay.
+        unread = (("muon_momentum", "muon_adjust_lr") if self.optimizer != "muon" else ()) + (
+            ("beta1", "beta2", "adam_epsilon") if self.optimizer == "adafactor" else ())
+        for name in unread:
+            if getattr(self, name) != Optimisation.__dataclass_fields__[name].default:
+                reads, other = ((f"only optimizer: muon reads it (this run's is {self.optimizer})", "set optimizer: "
+                                 "muon") if name.startswith("muon") else
+                                ("optimizer: adafactor keeps no first moment, decays its second moment's average by "
+                                 "the step (torch's beta2_decay) and adds no epsilon", "choose adamw or muon"))
+                raise ParamError(f"{name} {getattr(self, name)} is set, but {reads}: it would do nothing; remove it, "
+                                 f"or {other}")
+        if self.optimizer == "muon" and not self.full_parameter:
+            raise ParamError("optimizer: muon steps whole weight matrices, but full_parameter is false: LoRA trains "
+                             "low-rank factors, which Muon's orthogonalised update was neither designed nor measured "
+                             "for; choose optimizer: adamw (or adafactor) for LoRA")
 
     def _validate_schedule(self) -> None:
         """The learning-rate schedule's own settings; how they fit the run's steps is checked once those are known

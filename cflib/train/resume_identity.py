@@ -35,16 +35,17 @@ from cflib.train.held_out import scored_examples
 from cflib.train.teacher import teacher_identity
 
 # What changes the stream or the schedule: never allowed (the step counter and the data order would disagree).
-# The learning-rate multipliers, LoRA+'s ratio and the frozen modules too: they decide the optimizer's parameter
-# groups, which its saved state must match. Parameters first, then what is derived from them (DERIVED_FROM), so a
-# change is named by the parameter set.
-STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "overlong_examples",
+# The optimizer, the learning-rate multipliers, LoRA+'s ratio and the frozen modules too: they decide the optimizer's
+# state and parameter groups, which its saved state must match. Parameters first, then what is derived from them
+# (DERIVED_FROM), so a change is named by the parameter set.
+STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "overlong_examples", "optimizer",
           "expert_lr_multiplier", "lora_lr_multiplier", "lora_plus_ratio", "frozen_modules", "frozen_layers",
           "examples_per_epoch", "mixture",
           "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "rope_scaling", "rope_theta", "lr", "weight_decay", "beta1", "beta2", "adam_epsilon",
-             "max_grad_norm", "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len", "loss_groups",
+             "muon_momentum", "muon_adjust_lr", "max_grad_norm", "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len",
+             "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
              "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type", "neftune_noise_alpha",
              "teacher_checkpoint", "distill_ratio", "distill_temperature", "early_stopping_patience",
@@ -64,6 +65,9 @@ DERIVED_FROM = {
     "train_examples": " (the train partition's examples, after overlong_examples, filters and train_tasks)",
 }
 
+# Parameters a trainer state keeps under another key: its own `optimizer` is the optimizer's state.
+STATE_KEYS = {"optimizer": "optimizer_name"}
+
 # What resuming reads from a trainer state: checked before any of it is used.
 TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "world_size", "global_batch",
                       "seed", "best_loss", "evals", "fill_ins", "torch_rng", "checkpoints", "timing")
@@ -72,6 +76,8 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "overlong_examples": "error", "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0,
              "lora_plus_ratio": None, "frozen_modules": None, "frozen_layers": None, "adam_epsilon": 1e-8,
+             "optimizer": "adamw", "muon_momentum": 0.95,
+             "muon_adjust_lr": "match_rms_adamw",
              "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None,
@@ -149,7 +155,7 @@ def run_identity(run: Any) -> dict[str, Any]:
             "init_adapters": getattr(run, "init_adapters", None),
             # A Hub start's repository, commit and the revision the run named: a resume naming it asks no Hub
             "hub_start": None if getattr(run, "hub_start", None) is None else run.hub_start.record(),
-            **{name: _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
+            **{STATE_KEYS.get(name, name): _listed(getattr(p, name)) for name in ALLOWABLE + STREAM
                if name not in ("data", "model", "train_examples", "total_steps", "warmup_steps", "mixture",
                                "lr_decay_ratio", "rope_scaling", "rope_theta")},
             # The model's RoPE as it trains, whether the run set it or its checkpoint carried it (a resume of a scaled
@@ -186,13 +192,14 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
     if "model" not in allowed:
         _check_start(state, run, checkpoint_dir)
     for name in (*STREAM, *ALLOWABLE):
-        if name not in state and name not in _DEFAULTS:
+        key = STATE_KEYS.get(name, name)
+        if key not in state and name not in _DEFAULTS:
             continue  # written before this key was recorded
         if name == "exact_match_limit":  # judged by the prompts it chooses, even at the same limit
             if name not in allowed:
                 _check_scored_prompts(state, now, run, checkpoint_dir)
             continue
-        then, value = state.get(name, _DEFAULTS.get(name)), now[name]
+        then, value = state.get(key, _DEFAULTS.get(name)), now[key]
         if name == "mixture" and _shares(then) == _shares(value):  # 1:3 is 0.25:0.75: the same draw
             continue
         if then == value or name in allowed or (name == "model" and _same_model(run)):

@@ -96,10 +96,12 @@ class StepResult:
 
 
 def adamw_settings(params: TrainParams) -> AdamWSettings:
-    """The few parameters AdamW reads."""
+    """The few parameters the optimizer reads (AdamW's, or those of the one `optimizer` names)."""
     return AdamWSettings(lr=params.lr, weight_decay=params.weight_decay, betas=(params.beta1, params.beta2),
                          expert_lr_multiplier=params.expert_lr_multiplier, lora_lr_multiplier=params.lora_lr_multiplier,
-                         lora_plus_ratio=params.lora_plus_ratio or 1.0, eps=params.adam_epsilon)
+                         lora_plus_ratio=params.lora_plus_ratio or 1.0, eps=params.adam_epsilon,
+                         optimizer=params.optimizer,
+                         muon_momentum=params.muon_momentum, muon_adjust_lr=params.muon_adjust_lr)
 
 
 class TrainingStep:

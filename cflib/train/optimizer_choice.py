@@ -1,0 +1,100 @@
+"""What the optimizer a run chooses (`optimizer`, cflib.train.optim) steps, keeps in memory and cannot serve.
+
+AdamW (the default) and torch's Adafactor step every weight that trains. Under `optimizer: muon` torch's Muon steps
+the 2-D weight matrices alone, for Muon orthogonalises each update of a matrix (Newton-Schulz), and its authors
+(Keller Jordan's post, Moonlight's "Muon is Scalable for LLM Training") apply it to the hidden layers' linear maps.
+Every other weight steps AdamW, as theirs do: the token embedding (and the tied head: rows looked up, and the output
+layer), the norms' gains (vectors), and the routed experts' tensors, [E, in, out] stacks of one matrix per expert:
+torch's Muon takes 2-D parameters only, and the stack orthogonalised as one matrix would couple the experts' updates
+(Moonlight orthogonalises each expert's own matrix, which torch's Muon cannot do for a slice of a parameter).
+
+The execution plan records which weights each part steps (`optimizer_plan`) and refuses, before step 1, what the
+choice cannot serve.
+"""
+from __future__ import annotations
+
+import torch
+
+from cflib.errors import ParamError
+from cflib.model.decoder import TRMoEModel
+from cflib.train.freezing import family_of, frozen_names
+from cflib.train.optim import EMBEDDING_PREFIX, steps_with_muon
+from cflib.train.params import TrainParams
+
+NAMES = {"adamw": "AdamW", "adafactor": "Adafactor", "muon": "Muon + AdamW"}
+
+
+# --- the plan ---------------------------------------------------------------------------------------------------
+
+def trained(params: TrainParams, model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters of `model` a run of `params` trains, by name: those that take gradients (a LoRA run's
+    adapters) but those frozen_modules freezes, which the plan freezes only after it is made."""
+    frozen = set(frozen_names(model, params.frozen_modules, params.frozen_layers)) if params.frozen_modules else set()
+    return {name: parameter for name, parameter in model.named_parameters()
+            if parameter.requires_grad and name not in frozen}
+
+
+def _family(name: str, depth: int) -> str:
+    """A trainable parameter's family for the plan: a module family of frozen_modules, or LoRA's adapters."""
+    if name.startswith(EMBEDDING_PREFIX):
+        return "embeddings"
+    try:
+        return family_of(name, depth)[0]
+    except ValueError:
+        return "adapters"
+
+
+def _part(names: list[str], sizes: dict[str, int], depth: int) -> dict:
+    return {"families": sorted({_family(name, depth) for name in names}), "tensors": len(names),
+            "params": sum(sizes[name] for name in names)}
+
+
+def optimizer_plan(params: TrainParams, model: TRMoEModel, strategy: str) -> dict:
+    """Which optimizer steps which of the weights that train (module families, tensors, parameters) and why, as the
+    execution plan records it; ParamError for a run it cannot serve."""
+    trainable = trained(params, model)
+    _check_choice(params, trainable, strategy)
+    sizes, depth = {name: parameter.numel() for name, parameter in trainable.items()}, len(model.layers)
+    if params.optimizer != "muon":
+        return {"optimizer": params.optimizer, "parts": {params.optimizer: _part(list(trainable), sizes, depth)}}
+    muon = [name for name, parameter in trainable.items() if steps_with_muon(name, parameter.dim())]
+    rest = [name for name in trainable if name not in muon]
+    return {"optimizer": "muon", "parts": {"muon": _part(muon, sizes, depth), "adamw": _part(rest, sizes, depth)},
+            "why": "torch's Muon steps 2-D matrices: the embedding (the tied head), the norms' gains and the routed "
+                   "experts' [E, in, out] stacks (one matrix per expert, which Muon would orthogonalise as one) "
+                   "step AdamW, as Muon's authors and Moonlight step theirs"}
+
+
+def _check_choice(params: TrainParams, trainable: dict[str, torch.nn.Parameter], strategy: str) -> None:
+    """ParamError where the chosen optimizer cannot serve the weights that train."""
+    if params.optimizer == "adafactor" and strategy == "fsdp":
+        raise ParamError("optimizer: adafactor cannot step FSDP's sharded weights (torch's Adafactor updates its "
+                         "factored second moment in place, which DTensor shards refuse); choose strategy: ddp, or "
+                         "optimizer: adamw or muon under FSDP")
+    if params.optimizer == "muon" and not any(steps_with_muon(n, p.dim()) for n, p in trainable.items()):
+        raise ParamError("optimizer: muon, but no weight that trains is a 2-D matrix Muon steps (the embedding, the "
+                         "norms and the routed experts step AdamW): choose optimizer: adamw, or leave attention or "
+                         "shared out of frozen_modules")
+
+
+def describe_choice(choice: dict | None, implementation: str) -> str:
+    """The plan's words for the optimizer: `AdamW torch_fused`, `Adafactor torch`, `Muon (attention, shared) +
+    AdamW torch (embeddings, experts, norms)`."""
+    if choice is None or choice["optimizer"] == "adamw":
+        return f"AdamW {implementation}"
+    if choice["optimizer"] == "adafactor":
+        return "Adafactor torch"
+    parts = choice["parts"]
+    return (f"Muon ({', '.join(parts['muon']['families'])})"
+            + (f" + AdamW {implementation} ({', '.join(parts['adamw']['families'])})" if parts["adamw"]["tensors"]
+               else ""))
+
+
+def weight_copies_writer(optimizer: str, implementation: str, copies: bool) -> str | None:
+    """Who writes the BF16 weight copies after each step: cflib's AdamW kernel in its pass, or a refresh from the
+    masters after torch's step (any optimizer, this one's too); None where the run reads none."""
+    if not copies:
+        return None
+    if implementation == "cflib_adamw":
+        return "cflib's AdamW kernel, as it steps each master"
+    return f"refreshed from the masters after each step of torch's {NAMES[optimizer]}"
