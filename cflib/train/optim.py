@@ -6,10 +6,11 @@ same hyperparameters, state and state dict, one launch per parameter group, the 
 their masters are updated. The others are torch's own: Adafactor, or Muon on the 2-D weight matrices with AdamW on
 every other weight (`MuonWithAdamW`; cflib.train.optimizer_choice says which weights and why).
 
-The routed experts and the LoRA adapters may learn at their own rates (`expert_lr_multiplier`,
-`lora_lr_multiplier`: lr x multiplier, both for an adapter on an expert), and under LoRA+ (`lora_plus_ratio`) the
-B matrices at ratio x the A matrices' rate; each combination is a parameter group, named, so the record can show
-every group's learning rate. Every AdamW implementation takes the same epsilon (`adam_epsilon`).
+The routed experts, the LoRA adapters and the token embedding may learn at their own rates
+(`expert_lr_multiplier`, `lora_lr_multiplier`, `embedding_lr_multiplier`: lr x multiplier, both for an adapter on
+an expert), and under LoRA+ (`lora_plus_ratio`) the B matrices at ratio x the A matrices' rate; each combination
+is a parameter group, named, so the record can show every group's learning rate. Every AdamW implementation takes
+the same epsilon (`adam_epsilon`).
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ class LrSchedule:
 @dataclass(frozen=True)
 class AdamWSettings:
     """The optimizer's hyperparameters (AdamW's unless `optimizer` names another), and the rates of the routed
-    experts and the LoRA adapters as multiples of lr."""
+    experts, the LoRA adapters and the token embedding as multiples of lr."""
 
     lr: float
     weight_decay: float
@@ -121,6 +122,7 @@ class AdamWSettings:
     lora_plus_ratio: float = 1.0  # LoRA+: the B matrices' rate over the A matrices'; 1: off (one group for both)
     eps: float = EPS
     optimizer: str = "adamw"  # one of OPTIMIZERS
+    embedding_lr_multiplier: float = 1.0
     muon_momentum: float = 0.95  # Muon's (torch's default)
     muon_adjust_lr: str = "match_rms_adamw"  # Muon's adjust_lr_fn: its updates' RMS matched to AdamW's
 
@@ -148,6 +150,9 @@ def _group_of(name: str, parameter: torch.nn.Parameter, settings: AdamWSettings)
     multiplier = 1.0
     if settings.optimizer == "muon" and steps_with_muon(name, parameter.dim()):
         parts.append("muon")
+    if name.startswith(EMBEDDING_PREFIX) and settings.embedding_lr_multiplier != 1.0:
+        parts.append("embeddings")
+        multiplier *= settings.embedding_lr_multiplier
     if ".expert_" in name and settings.expert_lr_multiplier != 1.0:
         parts.append("experts")
         multiplier *= settings.expert_lr_multiplier

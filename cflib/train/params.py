@@ -484,6 +484,8 @@ class Curricula:
     dry_run: bool = False  # resolve every stage against the data, write the audit, train nothing
     filters: dict | None = None  # train examples kept: difficulties, tasks, domains, max_supervised_tokens, ...
     early_stopping_patience: int | None = None  # evaluations without a better best_metric before stopping
+    # the token embedding's (and the tied head's; LoRA: lora_trainable_tokens' rows) learning rate: lr x this
+    embedding_lr_multiplier: float = 1.0
     expert_lr_multiplier: float = 1.0  # the routed experts' learning rate: lr x this
     lora_lr_multiplier: float = 1.0  # the LoRA adapters' learning rate: lr x this
 
@@ -620,12 +622,15 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
             raise ParamError(f"weight_decay must be >= 0, got {self.weight_decay}")
         experts, adapters = self.expert_lr_multiplier, self.lora_lr_multiplier
         plus = 1.0 if self.full_parameter else max(self.lora_plus_ratio or 1.0, 1.0)  # _validate_lora checks it
-        # An adapter on an expert: both multipliers; its B matrix under LoRA+ the ratio too.
-        highest = self.lr * max(1.0, experts, adapters * plus, experts * adapters * plus)
+        # An adapter on an expert: both multipliers; its B matrix under LoRA+ the ratio too. The embedding (or LoRA's
+        # trainable rows of it) is neither an expert nor an adapter: its own multiplier alone.
+        highest = self.lr * max(1.0, experts, adapters * plus, experts * adapters * plus, self.embedding_lr_multiplier)
         if highest > MAX_LR:
             ratio = f" x lora_plus_ratio {plus:g}" if plus != 1.0 else ""
-            raise ParamError(f"lr {self.lr} x expert_lr_multiplier {experts} x lora_lr_multiplier {adapters}{ratio} "
-                             f"gives a group the learning rate {highest:g}, above {MAX_LR:g}")
+            embedding = (f" (embedding_lr_multiplier {self.embedding_lr_multiplier})"
+                         if self.embedding_lr_multiplier != 1.0 else "")
+            raise ParamError(f"lr {self.lr} x expert_lr_multiplier {experts} x lora_lr_multiplier {adapters}{ratio}"
+                             f"{embedding} gives a group the learning rate {highest:g}, above {MAX_LR:g}")
         if highest * self.weight_decay >= 1:  # each step scales the weights by 1 - lr x weight_decay
             raise ParamError(f"lr x weight_decay must be below 1 in every group (each step scales its decayed weights "
                              f"by 1 - lr x weight_decay), got {highest:g} x {self.weight_decay}")
@@ -705,9 +710,12 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
             parse_filters(self.filters, "filters")
         if self.early_stopping_patience is not None and self.early_stopping_patience <= 0:
             raise ParamError(f"early_stopping_patience must be None or positive, got {self.early_stopping_patience}")
-        for name in ("expert_lr_multiplier", "lora_lr_multiplier"):
+        for name in ("expert_lr_multiplier", "lora_lr_multiplier", "embedding_lr_multiplier"):
             if not getattr(self, name) > 0:
                 raise ParamError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.embedding_lr_multiplier != 1.0 and "embeddings" in (self.frozen_modules or ()):
+            raise ParamError(f"embedding_lr_multiplier {self.embedding_lr_multiplier:g} is set, but frozen_modules "
+                             "freezes the embeddings: it would do nothing; remove one of the two")
         if self.through_stage is not None and self.curriculum is None:
             raise ParamError(f"through_stage {self.through_stage!r} names a stage, but no curriculum is set")
 

@@ -39,7 +39,8 @@ from cflib.train.teacher import teacher_identity
 # state and parameter groups, which its saved state must match. Parameters first, then what is derived from them
 # (DERIVED_FROM), so a change is named by the parameter set.
 STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "overlong_examples", "optimizer",
-          "expert_lr_multiplier", "lora_lr_multiplier", "lora_plus_ratio", "frozen_modules", "frozen_layers",
+          "expert_lr_multiplier", "lora_lr_multiplier", "embedding_lr_multiplier", "lora_plus_ratio",
+          "frozen_modules", "frozen_layers",
           "examples_per_epoch", "mixture",
           "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
@@ -76,7 +77,7 @@ TRAINER_STATE_KEYS = ("optimizer", "scheduler", "step", "epoch", "batch_in_epoch
 _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, "loss_type": "sft_cross_entropy",
              "filters": None, "overlong_examples": "error", "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0,
              "lora_plus_ratio": None, "frozen_modules": None, "frozen_layers": None, "adam_epsilon": 1e-8,
-             "optimizer": "adamw", "muon_momentum": 0.95,
+             "optimizer": "adamw", "embedding_lr_multiplier": 1.0, "muon_momentum": 0.95,
              "muon_adjust_lr": "match_rms_adamw",
              "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,

@@ -1,5 +1,5 @@
-"""The optimizer a run chooses (`optimizer`: adamw, adafactor, muon; cflib.train.optim, cflib.train.optimizer_choice):
-real steps of the smoke model on the embedded data, the plan and the record naming
+"""The optimizer a run chooses (`optimizer`: adamw, adafactor, muon; cflib.train.optim, cflib.train.optimizer_choice)
+and `embedding_lr_multiplier`: real steps of the smoke model on the embedded data, the plan and the record naming
 which weights each optimizer stepped, the state a resume continues, and the runs refused before step 1. AdamW's own paths: tests/train/test_optim_groups.py and
 test_triton_adamw.py; two processes: tests/train/test_distributed.py."""
 from __future__ import annotations
@@ -17,6 +17,7 @@ from cflib.lab.sweep import SweepParams, expand_sweep
 from cflib.model.checkpoint import load_checkpoint
 from cflib.model.config import preset
 from cflib.model.decoder import TRMoEModel
+from cflib.model.lora import LoraSettings, attach_lora
 from cflib.model.weight_copies import WeightCopies, rows
 from cflib.ops.dispatch import KernelUnavailable
 from cflib.train import train
@@ -120,6 +121,26 @@ def test_the_default_is_torch_s_adamw_as_before():
     assert {group["optimizer"] for group in describe_groups(optimizer)} == {"adamw"}
 
 
+def _rates(model: torch.nn.Module, **settings: object) -> dict[str, float]:
+    optimizer = make_optimizer(model, AdamWSettings(**SETTINGS, **settings))
+    return {group["name"]: group["lr"] for group in describe_groups(optimizer)}
+
+
+def test_the_embedding_learns_at_its_multiple_of_lr_beside_the_other_groups():
+    assert _rates(tiny_model(), embedding_lr_multiplier=3.0, expert_lr_multiplier=0.5) == pytest.approx({
+        "decay+embeddings": 3e-3, "decay": 1e-3, "no_decay": 1e-3, "decay+experts": 5e-4})
+    # Under Muon the embedding (the tied head) steps AdamW, at its own rate.
+    muon = make_optimizer(tiny_model(), AdamWSettings(**SETTINGS, optimizer="muon", embedding_lr_multiplier=3.0))
+    groups = {group["name"]: group for group in describe_groups(muon)}
+    assert set(groups) == {"decay+embeddings", "decay+muon", "decay", "no_decay"}
+    assert groups["decay+embeddings"]["optimizer"] == "adamw" and groups["decay+embeddings"]["lr"] == 3e-3
+    assert groups["decay+muon"]["tensors"] == 14 and groups["decay"]["tensors"] == 6  # the experts' 3-D stacks
+    # LoRA: the trainable embedding rows (lora_trainable_tokens) are the embedding that trains.
+    lora = attach_lora(tiny_model(), LoraSettings(rank=2, alpha=2.0, targets=("q_proj",), trainable_tokens=(1, 2)))
+    assert _rates(lora, embedding_lr_multiplier=2.0, lora_lr_multiplier=4.0) == pytest.approx({
+        "decay+embeddings": 2e-3, "decay+lora": 4e-3})
+
+
 @pytest.mark.parametrize("raw, words", [
     ({"optimizer": "sgd"}, "optimizer must be one of adamw, adafactor, muon, got 'sgd'"),
     ({"optimizer": "adafactor", "beta1": 0.8}, "beta1 0.8 is set, but optimizer: adafactor keeps no first moment"),
@@ -128,6 +149,9 @@ def test_the_default_is_torch_s_adamw_as_before():
     ({"optimizer": "muon", "muon_adjust_lr": "rms"}, "muon_adjust_lr must be one of match_rms_adamw, original"),
     ({"optimizer": "muon", "muon_momentum": 1.0}, "muon_momentum must be in [0, 1)"),
     ({"optimizer": "muon", "full_parameter": False, "init_checkpoint": "base"}, "LoRA trains low-rank factors"),
+    ({"embedding_lr_multiplier": 0}, "embedding_lr_multiplier must be positive"),
+    ({"embedding_lr_multiplier": 2, "frozen_modules": "embeddings"}, "frozen_modules freezes the embeddings"),
+    ({"lr": 1.0, "embedding_lr_multiplier": 20}, "(embedding_lr_multiplier 20.0) gives a group the learning rate 20"),
 ])
 def test_settings_no_optimizer_can_use_are_refused(raw, words):
     with pytest.raises(ParamError) as caught:
@@ -149,6 +173,9 @@ def test_what_the_chosen_optimizer_cannot_serve_stops_the_run_before_step_1():
         _plan(optimizer="muon", frozen_modules="attention,shared")
     with pytest.raises(KernelUnavailable, match=r"cflib_adamw: true, but optimizer: muon \(cflib's kernel steps"):
         _plan(optimizer="muon", kernel_overrides={"cflib_adamw": "true"})
+    lora = attach_lora(TRMoEModel(preset("smoke")), LoraSettings())
+    with pytest.raises(ParamError, match="LoRA trains adapters on a frozen embedding"):
+        _plan(model=lora, full_parameter=False, init_checkpoint="base", embedding_lr_multiplier=2.0)
     plan = _plan("fsdp", optimizer="muon", nproc_per_node=2, strategy="fsdp")  # DTensor shards take Muon's steps
     assert plan.describe().split(" + AdamW")[0].endswith("Muon (attention, shared)")
     assert plan.reasons["cflib_adamw"] == "optimizer: muon (cflib's kernel steps AdamW alone)"

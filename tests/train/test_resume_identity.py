@@ -68,6 +68,7 @@ def killed(shards, tmp_path_factory) -> Path:
      ["rope_scaling None", "has {'rope_type': 'linear', 'factor': 2.0}", "allow_resume_changes: rope_scaling"]),
     ({"rope_theta": 5e5}, ["rope_theta 10000.0", "has 500000.0", "allow_resume_changes: rope_theta"]),
     ({"optimizer": "muon"}, ["optimizer adamw", "has muon", "same stream and schedule"]),
+    ({"embedding_lr_multiplier": 2.0}, ["embedding_lr_multiplier 1.0", "has 2.0", "same stream and schedule"]),
     ({"loss_type": "dft"}, ["loss_type sft_cross_entropy", "has dft", "allow_resume_changes: loss_type"]),
     ({"frozen_modules": "experts", "frozen_layers": "0"}, ["frozen_modules None", "has ['experts']",
                                                            "same stream and schedule"]),
@@ -75,7 +76,8 @@ def killed(shards, tmp_path_factory) -> Path:
     ({"allow_resume_changes": "seed", "seed": 1}, ["allow_resume_changes", "'seed' cannot be allowed"]),
 ], ids=["other-shard-same-count", "model", "max-grad-norm", "loss-chunk-tokens", "fp32-loss", "lr", "seed",
         "greater-is-better", "lr-schedule", "min-lr-ratio", "warmup-steps", "neftune", "overlong-examples",
-        "adam-epsilon", "rope-scaling", "rope-theta", "optimizer", "loss-type", "frozen-modules", "unknown-allowance",
+        "adam-epsilon", "rope-scaling", "rope-theta", "optimizer", "embedding-lr-multiplier", "loss-type",
+        "frozen-modules", "unknown-allowance",
         "stream-not-allowable"])
 def test_resume_refuses_what_it_would_not_continue_and_touches_nothing(killed, shards, change, words):
     before = digest(killed)
