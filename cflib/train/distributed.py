@@ -22,6 +22,7 @@ from cflib.model.config import ModelConfig
 
 # fp32 weights + fp32 gradients + AdamW's two fp32 moments.
 TRAINING_BYTES_PER_PARAM = 16
+WEIGHT_AND_GRADIENT_BYTES_PER_PARAM = 8  # another optimizer's state counted on its own (training_state_bytes)
 # Activation bytes per token per layer per hidden unit held for backward by this
 # reference path: 36.0 GiB peak for the 200M preset at 16 x 2,048 in BF16 on an
 # H200 (outputs/records/train_sft_200m_1gpu_h200.json) less 3.0 GiB of state
@@ -108,44 +109,55 @@ def rank_share(step_examples: np.ndarray, ctx: DistContext) -> np.ndarray:
     return step_examples[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
 
 
-def training_state_bytes(config: ModelConfig, weights: dict | None = None) -> tuple[int, int]:
+def training_state_bytes(config: ModelConfig, weights: dict | None = None, optimizer: dict | None = None
+                         ) -> tuple[int, int]:
     """The bytes of the whole model's weights and optimizer state, and the bytes each weight is stored in: 16 B
     per trainable parameter (fp32 weights, grads, AdamW moments). `weights` ({trainable_params, frozen_params,
     frozen_dtype, frozen_by}; None: every weight trains) splits them: a frozen weight (a LoRA run's base, or what
-    frozen_modules freezes) is held at 4 B per parameter (2 in bfloat16), with no gradient and no moments."""
+    frozen_modules freezes) is held at 4 B per parameter (2 in bfloat16), with no gradient and no moments.
+    `optimizer` (cflib.train.optimizer_choice.optimizer_memory; None: AdamW): another optimizer's state, in bytes
+    (`state_bytes`), in place of AdamW's moments: 8 B per trainable parameter, then, and that state."""
+    per_param, state = ((TRAINING_BYTES_PER_PARAM, 0) if optimizer is None else
+                        (WEIGHT_AND_GRADIENT_BYTES_PER_PARAM, optimizer["state_bytes"]))
     if weights is None:
-        return TRAINING_BYTES_PER_PARAM * config.num_parameters(), GATHERED_BYTES_PER_PARAM
+        return per_param * config.num_parameters() + state, GATHERED_BYTES_PER_PARAM
     stored = 2 if weights["frozen_dtype"] == "bfloat16" else 4
-    return stored * weights["frozen_params"] + TRAINING_BYTES_PER_PARAM * weights["trainable_params"], stored
+    return stored * weights["frozen_params"] + per_param * weights["trainable_params"] + state, stored
 
 
 def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int, bf16: bool, grad_ckpt: bool,
-                    device_memory_bytes: int, weights: dict | None = None) -> dict:
+                    device_memory_bytes: int, weights: dict | None = None, optimizer: dict | None = None) -> dict:
     """Bytes one rank needs to hold a whole model and its optimizer state (the DDP condition).
 
     `weights` (training_state_bytes'): the frozen weights take 4 or 2 B/param (no gradient, no moments), and
-    only the trainable ones the 16 B/param of training; the estimate keeps the split."""
-    state, stored = training_state_bytes(config, weights)
+    only the trainable ones the 16 B/param of training; the estimate keeps the split. `optimizer`
+    (training_state_bytes'): another optimizer's state in place of AdamW's moments, kept in the estimate too."""
+    state, stored = training_state_bytes(config, weights, optimizer)
+    trained_bytes, kept = ("16 B", "fp32 weights, grads, AdamW moments") if optimizer is None else (
+        "8 B", "fp32 weights, grads")
     if weights is None:
-        rule = "16 B/param (fp32 weights, grads, AdamW moments)"
+        rule = f"{trained_bytes}/param ({kept})"
     else:
         frozen = ("LoRA: frozen base" if weights["frozen_by"] == "lora" else
                   f"{weights['frozen_by']}: frozen weights")
         trained = "adapter parameter" if weights["frozen_by"] == "lora" else "trainable parameter"
         rule = (f"{frozen} {stored} B/param ({weights['frozen_params']:,} in {weights['frozen_dtype']}, no "
-                f"gradient, no moments) + 16 B per {trained} ({weights['trainable_params']:,}: fp32 weights, "
-                "grads, AdamW moments)")
+                f"gradient, no moments) + {trained_bytes} per {trained} ({weights['trainable_params']:,}: {kept})")
+    if optimizer is not None:
+        rule += f" + {optimizer['rule']}"
     per_unit = ACTIVATION_BYTES["grad_ckpt" if grad_ckpt else ("bf16" if bf16 else "fp32")]
     activations = per_unit * micro_batch_per_rank * seq_len * config.num_hidden_layers * config.hidden_size
     need = state + activations
     return {"model_and_optimizer_bytes": state, "activation_bytes": activations, "total_bytes": need,
             "device_bytes": device_memory_bytes, "fits_one_device": need <= DEVICE_SHARE * device_memory_bytes,
             **({} if weights is None else {"weights": dict(weights)}),
+            **({} if optimizer is None else {"optimizer": dict(optimizer)}),
             "rule": rule + " + activations (72 B per token x layer x hidden in BF16, 144 in fp32, 8 with "
                     "checkpointing, measured on the reference path); DDP when it fits 90% of one device"}
 
 
-def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, weights: dict | None = None) -> dict:
+def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, weights: dict | None = None,
+                   optimizer: dict | None = None) -> dict:
     """What one rank holds and sends per optimizer step under DDP and under FSDP, computed, not measured.
 
     Ring collectives: a rank sends (W-1)/W of the buffer in an all-gather or a reduce-scatter, twice that in an
@@ -155,12 +167,12 @@ def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, weigh
     resharded after forward) and the root's (embedding, final norm) once, and the last one reduce-scatters the
     gradients; at a time it holds the root and about two layers gathered (the one running and the one prefetched).
     `weights` as memory_estimate's: frozen weights are gathered in their dtype and carry no gradient (DDP's
-    buckets and both strategies' reductions hold the trainable gradients alone)."""
+    buckets and both strategies' reductions hold the trainable gradients alone); `optimizer` as memory_estimate's."""
     params = config.num_parameters()
     root = config.vocab_size * config.hidden_size + config.hidden_size
     per_layer = (params - root) // config.num_hidden_layers
     trainable = params if weights is None else weights["trainable_params"]
-    state, stored = training_state_bytes(config, weights)
+    state, stored = training_state_bytes(config, weights, optimizer)
     share = (world_size - 1) / world_size
     gathered_per_micro_step = stored * (2 * (params - root) + root)
     return {

@@ -9,19 +9,73 @@ torch's Muon takes 2-D parameters only, and the stack orthogonalised as one matr
 (Moonlight orthogonalises each expert's own matrix, which torch's Muon cannot do for a slice of a parameter).
 
 The execution plan records which weights each part steps (`optimizer_plan`) and refuses, before step 1, what the
-choice cannot serve.
+choice cannot serve; the memory estimate counts the chosen optimizer's state (`optimizer_memory`).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from cflib.errors import ParamError
+from cflib.model.config import ModelConfig
 from cflib.model.decoder import TRMoEModel
+from cflib.model.lora import attach_lora
 from cflib.train.freezing import family_of, frozen_names
 from cflib.train.optim import EMBEDDING_PREFIX, steps_with_muon
 from cflib.train.params import TrainParams
 
+# What each optimizer keeps per trainable parameter beyond its fp32 weight and gradient: AdamW two fp32 moments,
+# Muon one fp32 momentum buffer (its matrices), Adafactor a factored second moment (state_bytes).
+ADAMW_STATE_BYTES, MUON_STATE_BYTES = 8, 4
 NAMES = {"adamw": "AdamW", "adafactor": "Adafactor", "muon": "Muon + AdamW"}
+
+
+# --- what it keeps in memory ------------------------------------------------------------------------------------
+
+def state_bytes(optimizer: str, shapes: dict[str, tuple[int, ...]]) -> int:
+    """The bytes of `optimizer`'s state over trainable parameters of these names and shapes (fp32): AdamW 8 B/param;
+    Muon 4 B/param of its matrices, AdamW's 8 of the rest; Adafactor 4 B x (rows + columns) per matrix of a tensor
+    of two or more dimensions (its factored second moment: a row and a column mean), 4 B/param of a vector."""
+    total = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        if optimizer == "adafactor":
+            total += 4 * (math.prod(shape[:-2]) * (shape[-2] + shape[-1]) if len(shape) >= 2 else numel)
+        elif optimizer == "muon" and steps_with_muon(name, len(shape)):
+            total += MUON_STATE_BYTES * numel
+        else:
+            total += ADAMW_STATE_BYTES * numel
+    return total
+
+
+def trainable_shapes(params: TrainParams, config: ModelConfig, model: torch.nn.Module | None = None
+                     ) -> dict[str, tuple[int, ...]]:
+    """The shapes of the parameters a run trains, by name: on `model` (its adapters attached, frozen_modules not
+    yet applied), or where none is built yet on one of `config` built on the meta device (no memory)."""
+    if model is None:
+        with torch.device("meta"):
+            model = TRMoEModel(config)
+            settings = params.lora_settings()
+            if settings is not None:
+                attach_lora(model, settings)
+    return {name: tuple(parameter.shape) for name, parameter in trained(params, model).items()}
+
+
+def optimizer_memory(params: TrainParams, config: ModelConfig, model: torch.nn.Module | None = None) -> dict | None:
+    """What the memory estimate counts of an optimizer other than AdamW (cflib.train.distributed.
+    training_state_bytes): its name, its state's bytes and the rule; None for AdamW (16 B/param, as before)."""
+    if params.optimizer == "adamw":
+        return None
+    shapes = trainable_shapes(params, config, model)
+    state = state_bytes(params.optimizer, shapes)
+    if params.optimizer == "muon":
+        matrices = sum(math.prod(shape) for name, shape in shapes.items() if steps_with_muon(name, len(shape)))
+        rule = (f"Muon's momentum 4 B/param ({matrices:,} in 2-D matrices), AdamW's moments 8 B/param on the rest "
+                f"({sum(math.prod(shape) for shape in shapes.values()) - matrices:,})")
+    else:
+        rule = "Adafactor's factored second moment, 4 B x (rows + columns) per matrix, 4 B/param of vectors"
+    return {"name": NAMES[params.optimizer], "state_bytes": state, "rule": f"{rule}: {state:,} B"}
 
 
 # --- the plan ---------------------------------------------------------------------------------------------------

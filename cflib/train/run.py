@@ -50,6 +50,7 @@ from cflib.train.distributed import (
 from cflib.train.execution import ExecutionPlan, apply_to_model, plan_execution
 from cflib.train.freezing import frozen_weights
 from cflib.train.optim import WSD_DECAY_RATIO, LrSchedule
+from cflib.train.optimizer_choice import optimizer_memory
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.positions import describe as describe_positions, run_config
 from cflib.train.records import count_parameters, read_metrics
@@ -634,8 +635,8 @@ def describe_arithmetic(figures: dict, params: TrainParams) -> str:
         + (" (warmup_steps; warmup_ratio unused)" if figures.get("warmup_from") == "warmup_steps" else "")
         + f", then {figures['lr_schedule']}",
         f"memory estimate  {_size(memory['total_bytes'])} per rank of {_size(memory['device_bytes'])} on "
-        f"{figures['device']} (model + AdamW {_size(memory['model_and_optimizer_bytes'])}, activations "
-        f"{_size(memory['activation_bytes'])}"
+        f"{figures['device']} (model + {memory.get('optimizer', {}).get('name', 'AdamW')} "
+        f"{_size(memory['model_and_optimizer_bytes'])}, activations {_size(memory['activation_bytes'])}"
         + (f", teacher {_size(memory['teacher_bytes'])}" if "teacher_bytes" in memory else "") + "); "
         + ("fits one device" if memory["fits_one_device"] else "does not fit one device")
         + (f", strategy {figures['strategy']}" if figures["world_size"] > 1 else ""),
@@ -668,10 +669,11 @@ def memory_figures(config: ModelConfig, params: TrainParams, device: torch.devic
     weights = (frozen_weights(params.frozen_modules, params.frozen_layers, config, model) if settings is None else
                {"trainable_params": adapter_parameter_count(config, settings),
                 "frozen_params": config.num_parameters(), "frozen_dtype": settings.base_dtype, "frozen_by": "lora"})
+    optimizer = optimizer_memory(params, config, model)  # None: AdamW's 16 B/param
     estimate = memory_estimate(config, params.micro_batch_per_rank, params.seq_len, params.bf16, params.grad_ckpt,
-                               device_memory_bytes(device), weights=weights)
+                               device_memory_bytes(device), weights=weights, optimizer=optimizer)
     if params.world_size > 1:
-        estimate["per_strategy"] = strategy_costs(config, params.world_size, params.grad_accum, weights)
+        estimate["per_strategy"] = strategy_costs(config, params.world_size, params.grad_accum, weights, optimizer)
     teacher = teacher_config(params, config)
     return estimate if teacher is None else with_teacher(estimate, teacher_bytes(teacher, params.bf16))
 

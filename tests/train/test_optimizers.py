@@ -1,6 +1,7 @@
 """The optimizer a run chooses (`optimizer`: adamw, adafactor, muon; cflib.train.optim, cflib.train.optimizer_choice)
 and `embedding_lr_multiplier`: real steps of the smoke model on the embedded data, the plan and the record naming
-which weights each optimizer stepped, the state a resume continues, and the runs refused before step 1. AdamW's own paths: tests/train/test_optim_groups.py and
+which weights each optimizer stepped, the state a resume continues, the memory estimate's count of each optimizer's
+state, and the runs refused before step 1. AdamW's own paths: tests/train/test_optim_groups.py and
 test_triton_adamw.py; two processes: tests/train/test_distributed.py."""
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from cflib.model.lora import LoraSettings, attach_lora
 from cflib.model.weight_copies import WeightCopies, rows
 from cflib.ops.dispatch import KernelUnavailable
 from cflib.train import train
+from cflib.train.distributed import training_state_bytes
 from cflib.train.execution import plan_execution
 from cflib.train.optim import AdamWSettings, MuonWithAdamW, describe_groups, make_optimizer
-from cflib.train.optimizer_choice import weight_copies_writer
+from cflib.train.optimizer_choice import optimizer_memory, state_bytes, weight_copies_writer
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
 
@@ -59,6 +61,9 @@ def test_each_optimizer_lowers_the_loss_and_the_record_says_what_stepped_what(tm
     assert {group["optimizer"] for group in groups} == set(parts)
     assert all(group["momentum"] == 0.95 and group["adjust_lr_fn"] == "match_rms_adamw"
                for group in groups if group["optimizer"] == "muon")
+    assert record["memory_estimate"]["optimizer"]["state_bytes"] < 8 * record["params_trainable"]  # AdamW's moments
+    assert record["memory_estimate"]["model_and_optimizer_bytes"] == (
+        8 * record["params_total"] + record["memory_estimate"]["optimizer"]["state_bytes"])
 
 
 @pytest.mark.parametrize("optimizer, state", [("adafactor", {"row_var", "col_var", "step"}),
@@ -139,6 +144,26 @@ def test_the_embedding_learns_at_its_multiple_of_lr_beside_the_other_groups():
     lora = attach_lora(tiny_model(), LoraSettings(rank=2, alpha=2.0, targets=("q_proj",), trainable_tokens=(1, 2)))
     assert _rates(lora, embedding_lr_multiplier=2.0, lora_lr_multiplier=4.0) == pytest.approx({
         "decay+embeddings": 2e-3, "decay+lora": 4e-3})
+
+
+def test_the_memory_estimate_counts_each_optimizer_s_state():
+    shapes = {"layers.0.self_attn.q_proj.weight": (4, 6), "layers.0.mlp.engine.expert_up": (2, 4, 6),
+              "embed_tokens.weight": (10, 4), "norm.weight": (5,)}
+    assert state_bytes("adamw", shapes) == 8 * (24 + 48 + 40 + 5)
+    assert state_bytes("muon", shapes) == 4 * 24 + 8 * (48 + 40 + 5)  # Muon's momentum on its matrix alone
+    assert state_bytes("adafactor", shapes) == 4 * ((4 + 6) + 2 * (4 + 6) + (10 + 4) + 5)  # rows + columns
+    config = preset("smoke")
+    params = TrainParams.from_dict({"optimizer": "adafactor", "frozen_modules": "experts"})
+    estimated = optimizer_memory(params, config)  # on a model of the config on the meta device
+    built = TRMoEModel(config)
+    assert estimated == optimizer_memory(params, config, built)
+    trained = sum(p.numel() for name, p in built.named_parameters() if ".expert_" not in name)
+    weights = {"trainable_params": trained, "frozen_params": config.num_parameters() - trained,
+               "frozen_dtype": "float32", "frozen_by": "frozen_modules"}
+    assert training_state_bytes(config, weights, estimated)[0] == (
+        4 * weights["frozen_params"] + 8 * trained + estimated["state_bytes"])
+    assert training_state_bytes(config, weights)[0] == 4 * weights["frozen_params"] + 16 * trained  # AdamW
+    assert optimizer_memory(TrainParams.from_dict({}), config) is None
 
 
 @pytest.mark.parametrize("raw, words", [
