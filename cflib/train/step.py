@@ -217,7 +217,7 @@ class TrainingStep:
             cell_mass = self.run.loss_weights.cell_mass(staged.examples, self.run.train_data.supervised_counts)
             step_mass = float(cell_mass.sum())
         totals = self._accumulate(staged, scale=self.dist.world_size / step_mass)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self._logged_rate()
         norm, on_device = self._queue_update(totals[0])
         # Host work the GPU's results do not change, done while the GPU still runs this step.
         self.kernel_path = {**self.model.kernel_path(), **lora_kernel_path(self.model),
@@ -235,6 +235,14 @@ class TrainingStep:
         synchronize(self.device)
         return StepResult(loss, lr, grad_norm, int(tokens), staged.supervised, time.perf_counter() - start, finite,
                           staged.examples, cell_mass, tuple(term / step_mass for term in terms) or None)
+
+    def _logged_rate(self) -> float:
+        """The step's learning rate as metrics.jsonl logs it: that of the first group training at lr itself (the
+        embedding's group under embedding_lr_multiplier comes first, at its own rate, which the record's
+        optimizer_groups gives), or the first group's where every group has a multiplier (a LoRA run's adapters)."""
+        rates = self.scheduler.get_last_lr()
+        own = (i for i, group in enumerate(self.optimizer.param_groups) if group["initial_lr"] == self.params.lr)
+        return rates[next(own, 0)]
 
     def _accumulate(self, staged: StagedStep, scale: float) -> torch.Tensor:
         """Every micro-batch's forward, loss and backward; [summed loss, tokens] over every rank, and with a teacher

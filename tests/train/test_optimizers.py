@@ -42,16 +42,21 @@ def train_losses(out_dir: Path) -> list[float]:
     return [row["loss"] for row in read_metrics(out_dir / "metrics.jsonl") if row["event"] == "train"]
 
 
-@pytest.mark.parametrize("optimizer, kernel, parts", [
-    ("adafactor", "torch_adafactor", {"adafactor": (["attention", "embeddings", "experts", "norms", "shared"], 30)}),
+@pytest.mark.parametrize("optimizer, kernel, parts, embedding", [
+    ("adafactor", "torch_adafactor", {"adafactor": (["attention", "embeddings", "experts", "norms", "shared"], 30)},
+     1.0),
     ("muon", "torch_muon+torch", {"muon": (["attention", "shared"], 14),
-                                  "adamw": (["embeddings", "experts", "norms"], 16)}),
+                                  "adamw": (["embeddings", "experts", "norms"], 16)}, 0.5),
 ])
-def test_each_optimizer_lowers_the_loss_and_the_record_says_what_stepped_what(tmp_path, optimizer, kernel, parts):
-    record = train({**RUN, "optimizer": optimizer, "lr": LR[optimizer], "out_dir": str(tmp_path / "run")},
-                   progress=False)
+def test_each_optimizer_lowers_the_loss_and_the_record_says_what_stepped_what(tmp_path, optimizer, kernel, parts,
+                                                                              embedding):
+    record = train({**RUN, "optimizer": optimizer, "lr": LR[optimizer], "embedding_lr_multiplier": embedding,
+                    "out_dir": str(tmp_path / "run")}, progress=False)
     losses = train_losses(tmp_path / "run")
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
+    # The logged rate is lr's own (constant here), not the embedding group's, which comes first.
+    rates = [row["lr"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if row["event"] == "train"]
+    assert rates == [LR[optimizer]] * 6 and record["optimizer_groups"][0]["lr"] == LR[optimizer] * embedding
     assert record["kernel_path"]["optimizer"] == kernel and record["execution_plan"]["optimizer"] == "torch"
     choice = record["execution_plan"]["optimizer_choice"]
     assert {name: (part["families"], part["tensors"]) for name, part in choice["parts"].items()} == parts
