@@ -24,9 +24,11 @@ IGNORED_CONFIG_KEYS = frozenset({
 FIXED_CONFIG_KEYS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 # The RoPE scalings cflib computes (cflib.model.rope), each type's keys in transformers' names: required, then
-# optional. A rope_scaling dict names its type as `rope_type` (older configs: `type`).
+# optional. A rope_scaling dict names its type as `rope_type` (older configs: `type`). A linear one may name the
+# positions the model took before it (transformers' yarn and llama3 key), which its frequencies never read but a
+# later run's scaling starts from (cflib.train.positions).
 ROPE_SCALING_KEYS = {
-    "linear": (("factor",), ()),
+    "linear": (("factor",), ("original_max_position_embeddings",)),
     "yarn": (("factor", "original_max_position_embeddings"), ("attention_factor", "beta_fast", "beta_slow", "truncate")),
     "llama3": (("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"), ()),
 }

@@ -304,7 +304,7 @@ def test_the_frozen_block_computes_what_the_trained_block_computes(pair):
 
 # The smoke model's 256 positions extended to 1,024 by each scaling cflib computes.
 SCALINGS = {
-    "linear": {"rope_type": "linear", "factor": 4.0},
+    "linear": {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 256},  # as a run writes it
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
     "llama3": {"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": 256, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0},
@@ -345,12 +345,18 @@ def test_a_scaled_bundle_computes_cflibs_logits_and_tokens_past_the_original_pos
     assert generate(hub_model, ids, mask, 6) == want_tokens
 
 
-def test_transformers_reads_a_scaled_bundle_s_rope_as_its_own(scaled_pair, tmp_path):
+def test_transformers_reads_a_scaled_bundle_s_rope_as_its_own(scaled_pair, tmp_path, monkeypatch):
     """transformers' own RoPE functions take the bundle's config (rope_parameters, as transformers keeps RoPE), and
-    what its save_pretrained writes loads back into cflib with the same scaling."""
+    what its save_pretrained writes loads back into cflib with the same scaling. Its validation of rope_parameters
+    warns of nothing (a linear scaling's original_max_position_embeddings included)."""
+    from transformers import modeling_rope_utils
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     model, bundle = scaled_pair
+    warned = []
+    monkeypatch.setattr(modeling_rope_utils.logger, "warning", lambda message, *args, **kwargs: warned.append(message))
+    transformers.AutoConfig.from_pretrained(str(bundle), trust_remote_code=True)
+    assert warned == []
     hub_model = hub(bundle)
     config = hub_model.config
     want, factor = ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, "cpu")

@@ -92,6 +92,16 @@ def test_config_json_reads_transformers_names_and_writes_the_canonical_dict():
                               source="cfg")
 
 
+def test_linear_scaling_may_name_the_positions_before_it_which_change_no_frequency():
+    """A linear dict may carry original_max_position_embeddings (cflib.train.positions reads it, runs write it):
+    kept in the canonical dict, checked as yarn's is, and Position Interpolation's frequencies are factor's alone."""
+    named = ModelConfig(rope_scaling={**LINEAR, "original_max_position_embeddings": 512}).rope_scaling
+    assert named == {**LINEAR, "original_max_position_embeddings": 512} and named != LINEAR
+    assert torch.equal(rope_inv_freq(64, 10000.0, named), rope_inv_freq(64, 10000.0, LINEAR))
+    with pytest.raises(ConfigError, match="rope_scaling.original_max_position_embeddings must be a positive integer"):
+        ModelConfig(rope_scaling={**LINEAR, "original_max_position_embeddings": 0})
+
+
 def test_linear_scaling_turns_position_t_times_factor_as_plain_rope_turns_t():
     plain, scaled = tiny_model(), tiny_model(rope_scaling={"rope_type": "linear", "factor": 2.0})
     cos, sin = scaled.rope(64, torch.device("cpu"))

@@ -101,6 +101,13 @@ class TRHashConfig(PretrainedConfig):
             rope_scaling = rope_parameters
         return {**(rope_scaling_of(rope_scaling) or {"rope_type": "default"}), "rope_theta": self.rope_theta}
 
+    def _validate_linear_rope_parameters(self, rope_parameters: dict, ignore_keys: set | None = None) -> None:
+        """transformers' check of a linear scaling, which also takes original_max_position_embeddings: cflib names
+        the positions the model took before the scaling there, as yarn and llama3 do (the frequencies read factor
+        alone)."""
+        super()._validate_linear_rope_parameters(
+            rope_parameters, ignore_keys=set(ignore_keys or ()) | {"original_max_position_embeddings"})
+
     def rope_scaling_dict(self) -> dict | None:
         """The RoPE scaling the model computes, None for plain RoPE: read from rope_parameters, where
         from_pretrained's overrides (rope_scaling=...) also land."""
