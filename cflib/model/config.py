@@ -60,10 +60,12 @@ class ConfigError(ValueError):
     """A model configuration that cannot describe a working TR-MoE model."""
 
 
-def canonical_rope_scaling(raw: Any) -> dict | None:
+def canonical_rope_scaling(raw: Any, positions_optional: bool = False) -> dict | None:
     """A rope_scaling dict checked key by key and written canonically: `rope_type` first (`type`, the older name,
     read as it), then its keys in ROPE_SCALING_KEYS' order, numbers as floats and positions as integers. None, and
-    transformers' `default` type, are plain RoPE (None). ConfigError names the key at fault."""
+    transformers' `default` type, are plain RoPE (None). ConfigError names the key at fault. positions_optional:
+    original_max_position_embeddings may be missing (a run's rope_scaling, which cflib.train.positions completes
+    with the starting model's positions)."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -87,7 +89,8 @@ def canonical_rope_scaling(raw: Any) -> dict | None:
         hint = " (set rope_theta on its own, beside rope_scaling)" if unknown[0] == "rope_theta" else ""
         raise ConfigError(f"rope_scaling: {unknown[0]!r} is not a key of rope_type {kind}{hint}; its keys: "
                           f"{', '.join(required + optional)}")
-    missing = [key for key in required if key not in given]
+    missing = [key for key in required if key not in given
+               and not (positions_optional and key == "original_max_position_embeddings")]
     if missing:
         raise ConfigError(f"rope_scaling: rope_type {kind} needs {', '.join(missing)}")
     scaling = {"rope_type": kind, **{key: _rope_value(key, given[key]) for key in required + optional

@@ -192,12 +192,13 @@ MAX_EXAMPLES_PER_EPOCH = 10**9
 
 def rope_scaling_choice(name: str, value: Any) -> dict | None:
     """A transformers rope_scaling dict (YAML, or its text from papermill), checked as a model config checks it:
-    linear, yarn or llama3 with their keys; None: the starting model's own."""
+    linear, yarn or llama3 with their keys, original_max_position_embeddings left to the starting model's positions
+    where unset (cflib.train.positions); None: the starting model's own."""
     from cflib.model.config import ConfigError, canonical_rope_scaling  # the model layer owns what RoPE computes
 
     raw = coerce(name, value, dict | None)
     try:
-        scaling = canonical_rope_scaling(raw)
+        scaling = canonical_rope_scaling(raw, positions_optional=True)
     except ConfigError as err:
         raise ParamError(str(err)) from None
     if raw is not None and scaling is None:

@@ -4,8 +4,10 @@
 A run that names none of them trains the starting model's own (a checkpoint's, a resumed checkpoint's or a
 preset's). `rope_scaling` sets the model's scaling (never compounds it: a checkpoint already scaled so is left as it
 is), `rope_theta` its base; `max_position_embeddings`, the positions the trained model takes, defaults to what
-the scaling covers: the positions before any scaling times `factor`. Settings that contradict each other, and a
-`seq_len` past the positions, are refused before anything is loaded, naming what to set.
+the scaling covers: the positions before any scaling times `factor`. Those positions are the scaling's
+`original_max_position_embeddings`, which a run's scaling (linear too) carries: filled in from the starting model
+where unset, refused where it names another number. Settings that contradict each other, and a `seq_len` past the
+positions, are refused before anything is loaded, naming what to set.
 """
 from __future__ import annotations
 
@@ -13,17 +15,18 @@ import dataclasses
 import math
 
 from cflib.errors import ParamError
-from cflib.model.config import ConfigError, ModelConfig
+from cflib.model.config import ConfigError, ModelConfig, canonical_rope_scaling
 from cflib.model.decoder import POSITION_KEYS
 from cflib.train.params import TrainParams
 
 LONGER_CONTEXT = "docs/parameters.md#longer-context-rope-scaling"
+ORIGINAL = "original_max_position_embeddings"
 
 
 def run_config(start: ModelConfig, params: TrainParams) -> ModelConfig:
     """`start` (the config the run starts from) with the run's positions, and seq_len checked against them;
     ParamError naming the parameter otherwise."""
-    scaling = start.rope_scaling if params.rope_scaling is None else params.rope_scaling
+    scaling = run_scaling(start, params.rope_scaling)
     theta = start.rope_theta if params.rope_theta is None else params.rope_theta
     positions = _positions(start, scaling, params)
     try:
@@ -43,20 +46,63 @@ def changed(start: ModelConfig, config: ModelConfig) -> list[str]:
     return [key for key in POSITION_KEYS if getattr(config, key) != getattr(start, key)]
 
 
+def run_scaling(start: ModelConfig, scaling: dict | None) -> dict | None:
+    """The scaling a run of rope_scaling `scaling` trains on `start`: the start's own where the run names none, or
+    names it again; else the run's, on the positions `start` took before any scaling (its
+    original_max_position_embeddings, filled in where unset). ParamError where it names other positions; a start
+    whose linear scaling names none (read as max_position_embeddings / factor) takes the run's word for them."""
+    if scaling is None:
+        return start.rope_scaling
+    before = unscaled_positions(start)
+    if ORIGINAL in scaling and scaling[ORIGINAL] != before and not guessed(start):
+        raise ParamError(f"rope_scaling.{ORIGINAL} {scaling[ORIGINAL]:,} is not the {before:,} positions the starting "
+                         f"model took before any RoPE scaling ({_before_from(start)}): leave it unset, which fills in "
+                         f"{before}, or set {before}; a scaling is set on the model's unscaled positions, never "
+                         f"compounded ({LONGER_CONTEXT})")
+    scaling = _with_original(scaling, before)
+    own = None if start.rope_scaling is None else _with_original(start.rope_scaling, before)
+    return start.rope_scaling if scaling == own else scaling
+
+
+def _with_original(scaling: dict, before: int) -> dict:
+    """`scaling` naming the positions before it: its own, else `before`."""
+    try:
+        return canonical_rope_scaling({ORIGINAL: before, **scaling})
+    except ConfigError as err:
+        raise ParamError(str(err)) from None
+
+
 def unscaled_positions(config: ModelConfig) -> int:
     """The positions `config`'s model took before any RoPE scaling: its scaling's original_max_position_embeddings,
-    or for a linear one its positions over factor (as a run extends them), or its own positions unscaled."""
+    or for a linear one that names none its positions over factor (as a run extended them before runs named them:
+    `guessed`), or its own positions unscaled."""
     scaling = config.rope_scaling
     if scaling is None:
         return config.max_position_embeddings
-    if "original_max_position_embeddings" in scaling:
-        return scaling["original_max_position_embeddings"]
+    if ORIGINAL in scaling:
+        return scaling[ORIGINAL]
     return round(config.max_position_embeddings / scaling["factor"])
+
+
+def guessed(config: ModelConfig) -> bool:
+    """Whether unscaled_positions reads `config`'s positions before its scaling as max_position_embeddings / factor,
+    its linear scaling naming none (a checkpoint from elsewhere may keep max_position_embeddings at them)."""
+    return config.rope_scaling is not None and ORIGINAL not in config.rope_scaling
+
+
+def _before_from(config: ModelConfig) -> str:
+    """Where unscaled_positions read `config`'s positions before scaling, as messages name it."""
+    if config.rope_scaling is None:
+        return "its max_position_embeddings"
+    if not guessed(config):
+        return f"its rope_scaling's {ORIGINAL}"
+    return (f"read as its max_position_embeddings / factor, its rope_scaling naming no {ORIGINAL}: if it took "
+            f"another number, name it as rope_scaling's {ORIGINAL}")
 
 
 def covered(start: ModelConfig, scaling: dict) -> int:
     """The positions `scaling` covers on the model of `start`: its positions before scaling times factor."""
-    before = scaling.get("original_max_position_embeddings", unscaled_positions(start))
+    before = scaling.get(ORIGINAL, unscaled_positions(start))
     return math.floor(before * scaling["factor"])
 
 
@@ -74,8 +120,9 @@ def _positions(start: ModelConfig, scaling: dict | None, params: TrainParams) ->
 
 
 def _covering(start: ModelConfig, scaling: dict) -> str:
-    before = scaling.get("original_max_position_embeddings", unscaled_positions(start))
-    return f"{before:,} positions before scaling x factor {scaling['factor']:g}"
+    before = scaling.get(ORIGINAL, unscaled_positions(start))
+    guess = f"; {_before_from(start)}" if guessed(start) and before == unscaled_positions(start) else ""
+    return f"{before:,} positions before scaling x factor {scaling['factor']:g}{guess}"
 
 
 def check_seq_len(config: ModelConfig, start: ModelConfig, seq_len: int) -> None:

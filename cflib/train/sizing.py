@@ -36,8 +36,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cflib.errors import ParamError
 from cflib.model.config import PRESETS, ConfigError, ModelConfig, canonical_rope_scaling
-from cflib.train.positions import covered
+from cflib.train.positions import covered, run_scaling
 from cflib.yamlio import read_yaml
 
 SECTIONS = ("model", "parallel", "run")
@@ -206,8 +207,8 @@ def _model(section: dict[str, Any]) -> tuple[str | None, int, ModelConfig | None
 def _positions(config: ModelConfig, scaling: Any) -> int:
     """The positions a run of the preset trains: its own, or what model.rope_scaling covers."""
     try:
-        scaling = canonical_rope_scaling(scaling)
-    except ConfigError as err:
+        scaling = run_scaling(config, canonical_rope_scaling(scaling, positions_optional=True))
+    except (ConfigError, ParamError) as err:
         raise SizingError(f"model.{err}") from None
     return config.max_position_embeddings if scaling is None else covered(config, scaling)
 

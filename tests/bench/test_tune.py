@@ -148,7 +148,9 @@ def test_a_longer_context_is_tuned_as_the_run_would_train_it(tmp_path):
     scaling = {"rope_type": "linear", "factor": 2.0}
     tuning = prepare_tuning(TuneParams.from_dict({**SMOKE, "seq_len": 512, "max_micro_batch": 8,
                                                   "rope_scaling": scaling, "out_dir": str(tmp_path / "out")}))
-    assert (tuning.config.rope_scaling, tuning.config.max_position_embeddings) == (scaling, 512)
+    # the model's: the positions before scaling named (cflib.train.positions); the params written: the run's
+    assert (tuning.config.rope_scaling, tuning.config.max_position_embeddings) == (
+        {**scaling, "original_max_position_embeddings": 256}, 512)
     assert tuning.params.train_params(2, "embedded").rope_scaling == scaling
     written = train_sft_params(tuning, {"micro_batch_per_rank": 2, "global_batch": 64})
     assert (written["rope_scaling"], written["seq_len"]) == (scaling, 512) and "rope_theta" not in written

@@ -2,6 +2,7 @@
 training past its positions, the scaling in every checkpoint and record, what is refused before step 1."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -16,8 +17,11 @@ from cflib.export.peft import peft_base
 from cflib.model import TRMoEModel, load_checkpoint, preset, save_checkpoint
 from cflib.train import prepare, train
 from cflib.train.params import ParamError, TrainParams
+from cflib.train.positions import run_config
 
 LINEAR_2 = {"rope_type": "linear", "factor": 2.0}
+# As every checkpoint of a run that sets LINEAR_2 on the smoke model carries it: the positions before scaling named.
+LINEAR_2_OF_256 = {**LINEAR_2, "original_max_position_embeddings": 256}
 
 
 def long_example(index: int, length: int) -> Example:
@@ -58,7 +62,7 @@ def scaled_run(base, long_shard, tmp_path_factory) -> Path:
 def test_a_run_extends_its_checkpoint_s_context_and_every_checkpoint_carries_the_scaling(scaled_run, base):
     record = json.loads((scaled_run / "record.json").read_text())
     assert record["data"]["max_seq_len"] > 256  # trained past the base's positions
-    assert record["model_config"]["rope_scaling"] == LINEAR_2
+    assert record["model_config"]["rope_scaling"] == LINEAR_2_OF_256  # the positions before scaling filled in
     assert record["model_config"]["max_position_embeddings"] == 512  # 256 x factor 2
     assert json.loads((scaled_run / "params.json").read_text())["rope_scaling"] == LINEAR_2
     losses = [row["loss"] for row in map(json.loads, (scaled_run / "metrics.jsonl").read_text().splitlines())
@@ -66,24 +70,29 @@ def test_a_run_extends_its_checkpoint_s_context_and_every_checkpoint_carries_the
     assert len(losses) == 3 and all(loss == loss for loss in losses)
     for checkpoint in ("step-2", "last"):
         config = json.loads((scaled_run / "checkpoints" / checkpoint / "config.json").read_text())
-        assert (config["rope_scaling"], config["max_position_embeddings"]) == (LINEAR_2, 512)
+        assert (config["rope_scaling"], config["max_position_embeddings"]) == (LINEAR_2_OF_256, 512)
     trained = load_checkpoint(scaled_run / "checkpoints" / "last")
-    assert trained.config.rope_scaling == LINEAR_2
+    assert trained.config.rope_scaling == LINEAR_2_OF_256
     torch.testing.assert_close(trained.inv_freq, load_checkpoint(base).inv_freq / 2, rtol=0, atol=0)
 
 
 def test_a_new_run_from_the_scaled_checkpoint_keeps_its_scaling_and_says_so(scaled_run, long_shard, tmp_path):
     run = prepare(TrainParams.from_dict(params(scaled_run / "checkpoints" / "last", long_shard, tmp_path / "next")))
-    assert run.model.config.rope_scaling == LINEAR_2 and run.model.config.max_position_embeddings == 512
-    assert "positions    512 positions, rope_scaling rope_type linear, factor 2.0, rope_theta 10000" in run.describe()
+    assert run.model.config.rope_scaling == LINEAR_2_OF_256 and run.model.config.max_position_embeddings == 512
+    assert ("positions    512 positions, rope_scaling rope_type linear, factor 2.0, original_max_position_embeddings "
+            "256, rope_theta 10000") in run.describe()
 
 
 def test_a_resume_keeps_the_scaling_and_refuses_another_unless_allowed(scaled_run, base, long_shard):
     resumed = params(base, long_shard, scaled_run, resume=str(scaled_run / "checkpoints" / "step-2"))
-    assert prepare(TrainParams.from_dict(resumed)).model.config.rope_scaling == LINEAR_2  # unset: the checkpoint's
-    with pytest.raises(ParamError, match=r"written with rope_scaling \{'rope_type': 'linear', 'factor': 2.0\}, this "
-                                         r"run has \{'rope_type': 'linear', 'factor': 4.0\}.*allow_resume_changes: "
-                                         r"rope_scaling"):
+    # unset: the checkpoint's; named as the run first named it, the same
+    assert prepare(TrainParams.from_dict(resumed)).model.config.rope_scaling == LINEAR_2_OF_256
+    assert prepare(TrainParams.from_dict({**resumed, "rope_scaling": LINEAR_2})).model.config.rope_scaling == \
+        LINEAR_2_OF_256
+    with pytest.raises(ParamError, match=r"written with rope_scaling \{'rope_type': 'linear', 'factor': 2.0, "
+                                         r"'original_max_position_embeddings': 256\}, this run has \{'rope_type': "
+                                         r"'linear', 'factor': 4.0, 'original_max_position_embeddings': 256\}.*"
+                                         r"allow_resume_changes: rope_scaling"):
         prepare(TrainParams.from_dict({**resumed, "rope_scaling": {"rope_type": "linear", "factor": 4}}))
     run = prepare(TrainParams.from_dict({**resumed, "rope_scaling": {"rope_type": "linear", "factor": 4},
                                          "allow_resume_changes": "rope_scaling"}))
@@ -98,10 +107,12 @@ def test_a_resume_keeps_the_scaling_and_refuses_another_unless_allowed(scaled_ru
      "covers 256 positions before scaling x factor 2): raise rope_scaling's factor to 3 or more"),
     ({"rope_scaling": LINEAR_2, "max_position_embeddings": 1024},
      "max_position_embeddings 1,024 is more than the 512 positions rope_scaling covers"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2}}, "rope_type yarn needs original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 4096}, "seq_len": 8192},
+     "rope_scaling.original_max_position_embeddings 4,096 is not the 256 positions the starting model took before "
+     "any RoPE scaling (its max_position_embeddings): leave it unset, which fills in 256, or set 256"),
     ({"rope_scaling": LINEAR_2, "full_parameter": False},
      "rope_scaling, max_position_embeddings would change the positions of the frozen base"),
-], ids=["no-scaling", "factor-too-small", "more-positions-than-covered", "yarn-without-original", "lora"])
+], ids=["no-scaling", "factor-too-small", "more-positions-than-covered", "yarn-original-not-the-start-s", "lora"])
 def test_settings_that_cannot_train_are_refused_before_anything_is_written(base, long_shard, tmp_path, overrides,
                                                                            message):
     with pytest.raises(ParamError) as caught:
@@ -131,5 +142,52 @@ def test_lora_adapters_on_a_scaled_checkpoint_name_it_as_their_base(scaled_run, 
     run = prepare(TrainParams.from_dict(params(scaled, long_shard, tmp_path / "lora", full_parameter=False,
                                                rope_scaling=LINEAR_2)))
     base_model, _ = peft_base(run.lora.base)
-    assert Path(base_model) == scaled.resolve() and run.lora.base["config"]["rope_scaling"] == LINEAR_2
-    assert run.model.config.rope_scaling == LINEAR_2 and run.model.config.max_position_embeddings == 512
+    assert Path(base_model) == scaled.resolve() and run.lora.base["config"]["rope_scaling"] == LINEAR_2_OF_256
+    assert run.model.config.rope_scaling == LINEAR_2_OF_256 and run.model.config.max_position_embeddings == 512
+
+
+def positions(start, **overrides):
+    """The config a run of `overrides` on `start` trains (cflib.train.positions.run_config): nothing loaded."""
+    return run_config(start, TrainParams.from_dict({"model": "smoke", "seq_len": 64, **overrides}))
+
+
+def test_yarn_s_original_positions_are_filled_in_from_the_start_and_any_other_is_refused():
+    """YaRN's ramp is computed around original_max_position_embeddings: a run leaving it unset gets the starting
+    model's positions; naming another length is refused, not trained on a ramp around the wrong length."""
+    smoke = preset("smoke")
+    config = positions(smoke, rope_scaling={"rope_type": "yarn", "factor": 4}, seq_len=1024)
+    assert config.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    assert config.max_position_embeddings == 1024
+    named = {"rope_type": "llama3", "factor": 4, "original_max_position_embeddings": 256, "low_freq_factor": 1,
+             "high_freq_factor": 4}
+    assert positions(smoke, rope_scaling=named, seq_len=1024).max_position_embeddings == 1024
+    with pytest.raises(ParamError, match=r"rope_scaling\.original_max_position_embeddings 4,096 is not the 256 "):
+        positions(smoke, rope_scaling={"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 4096},
+                  seq_len=8192)
+    # on a scaled start, the positions it took before its scaling, as a checkpoint names them
+    scaled = positions(smoke, rope_scaling=LINEAR_2, seq_len=512)
+    assert positions(scaled, rope_scaling={"rope_type": "yarn", "factor": 4}, seq_len=1024).rope_scaling[
+        "original_max_position_embeddings"] == 256
+    with pytest.raises(ParamError, match=r"not the 256 positions .* \(its rope_scaling's "
+                                         r"original_max_position_embeddings\)"):
+        positions(scaled, rope_scaling={"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 512})
+
+
+def test_a_linear_checkpoint_names_its_positions_before_scaling_and_a_later_factor_scales_those():
+    """A run's linear scaling carries original_max_position_embeddings, so a checkpoint trained at fewer positions
+    than its factor covers still says how many it had before scaling; one that names none is read as
+    max_position_embeddings / factor, and a run may say otherwise."""
+    smoke = preset("smoke")
+    four = positions(smoke, rope_scaling={"rope_type": "linear", "factor": 4}, max_position_embeddings=512,
+                     seq_len=512)
+    assert four.rope_scaling == {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 256}
+    eight = positions(four, rope_scaling={"rope_type": "linear", "factor": 8}, seq_len=2048)
+    assert (eight.max_position_embeddings, eight.rope_scaling["original_max_position_embeddings"]) == (2048, 256)
+    # A checkpoint from elsewhere whose linear scaling keeps max_position_embeddings at its original length
+    elsewhere = dataclasses.replace(smoke, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    with pytest.raises(ParamError, match=r"rope_scaling covers 64 positions before scaling x factor 8.*read as its "
+                                         r"max_position_embeddings / factor.*original_max_position_embeddings"):
+        positions(elsewhere, rope_scaling={"rope_type": "linear", "factor": 8}, seq_len=2048)
+    named = positions(elsewhere, rope_scaling={"rope_type": "linear", "factor": 8,
+                                               "original_max_position_embeddings": 256}, seq_len=2048)
+    assert named.max_position_embeddings == 2048

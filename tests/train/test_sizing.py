@@ -295,3 +295,9 @@ def test_rope_scaling_extends_the_preset_s_positions_as_a_run_s_does() -> None:
     assert "model.rope_scaling extends it" in rejected(with_changes(run={"seq_len": 4096}))
     assert "model.rope_scaling.rope_type must be one of linear, yarn, llama3" in rejected(
         with_changes(model={"preset": "tr_hash_200m", "rope_scaling": {"rope_type": "dynamic2", "factor": 2}}))
+    yarn = {"rope_type": "yarn", "factor": 4}  # on the preset's 2,048 positions, as a run fills them in
+    assert validate_cluster_layout(with_changes(model={"preset": "tr_hash_200m", "rope_scaling": yarn},
+                                                run={"seq_len": 8192}))["seq_len"] == 8192
+    assert "model.rope_scaling.original_max_position_embeddings 8,192 is not the 2,048 positions" in rejected(
+        with_changes(model={"preset": "tr_hash_200m", "rope_scaling": {**yarn, "original_max_position_embeddings":
+                                                                         8192}}, run={"seq_len": 8192}))
