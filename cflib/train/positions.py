@@ -107,16 +107,38 @@ def covered(start: ModelConfig, scaling: dict) -> int:
 
 
 def _positions(start: ModelConfig, scaling: dict | None, params: TrainParams) -> int:
-    """max_position_embeddings: the run's, at most what a scaling it sets covers; unset, the starting model's, or
-    with a scaling the run sets, the positions it covers."""
+    """max_position_embeddings: the run's, or unset the starting model's (with a scaling the run sets, the positions
+    it covers). A scaling in force, the run's or the start's, bounds it at what it covers; plain RoPE at the start's
+    positions, unless the run raises rope_theta (an extension without a factor that says how far it reaches)."""
+    asked = params.max_position_embeddings
     sets_scaling = scaling is not None and scaling != start.rope_scaling
-    if params.max_position_embeddings is None:
+    if asked is None:
         return covered(start, scaling) if sets_scaling else start.max_position_embeddings
-    if sets_scaling and params.max_position_embeddings > covered(start, scaling):
-        raise ParamError(f"max_position_embeddings {params.max_position_embeddings:,} is more than the "
-                         f"{covered(start, scaling):,} positions rope_scaling covers ({_covering(start, scaling)}): "
-                         f"raise rope_scaling's factor, or leave max_position_embeddings unset")
-    return params.max_position_embeddings
+    if scaling is not None and asked > covered(start, scaling):
+        how = ("raise rope_scaling's factor" if sets_scaling else
+               f"set a rope_scaling of a larger factor (the starting model's: {_shown(scaling)})")
+        raise ParamError(f"max_position_embeddings {asked:,} is more than the {covered(start, scaling):,} positions "
+                         f"rope_scaling covers ({_covering(start, scaling)}): {how}, or leave "
+                         f"max_position_embeddings unset")
+    if scaling is not None or asked <= start.max_position_embeddings:
+        return asked
+    extend = (f"extend its context with rope_scaling (e.g. rope_scaling: {{rope_type: linear, factor: "
+              f"{_factor(asked, start.max_position_embeddings)}}}, which covers them), or raise rope_theta beside "
+              f"max_position_embeddings, as Code Llama's 10^6 did ({LONGER_CONTEXT})")
+    if params.rope_theta is None:
+        raise ParamError(f"max_position_embeddings {asked:,} is more than the starting model's "
+                         f"{start.max_position_embeddings:,} positions, past which its plain RoPE turns through "
+                         f"angles it never trained on: {extend}")
+    if params.rope_theta <= start.rope_theta:
+        raise ParamError(f"rope_theta {params.rope_theta:g} does not raise the starting model's {start.rope_theta:g}, "
+                         f"yet max_position_embeddings {asked:,} is more than its {start.max_position_embeddings:,} "
+                         f"positions: {extend}")
+    return asked
+
+
+def _shown(scaling: dict) -> str:
+    return "{" + ", ".join(f"{key}: {value:g}" if isinstance(value, float) else f"{key}: {value}"
+                           for key, value in scaling.items()) + "}"
 
 
 def _covering(start: ModelConfig, scaling: dict) -> str:
@@ -131,6 +153,11 @@ def check_seq_len(config: ModelConfig, start: ModelConfig, seq_len: int) -> None
     limit = config.max_position_embeddings
     if seq_len <= limit:
         return
+    if config.rope_scaling is not None and seq_len <= (reach := covered(start, config.rope_scaling)):
+        raise ParamError(f"seq_len {seq_len:,} exceeds the model's max_position_embeddings {limit:,}: its rope_scaling "
+                         f"covers {reach:,} positions ({_covering(start, config.rope_scaling)}): set "
+                         f"max_position_embeddings: {reach}"
+                         + (", or leave it unset" if config.rope_scaling != start.rope_scaling else ""))
     if config.rope_scaling is not None and config.rope_scaling != start.rope_scaling:
         raise ParamError(f"seq_len {seq_len:,} exceeds the {limit:,} positions of the model this run trains "
                          f"(max_position_embeddings; rope_scaling covers {_covering(start, config.rope_scaling)}): "

@@ -191,3 +191,27 @@ def test_a_linear_checkpoint_names_its_positions_before_scaling_and_a_later_fact
     named = positions(elsewhere, rope_scaling={"rope_type": "linear", "factor": 8,
                                                "original_max_position_embeddings": 256}, seq_len=2048)
     assert named.max_position_embeddings == 2048
+
+
+def test_more_positions_than_the_rope_covers_is_refused_whatever_set_the_scaling():
+    """A scaling the start carries bounds max_position_embeddings as one the run sets does; plain RoPE takes no
+    more than the start's positions unless the run raises rope_theta."""
+    smoke = preset("smoke")
+    four = positions(smoke, rope_scaling={"rope_type": "linear", "factor": 4}, seq_len=1024)
+    with pytest.raises(ParamError, match=r"max_position_embeddings 100,000 is more than the 1,024 positions "
+                                         r"rope_scaling covers \(256 positions before scaling x factor 4"):
+        positions(four, max_position_embeddings=100_000, seq_len=100_000)
+    with pytest.raises(ParamError, match=r"max_position_embeddings 4,096 is more than the starting model's 256 "
+                                         r"positions.*rope_scaling.*rope_theta"):
+        positions(smoke, max_position_embeddings=4096, seq_len=4096)
+    assert positions(smoke, max_position_embeddings=4096, seq_len=4096, rope_theta=1e6).max_position_embeddings \
+        == 4096
+    with pytest.raises(ParamError, match=r"rope_theta 10000 does not raise the starting model's 10000"):
+        positions(smoke, max_position_embeddings=4096, seq_len=4096, rope_theta=1e4)
+    # a start trained at fewer positions than its scaling covers: seq_len up to them, naming max_position_embeddings
+    short = positions(smoke, rope_scaling={"rope_type": "linear", "factor": 4}, max_position_embeddings=512,
+                      seq_len=512)
+    with pytest.raises(ParamError, match=r"seq_len 1,024 exceeds the model's max_position_embeddings 512: its "
+                                         r"rope_scaling covers 1,024 positions.*set max_position_embeddings: 1024"):
+        positions(short, seq_len=1024)
+    assert positions(short, seq_len=1024, max_position_embeddings=1024).max_position_embeddings == 1024
