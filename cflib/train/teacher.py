@@ -23,7 +23,7 @@ from cflib.export.peft import is_adapter_checkpoint
 from cflib.export.pull import HubStart, fetch_bundle, is_hub, resolve_start
 from cflib.model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint, load_config
 from cflib.model.config import ConfigError, ModelConfig
-from cflib.model.decoder import TRMoEModel
+from cflib.model.decoder import POSITION_KEYS, TRMoEModel
 from cflib.ops.distillation import DistillationLoss
 from cflib.ops.sft_loss import LOSSES
 from cflib.paths import resolve_path
@@ -107,10 +107,14 @@ def teacher_config(params: TrainParams, student: ModelConfig) -> ModelConfig | N
                          f"{config.vocab_size:,}, the model trained has {student.vocab_size:,}: distillation compares "
                          "the two models' distributions token by token, so the teacher must share the student's "
                          "tokenizer and vocabulary")
+    if params.teacher_checkpoint == INIT:  # the starting model as the run trains it: at the student's positions
+        config = replace(config, **{key: getattr(student, key) for key in POSITION_KEYS})
     if config.max_position_embeddings < params.seq_len:
         raise ParamError(f"teacher_checkpoint {params.teacher_checkpoint}: {folder / CONFIG_FILE} has "
                          f"max_position_embeddings {config.max_position_embeddings:,}, fewer than seq_len "
-                         f"{params.seq_len:,}")
+                         f"{params.seq_len:,}: a teacher reads every position the student trains on; name one "
+                         "whose context reaches seq_len (extend it in a run of its own: rope_scaling), or "
+                         "teacher_checkpoint: init, the starting model, which takes this run's positions")
     return config
 
 
@@ -135,6 +139,8 @@ def load_teacher(params: TrainParams, student: ModelConfig, hub: HubStart | None
         model = load_checkpoint(folder)
     except (CheckpointError, ConfigError) as err:
         raise ParamError(f"teacher_checkpoint {params.teacher_checkpoint}: {err}") from None
+    if params.teacher_checkpoint == INIT and model.config != config:  # at the run's positions (teacher_config)
+        model.set_positions(config)
     model.requires_grad_(False)
     if params.bf16:  # as a LoRA run's frozen base in BF16: the layers' matrices, not the embeddings and norms
         for param in model.layers.parameters():

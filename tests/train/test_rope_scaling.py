@@ -215,3 +215,24 @@ def test_more_positions_than_the_rope_covers_is_refused_whatever_set_the_scaling
                                          r"rope_scaling covers 1,024 positions.*set max_position_embeddings: 1024"):
         positions(short, seq_len=1024)
     assert positions(short, seq_len=1024, max_position_embeddings=1024).max_position_embeddings == 1024
+
+
+def test_an_init_teacher_takes_the_run_s_positions_and_a_short_named_one_says_what_to_do(base, long_shard,
+                                                                                         tmp_path):
+    """teacher_checkpoint: init is the starting model with the positions the run gives it, so KL to the start
+    trains while the context is extended (0 at the first step, where the two are one model)."""
+    record = train(params(base, long_shard, tmp_path / "run", rope_scaling=LINEAR_2, teacher_checkpoint="init",
+                          distill_ratio=0.5, max_steps=2, save_every_steps=None, save_checkpoints=False),
+                   progress=False)
+    rows = [row for row in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+            if row.get("event") == "train"]
+    assert rows[0]["kl_loss"] == pytest.approx(0.0, abs=1e-6) and rows[-1]["kl_loss"] > rows[0]["kl_loss"]
+    assert record["execution_plan"]["distill"]["teacher"]["checkpoint"] == str(base)
+    run = prepare(TrainParams.from_dict(params(base, long_shard, tmp_path / "again", rope_scaling=LINEAR_2,
+                                               teacher_checkpoint="init")))
+    assert run.teacher.model.config == run.model.config and run.model.config.rope_scaling == LINEAR_2_OF_256
+    assert torch.equal(run.teacher.model.inv_freq, run.model.inv_freq)
+    with pytest.raises(ParamError, match=r"teacher_checkpoint .*max_position_embeddings 256, fewer than seq_len 512: "
+                                         r".*teacher_checkpoint: init.*"):
+        prepare(TrainParams.from_dict(params(base, long_shard, tmp_path / "named", rope_scaling=LINEAR_2,
+                                             teacher_checkpoint=str(base))))
