@@ -45,8 +45,10 @@ def plot_loss_curves(metrics_path: str | Path, save_to: str | Path | None = None
     evals = [r for r in rows if r["event"] == "eval"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8, label="train (per step)")
-    if train and "ce_loss" in train[0]:  # a teacher's run: its loss mixes in the KL; the cross-entropy compares
-        ax.plot([r["step"] for r in train], [r["ce_loss"] for r in train], "--", lw=1, alpha=0.8,
+    # A teacher's steps: their loss mixes in the KL; the cross-entropy compares. A resume may drop or add the teacher.
+    distilled = [r for r in train if "ce_loss" in r]
+    if distilled:
+        ax.plot([r["step"] for r in distilled], [r["ce_loss"] for r in distilled], "--", lw=1, alpha=0.8,
                 label="train cross-entropy (beside the KL to the teacher)")
     ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="held-out eval")
     return finish_loss_plot(fig, ax, "optimizer step", save_to)

@@ -228,3 +228,26 @@ def test_the_loss_plot_draws_the_train_cross_entropy_beside_the_mixed_loss(runs,
     assert len(plain.axes[0].get_lines()) == 2
     plt.close(figure)
     plt.close(plain)
+
+
+def test_the_loss_plot_draws_the_cross_entropy_of_the_rows_that_have_it(tmp_path):
+    """A resume may drop the teacher (or add one): the cross-entropy line takes the rows that log it, whichever
+    they are."""
+    import matplotlib.pyplot as plt
+
+    from cflib.lab.report import plot_loss_curves
+
+    distilled = [{"event": "train", "step": step, "tokens": 8, "loss": 2.0, "ce_loss": 3.0, "kl_loss": 1.0}
+                 for step in (1, 2)]
+    plain = [{"event": "train", "step": step, "tokens": 8, "loss": 2.5} for step in (3, 4)]
+    evals = [{"event": "eval", "step": 4, "tokens": 0, "loss": 2.4}]
+    for name, rows in (("dropped", distilled + plain + evals), ("added", plain + [
+            {**row, "step": row["step"] + 4} for row in distilled] + evals)):
+        metrics = tmp_path / f"{name}.jsonl"
+        metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        figure = plot_loss_curves(metrics)
+        lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+        cross_entropy = lines["train cross-entropy (beside the KL to the teacher)"]
+        assert list(cross_entropy.get_ydata()) == [3.0, 3.0]
+        assert list(cross_entropy.get_xdata()) == ([1, 2] if name == "dropped" else [5, 6])
+        plt.close(figure)
