@@ -528,19 +528,25 @@ def _tokens_seen(metrics: list[dict]) -> dict[int, int]:
 
 
 def plot_curves(comparison: Comparison, save_to: str | Path | None = None) -> plt.Figure:
-    """Train and held-out loss of every run, by optimizer step and by tokens seen."""
+    """Train and held-out loss of every run, by optimizer step and by tokens seen. A run with a teacher logs a loss
+    that mixes in the KL: its train curve is its cross-entropy term (`ce_loss`), which a plain run's loss is."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.5), sharey="row")
+    distilled = False
     for index, run in enumerate(comparison.runs):
         color = f"C{index % 10}"
         seen = _tokens_seen(run.metrics)
         train = [row for row in run.metrics if row.get("event") == "train"]
         evals = [row for row in run.metrics if row.get("event") == "eval"]
+        teacher = any("ce_loss" in row for row in train)  # a resume may have dropped or added it
+        distilled |= teacher
         for column, x_of in enumerate((lambda row: row["step"], lambda row: seen.get(row["step"], math.nan))):
-            axes[0][column].plot([x_of(r) for r in train], [r["loss"] for r in train], lw=1, color=color,
-                                 label=run.name)
+            axes[0][column].plot([x_of(r) for r in train], [r.get("ce_loss", r["loss"]) for r in train], lw=1,
+                                 color=color, label=run.name + (" (cross-entropy term)" if teacher else ""))
             axes[1][column].plot([x_of(r) for r in evals], [r["loss"] for r in evals], "o-", ms=3, color=color,
                                  label=run.name)
-    for row, what in enumerate(("train loss (per step)", "held-out loss")):
+    train_what = "train loss (per step; with a teacher, its cross-entropy term)" if distilled else \
+        "train loss (per step)"
+    for row, what in enumerate((train_what, "held-out loss")):
         for column, xlabel in enumerate(("optimizer step", "tokens seen")):
             ax = axes[row][column]
             ax.set_xlabel(xlabel)

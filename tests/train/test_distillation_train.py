@@ -251,3 +251,23 @@ def test_the_loss_plot_draws_the_cross_entropy_of_the_rows_that_have_it(tmp_path
         assert list(cross_entropy.get_ydata()) == [3.0, 3.0]
         assert list(cross_entropy.get_xdata()) == ([1, 2] if name == "dropped" else [5, 6])
         plt.close(figure)
+
+
+def test_compare_runs_overlays_a_distilled_run_s_cross_entropy_beside_plain_runs_loss(runs, tmp_path):
+    """A distilled run's loss mixes in the KL: the overlay draws its cross-entropy term, which a plain run's loss
+    is, and says so."""
+    import matplotlib.pyplot as plt
+
+    from cflib.lab.compare import CompareParams, compare, plot_curves
+
+    folders = {name: runs[name][0] for name in ("plain", "distilled")}
+    comparison = compare(CompareParams.from_dict({"runs": [str(folder) for folder in folders.values()],
+                                                  "out_dir": str(tmp_path / "comparison")}))
+    figure = plot_curves(comparison)
+    by_step = figure.axes[0]
+    plain_line, distilled_line = by_step.get_lines()
+    assert list(plain_line.get_ydata()) == [row["loss"] for row in train_rows(folders["plain"])]
+    assert list(distilled_line.get_ydata()) == [row["ce_loss"] for row in train_rows(folders["distilled"])]
+    assert plain_line.get_label() == "plain" and "cross-entropy" in distilled_line.get_label()
+    assert "cross-entropy" in by_step.get_ylabel()
+    plt.close(figure)
