@@ -304,9 +304,12 @@ def held_out_set(run: RunView) -> dict | None:
 
 def _same_held_out(a: dict, b: dict) -> bool:
     """Two runs evaluated the same examples: as many, from the same eval shard (by its files' digest where both
-    records hold one, else by root) or the same sources. What overlong_examples: drop left out shows in the count."""
+    records hold one, else by root) or the same sources, overlong_examples: drop having left out as many of each
+    partition (a mixture's sources, named by root alone, may have been converted again in between). Not seq_len:
+    drop keeps the examples of at most seq_len tokens, so as many left out of the same examples at another seq_len
+    are the same ones."""
     where = "shard" if a["shard"] and b["shard"] else "roots"
-    return a["examples"] == b["examples"] and a[where] == b[where]
+    return a["examples"] == b["examples"] and a[where] == b[where] and a["dropped"] == b["dropped"]
 
 
 def describe_held_out(held: dict) -> str:

@@ -208,3 +208,24 @@ def test_runs_evaluated_on_different_held_out_sets_are_said_to_be(tmp_path):
     shards = compared("long", "other_data")
     assert shards.held_out_differs and shards.held_out["other_data"]["examples"] == 8
     assert shards.held_out["other_data"]["shard"] != digest
+
+
+def test_equal_counts_of_a_mixture_that_left_out_other_examples_are_other_held_out_sets():
+    """A mixture's records name its sources by root alone: two runs of as many eval examples whose drop took them
+    from other sources (a source converted again in place between them) evaluated other examples."""
+    from types import SimpleNamespace
+
+    from cflib.lab.compare import _same_held_out, held_out_set
+
+    def record(dropped: dict, seq_len: int) -> SimpleNamespace:
+        partitions = {name: {"examples": 6, "dropped": count, "kept": 6 - count, "longest": 80}
+                      for name, count in dropped.items()}
+        data = {"root": "/data/a", "eval_examples": 10, "overlong": {"seq_len": seq_len, "partitions": partitions},
+                "mixture": {"sources": [{"root": "/data/a"}, {"root": "/data/b"}]}}
+        return SimpleNamespace(record={"data": data}, complete=True)
+
+    first = held_out_set(record({"eval (a)": 2, "train (a)": 1}, 64))
+    assert not _same_held_out(first, held_out_set(record({"eval (b)": 2, "train (a)": 1}, 64)))
+    # What drop leaves out of one set of examples follows from their lengths: as many left out at another seq_len
+    # are the same ones (no example lies between the two), the same held-out set.
+    assert _same_held_out(first, held_out_set(record({"eval (a)": 2, "train (a)": 3}, 48)))
