@@ -5,8 +5,8 @@ its own final hidden states through its own tied head), r the ratio and tau the 
 
     loss = sum_i w_i [(1 - r) CE_i + r tau^2 KL_i],   KL_i = KL(softmax(t_i / tau) || softmax(s_i / tau))
 
-the forward KL from the teacher's distribution to the student's (Hinton et al. 2015; at tau 1 the KL of torchtune's
-ForwardKLLoss, which leaves out the teacher's entropy, a constant, and of TRL's GKD with beta 0). CE_i is the SFT
+the forward KL from the teacher's distribution to the student's (Hinton et al. 2015; at tau 1 torchtune's ForwardKLLoss,
+the teacher's cross-entropy against the student, less the teacher's entropy, a constant; TRL's GKD with beta 0). CE_i is the SFT
 cross-entropy, sg(p) CE_i under DFT (cflib.ops.loss); w_i a token's weight under 2-D weighting, else 1. tau^2 keeps
 the KL term's gradient, (q_i - p_i) tau, the size of the cross-entropy's whatever tau. The caller divides the sum by
 the step's supervised tokens (or weighted mass), as it divides the cross-entropy's.

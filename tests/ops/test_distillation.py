@@ -89,6 +89,19 @@ def test_the_terms_are_the_cross_entropy_and_the_kl_and_make_the_loss():
     assert not loss.last_terms.requires_grad
 
 
+def test_at_temperature_1_the_kl_is_torchtune_s_forward_kl_loss_less_the_teacher_s_entropy():
+    """torchtune's ForwardKLLoss sums -p log q, the teacher's cross-entropy against the student: the KL and the
+    teacher's entropy, which takes no gradient."""
+    raw, teacher, labels = problem(6, weighted=False)
+    loss = DistillationLoss(1.0, 1.0)
+    loss(raw["hidden"], raw["head"], teacher["teacher_hidden"], teacher["teacher_head"], labels, 4, True)
+    supervised = labels != IGNORE_INDEX
+    log_q = F.log_softmax((raw["hidden"] @ raw["head"].t())[supervised].double(), -1)
+    log_p = F.log_softmax((teacher["teacher_hidden"] @ teacher["teacher_head"].t())[supervised].double(), -1)
+    forward_kl_loss, entropy = -(log_p.exp() * log_q).sum(), -(log_p.exp() * log_p).sum()
+    torch.testing.assert_close(loss.last_terms[1].double(), forward_kl_loss - entropy, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("dft", [False, True], ids=["ce", "dft"])
 def test_at_ratio_0_the_loss_and_its_gradients_are_the_chunked_cross_entropy_s_bit_for_bit(weighted, dft):
