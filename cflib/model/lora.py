@@ -411,6 +411,17 @@ def describe(model: nn.Module) -> dict:
             "base_parameters": total - adapter}
 
 
+def base_bytes(config: ModelConfig, base_dtype: str = "float32") -> int:
+    """The bytes of a model of `config` held as attach_lora holds a frozen base, without building it: its layers'
+    matrices in base_dtype, its embeddings (the tied head) and norms in float32 (a distillation teacher is held so
+    too: cflib.train.teacher)."""
+    d = config.hidden_size
+    norms = config.num_hidden_layers * (2 * d + (2 * config.head_dim if config.use_qk_norm else 0)) + d
+    embeddings = config.vocab_size * d
+    matrices = config.num_parameters() - norms - embeddings
+    return BASE_DTYPES[base_dtype].itemsize * matrices + 4 * (norms + embeddings)
+
+
 def adapter_parameter_count(config: ModelConfig, settings: LoraSettings) -> int:
     """Trainable parameters LoRA adds to a model of `config`, without building it."""
     d, hd = config.hidden_size, config.head_dim

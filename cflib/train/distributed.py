@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cflib.model.config import ModelConfig
+from cflib.model.lora import base_bytes
 
 # fp32 weights + fp32 gradients + AdamW's two fp32 moments.
 TRAINING_BYTES_PER_PARAM = 16
@@ -114,7 +115,7 @@ def training_state_bytes(config: ModelConfig, weights: dict | None = None, optim
     """The bytes of the whole model's weights and optimizer state, and the bytes each weight is stored in: 16 B
     per trainable parameter (fp32 weights, grads, AdamW moments). `weights` ({trainable_params, frozen_params,
     frozen_dtype, frozen_by}; None: every weight trains) splits them: a frozen weight (a LoRA run's base, or what
-    frozen_modules freezes) is held at 4 B per parameter (2 in bfloat16), with no gradient and no moments.
+    frozen_modules freezes) is held as frozen_bytes says, with no gradient and no moments.
     `optimizer` (cflib.train.optimizer_choice.optimizer_memory; None: AdamW): another optimizer's state, in bytes
     (`state_bytes`), in place of AdamW's moments: 8 B per trainable parameter, then, and that state."""
     per_param, state = ((TRAINING_BYTES_PER_PARAM, 0) if optimizer is None else
@@ -122,7 +123,16 @@ def training_state_bytes(config: ModelConfig, weights: dict | None = None, optim
     if weights is None:
         return per_param * config.num_parameters() + state, GATHERED_BYTES_PER_PARAM
     stored = 2 if weights["frozen_dtype"] == "bfloat16" else 4
-    return stored * weights["frozen_params"] + per_param * weights["trainable_params"] + state, stored
+    return frozen_bytes(config, weights) + per_param * weights["trainable_params"] + state, stored
+
+
+def frozen_bytes(config: ModelConfig, weights: dict) -> int:
+    """The frozen weights' bytes as held: a LoRA run's base as attach_lora holds it (its layers' matrices in
+    base_dtype, its embeddings and norms in float32: cflib.model.lora.base_bytes, which counts a distillation
+    teacher too), what frozen_modules freezes at 4 B per parameter."""
+    if weights["frozen_by"] == "lora":
+        return base_bytes(config, weights["frozen_dtype"])
+    return 4 * weights["frozen_params"]
 
 
 def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int, bf16: bool, grad_ckpt: bool,
@@ -138,11 +148,13 @@ def memory_estimate(config: ModelConfig, micro_batch_per_rank: int, seq_len: int
     if weights is None:
         rule = f"{trained_bytes}/param ({kept})"
     else:
-        frozen = ("LoRA: frozen base" if weights["frozen_by"] == "lora" else
-                  f"{weights['frozen_by']}: frozen weights")
+        frozen = (f"LoRA: frozen base {frozen_bytes(config, weights):,} B ({weights['frozen_params']:,} parameters, "
+                  f"the layers' matrices in {weights['frozen_dtype']}, embeddings and norms in float32"
+                  if weights["frozen_by"] == "lora" else f"{weights['frozen_by']}: frozen weights {stored} B/param "
+                  f"({weights['frozen_params']:,} in {weights['frozen_dtype']}")
         trained = "adapter parameter" if weights["frozen_by"] == "lora" else "trainable parameter"
-        rule = (f"{frozen} {stored} B/param ({weights['frozen_params']:,} in {weights['frozen_dtype']}, no "
-                f"gradient, no moments) + {trained_bytes} per {trained} ({weights['trainable_params']:,}: {kept})")
+        rule = (f"{frozen}, no gradient, no moments) + {trained_bytes} per {trained} "
+                f"({weights['trainable_params']:,}: {kept})")
     if optimizer is not None:
         rule += f" + {optimizer['rule']}"
     per_unit = ACTIVATION_BYTES["grad_ckpt" if grad_ckpt else ("bf16" if bf16 else "fp32")]
@@ -169,17 +181,20 @@ def strategy_costs(config: ModelConfig, world_size: int, micro_steps: int, weigh
     `weights` as memory_estimate's: frozen weights are gathered in their dtype and carry no gradient (DDP's
     buckets and both strategies' reductions hold the trainable gradients alone); `optimizer` as memory_estimate's."""
     params = config.num_parameters()
-    root = config.vocab_size * config.hidden_size + config.hidden_size
-    per_layer = (params - root) // config.num_hidden_layers
+    # The root (the embeddings, also the tied head, and the final norm) is held in fp32 whatever the base's dtype;
+    # the layers as their weights are held (a LoRA run's BF16 base: its matrices in BF16, its norms in fp32).
+    root = 4 * (config.vocab_size * config.hidden_size + config.hidden_size)
+    layers = base_bytes(config, "float32" if weights is None else weights["frozen_dtype"]) - root
+    per_layer = layers // config.num_hidden_layers
     trainable = params if weights is None else weights["trainable_params"]
-    state, stored = training_state_bytes(config, weights, optimizer)
+    state, _ = training_state_bytes(config, weights, optimizer)
     share = (world_size - 1) / world_size
-    gathered_per_micro_step = stored * (2 * (params - root) + root)
+    gathered_per_micro_step = 2 * layers + root
     return {
         "world_size": world_size, "micro_steps": micro_steps,
         "ddp": {"state_bytes": state + DDP_BUCKET_BYTES_PER_PARAM * trainable,
                 "sent_bytes_per_step": round(2 * share * GATHERED_BYTES_PER_PARAM * trainable)},
-        "fsdp": {"state_bytes": round(state / world_size + stored * (root + 2 * per_layer)),
+        "fsdp": {"state_bytes": round(state / world_size + root + 2 * per_layer),
                  "sent_bytes_per_step": round(share * (micro_steps * gathered_per_micro_step
                                                        + GATHERED_BYTES_PER_PARAM * trainable))},
         "rule": "ring collectives; DDP: the state + 4 B/param of buckets, an fp32 all-reduce of the trainable "

@@ -24,6 +24,7 @@ from cflib.export.pull import HubStart, fetch_bundle, is_hub, resolve_start
 from cflib.model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint, load_config
 from cflib.model.config import ConfigError, ModelConfig
 from cflib.model.decoder import POSITION_KEYS, TRMoEModel
+from cflib.model.lora import base_bytes
 from cflib.ops.distillation import DistillationLoss
 from cflib.ops.sft_loss import LOSSES
 from cflib.paths import resolve_path
@@ -119,13 +120,10 @@ def teacher_config(params: TrainParams, student: ModelConfig) -> ModelConfig | N
 
 
 def teacher_bytes(config: ModelConfig, bf16: bool) -> int:
-    """A teacher's weights in memory: its layers' matrices in BF16 under bf16 (else FP32), its embeddings (the tied
-    head) and norms in FP32; no gradient, no optimizer state."""
-    d = config.hidden_size
-    norms = config.num_hidden_layers * (2 * d + (2 * config.head_dim if config.use_qk_norm else 0)) + d
-    embeddings = config.vocab_size * d
-    matrices = config.num_parameters() - norms - embeddings
-    return (2 if bf16 else 4) * matrices + 4 * (norms + embeddings)
+    """A teacher's weights in memory, held as a LoRA run's frozen base is (cflib.model.lora.base_bytes): its layers'
+    matrices in BF16 under bf16 (else FP32), its embeddings (the tied head) and norms in FP32; no gradient, no
+    optimizer state."""
+    return base_bytes(config, "bfloat16" if bf16 else "float32")
 
 
 def load_teacher(params: TrainParams, student: ModelConfig, hub: HubStart | None = None) -> Teacher | None:

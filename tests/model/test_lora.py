@@ -24,6 +24,7 @@ from cflib.model.lora import (
     adapter_parameter_count,
     adapter_state_dict,
     attach_lora,
+    base_bytes,
     lora_kernel_path,
     merge_adapters,
 )
@@ -421,3 +422,11 @@ def test_trainable_token_rows_feed_the_input_and_the_tied_head_and_merge():
     with torch.no_grad():
         torch.testing.assert_close(logits(base, ids), logits(model.eval(), ids), rtol=0, atol=1e-5)
         assert torch.equal(base.embed_tokens.weight[[3, 7, 11]], delta)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["no_qk_norm", "qk_norm"])
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16"])
+def test_base_bytes_are_the_frozen_base_s_bytes_as_attach_lora_holds_them(base_dtype, qk_norm):
+    model = attach_lora(TRMoEModel(tiny_config(use_qk_norm=qk_norm)), LoraSettings(rank=2, base_dtype=base_dtype))
+    frozen = [param for param in model.parameters() if not param.requires_grad]
+    assert base_bytes(model.config, base_dtype) == sum(param.numel() * param.element_size() for param in frozen)

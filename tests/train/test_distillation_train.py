@@ -271,3 +271,29 @@ def test_compare_runs_overlays_a_distilled_run_s_cross_entropy_beside_plain_runs
     assert plain_line.get_label() == "plain" and "cross-entropy" in distilled_line.get_label()
     assert "cross-entropy" in by_step.get_ylabel()
     plt.close(figure)
+
+
+def held_bytes(parameters) -> int:
+    return sum(parameter.numel() * parameter.element_size() for parameter in parameters)
+
+
+def test_a_bf16_lora_run_counts_its_base_and_its_teacher_byte_for_byte_as_it_holds_them(shard, tmp_path):
+    """The base in BF16 keeps its embeddings and norms in FP32, as the teacher does: both counted as held, the base
+    once among the frozen weights and once as the teacher (init: the base itself)."""
+    torch.manual_seed(5)
+    base = save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "base")
+    settings = run_params(shard, tmp_path / "run", init_checkpoint=str(base), full_parameter=False, lora_rank=4,
+                          base_dtype="bfloat16", bf16=True, teacher_checkpoint="init")
+    run = prepare(TrainParams.from_dict(settings))
+    frozen = [parameter for parameter in run.model.parameters() if not parameter.requires_grad]
+    trainable = [parameter for parameter in run.model.parameters() if parameter.requires_grad]
+    memory = run.memory_estimate
+    assert memory["model_and_optimizer_bytes"] == held_bytes(frozen) + 16 * sum(p.numel() for p in trainable)
+    assert memory["teacher_bytes"] == held_bytes(run.teacher.model.parameters()) == held_bytes(frozen)
+    # FSDP holds and gathers the base as it is held: its embeddings in FP32, a layer's matrices in BF16
+    root = held_bytes([run.model.embed_tokens.weight, run.model.norm.weight])
+    layer = held_bytes(p for p in run.model.layers[0].parameters() if not p.requires_grad)
+    two = batch_arithmetic(TrainParams.from_dict({**settings, "nproc_per_node": 2, "global_batch": 8}))
+    fsdp = two["memory_estimate"]["per_strategy"]["fsdp"]
+    state = memory["model_and_optimizer_bytes"]
+    assert fsdp["state_bytes"] == round(state / 2 + root + 2 * layer) + memory["teacher_bytes"]
