@@ -34,7 +34,7 @@ from cflib.train.registered import for_workers
 from cflib.train.resume_identity import ALLOWABLE, STREAM
 from cflib.train.run import pinned_hub_start, prepare, start_config
 from cflib.train.run_folder import check_entries_inside, read_run_record, refuse_mixing
-from cflib.train.teacher import INIT
+from cflib.train.teacher import INIT, init_teacher
 
 CURRICULUM_FILE, DRY_RUN_FILE = "curriculum.json", "dry_run.json"
 # What shaped a stage's training, whether the stage or the run set it: a stage that trained keeps them on resume, as
@@ -138,7 +138,7 @@ class CurriculumRun:
                 print(f"stage {stage.name}: killed before its first resumable checkpoint; it starts again, what "
                       f"it left kept in {set_aside(stage_dir)}")
         # teacher_checkpoint: init distils from the curriculum's start in every stage, not from the stage before's
-        teacher = self.params.init_checkpoint if stage.params.teacher_checkpoint == INIT else \
+        teacher = init_teacher(self.params.init_checkpoint) if stage.params.teacher_checkpoint == INIT else \
             stage.params.teacher_checkpoint
         params = replace(stage.params, init_checkpoint=start_from, resume=resume, teacher_checkpoint=teacher)
         params.validate()

@@ -28,6 +28,7 @@ from cflib.model.lora import base_bytes
 from cflib.ops.distillation import DistillationLoss
 from cflib.ops.sft_loss import LOSSES
 from cflib.paths import resolve_path
+from cflib.train.adapters import adapter_base
 from cflib.train.params import TEACHER_INIT as INIT
 from cflib.train.params import TrainParams
 
@@ -52,10 +53,19 @@ class Teacher:
 
 
 def teacher_spec(params: TrainParams) -> str | None:
-    """The checkpoint teacher_checkpoint names (`init`: init_checkpoint), or None without a teacher."""
+    """The checkpoint teacher_checkpoint names (`init`: init_teacher's), or None without a teacher."""
     if params.teacher_checkpoint == INIT:
-        return params.init_checkpoint
+        return init_teacher(params.init_checkpoint)
     return params.teacher_checkpoint
+
+
+def init_teacher(init_checkpoint: str | None) -> str | None:
+    """The model `teacher_checkpoint: init` names: init_checkpoint, or where it holds a LoRA run's adapters, the base
+    they adapt (a teacher is a full model, and a LoRA run's start to keep close to is its frozen base)."""
+    if init_checkpoint is None or is_hub(init_checkpoint):  # a Hub bundle is a model, never adapters
+        return init_checkpoint
+    folder = resolve_path(init_checkpoint)
+    return adapter_base(folder)["path"] if is_adapter_checkpoint(folder) else init_checkpoint
 
 
 def pinned_teacher(params: TrainParams, state: dict | None = None) -> tuple[TrainParams, HubStart | None]:
@@ -81,7 +91,9 @@ def _folder(params: TrainParams, weights: bool) -> Path:
     hold a full model; ParamError naming teacher_checkpoint otherwise."""
     spec = teacher_spec(params)
     named = f"teacher_checkpoint {params.teacher_checkpoint}" + (
-        f" (init_checkpoint {spec})" if params.teacher_checkpoint == INIT else "")
+        f" (init_checkpoint {params.init_checkpoint}" + ("" if spec == params.init_checkpoint else
+                                                         f", its adapters' base {spec}") + ")"
+        if params.teacher_checkpoint == INIT else "")
     try:
         folder = fetch_bundle(spec, weights=weights) if is_hub(spec) else resolve_path(spec)
     except (CheckpointError, ConfigError) as err:

@@ -113,6 +113,26 @@ def test_a_lora_run_keeps_close_to_its_base_with_init(shard, tmp_path):
     assert record["params_trainable"] == record["lora"]["adapter_parameters"]
 
 
+def test_a_lora_run_from_adapters_distils_from_their_base_with_init(shard, tmp_path):
+    """init is the base the adapters train on, never the adapted model: adapters that trained start away from it."""
+    torch.manual_seed(5)
+    base = save_checkpoint(TRMoEModel(preset("smoke")), tmp_path / "base")
+    lora = {"full_parameter": False, "lora_rank": 4, "eval_at_start": False}
+    train(run_params(shard, tmp_path / "first", init_checkpoint=str(base), max_steps=2, **lora), progress=False)
+    adapters = tmp_path / "first" / "checkpoints" / "epoch-1"
+    record = train(run_params(shard, tmp_path / "second", init_checkpoint=str(adapters), teacher_checkpoint="init",
+                              distill_ratio=0.3, max_steps=1, **lora), progress=False)
+    assert record["execution_plan"]["distill"]["teacher"]["checkpoint"] == str(base.resolve())
+    assert record["params"]["teacher_checkpoint"] == "init" and record["lora"]["base"]["path"] == str(base.resolve())
+    (row,) = train_rows(tmp_path / "second")
+    assert row["kl_loss"] > 0  # the adapters' B left 0 in the first run: the adapted model is not its base
+    stages = [{"name": "close", "max_steps": 1, "teacher_checkpoint": "init", "distill_ratio": 0.3}]
+    record = train(run_params(shard, tmp_path / "curriculum", init_checkpoint=str(adapters), **lora,
+                              curriculum=str(write_curriculum(tmp_path / "c.yaml", stages))), progress=False)
+    (stage,) = (json.loads(Path(stage["record"]).read_text()) for stage in record["curriculum"]["stages"])
+    assert stage["execution_plan"]["distill"]["teacher"]["checkpoint"] == str(base.resolve())
+
+
 def test_a_bf16_run_holds_its_teacher_s_matrices_in_bf16_and_counts_them(shard, teacher, tmp_path):
     params = TrainParams.from_dict(run_params(shard, tmp_path / "run", teacher_checkpoint=str(teacher), bf16=True))
     run = prepare(params)
