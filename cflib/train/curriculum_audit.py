@@ -29,6 +29,7 @@ from cflib.train.run import (
     visible_supervised,
 )
 from cflib.train.run_data import Partition, RunData, kept_data, open_data
+from cflib.train.teacher import teacher_config
 
 
 def _weighting(stage: Stage, kept: Partition, mixture: MixturePlan | None) -> dict:
@@ -84,7 +85,8 @@ def audit_stage(stage: Stage, config: ModelConfig) -> dict:
             "steps_per_epoch": steps_per_epoch, "total_steps": schedule.total_steps,
             **schedule.record(),
             "lr": p.lr, "max_task_loss_weight": p.max_task_loss_weight,
-            "memory_estimate": memory_figures(config, p, resolve_device(p.device)), **weighting}
+            "memory_estimate": memory_figures(config, p, resolve_device(p.device), teacher=teacher_config(p, config)),
+            **weighting}
 
 
 def audit(curriculum: Curriculum, config: ModelConfig, stop_at_first: bool) -> list[dict]:

@@ -204,7 +204,7 @@ class Run:
 
     def _teacher_line(self) -> str:
         p, teacher = self.params, self.teacher
-        return (f"teacher      {teacher.spec}: {teacher.model.config.num_parameters():,} parameters, frozen "
+        return (f"teacher      {teacher.spec}: {teacher.config.num_parameters():,} parameters, frozen "
                 f"({_size(self.memory_estimate['teacher_bytes'])} a rank); loss (1 - {p.distill_ratio:g}) x "
                 f"cross-entropy + {p.distill_ratio:g} x {p.distill_temperature:g}^2 x KL(teacher || student)")
 
@@ -328,8 +328,9 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
         raise ParamError("curriculum and dry_run are prepared by cflib.train.prepare_job, stage by stage")
     params = with_adapter_settings(params)
     dist = dist or DistContext()
+    launches = params.world_size > 1 and not dist.active  # this process starts torchrun's workers, which train
     # First: a registered loss or metric the workers could not import refuses the run before anything is opened.
-    worker_imports = for_workers(params) if params.world_size > 1 and not dist.active else None
+    worker_imports = for_workers(params) if launches else None
     device = resolve_device(params.device, dist.local_rank)
     check_processes_and_device(params, dist, device)
     if params.out_dir is not None and dist.is_main:  # first: a live run's checkpoints are still changing
@@ -355,8 +356,8 @@ def prepare(params: TrainParams, dist: DistContext | None = None) -> Run:
     start = starting_model(params, hub)
     params, model, lora, resume_state = start.params, start.model, start.lora, start.resume_state
     config = model.config
-    params, teacher = start_teacher(params, resume_state, config)
-    estimate = memory_figures(config, params, device, model)
+    params, teacher = start_teacher(params, resume_state, config, weights=not launches)
+    estimate = memory_figures(config, params, device, model, None if teacher is None else teacher.config)
     strategy = choose_strategy(params.strategy, estimate) if params.world_size > 1 else "single"
     plan = plan_execution(params, model, strategy, device, None if teacher is None else teacher.describe())
     apply_to_model(model, plan, None if teacher is None else teacher.model)
@@ -606,7 +607,7 @@ def batch_arithmetic(params: TrainParams) -> dict:
     # Packed, the windows are fewer than the examples: prepare() checks the batch against them.
     steps_per_epoch, schedule = schedule_steps(train_examples, params, "train examples")
     device = resolve_device(params.device)
-    estimate = memory_figures(config, params, device)
+    estimate = memory_figures(config, params, device, teacher=teacher_config(params, config))
     return {"model": source, "params_total": config.num_parameters(), "world_size": params.world_size,
             "grad_accum": params.grad_accum,
             "tokens_per_step": params.global_batch * params.seq_len, "train_examples": train_examples,
@@ -660,11 +661,10 @@ def schedule_signature(run: Run) -> dict:
 
 
 def memory_figures(config: ModelConfig, params: TrainParams, device: torch.device,
-                   model: TRMoEModel | None = None) -> dict:
+                   model: TRMoEModel | None = None, teacher: ModelConfig | None = None) -> dict:
     """The memory estimate: a LoRA run's adapters and frozen_modules' trainable weights take the 16 B/param of
     training, the frozen weights their storage alone (counted on `model` where built: cflib.train.freezing); with a
-    teacher, its weights too, its config.json read and checked against `config` here
-    (cflib.train.teacher.teacher_config)."""
+    `teacher` (its config, read and checked by cflib.train.teacher.teacher_config), its weights too."""
     settings = params.lora_settings()
     weights = (frozen_weights(params.frozen_modules, params.frozen_layers, config, model) if settings is None else
                {"trainable_params": adapter_parameter_count(config, settings),
@@ -674,7 +674,6 @@ def memory_figures(config: ModelConfig, params: TrainParams, device: torch.devic
                                device_memory_bytes(device), weights=weights, optimizer=optimizer)
     if params.world_size > 1:
         estimate["per_strategy"] = strategy_costs(config, params.world_size, params.grad_accum, weights, optimizer)
-    teacher = teacher_config(params, config)
     return estimate if teacher is None else with_teacher(estimate, teacher_bytes(teacher, params.bf16))
 
 

@@ -35,21 +35,22 @@ from cflib.train.params import TrainParams
 
 @dataclass
 class Teacher:
-    """A loaded teacher and where it comes from."""
+    """A teacher, where it comes from, and its weights where this process computes with them."""
 
-    model: TRMoEModel
+    model: TRMoEModel | None  # None in the launcher of torchrun's workers: they load it, it plans from config.json
     spec: str  # the checkpoint teacher_checkpoint resolves to: a folder, or a Hub bundle pinned to its commit
-    folder: Path  # where its weights were read (a Hub bundle's: in the Hugging Face cache)
+    folder: Path  # where its weights are read (a Hub bundle's: in the Hugging Face cache)
     hub: HubStart | None
+    config: ModelConfig  # its config.json, checked against the student (teacher_config)
+    matrices_dtype: str  # its layers' matrices as held: bfloat16 under bf16, else float32
 
     def describe(self) -> dict:
         """What the execution plan and the record say of it."""
-        config = self.model.config
-        dtype = next(p.dtype for p in self.model.layers.parameters() if p.dim() >= 2)
+        config = self.config
         return {"checkpoint": self.spec, "folder": str(self.folder),
                 "hub_start": None if self.hub is None else self.hub.record(), "params": config.num_parameters(),
                 "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
-                "head_dim": config.head_dim, "matrices_dtype": str(dtype).removeprefix("torch.")}
+                "head_dim": config.head_dim, "matrices_dtype": self.matrices_dtype}
 
 
 def teacher_spec(params: TrainParams) -> str | None:
@@ -138,13 +139,18 @@ def teacher_bytes(config: ModelConfig, bf16: bool) -> int:
     return base_bytes(config, "bfloat16" if bf16 else "float32")
 
 
-def load_teacher(params: TrainParams, student: ModelConfig, hub: HubStart | None = None) -> Teacher | None:
+def load_teacher(params: TrainParams, student: ModelConfig, hub: HubStart | None = None, weights: bool = True
+                 ) -> Teacher | None:
     """The teacher's weights (checked as init_checkpoint's are), frozen and in eval mode, on the CPU (prepare moves
-    it with the model); None without a teacher. hub: the commit pinned_teacher pinned a Hub teacher to."""
+    it with the model); None without a teacher. hub: the commit pinned_teacher pinned a Hub teacher to. Without
+    `weights` (the launcher of torchrun's workers, which load them) none is read: its config.json alone, checked,
+    and a Hub teacher's files fetched for the workers."""
     config = teacher_config(params, student)
     if config is None:
         return None
     folder = _folder(params, weights=True)
+    if not weights:
+        return Teacher(None, teacher_spec(params), folder, hub, config, "bfloat16" if params.bf16 else "float32")
     try:
         model = load_checkpoint(folder)
     except (CheckpointError, ConfigError) as err:
@@ -156,15 +162,16 @@ def load_teacher(params: TrainParams, student: ModelConfig, hub: HubStart | None
         for param in model.layers.parameters():
             if param.dim() >= 2:
                 param.data = param.data.to(torch.bfloat16)
-    return Teacher(model.eval(), teacher_spec(params), folder, hub)
+    dtype = next(param.dtype for param in model.layers.parameters() if param.dim() >= 2)
+    return Teacher(model.eval(), teacher_spec(params), folder, hub, config, str(dtype).removeprefix("torch."))
 
 
-def start_teacher(params: TrainParams, state: dict | None, student: ModelConfig
+def start_teacher(params: TrainParams, state: dict | None, student: ModelConfig, weights: bool = True
                   ) -> tuple[TrainParams, Teacher | None]:
     """The run's teacher, pinned (pinned_teacher; `state`: the trainer state a resume continues) and loaded
-    (load_teacher); `params` naming its pinned commit."""
+    (load_teacher; without `weights`, its config alone); `params` naming its pinned commit."""
     params, hub = pinned_teacher(params, state)
-    return params, load_teacher(params, student, hub)
+    return params, load_teacher(params, student, hub, weights)
 
 
 def distillation_loss(params: TrainParams) -> DistillationLoss | None:

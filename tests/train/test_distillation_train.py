@@ -317,3 +317,29 @@ def test_a_bf16_lora_run_counts_its_base_and_its_teacher_byte_for_byte_as_it_hol
     fsdp = two["memory_estimate"]["per_strategy"]["fsdp"]
     state = memory["model_and_optimizer_bytes"]
     assert fsdp["state_bytes"] == round(state / 2 + root + 2 * layer) + memory["teacher_bytes"]
+
+
+def test_prepare_reads_the_teacher_s_config_once_and_a_launcher_plans_from_it_alone(shard, teacher, tmp_path,
+                                                                                      monkeypatch):
+    """The config.json of the teacher is read and checked once; the launcher of torchrun's workers, which train,
+    loads none of its weights: it plans and estimates from the config."""
+    import cflib.train.teacher as teacher_module
+
+    reads = []
+    read_config = teacher_module.load_config
+    monkeypatch.setattr(teacher_module, "load_config", lambda folder: reads.append(folder) or read_config(folder))
+    run = prepare(TrainParams.from_dict(run_params(shard, tmp_path / "one", teacher_checkpoint=str(teacher))))
+    assert reads == [teacher] and run.teacher.model is not None
+
+    def no_weights(folder):
+        raise AssertionError(f"the launcher loaded {folder}")
+
+    monkeypatch.setattr(teacher_module, "load_checkpoint", no_weights)
+    launcher = prepare(TrainParams.from_dict(run_params(shard, tmp_path / "two", teacher_checkpoint=str(teacher),
+                                                        nproc_per_node=2, bf16=True)))
+    assert launcher.launches_workers and launcher.teacher.model is None
+    config = preset("smoke")
+    assert launcher.memory_estimate["teacher_bytes"] == teacher_bytes(config, bf16=True)
+    described = launcher.plan.distill["teacher"]
+    assert (described["params"], described["matrices_dtype"]) == (config.num_parameters(), "bfloat16")
+    assert f"teacher      {teacher}: {config.num_parameters():,} parameters" in launcher.describe()
