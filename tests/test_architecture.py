@@ -6,8 +6,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 from cflib.paths import project_root
 
 PACKAGE = project_root() / "cflib"
@@ -365,12 +363,10 @@ def pyflakes_warnings(paths: list[Path]) -> list[str]:
 
 
 def test_pyflakes_finds_nothing_in_the_package_its_tests_or_the_benchmarks():
-    pytest.importorskip("pyflakes")
     assert pyflakes_warnings([PACKAGE, TESTS, BENCHMARKS]) == []
 
 
 def test_the_pyflakes_check_finds_a_redefinition_and_honours_noqa(tmp_path):
-    pytest.importorskip("pyflakes")
     (tmp_path / "m.py").write_text("import os  # noqa: F401\nimport sys\n\n\ndef f():\n    g = 1\n\n    def g():\n"
                                    "        return 2\n    return 3\n")
     found = pyflakes_warnings([tmp_path])

@@ -3,11 +3,15 @@ JupyterLab, a browser or a run it kills must carry the mark (pyproject.toml regi
 would slowly become `make test`.
 
 A test starts one when its own code does, or a function or fixture of its module that it calls or takes does.
+
+A test that skips where a package is missing (pytest.importorskip) names one that `make setup` and environment.yml
+install, or it would never run on a fresh install.
 """
 from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 from cflib.paths import project_root
@@ -83,3 +87,30 @@ def test_the_check_finds_slow_tests_through_helpers_and_fixtures(tmp_path):
     path.write_text("import pytest\npytestmark = pytest.mark.slow\n\n"
                     "def test_direct():\n    subprocess.Pop" "en(['x'])\n")
     assert unmarked_slow_tests(path) == []
+
+
+SKIPPED_WITHOUT = re.compile(r"importorskip\(\s*[\"']([\w.]+)[\"']")
+
+
+def _distribution(requirement: str) -> str:
+    """A requirement's distribution as an import name compares with it: lower case, `-` for `_` and `.`."""
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)).lower()
+
+
+def installed_by(extras: list[str]) -> set[str]:
+    """The distributions cflib's dependencies and `extras` install."""
+    project = tomllib.loads((project_root() / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in extras for r in project["optional-dependencies"][extra]]
+    return {_distribution(requirement) for requirement in requirements}
+
+
+def test_a_test_skips_only_without_a_package_that_set_up_installs():
+    makefile = re.search(r'pip install .*-e "\.\[([\w,]+)\]"', (project_root() / "Makefile").read_text())
+    environment = re.search(r"-e \.\[([\w,]+)\]", (project_root() / "environment.yml").read_text())
+    files = sorted(TESTS.rglob("*.py")) + sorted(BENCHMARK_TESTS.rglob("*.py"))
+    skipped = {module.split(".")[0] for path in files for module in SKIPPED_WITHOUT.findall(path.read_text())}
+    assert "transformers" in skipped, "no importorskip found"
+    for where, found in (("the Makefile's setup", makefile), ("environment.yml", environment)):
+        assert found, f"{where} installs no extras of the project"
+        missing = sorted(m for m in skipped if _distribution(m) not in installed_by(found.group(1).split(",")))
+        assert not missing, f"tests skip without {missing}, which {where} never installs: add to the test extra"
