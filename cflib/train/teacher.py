@@ -6,7 +6,8 @@ student's, its weights loaded frozen, and what they cost a rank's memory.
 identity and torchrun's workers name that commit), or `init`: the run's `init_checkpoint` itself (a curriculum's,
 whichever stage), KL to the starting model against forgetting; for a LoRA run that is the base its adapters train on.
 The teacher is a full model of the student's vocabulary (its size is checked from its config.json before any
-weight is read; the architecture may differ: a larger teacher), with at least the run's seq_len positions. It is
+weight is read; the architecture may differ: a larger teacher), with at least the run's seq_len positions (`init` takes the run's rope_scaling, rope_theta and
+max_position_embeddings, as the student's start does). It is
 held frozen, in eval mode, its layers' matrices in BF16 where the run trains in BF16 (its embeddings, which are its
 tied head, and its norms in FP32, as a LoRA run's frozen base), on the run's device, with the run's kernels; every
 rank holds a whole copy (DDP and FSDP alike), which the memory estimate counts (teacher_bytes).
