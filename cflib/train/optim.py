@@ -39,6 +39,12 @@ TABLES_KEPT = 32  # address tables cached per optimizer: one per group and set o
 # 2-D matrices, AdamW on the rest: MuonWithAdamW).
 OPTIMIZERS = ("adamw", "adafactor", "muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")  # torch's Muon's adjust_lr_fn
+# torch's Adafactor steps a tensor by max(eps[1], RMS(tensor)) x min(lr, 1/sqrt(step)) x its clipped update. Its
+# default eps[1], 1e-3, makes the step relative to the tensor's RMS: a LoRA B matrix, zero at first, would move by
+# 1e-3 x lr, and weight decay (lr x weight_decay a step) would outweigh a step of lr x RMS. eps[1] = 1 makes lr the
+# step's size for every tensor of RMS at most 1, as transformers' `optim: adafactor` (relative_step=False,
+# scale_parameter=False) reads it; eps[0] None: torch's default (the dtype's machine epsilon).
+ADAFACTOR_EPS = (None, 1.0)
 EMBEDDING_PREFIX = "embed_tokens."  # the token embedding (the tied head), or LoRA's trainable rows of it
 
 
@@ -335,11 +341,11 @@ def make_optimizer(model: torch.nn.Module, settings: AdamWSettings, fused: bool 
                    triton: bool = False) -> torch.optim.Optimizer:
     """The optimizer settings.optimizer names over the model's trainable parameters in named groups: AdamW,
     torch's (its fused kernel with `fused`) or with `triton` cflib's kernel (the execution plan says which:
-    cflib.train.execution); torch's Adafactor (lr: the cap of its relative step; its other settings torch's
-    defaults); or torch's Muon with torch's AdamW (fused with `fused`) on the weights Muon does not step."""
+    cflib.train.execution); torch's Adafactor, its lr the step's size (ADAFACTOR_EPS); or torch's Muon with
+    torch's AdamW (fused with `fused`) on the weights Muon does not step."""
     groups = parameter_groups(model, settings)
     if settings.optimizer == "adafactor":
-        return torch.optim.Adafactor(groups, lr=settings.lr, weight_decay=settings.weight_decay)
+        return torch.optim.Adafactor(groups, lr=settings.lr, weight_decay=settings.weight_decay, eps=ADAFACTOR_EPS)
     if settings.optimizer == "muon":
         return MuonWithAdamW(groups, settings, fused=fused)
     if triton:

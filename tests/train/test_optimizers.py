@@ -33,8 +33,8 @@ from cflib.train.records import read_metrics
 RUN = {"model": "smoke", "device": "cpu", "seq_len": 64, "micro_batch_per_rank": 8, "global_batch": 8, "max_steps": 6,
        "warmup_ratio": 0.0, "lr_schedule": "constant", "eval_at_start": False, "exact_match_limit": 0,
        "save_checkpoints": False}
-# Adafactor's lr caps its relative step (a weight moves by about lr x its tensor's RMS): ten times AdamW's here.
-LR = {"adafactor": 0.1, "muon": 1e-2}
+# Ten times the default lr: enough for six steps to lower the loss well (Adafactor reads lr as AdamW does).
+LR = {"adafactor": 1e-2, "muon": 1e-2}
 SETTINGS = {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.95)}
 
 
@@ -123,6 +123,46 @@ def test_muon_with_adamw_steps_on_after_its_state_is_loaded_as_one_optimizer_wou
     assert weight_copies_writer("muon", "torch_fused", True) == (
         "refreshed from the masters after each step of torch's Muon + AdamW")
     assert weight_copies_writer("adamw", "cflib_adamw", True) == "cflib's AdamW kernel, as it steps each master"
+
+
+def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, count: int,
+           watched: torch.nn.Parameter | None = None) -> list[float]:
+    """`count` steps of the tiny model on random ids; the share of each step of `watched` that weight decay took:
+    lr x weight_decay x RMS(weight) (torch's AdamW and Adafactor both scale the weights by 1 - lr x weight_decay)
+    over the RMS of the whole step."""
+    shares = []
+    for seed in range(count):
+        torch.manual_seed(seed)
+        before = None if watched is None else watched.detach().clone()
+        model.train()(torch.randint(0, 50, (2, 8))).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if before is not None:
+            group = next(g for g in optimizer.param_groups if any(p is watched for p in g["params"]))
+            decay = group["lr"] * group["weight_decay"] * before.pow(2).mean().sqrt()
+            shares.append((decay / (watched.detach() - before).pow(2).mean().sqrt()).item())
+    return shares
+
+
+def test_adafactor_s_lr_is_its_step_as_adamw_s_is():
+    """Adafactor's lr is the size of its step, as in transformers' `optim: adafactor` (no step relative to the weight's
+    RMS): LoRA's B matrices, which start at zero, move as far as under AdamW at the same lr, and weight decay takes
+    a share of each step like AdamW's (relative steps sized it about 1/RMS(weight) times larger)."""
+    moved = {}
+    for name in ("adamw", "adafactor"):
+        model = attach_lora(tiny_model(), LoraSettings(rank=2, alpha=4.0, targets=("q_proj",)))
+        for parameter_name, parameter in model.named_parameters():
+            parameter.requires_grad_("lora_" in parameter_name)
+        _steps(model, make_optimizer(model, AdamWSettings(lr=2e-4, weight_decay=0.0, betas=(0.9, 0.95),
+                                                          optimizer=name)), 5)
+        moved[name] = model.layers[0].self_attn.q_proj.lora_B.weight.detach().pow(2).mean().sqrt().item()
+    assert 0.1 < moved["adafactor"] / moved["adamw"] < 10, moved
+    shares = {}
+    for name in ("adamw", "adafactor"):
+        model = tiny_model()
+        optimizer = make_optimizer(model, AdamWSettings(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), optimizer=name))
+        shares[name] = sum(_steps(model, optimizer, 5, model.layers[0].self_attn.q_proj.weight)) / 5
+    assert 0.2 < shares["adafactor"] / shares["adamw"] < 5, shares
 
 
 def test_the_default_is_torch_s_adamw_as_before():
