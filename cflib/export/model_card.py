@@ -357,12 +357,11 @@ def _training(meta: dict) -> str:
 RECIPE = ("full_parameter", "frozen_modules", "frozen_layers", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
           "lora_plus_ratio", "loss_type", "teacher_checkpoint", "distill_ratio", "distill_temperature", "epochs",
           "max_steps", "global_batch", "seq_len", "rope_scaling", "rope_theta", "max_position_embeddings",
-          "overlong_examples", "optimizer", "muon_momentum", "muon_adjust_lr", "lr", "embedding_lr_multiplier",
+          "overlong_examples", "optimizer", "muon_momentum", "lr", "embedding_lr_multiplier",
           "weight_decay", "adam_epsilon", "warmup_ratio", "warmup_steps", "lr_schedule", "min_lr_ratio",
           "lr_decay_ratio", "max_grad_norm", "bf16", "pack_sequences", "neftune_noise_alpha", "seed")
 RECIPE_DEFAULTS = {"loss_type": "sft_cross_entropy", "overlong_examples": "error", "adam_epsilon": 1e-8,
-                   "optimizer": "adamw", "muon_momentum": 0.95, "muon_adjust_lr": "match_rms_adamw",
-                   "embedding_lr_multiplier": 1.0}
+                   "optimizer": "adamw", "muon_momentum": 0.95, "embedding_lr_multiplier": 1.0}
 
 
 def _throughput(throughput: dict) -> str:

@@ -38,13 +38,15 @@ TABLES_KEPT = 32  # address tables cached per optimizer: one per group and set o
 # The optimizers `optimizer` names: torch's AdamW (or cflib's kernel of it), torch's Adafactor, torch's Muon (on the
 # 2-D matrices, AdamW on the rest: MuonWithAdamW).
 OPTIMIZERS = ("adamw", "adafactor", "muon")
-MUON_ADJUST_LR = ("match_rms_adamw", "original")  # torch's Muon's adjust_lr_fn
 # torch's Adafactor steps a tensor by max(eps[1], RMS(tensor)) x min(lr, 1/sqrt(step)) x its clipped update. Its
 # default eps[1], 1e-3, makes the step relative to the tensor's RMS: a LoRA B matrix, zero at first, would move by
 # 1e-3 x lr, and weight decay (lr x weight_decay a step) would outweigh a step of lr x RMS. eps[1] = 1 makes lr the
 # step's size for every tensor of RMS at most 1, as transformers' `optim: adafactor` (relative_step=False,
 # scale_parameter=False) reads it; eps[0] None: torch's default (the dtype's machine epsilon).
 ADAFACTOR_EPS = (None, 1.0)
+# torch's Muon's adjust_lr_fn: each matrix's update scaled to an RMS of 0.2, about an AdamW update's (Moonlight's
+# rule), so that one lr serves Muon's part and AdamW's (the embedding, the experts, the norms)
+MUON_ADJUST_LR = "match_rms_adamw"
 EMBEDDING_PREFIX = "embed_tokens."  # the token embedding (the tied head), or LoRA's trainable rows of it
 
 
@@ -130,7 +132,6 @@ class AdamWSettings:
     optimizer: str = "adamw"  # one of OPTIMIZERS
     embedding_lr_multiplier: float = 1.0
     muon_momentum: float = 0.95  # Muon's (torch's default)
-    muon_adjust_lr: str = "match_rms_adamw"  # Muon's adjust_lr_fn: its updates' RMS matched to AdamW's
 
 
 def steps_with_muon(name: str, dim: int) -> bool:
@@ -265,7 +266,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if chosen["muon"]:
             self.parts["muon"] = torch.optim.Muon(chosen["muon"], lr=settings.lr, weight_decay=settings.weight_decay,
                                                   momentum=settings.muon_momentum,
-                                                  adjust_lr_fn=settings.muon_adjust_lr)
+                                                  adjust_lr_fn=MUON_ADJUST_LR)
         if chosen["adamw"]:
             self.parts["adamw"] = torch.optim.AdamW(chosen["adamw"], lr=settings.lr, betas=settings.betas,
                                                     eps=settings.eps, fused=fused)

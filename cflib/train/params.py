@@ -25,7 +25,7 @@ from cflib.ops.attention import backend_names, packed_problem
 from cflib.ops.sft_loss import LOSSES, SFTLoss
 from cflib.schema import Params, coerce, composed, is_none_word, parsed_by
 from cflib.train.best_metric import BestMetric, resolve_best_metric
-from cflib.train.optim import MUON_ADJUST_LR, OPTIMIZERS, SCHEDULES
+from cflib.train.optim import OPTIMIZERS, SCHEDULES
 from cflib.yamlio import read_yaml
 
 if TYPE_CHECKING:
@@ -265,9 +265,6 @@ class Optimisation:
     # torch's Muon on the 2-D matrices with AdamW on every other weight
     optimizer: str = "adamw"
     muon_momentum: float = 0.95  # muon only: Muon's momentum (torch's default); the AdamW part keeps beta1, beta2
-    # muon only: torch's adjust_lr_fn, match_rms_adamw (Moonlight's: Muon's updates sized like AdamW's, so lr and
-    # weight_decay serve both parts) or original (Keller Jordan's: sqrt(max(1, rows / columns)), lr near 0.02)
-    muon_adjust_lr: str = "match_rms_adamw"
     warmup_ratio: float = 0.03
     warmup_steps: int | None = None  # warm-up steps; where set, warmup_ratio is unused
     lr_schedule: str = "cosine"  # after the warm-up: cosine | linear | constant | wsd (cflib.train.optim.SCHEDULES)
@@ -660,11 +657,8 @@ class TrainParams(composed(Model, Data, Schedule, Optimisation, Loss, Lora, Free
             raise ParamError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ParamError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
-        if self.muon_adjust_lr not in MUON_ADJUST_LR:
-            raise ParamError(f"muon_adjust_lr must be one of {', '.join(MUON_ADJUST_LR)}, got "
-                             f"{shown(self.muon_adjust_lr)}")
         # A setting the chosen optimizer does not read would do nothing: refused, as min_lr_ratio is without decay.
-        unread = (("muon_momentum", "muon_adjust_lr") if self.optimizer != "muon" else ()) + (
+        unread = (("muon_momentum",) if self.optimizer != "muon" else ()) + (
             ("beta1", "beta2", "adam_epsilon") if self.optimizer == "adafactor" else ())
         for name in unread:
             if getattr(self, name) != Optimisation.__dataclass_fields__[name].default:

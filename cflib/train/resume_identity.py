@@ -45,7 +45,7 @@ STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "o
           "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "rope_scaling", "rope_theta", "lr", "weight_decay", "beta1", "beta2", "adam_epsilon",
-             "muon_momentum", "muon_adjust_lr", "max_grad_norm", "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len",
+             "muon_momentum", "max_grad_norm", "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len",
              "loss_groups",
              "max_task_loss_weight", "full_parameter", "lora_rank", "lora_alpha", "lora_scaling", "lora_dora",
              "lora_dropout", "lora_targets", "base_dtype", "lora_trainable_tokens", "loss_type", "neftune_noise_alpha",
@@ -78,7 +78,6 @@ _DEFAULTS = {"pack_sequences": False, "loss_groups": None, "train_tasks": None, 
              "filters": None, "overlong_examples": "error", "expert_lr_multiplier": 1.0, "lora_lr_multiplier": 1.0,
              "lora_plus_ratio": None, "frozen_modules": None, "frozen_layers": None, "adam_epsilon": 1e-8,
              "optimizer": "adamw", "embedding_lr_multiplier": 1.0, "muon_momentum": 0.95,
-             "muon_adjust_lr": "match_rms_adamw",
              "early_stopping_patience": None,
              "examples_per_epoch": None, "mixture": None, "best_metric": "eval_loss", "greater_is_better": None,
              "lr_schedule": "cosine", "min_lr_ratio": 0.0, "lr_decay_ratio": None, "neftune_noise_alpha": None,

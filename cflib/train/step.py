@@ -101,7 +101,7 @@ def adamw_settings(params: TrainParams) -> AdamWSettings:
                          expert_lr_multiplier=params.expert_lr_multiplier, lora_lr_multiplier=params.lora_lr_multiplier,
                          lora_plus_ratio=params.lora_plus_ratio or 1.0, eps=params.adam_epsilon,
                          optimizer=params.optimizer, embedding_lr_multiplier=params.embedding_lr_multiplier,
-                         muon_momentum=params.muon_momentum, muon_adjust_lr=params.muon_adjust_lr)
+                         muon_momentum=params.muon_momentum)
 
 
 class TrainingStep:

@@ -216,7 +216,6 @@ def test_the_memory_estimate_counts_each_optimizer_s_state():
     ({"optimizer": "adafactor", "beta1": 0.8}, "beta1 0.8 is set, but optimizer: adafactor keeps no first moment"),
     ({"optimizer": "adafactor", "adam_epsilon": 1e-6}, "adam_epsilon 1e-06 is set, but optimizer: adafactor"),
     ({"muon_momentum": 0.9}, "muon_momentum 0.9 is set, but only optimizer: muon reads it"),
-    ({"optimizer": "muon", "muon_adjust_lr": "rms"}, "muon_adjust_lr must be one of match_rms_adamw, original"),
     ({"optimizer": "muon", "muon_momentum": 1.0}, "muon_momentum must be in [0, 1)"),
     ({"optimizer": "muon", "full_parameter": False, "init_checkpoint": "base"}, "LoRA trains low-rank factors"),
     ({"embedding_lr_multiplier": 0}, "embedding_lr_multiplier must be positive"),
