@@ -75,9 +75,12 @@ def test_each_optimizer_lowers_the_loss_and_the_record_says_what_stepped_what(tm
                                               ("muon", {"momentum_buffer"})])
 def test_a_resumed_run_continues_the_optimizer_s_state_to_the_uninterrupted_weights(tmp_path, optimizer, state):
     """The state is saved by parameter name beside the step-2 checkpoint and loaded back: steps 3 and 4 end where the
-    uninterrupted run's did (a fresh state would not: Muon's momentum, Adafactor's moments and step)."""
+    uninterrupted run's did (a fresh state would not: Muon's momentum, Adafactor's moments and step). The rate
+    changes at every step (a warm-up, then cosine) and the embedding's group has its own, so a step that read the
+    groups built before the state was loaded, not the loaded ones the schedule sets, would end elsewhere."""
     run = {**RUN, "optimizer": optimizer, "lr": LR[optimizer], "max_steps": 4, "save_checkpoints": True,
-           "save_every_steps": 2, "out_dir": str(tmp_path / "run")}
+           "save_every_steps": 2, "warmup_steps": 2, "lr_schedule": "cosine", "embedding_lr_multiplier": 0.5,
+           "out_dir": str(tmp_path / "run")}
     train(run, progress=False)
     whole = load_checkpoint(tmp_path / "run" / "checkpoints" / "last").state_dict()
     saved = torch.load(tmp_path / "run" / "checkpoints" / "step-2" / "trainer_state.pt", weights_only=True)
