@@ -129,11 +129,11 @@ def _check_choice(params: TrainParams, trainable: dict[str, torch.nn.Parameter],
         raise ParamError("optimizer: muon, but no weight that trains is a 2-D matrix Muon steps (the embedding, the "
                          "norms and the routed experts step AdamW): choose optimizer: adamw, or leave attention or "
                          "shared out of frozen_modules")
+    # A full-parameter run trains the embedding: TrainParams refuses the multiplier with frozen_modules freezing it.
     if params.embedding_lr_multiplier != 1.0 and not any(name.startswith(EMBEDDING_PREFIX) for name in trainable):
-        why = ("LoRA trains adapters on a frozen embedding (lora_trainable_tokens names embedding rows that train, at "
-               "lr x embedding_lr_multiplier)" if not params.full_parameter else "frozen_modules freezes it")
         raise ParamError(f"embedding_lr_multiplier {params.embedding_lr_multiplier:g} is set, but the token embedding "
-                         f"does not train: {why}; it would do nothing, remove it")
+                         "does not train: LoRA trains adapters on a frozen embedding (lora_trainable_tokens names "
+                         "embedding rows that train, at lr x embedding_lr_multiplier); it would do nothing, remove it")
 
 
 def describe_choice(choice: dict | None, implementation: str) -> str:
