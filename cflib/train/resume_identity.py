@@ -43,6 +43,9 @@ STREAM = ("seed", "global_batch", "pack_sequences", "train_tasks", "filters", "o
           "frozen_modules", "frozen_layers",
           "examples_per_epoch", "mixture",
           "lr_schedule", "min_lr_ratio", "lr_decay_ratio", "train_examples", "total_steps", "warmup_steps")
+# Of STREAM, what sets the optimizer's parameter groups (and so its saved state's), named as such when changed.
+GROUPS = ("expert_lr_multiplier", "lora_lr_multiplier", "embedding_lr_multiplier", "lora_plus_ratio",
+          "frozen_modules", "frozen_layers")
 # What changes the trajectory but could be changed on purpose: named in allow_resume_changes.
 ALLOWABLE = ("data", "model", "rope_scaling", "rope_theta", "lr", "weight_decay", "beta1", "beta2", "adam_epsilon",
              "muon_momentum", "max_grad_norm", "loss_chunk_tokens", "fp32_loss", "bf16", "seq_len",
@@ -219,9 +222,17 @@ def check_resumable(state: dict, run: Any, checkpoint_dir: Path) -> None:
                              f"partition of {run.data_root} differs from the one it continued (its shard manifest's "
                              "hashes differ, even if the example count is the same); resume with the same shard, "
                              "or set allow_resume_changes: data to continue on this one on purpose")
-        hint = ("a resumed run continues the same stream and schedule; start a new run (init_checkpoint) to "
-                "change them") if name in STREAM else (f"set allow_resume_changes: {name} to change it on purpose, "
-                                                       "or start a new run (init_checkpoint)")
+        if name == "optimizer":
+            hint = (f"the checkpoint's optimizer state is {then}'s, which {value} cannot continue; start a new run "
+                    "(init_checkpoint) to change the optimizer")
+        elif name in GROUPS:
+            hint = ("it sets the optimizer's parameter groups, which the checkpoint's optimizer state must match; "
+                    "start a new run (init_checkpoint) to change it")
+        elif name in STREAM:
+            hint = ("a resumed run continues the same stream and schedule; start a new run (init_checkpoint) to "
+                    "change them")
+        else:
+            hint = f"set allow_resume_changes: {name} to change it on purpose, or start a new run (init_checkpoint)"
         raise ParamError(f"{checkpoint_dir} was written with {name} {then}, this run has {value}"
                          f"{DERIVED_FROM.get(name, '')}: {hint}")
     if state["world_size"] != params.world_size and not params.allow_world_size_change:

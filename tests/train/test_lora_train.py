@@ -175,8 +175,8 @@ def test_resuming_across_full_and_lora_is_refused(tmp_path, shard, base):
     with pytest.raises(ParamError, match="trained with lora_scaling standard, this run has rslora"):
         train({**lora, "resume": "latest", "lora_scaling": "rslora"}, progress=False)
     # LoRA+'s ratio decides the optimizer's groups: fixed for a run (1 is off, as the run's None)
-    with pytest.raises(ParamError, match=r"written with lora_plus_ratio None, this run has 16.0: a resumed run "
-                                         r"continues the same stream and schedule"):
+    with pytest.raises(ParamError, match=r"written with lora_plus_ratio None, this run has 16.0: it sets the "
+                                         r"optimizer's parameter groups"):
         prepare(TrainParams.from_dict({**lora, "resume": "latest", "lora_plus_ratio": 16}))
     assert prepare(TrainParams.from_dict({**lora, "resume": "latest", "lora_plus_ratio": 1})).resume_state
     with pytest.raises(ParamError, match="holds LoRA adapters, not a model: merge"):
