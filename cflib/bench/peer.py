@@ -27,7 +27,7 @@ from cflib.train.held_out import autocast
 from cflib.train.optim import make_optimizer
 from cflib.train.params import TrainParams
 from cflib.train.run import resolve_schedule
-from cflib.train.step import adamw_settings
+from cflib.train.step import optimizer_settings
 
 
 class PathUnavailable(RuntimeError):
@@ -201,7 +201,7 @@ class PeerTrainer:
                  total_steps: int, compile_backend: str | None = None, compile_target: str = "model") -> None:
         self.model, self.params, self.device, self.data = model, params, device, data
         self.train_model = compile_peer(model, compile_target if compile_backend else "none", compile_backend)
-        self.optimizer = make_optimizer(model, adamw_settings(params), fused=device.type == "cuda")
+        self.optimizer = make_optimizer(model, optimizer_settings(params), fused=device.type == "cuda")
         schedule = resolve_schedule(params, total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: schedule.factor(step))
         self.staged: tuple[np.ndarray, dict[str, Any]] | None = None  # the next step's batch, collated (step_on)

@@ -36,7 +36,9 @@ class ExecutionPlan:
     """What every step of one run runs."""
 
     kernels: KernelChoice  # each module's implementation, the attention backend, quack's GEMMs
-    optimizer: str  # AdamW's (Muon's AdamW part's): "cflib_adamw" (cflib's kernel), "torch_fused" or "torch"
+    # How the chosen optimizer (optimizer_choice) steps: "cflib_adamw" (cflib's AdamW kernel), "torch_fused" (torch's
+    # fused AdamW, or under Muon its AdamW part's) or "torch" (unfused; always for Adafactor, which has no fused kernel)
+    optimizer: str
     weight_copies: bool  # the fused GEMMs read BF16 copies of their weights, written after each optimizer step
     head_copy: bool  # ... and the loss reads a BF16 copy of the tied head
     cuda_graphs: bool  # each micro-step replayed from CUDA graphs (cflib.train.graphs)

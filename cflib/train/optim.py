@@ -118,9 +118,10 @@ class LrSchedule:
 
 
 @dataclass(frozen=True)
-class AdamWSettings:
-    """The optimizer's hyperparameters (AdamW's unless `optimizer` names another), and the rates of the routed
-    experts, the LoRA adapters and the token embedding as multiples of lr."""
+class OptimizerSettings:
+    """The hyperparameters of the optimizer `optimizer` names (lr and weight_decay every optimizer's; betas and eps
+    AdamW's, and under Muon its AdamW part's; muon_momentum Muon's), and the rates of the routed experts, the LoRA
+    adapters and the token embedding as multiples of lr."""
 
     lr: float
     weight_decay: float
@@ -150,7 +151,7 @@ def lora_plus_side(name: str, parameter: torch.nn.Parameter) -> str:
     return "lora_B" if ".lora_B." in name or parameter.dim() == 1 else "lora_A"
 
 
-def _group_of(name: str, parameter: torch.nn.Parameter, settings: AdamWSettings) -> tuple[str, float]:
+def _group_of(name: str, parameter: torch.nn.Parameter, settings: OptimizerSettings) -> tuple[str, float]:
     """The parameter's group name and learning-rate multiplier."""
     # Norm gains are scale parameters; decaying them toward 0 fights the normalisation.
     parts = ["decay" if parameter.dim() >= 2 else "no_decay"]
@@ -260,7 +261,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     parameter name) and the record see one optimizer. torch's load_state_dict replaces the groups and the state, so
     each step hands the parts theirs anew."""
 
-    def __init__(self, groups: list[dict], settings: AdamWSettings, fused: bool = False) -> None:
+    def __init__(self, groups: list[dict], settings: OptimizerSettings, fused: bool = False) -> None:
         chosen = {name: [group for group in groups if group["optimizer"] == name] for name in ("muon", "adamw")}
         self.parts: dict[str, torch.optim.Optimizer] = {}
         if chosen["muon"]:
@@ -323,7 +324,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> str:
     return f"AdamW fused={optimizer.defaults.get('fused')}"
 
 
-def parameter_groups(model: torch.nn.Module, settings: AdamWSettings) -> list[dict]:
+def parameter_groups(model: torch.nn.Module, settings: OptimizerSettings) -> list[dict]:
     """The model's trainable parameters in named groups, each with its learning rate and weight decay."""
     groups: dict[str, dict] = {}
     for name, parameter in model.named_parameters():
@@ -338,7 +339,7 @@ def parameter_groups(model: torch.nn.Module, settings: AdamWSettings) -> list[di
     return list(groups.values())
 
 
-def make_optimizer(model: torch.nn.Module, settings: AdamWSettings, fused: bool = False,
+def make_optimizer(model: torch.nn.Module, settings: OptimizerSettings, fused: bool = False,
                    triton: bool = False) -> torch.optim.Optimizer:
     """The optimizer settings.optimizer names over the model's trainable parameters in named groups: AdamW,
     torch's (its fused kernel with `fused`) or with `triton` cflib's kernel (the execution plan says which:

@@ -42,7 +42,7 @@ from cflib.train.distributed import rank_share, wrap_model
 from cflib.train.graphs import GraphedMicroSteps
 from cflib.train.held_out import autocast
 from cflib.train.optim import (
-    AdamWSettings,
+    OptimizerSettings,
     TritonAdamW,
     clip_in_fused_step,
     make_optimizer,
@@ -95,13 +95,14 @@ class StepResult:
                 "supervised_tokens": self.supervised_tokens, "seconds": self.seconds, "skipped": not self.finite}
 
 
-def adamw_settings(params: TrainParams) -> AdamWSettings:
+def optimizer_settings(params: TrainParams) -> OptimizerSettings:
     """The few parameters the optimizer reads (AdamW's, or those of the one `optimizer` names)."""
-    return AdamWSettings(lr=params.lr, weight_decay=params.weight_decay, betas=(params.beta1, params.beta2),
-                         expert_lr_multiplier=params.expert_lr_multiplier, lora_lr_multiplier=params.lora_lr_multiplier,
-                         lora_plus_ratio=params.lora_plus_ratio or 1.0, eps=params.adam_epsilon,
-                         optimizer=params.optimizer, embedding_lr_multiplier=params.embedding_lr_multiplier,
-                         muon_momentum=params.muon_momentum)
+    return OptimizerSettings(lr=params.lr, weight_decay=params.weight_decay, betas=(params.beta1, params.beta2),
+                             expert_lr_multiplier=params.expert_lr_multiplier,
+                             lora_lr_multiplier=params.lora_lr_multiplier,
+                             lora_plus_ratio=params.lora_plus_ratio or 1.0, eps=params.adam_epsilon,
+                             optimizer=params.optimizer, embedding_lr_multiplier=params.embedding_lr_multiplier,
+                             muon_momentum=params.muon_momentum)
 
 
 class TrainingStep:
@@ -112,7 +113,7 @@ class TrainingStep:
         self.model, self.device, self.dist = run.model, run.device, run.dist
         # FSDP shards the model in place, so the optimizer is built after wrapping.
         self.train_model = wrap_model(self.model, run.strategy, self.dist, self.device)
-        self.optimizer = make_optimizer(self.model, adamw_settings(run.params),
+        self.optimizer = make_optimizer(self.model, optimizer_settings(run.params),
                                         fused=self.plan.optimizer == "torch_fused",
                                         triton=self.plan.optimizer == "cflib_adamw")
         # A lambda, not the bound method: LambdaLR's state dict keeps no state of a function (a checkpoint's

@@ -8,9 +8,9 @@ import torch
 from tiny_models import KERNEL_DEVICE, tiny_model
 
 from cflib.model.lora import LoraSettings, attach_lora
-from cflib.train.optim import AdamWSettings, describe_groups, make_optimizer
+from cflib.train.optim import OptimizerSettings, describe_groups, make_optimizer
 from cflib.train.params import TrainParams
-from cflib.train.step import adamw_settings
+from cflib.train.step import optimizer_settings
 
 LORA = {"full_parameter": False, "init_checkpoint": "some/checkpoint"}
 
@@ -21,7 +21,7 @@ def test_adam_epsilon_reaches_every_optimizer_and_its_step(implementation):
     that is half of lr, where the default epsilon would move it by all of lr."""
     layer = torch.nn.Linear(4, 3, bias=False, device=KERNEL_DEVICE)
     start = layer.weight.detach().clone()
-    settings = AdamWSettings(lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-3)
+    settings = OptimizerSettings(lr=0.1, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-3)
     optimizer = make_optimizer(layer, settings, fused=implementation == "torch_fused",
                                triton=implementation == "cflib_adamw")
     assert {group["eps"] for group in optimizer.param_groups} == {1e-3}
@@ -32,16 +32,16 @@ def test_adam_epsilon_reaches_every_optimizer_and_its_step(implementation):
 
 
 def test_the_run_s_parameters_reach_the_optimizer_s_settings():
-    settings = adamw_settings(TrainParams.from_dict({**LORA, "adam_epsilon": "1e-6", "lora_plus_ratio": 16}))
+    settings = optimizer_settings(TrainParams.from_dict({**LORA, "adam_epsilon": "1e-6", "lora_plus_ratio": 16}))
     assert (settings.eps, settings.lora_plus_ratio) == (1e-6, 16.0)
-    defaults = adamw_settings(TrainParams.from_dict({}))
+    defaults = optimizer_settings(TrainParams.from_dict({}))
     assert (defaults.eps, defaults.lora_plus_ratio) == (1e-8, 1.0)  # torch's epsilon, and one group for A and B
     default_optimizer = make_optimizer(torch.nn.Linear(2, 2), defaults)
     assert default_optimizer.param_groups[0]["eps"] == torch.optim.AdamW([torch.zeros(1)]).defaults["eps"]
 
 
 def _groups(model: torch.nn.Module, **settings: float) -> dict[str, dict]:
-    optimizer = make_optimizer(model, AdamWSettings(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), **settings))
+    optimizer = make_optimizer(model, OptimizerSettings(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), **settings))
     return {group["name"]: group for group in describe_groups(optimizer)}
 
 

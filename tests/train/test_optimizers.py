@@ -24,7 +24,7 @@ from cflib.ops.dispatch import KernelUnavailable
 from cflib.train import train
 from cflib.train.distributed import training_state_bytes
 from cflib.train.execution import plan_execution
-from cflib.train.optim import AdamWSettings, MuonWithAdamW, describe_groups, make_optimizer
+from cflib.train.optim import MuonWithAdamW, OptimizerSettings, describe_groups, make_optimizer
 from cflib.train.optimizer_choice import optimizer_memory, state_bytes, weight_copies_writer
 from cflib.train.params import ParamError, TrainParams
 from cflib.train.records import read_metrics
@@ -103,7 +103,7 @@ def test_muon_with_adamw_steps_on_after_its_state_is_loaded_as_one_optimizer_wou
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    settings = AdamWSettings(**SETTINGS, optimizer="muon")
+    settings = OptimizerSettings(**SETTINGS, optimizer="muon")
     whole, split = tiny_model(seed=1).train(), tiny_model(seed=1).train()
     whole_optimizer = make_optimizer(whole, settings, fused=True)
     copies = WeightCopies()
@@ -156,26 +156,27 @@ def test_adafactor_s_lr_is_its_step_as_adamw_s_is():
         model = attach_lora(tiny_model(), LoraSettings(rank=2, alpha=4.0, targets=("q_proj",)))
         for parameter_name, parameter in model.named_parameters():
             parameter.requires_grad_("lora_" in parameter_name)
-        _steps(model, make_optimizer(model, AdamWSettings(lr=2e-4, weight_decay=0.0, betas=(0.9, 0.95),
-                                                          optimizer=name)), 5)
+        _steps(model, make_optimizer(model, OptimizerSettings(lr=2e-4, weight_decay=0.0, betas=(0.9, 0.95),
+                                                              optimizer=name)), 5)
         moved[name] = model.layers[0].self_attn.q_proj.lora_B.weight.detach().pow(2).mean().sqrt().item()
     assert 0.1 < moved["adafactor"] / moved["adamw"] < 10, moved
     shares = {}
     for name in ("adamw", "adafactor"):
         model = tiny_model()
-        optimizer = make_optimizer(model, AdamWSettings(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), optimizer=name))
+        settings = OptimizerSettings(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), optimizer=name)
+        optimizer = make_optimizer(model, settings)
         shares[name] = sum(_steps(model, optimizer, 5, model.layers[0].self_attn.q_proj.weight)) / 5
     assert 0.2 < shares["adafactor"] / shares["adamw"] < 5, shares
 
 
 def test_the_default_is_torch_s_adamw_as_before():
-    optimizer = make_optimizer(tiny_model(), AdamWSettings(**SETTINGS))
+    optimizer = make_optimizer(tiny_model(), OptimizerSettings(**SETTINGS))
     assert type(optimizer) is torch.optim.AdamW and not any("optimizer" in group for group in optimizer.param_groups)
     assert {group["optimizer"] for group in describe_groups(optimizer)} == {"adamw"}
 
 
 def _rates(model: torch.nn.Module, **settings: object) -> dict[str, float]:
-    optimizer = make_optimizer(model, AdamWSettings(**SETTINGS, **settings))
+    optimizer = make_optimizer(model, OptimizerSettings(**SETTINGS, **settings))
     return {group["name"]: group["lr"] for group in describe_groups(optimizer)}
 
 
@@ -183,7 +184,7 @@ def test_the_embedding_learns_at_its_multiple_of_lr_beside_the_other_groups():
     assert _rates(tiny_model(), embedding_lr_multiplier=3.0, expert_lr_multiplier=0.5) == pytest.approx({
         "decay+embeddings": 3e-3, "decay": 1e-3, "no_decay": 1e-3, "decay+experts": 5e-4})
     # Under Muon the embedding (the tied head) steps AdamW, at its own rate.
-    muon = make_optimizer(tiny_model(), AdamWSettings(**SETTINGS, optimizer="muon", embedding_lr_multiplier=3.0))
+    muon = make_optimizer(tiny_model(), OptimizerSettings(**SETTINGS, optimizer="muon", embedding_lr_multiplier=3.0))
     groups = {group["name"]: group for group in describe_groups(muon)}
     assert set(groups) == {"decay+embeddings", "decay+muon", "decay", "no_decay"}
     assert groups["decay+embeddings"]["optimizer"] == "adamw" and groups["decay+embeddings"]["lr"] == 3e-3
