@@ -300,12 +300,26 @@ def run_notebook(lab: Lab, name: str) -> Page:
 
 
 def save_and_read(page: Page, lab: Lab, name: str) -> nbformat.NotebookNode:
-    """Save the notebook from the browser (Ctrl+S) and read what JupyterLab wrote."""
+    """Save the notebook from the browser (Ctrl+S) and read what JupyterLab wrote.
+
+    Jupyter's server writes a notebook in place (its backup copy beside it), so a read while a save is writing
+    finds a truncated file: the read waits for the file this save wrote, whole."""
+    path = lab.root / name
+    before = path.stat().st_mtime_ns
     page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
     page.keyboard.press("Escape")
     page.keyboard.press("Control+s")
     expect(page.locator(".jp-mod-dirty")).to_have_count(0, timeout=30_000)
-    return nbformat.read(lab.root / name, as_version=4)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if path.stat().st_mtime_ns != before:
+                return nbformat.read(path, as_version=4)
+        except nbformat.reader.NotJSONError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name}: JupyterLab wrote no whole notebook within 30 s of Ctrl+S")
+        time.sleep(0.2)
 
 
 def screenshot(page: Page, name: str) -> Path:
