@@ -194,13 +194,14 @@ def test_two_ddp_processes_pack_a_mixture_s_draws_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_step_muon_like_one(tmp_path, strategy):
-    """torch's Muon steps the 2-D matrices and AdamW the rest on every rank: under DDP on the reduced gradients,
-    under FSDP on the DTensor shards (DTensor gathers what the Newton-Schulz iteration multiplies), its state saved
-    whole. The iteration runs in BF16 (torch's), where gradients summed in another order (and, under FSDP, products
-    summed over the shards) round apart by about 0.4%, which it carries into about 5% of the orthogonalised update:
-    the runs agree to that, not to float32 (within a third of one step's update, lr x 0.2 sqrt(128) x 0.3)."""
+def test_two_fsdp_processes_step_muon_like_one(tmp_path):
+    """torch's Muon steps the 2-D matrices and AdamW the rest on every rank, on FSDP's DTensor shards (DTensor
+    gathers what the Newton-Schulz iteration multiplies), its state saved whole. (Under DDP every rank steps the
+    same reduced gradients, as with AdamW.) The iteration runs in BF16 (torch's), where gradients summed in another
+    order and products summed over the shards round apart by about 0.4%, which it carries into about 5% of the
+    orthogonalised update: the runs agree to that, not to float32 (within a third of one step's update,
+    lr x 0.2 sqrt(128) x 0.3)."""
+    strategy = "fsdp"
     muon = {**BASE, "optimizer": "muon", "lr": 1e-2, "save_optimizer_state": True}
     single = train({**muon, "out_dir": str(tmp_path / "one")}, progress=False)
     double = train({**muon, "out_dir": str(tmp_path / "two"), "nproc_per_node": 2, "strategy": strategy},
